@@ -1,0 +1,99 @@
+// moe_config.cpp: validation and naming for MoeConfig (see moe_config.h).
+#include "moe_config.h"
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+namespace moe {
+
+namespace {
+
+[[noreturn]] void reject(std::string_view field, const std::string& value, std::string_view allowed) {
+  std::ostringstream message;
+  message << "invalid MoE config: " << field << " = " << value << "; allowed: " << allowed;
+  throw std::invalid_argument(message.str());
+}
+
+std::string text_of(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+}  // namespace
+
+void validate(const MoeConfig& c) {
+  if (c.tokens < 1) reject("tokens (T)", std::to_string(c.tokens), "T >= 1");
+  if (c.model_dim < 1) reject("model_dim (D)", std::to_string(c.model_dim), "D >= 1");
+  if (c.hidden_dim < 1) reject("hidden_dim (H)", std::to_string(c.hidden_dim), "H >= 1");
+  if (c.num_experts < 1) reject("num_experts (E)", std::to_string(c.num_experts), "E >= 1");
+  if (c.top_k < 1 || c.top_k > c.num_experts) {
+    reject("top_k (K)", std::to_string(c.top_k),
+           "1 <= K <= E (E = " + std::to_string(c.num_experts) + ")");
+  }
+  if (c.formulation != Formulation::dropless) {
+    if (!std::isfinite(c.capacity_factor) || c.capacity_factor <= 0.0) {
+      reject("capacity_factor", text_of(c.capacity_factor),
+             "a finite number > 0 for the dropping and padded formulations");
+    }
+  }
+  if (c.block_size < 1) reject("block_size (B)", std::to_string(c.block_size), "B >= 1");
+  if (c.formulation == Formulation::dropless && c.hidden_dim % c.block_size != 0) {
+    reject("hidden_dim (H)", std::to_string(c.hidden_dim),
+           "a multiple of block_size B = " + std::to_string(c.block_size) +
+               " in the dropless formulation (the hidden dimension is tiled by B x B blocks)");
+  }
+  if (!std::isfinite(c.jitter_eps) || c.jitter_eps < 0.0 || c.jitter_eps >= 1.0) {
+    reject("jitter_eps", text_of(c.jitter_eps), "0 <= eps < 1 (0 turns jitter off)");
+  }
+  if (!std::isfinite(c.aux_loss_coef) || c.aux_loss_coef < 0.0) {
+    reject("aux_loss_coef", text_of(c.aux_loss_coef), "a finite number >= 0");
+  }
+  if (!std::isfinite(c.z_loss_coef) || c.z_loss_coef < 0.0) {
+    reject("z_loss_coef", text_of(c.z_loss_coef), "a finite number >= 0");
+  }
+}
+
+int64_t capacity(const MoeConfig& c) {
+  const double rows = c.capacity_factor * static_cast<double>(c.tokens * c.top_k) /
+                      static_cast<double>(c.num_experts);
+  return static_cast<int64_t>(std::ceil(rows));
+}
+
+int64_t w1_columns(const MoeConfig& c) {
+  return c.activation == Activation::swiglu ? 2 * c.hidden_dim : c.hidden_dim;
+}
+
+std::string_view to_string(Formulation f) {
+  switch (f) {
+    case Formulation::dropping: return "dropping";
+    case Formulation::padded: return "padded";
+    case Formulation::dropless: return "dropless";
+  }
+  return "unknown";
+}
+
+std::string_view to_string(Activation a) {
+  switch (a) {
+    case Activation::gelu: return "gelu";
+    case Activation::swiglu: return "swiglu";
+  }
+  return "unknown";
+}
+
+Formulation parse_formulation(std::string_view text) {
+  if (text == "dropping") return Formulation::dropping;
+  if (text == "padded") return Formulation::padded;
+  if (text == "dropless") return Formulation::dropless;
+  throw std::invalid_argument("unknown formulation '" + std::string(text) +
+                              "'; allowed: dropping, padded, dropless");
+}
+
+Activation parse_activation(std::string_view text) {
+  if (text == "gelu") return Activation::gelu;
+  if (text == "swiglu") return Activation::swiglu;
+  throw std::invalid_argument("unknown activation '" + std::string(text) + "'; allowed: gelu, swiglu");
+}
+
+}  // namespace moe
