@@ -1,0 +1,145 @@
+// lesson_support.cpp: see lesson_support.h.
+#include "lesson_support.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "init.h"  // moe::ref::random_matrix
+
+namespace moe::lessons {
+
+LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name,
+                            const std::string& default_out) {
+  LessonOptions options;
+  options.out = default_out;
+  const std::string usage = "usage: " + lesson_name + " [--out DIR] [--overwrite] [--seed N]\n"
+                            "  --out DIR     run record directory (default " + default_out + ")\n"
+                            "  --overwrite   replace a run record already in DIR\n"
+                            "  --seed N      seed of the random data (default 1)\n";
+  auto fail = [&](const std::string& message) {
+    std::cerr << lesson_name << ": " << message << "\n" << usage;
+    std::exit(2);
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::cout << usage;
+      std::exit(0);
+    } else if (arg == "--overwrite") {
+      options.overwrite = true;
+    } else if (arg == "--out" || arg == "--seed") {
+      if (i + 1 >= argc) fail(arg + " needs a value");
+      const std::string value = argv[++i];
+      if (arg == "--out") {
+        options.out = value;
+      } else {
+        char* end = nullptr;
+        const unsigned long long seed = std::strtoull(value.c_str(), &end, 10);
+        if (value.empty() || *end != '\0' || value[0] == '-') {
+          fail("--seed " + value + " is not a non-negative integer");
+        }
+        options.seed = seed;
+      }
+    } else {
+      fail("unknown argument '" + arg + "'");
+    }
+  }
+  return options;
+}
+
+ref::Matrix zipf_tokens(int64_t tokens, int64_t model_dim, int64_t vocabulary, double zipf_exponent,
+                        std::mt19937_64& generator) {
+  const ref::Matrix embeddings = ref::random_matrix(vocabulary, model_dim, generator);  // [V, D]
+  std::vector<double> frequency(static_cast<size_t>(vocabulary));
+  for (int64_t r = 0; r < vocabulary; ++r) frequency[r] = 1.0 / std::pow(r + 1.0, zipf_exponent);
+  std::discrete_distribution<int64_t> token_type(frequency.begin(), frequency.end());
+  const ref::Matrix noise = ref::random_matrix(tokens, model_dim, generator, 0.05);
+  ref::Matrix x(tokens, model_dim);
+  for (int64_t t = 0; t < tokens; ++t) x.row(t) = embeddings.row(token_type(generator)) + noise.row(t);
+  return x;
+}
+
+LoadStats load_stats(const std::vector<int32_t>& tokens_per_expert) {
+  LoadStats stats;
+  const double experts = static_cast<double>(tokens_per_expert.size());
+  double sum = 0, max_load = 0;
+  for (int32_t n : tokens_per_expert) {
+    sum += n;
+    max_load = std::max(max_load, static_cast<double>(n));
+    if (n == 0) ++stats.idle_experts;
+  }
+  const double mean = sum / experts;
+  double variance = 0;
+  for (int32_t n : tokens_per_expert) variance += (n - mean) * (n - mean) / experts;
+  stats.max_over_mean = mean > 0 ? max_load / mean : 0;
+  stats.coefficient_of_variation = mean > 0 ? std::sqrt(variance) / mean : 0;
+  return stats;
+}
+
+Table::Table(std::string name, std::vector<std::string> columns)
+    : name_(std::move(name)), columns_(std::move(columns)) {}
+
+void Table::add_row(std::vector<nlohmann::json> cells) { rows_.push_back(std::move(cells)); }
+
+namespace {
+std::string cell_text(const nlohmann::json& cell) {
+  if (cell.is_string()) return cell.get<std::string>();
+  if (cell.is_number_integer()) return std::to_string(cell.get<int64_t>());
+  if (cell.is_number()) {
+    std::ostringstream out;
+    const double v = cell.get<double>();
+    if (v != 0 && (std::fabs(v) < 1e-3 || std::fabs(v) >= 1e6)) {
+      out << std::scientific << std::setprecision(2) << v;
+    } else {
+      out << std::fixed << std::setprecision(3) << v;
+    }
+    return out.str();
+  }
+  return cell.dump();
+}
+}  // namespace
+
+void Table::print() const {
+  std::vector<size_t> width(columns_.size());
+  for (size_t c = 0; c < columns_.size(); ++c) width[c] = columns_[c].size();
+  for (const auto& row : rows_) {
+    for (size_t c = 0; c < row.size() && c < width.size(); ++c) {
+      width[c] = std::max(width[c], cell_text(row[c]).size());
+    }
+  }
+  std::cout << "\n" << name_ << "\n";
+  auto print_row = [&](const std::vector<std::string>& cells) {
+    for (size_t c = 0; c < cells.size(); ++c) {
+      std::cout << (c == 0 ? "  " : "  ") << std::setw(static_cast<int>(width[c])) << cells[c];
+    }
+    std::cout << "\n";
+  };
+  print_row(columns_);
+  std::vector<std::string> rule;
+  for (size_t w : width) rule.push_back(std::string(w, '-'));
+  print_row(rule);
+  for (const auto& row : rows_) {
+    std::vector<std::string> cells;
+    for (const auto& cell : row) cells.push_back(cell_text(cell));
+    print_row(cells);
+  }
+}
+
+TableEvent Table::event() const { return TableEvent{name_, columns_, rows_}; }
+
+std::string bar(double value, double max_value, int width) {
+  const int filled = max_value > 0 ? static_cast<int>(std::lround(width * value / max_value)) : 0;
+  return std::string(static_cast<size_t>(std::clamp(filled, 0, width)), '#');
+}
+
+void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const std::string& message) {
+  std::cout << "\n" << (pass ? "PASS " : "FAIL ") << lesson_name << ": " << message << "\n";
+  writer.append(to_event(VerdictEvent{.pass = pass, .message = message, .step = std::nullopt}));
+}
+
+}  // namespace moe::lessons

@@ -1,0 +1,72 @@
+// lesson_support.h: what every lesson program shares: its command line, text-like token data with
+// a realistic skew, and tables printed to the terminal and kept in the run record.
+//
+// Lessons are teaching programs, not benchmarks: they run the CPU reference (moe::ref) on small
+// sizes, print tables, print one verdict line, and write a run record the viewer opens.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "run_record.h"  // RunWriter, TableEvent, VerdictEvent
+#include "types.h"       // moe::ref::Matrix
+
+namespace moe::lessons {
+
+// ---- command line ----
+
+struct LessonOptions {
+  std::filesystem::path out;  // run record directory
+  bool overwrite = false;     // replace a run record already at `out`
+  uint64_t seed = 1;
+};
+
+// Parses --out DIR, --overwrite, --seed N, --help. Prints usage and exits on --help (code 0) or
+// on a bad argument (code 2, with a message saying what was wrong and what is allowed).
+LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name,
+                            const std::string& default_out);
+
+// ---- data ----
+
+// Tokens that look like text to a router: a vocabulary of `vocabulary` token types, each with its
+// own random embedding [D], and T tokens whose types follow Zipf's law (type r has frequency
+// proportional to 1 / (r + 1)^zipf_exponent, as words in real text do), plus a little noise.
+// Frequent token types send many identical rows to the same experts: realistic routing skew.
+ref::Matrix zipf_tokens(int64_t tokens, int64_t model_dim, int64_t vocabulary, double zipf_exponent,
+                        std::mt19937_64& generator);  // [T, D]
+
+// ---- load statistics ----
+
+struct LoadStats {
+  double max_over_mean = 0;  // busiest expert's load / mean load (1 = perfect balance)
+  double coefficient_of_variation = 0;  // std / mean of the per-expert load
+  int64_t idle_experts = 0;             // experts that got no token
+};
+LoadStats load_stats(const std::vector<int32_t>& tokens_per_expert);  // [E]
+
+// ---- tables ----
+
+// A table printed with aligned columns and appended to the run record as a "table" event.
+class Table {
+ public:
+  Table(std::string name, std::vector<std::string> columns);
+  void add_row(std::vector<nlohmann::json> cells);  // numbers or strings, one per column
+  void print() const;
+  TableEvent event() const;
+
+ private:
+  std::string name_;
+  std::vector<std::string> columns_;
+  std::vector<std::vector<nlohmann::json>> rows_;
+};
+
+// A horizontal bar of `width` characters for value / max_value, for per-expert load pictures.
+std::string bar(double value, double max_value, int width);
+
+// Prints the one verdict line ("PASS lesson01: ..." / "FAIL ...") and records it.
+void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const std::string& message);
+
+}  // namespace moe::lessons

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# tour.sh: the lesson tour, the main job of `./moe demo`. Runs every built lesson in order on its
+# bundled defaults, each printing its tables and one verdict line and writing a run record under
+# runs/. Usage: lessons/tour.sh [BUILD_DIR]   (default: build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir="${1:-build}"
+mkdir -p runs
+
+failed=0
+for lesson in lesson01_routing lesson02_formulations; do
+  program="$build_dir/lessons/$lesson"
+  if [ ! -x "$program" ]; then
+    echo "tour: $program is not built (run ./moe build)" >&2
+    exit 1
+  fi
+  echo
+  echo "==================== $lesson ===================="
+  "$program" --out "runs/$lesson" --overwrite || failed=1
+done
+
+echo
+if [ $failed -ne 0 ]; then
+  echo "tour: FAIL (a lesson's verdict failed; see above)"
+  exit 1
+fi
+echo "tour: PASS, run records written under runs/ (open them with the viewer once it lands)"
