@@ -2,6 +2,7 @@
 #include "moe_layer.h"
 
 #include <stdexcept>
+#include <string>
 
 #include "block_sparse_ffn.h"  // block_sparse_ffn_forward / backward
 #include "checks.h"
