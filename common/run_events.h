@@ -48,11 +48,11 @@ nlohmann::json step_event(int64_t step, const std::vector<std::pair<std::string,
 struct RoutingEvent {
   int64_t step = 0;
   int64_t layer = 0;
-  std::vector<int64_t> tokens_per_expert;   // [E] tokens routed to each expert (before dropping)
-  std::vector<int64_t> dropped_per_expert;  // [E] of those, dropped for capacity (empty: none)
-  std::optional<int64_t> capacity;          // C rows per expert; absent for dropless
+  std::vector<int64_t> tokens_per_expert{};   // [E] tokens routed to each expert (before dropping)
+  std::vector<int64_t> dropped_per_expert{};  // [E] of those, dropped for capacity (empty: none)
+  std::optional<int64_t> capacity{};          // C rows per expert; absent for dropless
   // Optional [genre] -> [E] counts, for data sets whose tokens carry a genre (code, prose, ...).
-  std::map<std::string, std::vector<int64_t>> tokens_per_expert_by_genre;
+  std::map<std::string, std::vector<int64_t>> tokens_per_expert_by_genre{};
 };
 
 // "topology": a summary of one layer's block-sparse (BCSR) topology in the dropless formulation.
@@ -64,7 +64,7 @@ struct TopologyEvent {
   int64_t block_cols = 0;              // H / B
   int64_t nnz = 0;                     // non-zero B x B blocks
   int64_t padding_rows = 0;            // rows added to round each expert up to a multiple of B
-  std::vector<int64_t> rows_per_expert;  // [E] rows after padding
+  std::vector<int64_t> rows_per_expert{};  // [E] rows after padding
 };
 
 // "span": one timed phase on one rank and stream, the unit of the timeline (and of Chrome trace).
@@ -74,8 +74,8 @@ struct SpanEvent {
   int64_t step = 0;
   int64_t rank = 0;
   int64_t stream = 0;       // an integer id per rank (0 = the compute stream by convention)
-  std::string stream_name;  // optional label, e.g. "compute", "comm", "copy"
-  std::string name;         // dispatch, expert_compute, combine, h2d_copy, ...
+  std::string stream_name{};  // optional label, e.g. "compute", "comm", "copy"
+  std::string name{};         // dispatch, expert_compute, combine, h2d_copy, ...
   double start_us = 0;
   double duration_us = 0;
 };
@@ -83,11 +83,11 @@ struct SpanEvent {
 // "alltoall": bytes moved by one all-to-all, bytes[src][dst] over R ranks.
 struct AllToAllEvent {
   int64_t step = 0;
-  std::optional<int64_t> layer;
+  std::optional<int64_t> layer{};
   std::string name = "alltoall";          // e.g. dispatch or combine
-  std::vector<std::vector<int64_t>> bytes;  // [R][R]
+  std::vector<std::vector<int64_t>> bytes{};  // [R][R]
   double duration_us = 0;
-  std::optional<double> start_us;  // when present, the Chrome trace shows it as a span
+  std::optional<double> start_us{};  // when present, the Chrome trace shows it as a span
   int64_t rank = 0;                // the rank that timed it
 };
 
@@ -98,29 +98,29 @@ struct OffloadEvent {
   int64_t hits = 0;    // routed experts already resident on the GPU
   int64_t misses = 0;  // routed experts that had to be copied in
   double stall_us = 0;  // time the layer waited for copies
-  std::vector<int64_t> prefetched;  // expert ids copied in ahead of need
+  std::vector<int64_t> prefetched{};  // expert ids copied in ahead of need
 };
 
 // "tokens": a text sample and the experts each of its bytes was routed to (byte-level models).
 struct TokensEvent {
   int64_t step = 0;
   int64_t layer = 0;
-  std::string text;                        // UTF-8; invalid bytes are written as U+FFFD
-  std::vector<std::vector<int64_t>> experts;  // [bytes of text][K], best expert first
+  std::string text{};                        // UTF-8; invalid bytes are written as U+FFFD
+  std::vector<std::vector<int64_t>> experts{};  // [bytes of text][K], best expert first
 };
 
 // "table": a table a lesson printed, so the viewer can show it too. Cells are numbers or strings.
 struct TableEvent {
-  std::string name;
-  std::vector<std::string> columns;
-  std::vector<std::vector<nlohmann::json>> rows;  // [rows][columns]
+  std::string name{};
+  std::vector<std::string> columns{};
+  std::vector<std::vector<nlohmann::json>> rows{};  // [rows][columns]
 };
 
 // "verdict": the one PASS / FAIL line of a lesson, test or benchmark.
 struct VerdictEvent {
   bool pass = false;
-  std::string message;  // e.g. "max_rel_err=3.1e-3 tol=1e-2"
-  std::optional<int64_t> step;
+  std::string message{};  // e.g. "max_rel_err=3.1e-3 tol=1e-2"
+  std::optional<int64_t> step{};
 };
 
 nlohmann::json to_event(const RoutingEvent& event);
