@@ -1,0 +1,69 @@
+// activation.cu: elementwise GeLU forward and backward (see activation.h).
+#include "activation.h"
+
+#include "cuda_check.h"  // CUDA_CHECK
+
+namespace moe::cuda {
+
+namespace {
+
+// gelu(a) = 0.5 a (1 + tanh(u)), u = sqrt(2/pi) (a + 0.044715 a^3)
+__device__ __forceinline__ float gelu(float a) {
+  const float u = 0.7978845608028654f * (a + 0.044715f * a * a * a);
+  return 0.5f * a * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_derivative(float a) {
+  const float u = 0.7978845608028654f * (a + 0.044715f * a * a * a);
+  const float t = tanhf(u);
+  const float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * a * a);
+  return 0.5f * (1.0f + t) + 0.5f * a * (1.0f - t * t) * du;
+}
+
+// Grid-stride loops over bf16 pairs: each thread moves 4 bytes per array per iteration.
+__global__ void gelu_forward_kernel(const __nv_bfloat162* pre, __nv_bfloat162* hidden, size_t pairs) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < pairs; i += size_t{gridDim.x} * blockDim.x) {
+    const float2 a = __bfloat1622float2(pre[i]);
+    hidden[i] = __floats2bfloat162_rn(gelu(a.x), gelu(a.y));
+  }
+}
+
+__global__ void gelu_backward_kernel(const __nv_bfloat162* pre, const __nv_bfloat162* d_hidden,
+                                     __nv_bfloat162* d_pre, size_t pairs) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < pairs; i += size_t{gridDim.x} * blockDim.x) {
+    const float2 a = __bfloat1622float2(pre[i]);
+    const float2 g = __bfloat1622float2(d_hidden[i]);
+    d_pre[i] = __floats2bfloat162_rn(g.x * gelu_derivative(a.x), g.y * gelu_derivative(a.y));
+  }
+}
+
+// Enough blocks of 256 threads to fill the GPU several times over; the loops cover the rest.
+unsigned grid_for(size_t pairs) {
+  const size_t blocks = (pairs + 255) / 256;
+  return static_cast<unsigned>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
+}
+
+void check_even(size_t n) {
+  if (n % 2 != 0) throw std::invalid_argument("gelu: element count must be even (bf16 pairs), got " + std::to_string(n));
+}
+
+}  // namespace
+
+void gelu_forward(const bf16* pre, bf16* hidden, size_t n, cudaStream_t stream) {
+  check_even(n);
+  const size_t pairs = n / 2;
+  gelu_forward_kernel<<<grid_for(pairs), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat162*>(pre), reinterpret_cast<__nv_bfloat162*>(hidden), pairs);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void gelu_backward(const bf16* pre, const bf16* d_hidden, bf16* d_pre, size_t n, cudaStream_t stream) {
+  check_even(n);
+  const size_t pairs = n / 2;
+  gelu_backward_kernel<<<grid_for(pairs), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat162*>(pre), reinterpret_cast<const __nv_bfloat162*>(d_hidden),
+      reinterpret_cast<__nv_bfloat162*>(d_pre), pairs);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moe::cuda

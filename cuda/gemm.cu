@@ -1,0 +1,70 @@
+// gemm.cu: row-major cuBLAS wrappers (see gemm.h).
+#include "gemm.h"
+
+#include "cuda_check.h"  // CUDA_CHECK
+
+namespace moe::cuda {
+
+void check_cublas(cublasStatus_t status, const char* call, const char* file, int line) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw CublasError(std::string(file) + ":" + std::to_string(line) + ": " + call + " failed: " +
+                      cublasGetStatusName(status) + " (" + cublasGetStatusString(status) + ")");
+  }
+}
+
+CublasHandle::CublasHandle() { CUBLAS_CHECK(cublasCreate(&handle_)); }
+CublasHandle::~CublasHandle() {
+  if (handle_ != nullptr) cublasDestroy(handle_);
+}
+void CublasHandle::set_stream(cudaStream_t stream) { CUBLAS_CHECK(cublasSetStream(handle_, stream)); }
+
+namespace {
+cublasOperation_t to_cublas(Op op) { return op == Op::transpose ? CUBLAS_OP_T : CUBLAS_OP_N; }
+
+__global__ void fill_strided_pointers_kernel(const bf16* base, size_t stride, int count, const bf16** out) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e < count) out[e] = base + e * stride;
+}
+}  // namespace
+
+// Row-major C [m, n] = op(A) op(B)  <=>  column-major Cᵀ [n, m] = op(B)ᵀ op(A)ᵀ: pass B first.
+void gemm(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k, const bf16* a, int lda,
+          const bf16* b, int ldb, void* c, int ldc, float alpha, float beta, bool c_is_float) {
+  CUBLAS_CHECK(cublasGemmEx(handle, to_cublas(op_b), to_cublas(op_a), n, m, k, &alpha, b, CUDA_R_16BF, ldb,
+                            a, CUDA_R_16BF, lda, &beta, c, c_is_float ? CUDA_R_32F : CUDA_R_16BF, ldc,
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k, const bf16* const* a,
+                  int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc, int batch, float beta) {
+  const float alpha = 1.0f;
+  CUBLAS_CHECK(cublasGemmBatchedEx(handle, to_cublas(op_b), to_cublas(op_a), n, m, k, &alpha,
+                                   reinterpret_cast<const void* const*>(b), CUDA_R_16BF, ldb,
+                                   reinterpret_cast<const void* const*>(a), CUDA_R_16BF, lda, &beta,
+                                   reinterpret_cast<void* const*>(c), CUDA_R_16BF, ldc, batch,
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void gemm_grouped(cublasHandle_t handle, const std::vector<int>& m, int n, int k, const bf16* const* a,
+                  int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc) {
+  const int groups = static_cast<int>(m.size());
+  if (groups == 0) return;
+  // One entry per group, each a group of one product (column-major view: n x m[g] = (k x n)ᵀ ...).
+  std::vector<cublasOperation_t> op(groups, CUBLAS_OP_N);
+  std::vector<int> n_cm(groups, n), k_cm(groups, k), lda_cm(groups, ldb), ldb_cm(groups, lda),
+      ldc_cm(groups, ldc), size(groups, 1);
+  std::vector<float> alpha(groups, 1.0f), beta(groups, 0.0f);
+  CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, op.data(), op.data(), n_cm.data(), m.data(), k_cm.data(),
+                                          alpha.data(), reinterpret_cast<const void* const*>(b), CUDA_R_16BF,
+                                          lda_cm.data(), reinterpret_cast<const void* const*>(a), CUDA_R_16BF,
+                                          ldb_cm.data(), beta.data(), reinterpret_cast<void* const*>(c),
+                                          CUDA_R_16BF, ldc_cm.data(), groups, size.data(), CUBLAS_COMPUTE_32F));
+}
+
+void fill_strided_pointers(const bf16* base, size_t stride, int count, const bf16** out, cudaStream_t stream) {
+  if (count <= 0) return;
+  fill_strided_pointers_kernel<<<(count + 127) / 128, 128, 0, stream>>>(base, stride, count, out);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moe::cuda

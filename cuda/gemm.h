@@ -1,0 +1,67 @@
+// gemm.h: row-major matrix products on cuBLAS, bf16 operands, fp32 accumulation.
+//
+// cuBLAS is column-major; the whole project is row-major. A row-major C = op(A) op(B) is, read
+// column-major, Cᵀ = op(B)ᵀ op(A)ᵀ, so each wrapper swaps the operands and keeps the transposes.
+// These wrappers are the cuBLAS "versions" every custom kernel is measured against:
+//   gemm          one product (the dense baseline of the same useful FLOPs)
+//   gemm_batched  E products of one shape, operands through device arrays of pointers: the
+//                 padded / dropping formulations over [E, C, D] (GShard, Tutel); the pointers let
+//                 expert weights live anywhere (one tensor, a rank's subset, a cache slot)
+//   gemm_grouped  E products of different row counts (cublasGemmGroupedBatchedEx): the dropless
+//                 grouped variant; its row counts must be on the host
+// Shapes: op(A) [M, K], op(B) [K, N], C [M, N]; lda/ldb/ldc are row strides of the stored matrices.
+#pragma once
+
+#include <cublas_v2.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bf16.h"  // bf16
+
+namespace moe::cuda {
+
+struct CublasError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void check_cublas(cublasStatus_t status, const char* call, const char* file, int line);
+#define CUBLAS_CHECK(call) ::moe::cuda::check_cublas((call), #call, __FILE__, __LINE__)
+
+// An owned cuBLAS handle bound to a stream.
+class CublasHandle {
+ public:
+  CublasHandle();
+  ~CublasHandle();
+  CublasHandle(const CublasHandle&) = delete;
+  CublasHandle& operator=(const CublasHandle&) = delete;
+  cublasHandle_t get() const { return handle_; }
+  void set_stream(cudaStream_t stream);
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+};
+
+enum class Op { none, transpose };
+
+// C = alpha op(A) op(B) + beta C, with C bf16 or fp32 (c_is_float).
+void gemm(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k,
+          const bf16* a, int lda, const bf16* b, int ldb, void* c, int ldc,
+          float alpha = 1.0f, float beta = 0.0f, bool c_is_float = false);
+
+// For each e < batch: C[e] = op(A[e]) op(B[e]) (+ beta C[e]); a, b, c are DEVICE arrays of pointers.
+void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k,
+                  const bf16* const* a, int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc,
+                  int batch, float beta = 0.0f);
+
+// For each group g: C[g] [m[g], n] = A[g] [m[g], k] B[g] [k, n] (no transposes; row counts on the
+// HOST, pointers in DEVICE arrays). Groups with m[g] == 0 must be left out by the caller.
+void gemm_grouped(cublasHandle_t handle, const std::vector<int>& m, int n, int k,
+                  const bf16* const* a, int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc);
+
+// Fills out[e] = base + e * stride (element units) for e < count, on the device: the pointer
+// arrays of a strided [E, rows, cols] activation tensor, without a host round trip.
+void fill_strided_pointers(const bf16* base, size_t stride, int count, const bf16** out, cudaStream_t stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# gpu_suite.sh: everything the project checks and measures on a GPU machine, in one call.
+#
+#   cuda/scripts/gpu_suite.sh bundle        on a development machine: copy the header-only and
+#                                           test dependencies the GPU machines lack (nlohmann-json,
+#                                           Eigen, GoogleTest) into .deps/ (ignored by git)
+#   cuda/scripts/gpu_suite.sh run [STEPS]   on the GPU machine: build with .deps, then run STEPS
+#                                           (default: tests sanitize lessons bench), logs in $OUT
+# The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/gpu_out}
+mkdir -p "$OUT"
+
+bundle() {
+  rm -rf .deps && mkdir -p .deps/include .deps/share/cmake .deps/share/eigen3 .deps/lib/x86_64-linux-gnu/cmake
+  cp -r /usr/include/nlohmann .deps/include/
+  cp -r /usr/share/cmake/nlohmann_json .deps/share/cmake/
+  cp -r /usr/include/eigen3 .deps/include/
+  cp -r /usr/share/eigen3/cmake .deps/share/eigen3/
+  cp -r /usr/include/gtest /usr/include/gmock .deps/include/
+  cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest .deps/lib/x86_64-linux-gnu/cmake/
+  cp /usr/lib/x86_64-linux-gnu/libgtest*.a /usr/lib/x86_64-linux-gnu/libgmock*.a .deps/lib/x86_64-linux-gnu/
+  du -sh .deps
+}
+
+build() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$ROOT/.deps" \
+        -DMOE_ENABLE_VIEWER=OFF > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; return 1; }
+  cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; return 1; }
+  echo "build: ok"
+}
+
+tests() {
+  ctest --test-dir build-gpu --output-on-failure -j 4 > "$OUT/ctest.log" 2>&1
+  local rc=$?
+  grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | tail -25
+  grep -c "Skipped" "$OUT/ctest.log" | sed 's/^/skipped lines: /'
+  return $rc
+}
+
+sanitize() {
+  # memcheck and racecheck over every GPU test executable (one process each, all its tests).
+  local rc=0
+  for exe in build-gpu/tests/cuda/cuda_test_*; do
+    [ -x "$exe" ] || continue
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool "$tool" --error-exitcode 9 "$exe" > "$OUT/sanitize_$(basename "$exe")_$tool.log" 2>&1
+      local r=$?
+      echo "sanitize $(basename "$exe") $tool: rc=$r $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$(basename "$exe")_$tool.log" | tail -1)"
+      [ $r -ne 0 ] && rc=1
+    done
+  done
+  return $rc
+}
+
+lessons() {
+  lessons/tour.sh build-gpu > "$OUT/lessons.log" 2>&1
+  local rc=$?
+  grep -E "^(PASS|FAIL)" "$OUT/lessons.log"
+  return $rc
+}
+
+bench() {
+  local rc=0
+  for program in build-gpu/cuda/dev/*; do
+    [ -x "$program" ] && [ -f "$program" ] || continue
+    "$program" > "$OUT/dev_$(basename "$program").log" 2>&1 || rc=1
+    tail -20 "$OUT/dev_$(basename "$program").log"
+  done
+  if [ -x build-gpu/cuda/moe_bench ]; then
+    build-gpu/cuda/moe_bench --out "$OUT/moe_bench.json" > "$OUT/moe_bench.log" 2>&1 || rc=1
+    tail -40 "$OUT/moe_bench.log"
+  fi
+  if [ -f cuda/bench/torch_baseline.py ]; then
+    PYTHONUNBUFFERED=1 python3 cuda/bench/torch_baseline.py --out "$OUT/torch_baseline.json" > "$OUT/torch_baseline.log" 2>&1 || rc=1
+    tail -20 "$OUT/torch_baseline.log"
+  fi
+  return $rc
+}
+
+case "${1:-}" in
+  bundle) bundle ;;
+  run)
+    shift
+    steps=${*:-tests sanitize lessons bench}
+    build || exit 1
+    status=0
+    for step in $steps; do
+      echo "==== $step ===="
+      "$step" || status=1
+    done
+    exit $status
+    ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [bench]" >&2; exit 2 ;;
+esac
