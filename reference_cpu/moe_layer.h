@@ -1,7 +1,7 @@
 // moe_layer.h: one whole MoE layer, forward and backward: router -> dispatch plan -> permute ->
 // expert FFN -> un-permute and combine, plus the router losses. Part of the CPU reference
 // (moe::ref), the oracle every GPU and distributed layer is compared with; built into
-// moe_reference_cpu, tested by tests/reference_cpu (ctest --test-dir build -R reference).
+// moe_reference_cpu, tested by tests/reference_cpu (ctest --test-dir build -R Reference).
 //
 // The backward pass differentiates the scalar
 //   L = sum(dy .* y) + aux_loss_coef * aux_loss + z_loss_coef * z_loss

@@ -1,6 +1,6 @@
 // router.h: the gate of an MoE layer: logits, softmax, top-K, combine weights, and the two router
 // losses (Switch Transformer load balancing, ST-MoE z-loss). Part of the CPU reference (moe::ref);
-// built into moe_reference_cpu, tested by tests/reference_cpu (ctest --test-dir build -R reference).
+// built into moe_reference_cpu, tested by tests/reference_cpu (ctest --test-dir build -R Reference).
 //
 //   x_router = x .* noise                   [T, D]   noise = 1 when jitter_eps = 0
 //   logits   = x_router Wg                   [T, E]

@@ -1,6 +1,6 @@
 // test_block_sparse.cpp: the block-sparse products (SDD, DSD, DDS) equal dense products masked to
 // the topology, and the dropless FFN computed through them equals the per-expert computation,
-// forward and backward. Run: ctest --test-dir build -R BlockSparse
+// forward and backward. Run: ctest --test-dir build -R ReferenceBlockSparse
 #include <gtest/gtest.h>
 
 #include "block_sparse.h"
@@ -46,7 +46,7 @@ Matrix block_mask(const BlockSparseTopology& topology) {
   return sparse_to_dense(topology, Matrix::Ones(topology.nnz * topology.block_size, topology.block_size));
 }
 
-TEST(BlockSparse, ProductsEqualMaskedDenseProducts) {
+TEST(ReferenceBlockSparse, ProductsEqualMaskedDenseProducts) {
   uint64_t seed = 300;
   for (int64_t B : {1, 2, 3}) {
     const Case c = make_case(B, Activation::gelu, seed += 10);
@@ -95,9 +95,9 @@ Matrix per_expert_as_dense(const Case& c, const Matrix& per_expert_rows /* [rows
   return dense;
 }
 
-class BlockSparseFfn : public ::testing::TestWithParam<Activation> {};
+class ReferenceBlockSparseFfn : public ::testing::TestWithParam<Activation> {};
 
-TEST_P(BlockSparseFfn, ForwardAndBackwardEqualThePerExpertComputation) {
+TEST_P(ReferenceBlockSparseFfn, ForwardAndBackwardEqualThePerExpertComputation) {
   uint64_t seed = 400;
   for (int64_t B : {1, 2, 4}) {
     const Case c = make_case(B, GetParam(), seed += 10);
@@ -134,11 +134,11 @@ TEST_P(BlockSparseFfn, ForwardAndBackwardEqualThePerExpertComputation) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Activations, BlockSparseFfn,
+INSTANTIATE_TEST_SUITE_P(Activations, ReferenceBlockSparseFfn,
                          ::testing::Values(Activation::gelu, Activation::swiglu),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
-TEST(BlockSparse, ActivationDerivativesMatchFiniteDifferences) {
+TEST(ReferenceBlockSparse, ActivationDerivativesMatchFiniteDifferences) {
   const double h = 1e-6;
   for (double a : {-3.0, -0.7, 0.0, 0.3, 2.5}) {
     EXPECT_NEAR(gelu_derivative(a), (gelu(a + h) - gelu(a - h)) / (2 * h), 1e-8) << a;

@@ -1,6 +1,6 @@
 // test_layer.cpp: the whole MoE layer of the CPU reference: finite-difference gradient checks in
 // every formulation, activation and renormalisation, the invariants that tie the formulations
-// together, and the edge cases. Run: ctest --test-dir build -R Layer
+// together, and the edge cases. Run: ctest --test-dir build -R ReferenceLayer
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -82,9 +82,9 @@ void expect_gradients_match(const MoeConfig& config, uint64_t seed) {
 }
 
 using GradientCase = std::tuple<Formulation, Activation, bool>;
-class LayerGradient : public ::testing::TestWithParam<GradientCase> {};
+class ReferenceLayerGradient : public ::testing::TestWithParam<GradientCase> {};
 
-TEST_P(LayerGradient, MatchesCentralDifferences) {
+TEST_P(ReferenceLayerGradient, MatchesCentralDifferences) {
   const auto [formulation, activation, renormalize] = GetParam();
   const MoeConfig config = small_config(formulation, activation, renormalize);
   const uint64_t seed = 1000 + 100 * static_cast<uint64_t>(formulation) +
@@ -100,7 +100,7 @@ TEST_P(LayerGradient, MatchesCentralDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    AllFormulations, LayerGradient,
+    AllFormulations, ReferenceLayerGradient,
     ::testing::Combine(::testing::Values(Formulation::dropping, Formulation::padded, Formulation::dropless),
                        ::testing::Values(Activation::gelu, Activation::swiglu), ::testing::Bool()),
     [](const auto& info) {
@@ -130,7 +130,7 @@ Matrix per_token_dense(const MoeConfig& config, const Matrix& x, const MoeWeight
   return y;
 }
 
-TEST(Layer, DroplessEqualsPerTokenDenseEvaluation) {
+TEST(ReferenceLayer, DroplessEqualsPerTokenDenseEvaluation) {
   uint64_t seed = 2000;
   for (Activation activation : {Activation::gelu, Activation::swiglu}) {
     const MoeConfig config = small_config(Formulation::dropless, activation, true);
@@ -143,7 +143,7 @@ TEST(Layer, DroplessEqualsPerTokenDenseEvaluation) {
   }
 }
 
-TEST(Layer, DroppingDropsExactlyTheSlotsPastCapacityInTokenOrder) {
+TEST(ReferenceLayer, DroppingDropsExactlyTheSlotsPastCapacityInTokenOrder) {
   MoeConfig config = small_config(Formulation::dropping, Activation::swiglu);
   config.tokens = 12;
   config.capacity_factor = 0.5;  // C = ceil(0.5 * 12 * 2 / 4) = 3
@@ -172,7 +172,7 @@ TEST(Layer, DroppingDropsExactlyTheSlotsPastCapacityInTokenOrder) {
   EXPECT_LT(relative_error(forward.y, expected), 1e-13);
 }
 
-TEST(Layer, DroppingAndPaddedWithCapacityFactorEEqualDropless) {
+TEST(ReferenceLayer, DroppingAndPaddedWithCapacityFactorEEqualDropless) {
   uint64_t seed = 2200;
   for (Activation activation : {Activation::gelu, Activation::swiglu}) {
     MoeConfig dropless = small_config(Formulation::dropless, activation);
@@ -201,7 +201,7 @@ TEST(Layer, DroppingAndPaddedWithCapacityFactorEEqualDropless) {
   }
 }
 
-TEST(Layer, PaddedEqualsDroplessOnRealRowsAndPadsWithZeros) {
+TEST(ReferenceLayer, PaddedEqualsDroplessOnRealRowsAndPadsWithZeros) {
   uint64_t seed = 2300;
   for (double cf : {0.75, 4.0}) {
     MoeConfig padded = small_config(Formulation::padded, Activation::swiglu);
@@ -236,7 +236,7 @@ TEST(Layer, PaddedEqualsDroplessOnRealRowsAndPadsWithZeros) {
 
 // ---- edge cases ----
 
-TEST(Layer, SingleToken) {
+TEST(ReferenceLayer, SingleToken) {
   uint64_t seed = 2400;
   for (Formulation f : {Formulation::dropping, Formulation::padded, Formulation::dropless}) {
     MoeConfig config = small_config(f, Activation::gelu, true);
@@ -247,7 +247,7 @@ TEST(Layer, SingleToken) {
   }
 }
 
-TEST(Layer, SingleExpert) {
+TEST(ReferenceLayer, SingleExpert) {
   MoeConfig config = small_config(Formulation::dropless, Activation::swiglu);
   config.num_experts = 1;
   config.top_k = 1;
@@ -261,7 +261,7 @@ TEST(Layer, SingleExpert) {
   expect_gradients_match(config, x, weights, 2503);
 }
 
-TEST(Layer, TopKEqualsNumExperts) {
+TEST(ReferenceLayer, TopKEqualsNumExperts) {
   uint64_t seed = 2600;
   for (Formulation f : {Formulation::dropping, Formulation::dropless}) {
     MoeConfig config = small_config(f, Activation::gelu, true);
@@ -289,7 +289,7 @@ MoeWeights skewed_weights(const MoeConfig& config, uint64_t seed) {
   return weights;
 }
 
-TEST(Layer, AllTokensOnOneExpert) {
+TEST(ReferenceLayer, AllTokensOnOneExpert) {
   uint64_t seed = 2700;
   for (Formulation f : {Formulation::dropping, Formulation::padded, Formulation::dropless}) {
     MoeConfig config = small_config(f, Activation::swiglu);
@@ -313,7 +313,7 @@ TEST(Layer, AllTokensOnOneExpert) {
   }
 }
 
-TEST(Layer, ExpertsWithNoTokens) {
+TEST(ReferenceLayer, ExpertsWithNoTokens) {
   uint64_t seed = 2800;
   for (Formulation f : {Formulation::dropping, Formulation::padded, Formulation::dropless}) {
     MoeConfig config = small_config(f, Activation::gelu, true);
@@ -331,7 +331,7 @@ TEST(Layer, ExpertsWithNoTokens) {
   }
 }
 
-TEST(Layer, ForwardIsDeterministic) {
+TEST(ReferenceLayer, ForwardIsDeterministic) {
   const MoeConfig config = small_config(Formulation::dropless, Activation::swiglu, true);
   const Matrix x = random_input(config.tokens, config.model_dim, 2901);
   const MoeWeights weights = random_weights(config, 2902);

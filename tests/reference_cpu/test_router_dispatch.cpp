@@ -1,5 +1,5 @@
 // test_router_dispatch.cpp: the router, the dispatch plans, the block-sparse topology and pre-gating
-// of the CPU reference. Run: ctest --test-dir build -R RouterDispatch (or the binary
+// of the CPU reference. Run: ctest --test-dir build -R ReferenceRouterDispatch (or the binary
 // build/tests/reference_cpu/test_reference_cpu_router_dispatch).
 #include <gtest/gtest.h>
 
@@ -21,7 +21,7 @@ using testing::small_config;
 
 // ---- router ----
 
-TEST(RouterDispatch, RouterMatchesItsDefinition) {
+TEST(ReferenceRouterDispatch, RouterMatchesItsDefinition) {
   MoeConfig config = small_config(Formulation::dropless, Activation::gelu, /*renormalize=*/true);
   const Matrix x = random_input(config.tokens, config.model_dim, 11);
   const Matrix gate = random_input(config.model_dim, config.num_experts, 12);
@@ -63,7 +63,7 @@ TEST(RouterDispatch, RouterMatchesItsDefinition) {
   EXPECT_EQ(raw.combine_weights, raw.top_probs);
 }
 
-TEST(RouterDispatch, UniformRoutingGivesAuxLossOne) {
+TEST(ReferenceRouterDispatch, UniformRoutingGivesAuxLossOne) {
   MoeConfig config = small_config(Formulation::dropless);
   config.tokens = 4;
   config.top_k = 1;
@@ -80,7 +80,7 @@ TEST(RouterDispatch, UniformRoutingGivesAuxLossOne) {
   EXPECT_NEAR(out.aux_loss, 1.0, 1e-14);
 }
 
-TEST(RouterDispatch, TiesGoToTheLowerExpertIndex) {
+TEST(ReferenceRouterDispatch, TiesGoToTheLowerExpertIndex) {
   MoeConfig config = small_config(Formulation::dropless);
   config.jitter_eps = 0.0;
   const Matrix x = random_input(config.tokens, config.model_dim, 21);
@@ -103,7 +103,7 @@ TEST(RouterDispatch, TiesGoToTheLowerExpertIndex) {
   }
 }
 
-TEST(RouterDispatch, JitterIsDeterministicAndBounded) {
+TEST(ReferenceRouterDispatch, JitterIsDeterministicAndBounded) {
   MoeConfig config = small_config(Formulation::dropless);
   config.jitter_eps = 0.2;
   const Matrix a = jitter_noise(config, 6, 9);
@@ -167,7 +167,7 @@ void expect_consistent_plan(const MoeConfig& config, const IndexMatrix& top, con
   EXPECT_EQ(plan.total_rows - plan.padding_rows + plan.dropped_slots, T * K);
 }
 
-TEST(RouterDispatch, PlansAreConsistentInEveryFormulation) {
+TEST(ReferenceRouterDispatch, PlansAreConsistentInEveryFormulation) {
   uint64_t seed = 100;
   for (Formulation f : {Formulation::dropping, Formulation::padded, Formulation::dropless}) {
     for (double cf : {0.5, 0.75, 1.0, 2.0}) {
@@ -187,7 +187,7 @@ TEST(RouterDispatch, PlansAreConsistentInEveryFormulation) {
   }
 }
 
-TEST(RouterDispatch, HandCraftedPlans) {
+TEST(ReferenceRouterDispatch, HandCraftedPlans) {
   // T = 5, K = 1, E = 3; tokens choose experts 2, 0, 2, 2, 2.
   MoeConfig config;
   config.tokens = 5;
@@ -239,7 +239,7 @@ TEST(RouterDispatch, HandCraftedPlans) {
 
 // ---- block-sparse topology ----
 
-TEST(RouterDispatch, TopologyOfAHandCraftedPlan) {
+TEST(ReferenceRouterDispatch, TopologyOfAHandCraftedPlan) {
   // expert rows 4, 0, 8 with B = 2 and H = 4: block rows 0-1 are expert 0, 2-5 expert 2.
   MoeConfig config;
   config.tokens = 9;
@@ -263,7 +263,7 @@ TEST(RouterDispatch, TopologyOfAHandCraftedPlan) {
   EXPECT_EQ(topo.transpose_indices, (IndexVector{0, 2, 1, 3, 4, 6, 8, 5, 7, 9}));
 }
 
-TEST(RouterDispatch, TransposeIndicesReallyTranspose) {
+TEST(ReferenceRouterDispatch, TransposeIndicesReallyTranspose) {
   uint64_t seed = 200;
   for (int64_t B : {1, 2, 4}) {
     MoeConfig config = small_config(Formulation::dropless);
@@ -318,7 +318,7 @@ TEST(RouterDispatch, TransposeIndicesReallyTranspose) {
 
 // ---- pre-gating ----
 
-TEST(RouterDispatch, PregateRoutesTheNextBlockFromThisBlocksInput) {
+TEST(ReferenceRouterDispatch, PregateRoutesTheNextBlockFromThisBlocksInput) {
   MoeConfig next = small_config(Formulation::dropping);
   next.num_experts = 6;
   const Matrix x_current = random_input(next.tokens, next.model_dim, 41);
