@@ -21,9 +21,9 @@ void CublasHandle::set_stream(cudaStream_t stream) { CUBLAS_CHECK(cublasSetStrea
 namespace {
 cublasOperation_t to_cublas(Op op) { return op == Op::transpose ? CUBLAS_OP_T : CUBLAS_OP_N; }
 
-__global__ void fill_strided_pointers_kernel(const bf16* base, size_t stride, int count, const bf16** out) {
+__global__ void fill_strided_pointers_kernel(const char* base, size_t stride_bytes, int count, const char** out) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e < count) out[e] = base + e * stride;
+  if (e < count) out[e] = base + e * stride_bytes;
 }
 }  // namespace
 
@@ -61,9 +61,11 @@ void gemm_grouped(cublasHandle_t handle, const std::vector<int>& m, int n, int k
                                           CUDA_R_16BF, ldc_cm.data(), groups, size.data(), CUBLAS_COMPUTE_32F));
 }
 
-void fill_strided_pointers(const bf16* base, size_t stride, int count, const bf16** out, cudaStream_t stream) {
+void fill_strided_pointers_bytes(const void* base, size_t stride_bytes, int count, void* out,
+                                 cudaStream_t stream) {
   if (count <= 0) return;
-  fill_strided_pointers_kernel<<<(count + 127) / 128, 128, 0, stream>>>(base, stride, count, out);
+  fill_strided_pointers_kernel<<<(count + 127) / 128, 128, 0, stream>>>(static_cast<const char*>(base),
+                                                                         stride_bytes, count, static_cast<const char**>(out));
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -62,6 +62,12 @@ void gemm_grouped(cublasHandle_t handle, const std::vector<int>& m, int n, int k
 
 // Fills out[e] = base + e * stride (element units) for e < count, on the device: the pointer
 // arrays of a strided [E, rows, cols] activation tensor, without a host round trip.
-void fill_strided_pointers(const bf16* base, size_t stride, int count, const bf16** out, cudaStream_t stream);
+void fill_strided_pointers_bytes(const void* base, size_t stride_bytes, int count,
+                                 void* out,  // [count] pointers
+                                 cudaStream_t stream);
+template <typename T>  // T = bf16 for outputs, const bf16 for inputs
+void fill_strided_pointers(T* base, size_t stride, int count, T** out, cudaStream_t stream) {
+  fill_strided_pointers_bytes(base, stride * sizeof(T), count, out, stream);
+}
 
 }  // namespace moe::cuda

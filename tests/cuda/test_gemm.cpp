@@ -74,11 +74,12 @@ TEST(CudaGemm, BatchedThroughPointerArraysAndGroupedWithUnequalRows) {
     b_host.insert(b_host.end(), bv.begin(), bv.end());
   }
   DeviceBuffer<bf16> da(a_host), db(b_host), dc(size_t(experts) * capacity * n);
-  DeviceBuffer<const bf16*> a_ptr(experts), b_ptr(experts), c_ptr(experts);
-  moe::cuda::fill_strided_pointers(da.data(), size_t(capacity) * k, experts, a_ptr.data(), nullptr);
-  moe::cuda::fill_strided_pointers(db.data(), size_t(k) * n, experts, b_ptr.data(), nullptr);
+  DeviceBuffer<const bf16*> a_ptr(experts), b_ptr(experts);
+  DeviceBuffer<bf16*> c_ptr(experts);
+  moe::cuda::fill_strided_pointers<const bf16>(da.data(), size_t(capacity) * k, experts, a_ptr.data(), nullptr);
+  moe::cuda::fill_strided_pointers<const bf16>(db.data(), size_t(k) * n, experts, b_ptr.data(), nullptr);
   moe::cuda::fill_strided_pointers(dc.data(), size_t(capacity) * n, experts, c_ptr.data(), nullptr);
-  auto* c_out = reinterpret_cast<bf16* const*>(c_ptr.data());
+  bf16* const* c_out = c_ptr.data();
 
   dc.fill_bytes(0xFF);
   moe::cuda::gemm_batched(handle.get(), moe::cuda::Op::none, moe::cuda::Op::none, capacity, n, k,
