@@ -1,6 +1,7 @@
 // moe_config_json.cpp: MoeConfig <-> JSON with type checks and validation (see moe_config_json.h).
 #include "moe_config_json.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -40,6 +41,10 @@ void read_uint(const json& j, const char* field, uint64_t& out) {
 void read_double(const json& j, const char* field, double& out) {
   auto it = j.find(field);
   if (it == j.end()) return;
+  if (it->is_null()) {  // JSON has no NaN: to_json wrote a NaN as null
+    out = std::numeric_limits<double>::quiet_NaN();
+    return;
+  }
   if (!it->is_number()) wrong_type(field, "a number", *it);
   out = it->get<double>();
 }

@@ -173,6 +173,17 @@ TEST(MoeConfigJson, RoundTrips) {
   EXPECT_EQ(nlohmann::json(back), j);
 }
 
+TEST(MoeConfigJson, NanCapacityFactorOfDroplessSurvivesAsNull) {
+  MoeConfig c = valid_config(Formulation::dropless);
+  c.capacity_factor = std::numeric_limits<double>::quiet_NaN();
+  const nlohmann::json j = nlohmann::json::parse(nlohmann::json(c).dump());
+  EXPECT_TRUE(j["capacity_factor"].is_null());
+  EXPECT_TRUE(std::isnan(j.get<MoeConfig>().capacity_factor));
+  nlohmann::json dropping = j;
+  dropping["formulation"] = "dropping";  // there a NaN capacity factor is invalid
+  EXPECT_THROW(dropping.get<MoeConfig>(), RecordError);
+}
+
 TEST(MoeConfigJson, FromJsonChecksPresenceTypesAndValidity) {
   nlohmann::json j = valid_config();
   auto expect_error = [](const nlohmann::json& bad, const std::string& needle) {
