@@ -12,6 +12,7 @@
 //   column_offsets    [block_cols + 1]  entries of block column c in transpose_indices
 //   transpose_indices [nnz]             block ids in column-major order: walking block column c
 //                                       through transpose_indices visits its blocks top to bottom.
+//   block_row_expert  [block_rows]      the expert whose rows fill block row r
 // The transpose indices let a kernel read the sparse matrix as its transpose (the DSᵀD products of
 // the backward pass) without ever storing a transposed copy of the values.
 #pragma once
@@ -31,6 +32,7 @@ struct BlockSparseTopology {
   IndexVector column_indices;     // [nnz]
   IndexVector column_offsets;     // [block_cols + 1]
   IndexVector transpose_indices;  // [nnz]
+  IndexVector block_row_expert;   // [block_rows] the expert whose rows fill each block row
 
   int64_t rows() const { return block_rows * block_size; }  // rows of the dense matrix
   int64_t cols() const { return block_cols * block_size; }  // E * H

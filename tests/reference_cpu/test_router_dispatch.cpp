@@ -261,6 +261,7 @@ TEST(ReferenceRouterDispatch, TopologyOfAHandCraftedPlan) {
   EXPECT_EQ(topo.column_indices, (IndexVector{0, 1, 0, 1, 4, 5, 4, 5, 4, 5}));
   EXPECT_EQ(topo.column_offsets, (IndexVector{0, 2, 4, 4, 4, 7, 10}));
   EXPECT_EQ(topo.transpose_indices, (IndexVector{0, 2, 1, 3, 4, 6, 8, 5, 7, 9}));
+  EXPECT_EQ(topo.block_row_expert, (IndexVector{0, 0, 2, 2, 2}));
 }
 
 TEST(ReferenceRouterDispatch, TransposeIndicesReallyTranspose) {
@@ -293,6 +294,7 @@ TEST(ReferenceRouterDispatch, TransposeIndicesReallyTranspose) {
     // block row r holds rows of the expert e with row_offsets[e] <= rB < row_offsets[e+1]
     for (int64_t e = 0; e < config.num_experts; ++e) {
       for (int64_t r = plan.row_offsets[e] / B; r < plan.row_offsets[e + 1] / B; ++r) {
+        EXPECT_EQ(topo.block_row_expert[r], e);
         for (int64_t c = 0; c < topo.block_cols; ++c) {
           EXPECT_EQ(mask(r, c), c / (config.hidden_dim / B) == e ? 1 : 0);
         }
