@@ -1,0 +1,82 @@
+// dispatch.h: builds the dispatch plan (DevicePlan, device_plan.h) of the dropping, padded and
+// dropless formulations on the GPU from the router's top_experts, with no host synchronisation.
+// The CPU oracle is reference_cpu/dispatch.h: every array here equals its DispatchPlan namesake.
+// Built into moe_cuda; tested by tests/cuda/test_dispatch.cpp (ctest --test-dir build-gpu -R cuda_test_dispatch).
+//
+// Dimension legend: T tokens, E experts, K top-k, C capacity, B block size. Slot = t * K + k.
+//
+// The steps, each one kernel (or one CUB call) on the caller's stream:
+//   1. histogram: tokens_per_expert[e] = slots that chose e (before dropping).
+//   2. one block scans the E counts: routed_offsets, kept_per_expert (min(count, C) when dropping or
+//      padded, count when dropless), rows per expert (kept, C, or kept rounded up to B: MegaBlocks'
+//      padded bins), row_offsets and total_rows.
+//   3. a STABLE sort of the slots by expert id: cub::DeviceRadixSort::SortPairs (keys = expert ids,
+//      values = slot numbers). Radix sort is stable, so inside one expert the slots keep increasing
+//      slot order, which is token order: capacity then drops the LAST tokens of an over-full expert,
+//      exactly as the reference does. CUB rather than our own counting sort because a stable
+//      multi-block counting sort needs per-block ranks and a second scan, which is what CUB's
+//      onesweep radix sort already does well; only ceil(log2 E) key bits are sorted.
+//   4. each sorted position i becomes a row when its rank inside its expert is below
+//      kept_per_expert: row_slot[row] = slot, slot_row[slot] = row; else slot_row[slot] = -1.
+// row_slot is first set to -1 (a byte memset of 0xFF) over all max_rows entries, so padding rows
+// AND the unused rows past total_rows read -1: a kernel launched over max_rows treats both alike.
+#pragma once
+
+#include <cuda_runtime.h>  // cudaStream_t
+
+#include <cstddef>
+
+#include "device_buffer.h"  // DeviceBuffer
+#include "device_plan.h"    // DevicePlan
+#include "moe_config.h"     // MoeConfig, Formulation
+
+namespace moe::cuda {
+
+// Owns the DevicePlan's arrays and the sort's scratch, sized once from host-known bounds and reused
+// every step:
+//   max_rows = T*K + E*(B-1)  dropless: each expert adds at most B-1 padding rows to its T*K share
+//            = E*C            dropping and padded: no expert owns more than C rows
+class DispatchPlanBuffers {
+ public:
+  // validate(config); sizes from config.tokens, top_k, num_experts, formulation, capacity, block_size.
+  explicit DispatchPlanBuffers(const MoeConfig& config);
+
+  DevicePlan plan() const;  // a view of the arrays below, for the kernels that read the plan
+  Formulation formulation() const { return formulation_; }
+  int tokens() const { return tokens_; }
+  int top_k() const { return top_k_; }
+  int num_experts() const { return num_experts_; }
+  int capacity() const { return capacity_; }
+  int block_size() const { return block_size_; }
+  int max_rows() const { return max_rows_; }
+
+  DeviceBuffer<int> tokens_per_expert;  // [E]
+  DeviceBuffer<int> routed_offsets;     // [E+1]  exclusive prefix sum of tokens_per_expert
+  DeviceBuffer<int> routed_slots;       // [T*K]  every slot, grouped by expert, token order inside
+  DeviceBuffer<int> kept_per_expert;    // [E]
+  DeviceBuffer<int> row_offsets;        // [E+1]
+  DeviceBuffer<int> row_slot;           // [max_rows] -1 for padding rows and rows past total_rows
+  DeviceBuffer<int> slot_row;           // [T*K]  -1 for a dropped slot
+  DeviceBuffer<int> total_rows;         // [1]
+  DeviceBuffer<int> invalid_slots;      // [1]    slots whose expert id is outside [0, E); must be 0,
+                                        //        else the plan's contents are undefined
+
+ private:
+  friend void build_dispatch_plan(const int* top_experts, DispatchPlanBuffers& buffers,
+                                  cudaStream_t stream);
+  Formulation formulation_ = Formulation::dropless;
+  int tokens_ = 0, top_k_ = 0, num_experts_ = 0, capacity_ = 0, block_size_ = 0, max_rows_ = 0;
+  int sort_end_bit_ = 1;                // sort key bits: enough for E - 1
+  DeviceBuffer<int> slot_numbers_;      // [T*K]  0, 1, ..., T*K-1: the sort's values
+  DeviceBuffer<int> sorted_experts_;    // [T*K]  the sort's keys, sorted
+  DeviceBuffer<unsigned char> sort_temp_;  // CUB's temporary storage
+};
+
+// Fills `buffers` from top_experts [T, K] (T, K, E as given to the buffers' constructor), on
+// `stream`, asynchronously. Expert ids must lie in [0, E); ids outside are counted in
+// buffers.invalid_slots (read it in a test or a debug build; reading it every step would be the
+// host synchronisation this design avoids).
+void build_dispatch_plan(const int* top_experts,  // [T, K]
+                         DispatchPlanBuffers& buffers, cudaStream_t stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,180 @@
+// topology.cu: the two kernels of topology.h: one over block rows and block columns, one over
+// blocks. Build: cmake --build build-gpu --target moe_cuda.
+#include "topology.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_check.h"     // CUDA_CHECK
+#include "launch_checks.h"  // check_fits_int32, check_range
+
+namespace moe::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// The expert owning dense row `row`: the last e with row_offsets[e] <= row. Empty experts have
+// row_offsets[e] == row_offsets[e+1] and are skipped, because the search takes the LAST such e.
+__device__ int expert_of_row(const int* row_offsets, int num_experts, int row) {  // [E+1]
+  int low = 0, high = num_experts;  // answer in [low, high)
+  while (high - low > 1) {
+    const int middle = (low + high) / 2;
+    if (row_offsets[middle] <= row) low = middle; else high = middle;
+  }
+  return low;
+}
+
+// Where block (local block row i, block column j) of expert e lands in column-major order.
+__device__ int transposed_position(const int* row_offsets, int e, int j, int i, int block_size,
+                                   int blocks_per_expert) {
+  const int first_block_row = row_offsets[e] / block_size;
+  const int expert_block_rows = (row_offsets[e + 1] - row_offsets[e]) / block_size;
+  return first_block_row * blocks_per_expert + j * expert_block_rows + i;
+}
+
+// One thread per block row (offsets, block_row_expert) and per block column (column_offsets).
+__global__ void block_rows_kernel(const int* __restrict__ row_offsets,  // [E+1]
+                                  const int* __restrict__ total_rows,   // [1]
+                                  int* __restrict__ block_rows_out,     // [1]
+                                  int* __restrict__ nnz_out,            // [1]
+                                  int* __restrict__ offsets,            // [max_block_rows + 1]
+                                  int* __restrict__ block_row_expert,   // [max_block_rows]
+                                  int* __restrict__ column_offsets,     // [block_cols + 1]
+                                  int num_experts, int block_size, int blocks_per_expert,
+                                  int max_block_rows, int block_cols) {
+  const int index = blockIdx.x * blockDim.x + threadIdx.x;
+  const int block_rows = *total_rows / block_size;
+  const int nnz = block_rows * blocks_per_expert;
+  if (index == 0) {
+    *block_rows_out = block_rows;
+    *nnz_out = nnz;
+  }
+  if (index <= max_block_rows) offsets[index] = min(index, block_rows) * blocks_per_expert;
+  if (index < max_block_rows) {
+    block_row_expert[index] =
+        index < block_rows ? expert_of_row(row_offsets, num_experts, index * block_size) : -1;
+  }
+  if (index < block_cols) {
+    const int e = index / blocks_per_expert, j = index % blocks_per_expert;
+    column_offsets[index] = transposed_position(row_offsets, e, j, 0, block_size, blocks_per_expert);
+  } else if (index == block_cols) {
+    column_offsets[index] = nnz;
+  }
+}
+
+// One thread per block id b (row-major BCSR order).
+__global__ void blocks_kernel(const int* __restrict__ row_offsets,       // [E+1]
+                              const int* __restrict__ total_rows,        // [1]
+                              const int* __restrict__ block_row_expert,  // [max_block_rows]
+                              int* __restrict__ row_indices,             // [max_nnz]
+                              int* __restrict__ column_indices,          // [max_nnz]
+                              int* __restrict__ transpose_indices,       // [max_nnz]
+                              int block_size, int blocks_per_expert, int max_nnz) {
+  const int block = blockIdx.x * blockDim.x + threadIdx.x;
+  if (block >= max_nnz) return;
+  const int nnz = (*total_rows / block_size) * blocks_per_expert;
+  if (block >= nnz) {
+    // No used block scatters to a position >= nnz, so these writes never race with the scatter.
+    row_indices[block] = -1;
+    column_indices[block] = -1;
+    transpose_indices[block] = -1;
+    return;
+  }
+  const int block_row = block / blocks_per_expert, j = block % blocks_per_expert;
+  const int e = block_row_expert[block_row];
+  row_indices[block] = block_row;
+  column_indices[block] = e * blocks_per_expert + j;
+  const int local_block_row = block_row - row_offsets[e] / block_size;
+  transpose_indices[transposed_position(row_offsets, e, j, local_block_row, block_size,
+                                        blocks_per_expert)] = block;
+}
+
+unsigned blocks_for(int count) { return static_cast<unsigned>((count + kThreads - 1) / kThreads); }
+
+}  // namespace
+
+TopologyBuffers::TopologyBuffers(const MoeConfig& config) {
+  validate(config);
+  constexpr const char* function = "TopologyBuffers";
+  if (config.formulation != Formulation::dropless) {
+    throw std::invalid_argument(std::string(function) + ": formulation is " +
+                                std::string(to_string(config.formulation)) +
+                                "; the block-sparse topology exists only for the dropless formulation");
+  }
+  const int64_t T = config.tokens, K = config.top_k, E = config.num_experts, B = config.block_size;
+  const int64_t blocks_per_expert = config.hidden_dim / B;  // validate(): H % B == 0 when dropless
+  const int64_t max_rows = T * K + E * (B - 1);
+  const int64_t max_block_rows = max_rows / B;
+  detail::check_fits_int32(function, "max_rows = T*K + E*(B-1)", max_rows);
+  detail::check_fits_int32(function, "block_cols = E*H/B", E * blocks_per_expert);
+  detail::check_fits_int32(function, "max_nnz = max_block_rows * H/B", max_block_rows * blocks_per_expert);
+  num_experts_ = static_cast<int>(E);
+  block_size_ = static_cast<int>(B);
+  blocks_per_expert_ = static_cast<int>(blocks_per_expert);
+  block_cols_ = static_cast<int>(E * blocks_per_expert);
+  max_block_rows_ = static_cast<int>(max_block_rows);
+  max_nnz_ = static_cast<int>(max_block_rows * blocks_per_expert);
+
+  block_rows = DeviceBuffer<int>(1);
+  nnz = DeviceBuffer<int>(1);
+  offsets = DeviceBuffer<int>(static_cast<size_t>(max_block_rows_) + 1);
+  row_indices = DeviceBuffer<int>(static_cast<size_t>(max_nnz_));
+  column_indices = DeviceBuffer<int>(static_cast<size_t>(max_nnz_));
+  column_offsets = DeviceBuffer<int>(static_cast<size_t>(block_cols_) + 1);
+  transpose_indices = DeviceBuffer<int>(static_cast<size_t>(max_nnz_));
+  block_row_expert = DeviceBuffer<int>(static_cast<size_t>(max_block_rows_));
+}
+
+DeviceTopology TopologyBuffers::topology() const {
+  DeviceTopology view;
+  view.block_size = block_size_;
+  view.block_cols = block_cols_;
+  view.blocks_per_expert = blocks_per_expert_;
+  view.max_block_rows = max_block_rows_;
+  view.max_nnz = max_nnz_;
+  view.block_rows = const_cast<int*>(block_rows.data());
+  view.nnz = const_cast<int*>(nnz.data());
+  view.offsets = const_cast<int*>(offsets.data());
+  view.row_indices = const_cast<int*>(row_indices.data());
+  view.column_indices = const_cast<int*>(column_indices.data());
+  view.column_offsets = const_cast<int*>(column_offsets.data());
+  view.transpose_indices = const_cast<int*>(transpose_indices.data());
+  view.block_row_expert = const_cast<int*>(block_row_expert.data());
+  return view;
+}
+
+void build_topology(const DevicePlan& plan, TopologyBuffers& buffers, cudaStream_t stream) {
+  constexpr const char* function = "build_topology";
+  if (plan.capacity != 0) {
+    throw std::invalid_argument(std::string(function) + ": plan.capacity = " + std::to_string(plan.capacity) +
+                                "; expected 0, a dropless plan (the topology exists only for dropless)");
+  }
+  const DeviceTopology view = buffers.topology();
+  detail::check_range(function, "plan.num_experts (E)", plan.num_experts, buffers.num_experts(),
+                      buffers.num_experts(), "the E the TopologyBuffers were made for");
+  detail::check_range(function, "plan.block_size (B)", plan.block_size, view.block_size, view.block_size,
+                      "the B the TopologyBuffers were made for");
+  detail::check_range(function, "plan.max_rows", plan.max_rows, 0,
+                      static_cast<int64_t>(view.max_block_rows) * view.block_size + view.block_size - 1,
+                      "the TopologyBuffers' max_block_rows * B (+ B-1)");
+  detail::check_not_null(function, "plan.row_offsets", plan.row_offsets);
+  detail::check_not_null(function, "plan.total_rows", plan.total_rows);
+
+  const int row_threads = std::max(view.max_block_rows + 1, view.block_cols + 1);
+  block_rows_kernel<<<blocks_for(row_threads), kThreads, 0, stream>>>(
+      plan.row_offsets, plan.total_rows, view.block_rows, view.nnz, view.offsets, view.block_row_expert,
+      view.column_offsets, plan.num_experts, view.block_size, view.blocks_per_expert, view.max_block_rows,
+      view.block_cols);
+  CUDA_CHECK(cudaGetLastError());
+  if (view.max_nnz > 0) {
+    blocks_kernel<<<blocks_for(view.max_nnz), kThreads, 0, stream>>>(
+        plan.row_offsets, plan.total_rows, view.block_row_expert, view.row_indices, view.column_indices,
+        view.transpose_indices, view.block_size, view.blocks_per_expert, view.max_nnz);
+    CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace moe::cuda
