@@ -1,0 +1,339 @@
+// block_sparse.cu: launchers of the block-sparse products (SDD, DSD, DSᵀD, DDS) and the dropless
+// expert FFN forward and backward built from them (see block_sparse.h for the API and the math,
+// block_sparse.cuh for the tensor-core kernel, cuda/dev/sdd.cu for how it was reached).
+// Build: cmake --build build --target moe_cuda
+#include "block_sparse.h"
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "block_sparse.cuh"  // block_sparse_mma_kernel and the problems
+#include "cuda_check.h"      // CUDA_CHECK
+
+namespace moe::cuda {
+
+namespace {
+
+using namespace block_sparse_detail;
+
+// ---- host-side checks: every one runs before any launch ----
+void require(bool ok, const std::string& function, const std::string& what) {
+  if (!ok) throw std::invalid_argument(function + ": " + what);
+}
+void require_pointer(const void* p, const std::string& function, const char* name) {
+  require(p != nullptr, function, std::string(name) + " is null");
+}
+void require_multiple(int64_t value, int64_t of, const std::string& function, const char* name) {
+  std::ostringstream text;
+  text << name << " = " << value << " must be a positive multiple of the block size B = " << of;
+  require(value > 0 && value % of == 0, function, text.str());
+}
+
+// The topology arrays a product reads, and the block size the kernels are built for.
+void require_topology(const DeviceTopology& t, const std::string& function, bool rows, bool columns) {
+  std::ostringstream text;
+  text << "block_size = " << t.block_size << "; the kernels are built for B = 64 and 128";
+  require(t.block_size == 64 || t.block_size == 128, function, text.str());
+  require(t.blocks_per_expert > 0 && t.block_cols > 0 && t.block_cols % t.blocks_per_expert == 0,
+          function, "blocks_per_expert must be positive and divide block_cols (= E * H / B)");
+  require(t.max_block_rows >= 0 && t.max_block_rows <= 65535 && t.block_cols <= 65535, function,
+          "max_block_rows and block_cols must fit a grid's y dimension (65535)");
+  if (rows) {
+    require_pointer(t.block_rows, function, "topology.block_rows");
+    require_pointer(t.offsets, function, "topology.offsets");
+    require_pointer(t.block_row_expert, function, "topology.block_row_expert");
+  }
+  if (columns) {
+    require_pointer(t.column_offsets, function, "topology.column_offsets");
+    require_pointer(t.transpose_indices, function, "topology.transpose_indices");
+    require_pointer(t.row_indices, function, "topology.row_indices");
+  }
+}
+
+void require_operand(const ExpertOperand& b, const std::string& function) {
+  require_pointer(b.pointers, function, "the expert operand's pointer table");
+  // cp.async copies 16 bytes: 8 bf16 elements, so rows and column offsets must stay aligned.
+  require(b.ld > 0 && b.ld % 8 == 0 && b.column_offset >= 0 && b.column_offset % 8 == 0, function,
+          "the expert operand's ld must be a positive multiple of 8 and column_offset a multiple of 8");
+}
+
+// ---- launching one tile shape ----
+template <int BM, int BN, class Problem>
+void launch_shape(const Problem& problem, int x_extent, int y_count, cudaStream_t stream) {
+  const int x_tiles = x_extent / (Problem::grid_x_over_m ? BM : BN);
+  if (x_tiles == 0 || y_count == 0) return;
+  constexpr int smem = shared_bytes<BM, BN, Problem>();
+  auto* kernel = &block_sparse_mma_kernel<BM, BN, Problem>;
+  // More than 48 KB of dynamic shared memory needs an explicit opt-in (per kernel, cheap to repeat).
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(x_tiles, y_count), kThreads, smem, stream>>>(problem);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// BM x BN is B x 128 (or B x 64 when the dense extent is not a multiple of 128) for the products
+// tiled by block rows / block columns, and 128 (64) x B for DDS, whose tiles run down the dense rows.
+template <class Problem>
+void launch(const Problem& problem, int block_size, int dense_extent, int y_count, cudaStream_t stream) {
+  const bool wide = dense_extent % 128 == 0;
+  if constexpr (Problem::grid_x_over_m) {
+    if (block_size == 128)
+      wide ? launch_shape<128, 128>(problem, dense_extent, y_count, stream)
+           : launch_shape<64, 128>(problem, dense_extent, y_count, stream);
+    else
+      wide ? launch_shape<128, 64>(problem, dense_extent, y_count, stream)
+           : launch_shape<64, 64>(problem, dense_extent, y_count, stream);
+  } else {
+    if (block_size == 128)
+      wide ? launch_shape<128, 128>(problem, dense_extent, y_count, stream)
+           : launch_shape<128, 64>(problem, dense_extent, y_count, stream);
+    else
+      wide ? launch_shape<64, 128>(problem, dense_extent, y_count, stream)
+           : launch_shape<64, 64>(problem, dense_extent, y_count, stream);
+  }
+}
+
+// ---- the products, with their epilogues (checked by the callers) ----
+struct SddArguments {
+  const bf16* a;
+  int inner;
+  ExpertOperand b;
+  SddEpilogue epilogue = SddEpilogue::store;
+  const bf16* in0 = nullptr;
+  const bf16* in1 = nullptr;
+  bf16* out0 = nullptr;
+  bf16* out1 = nullptr;
+};
+
+void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t stream) {
+  const int hidden = t.blocks_per_expert * t.block_size;  // H
+  auto fill = [&](auto problem) {
+    problem.block_rows = t.block_rows;
+    problem.offsets = t.offsets;
+    problem.block_row_expert = t.block_row_expert;
+    problem.a = args.a;
+    problem.inner = args.inner;
+    problem.b = args.b.pointers;
+    problem.ldb = args.b.ld;
+    problem.column_offset = args.b.column_offset;
+    problem.block_size = t.block_size;
+    problem.epilogue = args.epilogue;
+    problem.in0 = args.in0;
+    problem.in1 = args.in1;
+    problem.out0 = args.out0;
+    problem.out1 = args.out1;
+    return problem;
+  };
+  if (args.b.transposed)
+    launch(fill(SddProblem<Layout::row_major_nk>{}), t.block_size, hidden, t.max_block_rows, stream);
+  else
+    launch(fill(SddProblem<Layout::row_major_km>{}), t.block_size, hidden, t.max_block_rows, stream);
+}
+
+void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const ExpertOperand& b,
+                int out_cols, bf16* out, cudaStream_t stream) {
+  auto fill = [&](auto problem) {
+    problem.block_rows = t.block_rows;
+    problem.offsets = t.offsets;
+    problem.block_row_expert = t.block_row_expert;
+    problem.s0 = s0;
+    problem.s1 = s1;
+    problem.parts = s1 != nullptr ? 2 : 1;
+    problem.blocks_per_expert = t.blocks_per_expert;
+    problem.block_size = t.block_size;
+    problem.b = b.pointers;
+    problem.ldb = b.ld;
+    problem.column_offset = b.column_offset;
+    problem.out = out;
+    problem.ldo = out_cols;
+    return problem;
+  };
+  if (b.transposed)
+    launch(fill(DsdProblem<Layout::row_major_nk>{}), t.block_size, out_cols, t.max_block_rows, stream);
+  else
+    launch(fill(DsdProblem<Layout::row_major_km>{}), t.block_size, out_cols, t.max_block_rows, stream);
+}
+
+void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* dense, int cols,
+                           float* const* out, int ldo, cudaStream_t stream) {
+  DsdTransposedProblem problem{};
+  problem.column_offsets = t.column_offsets;
+  problem.transpose_indices = t.transpose_indices;
+  problem.row_indices = t.row_indices;
+  problem.blocks_per_expert = t.blocks_per_expert;
+  problem.block_size = t.block_size;
+  problem.s = s;
+  problem.dense = dense;
+  problem.ldd = cols;
+  problem.out = out;
+  problem.ldo = ldo;
+  launch(problem, t.block_size, cols, t.block_cols, stream);
+}
+
+void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16* s, float* const* out,
+                int ldo, int column_offset, cudaStream_t stream) {
+  DdsProblem problem{};
+  problem.column_offsets = t.column_offsets;
+  problem.transpose_indices = t.transpose_indices;
+  problem.row_indices = t.row_indices;
+  problem.blocks_per_expert = t.blocks_per_expert;
+  problem.block_size = t.block_size;
+  problem.dense = dense;
+  problem.ldd = cols;
+  problem.s = s;
+  problem.out = out;
+  problem.ldo = ldo;
+  problem.column_offset = column_offset;
+  launch(problem, t.block_size, cols, t.block_cols, stream);
+}
+
+// The FFN's shape checks: D and H multiples of B, and the topology built for this H.
+void require_ffn(const MoeConfig& config, const DeviceTopology& t, const std::string& function) {
+  require_topology(t, function, /*rows=*/true, /*columns=*/true);
+  require_multiple(config.model_dim, t.block_size, function, "D (model_dim)");
+  require_multiple(config.hidden_dim, t.block_size, function, "H (hidden_dim)");
+  std::ostringstream text;
+  text << "topology.blocks_per_expert = " << t.blocks_per_expert << " but H / B = "
+       << config.hidden_dim / t.block_size;
+  require(config.hidden_dim == static_cast<int64_t>(t.blocks_per_expert) * t.block_size, function, text.str());
+  require(config.num_experts > 0 && t.block_cols == config.num_experts * t.blocks_per_expert, function,
+          "topology.block_cols must be E * H / B");
+}
+
+}  // namespace
+
+// ---- public products ----
+void sdd(const DeviceTopology& topology, const bf16* a, int inner, const ExpertOperand& b,
+         bf16* out_blocks, cudaStream_t stream) {
+  const std::string f = "moe::cuda::sdd";
+  require_topology(topology, f, true, false);
+  require_multiple(inner, topology.block_size, f, "inner");
+  require_pointer(a, f, "a");
+  require_pointer(out_blocks, f, "out_blocks");
+  require_operand(b, f);
+  SddArguments args{a, inner, b};
+  args.out0 = out_blocks;
+  launch_sdd(topology, args, stream);
+}
+
+void dsd(const DeviceTopology& topology, const bf16* s_blocks, const ExpertOperand& b, int out_cols,
+         bf16* out, cudaStream_t stream) {
+  const std::string f = "moe::cuda::dsd";
+  require_topology(topology, f, true, false);
+  require_multiple(out_cols, topology.block_size, f, "out_cols");
+  require_pointer(s_blocks, f, "s_blocks");
+  require_pointer(out, f, "out");
+  require_operand(b, f);
+  launch_dsd(topology, s_blocks, nullptr, b, out_cols, out, stream);
+}
+
+void dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks, const bf16* dense, int cols,
+                    float* const* out, int ldo, cudaStream_t stream) {
+  const std::string f = "moe::cuda::dsd_transposed";
+  require_topology(topology, f, false, true);
+  require_multiple(cols, topology.block_size, f, "cols");
+  require(ldo >= cols && ldo % 2 == 0, f, "ldo must be >= cols and even");
+  require_pointer(s_blocks, f, "s_blocks");
+  require_pointer(dense, f, "dense");
+  require_pointer(out, f, "out");
+  launch_dsd_transposed(topology, s_blocks, dense, cols, out, ldo, stream);
+}
+
+void dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16* s_blocks,
+         float* const* out, int ldo, int column_offset, cudaStream_t stream) {
+  const std::string f = "moe::cuda::dds";
+  require_topology(topology, f, false, true);
+  require_multiple(cols, topology.block_size, f, "cols");
+  const int hidden = topology.blocks_per_expert * topology.block_size;
+  require(column_offset >= 0 && column_offset % 2 == 0 && ldo >= column_offset + hidden, f,
+          "need ldo >= column_offset + H and an even column_offset");
+  require_pointer(dense, f, "dense");
+  require_pointer(s_blocks, f, "s_blocks");
+  require_pointer(out, f, "out");
+  launch_dds(topology, dense, cols, s_blocks, out, ldo, column_offset, stream);
+}
+
+// ---- the dropless expert FFN ----
+void block_sparse_ffn_forward(const MoeConfig& config, const DeviceTopology& topology,
+                              const bf16* permuted_x, const bf16* const* w1, const bf16* const* w2,
+                              const BlockSparseFfnOutputs& outputs, cudaStream_t stream) {
+  const std::string f = "moe::cuda::block_sparse_ffn_forward";
+  require_ffn(config, topology, f);
+  const bool swiglu = config.activation == Activation::swiglu;
+  require_pointer(permuted_x, f, "permuted_x");
+  require_pointer(w1, f, "w1");
+  require_pointer(w2, f, "w2");
+  require_pointer(outputs.pre_activation, f, "outputs.pre_activation");
+  require_pointer(outputs.hidden, f, "outputs.hidden");
+  require_pointer(outputs.out, f, "outputs.out");
+  if (swiglu) require_pointer(outputs.up_projection, f, "outputs.up_projection (SwiGLU)");
+  const int D = static_cast<int>(config.model_dim), H = static_cast<int>(config.hidden_dim);
+  const int w1_cols = swiglu ? 2 * H : H;
+
+  SddArguments first{permuted_x, D, ExpertOperand{w1, w1_cols, 0, false}};
+  first.out0 = outputs.pre_activation;
+  if (swiglu) {
+    launch_sdd(topology, first, stream);  // the gate blocks
+    SddArguments up{permuted_x, D, ExpertOperand{w1, w1_cols, H, false}};
+    up.epilogue = SddEpilogue::swiglu;
+    up.in0 = outputs.pre_activation;
+    up.out0 = outputs.up_projection;
+    up.out1 = outputs.hidden;
+    launch_sdd(topology, up, stream);
+  } else {
+    first.epilogue = SddEpilogue::gelu;
+    first.out1 = outputs.hidden;
+    launch_sdd(topology, first, stream);
+  }
+  launch_dsd(topology, outputs.hidden, nullptr, ExpertOperand{w2, D, 0, false}, D, outputs.out, stream);
+}
+
+void block_sparse_ffn_backward(const MoeConfig& config, const DeviceTopology& topology,
+                               const bf16* permuted_x, const bf16* const* w1, const bf16* const* w2,
+                               const BlockSparseFfnOutputs& forward, const bf16* d_out,
+                               const BlockSparseFfnGradients& gradients, cudaStream_t stream) {
+  const std::string f = "moe::cuda::block_sparse_ffn_backward";
+  require_ffn(config, topology, f);
+  const bool swiglu = config.activation == Activation::swiglu;
+  require_pointer(permuted_x, f, "permuted_x");
+  require_pointer(w1, f, "w1");
+  require_pointer(w2, f, "w2");
+  require_pointer(d_out, f, "d_out");
+  require_pointer(forward.pre_activation, f, "forward.pre_activation");
+  require_pointer(forward.hidden, f, "forward.hidden");
+  require_pointer(gradients.d_pre_activation, f, "gradients.d_pre_activation");
+  require_pointer(gradients.d_permuted_x, f, "gradients.d_permuted_x");
+  require_pointer(gradients.d_w1, f, "gradients.d_w1");
+  require_pointer(gradients.d_w2, f, "gradients.d_w2");
+  if (swiglu) {
+    require_pointer(forward.up_projection, f, "forward.up_projection (SwiGLU)");
+    require_pointer(gradients.d_up_projection, f, "gradients.d_up_projection (SwiGLU)");
+  }
+  const int D = static_cast<int>(config.model_dim), H = static_cast<int>(config.hidden_dim);
+  const int w1_cols = swiglu ? 2 * H : H;
+
+  // d_hidden = d_out W2_eᵀ at the topology's blocks, times act'(pre) in the epilogue.
+  SddArguments d_hidden{d_out, D, ExpertOperand{w2, D, 0, true}};
+  d_hidden.in0 = forward.pre_activation;
+  d_hidden.out0 = gradients.d_pre_activation;
+  if (swiglu) {
+    d_hidden.epilogue = SddEpilogue::swiglu_backward;
+    d_hidden.in1 = forward.up_projection;
+    d_hidden.out1 = gradients.d_up_projection;
+  } else {
+    d_hidden.epilogue = SddEpilogue::gelu_backward;
+  }
+  launch_sdd(topology, d_hidden, stream);
+
+  // dW2_e = hidden_eᵀ d_out_e, walking block columns through the transpose indices.
+  launch_dsd_transposed(topology, forward.hidden, d_out, D, gradients.d_w2, D, stream);
+  // dW1_e = permuted_x_eᵀ d_pre_e (and the up half for SwiGLU).
+  launch_dds(topology, permuted_x, D, gradients.d_pre_activation, gradients.d_w1, w1_cols, 0, stream);
+  if (swiglu)
+    launch_dds(topology, permuted_x, D, gradients.d_up_projection, gradients.d_w1, w1_cols, H, stream);
+  // d_permuted_x = [d_pre | d_up] W1_eᵀ: one DSD whose K runs over all w1_columns.
+  launch_dsd(topology, gradients.d_pre_activation, swiglu ? gradients.d_up_projection : nullptr,
+             ExpertOperand{w1, w1_cols, 0, true}, D, gradients.d_permuted_x, stream);
+}
+
+}  // namespace moe::cuda

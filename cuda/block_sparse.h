@@ -1,0 +1,125 @@
+// block_sparse.h: the dropless expert FFN of MegaBlocks (Gale et al., MLSys 2023) on the GPU, as
+// block-sparse products on tensor cores: SDD, DSD, DSᵀD and DDS over a DeviceTopology, forward and
+// backward. Host API, includable by plain C++; the kernels are in block_sparse.cu / .cuh, and the
+// lesson that builds them up version by version is cuda/dev/sdd.cu.
+// Build: cmake --build build --target moe_cuda; tests: build/tests/cuda/cuda_test_block_sparse
+//
+// The hidden matrix [rows, E*H] is tiled in B x B blocks. The dropless plan rounds each expert's
+// rows up to B, so block row r belongs to one expert e = block_row_expert[r] and holds all H/B of
+// that expert's block columns. Sparse matrices are stored as their blocks in BCSR order,
+// [max_nnz, B, B] bf16 (block i is rows i*B.. of the CPU reference's [nnz*B, B] matrix).
+//
+// Expert weights are addressed through device arrays of device pointers, one per expert of the
+// topology (`const bf16* const* w1` = [E] pointers, each to a [D, w1_columns] matrix), so the same
+// kernels serve experts stored in one tensor, a subset of experts on a rank, or an expert just
+// copied into a cache slot. expert_pointer_table() builds such an array for one contiguous tensor.
+//
+// Contract (device_plan.h): the true counts (*block_rows, *nnz) stay on the device; grids are sized
+// by topology.max_block_rows and block_cols; CTAs past *block_rows exit at once, so rows of dense
+// outputs past the real rows and blocks past *nnz are NOT written. Weight gradients cover every
+// expert of the topology (all E*H/B block columns) and are always written, zeros for an expert
+// without rows. Everything runs asynchronously on `stream`; nothing synchronises with the host.
+//
+// Precision: bf16 operands, fp32 accumulation, bf16 activations and activation gradients, fp32
+// weight gradients (written, not accumulated into).
+//
+// Requirements, checked on the host before any launch (std::invalid_argument otherwise):
+// B = 64 or 128, D and H multiples of B, every pointer argument non-null.
+// Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, B block size.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "bf16.h"           // bf16
+#include "device_buffer.h"  // DeviceBuffer
+#include "device_plan.h"    // DeviceTopology
+#include "moe_config.h"     // MoeConfig, Activation
+
+namespace moe::cuda {
+
+// ---- the block-sparse products ----
+// One dense operand per expert. Element (k, n) of expert e's operand matrix is
+//   pointers[e][k * ld + column_offset + n]      when !transposed (stored [K, ld], row-major)
+//   pointers[e][(column_offset + n) * ld + k]    when transposed  (stored [N, ld]; we use its ᵀ)
+struct ExpertOperand {
+  const bf16* const* pointers = nullptr;  // device array [E] of device pointers
+  int ld = 0;                             // row stride of the stored matrix, in elements
+  int column_offset = 0;                  // e.g. H for SwiGLU's up columns of W1
+  bool transposed = false;
+};
+
+// SDD: out_blocks(r, j) = a[rB : rB+B, :] · op_e[:, jB : jB+B], e = block_row_expert[r], for the
+// topology's blocks. a [max_rows, inner] bf16 row-major; op_e is [inner, H]; inner % B == 0.
+void sdd(const DeviceTopology& topology, const bf16* a, int inner, const ExpertOperand& b,
+         bf16* out_blocks,  // [max_nnz, B, B]
+         cudaStream_t stream = nullptr);
+
+// DSD: out[rB : rB+B, :] = sum_j S(r, j) · op_e[jB : jB+B, :], S given by its blocks;
+// op_e is [H, out_cols]; out [max_rows, out_cols] bf16 row-major; out_cols % B == 0.
+void dsd(const DeviceTopology& topology, const bf16* s_blocks,  // [max_nnz, B, B]
+         const ExpertOperand& b, int out_cols, bf16* out, cudaStream_t stream = nullptr);
+
+// DSᵀD: out_e = S_eᵀ · dense_e for every expert: out[e] [H, cols] fp32 row-major, where S_e is
+// expert e's block columns and dense_e its rows of dense [max_rows, cols]. Walks block columns
+// through column_offsets / transpose_indices (MegaBlocks 5.1.4). cols % B == 0.
+void dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks,  // [max_nnz, B, B]
+                    const bf16* dense, int cols,                           // [max_rows, cols]
+                    float* const* out,  // device array [E] of device pointers, each [H, ldo]
+                    int ldo, cudaStream_t stream = nullptr);
+
+// DDS: out_e[:, column_offset + :H] = dense_eᵀ · S_e for every expert: out[e] [cols, ldo] fp32,
+// dense [max_rows, cols] bf16. (d W1_e = permuted_xᵀ · d_pre.) cols % B == 0.
+void dds(const DeviceTopology& topology, const bf16* dense, int cols,  // [max_rows, cols]
+         const bf16* s_blocks,                                         // [max_nnz, B, B]
+         float* const* out,  // device array [E] of device pointers, each [cols, ldo]
+         int ldo, int column_offset, cudaStream_t stream = nullptr);
+
+// ---- the dropless expert FFN ----
+// Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,
+// out = DSD(hidden, W2). SwiGLU: pre holds the gate blocks, up the up blocks, and the second SDD's
+// epilogue writes hidden = silu(gate) · up.
+struct BlockSparseFfnOutputs {  // device buffers the caller owns
+  bf16* pre_activation = nullptr;  // [max_nnz, B, B] (the gate for SwiGLU)
+  bf16* up_projection = nullptr;   // [max_nnz, B, B] SwiGLU only; nullptr for GeLU
+  bf16* hidden = nullptr;          // [max_nnz, B, B]
+  bf16* out = nullptr;             // [max_rows, D]
+};
+
+void block_sparse_ffn_forward(const MoeConfig& config, const DeviceTopology& topology,
+                              const bf16* permuted_x,   // [max_rows, D]
+                              const bf16* const* w1,    // device [E] -> [D, w1_columns]
+                              const bf16* const* w2,    // device [E] -> [H, D]
+                              const BlockSparseFfnOutputs& outputs, cudaStream_t stream = nullptr);
+
+// Backward: d_hidden = SDD(d_out, W2ᵀ) with act' fused in its epilogue (-> d_pre, and d_up for
+// SwiGLU); dW2_e = hidden_eᵀ d_out_e (DSᵀD); dW1_e = permuted_x_eᵀ d_pre_e (DDS);
+// d_permuted_x = DSD(d_pre, W1ᵀ) (one DSD over [d_gate | d_up] for SwiGLU).
+struct BlockSparseFfnGradients {  // device buffers the caller owns
+  bf16* d_pre_activation = nullptr;  // [max_nnz, B, B] workspace and result
+  bf16* d_up_projection = nullptr;   // [max_nnz, B, B] SwiGLU only
+  bf16* d_permuted_x = nullptr;      // [max_rows, D]
+  float* const* d_w1 = nullptr;      // device [E] -> [D, w1_columns] fp32
+  float* const* d_w2 = nullptr;      // device [E] -> [H, D] fp32
+};
+
+void block_sparse_ffn_backward(const MoeConfig& config, const DeviceTopology& topology,
+                               const bf16* permuted_x,  // [max_rows, D]
+                               const bf16* const* w1,   // device [E] -> [D, w1_columns]
+                               const bf16* const* w2,   // device [E] -> [H, D]
+                               const BlockSparseFfnOutputs& forward,
+                               const bf16* d_out,       // [max_rows, D]
+                               const BlockSparseFfnGradients& gradients,
+                               cudaStream_t stream = nullptr);
+
+// A device array of `count` pointers base, base + stride, base + 2 stride, ... (elements): the
+// pointer table of experts stored one after another in one tensor.
+template <typename T>
+DeviceBuffer<T*> expert_pointer_table(T* base, int count, size_t stride) {
+  std::vector<T*> pointers(count);
+  for (int e = 0; e < count; ++e) pointers[e] = base + static_cast<size_t>(e) * stride;
+  return DeviceBuffer<T*>(pointers);
+}
+
+}  // namespace moe::cuda

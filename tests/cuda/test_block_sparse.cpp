@@ -1,0 +1,412 @@
+// test_block_sparse.cpp: the block-sparse tensor-core kernels (cuda/block_sparse.h: SDD, DSD, DSᵀD,
+// DDS and the dropless expert FFN forward and backward) against the CPU reference, on fresh random
+// bf16 inputs with every output poisoned (0xFF bytes: NaN) before the run. Tolerance: relative
+// Frobenius error ||gpu - ref|| / ||ref|| < 1e-2 (bf16 operands and outputs, fp32 accumulation).
+// Also checked: nothing past the used rows / blocks is written, rows past the used part of the
+// inputs are never read (they hold NaN), empty experts get exactly zero weight gradients.
+// Run: ctest --test-dir build -R cuda_test_block_sparse   (skips without a GPU)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../../reference_cpu/block_sparse.h"  // moe::ref::sdd, dsd, dds (by path: cuda/ has one too)
+#include "block_sparse.h"                      // moe::cuda: the kernels under test
+#include "block_sparse_ffn.h"                  // moe::ref::block_sparse_ffn_forward / backward
+#include "block_sparse_host.h"                 // upload_topology
+#include "device_info.h"                       // gpu_available
+#include "init.h"                              // moe::ref::random_matrix
+
+namespace {
+
+using moe::Activation;
+using moe::MoeConfig;
+using moe::cuda::bf16;
+using moe::cuda::DeviceBuffer;
+using moe::ref::Matrix;
+
+#define REQUIRE_GPU() \
+  if (!moe::cuda::gpu_available()) GTEST_SKIP() << moe::cuda::why_no_gpu()
+
+constexpr double kTolerance = 1e-2;
+constexpr uint16_t kPoison = 0xFFFF;  // bf16 NaN, what fill_bytes(0xFF) leaves
+bf16 poison_bf16() {
+  __nv_bfloat16_raw raw;
+  raw.x = kPoison;
+  return bf16(raw);
+}
+
+// Uniform in [-scale, scale), rounded to bf16, so the reference sees exactly the GPU's inputs.
+Matrix random_bf16_matrix(int64_t rows, int64_t cols, std::mt19937_64& generator, double scale) {
+  Matrix m = moe::ref::random_matrix(rows, cols, generator, scale);
+  for (int64_t i = 0; i < m.size(); ++i) m.data()[i] = __bfloat162float(__float2bfloat16(float(m.data()[i])));
+  return m;
+}
+
+// A device copy of m in a buffer of `capacity_rows` rows; the rows past m's hold NaN, so reading
+// them (rows past *block_rows) poisons a result.
+DeviceBuffer<bf16> upload_rows(const Matrix& m, int64_t capacity_rows) {
+  std::vector<bf16> host(size_t(capacity_rows * m.cols()), poison_bf16());
+  for (int64_t i = 0; i < m.size(); ++i) host[size_t(i)] = __float2bfloat16(float(m.data()[i]));
+  return DeviceBuffer<bf16>(host);
+}
+
+DeviceBuffer<bf16> poisoned_bf16(size_t count) {
+  DeviceBuffer<bf16> b(count);
+  b.fill_bytes(0xFF);
+  return b;
+}
+
+struct Error {
+  double relative = 0;
+  int64_t not_finite = 0;
+};
+// ||gpu - ref|| / ||ref|| over the first ref.size() values; when ||ref|| = 0, the norm of gpu itself.
+template <typename T>
+Error compare(const std::vector<T>& gpu, const Matrix& ref) {
+  double diff = 0, norm = 0;
+  Error error;
+  for (int64_t i = 0; i < ref.size(); ++i) {
+    double g;
+    if constexpr (std::is_same_v<T, bf16>) g = __bfloat162float(gpu[size_t(i)]);
+    else g = gpu[size_t(i)];
+    if (!std::isfinite(g)) ++error.not_finite;
+    diff += (g - ref.data()[i]) * (g - ref.data()[i]);
+    norm += ref.data()[i] * ref.data()[i];
+  }
+  error.relative = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+  return error;
+}
+
+#define EXPECT_CLOSE(gpu, ref, what)                                                      \
+  do {                                                                                    \
+    const Error e_ = compare(gpu, ref);                                                   \
+    EXPECT_EQ(e_.not_finite, 0) << what << ": NaN or Inf in the used part";              \
+    EXPECT_LT(e_.relative, kTolerance) << what;                                           \
+    std::printf("  %-28s rel_err=%.2e tol=%.0e\n", what, e_.relative, kTolerance);       \
+  } while (0)
+
+// Every value from `first` on still holds the poison: nothing was written there.
+void expect_untouched(const std::vector<bf16>& values, size_t first, const char* what) {
+  size_t written = 0;
+  for (size_t i = first; i < values.size(); ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, &values[i], 2);
+    written += bits != kPoison;
+  }
+  EXPECT_EQ(written, 0u) << what << ": values past the used part were written";
+}
+
+// Per-expert fp32 gradients, each in its own allocation (the pointer table need not be one tensor).
+struct ExpertFloats {
+  std::vector<DeviceBuffer<float>> buffers;
+  DeviceBuffer<float*> table;
+  ExpertFloats(int experts, size_t count) {
+    std::vector<float*> pointers;
+    for (int e = 0; e < experts; ++e) {
+      buffers.emplace_back(count);
+      buffers.back().fill_bytes(0xFF);
+      pointers.push_back(buffers.back().data());
+    }
+    table = DeviceBuffer<float*>(pointers);
+  }
+  Matrix stacked(int64_t rows, int64_t cols) const {  // E x [rows, cols] -> [E*rows, cols]
+    Matrix m(rows * int64_t(buffers.size()), cols);
+    for (size_t e = 0; e < buffers.size(); ++e) {
+      const std::vector<float> host = buffers[e].download();
+      for (int64_t i = 0; i < rows * cols; ++i) m.data()[int64_t(e) * rows * cols + i] = host[size_t(i)];
+    }
+    return m;
+  }
+};
+
+struct ExpertWeights {
+  std::vector<DeviceBuffer<bf16>> buffers;
+  DeviceBuffer<const bf16*> table;
+  explicit ExpertWeights(const std::vector<Matrix>& per_expert) {
+    std::vector<const bf16*> pointers;
+    for (const Matrix& m : per_expert) {
+      buffers.emplace_back(moe::cuda::to_bf16(m.data(), size_t(m.size())));
+      pointers.push_back(buffers.back().data());
+    }
+    table = DeviceBuffer<const bf16*>(pointers);
+  }
+};
+
+enum class Routing { random, skip_one_expert, all_to_one_expert };
+
+// One dropless layer's worth of inputs: config, plan, topology (host and device), tensors.
+struct Problem {
+  MoeConfig config;
+  moe::ref::DispatchPlan plan;
+  moe::ref::BlockSparseTopology topology;
+  moe::cuda::UploadedTopology device;
+  int64_t rows = 0, max_rows = 0;
+  Matrix permuted_x, d_out;       // [rows, D]
+  std::vector<Matrix> w1, w2;     // E x [D, w1_columns], E x [H, D]
+
+  Problem(int T, int D, int H, int E, int K, int B, Activation activation, Routing routing, uint64_t seed) {
+    config.tokens = T;
+    config.model_dim = D;
+    config.hidden_dim = H;
+    config.num_experts = E;
+    config.top_k = K;
+    config.block_size = B;
+    config.activation = activation;
+    config.formulation = moe::Formulation::dropless;
+    std::mt19937_64 generator(seed);
+    moe::ref::IndexMatrix top(T, K);
+    for (int t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        int e = 0;
+        switch (routing) {
+          case Routing::random: e = int(generator() % uint64_t(E)); break;
+          case Routing::skip_one_expert: e = int(generator() % uint64_t(E - 1)); e += (e >= E / 2); break;
+          case Routing::all_to_one_expert: e = (1 + k) % E; break;
+        }
+        for (int j = 0; j < k; ++j)
+          if (top(t, j) == e) e = (e + 1) % E;  // K distinct experts per token
+        if (routing == Routing::skip_one_expert && e == E / 2) e = (e + 1) % E;
+        top(t, k) = e;
+      }
+    }
+    plan = moe::ref::plan_dispatch(config, top);
+    topology = moe::ref::make_topology(config, plan);
+    rows = plan.total_rows;
+    max_rows = int64_t(T) * K + int64_t(E) * (B - 1);
+    device = moe::cuda::upload_topology(topology, plan.row_offsets, H, max_rows);
+
+    const int64_t w1_cols = moe::w1_columns(config);
+    permuted_x = random_bf16_matrix(rows, D, generator, 1.0);
+    for (int64_t r = 0; r < rows; ++r)
+      if (plan.row_slot[size_t(r)] < 0) permuted_x.row(r).setZero();  // padding rows, as permute writes
+    d_out = random_bf16_matrix(rows, D, generator, 1.0);
+    for (int e = 0; e < E; ++e) {
+      w1.push_back(random_bf16_matrix(D, w1_cols, generator, 1.0 / std::sqrt(double(D))));
+      w2.push_back(random_bf16_matrix(H, D, generator, 1.0 / std::sqrt(double(H))));
+    }
+  }
+  size_t block_elements() const { return size_t(device.topology.max_nnz) * config.block_size * config.block_size; }
+  size_t used_block_elements() const { return size_t(topology.nnz) * config.block_size * config.block_size; }
+};
+
+// The whole dropless FFN, forward and backward, against block_sparse_ffn_* and expert_ffn_*.
+void check_ffn(const Problem& p) {
+  const MoeConfig& c = p.config;
+  const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts, w1_cols = moe::w1_columns(c);
+  const bool swiglu = c.activation == Activation::swiglu;
+  std::printf("T=%ld D=%ld H=%ld E=%ld K=%ld B=%ld %s rows=%ld/%ld nnz=%ld\n", long(c.tokens), long(D),
+              long(H), long(E), long(c.top_k), long(c.block_size), swiglu ? "swiglu" : "gelu",
+              long(p.rows), long(p.max_rows), long(p.topology.nnz));
+
+  const auto ref_forward = moe::ref::block_sparse_ffn_forward(c, p.topology, p.permuted_x, p.w1, p.w2);
+  const auto ref_grads =
+      moe::ref::block_sparse_ffn_backward(c, p.topology, p.permuted_x, p.w1, p.w2, ref_forward, p.d_out);
+  const auto dense_forward = moe::ref::expert_ffn_forward(c, p.plan, p.permuted_x, p.w1, p.w2);
+  const auto dense_grads =
+      moe::ref::expert_ffn_backward(c, p.plan, p.permuted_x, p.w1, p.w2, dense_forward, p.d_out);
+
+  const ExpertWeights w1(p.w1), w2(p.w2);
+  const DeviceBuffer<bf16> x = upload_rows(p.permuted_x, p.max_rows);
+  const DeviceBuffer<bf16> d_out = upload_rows(p.d_out, p.max_rows);
+  DeviceBuffer<bf16> pre = poisoned_bf16(p.block_elements()), hidden = poisoned_bf16(p.block_elements());
+  DeviceBuffer<bf16> up = poisoned_bf16(swiglu ? p.block_elements() : 0);
+  DeviceBuffer<bf16> out = poisoned_bf16(size_t(p.max_rows * D));
+
+  moe::cuda::BlockSparseFfnOutputs outputs{pre.data(), swiglu ? up.data() : nullptr, hidden.data(), out.data()};
+  moe::cuda::block_sparse_ffn_forward(c, p.device.topology, x.data(), w1.table.data(), w2.table.data(), outputs);
+
+  const auto out_host = out.download();
+  const auto pre_host = pre.download(), hidden_host = hidden.download();
+  EXPECT_CLOSE(pre_host, ref_forward.pre_activation, "forward pre-activation");
+  if (swiglu) EXPECT_CLOSE(up.download(), ref_forward.up_projection, "forward up projection");
+  EXPECT_CLOSE(hidden_host, ref_forward.hidden, "forward hidden");
+  EXPECT_CLOSE(out_host, ref_forward.out, "forward out (block-sparse ref)");
+  EXPECT_CLOSE(out_host, dense_forward.out, "forward out (expert_ffn ref)");
+  expect_untouched(out_host, size_t(p.rows * D), "forward out");
+  expect_untouched(hidden_host, p.used_block_elements(), "forward hidden blocks");
+  expect_untouched(pre_host, p.used_block_elements(), "forward pre-activation blocks");
+
+  DeviceBuffer<bf16> d_pre = poisoned_bf16(p.block_elements());
+  DeviceBuffer<bf16> d_up = poisoned_bf16(swiglu ? p.block_elements() : 0);
+  DeviceBuffer<bf16> d_x = poisoned_bf16(size_t(p.max_rows * D));
+  ExpertFloats d_w1(int(E), size_t(D * w1_cols)), d_w2(int(E), size_t(H * D));
+  moe::cuda::BlockSparseFfnGradients gradients{d_pre.data(), swiglu ? d_up.data() : nullptr, d_x.data(),
+                                               d_w1.table.data(), d_w2.table.data()};
+  moe::cuda::block_sparse_ffn_backward(c, p.device.topology, x.data(), w1.table.data(), w2.table.data(),
+                                       outputs, d_out.data(), gradients);
+
+  // d_pre against the reference's own blocks: SDD(d_out, W2catᵀ) . act'(pre).
+  const Matrix d_hidden = moe::ref::sdd(p.d_out, moe::ref::concat_expert_rows(p.w2).transpose(), p.topology);
+  Matrix d_pre_ref;
+  if (swiglu) {
+    d_pre_ref = d_hidden.cwiseProduct(ref_forward.up_projection)
+                    .cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::silu_derivative(a); }));
+    const Matrix d_up_ref =
+        d_hidden.cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::silu(a); }));
+    EXPECT_CLOSE(d_up.download(), d_up_ref, "backward d_up");
+  } else {
+    d_pre_ref = d_hidden.cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::gelu_derivative(a); }));
+  }
+  const auto d_pre_host = d_pre.download();
+  EXPECT_CLOSE(d_pre_host, d_pre_ref, "backward d_pre");
+  expect_untouched(d_pre_host, p.used_block_elements(), "backward d_pre blocks");
+
+  const auto d_x_host = d_x.download();
+  EXPECT_CLOSE(d_x_host, ref_grads.permuted_x, "backward d_x (block-sparse ref)");
+  EXPECT_CLOSE(d_x_host, dense_grads.permuted_x, "backward d_x (expert_ffn ref)");
+  expect_untouched(d_x_host, size_t(p.rows * D), "backward d_x");
+
+  const Matrix d_w1_gpu = d_w1.stacked(D, w1_cols), d_w2_gpu = d_w2.stacked(H, D);
+  const Matrix d_w1_ref = moe::ref::concat_expert_rows(ref_grads.w1), d_w2_ref = moe::ref::concat_expert_rows(ref_grads.w2);
+  const Matrix d_w1_dense = moe::ref::concat_expert_rows(dense_grads.w1), d_w2_dense = moe::ref::concat_expert_rows(dense_grads.w2);
+  auto as_vector = [](const Matrix& m) { return std::vector<float>(m.data(), m.data() + m.size()); };
+  EXPECT_CLOSE(as_vector(d_w1_gpu), d_w1_ref, "backward d_w1 (block-sparse ref)");
+  EXPECT_CLOSE(as_vector(d_w1_gpu), d_w1_dense, "backward d_w1 (expert_ffn ref)");
+  EXPECT_CLOSE(as_vector(d_w2_gpu), d_w2_ref, "backward d_w2 (block-sparse ref)");
+  EXPECT_CLOSE(as_vector(d_w2_gpu), d_w2_dense, "backward d_w2 (expert_ffn ref)");
+  for (int64_t e = 0; e < E; ++e) {
+    if (p.plan.rows_per_expert[size_t(e)] != 0) continue;
+    EXPECT_EQ(d_w1_gpu.middleRows(e * D, D).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
+    EXPECT_EQ(d_w2_gpu.middleRows(e * H, H).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
+  }
+}
+
+TEST(BlockSparseFfn, GeluB128) {
+  REQUIRE_GPU();
+  check_ffn(Problem(300, 256, 256, 4, 1, 128, Activation::gelu, Routing::random, 1));
+}
+TEST(BlockSparseFfn, GeluB64NarrowTiles) {  // D and H not multiples of 128: the 64-wide tiles
+  REQUIRE_GPU();
+  check_ffn(Problem(200, 192, 320, 3, 2, 64, Activation::gelu, Routing::random, 2));
+}
+TEST(BlockSparseFfn, GeluB64) {
+  REQUIRE_GPU();
+  check_ffn(Problem(333, 256, 512, 6, 2, 64, Activation::gelu, Routing::random, 3));
+}
+TEST(BlockSparseFfn, SwigluB64) {
+  REQUIRE_GPU();
+  check_ffn(Problem(150, 128, 128, 4, 2, 64, Activation::swiglu, Routing::random, 4));
+}
+TEST(BlockSparseFfn, SwigluB128) {
+  REQUIRE_GPU();
+  check_ffn(Problem(260, 256, 384, 2, 1, 128, Activation::swiglu, Routing::random, 5));
+}
+TEST(BlockSparseFfn, ExpertWithNoTokens) {
+  REQUIRE_GPU();
+  check_ffn(Problem(280, 128, 256, 4, 1, 128, Activation::gelu, Routing::skip_one_expert, 6));
+}
+TEST(BlockSparseFfn, OneExpertGetsAllTokens) {
+  REQUIRE_GPU();
+  check_ffn(Problem(190, 128, 192, 4, 1, 64, Activation::gelu, Routing::all_to_one_expert, 7));
+}
+TEST(BlockSparseFfn, SingleExpert) {
+  REQUIRE_GPU();
+  check_ffn(Problem(130, 128, 256, 1, 1, 128, Activation::gelu, Routing::random, 8));
+}
+TEST(BlockSparseFfn, TopTwoOfEight) {
+  REQUIRE_GPU();
+  check_ffn(Problem(400, 384, 256, 8, 2, 128, Activation::gelu, Routing::random, 9));
+}
+
+// The four public products on their own, on random sparse blocks (not an FFN's activations), with
+// both layouts of the expert operand.
+void check_products(int T, int D, int H, int E, int K, int B, uint64_t seed) {
+  Problem p(T, D, H, E, K, B, Activation::gelu, Routing::random, seed);
+  std::mt19937_64 generator(seed + 100);
+  const auto& t = p.device.topology;
+  const Matrix s = random_bf16_matrix(p.topology.nnz * B, B, generator, 1.0);
+  DeviceBuffer<bf16> s_device = poisoned_bf16(p.block_elements());
+  {
+    std::vector<bf16> host = s_device.download();
+    for (int64_t i = 0; i < s.size(); ++i) host[size_t(i)] = __float2bfloat16(float(s.data()[i]));
+    s_device.upload(host);
+  }
+  const ExpertWeights w1(p.w1), w2(p.w2);  // [D, H] and [H, D]
+  const DeviceBuffer<bf16> x = upload_rows(p.permuted_x, p.max_rows), dy = upload_rows(p.d_out, p.max_rows);
+  const Matrix w1_cat = moe::ref::concat_expert_columns(p.w1, 0, H), w2_cat = moe::ref::concat_expert_rows(p.w2);
+
+  DeviceBuffer<bf16> blocks = poisoned_bf16(p.block_elements());
+  moe::cuda::sdd(t, x.data(), D, moe::cuda::ExpertOperand{w1.table.data(), int(H), 0, false}, blocks.data());
+  EXPECT_CLOSE(blocks.download(), moe::ref::sdd(p.permuted_x, w1_cat, p.topology), "sdd x W1");
+
+  blocks.fill_bytes(0xFF);
+  moe::cuda::sdd(t, dy.data(), D, moe::cuda::ExpertOperand{w2.table.data(), int(D), 0, true}, blocks.data());
+  EXPECT_CLOSE(blocks.download(), moe::ref::sdd(p.d_out, w2_cat.transpose(), p.topology), "sdd dy W2^T");
+
+  DeviceBuffer<bf16> dense = poisoned_bf16(size_t(p.max_rows * D));
+  moe::cuda::dsd(t, s_device.data(), moe::cuda::ExpertOperand{w2.table.data(), int(D), 0, false}, D, dense.data());
+  auto dense_host = dense.download();
+  EXPECT_CLOSE(dense_host, moe::ref::dsd(p.topology, s, false, w2_cat), "dsd S W2");
+  expect_untouched(dense_host, size_t(p.rows * D), "dsd out");
+
+  dense.fill_bytes(0xFF);
+  moe::cuda::dsd(t, s_device.data(), moe::cuda::ExpertOperand{w1.table.data(), int(H), 0, true}, D, dense.data());
+  EXPECT_CLOSE(dense.download(), moe::ref::dsd(p.topology, s, false, w1_cat.transpose()), "dsd S W1^T");
+
+  ExpertFloats st_dy(E, size_t(H * D));
+  moe::cuda::dsd_transposed(t, s_device.data(), dy.data(), D, st_dy.table.data(), D);
+  const Matrix st_dy_gpu = st_dy.stacked(H, D);
+  EXPECT_CLOSE(std::vector<float>(st_dy_gpu.data(), st_dy_gpu.data() + st_dy_gpu.size()),
+               moe::ref::dsd(p.topology, s, true, p.d_out), "dsd_transposed S^T dy");
+
+  ExpertFloats xt_s(E, size_t(D * H));
+  moe::cuda::dds(t, x.data(), D, s_device.data(), xt_s.table.data(), H, 0);
+  // ref::dds gives [D, E*H]; the GPU gives E x [D, H]: compare expert by expert.
+  const Matrix ref = moe::ref::dds(p.permuted_x.transpose(), p.topology, s, false);
+  Matrix ref_stacked(E * D, H);
+  for (int e = 0; e < E; ++e) ref_stacked.middleRows(e * D, D) = ref.middleCols(e * H, H);
+  const Matrix xt_s_gpu = xt_s.stacked(D, H);
+  EXPECT_CLOSE(std::vector<float>(xt_s_gpu.data(), xt_s_gpu.data() + xt_s_gpu.size()), ref_stacked, "dds x^T S");
+}
+
+TEST(BlockSparseProducts, B128) {
+  REQUIRE_GPU();
+  check_products(300, 256, 384, 3, 2, 128, 11);
+}
+TEST(BlockSparseProducts, B64) {
+  REQUIRE_GPU();
+  check_products(250, 192, 256, 5, 1, 64, 12);
+}
+
+// ---- bad input: refused on the host, before any launch ----
+TEST(BlockSparseBadInput, SizesAndPointers) {
+  REQUIRE_GPU();
+  Problem p(100, 128, 128, 2, 1, 64, Activation::gelu, Routing::random, 13);
+  const ExpertWeights w1(p.w1), w2(p.w2);
+  const DeviceBuffer<bf16> x = upload_rows(p.permuted_x, p.max_rows);
+  DeviceBuffer<bf16> pre(p.block_elements()), hidden(p.block_elements()), out(size_t(p.max_rows * 128));
+  moe::cuda::BlockSparseFfnOutputs outputs{pre.data(), nullptr, hidden.data(), out.data()};
+  auto forward = [&](const MoeConfig& c, const bf16* input, const moe::cuda::DeviceTopology& t) {
+    moe::cuda::block_sparse_ffn_forward(c, t, input, w1.table.data(), w2.table.data(), outputs);
+  };
+  MoeConfig bad_d = p.config;
+  bad_d.model_dim = 100;  // not a multiple of B = 64
+  EXPECT_THROW(forward(bad_d, x.data(), p.device.topology), std::invalid_argument);
+  MoeConfig bad_h = p.config;
+  bad_h.hidden_dim = 96;
+  EXPECT_THROW(forward(bad_h, x.data(), p.device.topology), std::invalid_argument);
+  EXPECT_THROW(forward(p.config, nullptr, p.device.topology), std::invalid_argument);
+  moe::cuda::DeviceTopology no_offsets = p.device.topology;
+  no_offsets.offsets = nullptr;
+  EXPECT_THROW(forward(p.config, x.data(), no_offsets), std::invalid_argument);
+  moe::cuda::DeviceTopology odd_block = p.device.topology;
+  odd_block.block_size = 32;
+  EXPECT_THROW(forward(p.config, x.data(), odd_block), std::invalid_argument);
+  EXPECT_THROW(moe::cuda::sdd(p.device.topology, x.data(), 100,
+                              moe::cuda::ExpertOperand{w1.table.data(), 128, 0, false}, pre.data()),
+               std::invalid_argument);
+  EXPECT_THROW(moe::cuda::sdd(p.device.topology, x.data(), 128, moe::cuda::ExpertOperand{}, pre.data()),
+               std::invalid_argument);
+  EXPECT_THROW(moe::cuda::dsd(p.device.topology, pre.data(),
+                              moe::cuda::ExpertOperand{w2.table.data(), 128, 0, false}, 128, nullptr),
+               std::invalid_argument);
+  // Nothing was launched: the device is still healthy.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+}  // namespace
