@@ -1,6 +1,6 @@
-// topology.cu: the two kernels of topology.h: one over block rows and block columns, one over
+// block_topology.cu: the two kernels of block_topology.h: one over block rows and block columns, one over
 // blocks. Build: cmake --build build-gpu --target moe_cuda.
-#include "topology.h"
+#include "block_topology.h"
 
 #include <algorithm>
 #include <cstdint>

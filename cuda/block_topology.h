@@ -1,4 +1,4 @@
-// topology.h: builds the block-sparse topology (DeviceTopology, device_plan.h) of the dropless
+// block_topology.h: builds the block-sparse topology (DeviceTopology, device_plan.h) of the dropless
 // formulation on the GPU, from the dropless DevicePlan, without host synchronisation: the BCSR
 // offsets, row_indices and column_indices, and the transpose indices of MegaBlocks 5.1.4 that let
 // the backward kernels walk the sparse matrix column by column without a transposed copy.

@@ -1,6 +1,6 @@
-// dispatch.cu: the plan-building kernels of dispatch.h (histogram, per-expert scan, CUB's stable
+// dispatch_plan.cu: the plan-building kernels of dispatch_plan.h (histogram, per-expert scan, CUB's stable
 // radix sort, row assignment). Build: cmake --build build-gpu --target moe_cuda.
-#include "dispatch.h"
+#include "dispatch_plan.h"
 
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>

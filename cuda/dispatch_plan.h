@@ -1,4 +1,4 @@
-// dispatch.h: builds the dispatch plan (DevicePlan, device_plan.h) of the dropping, padded and
+// dispatch_plan.h: builds the dispatch plan (DevicePlan, device_plan.h) of the dropping, padded and
 // dropless formulations on the GPU from the router's top_experts, with no host synchronisation.
 // The CPU oracle is reference_cpu/dispatch.h: every array here equals its DispatchPlan namesake.
 // Built into moe_cuda; tested by tests/cuda/test_dispatch.cpp (ctest --test-dir build-gpu -R cuda_test_dispatch).

@@ -2,7 +2,7 @@
 // launcher runs before it launches anything. A bad size caught here gets a message naming the value
 // and the allowed range; caught nowhere, it becomes an out-of-bounds write inside a kernel, which
 // CUDA reports (if at all) as an unrelated error at some later call.
-// Header-only, host code; included by cuda/routing.cu, dispatch.cu, topology.cu, permute.cu.
+// Header-only, host code; included by cuda/routing.cu, dispatch_plan.cu, block_topology.cu, token_permute.cu.
 #pragma once
 
 #include <cstdint>

@@ -64,7 +64,7 @@ void router_losses(const float* probs,        // [T, E]
                    int tokens, int num_experts, int top_k, cudaStream_t stream);
 
 // d_logits of  L = (terms through the combine weights) + aux_coef * aux_loss + z_coef * z_loss,
-// given dL/d combine_weights (from combine_backward in permute.h), one warp per token:
+// given dL/d combine_weights (from combine_backward in token_permute.h), one warp per token:
 //   d_probs[t, top_experts[t, k]] += d_cw[t, k]                          (no renormalisation)
 //                                 or (d_cw[t, k] - sum_j d_cw[t, j] w[t, j]) / S_t   (renormalised,
 //                                    S_t = sum_k probs[t, top_experts[t, k]], w = probs / S_t)

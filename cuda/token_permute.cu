@@ -1,9 +1,9 @@
-// permute.cu: the gather / scatter kernels of permute.h. Build: cmake --build build-gpu --target moe_cuda.
+// token_permute.cu: the gather / scatter kernels of token_permute.h. Build: cmake --build build-gpu --target moe_cuda.
 //
 // Each kernel is templated on kPack, the bf16 values one lane moves per step: 8 (one 16-byte load,
 // chosen when D % 8 == 0 and the pointers are 16-byte aligned) or 1 (any D). These kernels only
 // move bytes, so their speed is the memory bandwidth: wide loads halve the instructions per byte.
-#include "permute.h"
+#include "token_permute.h"
 
 #include <cstdint>
 #include <initializer_list>

@@ -1,4 +1,4 @@
-// permute.h: applying a dispatch plan on the GPU: gather tokens into expert order (padding fused),
+// token_permute.h: applying a dispatch plan on the GPU: gather tokens into expert order (padding fused),
 // scatter expert outputs back to tokens weighted by the router (un-permute and combine), and the
 // backward of both. The CPU oracle is reference_cpu/permute.h and the combine part of
 // moe::ref::moe_backward (reference_cpu/moe_layer.cpp).

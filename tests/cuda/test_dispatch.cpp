@@ -1,0 +1,165 @@
+// test_dispatch.cpp: the GPU dispatch plan (cuda/dispatch_plan.h) against reference_cpu/dispatch.h, array
+// by array and exactly, for the dropping, padded and dropless formulations, on awkward routings.
+// Run: ctest --test-dir build-gpu -R cuda_test_dispatch   (skips without a GPU)
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda_check.h"     // CUDA_CHECK
+#include "device_buffer.h"  // DeviceBuffer
+#include "device_info.h"    // gpu_available, why_no_gpu
+#include "dispatch.h"       // moe::ref::plan_dispatch (reference_cpu/)
+#include "dispatch_plan.h"  // DispatchPlanBuffers, build_dispatch_plan (cuda/)
+#include "routing_test_support.h"
+
+namespace {
+
+using moe::cuda::DeviceBuffer;
+using namespace moe::test;
+
+#define REQUIRE_GPU() \
+  if (!moe::cuda::gpu_available()) GTEST_SKIP() << moe::cuda::why_no_gpu()
+
+moe::MoeConfig plan_config(moe::Formulation formulation, int64_t T, int64_t E, int64_t K, int64_t B,
+                           double capacity_factor = 1.0) {
+  moe::MoeConfig config;
+  config.tokens = T;
+  config.model_dim = 8;
+  config.hidden_dim = B;  // a multiple of B, as dropless requires
+  config.num_experts = E;
+  config.top_k = K;
+  config.formulation = formulation;
+  config.capacity_factor = capacity_factor;
+  config.block_size = B;
+  return config;
+}
+
+void poison(moe::cuda::DispatchPlanBuffers& buffers) {
+  for (auto* buffer : {&buffers.tokens_per_expert, &buffers.routed_offsets, &buffers.routed_slots,
+                       &buffers.kept_per_expert, &buffers.row_offsets, &buffers.row_slot, &buffers.slot_row,
+                       &buffers.total_rows, &buffers.invalid_slots}) {
+    buffer->fill_bytes(kIntPoisonByte);
+  }
+}
+
+// Builds the plan on the GPU and compares every array with the reference's.
+void check_plan(moe::cuda::DispatchPlanBuffers& buffers, const moe::MoeConfig& config,
+                const moe::ref::IndexMatrix& top_experts) {
+  const moe::ref::DispatchPlan ref = moe::ref::plan_dispatch(config, top_experts);
+  SCOPED_TRACE(std::string(moe::to_string(config.formulation)) + " T=" + std::to_string(config.tokens) +
+               " E=" + std::to_string(config.num_experts) + " K=" + std::to_string(config.top_k) +
+               " B=" + std::to_string(config.block_size) + " C=" + std::to_string(ref.capacity));
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreate(&stream));
+  DeviceBuffer<int> device_top(to_vector(top_experts));
+  poison(buffers);
+  moe::cuda::build_dispatch_plan(device_top.data(), buffers, stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+
+  EXPECT_EQ(buffers.capacity(), ref.capacity);
+  EXPECT_EQ(buffers.invalid_slots.download(), std::vector<int>{0});
+  expect_equal("tokens_per_expert", buffers.tokens_per_expert.download(), ref.tokens_per_expert);
+  expect_equal("routed_offsets", buffers.routed_offsets.download(), ref.routed_offsets);
+  expect_equal("routed_slots", buffers.routed_slots.download(), ref.routed_slots);
+  expect_equal("kept_per_expert", buffers.kept_per_expert.download(), ref.kept_per_expert);
+  expect_equal("row_offsets", buffers.row_offsets.download(), ref.row_offsets);
+  ASSERT_EQ(buffers.total_rows.download(), std::vector<int>{static_cast<int>(ref.total_rows)});
+  ASSERT_LE(ref.total_rows, buffers.max_rows()) << "the host-known bound max_rows is too small";
+  const std::vector<int> row_slot = buffers.row_slot.download();
+  expect_equal("row_slot (used rows)", head(row_slot, size_t(ref.total_rows)), ref.row_slot);
+  expect_equal("row_slot (rows past total_rows)", tail(row_slot, size_t(ref.total_rows)),
+               std::vector<int>(row_slot.size() - size_t(ref.total_rows), -1));
+  expect_equal("slot_row", buffers.slot_row.download(), ref.slot_row);
+  std::printf("PASS-candidate plan %s: total_rows=%lld max_rows=%d dropped=%lld padding=%lld\n",
+              std::string(moe::to_string(config.formulation)).c_str(), static_cast<long long>(ref.total_rows),
+              buffers.max_rows(), static_cast<long long>(ref.dropped_slots), static_cast<long long>(ref.padding_rows));
+}
+
+void check_case(const moe::MoeConfig& config, const moe::ref::IndexMatrix& top_experts) {
+  moe::cuda::DispatchPlanBuffers buffers(config);
+  check_plan(buffers, config, top_experts);
+}
+
+const moe::Formulation kFormulations[] = {moe::Formulation::dropping, moe::Formulation::padded,
+                                          moe::Formulation::dropless};
+
+TEST(CudaDispatch, RandomSkewedRoutingsMatchReference) {
+  REQUIRE_GPU();
+  uint64_t seed = 100;
+  for (moe::Formulation formulation : kFormulations) {
+    for (double capacity_factor : {0.5, 1.0, 2.0}) {
+      check_case(plan_config(formulation, 1000, 16, 2, 64, capacity_factor), random_top_experts(1000, 16, 2, ++seed));
+    }
+    check_case(plan_config(formulation, 300, 8, 2, 128), random_top_experts(300, 8, 2, ++seed, 0.0));  // uniform
+    check_case(plan_config(formulation, 16384, 64, 2, 128), random_top_experts(16384, 64, 2, ++seed, 0.5));
+    check_case(plan_config(formulation, 16384, 64, 2, 64), random_top_experts(16384, 64, 2, ++seed, 1.5));
+    check_case(plan_config(formulation, 777, 200, 8, 16), random_top_experts(777, 200, 8, ++seed, 0.3));
+  }
+}
+
+TEST(CudaDispatch, AwkwardSizes) {
+  REQUIRE_GPU();
+  uint64_t seed = 200;
+  for (moe::Formulation formulation : kFormulations) {
+    check_case(plan_config(formulation, 1, 1, 1, 4), random_top_experts(1, 1, 1, ++seed));       // T = E = K = 1
+    check_case(plan_config(formulation, 1, 8, 2, 4), random_top_experts(1, 8, 2, ++seed));       // T = 1
+    check_case(plan_config(formulation, 5, 4, 4, 2), random_top_experts(5, 4, 4, ++seed));       // K = E
+    check_case(plan_config(formulation, 100, 8, 2, 64, 1.0),                                     // expert 3 empty
+               random_top_experts(100, 8, 2, ++seed, 1.0, {3}));
+    // All tokens on one expert: K = 1, every token picks expert 2 (E = 5 leaves four empty).
+    moe::ref::IndexMatrix all_on_two = moe::ref::IndexMatrix::Constant(257, 1, 2);
+    check_case(plan_config(formulation, 257, 5, 1, 64, 1.25), all_on_two);
+    check_case(plan_config(formulation, 257, 1, 1, 128), moe::ref::IndexMatrix::Zero(257, 1));  // E = 1
+  }
+}
+
+TEST(CudaDispatch, BuffersAreReusedAcrossSteps) {
+  REQUIRE_GPU();
+  for (moe::Formulation formulation : kFormulations) {
+    const moe::MoeConfig config = plan_config(formulation, 2000, 32, 2, 64, 1.0);
+    moe::cuda::DispatchPlanBuffers buffers(config);
+    for (uint64_t step = 0; step < 3; ++step) {
+      check_plan(buffers, config, random_top_experts(2000, 32, 2, 300 + step, 0.5 * double(step)));
+    }
+  }
+}
+
+TEST(CudaDispatch, MaxRowsBounds) {
+  REQUIRE_GPU();
+  const moe::cuda::DispatchPlanBuffers dropless(plan_config(moe::Formulation::dropless, 100, 8, 2, 64));
+  EXPECT_EQ(dropless.max_rows(), 100 * 2 + 8 * 63);
+  EXPECT_EQ(dropless.plan().capacity, 0);
+  const moe::cuda::DispatchPlanBuffers padded(plan_config(moe::Formulation::padded, 100, 8, 2, 64, 1.5));
+  EXPECT_EQ(padded.capacity(), 38);  // ceil(1.5 * 200 / 8) = 37.5 -> 38
+  EXPECT_EQ(padded.max_rows(), 8 * 38);
+}
+
+TEST(CudaDispatch, InvalidExpertIdsAreCounted) {
+  REQUIRE_GPU();
+  const moe::MoeConfig config = plan_config(moe::Formulation::dropless, 10, 4, 1, 4);
+  moe::cuda::DispatchPlanBuffers buffers(config);
+  std::vector<int> top = {0, 1, 2, 3, 4, -1, 0, 1, 2, 3};  // 4 and -1 are outside [0, 4)
+  DeviceBuffer<int> device_top(top);
+  moe::cuda::build_dispatch_plan(device_top.data(), buffers, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(buffers.invalid_slots.download(), std::vector<int>{2});
+}
+
+TEST(CudaDispatch, BadArgumentsAreRejected) {
+  REQUIRE_GPU();
+  moe::MoeConfig config = plan_config(moe::Formulation::dropless, 10, 4, 5, 4);  // K > E
+  EXPECT_THROW(moe::cuda::DispatchPlanBuffers{config}, std::invalid_argument);
+  config = plan_config(moe::Formulation::dropping, 10, 4, 1, 4, 0.0);  // no capacity
+  EXPECT_THROW(moe::cuda::DispatchPlanBuffers{config}, std::invalid_argument);
+  config = plan_config(moe::Formulation::dropless, 1 << 20, 8192 * 2, 2, 4);  // E over the histogram's bins
+  EXPECT_THROW(moe::cuda::DispatchPlanBuffers{config}, std::invalid_argument);
+  config = plan_config(moe::Formulation::dropless, int64_t(1) << 30, 8, 4, 4);  // T*K over int32
+  EXPECT_THROW(moe::cuda::DispatchPlanBuffers{config}, std::invalid_argument);
+  moe::cuda::DispatchPlanBuffers buffers(plan_config(moe::Formulation::dropless, 10, 4, 1, 4));
+  EXPECT_THROW(moe::cuda::build_dispatch_plan(nullptr, buffers, nullptr), std::invalid_argument);
+}
+
+}  // namespace
