@@ -73,7 +73,7 @@ void check_plan(moe::cuda::DispatchPlanBuffers& buffers, const moe::MoeConfig& c
   expect_equal("row_slot (rows past total_rows)", tail(row_slot, size_t(ref.total_rows)),
                std::vector<int>(row_slot.size() - size_t(ref.total_rows), -1));
   expect_equal("slot_row", buffers.slot_row.download(), ref.slot_row);
-  std::printf("PASS-candidate plan %s: total_rows=%lld max_rows=%d dropped=%lld padding=%lld\n",
+  std::printf("plan %s checked: total_rows=%lld max_rows=%d dropped=%lld padding=%lld\n",
               std::string(moe::to_string(config.formulation)).c_str(), static_cast<long long>(ref.total_rows),
               buffers.max_rows(), static_cast<long long>(ref.dropped_slots), static_cast<long long>(ref.padding_rows));
 }
