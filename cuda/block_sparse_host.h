@@ -24,9 +24,8 @@ struct UploadedTopology {
   DeviceTopology topology;
 };
 
-inline UploadedTopology upload_topology(const ref::BlockSparseTopology& t,
-                                        const ref::IndexVector& row_offsets,  // [E+1] the plan's
-                                        int64_t hidden_dim, int64_t max_rows) {
+inline UploadedTopology upload_topology(const ref::BlockSparseTopology& t, int64_t hidden_dim,
+                                        int64_t max_rows) {  // T*K + E*(B-1), the plan's bound
   const int B = static_cast<int>(t.block_size);
   const int blocks_per_expert = static_cast<int>(hidden_dim / B);
   const int max_block_rows = static_cast<int>(max_rows / B);
@@ -38,13 +37,6 @@ inline UploadedTopology upload_topology(const ref::BlockSparseTopology& t,
     std::copy(used.begin(), used.end(), out.begin());
     return out;
   };
-  std::vector<int> expert_of_row(max_block_rows, -1);
-  for (int r = 0; r < block_rows; ++r) {
-    const int64_t row = static_cast<int64_t>(r) * B;
-    int e = 0;
-    while (!(row_offsets[e] <= row && row < row_offsets[e + 1])) ++e;  // every block row has one
-    expert_of_row[r] = e;
-  }
 
   UploadedTopology u;
   u.block_rows = DeviceBuffer<int>(std::vector<int>{block_rows});
@@ -54,7 +46,7 @@ inline UploadedTopology upload_topology(const ref::BlockSparseTopology& t,
   u.column_indices = DeviceBuffer<int>(padded(t.column_indices, max_nnz, -1));
   u.column_offsets = DeviceBuffer<int>(padded(t.column_offsets, static_cast<int>(t.block_cols) + 1, -1));
   u.transpose_indices = DeviceBuffer<int>(padded(t.transpose_indices, max_nnz, -1));
-  u.block_row_expert = DeviceBuffer<int>(expert_of_row);
+  u.block_row_expert = DeviceBuffer<int>(padded(t.block_row_expert, max_block_rows, -1));
 
   DeviceTopology& d = u.topology;
   d.block_size = B;

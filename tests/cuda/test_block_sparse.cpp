@@ -178,7 +178,7 @@ struct Problem {
     topology = moe::ref::make_topology(config, plan);
     rows = plan.total_rows;
     max_rows = int64_t(T) * K + int64_t(E) * (B - 1);
-    device = moe::cuda::upload_topology(topology, plan.row_offsets, H, max_rows);
+    device = moe::cuda::upload_topology(topology, H, max_rows);
 
     const int64_t w1_cols = moe::w1_columns(config);
     permuted_x = random_bf16_matrix(rows, D, generator, 1.0);
