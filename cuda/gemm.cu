@@ -35,14 +35,28 @@ void gemm(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k, const bf
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k, const bf16* const* a,
-                  int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc, int batch, float beta) {
+namespace {
+void gemm_batched_any(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k, const bf16* const* a,
+                      int lda, const bf16* const* b, int ldb, void* const* c, cudaDataType_t c_type, int ldc,
+                      int batch, float beta) {
   const float alpha = 1.0f;
   CUBLAS_CHECK(cublasGemmBatchedEx(handle, to_cublas(op_b), to_cublas(op_a), n, m, k, &alpha,
                                    reinterpret_cast<const void* const*>(b), CUDA_R_16BF, ldb,
-                                   reinterpret_cast<const void* const*>(a), CUDA_R_16BF, lda, &beta,
-                                   reinterpret_cast<void* const*>(c), CUDA_R_16BF, ldc, batch,
-                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                   reinterpret_cast<const void* const*>(a), CUDA_R_16BF, lda, &beta, c, c_type,
+                                   ldc, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+}  // namespace
+
+void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k, const bf16* const* a,
+                  int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc, int batch, float beta) {
+  gemm_batched_any(handle, op_a, op_b, m, n, k, a, lda, b, ldb, reinterpret_cast<void* const*>(c), CUDA_R_16BF,
+                   ldc, batch, beta);
+}
+
+void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k, const bf16* const* a,
+                  int lda, const bf16* const* b, int ldb, float* const* c, int ldc, int batch, float beta) {
+  gemm_batched_any(handle, op_a, op_b, m, n, k, a, lda, b, ldb, reinterpret_cast<void* const*>(c), CUDA_R_32F,
+                   ldc, batch, beta);
 }
 
 void gemm_grouped(cublasHandle_t handle, const std::vector<int>& m, int n, int k, const bf16* const* a,

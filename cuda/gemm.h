@@ -51,8 +51,12 @@ void gemm(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k,
           float alpha = 1.0f, float beta = 0.0f, bool c_is_float = false);
 
 // For each e < batch: C[e] = op(A[e]) op(B[e]) (+ beta C[e]); a, b, c are DEVICE arrays of pointers.
+// C is bf16 (activations) or fp32 (weight gradients).
 void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k,
                   const bf16* const* a, int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc,
+                  int batch, float beta = 0.0f);
+void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k,
+                  const bf16* const* a, int lda, const bf16* const* b, int ldb, float* const* c, int ldc,
                   int batch, float beta = 0.0f);
 
 // For each group g: C[g] [m[g], n] = A[g] [m[g], k] B[g] [k, n] (no transposes; row counts on the

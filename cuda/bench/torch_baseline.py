@@ -1,0 +1,123 @@
+"""torch_baseline.py: what a PyTorch user would run instead of our dropless MoE layer, timed on the
+same shapes and routings as moe_bench, so the comparison sits side by side in one GPU call.
+
+Run (on the GPU machine, PyTorch 2.11):  python3 cuda/bench/torch_baseline.py --out torch_baseline.json
+
+Expert FFN y = gelu(x W1) W2 per expert, bf16, forward and forward+backward, timed with CUDA events
+(warm-up, median of 20) for: torch._grouped_mm, a Python loop over experts, and one dense GEMM pair
+of the same useful FLOPs (4 * rows * D * H, rows = T*K routed rows). The routing counts follow the
+same deterministic rule as moe_bench (cuda/bench/routing_counts.h): expert e gets a share
+proportional to w_e (uniform: 1, zipf: 1/(e+1)), floor'ed, the remainder to the first experts.
+"""
+import argparse
+import datetime
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [  # T, D, H, E, K  (shared/BASELINES.md)
+    (16384, 1024, 4096, 64, 1),
+    (16384, 2048, 8192, 64, 2),
+    (8192, 4096, 14336, 8, 2),
+]
+
+
+def routing_counts(rows, experts, routing):
+    weights = [1.0 if routing == "uniform" else 1.0 / (e + 1) for e in range(experts)]
+    total = sum(weights)
+    counts = [int(rows * w / total) for w in weights]
+    for e in range(rows - sum(counts)):
+        counts[e % experts] += 1
+    return counts
+
+
+def time_ms(fn, warmup=3, repeat=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_shape(T, D, H, E, K, routing):
+    rows = T * K
+    counts = routing_counts(rows, E, routing)
+    offsets = torch.tensor(counts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w1 = (torch.randn(E, D, H, device="cuda", dtype=torch.bfloat16, generator=gen) / D**0.5).requires_grad_()
+    w2 = (torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5).requires_grad_()
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    useful = 4.0 * rows * D * H
+    result = {"T": T, "D": D, "H": H, "E": E, "K": K, "routing": routing, "max_count": max(counts)}
+
+    def grouped():
+        h = F.gelu(torch._grouped_mm(xg, w1, offs=offsets), approximate="tanh")
+        return torch._grouped_mm(h, w2, offs=offsets)
+
+    splits = [int(c) for c in counts]
+
+    def loop():
+        outs = []
+        for e, part in enumerate(torch.split(xg, splits)):
+            outs.append(F.gelu(part @ w1[e], approximate="tanh") @ w2[e])
+        return torch.cat(outs)
+
+    dense_w1 = (torch.randn(D, H, device="cuda", dtype=torch.bfloat16, generator=gen) / D**0.5).requires_grad_()
+    dense_w2 = (torch.randn(H, D, device="cuda", dtype=torch.bfloat16, generator=gen) / H**0.5).requires_grad_()
+
+    def dense():
+        return F.gelu(xg @ dense_w1, approximate="tanh") @ dense_w2
+
+    for name, fn in [("torch_grouped_mm", grouped), ("torch_loop", loop), ("dense_cublas", dense)]:
+        try:
+            with torch.no_grad():
+                fwd = time_ms(fn)
+            fwd_bwd = time_ms(lambda: fn().backward(dy))
+            result[name] = {
+                "forward_ms": fwd,
+                "forward_tflops": useful / fwd / 1e9,
+                "forward_backward_ms": fwd_bwd,
+                "forward_backward_tflops": 3 * useful / fwd_bwd / 1e9,
+            }
+        except Exception as error:  # report what failed (an API or alignment limit) and go on
+            result[name] = {"error": f"{type(error).__name__}: {error}"}
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="torch_baseline.json")
+    args = parser.parse_args()
+    results = []
+    print(f"{'shape':32s} {'routing':8s} {'grouped_mm':>11s} {'loop':>8s} {'dense':>8s}  (forward TFLOP/s)")
+    for T, D, H, E, K in SHAPES:
+        for routing in ("uniform", "zipf"):
+            r = bench_shape(T, D, H, E, K, routing)
+            results.append(r)
+            cells = [f"{r[n].get('forward_tflops', float('nan')):8.0f}" for n in ("torch_grouped_mm", "torch_loop", "dense_cublas")]
+            print(f"T={T} D={D} H={H} E={E} K={K}".ljust(32), routing.ljust(8), "   ".join(cells), flush=True)
+            torch.cuda.empty_cache()
+    doc = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "results": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

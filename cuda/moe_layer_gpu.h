@@ -1,0 +1,113 @@
+// moe_layer_gpu.h: one whole MoE layer on the GPU, forward and backward, in the three formulations.
+// This is the layer the training, offload and distributed code reuse; its oracle is the CPU
+// reference's moe::ref::moe_forward / moe_backward (reference_cpu/moe_layer.h).
+// Built into moe_cuda; tested by tests/cuda/test_moe_layer_gpu.cpp; dumped to .npy by moe_layer_dump.
+//
+// Forward, each step one launch (or one CUB / cuBLAS call) on the caller's stream:
+//   router      logits = x Wg (cuBLAS), fused softmax + top-K + combine weights, router losses
+//   plan        histogram, prefix sums, stable sort by expert (dispatch_plan.h)
+//   topology    BCSR + transpose indices of the hidden matrix (dropless only, block_topology.h)
+//   permute     gather x into expert order, padding rows zeroed (token_permute.h)
+//   experts     dropless: block-sparse SDD (+GeLU) and DSD on tensor cores (block_sparse.h)
+//               padded / dropping: cuBLAS batched GEMMs over [E, C, D] (the GShard / Tutel way;
+//               dropping is padded with the capacity C = ceil(cf*T*K/E): the same kept tokens, the
+//               same output, C rows computed per expert)
+//   combine     y[t] = sum_k w[t,k] expert_out[row of (t,k)]
+// No step reads anything back to the host: counts stay on the GPU and every buffer and grid is sized
+// by host-known bounds (device_plan.h). Backward runs the same steps in reverse.
+//
+// Precision: bf16 activations and weights, fp32 accumulation; router logits, probabilities and
+// combine weights in fp32; weight and input gradients in fp32.
+// Supported: GeLU, no jitter (both checked in the constructor with a clear error).
+//
+// Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k,
+// C capacity, B block size.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "bf16.h"            // bf16
+#include "block_topology.h"  // TopologyBuffers
+#include "device_buffer.h"   // DeviceBuffer
+#include "dispatch_plan.h"   // DispatchPlanBuffers
+#include "gemm.h"            // CublasHandle
+#include "moe_config.h"      // MoeConfig
+
+namespace moe::cuda {
+
+struct MoeLayerWeights {           // device memory, owned by the caller
+  const bf16* gate_weights = nullptr;  // [D, E]
+  const bf16* const* w1 = nullptr;     // device array [E] -> [D, H] per expert
+  const bf16* const* w2 = nullptr;     // device array [E] -> [H, D] per expert
+};
+
+struct MoeLayerGradients {         // device memory, owned by the caller; overwritten, not accumulated
+  float* dx = nullptr;                // [T, D]
+  float* d_gate_weights = nullptr;    // [D, E]
+  float* const* d_w1 = nullptr;       // device array [E] -> [D, H]
+  float* const* d_w2 = nullptr;       // device array [E] -> [H, D]
+};
+
+class MoeLayerGpu {
+ public:
+  // Validates the config (moe::validate, then GeLU only, no jitter, E and K within the router's
+  // limits, dropless B of 64 or 128) and allocates every buffer for T tokens.
+  explicit MoeLayerGpu(const MoeConfig& config);
+
+  void forward(const bf16* x,  // [T, D]
+               const MoeLayerWeights& weights,
+               bf16* y,        // [T, D]
+               cudaStream_t stream);
+
+  // Gradients of L = sum(dy .* y) + aux_loss_coef * aux + z_loss_coef * z, for the x, weights and
+  // routing of the last forward() (call forward first, with the same x and weights).
+  void backward(const bf16* x,   // [T, D]
+                const MoeLayerWeights& weights,
+                const bf16* dy,  // [T, D]
+                const MoeLayerGradients& gradients, cudaStream_t stream);
+
+  const MoeConfig& config() const { return config_; }
+  int max_rows() const { return plan_.max_rows(); }
+
+  // ---- what the last forward computed, on the device (for tests, lessons, .npy dumps) ----
+  const DispatchPlanBuffers& plan() const { return plan_; }
+  const TopologyBuffers* topology() const { return topology_.get(); }  // dropless only
+  const DeviceBuffer<float>& probs() const { return probs_; }                      // [T, E]
+  const DeviceBuffer<int>& top_experts() const { return top_experts_; }            // [T, K]
+  const DeviceBuffer<float>& combine_weights() const { return combine_weights_; }  // [T, K]
+  const DeviceBuffer<float>& aux_loss() const { return aux_loss_; }                // [1] unscaled
+  const DeviceBuffer<float>& z_loss() const { return z_loss_; }                    // [1] unscaled
+  const DeviceBuffer<bf16>& permuted_x() const { return permuted_x_; }             // [max_rows, D]
+  const DeviceBuffer<bf16>& expert_out() const { return expert_out_; }             // [max_rows, D]
+
+ private:
+  void experts_forward(const MoeLayerWeights& weights, cudaStream_t stream);
+  void experts_backward(const MoeLayerWeights& weights, const MoeLayerGradients& gradients,
+                        cudaStream_t stream);
+
+  MoeConfig config_;
+  bool dropless_ = true;
+  int capacity_ = 0;  // C for the padded / dropping formulations
+  CublasHandle cublas_;
+  DispatchPlanBuffers plan_;
+  std::unique_ptr<TopologyBuffers> topology_;
+
+  // router
+  DeviceBuffer<float> logits_, probs_, logsumexp_, combine_weights_;  // [T,E] [T,E] [T] [T,K]
+  DeviceBuffer<int> top_experts_;                                     // [T, K]
+  DeviceBuffer<float> expert_fraction_, mean_probs_, aux_loss_, z_loss_;  // [E] [E] [1] [1]
+  // experts: dropless stores the hidden activations as [max_nnz, B, B] blocks, padded as
+  // [E*C, H] rows; both are max_rows * H values.
+  DeviceBuffer<bf16> permuted_x_, pre_activation_, hidden_, expert_out_;
+  // backward
+  DeviceBuffer<bf16> d_expert_out_, d_hidden_, d_pre_activation_, d_permuted_x_, d_logits_bf16_;
+  DeviceBuffer<float> d_combine_weights_, d_logits_;
+  // padded / dropping: per-expert pointers into the [E, C, *] activation tensors
+  DeviceBuffer<const bf16*> x_rows_, pre_rows_, hidden_rows_, d_out_rows_, d_pre_rows_;
+  DeviceBuffer<bf16*> pre_rows_out_, out_rows_out_, d_hidden_rows_out_, d_x_rows_out_;
+};
+
+}  // namespace moe::cuda

@@ -1,0 +1,192 @@
+// test_moe_layer_gpu.cpp: the whole MoE layer on the GPU (cuda/moe_layer_gpu.h), forward and
+// backward in every formulation, against the CPU reference moe::ref::moe_forward / moe_backward
+// computed in double from the same bf16-rounded inputs. bf16 activations with fp32 accumulation:
+// relative errors of a few 1e-3 are expected; the tolerance is 2e-2.
+// Run: ctest --test-dir build -R CudaMoeLayer   (skips without a GPU)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "block_sparse.h"   // expert_pointer_table
+#include "device_buffer.h"  // DeviceBuffer
+#include "device_info.h"    // gpu_available
+#include "init.h"           // moe::ref::random_matrix, random_weights
+#include "moe_layer.h"      // moe::ref::moe_forward, moe_backward
+#include "moe_layer_gpu.h"  // MoeLayerGpu
+
+namespace {
+
+using moe::MoeConfig;
+using moe::cuda::bf16;
+using moe::cuda::DeviceBuffer;
+using moe::ref::Matrix;
+
+#define REQUIRE_GPU() \
+  if (!moe::cuda::gpu_available()) GTEST_SKIP() << moe::cuda::why_no_gpu()
+
+constexpr double kTolerance = 2e-2;
+
+Matrix round_bf16(const Matrix& m) {
+  return m.unaryExpr([](double v) { return double(__bfloat162float(__float2bfloat16(float(v)))); });
+}
+std::vector<bf16> bf16_of(const Matrix& m) { return moe::cuda::to_bf16(m.data(), size_t(m.size())); }
+std::vector<bf16> bf16_of(const std::vector<Matrix>& ms) {
+  std::vector<bf16> out;
+  for (const Matrix& m : ms) {
+    auto v = bf16_of(m);
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+template <typename T>
+Matrix matrix_of(const std::vector<T>& v, int64_t rows, int64_t cols, size_t offset = 0) {
+  Matrix m(rows, cols);
+  for (int64_t i = 0; i < m.size(); ++i) {
+    if constexpr (std::is_same_v<T, bf16>) m.data()[i] = __bfloat162float(v[offset + size_t(i)]);
+    else m.data()[i] = v[offset + size_t(i)];
+  }
+  return m;
+}
+double relative_error(const Matrix& got, const Matrix& ref) {
+  const double norm = ref.norm();
+  return norm > 0 ? (got - ref).norm() / norm : got.norm();
+}
+
+// Runs the layer on the GPU and the reference on the CPU, then compares y, the losses and every gradient.
+void check_layer(MoeConfig config, uint64_t seed, double gate_scale = 1.0, int favoured_expert = -1) {
+  std::mt19937_64 rng(seed);
+  const int64_t T = config.tokens, D = config.model_dim, H = config.hidden_dim, E = config.num_experts;
+  moe::ref::MoeWeights weights = moe::ref::random_weights(config, seed + 1);
+  weights.gate_weights *= gate_scale;
+  if (favoured_expert >= 0) weights.gate_weights.col(favoured_expert).array() += 50.0;  // x > 0 below
+  weights.gate_weights = round_bf16(weights.gate_weights);
+  for (auto& w : weights.w1) w = round_bf16(w);
+  for (auto& w : weights.w2) w = round_bf16(w);
+  Matrix x = round_bf16(moe::ref::random_matrix(T, D, rng));
+  if (favoured_expert >= 0) x = x.cwiseAbs();
+  const Matrix dy = round_bf16(moe::ref::random_matrix(T, D, rng));
+
+  const moe::ref::LayerForward ref = moe::ref::moe_forward(config, x, weights);
+  const moe::ref::LayerGradients ref_grad = moe::ref::moe_backward(config, x, weights, ref, dy);
+
+  DeviceBuffer<bf16> x_gpu(bf16_of(x)), dy_gpu(bf16_of(dy)), gate_gpu(bf16_of(weights.gate_weights));
+  DeviceBuffer<bf16> w1_gpu(bf16_of(weights.w1)), w2_gpu(bf16_of(weights.w2)), y_gpu(size_t(T * D));
+  auto w1_table = moe::cuda::expert_pointer_table<const bf16>(w1_gpu.data(), int(E), size_t(D * H));
+  auto w2_table = moe::cuda::expert_pointer_table<const bf16>(w2_gpu.data(), int(E), size_t(H * D));
+  DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
+  auto d_w1_table = moe::cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
+  auto d_w2_table = moe::cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
+  for (auto* buffer : {&dx, &d_gate, &d_w1, &d_w2}) buffer->fill_bytes(0xFF);  // NaN poison
+  y_gpu.fill_bytes(0xFF);
+
+  moe::cuda::MoeLayerGpu layer(config);
+  const moe::cuda::MoeLayerWeights w{gate_gpu.data(), w1_table.data(), w2_table.data()};
+  layer.forward(x_gpu.data(), w, y_gpu.data(), nullptr);
+  layer.backward(x_gpu.data(), w, dy_gpu.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
+                 nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+
+  // The routing must be the reference's (inputs are not near ties at these seeds).
+  const std::vector<int> top = layer.top_experts().download();
+  int flips = 0;
+  for (int64_t i = 0; i < T * config.top_k; ++i) flips += top[size_t(i)] != ref.router.top_experts.data()[i];
+  ASSERT_EQ(flips, 0) << "GPU routing differs from the reference in " << flips << " slots";
+
+  const Matrix y = matrix_of(y_gpu.download(), T, D);
+  ASSERT_TRUE(y.allFinite());
+  EXPECT_LT(relative_error(y, ref.y), kTolerance) << "y";
+  EXPECT_NEAR(layer.aux_loss().download()[0], ref.aux_loss, 1e-4 * std::max(1.0, ref.aux_loss));
+  EXPECT_NEAR(layer.z_loss().download()[0], ref.z_loss, 1e-4 * std::max(1.0, ref.z_loss));
+
+  const Matrix dx_got = matrix_of(dx.download(), T, D);
+  ASSERT_TRUE(dx_got.allFinite());
+  EXPECT_LT(relative_error(dx_got, ref_grad.x), kTolerance) << "dx";
+  EXPECT_LT(relative_error(matrix_of(d_gate.download(), D, E), ref_grad.gate_weights), kTolerance) << "dWg";
+  const auto d_w1_host = d_w1.download(), d_w2_host = d_w2.download();
+  for (int64_t e = 0; e < E; ++e) {
+    const Matrix g1 = matrix_of(d_w1_host, D, H, size_t(e * D * H));
+    const Matrix g2 = matrix_of(d_w2_host, H, D, size_t(e * H * D));
+    ASSERT_TRUE(g1.allFinite() && g2.allFinite()) << "expert " << e;
+    if (ref_grad.w1[e].norm() == 0) {  // an expert with no tokens: exactly zero gradient
+      EXPECT_EQ(g1.norm(), 0.0) << "expert " << e;
+      EXPECT_EQ(g2.norm(), 0.0) << "expert " << e;
+    } else {
+      EXPECT_LT(relative_error(g1, ref_grad.w1[e]), kTolerance) << "dW1 expert " << e;
+      EXPECT_LT(relative_error(g2, ref_grad.w2[e]), kTolerance) << "dW2 expert " << e;
+    }
+  }
+}
+
+MoeConfig base_config() {
+  MoeConfig c;
+  c.tokens = 300;  // not a multiple of B
+  c.model_dim = 128;
+  c.hidden_dim = 256;
+  c.num_experts = 8;
+  c.top_k = 2;
+  c.block_size = 64;
+  c.renormalize = true;
+  c.aux_loss_coef = 0.01;
+  c.z_loss_coef = 0.001;
+  return c;
+}
+
+TEST(CudaMoeLayer, DroplessBlockSize64And128) {
+  REQUIRE_GPU();
+  MoeConfig c = base_config();
+  check_layer(c, 11);
+  c.block_size = 128;
+  check_layer(c, 12);
+}
+
+TEST(CudaMoeLayer, PaddedAndDropping) {
+  REQUIRE_GPU();
+  MoeConfig c = base_config();
+  c.formulation = moe::Formulation::padded;
+  c.capacity_factor = 2.0;
+  check_layer(c, 21);
+  c.formulation = moe::Formulation::dropping;
+  c.capacity_factor = 1.0;  // drops tokens: the dropped ones get zero MoE output and no gradient
+  check_layer(c, 22, 3.0);
+}
+
+TEST(CudaMoeLayer, AwkwardShapes) {
+  REQUIRE_GPU();
+  MoeConfig c = base_config();
+  c.num_experts = 1;  // E = 1, K = 1
+  c.top_k = 1;
+  check_layer(c, 31);
+  c = base_config();
+  c.tokens = 1;  // T = 1: one token, many empty experts
+  check_layer(c, 32);
+  c = base_config();
+  c.top_k = 1;
+  c.renormalize = false;
+  check_layer(c, 33, 1.0, /*favoured_expert=*/3);  // all tokens on expert 3, the others empty
+  c = base_config();
+  c.num_experts = 4;
+  c.top_k = 4;  // K = E
+  check_layer(c, 34);
+}
+
+TEST(CudaMoeLayer, BadConfigurationsFailBeforeAnyLaunch) {
+  REQUIRE_GPU();
+  MoeConfig c = base_config();
+  c.activation = moe::Activation::swiglu;
+  EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);
+  c = base_config();
+  c.jitter_eps = 0.1;
+  EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);
+  c = base_config();
+  c.block_size = 32;
+  EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);
+  c = base_config();
+  c.hidden_dim = 100;  // not a multiple of B
+  EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);
+  c = base_config();
+  c.top_k = 9;
+  EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);
+}
+
+}  // namespace
