@@ -19,6 +19,20 @@ for lesson in lesson01_routing lesson02_formulations; do
   "$program" --out "runs/$lesson" --overwrite || failed=1
 done
 
+# The GPU path, where there is a GPU: one MoE layer on the GPU beside the CPU reference, forward
+# and backward, dropless (block-sparse kernels) and padded (cuBLAS), with every tensor as .npy.
+dump="$build_dir/cuda/moe_layer_dump"
+if [ -x "$dump" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  for formulation in dropless padded; do
+    echo
+    echo "==================== GPU layer vs CPU reference: $formulation ===================="
+    "$dump" --formulation "$formulation" --out "runs/layer_dump_$formulation" || failed=1
+  done
+else
+  echo
+  echo "tour: no GPU here (or CUDA not built): the GPU layer check is left out"
+fi
+
 echo
 if [ $failed -ne 0 ]; then
   echo "tour: FAIL (a lesson's verdict failed; see above)"
