@@ -1,0 +1,1202 @@
+// moe_bench.cpp: the expert FFN of an MoE layer, y = gelu(x W1) W2 per expert in bf16, timed in every
+// formulation this project has, against dense cuBLAS doing the same useful math in the same run.
+//
+// Build: cmake -S . -B build-bench -G Ninja -DMOE_ENABLE_VIEWER=OFF && cmake --build build-bench --target moe_bench
+// Run:   build-bench/cuda/bench/moe_bench                      (the shapes of shared/BASELINES.md)
+//        build-bench/cuda/bench/moe_bench --shapes small       (a quick shape, with a CPU-oracle check)
+//        options: --shapes baselines|small|all|T,D,H,E,K  --routing both|uniform|zipf
+//                 --only NAME[,NAME...]  --out FILE  --warmup 3  --repeat 20  --seed 1234
+// The result file's fields are explained in notebooks_data/bench/README.md.
+//
+// Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, C capacity,
+// B block size; rows = T*K routed slots, slot = t*K + k.
+//
+// Formulations (names as in the table and the JSON):
+//   block_sparse_B128, _B64  dropless MegaBlocks FFN on our block-sparse kernels (block_sparse.h); the
+//                            plan and topology are built on the GPU from top_experts and x is
+//                            permuted by the GPU kernels, as in a real layer
+//   grouped_cublas           dropless, cuBLAS grouped GEMM on the exact per-expert row counts
+//   padded_max               every expert padded to C = the largest count, one batched GEMM [E, C, D]
+//   dropping_cf1.00, _cf1.25 C = ceil(cf * T*K / E), tokens past C dropped, batched GEMM [E, C, D]
+//   dense_cublas             one [T*K, D] x [D, H] GEMM, GeLU, one [T*K, H] x [H, D] GEMM: the same
+//                            useful FLOPs with no routing at all, the ceiling to compare with
+// Useful TFLOP/s counts 4*rows*D*H (forward) and 12*rows*D*H (forward + backward) for the rows that
+// are really computed for a token: padding rows and dropped tokens count as zero.
+//
+// Correctness first: before each formulation is timed, its forward output and input gradient (and,
+// where no token is dropped, two experts' weight gradients) are compared slot by slot with the
+// grouped cuBLAS path, on fresh random inputs, with outputs poisoned (NaN) before the run. On small
+// shapes the dropless output is also compared with the CPU reference (moe::ref::expert_ffn_forward).
+// The last line is one verdict, PASS or FAIL (exit code 1).
+//
+// Index of sections:
+//   [SECTION] options             [SECTION] random inputs       [SECTION] timing
+//   [SECTION] checks              [SECTION] cuBLAS expert FFN   [SECTION] block-sparse expert FFN
+//   [SECTION] one shape, one routing                            [SECTION] report      [SECTION] main
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "../block_sparse.h"  // block_sparse_ffn_forward / backward (by path: reference_cpu/ has one too)
+#include "activation.h"       // gelu_forward, gelu_backward
+#include "bf16.h"             // bf16
+#include "block_topology.h"   // TopologyBuffers, build_topology
+#include "cuda_check.h"       // CUDA_CHECK
+#include "device_buffer.h"    // DeviceBuffer
+#include "device_info.h"      // gpu_available, why_no_gpu
+#include "dispatch.h"         // moe::ref::DispatchPlan (the CPU oracle's plan)
+#include "dispatch_plan.h"    // DispatchPlanBuffers, build_dispatch_plan
+#include "expert_ffn.h"       // moe::ref::expert_ffn_forward (the CPU oracle)
+#include "gemm.h"             // gemm, gemm_batched, gemm_grouped, CublasHandle
+#include "moe_config.h"       // MoeConfig
+#include "routing.h"          // router_logits, route_top_k, router_losses
+#include "routing_counts.h"   // routing_counts, top_experts_from_counts
+#include "token_permute.h"    // permute_tokens, unpermute_and_combine
+
+namespace {
+
+using moe::Formulation;
+using moe::MoeConfig;
+using moe::bench::Routing;
+using moe::cuda::bf16;
+using moe::cuda::DeviceBuffer;
+using moe::cuda::Op;
+using json = nlohmann::json;
+
+constexpr double kTolerance = 2e-2;  // relative Frobenius error, bf16 operands and activations
+constexpr int kOracleCpuRows = 256;  // slots checked against the CPU reference on small shapes
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] options
+// ---------------------------------------------------------------------------------------------
+
+struct Shape {
+  int T, D, H, E, K;
+  std::string name() const {
+    std::ostringstream s;
+    s << "T=" << T << " D=" << D << " H=" << H << " E=" << E << " K=" << K;
+    return s.str();
+  }
+};
+
+const std::vector<Shape> kBaselineShapes = {  // shared/BASELINES.md
+    {16384, 1024, 4096, 64, 1},
+    {16384, 2048, 8192, 64, 2},
+    {8192, 4096, 14336, 8, 2},
+};
+const Shape kSmallShape = {2048, 512, 1024, 8, 2};
+
+struct Options {
+  std::vector<Shape> shapes = kBaselineShapes;
+  std::vector<Routing> routings = {Routing::uniform, Routing::zipf};
+  std::vector<std::string> only;  // formulation names to time (substrings); empty = all
+  std::string out;
+  int warmup = 3, repeat = 20;
+  uint64_t seed = 1234;
+
+  // dense_cublas is always timed: every ratio is taken against it.
+  bool selected(const std::string& formulation) const {
+    if (only.empty() || formulation == "dense_cublas") return true;
+    return std::any_of(only.begin(), only.end(),
+                       [&](const std::string& name) { return formulation.find(name) != std::string::npos; });
+  }
+};
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  for (std::string part; std::getline(stream, part, separator);) {
+    if (!part.empty()) parts.push_back(part);
+  }
+  return parts;
+}
+
+std::string utc_now(const char* format) {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[64];
+  std::strftime(text, sizeof text, format, &tm);
+  return text;
+}
+
+const char* kUsage =
+    "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
+    "                 [--only NAME[,NAME...]] [--out FILE] [--warmup N] [--repeat N] [--seed N]\n"
+    "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
+    "                dropping_cf1.25 dense_cublas (always timed: the baseline of every ratio)\n";
+
+Options parse_options(int argc, char** argv) {
+  Options options;
+  options.out = "notebooks_data/bench/moe_bench_" + utc_now("%Y-%m-%dT%H%M%SZ") + ".json";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--shapes") {
+      const std::string v = value();
+      if (v == "baselines") options.shapes = kBaselineShapes;
+      else if (v == "small") options.shapes = {kSmallShape};
+      else if (v == "all") {
+        options.shapes = {kSmallShape};
+        options.shapes.insert(options.shapes.end(), kBaselineShapes.begin(), kBaselineShapes.end());
+      } else {
+        const std::vector<std::string> n = split(v, ',');
+        if (n.size() != 5) throw std::invalid_argument("--shapes: baselines, small, all or T,D,H,E,K");
+        options.shapes = {{std::stoi(n[0]), std::stoi(n[1]), std::stoi(n[2]), std::stoi(n[3]), std::stoi(n[4])}};
+      }
+    } else if (arg == "--routing") {
+      const std::string v = value();
+      if (v == "both") options.routings = {Routing::uniform, Routing::zipf};
+      else if (v == "uniform") options.routings = {Routing::uniform};
+      else if (v == "zipf") options.routings = {Routing::zipf};
+      else throw std::invalid_argument("--routing: both, uniform or zipf");
+    } else if (arg == "--only") {
+      options.only = split(value(), ',');
+    } else if (arg == "--out") {
+      options.out = value();
+    } else if (arg == "--warmup") {
+      options.warmup = std::stoi(value());
+    } else if (arg == "--repeat") {
+      options.repeat = std::stoi(value());
+    } else if (arg == "--seed") {
+      options.seed = std::stoull(value());
+    } else if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else {
+      throw std::invalid_argument("unknown option " + arg);
+    }
+  }
+  if (options.warmup < 0 || options.repeat < 1) throw std::invalid_argument("--warmup >= 0, --repeat >= 1");
+  return options;
+}
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] random inputs
+// ---------------------------------------------------------------------------------------------
+
+// A counter-based generator (splitmix64 of seed + index): element i gets the same value whatever the
+// number of threads, so inputs are reproducible from the seed alone.
+uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [-scale, scale), rounded to bf16. Generated on the host in chunks by all cores and copied
+// up: the largest tensor here (E*D*H = 1.07e9 values) takes about a second.
+void fill_uniform(DeviceBuffer<bf16>& buffer, float scale, uint64_t seed) {
+  constexpr size_t kChunk = size_t{1} << 24;
+  const unsigned threads = std::clamp(std::thread::hardware_concurrency(), 1u, 32u);
+  std::vector<bf16> host(std::min(kChunk, buffer.size()));
+  const uint64_t stream_key = splitmix64(seed);
+  for (size_t first = 0; first < buffer.size(); first += kChunk) {
+    const size_t count = std::min(kChunk, buffer.size() - first);
+    std::vector<std::thread> workers;
+    for (unsigned w = 0; w < threads; ++w) {
+      workers.emplace_back([&, w] {
+        const size_t begin = count * w / threads, end = count * (w + 1) / threads;
+        for (size_t i = begin; i < end; ++i) {
+          const uint64_t bits = splitmix64(stream_key ^ (first + i));
+          const float unit = static_cast<float>(bits >> 40) * 0x1p-24f;  // [0, 1)
+          host[i] = __float2bfloat16((2.0f * unit - 1.0f) * scale);
+        }
+      });
+    }
+    for (std::thread& worker : workers) worker.join();
+    CUDA_CHECK(cudaMemcpy(buffer.data() + first, host.data(), count * sizeof(bf16), cudaMemcpyHostToDevice));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] timing
+// ---------------------------------------------------------------------------------------------
+
+struct Timing {
+  std::vector<float> samples_ms;
+  double median_ms = std::nan("");
+};
+
+// Warm-up runs, then `repeat` runs each between two events on `stream`; the median of their times.
+Timing time_work(cudaStream_t stream, const Options& options, const std::function<void()>& work) {
+  for (int i = 0; i < options.warmup; ++i) work();
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  Timing timing;
+  for (int i = 0; i < options.repeat; ++i) {
+    CUDA_CHECK(cudaEventRecord(start, stream));
+    work();
+    CUDA_CHECK(cudaEventRecord(stop, stream));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    timing.samples_ms.push_back(ms);
+  }
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(stop));
+  std::vector<float> sorted = timing.samples_ms;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  timing.median_ms = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  return timing;
+}
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] checks
+// ---------------------------------------------------------------------------------------------
+
+struct Difference {  // accumulates ||candidate - reference|| and ||reference||
+  double diff2 = 0, ref2 = 0;
+  int64_t compared = 0, not_finite = 0;
+  void add(double candidate, double reference) {
+    ++compared;
+    if (!std::isfinite(candidate)) {
+      ++not_finite;
+      return;
+    }
+    diff2 += (candidate - reference) * (candidate - reference);
+    ref2 += reference * reference;
+  }
+  double relative() const { return ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2); }
+};
+
+struct Check {
+  std::string name;
+  double relative_error = 0;
+  int64_t compared = 0, not_finite = 0;
+  double tolerance = kTolerance;
+  bool pass = false;
+  std::string note;  // for checks that are not a tolerance (counts, exceptions)
+};
+
+std::vector<Check> g_checks;  // every check of the run, in order; reported in the JSON and the verdict
+
+void record_check(const std::string& name, const Difference& d) {
+  Check c{name, d.relative(), d.compared, d.not_finite, kTolerance, false, ""};
+  c.pass = d.compared > 0 && d.not_finite == 0 && c.relative_error < kTolerance;
+  std::printf("  check %-62s rel_err=%.2e tol=%.0e %s%s\n", name.c_str(), c.relative_error, kTolerance,
+              c.pass ? "ok" : "FAIL", d.not_finite ? " (NaN/Inf in output)" : "");
+  g_checks.push_back(c);
+}
+
+void record_fact(const std::string& name, bool pass, const std::string& note) {
+  std::printf("  check %-62s %s %s\n", name.c_str(), note.c_str(), pass ? "ok" : "FAIL");
+  g_checks.push_back(Check{name, 0, 0, 0, 0, pass, note});
+}
+
+float to_float(bf16 v) { return __bfloat162float(v); }
+
+// Device rows [max_rows, cols] -> host rows in slot order; a slot without a row (slot_row = -1) stays NaN.
+std::vector<bf16> rows_by_slot(const bf16* device_rows, size_t max_rows, int cols, const std::vector<int>& slot_row) {
+  std::vector<bf16> all(max_rows * cols);
+  CUDA_CHECK(cudaMemcpy(all.data(), device_rows, all.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+  std::vector<bf16> by_slot(slot_row.size() * cols, __float2bfloat16(std::nanf("")));
+  for (size_t s = 0; s < slot_row.size(); ++s) {
+    if (slot_row[s] >= 0) {
+      std::copy_n(all.begin() + size_t(slot_row[s]) * cols, cols, by_slot.begin() + s * cols);
+    }
+  }
+  return by_slot;
+}
+
+// Compares the slots where `present[s] >= 0` (a row exists in the candidate's layout).
+Difference compare_slots(const std::vector<bf16>& candidate, const std::vector<bf16>& reference, int cols,
+                         const std::vector<int>& present) {
+  Difference d;
+  for (size_t s = 0; s < present.size(); ++s) {
+    if (present[s] < 0) continue;
+    for (int c = 0; c < cols; ++c) d.add(to_float(candidate[s * cols + c]), to_float(reference[s * cols + c]));
+  }
+  return d;
+}
+
+// Expert e's [rows, cols] slice of an [E, rows, cols] device tensor, as floats.
+template <typename T>
+std::vector<float> expert_slice(const T* device, int expert, size_t per_expert) {
+  std::vector<T> host(per_expert);
+  CUDA_CHECK(cudaMemcpy(host.data(), device + size_t(expert) * per_expert, per_expert * sizeof(T), cudaMemcpyDeviceToHost));
+  std::vector<float> out(per_expert);
+  for (size_t i = 0; i < per_expert; ++i) {
+    if constexpr (std::is_same_v<T, bf16>) out[i] = __bfloat162float(host[i]);
+    else out[i] = host[i];
+  }
+  return out;
+}
+
+Difference compare_floats(const std::vector<float>& candidate, const std::vector<float>& reference) {
+  Difference d;
+  for (size_t i = 0; i < reference.size(); ++i) d.add(candidate[i], reference[i]);
+  return d;
+}
+
+// The grouped cuBLAS path's results in slot order: what every other formulation is compared with.
+struct Oracle {
+  std::vector<bf16> out;  // [T*K, D]
+  std::vector<bf16> dx;   // [T*K, D] gradient of the permuted input
+  std::vector<int> checked_experts;              // experts whose weight gradients are kept (non-empty)
+  std::vector<std::vector<float>> dw1, dw2;      // per checked expert: [D, H], [H, D]
+};
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] cuBLAS expert FFN (grouped, padded / dropping batched, dense)
+// ---------------------------------------------------------------------------------------------
+
+// gemm.h's gemm_grouped takes no transposes, but the backward needs them (dh = dy W2ᵀ, dW2 = hᵀ dy,
+// dW1 = xᵀ d_pre, dx = d_pre W1ᵀ): the same cublasGemmGroupedBatchedEx call with per-group sizes and
+// transposes, row-major by the same operand swap as gemm.h (Cᵀ = op(B)ᵀ op(A)ᵀ in column-major).
+void gemm_grouped_general(cublasHandle_t handle, Op op_a, Op op_b, const std::vector<int>& m,
+                          const std::vector<int>& n, const std::vector<int>& k, const bf16* const* a, int lda,
+                          const bf16* const* b, int ldb, bf16* const* c, int ldc) {
+  const int groups = static_cast<int>(m.size());
+  auto to_cublas = [](Op op) { return op == Op::transpose ? CUBLAS_OP_T : CUBLAS_OP_N; };
+  std::vector<cublasOperation_t> trans_a(groups, to_cublas(op_b)), trans_b(groups, to_cublas(op_a));
+  std::vector<int> ld_a(groups, ldb), ld_b(groups, lda), ld_c(groups, ldc), size(groups, 1);
+  std::vector<float> alpha(groups, 1.0f), beta(groups, 0.0f);
+  CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, trans_a.data(), trans_b.data(), n.data(), m.data(), k.data(),
+                                          alpha.data(), reinterpret_cast<const void* const*>(b), CUDA_R_16BF,
+                                          ld_a.data(), reinterpret_cast<const void* const*>(a), CUDA_R_16BF,
+                                          ld_b.data(), beta.data(), reinterpret_cast<void* const*>(c), CUDA_R_16BF,
+                                          ld_c.data(), groups, size.data(), CUBLAS_COMPUTE_32F));
+}
+
+// Which rows of a [rows, .] activation belong to which expert's product.
+struct ExpertGroups {
+  std::vector<int> expert;        // the weight set of each group
+  std::vector<int> rows;          // m of each group's products
+  std::vector<size_t> first_row;  // where each group's rows start
+};
+
+ExpertGroups capacity_groups(int experts, int capacity) {  // padded / dropping: E x [C, .]
+  ExpertGroups g;
+  for (int e = 0; e < experts; ++e) {
+    g.expert.push_back(e);
+    g.rows.push_back(capacity);
+    g.first_row.push_back(size_t(e) * capacity);
+  }
+  return g;
+}
+
+ExpertGroups exact_groups(const std::vector<int>& counts) {  // dropless grouped: empty experts left out
+  ExpertGroups g;
+  size_t first = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] > 0) {
+      g.expert.push_back(static_cast<int>(e));
+      g.rows.push_back(counts[e]);
+      g.first_row.push_back(first);
+    }
+    first += counts[e];
+  }
+  return g;
+}
+
+// A device array of pointers base + index[g] * stride, one per group.
+template <typename T>
+DeviceBuffer<T*> pointer_table(T* base, const std::vector<size_t>& index, size_t stride) {
+  std::vector<T*> pointers;
+  for (size_t i : index) pointers.push_back(base + i * stride);
+  return DeviceBuffer<T*>(pointers);
+}
+
+enum class CublasKind { dense, batched, grouped };
+
+// The activations, gradients and per-group pointer tables of the cuBLAS expert FFN over `rows` rows.
+// d_hidden doubles as d_pre: gelu_backward is elementwise, so it can overwrite its input.
+struct CublasFfn {
+  CublasFfn(size_t rows, int model_dim, int hidden_dim, ExpertGroups groups_in, const bf16* w1, const bf16* w2,
+            int weight_sets)
+      : rows(rows), D(model_dim), H(hidden_dim), groups(std::move(groups_in)), w1(w1), w2(w2),
+        x(rows * D), pre(rows * H), hidden(rows * H), out(rows * D), d_out(rows * D), d_hidden(rows * H),
+        dx(rows * D), dw1(size_t(weight_sets) * D * H), dw2(size_t(weight_sets) * H * D) {
+    const std::vector<size_t>& r = groups.first_row;
+    std::vector<size_t> e(groups.expert.begin(), groups.expert.end());
+    const size_t DH = size_t(D) * H;
+    x_of = pointer_table<const bf16>(x.data(), r, D);
+    hidden_of = pointer_table<const bf16>(hidden.data(), r, H);
+    d_out_of = pointer_table<const bf16>(d_out.data(), r, D);
+    d_pre_of = pointer_table<const bf16>(d_hidden.data(), r, H);
+    w1_of = pointer_table<const bf16>(w1, e, DH);
+    w2_of = pointer_table<const bf16>(w2, e, DH);
+    pre_of = pointer_table<bf16>(pre.data(), r, H);
+    out_of = pointer_table<bf16>(out.data(), r, D);
+    d_hidden_of = pointer_table<bf16>(d_hidden.data(), r, H);
+    dx_of = pointer_table<bf16>(dx.data(), r, D);
+    dw1_of = pointer_table<bf16>(dw1.data(), weight_sets == 1 ? std::vector<size_t>(e.size(), 0) : e, DH);
+    dw2_of = pointer_table<bf16>(dw2.data(), weight_sets == 1 ? std::vector<size_t>(e.size(), 0) : e, DH);
+  }
+  static size_t bytes(size_t rows, int D, int H, int weight_sets) {
+    return rows * (4 * size_t(D) + 3 * size_t(H)) * sizeof(bf16) + 2 * size_t(weight_sets) * D * H * sizeof(bf16);
+  }
+  void poison_results() {
+    out.fill_bytes(0xFF);
+    dx.fill_bytes(0xFF);
+    dw1.fill_bytes(0xFF);
+    dw2.fill_bytes(0xFF);
+  }
+
+  size_t rows;
+  int D, H;
+  ExpertGroups groups;
+  const bf16* w1;  // [E, D, H]  (dense: expert 0's [D, H])
+  const bf16* w2;  // [E, H, D]
+  DeviceBuffer<bf16> x, pre, hidden, out, d_out, d_hidden, dx;  // [rows, D] or [rows, H]
+  DeviceBuffer<bf16> dw1, dw2;                                  // [weight_sets, D, H], [weight_sets, H, D]
+  DeviceBuffer<const bf16*> x_of, hidden_of, d_out_of, d_pre_of, w1_of, w2_of;
+  DeviceBuffer<bf16*> pre_of, out_of, d_hidden_of, dx_of, dw1_of, dw2_of;
+};
+
+void cublas_ffn_forward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cudaStream_t stream) {
+  const int D = f.D, H = f.H, groups = static_cast<int>(f.groups.rows.size());
+  switch (kind) {
+    case CublasKind::dense:
+      moe::cuda::gemm(handle, Op::none, Op::none, int(f.rows), H, D, f.x.data(), D, f.w1, H, f.pre.data(), H);
+      break;
+    case CublasKind::batched:
+      moe::cuda::gemm_batched(handle, Op::none, Op::none, f.groups.rows[0], H, D, f.x_of.data(), D, f.w1_of.data(), H,
+                              f.pre_of.data(), H, groups);
+      break;
+    case CublasKind::grouped:
+      moe::cuda::gemm_grouped(handle, f.groups.rows, H, D, f.x_of.data(), D, f.w1_of.data(), H, f.pre_of.data(), H);
+      break;
+  }
+  moe::cuda::gelu_forward(f.pre.data(), f.hidden.data(), f.rows * H, stream);
+  switch (kind) {
+    case CublasKind::dense:
+      moe::cuda::gemm(handle, Op::none, Op::none, int(f.rows), D, H, f.hidden.data(), H, f.w2, D, f.out.data(), D);
+      break;
+    case CublasKind::batched:
+      moe::cuda::gemm_batched(handle, Op::none, Op::none, f.groups.rows[0], D, H, f.hidden_of.data(), H,
+                              f.w2_of.data(), D, f.out_of.data(), D, groups);
+      break;
+    case CublasKind::grouped:
+      moe::cuda::gemm_grouped(handle, f.groups.rows, D, H, f.hidden_of.data(), H, f.w2_of.data(), D,
+                              f.out_of.data(), D);
+      break;
+  }
+}
+
+// dh = dy W2ᵀ;  d_pre = dh * gelu'(pre);  dW2 = hᵀ dy;  dW1 = xᵀ d_pre;  dx = d_pre W1ᵀ.
+void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cudaStream_t stream) {
+  const int D = f.D, H = f.H, groups = static_cast<int>(f.groups.rows.size());
+  const int m = int(f.rows);
+  switch (kind) {
+    case CublasKind::dense:
+      moe::cuda::gemm(handle, Op::none, Op::transpose, m, H, D, f.d_out.data(), D, f.w2, D, f.d_hidden.data(), H);
+      break;
+    case CublasKind::batched:
+      moe::cuda::gemm_batched(handle, Op::none, Op::transpose, f.groups.rows[0], H, D, f.d_out_of.data(), D,
+                              f.w2_of.data(), D, f.d_hidden_of.data(), H, groups);
+      break;
+    case CublasKind::grouped:
+      gemm_grouped_general(handle, Op::none, Op::transpose, f.groups.rows, std::vector<int>(groups, H),
+                           std::vector<int>(groups, D), f.d_out_of.data(), D, f.w2_of.data(), D,
+                           f.d_hidden_of.data(), H);
+      break;
+  }
+  moe::cuda::gelu_backward(f.pre.data(), f.d_hidden.data(), f.d_hidden.data(), f.rows * H, stream);
+  switch (kind) {
+    case CublasKind::dense:
+      moe::cuda::gemm(handle, Op::transpose, Op::none, H, D, m, f.hidden.data(), H, f.d_out.data(), D, f.dw2.data(), D);
+      moe::cuda::gemm(handle, Op::transpose, Op::none, D, H, m, f.x.data(), D, f.d_hidden.data(), H, f.dw1.data(), H);
+      moe::cuda::gemm(handle, Op::none, Op::transpose, m, D, H, f.d_hidden.data(), H, f.w1, H, f.dx.data(), D);
+      break;
+    case CublasKind::batched: {
+      const int C = f.groups.rows[0];
+      moe::cuda::gemm_batched(handle, Op::transpose, Op::none, H, D, C, f.hidden_of.data(), H, f.d_out_of.data(), D,
+                              f.dw2_of.data(), D, groups);
+      moe::cuda::gemm_batched(handle, Op::transpose, Op::none, D, H, C, f.x_of.data(), D, f.d_pre_of.data(), H,
+                              f.dw1_of.data(), H, groups);
+      moe::cuda::gemm_batched(handle, Op::none, Op::transpose, C, D, H, f.d_pre_of.data(), H, f.w1_of.data(), H,
+                              f.dx_of.data(), D, groups);
+      break;
+    }
+    case CublasKind::grouped: {
+      const std::vector<int> all_d(groups, D), all_h(groups, H);
+      gemm_grouped_general(handle, Op::transpose, Op::none, all_h, all_d, f.groups.rows, f.hidden_of.data(), H,
+                           f.d_out_of.data(), D, f.dw2_of.data(), D);
+      gemm_grouped_general(handle, Op::transpose, Op::none, all_d, all_h, f.groups.rows, f.x_of.data(), D,
+                           f.d_pre_of.data(), H, f.dw1_of.data(), H);
+      gemm_grouped_general(handle, Op::none, Op::transpose, f.groups.rows, all_d, all_h, f.d_pre_of.data(), H,
+                           f.w1_of.data(), H, f.dx_of.data(), D);
+      break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] block-sparse expert FFN
+// ---------------------------------------------------------------------------------------------
+
+MoeConfig layer_config(const Shape& s, Formulation formulation, int block_size, double capacity_factor = 1.0) {
+  MoeConfig c;
+  c.tokens = s.T;
+  c.model_dim = s.D;
+  c.hidden_dim = s.H;
+  c.num_experts = s.E;
+  c.top_k = s.K;
+  c.formulation = formulation;
+  c.block_size = block_size;
+  c.capacity_factor = capacity_factor;
+  c.activation = moe::Activation::gelu;
+  return c;
+}
+
+// The dropless layer's buffers: plan and topology built on the GPU, activations in B x B blocks,
+// fp32 weight gradients (what block_sparse_ffn_backward writes).
+struct BlockSparseFfn {
+  BlockSparseFfn(const MoeConfig& config_in)
+      : config(config_in), plan(config), topology(config),
+        x(size_t(plan.max_rows()) * config.model_dim), out(x.size()), d_out(x.size()), dx(x.size()),
+        pre(blocks()), hidden(blocks()), d_pre(blocks()),
+        dw1(size_t(config.num_experts) * config.model_dim * config.hidden_dim), dw2(dw1.size()) {
+    const size_t DH = size_t(config.model_dim) * config.hidden_dim;
+    dw1_of = moe::cuda::expert_pointer_table(dw1.data(), int(config.num_experts), DH);
+    dw2_of = moe::cuda::expert_pointer_table(dw2.data(), int(config.num_experts), DH);
+  }
+  size_t blocks() const {
+    const moe::cuda::DeviceTopology t = topology.topology();
+    return size_t(t.max_nnz) * t.block_size * t.block_size;
+  }
+  static size_t bytes(const Shape& s, int B) {
+    const size_t rows = size_t(s.T) * s.K + size_t(s.E) * (B - 1);
+    return rows * (4 * size_t(s.D) + 3 * size_t(s.H)) * sizeof(bf16) + 2 * size_t(s.E) * s.D * s.H * sizeof(float) +
+           rows * 16;  // plan and topology int arrays, generously
+  }
+  moe::cuda::BlockSparseFfnOutputs outputs() {
+    moe::cuda::BlockSparseFfnOutputs o;
+    o.pre_activation = pre.data();
+    o.hidden = hidden.data();
+    o.out = out.data();
+    return o;
+  }
+  moe::cuda::BlockSparseFfnGradients gradients() {
+    moe::cuda::BlockSparseFfnGradients g;
+    g.d_pre_activation = d_pre.data();
+    g.d_permuted_x = dx.data();
+    g.d_w1 = dw1_of.data();
+    g.d_w2 = dw2_of.data();
+    return g;
+  }
+
+  MoeConfig config;
+  moe::cuda::DispatchPlanBuffers plan;
+  moe::cuda::TopologyBuffers topology;
+  DeviceBuffer<bf16> x, out, d_out, dx;  // [max_rows, D]
+  DeviceBuffer<bf16> pre, hidden, d_pre;  // [max_nnz, B, B]
+  DeviceBuffer<float> dw1, dw2;           // [E, D, H], [E, H, D]
+  DeviceBuffer<float*> dw1_of, dw2_of;
+};
+
+// The router's buffers, for timing the work outside the expert FFN.
+struct RouterBuffers {
+  RouterBuffers(const Shape& s)
+      : gate_weights(size_t(s.D) * s.E), logits(size_t(s.T) * s.E), probs(logits.size()),
+        top_experts(size_t(s.T) * s.K), combine_weights(top_experts.size()), logsumexp(s.T), expert_fraction(s.E),
+        mean_probs(s.E), aux_loss(1), z_loss(1), y(size_t(s.T) * s.D) {}
+  DeviceBuffer<bf16> gate_weights;  // [D, E]
+  DeviceBuffer<float> logits, probs;  // [T, E]
+  DeviceBuffer<int> top_experts;      // [T, K]
+  DeviceBuffer<float> combine_weights, logsumexp, expert_fraction, mean_probs, aux_loss, z_loss;
+  DeviceBuffer<bf16> y;  // [T, D]
+};
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] one shape, one routing
+// ---------------------------------------------------------------------------------------------
+
+struct Measurement {
+  Shape shape;
+  Routing routing;
+  std::string formulation;
+  int block_size = 0, capacity = 0;
+  int64_t computed_rows = 0, useful_rows = 0;  // rows multiplied vs rows that belong to a kept token
+  double dropped_fraction = 0;
+  Timing forward, forward_backward;
+  double forward_tflops = 0, forward_backward_tflops = 0, forward_vs_dense = 0, forward_backward_vs_dense = 0;
+};
+
+struct Overhead {
+  Shape shape;
+  Routing routing;
+  std::vector<std::pair<std::string, double>> step_ms;  // each step alone
+  double total_ms = 0, ffn_forward_ms = 0, share = 0;
+};
+
+struct Report {
+  std::vector<Measurement> measurements;
+  std::vector<Overhead> overheads;
+  std::vector<std::string> skipped;
+};
+
+// Device memory needed vs free; false (and a message) when it does not fit.
+bool fits(size_t bytes, const std::string& what, Report& report) {
+  constexpr size_t kSlack = size_t{768} << 20;  // cuBLAS workspaces, CUB scratch, fragmentation
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (bytes + kSlack <= free_bytes) return true;
+  std::ostringstream message;
+  message.precision(3);
+  message << "skip " << what << ": needs about " << double(bytes + kSlack) / (1 << 30) << " GiB, "
+          << double(free_bytes) / (1 << 30) << " GiB free of " << double(total_bytes) / (1 << 30);
+  std::printf("  %s\n", message.str().c_str());
+  report.skipped.push_back(message.str());
+  return false;
+}
+
+// The tensors every formulation of a shape shares.
+struct ShapeInputs {
+  ShapeInputs(const Shape& s, uint64_t seed)
+      : x(size_t(s.T) * s.D), dy(x.size()), w1(size_t(s.E) * s.D * s.H), w2(w1.size()) {
+    fill_uniform(x, 1.0f, seed + 1);
+    fill_uniform(dy, 1.0f, seed + 2);  // the gradient arriving at each token's output
+    fill_uniform(w1, 1.0f / std::sqrt(float(s.D)), seed + 3);  // keeps pre-activations O(1)
+    fill_uniform(w2, 1.0f / std::sqrt(float(s.H)), seed + 4);
+    const size_t DH = size_t(s.D) * s.H;
+    w1_of = moe::cuda::expert_pointer_table<const bf16>(w1.data(), s.E, DH);
+    w2_of = moe::cuda::expert_pointer_table<const bf16>(w2.data(), s.E, DH);
+  }
+  static size_t bytes(const Shape& s) {
+    return (2 * size_t(s.T) * s.D + 2 * size_t(s.E) * s.D * s.H) * sizeof(bf16);
+  }
+  DeviceBuffer<bf16> x, dy;   // [T, D]
+  DeviceBuffer<bf16> w1, w2;  // [E, D, H], [E, H, D]
+  DeviceBuffer<const bf16*> w1_of, w2_of;
+};
+
+class RoutingBench {
+ public:
+  RoutingBench(const Shape& shape, Routing routing, const ShapeInputs& in, const Options& options,
+               moe::cuda::CublasHandle& cublas, cudaStream_t stream, Report& report)
+      : s_(shape), routing_(routing), in_(in), options_(options), cublas_(cublas), stream_(stream), report_(report) {
+    counts_ = moe::bench::routing_counts(int64_t(s_.T) * s_.K, s_.E, routing_);
+    top_experts_host_ = moe::bench::top_experts_from_counts(counts_, s_.T, s_.K);
+    top_experts_ = DeviceBuffer<int>(top_experts_host_);
+    max_count_ = *std::max_element(counts_.begin(), counts_.end());
+    label_ = s_.name() + " " + std::string(moe::bench::to_string(routing_));
+  }
+
+  void run() {
+    std::printf("%s: max %d rows per expert (mean %.0f)\n", label_.c_str(), max_count_,
+                double(s_.T) * s_.K / s_.E);
+    guarded("grouped_cublas and dense_cublas", [&] { exact_rows(); });
+    if (oracle_.out.empty()) return;  // nothing to compare the others with
+    for (int B : {128, 64}) {
+      guarded("block_sparse_B" + std::to_string(B), [&] { block_sparse(B); });
+    }
+    guarded("padded_max", [&] { capacity_path("padded_max", max_count_); });
+    for (double cf : {1.0, 1.25}) {
+      char name[32];
+      std::snprintf(name, sizeof name, "dropping_cf%.2f", cf);
+      guarded(name, [&] { capacity_path(name, int(moe::capacity(layer_config(s_, Formulation::padded, 1, cf)))); });
+    }
+  }
+
+ private:
+  // One formulation's section: an exception (a launcher's argument check, a CUDA or cuBLAS error)
+  // becomes a failed check and the next formulation still runs.
+  void guarded(const std::string& what, const std::function<void()>& section) {
+    try {
+      section();
+    } catch (const std::exception& error) {
+      record_fact(label_ + " " + what, false, std::string("threw: ") + error.what());
+      (void)cudaGetLastError();  // clear a non-sticky error so the next section starts clean
+    }
+  }
+
+  int64_t routed_rows() const { return int64_t(s_.T) * s_.K; }
+
+  Measurement& add_measurement(const std::string& formulation, int64_t computed_rows, int64_t useful_rows) {
+    Measurement m;
+    m.shape = s_;
+    m.routing = routing_;
+    m.formulation = formulation;
+    m.computed_rows = computed_rows;
+    m.useful_rows = useful_rows;
+    m.dropped_fraction = 1.0 - double(useful_rows) / double(routed_rows());
+    report_.measurements.push_back(m);
+    return report_.measurements.back();
+  }
+
+  void time_forward_backward(Measurement& m, const std::function<void()>& forward,
+                             const std::function<void()>& backward) {
+    m.forward = time_work(stream_, options_, forward);
+    m.forward_backward = time_work(stream_, options_, [&] {
+      forward();
+      backward();
+    });
+    std::printf("  time  %-20s forward %8.3f ms   forward+backward %8.3f ms\n", m.formulation.c_str(),
+                m.forward.median_ms, m.forward_backward.median_ms);
+  }
+
+  std::vector<int> download_ints(const DeviceBuffer<int>& b) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return b.download();
+  }
+
+  // The plan the GPU built must hold the counts the host asked for.
+  void check_plan(const std::string& what, const moe::cuda::DispatchPlanBuffers& plan, int64_t expected_dropped) {
+    const std::vector<int> tokens_per_expert = download_ints(plan.tokens_per_expert);
+    const std::vector<int> invalid = download_ints(plan.invalid_slots);
+    const std::vector<int> slot_row = download_ints(plan.slot_row);
+    const int64_t dropped = std::count(slot_row.begin(), slot_row.end(), -1);
+    const bool ok = tokens_per_expert == counts_ && invalid[0] == 0 && dropped == expected_dropped;
+    record_fact(label_ + " " + what + " GPU plan counts", ok,
+                "invalid=" + std::to_string(invalid[0]) + " dropped=" + std::to_string(dropped) + "/" +
+                    std::to_string(expected_dropped));
+  }
+
+  // -- grouped cuBLAS (the oracle of the other formulations) and dense cuBLAS, on exact rows --
+  void exact_rows() {
+    const size_t rows = size_t(routed_rows());
+    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, s_.E), label_ + " grouped_cublas", report_)) return;
+    // A dropless plan with B = 1 lays the rows out expert after expert with no padding.
+    moe::cuda::DispatchPlanBuffers plan(layer_config(s_, Formulation::dropless, 1));
+    moe::cuda::build_dispatch_plan(top_experts_.data(), plan, stream_);
+    check_plan("grouped_cublas", plan, 0);
+    const std::vector<int> slot_row = download_ints(plan.slot_row);
+    cublasHandle_t h = cublas_.get();
+    {
+      CublasFfn f(rows, s_.D, s_.H, exact_groups(counts_), in_.w1.data(), in_.w2.data(), s_.E);
+      moe::cuda::permute_tokens(plan.plan(), in_.x.data(), f.x.data(), s_.D, stream_);
+      moe::cuda::permute_tokens(plan.plan(), in_.dy.data(), f.d_out.data(), s_.D, stream_);
+      f.poison_results();
+      cublas_ffn_forward(h, CublasKind::grouped, f, stream_);
+      cublas_ffn_backward(h, CublasKind::grouped, f, stream_);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      oracle_.out = rows_by_slot(f.out.data(), rows, s_.D, slot_row);
+      oracle_.dx = rows_by_slot(f.dx.data(), rows, s_.D, slot_row);
+      const size_t DH = size_t(s_.D) * s_.H;
+      for (int e : {0, s_.E - 1}) {
+        if (counts_[e] == 0 || std::count(oracle_.checked_experts.begin(), oracle_.checked_experts.end(), e)) continue;
+        oracle_.checked_experts.push_back(e);
+        oracle_.dw1.push_back(expert_slice(f.dw1.data(), e, DH));
+        oracle_.dw2.push_back(expert_slice(f.dw2.data(), e, DH));
+      }
+      // The oracle must at least be complete: every slot's row written with finite numbers.
+      Difference finite;
+      for (const bf16 v : oracle_.out) finite.add(to_float(v), 0.0);
+      for (const bf16 v : oracle_.dx) finite.add(to_float(v), 0.0);
+      record_fact(label_ + " grouped_cublas out, dx all written and finite", finite.not_finite == 0,
+                  std::to_string(finite.not_finite) + " non-finite of " + std::to_string(finite.compared));
+      if (finite.not_finite != 0) {
+        oracle_ = Oracle{};
+        return;
+      }
+      if (options_.selected("grouped_cublas")) {
+        Measurement& m = add_measurement("grouped_cublas", routed_rows(), routed_rows());
+        time_forward_backward(m, [&] { cublas_ffn_forward(h, CublasKind::grouped, f, stream_); },
+                              [&] { cublas_ffn_backward(h, CublasKind::grouped, f, stream_); });
+      }
+    }
+    // Dense: expert 0's weights for every row, so its rows of expert 0 must equal the oracle's.
+    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, 1), label_ + " dense_cublas", report_)) return;
+    ExpertGroups one{{0}, {int(rows)}, {0}};
+    CublasFfn f(rows, s_.D, s_.H, one, in_.w1.data(), in_.w2.data(), 1);
+    moe::cuda::permute_tokens(plan.plan(), in_.x.data(), f.x.data(), s_.D, stream_);
+    moe::cuda::permute_tokens(plan.plan(), in_.dy.data(), f.d_out.data(), s_.D, stream_);
+    f.poison_results();
+    cublas_ffn_forward(h, CublasKind::dense, f, stream_);
+    cublas_ffn_backward(h, CublasKind::dense, f, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<int> expert0_slots(slot_row.size(), -1);
+    for (size_t slot = 0; slot < slot_row.size(); ++slot) {
+      if (slot_row[slot] < counts_[0]) expert0_slots[slot] = slot_row[slot];
+    }
+    record_check(label_ + " dense_cublas out (expert 0 rows) vs grouped",
+                 compare_slots(rows_by_slot(f.out.data(), rows, s_.D, expert0_slots), oracle_.out, s_.D, expert0_slots));
+    record_check(label_ + " dense_cublas dx (expert 0 rows) vs grouped",
+                 compare_slots(rows_by_slot(f.dx.data(), rows, s_.D, expert0_slots), oracle_.dx, s_.D, expert0_slots));
+    Measurement& m = add_measurement("dense_cublas", routed_rows(), routed_rows());
+    time_forward_backward(m, [&] { cublas_ffn_forward(h, CublasKind::dense, f, stream_); },
+                          [&] { cublas_ffn_backward(h, CublasKind::dense, f, stream_); });
+  }
+
+  // Compares a formulation's out and dx (and weight gradients) with the oracle, slot by slot.
+  template <typename WeightT>
+  void compare_with_oracle(const std::string& name, const bf16* out, const bf16* dx, size_t max_rows,
+                           const std::vector<int>& slot_row, const WeightT* dw1, const WeightT* dw2, bool weights) {
+    record_check(label_ + " " + name + " out vs grouped",
+                 compare_slots(rows_by_slot(out, max_rows, s_.D, slot_row), oracle_.out, s_.D, slot_row));
+    record_check(label_ + " " + name + " dx vs grouped",
+                 compare_slots(rows_by_slot(dx, max_rows, s_.D, slot_row), oracle_.dx, s_.D, slot_row));
+    if (!weights) return;
+    const size_t DH = size_t(s_.D) * s_.H;
+    for (size_t i = 0; i < oracle_.checked_experts.size(); ++i) {
+      const int e = oracle_.checked_experts[i];
+      record_check(label_ + " " + name + " dW1[" + std::to_string(e) + "] vs grouped",
+                   compare_floats(expert_slice(dw1, e, DH), oracle_.dw1[i]));
+      record_check(label_ + " " + name + " dW2[" + std::to_string(e) + "] vs grouped",
+                   compare_floats(expert_slice(dw2, e, DH), oracle_.dw2[i]));
+    }
+  }
+
+  // -- dropless block-sparse (MegaBlocks) --
+  void block_sparse(int B) {
+    const std::string name = "block_sparse_B" + std::to_string(B);
+    if (!options_.selected(name)) return;
+    if (!fits(BlockSparseFfn::bytes(s_, B), label_ + " " + name, report_)) return;
+    BlockSparseFfn f(layer_config(s_, Formulation::dropless, B));
+    const moe::cuda::DevicePlan plan = f.plan.plan();
+    const moe::cuda::DeviceTopology topology = f.topology.topology();
+    moe::cuda::build_dispatch_plan(top_experts_.data(), f.plan, stream_);
+    moe::cuda::build_topology(plan, f.topology, stream_);
+    moe::cuda::permute_tokens(plan, in_.x.data(), f.x.data(), s_.D, stream_);
+    moe::cuda::permute_tokens(plan, in_.dy.data(), f.d_out.data(), s_.D, stream_);
+    check_plan(name, f.plan, 0);
+    f.out.fill_bytes(0xFF, stream_);
+    f.dx.fill_bytes(0xFF, stream_);
+    f.dw1.fill_bytes(0xFF, stream_);
+    f.dw2.fill_bytes(0xFF, stream_);
+    auto forward = [&] {
+      moe::cuda::block_sparse_ffn_forward(f.config, topology, f.x.data(), in_.w1_of.data(), in_.w2_of.data(),
+                                          f.outputs(), stream_);
+    };
+    auto backward = [&] {
+      moe::cuda::block_sparse_ffn_backward(f.config, topology, f.x.data(), in_.w1_of.data(), in_.w2_of.data(),
+                                           f.outputs(), f.d_out.data(), f.gradients(), stream_);
+    };
+    forward();
+    backward();
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const std::vector<int> slot_row = download_ints(f.plan.slot_row);
+    const size_t max_rows = size_t(f.plan.max_rows());
+    compare_with_oracle(name, f.out.data(), f.dx.data(), max_rows, slot_row, f.dw1.data(), f.dw2.data(), true);
+    if (B == 128) cpu_oracle_check(name, f.out.data(), max_rows, slot_row);
+
+    Measurement& m = add_measurement(name, -1, routed_rows());
+    m.block_size = B;
+    std::vector<int> total_rows = download_ints(f.plan.total_rows);
+    m.computed_rows = total_rows[0];
+    time_forward_backward(m, forward, backward);
+    if (B == 128) routing_overhead(f, m.forward.median_ms);
+  }
+
+  // Everything of a forward layer step outside the expert FFN, with the real kernels: the router,
+  // the plan, the topology, the permutation and the weighted un-permutation. The plan is built from
+  // this bench's deterministic top_experts (so its sizes match the routing measured), the router's
+  // own top_experts feed its losses.
+  void routing_overhead(BlockSparseFfn& f, double ffn_forward_ms) {
+    if (!fits(size_t(s_.T) * (s_.D * 2 + s_.E * 8 + s_.K * 8) + size_t(s_.D) * s_.E * 2, label_ + " routing overhead",
+              report_)) {
+      return;
+    }
+    RouterBuffers r(s_);
+    fill_uniform(r.gate_weights, 1.0f / std::sqrt(float(s_.D)), options_.seed + 5);
+    const moe::cuda::DevicePlan plan = f.plan.plan();
+    cublasHandle_t h = cublas_.get();
+    const std::vector<std::pair<std::string, std::function<void()>>> steps = {
+        {"router_logits", [&] { moe::cuda::router_logits(h, in_.x.data(), r.gate_weights.data(), r.logits.data(), s_.T, s_.D, s_.E, stream_); }},
+        {"route_top_k", [&] { moe::cuda::route_top_k(r.logits.data(), r.probs.data(), r.top_experts.data(), r.combine_weights.data(), r.logsumexp.data(), s_.T, s_.E, s_.K, false, stream_); }},
+        {"router_losses", [&] { moe::cuda::router_losses(r.probs.data(), r.top_experts.data(), r.logsumexp.data(), r.expert_fraction.data(), r.mean_probs.data(), r.aux_loss.data(), r.z_loss.data(), s_.T, s_.E, s_.K, stream_); }},
+        {"build_dispatch_plan", [&] { moe::cuda::build_dispatch_plan(top_experts_.data(), f.plan, stream_); }},
+        {"build_topology", [&] { moe::cuda::build_topology(plan, f.topology, stream_); }},
+        {"permute_tokens", [&] { moe::cuda::permute_tokens(plan, in_.x.data(), f.x.data(), s_.D, stream_); }},
+        {"unpermute_and_combine", [&] { moe::cuda::unpermute_and_combine(plan, r.combine_weights.data(), f.out.data(), r.y.data(), s_.D, stream_); }},
+    };
+    Overhead o;
+    o.shape = s_;
+    o.routing = routing_;
+    for (const auto& [step, work] : steps) o.step_ms.emplace_back(step, time_work(stream_, options_, work).median_ms);
+    o.total_ms = time_work(stream_, options_, [&] {
+                   for (const auto& step : steps) step.second();
+                 }).median_ms;
+    o.ffn_forward_ms = ffn_forward_ms;
+    o.share = o.total_ms / (o.total_ms + ffn_forward_ms);
+    std::printf("  time  %-20s %8.3f ms outside the expert FFN: %.1f%% of the dropless forward layer\n",
+                "routing overhead", o.total_ms, 100.0 * o.share);
+    report_.overheads.push_back(o);
+  }
+
+  // An oracle independent of cuBLAS: the CPU reference on a few hundred slots (small shapes only:
+  // it needs the weights in double precision on the host).
+  void cpu_oracle_check(const std::string& name, const bf16* out, size_t max_rows, const std::vector<int>& slot_row) {
+    const size_t DH = size_t(s_.D) * s_.H;
+    if (size_t(s_.E) * DH > (size_t{1} << 25)) return;
+    const int64_t slots = routed_rows();
+    const int n = int(std::min<int64_t>(kOracleCpuRows, slots));
+    std::vector<std::vector<int64_t>> chosen(s_.E);  // sampled slots, by expert
+    for (int i = 0; i < n; ++i) {
+      const int64_t slot = i * slots / n;
+      chosen[top_experts_host_[slot]].push_back(slot);
+    }
+    moe::ref::DispatchPlan plan;
+    plan.num_experts = s_.E;
+    plan.row_offsets.push_back(0);
+    std::vector<int64_t> order;
+    for (int e = 0; e < s_.E; ++e) {
+      plan.rows_per_expert.push_back(int32_t(chosen[e].size()));
+      plan.row_offsets.push_back(plan.row_offsets.back() + int32_t(chosen[e].size()));
+      order.insert(order.end(), chosen[e].begin(), chosen[e].end());
+    }
+    plan.total_rows = n;
+    const std::vector<bf16> x = in_.x.download(), w1 = in_.w1.download(), w2 = in_.w2.download();
+    moe::ref::Matrix permuted_x(n, s_.D);
+    for (int r = 0; r < n; ++r) {
+      const int64_t token = order[r] / s_.K;
+      for (int d = 0; d < s_.D; ++d) permuted_x(r, d) = to_float(x[size_t(token) * s_.D + d]);
+    }
+    std::vector<moe::ref::Matrix> w1_ref(s_.E, moe::ref::Matrix(s_.D, s_.H)), w2_ref(s_.E, moe::ref::Matrix(s_.H, s_.D));
+    for (int e = 0; e < s_.E; ++e) {
+      for (size_t i = 0; i < DH; ++i) {
+        w1_ref[e].data()[i] = to_float(w1[e * DH + i]);
+        w2_ref[e].data()[i] = to_float(w2[e * DH + i]);
+      }
+    }
+    const moe::ref::ExpertActivations ref =
+        moe::ref::expert_ffn_forward(layer_config(s_, Formulation::dropless, 128), plan, permuted_x, w1_ref, w2_ref);
+    const std::vector<bf16> gpu = rows_by_slot(out, max_rows, s_.D, slot_row);
+    Difference d;
+    for (int r = 0; r < n; ++r) {
+      for (int c = 0; c < s_.D; ++c) d.add(to_float(gpu[size_t(order[r]) * s_.D + c]), ref.out(r, c));
+    }
+    record_check(label_ + " " + name + " out vs CPU reference (" + std::to_string(n) + " slots)", d);
+  }
+
+  // -- padded to the largest expert (C = max count) and dropping at a capacity factor --
+  void capacity_path(const std::string& name, int C) {
+    if (!options_.selected(name)) return;
+    int64_t dropped = 0;
+    for (int c : counts_) dropped += std::max(0, c - C);
+    const size_t rows = size_t(s_.E) * C;
+    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, s_.E) + rows * 8, label_ + " " + name, report_)) return;
+    // The padded plan lays out E x [C, D]; its capacity comes from capacity_factor, so pick the factor
+    // that gives exactly C (nudged past the rounding of ceil(cf * T*K / E)).
+    MoeConfig config = layer_config(s_, Formulation::padded, 1, double(C) * s_.E / double(routed_rows()));
+    while (moe::capacity(config) > C) config.capacity_factor = std::nextafter(config.capacity_factor, 0.0);
+    while (moe::capacity(config) < C) config.capacity_factor = std::nextafter(config.capacity_factor, 1e300);
+    moe::cuda::DispatchPlanBuffers plan(config);
+    moe::cuda::build_dispatch_plan(top_experts_.data(), plan, stream_);
+    check_plan(name, plan, dropped);
+    const std::vector<int> slot_row = download_ints(plan.slot_row);
+    cublasHandle_t h = cublas_.get();
+    CublasFfn f(rows, s_.D, s_.H, capacity_groups(s_.E, C), in_.w1.data(), in_.w2.data(), s_.E);
+    moe::cuda::permute_tokens(plan.plan(), in_.x.data(), f.x.data(), s_.D, stream_);
+    moe::cuda::permute_tokens(plan.plan(), in_.dy.data(), f.d_out.data(), s_.D, stream_);
+    f.poison_results();
+    cublas_ffn_forward(h, CublasKind::batched, f, stream_);
+    cublas_ffn_backward(h, CublasKind::batched, f, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    // Kept tokens must match exactly; weight gradients only when nothing was dropped.
+    compare_with_oracle(name, f.out.data(), f.dx.data(), rows, slot_row, f.dw1.data(), f.dw2.data(), dropped == 0);
+    Measurement& m = add_measurement(name, int64_t(rows), routed_rows() - dropped);
+    m.capacity = C;
+    time_forward_backward(m, [&] { cublas_ffn_forward(h, CublasKind::batched, f, stream_); },
+                          [&] { cublas_ffn_backward(h, CublasKind::batched, f, stream_); });
+  }
+
+  Shape s_;
+  Routing routing_;
+  const ShapeInputs& in_;
+  const Options& options_;
+  moe::cuda::CublasHandle& cublas_;
+  cudaStream_t stream_;
+  Report& report_;
+  std::string label_;
+  std::vector<int> counts_;
+  std::vector<int32_t> top_experts_host_;
+  DeviceBuffer<int> top_experts_;  // [T, K]
+  int max_count_ = 0;
+  Oracle oracle_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] report
+// ---------------------------------------------------------------------------------------------
+
+// TFLOP/s from the useful rows, and the ratios to dense cuBLAS of the same shape and routing.
+void finish_measurements(Report& report) {
+  for (Measurement& m : report.measurements) {
+    const double useful = 4.0 * double(m.useful_rows) * m.shape.D * m.shape.H;
+    m.forward_tflops = useful / m.forward.median_ms / 1e9;
+    m.forward_backward_tflops = 3.0 * useful / m.forward_backward.median_ms / 1e9;
+  }
+  for (Measurement& m : report.measurements) {
+    for (const Measurement& dense : report.measurements) {
+      if (dense.formulation == "dense_cublas" && dense.shape.name() == m.shape.name() && dense.routing == m.routing) {
+        m.forward_vs_dense = m.forward_tflops / dense.forward_tflops;
+        m.forward_backward_vs_dense = m.forward_backward_tflops / dense.forward_backward_tflops;
+      }
+    }
+  }
+}
+
+json shape_json(const Shape& s) { return {{"T", s.T}, {"D", s.D}, {"H", s.H}, {"E", s.E}, {"K", s.K}}; }
+
+json report_json(const Report& report, const Options& options, cublasHandle_t cublas) {
+  int device = 0, driver = 0, runtime = 0, cublas_version = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  CUDA_CHECK(cudaDriverGetVersion(&driver));
+  CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  CUBLAS_CHECK(cublasGetVersion(cublas, &cublas_version));
+  json doc;
+  doc["program"] = "moe_bench";
+  doc["date_utc"] = utc_now("%Y-%m-%dT%H:%M:%SZ");
+  doc["device"] = {{"name", prop.name},
+                   {"compute_capability", prop.major * 10 + prop.minor},
+                   {"multiprocessors", prop.multiProcessorCount},
+                   {"global_memory_bytes", prop.totalGlobalMem},
+                   {"l2_cache_bytes", prop.l2CacheSize}};
+  doc["driver_version"] = driver;  // 13000 = 13.0
+  doc["runtime_version"] = runtime;
+  doc["cublas_version"] = cublas_version;
+  doc["method"] = {{"warmup", options.warmup},
+                   {"repeat", options.repeat},
+                   {"statistic", "median of CUDA-event times"},
+                   {"seed", options.seed},
+                   {"tolerance", kTolerance}};
+  json results = json::array();
+  for (const Measurement& m : report.measurements) {
+    results.push_back({{"shape", shape_json(m.shape)},
+                       {"routing", moe::bench::to_string(m.routing)},
+                       {"formulation", m.formulation},
+                       {"block_size", m.block_size},
+                       {"capacity", m.capacity},
+                       {"computed_rows", m.computed_rows},
+                       {"useful_rows", m.useful_rows},
+                       {"dropped_fraction", m.dropped_fraction},
+                       {"forward_ms", m.forward.median_ms},
+                       {"forward_samples_ms", m.forward.samples_ms},
+                       {"forward_tflops", m.forward_tflops},
+                       {"forward_vs_dense", m.forward_vs_dense},
+                       {"forward_backward_ms", m.forward_backward.median_ms},
+                       {"forward_backward_samples_ms", m.forward_backward.samples_ms},
+                       {"forward_backward_tflops", m.forward_backward_tflops},
+                       {"forward_backward_vs_dense", m.forward_backward_vs_dense}});
+  }
+  doc["results"] = results;
+  json overheads = json::array();
+  for (const Overhead& o : report.overheads) {
+    json steps = json::object();
+    for (const auto& [name, ms] : o.step_ms) steps[name] = ms;
+    overheads.push_back({{"shape", shape_json(o.shape)},
+                         {"routing", moe::bench::to_string(o.routing)},
+                         {"steps_ms", steps},
+                         {"total_ms", o.total_ms},
+                         {"block_sparse_B128_forward_ms", o.ffn_forward_ms},
+                         {"share_of_forward_layer", o.share}});
+  }
+  doc["routing_overhead"] = overheads;
+  json checks = json::array();
+  for (const Check& c : g_checks) {
+    checks.push_back({{"name", c.name}, {"pass", c.pass}, {"relative_error", c.relative_error},
+                      {"tolerance", c.tolerance}, {"compared", c.compared}, {"not_finite", c.not_finite},
+                      {"note", c.note}});
+  }
+  doc["checks"] = checks;
+  doc["skipped"] = report.skipped;
+  return doc;
+}
+
+void print_table(const Report& report) {
+  std::printf("\nExpert FFN y = gelu(x W1) W2, bf16; useful TFLOP/s (padding and dropped tokens count as zero), "
+              "median of %s timed runs\n",
+              report.measurements.empty() ? "the" : std::to_string(report.measurements[0].forward.samples_ms.size()).c_str());
+  std::printf("%-32s %-8s %-18s %9s %8s %9s %8s %8s\n", "shape", "routing", "formulation", "fwd TF/s", "vs dense",
+              "f+b TF/s", "vs dense", "dropped");
+  for (const Measurement& m : report.measurements) {
+    std::printf("%-32s %-8s %-18s %9.0f %8.2f %9.0f %8.2f %7.1f%%\n", m.shape.name().c_str(),
+                std::string(moe::bench::to_string(m.routing)).c_str(), m.formulation.c_str(), m.forward_tflops,
+                m.forward_vs_dense, m.forward_backward_tflops, m.forward_backward_vs_dense, 100.0 * m.dropped_fraction);
+  }
+  if (!report.overheads.empty()) {
+    std::printf("\nOutside the expert FFN (router, losses, plan, topology, permute, un-permute), forward:\n");
+    std::printf("%-32s %-8s %10s %14s %8s\n", "shape", "routing", "ms", "B128 FFN ms", "share");
+    for (const Overhead& o : report.overheads) {
+      std::printf("%-32s %-8s %10.3f %14.3f %7.1f%%\n", o.shape.name().c_str(),
+                  std::string(moe::bench::to_string(o.routing)).c_str(), o.total_ms, o.ffn_forward_ms, 100.0 * o.share);
+    }
+  }
+  for (const std::string& s : report.skipped) std::printf("%s\n", s.c_str());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// [SECTION] main
+// ---------------------------------------------------------------------------------------------
+
+int main(int argc, char** argv) {
+  Options options;
+  try {
+    options = parse_options(argc, argv);
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "moe_bench: %s\n%s", error.what(), kUsage);
+    return 2;
+  }
+  if (!moe::cuda::gpu_available()) {
+    std::printf("FAIL no GPU: %s\n", moe::cuda::why_no_gpu().c_str());
+    return 1;
+  }
+  Report report;
+  try {
+    cudaStream_t stream;
+    // A blocking stream: the synchronous copies and memsets on the legacy default stream (uploads,
+    // poisoning, downloads) stay ordered with the work on it.
+    CUDA_CHECK(cudaStreamCreate(&stream));
+    moe::cuda::CublasHandle cublas;
+    cublas.set_stream(stream);
+    for (const Shape& shape : options.shapes) {
+      std::printf("== %s\n", shape.name().c_str());
+      // Weights and token tensors for the shape, plus the smallest section (the exact-rows cuBLAS paths).
+      const size_t rows = size_t(shape.T) * shape.K;
+      if (!fits(ShapeInputs::bytes(shape) + CublasFfn::bytes(rows, shape.D, shape.H, shape.E), shape.name(), report)) {
+        continue;
+      }
+      const ShapeInputs inputs(shape, options.seed);
+      for (Routing routing : options.routings) {
+        try {
+          RoutingBench(shape, routing, inputs, options, cublas, stream, report).run();
+        } catch (const std::exception& error) {  // e.g. a routing that cannot give K distinct experts
+          record_fact(shape.name() + " " + std::string(moe::bench::to_string(routing)), false,
+                      std::string("threw: ") + error.what());
+        }
+      }
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+    }  // each shape's buffers are freed here, before the next shape allocates
+    finish_measurements(report);
+    print_table(report);
+    const json doc = report_json(report, options, cublas.get());
+    const std::filesystem::path out(options.out);
+    if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
+    std::ofstream(out) << doc.dump(1) << "\n";
+    std::printf("wrote %s\n", options.out.c_str());
+    CUDA_CHECK(cudaStreamDestroy(stream));
+  } catch (const std::exception& error) {
+    record_fact("moe_bench", false, std::string("stopped: ") + error.what());
+  }
+  const auto failed = std::count_if(g_checks.begin(), g_checks.end(), [](const Check& c) { return !c.pass; });
+  double worst = 0;
+  for (const Check& c : g_checks) worst = std::max(worst, c.relative_error);
+  if (failed == 0 && !g_checks.empty()) {
+    std::printf("PASS %zu checks, max_rel_err=%.1e tol=%.0e\n", g_checks.size(), worst, kTolerance);
+    return 0;
+  }
+  std::printf("FAIL %ld of %zu checks failed (first: %s)\n", long(failed), g_checks.size(),
+              failed ? std::find_if(g_checks.begin(), g_checks.end(), [](const Check& c) { return !c.pass; })->name.c_str()
+                     : "no checks ran");
+  return 1;
+}
