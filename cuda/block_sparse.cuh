@@ -10,7 +10,7 @@
 //     sparse matrix (DSD walks a block row), or from a block found through the transpose indices
 //     (DSᵀD and DDS walk a block column, MegaBlocks 5.1.4);
 //   - chunks land in shared memory with cp.async (16 bytes per thread, STAGES deep) in the layout
-//     they have in global memory: row-major [rows][cols], cols = 64 or 128 bf16. Each 16-byte
+//     they have in global memory: row-major [rows][cols], cols = 64, 128 or 256 bf16. Each 16-byte
 //     chunk of a row is XOR-swizzled with (row % 8), so the 8 row addresses of one ldmatrix phase
 //     hit 8 different bank groups (no conflicts), whichever dimension is contiguous;
 //   - ldmatrix feeds the mma fragments; when an operand is stored with the "wrong" contiguous
@@ -42,7 +42,7 @@ enum class Layout {
 // ---- shared-memory tile: [ROWS][COLS] bf16 with 16-byte chunks swizzled by row % 8 ----
 template <int ROWS, int COLS>
 struct SmemTile {
-  static_assert(COLS == 64 || COLS == 128, "rows of 8 or 16 chunks: the swizzle needs >= 8");
+  static_assert(COLS % 64 == 0, "rows of a multiple of 8 chunks: the swizzle permutes 8");
   static constexpr int kElements = ROWS * COLS;
   __device__ static int offset(int row, int col) {  // col a multiple of 8 for chunk accesses
     return row * COLS + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
@@ -114,8 +114,9 @@ __device__ inline float silu_derivative(float a) {
 //   const bf16* a_chunk(int step, int64_t& ld)  origin of A's BM x BK (or BK x BM) chunk
 //   const bf16* b_chunk(int step, int64_t& ld)  origin of B's BK x BN (or BN x BK) chunk
 //   void store(int m, int n, float v0, float v1) C[m][n], C[m][n+1] of the tile (n even)
-template <int BM, int BN, class Problem>
-__global__ void __launch_bounds__(kThreads, 1) block_sparse_mma_kernel(const Problem parameters) {
+// MIN_BLOCKS: CTAs per SM the compiler must make room for (2 caps registers at 128 per thread).
+template <int BM, int BN, int MIN_BLOCKS, class Problem>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) block_sparse_mma_kernel(const Problem parameters) {
   constexpr int WM = BM / kWarpsM, WN = BN / kWarpsN;  // warp sub-tile
   constexpr int MT = WM / 16, NT = WN / 8;             // mma tiles per warp
   static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
@@ -215,8 +216,8 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_mma_kernel(const Pro
     }
 }
 
-template <int BM, int BN, class Problem>
-constexpr int shared_bytes() {
+template <int BM, int BN>
+constexpr int pipeline_shared_bytes() {
   return kStages * (BM * kBlockK + kBlockK * BN) * static_cast<int>(sizeof(bf16));
 }
 

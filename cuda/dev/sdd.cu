@@ -13,7 +13,15 @@
 //   2  shared-memory tiles: a CTA computes 64 x 64 of a block, 4 x 4 outputs per thread, bf16 tiles
 //      converted to fp32 in shared memory, fp32 FMA
 //   3  tensor cores: mma.sync.m16n8k16 bf16, ldmatrix, a 3-stage cp.async pipeline, XOR-swizzled
-//      shared memory, a B x 128 tile per CTA, 8 warps: the mainline (moe::cuda::sdd, block_sparse.cuh)
+//      shared memory, a B x 128 tile per CTA, 8 warps of 64 x 32 (the kernel of block_sparse.cuh);
+//      188 registers, so 1 CTA per SM
+//   4  the same with registers capped at 128 (__launch_bounds__(256, 2)): 2 CTAs per SM, one computes
+//      while the other waits at its barrier. Measured on an H200 (T=16384 D=1024 H=4096 E=64 K=1):
+//      180 -> 235 TFLOP/s useful. This is the mainline's configuration.
+//   5  a B x 256 tile, warps of 64 x 64 (fewer ldmatrix per mma): 255 registers, slower (95 TFLOP/s).
+//      Also tried and dropped: double-buffering the ldmatrix fragments in registers: no change
+//      (ptxas already overlaps them with the mma).
+//   6  the mainline library call moe::cuda::sdd (= version 4)
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
@@ -35,7 +43,8 @@
 #include <vector>
 
 #include "../../reference_cpu/block_sparse.h"  // moe::ref::sdd (by path: cuda/block_sparse.h exists too)
-#include "block_sparse.h"                      // moe::cuda::sdd, block_sparse_ffn_forward (version 3)
+#include "block_sparse.h"                      // moe::cuda::sdd, block_sparse_ffn_forward (version 6)
+#include "block_sparse.cuh"                    // the tensor-core tile kernel (versions 3-5)
 #include "block_sparse_host.h"                 // upload_topology
 #include "cuda_check.h"                        // CUDA_CHECK
 #include "device_buffer.h"                     // DeviceBuffer
@@ -128,6 +137,48 @@ __global__ void __launch_bounds__(256) sdd_kernel2(const DeviceTopology t, const
       o[static_cast<int64_t>(m0 + ty + 16 * i) * B + n0 + tx + 16 * q] = __float2bfloat16(acc[i][q]);
 }
 
+// ---- versions 3-5: the tensor-core tile kernel of block_sparse.cuh, three tile configurations ----
+// The kernel is the mainline's; only the tile shape and the CTAs per SM change:
+//   3  BM x 128 tile (BM = B), 8 warps of 64 x 32 (B = 128), 1 CTA per SM (188 registers)
+//   4  the same, registers capped at 128 so that 2 CTAs share an SM (one computes while the other
+//      waits at its barrier)
+//   5  BM x 256 tile, 8 warps of 64 x 64: 8 ldmatrix per 32 mma instead of 6 per 16
+template <int BN, int MIN_BLOCKS, int BM>
+void launch_tensor_core_shape(const moe::cuda::block_sparse_detail::SddProblem<
+                                  moe::cuda::block_sparse_detail::Layout::row_major_km>& problem,
+                              int H, int block_rows, cudaStream_t stream) {
+  using namespace moe::cuda::block_sparse_detail;
+  constexpr int smem = pipeline_shared_bytes<BM, BN>();
+  auto* kernel = &block_sparse_mma_kernel<BM, BN, MIN_BLOCKS, SddProblem<Layout::row_major_km>>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(H / BN, block_rows), kThreads, smem, stream>>>(problem);
+}
+
+template <int BN, int MIN_BLOCKS>
+void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H,
+                        bf16* out, cudaStream_t stream) {
+  using namespace moe::cuda::block_sparse_detail;
+  SddProblem<Layout::row_major_km> problem{};
+  problem.block_rows = t.block_rows;
+  problem.offsets = t.offsets;
+  problem.block_row_expert = t.block_row_expert;
+  problem.a = x;
+  problem.inner = D;
+  problem.b = w1;
+  problem.ldb = H;
+  problem.block_size = t.block_size;
+  problem.epilogue = SddEpilogue::store;
+  problem.out0 = out;
+  if (H % BN != 0) {
+    std::fprintf(stderr, "this tile needs H %% %d == 0\n", BN);
+    std::exit(1);
+  }
+  if (t.block_size == 128)
+    launch_tensor_core_shape<BN, MIN_BLOCKS, 128>(problem, H, t.max_block_rows, stream);
+  else
+    launch_tensor_core_shape<BN, MIN_BLOCKS, 64>(problem, H, t.max_block_rows, stream);
+}
+
 // ---- one problem: routing, topology, tensors ----
 struct Problem {
   int T, D, H, E, K, B;
@@ -214,6 +265,15 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
       break;
     }
     case 3:
+      launch_tensor_core<128, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 4:
+      launch_tensor_core<128, 2>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 5:
+      launch_tensor_core<256, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 6:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
                      p.out_device.data(), stream);
       break;
@@ -272,7 +332,7 @@ int main(int argc, char** argv) {
   CUDA_CHECK(cudaStreamCreate(&stream));
 
   // ---- 1. correctness, every version, on a small problem the CPU reference can afford ----
-  const int versions[] = {1, 2, 3};
+  const int versions[] = {1, 2, 3, 4, 5, 6};
   bool all_pass = true;
   {
     const int check_D = std::min(D, 512), check_H = std::min(H, 512), check_E = std::min(E, 8);
@@ -324,7 +384,8 @@ int main(int argc, char** argv) {
                 100.0 * cublas_ms / ms);
   };
   row("cuBLAS dense [T*K,D]x[D,H]", cublas_ms);
-  const char* names[] = {"", "1 naive", "2 smem tiles (fp32 FMA)", "3 mma.sync + cp.async (mainline)"};
+  const char* names[] = {"", "1 naive", "2 smem tiles (fp32 FMA)", "3 mma.sync Bx128, 1 CTA/SM",
+                         "4 mma.sync Bx128, 2 CTA/SM", "5 mma.sync Bx256, warp 64x64", "6 mainline moe::cuda::sdd"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----
