@@ -65,14 +65,14 @@ lessons() {
 
 bench() {
   local rc=0
-  for program in build-gpu/cuda/dev/*; do
+  for program in build-gpu/cuda/dev/dev_*; do
     [ -x "$program" ] && [ -f "$program" ] || continue
-    "$program" > "$OUT/dev_$(basename "$program").log" 2>&1 || rc=1
-    tail -20 "$OUT/dev_$(basename "$program").log"
+    "$program" > "$OUT/$(basename "$program").log" 2>&1 || rc=1
+    tail -12 "$OUT/$(basename "$program").log"
   done
-  if [ -x build-gpu/cuda/moe_bench ]; then
-    build-gpu/cuda/moe_bench --out "$OUT/moe_bench.json" > "$OUT/moe_bench.log" 2>&1 || rc=1
-    tail -40 "$OUT/moe_bench.log"
+  if [ -x build-gpu/cuda/bench/moe_bench ]; then
+    build-gpu/cuda/bench/moe_bench --out "$OUT/moe_bench.json" > "$OUT/moe_bench.log" 2>&1 || rc=1
+    tail -45 "$OUT/moe_bench.log"
   fi
   if [ -f cuda/bench/torch_baseline.py ]; then
     PYTHONUNBUFFERED=1 python3 cuda/bench/torch_baseline.py --out "$OUT/torch_baseline.json" > "$OUT/torch_baseline.log" 2>&1 || rc=1
