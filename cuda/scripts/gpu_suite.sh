@@ -5,13 +5,18 @@
 #                                           test dependencies the GPU machines lack (nlohmann-json,
 #                                           Eigen, GoogleTest) into .deps/ (ignored by git)
 #   cuda/scripts/gpu_suite.sh run [STEPS]   on the GPU machine: build with .deps, then run STEPS
-#                                           (default: tests sanitize lessons bench), logs in $OUT
+#                                           (default: tests sanitize lessons dev bench), logs in $OUT
 # The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/gpu_out}
 mkdir -p "$OUT"
+# Logs go to one folder that is packed into $OUT/logs.tar.gz at the end (the device tool brings back
+# only a few files); results (JSON) go to $OUT itself.
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+trap 'tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"' EXIT
 
 bundle() {
   rm -rf .deps && mkdir -p .deps/include .deps/share/cmake .deps/share/eigen3 .deps/lib/x86_64-linux-gnu/cmake
@@ -26,18 +31,18 @@ bundle() {
 }
 
 build() {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/device.txt"
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$ROOT/.deps" \
-        -DMOE_ENABLE_VIEWER=OFF > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; return 1; }
-  cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; return 1; }
+        -DMOE_ENABLE_VIEWER=OFF > "$LOGS/configure.log" 2>&1 || { tail -30 "$LOGS/configure.log"; return 1; }
+  cmake --build build-gpu -j "$(nproc)" > "$LOGS/build.log" 2>&1 || { grep -E "error|FAILED" "$LOGS/build.log" | head -40; return 1; }
   echo "build: ok"
 }
 
 tests() {
-  ctest --test-dir build-gpu --output-on-failure -j 4 > "$OUT/ctest.log" 2>&1
+  ctest --test-dir build-gpu --output-on-failure -j 4 > "$LOGS/ctest.log" 2>&1
   local rc=$?
-  grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | tail -25
-  grep -c "Skipped" "$OUT/ctest.log" | sed 's/^/skipped lines: /'
+  grep -E "tests passed|tests failed|Failed|\*\*\*" "$LOGS/ctest.log" | tail -25
+  grep -c "Skipped" "$LOGS/ctest.log" | sed 's/^/skipped lines: /'
   return $rc
 }
 
@@ -47,9 +52,9 @@ sanitize() {
   for exe in build-gpu/tests/cuda/cuda_test_*; do
     [ -x "$exe" ] || continue
     for tool in memcheck racecheck; do
-      compute-sanitizer --tool "$tool" --error-exitcode 9 "$exe" > "$OUT/sanitize_$(basename "$exe")_$tool.log" 2>&1
+      timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$exe" > "$LOGS/sanitize_$(basename "$exe")_$tool.log" 2>&1
       local r=$?
-      echo "sanitize $(basename "$exe") $tool: rc=$r $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$(basename "$exe")_$tool.log" | tail -1)"
+      echo "sanitize $(basename "$exe") $tool: rc=$r $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize_$(basename "$exe")_$tool.log" | tail -1)"
       [ $r -ne 0 ] && rc=1
     done
   done
@@ -57,26 +62,31 @@ sanitize() {
 }
 
 lessons() {
-  lessons/tour.sh build-gpu > "$OUT/lessons.log" 2>&1
+  lessons/tour.sh build-gpu > "$LOGS/lessons.log" 2>&1
   local rc=$?
-  grep -E "^(PASS|FAIL)" "$OUT/lessons.log"
+  grep -E "^(PASS|FAIL)" "$LOGS/lessons.log"
+  return $rc
+}
+
+dev() {
+  local rc=0
+  for program in build-gpu/cuda/dev/dev_*; do
+    [ -x "$program" ] && [ -f "$program" ] || continue
+    "$program" > "$LOGS/$(basename "$program").log" 2>&1 || rc=1
+    tail -12 "$LOGS/$(basename "$program").log"
+  done
   return $rc
 }
 
 bench() {
   local rc=0
-  for program in build-gpu/cuda/dev/dev_*; do
-    [ -x "$program" ] && [ -f "$program" ] || continue
-    "$program" > "$OUT/$(basename "$program").log" 2>&1 || rc=1
-    tail -12 "$OUT/$(basename "$program").log"
-  done
   if [ -x build-gpu/cuda/bench/moe_bench ]; then
-    build-gpu/cuda/bench/moe_bench --out "$OUT/moe_bench.json" > "$OUT/moe_bench.log" 2>&1 || rc=1
-    tail -45 "$OUT/moe_bench.log"
+    build-gpu/cuda/bench/moe_bench --out "$OUT/moe_bench.json" > "$LOGS/moe_bench.log" 2>&1 || rc=1
+    tail -45 "$LOGS/moe_bench.log"
   fi
   if [ -f cuda/bench/torch_baseline.py ]; then
-    PYTHONUNBUFFERED=1 python3 cuda/bench/torch_baseline.py --out "$OUT/torch_baseline.json" > "$OUT/torch_baseline.log" 2>&1 || rc=1
-    tail -20 "$OUT/torch_baseline.log"
+    PYTHONUNBUFFERED=1 python3 cuda/bench/torch_baseline.py --out "$OUT/torch_baseline.json" > "$LOGS/torch_baseline.log" 2>&1 || rc=1
+    tail -20 "$LOGS/torch_baseline.log"
   fi
   return $rc
 }
@@ -85,7 +95,7 @@ case "${1:-}" in
   bundle) bundle ;;
   run)
     shift
-    steps=${*:-tests sanitize lessons bench}
+    steps=${*:-tests sanitize lessons dev bench}
     build || exit 1
     status=0
     for step in $steps; do
@@ -94,5 +104,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [bench]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench]" >&2; exit 2 ;;
 esac
