@@ -122,40 +122,42 @@ __global__ void route_top_k_kernel(const float* __restrict__ logits,  // [T, E]
 }
 
 // ---- router losses ----
-// Block (32, 32): threadIdx.x picks one of 32 consecutive experts (so a warp reads 32 consecutive
-// probabilities of one token: coalesced), threadIdx.y strides over tokens. The per-thread partial
-// sums are combined in a fixed order, so the result is the same bit for bit on every run.
-constexpr int kStatisticsTokenLanes = 32;
+// One block per expert, 256 threads striding over the tokens: the T column reads of one expert are
+// strided (E floats apart) but every block has T / 256 independent loads per thread in flight, so
+// the kernel takes a few microseconds even at T = 16384. (A first version gave each block 32 experts
+// and only ceil(E / 32) blocks in all: 2 blocks for E = 64, latency-bound at 0.19 ms on an H200.)
+// Each thread sums its tokens in order and the block combines the partial sums in a fixed tree, so
+// the result is the same bit for bit on every run.
+constexpr int kStatisticsThreads = 256;
 
 __global__ void expert_statistics_kernel(const float* __restrict__ probs,     // [T, E]
                                          const int* __restrict__ top_experts, // [T, K]
                                          float* __restrict__ expert_fraction, // [E]
                                          float* __restrict__ mean_probs,      // [E]
                                          int tokens, int num_experts, int top_k) {
-  __shared__ double prob_partial[kStatisticsTokenLanes][kWarpSize];
-  __shared__ int count_partial[kStatisticsTokenLanes][kWarpSize];
-  const int expert = blockIdx.x * kWarpSize + threadIdx.x;
+  __shared__ double prob_partial[kStatisticsThreads];
+  __shared__ int count_partial[kStatisticsThreads];
+  const int expert = blockIdx.x;
   double prob_sum = 0.0;  // double: a sum of T terms, and this kernel is far from any bottleneck
   int count = 0;
-  if (expert < num_experts) {
-    for (int token = threadIdx.y; token < tokens; token += kStatisticsTokenLanes) {
-      prob_sum += probs[static_cast<size_t>(token) * num_experts + expert];
-      for (int k = 0; k < top_k; ++k) {
-        count += top_experts[static_cast<size_t>(token) * top_k + k] == expert;
-      }
-    }
+  for (int token = threadIdx.x; token < tokens; token += kStatisticsThreads) {
+    prob_sum += probs[static_cast<size_t>(token) * num_experts + expert];
+    for (int k = 0; k < top_k; ++k) count += top_experts[static_cast<size_t>(token) * top_k + k] == expert;
   }
-  prob_partial[threadIdx.y][threadIdx.x] = prob_sum;
-  count_partial[threadIdx.y][threadIdx.x] = count;
+  prob_partial[threadIdx.x] = prob_sum;
+  count_partial[threadIdx.x] = count;
   __syncthreads();
-  if (threadIdx.y == 0 && expert < num_experts) {
-    for (int lane = 1; lane < kStatisticsTokenLanes; ++lane) {
-      prob_sum += prob_partial[lane][threadIdx.x];
-      count += count_partial[lane][threadIdx.x];
+  for (int stride = kStatisticsThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      prob_partial[threadIdx.x] += prob_partial[threadIdx.x + stride];
+      count_partial[threadIdx.x] += count_partial[threadIdx.x + stride];
     }
-    mean_probs[expert] = static_cast<float>(prob_sum / tokens);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    mean_probs[expert] = static_cast<float>(prob_partial[0] / tokens);
     expert_fraction[expert] =
-        static_cast<float>(static_cast<double>(count) / (static_cast<double>(tokens) * top_k));
+        static_cast<float>(static_cast<double>(count_partial[0]) / (static_cast<double>(tokens) * top_k));
   }
 }
 
@@ -313,10 +315,8 @@ void router_losses(const float* probs, const int* top_experts, const float* logs
   detail::check_not_null(function, "mean_probs", mean_probs);
   detail::check_not_null(function, "aux_loss", aux_loss);
   detail::check_not_null(function, "z_loss", z_loss);
-  const dim3 block(kWarpSize, kStatisticsTokenLanes);
-  const unsigned expert_tiles = static_cast<unsigned>((num_experts + kWarpSize - 1) / kWarpSize);
-  expert_statistics_kernel<<<expert_tiles, block, 0, stream>>>(probs, top_experts, expert_fraction,
-                                                               mean_probs, tokens, num_experts, top_k);
+  expert_statistics_kernel<<<num_experts, kStatisticsThreads, 0, stream>>>(
+      probs, top_experts, expert_fraction, mean_probs, tokens, num_experts, top_k);
   CUDA_CHECK(cudaGetLastError());
   loss_totals_kernel<<<1, kLossThreads, 0, stream>>>(expert_fraction, mean_probs, logsumexp, aux_loss,
                                                      z_loss, tokens, num_experts);
