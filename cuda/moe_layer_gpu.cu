@@ -51,6 +51,14 @@ MoeConfig plan_config(const MoeConfig& config) {
   return c;
 }
 
+// Runs `work` as one named phase of the timeline when a timer is set.
+template <typename Work>
+void phase(PhaseTimer* timer, const char* name, cudaStream_t stream, Work&& work) {
+  if (timer != nullptr) timer->begin(name, stream);
+  work();
+  if (timer != nullptr) timer->end(stream);
+}
+
 __global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t n) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
     out[i] = __float2bfloat16(in[i]);
@@ -119,16 +127,22 @@ void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y
     throw std::invalid_argument("MoeLayerGpu::forward: x, y and every weight pointer must be non-null");
   }
   const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
-  router_logits(cublas_.get(), x, weights.gate_weights, logits_.data(), T, D, E, stream);
-  route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(), T,
-              E, K, config_.renormalize, stream);
-  router_losses(probs_.data(), top_experts_.data(), logsumexp_.data(), expert_fraction_.data(),
-                mean_probs_.data(), aux_loss_.data(), z_loss_.data(), T, E, K, stream);
-  build_dispatch_plan(top_experts_.data(), plan_, stream);
-  if (dropless_) build_topology(plan_.plan(), *topology_, stream);
-  permute_tokens(plan_.plan(), x, permuted_x_.data(), D, stream);
-  experts_forward(weights, stream);
-  unpermute_and_combine(plan_.plan(), combine_weights_.data(), expert_out_.data(), y, D, stream);
+  phase(timer_, "router", stream, [&] {
+    router_logits(cublas_.get(), x, weights.gate_weights, logits_.data(), T, D, E, stream);
+    route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(),
+                T, E, K, config_.renormalize, stream);
+    router_losses(probs_.data(), top_experts_.data(), logsumexp_.data(), expert_fraction_.data(),
+                  mean_probs_.data(), aux_loss_.data(), z_loss_.data(), T, E, K, stream);
+  });
+  phase(timer_, "plan", stream, [&] {
+    build_dispatch_plan(top_experts_.data(), plan_, stream);
+    if (dropless_) build_topology(plan_.plan(), *topology_, stream);
+  });
+  phase(timer_, "dispatch", stream, [&] { permute_tokens(plan_.plan(), x, permuted_x_.data(), D, stream); });
+  phase(timer_, "expert_compute", stream, [&] { experts_forward(weights, stream); });
+  phase(timer_, "combine", stream, [&] {
+    unpermute_and_combine(plan_.plan(), combine_weights_.data(), expert_out_.data(), y, D, stream);
+  });
 }
 
 void MoeLayerGpu::experts_forward(const MoeLayerWeights& weights, cudaStream_t stream) {
@@ -158,26 +172,32 @@ void MoeLayerGpu::backward(const bf16* x, const MoeLayerWeights& weights, const 
   }
   const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
   // combine: d expert_out rows = w * dy, and d combine_weights (the router's input gradient)
-  combine_backward(plan_.plan(), combine_weights_.data(), dy, expert_out_.data(), d_expert_out_.data(),
-                   d_combine_weights_.data(), D, stream);
-  experts_backward(weights, gradients, stream);
+  phase(timer_, "combine_backward", stream, [&] {
+    combine_backward(plan_.plan(), combine_weights_.data(), dy, expert_out_.data(), d_expert_out_.data(),
+                     d_combine_weights_.data(), D, stream);
+  });
+  phase(timer_, "expert_compute_backward", stream, [&] { experts_backward(weights, gradients, stream); });
   // un-gather: dx[t] = sum of its K rows' gradients
-  permute_backward(plan_.plan(), d_permuted_x_.data(), gradients.dx, D, /*accumulate=*/false, stream);
+  phase(timer_, "dispatch_backward", stream, [&] {
+    permute_backward(plan_.plan(), d_permuted_x_.data(), gradients.dx, D, /*accumulate=*/false, stream);
+  });
   // router: d_logits, then the gate's two products. d_logits is rounded to bf16 for the tensor-core
   // GEMMs (fp32 accumulation), the same precision as every other activation gradient here.
-  router_backward(probs_.data(), logsumexp_.data(), top_experts_.data(), d_combine_weights_.data(),
-                  expert_fraction_.data(), d_logits_.data(), T, E, K, config_.renormalize,
-                  config_.aux_loss_coef, config_.z_loss_coef, stream);
-  const size_t n = static_cast<size_t>(T) * E;
-  float_to_bf16_kernel<<<static_cast<unsigned>(std::min<size_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(
-      d_logits_.data(), d_logits_bf16_.data(), n);
-  CUDA_CHECK(cudaGetLastError());
-  cublas_.set_stream(stream);
-  // d_gate_weights [D, E] = xᵀ [D, T] d_logits [T, E];  dx [T, D] += d_logits [T, E] Wgᵀ [E, D]
-  gemm(cublas_.get(), Op::transpose, Op::none, D, E, T, x, D, d_logits_bf16_.data(), E, gradients.d_gate_weights,
-       E, 1.0f, 0.0f, /*c_is_float=*/true);
-  gemm(cublas_.get(), Op::none, Op::transpose, T, D, E, d_logits_bf16_.data(), E, weights.gate_weights, E,
-       gradients.dx, D, 1.0f, 1.0f, /*c_is_float=*/true);
+  phase(timer_, "router_backward", stream, [&] {
+    router_backward(probs_.data(), logsumexp_.data(), top_experts_.data(), d_combine_weights_.data(),
+                    expert_fraction_.data(), d_logits_.data(), T, E, K, config_.renormalize,
+                    config_.aux_loss_coef, config_.z_loss_coef, stream);
+    const size_t n = static_cast<size_t>(T) * E;
+    float_to_bf16_kernel<<<static_cast<unsigned>(std::min<size_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(
+        d_logits_.data(), d_logits_bf16_.data(), n);
+    CUDA_CHECK(cudaGetLastError());
+    cublas_.set_stream(stream);
+    // d_gate_weights [D, E] = xᵀ [D, T] d_logits [T, E];  dx [T, D] += d_logits [T, E] Wgᵀ [E, D]
+    gemm(cublas_.get(), Op::transpose, Op::none, D, E, T, x, D, d_logits_bf16_.data(), E,
+         gradients.d_gate_weights, E, 1.0f, 0.0f, /*c_is_float=*/true);
+    gemm(cublas_.get(), Op::none, Op::transpose, T, D, E, d_logits_bf16_.data(), E, weights.gate_weights, E,
+         gradients.dx, D, 1.0f, 1.0f, /*c_is_float=*/true);
+  });
 }
 
 void MoeLayerGpu::experts_backward(const MoeLayerWeights& weights, const MoeLayerGradients& gradients,

@@ -35,6 +35,7 @@
 #include "dispatch_plan.h"   // DispatchPlanBuffers
 #include "gemm.h"            // CublasHandle
 #include "moe_config.h"      // MoeConfig
+#include "phase_timer.h"     // PhaseTimer
 
 namespace moe::cuda {
 
@@ -69,6 +70,10 @@ class MoeLayerGpu {
                 const bf16* dy,  // [T, D]
                 const MoeLayerGradients& gradients, cudaStream_t stream);
 
+  // Times and names each phase (router, plan, topology, permute, experts, combine, and their
+  // backward) on the GPU timeline; nullptr (the default) records nothing.
+  void set_phase_timer(PhaseTimer* timer) { timer_ = timer; }
+
   const MoeConfig& config() const { return config_; }
   int max_rows() const { return plan_.max_rows(); }
 
@@ -89,6 +94,7 @@ class MoeLayerGpu {
                         cudaStream_t stream);
 
   MoeConfig config_;
+  PhaseTimer* timer_ = nullptr;
   bool dropless_ = true;
   int capacity_ = 0;  // C for the padded / dropping formulations
   CublasHandle cublas_;

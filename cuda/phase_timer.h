@@ -1,0 +1,48 @@
+// phase_timer.h: names the phases of a layer on the GPU timeline, twice over: an NVTX range (so
+// Nsight Systems shows the same phases as the viewer) and a pair of CUDA events (so a program can
+// write the phases' times into its run record as "span" events).
+//
+//   PhaseTimer timer;                 // one per stream
+//   layer.set_phase_timer(&timer);    // the layer calls begin()/end() around each phase
+//   ... forward, backward ...
+//   for (const auto& phase : timer.collect()) ...   // waits for the events, returns the spans
+//
+// Timing never synchronises the host during the work: events are recorded on the stream and read
+// only in collect(). A layer without a timer (the default) records nothing.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+namespace moe::cuda {
+
+struct TimedPhase {
+  std::string name;
+  double start_us = 0;     // from the first phase's start
+  double duration_us = 0;
+};
+
+class PhaseTimer {
+ public:
+  PhaseTimer() = default;
+  ~PhaseTimer();
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+
+  void begin(const char* name, cudaStream_t stream);  // opens an NVTX range, records a start event
+  void end(cudaStream_t stream);                      // records the end event, closes the range
+  // Waits for the recorded events and returns every phase since the last collect(), in order.
+  std::vector<TimedPhase> collect();
+
+ private:
+  struct Pending {
+    std::string name;
+    cudaEvent_t start = nullptr, stop = nullptr;
+    bool open = true;  // begun, not yet ended
+  };
+  std::vector<Pending> pending_;
+};
+
+}  // namespace moe::cuda
