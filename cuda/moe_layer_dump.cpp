@@ -1,10 +1,13 @@
 // moe_layer_dump.cpp: runs one MoE layer on the GPU and on the CPU reference from the same inputs,
 // prints how far apart they are, and writes every tensor as .npy (inputs, weights, routing, outputs,
-// gradients, and the reference's) so a lesson, a notebook or numpy can look at them.
+// gradients, and the reference's) so a lesson, a notebook or numpy can look at them. The same
+// directory is a run record (run.json + events.jsonl) the viewer opens: the routing, the topology,
+// and the GPU timeline of --steps forward + backward passes, one span per phase (router, plan,
+// dispatch, expert_compute, combine and their backward), timed with CUDA events.
 //
 // Build and run:  ./moe build && build/cuda/moe_layer_dump [--out runs/layer_dump] [--formulation F]
 //                 [--tokens T] [--model-dim D] [--hidden-dim H] [--experts E] [--top-k K]
-//                 [--block-size B] [--capacity-factor CF] [--seed N]
+//                 [--block-size B] [--capacity-factor CF] [--seed N] [--steps N] [--no-npy]
 // Files: x, dy, gate_weights, w1 [E,D,H], w2 [E,H,D], top_experts [T,K] (int32), combine_weights,
 // y, dx, d_gate_weights, d_w1, d_w2 (GPU), and ref_y, ref_dx, ref_d_gate_weights, ref_d_w1,
 // ref_d_w2 (CPU reference, double rounded to float32). All float32 unless said.
@@ -24,6 +27,8 @@
 #include "moe_layer.h"      // moe::ref::moe_forward, moe_backward
 #include "moe_layer_gpu.h"  // MoeLayerGpu
 #include "npy.h"            // write_npy
+#include "phase_timer.h"    // PhaseTimer
+#include "run_record.h"     // RunWriter, span / routing / topology events
 
 using namespace moe;
 using moe::cuda::bf16;
@@ -57,7 +62,7 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& r
   std::cerr << "moe_layer_dump: " << message
             << "\nusage: moe_layer_dump [--out DIR] [--formulation dropless|padded|dropping] [--tokens T]"
                " [--model-dim D] [--hidden-dim H] [--experts E] [--top-k K] [--block-size B]"
-               " [--capacity-factor CF] [--seed N]\n";
+               " [--capacity-factor CF] [--seed N] [--steps N] [--no-npy]\n";
   std::exit(2);
 }
 
@@ -77,10 +82,16 @@ int main(int argc, char** argv) {
   config.z_loss_coef = 0.001;
   std::filesystem::path out = "runs/layer_dump";
   uint64_t seed = 1;
+  int steps = 3;
+  bool write_tensors = true;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];
       if (arg == "--help" || arg == "-h") usage("dumps one GPU MoE layer and its CPU reference as .npy");
+      if (arg == "--no-npy") {
+        write_tensors = false;
+        continue;
+      }
       if (i + 1 >= argc) usage(arg + " needs a value");
       const std::string value = argv[++i];
       if (arg == "--out") out = value;
@@ -93,9 +104,11 @@ int main(int argc, char** argv) {
       else if (arg == "--block-size") config.block_size = std::stoll(value);
       else if (arg == "--capacity-factor") config.capacity_factor = std::stod(value);
       else if (arg == "--seed") seed = std::stoull(value);
+      else if (arg == "--steps") steps = std::stoi(value);
       else usage("unknown argument '" + arg + "'");
     }
     validate(config);
+    if (steps < 1) usage("--steps " + std::to_string(steps) + ": allowed: 1 or more");
   } catch (const std::exception& error) {  // std::stoll's and validate()'s messages
     usage(error.what());
   }
@@ -126,12 +139,50 @@ int main(int argc, char** argv) {
   auto d_w1_table = cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
   auto d_w2_table = cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
 
+  RunInfo info;
+  info.kind = RunKind::bench;
+  info.name = "moe_layer_dump_" + std::string(to_string(config.formulation));
+  info.moe_config = config;
+  info.devices = {cuda::current_device().name};
+  info.extra = {{"program", "moe_layer_dump"}, {"seed", seed}, {"steps", steps}};
+  auto writer = RunWriter::create(out, info, OnExisting::overwrite);
+
   cuda::MoeLayerGpu layer(config);
+  cuda::PhaseTimer timer;
+  layer.set_phase_timer(&timer);
   const cuda::MoeLayerWeights w{gate_gpu.data(), w1_table.data(), w2_table.data()};
-  layer.forward(x_gpu.data(), w, y_gpu.data(), nullptr);
-  layer.backward(x_gpu.data(), w, dy_gpu.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
-                 nullptr);
+  // Each step: forward and backward on the same inputs (the first one includes cuBLAS's and the
+  // kernels' first-launch costs, which is why a timeline shows it longer). Span start times are the
+  // host clock at the step's start plus the GPU's own offsets within the step.
+  for (int step = 0; step < steps; ++step) {
+    const double step_start_us = writer.elapsed_us();
+    layer.forward(x_gpu.data(), w, y_gpu.data(), nullptr);
+    layer.backward(x_gpu.data(), w, dy_gpu.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
+                   nullptr);
+    double layer_us = 0;
+    for (const cuda::TimedPhase& phase : timer.collect()) {
+      writer.append(to_event(SpanEvent{.step = step, .rank = 0, .stream = 0, .stream_name = "compute",
+                                       .name = phase.name, .start_us = step_start_us + phase.start_us,
+                                       .duration_us = phase.duration_us}));
+      layer_us = phase.start_us + phase.duration_us;
+    }
+    writer.append(step_event(step, {{"aux_loss", layer.aux_loss().download()[0]},
+                                    {"z_loss", layer.z_loss().download()[0]},
+                                    {"layer_forward_backward_us", layer_us}}));
+  }
   CUDA_CHECK(cudaDeviceSynchronize());
+  {
+    const std::vector<int> counts = layer.plan().tokens_per_expert.download();
+    const std::vector<int> kept = layer.plan().kept_per_expert.download();
+    RoutingEvent routing{.step = steps - 1, .layer = 0, .tokens_per_expert = {}, .dropped_per_expert = {},
+                         .capacity = std::nullopt, .tokens_per_expert_by_genre = {}};
+    for (size_t e = 0; e < counts.size(); ++e) {
+      routing.tokens_per_expert.push_back(counts[e]);
+      routing.dropped_per_expert.push_back(counts[e] - kept[e]);
+    }
+    if (config.formulation != Formulation::dropless) routing.capacity = capacity(config);
+    writer.append(to_event(routing));
+  }
 
   // ---- CPU reference ----
   const ref::LayerForward ref = ref::moe_forward(config, x, weights);
@@ -145,29 +196,41 @@ int main(int argc, char** argv) {
       {"d_w1", {d_w1.download(), floats(ref_grad.w1)}},
       {"d_w2", {d_w2.download(), floats(ref_grad.w2)}},
   };
-  std::filesystem::create_directories(out);
-  write_npy(out / "x.npy", floats(x), {T, D});
-  write_npy(out / "dy.npy", floats(dy), {T, D});
-  write_npy(out / "gate_weights.npy", floats(weights.gate_weights), {D, E});
-  write_npy(out / "w1.npy", floats(weights.w1), {E, D, H});
-  write_npy(out / "w2.npy", floats(weights.w2), {E, H, D});
-  write_npy(out / "top_experts.npy", layer.top_experts().download(), {T, config.top_k});
-  write_npy(out / "combine_weights.npy", layer.combine_weights().download(), {T, config.top_k});
+  if (write_tensors) {
+    write_npy(out / "x.npy", floats(x), {T, D});
+    write_npy(out / "dy.npy", floats(dy), {T, D});
+    write_npy(out / "gate_weights.npy", floats(weights.gate_weights), {D, E});
+    write_npy(out / "w1.npy", floats(weights.w1), {E, D, H});
+    write_npy(out / "w2.npy", floats(weights.w2), {E, H, D});
+    write_npy(out / "top_experts.npy", layer.top_experts().download(), {T, config.top_k});
+    write_npy(out / "combine_weights.npy", layer.combine_weights().download(), {T, config.top_k});
+  }
+  if (ref.topology) {
+    const ref::BlockSparseTopology& topology = *ref.topology;
+    writer.append(to_event(TopologyEvent{
+        .step = steps - 1, .layer = 0, .block_size = topology.block_size, .block_rows = topology.block_rows,
+        .block_cols = topology.block_cols, .nnz = topology.nnz, .padding_rows = ref.plan.padding_rows,
+        .rows_per_expert = std::vector<int64_t>(ref.plan.rows_per_expert.begin(), ref.plan.rows_per_expert.end())}));
+  }
   const std::map<std::string, std::vector<int64_t>> shapes = {
       {"y", {T, D}}, {"dx", {T, D}}, {"d_gate_weights", {D, E}}, {"d_w1", {E, D, H}}, {"d_w2", {E, H, D}}};
   bool pass = true;
   std::ostringstream verdict;
   for (const auto& [name, pair] : compared) {
-    write_npy(out / (name + ".npy"), pair.first, shapes.at(name));
-    write_npy(out / ("ref_" + name + ".npy"), pair.second, shapes.at(name));
+    if (write_tensors) {
+      write_npy(out / (name + ".npy"), pair.first, shapes.at(name));
+      write_npy(out / ("ref_" + name + ".npy"), pair.second, shapes.at(name));
+    }
     const double error = relative_error(pair.first, pair.second);
     pass = pass && error < kTolerance;
     verdict << " " << name << "=" << std::scientific << std::setprecision(1) << error;
   }
   std::cout << "moe_layer_dump: " << to_string(config.formulation) << " T=" << T << " D=" << D << " H=" << H
             << " E=" << E << " K=" << config.top_k << " on " << cuda::current_device().name << "\n"
-            << "wrote .npy files to " << out.string() << "\n"
+            << "wrote the run record" << (write_tensors ? " and .npy files" : "") << " to " << out.string() << "\n"
             << (pass ? "PASS" : "FAIL") << " GPU vs CPU reference, relative errors:" << verdict.str()
             << " tol=" << kTolerance << "\n";
+  writer.append(to_event(VerdictEvent{.pass = pass, .message = "GPU vs CPU reference:" + verdict.str(),
+                                      .step = std::nullopt}));
   return pass ? 0 : 1;
 }
