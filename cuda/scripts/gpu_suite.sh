@@ -5,7 +5,7 @@
 #                                           test dependencies the GPU machines lack (nlohmann-json,
 #                                           Eigen, GoogleTest) into .deps/ (ignored by git)
 #   cuda/scripts/gpu_suite.sh run [STEPS]   on the GPU machine: build with .deps, then run STEPS
-#                                           (default: tests sanitize lessons dev bench), logs in $OUT
+#                                           (default: tests sanitize lessons dev bench record), logs in $OUT
 # The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -91,11 +91,26 @@ bench() {
   return $rc
 }
 
+record() {
+  # Recorded GPU runs for notebooks_data/runs/: one layer in each formulation, its routing, topology
+  # and per-phase timeline over 5 forward + backward passes (run records only, no .npy).
+  local rc=0 runs="$OUT/runs"
+  mkdir -p "$runs"
+  for formulation in dropless padded dropping; do
+    build-gpu/cuda/moe_layer_dump --formulation "$formulation" --tokens 4096 --model-dim 512 \
+      --hidden-dim 1024 --experts 16 --top-k 2 --block-size 128 --capacity-factor 1.0 --steps 5 --no-npy \
+      --out "$runs/gpu_layer_$formulation" > "$LOGS/record_$formulation.log" 2>&1 || rc=1
+    tail -1 "$LOGS/record_$formulation.log"
+  done
+  tar czf "$OUT/runs.tar.gz" -C "$runs" . && rm -rf "$runs"
+  return $rc
+}
+
 case "${1:-}" in
   bundle) bundle ;;
   run)
     shift
-    steps=${*:-tests sanitize lessons dev bench}
+    steps=${*:-tests sanitize lessons dev bench record}
     build || exit 1
     status=0
     for step in $steps; do
@@ -104,5 +119,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench] [record]" >&2; exit 2 ;;
 esac
