@@ -1,6 +1,7 @@
 // moe_layer_gpu.cu: one MoE layer on the GPU, forward and backward (see moe_layer_gpu.h).
 #include "moe_layer_gpu.h"
 
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
@@ -34,11 +35,32 @@ MoeConfig checked(const MoeConfig& config) {
   if (config.formulation == Formulation::dropless && config.block_size != 64 && config.block_size != 128) {
     reject("block_size (B) = " + std::to_string(config.block_size) + "; allowed for dropless: 64 or 128");
   }
-  const int64_t rows_bound = config.tokens * config.top_k + config.num_experts * config.block_size;
-  if (rows_bound * std::max(config.model_dim, config.hidden_dim) > (int64_t{1} << 31) - 1) {
-    reject("T*K*max(D, H) is too large for 32-bit indexing: T=" + std::to_string(config.tokens) +
-           " K=" + std::to_string(config.top_k) + " D=" + std::to_string(config.model_dim) +
-           " H=" + std::to_string(config.hidden_dim));
+  // Fail before any allocation or launch when the layer's buffers cannot fit in the free memory.
+  // The rows every expert buffer holds: T*K + E*(B-1) dropless, E*C padded and dropping.
+  const double rows = config.formulation == Formulation::dropless
+                          ? double(config.tokens * config.top_k + config.num_experts * (config.block_size - 1))
+                          : double(config.num_experts) * double(capacity(config));
+  if (rows * double(std::max(config.model_dim, config.hidden_dim)) > double((int64_t{1} << 31) - 1)) {
+    reject("rows x max(D, H) = " + std::to_string(int64_t(rows)) + " x " +
+           std::to_string(std::max(config.model_dim, config.hidden_dim)) +
+           " is too large for the kernels' 32-bit indexing; allowed: below 2^31 (fewer tokens, a smaller "
+           "capacity factor)");
+  }
+  const double activation_bytes = rows * (4.0 * config.model_dim + 4.0 * config.hidden_dim) * sizeof(bf16);
+  const double router_bytes = double(config.tokens) * (config.num_experts * 14.0 + config.top_k * 16.0);
+  const double plan_bytes = (rows + 4.0 * config.tokens * config.top_k) * sizeof(int);
+  const double needed = 1.1 * (activation_bytes + router_bytes + plan_bytes);
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (needed > double(free_bytes)) {
+    char message[256];
+    std::snprintf(message, sizeof message,
+                  "the layer needs about %.2f GiB of GPU memory (T=%lld, D=%lld, H=%lld, E=%lld, K=%lld) and "
+                  "%.2f GiB are free; allowed: a problem that fits (fewer tokens, a smaller capacity factor)",
+                  needed / (1 << 30), (long long)config.tokens, (long long)config.model_dim,
+                  (long long)config.hidden_dim, (long long)config.num_experts, (long long)config.top_k,
+                  double(free_bytes) / (1 << 30));
+    reject(message);
   }
   return config;
 }

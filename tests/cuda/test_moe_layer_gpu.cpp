@@ -187,6 +187,25 @@ TEST(CudaMoeLayer, BadConfigurationsFailBeforeAnyLaunch) {
   c = base_config();
   c.top_k = 9;
   EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);
+  c = base_config();  // rows x H past 32-bit indexing: refused before any allocation
+  c.formulation = moe::Formulation::padded;
+  c.capacity_factor = 1e7;
+  EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);
+  // A layer larger than the free memory is refused before any allocation: take most of the GPU
+  // first, then ask for a layer of a few GiB.
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  DeviceBuffer<char> hog(free_bytes - (size_t{512} << 20));
+  c = base_config();
+  c.tokens = 65536;
+  c.model_dim = 4096;
+  c.hidden_dim = 4096;
+  try {
+    moe::cuda::MoeLayerGpu layer(c);
+    FAIL() << "a layer larger than the free memory was accepted";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("GiB are free"), std::string::npos) << error.what();
+  }
 }
 
 }  // namespace
