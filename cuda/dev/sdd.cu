@@ -21,13 +21,33 @@
 //   5  a B x 256 tile, warps of 64 x 64 (fewer ldmatrix per mma): 255 registers, slower (95 TFLOP/s).
 //      Also tried and dropped: double-buffering the ldmatrix fragments in registers: no change
 //      (ptxas already overlaps them with the mma).
-//   6  the mainline library call moe::cuda::sdd (= version 4)
+//   6  Hopper tensor cores: wgmma.mma_async m64n128k16 (sm_90a), a 128 x 128 tile per CTA of 2
+//      warpgroups (64 rows each), operands read by the tensor cores straight from 128-byte-swizzled
+//      shared memory through matrix descriptors, 6 cp.async stages, one wgmma group left in flight
+//      across the barrier (the kernel of block_sparse_wgmma.cuh); W1[e] [D, H] is N-major for
+//      wgmma's B: the transpose-B flag reads it as stored
+//   7  the same with a 128 x 256 tile (m64n256k16, 128 fp32 accumulators per thread), 4 stages
+//   8  128 x 128, 3 stages, 2 CTAs per SM (registers capped at 128)
+//   9  the same, with no wgmma left in flight (wait_group 0 each step): the copies then run 2 steps
+//      ahead instead of 1. The mainline's configuration for SDD and DSD at B = 128 on an H100/H200
+//   10 128 x 256, 4 stages, no wgmma in flight
+//      Measured on an H200 (TFLOP/s useful, T=16384 D=1024 H=4096 E=64 K=1 | D=2048 H=8192 K=2;
+//      cuBLAS dense 705 | 778): v4 239 | 270, v6 217 | 306, v7 93 | 169, v8 264 | 337,
+//      v9 327 | 364-427 (v9 and v11 are one kernel: the spread between runs), v10 92 | 163.
+//      The 128 x 256 tiles are slow with either instruction (v5, v7, v10): not the main loop, whose
+//      SASS is 4 HGMMA.64x256x16 ... tnspB, the cp.async copies and one barrier per k-step; a lead
+//      not yet checked is the epilogue, unrolled over 64 stores each with the run-time switch of
+//      SddEpilogue, about 20k instructions per kernel (10k at 128 x 128). Still far from cuBLAS:
+//      the next steps are an epilogue through shared memory (16-byte coalesced stores, one copy of
+//      the activation code), and producer warps with deeper stages (TMA where a tensor map fits).
+//   11 the mainline library call moe::cuda::sdd (= version 9 on an H100/H200 at B = 128, else 4)
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
 // fresh random inputs and a NaN-poisoned output; then all are timed on the large problem (CUDA
 // events, 3 warm-up runs, median of 20) and a table prints TFLOP/s of useful work and % of cuBLAS.
-// A last line times the whole dropless forward (SDD + GeLU, DSD) against cuBLAS's two dense GEMMs.
+// Last lines time the mainline DSD alone and the whole dropless forward (SDD + GeLU, DSD) against
+// cuBLAS's dense GEMMs.
 //
 // Build: cmake --build build --target dev_sdd
 // Run:   build/cuda/dev/dev_sdd [T D H E K B]     (default 16384 1024 4096 64 1 128, uniform routing)
@@ -43,8 +63,9 @@
 #include <vector>
 
 #include "../../reference_cpu/block_sparse.h"  // moe::ref::sdd (by path: cuda/block_sparse.h exists too)
-#include "block_sparse.h"                      // moe::cuda::sdd, block_sparse_ffn_forward (version 6)
-#include "block_sparse.cuh"                    // the tensor-core tile kernel (versions 3-5)
+#include "block_sparse.h"                      // moe::cuda::sdd, dsd, block_sparse_ffn_forward (version 11)
+#include "block_sparse.cuh"                    // the mma.sync tile kernel (versions 3-5)
+#include "block_sparse_wgmma.cuh"              // the wgmma tile kernel (versions 6-10)
 #include "block_sparse_host.h"                 // upload_topology
 #include "cuda_check.h"                        // CUDA_CHECK
 #include "device_buffer.h"                     // DeviceBuffer
@@ -179,6 +200,33 @@ void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf1
     launch_tensor_core_shape<BN, MIN_BLOCKS, 64>(problem, H, t.max_block_rows, stream);
 }
 
+// ---- versions 6-8: the wgmma tile kernel of block_sparse_wgmma.cuh (sm_90a, B = 128 only) ----
+template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT>
+void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
+                  cudaStream_t stream) {
+  using namespace moe::cuda::block_sparse_detail;
+  using Sdd = SddProblem<Layout::row_major_km>;
+  Sdd problem{};
+  problem.block_rows = t.block_rows;
+  problem.offsets = t.offsets;
+  problem.block_row_expert = t.block_row_expert;
+  problem.a = x;
+  problem.inner = D;
+  problem.b = w1;
+  problem.ldb = H;
+  problem.block_size = t.block_size;
+  problem.epilogue = SddEpilogue::store;
+  problem.out0 = out;
+  if (H % BN != 0 || t.block_size != kWgmmaBlockM) {
+    std::fprintf(stderr, "the wgmma versions need B = 128 and H %% %d == 0\n", BN);
+    std::exit(1);
+  }
+  constexpr int smem = wgmma_shared_bytes<BN, STAGES>();
+  auto* kernel = &block_sparse_wgmma_kernel<BN, STAGES, MIN_BLOCKS, IN_FLIGHT, Sdd>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(H / BN, t.max_block_rows), kWgmmaThreads, smem, stream>>>(problem);
+}
+
 // ---- one problem: routing, topology, tensors ----
 struct Problem {
   int T, D, H, E, K, B;
@@ -273,7 +321,22 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
     case 5:
       launch_tensor_core<256, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
-    case 6:  // the mainline library call
+    case 6:
+      launch_wgmma<128, 6, 1, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 7:
+      launch_wgmma<256, 4, 1, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 8:
+      launch_wgmma<128, 3, 2, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 9:
+      launch_wgmma<128, 3, 2, 0>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 10:
+      launch_wgmma<256, 4, 1, 0>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
                      p.out_device.data(), stream);
       break;
@@ -332,7 +395,11 @@ int main(int argc, char** argv) {
   CUDA_CHECK(cudaStreamCreate(&stream));
 
   // ---- 1. correctness, every version, on a small problem the CPU reference can afford ----
-  const int versions[] = {1, 2, 3, 4, 5, 6};
+  // The wgmma versions need a compute capability 9.0 GPU (and this program's sm_90a code) and B = 128.
+  const bool hopper = properties.major == 9 && properties.minor == 0 && B == 128;
+  std::vector<int> versions = {1, 2, 3, 4, 5};
+  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10});
+  versions.push_back(11);
   bool all_pass = true;
   {
     const int check_D = std::min(D, 512), check_H = std::min(H, 512), check_E = std::min(E, 8);
@@ -385,7 +452,10 @@ int main(int argc, char** argv) {
   };
   row("cuBLAS dense [T*K,D]x[D,H]", cublas_ms);
   const char* names[] = {"", "1 naive", "2 smem tiles (fp32 FMA)", "3 mma.sync Bx128, 1 CTA/SM",
-                         "4 mma.sync Bx128, 2 CTA/SM", "5 mma.sync Bx256, warp 64x64", "6 mainline moe::cuda::sdd"};
+                         "4 mma.sync Bx128, 2 CTA/SM", "5 mma.sync Bx256, warp 64x64",
+                         "6 wgmma 128x128, 6 stages", "7 wgmma 128x256, 4 stages",
+                         "8 wgmma 128x128, 3 st, 2 CTA/SM", "9 wgmma 128x128, 3 st, 2 CTA, wait 0",
+                         "10 wgmma 128x256, 4 st, wait 0", "11 mainline moe::cuda::sdd"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----
@@ -417,6 +487,16 @@ int main(int argc, char** argv) {
           gemm_row_major(handle, T * K, D, H, dense_hidden.data(), w2[0].data(), dense_out.data());
         },
         stream);
+    const float dsd_ms = time_median(
+        [&] {
+          moe::cuda::dsd(big.device.topology, hidden.data(), moe::cuda::ExpertOperand{w2_table.data(), D, 0, false},
+                         D, out.data(), stream);
+        },
+        stream);
+    const float dense_dsd_ms = time_median(
+        [&] { gemm_row_major(handle, T * K, D, H, dense_hidden.data(), w2[0].data(), dense_out.data()); }, stream);
+    std::printf("\nDSD alone (mainline): %.3f ms, %.1f TFLOP/s useful; cuBLAS [T*K,H]x[H,D] %.3f ms; ratio %.2fx\n",
+                dsd_ms, big.useful_flops() / (dsd_ms * 1e-3) / 1e12, dense_dsd_ms, dense_dsd_ms / dsd_ms);
     const double flops = 2 * big.useful_flops();
     std::printf("\ndropless FFN forward (SDD+GeLU, DSD): %.3f ms, %.1f TFLOP/s useful; cuBLAS 2 GEMMs %.3f ms, "
                 "%.1f TFLOP/s; ratio %.2fx\n",
