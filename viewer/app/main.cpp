@@ -1,0 +1,243 @@
+// main.cpp: moe_viewer, the Dear ImGui + GLFW viewer of run records: replays recorded runs,
+// follows live ones, compares runs side by side, and writes headless screenshots.
+//
+//   build/viewer/moe_viewer runs/lesson01_routing runs/lesson02_formulations   # open two runs
+//   build/viewer/moe_viewer --open-all                          # every run under runs/ and notebooks_data/runs/
+//   build/viewer/moe_viewer --follow notebooks_data/runs/tiny   # a run still being written
+//   xvfb-run -a build/viewer/moe_viewer runs/lesson01_routing --panel routing --screenshot routing.png
+//                                                               # headless: render, write a PNG, exit
+// Options:
+//   RUN_DIR ...          runs to open (loaded whole)
+//   --follow RUN_DIR     a run to follow live (new steps appear within a second)
+//   --runs-dir DIR       a folder of runs for the run list (repeatable; default runs/ and notebooks_data/runs/)
+//   --open-all           open every run of the run list
+//   --panel NAME         the panel to show first: summary curves routing tokens topology alltoall offload
+//   --step N --layer N   the step and layer to show
+//   --screenshot FILE    render hidden, write FILE.png after --frames frames (default 3), exit
+//   --regions FILE       with --screenshot: the named regions' rectangles as JSON (for tests)
+//   --frames N           frames to render in screenshot mode; prints frame-time figures
+//   --width W --height H the window size (default 1600 x 1000)
+// Problems with a run (corrupt, truncated, unknown schema version) are printed here and shown in
+// the window; the viewer keeps going.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <imgui.h>
+#include <imgui_impl_glfw.h>
+#include <imgui_impl_opengl3.h>
+#include <GLFW/glfw3.h>  // includes the system OpenGL header
+
+#include "panels.h"
+#include "screenshot.h"
+#include "viewer_state.h"
+
+using namespace moe::viewer;
+
+namespace {
+
+struct Options {
+  std::vector<std::string> runs, follow, run_folders;
+  bool open_all = false;
+  std::string panel, screenshot, regions;
+  long long step = -1;
+  int layer = 0, frames = 3, width = 1600, height = 1000;
+};
+
+void Usage() {
+  std::fprintf(stderr,
+               "usage: moe_viewer [RUN_DIR...] [--follow RUN_DIR] [--runs-dir DIR] [--open-all] [--panel NAME]\n"
+               "                  [--step N] [--layer N] [--screenshot FILE.png [--regions FILE.json] [--frames N]]\n"
+               "                  [--width W] [--height H]      (details: the top of viewer/app/main.cpp)\n");
+}
+
+bool ParseOptions(int argc, char** argv, Options& o) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
+    auto number = [&](long long lo, long long hi, long long& out) {
+      const char* v = value();
+      char* end = nullptr;
+      if (!v) return false;
+      out = std::strtoll(v, &end, 10);
+      return *end == 0 && out >= lo && out <= hi;
+    };
+    long long n = 0;
+    if (arg == "--follow") { const char* v = value(); if (!v) return false; o.follow.push_back(v); }
+    else if (arg == "--runs-dir") { const char* v = value(); if (!v) return false; o.run_folders.push_back(v); }
+    else if (arg == "--open-all") o.open_all = true;
+    else if (arg == "--panel") { const char* v = value(); if (!v) return false; o.panel = v; }
+    else if (arg == "--screenshot") { const char* v = value(); if (!v) return false; o.screenshot = v; }
+    else if (arg == "--regions") { const char* v = value(); if (!v) return false; o.regions = v; }
+    else if (arg == "--step") { if (!number(0, (1LL << 53), o.step)) return false; }
+    else if (arg == "--layer") { if (!number(0, 1023, n)) return false; o.layer = static_cast<int>(n); }
+    else if (arg == "--frames") { if (!number(1, 100000, n)) return false; o.frames = static_cast<int>(n); }
+    else if (arg == "--width") { if (!number(200, 8192, n)) return false; o.width = static_cast<int>(n); }
+    else if (arg == "--height") { if (!number(200, 8192, n)) return false; o.height = static_cast<int>(n); }
+    else if (arg == "-h" || arg == "--help") return false;
+    else if (!arg.empty() && arg[0] == '-') { std::fprintf(stderr, "moe_viewer: unknown option %s\n", arg.c_str()); return false; }
+    else o.runs.push_back(arg);
+  }
+  if (!o.panel.empty() && o.panel != "all" &&
+      std::none_of(std::begin(kPanels), std::end(kPanels), [&](const PanelEntry& p) { return o.panel == p.name; })) {
+    std::fprintf(stderr, "moe_viewer: unknown panel '%s'; panels: all", o.panel.c_str());
+    for (const PanelEntry& p : kPanels) std::fprintf(stderr, " %s", p.name);
+    std::fprintf(stderr, "\n");
+    return false;
+  }
+  return true;
+}
+
+// One frame of the whole window: the runs panel on the left, the panels as tabs on the right.
+// With a single --panel in screenshot mode, that panel fills the window.
+void DrawFrame(ViewerState& state, const std::string& only_panel) {
+  const ImVec2 display = ImGui::GetIO().DisplaySize;
+  const ImGuiWindowFlags fixed = ImGuiWindowFlags_NoMove | ImGuiWindowFlags_NoResize | ImGuiWindowFlags_NoCollapse |
+                                 ImGuiWindowFlags_NoBringToFrontOnFocus;
+  const bool alone = state.screenshot && !only_panel.empty() && only_panel != "all";
+  const float runs_width = alone ? 0.0f : 300.0f;
+  state.regions.clear();
+  if (!alone) {
+    ImGui::SetNextWindowPos(ImVec2(0, 0));
+    ImGui::SetNextWindowSize(ImVec2(runs_width, display.y));
+    ImGui::Begin("Runs", nullptr, fixed);
+    ShowRunsPanel(state);
+    ImGui::End();
+  }
+  ImGui::SetNextWindowPos(ImVec2(runs_width, 0));
+  ImGui::SetNextWindowSize(ImVec2(display.x - runs_width, display.y));
+  ImGui::Begin("MoE run viewer", nullptr, fixed);
+  if (ImGui::BeginTabBar("panels")) {
+    for (const PanelEntry& panel : kPanels) {
+      if (alone && only_panel != panel.name) continue;
+      const ImGuiTabItemFlags flags = state.selected_panel == panel.name ? ImGuiTabItemFlags_SetSelected : 0;
+      if (ImGui::BeginTabItem(panel.title, nullptr, flags)) {
+        ImGui::BeginChild(panel.name);
+        panel.show(state);
+        ImGui::EndChild();
+        ImGui::EndTabItem();
+      }
+    }
+    ImGui::EndTabBar();
+  }
+  state.selected_panel.clear();
+  ImGui::End();
+}
+
+void GlfwError(int code, const char* description) { std::fprintf(stderr, "moe_viewer: GLFW error %d: %s\n", code, description); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  if (!ParseOptions(argc, argv, options)) {
+    Usage();
+    return 2;
+  }
+  ViewerState state;
+  state.screenshot = !options.screenshot.empty();
+  for (const std::string& f : options.run_folders) state.run_folders.emplace_back(f);
+  if (state.run_folders.empty()) state.run_folders = {"runs", "notebooks_data/runs"};
+  refresh_run_list(state);
+  for (const std::string& dir : options.runs) open_run(state, dir, false);
+  for (const std::string& dir : options.follow) open_run(state, dir, true);
+  if (options.open_all)
+    for (const RunEntry& e : state.listed_runs)
+      if (std::none_of(state.runs.begin(), state.runs.end(), [&](const auto& r) { return r->model.dir == e.dir; }))
+        open_run(state, e.dir, false);
+  if (state.runs.empty()) std::fprintf(stderr, "moe_viewer: no run opened; the run list shows %zu runs\n", state.listed_runs.size());
+  if (options.step >= 0) {
+    state.step = options.step;
+    state.follow_latest = false;
+  }
+  state.layer = options.layer;
+  state.selected_panel = options.panel == "all" ? "" : options.panel;
+
+  glfwSetErrorCallback(GlfwError);
+  if (!glfwInit()) {
+    std::fprintf(stderr, "moe_viewer: cannot open a display (no X server?). For headless screenshots run it under "
+                         "xvfb-run -a, e.g.: xvfb-run -a moe_viewer RUN_DIR --screenshot out.png\n");
+    return 1;
+  }
+  glfwWindowHint(GLFW_CONTEXT_VERSION_MAJOR, 3);
+  glfwWindowHint(GLFW_CONTEXT_VERSION_MINOR, 0);
+  if (state.screenshot) glfwWindowHint(GLFW_VISIBLE, GLFW_FALSE);
+  GLFWwindow* window = glfwCreateWindow(options.width, options.height, "MoE run viewer", nullptr, nullptr);
+  if (!window) {
+    std::fprintf(stderr, "moe_viewer: cannot create an OpenGL 3.0 window\n");
+    glfwTerminate();
+    return 1;
+  }
+  glfwMakeContextCurrent(window);
+  glfwSwapInterval(state.screenshot ? 0 : 1);  // screenshot frames are timed: no vsync wait
+
+  IMGUI_CHECKVERSION();
+  ImGui::CreateContext();
+  ImGui::GetIO().IniFilename = nullptr;  // the layout is fixed; leave no imgui.ini behind
+  ImGui::StyleColorsDark();
+  ImGui_ImplGlfw_InitForOpenGL(window, true);
+  ImGui_ImplOpenGL3_Init("#version 130");
+
+  std::vector<double> frame_ms;
+  int status = 0;
+  for (int frame = 0; !glfwWindowShouldClose(window); ++frame) {
+    glfwPollEvents();
+    // Live runs: read what was appended, four times a second (new steps show within a second).
+    const double now = glfwGetTime();
+    for (auto& run : state.runs)
+      if (run->model.live() && now - run->last_poll > 0.25) {
+        run->model.poll();
+        run->last_poll = now;
+      }
+    const auto start = std::chrono::steady_clock::now();
+    ImGui_ImplOpenGL3_NewFrame();
+    ImGui_ImplGlfw_NewFrame();
+    ImGui::NewFrame();
+    DrawFrame(state, options.panel);
+    ImGui::Render();
+    int width = 0, height = 0;
+    glfwGetFramebufferSize(window, &width, &height);
+    glViewport(0, 0, width, height);
+    glClearColor(0.08f, 0.08f, 0.1f, 1.0f);
+    glClear(GL_COLOR_BUFFER_BIT);
+    ImGui_ImplOpenGL3_RenderDrawData(ImGui::GetDrawData());
+    if (state.screenshot) {
+      glFinish();  // count the rendering itself, not just its submission
+      frame_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      if (frame + 1 >= options.frames) {
+        const std::string problem = write_screenshot(options.screenshot, width, height);
+        if (!problem.empty()) {
+          std::fprintf(stderr, "moe_viewer: %s\n", problem.c_str());
+          status = 1;
+        } else {
+          std::printf("moe_viewer: wrote %s (%d x %d)\n", options.screenshot.c_str(), width, height);
+        }
+        if (!options.regions.empty()) {
+          const std::string regions_problem = write_regions(options.regions, state.regions, width, height);
+          if (!regions_problem.empty()) std::fprintf(stderr, "moe_viewer: %s\n", regions_problem.c_str()), status = 1;
+        }
+        break;
+      }
+    }
+    glfwSwapBuffers(window);
+  }
+  if (frame_ms.size() > 1) {
+    // The first frame builds and uploads the textures; the rest show the steady state.
+    std::vector<double> steady(frame_ms.begin() + 1, frame_ms.end());
+    std::sort(steady.begin(), steady.end());
+    std::printf("moe_viewer: frame time over %zu frames after the first: median %.2f ms, p90 %.2f ms, max %.2f ms "
+                "(first frame %.1f ms)\n",
+                steady.size(), steady[steady.size() / 2], steady[steady.size() * 9 / 10], steady.back(), frame_ms.front());
+  }
+  state.textures.clear();  // GL textures go before the context
+  ImGui_ImplOpenGL3_Shutdown();
+  ImGui_ImplGlfw_Shutdown();
+  ImGui::DestroyContext();
+  glfwDestroyWindow(window);
+  glfwTerminate();
+  return status;
+}

@@ -1,0 +1,72 @@
+// timeline_view.cpp: TimelineView, lanes of timed spans per rank and stream (widgets.h).
+// Spans thinner than a pixel are merged by visible_spans(), so a frame draws at most about one
+// rectangle per pixel per lane.
+#include <algorithm>
+#include <cstdio>
+
+#include "colormap.h"  // expert_color, reused as a categorical palette for span names
+#include "widgets.h"
+
+namespace moe::viewer {
+
+void TimelineView(const char* id, const Timeline& timeline, ImVec2 size) {
+  ImGui::PushID(id);
+  if (timeline.lanes.empty()) {
+    ImGui::TextDisabled("(no spans at this step)");
+    ImGui::PopID();
+    return;
+  }
+  const float label_width = 150;
+  // At least one line of text per lane: the panel grows rather than squeezing labels together.
+  const float lane_height = std::clamp((size.y - 16) / static_cast<float>(timeline.lanes.size()), ImGui::GetFontSize() + 3, 24.0f);
+  const ImVec2 p0 = ImGui::GetCursorScreenPos();
+  const float width = size.x - label_width;
+  const double t_lo = timeline.t0, t_hi = std::max(timeline.t1, timeline.t0 + 1);
+  const double us_per_pixel = (t_hi - t_lo) / std::max(1.0f, width);
+  ImDrawList* draw = ImGui::GetWindowDrawList();
+  const ImVec2 mouse = ImGui::GetIO().MousePos;
+  TimelineSpan hovered_span;  // a copy: `visible` is reused lane after lane
+  const TimelineLane* hovered_lane = nullptr;
+  std::vector<TimelineSpan> visible;
+  for (size_t l = 0; l < timeline.lanes.size(); ++l) {
+    const TimelineLane& lane = timeline.lanes[l];
+    const float y = p0.y + static_cast<float>(l) * lane_height;
+    draw->AddText(ImVec2(p0.x, y + 1), IM_COL32(200, 200, 200, 255), lane.label.c_str());
+    draw->AddRectFilled(ImVec2(p0.x + label_width, y), ImVec2(p0.x + size.x, y + lane_height - 2), IM_COL32(30, 30, 36, 255));
+    visible = visible_spans(lane, t_lo, t_hi, us_per_pixel);
+    for (const TimelineSpan& s : visible) {
+      const float x0 = p0.x + label_width + static_cast<float>((s.start_us - t_lo) / us_per_pixel);
+      const float x1 = std::max(x0 + 1, p0.x + label_width + static_cast<float>((s.end_us - t_lo) / us_per_pixel));
+      const ImU32 color = s.merged > 1 ? IM_COL32(150, 150, 150, 255) : ToImU32(expert_color(s.name));
+      draw->AddRectFilled(ImVec2(x0, y), ImVec2(x1, y + lane_height - 2), color);
+      if (x1 - x0 > 40) {
+        draw->PushClipRect(ImVec2(x0, y), ImVec2(x1, y + lane_height), true);
+        draw->AddText(ImVec2(x0 + 2, y + 1), IM_COL32(0, 0, 0, 255), timeline.names[static_cast<size_t>(s.name)].c_str());
+        draw->PopClipRect();
+      }
+      if (mouse.x >= x0 && mouse.x < x1 && mouse.y >= y && mouse.y < y + lane_height && ImGui::IsWindowHovered()) {
+        hovered_span = s;
+        hovered_lane = &lane;
+      }
+    }
+  }
+  char text[64];
+  const float axis_y = p0.y + static_cast<float>(timeline.lanes.size()) * lane_height;
+  std::snprintf(text, sizeof text, "%.1f us", 0.0);
+  draw->AddText(ImVec2(p0.x + label_width, axis_y), IM_COL32(150, 150, 150, 255), text);
+  std::snprintf(text, sizeof text, "%.1f us", t_hi - t_lo);
+  draw->AddText(ImVec2(p0.x + size.x - ImGui::CalcTextSize(text).x, axis_y), IM_COL32(150, 150, 150, 255), text);
+  ImGui::Dummy(ImVec2(size.x, axis_y - p0.y + ImGui::GetFontSize() + 2));
+  if (hovered_lane) {
+    const TimelineSpan* hovered = &hovered_span;
+    ImGui::BeginTooltip();
+    ImGui::Text("%s: %s", hovered_lane->label.c_str(), timeline.names[static_cast<size_t>(hovered->name)].c_str());
+    ImGui::Text("start %.2f us (from the step's first span), duration %.2f us", hovered->start_us - t_lo,
+                hovered->end_us - hovered->start_us);
+    if (hovered->merged > 1) ImGui::Text("%d spans thinner than a pixel, drawn as one (zoom in)", hovered->merged);
+    ImGui::EndTooltip();
+  }
+  ImGui::PopID();
+}
+
+}  // namespace moe::viewer

@@ -1,0 +1,66 @@
+// widgets.h: the small drawing pieces the panels share: the "(?)" help marker, the "this run has
+// no ..." notice, metric lines, heatmap images with hover, curve plots with zoom, a timeline, and
+// the side-by-side run columns. Each draws with ImGui only; what it draws was prepared by
+// viewer/model/.
+// Part of moe_viewer.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <imgui.h>
+
+#include "colormap.h"     // Rgba
+#include "comm_view.h"    // Timeline
+#include "run_model.h"    // Series
+#include "viewer_state.h" // ViewerState, OpenRun
+
+namespace moe::viewer {
+
+// [SECTION] help and notices
+void HelpMarker(const char* text);  // a "(?)" that shows `text` when hovered
+void LacksData(const char* what);   // "This run has no <what>." in a muted colour
+// "name: value (?)" on one line.
+void Metric(const char* name, const char* value_format, double value, const char* help);
+
+// [SECTION] colours
+ImU32 RunColor(int index);
+ImU32 ToImU32(const Rgba& c);
+void LoadLegend(float scale_max);  // the colour bar of the load heatmaps, 0 .. scale_max x fair share
+
+// [SECTION] heatmaps
+// Draws a texture stretched to `size`; returns true when hovered, with the cell under the mouse
+// (in texture cells) in hovered_col / hovered_row.
+bool HeatmapImage(const HeatmapTexture& texture, ImVec2 size, int* hovered_col, int* hovered_row);
+
+// [SECTION] curves
+struct CurveLine {
+  std::string label;
+  const Series* series = nullptr;
+  ImU32 color = 0;
+};
+// A plot of several series over steps with min/max-per-pixel reduction, mouse-wheel zoom, drag to
+// pan, double-click to fit, hover values and a marker at the current step (click sets the step).
+void CurvePlot(const char* id, ViewerState& state, const std::vector<CurveLine>& lines, ImVec2 size,
+               const char* value_format = "%.4g");
+
+// [SECTION] timeline
+// Lanes of spans between t_lo and t_hi (microseconds); hover shows a span's name and times.
+void TimelineView(const char* id, const Timeline& timeline, ImVec2 size);
+
+// [SECTION] keys and regions
+// A texture's key: what it shows and the run's data version, so it is re-uploaded only on change.
+std::string TextureKey(const char* what, const OpenRun& run, int64_t a, int64_t b, float scale);
+// The region name the screenshot tests look up: `base` for the first shown run, "base#1" for the
+// second, ...
+std::string RegionName(const ViewerState& state, const OpenRun& run, const char* base);
+// Records the last ImGui item's rectangle under `name` (ViewerState::regions).
+void RecordLastItem(ViewerState& state, const std::string& name);
+
+// [SECTION] side by side
+// Calls draw(run) for each shown run, in a column per run when there are several.
+void ForEachShownRun(ViewerState& state, const char* table_id, const std::function<void(OpenRun&)>& draw);
+
+}  // namespace moe::viewer

@@ -1,0 +1,461 @@
+// run_model.cpp: RunModel, events of a run record -> typed series for the panels (run_model.h).
+#include "run_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "record_error.h"  // RecordError
+#include "run_record.h"    // RunReader, parse_run_record
+
+namespace moe::viewer {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+// An event the viewer cannot use; caught in ingest(), which skips the event with a warning.
+struct SkipEvent : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+int64_t get_int(const json& event, const char* field, int64_t fallback, int64_t lo, int64_t hi) {
+  auto it = event.find(field);
+  if (it == event.end() || it->is_null()) return fallback;
+  if (!it->is_number_integer()) throw SkipEvent(std::string("'") + field + "' is not an integer");
+  const int64_t value = it->is_number_unsigned() && it->get<uint64_t>() > uint64_t(INT64_MAX)
+                            ? INT64_MAX : it->get<int64_t>();
+  if (value < lo || value > hi)
+    throw SkipEvent(std::string("'") + field + "' = " + std::to_string(value) + " is outside [" +
+                    std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return value;
+}
+
+double get_double(const json& event, const char* field, double fallback) {
+  auto it = event.find(field);
+  if (it == event.end() || it->is_null()) return fallback;
+  if (!it->is_number()) throw SkipEvent(std::string("'") + field + "' is not a number");
+  return it->get<double>();
+}
+
+std::string get_string(const json& event, const char* field) {
+  auto it = event.find(field);
+  if (it == event.end() || !it->is_string()) return {};
+  return it->get<std::string>();
+}
+
+// A JSON array of non-negative integers, at most max_size long.
+std::vector<int64_t> get_counts(const json& value, const char* field, size_t max_size) {
+  if (value.is_null()) return {};
+  if (!value.is_array()) throw SkipEvent(std::string("'") + field + "' is not an array");
+  if (value.size() > max_size)
+    throw SkipEvent(std::string("'") + field + "' has " + std::to_string(value.size()) +
+                    " entries, more than the viewer's limit of " + std::to_string(max_size));
+  std::vector<int64_t> out;
+  out.reserve(value.size());
+  for (const json& v : value) {
+    if (!v.is_number_integer()) throw SkipEvent(std::string("'") + field + "' holds a non-integer");
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX / 4))
+      throw SkipEvent(std::string("'") + field + "' holds a count too large to be real");
+    const int64_t n = v.get<int64_t>();
+    if (n < 0 || n > INT64_MAX / 4)
+      throw SkipEvent(std::string("'") + field + "' holds " + std::to_string(n));
+    out.push_back(n);
+  }
+  return out;
+}
+
+std::vector<int64_t> get_counts(const json& event, const char* field) {
+  auto it = event.find(field);
+  if (it == event.end()) return {};
+  return get_counts(*it, field, static_cast<size_t>(kMaxExperts));
+}
+
+std::string cell_text(const json& cell) {
+  if (cell.is_string()) return cell.get<std::string>();
+  if (cell.is_number_float()) {
+    char buffer[64];
+    std::snprintf(buffer, sizeof buffer, "%.6g", cell.get<double>());
+    return buffer;
+  }
+  if (cell.is_null()) return "-";
+  return cell.dump();
+}
+
+constexpr int64_t kStepLimit = int64_t{1} << 53;  // steps must survive a trip through double
+
+template <class Record>
+const Record* closest_at_or_before(const std::vector<Record>& records, int64_t step, int64_t layer) {
+  const Record* best = nullptr;
+  const Record* first = nullptr;
+  for (const Record& r : records) {
+    if (r.layer != layer) continue;
+    if (!first || r.step < first->step) first = &r;
+    if (r.step <= step && (!best || r.step >= best->step)) best = &r;
+  }
+  return best ? best : first;
+}
+
+}  // namespace
+
+// ---- statistics ----
+
+RoutingStats routing_stats(const std::vector<int64_t>& tokens, const std::vector<int64_t>& dropped) {
+  RoutingStats s;
+  const size_t E = tokens.size();
+  if (E == 0) return s;
+  double total = 0, largest = 0;
+  for (int64_t t : tokens) {
+    total += static_cast<double>(t);
+    largest = std::max(largest, static_cast<double>(t));
+  }
+  s.total_tokens = total;
+  if (total <= 0) return s;
+  const double mean = total / static_cast<double>(E);
+  double variance = 0, entropy = 0;
+  for (int64_t t : tokens) {
+    const double d = static_cast<double>(t) - mean;
+    variance += d * d;
+    const double p = static_cast<double>(t) / total;
+    if (p > 0) entropy -= p * std::log(p);
+  }
+  variance /= static_cast<double>(E);
+  s.max_over_mean = largest / mean;
+  s.coefficient_of_variation = std::sqrt(variance) / mean;
+  s.routing_entropy = E > 1 ? entropy / std::log(static_cast<double>(E)) : 1.0;
+  double total_dropped = 0;
+  for (int64_t d : dropped) total_dropped += static_cast<double>(d);
+  s.dropped_fraction = std::clamp(total_dropped / total, 0.0, 1.0);
+  return s;
+}
+
+const RoutingRow* LayerRouting::row_at_or_before(int64_t step) const {
+  if (rows.empty()) return nullptr;
+  auto it = std::upper_bound(rows.begin(), rows.end(), step,
+                             [](int64_t s, const RoutingRow& r) { return s < r.step; });
+  if (it == rows.begin()) return &rows.front();
+  return &*(it - 1);
+}
+
+// ---- construction ----
+
+RunModel::RunModel() = default;
+RunModel::RunModel(RunModel&&) noexcept = default;
+RunModel& RunModel::operator=(RunModel&&) noexcept = default;
+RunModel::~RunModel() = default;
+
+RunModel RunModel::load(const fs::path& dir) {
+  RunModel model;
+  model.dir = dir;
+  model.label = dir.filename().string();
+  try {
+    RunRecord record = RunReader::load(dir);
+    model.ingest_info(record.info);
+    for (const json& event : record.events) model.ingest(event);
+    for (std::string& w : record.warnings) model.warn(std::move(w));
+  } catch (const RecordError& e) {
+    model.error = e.what();
+  } catch (const std::exception& e) {
+    model.error = dir.string() + ": " + e.what();
+  }
+  ++model.version;
+  return model;
+}
+
+RunModel RunModel::from_text(std::string_view run_json_text, std::string_view events_text,
+                             const std::string& source) {
+  RunModel model;
+  model.label = source;
+  try {
+    RunRecord record = parse_run_record(run_json_text, events_text, source);
+    model.ingest_info(record.info);
+    for (const json& event : record.events) model.ingest(event);
+    for (std::string& w : record.warnings) model.warn(std::move(w));
+  } catch (const RecordError& e) {
+    model.error = e.what();
+  } catch (const std::exception& e) {
+    model.error = source + ": " + e.what();
+  }
+  ++model.version;
+  return model;
+}
+
+RunModel RunModel::follow(const fs::path& dir) {
+  RunModel model;
+  model.dir = dir;
+  model.label = dir.filename().string();
+  model.waiting_for = "run.json";
+  model.poll();
+  return model;
+}
+
+int64_t RunModel::poll() {
+  if (!error.empty()) return 0;
+  if (!reader_) {
+    if (waiting_for.empty()) return 0;  // a loaded run: nothing to follow
+    std::error_code ec;
+    if (!fs::exists(dir / "run.json", ec)) return 0;  // not started yet: try again later
+    try {
+      reader_ = std::make_unique<RunReader>(dir);
+      ingest_info(reader_->info());
+      waiting_for.clear();
+      ++version;
+    } catch (const std::exception& e) {
+      error = e.what();
+      reader_.reset();
+      waiting_for.clear();
+      return 0;
+    }
+  }
+  try {
+    std::vector<json> events = reader_->poll();
+    for (const json& event : events) ingest(event);
+    if (!events.empty()) ++version;
+    return static_cast<int64_t>(events.size());
+  } catch (const std::exception& e) {
+    error = std::string(e.what()) + " (live following stopped; reopen the run)";
+    reader_.reset();
+    ++version;
+    return 0;
+  }
+}
+
+void RunModel::warn(std::string message) {
+  if (warnings.size() < kMaxWarnings) warnings.push_back(std::move(message));
+  else ++warnings_not_kept;
+}
+
+void RunModel::note_step(int64_t step) {
+  if (!has_steps()) {
+    first_step = last_step = step;
+  } else {
+    first_step = std::min(first_step, step);
+    last_step = std::max(last_step, step);
+  }
+}
+
+void RunModel::ingest_info(const json& info) {
+  has_info = true;
+  RunSummary& s = summary;
+  if (!info.is_object()) return;
+  s.name = get_string(info, "name");
+  s.kind = get_string(info, "kind");
+  s.formulation = get_string(info, "formulation");
+  s.start_time = get_string(info, "start_time");
+  s.git_commit = get_string(info, "git_commit");
+  if (auto it = info.find("world_size"); it != info.end() && it->is_number_integer())
+    s.world_size = it->get<int64_t>();
+  if (auto it = info.find("devices"); it != info.end() && it->is_array())
+    for (const json& d : *it)
+      if (d.is_string()) s.devices.push_back(d.get<std::string>());
+  if (auto it = info.find("moe_config"); it != info.end()) s.moe_config = *it;
+  if (s.formulation.empty() && s.moe_config.is_object()) {
+    auto f = s.moe_config.find("formulation");
+    if (f != s.moe_config.end() && f->is_string()) s.formulation = f->get<std::string>();
+  }
+  if (auto it = info.find("model"); it != info.end()) s.model = *it;
+  if (auto it = info.find("extra"); it != info.end()) {
+    s.extra = *it;
+    if (it->is_object()) {
+      auto syn = it->find("synthetic");
+      s.synthetic = syn != it->end() && syn->is_boolean() && syn->get<bool>();
+    }
+  }
+  if (!s.name.empty()) label = s.name;
+}
+
+void RunModel::ingest(const json& event) {
+  ++events_total;
+  try {
+    ingest_or_throw(event);
+  } catch (const std::exception& e) {  // SkipEvent, or a json type error from a field we missed
+    ++events_skipped;
+    std::string type = event.is_object() && event.contains("type") && event["type"].is_string()
+                           ? event["type"].get<std::string>() : "?";
+    warn("event " + std::to_string(events_total) + " (" + type + ") skipped: " + e.what());
+  }
+}
+
+void RunModel::ingest_or_throw(const json& event) {
+  if (!event.is_object()) throw SkipEvent("not a JSON object");
+  const std::string type = get_string(event, "type");
+  const bool has_step = event.contains("step");
+  const int64_t step = get_int(event, "step", 0, -kStepLimit, kStepLimit);
+
+  if (type == "step") {
+    for (auto it = event.begin(); it != event.end(); ++it) {
+      if (it.key() == "type" || it.key() == "step") continue;
+      if (!it->is_number() && !it->is_null()) continue;  // a label, not a metric
+      const double value = it->is_null() ? std::numeric_limits<double>::quiet_NaN() : it->get<double>();
+      Series& series = step_metrics[it.key()];
+      const double x = static_cast<double>(step);
+      if (series.steps.empty() || x > series.steps.back()) {
+        series.steps.push_back(x);
+        series.values.push_back(value);
+      } else {
+        auto pos = std::lower_bound(series.steps.begin(), series.steps.end(), x);
+        const size_t i = static_cast<size_t>(pos - series.steps.begin());
+        if (pos != series.steps.end() && *pos == x) {
+          series.values[i] = value;  // the same step written again: keep the last
+        } else {
+          series.steps.insert(pos, x);
+          series.values.insert(series.values.begin() + static_cast<std::ptrdiff_t>(i), value);
+        }
+      }
+    }
+  } else if (type == "routing") {
+    const int64_t layer = get_int(event, "layer", 0, 0, kMaxLayers - 1);
+    RoutingRow row;
+    row.step = step;
+    row.tokens_per_expert = get_counts(event, "tokens_per_expert");
+    row.dropped_per_expert = get_counts(event, "dropped_per_expert");
+    if (!row.dropped_per_expert.empty() && row.dropped_per_expert.size() != row.tokens_per_expert.size())
+      throw SkipEvent("dropped_per_expert has " + std::to_string(row.dropped_per_expert.size()) +
+                      " entries, tokens_per_expert " + std::to_string(row.tokens_per_expert.size()));
+    for (size_t e = 0; e < row.dropped_per_expert.size(); ++e)
+      row.dropped_per_expert[e] = std::min(row.dropped_per_expert[e], row.tokens_per_expert[e]);
+    if (event.contains("capacity")) row.capacity = get_int(event, "capacity", 0, 0, INT64_MAX / 4);
+    if (auto it = event.find("tokens_per_expert_by_genre"); it != event.end() && it->is_object()) {
+      if (static_cast<int64_t>(it->size()) > kMaxGenres) throw SkipEvent("more genres than the viewer's limit");
+      for (auto g = it->begin(); g != it->end(); ++g)
+        row.tokens_per_expert_by_genre[g.key()] = get_counts(*g, "tokens_per_expert_by_genre", kMaxExperts);
+    }
+    row.stats = routing_stats(row.tokens_per_expert, row.dropped_per_expert);
+    LayerRouting& lr = routing[layer];
+    lr.layer = layer;
+    lr.num_experts = std::max<int64_t>(lr.num_experts, static_cast<int64_t>(row.tokens_per_expert.size()));
+    if (lr.rows.empty() || step > lr.rows.back().step) {
+      lr.rows.push_back(std::move(row));
+    } else {
+      auto pos = std::lower_bound(lr.rows.begin(), lr.rows.end(), step,
+                                  [](const RoutingRow& r, int64_t s) { return r.step < s; });
+      if (pos != lr.rows.end() && pos->step == step) *pos = std::move(row);
+      else lr.rows.insert(pos, std::move(row));
+    }
+  } else if (type == "topology") {
+    TopologyRecord t;
+    t.step = step;
+    t.layer = get_int(event, "layer", 0, 0, kMaxLayers - 1);
+    t.block_size = get_int(event, "block_size", 0, 1, int64_t{1} << 20);
+    t.block_rows = get_int(event, "block_rows", 0, 0, int64_t{1} << 32);
+    t.block_cols = get_int(event, "block_cols", 0, 0, int64_t{1} << 32);
+    t.nnz = get_int(event, "nnz", 0, 0, int64_t{1} << 52);
+    t.padding_rows = get_int(event, "padding_rows", 0, 0, int64_t{1} << 52);
+    t.rows_per_expert = get_counts(event, "rows_per_expert");
+    topologies.push_back(std::move(t));
+  } else if (type == "span") {
+    SpanRecord s;
+    s.step = step;
+    s.rank = get_int(event, "rank", 0, 0, kMaxRanks - 1);
+    s.stream = get_int(event, "stream", 0, 0, 1 << 20);
+    s.stream_name = get_string(event, "stream_name");
+    s.name = get_string(event, "name");
+    s.start_us = get_double(event, "start_us", 0);
+    s.duration_us = get_double(event, "duration_us", 0);
+    if (!std::isfinite(s.start_us) || !std::isfinite(s.duration_us) || s.duration_us < 0 ||
+        std::abs(s.start_us) > 1e15 || s.duration_us > 1e15)
+      throw SkipEvent("start_us / duration_us are not finite non-negative times");
+    spans.push_back(std::move(s));
+  } else if (type == "alltoall") {
+    AllToAllRecord a;
+    a.step = step;
+    a.layer = get_int(event, "layer", -1, -1, kMaxLayers - 1);
+    a.rank = get_int(event, "rank", 0, 0, kMaxRanks - 1);
+    a.name = get_string(event, "name");
+    a.duration_us = get_double(event, "duration_us", 0);
+    if (!std::isfinite(a.duration_us) || a.duration_us < 0) throw SkipEvent("duration_us is not a time");
+    if (event.contains("start_us")) a.start_us = get_double(event, "start_us", 0);
+    auto it = event.find("bytes");
+    if (it == event.end() || !it->is_array()) throw SkipEvent("'bytes' is not an array");
+    const size_t R = it->size();
+    if (R > static_cast<size_t>(kMaxRanks)) throw SkipEvent("'bytes' has more ranks than the viewer's limit");
+    a.ranks = static_cast<int64_t>(R);
+    a.bytes.reserve(R * R);
+    for (const json& row : *it) {
+      std::vector<int64_t> r = get_counts(row, "bytes", static_cast<size_t>(kMaxRanks));
+      if (r.size() != R) throw SkipEvent("'bytes' is not square");
+      a.bytes.insert(a.bytes.end(), r.begin(), r.end());
+    }
+    alltoalls.push_back(std::move(a));
+  } else if (type == "offload") {
+    OffloadRecord o;
+    o.step = step;
+    o.layer = get_int(event, "layer", 0, 0, kMaxLayers - 1);
+    o.hits = get_int(event, "hits", 0, 0, INT64_MAX / 4);
+    o.misses = get_int(event, "misses", 0, 0, INT64_MAX / 4);
+    o.stall_us = get_double(event, "stall_us", 0);
+    if (!std::isfinite(o.stall_us) || o.stall_us < 0) throw SkipEvent("stall_us is not a time");
+    o.prefetched = get_counts(event, "prefetched");
+    offloads.push_back(std::move(o));
+  } else if (type == "tokens") {
+    TokensRecord t;
+    t.step = step;
+    t.layer = get_int(event, "layer", 0, 0, kMaxLayers - 1);
+    t.text = get_string(event, "text");
+    if (t.text.size() > kMaxSampleBytes) throw SkipEvent("text longer than the viewer's limit");
+    auto it = event.find("experts");
+    if (it == event.end() || !it->is_array()) throw SkipEvent("'experts' is not an array");
+    if (it->size() > kMaxSampleBytes) throw SkipEvent("'experts' longer than the viewer's limit");
+    for (const json& choice : *it) t.experts.push_back(get_counts(choice, "experts", 64));
+    if (t.experts.size() != t.text.size())
+      warn("tokens sample at step " + std::to_string(step) + ": " + std::to_string(t.text.size()) +
+           " bytes of text but " + std::to_string(t.experts.size()) + " expert lists");
+    token_samples.push_back(std::move(t));
+  } else if (type == "table") {
+    TableRecord t;
+    t.name = get_string(event, "name");
+    if (auto it = event.find("columns"); it != event.end() && it->is_array())
+      for (const json& c : *it) t.columns.push_back(cell_text(c));
+    if (auto it = event.find("rows"); it != event.end() && it->is_array())
+      for (const json& row : *it) {
+        std::vector<std::string> cells;
+        if (row.is_array())
+          for (const json& c : row) cells.push_back(cell_text(c));
+        t.rows.push_back(std::move(cells));
+      }
+    tables.push_back(std::move(t));
+  } else if (type == "verdict") {
+    auto it = event.find("pass");
+    verdicts.push_back({it != event.end() && it->is_boolean() && it->get<bool>(), get_string(event, "message")});
+  }
+  ++events_by_type[type.empty() ? "?" : type];
+  if (has_step) note_step(step);
+}
+
+// ---- queries ----
+
+int64_t RunModel::num_experts() const {
+  int64_t E = 0;
+  for (const auto& [layer, lr] : routing) E = std::max(E, lr.num_experts);
+  return E;
+}
+
+Series RunModel::routing_stat_series(int64_t layer, std::string_view stat) const {
+  Series out;
+  auto it = routing.find(layer);
+  if (it == routing.end()) return out;
+  out.steps.reserve(it->second.rows.size());
+  out.values.reserve(it->second.rows.size());
+  for (const RoutingRow& r : it->second.rows) {
+    double v = 0;
+    if (stat == "max_over_mean") v = r.stats.max_over_mean;
+    else if (stat == "coefficient_of_variation") v = r.stats.coefficient_of_variation;
+    else if (stat == "dropped_fraction") v = r.stats.dropped_fraction;
+    else if (stat == "routing_entropy") v = r.stats.routing_entropy;
+    out.steps.push_back(static_cast<double>(r.step));
+    out.values.push_back(v);
+  }
+  return out;
+}
+
+const TopologyRecord* RunModel::topology_at(int64_t step, int64_t layer) const {
+  return closest_at_or_before(topologies, step, layer);
+}
+
+const TokensRecord* RunModel::tokens_at(int64_t step, int64_t layer) const {
+  return closest_at_or_before(token_samples, step, layer);
+}
+
+}  // namespace moe::viewer

@@ -1,0 +1,223 @@
+// run_model.h: one run as the viewer sees it, loaded whole or followed live, with no ImGui in sight.
+//
+// The run-record reader in common/ (run_record.h) checks the format; RunModel turns the checked
+// events into typed series the panels draw: step metrics per name, routing counts per layer
+// (with the imbalance statistics of each row, computed once at ingest), topologies, spans,
+// all-to-all matrices, offload counters, token samples, tables and verdicts.
+// It never throws: a run that cannot be read keeps its message in `error`, and an event whose
+// values the viewer cannot use (an expert count beyond kMaxExperts, a layer index of 10^15, a
+// negative count) is skipped with a line in `warnings`, so a panel can say what is wrong.
+//
+//   moe::viewer::RunModel run = moe::viewer::RunModel::load("runs/lesson01_routing");
+//   if (!run.error.empty()) std::fprintf(stderr, "%s\n", run.error.c_str());
+//
+//   moe::viewer::RunModel live = moe::viewer::RunModel::follow("notebooks_data/runs/tiny");
+//   live.poll();  // each frame or so: appends the complete lines that arrived since the last call
+//
+// Built into moe_viewer_model (viewer/CMakeLists.txt); tested by tests/viewer/test_run_model.cpp.
+// Dimension legend: E experts, L layers, R ranks, K top-k, B block size, C capacity.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace moe {
+class RunReader;  // run_record.h, only needed by follow()
+}
+
+namespace moe::viewer {
+
+// Bounds on what one event may ask the viewer to hold. An event beyond them is skipped with a
+// warning: a corrupt "layer": 1e15 must not become a 10^15-entry table.
+inline constexpr int64_t kMaxExperts = 4096;
+inline constexpr int64_t kMaxLayers = 1024;
+inline constexpr int64_t kMaxRanks = 1024;
+inline constexpr int64_t kMaxGenres = 64;
+inline constexpr size_t kMaxSampleBytes = 1 << 16;
+inline constexpr size_t kMaxWarnings = 50;  // further warnings are only counted
+
+// The imbalance statistics of one routing row (one layer, one step).
+struct RoutingStats {
+  double total_tokens = 0;       // sum over experts of tokens routed
+  double max_over_mean = 0;      // max_e tokens[e] / mean_e tokens[e]; 1 = perfectly balanced
+  double coefficient_of_variation = 0;  // std_e / mean_e of tokens[e]
+  double dropped_fraction = 0;   // dropped / routed, 0 when nothing is dropped or recorded
+  double routing_entropy = 0;    // H(tokens / total) / log(E): 1 = uniform, 0 = one expert
+};
+RoutingStats routing_stats(const std::vector<int64_t>& tokens_per_expert,
+                           const std::vector<int64_t>& dropped_per_expert);
+
+struct RoutingRow {
+  int64_t step = 0;
+  std::vector<int64_t> tokens_per_expert;   // [E]
+  std::vector<int64_t> dropped_per_expert;  // [E] or empty (nothing dropped / not recorded)
+  std::optional<int64_t> capacity;          // C; absent for dropless
+  std::map<std::string, std::vector<int64_t>> tokens_per_expert_by_genre;  // genre -> [E]
+  RoutingStats stats;
+};
+
+// One layer's routing rows in step order (a repeated step keeps its last row).
+struct LayerRouting {
+  int64_t layer = 0;
+  int64_t num_experts = 0;       // E: the widest row seen
+  std::vector<RoutingRow> rows;  // sorted by step
+  const RoutingRow* row_at_or_before(int64_t step) const;  // nullptr when none
+};
+
+struct TopologyRecord {
+  int64_t step = 0;
+  int64_t layer = 0;
+  int64_t block_size = 0;  // B
+  int64_t block_rows = 0;
+  int64_t block_cols = 0;
+  int64_t nnz = 0;
+  int64_t padding_rows = 0;
+  std::vector<int64_t> rows_per_expert;  // [E] after padding, may be empty
+};
+
+struct SpanRecord {
+  int64_t step = 0;
+  int64_t rank = 0;
+  int64_t stream = 0;
+  std::string stream_name;
+  std::string name;
+  double start_us = 0;
+  double duration_us = 0;
+};
+
+struct AllToAllRecord {
+  int64_t step = 0;
+  int64_t layer = -1;  // -1: not given
+  int64_t rank = 0;
+  std::string name;
+  int64_t ranks = 0;               // R
+  std::vector<int64_t> bytes;      // [R * R], bytes[src * R + dst]
+  double duration_us = 0;
+  std::optional<double> start_us;
+};
+
+struct OffloadRecord {
+  int64_t step = 0;
+  int64_t layer = 0;
+  int64_t hits = 0;
+  int64_t misses = 0;
+  double stall_us = 0;
+  std::vector<int64_t> prefetched;
+};
+
+struct TokensRecord {
+  int64_t step = 0;
+  int64_t layer = 0;
+  std::string text;
+  std::vector<std::vector<int64_t>> experts;  // [bytes][K]
+};
+
+struct TableRecord {
+  std::string name;
+  std::vector<std::string> columns;
+  std::vector<std::vector<std::string>> rows;  // cells as text
+};
+
+struct VerdictRecord {
+  bool pass = false;
+  std::string message;
+};
+
+// A sampled scalar over steps: one step metric, or one routing statistic of one layer.
+struct Series {
+  std::vector<double> steps;   // x, increasing
+  std::vector<double> values;  // y; NaN where the run wrote null
+};
+
+// What run.json says, flattened for the summary panel.
+struct RunSummary {
+  std::string name;
+  std::string kind;
+  std::string formulation;
+  std::string start_time;
+  std::string git_commit;
+  int64_t world_size = 1;
+  std::vector<std::string> devices;
+  nlohmann::json moe_config;  // null when absent
+  nlohmann::json model;
+  nlohmann::json extra;
+  bool synthetic = false;     // extra.synthetic: written by moe_fake_run, not a measurement
+};
+
+class RunModel {
+ public:
+  // Loads a whole run. Never throws; see `error`.
+  static RunModel load(const std::filesystem::path& dir);
+  // Starts following a run that may still be written; poll() brings in new events. run.json may
+  // not exist yet: poll() keeps trying, and `waiting_for` says what it waits for.
+  static RunModel follow(const std::filesystem::path& dir);
+  // The same checks on text in memory (tests, fuzzing).
+  static RunModel from_text(std::string_view run_json_text, std::string_view events_text,
+                            const std::string& source = "<memory>");
+
+  RunModel();
+  RunModel(RunModel&&) noexcept;
+  RunModel& operator=(RunModel&&) noexcept;
+  ~RunModel();
+
+  // Live mode: reads the complete lines appended since the last call. Returns the number of new
+  // events. A half-written last line waits for its newline; it is not an error.
+  int64_t poll();
+  bool live() const { return reader_ != nullptr || !waiting_for.empty(); }
+
+  // Takes one event (already checked by validate_event). Public for tests and fuzzing.
+  void ingest(const nlohmann::json& event);
+  void ingest_info(const nlohmann::json& run_json);
+
+  // ---- what the panels read ----
+  std::filesystem::path dir;
+  std::string label;          // the run's name, or its directory's
+  std::string error;          // why the run could not be read; "" = fine
+  std::string waiting_for;    // live mode: what has not appeared yet ("" = nothing)
+  std::vector<std::string> warnings;
+  int64_t warnings_not_kept = 0;
+  uint64_t version = 0;       // bumped whenever data changes; panels cache on it
+
+  RunSummary summary;
+  bool has_info = false;
+  std::map<std::string, int64_t> events_by_type;
+  int64_t events_total = 0;
+  int64_t events_skipped = 0;
+  int64_t first_step = 0, last_step = -1;  // range of steps seen in any event
+
+  std::map<std::string, Series> step_metrics;  // metric name -> series
+  std::map<int64_t, LayerRouting> routing;     // layer -> rows
+  std::vector<TopologyRecord> topologies;
+  std::vector<SpanRecord> spans;               // in file order
+  std::vector<AllToAllRecord> alltoalls;
+  std::vector<OffloadRecord> offloads;
+  std::vector<TokensRecord> token_samples;
+  std::vector<TableRecord> tables;
+  std::vector<VerdictRecord> verdicts;
+
+  bool has_steps() const { return last_step >= first_step; }
+  int64_t num_experts() const;  // the widest routing row over all layers (0: no routing)
+  // One routing statistic over steps for one layer: "max_over_mean", "coefficient_of_variation",
+  // "dropped_fraction", "routing_entropy".
+  Series routing_stat_series(int64_t layer, std::string_view stat) const;
+  // The record closest at or before `step` (the first one when all are after), or nullptr.
+  const TopologyRecord* topology_at(int64_t step, int64_t layer) const;
+  const TokensRecord* tokens_at(int64_t step, int64_t layer) const;
+
+  void warn(std::string message);
+
+ private:
+  void note_step(int64_t step);
+  void ingest_or_throw(const nlohmann::json& event);
+  std::unique_ptr<moe::RunReader> reader_;
+};
+
+}  // namespace moe::viewer
