@@ -15,6 +15,13 @@ namespace moe::cuda {
 
 namespace {
 
+// The rows every expert buffer holds: T*K + E*(B-1) dropless, E*C padded and dropping.
+double layer_rows(const MoeConfig& config) {
+  return config.formulation == Formulation::dropless
+             ? double(config.tokens * config.top_k + config.num_experts * (config.block_size - 1))
+             : double(config.num_experts) * double(capacity(config));
+}
+
 MoeConfig checked(const MoeConfig& config) {
   validate(config);
   auto reject = [](const std::string& what) { throw std::invalid_argument("MoeLayerGpu: " + what); };
@@ -35,33 +42,17 @@ MoeConfig checked(const MoeConfig& config) {
   if (config.formulation == Formulation::dropless && config.block_size != 64 && config.block_size != 128) {
     reject("block_size (B) = " + std::to_string(config.block_size) + "; allowed for dropless: 64 or 128");
   }
-  // Fail before any allocation or launch when the layer's buffers cannot fit in the free memory.
-  // The rows every expert buffer holds: T*K + E*(B-1) dropless, E*C padded and dropping.
-  const double rows = config.formulation == Formulation::dropless
-                          ? double(config.tokens * config.top_k + config.num_experts * (config.block_size - 1))
-                          : double(config.num_experts) * double(capacity(config));
+  const double rows = layer_rows(config);
   if (rows * double(std::max(config.model_dim, config.hidden_dim)) > double((int64_t{1} << 31) - 1)) {
     reject("rows x max(D, H) = " + std::to_string(int64_t(rows)) + " x " +
            std::to_string(std::max(config.model_dim, config.hidden_dim)) +
            " is too large for the kernels' 32-bit indexing; allowed: below 2^31 (fewer tokens, a smaller "
            "capacity factor)");
   }
-  const double activation_bytes = rows * (4.0 * config.model_dim + 4.0 * config.hidden_dim) * sizeof(bf16);
-  const double router_bytes = double(config.tokens) * (config.num_experts * 14.0 + config.top_k * 16.0);
-  const double plan_bytes = (rows + 4.0 * config.tokens * config.top_k) * sizeof(int);
-  const double needed = 1.1 * (activation_bytes + router_bytes + plan_bytes);
+  // Fail before any allocation or launch when the layer's buffers cannot fit in the free memory.
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  if (needed > double(free_bytes)) {
-    char message[256];
-    std::snprintf(message, sizeof message,
-                  "the layer needs about %.2f GiB of GPU memory (T=%lld, D=%lld, H=%lld, E=%lld, K=%lld) and "
-                  "%.2f GiB are free; allowed: a problem that fits (fewer tokens, a smaller capacity factor)",
-                  needed / (1 << 30), (long long)config.tokens, (long long)config.model_dim,
-                  (long long)config.hidden_dim, (long long)config.num_experts, (long long)config.top_k,
-                  double(free_bytes) / (1 << 30));
-    reject(message);
-  }
+  check_layer_fits(config, free_bytes);
   return config;
 }
 
@@ -88,6 +79,29 @@ __global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t n) {
 }
 
 }  // namespace
+
+double layer_memory_bytes(const MoeConfig& config) {
+  const double rows = layer_rows(config);
+  // permuted x, pre-activation, hidden, expert out and their gradients (+ d_hidden when padded)
+  const double activation_bytes = rows * (4.0 * config.model_dim + 4.0 * config.hidden_dim) * sizeof(bf16);
+  const double router_bytes = double(config.tokens) * (config.num_experts * 14.0 + config.top_k * 16.0);
+  const double plan_bytes = (rows + 4.0 * config.tokens * config.top_k) * sizeof(int);
+  return 1.1 * (activation_bytes + router_bytes + plan_bytes);
+}
+
+void check_layer_fits(const MoeConfig& config, size_t free_bytes) {
+  const double needed = layer_memory_bytes(config);
+  if (needed <= double(free_bytes)) return;
+  char message[320];
+  std::snprintf(message, sizeof message,
+                "MoeLayerGpu: the layer needs about %.2f GiB of GPU memory (T=%lld, D=%lld, H=%lld, E=%lld, "
+                "K=%lld) and %.2f GiB are free; allowed: a problem that fits (fewer tokens, a smaller capacity "
+                "factor)",
+                needed / (1 << 30), (long long)config.tokens, (long long)config.model_dim,
+                (long long)config.hidden_dim, (long long)config.num_experts, (long long)config.top_k,
+                double(free_bytes) / (1 << 30));
+  throw std::invalid_argument(message);
+}
 
 MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
     : config_(checked(config)),

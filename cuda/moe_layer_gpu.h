@@ -52,6 +52,12 @@ struct MoeLayerGradients {         // device memory, owned by the caller; overwr
   float* const* d_w2 = nullptr;       // device array [E] -> [H, D]
 };
 
+// GPU memory the layer allocates for `config`, an estimate with a 10% margin.
+double layer_memory_bytes(const MoeConfig& config);
+// Throws std::invalid_argument naming both figures when the layer needs more than free_bytes.
+// The constructor calls it with cudaMemGetInfo's free memory before allocating anything.
+void check_layer_fits(const MoeConfig& config, size_t free_bytes);
+
 class MoeLayerGpu {
  public:
   // Validates the config (moe::validate, then GeLU only, no jitter, E and K within the router's
