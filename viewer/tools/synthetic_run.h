@@ -34,7 +34,7 @@ struct SyntheticRunOptions {
   bool offload = true;            // expert-cache hits and misses
   int64_t live_delay_ms = 0;      // > 0: sleep this long after each step (to watch live mode)
   uint64_t seed = 1;
-  std::string name;               // "" = "synthetic-<steps>x<E>x<L>"
+  std::string name{};             // "" = "synthetic-<steps>x<E>x<L>"
 };
 
 // Writes run.json and events.jsonl under dir (replacing a run there). Throws RecordError.

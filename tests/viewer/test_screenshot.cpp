@@ -1,0 +1,145 @@
+// test_screenshot.cpp: runs moe_viewer headless (--screenshot under xvfb-run, Mesa's llvmpipe)
+// on synthetic runs with known routing and checks the pictures' colours where the viewer says its
+// heatmaps are (--regions): with every token on expert 3, expert 3's row of the step x expert
+// heatmap is the top colour of the scale and every other row the bottom one. Also: a corrupt run
+// gives a picture and a message, not a crash; two runs are drawn side by side.
+// Skips, saying so, only where xvfb-run is missing.   ctest --test-dir build -R ViewerScreenshot
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <stb_image.h>  // stbi_load; the implementation is in Debian's libstb
+
+#include "colormap.h"
+#include "synthetic_run.h"
+#include "viewer_test_support.h"
+
+namespace moe::viewer {
+namespace {
+
+using testing::TempDir;
+
+bool HaveXvfb() { return std::system("command -v xvfb-run >/dev/null 2>&1") == 0; }
+
+struct Picture {
+  int width = 0, height = 0;
+  std::vector<uint8_t> rgb;
+  nlohmann::json regions;
+  Rgba at(float x, float y) const {
+    const int ix = static_cast<int>(x), iy = static_cast<int>(y);
+    const size_t i = (static_cast<size_t>(iy) * static_cast<size_t>(width) + static_cast<size_t>(ix)) * 3;
+    return {rgb[i], rgb[i + 1], rgb[i + 2], 255};
+  }
+};
+
+// Runs the viewer; returns its exit status and fills `picture` and `log` (stdout + stderr).
+int RunViewer(const TempDir& dir, const std::string& args, Picture& picture, std::string& log) {
+  const auto png = dir.path() / "shot.png", regions = dir.path() / "shot.json", out = dir.path() / "log.txt";
+  std::filesystem::remove(png);
+  const std::string command = "xvfb-run -a " + std::string(MOE_VIEWER_PATH) + " " + args + " --screenshot " + png.string() +
+                              " --regions " + regions.string() + " --width 1200 --height 900 > " + out.string() + " 2>&1";
+  const int status = std::system(command.c_str());
+  log = testing::read_text(out);
+  int channels = 0;
+  if (unsigned char* data = stbi_load(png.string().c_str(), &picture.width, &picture.height, &channels, 3)) {
+    picture.rgb.assign(data, data + static_cast<size_t>(picture.width) * static_cast<size_t>(picture.height) * 3);
+    stbi_image_free(data);
+  }
+  if (std::filesystem::exists(regions)) picture.regions = nlohmann::json::parse(testing::read_text(regions))["regions"];
+  return status;
+}
+
+::testing::AssertionResult Near(const Rgba& got, const Rgba& want, int tolerance = 3) {
+  if (std::abs(got.r - want.r) <= tolerance && std::abs(got.g - want.g) <= tolerance && std::abs(got.b - want.b) <= tolerance)
+    return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "pixel (" << int(got.r) << "," << int(got.g) << "," << int(got.b) << ") want ("
+                                       << int(want.r) << "," << int(want.g) << "," << int(want.b) << ")";
+}
+
+class ViewerScreenshot : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveXvfb()) GTEST_SKIP() << "xvfb-run is not installed (Debian package xvfb; ./moe deps installs it)";
+  }
+  TempDir dir;
+};
+
+TEST_F(ViewerScreenshot, HotExpertRowIsTheTopColour) {
+  const auto run = dir.path() / "hot";
+  write_synthetic_run(run, {.steps = 40, .experts = 8, .layers = 2, .ranks = 2, .top_k = 1, .capacity_factor = 0,
+                            .hot_expert = 3});
+  Picture p;
+  std::string log;
+  ASSERT_EQ(RunViewer(dir, run.string() + " --panel routing --step 20", p, log), 0) << log;
+  ASSERT_EQ(p.width, 1200) << log;
+  ASSERT_EQ(p.height, 900);
+  ASSERT_TRUE(p.regions.contains("routing_heatmap")) << p.regions.dump();
+  const auto r = p.regions["routing_heatmap"];
+  const float x0 = r[0], y0 = r[1], x1 = r[2], y1 = r[3];
+  ASSERT_GT(x1 - x0, 100);
+  ASSERT_GT(y1 - y0, 32);
+  const float row_height = (y1 - y0) / 8;
+  int checked = 0;
+  for (int e = 0; e < 8; ++e)
+    for (float fx : {0.05f, 0.3f, 0.6f, 0.95f}) {
+      const Rgba want = e == 3 ? load_color(1.0f) : load_color(0.0f);  // load 8x the fair share saturates
+      EXPECT_TRUE(Near(p.at(x0 + fx * (x1 - x0), y0 + (static_cast<float>(e) + 0.5f) * row_height), want))
+          << "expert " << e << " at " << fx;
+      ++checked;
+    }
+  EXPECT_EQ(checked, 32);
+  // The layer x expert heatmap at the step: column 3 bright in both layers.
+  const auto l = p.regions["layer_heatmap"];
+  const float lx0 = l[0], ly0 = l[1], lx1 = l[2], ly1 = l[3];
+  for (int layer = 0; layer < 2; ++layer)
+    for (int e = 0; e < 8; ++e)
+      EXPECT_TRUE(Near(p.at(lx0 + (static_cast<float>(e) + 0.5f) * (lx1 - lx0) / 8, ly0 + (static_cast<float>(layer) + 0.5f) * (ly1 - ly0) / 2),
+                       e == 3 ? load_color(1.0f) : load_color(0.0f)))
+          << "layer " << layer << " expert " << e;
+}
+
+TEST_F(ViewerScreenshot, TokensAreOnTheirExpertsColour) {
+  const auto run = dir.path() / "hot";
+  write_synthetic_run(run, {.steps = 10, .experts = 8, .layers = 1, .ranks = 1, .top_k = 1, .capacity_factor = 0,
+                            .hot_expert = 3, .tokens_every = 5});
+  Picture p;
+  std::string log;
+  ASSERT_EQ(RunViewer(dir, run.string() + " --panel tokens --step 5", p, log), 0) << log;
+  ASSERT_TRUE(p.regions.contains("tokens_text")) << p.regions.dump();
+  const auto r = p.regions["tokens_text"];
+  // The top-left corner of the first byte's cell (the text itself is drawn inside the cell).
+  EXPECT_TRUE(Near(p.at(static_cast<float>(r[0]) + 1, static_cast<float>(r[1]) + 1), expert_color(3)));
+}
+
+TEST_F(ViewerScreenshot, TwoRunsSideBySide) {
+  write_synthetic_run(dir.path() / "hot", {.steps = 20, .experts = 4, .layers = 1, .ranks = 1, .top_k = 1, .hot_expert = 0});
+  write_synthetic_run(dir.path() / "drift", {.steps = 20, .experts = 4, .layers = 1, .ranks = 1});
+  Picture p;
+  std::string log;
+  ASSERT_EQ(RunViewer(dir, (dir.path() / "hot").string() + " " + (dir.path() / "drift").string() + " --panel routing", p, log), 0) << log;
+  ASSERT_TRUE(p.regions.contains("routing_heatmap") && p.regions.contains("routing_heatmap#1")) << p.regions.dump();
+  const float left = p.regions["routing_heatmap"][2], right = p.regions["routing_heatmap#1"][0];
+  EXPECT_LT(left, right);  // the second run's heatmap is to the right of the first
+  const auto r = p.regions["routing_heatmap"];
+  EXPECT_TRUE(Near(p.at((static_cast<float>(r[0]) + static_cast<float>(r[2])) / 2, static_cast<float>(r[1]) + 2), load_color(1.0f)));
+}
+
+TEST_F(ViewerScreenshot, CorruptRunGivesAMessageNotACrash) {
+  testing::write_text(dir.path() / "bad" / "run.json", testing::kRunJson);
+  testing::write_text(dir.path() / "bad" / "events.jsonl", "{\"type\":\"step\",\"step\":1}\n\x01garbage\n{\"type\":\"step\",\"step\":2}\n");
+  testing::write_text(dir.path() / "empty" / "run.json", "");
+  for (const char* panel : {"summary", "routing", "topology", "alltoall"}) {
+    Picture p;
+    std::string log;
+    EXPECT_EQ(RunViewer(dir, (dir.path() / "bad").string() + " " + (dir.path() / "empty").string() + " " +
+                                 (dir.path() / "missing").string() + " --panel " + panel, p, log), 0) << log;
+    EXPECT_EQ(p.width, 1200) << panel << ": " << log;
+    EXPECT_NE(log.find("line 2"), std::string::npos) << log;
+    EXPECT_NE(log.find("missing"), std::string::npos) << log;
+  }
+}
+
+}  // namespace
+}  // namespace moe::viewer
