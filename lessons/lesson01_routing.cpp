@@ -51,14 +51,7 @@ int main(int argc, char** argv) {
   config.block_size = 16;
   config.formulation = Formulation::dropless;
 
-  RunInfo info;
-  info.kind = RunKind::lesson;
-  info.name = "lesson01_routing";
-  info.moe_config = config;
-  info.devices = {"CPU (moe::ref, double)"};
-  info.extra = {{"lesson", "01"}, {"seed", options.seed}};
-  auto writer = RunWriter::create(options.out, info,
-                                  options.overwrite ? OnExisting::overwrite : OnExisting::refuse);
+  auto writer = lessons::create_lesson_run(options, "lesson01_routing", "01", config);
 
   std::cout << "Lesson 01: routing. T=" << config.tokens << " tokens of width D=" << config.model_dim
             << ", E=" << config.num_experts << " experts, top-K=" << config.top_k << "\n";

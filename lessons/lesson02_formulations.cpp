@@ -17,13 +17,9 @@
 
 using namespace moe;
 using moe::lessons::Table;
+using moe::lessons::relative_error;
 
 namespace {
-
-double relative_error(const ref::Matrix& a, const ref::Matrix& reference) {
-  const double norm = reference.norm();
-  return norm > 0 ? (a - reference).norm() / norm : (a - reference).norm();
-}
 
 // The definition of an MoE layer, one token at a time: y_t = sum_k w_tk * FFN_{e_tk}(x_t).
 // No capacity, no padding, no permutation: what the dropless formulation must reproduce.
@@ -58,14 +54,7 @@ int main(int argc, char** argv) {
   config.block_size = 32;   // B
   config.formulation = Formulation::dropless;
 
-  RunInfo info;
-  info.kind = RunKind::lesson;
-  info.name = "lesson02_formulations";
-  info.moe_config = config;
-  info.devices = {"CPU (moe::ref, double)"};
-  info.extra = {{"lesson", "02"}, {"seed", options.seed}};
-  auto writer = RunWriter::create(options.out, info,
-                                  options.overwrite ? OnExisting::overwrite : OnExisting::refuse);
+  auto writer = lessons::create_lesson_run(options, "lesson02_formulations", "02", config);
 
   std::cout << "Lesson 02: dropping vs padded vs dropless. T=" << config.tokens
             << " text-like tokens, D=" << config.model_dim << ", H=" << config.hidden_dim

@@ -37,14 +37,10 @@
 
 using namespace moe;
 using moe::lessons::Table;
+using moe::lessons::relative_error;
 using moe::ref::Matrix;
 
 namespace {
-
-double relative_error(const Matrix& a, const Matrix& reference) {
-  const double norm = reference.norm();
-  return norm > 0 ? (a - reference).norm() / norm : (a - reference).norm();
-}
 
 std::string join(const ref::IndexVector& values) {
   std::ostringstream text;
@@ -234,17 +230,11 @@ int main(int argc, char** argv) {
   config.capacity_factor = 1.0;
   config.formulation = Formulation::dropless;
 
-  RunInfo info;
-  info.kind = RunKind::lesson;
-  info.name = "lesson03_block_sparse";
-  info.moe_config = config;
-  info.devices = {"CPU (moe::ref, double)"};
-  info.extra = {{"lesson", "03"}, {"seed", options.seed}};
+  std::vector<std::string> devices = {"CPU (moe::ref, double)"};
 #ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) info.devices.push_back(cuda::current_device().name);
+  if (cuda::gpu_available()) devices.push_back(cuda::current_device().name);
 #endif
-  auto writer = RunWriter::create(options.out, info,
-                                  options.overwrite ? OnExisting::overwrite : OnExisting::refuse);
+  auto writer = lessons::create_lesson_run(options, "lesson03_block_sparse", "03", config, devices);
 
   std::cout << "Lesson 03: block-sparse matrix products. T=" << config.tokens << " text-like tokens, D="
             << config.model_dim << ", H=" << config.hidden_dim << ", E=" << config.num_experts

@@ -33,14 +33,12 @@
 
 using namespace moe;
 using moe::lessons::Table;
+using moe::lessons::relative_error;
 using moe::ref::Matrix;
 
 namespace {
 
-double relative_error(const Matrix& a, const Matrix& reference) {
-  const double norm = reference.norm();
-  return norm > 0 ? (a - reference).norm() / norm : (a - reference).norm();
-}
+using moe::lessons::relative_error;  // the Matrix overload, beside the per-expert one below
 
 double relative_error(const std::vector<Matrix>& a, const std::vector<Matrix>& reference) {
   double diff = 0, norm = 0;
@@ -219,17 +217,11 @@ int main(int argc, char** argv) {
   small.block_size = 4;   // B
   small.formulation = Formulation::dropless;
 
-  RunInfo info;
-  info.kind = RunKind::lesson;
-  info.name = "lesson04_backward";
-  info.moe_config = small;
-  info.devices = {"CPU (moe::ref, double)"};
-  info.extra = {{"lesson", "04"}, {"seed", options.seed}};
+  std::vector<std::string> devices = {"CPU (moe::ref, double)"};
 #ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) info.devices.push_back(cuda::current_device().name);
+  if (cuda::gpu_available()) devices.push_back(cuda::current_device().name);
 #endif
-  auto writer = RunWriter::create(options.out, info,
-                                  options.overwrite ? OnExisting::overwrite : OnExisting::refuse);
+  auto writer = lessons::create_lesson_run(options, "lesson04_backward", "04", small, devices);
 
   std::cout << "Lesson 04: the backward pass. Small case: T=" << small.tokens << ", D=" << small.model_dim
             << ", H=" << small.hidden_dim << ", E=" << small.num_experts << ", K=" << small.top_k

@@ -52,6 +52,33 @@ LessonOptions parse_options(int argc, char** argv, const std::string& lesson_nam
   return options;
 }
 
+RunWriter create_lesson_run(const LessonOptions& options, const std::string& lesson_name,
+                            const std::string& lesson_number, const MoeConfig& config,
+                            std::vector<std::string> devices) {
+  RunInfo info;
+  info.kind = RunKind::lesson;
+  info.name = lesson_name;
+  info.moe_config = config;
+  info.devices = std::move(devices);
+  info.extra = {{"lesson", lesson_number}, {"seed", options.seed}};
+  if (!options.overwrite && std::filesystem::exists(options.out / "run.json")) {
+    std::cerr << lesson_name << ": a run record already exists at " << options.out.string()
+              << "; run with --overwrite to replace it, or choose another --out DIR\n";
+    std::exit(2);
+  }
+  try {
+    return RunWriter::create(options.out, info, options.overwrite ? OnExisting::overwrite : OnExisting::refuse);
+  } catch (const RecordError& error) {  // e.g. a directory that cannot be written
+    std::cerr << lesson_name << ": " << error.what() << "\n";
+    std::exit(2);
+  }
+}
+
+double relative_error(const ref::Matrix& a, const ref::Matrix& reference) {
+  const double norm = reference.norm();
+  return norm > 0 ? (a - reference).norm() / norm : (a - reference).norm();
+}
+
 ref::Matrix zipf_tokens(int64_t tokens, int64_t model_dim, int64_t vocabulary, double zipf_exponent,
                         std::mt19937_64& generator) {
   const ref::Matrix embeddings = ref::random_matrix(vocabulary, model_dim, generator);  // [V, D]

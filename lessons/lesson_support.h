@@ -29,6 +29,16 @@ struct LessonOptions {
 LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name,
                             const std::string& default_out);
 
+// Creates the lesson's run record at options.out (kind "lesson", the config, the devices, the
+// lesson number and seed). A run already there is replaced only with --overwrite; otherwise the
+// program stops with a message saying so (exit code 2), and the old run is left as it was.
+RunWriter create_lesson_run(const LessonOptions& options, const std::string& lesson_name,
+                            const std::string& lesson_number, const MoeConfig& config,
+                            std::vector<std::string> devices = {"CPU (moe::ref, double)"});
+
+// ||a - reference|| / ||reference|| (Frobenius), or ||a|| when the reference is zero.
+double relative_error(const ref::Matrix& a, const ref::Matrix& reference);
+
 // ---- data ----
 
 // Tokens that look like text to a router: a vocabulary of `vocabulary` token types, each with its
