@@ -101,7 +101,7 @@ void CurvePlot(const char* id, ViewerState& state, const std::vector<CurveLine>&
       const CurveColumn& col = reduced[l][static_cast<size_t>(c)];
       if (!col.samples) continue;
       const float x = plot_min.x + static_cast<float>(c) + 0.5f;
-      if (have_previous) draw->AddLine(previous, ImVec2(x, y_of(col.first)), lines[l].color, 1.5f);
+      if (have_previous) draw->AddLine(previous, ImVec2(x, y_of(col.first)), lines[l].color, 1.0f);  // width 1: ImGui's cheap textured anti-aliased lines
       if (col.samples > 1) draw->AddLine(ImVec2(x, y_of(col.min)), ImVec2(x, y_of(col.max)), lines[l].color, 1.0f);
       else draw->AddRectFilled(ImVec2(x - 1, y_of(col.first) - 1), ImVec2(x + 1, y_of(col.first) + 1), lines[l].color);
       previous = ImVec2(x, y_of(col.last));

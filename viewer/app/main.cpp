@@ -17,6 +17,8 @@
 //   --regions FILE       with --screenshot: the named regions' rectangles as JSON (for tests)
 //   --frames N           frames to render in screenshot mode; prints frame-time figures
 //   --width W --height H the window size (default 1600 x 1000)
+//   --scrub              with --screenshot: move the step across the run, one position per frame, so
+//                        the frame times include re-preparing the per-step views
 // Problems with a run (corrupt, truncated, unknown schema version) are printed here and shown in
 // the window; the viewer keeps going.
 #include <algorithm>
@@ -42,7 +44,7 @@ namespace {
 
 struct Options {
   std::vector<std::string> runs, follow, run_folders;
-  bool open_all = false;
+  bool open_all = false, scrub = false;
   std::string panel, screenshot, regions;
   long long step = -1;
   int layer = 0, frames = 3, width = 1600, height = 1000;
@@ -70,6 +72,7 @@ bool ParseOptions(int argc, char** argv, Options& o) {
     if (arg == "--follow") { const char* v = value(); if (!v) return false; o.follow.push_back(v); }
     else if (arg == "--runs-dir") { const char* v = value(); if (!v) return false; o.run_folders.push_back(v); }
     else if (arg == "--open-all") o.open_all = true;
+    else if (arg == "--scrub") o.scrub = true;
     else if (arg == "--panel") { const char* v = value(); if (!v) return false; o.panel = v; }
     else if (arg == "--screenshot") { const char* v = value(); if (!v) return false; o.screenshot = v; }
     else if (arg == "--regions") { const char* v = value(); if (!v) return false; o.regions = v; }
@@ -155,6 +158,7 @@ int main(int argc, char** argv) {
     state.follow_latest = false;
   }
   state.layer = options.layer;
+  state.scrub = options.scrub && state.screenshot;
   state.selected_panel = options.panel == "all" ? "" : options.panel;
 
   glfwSetErrorCallback(GlfwError);
@@ -193,6 +197,10 @@ int main(int argc, char** argv) {
         run->model.poll();
         run->last_poll = now;
       }
+    if (state.scrub && state.first_step() <= state.last_step()) {
+      state.follow_latest = false;
+      state.step = state.first_step() + (state.last_step() - state.first_step()) * frame / std::max(1, options.frames - 1);
+    }
     const auto start = std::chrono::steady_clock::now();
     ImGui_ImplOpenGL3_NewFrame();
     ImGui_ImplGlfw_NewFrame();

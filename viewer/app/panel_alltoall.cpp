@@ -78,7 +78,11 @@ void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
     ImGui::Text("rank %lld: sends %.0f, receives %.0f bytes", static_cast<long long>(r), a.send_bytes[static_cast<size_t>(r)],
                 a.recv_bytes[static_cast<size_t>(r)]);
   ImGui::EndGroup();
-  const Series bandwidth = alltoall_bandwidth_series(m, state.alltoall_name);
+  // The series scans every all-to-all of the run: kept until the data or the name changes.
+  auto& cached = state.series[RegionName(state, run, "bandwidth")];
+  const std::string series_key = TextureKey("bandwidth", run, 0, 0, 0) + state.alltoall_name;
+  if (cached.key != series_key) cached = {series_key, alltoall_bandwidth_series(m, state.alltoall_name)};
+  const Series& bandwidth = cached.series;
   ImGui::Text("achieved bandwidth per step (GB/s)");
   HelpMarker("The same figure for every recorded step: dips are steps where the exchange waited.");
   CurvePlot(("bandwidth" + RegionName(state, run, "")).c_str(), state, {{"GB/s", &bandwidth, RunColor(run.color_index)}},

@@ -40,9 +40,16 @@ void ShowRunOffload(ViewerState& state, OpenRun& run) {
   if (timeline.lanes.empty()) LacksData("copy or compute spans at this step");
   else TimelineView("offload_timeline", timeline, ImVec2(ImGui::GetContentRegionAvail().x, 100));
 
-  const Series hit_rate = offload_series(m, "hit_rate", layer);
-  const Series stall = offload_series(m, "stall_us", layer);
-  const Series misses = offload_series(m, "misses", layer);
+  // Each series scans every offload event of the run: kept until the data changes.
+  auto cached = [&](const char* field) -> const Series& {
+    auto& entry = state.series[RegionName(state, run, "offload_") + field];
+    const std::string key = TextureKey(field, run, layer, 0, 0);
+    if (entry.key != key) entry = {key, offload_series(m, field, layer)};
+    return entry.series;
+  };
+  const Series& hit_rate = cached("hit_rate");
+  const Series& stall = cached("stall_us");
+  const Series& misses = cached("misses");
   const std::string suffix = RegionName(state, run, "");
   const float width = ImGui::GetContentRegionAvail().x;
   ImGui::Text("hit rate per step");

@@ -58,9 +58,15 @@ struct ViewerState {
     Timeline timeline;
   };
   std::map<std::string, CachedTimeline> timelines;  // rebuilt when the step or the data changes
+  struct CachedSeries {
+    std::string key;
+    Series series;
+  };
+  std::map<std::string, CachedSeries> series;  // derived series too costly to rebuild each frame
   std::vector<Region> regions;
   std::string selected_panel;  // the tab to select on the next frame ("" = leave as is)
   bool screenshot = false;     // headless: no interaction, fixed layout
+  bool scrub = false;          // headless benchmark: move the step every frame (re-prepares views)
 
   // The step range over the shown runs (first > last when none has steps).
   int64_t first_step() const;
