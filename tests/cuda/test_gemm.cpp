@@ -7,7 +7,7 @@
 
 #include "activation.h"     // gelu_forward, gelu_backward
 #include "device_buffer.h"  // DeviceBuffer
-#include "device_info.h"    // gpu_available
+#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
 #include "expert_ffn.h"     // moe::ref::gelu
 #include "gemm.h"           // gemm, gemm_batched, gemm_grouped
 #include "init.h"           // moe::ref::random_matrix
@@ -18,22 +18,7 @@ using moe::cuda::bf16;
 using moe::cuda::DeviceBuffer;
 using moe::ref::Matrix;
 
-#define REQUIRE_GPU() \
-  if (!moe::cuda::gpu_available()) GTEST_SKIP() << moe::cuda::why_no_gpu()
-
-// Rounds to bf16 and back, so the reference sees exactly the values the GPU sees.
-Matrix round_bf16(const Matrix& m) {
-  Matrix r(m.rows(), m.cols());
-  for (int64_t i = 0; i < m.size(); ++i) r.data()[i] = __bfloat162float(__float2bfloat16(float(m.data()[i])));
-  return r;
-}
-std::vector<bf16> bf16_of(const Matrix& m) { return moe::cuda::to_bf16(m.data(), size_t(m.size())); }
-Matrix matrix_of(const std::vector<bf16>& v, int64_t rows, int64_t cols) {
-  Matrix m(rows, cols);
-  for (int64_t i = 0; i < m.size(); ++i) m.data()[i] = __bfloat162float(v[size_t(i)]);
-  return m;
-}
-double relative_error(const Matrix& a, const Matrix& ref) { return (a - ref).norm() / ref.norm(); }
+using namespace moe::test;  // round_bf16, bf16_of, matrix_of, relative_error
 
 TEST(CudaGemm, RowMajorProductsWithTransposes) {
   REQUIRE_GPU();

@@ -10,7 +10,7 @@
 
 #include "block_sparse.h"   // expert_pointer_table
 #include "device_buffer.h"  // DeviceBuffer
-#include "device_info.h"    // gpu_available
+#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
 #include "init.h"           // moe::ref::random_matrix, random_weights
 #include "moe_layer.h"      // moe::ref::moe_forward, moe_backward
 #include "moe_layer_gpu.h"  // MoeLayerGpu
@@ -22,36 +22,9 @@ using moe::cuda::bf16;
 using moe::cuda::DeviceBuffer;
 using moe::ref::Matrix;
 
-#define REQUIRE_GPU() \
-  if (!moe::cuda::gpu_available()) GTEST_SKIP() << moe::cuda::why_no_gpu()
+using namespace moe::test;  // round_bf16, bf16_of, matrix_of, relative_error
 
 constexpr double kTolerance = 2e-2;
-
-Matrix round_bf16(const Matrix& m) {
-  return m.unaryExpr([](double v) { return double(__bfloat162float(__float2bfloat16(float(v)))); });
-}
-std::vector<bf16> bf16_of(const Matrix& m) { return moe::cuda::to_bf16(m.data(), size_t(m.size())); }
-std::vector<bf16> bf16_of(const std::vector<Matrix>& ms) {
-  std::vector<bf16> out;
-  for (const Matrix& m : ms) {
-    auto v = bf16_of(m);
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-template <typename T>
-Matrix matrix_of(const std::vector<T>& v, int64_t rows, int64_t cols, size_t offset = 0) {
-  Matrix m(rows, cols);
-  for (int64_t i = 0; i < m.size(); ++i) {
-    if constexpr (std::is_same_v<T, bf16>) m.data()[i] = __bfloat162float(v[offset + size_t(i)]);
-    else m.data()[i] = v[offset + size_t(i)];
-  }
-  return m;
-}
-double relative_error(const Matrix& got, const Matrix& ref) {
-  const double norm = ref.norm();
-  return norm > 0 ? (got - ref).norm() / norm : got.norm();
-}
 
 // Runs the layer on the GPU and the reference on the CPU, then compares y, the losses and every gradient.
 void check_layer(MoeConfig config, uint64_t seed, double gate_scale = 1.0, int favoured_expert = -1) {
