@@ -90,10 +90,10 @@ bool wgmma_available() {
 #endif
 }
 
-template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, class Problem>
+template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, bool STAGED, class Problem>
 void launch_wgmma_shape(const Problem& problem, int x_extent, int y_count, cudaStream_t stream) {
   constexpr int smem = wgmma_shared_bytes<BN, STAGES>();
-  auto* kernel = &block_sparse_wgmma_kernel<BN, STAGES, MIN_BLOCKS, IN_FLIGHT, Problem>;
+  auto* kernel = &block_sparse_wgmma_kernel<BN, STAGES, MIN_BLOCKS, IN_FLIGHT, STAGED, Problem>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<dim3(x_extent / BN, y_count), kWgmmaThreads, smem, stream>>>(problem);
   CUDA_CHECK(cudaGetLastError());
@@ -105,12 +105,22 @@ template <class Problem>
 void launch(const Problem& problem, int block_size, int dense_extent, int y_count, cudaStream_t stream) {
   if (y_count == 0) return;
   if constexpr (!Problem::grid_x_over_m && Problem::a_layout == Layout::row_major_mk) {
-    // SDD and DSD at B = 128 on Hopper: 128 x 128 tiles, 3 stages of 32 KB, 2 CTAs per SM, so one
-    // CTA's barrier waits, prologue and epilogue overlap the other's wgmma (cuda/dev/sdd.cu,
-    // version 9, the fastest of the configurations measured there: SDD 327-427 TFLOP/s on an H200
-    // against 239-270 for the mma.sync kernel).
-    if (block_size == 128 && dense_extent % 128 == 0 && wgmma_available()) {
-      launch_wgmma_shape<128, 3, 2, 0>(problem, dense_extent, y_count, stream);
+    // SDD and DSD at B = 128 on Hopper, the epilogue staged through shared memory (16-byte stores,
+    // the activation compiled once). Measured on an H200 (cuda/dev/sdd.cu, versions 12-14):
+    //   - SDD: 128 x 128 tiles, 3 stages, 2 CTAs per SM (version 12): K = D is short (16-32 k-steps),
+    //     so overlapping one CTA's pipeline fill and epilogue with the other's wgmma pays more than
+    //     the 128 x 256 tile's lighter L2 traffic (366-390 TFLOP/s against 321-338);
+    //   - DSD: K = H is long (64-128 k-steps): 128 x 256 tiles, 4 stages, 1 CTA per SM, one wgmma
+    //     group in flight (version 14 on the DSD: 308-381 TFLOP/s against 309-340).
+    const bool wgmma = block_size == 128 && dense_extent % 128 == 0 && wgmma_available();
+    if constexpr (Problem::wgmma_wide_tile) {
+      if (wgmma && dense_extent % 256 == 0) {
+        launch_wgmma_shape<256, 4, 1, 1, true>(problem, dense_extent, y_count, stream);
+        return;
+      }
+    }
+    if (wgmma) {
+      launch_wgmma_shape<128, 3, 2, 0, true>(problem, dense_extent, y_count, stream);
       return;
     }
   }
@@ -156,17 +166,32 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
     problem.ldb = args.b.ld;
     problem.column_offset = args.b.column_offset;
     problem.block_size = t.block_size;
-    problem.epilogue = args.epilogue;
     problem.in0 = args.in0;
     problem.in1 = args.in1;
     problem.out0 = args.out0;
     problem.out1 = args.out1;
     return problem;
   };
-  if (args.b.transposed)
-    launch(fill(SddProblem<Layout::row_major_nk>{}), t.block_size, hidden, t.max_block_rows, stream);
-  else
-    launch(fill(SddProblem<Layout::row_major_km>{}), t.block_size, hidden, t.max_block_rows, stream);
+  // One kernel per (layout, epilogue) pair that the products use: W stored [k][n] in the forward,
+  // read transposed ([n][k]) in the backward.
+  constexpr Layout km = Layout::row_major_km, nk = Layout::row_major_nk;
+  auto go = [&](auto problem) { launch(fill(problem), t.block_size, hidden, t.max_block_rows, stream); };
+  if (!args.b.transposed) {
+    switch (args.epilogue) {
+      case SddEpilogue::store: go(SddProblem<km, SddEpilogue::store>{}); return;
+      case SddEpilogue::gelu: go(SddProblem<km, SddEpilogue::gelu>{}); return;
+      case SddEpilogue::swiglu: go(SddProblem<km, SddEpilogue::swiglu>{}); return;
+      default: break;
+    }
+  } else {
+    switch (args.epilogue) {
+      case SddEpilogue::store: go(SddProblem<nk, SddEpilogue::store>{}); return;
+      case SddEpilogue::gelu_backward: go(SddProblem<nk, SddEpilogue::gelu_backward>{}); return;
+      case SddEpilogue::swiglu_backward: go(SddProblem<nk, SddEpilogue::swiglu_backward>{}); return;
+      default: break;
+    }
+  }
+  throw std::logic_error("moe::cuda: no SDD kernel for this epilogue and layout of W");
 }
 
 void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const ExpertOperand& b,

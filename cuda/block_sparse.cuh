@@ -109,11 +109,14 @@ __device__ inline float silu_derivative(float a) {
 // Problem supplies (all __device__):
 //   static constexpr Layout a_layout, b_layout;
 //   static constexpr bool grid_x_over_m;        x tiles run over M (DDS) rather than N
+//   (SDD, DSD) static constexpr bool wgmma_wide_tile;  Hopper: 128 x 256 rather than 128 x 128 tiles
 //   bool begin(int y, int tile_x, int tile_x_size)  false: nothing to do (e.g. past *block_rows)
 //   int k_steps() const
 //   const bf16* a_chunk(int step, int64_t& ld)  origin of A's BM x BK (or BK x BM) chunk
 //   const bf16* b_chunk(int step, int64_t& ld)  origin of B's BK x BN (or BN x BK) chunk
 //   void store(int m, int n, float v0, float v1) C[m][n], C[m][n+1] of the tile (n even)
+//   (SDD, DSD) void store_chunk(int m, int n, const float (&v)[8])  C[m][n .. n+7], one 16-byte store:
+//   the wgmma kernel's staged epilogue
 // MIN_BLOCKS: CTAs per SM the compiler must make room for (2 caps registers at 128 per thread).
 template <int BM, int BN, int MIN_BLOCKS, class Problem>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) block_sparse_mma_kernel(const Problem parameters) {
@@ -237,13 +240,35 @@ __device__ inline float2 unpack(const bf16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
 }
 
+// 16-byte (8 x bf16) chunks: the staged epilogue of the wgmma kernel reads and writes 8 columns at once.
+__device__ inline uint4 pack8(const float (&v)[8]) {
+  uint4 r;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = pack(v[2 * i], v[2 * i + 1]);
+  return r;
+}
+__device__ inline void unpack8(const bf16* p, float (&v)[8]) {
+  const uint4 r = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
 // SDD: blocks(r, j) = A[rB : rB+B, :] · W_e[:, column_offset + jB : ...], e = block_row_expert[r].
 // Tile (block row r, tile_n): BM = B rows, BN columns = BN/B consecutive blocks of that row.
 // B_LAYOUT row_major_km: W_e stored [Kd, ld] (forward W1); row_major_nk: stored [N, ld] and read
 // transposed (backward: d_hidden = d_out · W2_eᵀ).
-template <Layout B_LAYOUT>
+// EPILOGUE is a template parameter, not a field: each kernel carries the code of its own epilogue
+// only, with no run-time switch in every one of its 64-128 unrolled stores.
+template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
 struct SddProblem {
   static constexpr bool grid_x_over_m = false;
+  static constexpr bool wgmma_wide_tile = false;  // Hopper: 128 x 128 tiles (block_sparse.cu, launch)
   static constexpr Layout a_layout = Layout::row_major_mk;
   static constexpr Layout b_layout = B_LAYOUT;
   // inputs
@@ -256,7 +281,6 @@ struct SddProblem {
   int ldb;
   int column_offset;
   int block_size;
-  SddEpilogue epilogue;
   const bf16* in0;  // [max_nnz, B, B] epilogue inputs
   const bf16* in1;
   bf16* out0;  // [max_nnz, B, B]
@@ -291,34 +315,62 @@ struct SddProblem {
     else
       return b_tile + step * kBlockK;
   }
-  __device__ void store(int m, int n, float v0, float v1) const {
-    const int64_t index = (first_block + n / block_size) * block_size * block_size +
-                          static_cast<int64_t>(m) * block_size + n % block_size;
-    auto* o0 = reinterpret_cast<__nv_bfloat162*>(out0 + index);
-    switch (epilogue) {
-      case SddEpilogue::store: *o0 = pack(v0, v1); break;
-      case SddEpilogue::gelu:
-        *o0 = pack(v0, v1);
-        *reinterpret_cast<__nv_bfloat162*>(out1 + index) = pack(gelu(v0), gelu(v1));
-        break;
-      case SddEpilogue::swiglu: {
-        const float2 gate = unpack(in0 + index);
-        *o0 = pack(v0, v1);
-        *reinterpret_cast<__nv_bfloat162*>(out1 + index) = pack(silu(gate.x) * v0, silu(gate.y) * v1);
-        break;
-      }
-      case SddEpilogue::gelu_backward: {
-        const float2 pre = unpack(in0 + index);
-        *o0 = pack(v0 * gelu_derivative(pre.x), v1 * gelu_derivative(pre.y));
-        break;
-      }
-      case SddEpilogue::swiglu_backward: {
-        const float2 gate = unpack(in0 + index), up = unpack(in1 + index);
-        *o0 = pack(v0 * up.x * silu_derivative(gate.x), v1 * up.y * silu_derivative(gate.y));
-        *reinterpret_cast<__nv_bfloat162*>(out1 + index) = pack(v0 * silu(gate.x), v1 * silu(gate.y));
-        break;
+  // Where C[m][n] of the tile lives in the block array: blocks are [B][B] row-major, one after another.
+  __device__ int64_t index(int m, int n) const {
+    return (first_block + n / block_size) * block_size * block_size + static_cast<int64_t>(m) * block_size +
+           n % block_size;
+  }
+  // The epilogue on N values of one row, N = 2 (store) or 8 (store_chunk: one 16-byte access each).
+  template <int N>
+  __device__ static void apply(const float (&acc)[N], const float (&in0)[N], const float (&in1)[N],
+                               float (&o0)[N], float (&o1)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if constexpr (EPILOGUE == SddEpilogue::store) {
+        o0[i] = acc[i];
+      } else if constexpr (EPILOGUE == SddEpilogue::gelu) {
+        o0[i] = acc[i];
+        o1[i] = gelu(acc[i]);
+      } else if constexpr (EPILOGUE == SddEpilogue::swiglu) {
+        o0[i] = acc[i];
+        o1[i] = silu(in0[i]) * acc[i];
+      } else if constexpr (EPILOGUE == SddEpilogue::gelu_backward) {
+        o0[i] = acc[i] * gelu_derivative(in0[i]);
+      } else {  // swiglu_backward
+        o0[i] = acc[i] * in1[i] * silu_derivative(in0[i]);
+        o1[i] = acc[i] * silu(in0[i]);
       }
     }
+  }
+  static constexpr bool reads_in0 = EPILOGUE != SddEpilogue::store && EPILOGUE != SddEpilogue::gelu;
+  static constexpr bool reads_in1 = EPILOGUE == SddEpilogue::swiglu_backward;
+  static constexpr bool writes_out1 = EPILOGUE != SddEpilogue::store && EPILOGUE != SddEpilogue::gelu_backward;
+
+  __device__ void store(int m, int n, float v0, float v1) const {
+    const int64_t at = index(m, n);
+    const float acc[2] = {v0, v1};
+    float i0[2] = {}, i1[2] = {}, o0[2], o1[2];
+    if constexpr (reads_in0) {
+      const float2 f = unpack(in0 + at);
+      i0[0] = f.x, i0[1] = f.y;
+    }
+    if constexpr (reads_in1) {
+      const float2 f = unpack(in1 + at);
+      i1[0] = f.x, i1[1] = f.y;
+    }
+    apply<2>(acc, i0, i1, o0, o1);
+    *reinterpret_cast<__nv_bfloat162*>(out0 + at) = pack(o0[0], o0[1]);
+    if constexpr (writes_out1) *reinterpret_cast<__nv_bfloat162*>(out1 + at) = pack(o1[0], o1[1]);
+  }
+  // C[m][n .. n+7], n a multiple of 8 (8 columns never straddle two blocks).
+  __device__ void store_chunk(int m, int n, const float (&acc)[8]) const {
+    const int64_t at = index(m, n);
+    float i0[8] = {}, i1[8] = {}, o0[8], o1[8];
+    if constexpr (reads_in0) unpack8(in0 + at, i0);
+    if constexpr (reads_in1) unpack8(in1 + at, i1);
+    apply<8>(acc, i0, i1, o0, o1);
+    *reinterpret_cast<uint4*>(out0 + at) = pack8(o0);
+    if constexpr (writes_out1) *reinterpret_cast<uint4*>(out1 + at) = pack8(o1);
   }
 };
 
@@ -328,6 +380,7 @@ struct SddProblem {
 template <Layout B_LAYOUT>
 struct DsdProblem {
   static constexpr bool grid_x_over_m = false;
+  static constexpr bool wgmma_wide_tile = true;  // Hopper: 128 x 256 tiles where D allows
   static constexpr Layout a_layout = Layout::row_major_mk;
   static constexpr Layout b_layout = B_LAYOUT;
   const int* block_rows;
@@ -378,6 +431,9 @@ struct DsdProblem {
   }
   __device__ void store(int m, int n, float v0, float v1) const {
     *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(m) * ldo + n) = pack(v0, v1);
+  }
+  __device__ void store_chunk(int m, int n, const float (&v)[8]) const {
+    *reinterpret_cast<uint4*>(out_tile + static_cast<int64_t>(m) * ldo + n) = pack8(v);
   }
 };
 

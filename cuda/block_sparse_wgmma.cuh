@@ -14,10 +14,13 @@
 //     issue the next cp.async copies), and wgmma.commit_group / wait_group say when it is done.
 //
 // One CTA computes one 128 x BN tile (BN = 128 or 256) of C = A B, fp32 accumulation:
-//   - 2 warpgroups, each the owner of 64 rows and all BN columns (m64nBNk16). The mainline runs
+//   - 2 warpgroups, each the owner of 64 rows and all BN columns (m64nBNk16). The mainline's SDD runs
 //     128 x 128 tiles, 3 stages, 2 CTAs per SM (64 accumulators per thread, registers capped at
-//     128): while one CTA waits at its barrier or stores its tile, the other's wgmma run. The
-//     128 x 256 tile (half the A traffic per FLOP) measured 3x slower (cuda/dev/sdd.cu, v7, v10);
+//     128): while one CTA fills its pipeline or stores its tile, the other's wgmma run. Its DSD,
+//     whose K is 4-8x longer, runs 128 x 256 tiles (half the A traffic per FLOP), 4 stages, 1 CTA
+//     per SM (cuda/dev/sdd.cu, versions 12-14);
+//   - the epilogue goes through shared memory (STAGED): 16-byte coalesced stores, the activation
+//     compiled once in a loop;
 //   - 128 rows = one block row of B = 128, so SDD's and DSD's tiles never straddle two experts;
 //   - every thread copies chunks with cp.async (16 bytes) STAGES deep, as the mma.sync kernel does,
 //     so each k-step's operands may come from any address: the per-expert pointer table and the
@@ -54,6 +57,13 @@ constexpr int wgmma_stage_bytes() {
 template <int BN, int STAGES>
 constexpr int wgmma_shared_bytes() {
   return STAGES * wgmma_stage_bytes<BN>() + 1024;
+}
+
+// The staged epilogue's fp32 tile: 128 rows of BN + kStagingPad floats, inside the stages' memory.
+constexpr int kStagingPad = 8;
+template <int BN>
+constexpr int wgmma_staging_bytes() {
+  return kWgmmaBlockM * (BN + kStagingPad) * static_cast<int>(sizeof(float));
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -184,9 +194,13 @@ __device__ inline void load_n_major(uint32_t tile, const bf16* source, int64_t l
 // cores fed across the barrier but holds a stage that could be loading.
 // MIN_BLOCKS: CTAs per SM the registers must make room for (2 caps them at 128: BN = 128 only).
 // IN_FLIGHT 0 measured faster at 3 stages (the copies run 2 steps ahead rather than 1).
-template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, class Problem>
+// STAGED: the epilogue goes through shared memory (below); false: each thread stores its own
+// accumulator fragments, 4 bytes at a time (versions 6-10 of cuda/dev/sdd.cu).
+template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, bool STAGED, class Problem>
 __global__ void __launch_bounds__(kWgmmaThreads, MIN_BLOCKS) block_sparse_wgmma_kernel(const Problem parameters) {
   static_assert(BN == 128 || BN == 256, "wgmma m64nNk16 with N = 128 or 256");
+  static_assert(!STAGED || wgmma_staging_bytes<BN>() <= STAGES * wgmma_stage_bytes<BN>(),
+                "the staged tile must fit in the pipeline's stages");
   static_assert(IN_FLIGHT == 0 || IN_FLIGHT == 1, "wgmma groups left running across the barrier");
   static_assert(STAGES - 1 - IN_FLIGHT >= 1, "at least one stage loading while one computes");
   static_assert(Problem::a_layout == Layout::row_major_mk && !Problem::grid_x_over_m,
@@ -263,11 +277,42 @@ __global__ void __launch_bounds__(kWgmmaThreads, MIN_BLOCKS) block_sparse_wgmma_
   // mma.m16n8 layout, repeated N/8 times along n.
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   const int m = warpgroup * 64 + warp * 16 + lane / 4;
+  if constexpr (!STAGED) {
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int n = 8 * j + 2 * (lane % 4);
-    problem.store(m, n, acc[4 * j], acc[4 * j + 1]);
-    problem.store(m + 8, n, acc[4 * j + 2], acc[4 * j + 3]);
+    for (int j = 0; j < BN / 8; ++j) {
+      const int n = 8 * j + 2 * (lane % 4);
+      problem.store(m, n, acc[4 * j], acc[4 * j + 1]);
+      problem.store(m + 8, n, acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  } else {
+    // Staged: the fp32 tile goes to shared memory (the stages are free now), then every thread takes
+    // 16-byte chunks of 8 columns, consecutive threads consecutive chunks of one row: each warp
+    // writes 512 contiguous bytes, and the activation code exists once, in a loop, instead of
+    // unrolled into 64-128 fragment stores. Rows are padded by 8 floats (32 bytes), so the 4 rows a
+    // half-warp writes at once start in 4 different groups of 8 banks.
+    constexpr int row_floats = BN + kStagingPad;
+    __syncthreads();  // every warpgroup's wgmma and every copy are done with the stages
+    float* staging = reinterpret_cast<float*>(shared_bytes + (shared_base - static_cast<uint32_t>(
+                                                                  __cvta_generic_to_shared(shared_bytes))));
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int n = 8 * j + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(staging + m * row_floats + n) = make_float2(acc[4 * j], acc[4 * j + 1]);
+      *reinterpret_cast<float2*>(staging + (m + 8) * row_floats + n) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+    __syncthreads();
+    // Chunk order: 128-column slab (one B x B block of SDD), then row, then the 16 chunks of the row,
+    // so that a warp's two rows of one slab are 512 contiguous bytes of an SDD block.
+    constexpr int chunks = kWgmmaBlockM * BN / 8;
+#pragma unroll 2
+    for (int chunk = threadIdx.x; chunk < chunks; chunk += kWgmmaThreads) {
+      const int slab = chunk / (kWgmmaBlockM * 16), within = chunk % (kWgmmaBlockM * 16);
+      const int row = within / 16, n = slab * 128 + (within % 16) * 8;
+      const float4 lo = *reinterpret_cast<const float4*>(staging + row * row_floats + n);
+      const float4 hi = *reinterpret_cast<const float4*>(staging + row * row_floats + n + 4);
+      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      problem.store_chunk(row, n, v);
+    }
   }
 #else
   __trap();  // built without sm_90a: the host must never pick this kernel (wgmma_available() is false)

@@ -29,18 +29,31 @@
 //   7  the same with a 128 x 256 tile (m64n256k16, 128 fp32 accumulators per thread), 4 stages
 //   8  128 x 128, 3 stages, 2 CTAs per SM (registers capped at 128)
 //   9  the same, with no wgmma left in flight (wait_group 0 each step): the copies then run 2 steps
-//      ahead instead of 1. The mainline's configuration for SDD and DSD at B = 128 on an H100/H200
+//      ahead instead of 1. The mainline's configuration for SDD and DSD before version 12
 //   10 128 x 256, 4 stages, no wgmma in flight
 //      Measured on an H200 (TFLOP/s useful, T=16384 D=1024 H=4096 E=64 K=1 | D=2048 H=8192 K=2;
-//      cuBLAS dense 705 | 778): v4 239 | 270, v6 217 | 306, v7 93 | 169, v8 264 | 337,
-//      v9 327 | 364-427 (v9 and v11 are one kernel: the spread between runs), v10 92 | 163.
-//      The 128 x 256 tiles are slow with either instruction (v5, v7, v10): not the main loop, whose
-//      SASS is 4 HGMMA.64x256x16 ... tnspB, the cp.async copies and one barrier per k-step; a lead
-//      not yet checked is the epilogue, unrolled over 64 stores each with the run-time switch of
-//      SddEpilogue, about 20k instructions per kernel (10k at 128 x 128). Still far from cuBLAS:
-//      the next steps are an epilogue through shared memory (16-byte coalesced stores, one copy of
-//      the activation code), and producer warps with deeper stages (TMA where a tensor map fits).
-//   11 the mainline library call moe::cuda::sdd (= version 9 on an H100/H200 at B = 128, else 4)
+//      cuBLAS dense 705 | 778), with the epilogue kind a run-time switch in every store:
+//      v4 239 | 270, v6 217 | 306, v7 93 | 169, v8 264 | 337, v9 327 | 364-427, v10 92 | 163.
+//   11 the mainline library call moe::cuda::sdd (= version 12 on an H100/H200 at B = 128, else 4)
+//   12 version 9 with the epilogue staged through shared memory: after the main loop the fp32 tile
+//      goes to the (now idle) stage buffers, then each thread applies the epilogue to 16-byte chunks
+//      of 8 columns and stores them, a warp 512 contiguous bytes of a block (instead of 4-byte
+//      stores spread over 8 rows). The mainline's SDD.
+//   13 version 10 (128 x 256, wait 0), staged;  14 version 7 (128 x 256, one wgmma in flight), staged
+//      The epilogue kind is now a template parameter of SddProblem: one kernel per kind, no switch.
+//      That alone took the SDD kernels from 10k-20k SASS instructions to 1.4k-2.6k (the cubin's
+//      .text sizes) and was the 128 x 256 tiles' 3x loss: v7 93 -> 275 | 169 -> 359.
+//      Measured on an H200, 2026-11-22 (same shapes; cuBLAS 688 | 750):
+//        v4 228 | 264, v6 259 | 319, v7 275 | 359, v8 258 | 323, v9 307 | 361, v10 267 | 339,
+//        v12 366 (53%) | 390 (52%), v13 321 | 336, v14 323 | 339.
+//      Prediction was: staged epilogue +10-20% at 128 x 128 (came: +19% | +8%), and 128 x 256 then
+//      ahead of 128 x 128 by its lighter L2 traffic (12 KB per MFLOP against 16): it is not, at
+//      1 CTA per SM: K = D gives only 16-32 k-steps, and nothing overlaps one CTA's pipeline fill
+//      and epilogue. On the DSD (K = H: 64-128 k-steps) it is: v9 315 | 344, v12 309 | 340,
+//      v13 310 | 358, v14 308 | 381; the mainline DSD takes version 14's configuration.
+//      What limits version 12: at 390 TFLOP/s its 128 x 128 tiles pull about 6 TB/s of operands
+//      from L2 into the SMs; the way forward is 128 x 256 tiles with the fill and the epilogue
+//      hidden: a producer warp with deeper stages, a persistent grid, TMA multicast in a cluster.
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
@@ -166,11 +179,13 @@ __global__ void __launch_bounds__(256) sdd_kernel2(const DeviceTopology t, const
 //   5  BM x 256 tile, 8 warps of 64 x 64: 8 ldmatrix per 32 mma instead of 6 per 16
 template <int BN, int MIN_BLOCKS, int BM>
 void launch_tensor_core_shape(const moe::cuda::block_sparse_detail::SddProblem<
-                                  moe::cuda::block_sparse_detail::Layout::row_major_km>& problem,
+                                  moe::cuda::block_sparse_detail::Layout::row_major_km,
+                                  moe::cuda::block_sparse_detail::SddEpilogue::store>& problem,
                               int H, int block_rows, cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
   constexpr int smem = pipeline_shared_bytes<BM, BN>();
-  auto* kernel = &block_sparse_mma_kernel<BM, BN, MIN_BLOCKS, SddProblem<Layout::row_major_km>>;
+  auto* kernel =
+      &block_sparse_mma_kernel<BM, BN, MIN_BLOCKS, SddProblem<Layout::row_major_km, SddEpilogue::store>>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<dim3(H / BN, block_rows), kThreads, smem, stream>>>(problem);
 }
@@ -179,7 +194,7 @@ template <int BN, int MIN_BLOCKS>
 void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H,
                         bf16* out, cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
-  SddProblem<Layout::row_major_km> problem{};
+  SddProblem<Layout::row_major_km, SddEpilogue::store> problem{};
   problem.block_rows = t.block_rows;
   problem.offsets = t.offsets;
   problem.block_row_expert = t.block_row_expert;
@@ -188,7 +203,6 @@ void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf1
   problem.b = w1;
   problem.ldb = H;
   problem.block_size = t.block_size;
-  problem.epilogue = SddEpilogue::store;
   problem.out0 = out;
   if (H % BN != 0) {
     std::fprintf(stderr, "this tile needs H %% %d == 0\n", BN);
@@ -200,12 +214,12 @@ void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf1
     launch_tensor_core_shape<BN, MIN_BLOCKS, 64>(problem, H, t.max_block_rows, stream);
 }
 
-// ---- versions 6-8: the wgmma tile kernel of block_sparse_wgmma.cuh (sm_90a, B = 128 only) ----
-template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT>
+// ---- versions 6-10, 12-14: the wgmma tile kernel of block_sparse_wgmma.cuh (sm_90a, B = 128 only) ----
+template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, bool STAGED>
 void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
                   cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
-  using Sdd = SddProblem<Layout::row_major_km>;
+  using Sdd = SddProblem<Layout::row_major_km, SddEpilogue::store>;
   Sdd problem{};
   problem.block_rows = t.block_rows;
   problem.offsets = t.offsets;
@@ -215,16 +229,41 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
   problem.b = w1;
   problem.ldb = H;
   problem.block_size = t.block_size;
-  problem.epilogue = SddEpilogue::store;
   problem.out0 = out;
   if (H % BN != 0 || t.block_size != kWgmmaBlockM) {
     std::fprintf(stderr, "the wgmma versions need B = 128 and H %% %d == 0\n", BN);
     std::exit(1);
   }
   constexpr int smem = wgmma_shared_bytes<BN, STAGES>();
-  auto* kernel = &block_sparse_wgmma_kernel<BN, STAGES, MIN_BLOCKS, IN_FLIGHT, Sdd>;
+  auto* kernel = &block_sparse_wgmma_kernel<BN, STAGES, MIN_BLOCKS, IN_FLIGHT, STAGED, Sdd>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<dim3(H / BN, t.max_block_rows), kWgmmaThreads, smem, stream>>>(problem);
+}
+
+// The same wgmma kernel configurations on the DSD (out = hidden blocks · W2[e]), to pick the mainline's
+// for both products: out [max_rows, D], W2[e] [H, D] N-major.
+template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, bool STAGED>
+void launch_wgmma_dsd(const DeviceTopology& t, const bf16* hidden, const bf16* const* w2, int D, bf16* out,
+                      cudaStream_t stream) {
+  using namespace moe::cuda::block_sparse_detail;
+  using Dsd = DsdProblem<Layout::row_major_km>;
+  Dsd problem{};
+  problem.block_rows = t.block_rows;
+  problem.offsets = t.offsets;
+  problem.block_row_expert = t.block_row_expert;
+  problem.s0 = hidden;
+  problem.parts = 1;
+  problem.blocks_per_expert = t.blocks_per_expert;
+  problem.block_size = t.block_size;
+  problem.b = w2;
+  problem.ldb = D;
+  problem.out = out;
+  problem.ldo = D;
+  constexpr int smem = wgmma_shared_bytes<BN, STAGES>();
+  auto* kernel = &block_sparse_wgmma_kernel<BN, STAGES, MIN_BLOCKS, IN_FLIGHT, STAGED, Dsd>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(D / BN, t.max_block_rows), kWgmmaThreads, smem, stream>>>(problem);
+  CUDA_CHECK(cudaGetLastError());
 }
 
 // ---- one problem: routing, topology, tensors ----
@@ -322,19 +361,28 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
       launch_tensor_core<256, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
     case 6:
-      launch_wgmma<128, 6, 1, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      launch_wgmma<128, 6, 1, 1, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
     case 7:
-      launch_wgmma<256, 4, 1, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      launch_wgmma<256, 4, 1, 1, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
     case 8:
-      launch_wgmma<128, 3, 2, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      launch_wgmma<128, 3, 2, 1, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
     case 9:
-      launch_wgmma<128, 3, 2, 0>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      launch_wgmma<128, 3, 2, 0, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
     case 10:
-      launch_wgmma<256, 4, 1, 0>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      launch_wgmma<256, 4, 1, 0, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 12:
+      launch_wgmma<128, 3, 2, 0, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 13:
+      launch_wgmma<256, 4, 1, 0, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 14:
+      launch_wgmma<256, 4, 1, 1, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
@@ -398,7 +446,7 @@ int main(int argc, char** argv) {
   // The wgmma versions need a compute capability 9.0 GPU (and this program's sm_90a code) and B = 128.
   const bool hopper = properties.major == 9 && properties.minor == 0 && B == 128;
   std::vector<int> versions = {1, 2, 3, 4, 5};
-  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10});
+  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14});
   versions.push_back(11);
   bool all_pass = true;
   {
@@ -455,7 +503,9 @@ int main(int argc, char** argv) {
                          "4 mma.sync Bx128, 2 CTA/SM", "5 mma.sync Bx256, warp 64x64",
                          "6 wgmma 128x128, 6 stages", "7 wgmma 128x256, 4 stages",
                          "8 wgmma 128x128, 3 st, 2 CTA/SM", "9 wgmma 128x128, 3 st, 2 CTA, wait 0",
-                         "10 wgmma 128x256, 4 st, wait 0", "11 mainline moe::cuda::sdd"};
+                         "10 wgmma 128x256, 4 st, wait 0", "11 mainline moe::cuda::sdd",
+                         "12 = 9, staged epilogue", "13 = 10, staged epilogue",
+                         "14 = 7, staged epilogue"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----
@@ -495,6 +545,24 @@ int main(int argc, char** argv) {
         stream);
     const float dense_dsd_ms = time_median(
         [&] { gemm_row_major(handle, T * K, D, H, dense_hidden.data(), w2[0].data(), dense_out.data()); }, stream);
+    if (hopper) {  // the wgmma configurations on the DSD (its check is the library tests')
+      const bf16* const* w2p = w2_table.data();
+      const float dsd9 = time_median(
+          [&] { launch_wgmma_dsd<128, 3, 2, 0, false>(big.device.topology, hidden.data(), w2p, D, out.data(), stream); },
+          stream);
+      const float dsd12 = time_median(
+          [&] { launch_wgmma_dsd<128, 3, 2, 0, true>(big.device.topology, hidden.data(), w2p, D, out.data(), stream); },
+          stream);
+      const float dsd13 = time_median(
+          [&] { launch_wgmma_dsd<256, 4, 1, 0, true>(big.device.topology, hidden.data(), w2p, D, out.data(), stream); },
+          stream);
+      const float dsd14 = time_median(
+          [&] { launch_wgmma_dsd<256, 4, 1, 1, true>(big.device.topology, hidden.data(), w2p, D, out.data(), stream); },
+          stream);
+      auto tf = [&](float ms) { return big.useful_flops() / (ms * 1e-3) / 1e12; };
+      std::printf("\nDSD TFLOP/s useful by configuration: v9 %.1f | v12 %.1f | v13 %.1f | v14 %.1f\n", tf(dsd9),
+                  tf(dsd12), tf(dsd13), tf(dsd14));
+    }
     std::printf("\nDSD alone (mainline): %.3f ms, %.1f TFLOP/s useful; cuBLAS [T*K,H]x[H,D] %.3f ms; ratio %.2fx\n",
                 dsd_ms, big.useful_flops() / (dsd_ms * 1e-3) / 1e12, dense_dsd_ms, dense_dsd_ms / dsd_ms);
     const double flops = 2 * big.useful_flops();
