@@ -45,7 +45,10 @@
 //      .text sizes) and was the 128 x 256 tiles' 3x loss: v7 93 -> 275 | 169 -> 359.
 //      Measured on an H200, 2026-11-22 (same shapes; cuBLAS 688 | 750):
 //        v4 228 | 264, v6 259 | 319, v7 275 | 359, v8 258 | 323, v9 307 | 361, v10 267 | 339,
-//        v12 366 (53%) | 390 (52%), v13 321 | 336, v14 323 | 339.
+//        v12 366 (53%) | 390 (52%), v13 321 | 336, v14 323 | 339; a second run: v12 366 | 408,
+//        v13 314 | 366, v14 316 | 366 (the large shape drifts up to 10% between runs, cuBLAS too).
+//      Whole forward with this mainline (SDD v12 + GeLU, DSD as v14): 0.44x | 0.51x two dense cuBLAS
+//      GEMMs, from 0.40x | 0.48x with version 9's.
 //      Prediction was: staged epilogue +10-20% at 128 x 128 (came: +19% | +8%), and 128 x 256 then
 //      ahead of 128 x 128 by its lighter L2 traffic (12 KB per MFLOP against 16): it is not, at
 //      1 CTA per SM: K = D gives only 16-32 k-steps, and nothing overlaps one CTA's pipeline fill
