@@ -1,0 +1,107 @@
+// model_config.cpp: validation of the model configuration (see model_config.h).
+#include "model_config.h"
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace moe::ref {
+
+namespace {
+
+[[noreturn]] void reject(std::string_view field, const std::string& value, std::string_view allowed) {
+  std::ostringstream message;
+  message << "invalid model config: " << field << " = " << value << "; allowed: " << allowed;
+  throw std::invalid_argument(message.str());
+}
+
+}  // namespace
+
+void validate(const ModelConfig& c) {
+  if (c.model_dim < 1) reject("model_dim (D)", std::to_string(c.model_dim), "D >= 1");
+  if (c.num_layers < 1) reject("num_layers (L)", std::to_string(c.num_layers), "L >= 1");
+  if (c.num_heads < 1) reject("num_heads", std::to_string(c.num_heads), "num_heads >= 1");
+  if (c.model_dim % c.num_heads != 0) {
+    reject("num_heads", std::to_string(c.num_heads),
+           "a divisor of model_dim D = " + std::to_string(c.model_dim) +
+               " (each head gets D / num_heads columns)");
+  }
+  if (c.seq_len < 1) reject("seq_len (S)", std::to_string(c.seq_len), "S >= 1");
+  if (!std::isfinite(c.layer_norm_eps) || c.layer_norm_eps <= 0.0) {
+    std::ostringstream value;
+    value << c.layer_norm_eps;
+    reject("layer_norm_eps", value.str(), "a finite number > 0");
+  }
+  if (c.moe_layers == MoeLayers::every_other_block && c.num_layers < 2) {
+    reject("moe_layers", "every_other_block with num_layers (L) = " + std::to_string(c.num_layers),
+           "L >= 2 (block 1 is the first MoE block), or moe_layers = none for a dense model");
+  }
+  if (c.moe_layers != MoeLayers::every_block && c.dense_hidden_dim < 1) {
+    reject("dense_hidden_dim (H_dense)", std::to_string(c.dense_hidden_dim),
+           "H_dense >= 1 when some blocks are dense (moe_layers = " + std::string(to_string(c.moe_layers)) + ")");
+  }
+  if (c.pregated && c.moe_layers == MoeLayers::none) {
+    reject("pregated", "true with moe_layers = none", "pregated = false for a dense model (no gate to move)");
+  }
+  if (c.moe_layers == MoeLayers::none) return;  // the MoE fields are unused
+  try {
+    moe::validate(moe_layer_config(c, 1));
+  } catch (const std::invalid_argument& error) {
+    throw std::invalid_argument(std::string("MoE layer: ") + error.what());
+  }
+}
+
+bool is_moe_block(const ModelConfig& config, int64_t layer) {
+  switch (config.moe_layers) {
+    case MoeLayers::every_block: return true;
+    case MoeLayers::every_other_block: return layer % 2 == 1;
+    case MoeLayers::none: return false;
+  }
+  return false;
+}
+
+std::vector<int64_t> moe_blocks(const ModelConfig& config) {
+  std::vector<int64_t> blocks;
+  for (int64_t layer = 0; layer < config.num_layers; ++layer) {
+    if (is_moe_block(config, layer)) blocks.push_back(layer);
+  }
+  return blocks;
+}
+
+MoeConfig moe_layer_config(const ModelConfig& c, int64_t batch) {
+  MoeConfig layer;
+  layer.tokens = batch * c.seq_len;
+  layer.model_dim = c.model_dim;
+  layer.hidden_dim = c.expert_hidden_dim;
+  layer.num_experts = c.num_experts;
+  layer.top_k = c.top_k;
+  layer.formulation = c.formulation;
+  layer.capacity_factor = c.capacity_factor;
+  layer.block_size = c.block_size;
+  layer.activation = c.activation;
+  layer.renormalize = c.renormalize;
+  layer.jitter_eps = 0.0;
+  layer.aux_loss_coef = c.aux_loss_coef;
+  layer.z_loss_coef = c.z_loss_coef;
+  return layer;
+}
+
+std::string_view to_string(MoeLayers moe_layers) {
+  switch (moe_layers) {
+    case MoeLayers::every_block: return "every_block";
+    case MoeLayers::every_other_block: return "every_other_block";
+    case MoeLayers::none: return "none";
+  }
+  return "unknown";
+}
+
+MoeLayers parse_moe_layers(std::string_view text) {
+  if (text == "every_block") return MoeLayers::every_block;
+  if (text == "every_other_block") return MoeLayers::every_other_block;
+  if (text == "none") return MoeLayers::none;
+  throw std::invalid_argument("unknown moe_layers '" + std::string(text) +
+                              "'; allowed: every_block, every_other_block, none");
+}
+
+}  // namespace moe::ref

@@ -1,0 +1,47 @@
+// pregated_layer.cpp: the MoE layer with a separately routed gate (see pregated_layer.h).
+#include "pregated_layer.h"
+
+#include "checks.h"      // check_shape
+#include "expert_ffn.h"  // expert_ffn_forward
+#include "permute.h"     // permute_tokens, unpermute_and_combine
+
+namespace moe::ref {
+
+LayerForward pregated_moe_forward(const MoeConfig& config, const Matrix& x, const MoeWeights& weights,
+                                  const PreGateOutput& routing) {
+  check_layer_inputs(config, x, weights);
+  check_shape("routing.router.logits", routing.router.logits, config.tokens, config.num_experts, "[T, E]");
+  LayerForward forward;
+  forward.router = routing.router;
+  forward.plan = routing.plan;
+  if (config.formulation == Formulation::dropless) forward.topology = make_topology(config, forward.plan);
+  forward.permuted_x = permute_tokens(forward.plan, x);
+  ExpertActivations experts = expert_ffn_forward(config, forward.plan, forward.permuted_x, weights.w1, weights.w2);
+  forward.pre_activation = std::move(experts.pre_activation);
+  forward.hidden = std::move(experts.hidden);
+  forward.expert_out = std::move(experts.out);
+  forward.y = unpermute_and_combine(forward.plan, forward.router.combine_weights, forward.expert_out);
+  forward.aux_loss = forward.router.aux_loss;
+  forward.z_loss = forward.router.z_loss;
+  return forward;
+}
+
+PreGatedGradients pregated_moe_backward(const MoeConfig& config, const Matrix& x, const Matrix& router_input,
+                                        const MoeWeights& weights, const LayerForward& forward,
+                                        const Matrix& dy) {
+  check_shape("router_input", router_input, config.tokens, config.model_dim, "[T, D]");
+
+  MoeWeights without_gate = weights;  // dx flows only through the experts
+  without_gate.gate_weights.setZero();
+  PreGatedGradients grads;
+  grads.layer = moe_backward(config, x, without_gate, forward, dy);
+
+  MoeWeights without_experts = weights;  // dx flows only through the gate (d permuted_x = d_pre w1^T = 0)
+  for (Matrix& w1 : without_experts.w1) w1.setZero();
+  LayerGradients through_gate = moe_backward(config, router_input, without_experts, forward, dy);
+  grads.layer.gate_weights = std::move(through_gate.gate_weights);
+  grads.router_input = std::move(through_gate.x);
+  return grads;
+}
+
+}  // namespace moe::ref
