@@ -169,7 +169,6 @@ void check_model_inputs(const ModelConfig& config, const ModelWeights& weights, 
     throw std::invalid_argument("weights have " + std::to_string(weights.blocks.size()) +
                                 " blocks; expected num_layers (L) = " + std::to_string(config.num_layers));
   }
-  const ModelWeights shapes = zero_weights(config);
   const std::vector<ParameterInfo> layout = parameter_layout(config);
   size_t index = 0;
   for_each_parameter(config, weights, [&](const std::string& name, const Matrix& m, ParameterKind) {

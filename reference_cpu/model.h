@@ -90,7 +90,7 @@ ModelWeights zero_weights(const ModelConfig& config);
 
 // GPT-2's initialisation with init.h's reproducible uniform draws: every matrix uniform with
 // standard deviation 0.02, the projections that write into the residual stream (attention.out,
-// ffn.w2, moe.w2.e) 0.02 / sqrt(2 L); LayerNorm gains 1, biases 0. Drawn from one
+// ffn.w2, moe.w2.e) 0.02 / sqrt(2 L); LayerNorm gains 1, biases 0 (they draw nothing). Drawn from one
 // std::mt19937_64(seed) in the flat list's order, each matrix row-major.
 ModelWeights init_model(const ModelConfig& config, uint64_t seed);
 

@@ -29,6 +29,8 @@ inline constexpr int64_t kByteVocabulary = 256;  // V
 
 enum class MoeLayers { every_block, every_other_block, none };
 
+// The defaults are a small model the CPU reference runs in a fraction of a second; a GPU trainer
+// sets its own sizes.
 struct ModelConfig {
   int64_t model_dim = 64;    // D
   int64_t num_layers = 2;    // L

@@ -325,6 +325,10 @@ TEST(ReferenceModelParameters, LayoutIsOneFixedOrderWithContiguousOffsets) {
     EXPECT_EQ(list[i].gradient->cols(), layout[i].cols);
   }
   EXPECT_EQ(list[0].value, &values.token_embedding);
+  // A dense block has no MoE tensors and an MoE block no dense FFN: nothing outside the list.
+  EXPECT_TRUE(gradients.blocks[0].moe.w1.empty());
+  EXPECT_EQ(gradients.blocks[0].moe.gate_weights.size(), 0);
+  EXPECT_EQ(gradients.blocks[1].ffn_w1.size(), 0);
   EXPECT_EQ(list[0].gradient, &gradients.token_embedding);
 }
 
