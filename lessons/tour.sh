@@ -38,4 +38,4 @@ if [ $failed -ne 0 ]; then
   echo "tour: FAIL (a lesson's verdict failed; see above)"
   exit 1
 fi
-echo "tour: PASS, run records written under runs/ (open them with the viewer once it lands)"
+echo "tour: PASS, run records written under runs/ (viewer/open.sh shows them; ./moe demo does it next)"
