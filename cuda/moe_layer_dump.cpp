@@ -28,6 +28,7 @@
 #include "moe_layer_gpu.h"  // MoeLayerGpu
 #include "npy.h"            // write_npy
 #include "phase_timer.h"    // PhaseTimer
+#include "reference_bridge.h"  // round_bf16
 #include "run_record.h"     // RunWriter, span / routing / topology events
 
 using namespace moe;
@@ -39,9 +40,7 @@ namespace {
 
 constexpr double kTolerance = 2e-2;
 
-Matrix round_bf16(const Matrix& m) {
-  return m.unaryExpr([](double v) { return double(__bfloat162float(__float2bfloat16(float(v)))); });
-}
+using cuda::round_bf16;  // reference_bridge.h
 std::vector<float> floats(const Matrix& m) { return {m.data(), m.data() + m.size()}; }
 std::vector<float> floats(const std::vector<Matrix>& ms) {
   std::vector<float> out;

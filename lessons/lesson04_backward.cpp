@@ -29,6 +29,7 @@
 #include "device_buffer.h"         // DeviceBuffer
 #include "device_info.h"           // gpu_available, why_no_gpu, current_device
 #include "moe_layer_gpu.h"         // MoeLayerGpu
+#include "reference_bridge.h"      // round_bf16, bf16_of, matrix_of
 #endif
 
 using namespace moe;
@@ -91,27 +92,10 @@ int64_t argmax_abs(const Matrix& m) {
 
 constexpr double kGpuTolerance = 2e-2;  // bf16 activations, fp32 accumulation and gradients
 
-Matrix round_bf16(const Matrix& m) {
-  return m.unaryExpr([](double v) { return double(__bfloat162float(__float2bfloat16(float(v)))); });
-}
-std::vector<cuda::bf16> bf16_of(const Matrix& m) { return cuda::to_bf16(m.data(), size_t(m.size())); }
-std::vector<cuda::bf16> bf16_of(const std::vector<Matrix>& ms) {
-  std::vector<cuda::bf16> out;
-  for (const Matrix& m : ms) {
-    const auto v = bf16_of(m);
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-template <typename T>
-Matrix matrix_of(const std::vector<T>& v, int64_t rows, int64_t cols, size_t offset = 0) {
-  Matrix m(rows, cols);
-  for (int64_t i = 0; i < m.size(); ++i) {
-    if constexpr (std::is_same_v<T, cuda::bf16>) m.data()[i] = __bfloat162float(v[offset + size_t(i)]);
-    else m.data()[i] = v[offset + size_t(i)];
-  }
-  return m;
-}
+using cuda::bf16_of;  // reference_bridge.h
+using cuda::matrix_of;
+using cuda::round_bf16;
+
 std::vector<Matrix> experts_of(const std::vector<float>& v, int64_t experts, int64_t rows, int64_t cols) {
   std::vector<Matrix> out;
   for (int64_t e = 0; e < experts; ++e) out.push_back(matrix_of(v, rows, cols, size_t(e * rows * cols)));
