@@ -59,20 +59,30 @@ void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k, 
                    ldc, batch, beta);
 }
 
-void gemm_grouped(cublasHandle_t handle, const std::vector<int>& m, int n, int k, const bf16* const* a,
-                  int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc) {
+// Per group, column-major: Cᵀ [n, m] = op(B)ᵀ op(A)ᵀ, so B goes first with A's transpose flag swapped.
+void gemm_grouped(cublasHandle_t handle, Op op_a, Op op_b, const std::vector<int>& m, const std::vector<int>& n,
+                  const std::vector<int>& k, const bf16* const* a, int lda, const bf16* const* b, int ldb,
+                  bf16* const* c, int ldc) {
   const int groups = static_cast<int>(m.size());
   if (groups == 0) return;
-  // One entry per group, each a group of one product (column-major view: n x m[g] = (k x n)ᵀ ...).
-  std::vector<cublasOperation_t> op(groups, CUBLAS_OP_N);
-  std::vector<int> n_cm(groups, n), k_cm(groups, k), lda_cm(groups, ldb), ldb_cm(groups, lda),
-      ldc_cm(groups, ldc), size(groups, 1);
+  if (n.size() != m.size() || k.size() != m.size()) {
+    throw std::invalid_argument("gemm_grouped: m, n and k must have one entry per group");
+  }
+  std::vector<cublasOperation_t> trans_b_first(groups, to_cublas(op_b)), trans_a_second(groups, to_cublas(op_a));
+  std::vector<int> ld_first(groups, ldb), ld_second(groups, lda), ld_c(groups, ldc), size(groups, 1);
   std::vector<float> alpha(groups, 1.0f), beta(groups, 0.0f);
-  CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, op.data(), op.data(), n_cm.data(), m.data(), k_cm.data(),
-                                          alpha.data(), reinterpret_cast<const void* const*>(b), CUDA_R_16BF,
-                                          lda_cm.data(), reinterpret_cast<const void* const*>(a), CUDA_R_16BF,
-                                          ldb_cm.data(), beta.data(), reinterpret_cast<void* const*>(c),
-                                          CUDA_R_16BF, ldc_cm.data(), groups, size.data(), CUBLAS_COMPUTE_32F));
+  CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, trans_b_first.data(), trans_a_second.data(), n.data(), m.data(),
+                                          k.data(), alpha.data(), reinterpret_cast<const void* const*>(b),
+                                          CUDA_R_16BF, ld_first.data(), reinterpret_cast<const void* const*>(a),
+                                          CUDA_R_16BF, ld_second.data(), beta.data(),
+                                          reinterpret_cast<void* const*>(c), CUDA_R_16BF, ld_c.data(), groups,
+                                          size.data(), CUBLAS_COMPUTE_32F));
+}
+
+void gemm_grouped(cublasHandle_t handle, const std::vector<int>& m, int n, int k, const bf16* const* a, int lda,
+                  const bf16* const* b, int ldb, bf16* const* c, int ldc) {
+  gemm_grouped(handle, Op::none, Op::none, m, std::vector<int>(m.size(), n), std::vector<int>(m.size(), k), a, lda,
+               b, ldb, c, ldc);
 }
 
 void fill_strided_pointers_bytes(const void* base, size_t stride_bytes, int count, void* out,

@@ -59,8 +59,13 @@ void gemm_batched(cublasHandle_t handle, Op op_a, Op op_b, int m, int n, int k,
                   const bf16* const* a, int lda, const bf16* const* b, int ldb, float* const* c, int ldc,
                   int batch, float beta = 0.0f);
 
-// For each group g: C[g] [m[g], n] = A[g] [m[g], k] B[g] [k, n] (no transposes; row counts on the
-// HOST, pointers in DEVICE arrays). Groups with m[g] == 0 must be left out by the caller.
+// For each group g: C[g] [m[g], n[g]] = op(A[g]) op(B[g]) with op(A[g]) [m[g], k[g]] (sizes on the
+// HOST, pointers in DEVICE arrays, one product per group). Groups with a zero size must be left out
+// by the caller. The dropless grouped path's forward and backward.
+void gemm_grouped(cublasHandle_t handle, Op op_a, Op op_b, const std::vector<int>& m, const std::vector<int>& n,
+                  const std::vector<int>& k, const bf16* const* a, int lda, const bf16* const* b, int ldb,
+                  bf16* const* c, int ldc);
+// The common case: no transposes, the same n and k for every group.
 void gemm_grouped(cublasHandle_t handle, const std::vector<int>& m, int n, int k,
                   const bf16* const* a, int lda, const bf16* const* b, int ldb, bf16* const* c, int ldc);
 

@@ -363,24 +363,6 @@ struct Oracle {
 // [SECTION] cuBLAS expert FFN (grouped, padded / dropping batched, dense)
 // ---------------------------------------------------------------------------------------------
 
-// gemm.h's gemm_grouped takes no transposes, but the backward needs them (dh = dy W2ᵀ, dW2 = hᵀ dy,
-// dW1 = xᵀ d_pre, dx = d_pre W1ᵀ): the same cublasGemmGroupedBatchedEx call with per-group sizes and
-// transposes, row-major by the same operand swap as gemm.h (Cᵀ = op(B)ᵀ op(A)ᵀ in column-major).
-void gemm_grouped_general(cublasHandle_t handle, Op op_a, Op op_b, const std::vector<int>& m,
-                          const std::vector<int>& n, const std::vector<int>& k, const bf16* const* a, int lda,
-                          const bf16* const* b, int ldb, bf16* const* c, int ldc) {
-  const int groups = static_cast<int>(m.size());
-  auto to_cublas = [](Op op) { return op == Op::transpose ? CUBLAS_OP_T : CUBLAS_OP_N; };
-  std::vector<cublasOperation_t> trans_a(groups, to_cublas(op_b)), trans_b(groups, to_cublas(op_a));
-  std::vector<int> ld_a(groups, ldb), ld_b(groups, lda), ld_c(groups, ldc), size(groups, 1);
-  std::vector<float> alpha(groups, 1.0f), beta(groups, 0.0f);
-  CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, trans_a.data(), trans_b.data(), n.data(), m.data(), k.data(),
-                                          alpha.data(), reinterpret_cast<const void* const*>(b), CUDA_R_16BF,
-                                          ld_a.data(), reinterpret_cast<const void* const*>(a), CUDA_R_16BF,
-                                          ld_b.data(), beta.data(), reinterpret_cast<void* const*>(c), CUDA_R_16BF,
-                                          ld_c.data(), groups, size.data(), CUBLAS_COMPUTE_32F));
-}
-
 // Which rows of a [rows, .] activation belong to which expert's product.
 struct ExpertGroups {
   std::vector<int> expert;        // the weight set of each group
@@ -510,7 +492,7 @@ void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, c
                               f.w2_of.data(), D, f.d_hidden_of.data(), H, groups);
       break;
     case CublasKind::grouped:
-      gemm_grouped_general(handle, Op::none, Op::transpose, f.groups.rows, std::vector<int>(groups, H),
+      moe::cuda::gemm_grouped(handle, Op::none, Op::transpose, f.groups.rows, std::vector<int>(groups, H),
                            std::vector<int>(groups, D), f.d_out_of.data(), D, f.w2_of.data(), D,
                            f.d_hidden_of.data(), H);
       break;
@@ -534,11 +516,11 @@ void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, c
     }
     case CublasKind::grouped: {
       const std::vector<int> all_d(groups, D), all_h(groups, H);
-      gemm_grouped_general(handle, Op::transpose, Op::none, all_h, all_d, f.groups.rows, f.hidden_of.data(), H,
+      moe::cuda::gemm_grouped(handle, Op::transpose, Op::none, all_h, all_d, f.groups.rows, f.hidden_of.data(), H,
                            f.d_out_of.data(), D, f.dw2_of.data(), D);
-      gemm_grouped_general(handle, Op::transpose, Op::none, all_d, all_h, f.groups.rows, f.x_of.data(), D,
+      moe::cuda::gemm_grouped(handle, Op::transpose, Op::none, all_d, all_h, f.groups.rows, f.x_of.data(), D,
                            f.d_pre_of.data(), H, f.dw1_of.data(), H);
-      gemm_grouped_general(handle, Op::none, Op::transpose, f.groups.rows, all_d, all_h, f.d_pre_of.data(), H,
+      moe::cuda::gemm_grouped(handle, Op::none, Op::transpose, f.groups.rows, all_d, all_h, f.d_pre_of.data(), H,
                            f.w1_of.data(), H, f.dx_of.data(), D);
       break;
     }

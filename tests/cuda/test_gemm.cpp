@@ -90,6 +90,51 @@ TEST(CudaGemm, BatchedThroughPointerArraysAndGroupedWithUnequalRows) {
   }
 }
 
+TEST(CudaGemm, GroupedWithTransposesAndPerGroupSizes) {
+  REQUIRE_GPU();
+  moe::cuda::CublasHandle handle;
+  std::mt19937_64 rng(252);
+  // The weight gradient of a grouped FFN: dW[g] [k_rows, n] = A[g]ᵀ B[g], A[g] [rows_g, k_rows],
+  // B[g] [rows_g, n]: the inner dimension differs per group.
+  const std::vector<int> rows = {5, 33, 1};
+  const int k_rows = 24, n = 40, groups = 3;
+  std::vector<Matrix> a(groups), b(groups);
+  std::vector<bf16> a_host, b_host;
+  for (int g = 0; g < groups; ++g) {
+    a[g] = round_bf16(moe::ref::random_matrix(rows[g], k_rows, rng));
+    b[g] = round_bf16(moe::ref::random_matrix(rows[g], n, rng));
+    auto av = bf16_of(a[g]), bv = bf16_of(b[g]);
+    a_host.insert(a_host.end(), av.begin(), av.end());
+    b_host.insert(b_host.end(), bv.begin(), bv.end());
+  }
+  DeviceBuffer<bf16> da(a_host), db(b_host), dc(size_t(groups) * k_rows * n);
+  std::vector<const bf16*> a_ptrs, b_ptrs;
+  std::vector<bf16*> c_ptrs;
+  size_t a_offset = 0, b_offset = 0;
+  for (int g = 0; g < groups; ++g) {
+    a_ptrs.push_back(da.data() + a_offset);
+    b_ptrs.push_back(db.data() + b_offset);
+    c_ptrs.push_back(dc.data() + size_t(g) * k_rows * n);
+    a_offset += size_t(rows[g]) * k_rows;
+    b_offset += size_t(rows[g]) * n;
+  }
+  DeviceBuffer<const bf16*> a_table(a_ptrs), b_table(b_ptrs);
+  DeviceBuffer<bf16*> c_table(c_ptrs);
+  dc.fill_bytes(0xFF);
+  moe::cuda::gemm_grouped(handle.get(), moe::cuda::Op::transpose, moe::cuda::Op::none,
+                          std::vector<int>(groups, k_rows), std::vector<int>(groups, n), rows, a_table.data(),
+                          k_rows, b_table.data(), n, c_table.data(), n);
+  const std::vector<bf16> c = dc.download();
+  for (int g = 0; g < groups; ++g) {
+    const Matrix got = matrix_of(c, k_rows, n, size_t(g) * k_rows * n);
+    ASSERT_TRUE(got.allFinite()) << "group " << g;
+    EXPECT_LT(relative_error(got, Matrix(a[g].transpose() * b[g])), 1e-2) << "group " << g;
+  }
+  EXPECT_THROW(moe::cuda::gemm_grouped(handle.get(), moe::cuda::Op::none, moe::cuda::Op::none, {1, 2}, {3}, {4, 5},
+                                       a_table.data(), k_rows, b_table.data(), n, c_table.data(), n),
+               std::invalid_argument);
+}
+
 TEST(CudaActivation, GeluForwardAndBackwardMatchReference) {
   REQUIRE_GPU();
   std::mt19937_64 rng(303);
