@@ -1,5 +1,5 @@
-// warp_reduce.cuh: the warp-level sum and max that the transformer kernels (layer_norm.cu,
-// attention.cu, cross_entropy.cu, adamw.cu) reduce rows with. Device code only; included by .cu files.
+// warp_reduce.cuh: the warp-level sum and max that the transformer kernels (layer_norm_gpu.cu,
+// attention_gpu.cu, cross_entropy.cu, adamw.cu) reduce rows with. Device code only; included by .cu files.
 // A butterfly (xor) shuffle leaves the result in every lane, so no lane has to broadcast it, and
 // the order of the additions is fixed by the lane numbers: the same inputs give the same bits.
 #pragma once

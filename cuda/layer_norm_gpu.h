@@ -1,4 +1,4 @@
-// layer_norm.h: LayerNorm over the model width on the GPU, forward and backward. The CPU oracle is
+// layer_norm_gpu.h: LayerNorm over the model width on the GPU, forward and backward. The CPU oracle is
 // moe::ref::layer_norm_forward / layer_norm_backward (reference_cpu/layer_norm.h), whose formulas
 // these kernels follow. Built into moe_cuda; tested by tests/cuda/test_layer_norm.cpp
 // (ctest --test-dir build -R cuda_test_layer_norm; skips without a GPU).

@@ -1,6 +1,6 @@
-// attention.cu: causal multi-head attention, forward and backward, on cuBLAS batched products and
-// our own causal softmax kernels (see attention.h).
-#include "attention.h"
+// attention_gpu.cu: causal multi-head attention, forward and backward, on cuBLAS batched products and
+// our own causal softmax kernels (see attention_gpu.h).
+#include "attention_gpu.h"
 
 #include <cmath>
 #include <stdexcept>

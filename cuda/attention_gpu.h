@@ -1,4 +1,4 @@
-// attention.h: causal multi-head self-attention on the GPU, forward and backward: cuBLAS for the
+// attention_gpu.h: causal multi-head self-attention on the GPU, forward and backward: cuBLAS for the
 // products, our own kernels for the causal softmax and its backward. The CPU oracle is
 // moe::ref::attention_forward / attention_backward (reference_cpu/attention.h), whose formulas and
 // layout these follow. Built into moe_cuda; tested by tests/cuda/test_attention.cpp

@@ -1,6 +1,6 @@
-// layer_norm.cu: LayerNorm forward and backward, parameter gradients reduced deterministically
-// (see layer_norm.h).
-#include "layer_norm.h"
+// layer_norm_gpu.cu: LayerNorm forward and backward, parameter gradients reduced deterministically
+// (see layer_norm_gpu.h).
+#include "layer_norm_gpu.h"
 
 #include <cmath>
 #include <stdexcept>
