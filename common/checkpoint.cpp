@@ -1,0 +1,405 @@
+// checkpoint.cpp: the checkpoint file format, atomic replacement, validation (see checkpoint.h).
+#include "checkpoint.h"
+
+#include <fcntl.h>   // open
+#include <unistd.h>  // write, fsync, close
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstdio>  // snprintf
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+
+namespace moe {
+
+// The arrays are written as the host's float32 bytes; the format says little-endian.
+static_assert(std::endian::native == std::endian::little, "checkpoint format is little-endian");
+
+namespace {
+
+constexpr char kMagic[8] = {'M', 'O', 'E', 'C', 'K', 'P', 'T', '\0'};
+constexpr uint64_t kPreambleBytes = 8 + 4 + 4 + 8;  // magic, version, reserved, header length
+constexpr uint64_t kChecksumBytes = 8;
+// A header is a few kB; a larger length field means a corrupt file, not a bigger model.
+constexpr uint64_t kMaxHeaderBytes = 64ull << 20;
+
+[[noreturn]] void fail(const std::filesystem::path& path, const std::string& what) {
+  throw CheckpointError(path.string() + ": " + what);
+}
+
+// sampler states and seeds use all 64 bits; JSON readers outside C++ (JavaScript in particular)
+// keep only 53, so they travel as hex strings.
+std::string to_hex(uint64_t value) {
+  char text[19];
+  std::snprintf(text, sizeof text, "0x%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+uint64_t from_hex(const std::filesystem::path& path, const nlohmann::json& header, const char* key) {
+  if (!header.contains(key) || !header[key].is_string()) {
+    fail(path, std::string("header field \"") + key + "\" is missing or not a hex string");
+  }
+  const std::string text = header[key].get<std::string>();
+  if (text.size() != 18 || text.compare(0, 2, "0x") != 0 ||
+      text.find_first_not_of("0123456789abcdef", 2) != std::string::npos) {
+    fail(path, std::string("header field \"") + key + "\" is not a 64-bit hex string: " + text);
+  }
+  return std::stoull(text.substr(2), nullptr, 16);
+}
+
+int64_t read_int(const std::filesystem::path& path, const nlohmann::json& header, const char* key) {
+  if (!header.contains(key) || !header[key].is_number_integer()) {
+    fail(path, std::string("header field \"") + key + "\" is missing or not an integer");
+  }
+  return header[key].get<int64_t>();
+}
+
+template <typename T>
+void put_le(std::string& out, T value) {
+  char bytes[sizeof(T)];
+  std::memcpy(bytes, &value, sizeof(T));
+  out.append(bytes, sizeof(T));
+}
+
+template <typename T>
+T get_le(const char* bytes) {
+  T value;
+  std::memcpy(&value, bytes, sizeof(T));
+  return value;
+}
+
+// A file descriptor that writes everything it is given, keeps the running checksum, and can be
+// told to fail after N bytes (CheckpointWriteOptions).
+class ChecksummedWriter {
+ public:
+  ChecksummedWriter(const std::filesystem::path& path, std::optional<uint64_t> fail_after)
+      : path_(path), fail_after_(fail_after) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail(path_, std::string("cannot create: ") + std::strerror(errno));
+  }
+  ~ChecksummedWriter() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ChecksummedWriter(const ChecksummedWriter&) = delete;
+  ChecksummedWriter& operator=(const ChecksummedWriter&) = delete;
+
+  void write(const void* data, size_t size, bool update_checksum = true) {
+    const char* bytes = static_cast<const char*>(data);
+    if (update_checksum) checksum_ = fnv1a_64(bytes, size, checksum_);
+    while (size > 0) {
+      size_t chunk = std::min<size_t>(size, 1 << 20);
+      if (fail_after_ && written_ + chunk > *fail_after_) {
+        chunk = static_cast<size_t>(*fail_after_ - written_);
+        write_all(bytes, chunk);
+        fail(path_, "simulated write failure after " + std::to_string(*fail_after_) + " bytes");
+      }
+      write_all(bytes, chunk);
+      bytes += chunk;
+      size -= chunk;
+    }
+  }
+
+  uint64_t checksum() const { return checksum_; }
+
+  // fsync before the rename: otherwise a crash soon after it could leave the new name pointing
+  // at data that never reached the disk.
+  void sync_and_close() {
+    if (::fsync(fd_) != 0) fail(path_, std::string("fsync failed: ") + std::strerror(errno));
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) fail(path_, std::string("close failed: ") + std::strerror(errno));
+  }
+
+ private:
+  void write_all(const char* bytes, size_t size) {
+    while (size > 0) {
+      const ssize_t got = ::write(fd_, bytes, size);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        fail(path_, std::string("write failed: ") + std::strerror(errno));
+      }
+      bytes += got;
+      size -= static_cast<size_t>(got);
+      written_ += static_cast<uint64_t>(got);
+    }
+  }
+
+  std::filesystem::path path_;
+  std::optional<uint64_t> fail_after_;
+  int fd_ = -1;
+  uint64_t written_ = 0;
+  uint64_t checksum_ = kFnv1aOffsetBasis;
+};
+
+nlohmann::json header_to_json(const CheckpointHeader& header,
+                              const std::vector<CheckpointArrayView>& arrays) {
+  nlohmann::json json;
+  json["model_config"] = header.model_config;
+  json["step"] = header.step;
+  json["tokens_seen"] = header.tokens_seen;
+  json["optimizer_step"] = header.optimizer_step;
+  json["schedule_step"] = header.schedule_step;
+  json["sampler_state"] = to_hex(header.sampler_state);
+  json["validation_sampler_state"] = to_hex(header.validation_sampler_state);
+  json["model_seed"] = to_hex(header.model_seed);
+  json["data_seed"] = to_hex(header.data_seed);
+  json["run_directory"] = header.run_directory;
+  json["extra"] = header.extra;
+  nlohmann::json list = nlohmann::json::array();
+  uint64_t offset = 0;  // in floats, from the start of the data section
+  for (const CheckpointArrayView& array : arrays) {
+    list.push_back({{"name", array.name}, {"floats", array.values.size()}, {"offset", offset}});
+    offset += array.values.size();
+  }
+  json["arrays"] = list;
+  return json;
+}
+
+void sync_directory(const std::filesystem::path& directory) {
+  const int fd = ::open(directory.empty() ? "." : directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;  // best effort: some file systems do not allow opening a directory
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace
+
+uint64_t fnv1a_64(const void* bytes, size_t size, uint64_t hash) {
+  constexpr uint64_t kPrime = 1099511628211ull;
+  const unsigned char* data = static_cast<const unsigned char*>(bytes);
+  for (size_t i = 0; i < size; ++i) {
+    hash ^= data[i];
+    hash *= kPrime;
+  }
+  return hash;
+}
+
+const std::vector<float>& LoadedCheckpoint::array(const std::string& name) const {
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == name) return arrays[i];
+  }
+  fail(path, "has no array named " + name);
+}
+
+// ---- writing ----
+
+void save_checkpoint(const std::filesystem::path& path, const CheckpointHeader& header,
+                     const std::vector<CheckpointArrayView>& arrays,
+                     const CheckpointWriteOptions& options) {
+  std::set<std::string> seen;
+  for (const CheckpointArrayView& array : arrays) {
+    if (array.name.empty()) fail(path, "an array to save has an empty name");
+    if (!seen.insert(array.name).second) fail(path, "two arrays to save are named " + array.name);
+  }
+  if (!header.model_config.is_object()) fail(path, "model_config to save is not a JSON object");
+
+  const std::string header_text = header_to_json(header, arrays).dump();
+  std::string preamble(kMagic, sizeof kMagic);
+  put_le<uint32_t>(preamble, kCheckpointFormatVersion);
+  put_le<uint32_t>(preamble, 0);
+  put_le<uint64_t>(preamble, header_text.size());
+
+  std::filesystem::path temporary = path;
+  temporary += ".tmp";
+  try {
+    ChecksummedWriter writer(temporary, options.fail_after_bytes);
+    writer.write(preamble.data(), preamble.size());
+    writer.write(header_text.data(), header_text.size());
+    for (const CheckpointArrayView& array : arrays) {
+      writer.write(array.values.data(), array.values.size_bytes());
+    }
+    const uint64_t checksum = writer.checksum();
+    writer.write(&checksum, sizeof checksum, /*update_checksum=*/false);
+    writer.sync_and_close();
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove(temporary, ignored);
+    throw;
+  }
+  std::error_code error;
+  std::filesystem::rename(temporary, path, error);
+  if (error) {
+    std::filesystem::remove(temporary, error);
+    fail(path, "cannot rename " + temporary.string() + " over it: " + error.message());
+  }
+  sync_directory(path.parent_path());
+}
+
+// ---- reading ----
+
+namespace {
+
+LoadedCheckpoint load_checkpoint_impl(const std::filesystem::path& path,
+                                      const std::vector<CheckpointArraySpec>* expected) {
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) fail(path, "no such checkpoint file");
+  std::ifstream file(path, std::ios::binary);
+  if (!file) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  const std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (file.bad()) fail(path, "read failed");
+
+  // Magic and version first: a file of another kind, or of a newer format, should say so rather
+  // than report a checksum mismatch.
+  if (std::memcmp(bytes.data(), kMagic, std::min(bytes.size(), sizeof kMagic)) != 0) {
+    fail(path, "not a checkpoint (the file does not start with MOECKPT)");
+  }
+  if (bytes.size() < kPreambleBytes + kChecksumBytes) {
+    fail(path, "truncated: " + std::to_string(bytes.size()) + " bytes is shorter than any checkpoint");
+  }
+  LoadedCheckpoint loaded;
+  loaded.path = path;
+  loaded.format_version = get_le<uint32_t>(bytes.data() + 8);
+  if (loaded.format_version != kCheckpointFormatVersion) {
+    fail(path, "unknown format version " + std::to_string(loaded.format_version) +
+                   "; this reader supports " + std::to_string(kCheckpointFormatVersion));
+  }
+  const uint64_t stored_checksum = get_le<uint64_t>(bytes.data() + bytes.size() - kChecksumBytes);
+  if (fnv1a_64(bytes.data(), bytes.size() - kChecksumBytes) != stored_checksum) {
+    fail(path, "checksum mismatch: the file is corrupt or truncated");
+  }
+
+  // The checksum matched, so what follows guards against a bad writer, not bad bytes; still,
+  // no length is trusted before it is checked against the file's size.
+  const uint64_t header_bytes = get_le<uint64_t>(bytes.data() + 16);
+  const uint64_t body_bytes = bytes.size() - kPreambleBytes - kChecksumBytes;
+  if (header_bytes > kMaxHeaderBytes || header_bytes > body_bytes) {
+    fail(path, "header length " + std::to_string(header_bytes) + " does not fit in the file");
+  }
+  nlohmann::json header = nlohmann::json::parse(bytes.begin() + kPreambleBytes,
+                                                bytes.begin() + static_cast<long>(kPreambleBytes + header_bytes),
+                                                nullptr, /*allow_exceptions=*/false);
+  if (!header.is_object()) fail(path, "the header is not a JSON object");
+
+  CheckpointHeader& out = loaded.header;
+  if (!header.contains("model_config") || !header["model_config"].is_object()) {
+    fail(path, "header field \"model_config\" is missing or not an object");
+  }
+  out.model_config = header["model_config"];
+  out.step = read_int(path, header, "step");
+  out.tokens_seen = read_int(path, header, "tokens_seen");
+  out.optimizer_step = read_int(path, header, "optimizer_step");
+  out.schedule_step = read_int(path, header, "schedule_step");
+  out.sampler_state = from_hex(path, header, "sampler_state");
+  out.validation_sampler_state = from_hex(path, header, "validation_sampler_state");
+  out.model_seed = from_hex(path, header, "model_seed");
+  out.data_seed = from_hex(path, header, "data_seed");
+  if (!header.contains("run_directory") || !header["run_directory"].is_string()) {
+    fail(path, "header field \"run_directory\" is missing or not a string");
+  }
+  out.run_directory = header["run_directory"].get<std::string>();
+  out.extra = header.value("extra", nlohmann::json::object());
+
+  if (!header.contains("arrays") || !header["arrays"].is_array()) {
+    fail(path, "header field \"arrays\" is missing or not a list");
+  }
+  const uint64_t data_floats = (body_bytes - header_bytes) / sizeof(float);
+  if ((body_bytes - header_bytes) % sizeof(float) != 0) {
+    fail(path, "the data section is not a whole number of floats");
+  }
+  const char* data = bytes.data() + kPreambleBytes + header_bytes;
+  uint64_t next_offset = 0;
+  std::set<std::string> seen;
+  for (const nlohmann::json& entry : header["arrays"]) {
+    if (!entry.is_object() || !entry.contains("name") || !entry["name"].is_string() ||
+        !entry.contains("floats") || !entry["floats"].is_number_unsigned() ||
+        !entry.contains("offset") || !entry["offset"].is_number_unsigned()) {
+      fail(path, "an entry of \"arrays\" lacks a name, floats or offset: " + entry.dump());
+    }
+    const std::string name = entry["name"].get<std::string>();
+    const uint64_t floats = entry["floats"].get<uint64_t>();
+    const uint64_t offset = entry["offset"].get<uint64_t>();
+    if (!seen.insert(name).second) fail(path, "two arrays are named " + name);
+    if (offset != next_offset || floats > data_floats - offset) {
+      fail(path, "array " + name + " (offset " + std::to_string(offset) + ", " +
+                     std::to_string(floats) + " floats) does not lie where the layout says");
+    }
+    next_offset = offset + floats;
+    loaded.names.push_back(name);
+    loaded.arrays.emplace_back(floats);
+    std::memcpy(loaded.arrays.back().data(), data + offset * sizeof(float), floats * sizeof(float));
+  }
+  if (next_offset != data_floats) {
+    fail(path, "the data section holds " + std::to_string(data_floats) + " floats, the arrays " +
+                   std::to_string(next_offset));
+  }
+
+  if (expected) {
+    for (const CheckpointArraySpec& spec : *expected) {
+      const auto found = std::find(loaded.names.begin(), loaded.names.end(), spec.name);
+      if (found == loaded.names.end()) fail(path, "has no array named " + spec.name);
+      const uint64_t floats = loaded.arrays[static_cast<size_t>(found - loaded.names.begin())].size();
+      if (floats != spec.floats) {
+        fail(path, "array " + spec.name + " has " + std::to_string(floats) + " floats, expected " +
+                       std::to_string(spec.floats) + " for this model");
+      }
+    }
+    for (const std::string& name : loaded.names) {
+      const bool wanted = std::any_of(expected->begin(), expected->end(),
+                                      [&](const CheckpointArraySpec& spec) { return spec.name == name; });
+      if (!wanted) fail(path, "has an array " + name + " this model does not expect");
+    }
+  }
+  return loaded;
+}
+
+}  // namespace
+
+LoadedCheckpoint load_checkpoint(const std::filesystem::path& path,
+                                 const std::vector<CheckpointArraySpec>& expected) {
+  return load_checkpoint_impl(path, &expected);
+}
+
+LoadedCheckpoint load_checkpoint(const std::filesystem::path& path) {
+  return load_checkpoint_impl(path, nullptr);
+}
+
+// ---- a directory of checkpoints ----
+
+namespace {
+
+// The checkpoints of `directory` by step; names that do not match the pattern are left out.
+std::map<int64_t, std::filesystem::path> list_checkpoints(const std::filesystem::path& directory) {
+  static const std::regex pattern(R"(checkpoint_(\d{8,18})\.ckpt)");
+  std::map<int64_t, std::filesystem::path> found;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(directory, error)) {
+    std::smatch match;
+    const std::string name = entry.path().filename().string();
+    if (entry.is_regular_file(error) && std::regex_match(name, match, pattern)) {
+      found[std::stoll(match[1].str())] = entry.path();
+    }
+  }
+  return found;
+}
+
+}  // namespace
+
+std::filesystem::path checkpoint_path(const std::filesystem::path& directory, int64_t step) {
+  char name[48];
+  std::snprintf(name, sizeof name, "checkpoint_%08lld.ckpt", static_cast<long long>(step));
+  return directory / name;
+}
+
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& directory) {
+  const auto found = list_checkpoints(directory);
+  if (found.empty()) return std::nullopt;
+  return found.rbegin()->second;
+}
+
+std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& directory, int keep) {
+  if (keep < 1) throw CheckpointError(directory.string() + ": keep must be at least 1");
+  const auto found = list_checkpoints(directory);
+  std::vector<std::filesystem::path> removed;
+  int to_remove = static_cast<int>(found.size()) - keep;
+  for (auto it = found.begin(); to_remove > 0; ++it, --to_remove) {
+    std::error_code error;
+    if (std::filesystem::remove(it->second, error)) removed.push_back(it->second);
+  }
+  return removed;
+}
+
+}  // namespace moe
