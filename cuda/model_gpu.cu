@@ -302,6 +302,25 @@ std::vector<bf16> ModelGpu::download_weights_bf16() const {
   return weights_bf16_.download();
 }
 
+ModelGpu::OptimizerState ModelGpu::download_optimizer_state() const {
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return {optimizer_steps_, first_moment_.download(), second_moment_.download()};
+}
+
+void ModelGpu::upload_optimizer_state(const OptimizerState& state) {
+  for (const std::vector<float>* moment : {&state.first_moment, &state.second_moment}) {
+    if (int64_t(moment->size()) != parameter_count_) {
+      throw std::invalid_argument("ModelGpu::upload_optimizer_state: a moment of " + std::to_string(moment->size()) +
+                                  " values; expected parameter_count() = " + std::to_string(parameter_count_));
+    }
+  }
+  if (state.steps < 0) throw std::invalid_argument("ModelGpu::upload_optimizer_state: steps < 0");
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  first_moment_.upload(state.first_moment);
+  second_moment_.upload(state.second_moment);
+  optimizer_steps_ = state.steps;
+}
+
 float ModelGpu::read_loss() const {
   float loss = 0.0f;
   CUDA_CHECK(cudaMemcpyAsync(&loss, losses_.data(), sizeof(float), cudaMemcpyDeviceToHost, stream_));

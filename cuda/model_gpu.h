@@ -116,6 +116,15 @@ class ModelGpu {
   // Clips the gradients' global norm and takes one AdamW step with learning rate lr.
   void step(float lr);
 
+  // AdamW's state, for a checkpoint: the moments m and v in layout order and the steps taken (the
+  // bias corrections' t). Synchronous. upload_optimizer_state checks both lengths.
+  struct OptimizerState {
+    int64_t steps = 0;
+    std::vector<float> first_moment, second_moment;  // [parameter_count()] each
+  };
+  OptimizerState download_optimizer_state() const;
+  void upload_optimizer_state(const OptimizerState& state);
+
   float read_loss() const;       // synchronises the stream
   float read_grad_norm() const;  // the norm before clipping of the last step(); synchronises
 
