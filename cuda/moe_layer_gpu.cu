@@ -157,14 +157,17 @@ MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
 
 // ---- forward ----
 
-void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream) {
+void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
+                          const bf16* router_input) {
   if (x == nullptr || y == nullptr || weights.gate_weights == nullptr || weights.w1 == nullptr ||
       weights.w2 == nullptr) {
     throw std::invalid_argument("MoeLayerGpu::forward: x, y and every weight pointer must be non-null");
   }
   const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
+  // The gate is the only reader of router_input: everything after the router sees x alone.
+  const bf16* const gate_input = router_input != nullptr ? router_input : x;
   phase(timer_, "router", stream, [&] {
-    router_logits(cublas_.get(), x, weights.gate_weights, logits_.data(), T, D, E, stream);
+    router_logits(cublas_.get(), gate_input, weights.gate_weights, logits_.data(), T, D, E, stream);
     route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(),
                 T, E, K, config_.renormalize, stream);
     router_losses(probs_.data(), top_experts_.data(), logsumexp_.data(), expert_fraction_.data(),
@@ -201,12 +204,28 @@ void MoeLayerGpu::experts_forward(const MoeLayerWeights& weights, cudaStream_t s
 // ---- backward ----
 
 void MoeLayerGpu::backward(const bf16* x, const MoeLayerWeights& weights, const bf16* dy,
-                           const MoeLayerGradients& gradients, cudaStream_t stream) {
+                           const MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
+                           float* d_router_input) {
   if (x == nullptr || dy == nullptr || gradients.dx == nullptr || gradients.d_gate_weights == nullptr ||
       gradients.d_w1 == nullptr || gradients.d_w2 == nullptr) {
     throw std::invalid_argument("MoeLayerGpu::backward: x, dy and every gradient pointer must be non-null");
   }
+  if (router_input != nullptr && d_router_input == nullptr) {
+    throw std::invalid_argument(
+        "MoeLayerGpu::backward: router_input is given but d_router_input is nullptr; the gradient through the "
+        "gate belongs to router_input, not to dx: pass a [T, D] buffer for it");
+  }
+  if (d_router_input != nullptr && d_router_input == gradients.dx) {
+    throw std::invalid_argument(
+        "MoeLayerGpu::backward: d_router_input is gradients.dx; pass nullptr to get the sum in dx");
+  }
   const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
+  // The one place the two inputs differ: the gate's products read gate_input and write d_gate_input.
+  // When the gate read x and no separate output is asked for, its gradient is added onto dx, which
+  // the un-gather has just written (beta = 1); a separate d_router_input is overwritten (beta = 0).
+  const bf16* const gate_input = router_input != nullptr ? router_input : x;
+  float* const d_gate_input = d_router_input != nullptr ? d_router_input : gradients.dx;
+  const float d_gate_input_beta = d_router_input != nullptr ? 0.0f : 1.0f;
   // combine: d expert_out rows = w * dy, and d combine_weights (the router's input gradient)
   phase(timer_, "combine_backward", stream, [&] {
     combine_backward(plan_.plan(), combine_weights_.data(), dy, expert_out_.data(), d_expert_out_.data(),
@@ -228,11 +247,12 @@ void MoeLayerGpu::backward(const bf16* x, const MoeLayerWeights& weights, const 
         d_logits_.data(), d_logits_bf16_.data(), n);
     CUDA_CHECK(cudaGetLastError());
     cublas_.set_stream(stream);
-    // d_gate_weights [D, E] = xᵀ [D, T] d_logits [T, E];  dx [T, D] += d_logits [T, E] Wgᵀ [E, D]
-    gemm(cublas_.get(), Op::transpose, Op::none, D, E, T, x, D, d_logits_bf16_.data(), E,
+    // d_gate_weights [D, E] = gate_inputᵀ [D, T] d_logits [T, E];
+    // d_gate_input [T, D] (+)= d_logits [T, E] Wgᵀ [E, D]
+    gemm(cublas_.get(), Op::transpose, Op::none, D, E, T, gate_input, D, d_logits_bf16_.data(), E,
          gradients.d_gate_weights, E, 1.0f, 0.0f, /*c_is_float=*/true);
     gemm(cublas_.get(), Op::none, Op::transpose, T, D, E, d_logits_bf16_.data(), E, weights.gate_weights, E,
-         gradients.dx, D, 1.0f, 1.0f, /*c_is_float=*/true);
+         d_gate_input, D, 1.0f, d_gate_input_beta, /*c_is_float=*/true);
   });
 }
 

@@ -16,6 +16,11 @@
 // No step reads anything back to the host: counts stay on the GPU and every buffer and grid is sized
 // by host-known bounds (device_plan.h). Backward runs the same steps in reverse.
 //
+// Pre-gated routing (Pre-gated MoE, Hwang et al., ISCA 2024; reference_cpu/pregated_layer.h): the
+// router may read another tensor than the experts (router_input, the previous MoE block's input in
+// the model), and the backward then splits the input gradient in two: dx through the experts,
+// d_router_input through the gate. With no router_input both are one tensor and dx gets their sum.
+//
 // Precision: bf16 activations and weights, fp32 accumulation; router logits, probabilities and
 // combine weights in fp32; weight and input gradients in fp32.
 // Supported: GeLU, no jitter (both checked in the constructor with a clear error).
@@ -64,17 +69,24 @@ class MoeLayerGpu {
   // limits, dropless B of 64 or 128) and allocates every buffer for T tokens.
   explicit MoeLayerGpu(const MoeConfig& config);
 
-  void forward(const bf16* x,  // [T, D]
+  // router_input: what the gate reads; nullptr (the default) routes x itself.
+  void forward(const bf16* x,  // [T, D] the experts' input
                const MoeLayerWeights& weights,
                bf16* y,        // [T, D]
-               cudaStream_t stream);
+               cudaStream_t stream,
+               const bf16* router_input = nullptr);  // [T, D] the gate's input, or nullptr
 
   // Gradients of L = sum(dy .* y) + aux_loss_coef * aux + z_loss_coef * z, for the x, weights and
-  // routing of the last forward() (call forward first, with the same x and weights).
-  void backward(const bf16* x,   // [T, D]
+  // routing of the last forward() (call forward first, with the same x, router_input and weights).
+  // The gradient through the gate goes to d_router_input when it is given (overwritten), and
+  // gradients.dx then holds only the part through the experts; with d_router_input = nullptr it is
+  // added into dx. A separate router_input needs a d_router_input: its gradient is not dx's.
+  void backward(const bf16* x,   // [T, D] the experts' input
                 const MoeLayerWeights& weights,
                 const bf16* dy,  // [T, D]
-                const MoeLayerGradients& gradients, cudaStream_t stream);
+                const MoeLayerGradients& gradients, cudaStream_t stream,
+                const bf16* router_input = nullptr,  // [T, D] as given to forward
+                float* d_router_input = nullptr);    // [T, D] or nullptr
 
   // Times and names each phase (router, plan, topology, permute, experts, combine, and their
   // backward) on the GPU timeline; nullptr (the default) records nothing.
