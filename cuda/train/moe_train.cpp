@@ -1,0 +1,47 @@
+// moe_train.cpp: train the tiny byte-level MoE transformer on one GPU, or time its steps.
+//
+//   ./build/cuda/train/moe_train                                   the default run on the Brown corpus
+//   ./build/cuda/train/moe_train --formulation dropping --capacity-factor 1.0 --run-dir runs/cf1
+//   ./build/cuda/train/moe_train --run-dir runs/cf1 --resume        continue from its last checkpoint
+//   ./build/cuda/train/moe_train --data book.txt --steps 500        any text file
+//   ./build/cuda/train/moe_train --preset throughput --benchmark-steps 30   tokens/s and MFU only
+//   ./build/cuda/train/moe_train --help                            every setting and its default
+// The run record goes to --run-dir (default runs/train); open it, also while it runs, with
+// viewer/open.sh runs/train. Settings: train_config.h; the loop: trainer.h.
+#include <cstdio>
+#include <exception>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "device_info.h"   // why_no_gpu
+#include "train_config.h"  // parse_arguments, help_text
+#include "trainer.h"       // train, benchmark
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> arguments(argv + 1, argv + argc);
+  for (const std::string& argument : arguments) {
+    if (argument == "--help" || argument == "-h") {
+      std::cout << "usage: moe_train [--preset NAME] [--config FILE.json] [--setting value ...]\n"
+                << moe::train::help_text(moe::train::preset("default"));
+      return 0;
+    }
+  }
+  try {
+    const moe::train::TrainConfig config = moe::train::parse_arguments(arguments);
+    moe::train::validate(config);
+    if (const std::string why = moe::cuda::why_no_gpu(); !why.empty()) {
+      std::cerr << "moe_train: no GPU: " << why << "\n";
+      return 2;
+    }
+    if (config.benchmark_steps > 0) {
+      moe::train::benchmark(config, std::cout);
+    } else {
+      moe::train::train(config, std::cout);
+    }
+  } catch (const std::exception& error) {
+    std::cerr << "moe_train: " << error.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,424 @@
+// train_config.cpp: presets, the one table of fields behind both JSON keys and flags, validation,
+// and the FLOP accounting of a run. See train_config.h.
+#include "train_config.h"
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <sstream>
+
+#include "moe_config.h"  // parse_formulation, to_string
+
+namespace moe::train {
+namespace {
+
+using nlohmann::json;
+
+// ---- [SECTION] the table of fields ----
+
+// What a field's value is; decides how a flag's text becomes JSON and which JSON types it accepts.
+enum class Kind { integer, number, text, boolean };
+
+struct Field {
+  std::string key;   // JSON key; the flag is "--" + key with '_' -> '-'
+  Kind kind;
+  std::string help;
+  std::function<void(TrainConfig&, const json&)> set;  // value already of the right JSON type
+  std::function<json(const TrainConfig&)> get;
+};
+
+// Short helpers so each field is one line of the table.
+template <typename T>
+Field integer_field(std::string key, T TrainConfig::*member, std::string help) {
+  return {key, Kind::integer, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<T>(); },
+          [member](const TrainConfig& c) { return json(c.*member); }};
+}
+template <typename T>
+Field model_integer_field(std::string key, T ref::ModelConfig::*member, std::string help) {
+  return {key, Kind::integer, help, [member](TrainConfig& c, const json& v) { c.model.*member = v.get<T>(); },
+          [member](const TrainConfig& c) { return json(c.model.*member); }};
+}
+Field number_field(std::string key, double TrainConfig::*member, std::string help) {
+  return {key, Kind::number, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<double>(); },
+          [member](const TrainConfig& c) { return json(c.*member); }};
+}
+Field model_number_field(std::string key, double ref::ModelConfig::*member, std::string help) {
+  return {key, Kind::number, help, [member](TrainConfig& c, const json& v) { c.model.*member = v.get<double>(); },
+          [member](const TrainConfig& c) { return json(c.model.*member); }};
+}
+Field text_field(std::string key, std::string TrainConfig::*member, std::string help) {
+  return {key, Kind::text, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<std::string>(); },
+          [member](const TrainConfig& c) { return json(c.*member); }};
+}
+Field boolean_field(std::string key, bool TrainConfig::*member, std::string help) {
+  return {key, Kind::boolean, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<bool>(); },
+          [member](const TrainConfig& c) { return json(c.*member); }};
+}
+
+const std::vector<Field>& fields() {
+  using M = ref::ModelConfig;
+  static const std::vector<Field> table = {
+      // the model
+      model_integer_field("model_dim", &M::model_dim, "D, the model width"),
+      model_integer_field("num_layers", &M::num_layers, "L, transformer blocks"),
+      model_integer_field("num_heads", &M::num_heads, "attention heads (D % heads == 0)"),
+      model_integer_field("seq_len", &M::seq_len, "S, bytes of context per sequence"),
+      {"moe_layers", Kind::text, "every_block | every_other_block | none (a dense model)",
+       [](TrainConfig& c, const json& v) { c.model.moe_layers = ref::parse_moe_layers(v.get<std::string>()); },
+       [](const TrainConfig& c) { return json(std::string(ref::to_string(c.model.moe_layers))); }},
+      model_integer_field("dense_hidden_dim", &M::dense_hidden_dim, "H_dense of the dense FFN blocks (K*H: equal active FLOPs)"),
+      model_integer_field("num_experts", &M::num_experts, "E, experts per MoE layer"),
+      model_integer_field("top_k", &M::top_k, "K, experts per token"),
+      model_integer_field("expert_hidden_dim", &M::expert_hidden_dim, "H, each expert's hidden width (a multiple of B)"),
+      {"formulation", Kind::text, "dropless | padded | dropping",
+       [](TrainConfig& c, const json& v) { c.model.formulation = parse_formulation(v.get<std::string>()); },
+       [](const TrainConfig& c) { return json(std::string(to_string(c.model.formulation))); }},
+      model_number_field("capacity_factor", &M::capacity_factor, "dropping / padded: C = ceil(cf * T * K / E)"),
+      model_integer_field("block_size", &M::block_size, "B of the dropless block-sparse layer (64 or 128 on the GPU)"),
+      model_number_field("aux_loss_coef", &M::aux_loss_coef, "weight of each MoE layer's load-balancing loss"),
+      model_number_field("z_loss_coef", &M::z_loss_coef, "weight of each MoE layer's router z-loss"),
+      {"pregated", Kind::boolean, "route MoE block j from MoE block j-1's input (Pre-gated MoE)",
+       [](TrainConfig& c, const json& v) { c.model.pregated = v.get<bool>(); },
+       [](const TrainConfig& c) { return json(c.model.pregated); }},
+      integer_field("batch", &TrainConfig::batch, "N, sequences per step (T = N * S tokens)"),
+      // the optimizer
+      integer_field("steps", &TrainConfig::steps, "optimizer steps of the whole run"),
+      number_field("learning_rate", &TrainConfig::learning_rate, "peak learning rate"),
+      integer_field("warmup_steps", &TrainConfig::warmup_steps, "linear warm-up steps"),
+      number_field("min_lr_ratio", &TrainConfig::min_lr_ratio, "final learning rate / peak (cosine decay)"),
+      number_field("beta1", &TrainConfig::beta1, "AdamW beta1"),
+      number_field("beta2", &TrainConfig::beta2, "AdamW beta2"),
+      number_field("weight_decay", &TrainConfig::weight_decay, "AdamW decoupled weight decay (matrices only)"),
+      number_field("max_grad_norm", &TrainConfig::max_grad_norm, "clip the global gradient norm (<= 0: no clipping)"),
+      // evaluation and records
+      integer_field("eval_every", &TrainConfig::eval_every, "validation loss every this many steps"),
+      integer_field("eval_batches", &TrainConfig::eval_batches, "validation batches per evaluation"),
+      integer_field("record_every", &TrainConfig::record_every, "routing / topology / sample / spans every this many steps"),
+      integer_field("sample_bytes", &TrainConfig::sample_bytes, "bytes of text in each recorded sample"),
+      integer_field("log_every", &TrainConfig::log_every, "progress line and step events flushed this often"),
+      integer_field("checkpoint_every", &TrainConfig::checkpoint_every, "checkpoint every this many steps (and at the end)"),
+      integer_field("keep_checkpoints", &TrainConfig::keep_checkpoints, "checkpoints kept (the newest)"),
+      // data and the run
+      text_field("data", &TrainConfig::data, "a converted corpus directory or any text file"),
+      text_field("run_dir", &TrainConfig::run_dir, "where the run record and checkpoints go"),
+      text_field("name", &TrainConfig::name, "the run's name (default: run_dir's last part)"),
+      integer_field("seed", &TrainConfig::seed, "model initialisation seed"),
+      integer_field("data_seed", &TrainConfig::data_seed, "training batch seed"),
+      boolean_field("resume", &TrainConfig::resume, "continue the run in run_dir from its latest checkpoint"),
+      boolean_field("overwrite", &TrainConfig::overwrite, "replace an existing run in run_dir"),
+      integer_field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
+      // benchmark mode
+      integer_field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
+      integer_field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first"),
+      text_field("benchmark_json", &TrainConfig::benchmark_json, "benchmark: also write the results to this JSON file"),
+  };
+  return table;
+}
+
+std::string flag_of(const std::string& key) {
+  std::string flag = "--" + key;
+  for (char& c : flag) if (c == '_') c = '-';
+  return flag;
+}
+
+std::string allowed_keys() {
+  std::string list;
+  for (const Field& field : fields()) list += (list.empty() ? "" : ", ") + field.key;
+  return list;
+}
+
+const Field& find_field(const std::string& key, const std::string& source) {
+  for (const Field& field : fields()) {
+    if (field.key == key) return field;
+  }
+  throw TrainConfigError(source + ": unknown setting '" + key + "'; allowed: " + allowed_keys());
+}
+
+const char* kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::integer: return "an integer";
+    case Kind::number: return "a number";
+    case Kind::text: return "a string";
+    case Kind::boolean: return "true or false";
+  }
+  return "?";
+}
+
+// Sets one field from a JSON value, checking its type; enum parsers' errors get the source in front.
+void set_field(TrainConfig& config, const Field& field, const json& value, const std::string& source) {
+  const bool ok = (field.kind == Kind::integer && value.is_number_integer()) ||
+                  (field.kind == Kind::number && value.is_number()) ||
+                  (field.kind == Kind::text && value.is_string()) ||
+                  (field.kind == Kind::boolean && value.is_boolean());
+  if (!ok) {
+    throw TrainConfigError(source + ": " + field.key + " = " + value.dump() + "; allowed: " + kind_name(field.kind));
+  }
+  if (field.kind == Kind::integer && value.is_number_integer() && value.get<int64_t>() < 0 &&
+      (field.key == "seed" || field.key == "data_seed")) {
+    throw TrainConfigError(source + ": " + field.key + " = " + value.dump() + "; allowed: an integer >= 0");
+  }
+  try {
+    field.set(config, value);
+  } catch (const std::invalid_argument& error) {
+    throw TrainConfigError(source + ": " + error.what());
+  }
+}
+
+// A flag's text as the JSON value its field expects.
+json value_of_flag(const Field& field, const std::string& text, const std::string& flag) {
+  auto bad = [&] {
+    return TrainConfigError("flag " + flag + " " + text + ": not " + kind_name(field.kind));
+  };
+  switch (field.kind) {
+    case Kind::integer: {
+      size_t used = 0;
+      long long value = 0;
+      try { value = std::stoll(text, &used); } catch (const std::exception&) { throw bad(); }
+      if (used != text.size()) throw bad();
+      return json(int64_t(value));
+    }
+    case Kind::number: {
+      size_t used = 0;
+      double value = 0;
+      try { value = std::stod(text, &used); } catch (const std::exception&) { throw bad(); }
+      if (used != text.size()) throw bad();
+      return json(value);
+    }
+    case Kind::text: return json(text);
+    case Kind::boolean:
+      if (text == "true" || text == "1") return json(true);
+      if (text == "false" || text == "0") return json(false);
+      throw bad();
+  }
+  throw bad();
+}
+
+void reject(const std::string& field, const std::string& value, const std::string& allowed) {
+  throw TrainConfigError("invalid training config: " + field + " = " + value + "; allowed: " + allowed);
+}
+
+}  // namespace
+
+// ---- [SECTION] presets ----
+
+TrainConfig preset(std::string_view name) {
+  TrainConfig c;
+  c.preset = std::string(name);
+  ref::ModelConfig& m = c.model;
+  m.formulation = Formulation::dropless;
+  m.moe_layers = ref::MoeLayers::every_block;
+  m.top_k = 2;
+  m.capacity_factor = 1.0;
+  m.aux_loss_coef = 0.01;
+  m.z_loss_coef = 0.001;
+  if (name == "default") {
+    // About 8.5M parameters, 3.4M active per byte: two epochs of Brown's 5.3 MB in 2000 steps.
+    m.model_dim = 256; m.num_layers = 4; m.num_heads = 4; m.seq_len = 256;
+    m.num_experts = 8; m.expert_hidden_dim = 512; m.dense_hidden_dim = 1024; m.block_size = 128;
+    c.batch = 32;
+  } else if (name == "throughput") {
+    // Issue 4's speed configuration; PyTorch's figures for it are in notebooks_data/bench/README.md.
+    m.model_dim = 512; m.num_layers = 8; m.num_heads = 8; m.seq_len = 256;
+    m.num_experts = 16; m.expert_hidden_dim = 1024; m.dense_hidden_dim = 2048; m.block_size = 128;
+    c.batch = 64;
+    c.learning_rate = 1e-3;
+  } else if (name == "tiny") {
+    m.model_dim = 64; m.num_layers = 2; m.num_heads = 2; m.seq_len = 64;
+    m.num_experts = 4; m.expert_hidden_dim = 128; m.dense_hidden_dim = 256; m.block_size = 64;
+    c.batch = 8;
+    c.steps = 60; c.warmup_steps = 10; c.eval_every = 20; c.eval_batches = 2;
+    c.record_every = 10; c.log_every = 5; c.checkpoint_every = 20; c.sample_bytes = 48;
+  } else {
+    std::string names;
+    for (const std::string& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+    throw TrainConfigError("unknown preset '" + std::string(name) + "'; allowed: " + names);
+  }
+  return c;
+}
+
+std::vector<std::string> preset_names() { return {"default", "throughput", "tiny"}; }
+
+// ---- [SECTION] JSON and flags ----
+
+void apply_json(TrainConfig& config, const json& object, const std::string& source) {
+  if (!object.is_object()) throw TrainConfigError(source + ": expected a JSON object of settings");
+  for (const auto& [key, value] : object.items()) {
+    if (key == "preset") continue;  // chosen before the file is applied (parse_arguments)
+    set_field(config, find_field(key, source), value, source);
+  }
+}
+
+json to_json(const TrainConfig& config) {
+  json object = json::object();
+  object["preset"] = config.preset;
+  for (const Field& field : fields()) object[field.key] = field.get(config);
+  return object;
+}
+
+json model_json(const TrainConfig& config) {
+  static const std::vector<std::string> model_keys = {
+      "model_dim", "num_layers", "num_heads", "seq_len", "moe_layers", "dense_hidden_dim", "num_experts", "top_k",
+      "expert_hidden_dim", "formulation", "capacity_factor", "block_size", "aux_loss_coef", "z_loss_coef",
+      "pregated", "batch"};
+  const json all = to_json(config);
+  json model = json::object();
+  for (const std::string& key : model_keys) model[key] = all[key];
+  model["vocabulary"] = ref::kByteVocabulary;
+  return model;
+}
+
+TrainConfig parse_arguments(const std::vector<std::string>& arguments) {
+  // A flag's value is the next argument, or after '=' ("--steps=100"); boolean flags need none.
+  struct Flag { std::string name; std::optional<std::string> value; };
+  std::vector<Flag> flags;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const std::string& argument = arguments[i];
+    if (argument.rfind("--", 0) != 0) {
+      throw TrainConfigError("unexpected argument '" + argument + "'; settings are flags such as --steps 100 (--help)");
+    }
+    Flag flag;
+    const size_t equals = argument.find('=');
+    flag.name = argument.substr(0, equals);
+    if (equals != std::string::npos) flag.value = argument.substr(equals + 1);
+    flags.push_back(flag);
+    // Peek: a following argument that is not a flag is this flag's value.
+    if (!flag.value && i + 1 < arguments.size() && arguments[i + 1].rfind("--", 0) != 0) {
+      flags.back().value = arguments[++i];
+    }
+  }
+  auto require_value = [](const Flag& flag) -> const std::string& {
+    if (!flag.value) throw TrainConfigError("flag " + flag.name + " needs a value");
+    return *flag.value;
+  };
+
+  TrainConfig config = preset("default");
+  for (const Flag& flag : flags) {
+    if (flag.name == "--preset") config = preset(require_value(flag));
+  }
+  for (const Flag& flag : flags) {
+    if (flag.name != "--config") continue;
+    const std::string& path = require_value(flag);
+    std::ifstream in(path);
+    if (!in) throw TrainConfigError("--config " + path + ": cannot open the file");
+    json object;
+    try {
+      object = json::parse(in);
+    } catch (const json::parse_error& error) {
+      throw TrainConfigError("--config " + path + ": not valid JSON (" + error.what() + ")");
+    }
+    apply_json(config, object, path);
+  }
+  for (const Flag& flag : flags) {
+    if (flag.name == "--preset" || flag.name == "--config") continue;
+    std::string key = flag.name.substr(2);
+    for (char& c : key) if (c == '-') c = '_';
+    const Field& field = find_field(key, "flag " + flag.name);
+    const json value = field.kind == Kind::boolean && !flag.value ? json(true)
+                                                                  : value_of_flag(field, require_value(flag), flag.name);
+    set_field(config, field, value, "flag " + flag.name);
+  }
+  return config;
+}
+
+// ---- [SECTION] validation ----
+
+void validate(const TrainConfig& c) {
+  try {
+    ref::validate(c.model);
+  } catch (const std::invalid_argument& error) {
+    throw TrainConfigError(std::string("invalid training config: ") + error.what());
+  }
+  const bool moe = c.model.moe_layers != ref::MoeLayers::none;
+  if (moe && c.model.formulation == Formulation::dropless && c.model.block_size != 64 && c.model.block_size != 128) {
+    reject("block_size (B)", std::to_string(c.model.block_size), "64 or 128 (the GPU's block-sparse kernels)");
+  }
+  if (c.batch < 1) reject("batch (N)", std::to_string(c.batch), "N >= 1");
+  if (c.steps < 1) reject("steps", std::to_string(c.steps), "steps >= 1");
+  if (!(c.learning_rate > 0) || !std::isfinite(c.learning_rate)) {
+    reject("learning_rate", std::to_string(c.learning_rate), "a finite number > 0");
+  }
+  if (c.warmup_steps < 0 || c.warmup_steps >= c.steps) {
+    reject("warmup_steps", std::to_string(c.warmup_steps), "0 <= warmup_steps < steps (" + std::to_string(c.steps) + ")");
+  }
+  if (!(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1)) reject("min_lr_ratio", std::to_string(c.min_lr_ratio), "0 <= ratio <= 1");
+  if (!(c.beta1 >= 0 && c.beta1 < 1)) reject("beta1", std::to_string(c.beta1), "0 <= beta1 < 1");
+  if (!(c.beta2 >= 0 && c.beta2 < 1)) reject("beta2", std::to_string(c.beta2), "0 <= beta2 < 1");
+  if (!(c.weight_decay >= 0) || !std::isfinite(c.weight_decay)) reject("weight_decay", std::to_string(c.weight_decay), "a finite number >= 0");
+  if (!std::isfinite(c.max_grad_norm)) reject("max_grad_norm", std::to_string(c.max_grad_norm), "a finite number");
+  if (c.eval_every < 1) reject("eval_every", std::to_string(c.eval_every), "eval_every >= 1");
+  if (c.eval_batches < 1) reject("eval_batches", std::to_string(c.eval_batches), "eval_batches >= 1");
+  if (c.record_every < 1) reject("record_every", std::to_string(c.record_every), "record_every >= 1");
+  if (c.sample_bytes < 1 || c.sample_bytes > c.model.seq_len) {
+    reject("sample_bytes", std::to_string(c.sample_bytes), "1 <= sample_bytes <= seq_len (" + std::to_string(c.model.seq_len) + ")");
+  }
+  if (c.log_every < 1) reject("log_every", std::to_string(c.log_every), "log_every >= 1");
+  if (c.checkpoint_every < 1) reject("checkpoint_every", std::to_string(c.checkpoint_every), "checkpoint_every >= 1");
+  if (c.keep_checkpoints < 1) reject("keep_checkpoints", std::to_string(c.keep_checkpoints), "keep_checkpoints >= 1");
+  if (c.stop_after < 0 || c.stop_after > c.steps) {
+    reject("stop_after", std::to_string(c.stop_after), "0 (run to the end) or 1 .. steps (" + std::to_string(c.steps) + ")");
+  }
+  if (c.resume && c.overwrite) reject("resume", "true with overwrite = true", "one of the two (resume continues a run, overwrite replaces it)");
+  if (c.benchmark_steps < 0) reject("benchmark_steps", std::to_string(c.benchmark_steps), "0 (train) or >= 1 (benchmark)");
+  if (c.benchmark_warmup < 0) reject("benchmark_warmup", std::to_string(c.benchmark_warmup), "benchmark_warmup >= 0");
+  if (c.benchmark_steps == 0 && c.run_dir.empty()) reject("run_dir", "\"\"", "a directory for the run record");
+  if (c.benchmark_steps == 0 && c.data.empty()) reject("data", "\"\"", "a corpus directory or a text file");
+}
+
+ref::ScheduleConfig schedule(const TrainConfig& c) {
+  ref::ScheduleConfig s;
+  s.peak_lr = c.learning_rate;
+  s.warmup_steps = c.warmup_steps;
+  s.total_steps = c.steps;
+  s.min_lr_ratio = c.min_lr_ratio;
+  return s;
+}
+
+std::string help_text(const TrainConfig& defaults) {
+  std::ostringstream out;
+  out << "  --preset NAME                   default | throughput | tiny (applied first)\n"
+      << "  --config FILE.json              settings as JSON, keys as the flags below (applied second)\n";
+  const json values = to_json(defaults);
+  for (const Field& field : fields()) {
+    std::string left = flag_of(field.key);
+    if (field.kind != Kind::boolean) left += " " + values[field.key].dump();
+    if (left.size() < 30) left.resize(30, ' ');
+    out << "  " << left << "  " << field.help << "\n";
+  }
+  return out.str();
+}
+
+// ---- [SECTION] FLOP accounting ----
+
+namespace {
+int64_t attention_parameters(const ref::ModelConfig& m) { return 4 * m.model_dim * m.model_dim; }
+int64_t layer_norm_parameters(const ref::ModelConfig& m) { return 4 * m.model_dim; }
+}  // namespace
+
+int64_t active_parameters(const ref::ModelConfig& m) {
+  const int64_t D = m.model_dim;
+  int64_t active = ref::kByteVocabulary * D;  // the tied output projection
+  for (int64_t layer = 0; layer < m.num_layers; ++layer) {
+    active += attention_parameters(m);
+    active += ref::is_moe_block(m, layer) ? D * m.num_experts + m.top_k * 2 * D * m.expert_hidden_dim
+                                          : 2 * D * m.dense_hidden_dim;
+  }
+  return active;
+}
+
+int64_t total_parameters(const ref::ModelConfig& m) {
+  const int64_t D = m.model_dim;
+  int64_t total = ref::kByteVocabulary * D + m.seq_len * D + 2 * D;  // embeddings, final LayerNorm
+  for (int64_t layer = 0; layer < m.num_layers; ++layer) {
+    total += attention_parameters(m) + layer_norm_parameters(m);
+    total += ref::is_moe_block(m, layer) ? D * m.num_experts + m.num_experts * 2 * D * m.expert_hidden_dim
+                                         : 2 * D * m.dense_hidden_dim;
+  }
+  return total;
+}
+
+double flops_per_token(const ref::ModelConfig& m) {
+  return 6.0 * double(active_parameters(m)) + 12.0 * double(m.num_layers * m.seq_len * m.model_dim);
+}
+
+}  // namespace moe::train

@@ -1,0 +1,71 @@
+// trainer.h: trains the tiny byte-level MoE transformer on one GPU and records the run: the loop
+// that joins ModelGpu (cuda/model_gpu.h), the text and its batches (common/text_corpus.h,
+// batch_sampler.h), the learning-rate schedule (reference_cpu/optimizer.h), checkpoints
+// (common/checkpoint.h), the run record the viewer follows (common/run_record.h) and the progress
+// line (common/progress_line.h). moe_train.cpp is its command line; tests/train/ drive it directly.
+//
+// One step, all enqueued on the model's stream with no host synchronisation:
+//   bytes of N windows -> pinned host slot -> device tokens / targets (two slots, so the host fills
+//   one while the GPU reads the other) -> forward -> backward -> clip + AdamW -> this step's four
+//   losses copied into a device ring of log_every rows.
+// Every log_every steps the host synchronises once, reads the ring, appends one "step" event per
+// step and redraws the progress line. Every record_every steps it also reads each MoE layer's
+// routing (routing, topology, tokens events) and the phase times of that step (span events).
+// Every eval_every steps: the mean loss over the same eval_batches validation batches, in nats and
+// bits per byte. Every checkpoint_every steps (and at the end): a checkpoint, the oldest pruned.
+//
+// Resuming (config.resume): the newest checkpoint of <run_dir>/checkpoints gives the weights,
+// AdamW's moments and step, the schedule's position and the batch sampler's state, so the run
+// continues the curve it was on (tests/train/test_trainer.cpp checks it step for step). Events the
+// interrupted run wrote after that checkpoint are cut from events.jsonl first, so every step
+// appears once.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "train_config.h"  // TrainConfig
+
+namespace moe::train {
+
+struct TrainResult {
+  int64_t first_step = 0;             // 0, or the checkpoint's step when resumed
+  int64_t steps_done = 0;             // the step the run stopped at
+  std::vector<double> losses;         // [steps run here] the training loss of each step
+  double validation_loss = 0;         // nats per byte, the last evaluation
+  double validation_bits_per_byte = 0;
+  double unigram_bits_per_byte = 0;   // the baseline of the same validation text
+  double median_step_ms = 0;          // GPU time of a plain step (no evaluation or recording)
+  double tokens_per_second = 0;       // T / median step time
+  double mfu = 0;                     // model FLOPs utilisation; 0 when the peak is unknown
+  double dropped_fraction = 0;        // routed (token, expert) pairs dropped, over the recorded steps
+  double wall_seconds = 0;
+};
+
+// Trains as configured, writing the run record and checkpoints; progress and the summary go to
+// `log`. Throws TrainConfigError for a bad config, TextCorpusError for missing or bad data,
+// CheckpointError for a bad checkpoint, RecordError for an existing run without --overwrite.
+TrainResult train(const TrainConfig& config, std::ostream& log);
+
+struct BenchmarkResult {
+  std::string device;
+  std::string data;                  // where the batches came from
+  int64_t tokens_per_step = 0;       // T
+  double median_step_ms = 0;
+  double min_step_ms = 0;
+  double tokens_per_second = 0;
+  double mfu = 0;
+  double flops_per_token = 0;
+  std::vector<std::pair<std::string, double>> phase_ms;  // one timed step, by phase (summed over layers)
+  double moe_share = 0;              // the MoE phases' share of that step (forward + backward)
+};
+
+// Times config.benchmark_steps optimizer steps after config.benchmark_warmup untimed ones.
+BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log);
+
+// The dense bf16 tensor-core peak of a known GPU in FLOP/s (H100 SXM and H200: 989e12), else 0.
+double peak_bf16_flops(const std::string& device_name);
+
+}  // namespace moe::train
