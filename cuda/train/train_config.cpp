@@ -381,7 +381,10 @@ std::string help_text(const TrainConfig& defaults) {
   const json values = to_json(defaults);
   for (const Field& field : fields()) {
     std::string left = flag_of(field.key);
-    if (field.kind != Kind::boolean) left += " " + values[field.key].dump();
+    if (field.kind != Kind::boolean) {
+      left += ' ';
+      left += values[field.key].dump();
+    }
     if (left.size() < 30) left.resize(30, ' ');
     out << "  " << left << "  " << field.help << "\n";
   }

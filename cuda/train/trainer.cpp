@@ -337,7 +337,7 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
   const auto wall_start = std::chrono::steady_clock::now();
   TextCorpus corpus;
   try {
-    corpus = load_corpus(c.data);
+    corpus = load_corpus(c.data, {.load_tags = false});
   } catch (const TextCorpusError& error) {
     throw TextCorpusError(std::string(error.what()) +
                           (c.data == "notebooks_data/brown" ? " (fetch the Brown corpus with ./moe data)" : ""));
@@ -567,7 +567,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
   // Real text when the corpus is there (routing then looks like training's), else random bytes.
   std::optional<TextCorpus> corpus;
   try {
-    corpus = load_corpus(c.data);
+    corpus = load_corpus(c.data, {.load_tags = false});
     result.data = corpus->source;
   } catch (const TextCorpusError&) {
     result.data = "random bytes";
