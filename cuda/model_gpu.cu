@@ -55,10 +55,8 @@ void validate(const ModelGpuConfig& c) {
   if (c.moe_blocks != MoeBlocks::every_block && c.dense_hidden_dim < 1) {
     reject("dense_hidden_dim (H_dense)", text(c.dense_hidden_dim), "H_dense >= 1 when some blocks are dense");
   }
-  if (c.pregated) {
-    reject("pregated", "true",
-           "false: MoeLayerGpu routes each MoE block from its own input; pre-gated routing on the GPU is "
-           "not built yet");
+  if (c.pregated && c.moe_blocks == MoeBlocks::none) {
+    reject("pregated", "true with moe_blocks = none", "pregated = false for a dense model (no gate to move)");
   }
   if (c.moe_blocks == MoeBlocks::none) return;
   const MoeConfig& m = c.moe;
@@ -152,6 +150,13 @@ __global__ void residual_add_kernel(float* residual, const bf16* delta, bf16* re
     const float value = residual[i] + __bfloat162float(delta[i]);
     residual[i] = value;
     residual_bf16[i] = __float2bfloat16(value);
+  }
+}
+
+// into += from, fp32: a second gradient arriving at the same tensor (pre-gating's LN2 output).
+__global__ void add_kernel(float* into, const float* from, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    into[i] += from[i];
   }
 }
 
@@ -250,6 +255,18 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
       b.hidden = DeviceBuffer<bf16>(T * Hd);
     }
   }
+  // Pre-gating: each MoE block after the first routes from the previous MoE block's LN2 output,
+  // and that block keeps a buffer for the gradient the gate sends back.
+  if (config_.pregated) {
+    int64_t previous_moe = -1;
+    for (int64_t i = 0; i < config_.num_layers; ++i) {
+      Block& b = blocks_[size_t(i)];
+      if (!b.moe) continue;
+      b.gate_input_block = previous_moe;
+      if (previous_moe >= 0) blocks_[size_t(previous_moe)].d_ln2_from_next_gate = DeviceBuffer<float>(T * D);
+      previous_moe = i;
+    }
+  }
   if (config_.moe_blocks != MoeBlocks::every_block) {
     d_hidden_ = DeviceBuffer<bf16>(T * Hd);
     d_pre_activation_ = DeviceBuffer<bf16>(T * Hd);
@@ -342,7 +359,8 @@ void ModelGpu::poison_activations() {
          {&b.x, &b.ln1_y, &b.qkv_out, &b.probs, &b.context, &b.x_mid, &b.ln2_y, &b.pre_activation, &b.hidden}) {
       buffer->fill_bytes(kNaN, stream_);
     }
-    for (DeviceBuffer<float>* buffer : {&b.ln1_mean, &b.ln1_rstd, &b.ln2_mean, &b.ln2_rstd}) {
+    for (DeviceBuffer<float>* buffer :
+         {&b.ln1_mean, &b.ln1_rstd, &b.ln2_mean, &b.ln2_rstd, &b.d_ln2_from_next_gate}) {
       buffer->fill_bytes(kNaN, stream_);
     }
   }
@@ -411,6 +429,12 @@ void ModelGpu::attention_forward_phase(Block& b) {
   });
 }
 
+// What block b's gate reads: the previous MoE block's LN2 output when pre-gated, else nullptr
+// (MoeLayerGpu then routes the block's own LN2 output).
+const bf16* ModelGpu::gate_input(const Block& b) const {
+  return b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].ln2_y.data() : nullptr;
+}
+
 // x_out = x_mid + FFN(LN2(x_mid)); x_out's bf16 copy is the next block's input (or LN_final's).
 void ModelGpu::ffn_forward_phase(Block& b) {
   const int64_t T = config_.batch * config_.seq_len, D = config_.model_dim;
@@ -419,7 +443,7 @@ void ModelGpu::ffn_forward_phase(Block& b) {
   if (b.moe) {
     phase("moe", [&] {
       const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
-      b.moe->forward(b.ln2_y.data(), weights, block_out_.data(), stream_);
+      b.moe->forward(b.ln2_y.data(), weights, block_out_.data(), stream_, gate_input(b));
     });
   } else {
     phase("dense_ffn", [&] {
@@ -501,6 +525,8 @@ void ModelGpu::loss_backward_phase() {
 }
 
 // Through x_out = x_mid + FFN(LN2(x_mid)): the FFN reads d_residual (bf16), LN2 adds its dx.
+// Pre-gated, LN2's output has two readers, this block's FFN and the next MoE block's gate, so its
+// gradient is the sum of both: the gate's share arrives first (that block's backward ran earlier).
 void ModelGpu::ffn_backward_phase(Block& b) {
   const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim);
   const size_t n = size_t(T) * size_t(D);
@@ -511,7 +537,12 @@ void ModelGpu::ffn_backward_phase(Block& b) {
       const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
       const MoeLayerGradients gradients{d_norm_input_.data(), gradient(b.gate), b.d_w1_table.data(),
                                         b.d_w2_table.data()};
-      b.moe->backward(b.ln2_y.data(), weights, d_residual_bf16_.data(), gradients, stream_);
+      // Pre-gated: d_norm_input_ receives only the gradient through the experts, and the gate's
+      // share goes back to the block whose LN2 output it read.
+      float* const d_gate_input =
+          b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].d_ln2_from_next_gate.data() : nullptr;
+      b.moe->backward(b.ln2_y.data(), weights, d_residual_bf16_.data(), gradients, stream_, gate_input(b),
+                      d_gate_input);
     });
   } else {
     phase("backward_dense_ffn", [&] {
@@ -532,6 +563,10 @@ void ModelGpu::ffn_backward_phase(Block& b) {
     });
   }
   phase("backward_layer_norm", [&] {
+    if (b.d_ln2_from_next_gate.size() > 0) {
+      add_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(d_norm_input_.data(), b.d_ln2_from_next_gate.data(), n);
+      CUDA_CHECK(cudaGetLastError());
+    }
     layer_norm_backward(d_norm_input_.data(), b.x_mid.data(), b.ln2_mean.data(), b.ln2_rstd.data(),
                         weight(b.ln2_gain), d_residual_.data(), gradient(b.ln2_gain), gradient(b.ln2_bias),
                         layer_norm_scratch_.data(), T, D, /*accumulate_dx=*/true, stream_);

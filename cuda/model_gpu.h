@@ -3,7 +3,7 @@
 // the blocks of this folder (embedding, layer_norm_gpu, attention_gpu, MoeLayerGpu, cross_entropy,
 // adamw) into the model that moe::ref::model_forward / model_backward define (reference_cpu/model.h),
 // its oracle. Built into moe_cuda; tested by tests/cuda/test_model_gpu.cpp
-// (ctest --test-dir build -R cuda_test_model_gpu; skips without a GPU).
+// (ctest --test-dir build -R CudaModelGpu; skips without a GPU).
 //
 // Dimension legend: V = 256 bytes, D model width, L blocks, S sequence length, N sequences,
 // T = N * S tokens (t = n * S + s), H_dense the dense FFN's hidden width; E, K, H, B as in MoeConfig.
@@ -11,6 +11,14 @@
 //   block i:  x += attention(LN1(x));  x += FFN(LN2(x))     FFN = MoeLayerGpu or dense GeLU FFN
 //   logits = LN_final(x) token_embedding^T                                            [T, V]
 //   loss   = mean cross-entropy + aux_loss_coef * sum_j aux_j + z_loss_coef * sum_j z_j
+//
+// Pre-gated routing (config.pregated; reference_cpu/model.h says it in full): number the MoE blocks
+// m_0 < m_1 < ...; block m_j's gate (j >= 1) reads LN2(x) of block m_{j-1}, m_0's gate its own, and
+// every block's experts read their own LN2(x). MoeLayerGpu takes the gate's input as router_input
+// and returns the gate's input gradient separately, which block m_{j-1}'s backward adds to the
+// gradient of its LN2 output. Here block m_j's router runs when block m_j does, on m_{j-1}'s saved
+// LN2 output: the same numbers as the reference, which evaluates it one MoE block earlier so that
+// an offload engine knows m_j's experts in advance.
 //
 // Parameters: ONE flat fp32 buffer of master weights in exactly moe::ref::parameter_layout's order
 // (layout() below repeats it without Eigen), a bf16 copy of it that the forward reads, and a
@@ -26,9 +34,9 @@
 // Synchronisation: forward, backward and step only enqueue work on the model's stream. The one
 // host synchronisation is read_loss(), which a caller uses when it wants the number.
 //
-// Out of scope here: pre-gated routing (MoeLayerGpu routes from its own input), SwiGLU and jitter
-// (MoeLayerGpu supports GeLU without jitter). The constructor rejects them, with the field named,
-// before allocating anything.
+// Out of scope here: SwiGLU and jitter (MoeLayerGpu supports GeLU without jitter), and pre-gating a
+// model without MoE blocks (there is no gate to move, as the reference says). The constructor
+// rejects them, with the field named, before allocating anything.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -67,7 +75,7 @@ struct ModelGpuConfig {
   int64_t dense_hidden_dim = 256;  // H_dense
   double layer_norm_eps = 1e-5;
   MoeConfig moe;  // every MoE block's layer: tokens = N * S, model_dim = D, H, E, K, B, coefficients
-  bool pregated = false;  // rejected: MoeLayerGpu routes from its own input
+  bool pregated = false;  // MoE block m_j's gate reads block m_{j-1}'s LN2 output (see above)
 };
 
 // The optimizer's fixed settings (the learning rate comes with each step).
@@ -156,6 +164,13 @@ class ModelGpu {
     DeviceBuffer<float> ln2_mean, ln2_rstd;   // [T]
     DeviceBuffer<bf16> pre_activation, hidden;  // [T, H_dense] dense blocks
     std::unique_ptr<MoeLayerGpu> moe;         // MoE blocks
+    // Pre-gated: the previous MoE block, whose ln2_y this block's gate reads; -1 when the gate reads
+    // this block's own ln2_y (not pre-gated, or the first MoE block).
+    int64_t gate_input_block = -1;
+    // Pre-gated, in an MoE block whose ln2_y a later block's gate reads: that gate's gradient with
+    // respect to ln2_y [T, D]. The later block's backward runs first and writes it; this block's
+    // backward adds it to the FFN's share before LN2's backward.
+    DeviceBuffer<float> d_ln2_from_next_gate;
     DeviceBuffer<const bf16*> w1_table, w2_table;  // [E] -> [D, H], [H, D] in weights_bf16_
     DeviceBuffer<float*> d_w1_table, d_w2_table;   // [E] -> the same entries of gradients_
   };
@@ -174,6 +189,8 @@ class ModelGpu {
 
   template <typename Work>
   void phase(const char* name, Work&& work);
+
+  const bf16* gate_input(const Block& block) const;  // [T, D] pre-gated, or nullptr: its own ln2_y
 
   const bf16* weight(int64_t offset) const { return weights_bf16_.data() + offset; }
   float* gradient(int64_t offset) { return gradients_.data() + offset; }

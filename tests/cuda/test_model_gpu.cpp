@@ -1,8 +1,12 @@
 // test_model_gpu.cpp: one GPU training step of the whole transformer (cuda/model_gpu.h) against the
 // CPU reference model (reference_cpu/model.h, optimizer.h), issue 4's "the loss and every gradient
 // within bf16 tolerance". Tiny configs (D=64, 2 heads, L=2, S=32, N=4, E=4, K=2, H=64, B=64), MoE
-// in every block or every other block, dropless and padded.
-// Run: ctest --test-dir build -R cuda_test_model_gpu   (skips without a GPU)
+// in every block or every other block, dropless and padded, self-gated and pre-gated (model.h).
+// The pre-gated cases take L = 3 or 4 where L = 2 would leave a single MoE block (nothing to
+// pre-gate): every other block of 4 has MoE blocks 1 and 3, and every block of 3 has a middle MoE
+// block that both receives a later gate's gradient and sends its own gate's gradient back.
+// Run: ctest --test-dir build -R CudaModelGpu   (the step tests skip without a GPU; the config
+// checks run anywhere)
 //
 // The same bytes to both: ref::init_model's weights are rounded to bf16 first, so the GPU's fp32
 // masters, its bf16 copies and the reference's doubles hold the same values; what remains between
@@ -151,10 +155,15 @@ int routing_differences(const ModelGpu& model, const moe::ref::ModelForward& for
 struct StepCase {
   MoeLayers moe_layers;
   Formulation formulation;
+  bool pregated = false;
+  int64_t num_layers = 2;  // L
 };
 
 std::string case_name(const StepCase& c) {
-  return std::string(moe::ref::to_string(c.moe_layers)) + "_" + std::string(moe::to_string(c.formulation));
+  std::string name =
+      std::string(moe::ref::to_string(c.moe_layers)) + "_" + std::string(moe::to_string(c.formulation));
+  if (c.pregated) name += "_pregated_L" + std::to_string(c.num_layers);
+  return name;
 }
 
 class CudaModelGpuStep : public ::testing::TestWithParam<StepCase> {};
@@ -162,7 +171,9 @@ class CudaModelGpuStep : public ::testing::TestWithParam<StepCase> {};
 // One forward + backward: loss and every gradient against the reference; then one AdamW step.
 TEST_P(CudaModelGpuStep, MatchesReference) {
   REQUIRE_GPU();
-  const ModelConfig config = tiny_config(GetParam().moe_layers, GetParam().formulation);
+  ModelConfig config = tiny_config(GetParam().moe_layers, GetParam().formulation);
+  config.pregated = GetParam().pregated;
+  config.num_layers = GetParam().num_layers;
   const int64_t S = config.seq_len, T = kBatch * S;
   const Weights weights = bf16_init(config, 7);
 
@@ -280,7 +291,11 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaModelGpuStep,
                          ::testing::Values(StepCase{MoeLayers::every_block, Formulation::dropless},
                                            StepCase{MoeLayers::every_other_block, Formulation::dropless},
                                            StepCase{MoeLayers::every_block, Formulation::padded},
-                                           StepCase{MoeLayers::every_other_block, Formulation::padded}),
+                                           StepCase{MoeLayers::every_other_block, Formulation::padded},
+                                           StepCase{MoeLayers::every_block, Formulation::dropless, true, 3},
+                                           StepCase{MoeLayers::every_other_block, Formulation::dropless, true, 4},
+                                           StepCase{MoeLayers::every_block, Formulation::padded, true, 2},
+                                           StepCase{MoeLayers::every_other_block, Formulation::padded, true, 4}),
                          [](const ::testing::TestParamInfo<StepCase>& info) { return case_name(info.param); });
 
 // A few steps on repeated text: the model learns it, the loss falls.
@@ -327,9 +342,9 @@ TEST(CudaModelGpu, RejectsBadConfigsBeforeAllocating) {
     CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
     EXPECT_EQ(free_after, free_before) << field;
   };
-  ModelConfig pregated = tiny_config(MoeLayers::every_block, Formulation::dropless);
-  pregated.pregated = true;
-  expect_rejected(pregated, "pregated");
+  ModelConfig dense_pregated = tiny_config(MoeLayers::none, Formulation::dropless);
+  dense_pregated.pregated = true;
+  expect_rejected(dense_pregated, "pregated");
   ModelConfig swiglu = tiny_config(MoeLayers::every_block, Formulation::dropless);
   swiglu.activation = moe::Activation::swiglu;
   expect_rejected(swiglu, "activation");
@@ -337,6 +352,45 @@ TEST(CudaModelGpu, RejectsBadConfigsBeforeAllocating) {
   small_blocks.block_size = 32;
   expect_rejected(small_blocks, "block_size");
   ModelConfig odd_heads = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  odd_heads.num_heads = 3;
+  expect_rejected(odd_heads, "num_heads");
+}
+
+// validate() is host code: these run without a GPU. Pre-gating is accepted wherever there are MoE
+// blocks, as the reference accepts it, and refused for a dense model, as the reference refuses it.
+TEST(CudaModelGpuConfig, ValidateAcceptsPregatedWithMoeBlocks) {
+  for (MoeLayers moe_layers : {MoeLayers::every_block, MoeLayers::every_other_block}) {
+    for (Formulation formulation : {Formulation::dropless, Formulation::padded}) {
+      ModelConfig config = tiny_config(moe_layers, formulation);
+      config.pregated = true;
+      EXPECT_NO_THROW(moe::ref::validate(config));
+      EXPECT_NO_THROW(moe::cuda::validate(gpu_config(config, kBatch)))
+          << moe::ref::to_string(moe_layers) << " " << moe::to_string(formulation);
+    }
+  }
+}
+
+TEST(CudaModelGpuConfig, ValidateRejectsPregatedDenseModel) {
+  const auto expect_rejected = [](const ModelConfig& config, const std::string& field) {
+    EXPECT_THROW(moe::ref::validate(config), std::invalid_argument) << field << " (the reference)";
+    try {
+      moe::cuda::validate(gpu_config(config, kBatch));
+      ADD_FAILURE() << "accepted a config with a bad " << field;
+    } catch (const std::invalid_argument& error) {
+      EXPECT_NE(std::string(error.what()).find(field), std::string::npos) << error.what();
+      std::printf("rejected, as expected: %s\n", error.what());
+    }
+  };
+  ModelConfig dense_pregated = tiny_config(MoeLayers::none, Formulation::dropless);
+  dense_pregated.pregated = true;
+  expect_rejected(dense_pregated, "pregated");
+  ModelConfig swiglu = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  swiglu.pregated = true;
+  swiglu.activation = moe::Activation::swiglu;
+  // The reference runs SwiGLU; only the GPU refuses it.
+  EXPECT_THROW(moe::cuda::validate(gpu_config(swiglu, kBatch)), std::invalid_argument);
+  ModelConfig odd_heads = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  odd_heads.pregated = true;
   odd_heads.num_heads = 3;
   expect_rejected(odd_heads, "num_heads");
 }
