@@ -16,37 +16,32 @@ PhaseTimer::~PhaseTimer() {
 
 void PhaseTimer::begin(const char* name, cudaStream_t stream) {
   nvtxRangePushA(name);
-  if (!pending_.empty() && pending_.back().open) {
-    throw CudaError("PhaseTimer::begin(" + std::string(name) + ") while phase " + pending_.back().name +
-                    " is still open: phases do not nest");
-  }
-  Pending phase{name, nullptr, nullptr, true};
+  Pending phase{name, nullptr, nullptr, int(open_.size())};
   CUDA_CHECK(cudaEventCreate(&phase.start));
   CUDA_CHECK(cudaEventCreate(&phase.stop));
   CUDA_CHECK(cudaEventRecord(phase.start, stream));
+  open_.push_back(pending_.size());
   pending_.push_back(phase);
 }
 
 void PhaseTimer::end(cudaStream_t stream) {
-  if (pending_.empty() || !pending_.back().open) {
-    throw CudaError("PhaseTimer::end without a matching begin");
-  }
-  CUDA_CHECK(cudaEventRecord(pending_.back().stop, stream));
-  pending_.back().open = false;
+  if (open_.empty()) throw CudaError("PhaseTimer::end without a matching begin");
+  CUDA_CHECK(cudaEventRecord(pending_[open_.back()].stop, stream));  // the innermost open phase
+  open_.pop_back();
   nvtxRangePop();
 }
 
 std::vector<TimedPhase> PhaseTimer::collect() {
   std::vector<TimedPhase> phases;
-  if (!pending_.empty() && pending_.back().open) {
-    throw CudaError("PhaseTimer::collect while phase " + pending_.back().name + " is still open");
+  if (!open_.empty()) {
+    throw CudaError("PhaseTimer::collect while phase " + pending_[open_.back()].name + " is still open");
   }
   for (auto& phase : pending_) {
     CUDA_CHECK(cudaEventSynchronize(phase.stop));
     float start_ms = 0, duration_ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&start_ms, pending_.front().start, phase.start));
     CUDA_CHECK(cudaEventElapsedTime(&duration_ms, phase.start, phase.stop));
-    phases.push_back({phase.name, 1000.0 * start_ms, 1000.0 * duration_ms});
+    phases.push_back({phase.name, 1000.0 * start_ms, 1000.0 * duration_ms, phase.depth});
   }
   for (auto& phase : pending_) {
     cudaEventDestroy(phase.start);

@@ -7,6 +7,10 @@
 //   ... forward, backward ...
 //   for (const auto& phase : timer.collect()) ...   // waits for the events, returns the spans
 //
+// Phases nest: a model's "moe" phase holds the layer's own router, plan, dispatch, ... phases.
+// Each phase knows its depth (0 for the outermost), so a reader can sum one level without
+// counting a nested phase twice.
+//
 // Timing never synchronises the host during the work: events are recorded on the stream and read
 // only in collect(). A layer without a timer (the default) records nothing.
 #pragma once
@@ -22,6 +26,7 @@ struct TimedPhase {
   std::string name;
   double start_us = 0;     // from the first phase's start
   double duration_us = 0;
+  int depth = 0;           // 0: outermost; 1: inside one open phase; ...
 };
 
 class PhaseTimer {
@@ -32,7 +37,7 @@ class PhaseTimer {
   PhaseTimer& operator=(const PhaseTimer&) = delete;
 
   void begin(const char* name, cudaStream_t stream);  // opens an NVTX range, records a start event
-  void end(cudaStream_t stream);                      // records the end event, closes the range
+  void end(cudaStream_t stream);  // ends the innermost open phase: records its end event, closes the range
   // Waits for the recorded events and returns every phase since the last collect(), in order.
   std::vector<TimedPhase> collect();
 
@@ -40,9 +45,10 @@ class PhaseTimer {
   struct Pending {
     std::string name;
     cudaEvent_t start = nullptr, stop = nullptr;
-    bool open = true;  // begun, not yet ended
+    int depth = 0;
   };
-  std::vector<Pending> pending_;
+  std::vector<Pending> pending_;  // in the order they began
+  std::vector<size_t> open_;      // indices into pending_ of the phases begun and not yet ended
 };
 
 }  // namespace moe::cuda

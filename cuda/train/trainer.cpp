@@ -231,11 +231,13 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
   return summary;
 }
 
-// The phases of one step as span events on the run's clock (the step's phases laid end to end
-// from when the host asked for them: GPU times, host origin).
+// The phases of one step as span events on the run's clock (GPU times from the step's first
+// phase, placed at the host time the step began). The MoE layers' own phases nest inside the
+// model's "moe" phases: they go on a second timeline row so the rows never overlap.
 void record_spans(cuda::PhaseTimer& timer, int64_t step, double origin_us, RunWriter& writer) {
   for (const cuda::TimedPhase& phase : timer.collect()) {
-    writer.append(to_event(SpanEvent{.step = step, .rank = 0, .stream = 0, .stream_name = "compute",
+    writer.append(to_event(SpanEvent{.step = step, .rank = 0, .stream = phase.depth,
+                                      .stream_name = phase.depth == 0 ? "compute" : "compute: inside the MoE layer",
                                       .name = phase.name, .start_us = origin_us + phase.start_us,
                                       .duration_us = phase.duration_us}));
   }
@@ -627,21 +629,17 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
   model.set_phase_timer(&timer);
   one_step();
   model.set_phase_timer(nullptr);
-  // The model's own phases tile the step; the MoE layers' inner phases (router, plan, dispatch,
-  // expert_compute, combine and their backward) nest inside "moe" / "backward_moe" and are listed
-  // as "moe/<name>", summed over layers.
-  static const std::vector<std::string> outer = {
-      "embedding", "attention", "moe", "dense_ffn", "lm_head", "loss", "backward_lm_head", "backward_moe",
-      "backward_dense_ffn", "backward_layer_norm", "backward_attention", "backward_embedding", "optimizer"};
+  // The model's own phases (depth 0) tile the step; the MoE layers' phases (router, plan,
+  // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" and
+  // are listed as "moe/<name>", each summed over the layers.
   std::map<std::string, double> by_name;
   std::vector<std::string> order;
   double total = 0, moe = 0;
   for (const cuda::TimedPhase& phase : timer.collect()) {
-    const bool is_outer = std::find(outer.begin(), outer.end(), phase.name) != outer.end();
-    const std::string name = is_outer ? phase.name : "moe/" + phase.name;
+    const std::string name = phase.depth == 0 ? phase.name : "moe/" + phase.name;
     if (!by_name.count(name)) order.push_back(name);
     by_name[name] += phase.duration_us * 1e-3;
-    if (is_outer) total += phase.duration_us * 1e-3;
+    if (phase.depth == 0) total += phase.duration_us * 1e-3;
     if (name == "moe" || name == "backward_moe") moe += phase.duration_us * 1e-3;
   }
   for (const std::string& name : order) result.phase_ms.push_back({name, by_name[name]});

@@ -197,6 +197,7 @@ TEST(Trainer, BadResumesAndExistingRunsAreRefused) {
   write_text(dir.path() / "text.txt");
   TrainConfig c = tiny(dir.path(), "run");
   c.steps = 10;
+  c.warmup_steps = 2;
   c.checkpoint_every = 5;
   std::ostringstream log;
   moe::train::train(c, log);
