@@ -600,23 +600,33 @@ void ModelGpu::embedding_backward_phase() {
 
 // ---- [SECTION] optimizer ----
 
-// Global norm and clip scale stay on the device; one AdamW launch per tensor (its decay setting).
+// Global norm and clip scale stay on the device. AdamW runs over the flat buffers with one launch
+// per run of neighbouring tensors that share a weight-decay setting (layout order keeps a block's
+// matrices together: about four runs per block), not one per tensor: with 16 experts a block
+// has 38 tensors, and hundreds of tiny launches cost more than the update itself.
 void ModelGpu::step(float lr) {
   phase("optimizer", [&] {
     gradient_norm(gradients_.data(), parameter_count_, norm_partials_.data(), grad_norm_.data(), clip_scale_.data(),
                   optimizer_.max_grad_norm, stream_);
     ++optimizer_steps_;
-    for (const ParameterSpan& span : layout_) {
+    for (size_t first = 0; first < layout_.size();) {
+      size_t end = first + 1;  // [first, end): tensors adjacent in memory with the same decay
+      while (end < layout_.size() && layout_[end].weight_decay == layout_[first].weight_decay &&
+             layout_[end].offset == layout_[end - 1].offset + layout_[end - 1].rows * layout_[end - 1].cols) {
+        ++end;
+      }
+      const int64_t offset = layout_[first].offset;
+      const int64_t count = layout_[end - 1].offset + layout_[end - 1].rows * layout_[end - 1].cols - offset;
       AdamWStep step;
       step.lr = lr;
       step.beta1 = optimizer_.beta1;
       step.beta2 = optimizer_.beta2;
       step.eps = optimizer_.eps;
-      step.weight_decay = span.weight_decay ? optimizer_.weight_decay : 0.0f;
+      step.weight_decay = layout_[first].weight_decay ? optimizer_.weight_decay : 0.0f;
       step.step = optimizer_steps_;
-      adamw_update(step, weights_.data() + span.offset, gradients_.data() + span.offset,
-                   first_moment_.data() + span.offset, second_moment_.data() + span.offset,
-                   weights_bf16_.data() + span.offset, clip_scale_.data(), span.rows * span.cols, stream_);
+      adamw_update(step, weights_.data() + offset, gradients_.data() + offset, first_moment_.data() + offset,
+                   second_moment_.data() + offset, weights_bf16_.data() + offset, clip_scale_.data(), count, stream_);
+      first = end;
     }
   });
 }

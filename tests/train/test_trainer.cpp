@@ -69,13 +69,16 @@ TEST(Trainer, LearnsAndRecordsWhatTheViewerNeeds) {
   REQUIRE_GPU();
   moe::testing::TempDir dir;
   write_text(dir.path() / "text.txt");
-  const TrainConfig c = tiny(dir.path(), "run");
+  TrainConfig c = tiny(dir.path(), "run");
+  c.steps = 300;  // well under a second on an H100 / H200
+  c.eval_every = 100;
+  c.record_every = 50;
   std::ostringstream log;
   const moe::train::TrainResult result = moe::train::train(c, log);
   std::printf("%s", log.str().c_str());
 
-  ASSERT_EQ(result.steps_done, 60);
-  ASSERT_EQ(result.losses.size(), 60u);
+  ASSERT_EQ(result.steps_done, 300);
+  ASSERT_EQ(result.losses.size(), 300u);
   const double first = std::accumulate(result.losses.begin(), result.losses.begin() + 5, 0.0) / 5;
   const double last = std::accumulate(result.losses.end() - 5, result.losses.end(), 0.0) / 5;
   EXPECT_LT(last, 0.6 * first) << "the training loss should fall";
@@ -85,11 +88,11 @@ TEST(Trainer, LearnsAndRecordsWhatTheViewerNeeds) {
   const moe::RunRecord run = moe::RunReader::load(c.run_dir);
   EXPECT_EQ(run.info["kind"], "train");
   const std::map<int64_t, double> losses = metric_by_step(run, "loss");
-  ASSERT_EQ(losses.size(), 60u);
+  ASSERT_EQ(losses.size(), 300u);
   EXPECT_EQ(losses.begin()->first, 1);
-  EXPECT_EQ(losses.rbegin()->first, 60);
-  EXPECT_EQ(metric_by_step(run, "val_loss").size(), 3u);  // every 20 steps
-  EXPECT_GT(metric_by_step(run, "tokens_per_s").size(), 50u);
+  EXPECT_EQ(losses.rbegin()->first, 300);
+  EXPECT_EQ(metric_by_step(run, "val_loss").size(), 3u);  // every 100 steps
+  EXPECT_EQ(metric_by_step(run, "tokens_per_s").size(), 300u);
 
   const int64_t T = c.batch * c.model.seq_len, K = c.model.top_k, B = c.model.block_size;
   int routing = 0, topology = 0, tokens = 0, spans = 0;
@@ -121,7 +124,7 @@ TEST(Trainer, LearnsAndRecordsWhatTheViewerNeeds) {
       EXPECT_GE(event["duration_us"].get<double>(), 0.0);
     }
   }
-  const int recorded_steps = 1 + 60 / int(c.record_every);  // step 1 and every record_every
+  const int recorded_steps = 1 + 300 / int(c.record_every);  // step 1 and every record_every
   EXPECT_EQ(routing, recorded_steps * int(c.model.num_layers));
   EXPECT_EQ(topology, routing);
   EXPECT_EQ(tokens, routing);
