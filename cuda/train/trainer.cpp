@@ -463,9 +463,11 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
       CUDA_CHECK(cudaEventElapsedTime(&ms, step_end[size_t(r)], step_end[size_t(r + 1)]));
       if (plain_step[size_t(r + 1)]) plain_step_ms.push_back(ms);
       metrics.push_back({"step_ms", ms});
-      metrics.push_back({"tokens_per_s", double(T) / (ms * 1e-3)});
-      if (peak > 0) metrics.push_back({"mfu", model_flops * double(T) / (ms * 1e-3) / peak});
-      if (r + 1 == rows) metrics.push_back({"grad_norm", model.read_grad_norm()});
+      if (r + 1 == rows) {  // the rates once per flush: a step event stays short (~150 bytes)
+        metrics.push_back({"tokens_per_s", double(T) / (ms * 1e-3)});
+        if (peak > 0) metrics.push_back({"mfu", model_flops * double(T) / (ms * 1e-3) / peak});
+        metrics.push_back({"grad_norm", model.read_grad_norm()});
+      }
       writer->append(step_event(s, metrics));
     }
     if (rows > 0) {
