@@ -43,8 +43,9 @@ std::pair<std::string, int> variant_of(const json& train) {
   std::string label = formulation;
   if (train.value("pregated", false)) label += " pre-gated";
   if (formulation == "dropping") {
-    char cf[32];
-    std::snprintf(cf, sizeof(cf), " cf %.2g", train.value("capacity_factor", 0.0));
+    char cf[32];  // "cf 1.0", "cf 1.5", "cf 1.25"
+    const double factor = train.value("capacity_factor", 0.0);
+    std::snprintf(cf, sizeof(cf), factor == std::round(factor) ? " cf %.1f" : " cf %.3g", factor);
     return {label + cf, train.value("capacity_factor", 0.0) < 1.25 ? 1 : 2};
   }
   if (formulation == "padded") return {label + " (C = T, nothing dropped)", 3};
