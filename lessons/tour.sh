@@ -19,6 +19,11 @@ for lesson in lesson01_routing lesson02_formulations lesson03_block_sparse lesso
   "$program" --out "runs/$lesson" --overwrite || failed=1
 done
 
+# Lesson 08 reads the training runs recorded on a GPU (notebooks_data/runs/train_*).
+echo
+echo "==================== lesson08_quality ===================="
+"$build_dir/lessons/lesson08_quality" --out runs/lesson08_quality --overwrite || failed=1
+
 # The GPU path, where there is a GPU: one MoE layer on the GPU beside the CPU reference, forward
 # and backward, dropless (block-sparse kernels) and padded (cuBLAS), with every tensor as .npy.
 dump="$build_dir/cuda/moe_layer_dump"
