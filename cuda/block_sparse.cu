@@ -1,6 +1,7 @@
 // block_sparse.cu: launchers of the block-sparse products (SDD, DSD, DSᵀD, DDS) and the dropless
 // expert FFN forward and backward built from them (see block_sparse.h for the API and the math,
-// block_sparse.cuh for the tensor-core kernel, cuda/dev/sdd.cu for how it was reached).
+// block_sparse.cuh for the mma.sync tensor-core kernel, block_sparse_wgmma.cuh for the Hopper one
+// that runs all four products at B = 128 on an H100/H200, cuda/dev/sdd.cu for how it was reached).
 // Build: cmake --build build --target moe_cuda
 #include "block_sparse.h"
 
@@ -74,7 +75,7 @@ void launch_shape(const Problem& problem, int x_extent, int y_count, cudaStream_
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- the Hopper path: wgmma, for the products whose A is K-major and tiles run over N ----
+// ---- the Hopper path: wgmma, for every product at B = 128 ----
 // wgmma exists on compute capability 9.0 only (H100, H200), and only in a build that carries sm_90a
 // machine code (CMake defines MOE_CUDA_HAS_SM90A when CMAKE_CUDA_ARCHITECTURES names 90a); a newer
 // GPU running the compute_90 PTX gets the mma.sync kernel.
@@ -95,7 +96,9 @@ void launch_wgmma_shape(const Problem& problem, int x_extent, int y_count, cudaS
   constexpr int smem = wgmma_shared_bytes<BN, STAGES>();
   auto* kernel = &block_sparse_wgmma_kernel<BN, STAGES, MIN_BLOCKS, IN_FLIGHT, STAGED, Problem>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<dim3(x_extent / BN, y_count), kWgmmaThreads, smem, stream>>>(problem);
+  // x tiles over N, or over M for DDS (128 rows of the output, one block column wide)
+  const int x_tiles = x_extent / (Problem::grid_x_over_m ? kWgmmaBlockM : BN);
+  kernel<<<dim3(x_tiles, y_count), kWgmmaThreads, smem, stream>>>(problem);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -104,25 +107,25 @@ void launch_wgmma_shape(const Problem& problem, int x_extent, int y_count, cudaS
 template <class Problem>
 void launch(const Problem& problem, int block_size, int dense_extent, int y_count, cudaStream_t stream) {
   if (y_count == 0) return;
-  if constexpr (!Problem::grid_x_over_m && Problem::a_layout == Layout::row_major_mk) {
-    // SDD and DSD at B = 128 on Hopper, the epilogue staged through shared memory (16-byte stores,
-    // the activation compiled once). Measured on an H200 (cuda/dev/sdd.cu, versions 12-14):
-    //   - SDD: 128 x 128 tiles, 3 stages, 2 CTAs per SM (version 12): K = D is short (16-32 k-steps),
-    //     so overlapping one CTA's pipeline fill and epilogue with the other's wgmma pays more than
-    //     the 128 x 256 tile's lighter L2 traffic (366-390 TFLOP/s against 321-338);
-    //   - DSD: K = H is long (64-128 k-steps): 128 x 256 tiles, 4 stages, 1 CTA per SM, one wgmma
-    //     group in flight (version 14 on the DSD: 308-381 TFLOP/s against 309-340).
-    const bool wgmma = block_size == 128 && dense_extent % 128 == 0 && wgmma_available();
-    if constexpr (Problem::wgmma_wide_tile) {
-      if (wgmma && dense_extent % 256 == 0) {
-        launch_wgmma_shape<256, 4, 1, 1, true>(problem, dense_extent, y_count, stream);
-        return;
-      }
-    }
-    if (wgmma) {
-      launch_wgmma_shape<128, 3, 2, 0, true>(problem, dense_extent, y_count, stream);
+  // Every product at B = 128 on Hopper, the epilogue staged through shared memory (16-byte stores,
+  // the activation compiled once). Measured on an H200 (cuda/dev/sdd.cu, versions 12-14):
+  //   - SDD: 128 x 128 tiles, 3 stages, 2 CTAs per SM (version 12): K = D is short (16-32 k-steps),
+  //     so overlapping one CTA's pipeline fill and epilogue with the other's wgmma pays more than
+  //     the 128 x 256 tile's lighter L2 traffic (366-390 TFLOP/s against 321-338);
+  //   - DSD: K = H is long (64-128 k-steps): 128 x 256 tiles, 4 stages, 1 CTA per SM, one wgmma
+  //     group in flight (version 14 on the DSD: 308-381 TFLOP/s against 309-340);
+  //   - DSᵀD and DDS (the weight gradients, A read M-major): the SDD's configuration, not yet
+  //     measured. DDS's tiles run over M, so its dense extent (D) must be a multiple of 128 rows.
+  const bool wgmma = block_size == 128 && dense_extent % 128 == 0 && wgmma_available();
+  if constexpr (Problem::wgmma_wide_tile) {
+    if (wgmma && dense_extent % 256 == 0) {
+      launch_wgmma_shape<256, 4, 1, 1, true>(problem, dense_extent, y_count, stream);
       return;
     }
+  }
+  if (wgmma) {
+    launch_wgmma_shape<128, 3, 2, 0, true>(problem, dense_extent, y_count, stream);
+    return;
   }
   const bool wide = dense_extent % 128 == 0;
   if constexpr (Problem::grid_x_over_m) {

@@ -109,14 +109,14 @@ __device__ inline float silu_derivative(float a) {
 // Problem supplies (all __device__):
 //   static constexpr Layout a_layout, b_layout;
 //   static constexpr bool grid_x_over_m;        x tiles run over M (DDS) rather than N
-//   (SDD, DSD) static constexpr bool wgmma_wide_tile;  Hopper: 128 x 256 rather than 128 x 128 tiles
+//   static constexpr bool wgmma_wide_tile;      Hopper: 128 x 256 rather than 128 x 128 tiles
 //   bool begin(int y, int tile_x, int tile_x_size)  false: nothing to do (e.g. past *block_rows)
 //   int k_steps() const
 //   const bf16* a_chunk(int step, int64_t& ld)  origin of A's BM x BK (or BK x BM) chunk
 //   const bf16* b_chunk(int step, int64_t& ld)  origin of B's BK x BN (or BN x BK) chunk
 //   void store(int m, int n, float v0, float v1) C[m][n], C[m][n+1] of the tile (n even)
-//   (SDD, DSD) void store_chunk(int m, int n, const float (&v)[8])  C[m][n .. n+7], one 16-byte store:
-//   the wgmma kernel's staged epilogue
+//   void store_chunk(int m, int n, const float (&v)[8])  C[m][n .. n+7] (n a multiple of 8): the
+//   wgmma kernel's staged epilogue; one 16-byte store of bf16, two of fp32
 // MIN_BLOCKS: CTAs per SM the compiler must make room for (2 caps registers at 128 per thread).
 template <int BM, int BN, int MIN_BLOCKS, class Problem>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) block_sparse_mma_kernel(const Problem parameters) {
@@ -256,6 +256,19 @@ __device__ inline void unpack8(const bf16* p, float (&v)[8]) {
     const float2 f = __bfloat1622float2(h[i]);
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
+  }
+}
+
+// 8 fp32 values to out[0 .. 7] (the weight gradients' staged epilogue): two 16-byte stores where out
+// is 16-byte aligned, else four 8-byte ones (the products promise only what the mma.sync kernel's
+// float2 stores need: even ldo and column_offset, 8-byte aligned expert pointers).
+__device__ inline void store8(float* out, const float (&v)[8]) {
+  if ((reinterpret_cast<uintptr_t>(out) & 15) == 0) {
+    reinterpret_cast<float4*>(out)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(out)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) reinterpret_cast<float2*>(out)[i] = make_float2(v[2 * i], v[2 * i + 1]);
   }
 }
 
@@ -443,6 +456,7 @@ struct DsdProblem {
 // rows has empty columns: its tile is written with zeros. Output fp32 (weight gradients).
 struct DsdTransposedProblem {
   static constexpr bool grid_x_over_m = false;
+  static constexpr bool wgmma_wide_tile = false;  // Hopper: 128 x 128 tiles, the SDD's configuration
   static constexpr Layout a_layout = Layout::row_major_km;  // S block [k = row][m = column]
   static constexpr Layout b_layout = Layout::row_major_km;  // dense [k = row][n]
   const int* column_offsets;
@@ -490,6 +504,9 @@ struct DsdTransposedProblem {
   __device__ void store(int m, int n, float v0, float v1) const {
     *reinterpret_cast<float2*>(out_tile + static_cast<int64_t>(m) * ldo + n) = make_float2(v0, v1);
   }
+  __device__ void store_chunk(int m, int n, const float (&v)[8]) const {
+    store8(out_tile + static_cast<int64_t>(m) * ldo + n, v);
+  }
 };
 
 // DDS: out_e[m-tile, column_offset + jB : ... + B] = sum over the blocks (r, c) of block column
@@ -497,6 +514,7 @@ struct DsdTransposedProblem {
 // BN = B columns (one block column). Output fp32 (weight gradients: d W1_e = permuted_xᵀ · d_pre).
 struct DdsProblem {
   static constexpr bool grid_x_over_m = true;
+  static constexpr bool wgmma_wide_tile = false;  // BN = B: a tile is one block column wide
   static constexpr Layout a_layout = Layout::row_major_km;  // dense [k = row][m]
   static constexpr Layout b_layout = Layout::row_major_km;  // S block [k = row][n]
   const int* column_offsets;
@@ -545,6 +563,9 @@ struct DdsProblem {
   }
   __device__ void store(int m, int n, float v0, float v1) const {
     *reinterpret_cast<float2*>(out_tile + static_cast<int64_t>(m) * ldo + n) = make_float2(v0, v1);
+  }
+  __device__ void store_chunk(int m, int n, const float (&v)[8]) const {
+    store8(out_tile + static_cast<int64_t>(m) * ldo + n, v);
   }
 };
 

@@ -2,8 +2,9 @@
 // block-sparse products on tensor cores: SDD, DSD, DSᵀD and DDS over a DeviceTopology, forward and
 // backward. Host API, includable by plain C++; the kernels are in block_sparse.cu / .cuh, and the
 // lesson that builds them up version by version is cuda/dev/sdd.cu. On an H100/H200 (compute
-// capability 9.0, sm_90a build) SDD and DSD at B = 128 run the wgmma kernel of
-// block_sparse_wgmma.cuh; everything else runs the mma.sync kernel of block_sparse.cuh.
+// capability 9.0, sm_90a build) all four products at B = 128 with the dense extent (the dense
+// operand's columns) a multiple of 128 run the wgmma kernel of block_sparse_wgmma.cuh; everything
+// else runs the mma.sync kernel of block_sparse.cuh.
 // Build: cmake --build build --target moe_cuda; tests: build/tests/cuda/cuda_test_block_sparse
 //
 // The hidden matrix [rows, E*H] is tiled in B x B blocks. The dropless plan rounds each expert's

@@ -1,7 +1,8 @@
-// block_sparse_wgmma.cuh: the Hopper (sm_90a) tile kernel behind the forward block-sparse products
-// SDD and DSD of MegaBlocks (Gale et al., MLSys 2023): warpgroup MMA (wgmma) instead of mma.sync.
+// block_sparse_wgmma.cuh: the Hopper (sm_90a) tile kernel behind the block-sparse products SDD, DSD,
+// DSᵀD and DDS of MegaBlocks (Gale et al., MLSys 2023) at B = 128: warpgroup MMA (wgmma) instead of
+// mma.sync.
 // Included by block_sparse.cu (the mainline, on compute capability 9.0) and cuda/dev/sdd.cu (the
-// lesson, versions 6-10). Build: cmake --build build --target moe_cuda
+// lesson, versions 6-14). Build: cmake --build build --target moe_cuda
 //
 // Why a second kernel: on an H100/H200, mma.sync reaches about a third of the tensor cores' rate
 // (cuda/dev/sdd.cu measured 235-296 TFLOP/s against cuBLAS's 690-760). Hopper's full rate comes only
@@ -21,7 +22,12 @@
 //     per SM (cuda/dev/sdd.cu, versions 12-14);
 //   - the epilogue goes through shared memory (STAGED): 16-byte coalesced stores, the activation
 //     compiled once in a loop;
-//   - 128 rows = one block row of B = 128, so SDD's and DSD's tiles never straddle two experts;
+//   - 128 rows = one block row of B = 128, so SDD's and DSD's tiles never straddle two experts
+//     (DSᵀD's 128 rows are one block of an expert's H; DDS's tiles are 128 rows of D by one block
+//     column, the grid's x running over M);
+//   - the weight gradients (DSᵀD, DDS) take the SDD's configuration: 128 x 128, 3 stages, 2 CTAs
+//     per SM (chosen by analogy with the SDD, not yet measured; K = an expert's rows: 32 k-steps at
+//     T = 16384, K = 2, E = 16);
 //   - every thread copies chunks with cp.async (16 bytes) STAGES deep, as the mma.sync kernel does,
 //     so each k-step's operands may come from any address: the per-expert pointer table and the
 //     sparse blocks of DSD need no tensor map (TMA wants one descriptor per tensor);
@@ -29,10 +35,13 @@
 //     16-byte chunk c of row r stored at chunk c ^ (r % 8), in atoms of 8 rows (1024 bytes, aligned
 //     to 1024). Eight consecutive rows of one chunk column then sit in 8 different bank groups, so
 //     neither the copies nor the tensor cores' reads conflict.
-// The problems are block_sparse.cuh's (SddProblem, DsdProblem): the same begin / k_steps / a_chunk /
-// b_chunk / store, so a k-step is addressed exactly as in the mma.sync kernel. A must be stored
-// [m][k] (K-major: x_perm, the sparse blocks); B either [k][n] (N-major: W1[e], W2[e] of the forward,
-// read with wgmma's transpose-B flag) or [n][k] (K-major: Wᵀ in the backward).
+// The problems are block_sparse.cuh's (SddProblem, DsdProblem, DsdTransposedProblem, DdsProblem):
+// the same begin / k_steps / a_chunk / b_chunk / store, so a k-step is addressed exactly as in the
+// mma.sync kernel. A is stored [m][k] (K-major: x_perm, the sparse blocks of SDD and DSD) or [k][m]
+// (M-major, read with wgmma's transpose-A flag: a sparse block read as Sᵀ in DSᵀD, x_perm read as
+// x_permᵀ in DDS); B either [k][n] (N-major: W1[e], W2[e] of the forward, d_out in DSᵀD, the sparse
+// blocks in DDS; transpose-B flag) or [n][k] (K-major: Wᵀ in the backward). One kernel, the layouts
+// compile-time switches: the MN-major copies and descriptors are the same code for A and for B.
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, B block size.
 #pragma once
 
@@ -75,8 +84,12 @@ constexpr int wgmma_staging_bytes() {
 //     between 8-row groups (1024); the leading one is unused (the 16 k of one instruction lie in one
 //     row). The k-th slice of 16 starts 32 k bytes further: the hardware applies the swizzle to the
 //     address it forms, which is why the atoms must be 1024-aligned.
-//   N-major (B stored [k][n]): a row of 64 n = 128 bytes for each k; the stride byte offset is the
-//     step between groups of 8 k rows (1024), the leading one the step between groups of 64 n.
+//   MN-major (A stored [k][m], B stored [k][n]; read with the transpose flag): a row of 64 m (n) =
+//     128 bytes for each k; the stride byte offset is the step between groups of 8 k rows (1024),
+//     the leading one the step between groups of 64 m (n). In CUTLASS's words (make_gmma_desc,
+//     Major::MN, 128B swizzle, in 16-byte units): ((8,n),(8,k)) : ((1,LBO),(8,SBO)). A warpgroup's
+//     64 rows of A are exactly one such group, so A's leading byte offset is never used; B's is,
+//     for BN = 128 or 256 (2 or 4 groups).
 __device__ inline uint64_t matrix_descriptor(uint32_t shared_address, uint32_t leading_bytes,
                                              uint32_t stride_bytes) {
   return static_cast<uint64_t>((shared_address & 0x3FFFF) >> 4) |
@@ -96,9 +109,11 @@ __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.sha
 __device__ inline void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // D[64 x N] += A[64 x 16] B[16 x N], A and B from shared memory through their descriptors, D in
-// registers (N/2 fp32 per thread). TRANSPOSE_B = 1: B is N-major. scale-d = 1 (accumulate):
-// the accumulators start at zero.
-template <int TRANSPOSE_B>
+// registers (N/2 fp32 per thread). The immediates after scale-d are imm-scale-a, imm-scale-b (1: no
+// negation), imm-trans-a, imm-trans-b: TRANSPOSE_A = 1 reads A M-major, TRANSPOSE_B = 1 reads B
+// N-major (PTX ISA, "Shared Memory Matrix Layout": allowed for .f16 / .bf16 only). scale-d = 1
+// (accumulate): the accumulators start at zero.
+template <int TRANSPOSE_A, int TRANSPOSE_B>
 __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -107,7 +122,7 @@ __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b) 
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
       "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
       "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-      "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+      "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -116,10 +131,10 @@ __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b) 
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));
+      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
 }
 
-template <int TRANSPOSE_B>
+template <int TRANSPOSE_A, int TRANSPOSE_B>
 __device__ inline void wgmma_m64n256k16(float (&d)[128], uint64_t a, uint64_t b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -132,7 +147,7 @@ __device__ inline void wgmma_m64n256k16(float (&d)[128], uint64_t a, uint64_t b)
       "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
       "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
       "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -149,7 +164,7 @@ __device__ inline void wgmma_m64n256k16(float (&d)[128], uint64_t a, uint64_t b)
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));
+      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
 }
 
 // ---- copies into the swizzled layout ----
@@ -166,10 +181,11 @@ __device__ inline void load_k_major(uint32_t tile, const bf16* source, int64_t l
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(source + row * ld + c * 8));
   }
 }
-// N-major tile: global [64 k][N] row-major, stored as N/64 column groups of [64 k][64 n], each a
-// K-major-like [64][64] swizzled tile of 8 KB (the leading byte offset between groups is 8192).
+// MN-major tile: global [64 k][N] row-major (N = m of A or n of B), stored as N/64 column groups
+// of [64 k][64], each a K-major-like [64][64] swizzled tile of 8 KB (the leading byte offset
+// between groups is 8192).
 template <int N>
-__device__ inline void load_n_major(uint32_t tile, const bf16* source, int64_t ld) {
+__device__ inline void load_mn_major(uint32_t tile, const bf16* source, int64_t ld) {
   constexpr int chunks_per_row = N / 8, chunks = kBlockK * chunks_per_row;
   static_assert(chunks % kWgmmaThreads == 0, "every thread copies the same number of chunks");
 #pragma unroll
@@ -196,6 +212,7 @@ __device__ inline void load_n_major(uint32_t tile, const bf16* source, int64_t l
 // IN_FLIGHT 0 measured faster at 3 stages (the copies run 2 steps ahead rather than 1).
 // STAGED: the epilogue goes through shared memory (below); false: each thread stores its own
 // accumulator fragments, 4 bytes at a time (versions 6-10 of cuda/dev/sdd.cu).
+// k_steps = 0 (DSᵀD and DDS on an expert with no rows) skips the loop: the tile is stored as zeros.
 template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, bool STAGED, class Problem>
 __global__ void __launch_bounds__(kWgmmaThreads, MIN_BLOCKS) block_sparse_wgmma_kernel(const Problem parameters) {
   static_assert(BN == 128 || BN == 256, "wgmma m64nNk16 with N = 128 or 256");
@@ -203,15 +220,20 @@ __global__ void __launch_bounds__(kWgmmaThreads, MIN_BLOCKS) block_sparse_wgmma_
                 "the staged tile must fit in the pipeline's stages");
   static_assert(IN_FLIGHT == 0 || IN_FLIGHT == 1, "wgmma groups left running across the barrier");
   static_assert(STAGES - 1 - IN_FLIGHT >= 1, "at least one stage loading while one computes");
-  static_assert(Problem::a_layout == Layout::row_major_mk && !Problem::grid_x_over_m,
-                "A must be K-major ([m][k]) and the grid's x must run over N (SDD, DSD)");
+  static_assert(Problem::a_layout != Layout::row_major_nk, "A is stored [m][k] or [k][m]");
+  static_assert(kBlockK == 64, "a k-step is one 128-byte swizzle row of K (K-major) or 64 rows (MN-major)");
+  static_assert(!Problem::grid_x_over_m || BN == kWgmmaBlockM,
+                "DDS (x over M): a tile's columns are one block column, B = 128");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool a_m_major = Problem::a_layout == Layout::row_major_km;  // stored [k][m]
   constexpr bool b_n_major = Problem::b_layout == Layout::row_major_km;  // stored [k][n]
   constexpr int kAccumulators = BN / 2;                                  // 64 x BN over 128 threads
   constexpr int kAhead = STAGES - 1 - IN_FLIGHT;                         // prefetch distance
 
+  // The grid's y walks block rows (or block columns); x walks tiles over the dense dimension,
+  // which is N, except for DDS where it is M.
   Problem problem = parameters;  // a register copy: begin() fills in the per-CTA fields
-  if (!problem.begin(blockIdx.y, blockIdx.x, BN)) return;
+  if (!problem.begin(blockIdx.y, blockIdx.x, Problem::grid_x_over_m ? kWgmmaBlockM : BN)) return;
   const int k_steps = problem.k_steps();
 
   extern __shared__ unsigned char shared_bytes[];
@@ -224,10 +246,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, MIN_BLOCKS) block_sparse_wgmma_
   auto load_stage = [&](int step) {
     int64_t ld;
     const bf16* a = problem.a_chunk(step, ld);
-    load_k_major<kWgmmaBlockM>(stage_a(step), a, ld);
+    if constexpr (a_m_major)
+      load_mn_major<kWgmmaBlockM>(stage_a(step), a, ld);
+    else
+      load_k_major<kWgmmaBlockM>(stage_a(step), a, ld);
     const bf16* b = problem.b_chunk(step, ld);
     if constexpr (b_n_major)
-      load_n_major<BN>(stage_b(step), b, ld);
+      load_mn_major<BN>(stage_b(step), b, ld);
     else
       load_k_major<BN>(stage_b(step), b, ld);
   };
@@ -248,18 +273,22 @@ __global__ void __launch_bounds__(kWgmmaThreads, MIN_BLOCKS) block_sparse_wgmma_
     fence_proxy_async();          // ... and are visible to the tensor cores
     __syncthreads();              // everyone's; and every wgmma of step - 1 - IN_FLIGHT has retired
 
-    const uint32_t a = stage_a(step) + warpgroup * 64 * 128;  // this warpgroup's 64 rows
+    // This warpgroup's 64 rows of A: 64 rows of 128 bytes (K-major), or one [64 k][64 m] column
+    // group (M-major: kBlockK = 64 rows of 128 bytes): 8 KB further either way.
+    const uint32_t a = stage_a(step) + warpgroup * 64 * 128;
     const uint32_t b = stage_b(step);
     wgmma_fence();  // the accumulators were last written by wgmma (or the zero fill above)
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      const uint64_t a_descriptor = matrix_descriptor(a + kk * 32, 16, 1024);
+      // The kk-th 16 of K: 32 bytes along a K-major row, or 16 rows of 128 bytes down an MN-major tile.
+      const uint64_t a_descriptor = a_m_major ? matrix_descriptor(a + kk * 16 * 128, kBlockK * 128, 1024)
+                                              : matrix_descriptor(a + kk * 32, 16, 1024);
       const uint64_t b_descriptor = b_n_major ? matrix_descriptor(b + kk * 16 * 128, kBlockK * 128, 1024)
                                               : matrix_descriptor(b + kk * 32, 16, 1024);
       if constexpr (BN == 256)
-        wgmma_m64n256k16<b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
+        wgmma_m64n256k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
       else
-        wgmma_m64n128k16<b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
+        wgmma_m64n128k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
     }
     wgmma_commit();
 

@@ -4,6 +4,8 @@
 // Frobenius error ||gpu - ref|| / ||ref|| < 1e-2 (bf16 operands and outputs, fp32 accumulation).
 // Also checked: nothing past the used rows / blocks is written, rows past the used part of the
 // inputs are never read (they hold NaN), empty experts get exactly zero weight gradients.
+// At B = 128 with D and H multiples of 128, an H100/H200 runs all four products on the wgmma kernel
+// (block_sparse_wgmma.cuh; DSᵀD and DDS read A M-major); the B = 64 cases keep the mma.sync kernel.
 // Run: ctest --test-dir build -R cuda_test_block_sparse   (skips without a GPU)
 #include <gtest/gtest.h>
 
@@ -18,7 +20,7 @@
 #include "block_sparse.h"                      // moe::cuda: the kernels under test
 #include "block_sparse_ffn.h"                  // moe::ref::block_sparse_ffn_forward / backward
 #include "block_sparse_host.h"                 // upload_topology
-#include "device_info.h"                       // gpu_available
+#include "device_info.h"                       // gpu_available, current_device
 #include "init.h"                              // moe::ref::random_matrix
 
 namespace {
@@ -312,11 +314,25 @@ TEST(BlockSparseFfn, TopTwoOfEight) {
   REQUIRE_GPU();
   check_ffn(Problem(400, 384, 256, 8, 2, 128, Activation::gelu, Routing::random, 9));
 }
+// B = 128: the weight gradients of 3 empty experts and one with every row (5 blocks, 10 k-steps).
+TEST(BlockSparseFfn, OneExpertGetsAllTokensB128) {
+  REQUIRE_GPU();
+  check_ffn(Problem(600, 256, 384, 4, 1, 128, Activation::gelu, Routing::all_to_one_expert, 16));
+}
+// SwiGLU at B = 128, every token to experts 1 and 2: DDS writes both halves of dW1 (column_offset H).
+TEST(BlockSparseFfn, SwigluAllTokensToTwoExpertsB128) {
+  REQUIRE_GPU();
+  check_ffn(Problem(300, 128, 256, 4, 2, 128, Activation::swiglu, Routing::all_to_one_expert, 17));
+}
 
 // The four public products on their own, on random sparse blocks (not an FFN's activations), with
 // both layouts of the expert operand.
-void check_products(int T, int D, int H, int E, int K, int B, uint64_t seed) {
-  Problem p(T, D, H, E, K, B, Activation::gelu, Routing::random, seed);
+void check_products(int T, int D, int H, int E, int K, int B, uint64_t seed, Routing routing = Routing::random) {
+  Problem p(T, D, H, E, K, B, Activation::gelu, routing, seed);
+  const bool hopper = moe::cuda::current_device().compute_capability == 90;
+  std::printf("T=%d D=%d H=%d E=%d K=%d B=%d rows=%ld nnz=%ld: %s\n", T, D, H, E, K, B, long(p.rows),
+              long(p.topology.nnz),
+              hopper && B == 128 && D % 128 == 0 ? "wgmma kernel (sm_90a build)" : "mma.sync kernel");
   std::mt19937_64 generator(seed + 100);
   const auto& t = p.device.topology;
   const Matrix s = random_bf16_matrix(p.topology.nnz * B, B, generator, 1.0);
@@ -362,6 +378,16 @@ void check_products(int T, int D, int H, int E, int K, int B, uint64_t seed) {
   for (int e = 0; e < E; ++e) ref_stacked.middleRows(e * D, D) = ref.middleCols(e * H, H);
   const Matrix xt_s_gpu = xt_s.stacked(D, H);
   EXPECT_CLOSE(std::vector<float>(xt_s_gpu.data(), xt_s_gpu.data() + xt_s_gpu.size()), ref_stacked, "dds x^T S");
+
+  // The same at column_offset 2 of rows of H + 2: outputs only 8-byte aligned, so the staged
+  // epilogue's fp32 stores must fall back from 16 to 8 bytes; columns 0-1 stay untouched (NaN).
+  ExpertFloats xt_s_offset(E, size_t(D * (H + 2)));
+  moe::cuda::dds(t, x.data(), D, s_device.data(), xt_s_offset.table.data(), H + 2, 2);
+  const Matrix offset_gpu = xt_s_offset.stacked(D, H + 2);
+  const Matrix offset_used = offset_gpu.middleCols(2, H);
+  EXPECT_CLOSE(std::vector<float>(offset_used.data(), offset_used.data() + offset_used.size()), ref_stacked,
+               "dds x^T S at column 2");
+  EXPECT_TRUE(offset_gpu.leftCols(2).array().isNaN().all()) << "dds wrote left of column_offset";
 }
 
 TEST(BlockSparseProducts, B128) {
@@ -371,6 +397,17 @@ TEST(BlockSparseProducts, B128) {
 TEST(BlockSparseProducts, B64) {
   REQUIRE_GPU();
   check_products(250, 192, 256, 5, 1, 64, 12);
+}
+// B = 128, D a multiple of 128 but not of 256: DSᵀD's and DDS's 128 x 128 wgmma tiles, with an
+// expert that has no rows (its weight gradients must be written as zeros, from zero k-steps).
+TEST(BlockSparseProducts, B128ExpertWithNoTokens) {
+  REQUIRE_GPU();
+  check_products(280, 384, 256, 4, 1, 128, 14, Routing::skip_one_expert);
+}
+// B = 128, every row in one expert (7 blocks: 14 k-steps of DSᵀD and DDS), the others empty.
+TEST(BlockSparseProducts, B128OneExpertGetsAllTokens) {
+  REQUIRE_GPU();
+  check_products(800, 256, 384, 4, 1, 128, 15, Routing::all_to_one_expert);
 }
 
 // ---- bad input: refused on the host, before any launch ----
