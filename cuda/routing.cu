@@ -122,15 +122,16 @@ __global__ void route_top_k_kernel(const float* __restrict__ logits,  // [T, E]
 }
 
 // ---- router losses ----
-// One block per expert, 256 threads striding over the tokens: the T column reads of one expert are
-// strided (E floats apart) but every block has T / 256 independent loads per thread in flight, so
-// the kernel takes a few microseconds even at T = 16384. (A first version gave each block 32 experts
-// and only ceil(E / 32) blocks in all: 2 blocks for E = 64, latency-bound at 0.19 ms on an H200.)
-// Each thread sums its tokens in order and the block combines the partial sums in a fixed tree, so
-// the result is the same bit for bit on every run.
-constexpr int kStatisticsThreads = 256;
+// One block per expert, 1024 threads striding over the tokens: the T column reads of one expert are
+// strided (E floats apart), so what bounds the kernel is how many loads are in flight. A first
+// version gave each block 32 experts and only ceil(E / 32) blocks in all (2 blocks for E = 64:
+// 0.19 ms on an H200); with 256 threads per expert block it still took ~47 us per layer at
+// T = 16384, E = 16 (16 blocks on 132 SMs, 64 loads in sequence per thread); 1024 threads cut the
+// sequence to 16. Each thread sums its tokens in order and the block combines the partial sums in
+// a fixed tree, so the result is the same bit for bit on every run.
+constexpr int kStatisticsThreads = 1024;
 
-__global__ void expert_statistics_kernel(const float* __restrict__ probs,     // [T, E]
+__global__ void __launch_bounds__(kStatisticsThreads) expert_statistics_kernel(const float* __restrict__ probs,     // [T, E]
                                          const int* __restrict__ top_experts, // [T, K]
                                          float* __restrict__ expert_fraction, // [E]
                                          float* __restrict__ mean_probs,      // [E]

@@ -5,7 +5,8 @@
 #                                           test dependencies the GPU machines lack (nlohmann-json,
 #                                           Eigen, GoogleTest) into .deps/ (ignored by git)
 #   cuda/scripts/gpu_suite.sh run [STEPS]   on the GPU machine: build with .deps, then run STEPS
-#                                           (default: tests sanitize lessons dev bench record), logs in $OUT
+#                                           (default: tests sanitize lessons dev bench record; train
+#                                           times the training step beside PyTorch), logs in $OUT
 # The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -91,6 +92,31 @@ bench() {
   return $rc
 }
 
+train() {
+  # The training step's speed at moe_train's "throughput" preset (issue 4's configuration), each
+  # formulation and a dense model of the same active FLOPs, and PyTorch's straightforward version of
+  # the same model beside it (cuda/train/torch_train_baseline.py). Real text when the Brown corpus is
+  # in notebooks_data/brown (carried: the GPU machines have no npm), else random bytes.
+  local rc=0 program=build-gpu/cuda/train/moe_train
+  [ -x "$program" ] || { echo "train: $program not built"; return 1; }
+  for variant in "dropless:" "dense:--moe-layers none" "padded_cf1.0:--formulation padded --capacity-factor 1.0" \
+                 "dropping_cf1.0:--formulation dropping --capacity-factor 1.0" "dropless_pregated:--pregated"; do
+    local name=${variant%%:*} flags=${variant#*:}
+    # shellcheck disable=SC2086
+    $program --preset throughput $flags --benchmark-steps 30 --benchmark-json "$OUT/train_throughput_$name.json" \
+      > "$LOGS/train_throughput_$name.log" 2>&1 || rc=1
+    echo "moe_train $name: $(grep 'median step' "$LOGS/train_throughput_$name.log")"
+  done
+  for variant in "moe:" "dense:--dense"; do
+    local name=${variant%%:*} flags=${variant#*:}
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 python3 cuda/train/torch_train_baseline.py $flags --out "$OUT/torch_train_$name.json" \
+      > "$LOGS/torch_train_$name.log" 2>&1 || rc=1
+    tail -1 "$LOGS/torch_train_$name.log"
+  done
+  return $rc
+}
+
 record() {
   # Recorded GPU runs for notebooks_data/runs/: one layer in each formulation, its routing, topology
   # and per-phase timeline over 5 forward + backward passes (run records only, no .npy).
@@ -119,5 +145,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench] [record]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench] [train] [record]" >&2; exit 2 ;;
 esac
