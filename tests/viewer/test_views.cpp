@@ -9,6 +9,7 @@
 
 #include "colormap.h"
 #include "comm_view.h"
+#include "curves_view.h"
 #include "downsample.h"
 #include "routing_view.h"
 #include "run_model.h"
@@ -168,6 +169,51 @@ TEST(ViewerViews, TimelineLanesAndMergedThinSpans) {
   // Zoomed in, nothing merges.
   EXPECT_EQ(visible_spans(t.lanes[1], 100, 110, 0.01).size(), 11u);
   EXPECT_EQ(build_timeline(m, 0, 0, true).lanes.size(), 2u);  // compute and copy lanes
+}
+
+TEST(ViewerViews, AThinSpanAfterAWideOneKeepsBothNames) {
+  // A 40 us router then a 7 us dispatch at 10 us per pixel: the dispatch is thin but must not
+  // turn the router grey; two thin spans in a row still merge.
+  TimelineLane lane;
+  lane.spans = {{0, 40, 0, 1}, {41, 48, 1, 1}, {48.5, 49, 2, 1}, {60, 100, 3, 1}};
+  const auto visible = visible_spans(lane, 0, 100, 10.0);
+  ASSERT_EQ(visible.size(), 3u);
+  EXPECT_EQ(visible[0].merged, 1);
+  EXPECT_EQ(visible[0].end_us, 40);
+  EXPECT_EQ(visible[1].merged, 2);  // dispatch + the 0.5 us span after it
+  EXPECT_EQ(visible[2].name, 3);
+}
+
+TEST(ViewerViews, OneRankTimelineLanesAreNamedByStream) {
+  RunModel m;
+  m.ingest(to_event(SpanEvent{.step = 5, .rank = 0, .stream = 0, .stream_name = "compute", .name = "moe", .start_us = 0, .duration_us = 10}));
+  m.ingest(to_event(SpanEvent{.step = 5, .rank = 0, .stream = 1, .stream_name = "compute: inside the MoE layer",
+                              .name = "router", .start_us = 1, .duration_us = 3}));
+  const Timeline t = build_timeline(m, 5, 5);
+  ASSERT_EQ(t.lanes.size(), 2u);
+  EXPECT_EQ(t.lanes[0].label, "compute");
+  EXPECT_EQ(t.lanes[1].label, "compute: inside the MoE layer");
+  EXPECT_EQ(timeline_step(m, 100), 5);
+  EXPECT_EQ(timeline_step(m, 0), 5);  // before the first timed step: the first one
+  EXPECT_EQ(timeline_step(RunModel{}, 3), INT64_MIN);
+}
+
+TEST(ViewerViews, CurveHelpers) {
+  EXPECT_EQ(compact_number(4471000), "4.47M");
+  EXPECT_EQ(compact_number(31200), "31.2k");
+  EXPECT_EQ(compact_number(1.41807), "1.418");
+  EXPECT_EQ(compact_number(2e-05), "2e-05");
+  Series s{{0, 10, 20, 30, 35}, {1, 1, 1, 1, 1}};
+  EXPECT_EQ(sample_spacing(s), 10);
+  EXPECT_EQ(sample_spacing(Series{{3}, {1}}), 0);
+  RunModel a, b;
+  a.ingest(step_event(3, {{"zeta", 1.0}, {"loss", 2.0}}));
+  b.ingest(step_event(9, {{"val_bits_per_byte", 1.0}, {"alpha", 1.0}}));
+  EXPECT_EQ(curve_metric_order({&a, &b}), (std::vector<std::string>{"loss", "val_bits_per_byte", "alpha", "zeta"}));
+  const StepRange r = curve_step_range({&a, &b});
+  EXPECT_EQ(r.lo, 3);
+  EXPECT_EQ(r.hi, 9);
+  EXPECT_GT(curve_step_range({}).lo, curve_step_range({}).hi);
 }
 
 TEST(ViewerViews, AllToAllBandwidthIsOffDiagonalBytesOverTime) {

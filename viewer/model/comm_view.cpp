@@ -63,13 +63,25 @@ Timeline build_timeline(const RunModel& run, int64_t step_lo, int64_t step_hi, b
     for (const AllToAllRecord& a : run.alltoalls)
       if (a.start_us && a.step >= step_lo && a.step <= step_hi)
         add(a.rank, kAllToAllStream, "all-to-all", a.name.empty() ? "alltoall" : a.name, *a.start_us, a.duration_us);
+  const bool one_rank = !lanes.empty() && lanes.begin()->first.first == lanes.rbegin()->first.first;
   for (auto& [key, lane] : lanes) {
+    if (one_rank) lane.label = lane.label.substr(lane.label.find(" / ") + 3);
     std::sort(lane.spans.begin(), lane.spans.end(),
               [](const TimelineSpan& a, const TimelineSpan& b) { return a.start_us < b.start_us; });
     t.lanes.push_back(std::move(lane));
   }
   if (t.span_count == 0) t.t0 = t.t1 = 0;
   return t;
+}
+
+int64_t timeline_step(const RunModel& run, int64_t step) {
+  int64_t best = INT64_MIN, first = INT64_MAX;
+  for (const SpanRecord& s : run.spans) {
+    first = std::min(first, s.step);
+    if (s.step <= step) best = std::max(best, s.step);
+  }
+  if (best != INT64_MIN) return best;
+  return run.spans.empty() ? INT64_MIN : first;
 }
 
 std::vector<TimelineSpan> visible_spans(const TimelineLane& lane, double t_lo, double t_hi, double min_width_us) {
@@ -79,17 +91,20 @@ std::vector<TimelineSpan> visible_spans(const TimelineLane& lane, double t_lo, d
   auto it = std::lower_bound(lane.spans.begin(), lane.spans.end(), t_lo,
                              [](const TimelineSpan& s, double t) { return s.start_us < t; });
   while (it != lane.spans.begin() && (it - 1)->end_us > t_lo) --it;
+  bool last_thin = false;  // the last span out is thin, or thin spans merged
   for (; it != lane.spans.end() && it->start_us <= t_hi; ++it) {
     if (it->end_us < t_lo) continue;
     const bool thin = it->end_us - it->start_us < min_width_us;
-    // A thin span less than a pixel after the previous one joins it: at this zoom no gap between
-    // them could be seen anyway, and the merged count goes to the tooltip.
-    if (thin && !out.empty() && it->start_us - out.back().end_us < min_width_us) {
+    // A thin span less than a pixel after a thin one joins it: at this zoom no gap between them
+    // could be seen anyway, and the merged count goes to the tooltip. A wide span keeps its name
+    // and colour: a 7 us dispatch after a 40 us router is drawn on its own, a pixel wide.
+    if (thin && last_thin && !out.empty() && it->start_us - out.back().end_us < min_width_us) {
       out.back().end_us = std::max(out.back().end_us, it->end_us);
       ++out.back().merged;
       continue;
     }
     out.push_back(*it);
+    last_thin = thin;
   }
   return out;
 }

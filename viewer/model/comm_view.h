@@ -39,9 +39,15 @@ struct Timeline {
 };
 
 // Spans of steps [step_lo, step_hi]; all-to-all events with start_us join as lane "all-to-all".
+// Lanes are labelled "rank r / <stream name>", or just the stream name when every lane is on one
+// rank (a single-GPU run: "compute" and "compute: inside the MoE layer", the nested phases).
 // With copy_and_compute_only, only the lanes whose stream is named compute or copy (or whose
 // spans are copies, e.g. h2d_copy) are kept: the offload panel's view.
 Timeline build_timeline(const RunModel& run, int64_t step_lo, int64_t step_hi, bool copy_and_compute_only = false);
+
+// The recorded step with spans at or before `step` (the first recorded one when all are after);
+// INT64_MIN when the run has no spans. Training runs time one step in a hundred.
+int64_t timeline_step(const RunModel& run, int64_t step);
 
 // The spans of `lane` overlapping [t_lo, t_hi], spans thinner than min_width_us merged with their
 // neighbours.

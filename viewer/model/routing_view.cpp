@@ -96,4 +96,36 @@ std::map<std::string, std::vector<double>> genre_load(const RunModel& run, int64
   return out;
 }
 
+GenreTable genre_table(const RunModel& run, int64_t layer, int64_t step) {
+  GenreTable table;
+  auto it = run.routing.find(layer);
+  if (it == run.routing.end()) return table;
+  const RoutingRow* row = it->second.row_at_or_before(step);
+  if (!row || row->tokens_per_expert_by_genre.empty()) return table;
+  table.valid = true;
+  table.step = row->step;
+  table.tokens_per_expert = row->tokens_per_expert;
+  int64_t E = static_cast<int64_t>(row->tokens_per_expert.size());
+  for (const auto& [genre, counts] : row->tokens_per_expert_by_genre) E = std::max<int64_t>(E, static_cast<int64_t>(counts.size()));
+  table.num_experts = E;
+  table.expert_totals.assign(static_cast<size_t>(E), 0);
+  for (const auto& [genre, counts] : row->tokens_per_expert_by_genre) {
+    std::vector<int64_t> padded = counts;
+    padded.resize(static_cast<size_t>(E), 0);  // a short list: the missing experts got none of it
+    int64_t total = 0;
+    for (size_t e = 0; e < padded.size(); ++e) {
+      total += padded[e];
+      table.expert_totals[e] += padded[e];
+    }
+    std::vector<double> fractions(padded.size(), 0.0);
+    for (size_t e = 0; e < padded.size(); ++e)
+      fractions[e] = total > 0 ? static_cast<double>(padded[e]) / static_cast<double>(total) : 0.0;
+    table.genres.push_back(genre);
+    table.counts.push_back(std::move(padded));
+    table.genre_tokens.push_back(total);
+    table.fractions.push_back(std::move(fractions));
+  }
+  return table;
+}
+
 }  // namespace moe::viewer

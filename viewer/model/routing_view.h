@@ -39,4 +39,21 @@ ExpertBars expert_bars(const RunModel& run, int64_t layer, int64_t step);
 // Expert load per genre at one step: genre -> [E] fraction of that genre's tokens per expert.
 std::map<std::string, std::vector<double>> genre_load(const RunModel& run, int64_t layer, int64_t step);
 
+// The per-genre panel's table at one step of one layer: the genres the step's batch held (a batch
+// of a few dozen sequences rarely holds all 15 Brown genres, so the set changes from step to
+// step), their counts, and how much of the layer's routing they account for.
+struct GenreTable {
+  int64_t step = 0;                             // the recorded step shown
+  int64_t num_experts = 0;                      // E: the widest row
+  std::vector<std::string> genres;              // [G] in name order
+  std::vector<std::vector<int64_t>> counts;     // [G][E] tokens of the genre routed to each expert
+  std::vector<int64_t> genre_tokens;            // [G] routed tokens of the genre (K per byte)
+  std::vector<std::vector<double>> fractions;   // [G][E] counts / genre_tokens
+  std::vector<int64_t> expert_totals;           // [E] sum over genres: equals tokens_per_expert
+                                                //     when every token carries a genre
+  std::vector<int64_t> tokens_per_expert;       // [E] the routing row itself, to compare with
+  bool valid = false;                           // a row with genres exists
+};
+GenreTable genre_table(const RunModel& run, int64_t layer, int64_t step);
+
 }  // namespace moe::viewer
