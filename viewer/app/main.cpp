@@ -13,6 +13,8 @@
 //   --open-all           open every run of the run list
 //   --panel NAME         the panel to show first: summary curves routing tokens topology alltoall offload
 //   --step N --layer N   the step and layer to show
+//   --curve-steps LO:HI  the steps the training curves show (default: all; e.g. 500:2000 leaves out the
+//                        first fall of the loss, so the formulations' differences fill the plot)
 //   --screenshot FILE    render hidden, write FILE.png after --frames frames (default 3), exit
 //   --regions FILE       with --screenshot: the named regions' rectangles as JSON (for tests)
 //   --frames N           frames to render in screenshot mode; prints frame-time figures
@@ -47,13 +49,14 @@ struct Options {
   bool open_all = false, scrub = false;
   std::string panel, screenshot, regions;
   long long step = -1;
+  double curve_lo = 0, curve_hi = -1;  // --curve-steps; lo > hi: fit
   int layer = 0, frames = 3, width = 1600, height = 1000;
 };
 
 void Usage() {
   std::fprintf(stderr,
                "usage: moe_viewer [RUN_DIR...] [--follow RUN_DIR] [--runs-dir DIR] [--open-all] [--panel NAME]\n"
-               "                  [--step N] [--layer N] [--screenshot FILE.png [--regions FILE.json] [--frames N]]\n"
+               "                  [--step N] [--layer N] [--curve-steps LO:HI] [--screenshot FILE.png [--regions FILE.json] [--frames N]]\n"
                "                  [--width W] [--height H]      (details: the top of viewer/app/main.cpp)\n");
 }
 
@@ -77,6 +80,10 @@ bool ParseOptions(int argc, char** argv, Options& o) {
     else if (arg == "--screenshot") { const char* v = value(); if (!v) return false; o.screenshot = v; }
     else if (arg == "--regions") { const char* v = value(); if (!v) return false; o.regions = v; }
     else if (arg == "--step") { if (!number(0, (1LL << 53), o.step)) return false; }
+    else if (arg == "--curve-steps") {
+      const char* v = value();
+      if (!v || std::sscanf(v, "%lf:%lf", &o.curve_lo, &o.curve_hi) != 2 || !(o.curve_hi > o.curve_lo)) return false;
+    }
     else if (arg == "--layer") { if (!number(0, 1023, n)) return false; o.layer = static_cast<int>(n); }
     else if (arg == "--frames") { if (!number(1, 100000, n)) return false; o.frames = static_cast<int>(n); }
     else if (arg == "--width") { if (!number(200, 8192, n)) return false; o.width = static_cast<int>(n); }
@@ -158,6 +165,7 @@ int main(int argc, char** argv) {
     state.follow_latest = false;
   }
   state.layer = options.layer;
+  if (options.curve_hi > options.curve_lo) state.plots["curves_steps"] = {options.curve_lo, options.curve_hi, false};
   state.scrub = options.scrub && state.screenshot;
   state.selected_panel = options.panel == "all" ? "" : options.panel;
 
@@ -201,6 +209,7 @@ int main(int argc, char** argv) {
       state.follow_latest = false;
       state.step = state.first_step() + (state.last_step() - state.first_step()) * frame / std::max(1, options.frames - 1);
     }
+    state.settle_step();
     const auto start = std::chrono::steady_clock::now();
     ImGui_ImplOpenGL3_NewFrame();
     ImGui_ImplGlfw_NewFrame();

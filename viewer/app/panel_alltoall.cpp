@@ -1,5 +1,6 @@
-// panel_alltoall.cpp: all-to-all timing: a per-rank timeline of dispatch, expert compute, combine
-// and copies at the scrubber's step, the rank x rank byte matrix, and the achieved bandwidth.
+// panel_alltoall.cpp: timeline and all-to-all timing: a per-rank, per-stream timeline of the phases
+// of the scrubber's step (a training step's model phases with the MoE layer's phases nested under
+// them; dispatch, expert compute, combine and copies across ranks), the rank x rank byte matrix, and the achieved bandwidth.
 #include <algorithm>
 #include <string>
 
@@ -17,10 +18,8 @@ const Timeline& CachedStepTimeline(ViewerState& state, OpenRun& run, bool copy_a
   auto& cached = state.timelines[RegionName(state, run, copy_and_compute_only ? "offload" : "alltoall")];
   if (cached.key != key) {
     // The step shown: the recorded step with spans at or before the scrubber's.
-    int64_t step = INT64_MIN;
-    for (const SpanRecord& s : run.model.spans)
-      if (s.step <= state.step) step = std::max(step, s.step);
-    if (step == INT64_MIN && !run.model.spans.empty()) step = run.model.spans.front().step;
+    const int64_t step = timeline_step(run.model, state.step);
+    cached.step = step;
     cached.timeline = build_timeline(run.model, step, step, copy_and_compute_only);
     cached.key = key;
   }
@@ -29,17 +28,22 @@ const Timeline& CachedStepTimeline(ViewerState& state, OpenRun& run, bool copy_a
 
 void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
   const RunModel& m = run.model;
-  ImGui::Text("timeline of the step, per rank and stream");
-  HelpMarker("One lane per (rank, stream). Expert parallelism (FastMoE, Tutel): each rank sends its tokens to "
+  const Timeline& timeline = CachedStepTimeline(state, run, false);
+  if (m.spans.empty()) ImGui::Text("timeline of the step, per rank and stream");
+  else ImGui::Text("timeline of step %lld, per rank and stream", static_cast<long long>(state.timelines[RegionName(state, run, "alltoall")].step));
+  HelpMarker("One lane per (rank, stream). A single-GPU training run has two: 'compute' holds the model's "
+             "phases (embedding, attention, moe, lm_head, backward_..., optimizer) and 'compute: inside the MoE "
+             "layer' the phases nested inside each moe span (router, plan, dispatch, expert_compute, combine), "
+             "right under it. Runs time one step in a hundred: the scrubber shows the recorded step at or "
+             "before it. Expert parallelism (FastMoE, Tutel): each rank sends its tokens to "
              "the ranks that own their experts (dispatch all-to-all), computes its local experts, and sends "
              "the results back (combine). A rank that finishes early waits at the next all-to-all for the "
              "slowest one: look for gaps before a dispatch or combine. Grey: spans too thin to draw, merged.");
   if (m.spans.empty() && m.alltoalls.empty()) {
-    LacksData("timed spans or all-to-all events (a single-GPU run records none)");
+    LacksData("timed spans or all-to-all events (its program timed no phases)");
     return;
   }
   if (m.spans.empty()) LacksData("timed spans (only all-to-all totals)");
-  const Timeline& timeline = CachedStepTimeline(state, run, false);
   TimelineView("timeline", timeline, ImVec2(std::max(200.0f, ImGui::GetContentRegionAvail().x), 160));
   RecordLastItem(state, RegionName(state, run, "timeline"));
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "colormap.h"      // colorize, load_color
-#include "routing_view.h"  // step_expert_load, layer_expert_load, expert_bars, genre_load
+#include "routing_view.h"  // step_expert_load, layer_expert_load, expert_bars, genre_table
 #include "panels.h"
 #include "widgets.h"
 
@@ -105,41 +105,65 @@ void ShowExpertBars(ViewerState& state, OpenRun& run, const ExpertBars& bars) {
     ImGui::SetTooltip("expert %zu: %lld tokens routed, %lld dropped%s", e, static_cast<long long>(bars.tokens[e]),
                       static_cast<long long>(bars.dropped[e]), bars.capacity >= 0 ? "" : " (dropless: nothing dropped)");
   }
-  ImGui::TextDisabled("bars: tokens per expert (red top: dropped); white line: fair share; red line: capacity C%s",
-                      bars.capacity >= 0 ? "" : " (none: dropless)");
+  ImGui::PushStyleColor(ImGuiCol_Text, ImGui::GetStyleColorVec4(ImGuiCol_TextDisabled));
+  ImGui::TextWrapped("bars: tokens per expert (red top: dropped); white line: fair share; red line: capacity C%s",
+                     bars.capacity >= 0 ? "" : " (none: dropless)");
+  ImGui::PopStyleColor();
 }
 
 void ShowGenres(ViewerState& state, OpenRun& run, int64_t layer) {
-  const auto genres = genre_load(run.model, layer, state.step);
-  if (genres.empty()) {
+  const GenreTable table = genre_table(run.model, layer, state.step);
+  if (!table.valid) {
     LacksData("per-genre routing (tokens_per_expert_by_genre) at this step");
     return;
   }
+  const int64_t G = static_cast<int64_t>(table.genres.size()), E = table.num_experts;
   Matrix m;
-  m.rows = static_cast<int64_t>(genres.size());
-  for (const auto& [name, fractions] : genres) m.cols = std::max<int64_t>(m.cols, static_cast<int64_t>(fractions.size()));
-  m.values.assign(static_cast<size_t>(m.rows * m.cols), 0.0f);
-  int64_t r = 0;
-  std::vector<std::string> names;
-  for (const auto& [name, fractions] : genres) {
-    names.push_back(name);
-    for (size_t e = 0; e < fractions.size(); ++e)
-      m.values[static_cast<size_t>(r * m.cols) + e] = static_cast<float>(fractions[e] * static_cast<double>(m.cols));
-    ++r;
-  }
-  const std::string key = TextureKey("genres", run, layer, state.step, state.load_scale_max);
+  m.rows = G;
+  m.cols = E;
+  m.values.assign(static_cast<size_t>(G * E), 0.0f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t e = 0; e < E; ++e)  // relative to 1/E: 1 = the genre spreads evenly over the experts
+      m.values[static_cast<size_t>(g * E + e)] = static_cast<float>(table.fractions[static_cast<size_t>(g)][static_cast<size_t>(e)] * static_cast<double>(E));
+  const std::string key = TextureKey("genres", run, layer, table.step, state.load_scale_max);
   HeatmapTexture& texture = state.textures[RegionName(state, run, "genre_heatmap")];
   if (texture.key != key) texture.upload(colorize(m, 0.0f, state.load_scale_max), key);
-  const float label_width = 60;
+  ImGui::Text("step %lld: %lld genres in the batch", static_cast<long long>(table.step), static_cast<long long>(G));
+  HelpMarker("A batch holds a few dozen sequences, so not every genre is in every recorded step. The number after "
+             "a genre is its routed tokens (K per byte): a genre with few tokens gives a noisy row.");
+  // Labels "belles_lettres 2394" need their width: measured, not guessed.
+  std::vector<std::string> labels;
+  float label_width = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    labels.push_back(table.genres[static_cast<size_t>(g)] + " " + std::to_string(table.genre_tokens[static_cast<size_t>(g)]));
+    label_width = std::max(label_width, ImGui::CalcTextSize(labels.back().c_str()).x);
+  }
+  label_width = std::min(label_width + 8, ImGui::GetContentRegionAvail().x * 0.45f);
+  const float row_height = ImGui::GetFontSize() + 2;
   const ImVec2 p = ImGui::GetCursorScreenPos();
-  for (size_t g = 0; g < names.size(); ++g)
-    ImGui::GetWindowDrawList()->AddText(ImVec2(p.x, p.y + 14.0f * static_cast<float>(g)), IM_COL32(200, 200, 200, 255), names[g].c_str());
+  ImDrawList* draw = ImGui::GetWindowDrawList();
+  draw->PushClipRect(p, ImVec2(p.x + label_width - 4, p.y + row_height * static_cast<float>(G)), true);
+  for (int64_t g = 0; g < G; ++g)
+    draw->AddText(ImVec2(p.x, p.y + row_height * static_cast<float>(g)), IM_COL32(200, 200, 200, 255), labels[static_cast<size_t>(g)].c_str());
+  draw->PopClipRect();
   ImGui::SetCursorScreenPos(ImVec2(p.x + label_width, p.y));
   int col = 0, row = 0;
-  if (HeatmapImage(texture, ImVec2(std::max(64.0f, ImGui::GetContentRegionAvail().x), 14.0f * static_cast<float>(names.size())), &col, &row) &&
-      row < static_cast<int>(names.size()))
-    ImGui::SetTooltip("%s: %.1f%% of its tokens went to expert %d", names[static_cast<size_t>(row)].c_str(),
-                      100.0 * genres.at(names[static_cast<size_t>(row)])[static_cast<size_t>(col)], col);
+  const ImVec2 size(std::max(64.0f, ImGui::GetContentRegionAvail().x), row_height * static_cast<float>(G));
+  if (HeatmapImage(texture, size, &col, &row) && row < G && col < E)
+    ImGui::SetTooltip("%s: %lld of its %lld routed tokens (%.1f%%) went to expert %d", table.genres[static_cast<size_t>(row)].c_str(),
+                      static_cast<long long>(table.counts[static_cast<size_t>(row)][static_cast<size_t>(col)]),
+                      static_cast<long long>(table.genre_tokens[static_cast<size_t>(row)]),
+                      100.0 * table.fractions[static_cast<size_t>(row)][static_cast<size_t>(col)], col);
+  RecordLastItem(state, RegionName(state, run, "genre_heatmap"));
+  // The expert numbers under the columns.
+  const ImVec2 q = ImGui::GetCursorScreenPos();
+  for (int64_t e = 0; e < E && E <= 64; ++e) {
+    const std::string n = std::to_string(e);
+    const float x = p.x + label_width + (static_cast<float>(e) + 0.5f) * size.x / static_cast<float>(E) - ImGui::CalcTextSize(n.c_str()).x / 2;
+    draw->AddText(ImVec2(x, q.y), IM_COL32(150, 150, 150, 255), n.c_str());
+  }
+  ImGui::Dummy(ImVec2(size.x, ImGui::GetFontSize()));
+  ImGui::TextDisabled("columns: experts");
 }
 
 void ShowRunRouting(ViewerState& state, OpenRun& run) {
@@ -155,7 +179,7 @@ void ShowRunRouting(ViewerState& state, OpenRun& run) {
   }
   const LayerRouting& layer = layer_it->second;
   const ExpertBars bars = expert_bars(m, layer.layer, state.step);
-  ImGui::Text("layer %lld, step %lld (recorded at or before the scrubber's %lld), E = %lld",
+  ImGui::TextWrapped("layer %lld, step %lld (recorded at or before the scrubber's %lld), E = %lld",
               static_cast<long long>(layer.layer), static_cast<long long>(bars.step), static_cast<long long>(state.step),
               static_cast<long long>(layer.num_experts));
   Metric("max/mean load", "%.3f", bars.stats.max_over_mean,

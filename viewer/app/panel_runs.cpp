@@ -16,8 +16,7 @@ void ShowStepScrubber(ViewerState& state) {
     ImGui::TextDisabled("(no shown run has steps)");
     return;
   }
-  if (state.follow_latest) state.step = last;
-  state.step = std::clamp(state.step, first, last);
+  state.settle_step();
   ImGui::Text("step");
   HelpMarker("The step every panel shows. A panel shows the last step its run recorded at or before it. "
              "'latest' keeps it on the newest step, which is what you want for a live run.");

@@ -1,8 +1,12 @@
 // panel_summary.cpp: the run summary panel: what ran (config, formulation, devices, world size),
-// what the record holds (events by type), its problems, and the lesson's tables and verdict.
+// what the record holds (events by type), its problems, and the lesson's tables and verdict; with
+// several runs shown, their tables of one name compared in one sortable table on top.
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "panels.h"
+#include "summary_view.h"  // compare_tables, shared_table_names, sort_rows
 #include "widgets.h"
 
 namespace moe::viewer {
@@ -55,6 +59,7 @@ void ShowRunSummary(OpenRun& run) {
   ImGui::Text("started: %s   commit: %s", s.start_time.c_str(), s.git_commit.empty() ? "(unknown)" : s.git_commit.c_str());
   if (ImGui::CollapsingHeader("MoE config", ImGuiTreeNodeFlags_DefaultOpen)) {
     if (s.moe_config.is_object()) ShowJsonFields(s.moe_config);
+    else if (s.formulation == "dense") ImGui::TextDisabled("(a dense model: no MoE layer to configure)");
     else LacksData("MoE config in run.json");
   }
   if (ImGui::CollapsingHeader("Model and extra")) {
@@ -79,7 +84,19 @@ void ShowRunSummary(OpenRun& run) {
   for (size_t t = 0; t < m.tables.size(); ++t) {
     const TableRecord& table = m.tables[t];
     ImGui::PushID(static_cast<int>(t));
-    if (ImGui::CollapsingHeader(table.name.c_str())) {
+    // A one-row table (a training run's "summary") reads better turned on its side in a narrow column.
+    if (table.rows.size() == 1 && ImGui::CollapsingHeader(table.name.c_str(), ImGuiTreeNodeFlags_DefaultOpen)) {
+      if (ImGui::BeginTable("table", 2, ImGuiTableFlags_BordersInnerH | ImGuiTableFlags_SizingStretchProp)) {
+        const auto& row = table.rows[0];
+        for (size_t c = 0; c < table.columns.size() || c < row.size(); ++c) {
+          ImGui::TableNextColumn();
+          ImGui::TextUnformatted(c < table.columns.size() ? table.columns[c].c_str() : "");
+          ImGui::TableNextColumn();
+          ImGui::TextUnformatted(c < row.size() ? row[c].c_str() : "");
+        }
+        ImGui::EndTable();
+      }
+    } else if (table.rows.size() != 1 && ImGui::CollapsingHeader(table.name.c_str())) {
       const int columns = static_cast<int>(std::min<size_t>(std::max<size_t>(table.columns.size(), 1), 64));
       if (ImGui::BeginTable("table", columns, ImGuiTableFlags_Borders | ImGuiTableFlags_RowBg | ImGuiTableFlags_ScrollX |
                                                   ImGuiTableFlags_SizingFixedFit)) {
@@ -99,9 +116,45 @@ void ShowRunSummary(OpenRun& run) {
     ImGui::PopID();
   }
 }
+
+// The shown runs' tables of one name under each other, one row per run, sortable by any column
+// (click a header): 16 training runs' validation bits per byte side by side in one table.
+void ShowComparison(ViewerState& state, const std::vector<const RunModel*>& runs, const std::string& name) {
+  TableComparison table = compare_tables(runs, name);
+  const std::string header = "compare: " + name + " of " + std::to_string(table.runs) + " runs";
+  if (!ImGui::CollapsingHeader(header.c_str(), ImGuiTreeNodeFlags_DefaultOpen)) return;
+  const int columns = static_cast<int>(std::min<size_t>(table.columns.size(), 64));
+  const float height = std::min(ImGui::GetTextLineHeightWithSpacing() * static_cast<float>(table.rows.size() + 2), 360.0f);
+  ImGui::PushID(name.c_str());
+  if (ImGui::BeginTable("comparison", columns, ImGuiTableFlags_Borders | ImGuiTableFlags_RowBg | ImGuiTableFlags_ScrollX |
+                                                   ImGuiTableFlags_ScrollY | ImGuiTableFlags_Sortable | ImGuiTableFlags_SizingFixedFit,
+                        ImVec2(0, height))) {
+    ImGui::TableSetupScrollFreeze(1, 1);
+    for (int c = 0; c < columns; ++c) ImGui::TableSetupColumn(table.columns[static_cast<size_t>(c)].c_str());
+    ImGui::TableHeadersRow();
+    if (ImGuiTableSortSpecs* sort = ImGui::TableGetSortSpecs(); sort && sort->SpecsCount > 0) {
+      const ImGuiTableColumnSortSpecs& spec = sort->Specs[0];
+      state.summary_sort = {name, spec.ColumnIndex, spec.SortDirection == ImGuiSortDirection_Ascending};
+    }
+    if (state.summary_sort.table == name)
+      sort_rows(table, static_cast<size_t>(state.summary_sort.column), state.summary_sort.ascending);
+    for (const auto& row : table.rows) {
+      ImGui::TableNextRow();
+      for (int c = 0; c < columns && c < static_cast<int>(row.size()); ++c) {
+        ImGui::TableSetColumnIndex(c);
+        ImGui::TextUnformatted(row[static_cast<size_t>(c)].c_str());
+      }
+    }
+    ImGui::EndTable();
+  }
+  ImGui::PopID();
+}
 }  // namespace
 
 void ShowSummaryPanel(ViewerState& state) {
+  std::vector<const RunModel*> runs;
+  for (OpenRun* run : state.shown_runs()) runs.push_back(&run->model);
+  for (const std::string& name : shared_table_names(runs)) ShowComparison(state, runs, name);
   ForEachShownRun(state, "summary_runs", ShowRunSummary);
 }
 

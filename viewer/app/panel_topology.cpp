@@ -71,11 +71,13 @@ void FormulationBar(const char* name, const FormulationRows& f, double scale, co
   draw->AddRectFilled(ImVec2(p.x + token_w, p.y), ImVec2(p.x + token_w + pad_w, p.y + h), IM_COL32(120, 120, 120, 255));
   draw->AddRectFilled(ImVec2(p.x + token_w + pad_w, p.y), ImVec2(p.x + token_w + pad_w + drop_w, p.y + h), IM_COL32(230, 60, 60, 255));
   ImGui::Dummy(ImVec2(width, h));
-  ImGui::Text("    computes %lld rows: %lld tokens + %lld padding (%.1f%% padding); drops %lld tokens",
+  ImGui::Indent();
+  ImGui::TextWrapped("computes %lld rows: %lld tokens + %lld padding (%.1f%% padding); drops %lld tokens",
               static_cast<long long>(f.computed_rows), static_cast<long long>(f.token_rows),
               static_cast<long long>(f.computed_rows - f.token_rows),
               f.computed_rows ? 100.0 * static_cast<double>(f.computed_rows - f.token_rows) / static_cast<double>(f.computed_rows) : 0.0,
               static_cast<long long>(f.dropped_tokens));
+  ImGui::Unindent();
 }
 
 void ShowRunTopology(ViewerState& state, OpenRun& run) {
@@ -94,7 +96,7 @@ void ShowRunTopology(ViewerState& state, OpenRun& run) {
   const RoutingRow* row = nullptr;
   if (auto it = m.routing.find(t->layer); it != m.routing.end() && same_step) row = it->second.row_at_or_before(t->step);
   const TopologyPicture p = topology_picture(*t, same_step ? bars.tokens : std::vector<int64_t>{}, capacity_for(m, row));
-  ImGui::Text("layer %lld, step %lld: B = %lld, %lld x %lld blocks, %lld non-zero (%.1f%% of the dense matrix)",
+  ImGui::TextWrapped("layer %lld, step %lld: B = %lld, %lld x %lld blocks, %lld non-zero (%.1f%% of the dense matrix)",
               static_cast<long long>(t->layer), static_cast<long long>(t->step), static_cast<long long>(p.block_size),
               static_cast<long long>(p.block_rows), static_cast<long long>(p.block_cols), static_cast<long long>(p.nnz),
               p.block_rows * p.block_cols > 0 ? 100.0 * static_cast<double>(p.nnz) / static_cast<double>(p.block_rows * p.block_cols) : 0.0);

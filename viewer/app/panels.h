@@ -14,7 +14,7 @@ void ShowCurvesPanel(ViewerState& state);    // panel_curves.cpp: loss, val loss
 void ShowRoutingPanel(ViewerState& state);   // panel_routing.cpp: imbalance heatmaps, bars, statistics
 void ShowTokensPanel(ViewerState& state);    // panel_tokens.cpp: sample text coloured by expert
 void ShowTopologyPanel(ViewerState& state);  // panel_topology.cpp: block-sparse matrix vs padded/dropping
-void ShowAllToAllPanel(ViewerState& state);  // panel_alltoall.cpp: timeline, byte matrix, bandwidth
+void ShowAllToAllPanel(ViewerState& state);  // panel_alltoall.cpp: timeline of phases, byte matrix, bandwidth
 void ShowOffloadPanel(ViewerState& state);   // panel_offload.cpp: copy/compute streams, hits, stalls
 
 struct PanelEntry {
@@ -25,7 +25,7 @@ struct PanelEntry {
 inline constexpr PanelEntry kPanels[] = {
     {"summary", "Run summary", ShowSummaryPanel},     {"curves", "Training curves", ShowCurvesPanel},
     {"routing", "Routing imbalance", ShowRoutingPanel}, {"tokens", "Tokens", ShowTokensPanel},
-    {"topology", "Sparse topology", ShowTopologyPanel}, {"alltoall", "All-to-all timing", ShowAllToAllPanel},
+    {"topology", "Sparse topology", ShowTopologyPanel}, {"alltoall", "Timeline / all-to-all", ShowAllToAllPanel},
     {"offload", "Offload", ShowOffloadPanel},
 };
 

@@ -16,7 +16,10 @@ void TimelineView(const char* id, const Timeline& timeline, ImVec2 size) {
     ImGui::PopID();
     return;
   }
-  const float label_width = 150;
+  // As wide as the longest lane name ("compute: inside the MoE layer"), up to a third of the plot.
+  float label_width = 60;
+  for (const TimelineLane& lane : timeline.lanes) label_width = std::max(label_width, ImGui::CalcTextSize(lane.label.c_str()).x + 8);
+  label_width = std::min(label_width, size.x / 3);
   // At least one line of text per lane: the panel grows rather than squeezing labels together.
   const float lane_height = std::clamp((size.y - 16) / static_cast<float>(timeline.lanes.size()), ImGui::GetFontSize() + 3, 24.0f);
   const ImVec2 p0 = ImGui::GetCursorScreenPos();
@@ -31,7 +34,11 @@ void TimelineView(const char* id, const Timeline& timeline, ImVec2 size) {
   for (size_t l = 0; l < timeline.lanes.size(); ++l) {
     const TimelineLane& lane = timeline.lanes[l];
     const float y = p0.y + static_cast<float>(l) * lane_height;
+    draw->PushClipRect(ImVec2(p0.x, y), ImVec2(p0.x + label_width - 4, y + lane_height), true);
     draw->AddText(ImVec2(p0.x, y + 1), IM_COL32(200, 200, 200, 255), lane.label.c_str());
+    draw->PopClipRect();
+    if (mouse.x >= p0.x && mouse.x < p0.x + label_width && mouse.y >= y && mouse.y < y + lane_height && ImGui::IsWindowHovered())
+      ImGui::SetTooltip("%s", lane.label.c_str());  // the full name where the label is cut
     draw->AddRectFilled(ImVec2(p0.x + label_width, y), ImVec2(p0.x + size.x, y + lane_height - 2), IM_COL32(30, 30, 36, 255));
     visible = visible_spans(lane, t_lo, t_hi, us_per_pixel);
     for (const TimelineSpan& s : visible) {
@@ -57,6 +64,21 @@ void TimelineView(const char* id, const Timeline& timeline, ImVec2 size) {
   std::snprintf(text, sizeof text, "%.1f us", t_hi - t_lo);
   draw->AddText(ImVec2(p0.x + size.x - ImGui::CalcTextSize(text).x, axis_y), IM_COL32(150, 150, 150, 255), text);
   ImGui::Dummy(ImVec2(size.x, axis_y - p0.y + ImGui::GetFontSize() + 2));
+  // The names behind the colours: most phases of a 3 ms step are too narrow to carry their name.
+  const float right = p0.x + size.x;
+  for (size_t n = 0; n < timeline.names.size(); ++n) {
+    const char* name = timeline.names[n].c_str();
+    if (n > 0) {
+      ImGui::SameLine(0, 10);
+      if (ImGui::GetCursorScreenPos().x + 14 + ImGui::CalcTextSize(name).x > right) ImGui::NewLine();
+    }
+    const ImVec2 q = ImGui::GetCursorScreenPos();
+    const float box = ImGui::GetFontSize() * 0.7f;
+    draw->AddRectFilled(ImVec2(q.x, q.y + 3), ImVec2(q.x + box, q.y + 3 + box), ToImU32(expert_color(static_cast<int64_t>(n))));
+    ImGui::Dummy(ImVec2(box + 3, box));
+    ImGui::SameLine(0, 0);
+    ImGui::TextDisabled("%s", name);
+  }
   if (hovered_lane) {
     const TimelineSpan* hovered = &hovered_span;
     ImGui::BeginTooltip();

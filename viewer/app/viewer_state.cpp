@@ -20,6 +20,13 @@ int64_t ViewerState::last_step() const {
   return last;
 }
 
+void ViewerState::settle_step() {
+  const int64_t first = first_step(), last = last_step();
+  if (first > last) return;
+  if (follow_latest) step = last;
+  step = std::clamp(step, first, last);
+}
+
 std::vector<OpenRun*> ViewerState::shown_runs() const {
   std::vector<OpenRun*> out;
   for (const auto& run : runs)

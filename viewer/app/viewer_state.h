@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "comm_view.h"        // Timeline
+#include "downsample.h"       // CurveColumn
 #include "heatmap_texture.h"  // HeatmapTexture
 #include "run_list.h"         // RunEntry
 #include "run_model.h"        // RunModel
@@ -55,6 +56,7 @@ struct ViewerState {
   std::map<std::string, HeatmapTexture> textures;  // keyed by what they show (see panels)
   struct CachedTimeline {
     std::string key;
+    int64_t step = 0;  // the recorded step it shows
     Timeline timeline;
   };
   std::map<std::string, CachedTimeline> timelines;  // rebuilt when the step or the data changes
@@ -63,11 +65,26 @@ struct ViewerState {
     Series series;
   };
   std::map<std::string, CachedSeries> series;  // derived series too costly to rebuild each frame
+  struct CachedCurves {
+    std::string key;  // the plot's step window and width, and each line's series and length
+    std::vector<std::vector<CurveColumn>> columns;  // one list of pixel columns per line
+  };
+  std::map<std::string, CachedCurves> curves;  // a plot's reduced lines, kept while nothing moves
+  struct TableSort {
+    std::string table;  // the compared table sorted ("" = file order)
+    int column = 0;
+    bool ascending = true;
+  };
+  TableSort summary_sort;  // the summary panel's comparison table, sorted by a header click
   std::vector<Region> regions;
   std::string selected_panel;  // the tab to select on the next frame ("" = leave as is)
   bool screenshot = false;     // headless: no interaction, fixed layout
   bool scrub = false;          // headless benchmark: move the step every frame (re-prepares views)
 
+  // Puts `step` on the newest step while follow_latest is on, and inside the shown runs' range.
+  // Called every frame before the panels (also when the runs panel with the scrubber is not drawn,
+  // as in a one-panel screenshot).
+  void settle_step();
   // The step range over the shown runs (first > last when none has steps).
   int64_t first_step() const;
   int64_t last_step() const;

@@ -2,6 +2,7 @@
 #include "widgets.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "colormap.h"  // load_color, Rgba
@@ -34,9 +35,39 @@ void Metric(const char* name, const char* value_format, double value, const char
 }
 
 ImU32 RunColor(int index) {
-  static const ImU32 colors[] = {IM_COL32(90, 170, 255, 255), IM_COL32(255, 140, 60, 255), IM_COL32(120, 220, 120, 255),
-                                 IM_COL32(230, 90, 200, 255), IM_COL32(240, 220, 80, 255), IM_COL32(160, 160, 255, 255)};
-  return colors[static_cast<size_t>(index) % (sizeof colors / sizeof colors[0])];
+  // Twelve colours a reader can tell apart on the dark background; lesson 08 alone opens 16 runs,
+  // so past them the hue steps by the golden angle, which keeps neighbours far apart.
+  static const ImU32 colors[] = {IM_COL32(90, 170, 255, 255),  IM_COL32(255, 140, 60, 255),  IM_COL32(120, 220, 120, 255),
+                                 IM_COL32(230, 90, 200, 255),  IM_COL32(240, 220, 80, 255),  IM_COL32(160, 160, 255, 255),
+                                 IM_COL32(80, 220, 220, 255),  IM_COL32(255, 100, 100, 255), IM_COL32(190, 140, 90, 255),
+                                 IM_COL32(200, 200, 200, 255), IM_COL32(170, 255, 60, 255),  IM_COL32(255, 170, 200, 255)};
+  constexpr int kNamed = static_cast<int>(sizeof colors / sizeof colors[0]);
+  if (index >= 0 && index < kNamed) return colors[index];
+  const float hue = std::fmod(0.13f + 0.618034f * static_cast<float>(index), 1.0f);
+  float r = 0, g = 0, b = 0;
+  ImGui::ColorConvertHSVtoRGB(hue, 0.55f, 0.95f, r, g, b);
+  return IM_COL32(static_cast<int>(r * 255), static_cast<int>(g * 255), static_cast<int>(b * 255), 255);
+}
+
+void RunLegend(const std::vector<OpenRun*>& runs) {
+  const float right = ImGui::GetCursorScreenPos().x + ImGui::GetContentRegionAvail().x;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const char* label = runs[i]->model.label.c_str();
+    const float item = 14 + ImGui::CalcTextSize(label).x + 16;
+    if (i > 0) {
+      ImGui::SameLine();
+      if (ImGui::GetCursorScreenPos().x + item > right) ImGui::NewLine();
+    }
+    ImGui::PushID(static_cast<int>(i));
+    ImGui::ColorButton("##legend", ImGui::ColorConvertU32ToFloat4(RunColor(runs[i]->color_index)),
+                       ImGuiColorEditFlags_NoTooltip, ImVec2(10, 10));
+    ImGui::SameLine(0, 4);
+    ImGui::PushStyleColor(ImGuiCol_Text, RunColor(runs[i]->color_index));
+    ImGui::TextUnformatted(label);
+    ImGui::PopStyleColor();
+    if (ImGui::IsItemHovered()) ImGui::SetTooltip("%s", runs[i]->model.dir.string().c_str());
+    ImGui::PopID();
+  }
 }
 
 ImU32 ToImU32(const Rgba& c) { return IM_COL32(c.r, c.g, c.b, c.a); }

@@ -26,7 +26,9 @@ void LacksData(const char* what);   // "This run has no <what>." in a muted colo
 void Metric(const char* name, const char* value_format, double value, const char* help);
 
 // [SECTION] colours
-ImU32 RunColor(int index);
+ImU32 RunColor(int index);  // distinct for the first 12 runs, then spread around the hue circle
+// The shown runs' colours and names, flowing over as many lines as the width needs.
+void RunLegend(const std::vector<OpenRun*>& runs);
 ImU32 ToImU32(const Rgba& c);
 void LoadLegend(float scale_max);  // the colour bar of the load heatmaps, 0 .. scale_max x fair share
 
@@ -41,10 +43,18 @@ struct CurveLine {
   const Series* series = nullptr;
   ImU32 color = 0;
 };
+// Plots that share one step window (the training curves: zoom one, all follow). Without it a plot
+// has its own window, fitted to its own lines.
+struct SharedSteps {
+  const char* view_id;    // the PlotView they share (ViewerState::plots)
+  double fit_lo, fit_hi;  // the steps a fit shows (all of their lines together)
+};
 // A plot of several series over steps with min/max-per-pixel reduction, mouse-wheel zoom, drag to
 // pan, double-click to fit, hover values and a marker at the current step (click sets the step).
+// A sparse series (validation every 100 steps) is drawn as a line through its points. The pixel
+// columns are kept between frames until the window, the width or a line's data changes.
 void CurvePlot(const char* id, ViewerState& state, const std::vector<CurveLine>& lines, ImVec2 size,
-               const char* value_format = "%.4g");
+               const char* value_format = "%.4g", const SharedSteps* shared = nullptr);
 
 // [SECTION] timeline
 // Lanes of spans between t_lo and t_hi (microseconds); hover shows a span's name and times.
