@@ -100,7 +100,7 @@ class Model(nn.Module):
             x, loss = block(x)
             extra = extra + loss
         logits = self.ln(x) @ self.tok.weight.t()
-        return F.cross_entropy(logits.float().view(-1, 256), targets.view(-1)) + extra
+        return F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1)) + extra
 
 
 def main():
