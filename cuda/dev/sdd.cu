@@ -57,6 +57,25 @@
 //      What limits version 12: at 390 TFLOP/s its 128 x 128 tiles pull about 6 TB/s of operands
 //      from L2 into the SMs; the way forward is 128 x 256 tiles with the fill and the epilogue
 //      hidden: a producer warp with deeper stages, a persistent grid, TMA multicast in a cluster.
+//   15 warp-specialized (block_sparse_wgmma_ws.cuh): a 128 x 256 tile per CTA of 3 warpgroups, 1 CTA
+//      per SM. Warpgroup 0, the producer, only issues cp.async into a ring of 4 stages of 48 KB and
+//      marks each stage "full" on an mbarrier (cp.async.mbarrier.arrive.noinc: the arrival fires
+//      when the copies land); warpgroups 1-2, the consumers, each 64 rows x 256 columns
+//      (m64n256k16), wait for "full", issue wgmma, and mark the stage "empty" on a second mbarrier
+//      once wgmma.wait_group says its reads are done. No __syncthreads in the k-loop: the producer
+//      runs up to 4 stages ahead whatever the consumers do, and one wgmma group stays in flight
+//      without holding back a copy (versions 7 and 14 had to choose). setmaxnreg moves registers
+//      from the producer (40) to the consumers (232). The staged epilogue reuses the stages.
+//   16 version 15, persistent: grid = one CTA per SM, each CTA walks tiles b, b + grid, ... with
+//      one running stage counter, so the producer fills the next tile's stages while the consumers
+//      store this one; the staging then needs its own shared memory: 4 stages (192 KB) leave room
+//      for 32 columns of fp32 per pass (8 passes per tile)
+//   17 version 16 with 3 stages, leaving room for 128-column passes (2 per tile)
+//      Prediction: 15 above 14 by the per-step barrier it drops and the copies it keeps 4 stages
+//      ahead, though at 1 CTA per SM its fill and epilogue are still exposed (16-32 k-steps a tile
+//      at D = 1024 | 2048); 16-17 above 15 by hiding them (a 128 x 256 tile stores 64 KB), and
+//      above version 12 if the 128 x 256 tile's lighter L2 traffic is what limits it.
+//      Measured on an H200: (to be filled)
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
@@ -81,7 +100,8 @@
 #include "../../reference_cpu/block_sparse.h"  // moe::ref::sdd (by path: cuda/block_sparse.h exists too)
 #include "block_sparse.h"                      // moe::cuda::sdd, dsd, block_sparse_ffn_forward (version 11)
 #include "block_sparse.cuh"                    // the mma.sync tile kernel (versions 3-5)
-#include "block_sparse_wgmma.cuh"              // the wgmma tile kernel (versions 6-10)
+#include "block_sparse_wgmma.cuh"              // the wgmma tile kernel (versions 6-10, 12-14)
+#include "block_sparse_wgmma_ws.cuh"           // the warp-specialized wgmma kernel (versions 15-17)
 #include "block_sparse_host.h"                 // upload_topology
 #include "cuda_check.h"                        // CUDA_CHECK
 #include "device_buffer.h"                     // DeviceBuffer
@@ -243,6 +263,44 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
   kernel<<<dim3(H / BN, t.max_block_rows), kWgmmaThreads, smem, stream>>>(problem);
 }
 
+// ---- versions 15-17: the warp-specialized kernel of block_sparse_wgmma_ws.cuh (sm_90a, B = 128) ----
+// 128 x 256 tiles, a producer warpgroup and 2 consumer warpgroups, 384 threads, 1 CTA per SM.
+// Not persistent: one CTA per tile, the grid (H / 256, block-row bound) as in versions 6-14.
+// Persistent: one CTA per SM (fewer if there are fewer tiles), each walking tiles with a stride of
+// the grid; the tile count is the host bound, the CTAs skip the tiles past the device count.
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT>
+void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
+                     cudaStream_t stream) {
+  using namespace moe::cuda::block_sparse_detail;
+  using Sdd = SddProblem<Layout::row_major_km, SddEpilogue::store>;
+  Sdd problem{};
+  problem.block_rows = t.block_rows;
+  problem.offsets = t.offsets;
+  problem.block_row_expert = t.block_row_expert;
+  problem.a = x;
+  problem.inner = D;
+  problem.b = w1;
+  problem.ldb = H;
+  problem.block_size = t.block_size;
+  problem.out0 = out;
+  if (H % kWsBlockN != 0 || t.block_size != kWgmmaBlockM) {
+    std::fprintf(stderr, "the warp-specialized versions need B = 128 and H %% %d == 0\n", kWsBlockN);
+    std::exit(1);
+  }
+  const int tiles_x = H / kWsBlockN, tiles = tiles_x * t.max_block_rows;
+  constexpr int smem = ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>();
+  auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, Sdd>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  dim3 grid(tiles_x, t.max_block_rows);
+  if constexpr (PERSISTENT) {
+    int device = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    grid = dim3(std::min(sms, tiles));
+  }
+  kernel<<<grid, kWsThreads, smem, stream>>>(problem, tiles_x, tiles);
+}
+
 // The same wgmma kernel configurations on the DSD (out = hidden blocks · W2[e]), to pick the mainline's
 // for both products: out [max_rows, D], W2[e] [H, D] N-major.
 template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, bool STAGED>
@@ -387,6 +445,15 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
     case 14:
       launch_wgmma<256, 4, 1, 1, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
+    case 15:
+      launch_wgmma_ws<4, 256, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 16:
+      launch_wgmma_ws<4, 32, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
+    case 17:
+      launch_wgmma_ws<3, 128, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
                      p.out_device.data(), stream);
@@ -449,7 +516,7 @@ int main(int argc, char** argv) {
   // The wgmma versions need a compute capability 9.0 GPU (and this program's sm_90a code) and B = 128.
   const bool hopper = properties.major == 9 && properties.minor == 0 && B == 128;
   std::vector<int> versions = {1, 2, 3, 4, 5};
-  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14});
+  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17});
   versions.push_back(11);
   bool all_pass = true;
   {
@@ -508,7 +575,8 @@ int main(int argc, char** argv) {
                          "8 wgmma 128x128, 3 st, 2 CTA/SM", "9 wgmma 128x128, 3 st, 2 CTA, wait 0",
                          "10 wgmma 128x256, 4 st, wait 0", "11 mainline moe::cuda::sdd",
                          "12 = 9, staged epilogue", "13 = 10, staged epilogue",
-                         "14 = 7, staged epilogue"};
+                         "14 = 7, staged epilogue", "15 warp-spec. 128x256, 4 stages",
+                         "16 = 15, persistent, 4 st", "17 = 15, persistent, 3 st"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----

@@ -1,0 +1,334 @@
+// block_sparse_wgmma_ws.cuh: a warp-specialized Hopper (sm_90a) tile kernel for the block-sparse
+// products of MegaBlocks (Gale et al., MLSys 2023): one producer warpgroup copies operands into a
+// ring of shared-memory stages, two consumer warpgroups run wgmma on them, and mbarriers (not
+// __syncthreads) pass each stage back and forth. Optionally persistent: one CTA per SM walks many
+// tiles, so that one tile's epilogue overlaps the next tile's copies.
+// Included by cuda/dev/sdd.cu only (the lesson, versions 15-17); the mainline keeps
+// block_sparse_wgmma.cuh. Build: cmake --build build --target dev_sdd
+//
+// Why: block_sparse_wgmma.cuh's kernel has every thread copy, then wait, then compute. Its 128 x 256
+// tile (half the L2 traffic per FLOP of 128 x 128) lost to 128 x 128 at 2 CTAs per SM because, at
+// 1 CTA per SM, nothing overlaps the pipeline fill and the epilogue, and a wgmma group left in
+// flight holds a stage that could be loading (cuda/dev/sdd.cu, versions 12-14). Here:
+//   - warpgroup 0 (the producer) only copies: cp.async, 16 bytes per thread per copy, into
+//     STAGES stages of A [128][64] and B [64][256] bf16 (48 KB a stage), the same 128-byte-swizzled
+//     layout as block_sparse_wgmma.cuh, so the matrix descriptors are the same;
+//   - warpgroups 1 and 2 (the consumers) only compute: each owns 64 rows x 256 columns of the tile
+//     (m64n256k16, 128 fp32 accumulators per thread), then stores them through a staged epilogue;
+//   - setmaxnreg moves registers from the producer (40 per thread: addresses and a counter) to the
+//     consumers (232: 128 accumulators and room to spare): 128 x 40 + 256 x 232 = 384 x 168, the
+//     registers the CTA is launched with (__launch_bounds__(384, 1)).
+//
+// The handshake, per stage s (two mbarriers in shared memory, PTX ISA "Parallel Synchronization and
+// Communication Instructions: mbarrier"):
+//   full[s]   expects 128 arrivals: each producer thread issues its copies for the stage, then
+//             cp.async.mbarrier.arrive.noinc, which arrives on full[s] once all of that thread's
+//             earlier cp.async have landed (.noinc: the arrival is one of the 128 counted at init,
+//             rather than an extra one the instruction adds and then removes).
+//   empty[s]  expects 8 arrivals: lane 0 of each consumer warp, once wgmma.wait_group says the
+//             wgmma that read stage s have retired (their reads of shared memory are done).
+// Phases and parity (the classic bug): an mbarrier counts phases 0, 1, 2, ...; a phase completes
+// when its expected arrivals have all come, and the next one begins. try_wait.parity P returns true
+// once the phase of parity P has completed, i.e. while the current phase's parity is not P; a fresh
+// barrier is in phase 0, so waiting on parity 1 returns at once ("phase -1 completed"), and waiting
+// on parity 0 blocks until the first completion. Both sides count k-steps in one running counter
+// `iteration` (across tiles, in the persistent kernel); the stage is iteration % STAGES and the use
+// of that stage u = iteration / STAGES:
+//   consumer, before reading use u of stage s: wait full[s], parity u & 1   (the u-th fill landed)
+//   producer, before writing use u of stage s: wait empty[s], parity (u & 1) ^ 1 (the (u-1)-th
+//             release came; u = 0 waits on parity 1 and passes at once: all stages start empty)
+// Parity tells apart only two phases; it is enough because neither side can run two phases ahead
+// of the other on one barrier: the producer cannot refill s before the consumers release it, and
+// the consumers cannot release s before the producer has filled it.
+// Memory order: cp.async writes shared memory through the generic proxy, wgmma reads it through the
+// async proxy. The mbarrier wait (acquire) makes the copies visible to the consumer thread; its
+// fence.proxy.async then orders them before the wgmma it issues next.
+//
+// CTAs past the true counts (the grid is sized by host bounds): begin() returns false, the same in
+// every warp (it reads only the tile index and the device count), so every warp skips the tile and
+// no barrier waits for a warp that is not coming.
+// Dimension legend: T tokens, D model width, H expert hidden width, E experts, B block size.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "block_sparse.cuh"        // Layout, kBlockK, the problems
+#include "block_sparse_wgmma.cuh"  // matrix_descriptor, wgmma_m64n256k16, fences, kWgmmaBlockM
+
+namespace moe::cuda::block_sparse_detail {
+
+constexpr int kWsThreads = 384;          // producer warpgroup + 2 consumer warpgroups
+constexpr int kWsProducerThreads = 128;  // every producer thread copies: one warp alone would issue
+                                         // 96 copies of 16 bytes per 48 KB stage
+constexpr int kWsBlockN = 256;           // m64n256k16: the widest wgmma
+constexpr int kWsProducerRegisters = 40;
+constexpr int kWsConsumerRegisters = 232;
+static_assert(kWsProducerThreads * kWsProducerRegisters + (kWsThreads - kWsProducerThreads) * kWsConsumerRegisters <=
+                  kWsThreads * 168,
+              "setmaxnreg may only hand out what the CTA was launched with: 65536 / 384 -> 168 per thread");
+
+// The epilogue's fp32 staging: per consumer warpgroup [64][EPILOGUE_COLUMNS + kStagingPad] floats.
+template <int EPILOGUE_COLUMNS>
+constexpr int ws_staging_bytes() {
+  return 2 * 64 * (EPILOGUE_COLUMNS + kStagingPad) * static_cast<int>(sizeof(float));
+}
+// Shared memory: the 1024-byte alignment slack, the stages, the staging (its own region when the
+// kernel is persistent: the producer is already filling the stages with the next tile), then the
+// 2 x STAGES mbarriers of 8 bytes.
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT>
+constexpr int ws_shared_bytes() {
+  return 1024 + STAGES * wgmma_stage_bytes<kWsBlockN>() + (PERSISTENT ? ws_staging_bytes<EPILOGUE_COLUMNS>() : 0) +
+         2 * STAGES * 8;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// ---- mbarrier, named barriers, setmaxnreg (PTX ISA 8.0, sm_90) ----
+__device__ inline void mbarrier_init(uint32_t bar, uint32_t expected_arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(expected_arrivals) : "memory");
+}
+// Arrives once all cp.async issued so far by this thread have completed, as one of the expected arrivals.
+__device__ inline void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ inline void mbarrier_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Blocks until the phase of parity `parity` has completed (see the header). try_wait may itself
+// suspend the thread for a while before it answers false, so the loop does not spin hot.
+__device__ inline void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Barrier `id` (1-15; 0 is __syncthreads) over `threads` threads (a multiple of 32): syncs a subset.
+__device__ inline void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int REGISTERS>
+__device__ inline void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ inline void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+
+// ---- the producer's copies into the swizzled layout (block_sparse_wgmma.cuh's, by 128 threads) ----
+// Each thread keeps one source pointer and steps it by a fixed stride, and its shared-memory
+// addresses differ by constants: with only 40 registers, the producer cannot afford what the
+// compiler does with the plain `chunk = thread + 128 i` form of block_sparse_wgmma.cuh, which is to
+// precompute the 24 64-bit offsets of a stage once, outside the k-loop (it spilled 670 bytes).
+// The empty asm hides the stepped pointer's value from the compiler so it cannot do that here.
+__device__ inline void opaque(const bf16*& pointer) { asm volatile("" : "+l"(pointer)); }
+
+// K-major [ROWS][64]: chunk c of row r at byte r * 128 + (c ^ (r % 8)) * 16. Thread t copies chunk
+// t % 8 of rows t / 8 + 16 i: rows 16 apart share r % 8, so the swizzle is the same for every i.
+template <int ROWS>
+__device__ inline void ws_copy_k_major(uint32_t tile, const bf16* source, int64_t ld, int thread) {
+  constexpr int rows_per_pass = kWsProducerThreads / 8;  // 8 consecutive threads read one 128-byte row
+  static_assert(ROWS % rows_per_pass == 0, "every producer thread copies the same number of chunks");
+  const int row = thread / 8, c = thread % 8;
+  const uint32_t to = tile + row * 128 + ((c ^ (row & 7)) << 4);
+  const bf16* from = source + row * ld + c * 8;
+  const int64_t stride = rows_per_pass * ld;
+#pragma unroll
+  for (int i = 0; i < ROWS / rows_per_pass; ++i) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to + i * rows_per_pass * 128), "l"(from)
+                 : "memory");
+    from += stride;
+    opaque(from);
+  }
+}
+// MN-major: global [64 k][N] row-major, stored as N/64 groups of [64 k][64] (8 KB apart), chunk c
+// of k-row k of a group at byte k * 128 + (c ^ (k % 8)) * 16. Thread t copies column chunk
+// t % (N/8) of k-rows t / (N/8) + (1024/N) i (4 or 8 apart: coalesced along n); with k0 < 4 when
+// they are 4 apart, (k0 + 4 i) % 8 = k0 ^ (4 i % 8), so the swizzle is k0's, flipped on odd i.
+template <int N>
+__device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64_t ld, int thread) {
+  constexpr int chunks_per_row = N / 8, k_per_pass = kWsProducerThreads / chunks_per_row;
+  static_assert(k_per_pass % 4 == 0 && kBlockK % k_per_pass == 0, "N = 64, 128 or 256");
+  const int k0 = thread / chunks_per_row, column_chunk = thread % chunks_per_row;
+  const int group = column_chunk / 8, c = column_chunk % 8;
+  const uint32_t to = tile + group * (kBlockK * 128) + k0 * 128 + ((c ^ (k0 & 7)) << 4);
+  const bf16* from = source + k0 * ld + column_chunk * 8;
+  const int64_t stride = k_per_pass * ld;
+#pragma unroll
+  for (int i = 0; i < kBlockK / k_per_pass; ++i) {
+    const uint32_t flip = static_cast<uint32_t>((k_per_pass * i) & 7) << 4;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((to ^ flip) + i * k_per_pass * 128), "l"(from)
+                 : "memory");
+    from += stride;
+    opaque(from);
+  }
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// ---- the kernel ----
+// Tiles are numbered tile = y * tiles_x + x (x fastest: consecutive tiles share a block row of A).
+// PERSISTENT = false: the grid is (tiles_x, y bound), one tile per CTA; the epilogue's staging then
+//   reuses the stages (all copies have landed and every wgmma has retired by then).
+// PERSISTENT = true: the grid is one CTA per SM (or fewer); CTA b takes tiles b, b + gridDim.x, ...
+//   (a static schedule), and the staging has its own region so the producer can fill the stages
+//   with the next tile while the consumers store this one.
+// EPILOGUE_COLUMNS: the staging holds that many columns of a warpgroup's 64 rows at a time; the
+//   epilogue runs 256 / EPILOGUE_COLUMNS passes (1 pass when it reuses the stages).
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, class Problem>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    block_sparse_wgmma_ws_kernel(const Problem parameters, int tiles_x, int tiles) {
+  static_assert(STAGES >= 2, "one stage filling while one is read");
+  static_assert(kWsBlockN % EPILOGUE_COLUMNS == 0 && EPILOGUE_COLUMNS % 8 == 0, "whole 16-byte chunks per pass");
+  static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
+                "the staging must fit in the stages it reuses");
+  static_assert(ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>() <= 227 * 1024,
+                "Hopper gives a CTA at most 227 KB of shared memory");
+  static_assert(Problem::a_layout != Layout::row_major_nk, "A is stored [m][k] or [k][m]");
+  static_assert(!Problem::grid_x_over_m, "x runs over N: 256 columns a tile");
+  static_assert(kBlockK == 64, "a k-step is one 128-byte swizzle row of K (K-major) or 64 rows (MN-major)");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool a_m_major = Problem::a_layout == Layout::row_major_km;
+  constexpr bool b_n_major = Problem::b_layout == Layout::row_major_km;
+  constexpr uint32_t a_bytes = kWgmmaBlockM * kBlockK * sizeof(bf16);  // 16 KB
+  constexpr int kAccumulators = kWsBlockN / 2;                         // 64 x 256 over 128 threads
+
+  extern __shared__ unsigned char shared_bytes[];
+  const uint32_t shared_raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_bytes));
+  const uint32_t shared_base = (shared_raw + 1023u) & ~1023u;
+  const uint32_t staging_base = PERSISTENT ? shared_base + STAGES * wgmma_stage_bytes<kWsBlockN>() : shared_base;
+  const uint32_t barriers =
+      shared_base + STAGES * wgmma_stage_bytes<kWsBlockN>() + (PERSISTENT ? ws_staging_bytes<EPILOGUE_COLUMNS>() : 0);
+  auto full = [&](int stage) { return barriers + stage * 8; };
+  auto empty = [&](int stage) { return barriers + (STAGES + stage) * 8; };
+  auto stage_a = [&](int stage) { return shared_base + stage * wgmma_stage_bytes<kWsBlockN>(); };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbarrier_init(full(s), kWsProducerThreads);  // one cp.async arrival per producer thread
+      mbarrier_init(empty(s), 8);                  // one arrival per consumer warp
+    }
+    // Makes the initialised barriers visible to the other threads' (and the cp.async unit's) arrivals.
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // the only CTA-wide barrier: from here on, the roles meet only at mbarriers
+
+  const int first_tile = PERSISTENT ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.y) * tiles_x + blockIdx.x;
+  const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) : tiles;  // one tile when not persistent
+  const int warpgroup = threadIdx.x / 128;
+  int iteration = 0;  // k-steps this thread's role has gone through, over all tiles (see the header)
+
+  if (warpgroup == 0) {
+    // ---- producer ----
+    setmaxnreg_dec<kWsProducerRegisters>();
+    const int thread = threadIdx.x;
+    for (int tile = first_tile; tile < tiles; tile += tile_stride) {
+      Problem problem = parameters;
+      if (!problem.begin(tile / tiles_x, tile % tiles_x, kWsBlockN)) continue;  // the consumers skip it too
+      const int k_steps = problem.k_steps();
+      for (int step = 0; step < k_steps; ++step, ++iteration) {
+        const int stage = iteration % STAGES;
+        const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
+        mbarrier_wait(empty(stage), (use & 1) ^ 1);  // the consumers released its previous use
+        int64_t ld;
+        const bf16* a = problem.a_chunk(step, ld);
+        if constexpr (a_m_major)
+          ws_copy_mn_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread);
+        else
+          ws_copy_k_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread);
+        const bf16* b = problem.b_chunk(step, ld);
+        if constexpr (b_n_major)
+          ws_copy_mn_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread);
+        else
+          ws_copy_k_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread);
+        cp_async_arrive_noinc(full(stage));  // arrives when this thread's copies have landed
+      }
+    }
+    cp_async_wait<0>();  // leave no copy in flight behind an exited thread
+    return;
+  }
+
+  // ---- consumers ----
+  setmaxnreg_inc<kWsConsumerRegisters>();
+  const int consumer = warpgroup - 1;  // rows 64 consumer .. 64 consumer + 63 of the tile
+  const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, warp = thread / 32;
+  constexpr int row_floats = EPILOGUE_COLUMNS + kStagingPad;
+  float* staging = reinterpret_cast<float*>(shared_bytes + (staging_base - shared_raw)) + consumer * 64 * row_floats;
+
+  for (int tile = first_tile; tile < tiles; tile += tile_stride) {
+    Problem problem = parameters;
+    if (!problem.begin(tile / tiles_x, tile % tiles_x, kWsBlockN)) continue;
+    const int k_steps = problem.k_steps();
+
+    float acc[kAccumulators];
+#pragma unroll
+    for (int i = 0; i < kAccumulators; ++i) acc[i] = 0.0f;
+
+    for (int step = 0; step < k_steps; ++step, ++iteration) {
+      const int stage = iteration % STAGES;
+      mbarrier_wait(full(stage), static_cast<uint32_t>(iteration / STAGES) & 1);  // its copies landed
+      fence_proxy_async();  // ... and are visible to the tensor cores (async proxy)
+      const uint32_t a = stage_a(stage) + consumer * 64 * 128;  // this warpgroup's 64 rows: 8 KB in
+      const uint32_t b = stage_a(stage) + a_bytes;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        const uint64_t a_descriptor = a_m_major ? matrix_descriptor(a + kk * 16 * 128, kBlockK * 128, 1024)
+                                                : matrix_descriptor(a + kk * 32, 16, 1024);
+        const uint64_t b_descriptor = b_n_major ? matrix_descriptor(b + kk * 16 * 128, kBlockK * 128, 1024)
+                                                : matrix_descriptor(b + kk * 32, 16, 1024);
+        wgmma_m64n256k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
+      }
+      wgmma_commit();
+      // Keep this step's group running; once the previous step's has retired, its stage goes back.
+      wgmma_wait<1>();
+      if (step > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    if (k_steps > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
+#pragma unroll
+    for (int i = 0; i < kAccumulators; ++i) register_fence(acc[i]);
+
+    // ---- epilogue: fragments -> staging -> 16-byte chunks, as block_sparse_wgmma.cuh's STAGED ----
+    // Accumulator layout of m64nNk16: warp w owns rows 16w .. 16w+15; acc[4j + v] is row
+    // 16w + lane/4 (+8 for v >= 2), column 8j + 2 (lane % 4) (+1 for odd v).
+    if constexpr (!PERSISTENT) named_barrier(1, 256);  // the staging reuses stages the other
+                                                       // warpgroup's last wgmma may still read
+    const int row = warp * 16 + lane / 4;
+    constexpr int passes = kWsBlockN / EPILOGUE_COLUMNS;
+    constexpr int slab_columns = EPILOGUE_COLUMNS < 128 ? EPILOGUE_COLUMNS : 128;  // one B x B block at most
+    constexpr int slab_row_chunks = slab_columns / 8;
+#pragma unroll
+    for (int pass = 0; pass < passes; ++pass) {
+#pragma unroll
+      for (int jj = 0; jj < EPILOGUE_COLUMNS / 8; ++jj) {
+        const int j = pass * (EPILOGUE_COLUMNS / 8) + jj, n = 8 * jj + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(staging + row * row_floats + n) = make_float2(acc[4 * j], acc[4 * j + 1]);
+        *reinterpret_cast<float2*>(staging + (row + 8) * row_floats + n) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+      }
+      named_barrier(2 + consumer, 128);  // this warpgroup's fragments are all in the staging
+      // Chunk order: slab of <= 128 columns (one block of SDD), row, chunk: a warp stores whole
+      // 16-chunk rows of one block, contiguous in the block array.
+      constexpr int chunks = 64 * EPILOGUE_COLUMNS / 8;
+#pragma unroll 2
+      for (int chunk = thread; chunk < chunks; chunk += 128) {
+        const int slab = chunk / (64 * slab_row_chunks), within = chunk % (64 * slab_row_chunks);
+        const int r = within / slab_row_chunks, n = slab * slab_columns + (within % slab_row_chunks) * 8;
+        const float4 lo = *reinterpret_cast<const float4*>(staging + r * row_floats + n);
+        const float4 hi = *reinterpret_cast<const float4*>(staging + r * row_floats + n + 4);
+        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        problem.store_chunk(consumer * 64 + r, pass * EPILOGUE_COLUMNS + n, v);
+      }
+      named_barrier(2 + consumer, 128);  // every read is done before the staging is written again
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the host must never pick this kernel
+#endif
+}
+
+}  // namespace moe::cuda::block_sparse_detail
