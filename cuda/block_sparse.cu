@@ -5,12 +5,14 @@
 // Build: cmake --build build --target moe_cuda
 #include "block_sparse.h"
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 
 #include "block_sparse.cuh"        // block_sparse_mma_kernel and the problems
 #include "block_sparse_wgmma.cuh"  // block_sparse_wgmma_kernel (sm_90a)
+#include "block_sparse_wgmma_ws.cuh"  // block_sparse_wgmma_ws_kernel (sm_90a, warp-specialized)
 #include "cuda_check.h"            // CUDA_CHECK
 
 namespace moe::cuda {
@@ -102,6 +104,24 @@ void launch_wgmma_shape(const Problem& problem, int x_extent, int y_count, cudaS
   CUDA_CHECK(cudaGetLastError());
 }
 
+// The warp-specialized persistent kernel (cuda/dev/sdd.cu, version 16): 128 x 256 tiles, a producer
+// warpgroup 4 stages ahead of 2 wgmma warpgroups, one CTA per SM walking the tiles, so one tile's
+// epilogue overlaps the next tile's loads. The tile count is the host bound; CTAs skip the tiles
+// past the device's counts.
+template <class Problem>
+void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStream_t stream) {
+  constexpr int kStages = 4, kEpilogueColumns = 32;
+  constexpr int smem = ws_shared_bytes<kStages, kEpilogueColumns, true>();
+  auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, Problem>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int device = 0, multiprocessors = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const int tiles_x = x_extent / kWsBlockN, tiles = tiles_x * y_count;
+  kernel<<<std::min(multiprocessors, tiles), kWsThreads, smem, stream>>>(problem, tiles_x, tiles);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 // BM x BN is B x 128 (or B x 64 when the dense extent is not a multiple of 128) for the products
 // tiled by block rows / block columns, and 128 (64) x B for DDS, whose tiles run down the dense rows.
 template <class Problem>
@@ -117,6 +137,16 @@ void launch(const Problem& problem, int block_size, int dense_extent, int y_coun
   //   - DSᵀD and DDS (the weight gradients, A read M-major): the SDD's configuration, not yet
   //     measured. DDS's tiles run over M, so its dense extent (D) must be a multiple of 128 rows.
   const bool wgmma = block_size == 128 && dense_extent % 128 == 0 && wgmma_available();
+  // Measured later (cuda/dev/sdd.cu, versions 15-17, H200, T=16384 D=1024 H=4096 E=64 K=1): the
+  // warp-specialized persistent kernel takes the SDD from 368 to 399 TFLOP/s (version 12 -> 16).
+  // Every product tiled over N (SDD, DSD, DSᵀD) takes it where the dense extent allows 256-wide
+  // tiles; DDS, tiled over M, and other extents keep the kernels below.
+  if constexpr (!Problem::grid_x_over_m) {
+    if (wgmma && dense_extent % kWsBlockN == 0) {
+      launch_wgmma_ws(problem, dense_extent, y_count, stream);
+      return;
+    }
+  }
   if constexpr (Problem::wgmma_wide_tile) {
     if (wgmma && dense_extent % 256 == 0) {
       launch_wgmma_shape<256, 4, 1, 1, true>(problem, dense_extent, y_count, stream);

@@ -319,6 +319,13 @@ TEST(BlockSparseFfn, OneExpertGetsAllTokensB128) {
   REQUIRE_GPU();
   check_ffn(Problem(600, 256, 384, 4, 1, 128, Activation::gelu, Routing::all_to_one_expert, 16));
 }
+// B = 128 with more 128 x 256 tiles than an H100/H200 has SMs (8192 x 2 slots: 128+ block rows x
+// 2 tiles of H, D = 256: 1 tile), so the persistent warp-specialized kernel's CTAs each walk
+// several tiles, and its ring of stages carries over from one tile to the next.
+TEST(BlockSparseFfn, PersistentTilesB128) {
+  REQUIRE_GPU();
+  check_ffn(Problem(8192, 256, 512, 4, 2, 128, Activation::gelu, Routing::random, 18));
+}
 // SwiGLU at B = 128, every token to experts 1 and 2: DDS writes both halves of dW1 (column_offset H).
 TEST(BlockSparseFfn, SwigluAllTokensToTwoExpertsB128) {
   REQUIRE_GPU();
