@@ -14,7 +14,7 @@
 //      padded, count when dropless), rows per expert (kept, C, or kept rounded up to B: MegaBlocks'
 //      padded bins), row_offsets and total_rows.
 //   3. scatter: each block writes its slots to their sorted positions in slot order (a slot's rank
-//      among the earlier slots of its expert in its block, from warp match/ballot and per-warp
+//      among the earlier slots of its expert in its block, from __match_any_sync and per-warp
 //      counts in shared memory). Stable, so inside one expert the slots keep increasing slot order,
 //      which is token order: capacity then drops the LAST tokens of an over-full expert, exactly as
 //      the reference does. The same kernel assigns rows: the slot whose rank inside its expert is
