@@ -1,136 +1,206 @@
-// dispatch_plan.cu: the plan-building kernels of dispatch_plan.h (histogram, per-expert scan, CUB's stable
-// radix sort, row assignment). Build: cmake --build build-gpu --target moe_cuda.
+// dispatch_plan.cu: the plan-building kernels of dispatch_plan.h: a stable counting sort of the slots
+// by expert (count per block, scan, scatter), with capacity and the slot <-> row maps computed on
+// the way. Build: cmake --build build-gpu --target moe_cuda.
 #include "dispatch_plan.h"
 
 #include <cub/block/block_scan.cuh>
-#include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "cuda_check.h"     // CUDA_CHECK
 #include "launch_checks.h"  // check_range, check_fits_int32, check_not_null
+#include "routing.h"        // kRouterMaxExperts: the plan sorts what the router chose
 
 namespace moe::cuda {
 
 namespace {
 
-constexpr int kHistogramThreads = 256;
-constexpr int kMaxHistogramExperts = 8192;  // shared-memory bins: 32 KiB
-constexpr int kScanThreads = 1024;          // one block scans all E experts, 1024 at a time
-constexpr int kSlotThreads = 256;
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kPlanWarps = 8;  // 256 threads per block in the count and scatter kernels
+constexpr int kPlanThreads = kPlanWarps * kWarpSize;
+// The scatter kernel keeps a cursor per (warp, expert) in shared memory: kPlanWarps * (E + 1) ints,
+// so shared memory grows linearly with E: 8.0 KiB at the limit E = 256 (the count kernel needs
+// only (E + 1) ints). The limit is the router's, kRouterMaxExperts: a larger E cannot be routed.
+constexpr int kMaxPlanExperts = kRouterMaxExperts;
+constexpr int kScanThreads = 1024;  // the one scanning block
+constexpr int kScanItems = 4;       // counts per scanning thread: 4096 (expert, block) counts a pass
+// At most this many (expert, block) counts to scan: blocks = min(slots / 256, kMaxScanCounts / (E+1)).
+// Past that, each warp takes more slots instead, so the single-block scan stays a few passes.
+constexpr int kMaxScanCounts = 4 * kScanThreads * kScanItems;
+static_assert(kMaxPlanExperts < kScanThreads, "the per-expert scan is one pass of one block");
 
-// ---- 1. histogram ----
-// Bins in shared memory first: a block's slots mostly hit a few hot experts, and shared atomics on
-// them are far cheaper than global ones. Integer atomics, so the counts are exact and deterministic.
-__global__ void expert_histogram_kernel(const int* __restrict__ top_experts,  // [T*K]
-                                        int* __restrict__ tokens_per_expert,  // [E], zeroed
-                                        int* __restrict__ invalid_slots,      // [1], zeroed
-                                        int slots, int num_experts) {
-  extern __shared__ int bins[];  // [E]
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) bins[e] = 0;
+// Block b of the count and scatter kernels owns the slots [b * slots_per_block, (b+1) * slots_per_block);
+// warp w of it owns slots_per_warp consecutive slots from b * slots_per_block + w * slots_per_warp.
+// Ids outside [0, E) go to an extra bin E: it sorts after every expert, so it moves no valid slot,
+// and its total is invalid_slots.
+__device__ int bin_of(int expert, int num_experts) {
+  return expert >= 0 && expert < num_experts ? expert : num_experts;
+}
+
+// ---- 1. count: slots per (expert, block) ----
+// Shared-memory bins, then one plain store per bin: block_counts is expert-major ([E+1, blocks]),
+// the order in which the scan then lays the slots out. Integer atomics: exact and deterministic.
+__global__ void __launch_bounds__(kPlanThreads) count_slots_kernel(const int* __restrict__ top_experts,  // [T*K]
+                                                                   int* __restrict__ block_counts,  // [E+1, blocks]
+                                                                   int slots, int num_experts, int slots_per_block) {
+  extern __shared__ int bins[];  // [E+1]
+  for (int bin = threadIdx.x; bin <= num_experts; bin += blockDim.x) bins[bin] = 0;
   __syncthreads();
-  int invalid = 0;
-  for (int slot = blockIdx.x * blockDim.x + threadIdx.x; slot < slots; slot += gridDim.x * blockDim.x) {
-    const int expert = top_experts[slot];
-    if (expert >= 0 && expert < num_experts) {
-      atomicAdd(&bins[expert], 1);
-    } else {
-      ++invalid;
-    }
+  const int begin = blockIdx.x * slots_per_block;  // below slots: the grid is ceil(slots / slots_per_block)
+  const int end = begin + min(slots_per_block, slots - begin);
+  for (int slot = begin + threadIdx.x; slot < end; slot += blockDim.x) {
+    atomicAdd(&bins[bin_of(top_experts[slot], num_experts)], 1);
   }
-  if (invalid > 0) atomicAdd(invalid_slots, invalid);
   __syncthreads();
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    if (bins[e] > 0) atomicAdd(&tokens_per_expert[e], bins[e]);
+  for (int bin = threadIdx.x; bin <= num_experts; bin += blockDim.x) {
+    block_counts[bin * gridDim.x + blockIdx.x] = bins[bin];
   }
 }
 
-// ---- 2. rows per expert and the two exclusive prefix sums, in one block ----
-__global__ void __launch_bounds__(kScanThreads) expert_rows_kernel(const int* __restrict__ tokens_per_expert,  // [E]
-                                   int* __restrict__ routed_offsets,           // [E+1]
-                                   int* __restrict__ kept_per_expert,          // [E]
-                                   int* __restrict__ row_offsets,              // [E+1]
-                                   int* __restrict__ total_rows,               // [1]
-                                   int num_experts, Formulation formulation, int capacity,
-                                   int block_size) {
+// ---- 2. one block: the scan over (expert, block), then rows per expert ----
+// The exclusive scan of block_counts in expert-major order gives, in place, where block b's first
+// slot of expert e goes in the sorted order: all slots of experts < e, then those of expert e in
+// blocks < b. Entry (e, 0) is routed_offsets[e]. Then, per expert: kept (min(count, C) when dropping
+// or padded, count when dropless), rows (kept, C, or kept rounded up to B: MegaBlocks' padded bins)
+// and their exclusive sum row_offsets.
+__global__ void __launch_bounds__(kScanThreads) scan_counts_kernel(int* __restrict__ block_counts,  // [E+1, blocks] in, offsets out
+                                                                   int* __restrict__ tokens_per_expert,  // [E]
+                                                                   int* __restrict__ routed_offsets,     // [E+1]
+                                                                   int* __restrict__ kept_per_expert,    // [E]
+                                                                   int* __restrict__ row_offsets,        // [E+1]
+                                                                   int* __restrict__ total_rows,         // [1]
+                                                                   int* __restrict__ invalid_slots,      // [1]
+                                                                   int num_experts, int blocks,
+                                                                   Formulation formulation, int capacity,
+                                                                   int block_size) {
   using BlockScan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
-  int routed_carry = 0, row_carry = 0;  // totals of the chunks before this one
-  for (int base = 0; base < num_experts; base += kScanThreads) {
-    const int e = base + threadIdx.x;
-    const int count = e < num_experts ? tokens_per_expert[e] : 0;
-    int kept = count, rows = count;
-    if (formulation == Formulation::dropping) {
-      kept = min(count, capacity);
-      rows = kept;
-    } else if (formulation == Formulation::padded) {
-      kept = min(count, capacity);
-      rows = capacity;  // GShard / Tutel: every expert computes C rows, empty ones are zeros
-    } else {
-      rows = (count + block_size - 1) / block_size * block_size;  // MegaBlocks: round up to B
+  __shared__ int expert_start[kMaxPlanExperts + 2];  // [E+2] routed_offsets, then the grand total
+  const int entries = (num_experts + 1) * blocks;
+  int carry = 0;  // total of the passes before this one
+  for (int base = 0; base < entries; base += kScanThreads * kScanItems) {
+    int count[kScanItems], before[kScanItems];
+    for (int i = 0; i < kScanItems; ++i) {  // blocked: thread j holds entries j*kScanItems + i
+      const int entry = base + threadIdx.x * kScanItems + i;
+      count[i] = entry < entries ? block_counts[entry] : 0;
     }
-    if (e >= num_experts) rows = 0;
-    int routed_before = 0, rows_before = 0, routed_chunk = 0, rows_chunk = 0;
-    BlockScan(scan_storage).ExclusiveSum(count, routed_before, routed_chunk);
-    __syncthreads();  // scan_storage is reused by the second scan
-    BlockScan(scan_storage).ExclusiveSum(rows, rows_before, rows_chunk);
-    __syncthreads();
-    if (e < num_experts) {
-      routed_offsets[e] = routed_carry + routed_before;
-      kept_per_expert[e] = kept;
-      row_offsets[e] = row_carry + rows_before;
+    int pass_total = 0;
+    BlockScan(scan_storage).ExclusiveSum(count, before, pass_total);
+    for (int i = 0; i < kScanItems; ++i) {
+      const int entry = base + threadIdx.x * kScanItems + i;
+      if (entry < entries) {
+        block_counts[entry] = carry + before[i];
+        if (entry % blocks == 0) expert_start[entry / blocks] = carry + before[i];
+      }
     }
-    routed_carry += routed_chunk;
-    row_carry += rows_chunk;
+    carry += pass_total;
+    __syncthreads();  // scan_storage is reused by the next pass
+  }
+  if (threadIdx.x == 0) expert_start[num_experts + 1] = carry;
+  __syncthreads();
+
+  const int e = threadIdx.x;
+  const int count = e < num_experts ? expert_start[e + 1] - expert_start[e] : 0;
+  int kept = count, rows = count;
+  if (formulation == Formulation::dropping) {
+    kept = min(count, capacity);
+    rows = kept;
+  } else if (formulation == Formulation::padded) {
+    kept = min(count, capacity);
+    rows = capacity;  // GShard / Tutel: every expert computes C rows, empty ones are zeros
+  } else {
+    rows = (count + block_size - 1) / block_size * block_size;  // MegaBlocks: round up to B
+  }
+  if (e >= num_experts) rows = 0;
+  int rows_before = 0, rows_total = 0;
+  BlockScan(scan_storage).ExclusiveSum(rows, rows_before, rows_total);
+  if (e < num_experts) {
+    tokens_per_expert[e] = count;
+    routed_offsets[e] = expert_start[e];
+    kept_per_expert[e] = kept;
+    row_offsets[e] = rows_before;
   }
   if (threadIdx.x == 0) {
-    routed_offsets[num_experts] = routed_carry;
-    row_offsets[num_experts] = row_carry;
-    *total_rows = row_carry;
+    routed_offsets[num_experts] = expert_start[num_experts];
+    row_offsets[num_experts] = rows_total;
+    *total_rows = rows_total;
+    *invalid_slots = expert_start[num_experts + 1] - expert_start[num_experts];  // bin E
   }
 }
 
-// ---- 3. the sort's values ----
-__global__ void slot_numbers_kernel(int* __restrict__ slot_numbers, int slots) {  // [T*K]
-  const int slot = blockIdx.x * blockDim.x + threadIdx.x;
-  if (slot < slots) slot_numbers[slot] = slot;
-}
+// ---- 3. scatter: each slot to its sorted position, and to its row ----
+// Stable: inside a block, slots of one expert keep slot order (= token order), and blocks follow
+// each other in the scanned offsets. Each warp first counts its own slots per expert, the block
+// turns the warp counts into per-warp start positions, and each warp walks its slots again, 32 at a
+// time in slot order: __match_any_sync groups the lanes holding the same expert, a lane's rank in
+// its group is the number of group lanes below it, and the group's lowest lane advances the cursor.
+// A slot whose rank inside its expert is below kept_per_expert gets a row; the others (past
+// capacity: "tokens past C in token order are dropped") get slot_row = -1.
+__global__ void __launch_bounds__(kPlanThreads) scatter_slots_kernel(const int* __restrict__ top_experts,  // [T*K]
+                                                                     const int* __restrict__ block_offsets,  // [E+1, blocks]
+                                                                     const int* __restrict__ routed_offsets,   // [E+1]
+                                                                     const int* __restrict__ kept_per_expert,  // [E]
+                                                                     const int* __restrict__ row_offsets,      // [E+1]
+                                                                     int* __restrict__ routed_slots,  // [T*K]
+                                                                     int* __restrict__ row_slot,      // [max_rows], all -1
+                                                                     int* __restrict__ slot_row,      // [T*K]
+                                                                     int slots, int num_experts, int slots_per_warp) {
+  extern __shared__ int cursor[];  // [kPlanWarps, E+1]: this warp's next position for each bin
+  const int bins = num_experts + 1;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  int* const warp_cursor = cursor + warp * bins;
+  const long long first_slot = (static_cast<long long>(blockIdx.x) * kPlanWarps + warp) * slots_per_warp;
+  const int begin = static_cast<int>(min(first_slot, 1LL * slots));
+  const int end = begin + min(slots_per_warp, slots - begin);
+  // Lanes past `end` take bin -1 and stay out of every group that is counted. The loops below run
+  // the same trip count on every lane of a warp, as __match_any_sync and __shfl_sync need.
 
-// ---- 4. rows from sorted positions ----
-// Position i of the sorted slots is the (i - routed_offsets[e])-th slot of expert e in token order;
-// it gets a row while that rank is below the expert's kept count. Every slot is visited once, so
-// slot_row is fully written; row_slot keeps the -1 of its memset where no slot lands.
-__global__ void assign_rows_kernel(const int* __restrict__ sorted_experts,   // [T*K]
-                                   const int* __restrict__ routed_slots,     // [T*K]
-                                   const int* __restrict__ routed_offsets,   // [E+1]
-                                   const int* __restrict__ kept_per_expert,  // [E]
-                                   const int* __restrict__ row_offsets,      // [E+1]
-                                   int* __restrict__ row_slot,               // [max_rows], all -1
-                                   int* __restrict__ slot_row,               // [T*K]
-                                   int slots, int num_experts) {
-  const int position = blockIdx.x * blockDim.x + threadIdx.x;
-  if (position >= slots) return;
-  const int expert = sorted_experts[position];
-  const int slot = routed_slots[position];
-  if (expert < 0 || expert >= num_experts) {  // counted in invalid_slots by the histogram
-    slot_row[slot] = -1;
-    return;
+  for (int bin = threadIdx.x; bin < kPlanWarps * bins; bin += blockDim.x) cursor[bin] = 0;
+  __syncthreads();
+  for (int base = begin; base < end; base += kWarpSize) {
+    const int slot = base + lane;
+    const int bin = slot < end ? bin_of(top_experts[slot], num_experts) : -1;
+    const unsigned peers = __match_any_sync(kFullMask, bin);
+    if (bin >= 0 && lane == __ffs(peers) - 1) warp_cursor[bin] += __popc(peers);
+    __syncwarp();  // the next round's group leader may be another lane
   }
-  const int rank = position - routed_offsets[expert];
-  if (rank < kept_per_expert[expert]) {
-    const int row = row_offsets[expert] + rank;
-    row_slot[row] = slot;
+  __syncthreads();
+  // Warp counts -> warp start positions: warp w starts where warps < w of this block end.
+  for (int bin = threadIdx.x; bin < bins; bin += blockDim.x) {
+    int position = block_offsets[bin * gridDim.x + blockIdx.x];
+    for (int w = 0; w < kPlanWarps; ++w) {
+      const int count = cursor[w * bins + bin];
+      cursor[w * bins + bin] = position;
+      position += count;
+    }
+  }
+  __syncthreads();
+
+  for (int base = begin; base < end; base += kWarpSize) {
+    const int slot = base + lane;
+    const int bin = slot < end ? bin_of(top_experts[slot], num_experts) : -1;
+    const unsigned peers = __match_any_sync(kFullMask, bin);
+    const int leader = __ffs(peers) - 1;
+    int first = 0;  // the group's first position, read and advanced by its leader alone
+    if (bin >= 0 && lane == leader) {
+      first = warp_cursor[bin];
+      warp_cursor[bin] = first + __popc(peers);
+    }
+    first = __shfl_sync(kFullMask, first, leader);
+    __syncwarp();
+    if (bin < 0) continue;
+    const int position = first + __popc(peers & ((1u << lane) - 1u));  // group lanes below this one
+    routed_slots[position] = slot;
+    int row = -1;  // ids outside [0, E) (bin E) and slots past capacity get no row
+    if (bin < num_experts) {
+      const int rank = position - routed_offsets[bin];
+      if (rank < kept_per_expert[bin]) row = row_offsets[bin] + rank;
+    }
+    if (row >= 0) row_slot[row] = slot;
     slot_row[slot] = row;
-  } else {
-    slot_row[slot] = -1;  // past capacity: dropped (dropping and padded only)
   }
-}
-
-int bits_for(int largest_value) {  // bits needed to write 0 .. largest_value; at least 1
-  int bits = 1;
-  while (bits < 31 && (1 << bits) <= largest_value) ++bits;
-  return bits;
 }
 
 }  // namespace
@@ -140,8 +210,8 @@ DispatchPlanBuffers::DispatchPlanBuffers(const MoeConfig& config) {
   constexpr const char* function = "DispatchPlanBuffers";
   const int64_t T = config.tokens, K = config.top_k, E = config.num_experts, B = config.block_size;
   detail::check_fits_int32(function, "T * K", T * K);
-  detail::check_range(function, "num_experts (E)", E, 1, kMaxHistogramExperts,
-                      "the histogram keeps E bins in shared memory");
+  detail::check_range(function, "num_experts (E)", E, 1, kMaxPlanExperts,
+                      "kRouterMaxExperts: the scatter keeps a cursor per (warp, expert) in shared memory");
   int64_t capacity_rows = 0, max_rows = 0;
   if (config.formulation == Formulation::dropless) {
     max_rows = T * K + E * (B - 1);
@@ -159,28 +229,25 @@ DispatchPlanBuffers::DispatchPlanBuffers(const MoeConfig& config) {
   capacity_ = static_cast<int>(capacity_rows);
   block_size_ = static_cast<int>(B);
   max_rows_ = static_cast<int>(max_rows);
-  sort_end_bit_ = bits_for(num_experts_ - 1);
 
-  const size_t slots = static_cast<size_t>(T * K);
+  // One round of 32 slots per warp while the (expert, block) counts stay under kMaxScanCounts;
+  // beyond, more rounds per warp. T*K = 16384, E = 64: 64 blocks of 256 slots, 4160 counts.
+  const int64_t slots = T * K;
+  const int64_t max_blocks = std::max<int64_t>(1, kMaxScanCounts / (E + 1));
+  const int64_t rounds = std::max<int64_t>(1, (slots + kPlanThreads * max_blocks - 1) / (kPlanThreads * max_blocks));
+  slots_per_warp_ = static_cast<int>(rounds * kWarpSize);
+  plan_blocks_ = static_cast<int>((slots + kPlanWarps * slots_per_warp_ - 1) / (kPlanWarps * slots_per_warp_));
+
   tokens_per_expert = DeviceBuffer<int>(E);
   routed_offsets = DeviceBuffer<int>(E + 1);
-  routed_slots = DeviceBuffer<int>(slots);
+  routed_slots = DeviceBuffer<int>(static_cast<size_t>(slots));
   kept_per_expert = DeviceBuffer<int>(E);
   row_offsets = DeviceBuffer<int>(E + 1);
   row_slot = DeviceBuffer<int>(static_cast<size_t>(max_rows));
-  slot_row = DeviceBuffer<int>(slots);
+  slot_row = DeviceBuffer<int>(static_cast<size_t>(slots));
   total_rows = DeviceBuffer<int>(1);
   invalid_slots = DeviceBuffer<int>(1);
-  slot_numbers_ = DeviceBuffer<int>(slots);
-  sorted_experts_ = DeviceBuffer<int>(slots);
-
-  // Asking CUB for its scratch size touches no device memory: a host-only query.
-  size_t temp_bytes = 0;
-  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, static_cast<const int*>(nullptr),
-                                             static_cast<int*>(nullptr), static_cast<const int*>(nullptr),
-                                             static_cast<int*>(nullptr), static_cast<int>(slots), 0,
-                                             sort_end_bit_));
-  sort_temp_ = DeviceBuffer<unsigned char>(temp_bytes > 0 ? temp_bytes : 1);
+  block_offsets_ = DeviceBuffer<int>(static_cast<size_t>(E + 1) * plan_blocks_);
 }
 
 DevicePlan DispatchPlanBuffers::plan() const {
@@ -205,39 +272,26 @@ void build_dispatch_plan(const int* top_experts, DispatchPlanBuffers& buffers, c
   detail::check_not_null("build_dispatch_plan", "top_experts", top_experts);
   const int slots = buffers.tokens_ * buffers.top_k_;
   const int E = buffers.num_experts_;
+  const int blocks = buffers.plan_blocks_;
+  const int slots_per_warp = buffers.slots_per_warp_;
 
-  CUDA_CHECK(cudaMemsetAsync(buffers.tokens_per_expert.data(), 0, buffers.tokens_per_expert.bytes(), stream));
-  CUDA_CHECK(cudaMemsetAsync(buffers.invalid_slots.data(), 0, buffers.invalid_slots.bytes(), stream));
   // 0xFF bytes make every int -1: padding rows and rows past total_rows.
   buffers.row_slot.fill_bytes(0xFF, stream);
 
-  // Enough blocks to fill the GPU at large T*K, few enough that each block's shared histogram
-  // absorbs many slots before it touches global memory.
-  const int histogram_blocks = std::min((slots + kHistogramThreads - 1) / kHistogramThreads, 1024);
-  expert_histogram_kernel<<<histogram_blocks, kHistogramThreads, E * sizeof(int), stream>>>(
-      top_experts, buffers.tokens_per_expert.data(), buffers.invalid_slots.data(), slots, E);
+  count_slots_kernel<<<blocks, kPlanThreads, (E + 1) * sizeof(int), stream>>>(
+      top_experts, buffers.block_offsets_.data(), slots, E, kPlanWarps * slots_per_warp);
   CUDA_CHECK(cudaGetLastError());
 
-  expert_rows_kernel<<<1, kScanThreads, 0, stream>>>(
-      buffers.tokens_per_expert.data(), buffers.routed_offsets.data(), buffers.kept_per_expert.data(),
-      buffers.row_offsets.data(), buffers.total_rows.data(), E, buffers.formulation_, buffers.capacity_,
-      buffers.block_size_);
+  scan_counts_kernel<<<1, kScanThreads, 0, stream>>>(
+      buffers.block_offsets_.data(), buffers.tokens_per_expert.data(), buffers.routed_offsets.data(),
+      buffers.kept_per_expert.data(), buffers.row_offsets.data(), buffers.total_rows.data(),
+      buffers.invalid_slots.data(), E, blocks, buffers.formulation_, buffers.capacity_, buffers.block_size_);
   CUDA_CHECK(cudaGetLastError());
 
-  const unsigned slot_blocks = static_cast<unsigned>((slots + kSlotThreads - 1) / kSlotThreads);
-  slot_numbers_kernel<<<slot_blocks, kSlotThreads, 0, stream>>>(buffers.slot_numbers_.data(), slots);
-  CUDA_CHECK(cudaGetLastError());
-
-  size_t temp_bytes = buffers.sort_temp_.bytes();
-  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(buffers.sort_temp_.data(), temp_bytes, top_experts,
-                                             buffers.sorted_experts_.data(), buffers.slot_numbers_.data(),
-                                             buffers.routed_slots.data(), slots, 0, buffers.sort_end_bit_,
-                                             stream));
-
-  assign_rows_kernel<<<slot_blocks, kSlotThreads, 0, stream>>>(
-      buffers.sorted_experts_.data(), buffers.routed_slots.data(), buffers.routed_offsets.data(),
-      buffers.kept_per_expert.data(), buffers.row_offsets.data(), buffers.row_slot.data(),
-      buffers.slot_row.data(), slots, E);
+  scatter_slots_kernel<<<blocks, kPlanThreads, kPlanWarps * (E + 1) * sizeof(int), stream>>>(
+      top_experts, buffers.block_offsets_.data(), buffers.routed_offsets.data(), buffers.kept_per_expert.data(),
+      buffers.row_offsets.data(), buffers.routed_slots.data(), buffers.row_slot.data(), buffers.slot_row.data(),
+      slots, E, slots_per_warp);
   CUDA_CHECK(cudaGetLastError());
 }
 

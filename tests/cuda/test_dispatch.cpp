@@ -12,6 +12,7 @@
 #include "device_info.h"    // gpu_available, why_no_gpu
 #include "dispatch.h"       // moe::ref::plan_dispatch (reference_cpu/)
 #include "dispatch_plan.h"  // DispatchPlanBuffers, build_dispatch_plan (cuda/)
+#include "routing.h"        // kRouterMaxExperts, the plan's E limit too
 #include "routing_test_support.h"
 
 namespace {
@@ -116,6 +117,45 @@ TEST(CudaDispatch, AwkwardSizes) {
   }
 }
 
+// The counting sort gives each block 8 warps of 32 slots per round (more rounds once the
+// (expert, block) counts would pass 16384), so these cases put slot counts just off those
+// multiples, one expert on every slot, E = 1 and the largest E, and capacities below some counts.
+TEST(CudaDispatch, CountingSortEdges) {
+  REQUIRE_GPU();
+  uint64_t seed = 400;
+  const int64_t max_experts = moe::cuda::kRouterMaxExperts;
+  for (moe::Formulation formulation : kFormulations) {
+    // T*K not a multiple of a warp (32), a block (256) or a block's round: 255, 257, 4099, 70001.
+    for (int64_t T : {255, 257, 4099, 70001}) {
+      check_case(plan_config(formulation, T, 16, 1, 64, 0.8), random_top_experts(T, 16, 1, ++seed, 1.2));
+    }
+    check_case(plan_config(formulation, 3001, 7, 3, 64, 1.0), random_top_experts(3001, 7, 3, ++seed, 0.7));
+    // One expert takes every slot (K = 1), the others are empty; over capacity when dropping.
+    for (int64_t T : {1, 31, 33, 1000, 50000}) {
+      moe::ref::IndexMatrix last = moe::ref::IndexMatrix::Constant(T, 1, 5);
+      check_case(plan_config(formulation, T, 6, 1, 64, 2.0), last);
+    }
+    // E = 1: every slot on expert 0, a few rounds per warp.
+    check_case(plan_config(formulation, 40000, 1, 1, 128, 1.0), moe::ref::IndexMatrix::Zero(40000, 1));
+    // The largest E: many (expert, block) counts, so each warp takes several rounds of 32 slots.
+    check_case(plan_config(formulation, 20000, max_experts, 2, 64, 1.0),
+               random_top_experts(20000, max_experts, 2, ++seed, 0.3));
+    check_case(plan_config(formulation, 100000, max_experts, 1, 64, 1.0),
+               random_top_experts(100000, max_experts, 1, ++seed, 1.5));
+    check_case(plan_config(formulation, 77, max_experts, 8, 16, 1.0),  // most experts empty
+               random_top_experts(77, max_experts, 8, ++seed, 0.0));
+    // Capacity below the hot experts' counts, above the cold ones': drops inside several blocks.
+    for (double capacity_factor : {0.1, 0.3, 0.9}) {
+      check_case(plan_config(formulation, 9000, 32, 2, 64, capacity_factor),
+                 random_top_experts(9000, 32, 2, ++seed, 2.0));
+    }
+    // Alternating experts inside every warp: many groups of one lane each.
+    moe::ref::IndexMatrix alternating(4096, 1);
+    for (int64_t t = 0; t < 4096; ++t) alternating(t, 0) = static_cast<int32_t>(t % 32 == 31 ? 3 : t % 2);
+    check_case(plan_config(formulation, 4096, 4, 1, 64, 0.5), alternating);
+  }
+}
+
 TEST(CudaDispatch, BuffersAreReusedAcrossSteps) {
   REQUIRE_GPU();
   for (moe::Formulation formulation : kFormulations) {
@@ -154,8 +194,10 @@ TEST(CudaDispatch, BadArgumentsAreRejected) {
   EXPECT_THROW(moe::cuda::DispatchPlanBuffers{config}, std::invalid_argument);
   config = plan_config(moe::Formulation::dropping, 10, 4, 1, 4, 0.0);  // no capacity
   EXPECT_THROW(moe::cuda::DispatchPlanBuffers{config}, std::invalid_argument);
-  config = plan_config(moe::Formulation::dropless, 1 << 20, 8192 * 2, 2, 4);  // E over the histogram's bins
+  config = plan_config(moe::Formulation::dropless, 1 << 12, moe::cuda::kRouterMaxExperts + 1, 2, 4);  // E too large
   EXPECT_THROW(moe::cuda::DispatchPlanBuffers{config}, std::invalid_argument);
+  config = plan_config(moe::Formulation::dropless, 1 << 12, moe::cuda::kRouterMaxExperts, 2, 4);  // the largest E
+  EXPECT_NO_THROW(moe::cuda::DispatchPlanBuffers{config});
   config = plan_config(moe::Formulation::dropless, int64_t(1) << 30, 8, 4, 4);  // T*K over int32
   EXPECT_THROW(moe::cuda::DispatchPlanBuffers{config}, std::invalid_argument);
   moe::cuda::DispatchPlanBuffers buffers(plan_config(moe::Formulation::dropless, 10, 4, 1, 4));
