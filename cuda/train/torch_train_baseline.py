@@ -13,7 +13,8 @@ H_dense = K*H (the same active FLOPs). Nothing here is tuned: it is what one wri
   python3 cuda/train/torch_train_baseline.py --dense --out r.json  # the dense model
 Sizes default to moe_train's "throughput" preset (D=512, L=8, 8 heads, E=16 of H=1024, K=2,
 S=256, N=64). Random bytes (the speed does not depend on the text); CUDA events around each step,
-warm-up, median of --steps.
+warm-up, then --steps steps enqueued back to back with a CUDA event after each
+(as moe_train's benchmark), median.
 """
 import argparse
 import datetime
@@ -114,7 +115,7 @@ def main():
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dense", action="store_true", help="dense FFN of K*H instead of the MoE layer")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default="")
     a = p.parse_args()
@@ -136,18 +137,20 @@ def main():
     for _ in range(a.warmup):
         step()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(a.steps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    # As moe_train --benchmark-steps times itself: steps enqueued back to back (no host sync
+    # between them, so the host's Python overhead overlaps the GPU's work where it can), an event
+    # after each, the time between two events is one step.
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(a.steps + 1)]
+    events[0].record()
+    for i in range(a.steps):
         loss = step()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    times = [events[i].elapsed_time(events[i + 1]) for i in range(a.steps)]
     assert math.isfinite(loss.item()), "the loss is not finite"
     times.sort()
     median = times[len(times) // 2]
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.utcnow().isoformat() + "Z",
+    result = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "torch": torch.__version__, "model": "dense" if a.dense else "moe", "config": vars(a),
               "tokens_per_step": T, "median_step_ms": median, "min_step_ms": times[0],
               "tokens_per_second": T / (median * 1e-3)}
