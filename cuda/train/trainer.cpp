@@ -89,6 +89,23 @@ std::vector<float> initial_weights(const TrainConfig& c) {
 
 std::string device_name() { return cuda::current_device().name; }
 
+// The model's stream, created non-blocking (the legacy default stream would serialise with it),
+// drained and destroyed when the run ends, also when it ends by an exception.
+class OwnedStream {
+ public:
+  OwnedStream() { CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~OwnedStream() {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
 // ---- [SECTION] batches ----
 
 // Two pinned host slots and two device slots: the host writes slot s while the GPU may still read
@@ -356,12 +373,8 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
 
   // The model, initialised or restored. Nothing is written before the config, the data and the
   // checkpoint have all been accepted.
-  cudaStream_t stream = nullptr;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct StreamGuard {
-    cudaStream_t s;
-    ~StreamGuard() { cudaStreamSynchronize(s); cudaStreamDestroy(s); }
-  } stream_guard{stream};
+  const OwnedStream owned_stream;
+  const cudaStream_t stream = owned_stream.get();
   cuda::ModelGpu model(gpu_config(c), optimizer_settings(c), stream);
   int64_t step = 0, tokens_seen = 0;
   std::optional<RunWriter> writer;
@@ -581,12 +594,8 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
   std::mt19937_64 generator(c.data_seed);
   auto next_batch = [&] { return sampler ? sampler->next() : random_batch(N, S, generator); };
 
-  cudaStream_t stream = nullptr;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct StreamGuard {
-    cudaStream_t s;
-    ~StreamGuard() { cudaStreamSynchronize(s); cudaStreamDestroy(s); }
-  } stream_guard{stream};
+  const OwnedStream owned_stream;
+  const cudaStream_t stream = owned_stream.get();
   cuda::ModelGpu model(gpu_config(c), optimizer_settings(c), stream);
   model.upload_weights(initial_weights(c));
   BatchUploader uploader(N, S, stream);
