@@ -4,7 +4,11 @@
 // Build: cmake -S . -B build-bench -G Ninja -DMOE_ENABLE_VIEWER=OFF && cmake --build build-bench --target moe_bench
 // Run:   build-bench/cuda/bench/moe_bench                      (the shapes of shared/BASELINES.md)
 //        build-bench/cuda/bench/moe_bench --shapes small       (a quick shape, with a CPU-oracle check)
+//        build-bench/cuda/bench/moe_bench --routing-from notebooks_data/runs/train_dropless_seed1
+//            --shapes 8192,4096,14336,8,2                      (a real run's routing, on a shape of its E)
 //        options: --shapes baselines|small|all|T,D,H,E,K  --routing both|uniform|zipf
+//                 --routing-from RUN_DIR[@STEP]  (adds "captured": the shares of the run's most
+//                 imbalanced MoE layer at STEP, default its last recorded step; shapes of its E only)
 //                 --only NAME[,NAME...]  --out FILE  --warmup 3  --repeat 20  --seed 1234
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
@@ -46,6 +50,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -65,6 +70,7 @@
 #include "expert_ffn.h"       // moe::ref::expert_ffn_forward (the CPU oracle)
 #include "gemm.h"             // gemm, gemm_batched, gemm_grouped, CublasHandle
 #include "moe_config.h"       // MoeConfig
+#include "run_record.h"       // RunReader (--routing-from: a recorded run's routing)
 #include "routing.h"          // router_logits, route_top_k, router_losses
 #include "routing_counts.h"   // routing_counts, top_experts_from_counts
 #include "token_permute.h"    // permute_tokens, unpermute_and_combine
@@ -102,9 +108,19 @@ const std::vector<Shape> kBaselineShapes = {  // shared/BASELINES.md
 };
 const Shape kSmallShape = {2048, 512, 1024, 8, 2};
 
+// The routing of one MoE layer of a recorded training run (its "routing" event), for Routing::captured.
+struct CapturedRouting {
+  std::string run;
+  int64_t step = 0;
+  int64_t layer = 0;
+  std::vector<double> tokens_per_expert;  // [E]
+  double max_over_mean = 0;
+};
+
 struct Options {
   std::vector<Shape> shapes = kBaselineShapes;
   std::vector<Routing> routings = {Routing::uniform, Routing::zipf};
+  std::optional<CapturedRouting> captured;
   std::vector<std::string> only;  // formulation names to time (substrings); empty = all
   std::string out;
   int warmup = 3, repeat = 20;
@@ -127,6 +143,46 @@ std::vector<std::string> split(const std::string& text, char separator) {
   return parts;
 }
 
+// The routing events of RUN_DIR at STEP (default: the last step that has them); of those, the MoE
+// layer whose busiest expert is furthest above the mean. Throws with the reason (no such run, no
+// routing events, no routing at that step).
+CapturedRouting capture_routing(const std::string& argument) {
+  CapturedRouting captured;
+  const size_t at = argument.rfind('@');
+  captured.run = at == std::string::npos ? argument : argument.substr(0, at);
+  const bool step_given = at != std::string::npos;
+  const int64_t wanted_step = step_given ? std::stoll(argument.substr(at + 1)) : 0;
+  const moe::RunRecord record = moe::RunReader::load(captured.run);
+  std::vector<const json*> routing;
+  for (const json& event : record.events) {
+    if (event["type"] == "routing") routing.push_back(&event);
+  }
+  if (routing.empty()) throw std::invalid_argument("--routing-from " + captured.run + ": the run has no routing events");
+  captured.step = step_given ? wanted_step : (*routing.back())["step"].get<int64_t>();
+  bool found = false;
+  for (const json* event : routing) {
+    if ((*event)["step"].get<int64_t>() != captured.step) continue;
+    const std::vector<double> counts = (*event)["tokens_per_expert"].get<std::vector<double>>();
+    double total = 0, busiest = 0;
+    for (double c : counts) {
+      total += c;
+      busiest = std::max(busiest, c);
+    }
+    const double max_over_mean = total > 0 ? busiest / (total / double(counts.size())) : 0;
+    if (!found || max_over_mean > captured.max_over_mean) {
+      captured.layer = (*event)["layer"].get<int64_t>();
+      captured.tokens_per_expert = counts;
+      captured.max_over_mean = max_over_mean;
+      found = true;
+    }
+  }
+  if (!found) {
+    throw std::invalid_argument("--routing-from " + argument + ": no routing event at step " +
+                                std::to_string(captured.step));
+  }
+  return captured;
+}
+
 std::string utc_now(const char* format) {
   const std::time_t now = std::time(nullptr);
   std::tm tm{};
@@ -138,7 +194,10 @@ std::string utc_now(const char* format) {
 
 const char* kUsage =
     "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
-    "                 [--only NAME[,NAME...]] [--out FILE] [--warmup N] [--repeat N] [--seed N]\n"
+    "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
+    "                 [--warmup N] [--repeat N] [--seed N]\n"
+    "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
+    "                layer at STEP, default the last recorded), on the shapes with the run's E\n"
     "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
     "                dropping_cf1.25 dense_cublas (always timed: the baseline of every ratio)\n";
 
@@ -169,6 +228,8 @@ Options parse_options(int argc, char** argv) {
       else if (v == "uniform") options.routings = {Routing::uniform};
       else if (v == "zipf") options.routings = {Routing::zipf};
       else throw std::invalid_argument("--routing: both, uniform or zipf");
+    } else if (arg == "--routing-from") {
+      options.captured = capture_routing(value());
     } else if (arg == "--only") {
       options.only = split(value(), ',');
     } else if (arg == "--out") {
@@ -187,6 +248,7 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (options.warmup < 0 || options.repeat < 1) throw std::invalid_argument("--warmup >= 0, --repeat >= 1");
+  if (options.captured) options.routings.push_back(Routing::captured);
   return options;
 }
 
@@ -672,7 +734,8 @@ class RoutingBench {
   RoutingBench(const Shape& shape, Routing routing, const ShapeInputs& in, const Options& options,
                moe::cuda::CublasHandle& cublas, cudaStream_t stream, Report& report)
       : s_(shape), routing_(routing), in_(in), options_(options), cublas_(cublas), stream_(stream), report_(report) {
-    counts_ = moe::bench::routing_counts(int64_t(s_.T) * s_.K, s_.E, routing_);
+    counts_ = moe::bench::routing_counts(int64_t(s_.T) * s_.K, s_.E, routing_,
+                                         options.captured ? options.captured->tokens_per_expert : std::vector<double>{});
     top_experts_host_ = moe::bench::top_experts_from_counts(counts_, s_.T, s_.K);
     top_experts_ = DeviceBuffer<int>(top_experts_host_);
     max_count_ = *std::max_element(counts_.begin(), counts_.end());
@@ -1090,6 +1153,12 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
   }
   doc["checks"] = checks;
   doc["skipped"] = report.skipped;
+  if (options.captured) {
+    doc["captured_routing"] = {{"run", options.captured->run}, {"step", options.captured->step},
+                               {"layer", options.captured->layer},
+                               {"tokens_per_expert", options.captured->tokens_per_expert},
+                               {"max_over_mean", options.captured->max_over_mean}};
+  }
   return doc;
 }
 
@@ -1150,6 +1219,11 @@ int main(int argc, char** argv) {
       }
       const ShapeInputs inputs(shape, options.seed);
       for (Routing routing : options.routings) {
+        if (routing == Routing::captured && int64_t(options.captured->tokens_per_expert.size()) != shape.E) {
+          std::printf("captured routing: E = %zu, this shape E = %d: not timed\n",
+                      options.captured->tokens_per_expert.size(), shape.E);
+          continue;
+        }
         try {
           RoutingBench(shape, routing, inputs, options, cublas, stream, report).run();
         } catch (const std::exception& error) {  // e.g. a routing that cannot give K distinct experts

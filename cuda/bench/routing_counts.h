@@ -5,8 +5,9 @@
 //
 // Dimension legend: T tokens, E experts, K top-k; rows = T*K routed slots, slot = t * K + k.
 //
-// The count rule (torch_baseline.py's routing_counts, number for number):
-//   w_e = 1 (uniform) or 1 / (e + 1) (zipf);  count_e = floor(rows * w_e / sum_j w_j);
+// The count rule (torch_baseline.py's routing_counts, number for number, for uniform and zipf):
+//   w_e = 1 (uniform), 1 / (e + 1) (zipf), or the tokens per expert of one layer of a real training
+//   run (captured, moe_bench --routing-from RUN_DIR);  count_e = floor(rows * w_e / sum_j w_j);
 //   the rows left over by the floors go one each to experts 0, 1, 2, ...
 // From counts to a router output top_experts [T, K]: write the expert ids in ascending order, each
 // repeated count_e times (a sequence of length T*K), and lay it out column by column: position i of
@@ -23,19 +24,33 @@
 
 namespace moe::bench {
 
-enum class Routing { uniform, zipf };
+enum class Routing { uniform, zipf, captured };
 
-inline std::string_view to_string(Routing routing) { return routing == Routing::uniform ? "uniform" : "zipf"; }
+inline std::string_view to_string(Routing routing) {
+  switch (routing) {
+    case Routing::uniform: return "uniform";
+    case Routing::zipf: return "zipf";
+    case Routing::captured: return "captured";
+  }
+  return "?";
+}
 
-// count_e of the rule above; the counts sum to `rows`.
-inline std::vector<int> routing_counts(int64_t rows, int num_experts, Routing routing) {
+// count_e of the rule above; the counts sum to `rows`. `captured` holds the captured run's tokens
+// per expert (only read for Routing::captured; its length must be E).
+inline std::vector<int> routing_counts(int64_t rows, int num_experts, Routing routing,
+                                       const std::vector<double>& captured = {}) {
   if (rows < 0 || num_experts < 1) throw std::invalid_argument("routing_counts: need rows >= 0 and E >= 1");
+  if (routing == Routing::captured && captured.size() != static_cast<size_t>(num_experts)) {
+    throw std::invalid_argument("routing_counts: the captured routing has " + std::to_string(captured.size()) +
+                                " experts; this shape has E = " + std::to_string(num_experts));
+  }
   std::vector<double> weights(num_experts);
   double total = 0.0;  // summed in expert order, as Python's sum() does
   for (int e = 0; e < num_experts; ++e) {
-    weights[e] = routing == Routing::uniform ? 1.0 : 1.0 / (e + 1);
+    weights[e] = routing == Routing::uniform ? 1.0 : routing == Routing::zipf ? 1.0 / (e + 1) : captured[e];
     total += weights[e];
   }
+  if (!(total > 0)) throw std::invalid_argument("routing_counts: the captured routing routed no token");
   std::vector<int> counts(num_experts);
   int64_t assigned = 0;
   for (int e = 0; e < num_experts; ++e) {
