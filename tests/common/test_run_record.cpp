@@ -409,13 +409,15 @@ TEST(RunRecordFuzz, MutatedAndRandomInputsLoadOrThrowRecordError) {
   }
 }
 
-// ---- speed ----
-
-TEST(RunRecordSpeed, TenMegabytesLoadWellUnderASecond) {
+// ---- a large record ----
+// A 10 MB record (about the size of a long training run's) loads whole: every line written comes
+// back. How long it takes is printed, not asserted: timings belong in benchmarks, and a loaded CI
+// machine would make a bound flaky.
+TEST(RunRecordLarge, TenMegabytesLoadCompletely) {
   TempDir temp;
+  int64_t written = 0;
   {
     RunWriter writer = RunWriter::create(temp.path(), sample_info());
-    const std::vector<json> events = sample_events();
     std::vector<int64_t> counts(64, 17);
     int64_t step = 0;
     while (fs::file_size(temp.path() / "events.jsonl") < 10'000'000) {
@@ -425,6 +427,7 @@ TEST(RunRecordSpeed, TenMegabytesLoadWellUnderASecond) {
                                             .dropped_per_expert = counts}));
         writer.append(to_event(SpanEvent{.step = step, .rank = i % 2, .stream = 1, .name = "expert_compute",
                                          .start_us = 10.0 * step, .duration_us = 7.5}));
+        written += 3;
       }
     }
   }
@@ -433,12 +436,10 @@ TEST(RunRecordSpeed, TenMegabytesLoadWellUnderASecond) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("loaded %zu events (%.1f MB) in %.3f s\n", run.events.size(),
               fs::file_size(temp.path() / "events.jsonl") / 1e6, seconds);
-#ifdef NDEBUG
-  EXPECT_LT(seconds, 1.0);
-#else
-  EXPECT_LT(seconds, 10.0);  // unoptimised builds are several times slower; the bound is for Release
-#endif
-  EXPECT_GT(run.events.size(), 30000u);
+  ASSERT_EQ(int64_t(run.events.size()), written);
+  EXPECT_TRUE(run.warnings.empty());
+  EXPECT_EQ(run.events.back()["type"], "span");
+  EXPECT_EQ(run.events.back()["step"], written / 3 - 1);
 }
 
 }  // namespace

