@@ -6,10 +6,9 @@
 // ctest runs it from the repository root.   ctest --test-dir build -R ViewerRealRuns
 #include <gtest/gtest.h>
 
-#include <cstdio>
-
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
