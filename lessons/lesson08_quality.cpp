@@ -18,7 +18,7 @@
 
 #include "lesson_support.h"  // parse_options, create_lesson_run, Table, finish
 #include "run_record.h"      // RunReader
-#include "train_config.h"    // moe::train::preset (the config the runs were trained with)
+#include "train_config.h"    // TrainConfig, apply_json: the settings the runs were trained with
 
 namespace {
 
@@ -34,6 +34,7 @@ struct Run {
   std::map<int64_t, double> val_bits;  // step -> validation bits per byte
   double median_step_ms = 0;
   double dropped_fraction = 0;
+  json train;  // the settings it was trained with (train_config in run.json)
 };
 
 // The variant's label, from the settings the run was trained with.
@@ -52,6 +53,18 @@ std::pair<std::string, int> variant_of(const json& train) {
   return {label, label == "dropless" ? 0 : 5};
 }
 
+// The lesson compares formulations of one model: the settings below must agree. Of the runs found,
+// the model most of them share is compared; a run trained with other sizes or for other steps (e.g.
+// notebooks_data/runs/train_throughput_preset_300steps) is left out, with a line saying so.
+json model_of(const json& train) {
+  json model = json::object();
+  for (const char* key : {"model_dim", "num_layers", "num_heads", "seq_len", "num_experts", "top_k",
+                          "expert_hidden_dim", "dense_hidden_dim", "batch", "steps", "learning_rate"}) {
+    model[key] = train.value(key, json());
+  }
+  return model;
+}
+
 std::vector<Run> load_runs(const fs::path& directory) {
   std::vector<Run> runs;
   if (!fs::is_directory(directory)) return runs;
@@ -60,12 +73,14 @@ std::vector<Run> load_runs(const fs::path& directory) {
     if (entry.is_directory() && entry.path().filename().string().rfind("train_", 0) == 0) paths.push_back(entry.path());
   }
   std::sort(paths.begin(), paths.end());
+  std::vector<json> models;
   for (const fs::path& path : paths) {
     const moe::RunRecord record = moe::RunReader::load(path);
     if (record.info.value("kind", "") != "train") continue;
     const json train = record.info.value("extra", json::object()).value("train_config", json::object());
     Run run;
     run.directory = path.string();
+    run.train = train;
     std::tie(run.variant, run.order) = variant_of(train);
     run.seed = train.value("seed", int64_t{0});
     for (const json& event : record.events) {
@@ -81,9 +96,26 @@ std::vector<Run> load_runs(const fs::path& directory) {
         }
       }
     }
-    if (!run.val_bits.empty()) runs.push_back(run);
+    if (run.val_bits.empty()) continue;
+    runs.push_back(run);
+    models.push_back(model_of(train));
   }
-  return runs;
+  // The model most runs share (the first of them on a tie), and only its runs.
+  size_t best = 0, best_count = 0;
+  for (size_t i = 0; i < models.size(); ++i) {
+    const size_t count = size_t(std::count(models.begin(), models.end(), models[i]));
+    if (count > best_count) best = i, best_count = count;
+  }
+  std::vector<Run> kept;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (models[i] == models[best]) {
+      kept.push_back(runs[i]);
+    } else {
+      std::printf("(left out: %s, trained with another model or schedule than the other runs)\n",
+                  fs::path(runs[i].directory).filename().c_str());
+    }
+  }
+  return kept;
 }
 
 struct Spread {
@@ -142,7 +174,14 @@ int main(int argc, char** argv) {
                  "lessons/08_experiment.sh on a GPU\n";
     return 2;
   }
-  const moe::train::TrainConfig trained = moe::train::preset("default");
+  // The MoE layer of the compared runs, for the lesson's own run record.
+  moe::train::TrainConfig trained = moe::train::preset("default");
+  try {
+    moe::train::apply_json(trained, runs.front().train, runs.front().directory + "/run.json");
+  } catch (const std::exception& error) {
+    std::cerr << "lesson08_quality: " << error.what() << "\n";
+    return 2;
+  }
   moe::RunWriter writer = moe::lessons::create_lesson_run(
       options, "lesson08_quality", "08", moe::ref::moe_layer_config(trained.model, trained.batch),
       {"reads GPU training runs from " + runs_directory.string()});
@@ -160,12 +199,13 @@ int main(int argc, char** argv) {
     }
   }
 
+  const json& model = runs.front().train;
   std::printf("Lesson 08: the same byte-level transformer (D=%lld, L=%lld, E=%lld experts of H=%lld, top-%lld) "
-              "trained for the same steps on the Brown corpus,\nonce per formulation and seed. Validation bits "
-              "per byte (lower is better; mean [min, max] over seeds):\n\n",
-              (long long)trained.model.model_dim, (long long)trained.model.num_layers,
-              (long long)trained.model.num_experts, (long long)trained.model.expert_hidden_dim,
-              (long long)trained.model.top_k);
+              "trained for the same %lld steps,\nonce per formulation and seed. Validation bits per byte (lower is "
+              "better; mean [min, max] over seeds):\n\n",
+              (long long)model.value("model_dim", 0), (long long)model.value("num_layers", 0),
+              (long long)model.value("num_experts", 0), (long long)model.value("expert_hidden_dim", 0),
+              (long long)model.value("top_k", 0), (long long)model.value("steps", 0));
   std::vector<std::string> columns = {"formulation", "seeds"};
   for (int64_t step : checkpoints) columns.push_back("val bits/byte @" + std::to_string(step));
   columns.insert(columns.end(), {"step ms", "tokens dropped"});
