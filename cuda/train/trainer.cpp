@@ -390,6 +390,12 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
       throw CheckpointError(latest->string() + " was trained with another model: " + changed +
                             "; resume with the same settings, or start a new run");
     }
+    const int64_t target = c.stop_after > 0 ? c.stop_after : c.steps;
+    if (checkpoint.header.step >= target) {
+      throw CheckpointError(latest->string() + " is at step " + std::to_string(checkpoint.header.step) +
+                            ": the run already reached step " + std::to_string(target) +
+                            "; nothing to resume (a longer run is a new run: --steps sets its schedule)");
+    }
     model.upload_weights(checkpoint.array("weights"));
     model.upload_optimizer_state({checkpoint.header.optimizer_step, checkpoint.array("adam_m"), checkpoint.array("adam_v")});
     sampler.set_state(checkpoint.header.sampler_state);

@@ -190,6 +190,17 @@ TEST(Trainer, ResumeContinuesTheSameCurve) {
     worst = std::max(worst, std::abs(got.at(step) - loss) / std::abs(loss));
   }
   std::printf("resumed run vs straight run: worst relative loss difference %.3g over %zu steps\n", worst, want.size());
+
+  // Resuming a finished run is refused (it would append a second summary of nothing), and the
+  // record is left as it was.
+  const auto events_size = fs::file_size(fs::path(b.run_dir) / "events.jsonl");
+  try {
+    moe::train::train(b, log);
+    ADD_FAILURE() << "a resume of a finished run was accepted";
+  } catch (const moe::CheckpointError& error) {
+    EXPECT_NE(std::string(error.what()).find("already reached step 40"), std::string::npos) << error.what();
+  }
+  EXPECT_EQ(fs::file_size(fs::path(b.run_dir) / "events.jsonl"), events_size);
   // The same kernels on the same inputs in the same order: identical up to fp32 rounding of the
   // loss read-back (nothing here is nondeterministic; 1e-6 leaves room for nothing else).
   EXPECT_LE(worst, 1e-6);
