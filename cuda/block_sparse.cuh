@@ -109,7 +109,9 @@ __device__ inline float silu_derivative(float a) {
 // Problem supplies (all __device__):
 //   static constexpr Layout a_layout, b_layout;
 //   static constexpr bool grid_x_over_m;        x tiles run over M (DDS) rather than N
-//   static constexpr bool wgmma_wide_tile;      Hopper: 128 x 256 rather than 128 x 128 tiles
+//   static constexpr bool wgmma_wide_tile;      Hopper, where the warp-specialized kernel does not
+//                                               apply (block_sparse.cu, launch): 128 x 256 tiles of
+//                                               block_sparse_wgmma.cuh rather than 128 x 128
 //   bool begin(int y, int tile_x, int tile_x_size)  false: nothing to do (e.g. past *block_rows)
 //   int k_steps() const
 //   const bf16* a_chunk(int step, int64_t& ld)  origin of A's BM x BK (or BK x BM) chunk

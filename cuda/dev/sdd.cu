@@ -218,11 +218,13 @@ void launch_tensor_core_shape(const moe::cuda::block_sparse_detail::SddProblem<
   kernel<<<dim3(H / BN, block_rows), kThreads, smem, stream>>>(problem);
 }
 
-template <int BN, int MIN_BLOCKS>
-void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H,
-                        bf16* out, cudaStream_t stream) {
-  using namespace moe::cuda::block_sparse_detail;
-  SddProblem<Layout::row_major_km, SddEpilogue::store> problem{};
+// The SDD of this lesson as the tile kernels' problem: x [rows, D] times W1[e] [D, H], stored as
+// blocks (the plain store epilogue: the CPU oracle is the plain SDD). Every tensor-core version
+// below launches this same problem; only the kernel and its tile configuration change.
+using LessonSdd = moe::cuda::block_sparse_detail::SddProblem<moe::cuda::block_sparse_detail::Layout::row_major_km,
+                                                             moe::cuda::block_sparse_detail::SddEpilogue::store>;
+LessonSdd lesson_sdd_problem(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out) {
+  LessonSdd problem{};
   problem.block_rows = t.block_rows;
   problem.offsets = t.offsets;
   problem.block_row_expert = t.block_row_expert;
@@ -232,6 +234,14 @@ void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf1
   problem.ldb = H;
   problem.block_size = t.block_size;
   problem.out0 = out;
+  return problem;
+}
+
+template <int BN, int MIN_BLOCKS>
+void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H,
+                        bf16* out, cudaStream_t stream) {
+  using namespace moe::cuda::block_sparse_detail;
+  const LessonSdd problem = lesson_sdd_problem(t, x, D, w1, H, out);
   if (H % BN != 0) {
     std::fprintf(stderr, "this tile needs H %% %d == 0\n", BN);
     std::exit(1);
@@ -247,17 +257,8 @@ template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, bool STAGED>
 void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
                   cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
-  using Sdd = SddProblem<Layout::row_major_km, SddEpilogue::store>;
-  Sdd problem{};
-  problem.block_rows = t.block_rows;
-  problem.offsets = t.offsets;
-  problem.block_row_expert = t.block_row_expert;
-  problem.a = x;
-  problem.inner = D;
-  problem.b = w1;
-  problem.ldb = H;
-  problem.block_size = t.block_size;
-  problem.out0 = out;
+  using Sdd = LessonSdd;
+  const Sdd problem = lesson_sdd_problem(t, x, D, w1, H, out);
   if (H % BN != 0 || t.block_size != kWgmmaBlockM) {
     std::fprintf(stderr, "the wgmma versions need B = 128 and H %% %d == 0\n", BN);
     std::exit(1);
@@ -277,17 +278,8 @@ template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT>
 void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
                      cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
-  using Sdd = SddProblem<Layout::row_major_km, SddEpilogue::store>;
-  Sdd problem{};
-  problem.block_rows = t.block_rows;
-  problem.offsets = t.offsets;
-  problem.block_row_expert = t.block_row_expert;
-  problem.a = x;
-  problem.inner = D;
-  problem.b = w1;
-  problem.ldb = H;
-  problem.block_size = t.block_size;
-  problem.out0 = out;
+  using Sdd = LessonSdd;
+  const Sdd problem = lesson_sdd_problem(t, x, D, w1, H, out);
   if (H % kWsBlockN != 0 || t.block_size != kWgmmaBlockM) {
     std::fprintf(stderr, "the warp-specialized versions need B = 128 and H %% %d == 0\n", kWsBlockN);
     std::exit(1);
