@@ -454,17 +454,20 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
   bool host_waited = true;    // the host synchronised since the last step was enqueued
   CUDA_CHECK(cudaEventRecord(step_end[0], stream));
 
+  // Each validation batch's losses {loss, lm, aux, z} are copied on the device; one read at the end.
+  DeviceBuffer<float> validation_losses(validation.size() * 4);
   auto evaluate = [&]() {
-    double sum = 0;
-    for (const ByteBatch& batch : validation) {
-      const auto [tokens, targets] = uploader.upload(batch);
+    for (size_t i = 0; i < validation.size(); ++i) {
+      const auto [tokens, targets] = uploader.upload(validation[i]);
       model.forward(tokens, targets);
       uploader.release_current();
-      float losses[4];
-      CUDA_CHECK(cudaMemcpyAsync(losses, model.losses().data(), sizeof(losses), cudaMemcpyDeviceToHost, stream));
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-      sum += losses[1];  // the language-model part: nats per byte
+      CUDA_CHECK(cudaMemcpyAsync(validation_losses.data() + i * 4, model.losses().data(), 4 * sizeof(float),
+                                 cudaMemcpyDeviceToDevice, stream));
     }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> losses = validation_losses.download();
+    double sum = 0;
+    for (size_t i = 0; i < validation.size(); ++i) sum += losses[i * 4 + 1];  // the language-model part: nats per byte
     return sum / double(validation.size());
   };
 
