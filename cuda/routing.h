@@ -62,7 +62,7 @@ struct RouterWorkspace {
 };
 
 // Softmax, top-K, combine weights and logsumexp of every token, and from them the router losses'
-// statistics, in one kernel (a few tokens per warp):
+// statistics, in one kernel (a group of G lanes per token, 8 G >= E: 32 / G tokens per warp):
 //   expert_fraction f_e, mean_probs P_e, aux_loss = E sum_e f_e P_e, z_loss = mean_t logsumexp_t^2.
 // Deterministic: the sums over tokens run in a fixed order with double accumulators, so every run
 // gives the same bits. 1 <= E <= min(kRouterMaxExperts, workspace.num_experts),
