@@ -8,7 +8,7 @@
 #include "activation.h"     // gelu_forward, gelu_backward
 #include "block_sparse.h"   // block_sparse_ffn_forward, block_sparse_ffn_backward
 #include "cuda_check.h"     // CUDA_CHECK
-#include "routing.h"        // router_logits, route_top_k, router_losses, router_backward
+#include "routing.h"        // router_logits, route_top_k, router_backward
 #include "token_permute.h"  // permute_tokens, unpermute_and_combine, combine_backward, permute_backward
 
 namespace moe::cuda {
@@ -84,7 +84,8 @@ double layer_memory_bytes(const MoeConfig& config) {
   const double rows = layer_rows(config);
   // permuted x, pre-activation, hidden, expert out and their gradients (+ d_hidden when padded)
   const double activation_bytes = rows * (4.0 * config.model_dim + 4.0 * config.hidden_dim) * sizeof(bf16);
-  const double router_bytes = double(config.tokens) * (config.num_experts * 14.0 + config.top_k * 16.0);
+  const double router_bytes = double(config.tokens) * (config.num_experts * 14.0 + config.top_k * 16.0) +
+                              kRouterMaxBlocks * (config.num_experts * 12.0 + 8.0);  // RouterWorkspace
   const double plan_bytes = (rows + 4.0 * config.tokens * config.top_k) * sizeof(int);
   return 1.1 * (activation_bytes + router_bytes + plan_bytes);
 }
@@ -107,7 +108,8 @@ MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
     : config_(checked(config)),
       dropless_(config.formulation == Formulation::dropless),
       capacity_(dropless_ ? 0 : static_cast<int>(capacity(config))),
-      plan_(plan_config(config)) {
+      plan_(plan_config(config)),
+      router_workspace_(config.num_experts) {
   const size_t T = config_.tokens, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts,
                K = config_.top_k, rows = static_cast<size_t>(plan_.max_rows());
   if (dropless_) topology_ = std::make_unique<TopologyBuffers>(config_);
@@ -169,9 +171,8 @@ void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y
   phase(timer_, "router", stream, [&] {
     router_logits(cublas_.get(), gate_input, weights.gate_weights, logits_.data(), T, D, E, stream);
     route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(),
+                expert_fraction_.data(), mean_probs_.data(), aux_loss_.data(), z_loss_.data(), router_workspace_,
                 T, E, K, config_.renormalize, stream);
-    router_losses(probs_.data(), top_experts_.data(), logsumexp_.data(), expert_fraction_.data(),
-                  mean_probs_.data(), aux_loss_.data(), z_loss_.data(), T, E, K, stream);
   });
   phase(timer_, "plan", stream, [&] {
     build_dispatch_plan(top_experts_.data(), plan_, stream);

@@ -41,6 +41,7 @@
 #include "gemm.h"            // CublasHandle
 #include "moe_config.h"      // MoeConfig
 #include "phase_timer.h"     // PhaseTimer
+#include "routing.h"         // RouterWorkspace
 
 namespace moe::cuda {
 
@@ -123,6 +124,7 @@ class MoeLayerGpu {
   DeviceBuffer<float> logits_, probs_, logsumexp_, combine_weights_;  // [T,E] [T,E] [T] [T,K]
   DeviceBuffer<int> top_experts_;                                     // [T, K]
   DeviceBuffer<float> expert_fraction_, mean_probs_, aux_loss_, z_loss_;  // [E] [E] [1] [1]
+  RouterWorkspace router_workspace_;  // route_top_k's per-block partial sums of the statistics
   // experts: dropless stores the hidden activations as [max_nnz, B, B] blocks, padded as
   // [E*C, H] rows; both are max_rows * H values.
   DeviceBuffer<bf16> permuted_x_, pre_activation_, hidden_, expert_out_;

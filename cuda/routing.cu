@@ -1,9 +1,25 @@
-// routing.cu: the router kernels of routing.h: logits by cuBLAS, the fused softmax + top-K kernel,
-// the router losses and the router backward. Build: cmake --build build-gpu --target moe_cuda.
+// routing.cu: the router kernels of routing.h: logits by cuBLAS, the fused softmax + top-K + router
+// statistics kernel, and the router backward. Build: cmake --build build-gpu --target moe_cuda.
 //
-// Why one warp per token: a token's E logits (E <= 256) fit in the registers of 32 lanes, so the
-// softmax (max, exp, sum) and the top-K selection are shuffles inside one warp: no shared memory,
-// no block barriers, and the logits are read from global memory exactly once.
+// Why a group of lanes per token: a token's E logits (E <= 256) fit in the registers of at most 32
+// lanes, so the softmax (max, exp, sum) and the top-K selection are shuffles inside one warp: no
+// shared memory, no block barriers, and the logits are read from global memory exactly once. With
+// E <= 64 a whole warp per token wastes most of it (E = 64 leaves 2 logits per lane, loaded as
+// scalars), so each lane holds 8 logits, two float4 loads, and a warp routes 32 / G tokens at once.
+//
+// Why the router losses live in the same kernel: f_e and P_e are sums over tokens of what the
+// kernel already holds in registers (the chosen experts, the probabilities). A separate kernel had
+// to read probs [T, E] back column by column with one block per expert. Measured on an H200 with
+// ncu, 2026-11-22, at T = 16384, E = 64, K = 1 (caches flushed): the one-warp-per-token kernel
+// 14.9 us (11.0 us at E = 8, K = 2), the statistics kernel (64 blocks on 132 SMs) 18.8 us and the
+// loss totals kernel 5.1 us: 39 us for 4 MB in and 4 MB out, which the memory moves in ~2 us.
+// Now each block sums its tokens' statistics, warp by warp in a fixed order, into one row of
+// partial sums (RouterWorkspace), and the last block to finish adds the rows in block order: the
+// same bits on every run, and no second pass over probs. The grid is at most kRouterMaxBlocks
+// (128, about one block per SM) blocks of 512 threads, each block looping over passes of tokens
+// with the next pass's loads in flight: few blocks keep the last block's reading small (E = 64:
+// 128 rows of 64 doubles and ints, 96 KB), and two passes of loads per block keep ~4 MB in flight,
+// enough for the whole logits of T = 16384, E = 64.
 #include "routing.h"
 
 #include <cublas_v2.h>
@@ -21,20 +37,14 @@ namespace moe::cuda {
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kExpertsPerLane = kRouterMaxExperts / kWarpSize;  // logits a lane holds: 8
+// The router backward: one warp per token, kExpertsPerLane probabilities per lane.
+constexpr int kExpertsPerLane = kRouterMaxExperts / kWarpSize;  // 8
 constexpr int kWarpsPerBlock = 4;  // 128 threads: small blocks keep many tokens per SM in flight
 
 void check_cublas(cublasStatus_t status, const char* call) {
   if (status != CUBLAS_STATUS_SUCCESS) {
     throw CudaError(std::string("routing.cu: ") + call + " failed: " + cublasGetStatusString(status));
   }
-}
-
-__device__ float warp_max(float value) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  }
-  return value;
 }
 
 __device__ float warp_sum(float value) {
@@ -44,156 +54,324 @@ __device__ float warp_sum(float value) {
   return value;
 }
 
-// ---- fused softmax + top-K ----
-// Lane `lane` holds experts lane, lane + 32, lane + 64, ... so each unrolled index i is a register.
-__global__ void route_top_k_kernel(const float* __restrict__ logits,  // [T, E]
-                                   float* __restrict__ probs,         // [T, E]
-                                   int* __restrict__ top_experts,     // [T, K]
-                                   float* __restrict__ combine_weights,  // [T, K]
-                                   float* __restrict__ logsumexp,     // [T]
-                                   int tokens, int num_experts, int top_k, bool renormalize) {
+// ---- fused softmax + top-K + router statistics ----
+// A group of G lanes holds one token, 8 logits per lane: G = the smallest power of two with 8 G >= E
+// (E = 8: 1 lane, E = 64: 8 lanes, E = 256: the whole warp). Slot s = 4 i + j of group lane g holds
+//   expert (i G + g) * 4 + j,     i in {0, 1}, j in {0, 1, 2, 3}
+// so each i is one float4 load per lane and the G lanes of a group read 16 G contiguous bytes: whole
+// 32-byte sectors from G = 2 on (with G = 1 a lane's two loads share one sector). For one lane the
+// experts grow with s, which the top-K's tie rule relies on.
+constexpr int kValuesPerLane = 8;
+constexpr int kRouteThreads = 512;  // 16 warps: the partial sums of a block stay in 32 KB of shared memory
+constexpr int kRouteWarps = kRouteThreads / kWarpSize;
+static_assert(kRouterMaxExperts == kWarpSize * kValuesPerLane, "a warp holds the largest E");
+static_assert(kRouteThreads >= 2 * kRouterMaxExperts, "the last block gives each expert >= 2 threads");
+
+template <int kGroupLanes>
+__device__ __forceinline__ int slot_expert(int slot, int group_lane) {
+  return ((slot / 4) * kGroupLanes + group_lane) * 4 + slot % 4;
+}
+
+template <int kGroupLanes>
+__device__ float group_max(float value) {
+  for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
+    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));  // xor < G stays in the group
+  }
+  return value;
+}
+
+template <int kGroupLanes>
+__device__ float group_sum(float value) {
+  for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+__device__ double warp_sum_double(double value) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+// A lane's 8 logits of one token; experts past E read -inf (exp gives 0, top-K skips them).
+// vector_rows: E % 4 == 0 and 16-byte aligned rows, so each slot quartet is one float4.
+template <int kGroupLanes>
+__device__ void load_logits(const float* __restrict__ row, int group_lane, int num_experts,
+                            bool vector_rows, float (&value)[kValuesPerLane]) {
+#pragma unroll
+  for (int i = 0; i < kValuesPerLane / 4; ++i) {
+    const int first = slot_expert<kGroupLanes>(4 * i, group_lane);
+    if (vector_rows) {
+      const float4 quad = first < num_experts ? *reinterpret_cast<const float4*>(row + first)
+                                              : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      value[4 * i] = quad.x;
+      value[4 * i + 1] = quad.y;
+      value[4 * i + 2] = quad.z;
+      value[4 * i + 3] = quad.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) value[4 * i + j] = first + j < num_experts ? row[first + j] : -INFINITY;
+    }
+  }
+}
+
+template <int kGroupLanes>
+__device__ void store_probs(float* __restrict__ row, int group_lane, int num_experts, bool vector_rows,
+                            const float (&value)[kValuesPerLane]) {
+#pragma unroll
+  for (int i = 0; i < kValuesPerLane / 4; ++i) {
+    const int first = slot_expert<kGroupLanes>(4 * i, group_lane);
+    if (vector_rows) {
+      if (first < num_experts) {
+        *reinterpret_cast<float4*>(row + first) =
+            make_float4(value[4 * i], value[4 * i + 1], value[4 * i + 2], value[4 * i + 3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (first + j < num_experts) row[first + j] = value[4 * i + j];
+      }
+    }
+  }
+}
+
+// The partial sums of the statistics, one row per block, and the ticket (RouterWorkspace).
+struct BlockPartials {
+  double* prob_sums;  // [gridDim.x, E]
+  int* counts;        // [gridDim.x, E]
+  double* z_sums;     // [gridDim.x]
+  unsigned* ticket;   // [1]
+};
+
+// Block b handles the passes b, b + gridDim.x, ...; one pass is kRouteThreads / G consecutive tokens,
+// a token per group. The next pass's logits are loaded before this pass is computed, so a block
+// keeps two passes of loads in flight.
+template <int kGroupLanes>
+__global__ void __launch_bounds__(kRouteThreads)
+route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
+                   float* __restrict__ probs,              // [T, E]
+                   int* __restrict__ top_experts,          // [T, K]
+                   float* __restrict__ combine_weights,    // [T, K]
+                   float* __restrict__ logsumexp,          // [T]
+                   float* __restrict__ expert_fraction,    // [E]
+                   float* __restrict__ mean_probs,         // [E]
+                   float* __restrict__ aux_loss,           // [1]
+                   float* __restrict__ z_loss,             // [1]
+                   BlockPartials partials, int tokens, int num_experts, int top_k, bool renormalize,
+                   bool vector_rows) {
+  constexpr int kTokensPerPass = kRouteThreads / kGroupLanes;
+  // Shared memory, reused by the last block: warp_prob_sums as [slices, E], block_counts' neighbour
+  // slice_counts likewise.
+  __shared__ double warp_prob_sums[kRouteWarps][kRouterMaxExperts];  // 32 KB
+  __shared__ int block_counts[kRouterMaxExperts];
+  __shared__ int slice_counts[kRouteThreads];
+  __shared__ double warp_values[kRouteWarps];
+  __shared__ bool is_last_block;
+
   const int lane = threadIdx.x % kWarpSize;
-  const int token = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  if (token >= tokens) return;  // warp-uniform: every shuffle below has its full warp
-  const float* logit_row = logits + static_cast<size_t>(token) * num_experts;
-  float* prob_row = probs + static_cast<size_t>(token) * num_experts;
+  const int warp = threadIdx.x / kWarpSize;
+  const int group_lane = lane % kGroupLanes;
+  for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) block_counts[e] = 0;
+  __syncthreads();  // zeroed before any warp adds its counts below
 
-  // Softmax after subtracting the row max, so exp never overflows (as the reference does).
-  float value[kExpertsPerLane];
-  float row_max = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kExpertsPerLane; ++i) {
-    const int expert = lane + i * kWarpSize;
-    value[i] = expert < num_experts ? logit_row[expert] : -INFINITY;
-    row_max = fmaxf(row_max, value[i]);
-  }
-  row_max = warp_max(row_max);
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kExpertsPerLane; ++i) {
-    const int expert = lane + i * kWarpSize;
-    value[i] = expert < num_experts ? expf(value[i] - row_max) : 0.0f;
-    sum += value[i];
-  }
-  sum = warp_sum(sum);
-#pragma unroll
-  for (int i = 0; i < kExpertsPerLane; ++i) {
-    const int expert = lane + i * kWarpSize;
-    value[i] = value[i] / sum;
-    if (expert < num_experts) prob_row[expert] = value[i];
-  }
-  if (lane == 0) logsumexp[token] = row_max + logf(sum);
+  // This lane's share of the statistics, summed in pass order: its slots' probabilities and routed
+  // counts, and (group lane 0) the z-loss terms of its tokens.
+  double prob_sum[kValuesPerLane] = {};
+  int routed_count[kValuesPerLane] = {};
+  double z_sum = 0.0;
 
-  // Top-K: K rounds of a warp-wide arg-max over the experts not yet taken. The comparison
-  // "greater probability, or equal probability and lower index" gives the reference's order:
-  // descending probability, ties to the lower expert index.
-  unsigned taken = 0;          // bit i: this lane's expert lane + 32 i is already chosen
-  float chosen_prob = 0.0f;    // lane k keeps the probability of choice k
-  float chosen_sum = 0.0f;     // sum of the K chosen probabilities, the same on every lane
-  for (int k = 0; k < top_k; ++k) {
-    float best = -1.0f;        // below every probability, so even an underflowed 0 can be chosen
-    int best_expert = num_experts;
+  const int passes = (tokens + kTokensPerPass - 1) / kTokensPerPass;
+  const int token_in_pass = static_cast<int>(threadIdx.x) / kGroupLanes;
+  // Loads clamp the token to T - 1, so a group past the end computes on a real row and every
+  // shuffle has its full warp; it just stores and counts nothing.
+  auto logit_row = [&](int pass) {
+    const int token = min(pass * kTokensPerPass + token_in_pass, tokens - 1);
+    return logits + static_cast<size_t>(token) * num_experts;
+  };
+  float next[kValuesPerLane];
+  load_logits<kGroupLanes>(logit_row(static_cast<int>(blockIdx.x)), group_lane, num_experts, vector_rows, next);
+
+  for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
+    float value[kValuesPerLane];
 #pragma unroll
-    for (int i = 0; i < kExpertsPerLane; ++i) {
-      const int expert = lane + i * kWarpSize;
-      // i ascending means expert ascending: strict > keeps the lower index of a tie.
-      if (expert < num_experts && !((taken >> i) & 1u) && value[i] > best) {
-        best = value[i];
-        best_expert = expert;
+    for (int s = 0; s < kValuesPerLane; ++s) value[s] = next[s];
+    if (pass + static_cast<int>(gridDim.x) < passes) {
+      load_logits<kGroupLanes>(logit_row(pass + static_cast<int>(gridDim.x)), group_lane, num_experts, vector_rows, next);
+    }
+    const int token = pass * kTokensPerPass + token_in_pass;
+    const bool active = token < tokens;
+
+    // Softmax after subtracting the row max, so exp never overflows (as the reference does).
+    float row_max = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kValuesPerLane; ++s) row_max = fmaxf(row_max, value[s]);
+    row_max = group_max<kGroupLanes>(row_max);
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kValuesPerLane; ++s) {
+      value[s] = slot_expert<kGroupLanes>(s, group_lane) < num_experts ? expf(value[s] - row_max) : 0.0f;
+      sum += value[s];
+    }
+    sum = group_sum<kGroupLanes>(sum);
+#pragma unroll
+    for (int s = 0; s < kValuesPerLane; ++s) value[s] = value[s] / sum;
+    if (active) {
+      store_probs<kGroupLanes>(probs + static_cast<size_t>(token) * num_experts, group_lane, num_experts,
+                               vector_rows, value);
+      if (group_lane == 0) {
+        const float token_logsumexp = row_max + logf(sum);
+        logsumexp[token] = token_logsumexp;
+        z_sum += static_cast<double>(token_logsumexp) * token_logsumexp;
       }
     }
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int other_expert = __shfl_xor_sync(0xffffffffu, best_expert, offset);
-      if (other > best || (other == best && other_expert < best_expert)) {
-        best = other;
-        best_expert = other_expert;
+
+    // Top-K: K rounds of an arg-max over the group's experts not yet taken. The comparison
+    // "greater probability, or equal probability and lower index" gives the reference's order:
+    // descending probability, ties to the lower expert index. The loop is unrolled to
+    // kRouterMaxTopK so that chosen_prob stays in registers.
+    unsigned taken = 0;  // bit s: this lane's slot s is already chosen
+    float chosen_prob[kRouterMaxTopK];
+    float chosen_sum = 0.0f;  // sum of the K chosen probabilities, the same on every lane of the group
+#pragma unroll
+    for (int k = 0; k < kRouterMaxTopK; ++k) {
+      if (k >= top_k) break;  // the same K for the whole grid: no divergence
+      float best = -1.0f;      // below every probability, so even an underflowed 0 can be chosen
+      int best_expert = num_experts;
+#pragma unroll
+      for (int s = 0; s < kValuesPerLane; ++s) {
+        const int expert = slot_expert<kGroupLanes>(s, group_lane);
+        // s ascending means expert ascending: strict > keeps the lower index of a tie.
+        if (expert < num_experts && !((taken >> s) & 1u) && value[s] > best) {
+          best = value[s];
+          best_expert = expert;
+        }
+      }
+      for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_expert = __shfl_xor_sync(0xffffffffu, best_expert, offset);
+        if (other > best || (other == best && other_expert < best_expert)) {
+          best = other;
+          best_expert = other_expert;
+        }
+      }
+      if (best_expert < num_experts && (best_expert / 4) % kGroupLanes == group_lane) {
+        taken |= 1u << ((best_expert / 4 / kGroupLanes) * 4 + best_expert % 4);
+      }
+      chosen_prob[k] = best;
+      chosen_sum += best;
+      if (active && group_lane == 0) top_experts[static_cast<size_t>(token) * top_k + k] = best_expert;
+    }
+    if (active && group_lane == 0) {
+#pragma unroll
+      for (int k = 0; k < kRouterMaxTopK; ++k) {
+        if (k >= top_k) break;
+        combine_weights[static_cast<size_t>(token) * top_k + k] =
+            renormalize ? chosen_prob[k] / chosen_sum : chosen_prob[k];
       }
     }
-    if (best_expert % kWarpSize == lane) taken |= 1u << (best_expert / kWarpSize);
-    if (lane == k) chosen_prob = best;
-    if (lane == 0) top_experts[static_cast<size_t>(token) * top_k + k] = best_expert;
-    chosen_sum += best;
-  }
-  if (lane < top_k) {
-    combine_weights[static_cast<size_t>(token) * top_k + lane] =
-        renormalize ? chosen_prob / chosen_sum : chosen_prob;
-  }
-}
-
-// ---- router losses ----
-// One block per expert, 1024 threads striding over the tokens: the T column reads of one expert are
-// strided (E floats apart), so what bounds the kernel is how many loads are in flight. A first
-// version gave each block 32 experts and only ceil(E / 32) blocks in all (2 blocks for E = 64:
-// 0.19 ms on an H200); with 256 threads per expert block it still took ~47 us per layer at
-// T = 16384, E = 16 (16 blocks on 132 SMs, 64 loads in sequence per thread); 1024 threads cut the
-// sequence to 16. Each thread sums its tokens in order and the block combines the partial sums in
-// a fixed tree, so the result is the same bit for bit on every run.
-constexpr int kStatisticsThreads = 1024;
-
-__global__ void __launch_bounds__(kStatisticsThreads) expert_statistics_kernel(const float* __restrict__ probs,     // [T, E]
-                                         const int* __restrict__ top_experts, // [T, K]
-                                         float* __restrict__ expert_fraction, // [E]
-                                         float* __restrict__ mean_probs,      // [E]
-                                         int tokens, int num_experts, int top_k) {
-  __shared__ double prob_partial[kStatisticsThreads];
-  __shared__ int count_partial[kStatisticsThreads];
-  const int expert = blockIdx.x;
-  double prob_sum = 0.0;  // double: a sum of T terms, and this kernel is far from any bottleneck
-  int count = 0;
-  for (int token = threadIdx.x; token < tokens; token += kStatisticsThreads) {
-    prob_sum += probs[static_cast<size_t>(token) * num_experts + expert];
-    for (int k = 0; k < top_k; ++k) count += top_experts[static_cast<size_t>(token) * top_k + k] == expert;
-  }
-  prob_partial[threadIdx.x] = prob_sum;
-  count_partial[threadIdx.x] = count;
-  __syncthreads();
-  for (int stride = kStatisticsThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) {
-      prob_partial[threadIdx.x] += prob_partial[threadIdx.x + stride];
-      count_partial[threadIdx.x] += count_partial[threadIdx.x + stride];
+    if (active) {
+#pragma unroll
+      for (int s = 0; s < kValuesPerLane; ++s) {
+        prob_sum[s] += value[s];
+        routed_count[s] += (taken >> s) & 1u;
+      }
     }
-    __syncthreads();
+  }
+
+  // ---- this block's partial sums ----
+  // Lanes g, g + G, g + 2G, ... of a warp hold the same experts: a fixed xor tree adds them into
+  // the first group. Counts are integers, whose sum has no order: shared atomics add them.
+#pragma unroll
+  for (int s = 0; s < kValuesPerLane; ++s) {
+    for (int offset = kGroupLanes; offset < kWarpSize; offset *= 2) {
+      prob_sum[s] += __shfl_xor_sync(0xffffffffu, prob_sum[s], offset);
+    }
+    const int expert = slot_expert<kGroupLanes>(s, group_lane);
+    if (lane < kGroupLanes && expert < num_experts) warp_prob_sums[warp][expert] = prob_sum[s];
+    if (routed_count[s] != 0) atomicAdd(&block_counts[expert], routed_count[s]);
+  }
+  z_sum = warp_sum_double(z_sum);
+  if (lane == 0) warp_values[warp] = z_sum;
+  __syncthreads();
+  const int block_row = static_cast<int>(blockIdx.x) * num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) {
+    double block_sum = 0.0;
+    for (int w = 0; w < kRouteWarps; ++w) block_sum += warp_prob_sums[w][e];
+    partials.prob_sums[block_row + e] = block_sum;
+    partials.counts[block_row + e] = block_counts[e];
   }
   if (threadIdx.x == 0) {
-    mean_probs[expert] = static_cast<float>(prob_partial[0] / tokens);
-    expert_fraction[expert] =
-        static_cast<float>(static_cast<double>(count_partial[0]) / (static_cast<double>(tokens) * top_k));
+    double block_z = 0.0;
+    for (int w = 0; w < kRouteWarps; ++w) block_z += warp_values[w];
+    partials.z_sums[blockIdx.x] = block_z;
   }
-}
 
-constexpr int kLossThreads = 256;
-
-// One block: the two scalar losses are sums over T (z) and over E (aux), a few microseconds.
-__global__ void loss_totals_kernel(const float* __restrict__ expert_fraction,  // [E]
-                                   const float* __restrict__ mean_probs,       // [E]
-                                   const float* __restrict__ logsumexp,        // [T]
-                                   float* __restrict__ aux_loss,               // [1]
-                                   float* __restrict__ z_loss,                 // [1]
-                                   int tokens, int num_experts) {
-  __shared__ double aux_partial[kLossThreads];
-  __shared__ double z_partial[kLossThreads];
-  double aux = 0.0, z = 0.0;
-  for (int e = threadIdx.x; e < num_experts; e += kLossThreads) {
-    aux += static_cast<double>(expert_fraction[e]) * mean_probs[e];
-  }
-  for (int t = threadIdx.x; t < tokens; t += kLossThreads) {
-    const double lse = logsumexp[t];
-    z += lse * lse;
-  }
-  aux_partial[threadIdx.x] = aux;
-  z_partial[threadIdx.x] = z;
+  // ---- the last block to finish adds the partial sums, in block order ----
+  // The classic threadfence reduction (CUDA programming guide, "memory fence functions"): every
+  // writer fences its partials before the block takes a ticket, so the block that draws the last
+  // ticket sees all of them.
+  __threadfence();
   __syncthreads();
-  for (int stride = kLossThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) {
-      aux_partial[threadIdx.x] += aux_partial[threadIdx.x + stride];
-      z_partial[threadIdx.x] += z_partial[threadIdx.x + stride];
-    }
-    __syncthreads();
-  }
   if (threadIdx.x == 0) {
-    *aux_loss = static_cast<float>(num_experts * aux_partial[0]);
-    *z_loss = static_cast<float>(z_partial[0] / tokens);
+    is_last_block = atomicAdd(partials.ticket, 1u) == gridDim.x - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  if (!is_last_block) return;
+
+  // E <= 256 and 512 threads: each expert's column of block rows is split into `slices` strided
+  // runs (E = 64: 8 runs of 16 blocks), which are then added in slice order; at most 32 runs, so
+  // that adding them is short even for E = 1. __ldcg reads from L2, where the other blocks' writes
+  // are, never from this SM's L1.
+  const int slices = min(kRouteThreads / num_experts, kWarpSize);
+  const int expert = static_cast<int>(threadIdx.x) % num_experts;
+  const int slice = static_cast<int>(threadIdx.x) / num_experts;
+  double* slice_prob_sums = &warp_prob_sums[0][0];  // [slices, E], free again after the barriers above
+  if (slice < slices) {
+    double prob_total = 0.0;
+    int count_total = 0;
+#pragma unroll 8  // eight loads in flight per thread: the run is a chain of L2 round trips
+    for (int block = slice; block < static_cast<int>(gridDim.x); block += slices) {
+      prob_total += __ldcg(&partials.prob_sums[block * num_experts + expert]);
+      count_total += __ldcg(&partials.counts[block * num_experts + expert]);
+    }
+    slice_prob_sums[slice * num_experts + expert] = prob_total;
+    slice_counts[slice * num_experts + expert] = count_total;
+  }
+  if (warp == kRouteWarps - 1) {  // the z-loss: blocks strided over the lanes, then a fixed tree
+    double z_total = 0.0;
+    for (int block = lane; block < static_cast<int>(gridDim.x); block += kWarpSize) {
+      z_total += __ldcg(&partials.z_sums[block]);
+    }
+    z_total = warp_sum_double(z_total);
+    if (lane == 0) *z_loss = static_cast<float>(z_total / tokens);
+  }
+  __syncthreads();
+  double aux_term = 0.0;  // f_e P_e of the rounded outputs, as the reference's dot product
+  if (threadIdx.x < num_experts) {
+    double prob_total = 0.0;
+    int count_total = 0;
+    for (int s = 0; s < slices; ++s) {
+      prob_total += slice_prob_sums[s * num_experts + expert];
+      count_total += slice_counts[s * num_experts + expert];
+    }
+    const float mean_prob = static_cast<float>(prob_total / tokens);
+    const float fraction = static_cast<float>(static_cast<double>(count_total) / (static_cast<double>(tokens) * top_k));
+    mean_probs[expert] = mean_prob;
+    expert_fraction[expert] = fraction;
+    aux_term = static_cast<double>(fraction) * mean_prob;
+  }
+  // aux = E sum_e f_e P_e: each warp sums its experts in a fixed tree, then warp 0 adds the warps.
+  aux_term = warp_sum_double(aux_term);
+  if (lane == 0) warp_values[warp] = aux_term;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double aux = 0.0;
+    for (int w = 0; w < kRouteWarps; ++w) aux += warp_values[w];
+    *aux_loss = static_cast<float>(num_experts * aux);
+    *partials.ticket = 0;  // every block has taken its ticket: ready for the next launch
   }
 }
 
@@ -289,38 +467,65 @@ void router_logits(cublasHandle_t handle, const bf16* x, const bf16* gate_weight
                "cublasGemmEx (router logits)");
 }
 
-void route_top_k(const float* logits, float* probs, int* top_experts, float* combine_weights,
-                 float* logsumexp, int tokens, int num_experts, int top_k, bool renormalize,
+namespace {
+int checked_workspace_experts(int experts) {
+  detail::check_range("RouterWorkspace", "num_experts (E)", experts, 1, kRouterMaxExperts, "kRouterMaxExperts");
+  return experts;
+}
+}  // namespace
+
+RouterWorkspace::RouterWorkspace(int experts)
+    : num_experts(checked_workspace_experts(experts)),
+      block_prob_sums(size_t(kRouterMaxBlocks) * experts),
+      block_counts(size_t(kRouterMaxBlocks) * experts),
+      block_z_sums(kRouterMaxBlocks),
+      ticket(1) {
+  CUDA_CHECK(cudaMemset(ticket.data(), 0, ticket.bytes()));
+}
+
+void route_top_k(const float* logits, float* probs, int* top_experts, float* combine_weights, float* logsumexp,
+                 float* expert_fraction, float* mean_probs, float* aux_loss, float* z_loss,
+                 RouterWorkspace& workspace, int tokens, int num_experts, int top_k, bool renormalize,
                  cudaStream_t stream) {
   constexpr const char* function = "route_top_k";
   check_router_sizes(function, tokens, num_experts, top_k);
+  detail::check_range(function, "num_experts (E)", num_experts, 1, workspace.num_experts,
+                      "the RouterWorkspace was sized for that many experts");
   detail::check_not_null(function, "logits", logits);
   detail::check_not_null(function, "probs", probs);
   detail::check_not_null(function, "top_experts", top_experts);
   detail::check_not_null(function, "combine_weights", combine_weights);
   detail::check_not_null(function, "logsumexp", logsumexp);
-  route_top_k_kernel<<<token_blocks(tokens), kWarpsPerBlock * kWarpSize, 0, stream>>>(
-      logits, probs, top_experts, combine_weights, logsumexp, tokens, num_experts, top_k, renormalize);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-void router_losses(const float* probs, const int* top_experts, const float* logsumexp,
-                   float* expert_fraction, float* mean_probs, float* aux_loss, float* z_loss,
-                   int tokens, int num_experts, int top_k, cudaStream_t stream) {
-  constexpr const char* function = "router_losses";
-  check_router_sizes(function, tokens, num_experts, top_k);
-  detail::check_not_null(function, "probs", probs);
-  detail::check_not_null(function, "top_experts", top_experts);
-  detail::check_not_null(function, "logsumexp", logsumexp);
   detail::check_not_null(function, "expert_fraction", expert_fraction);
   detail::check_not_null(function, "mean_probs", mean_probs);
   detail::check_not_null(function, "aux_loss", aux_loss);
   detail::check_not_null(function, "z_loss", z_loss);
-  expert_statistics_kernel<<<num_experts, kStatisticsThreads, 0, stream>>>(
-      probs, top_experts, expert_fraction, mean_probs, tokens, num_experts, top_k);
-  CUDA_CHECK(cudaGetLastError());
-  loss_totals_kernel<<<1, kLossThreads, 0, stream>>>(expert_fraction, mean_probs, logsumexp, aux_loss,
-                                                     z_loss, tokens, num_experts);
+
+  // Lanes per token: the smallest power of two G with 8 G >= E.
+  int group_lanes = 1;
+  while (group_lanes * kValuesPerLane < num_experts) group_lanes *= 2;
+  // The grid depends on T and E only, never on the device, so the order of the sums (and so every
+  // bit of the statistics) is the same on any GPU.
+  const int tokens_per_pass = kRouteThreads / group_lanes;
+  const int passes = (tokens + tokens_per_pass - 1) / tokens_per_pass;
+  const unsigned blocks = static_cast<unsigned>(std::min(passes, kRouterMaxBlocks));
+  const auto aligned = [](const float* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; };
+  const bool vector_rows = num_experts % 4 == 0 && aligned(logits) && aligned(probs);
+  const BlockPartials partials{workspace.block_prob_sums.data(), workspace.block_counts.data(),
+                               workspace.block_z_sums.data(), workspace.ticket.data()};
+  const auto launch = [&](auto kernel) {
+    kernel<<<blocks, kRouteThreads, 0, stream>>>(logits, probs, top_experts, combine_weights, logsumexp,
+                                                 expert_fraction, mean_probs, aux_loss, z_loss, partials, tokens,
+                                                 num_experts, top_k, renormalize, vector_rows);
+  };
+  switch (group_lanes) {
+    case 1: launch(route_top_k_kernel<1>); break;
+    case 2: launch(route_top_k_kernel<2>); break;
+    case 4: launch(route_top_k_kernel<4>); break;
+    case 8: launch(route_top_k_kernel<8>); break;
+    case 16: launch(route_top_k_kernel<16>); break;
+    default: launch(route_top_k_kernel<32>); break;
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 

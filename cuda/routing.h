@@ -1,6 +1,6 @@
 // routing.h: the gate of an MoE layer on the GPU: router logits (a cuBLAS GEMM), the fused softmax +
-// top-K + combine weights + logsumexp kernel, the router losses (Switch load balancing, ST-MoE
-// z-loss) and the router backward (d_logits). The CPU oracle is reference_cpu/router.h; the chain
+// top-K + combine weights + logsumexp + router losses kernel (Switch load balancing, ST-MoE z-loss)
+// and the router backward (d_logits). The CPU oracle is reference_cpu/router.h; the chain
 // of derivatives is the one of moe::ref::moe_backward (reference_cpu/moe_layer.cpp).
 // Built into moe_cuda (cmake --build build-gpu --target moe_cuda); tested by
 // tests/cuda/test_routing.cpp (ctest --test-dir build-gpu -R cuda_test_routing).
@@ -26,14 +26,17 @@
 #include <cublas_v2.h>     // cublasHandle_t
 #include <cuda_runtime.h>  // cudaStream_t
 
-#include "bf16.h"  // bf16
+#include "bf16.h"           // bf16
+#include "device_buffer.h"  // DeviceBuffer (RouterWorkspace)
 
 namespace moe::cuda {
 
-// The fused router kernel keeps one token's E logits in the registers of one warp (kMaxExperts / 32
-// per lane) and selects the top-K with K warp-wide arg-max rounds.
+// The fused router kernel keeps one token's E logits in the registers of a group of lanes (8 per
+// lane, so E <= 256 fits in one warp) and selects the top-K with K arg-max rounds over the group.
 inline constexpr int kRouterMaxExperts = 256;
 inline constexpr int kRouterMaxTopK = 8;
+// Blocks of the fused router kernel at most: the rows of partial sums the last block adds up.
+inline constexpr int kRouterMaxBlocks = 128;
 
 // logits[T, E] = x[T, D] Wg[D, E] with cuBLAS (bf16 inputs, fp32 compute and output). The handle's
 // stream is set to `stream`.
@@ -43,25 +46,38 @@ void router_logits(cublasHandle_t handle,
                    float* logits,             // [T, E] row-major
                    int tokens, int model_dim, int num_experts, cudaStream_t stream);
 
-// Softmax, top-K, combine weights and logsumexp, one warp per token.
-// 1 <= E <= kRouterMaxExperts, 1 <= K <= min(E, kRouterMaxTopK).
-void route_top_k(const float* logits,    // [T, E]
-                 float* probs,           // [T, E]
-                 int* top_experts,       // [T, K]
-                 float* combine_weights, // [T, K]
-                 float* logsumexp,       // [T]
-                 int tokens, int num_experts, int top_k, bool renormalize, cudaStream_t stream);
+// Scratch memory of route_top_k's router statistics: each block of the kernel writes its partial
+// sums there, and the last block to finish adds them up (routing.cu says why). Owned by the caller
+// and reused on every call: size it once for the largest E it will route. One workspace per stream
+// that routes concurrently: two launches in flight on one workspace would mix their partial sums.
+struct RouterWorkspace {
+  // Allocates for 1 <= num_experts <= kRouterMaxExperts and zeroes the ticket (a synchronous memset).
+  explicit RouterWorkspace(int num_experts);
 
-// The pieces of the router losses, deterministic (fixed reduction order, double accumulators):
-// expert_fraction f_e, mean_probs P_e, and the two unscaled scalar losses.
-void router_losses(const float* probs,        // [T, E]
-                   const int* top_experts,    // [T, K]
-                   const float* logsumexp,    // [T]
-                   float* expert_fraction,    // [E]
-                   float* mean_probs,         // [E]
-                   float* aux_loss,           // [1]  E * sum_e f_e P_e
-                   float* z_loss,             // [1]  mean_t logsumexp_t^2
-                   int tokens, int num_experts, int top_k, cudaStream_t stream);
+  int num_experts = 0;                  // the largest E this workspace serves
+  DeviceBuffer<double> block_prob_sums; // [kRouterMaxBlocks, E] sum over the block's tokens of probs
+  DeviceBuffer<int> block_counts;       // [kRouterMaxBlocks, E] routed slots of the block per expert
+  DeviceBuffer<double> block_z_sums;    // [kRouterMaxBlocks]    sum of the block's logsumexp^2
+  DeviceBuffer<unsigned> ticket;        // [1] blocks done; 0 between launches (the last block resets it)
+};
+
+// Softmax, top-K, combine weights and logsumexp of every token, and from them the router losses'
+// statistics, in one kernel (a group of G lanes per token, 8 G >= E: 32 / G tokens per warp):
+//   expert_fraction f_e, mean_probs P_e, aux_loss = E sum_e f_e P_e, z_loss = mean_t logsumexp_t^2.
+// Deterministic: the sums over tokens run in a fixed order with double accumulators, so every run
+// gives the same bits. 1 <= E <= min(kRouterMaxExperts, workspace.num_experts),
+// 1 <= K <= min(E, kRouterMaxTopK).
+void route_top_k(const float* logits,        // [T, E]
+                 float* probs,               // [T, E]
+                 int* top_experts,           // [T, K]
+                 float* combine_weights,     // [T, K]
+                 float* logsumexp,           // [T]
+                 float* expert_fraction,     // [E]
+                 float* mean_probs,          // [E]
+                 float* aux_loss,            // [1]  E * sum_e f_e P_e (unscaled)
+                 float* z_loss,              // [1]  mean_t logsumexp_t^2 (unscaled)
+                 RouterWorkspace& workspace,
+                 int tokens, int num_experts, int top_k, bool renormalize, cudaStream_t stream);
 
 // d_logits of  L = (terms through the combine weights) + aux_coef * aux_loss + z_coef * z_loss,
 // given dL/d combine_weights (from combine_backward in token_permute.h), one warp per token:

@@ -71,7 +71,7 @@
 #include "gemm.h"             // gemm, gemm_batched, gemm_grouped, CublasHandle
 #include "moe_config.h"       // MoeConfig
 #include "run_record.h"       // RunReader (--routing-from: a recorded run's routing)
-#include "routing.h"          // router_logits, route_top_k, router_losses
+#include "routing.h"          // router_logits, route_top_k (with the router losses), RouterWorkspace
 #include "routing_counts.h"   // routing_counts, top_experts_from_counts
 #include "token_permute.h"    // permute_tokens, unpermute_and_combine
 
@@ -658,11 +658,12 @@ struct RouterBuffers {
   RouterBuffers(const Shape& s)
       : gate_weights(size_t(s.D) * s.E), logits(size_t(s.T) * s.E), probs(logits.size()),
         top_experts(size_t(s.T) * s.K), combine_weights(top_experts.size()), logsumexp(s.T), expert_fraction(s.E),
-        mean_probs(s.E), aux_loss(1), z_loss(1), y(size_t(s.T) * s.D) {}
+        mean_probs(s.E), aux_loss(1), z_loss(1), workspace(s.E), y(size_t(s.T) * s.D) {}
   DeviceBuffer<bf16> gate_weights;  // [D, E]
   DeviceBuffer<float> logits, probs;  // [T, E]
   DeviceBuffer<int> top_experts;      // [T, K]
   DeviceBuffer<float> combine_weights, logsumexp, expert_fraction, mean_probs, aux_loss, z_loss;
+  moe::cuda::RouterWorkspace workspace;
   DeviceBuffer<bf16> y;  // [T, D]
 };
 
@@ -940,8 +941,8 @@ class RoutingBench {
 
   // Everything of a forward layer step outside the expert FFN, with the real kernels: the router,
   // the plan, the topology, the permutation and the weighted un-permutation. The plan is built from
-  // this bench's deterministic top_experts (so its sizes match the routing measured), the router's
-  // own top_experts feed its losses.
+  // this bench's deterministic top_experts (so its sizes match the routing measured); the router
+  // computes its losses from its own top_experts.
   void routing_overhead(BlockSparseFfn& f, double ffn_forward_ms) {
     if (!fits(size_t(s_.T) * (s_.D * 2 + s_.E * 8 + s_.K * 8) + size_t(s_.D) * s_.E * 2, label_ + " routing overhead",
               report_)) {
@@ -953,8 +954,7 @@ class RoutingBench {
     cublasHandle_t h = cublas_.get();
     const std::vector<std::pair<std::string, std::function<void()>>> steps = {
         {"router_logits", [&] { moe::cuda::router_logits(h, in_.x.data(), r.gate_weights.data(), r.logits.data(), s_.T, s_.D, s_.E, stream_); }},
-        {"route_top_k", [&] { moe::cuda::route_top_k(r.logits.data(), r.probs.data(), r.top_experts.data(), r.combine_weights.data(), r.logsumexp.data(), s_.T, s_.E, s_.K, false, stream_); }},
-        {"router_losses", [&] { moe::cuda::router_losses(r.probs.data(), r.top_experts.data(), r.logsumexp.data(), r.expert_fraction.data(), r.mean_probs.data(), r.aux_loss.data(), r.z_loss.data(), s_.T, s_.E, s_.K, stream_); }},
+        {"route_top_k", [&] { moe::cuda::route_top_k(r.logits.data(), r.probs.data(), r.top_experts.data(), r.combine_weights.data(), r.logsumexp.data(), r.expert_fraction.data(), r.mean_probs.data(), r.aux_loss.data(), r.z_loss.data(), r.workspace, s_.T, s_.E, s_.K, false, stream_); }},
         {"build_dispatch_plan", [&] { moe::cuda::build_dispatch_plan(top_experts_.data(), f.plan, stream_); }},
         {"build_topology", [&] { moe::cuda::build_topology(plan, f.topology, stream_); }},
         {"permute_tokens", [&] { moe::cuda::permute_tokens(plan, in_.x.data(), f.x.data(), s_.D, stream_); }},

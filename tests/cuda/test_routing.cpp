@@ -1,6 +1,6 @@
 // test_routing.cpp: the GPU router (cuda/routing.h) against the CPU reference (reference_cpu/router.h
 // and the router part of moe_backward): probs, top-K, combine weights, logsumexp, f_e, P_e, the two
-// losses, d_logits, and bad arguments.
+// losses, d_logits, bad arguments, and the same bits on every run.
 // Run: ctest --test-dir build-gpu -R cuda_test_routing   (skips without a GPU)
 //
 // Near-ties: the GPU computes in fp32, the reference in double. Two experts whose probabilities
@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -54,9 +55,14 @@ struct GpuRouter {
   int tokens, num_experts, top_k;
   DeviceBuffer<float> probs, combine_weights, logsumexp, expert_fraction, mean_probs, aux_loss, z_loss;
   DeviceBuffer<int> top_experts;
+  moe::cuda::RouterWorkspace workspace;
   GpuRouter(int T, int E, int K)
       : tokens(T), num_experts(E), top_k(K), probs(size_t(T) * E), combine_weights(size_t(T) * K),
-        logsumexp(T), expert_fraction(E), mean_probs(E), aux_loss(1), z_loss(1), top_experts(size_t(T) * K) {
+        logsumexp(T), expert_fraction(E), mean_probs(E), aux_loss(1), z_loss(1), top_experts(size_t(T) * K),
+        workspace(E) {
+    poison();
+  }
+  void poison() {
     for (auto* buffer : {&probs, &combine_weights, &logsumexp, &expert_fraction, &mean_probs, &aux_loss, &z_loss}) {
       buffer->fill_bytes(kFloatPoisonByte);
     }
@@ -64,10 +70,22 @@ struct GpuRouter {
   }
   void run(const float* logits, bool renormalize, cudaStream_t stream) {
     moe::cuda::route_top_k(logits, probs.data(), top_experts.data(), combine_weights.data(), logsumexp.data(),
+                           expert_fraction.data(), mean_probs.data(), aux_loss.data(), z_loss.data(), workspace,
                            tokens, num_experts, top_k, renormalize, stream);
-    moe::cuda::router_losses(probs.data(), top_experts.data(), logsumexp.data(), expert_fraction.data(),
-                             mean_probs.data(), aux_loss.data(), z_loss.data(), tokens, num_experts, top_k,
-                             stream);
+  }
+  // Every output's bytes, in one vector, to compare two runs bit for bit.
+  std::vector<unsigned char> output_bytes() const {
+    std::vector<unsigned char> bytes;
+    auto append = [&](const auto& buffer) {
+      const auto host = buffer.download();
+      const auto* first = reinterpret_cast<const unsigned char*>(host.data());
+      bytes.insert(bytes.end(), first, first + host.size() * sizeof(host[0]));
+    };
+    for (const auto* buffer : {&probs, &combine_weights, &logsumexp, &expert_fraction, &mean_probs, &aux_loss, &z_loss}) {
+      append(*buffer);
+    }
+    append(top_experts);
+    return bytes;
   }
 };
 
@@ -158,6 +176,76 @@ TEST(CudaRouting, SoftmaxTopKAndLossesMatchReference) {
   check_from_logits(1000, 255, 7, false, 18);
   check_from_logits(16384, 64, 2, false, 19);  // a realistic batch
   check_from_logits(64, 16, 4, true, 20, 15.0);  // large logits: a peaked softmax
+  // The fused kernel's shapes: 8 G >= E lanes per token, kRouterMaxBlocks blocks looping over passes
+  // of 512 / G tokens, the last pass partly past T, and the last block adding up to 128 block rows.
+  check_from_logits(16384 + 37, 64, 1, false, 22);  // the target shape: 2-3 passes per block
+  check_from_logits(16384, 8, 2, true, 23);         // one lane per token, 32 blocks
+  check_from_logits(16384, 16, 2, false, 24);       // two lanes per token
+  check_from_logits(5000, 256, 8, true, 25);        // a warp per token, ~3 passes per block
+  check_from_logits(3001, 1, 1, false, 26);         // E = 1: every prob is 1
+  check_from_logits(999, 12, 3, true, 27);          // E % 4 == 0, the second float4 half past E
+  check_from_logits(70000, 128, 2, false, 28, 1.0); // 16 lanes per token, 18 passes per block
+}
+
+// The same bits on every run: the statistics are sums over T in a fixed order, the top-K a fixed
+// rule. Between the two runs the same workspace serves another shape (fewer experts, a grid of
+// another size), which must leave its ticket ready for the next launch.
+TEST(CudaRouting, SameBitsOnEveryRunAndWorkspaceReuse) {
+  REQUIRE_GPU();
+  for (auto [T, E, K] : {std::tuple{16384 + 37, 64, 1}, {16384, 8, 2}, {4099, 256, 8}, {777, 33, 2}}) {
+    SCOPED_TRACE("T=" + std::to_string(T) + " E=" + std::to_string(E) + " K=" + std::to_string(K));
+    std::mt19937_64 generator(60 + T);
+    const std::vector<float> logits_float = to_float_vector(moe::ref::random_matrix(T, E, generator, 3.0));
+    Stream stream;
+    DeviceBuffer<float> device_logits(logits_float);
+    GpuRouter gpu(T, E, K);
+    gpu.run(device_logits.data(), true, stream.stream);
+    stream.sync();
+    const std::vector<unsigned char> first = gpu.output_bytes();
+
+    // Another shape on the same workspace: its own statistics must be right too.
+    const int other_T = 100, other_E = 1 + E / 2;
+    const std::vector<float> other_logits = to_float_vector(moe::ref::random_matrix(other_T, other_E, generator, 3.0));
+    DeviceBuffer<float> device_other(other_logits), other_probs(size_t(other_T) * other_E), other_fraction(other_E);
+    DeviceBuffer<float> other_cw(other_T), other_lse(other_T), other_mean(other_E), other_aux(1), other_z(1);
+    DeviceBuffer<int> other_top(other_T);
+    other_fraction.fill_bytes(kFloatPoisonByte);
+    moe::cuda::route_top_k(device_other.data(), other_probs.data(), other_top.data(), other_cw.data(), other_lse.data(),
+                           other_fraction.data(), other_mean.data(), other_aux.data(), other_z.data(), gpu.workspace,
+                           other_T, other_E, 1, false, stream.stream);
+    stream.sync();
+    const std::vector<float> fraction = other_fraction.download();
+    double fraction_total = 0.0;
+    for (float f : fraction) fraction_total += f;
+    EXPECT_NEAR(fraction_total, 1.0, 1e-6) << "expert_fraction of the other shape";
+
+    gpu.poison();
+    gpu.run(device_logits.data(), true, stream.stream);
+    stream.sync();
+    const std::vector<unsigned char> second = gpu.output_bytes();
+    ASSERT_EQ(first.size(), second.size());
+    EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size()), 0) << "two runs differ";
+  }
+}
+
+// Rows that are not 16-byte aligned (a logits pointer one float into its buffer) take the scalar
+// loads; the results must be the reference's all the same.
+TEST(CudaRouting, UnalignedLogitsTakeTheScalarPath) {
+  REQUIRE_GPU();
+  const int T = 1000, E = 64, K = 2;
+  std::mt19937_64 generator(70);
+  Matrix logits = moe::ref::random_matrix(T, E, generator, 3.0);
+  const std::vector<float> logits_float = to_float_vector(logits);
+  for (int64_t i = 0; i < logits.size(); ++i) logits.data()[i] = logits_float[size_t(i)];
+  const moe::ref::RouterOutput ref = moe::ref::route(router_config(T, E, E, K, false), logits, Matrix::Identity(E, E));
+  std::vector<float> shifted(logits_float.size() + 1, 0.0f);
+  std::copy(logits_float.begin(), logits_float.end(), shifted.begin() + 1);
+  Stream stream;
+  DeviceBuffer<float> device_logits(shifted);
+  GpuRouter gpu(T, E, K);
+  gpu.run(device_logits.data() + 1, false, stream.stream);
+  stream.sync();
+  compare_router(ref, gpu, 1e-5, 1e-6);
 }
 
 TEST(CudaRouting, ExactTiesGoToTheLowerExpertIndex) {
@@ -302,16 +390,28 @@ TEST(CudaRouting, BadArgumentsAreRejectedBeforeLaunch) {
   REQUIRE_GPU();
   DeviceBuffer<float> f(4096);
   DeviceBuffer<int> i(4096);
+  moe::cuda::RouterWorkspace workspace(moe::cuda::kRouterMaxExperts);
   auto route = [&](int T, int E, int K) {
-    moe::cuda::route_top_k(f.data(), f.data(), i.data(), f.data(), f.data(), T, E, K, false, nullptr);
+    moe::cuda::route_top_k(f.data(), f.data(), i.data(), f.data(), f.data(), f.data(), f.data(), f.data(), f.data(),
+                           workspace, T, E, K, false, nullptr);
   };
   EXPECT_THROW(route(4, 257, 2), std::invalid_argument);  // E > kRouterMaxExperts
   EXPECT_THROW(route(4, 16, 9), std::invalid_argument);   // K > kRouterMaxTopK
   EXPECT_THROW(route(4, 4, 5), std::invalid_argument);    // K > E
   EXPECT_THROW(route(0, 4, 1), std::invalid_argument);    // T = 0
   EXPECT_THROW(route(4, 0, 1), std::invalid_argument);    // E = 0
-  EXPECT_THROW(moe::cuda::route_top_k(nullptr, f.data(), i.data(), f.data(), f.data(), 4, 4, 1, false, nullptr),
+  EXPECT_THROW(moe::cuda::route_top_k(nullptr, f.data(), i.data(), f.data(), f.data(), f.data(), f.data(), f.data(),
+                                      f.data(), workspace, 4, 4, 1, false, nullptr),
                std::invalid_argument);
+  EXPECT_THROW(moe::cuda::route_top_k(f.data(), f.data(), i.data(), f.data(), f.data(), f.data(), f.data(), nullptr,
+                                      f.data(), workspace, 4, 4, 1, false, nullptr),
+               std::invalid_argument);  // aux_loss
+  moe::cuda::RouterWorkspace small_workspace(8);
+  EXPECT_THROW(moe::cuda::route_top_k(f.data(), f.data(), i.data(), f.data(), f.data(), f.data(), f.data(), f.data(),
+                                      f.data(), small_workspace, 4, 16, 1, false, nullptr),
+               std::invalid_argument);  // E above the workspace's
+  EXPECT_THROW(moe::cuda::RouterWorkspace(0), std::invalid_argument);
+  EXPECT_THROW(moe::cuda::RouterWorkspace(moe::cuda::kRouterMaxExperts + 1), std::invalid_argument);
   try {
     route(4, 300, 2);
   } catch (const std::invalid_argument& error) {
@@ -320,9 +420,6 @@ TEST(CudaRouting, BadArgumentsAreRejectedBeforeLaunch) {
   }
   EXPECT_THROW(moe::cuda::router_backward(f.data(), f.data(), i.data(), f.data(), f.data(), f.data(), 4, 4, 2, true,
                                           std::nan(""), 0.0, nullptr),
-               std::invalid_argument);
-  EXPECT_THROW(moe::cuda::router_losses(f.data(), i.data(), f.data(), f.data(), f.data(), f.data(), f.data(), 4, 4, 0,
-                                        nullptr),
                std::invalid_argument);
   EXPECT_THROW(moe::cuda::router_logits(nullptr, nullptr, nullptr, f.data(), 4, 4, 4, nullptr), std::invalid_argument);
 }
