@@ -47,11 +47,13 @@ void require_topology(const DeviceTopology& t, const std::string& function, bool
     require_pointer(t.block_rows, function, "topology.block_rows");
     require_pointer(t.offsets, function, "topology.offsets");
     require_pointer(t.block_row_expert, function, "topology.block_row_expert");
+    require_pointer(t.block_row_tokens, function, "topology.block_row_tokens");
   }
   if (columns) {
     require_pointer(t.column_offsets, function, "topology.column_offsets");
     require_pointer(t.transpose_indices, function, "topology.transpose_indices");
     require_pointer(t.row_indices, function, "topology.row_indices");
+    require_pointer(t.block_row_tokens, function, "topology.block_row_tokens");
   }
 }
 
@@ -117,8 +119,9 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
   int device = 0, multiprocessors = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  const int tiles_x = x_extent / kWsBlockN, tiles = tiles_x * y_count;
-  kernel<<<std::min(multiprocessors, tiles), kWsThreads, smem, stream>>>(problem, tiles_x, tiles);
+  const int tiles_x = x_extent / ws_tile_x<Problem>(), tiles = tiles_x * y_count;
+  kernel<<<std::min(multiprocessors, tiles), kWsThreads, smem, stream>>>(problem, tiles_x, tiles,
+                                                                        ws_group_rows(tiles_x, multiprocessors));
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -140,7 +143,8 @@ void launch(const Problem& problem, int block_size, int dense_extent, int y_coun
   // Measured later (cuda/dev/sdd.cu, versions 15-17, H200, T=16384 D=1024 H=4096 E=64 K=1): the
   // warp-specialized persistent kernel takes the SDD from 368 to 399 TFLOP/s (version 12 -> 16).
   // Every product tiled over N (SDD, DSD, DSᵀD) takes it where the dense extent allows 256-wide
-  // tiles; DDS, tiled over M, and other extents keep the kernels below.
+  // tiles; DDS takes it in launch_dds (two block columns a tile); other extents keep the kernels
+  // below.
   if constexpr (!Problem::grid_x_over_m) {
     if (wgmma && dense_extent % kWsBlockN == 0) {
       launch_wgmma_ws(problem, dense_extent, y_count, stream);
@@ -193,6 +197,7 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
     problem.block_rows = t.block_rows;
     problem.offsets = t.offsets;
     problem.block_row_expert = t.block_row_expert;
+    problem.block_row_tokens = t.block_row_tokens;
     problem.a = args.a;
     problem.inner = args.inner;
     problem.b = args.b.pointers;
@@ -233,6 +238,7 @@ void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const E
     problem.block_rows = t.block_rows;
     problem.offsets = t.offsets;
     problem.block_row_expert = t.block_row_expert;
+    problem.block_row_tokens = t.block_row_tokens;
     problem.s0 = s0;
     problem.s1 = s1;
     problem.parts = s1 != nullptr ? 2 : 1;
@@ -251,12 +257,14 @@ void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const E
     launch(fill(DsdProblem<Layout::row_major_km>{}), t.block_size, out_cols, t.max_block_rows, stream);
 }
 
+template <typename OUT>
 void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* dense, int cols,
-                           float* const* out, int ldo, cudaStream_t stream) {
-  DsdTransposedProblem problem{};
+                           OUT* const* out, int ldo, cudaStream_t stream) {
+  DsdTransposedProblem<OUT> problem{};
   problem.column_offsets = t.column_offsets;
   problem.transpose_indices = t.transpose_indices;
   problem.row_indices = t.row_indices;
+  problem.block_row_tokens = t.block_row_tokens;
   problem.blocks_per_expert = t.blocks_per_expert;
   problem.block_size = t.block_size;
   problem.s = s;
@@ -267,21 +275,34 @@ void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* d
   launch(problem, t.block_size, cols, t.block_cols, stream);
 }
 
-void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16* s, float* const* out,
+template <typename OUT>
+void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16* s, OUT* const* out,
                 int ldo, int column_offset, cudaStream_t stream) {
-  DdsProblem problem{};
-  problem.column_offsets = t.column_offsets;
-  problem.transpose_indices = t.transpose_indices;
-  problem.row_indices = t.row_indices;
-  problem.blocks_per_expert = t.blocks_per_expert;
-  problem.block_size = t.block_size;
-  problem.dense = dense;
-  problem.ldd = cols;
-  problem.s = s;
-  problem.out = out;
-  problem.ldo = ldo;
-  problem.column_offset = column_offset;
-  launch(problem, t.block_size, cols, t.block_cols, stream);
+  auto fill = [&](auto problem) {
+    problem.column_offsets = t.column_offsets;
+    problem.transpose_indices = t.transpose_indices;
+    problem.row_indices = t.row_indices;
+    problem.block_row_tokens = t.block_row_tokens;
+    problem.blocks_per_expert = t.blocks_per_expert;
+    problem.block_size = t.block_size;
+    problem.dense = dense;
+    problem.ldd = cols;
+    problem.s = s;
+    problem.out = out;
+    problem.ldo = ldo;
+    problem.column_offset = column_offset;
+    return problem;
+  };
+  // On Hopper at B = 128, the warp-specialized kernel takes two block columns of one expert a tile
+  // (128 rows of D by 256 columns of H; H / B must be even so that pairs never straddle experts).
+  // Measured before it (ncu, H200, 2026-11-22): DDS on the 128 x 128 wgmma kernel took 0.68 ms at
+  // T=16384 D=1024 H=4096 E=64 K=1 and 4.60 ms at T=8192 D=4096 H=14336 E=8 K=2, against 0.57 and
+  // 3.63 ms for DSᵀD on the warp-specialized kernel (the same FLOPs).
+  if (t.block_size == 128 && cols % kWgmmaBlockM == 0 && t.blocks_per_expert % 2 == 0 && wgmma_available()) {
+    launch_wgmma_ws(fill(DdsProblem<OUT, 2>{}), cols, t.block_cols / 2, stream);
+    return;
+  }
+  launch(fill(DdsProblem<OUT, 1>{}), t.block_size, cols, t.block_cols, stream);
 }
 
 // The FFN's shape checks: D and H multiples of B, and the topology built for this H.
@@ -324,8 +345,10 @@ void dsd(const DeviceTopology& topology, const bf16* s_blocks, const ExpertOpera
   launch_dsd(topology, s_blocks, nullptr, b, out_cols, out, stream);
 }
 
-void dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks, const bf16* dense, int cols,
-                    float* const* out, int ldo, cudaStream_t stream) {
+namespace {
+template <typename OUT>
+void checked_dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks, const bf16* dense, int cols,
+                            OUT* const* out, int ldo, cudaStream_t stream) {
   const std::string f = "moe::cuda::dsd_transposed";
   require_topology(topology, f, false, true);
   require_multiple(cols, topology.block_size, f, "cols");
@@ -336,8 +359,9 @@ void dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks, const 
   launch_dsd_transposed(topology, s_blocks, dense, cols, out, ldo, stream);
 }
 
-void dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16* s_blocks,
-         float* const* out, int ldo, int column_offset, cudaStream_t stream) {
+template <typename OUT>
+void checked_dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16* s_blocks,
+                 OUT* const* out, int ldo, int column_offset, cudaStream_t stream) {
   const std::string f = "moe::cuda::dds";
   require_topology(topology, f, false, true);
   require_multiple(cols, topology.block_size, f, "cols");
@@ -348,6 +372,24 @@ void dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16
   require_pointer(s_blocks, f, "s_blocks");
   require_pointer(out, f, "out");
   launch_dds(topology, dense, cols, s_blocks, out, ldo, column_offset, stream);
+}
+}  // namespace
+
+void dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks, const bf16* dense, int cols,
+                    float* const* out, int ldo, cudaStream_t stream) {
+  checked_dsd_transposed(topology, s_blocks, dense, cols, out, ldo, stream);
+}
+void dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks, const bf16* dense, int cols,
+                    bf16* const* out, int ldo, cudaStream_t stream) {
+  checked_dsd_transposed(topology, s_blocks, dense, cols, out, ldo, stream);
+}
+void dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16* s_blocks,
+         float* const* out, int ldo, int column_offset, cudaStream_t stream) {
+  checked_dds(topology, dense, cols, s_blocks, out, ldo, column_offset, stream);
+}
+void dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16* s_blocks,
+         bf16* const* out, int ldo, int column_offset, cudaStream_t stream) {
+  checked_dds(topology, dense, cols, s_blocks, out, ldo, column_offset, stream);
 }
 
 // ---- the dropless expert FFN ----
@@ -400,8 +442,18 @@ void block_sparse_ffn_backward(const MoeConfig& config, const DeviceTopology& to
   require_pointer(forward.hidden, f, "forward.hidden");
   require_pointer(gradients.d_pre_activation, f, "gradients.d_pre_activation");
   require_pointer(gradients.d_permuted_x, f, "gradients.d_permuted_x");
-  require_pointer(gradients.d_w1, f, "gradients.d_w1");
-  require_pointer(gradients.d_w2, f, "gradients.d_w2");
+  const bool fp32_gradients = gradients.d_w1 != nullptr || gradients.d_w2 != nullptr;
+  const bool bf16_gradients = gradients.d_w1_bf16 != nullptr || gradients.d_w2_bf16 != nullptr;
+  require(fp32_gradients != bf16_gradients, f,
+          "set the weight gradients' fp32 tables (d_w1, d_w2) or their bf16 tables (d_w1_bf16, d_w2_bf16), "
+          "not both and not neither");
+  if (fp32_gradients) {
+    require_pointer(gradients.d_w1, f, "gradients.d_w1");
+    require_pointer(gradients.d_w2, f, "gradients.d_w2");
+  } else {
+    require_pointer(gradients.d_w1_bf16, f, "gradients.d_w1_bf16");
+    require_pointer(gradients.d_w2_bf16, f, "gradients.d_w2_bf16");
+  }
   if (swiglu) {
     require_pointer(forward.up_projection, f, "forward.up_projection (SwiGLU)");
     require_pointer(gradients.d_up_projection, f, "gradients.d_up_projection (SwiGLU)");
@@ -422,12 +474,17 @@ void block_sparse_ffn_backward(const MoeConfig& config, const DeviceTopology& to
   }
   launch_sdd(topology, d_hidden, stream);
 
-  // dW2_e = hidden_eᵀ d_out_e, walking block columns through the transpose indices.
-  launch_dsd_transposed(topology, forward.hidden, d_out, D, gradients.d_w2, D, stream);
+  // dW2_e = hidden_eᵀ d_out_e, walking block columns through the transpose indices;
   // dW1_e = permuted_x_eᵀ d_pre_e (and the up half for SwiGLU).
-  launch_dds(topology, permuted_x, D, gradients.d_pre_activation, gradients.d_w1, w1_cols, 0, stream);
-  if (swiglu)
-    launch_dds(topology, permuted_x, D, gradients.d_up_projection, gradients.d_w1, w1_cols, H, stream);
+  auto weight_gradients = [&](auto* const* d_w1, auto* const* d_w2) {
+    launch_dsd_transposed(topology, forward.hidden, d_out, D, d_w2, D, stream);
+    launch_dds(topology, permuted_x, D, gradients.d_pre_activation, d_w1, w1_cols, 0, stream);
+    if (swiglu) launch_dds(topology, permuted_x, D, gradients.d_up_projection, d_w1, w1_cols, H, stream);
+  };
+  if (gradients.d_w1 != nullptr)
+    weight_gradients(gradients.d_w1, gradients.d_w2);
+  else
+    weight_gradients(gradients.d_w1_bf16, gradients.d_w2_bf16);
   // d_permuted_x = [d_pre | d_up] W1_eᵀ: one DSD whose K runs over all w1_columns.
   launch_dsd(topology, gradients.d_pre_activation, swiglu ? gradients.d_up_projection : nullptr,
              ExpertOperand{w1, w1_cols, 0, true}, D, gradients.d_permuted_x, stream);

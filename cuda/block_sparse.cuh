@@ -119,6 +119,12 @@ __device__ inline float silu_derivative(float a) {
 //   void store(int m, int n, float v0, float v1) C[m][n], C[m][n+1] of the tile (n even)
 //   void store_chunk(int m, int n, const float (&v)[8])  C[m][n .. n+7] (n a multiple of 8): the
 //   wgmma kernel's staged epilogue; one 16-byte store of bf16, two of fp32
+//   optional: int tile_rows()                    rows of the tile that hold tokens (SDD, DSD: the
+//                                               block row's); the warp-specialized kernel skips
+//                                               the wgmma of a 64-row half with none
+//   optional: int64_t b_second_half()           the warp-specialized kernel's 256-wide B chunk (B
+//                                               stored [k][n]) is two 128-column halves this many
+//                                               elements apart (DDS: two B x B blocks); default 128
 // MIN_BLOCKS: CTAs per SM the compiler must make room for (2 caps registers at 128 per thread).
 template <int BM, int BN, int MIN_BLOCKS, class Problem>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) block_sparse_mma_kernel(const Problem parameters) {
@@ -290,6 +296,7 @@ struct SddProblem {
   const int* block_rows;
   const int* offsets;
   const int* block_row_expert;
+  const int* block_row_tokens;
   const bf16* a;  // [max_rows, inner]
   int inner;      // Kd
   const bf16* const* b;  // [E]
@@ -305,10 +312,12 @@ struct SddProblem {
   const bf16* b_tile;
   int64_t first_block;  // block id of the tile's first block
   int tile_n_start;     // first column of the tile inside the expert's H
+  int tokens;           // rows of the block row that hold tokens
 
   __device__ bool begin(int r, int tile_n, int bn) {
     if (r >= *block_rows) return false;
     const int e = block_row_expert[r];
+    tokens = block_row_tokens[r];
     tile_n_start = tile_n * bn;
     first_block = offsets[r] + tile_n_start / block_size;
     a_tile = a + static_cast<int64_t>(r) * block_size * inner;
@@ -319,6 +328,7 @@ struct SddProblem {
     return true;
   }
   __device__ int k_steps() const { return inner / kBlockK; }
+  __device__ int tile_rows() const { return tokens; }
   __device__ const bf16* a_chunk(int step, int64_t& ld) const {
     ld = inner;
     return a_tile + step * kBlockK;
@@ -401,6 +411,7 @@ struct DsdProblem {
   const int* block_rows;
   const int* offsets;
   const int* block_row_expert;
+  const int* block_row_tokens;
   const bf16* s0;  // [max_nnz, B, B]
   const bf16* s1;  // second part or nullptr
   int parts;
@@ -415,10 +426,12 @@ struct DsdProblem {
   int64_t row_first_block;
   const bf16* b_tile;
   bf16* out_tile;
+  int tokens;  // rows of the block row that hold tokens
 
   __device__ bool begin(int r, int tile_n, int bn) {
     if (r >= *block_rows) return false;
     const int e = block_row_expert[r];
+    tokens = block_row_tokens[r];
     row_first_block = offsets[r];
     const int n0 = tile_n * bn;
     if constexpr (B_LAYOUT == Layout::row_major_km)
@@ -429,6 +442,7 @@ struct DsdProblem {
     return true;
   }
   __device__ int k_steps() const { return parts * blocks_per_expert * (block_size / kBlockK); }
+  __device__ int tile_rows() const { return tokens; }
   __device__ const bf16* a_chunk(int step, int64_t& ld) const {
     const int steps_per_block = block_size / kBlockK;
     const int steps_per_part = blocks_per_expert * steps_per_block;
@@ -452,10 +466,41 @@ struct DsdProblem {
   }
 };
 
+// The weight-gradient products (DSᵀD, DDS) reduce over the rows of one expert: block column c's
+// blocks, top to bottom, 64 rows (one k-step) at a time. An expert's routed rows come first in its
+// padded bin, so only its last block row holds padding rows, and those are zero in every operand of
+// the FFN (permute_tokens writes zero rows, and an SDD of a zero row is zero). The k-steps stop at
+// the expert's last routed row: a block row with 10 tokens costs one k-step instead of B / 64.
+__device__ inline int weight_gradient_k_steps(const int* transpose_indices, const int* row_indices,
+                                              const int* block_row_tokens, int first, int count,
+                                              int block_size) {
+  if (count == 0) return 0;
+  const int last_block_row = row_indices[transpose_indices[first + count - 1]];
+  const int rows = (count - 1) * block_size + block_row_tokens[last_block_row];
+  return (rows + kBlockK - 1) / kBlockK;
+}
+
+// Weight gradients are written in fp32 (what an fp32 optimizer reads) or bf16 (what cuBLAS and
+// PyTorch write: half the bytes, which matters when experts are small: at 256 rows per expert, a
+// 128 x 256 tile of dW computes 4 k-steps and then writes 128 KB of fp32).
+__device__ inline void store2(float* out, float v0, float v1) {
+  *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+}
+__device__ inline void store2(bf16* out, float v0, float v1) { *reinterpret_cast<__nv_bfloat162*>(out) = pack(v0, v1); }
+__device__ inline void store8(bf16* out, const float (&v)[8]) {
+  if ((reinterpret_cast<uintptr_t>(out) & 15) == 0) {
+    *reinterpret_cast<uint4*>(out) = pack8(v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) reinterpret_cast<__nv_bfloat162*>(out)[i] = pack(v[2 * i], v[2 * i + 1]);
+  }
+}
+
 // DSᵀD: out_e[jB : jB+B, n-tile] = sum over the blocks (r, c) of block column c = e*H/B + j of
 // S(r, c)ᵀ · dense[rB : rB+B, n-tile]. The blocks of column c are found through column_offsets and
 // transpose_indices (MegaBlocks 5.1.4): no transposed copy of S is ever stored. An expert with no
-// rows has empty columns: its tile is written with zeros. Output fp32 (weight gradients).
+// rows has empty columns: its tile is written with zeros. OUT: float or bf16 (weight gradients).
+template <typename OUT>
 struct DsdTransposedProblem {
   static constexpr bool grid_x_over_m = false;
   static constexpr bool wgmma_wide_tile = false;  // Hopper: 128 x 128 tiles, the SDD's configuration
@@ -464,27 +509,29 @@ struct DsdTransposedProblem {
   const int* column_offsets;
   const int* transpose_indices;
   const int* row_indices;
+  const int* block_row_tokens;
   int blocks_per_expert;
   int block_size;
   const bf16* s;      // [max_nnz, B, B]
   const bf16* dense;  // [max_rows, ldd]
   int ldd;
-  float* const* out;  // [E]: [H, ldo]
+  OUT* const* out;    // [E]: [H, ldo]
   int ldo;
   // per-CTA state
-  int first, count;
+  int first, steps;
   int n0;
-  float* out_tile;
+  OUT* out_tile;
 
   __device__ bool begin(int c, int tile_n, int bn) {
     first = column_offsets[c];
-    count = column_offsets[c + 1] - first;
+    steps = weight_gradient_k_steps(transpose_indices, row_indices, block_row_tokens, first,
+                                    column_offsets[c + 1] - first, block_size);
     n0 = tile_n * bn;
     const int e = c / blocks_per_expert, j = c % blocks_per_expert;
     out_tile = out[e] + static_cast<int64_t>(j) * block_size * ldo + n0;
     return true;
   }
-  __device__ int k_steps() const { return count * (block_size / kBlockK); }
+  __device__ int k_steps() const { return steps; }
   __device__ int block_of(int step, int& k0) const {
     const int steps_per_block = block_size / kBlockK;
     k0 = (step % steps_per_block) * kBlockK;
@@ -504,47 +551,57 @@ struct DsdTransposedProblem {
     return dense + row * ldd + n0;
   }
   __device__ void store(int m, int n, float v0, float v1) const {
-    *reinterpret_cast<float2*>(out_tile + static_cast<int64_t>(m) * ldo + n) = make_float2(v0, v1);
+    store2(out_tile + static_cast<int64_t>(m) * ldo + n, v0, v1);
   }
   __device__ void store_chunk(int m, int n, const float (&v)[8]) const {
     store8(out_tile + static_cast<int64_t>(m) * ldo + n, v);
   }
 };
 
-// DDS: out_e[m-tile, column_offset + jB : ... + B] = sum over the blocks (r, c) of block column
-// c = e*H/B + j of dense[rB : rB+B, m-tile]ᵀ · S(r, c). Tile: BM rows of the output (over P),
-// BN = B columns (one block column). Output fp32 (weight gradients: d W1_e = permuted_xᵀ · d_pre).
+// DDS: out_e[m-tile, column_offset + jB : ...] = sum over the blocks (r, c) of block column
+// c = e*H/B + j of dense[rB : rB+B, m-tile]ᵀ · S(r, c). Tile: BM rows of the output (over P) by
+// COLUMNS block columns. Output OUT (weight gradients: d W1_e = permuted_xᵀ · d_pre).
+// COLUMNS = 1: BN = B, a tile is one block column wide (the mma.sync and 128 x 128 wgmma kernels).
+// COLUMNS = 2: the warp-specialized kernel's 256-wide tiles at B = 128: block columns c and c+1 of
+//   one expert (H/B even). They have blocks in the same block rows, and in the BCSR order block
+//   (r, c+1) is block (r, c) + 1, so the 256 columns of a k-step are two [64][128] halves B*B
+//   elements apart (b_second_half).
+template <typename OUT, int COLUMNS>
 struct DdsProblem {
+  static_assert(COLUMNS == 1 || COLUMNS == 2, "one block column a tile, or two of the same expert");
   static constexpr bool grid_x_over_m = true;
-  static constexpr bool wgmma_wide_tile = false;  // BN = B: a tile is one block column wide
+  static constexpr bool wgmma_wide_tile = false;
   static constexpr Layout a_layout = Layout::row_major_km;  // dense [k = row][m]
   static constexpr Layout b_layout = Layout::row_major_km;  // S block [k = row][n]
   const int* column_offsets;
   const int* transpose_indices;
   const int* row_indices;
+  const int* block_row_tokens;
   int blocks_per_expert;
   int block_size;
   const bf16* dense;  // [max_rows, ldd]
   int ldd;
   const bf16* s;      // [max_nnz, B, B]
-  float* const* out;  // [E]: [P, ldo]
+  OUT* const* out;    // [E]: [P, ldo]
   int ldo;
   int column_offset;
   // per-CTA state
-  int first, count;
+  int first, steps;
   int m0;
-  float* out_tile;
+  OUT* out_tile;
 
-  // Here the grid's y is the block column and x the tile over P (rows of the output).
-  __device__ bool begin(int c, int tile_m, int bm) {
+  // Here the grid's y is the block column (pair) and x the tile over P (rows of the output).
+  __device__ bool begin(int y, int tile_m, int bm) {
+    const int c = y * COLUMNS;
     first = column_offsets[c];
-    count = column_offsets[c + 1] - first;
+    steps = weight_gradient_k_steps(transpose_indices, row_indices, block_row_tokens, first,
+                                    column_offsets[c + 1] - first, block_size);
     m0 = tile_m * bm;
     const int e = c / blocks_per_expert, j = c % blocks_per_expert;
     out_tile = out[e] + static_cast<int64_t>(m0) * ldo + column_offset + j * block_size;
     return true;
   }
-  __device__ int k_steps() const { return count * (block_size / kBlockK); }
+  __device__ int k_steps() const { return steps; }
   __device__ int block_of(int step, int& k0) const {
     const int steps_per_block = block_size / kBlockK;
     k0 = (step % steps_per_block) * kBlockK;
@@ -563,8 +620,9 @@ struct DdsProblem {
     ld = block_size;
     return s + block * block_size * block_size + static_cast<int64_t>(k0) * block_size;
   }
+  __device__ int64_t b_second_half() const { return static_cast<int64_t>(block_size) * block_size; }
   __device__ void store(int m, int n, float v0, float v1) const {
-    *reinterpret_cast<float2*>(out_tile + static_cast<int64_t>(m) * ldo + n) = make_float2(v0, v1);
+    store2(out_tile + static_cast<int64_t>(m) * ldo + n, v0, v1);
   }
   __device__ void store_chunk(int m, int n, const float (&v)[8]) const {
     store8(out_tile + static_cast<int64_t>(m) * ldo + n, v);

@@ -23,8 +23,12 @@
 // expert of the topology (all E*H/B block columns) and are always written, zeros for an expert
 // without rows. Everything runs asynchronously on `stream`; nothing synchronises with the host.
 //
-// Precision: bf16 operands, fp32 accumulation, bf16 activations and activation gradients, fp32
-// weight gradients (written, not accumulated into).
+// Precision: bf16 operands, fp32 accumulation, bf16 activations and activation gradients, weight
+// gradients in fp32 or bf16 (the caller picks; written, not accumulated into).
+//
+// Padding rows: the dropless plan's padding rows (past block_row_tokens[r] in block row r) are zero
+// in every operand of the FFN. The weight-gradient products (DSᵀD, DDS) rely on it and skip them
+// (64 rows at a time), so their S and dense operands must hold zeros there or the rows are ignored.
 //
 // Requirements, checked on the host before any launch (std::invalid_argument otherwise):
 // B = 64 or 128, D and H multiples of B, every pointer argument non-null.
@@ -64,20 +68,24 @@ void sdd(const DeviceTopology& topology, const bf16* a, int inner, const ExpertO
 void dsd(const DeviceTopology& topology, const bf16* s_blocks,  // [max_nnz, B, B]
          const ExpertOperand& b, int out_cols, bf16* out, cudaStream_t stream = nullptr);
 
-// DSᵀD: out_e = S_eᵀ · dense_e for every expert: out[e] [H, cols] fp32 row-major, where S_e is
-// expert e's block columns and dense_e its rows of dense [max_rows, cols]. Walks block columns
-// through column_offsets / transpose_indices (MegaBlocks 5.1.4). cols % B == 0.
+// DSᵀD: out_e = S_eᵀ · dense_e for every expert: out[e] [H, cols] fp32 or bf16 row-major, where
+// S_e is expert e's block columns and dense_e its rows of dense [max_rows, cols]. Walks block
+// columns through column_offsets / transpose_indices (MegaBlocks 5.1.4). cols % B == 0.
 void dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks,  // [max_nnz, B, B]
                     const bf16* dense, int cols,                           // [max_rows, cols]
                     float* const* out,  // device array [E] of device pointers, each [H, ldo]
                     int ldo, cudaStream_t stream = nullptr);
+void dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks, const bf16* dense, int cols,
+                    bf16* const* out, int ldo, cudaStream_t stream = nullptr);
 
-// DDS: out_e[:, column_offset + :H] = dense_eᵀ · S_e for every expert: out[e] [cols, ldo] fp32,
-// dense [max_rows, cols] bf16. (d W1_e = permuted_xᵀ · d_pre.) cols % B == 0.
+// DDS: out_e[:, column_offset + :H] = dense_eᵀ · S_e for every expert: out[e] [cols, ldo] fp32 or
+// bf16, dense [max_rows, cols] bf16. (d W1_e = permuted_xᵀ · d_pre.) cols % B == 0.
 void dds(const DeviceTopology& topology, const bf16* dense, int cols,  // [max_rows, cols]
          const bf16* s_blocks,                                         // [max_nnz, B, B]
          float* const* out,  // device array [E] of device pointers, each [cols, ldo]
          int ldo, int column_offset, cudaStream_t stream = nullptr);
+void dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16* s_blocks,
+         bf16* const* out, int ldo, int column_offset, cudaStream_t stream = nullptr);
 
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,
@@ -103,8 +111,12 @@ struct BlockSparseFfnGradients {  // device buffers the caller owns
   bf16* d_pre_activation = nullptr;  // [max_nnz, B, B] workspace and result
   bf16* d_up_projection = nullptr;   // [max_nnz, B, B] SwiGLU only
   bf16* d_permuted_x = nullptr;      // [max_rows, D]
+  // The weight gradients, in fp32 (what an fp32 optimizer reads) or in bf16 (what cuBLAS and
+  // PyTorch's bf16 layers write: half the bytes): set one pair, leave the other null.
   float* const* d_w1 = nullptr;      // device [E] -> [D, w1_columns] fp32
   float* const* d_w2 = nullptr;      // device [E] -> [H, D] fp32
+  bf16* const* d_w1_bf16 = nullptr;  // device [E] -> [D, w1_columns] bf16
+  bf16* const* d_w2_bf16 = nullptr;  // device [E] -> [H, D] bf16
 };
 
 void block_sparse_ffn_backward(const MoeConfig& config, const DeviceTopology& topology,

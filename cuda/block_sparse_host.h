@@ -20,7 +20,7 @@ namespace moe::cuda {
 // they hold what the GPU builder writes there: offsets = nnz, every index = -1.
 struct UploadedTopology {
   DeviceBuffer<int> block_rows, nnz, offsets, row_indices, column_indices, column_offsets,
-      transpose_indices, block_row_expert;
+      transpose_indices, block_row_expert, block_row_tokens;
   DeviceTopology topology;
 };
 
@@ -47,6 +47,7 @@ inline UploadedTopology upload_topology(const ref::BlockSparseTopology& t, int64
   u.column_offsets = DeviceBuffer<int>(padded(t.column_offsets, static_cast<int>(t.block_cols) + 1, -1));
   u.transpose_indices = DeviceBuffer<int>(padded(t.transpose_indices, max_nnz, -1));
   u.block_row_expert = DeviceBuffer<int>(padded(t.block_row_expert, max_block_rows, -1));
+  u.block_row_tokens = DeviceBuffer<int>(padded(t.block_row_tokens, max_block_rows, 0));
 
   DeviceTopology& d = u.topology;
   d.block_size = B;
@@ -62,6 +63,7 @@ inline UploadedTopology upload_topology(const ref::BlockSparseTopology& t, int64
   d.column_offsets = u.column_offsets.data();
   d.transpose_indices = u.transpose_indices.data();
   d.block_row_expert = u.block_row_expert.data();
+  d.block_row_tokens = u.block_row_tokens.data();
   return u;
 }
 

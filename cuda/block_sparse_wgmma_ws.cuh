@@ -3,8 +3,8 @@
 // ring of shared-memory stages, two consumer warpgroups run wgmma on them, and mbarriers (not
 // __syncthreads) pass each stage back and forth. Optionally persistent: one CTA per SM walks many
 // tiles, so that one tile's epilogue overlaps the next tile's copies.
-// Included by cuda/dev/sdd.cu only (the lesson, versions 15-17); the mainline keeps
-// block_sparse_wgmma.cuh. Build: cmake --build build --target dev_sdd
+// The mainline's kernel for every product at B = 128 where the tile fits (block_sparse.cu, launch),
+// and cuda/dev/sdd.cu's versions 15-17 (the lesson). Build: cmake --build build --target dev_sdd
 //
 // Why: block_sparse_wgmma.cuh's kernel has every thread copy, then wait, then compute. Its 128 x 256
 // tile (half the L2 traffic per FLOP of 128 x 128) lost to 128 x 128 at 2 CTAs per SM because, at
@@ -130,8 +130,10 @@ __device__ inline void opaque(const bf16*& pointer) { asm volatile("" : "+l"(poi
 
 // K-major [ROWS][64]: chunk c of row r at byte r * 128 + (c ^ (r % 8)) * 16. Thread t copies chunk
 // t % 8 of rows t / 8 + 16 i: rows 16 apart share r % 8, so the swizzle is the same for every i.
+// Only the first `rows` rows (a multiple of 16) are copied: the rows of a warpgroup with nothing
+// to compute are left out.
 template <int ROWS>
-__device__ inline void ws_copy_k_major(uint32_t tile, const bf16* source, int64_t ld, int thread) {
+__device__ inline void ws_copy_k_major(uint32_t tile, const bf16* source, int64_t ld, int thread, int rows = ROWS) {
   constexpr int rows_per_pass = kWsProducerThreads / 8;  // 8 consecutive threads read one 128-byte row
   static_assert(ROWS % rows_per_pass == 0, "every producer thread copies the same number of chunks");
   const int row = thread / 8, c = thread % 8;
@@ -140,6 +142,7 @@ __device__ inline void ws_copy_k_major(uint32_t tile, const bf16* source, int64_
   const int64_t stride = rows_per_pass * ld;
 #pragma unroll
   for (int i = 0; i < ROWS / rows_per_pass; ++i) {
+    if (i * rows_per_pass >= rows) break;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to + i * rows_per_pass * 128), "l"(from)
                  : "memory");
     from += stride;
@@ -150,14 +153,17 @@ __device__ inline void ws_copy_k_major(uint32_t tile, const bf16* source, int64_
 // of k-row k of a group at byte k * 128 + (c ^ (k % 8)) * 16. Thread t copies column chunk
 // t % (N/8) of k-rows t / (N/8) + (1024/N) i (4 or 8 apart: coalesced along n); with k0 < 4 when
 // they are 4 apart, (k0 + 4 i) % 8 = k0 ^ (4 i % 8), so the swizzle is k0's, flipped on odd i.
+// Columns 128 .. 255 of a 256-wide chunk start `second_half` elements after column 0 in global
+// memory: 128 for one matrix, B * B for DDS's two blocks side by side (see DdsProblem).
 template <int N>
-__device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64_t ld, int thread) {
+__device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64_t ld, int thread,
+                                        int64_t second_half = 128) {
   constexpr int chunks_per_row = N / 8, k_per_pass = kWsProducerThreads / chunks_per_row;
   static_assert(k_per_pass % 4 == 0 && kBlockK % k_per_pass == 0, "N = 64, 128 or 256");
   const int k0 = thread / chunks_per_row, column_chunk = thread % chunks_per_row;
   const int group = column_chunk / 8, c = column_chunk % 8;
   const uint32_t to = tile + group * (kBlockK * 128) + k0 * 128 + ((c ^ (k0 & 7)) << 4);
-  const bf16* from = source + k0 * ld + column_chunk * 8;
+  const bf16* from = source + k0 * ld + (column_chunk % 16) * 8 + (column_chunk / 16) * second_half;
   const int64_t stride = k_per_pass * ld;
 #pragma unroll
   for (int i = 0; i < kBlockK / k_per_pass; ++i) {
@@ -171,7 +177,7 @@ __device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- the kernel ----
-// Tiles are numbered tile = y * tiles_x + x (x fastest: consecutive tiles share a block row of A).
+// Tiles are numbered 0 .. tiles-1 and visited in the order of ws_tile_coordinates (group_rows).
 // PERSISTENT = false: the grid is (tiles_x, y bound), one tile per CTA; the epilogue's staging then
 //   reuses the stages (all copies have landed and every wgmma has retired by then).
 // PERSISTENT = true: the grid is one CTA per SM (or fewer); CTA b takes tiles b, b + gridDim.x, ...
@@ -179,9 +185,57 @@ __device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64
 //   with the next tile while the consumers store this one.
 // EPILOGUE_COLUMNS: the staging holds that many columns of a warpgroup's 64 rows at a time; the
 //   epilogue runs 256 / EPILOGUE_COLUMNS passes (1 pass when it reuses the stages).
+// Where columns 128 .. 255 of the problem's B chunk start (Problem::b_second_half, default 128).
+template <class Problem>
+__device__ inline int64_t ws_b_second_half(const Problem& problem) {
+  if constexpr (requires { problem.b_second_half(); })
+    return problem.b_second_half();
+  else
+    return 128;
+}
+
+// The order of the tiles. Numbered y-major (tile = y * tiles_x + x), the CTAs running at one time
+// cover whole rows of tiles, so every column slab of one expert's weights at once. Where a row of
+// tiles is short (tiles_x * 4 <= SMs), the several rows that run together are mostly rows of one
+// expert and share its slabs in the L2: that order is kept (group_rows = 1). Where a row of tiles
+// is long (T=8192 D=4096 H=14336 E=8: 56 tiles, 2.4 rows at once), the next rows would read the
+// expert's 117 MB of W1 again after it left the L2; there the tiles are visited in groups of
+// group_rows = 16 rows, x slow and y fast inside a group, so that the CTAs of one moment share a few
+// column slabs across 16 rows of one expert (CUTLASS calls this a swizzled tile scheduler).
+// Measured with ncu on an H200 (2026-11-22): SDD 3.64 -> 3.40 ms at D=4096 with groups of 16; at
+// T=16384 D=1024 E=64 the same groups cost 6% (0.39 -> 0.41 ms), hence row-major there.
+struct WsTile {
+  int y, x;
+};
+__device__ inline WsTile ws_tile_coordinates(int tile, int tiles_x, int tiles, int group_rows) {
+  const int y_count = tiles / tiles_x;
+  const int group_tiles = group_rows * tiles_x;
+  const int group = tile / group_tiles, within = tile % group_tiles;
+  const int rows = min(group_rows, y_count - group * group_rows);  // the last group may be short
+  return {group * group_rows + within % rows, within / rows};
+}
+inline int ws_group_rows(int tiles_x, int multiprocessors) { return tiles_x * 4 > multiprocessors ? 16 : 1; }
+
+// How many of the tile's 128 rows hold tokens (Problem::tile_rows, default all): SDD and DSD tiles
+// are block rows, and an expert's last block row may be mostly padding.
+template <class Problem>
+__device__ inline int ws_tile_rows(const Problem& problem) {
+  if constexpr (requires { problem.tile_rows(); })
+    return problem.tile_rows();
+  else
+    return kWgmmaBlockM;
+}
+
+// The tile over the grid's x: 256 columns (N) for the products tiled by block rows or block
+// columns; 128 rows (M) for DDS, whose 256 columns are two block columns (DdsProblem<OUT, 2>).
+template <class Problem>
+constexpr int ws_tile_x() {
+  return Problem::grid_x_over_m ? kWgmmaBlockM : kWsBlockN;
+}
+
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, class Problem>
 __global__ void __launch_bounds__(kWsThreads, 1)
-    block_sparse_wgmma_ws_kernel(const Problem parameters, int tiles_x, int tiles) {
+    block_sparse_wgmma_ws_kernel(const Problem parameters, int tiles_x, int tiles, int group_rows) {
   static_assert(STAGES >= 2, "one stage filling while one is read");
   static_assert(kWsBlockN % EPILOGUE_COLUMNS == 0 && EPILOGUE_COLUMNS % 8 == 0, "whole 16-byte chunks per pass");
   static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
@@ -189,7 +243,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   static_assert(ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>() <= 227 * 1024,
                 "Hopper gives a CTA at most 227 KB of shared memory");
   static_assert(Problem::a_layout != Layout::row_major_nk, "A is stored [m][k] or [k][m]");
-  static_assert(!Problem::grid_x_over_m, "x runs over N: 256 columns a tile");
   static_assert(kBlockK == 64, "a k-step is one 128-byte swizzle row of K (K-major) or 64 rows (MN-major)");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool a_m_major = Problem::a_layout == Layout::row_major_km;
@@ -228,8 +281,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int thread = threadIdx.x;
     for (int tile = first_tile; tile < tiles; tile += tile_stride) {
       Problem problem = parameters;
-      if (!problem.begin(tile / tiles_x, tile % tiles_x, kWsBlockN)) continue;  // the consumers skip it too
+      const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
+      if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;  // the consumers skip it too
       const int k_steps = problem.k_steps();
+      const int a_rows = ws_tile_rows(problem) > 64 ? kWgmmaBlockM : 64;  // see `computes` below
       for (int step = 0; step < k_steps; ++step, ++iteration) {
         const int stage = iteration % STAGES;
         const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
@@ -239,10 +294,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if constexpr (a_m_major)
           ws_copy_mn_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread);
         else
-          ws_copy_k_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread);
+          ws_copy_k_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread, a_rows);
         const bf16* b = problem.b_chunk(step, ld);
         if constexpr (b_n_major)
-          ws_copy_mn_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread);
+          ws_copy_mn_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread, ws_b_second_half(problem));
         else
           ws_copy_k_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread);
         cp_async_arrive_noinc(full(stage));  // arrives when this thread's copies have landed
@@ -261,8 +316,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   for (int tile = first_tile; tile < tiles; tile += tile_stride) {
     Problem problem = parameters;
-    if (!problem.begin(tile / tiles_x, tile % tiles_x, kWsBlockN)) continue;
+    const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
+    if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
     const int k_steps = problem.k_steps();
+    // A warpgroup whose 64 rows are all padding (an expert's last block row holding <= 64 tokens)
+    // computes nothing: it still meets every stage at its barriers, and its epilogue writes the
+    // zeros that the product of zero rows would give.
+    const bool computes = ws_tile_rows(problem) > consumer * 64;
 
     float acc[kAccumulators];
 #pragma unroll
@@ -271,6 +331,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int step = 0; step < k_steps; ++step, ++iteration) {
       const int stage = iteration % STAGES;
       mbarrier_wait(full(stage), static_cast<uint32_t>(iteration / STAGES) & 1);  // its copies landed
+      if (!computes) {
+        if (lane == 0) mbarrier_arrive(empty(stage));  // filled, and not to be read: straight back
+        continue;
+      }
       fence_proxy_async();  // ... and are visible to the tensor cores (async proxy)
       const uint32_t a = stage_a(stage) + consumer * 64 * 128;  // this warpgroup's 64 rows: 8 KB in
       const uint32_t b = stage_a(stage) + a_bytes;
@@ -288,8 +352,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       wgmma_wait<1>();
       if (step > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
     }
-    wgmma_wait<0>();
-    if (k_steps > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
+    if (computes) {
+      wgmma_wait<0>();
+      if (k_steps > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
+    }
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) register_fence(acc[i]);
 

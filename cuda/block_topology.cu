@@ -37,11 +37,13 @@ __device__ int transposed_position(const int* row_offsets, int e, int j, int i, 
 
 // One thread per block row (offsets, block_row_expert) and per block column (column_offsets).
 __global__ void block_rows_kernel(const int* __restrict__ row_offsets,  // [E+1]
+                                  const int* __restrict__ kept_per_expert,  // [E]
                                   const int* __restrict__ total_rows,   // [1]
                                   int* __restrict__ block_rows_out,     // [1]
                                   int* __restrict__ nnz_out,            // [1]
                                   int* __restrict__ offsets,            // [max_block_rows + 1]
                                   int* __restrict__ block_row_expert,   // [max_block_rows]
+                                  int* __restrict__ block_row_tokens,   // [max_block_rows]
                                   int* __restrict__ column_offsets,     // [block_cols + 1]
                                   int num_experts, int block_size, int blocks_per_expert,
                                   int max_block_rows, int block_cols) {
@@ -54,8 +56,10 @@ __global__ void block_rows_kernel(const int* __restrict__ row_offsets,  // [E+1]
   }
   if (index <= max_block_rows) offsets[index] = min(index, block_rows) * blocks_per_expert;
   if (index < max_block_rows) {
-    block_row_expert[index] =
-        index < block_rows ? expert_of_row(row_offsets, num_experts, index * block_size) : -1;
+    const int e = index < block_rows ? expert_of_row(row_offsets, num_experts, index * block_size) : -1;
+    block_row_expert[index] = e;
+    block_row_tokens[index] =
+        e < 0 ? 0 : min(block_size, kept_per_expert[e] - (index * block_size - row_offsets[e]));
   }
   if (index < block_cols) {
     const int e = index / blocks_per_expert, j = index % blocks_per_expert;
@@ -126,6 +130,7 @@ TopologyBuffers::TopologyBuffers(const MoeConfig& config) {
   column_offsets = DeviceBuffer<int>(static_cast<size_t>(block_cols_) + 1);
   transpose_indices = DeviceBuffer<int>(static_cast<size_t>(max_nnz_));
   block_row_expert = DeviceBuffer<int>(static_cast<size_t>(max_block_rows_));
+  block_row_tokens = DeviceBuffer<int>(static_cast<size_t>(max_block_rows_));
 }
 
 DeviceTopology TopologyBuffers::topology() const {
@@ -143,6 +148,7 @@ DeviceTopology TopologyBuffers::topology() const {
   view.column_offsets = const_cast<int*>(column_offsets.data());
   view.transpose_indices = const_cast<int*>(transpose_indices.data());
   view.block_row_expert = const_cast<int*>(block_row_expert.data());
+  view.block_row_tokens = const_cast<int*>(block_row_tokens.data());
   return view;
 }
 
@@ -162,11 +168,12 @@ void build_topology(const DevicePlan& plan, TopologyBuffers& buffers, cudaStream
                       "the TopologyBuffers' max_block_rows * B (+ B-1)");
   detail::check_not_null(function, "plan.row_offsets", plan.row_offsets);
   detail::check_not_null(function, "plan.total_rows", plan.total_rows);
+  detail::check_not_null(function, "plan.kept_per_expert", plan.kept_per_expert);
 
   const int row_threads = std::max(view.max_block_rows + 1, view.block_cols + 1);
   block_rows_kernel<<<blocks_for(row_threads), kThreads, 0, stream>>>(
-      plan.row_offsets, plan.total_rows, view.block_rows, view.nnz, view.offsets, view.block_row_expert,
-      view.column_offsets, plan.num_experts, view.block_size, view.blocks_per_expert, view.max_block_rows,
+      plan.row_offsets, plan.kept_per_expert, plan.total_rows, view.block_rows, view.nnz, view.offsets,
+      view.block_row_expert, view.block_row_tokens, view.column_offsets, plan.num_experts, view.block_size, view.blocks_per_expert, view.max_block_rows,
       view.block_cols);
   CUDA_CHECK(cudaGetLastError());
   if (view.max_nnz > 0) {

@@ -11,6 +11,8 @@
 // block row belongs to one expert e and holds exactly its H/B block columns. Everything is then a
 // formula of row_offsets (MegaBlocks' padded_bins):
 //   block row r's expert    e = the last e with row_offsets[e] <= r*B  (binary search)
+//   block_row_tokens[r]     = min(B, kept_per_expert[e] - (r*B - row_offsets[e])): an expert's
+//                             slots fill its first rows, its padding the last ones
 //   offsets[r]              = r * H/B
 //   block b                 : row b / (H/B), column e * H/B + b % (H/B)
 //   column_offsets[e*H/B+j] = (row_offsets[e]/B) * H/B + j * (rows of e)/B
@@ -19,7 +21,7 @@
 //
 // Past the used part (the grids run over host-known bounds):
 //   offsets[r] for r > block_rows       = nnz (so trailing block rows read as empty)
-//   block_row_expert[r], r >= block_rows = -1
+//   block_row_expert[r], r >= block_rows = -1,  block_row_tokens[r] = 0
 //   row_indices, column_indices, transpose_indices past nnz = -1
 #pragma once
 
@@ -49,6 +51,7 @@ class TopologyBuffers {
   DeviceBuffer<int> column_offsets;     // [block_cols + 1]
   DeviceBuffer<int> transpose_indices;  // [max_nnz]
   DeviceBuffer<int> block_row_expert;   // [max_block_rows]
+  DeviceBuffer<int> block_row_tokens;   // [max_block_rows]
 
  private:
   int num_experts_ = 0, block_size_ = 0, block_cols_ = 0, blocks_per_expert_ = 0;

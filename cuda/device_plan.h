@@ -44,6 +44,8 @@ struct DeviceTopology {          // BCSR of the hidden matrix [rows, E*H] in B x
   int* column_offsets = nullptr;     // [block_cols + 1]
   int* transpose_indices = nullptr;  // [max_nnz]
   int* block_row_expert = nullptr;   // [max_block_rows] the expert whose rows fill each block row
+  int* block_row_tokens = nullptr;   // [max_block_rows] rows of each block row that hold a routed
+                                     // slot (1..B; the rest are padding); 0 past block_rows
 };
 
 }  // namespace moe::cuda

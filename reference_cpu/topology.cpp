@@ -24,6 +24,10 @@ BlockSparseTopology make_topology(const MoeConfig& config, const DispatchPlan& p
   // ---- BCSR, row-major: block row r of expert e owns block columns e*H/B .. (e+1)*H/B - 1 ----
   topology.offsets.assign(topology.block_rows + 1, 0);
   topology.block_row_expert.assign(topology.block_rows, -1);
+  topology.block_row_tokens.assign(topology.block_rows, 0);
+  for (int64_t row = 0; row < topology.block_rows * B; ++row) {
+    if (plan.row_slot[row] >= 0) ++topology.block_row_tokens[row / B];
+  }
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t r = plan.row_offsets[e] / B; r < plan.row_offsets[e + 1] / B; ++r) {
       topology.block_row_expert[r] = static_cast<int32_t>(e);

@@ -13,6 +13,9 @@
 //   transpose_indices [nnz]             block ids in column-major order: walking block column c
 //                                       through transpose_indices visits its blocks top to bottom.
 //   block_row_expert  [block_rows]      the expert whose rows fill block row r
+//   block_row_tokens  [block_rows]      how many of block row r's B rows hold a routed slot; the
+//                                       backward's weight-gradient products skip the rest, which
+//                                       are padding (zero in every operand of the FFN)
 // The transpose indices let a kernel read the sparse matrix as its transpose (the DSᵀD products of
 // the backward pass) without ever storing a transposed copy of the values.
 #pragma once
@@ -33,6 +36,9 @@ struct BlockSparseTopology {
   IndexVector column_offsets;     // [block_cols + 1]
   IndexVector transpose_indices;  // [nnz]
   IndexVector block_row_expert;   // [block_rows] the expert whose rows fill each block row
+  IndexVector block_row_tokens;   // [block_rows] how many of its B rows hold a routed slot (1..B):
+                                  // an expert's rows come first in its padded bin, so only the
+                                  // last block row of an expert has padding (B - tokens rows)
 
   int64_t rows() const { return block_rows * block_size; }  // rows of the dense matrix
   int64_t cols() const { return block_cols * block_size; }  // E * H

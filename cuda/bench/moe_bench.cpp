@@ -608,7 +608,8 @@ MoeConfig layer_config(const Shape& s, Formulation formulation, int block_size, 
 }
 
 // The dropless layer's buffers: plan and topology built on the GPU, activations in B x B blocks,
-// fp32 weight gradients (what block_sparse_ffn_backward writes).
+// bf16 weight gradients, as every cuBLAS formulation here writes them (block_sparse_ffn_backward
+// writes fp32 or bf16; the trainer takes fp32 for its optimizer).
 struct BlockSparseFfn {
   BlockSparseFfn(const MoeConfig& config_in)
       : config(config_in), plan(config), topology(config),
@@ -625,7 +626,7 @@ struct BlockSparseFfn {
   }
   static size_t bytes(const Shape& s, int B) {
     const size_t rows = size_t(s.T) * s.K + size_t(s.E) * (B - 1);
-    return rows * (4 * size_t(s.D) + 3 * size_t(s.H)) * sizeof(bf16) + 2 * size_t(s.E) * s.D * s.H * sizeof(float) +
+    return rows * (4 * size_t(s.D) + 3 * size_t(s.H)) * sizeof(bf16) + 2 * size_t(s.E) * s.D * s.H * sizeof(bf16) +
            rows * 16;  // plan and topology int arrays, generously
   }
   moe::cuda::BlockSparseFfnOutputs outputs() {
@@ -639,8 +640,8 @@ struct BlockSparseFfn {
     moe::cuda::BlockSparseFfnGradients g;
     g.d_pre_activation = d_pre.data();
     g.d_permuted_x = dx.data();
-    g.d_w1 = dw1_of.data();
-    g.d_w2 = dw2_of.data();
+    g.d_w1_bf16 = dw1_of.data();
+    g.d_w2_bf16 = dw2_of.data();
     return g;
   }
 
@@ -649,8 +650,8 @@ struct BlockSparseFfn {
   moe::cuda::TopologyBuffers topology;
   DeviceBuffer<bf16> x, out, d_out, dx;  // [max_rows, D]
   DeviceBuffer<bf16> pre, hidden, d_pre;  // [max_nnz, B, B]
-  DeviceBuffer<float> dw1, dw2;           // [E, D, H], [E, H, D]
-  DeviceBuffer<float*> dw1_of, dw2_of;
+  DeviceBuffer<bf16> dw1, dw2;            // [E, D, H], [E, H, D]
+  DeviceBuffer<bf16*> dw1_of, dw2_of;
 };
 
 // The router's buffers, for timing the work outside the expert FFN.

@@ -228,6 +228,7 @@ LessonSdd lesson_sdd_problem(const DeviceTopology& t, const bf16* x, int D, cons
   problem.block_rows = t.block_rows;
   problem.offsets = t.offsets;
   problem.block_row_expert = t.block_row_expert;
+  problem.block_row_tokens = t.block_row_tokens;
   problem.a = x;
   problem.inner = D;
   problem.b = w1;
@@ -289,13 +290,11 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, Sdd>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid(tiles_x, t.max_block_rows);
-  if constexpr (PERSISTENT) {
-    int device = 0, sms = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    grid = dim3(std::min(sms, tiles));
-  }
-  kernel<<<grid, kWsThreads, smem, stream>>>(problem, tiles_x, tiles);
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if constexpr (PERSISTENT) grid = dim3(std::min(sms, tiles));
+  kernel<<<grid, kWsThreads, smem, stream>>>(problem, tiles_x, tiles, ws_group_rows(tiles_x, sms));
 }
 
 // The same wgmma kernel configurations on the DSD (out = hidden blocks · W2[e]), to pick the mainline's
@@ -309,6 +308,7 @@ void launch_wgmma_dsd(const DeviceTopology& t, const bf16* hidden, const bf16* c
   problem.block_rows = t.block_rows;
   problem.offsets = t.offsets;
   problem.block_row_expert = t.block_row_expert;
+  problem.block_row_tokens = t.block_row_tokens;
   problem.s0 = hidden;
   problem.parts = 1;
   problem.blocks_per_expert = t.blocks_per_expert;
@@ -374,6 +374,11 @@ struct Problem {
       return std::make_pair(m, values);
     };
     auto [xm, xv] = random_bf16(rows, D, 1.0);
+    for (int64_t r = 0; r < rows; ++r) {  // padding rows are zero, as permute_tokens writes them
+      if (plan.row_slot[static_cast<size_t>(r)] >= 0) continue;
+      xm.row(r).setZero();
+      std::fill_n(xv.begin() + r * D, D, __float2bfloat16(0.0f));
+    }
     xv.resize(static_cast<size_t>(max_rows * D), __float2bfloat16(NAN));  // never read: NaN would show
     x_device = DeviceBuffer<bf16>(xv);
     std::vector<const bf16*> pointers;

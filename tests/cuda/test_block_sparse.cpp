@@ -187,6 +187,8 @@ struct Problem {
     for (int64_t r = 0; r < rows; ++r)
       if (plan.row_slot[size_t(r)] < 0) permuted_x.row(r).setZero();  // padding rows, as permute writes
     d_out = random_bf16_matrix(rows, D, generator, 1.0);
+    for (int64_t r = 0; r < rows; ++r)
+      if (plan.row_slot[size_t(r)] < 0) d_out.row(r).setZero();  // as combine_backward writes
     for (int e = 0; e < E; ++e) {
       w1.push_back(random_bf16_matrix(D, w1_cols, generator, 1.0 / std::sqrt(double(D))));
       w2.push_back(random_bf16_matrix(H, D, generator, 1.0 / std::sqrt(double(H))));
@@ -276,6 +278,18 @@ void check_ffn(const Problem& p) {
     EXPECT_EQ(d_w1_gpu.middleRows(e * D, D).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
     EXPECT_EQ(d_w2_gpu.middleRows(e * H, H).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
   }
+
+  // The same backward with the weight gradients written in bf16 (one tensor per weight this time).
+  DeviceBuffer<bf16> d_w1_bf16 = poisoned_bf16(size_t(E * D * w1_cols)), d_w2_bf16 = poisoned_bf16(size_t(E * H * D));
+  const auto d_w1_table = moe::cuda::expert_pointer_table(d_w1_bf16.data(), int(E), size_t(D * w1_cols));
+  const auto d_w2_table = moe::cuda::expert_pointer_table(d_w2_bf16.data(), int(E), size_t(H * D));
+  moe::cuda::BlockSparseFfnGradients bf16_gradients{d_pre.data(), swiglu ? d_up.data() : nullptr, d_x.data()};
+  bf16_gradients.d_w1_bf16 = d_w1_table.data();
+  bf16_gradients.d_w2_bf16 = d_w2_table.data();
+  moe::cuda::block_sparse_ffn_backward(c, p.device.topology, x.data(), w1.table.data(), w2.table.data(),
+                                       outputs, d_out.data(), bf16_gradients);
+  EXPECT_CLOSE(d_w1_bf16.download(), d_w1_ref, "backward d_w1 in bf16");
+  EXPECT_CLOSE(d_w2_bf16.download(), d_w2_ref, "backward d_w2 in bf16");
 }
 
 TEST(BlockSparseFfn, GeluB128) {
@@ -342,7 +356,12 @@ void check_products(int T, int D, int H, int E, int K, int B, uint64_t seed, Rou
               hopper && B == 128 && D % 128 == 0 ? "wgmma kernel (sm_90a build)" : "mma.sync kernel");
   std::mt19937_64 generator(seed + 100);
   const auto& t = p.device.topology;
-  const Matrix s = random_bf16_matrix(p.topology.nnz * B, B, generator, 1.0);
+  Matrix s = random_bf16_matrix(p.topology.nnz * B, B, generator, 1.0);
+  // Padding rows are zero in every FFN operand, and the weight-gradient products skip them
+  // (block_sparse.h): give S and dy zero padding rows, as an FFN's activations have.
+  for (int64_t block = 0; block < p.topology.nnz; ++block)
+    for (int64_t i = 0; i < B; ++i)
+      if (p.plan.row_slot[size_t(p.topology.row_indices[size_t(block)] * B + i)] < 0) s.row(block * B + i).setZero();
   DeviceBuffer<bf16> s_device = poisoned_bf16(p.block_elements());
   {
     std::vector<bf16> host = s_device.download();
@@ -449,6 +468,27 @@ TEST(BlockSparseBadInput, SizesAndPointers) {
   EXPECT_THROW(moe::cuda::dsd(p.device.topology, pre.data(),
                               moe::cuda::ExpertOperand{w2.table.data(), 128, 0, false}, 128, nullptr),
                std::invalid_argument);
+  // The weight gradients in fp32 and bf16 at once, or in neither: refused with what to set.
+  const DeviceBuffer<bf16> d_out = upload_rows(p.d_out, p.max_rows);
+  DeviceBuffer<bf16> d_pre(p.block_elements()), d_x(size_t(p.max_rows * 128));
+  ExpertFloats d_w1(2, 128 * 128), d_w2(2, 128 * 128);
+  DeviceBuffer<bf16> d_w_bf16(size_t(2 * 128 * 128));
+  const auto bf16_table = moe::cuda::expert_pointer_table(d_w_bf16.data(), 2, size_t(128 * 128));
+  auto backward_message = [&](const moe::cuda::BlockSparseFfnGradients& g) {
+    try {
+      moe::cuda::block_sparse_ffn_backward(p.config, p.device.topology, x.data(), w1.table.data(), w2.table.data(),
+                                           outputs, d_out.data(), g);
+    } catch (const std::invalid_argument& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  moe::cuda::BlockSparseFfnGradients both{d_pre.data(), nullptr, d_x.data(), d_w1.table.data(), d_w2.table.data()};
+  both.d_w1_bf16 = bf16_table.data();
+  both.d_w2_bf16 = bf16_table.data();
+  EXPECT_NE(backward_message(both).find("not both and not neither"), std::string::npos) << backward_message(both);
+  const moe::cuda::BlockSparseFfnGradients neither{d_pre.data(), nullptr, d_x.data()};
+  EXPECT_NE(backward_message(neither).find("not both and not neither"), std::string::npos);
   // Nothing was launched: the device is still healthy.
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

@@ -50,7 +50,7 @@ void check_topology(const moe::MoeConfig& config, const moe::ref::IndexMatrix& t
   moe::cuda::TopologyBuffers topology(config);
   for (auto* buffer : {&topology.block_rows, &topology.nnz, &topology.offsets, &topology.row_indices,
                        &topology.column_indices, &topology.column_offsets, &topology.transpose_indices,
-                       &topology.block_row_expert}) {
+                       &topology.block_row_expert, &topology.block_row_tokens}) {
     buffer->fill_bytes(kIntPoisonByte);
   }
   DeviceBuffer<int> device_top(to_vector(top_experts));
@@ -76,6 +76,10 @@ void check_topology(const moe::MoeConfig& config, const moe::ref::IndexMatrix& t
   expect_equal("block_row_expert", head(block_row_expert, block_rows), ref.block_row_expert);
   expect_equal("block_row_expert past block_rows", tail(block_row_expert, block_rows),
                std::vector<int>(block_row_expert.size() - block_rows, -1));
+  const std::vector<int> block_row_tokens = topology.block_row_tokens.download();
+  expect_equal("block_row_tokens", head(block_row_tokens, block_rows), ref.block_row_tokens);
+  expect_equal("block_row_tokens past block_rows", tail(block_row_tokens, block_rows),
+               std::vector<int>(block_row_tokens.size() - block_rows, 0));
   expect_equal("column_offsets", topology.column_offsets.download(), ref.column_offsets);
   const std::pair<const char*, const DeviceBuffer<int>*> per_block[] = {
       {"row_indices", &topology.row_indices},

@@ -262,6 +262,7 @@ TEST(ReferenceRouterDispatch, TopologyOfAHandCraftedPlan) {
   EXPECT_EQ(topo.column_offsets, (IndexVector{0, 2, 4, 4, 4, 7, 10}));
   EXPECT_EQ(topo.transpose_indices, (IndexVector{0, 2, 1, 3, 4, 6, 8, 5, 7, 9}));
   EXPECT_EQ(topo.block_row_expert, (IndexVector{0, 0, 2, 2, 2}));
+  EXPECT_EQ(topo.block_row_tokens, (IndexVector{2, 1, 2, 2, 2}));  // expert 0: 3 slots in rows 0-3
 }
 
 TEST(ReferenceRouterDispatch, TransposeIndicesReallyTranspose) {
