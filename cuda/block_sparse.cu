@@ -14,6 +14,7 @@
 #include "block_sparse_wgmma.cuh"  // block_sparse_wgmma_kernel (sm_90a)
 #include "block_sparse_wgmma_ws.cuh"  // block_sparse_wgmma_ws_kernel (sm_90a, warp-specialized)
 #include "cuda_check.h"            // CUDA_CHECK
+#include "tensor_map.h"            // make_matrix_map, make_blocks_map, build_expert_maps
 
 namespace moe::cuda {
 
@@ -106,29 +107,74 @@ void launch_wgmma_shape(const Problem& problem, int x_extent, int y_count, cudaS
   CUDA_CHECK(cudaGetLastError());
 }
 
-// The warp-specialized persistent kernel (cuda/dev/sdd.cu, version 16): 128 x 256 tiles, a producer
-// warpgroup 4 stages ahead of 2 wgmma warpgroups, one CTA per SM walking the tiles, so one tile's
-// epilogue overlaps the next tile's loads. The tile count is the host bound; CTAs skip the tiles
-// past the device's counts.
+// What the TMA copies of the warp-specialized kernel need (SDD and DSD): the activation operand's
+// maps, and the expert operand's prototype map and pointer table, from which one map per expert is
+// built on the device just before the product (tensor_map.h).
+struct TmaOperands {
+  TmaMaps maps;  // a[0], a[1]; maps.experts is filled at launch
+  CUtensorMap expert_prototype;
+  const bf16* const* expert_pointers = nullptr;
+  int experts = 0;
+};
+
+// The warp-specialized persistent kernel (cuda/dev/sdd.cu, versions 16 and 18): 128 x 256 tiles, a
+// producer warpgroup 4 stages ahead of 2 wgmma warpgroups, one CTA per SM walking the tiles, so one
+// tile's epilogue overlaps the next tile's loads. The tile count is the host bound; CTAs skip the
+// tiles past the device's counts. With `tma`, the producer copies with TMA; the per-expert maps live
+// in a stream-ordered allocation for the length of the launch.
 template <class Problem>
-void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStream_t stream) {
+void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStream_t stream,
+                     const TmaOperands* tma = nullptr) {
   constexpr int kStages = 4, kEpilogueColumns = 32;
   constexpr int smem = ws_shared_bytes<kStages, kEpilogueColumns, true>();
-  auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, Problem>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int device = 0, multiprocessors = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
   const int tiles_x = x_extent / ws_tile_x<Problem>(), tiles = tiles_x * y_count;
-  kernel<<<std::min(multiprocessors, tiles), kWsThreads, smem, stream>>>(problem, tiles_x, tiles,
-                                                                        ws_group_rows(tiles_x, multiprocessors));
-  CUDA_CHECK(cudaGetLastError());
+  const int grid = std::min(multiprocessors, tiles), group_rows = ws_group_rows(tiles_x, multiprocessors);
+  if (tma == nullptr) {
+    auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, false, Problem>;
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, group_rows);
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  if constexpr (requires(const TmaMaps& m) { ws_tma_copy(problem, m, 0u, 0u, 0u, 0, 0); }) {
+    auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, true, Problem>;
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    TmaMaps maps = tma->maps;
+    CUtensorMap* expert_maps = nullptr;
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&expert_maps), sizeof(CUtensorMap) * tma->experts, stream));
+    build_expert_maps(tma->expert_prototype, tma->expert_pointers, tma->experts, expert_maps, stream);
+    maps.experts = expert_maps;
+    kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaFreeAsync(expert_maps, stream));
+  } else {
+    throw std::logic_error("moe::cuda: TMA copies asked for a product that has none");
+  }
 }
+
+// Whether `launch` takes the warp-specialized kernel: Hopper, B = 128, 256-wide tiles over the dense
+// extent (the products tiled over N).
+bool takes_warp_specialized(int block_size, int dense_extent) {
+  return block_size == 128 && dense_extent % kWsBlockN == 0 && wgmma_available();
+}
+
+// Whether its producer copies with TMA rather than cp.async, by the model width D (the SDD's K, the
+// DSD's N). Measured on an H200 (moe_bench and cuda/dev/sdd.cu, 2026-11-22, FFN forward against
+// dense cuBLAS): TMA took T=16384 D=2048 H=8192 E=64 K=2 from 0.73x to 0.88x (uniform routing) and
+// T=8192 D=4096 H=14336 E=8 K=2 from 0.77x to 0.88x, but T=16384 D=1024 H=4096 E=64 K=1 from 0.81x
+// down to 0.77x (the lesson's SDD: 0.370 -> 0.402 ms), although ncu, timing each kernel alone with
+// cold caches, has the TMA kernels faster there too (SDD 0.391 -> 0.378 ms). Until that is
+// understood, D = 1024 keeps cp.async.
+bool copies_with_tma(int model_width) { return model_width >= 2048; }
 
 // BM x BN is B x 128 (or B x 64 when the dense extent is not a multiple of 128) for the products
 // tiled by block rows / block columns, and 128 (64) x B for DDS, whose tiles run down the dense rows.
 template <class Problem>
-void launch(const Problem& problem, int block_size, int dense_extent, int y_count, cudaStream_t stream) {
+void launch(const Problem& problem, int block_size, int dense_extent, int y_count, cudaStream_t stream,
+            const TmaOperands* tma = nullptr) {
   if (y_count == 0) return;
   // Every product at B = 128 on Hopper, the epilogue staged through shared memory (16-byte stores,
   // the activation compiled once). Measured on an H200 (cuda/dev/sdd.cu, versions 12-14):
@@ -147,7 +193,7 @@ void launch(const Problem& problem, int block_size, int dense_extent, int y_coun
   // below.
   if constexpr (!Problem::grid_x_over_m) {
     if (wgmma && dense_extent % kWsBlockN == 0) {
-      launch_wgmma_ws(problem, dense_extent, y_count, stream);
+      launch_wgmma_ws(problem, dense_extent, y_count, stream, tma);
       return;
     }
   }
@@ -213,7 +259,23 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
   // One kernel per (layout, epilogue) pair that the products use: W stored [k][n] in the forward,
   // read transposed ([n][k]) in the backward.
   constexpr Layout km = Layout::row_major_km, nk = Layout::row_major_nk;
-  auto go = [&](auto problem) { launch(fill(problem), t.block_size, hidden, t.max_block_rows, stream); };
+  // TMA on the warp-specialized kernel: rows of `a` in boxes of 64 x 64; W_e in [64 k][64 n] boxes
+  // when stored [k][n], one [256 n][64 k] box when read transposed.
+  TmaOperands tma;
+  const bool use_tma = takes_warp_specialized(t.block_size, hidden) && copies_with_tma(args.inner);
+  if (use_tma) {
+    const int64_t rows = static_cast<int64_t>(t.max_block_rows) * t.block_size;
+    tma.maps.a[0] = make_matrix_map(args.a, rows, args.inner, args.inner, 64);
+    tma.maps.a[1] = tma.maps.a[0];
+    tma.expert_prototype = args.b.transposed
+                               ? make_matrix_map(args.a, args.b.column_offset + hidden, args.b.ld, args.b.ld, 256)
+                               : make_matrix_map(args.a, args.inner, args.b.ld, args.b.ld, 64);
+    tma.expert_pointers = args.b.pointers;
+    tma.experts = t.block_cols / t.blocks_per_expert;
+  }
+  auto go = [&](auto problem) {
+    launch(fill(problem), t.block_size, hidden, t.max_block_rows, stream, use_tma ? &tma : nullptr);
+  };
   if (!args.b.transposed) {
     switch (args.epilogue) {
       case SddEpilogue::store: go(SddProblem<km, SddEpilogue::store>{}); return;
@@ -251,10 +313,23 @@ void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const E
     problem.ldo = out_cols;
     return problem;
   };
+  // TMA on the warp-specialized kernel: the blocks in boxes of 64 x 64 of one block; W_e as in the SDD.
+  TmaOperands tma;
+  const bool use_tma = takes_warp_specialized(t.block_size, out_cols) && copies_with_tma(out_cols);
+  if (use_tma) {
+    const int parts = s1 != nullptr ? 2 : 1, hidden = t.blocks_per_expert * t.block_size;
+    tma.maps.a[0] = make_blocks_map(s0, t.max_nnz, t.block_size, 64);
+    tma.maps.a[1] = s1 != nullptr ? make_blocks_map(s1, t.max_nnz, t.block_size, 64) : tma.maps.a[0];
+    tma.expert_prototype = b.transposed ? make_matrix_map(s0, b.column_offset + out_cols, b.ld, b.ld, 256)
+                                        : make_matrix_map(s0, int64_t(parts) * hidden, b.ld, b.ld, 64);
+    tma.expert_pointers = b.pointers;
+    tma.experts = t.block_cols / t.blocks_per_expert;
+  }
+  const TmaOperands* tma_or_null = use_tma ? &tma : nullptr;
   if (b.transposed)
-    launch(fill(DsdProblem<Layout::row_major_nk>{}), t.block_size, out_cols, t.max_block_rows, stream);
+    launch(fill(DsdProblem<Layout::row_major_nk>{}), t.block_size, out_cols, t.max_block_rows, stream, tma_or_null);
   else
-    launch(fill(DsdProblem<Layout::row_major_km>{}), t.block_size, out_cols, t.max_block_rows, stream);
+    launch(fill(DsdProblem<Layout::row_major_km>{}), t.block_size, out_cols, t.max_block_rows, stream, tma_or_null);
 }
 
 template <typename OUT>

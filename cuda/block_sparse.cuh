@@ -313,11 +313,14 @@ struct SddProblem {
   int64_t first_block;  // block id of the tile's first block
   int tile_n_start;     // first column of the tile inside the expert's H
   int tokens;           // rows of the block row that hold tokens
+  int row, expert;      // the block row and its expert
 
   __device__ bool begin(int r, int tile_n, int bn) {
     if (r >= *block_rows) return false;
     const int e = block_row_expert[r];
     tokens = block_row_tokens[r];
+    row = r;
+    expert = e;
     tile_n_start = tile_n * bn;
     first_block = offsets[r] + tile_n_start / block_size;
     a_tile = a + static_cast<int64_t>(r) * block_size * inner;
@@ -427,13 +430,15 @@ struct DsdProblem {
   const bf16* b_tile;
   bf16* out_tile;
   int tokens;  // rows of the block row that hold tokens
+  int expert, n0;
 
   __device__ bool begin(int r, int tile_n, int bn) {
     if (r >= *block_rows) return false;
     const int e = block_row_expert[r];
     tokens = block_row_tokens[r];
+    expert = e;
     row_first_block = offsets[r];
-    const int n0 = tile_n * bn;
+    n0 = tile_n * bn;
     if constexpr (B_LAYOUT == Layout::row_major_km)
       b_tile = b[e] + column_offset + n0;
     else

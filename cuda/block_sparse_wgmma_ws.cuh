@@ -50,6 +50,7 @@
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, B block size.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -69,6 +70,14 @@ static_assert(kWsProducerThreads * kWsProducerRegisters + (kWsThreads - kWsProdu
                   kWsThreads * 168,
               "setmaxnreg may only hand out what the CTA was launched with: 65536 / 384 -> 168 per thread");
 
+// The tensor maps of one launch with TMA copies (a __grid_constant__ kernel parameter: TMA reads a
+// map in parameter, constant or global memory, never in registers).
+struct TmaMaps {
+  CUtensorMap a[2];                      // the activation operand: rows of x or dy (2-D), or B x B
+                                         // blocks (3-D; a[1]: DSD's second part, SwiGLU's d_up)
+  const CUtensorMap* experts = nullptr;  // [E] the expert operand, one map per expert (device memory)
+};
+
 // The epilogue's fp32 staging: per consumer warpgroup [64][EPILOGUE_COLUMNS + kStagingPad] floats.
 template <int EPILOGUE_COLUMNS>
 constexpr int ws_staging_bytes() {
@@ -82,6 +91,36 @@ constexpr int ws_shared_bytes() {
   return 1024 + STAGES * wgmma_stage_bytes<kWsBlockN>() + (PERSISTENT ? ws_staging_bytes<EPILOGUE_COLUMNS>() : 0) +
          2 * STAGES * 8;
 }
+
+// ---- TMA: one thread copies a whole box (PTX ISA 8.0: cp.async.bulk.tensor) ----
+// The copy lands in shared memory in the 128-byte swizzle of the map (tensor_map.h), which is the
+// layout the matrix descriptors read; the mbarrier counts the bytes (complete_tx), so the stage's
+// full barrier completes when the arrival that announced them (expect_tx) and all its bytes are in.
+// (Declared in every compilation pass, so that the host pass sees which products have TMA copies;
+// the instructions exist only in the sm_90a pass.)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOE_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define MOE_SM90A_ASM(...) __trap()
+#endif
+__device__ inline void tma_load(uint32_t to, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  MOE_SM90A_ASM(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          to),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ inline void tma_load(uint32_t to, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  MOE_SM90A_ASM(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(to),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  MOE_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+#undef MOE_SM90A_ASM
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ---- mbarrier, named barriers, setmaxnreg (PTX ISA 8.0, sm_90) ----
@@ -185,6 +224,41 @@ __device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64
 //   with the next tile while the consumers store this one.
 // EPILOGUE_COLUMNS: the staging holds that many columns of a warpgroup's 64 rows at a time; the
 //   epilogue runs 256 / EPILOGUE_COLUMNS passes (1 pass when it reuses the stages).
+// ---- the TMA copies of one k-step, per product (TMA = true) ----
+// A: a_rows (64 or 128) rows of 64 k, in boxes of 64 rows (8 KB), so a warpgroup with nothing to
+// compute gets no copy. B: 64 k x 256 n of the expert's operand, as four [64 k][64 n] boxes when it
+// is stored [k][n] (the MN-major layout of ws_copy_mn_major), or one [256 n][64 k] box when it is
+// stored [n][k] (K-major, as ws_copy_k_major).
+template <Layout B_LAYOUT>
+__device__ inline void ws_tma_copy_b(const CUtensorMap* map, uint32_t b, uint32_t bar, int k0, int n0) {
+  if constexpr (B_LAYOUT == Layout::row_major_km) {
+#pragma unroll
+    for (int g = 0; g < kWsBlockN / 64; ++g) tma_load(b + g * kBlockK * 128, map, bar, n0 + 64 * g, k0);
+  } else {
+    tma_load(b, map, bar, k0, n0);
+  }
+}
+// SDD: A = rows of x (or dy) from the 2-D map a[0]; B = the block row's expert's W.
+template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
+__device__ inline void ws_tma_copy(const SddProblem<B_LAYOUT, EPILOGUE>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
+                                   uint32_t bar, int step, int a_rows) {
+  const int k0 = step * kBlockK;
+  for (int h = 0; h * 64 < a_rows; ++h) tma_load(a + h * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * h);
+  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start);
+}
+// DSD: A = the block row's blocks from the 3-D map of its part; B = the expert's W (rows over all parts).
+template <Layout B_LAYOUT>
+__device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
+                                   uint32_t bar, int step, int a_rows) {
+  const int steps_per_block = p.block_size / kBlockK;
+  const int steps_per_part = p.blocks_per_expert * steps_per_block;
+  const int part = step / steps_per_part, within = step % steps_per_part;
+  const int block = static_cast<int>(p.row_first_block) + within / steps_per_block;
+  const int k_in_block = (within % steps_per_block) * kBlockK;
+  for (int h = 0; h * 64 < a_rows; ++h) tma_load(a + h * 64 * 128, &maps.a[part], bar, k_in_block, 64 * h, block);
+  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, step * kBlockK, p.column_offset + p.n0);
+}
+
 // Where columns 128 .. 255 of the problem's B chunk start (Problem::b_second_half, default 128).
 template <class Problem>
 __device__ inline int64_t ws_b_second_half(const Problem& problem) {
@@ -233,9 +307,12 @@ constexpr int ws_tile_x() {
   return Problem::grid_x_over_m ? kWgmmaBlockM : kWsBlockN;
 }
 
-template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, class Problem>
+// TMA = true: one producer thread copies each stage with TMA boxes (Problem::tma_copy, the maps in
+//   `maps`) instead of 128 threads issuing 16-byte cp.async; the other producer threads exit.
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem>
 __global__ void __launch_bounds__(kWsThreads, 1)
-    block_sparse_wgmma_ws_kernel(const Problem parameters, int tiles_x, int tiles, int group_rows) {
+    block_sparse_wgmma_ws_kernel(const Problem parameters, const __grid_constant__ TmaMaps maps, int tiles_x,
+                                 int tiles, int group_rows) {
   static_assert(STAGES >= 2, "one stage filling while one is read");
   static_assert(kWsBlockN % EPILOGUE_COLUMNS == 0 && EPILOGUE_COLUMNS % 8 == 0, "whole 16-byte chunks per pass");
   static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
@@ -262,7 +339,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(full(s), kWsProducerThreads);  // one cp.async arrival per producer thread
+      mbarrier_init(full(s), TMA ? 1 : kWsProducerThreads);  // the expect_tx arrival, or one cp.async
+                                                             // arrival per producer thread
       mbarrier_init(empty(s), 8);                  // one arrival per consumer warp
     }
     // Makes the initialised barriers visible to the other threads' (and the cp.async unit's) arrivals.
@@ -279,31 +357,49 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // ---- producer ----
     setmaxnreg_dec<kWsProducerRegisters>();
     const int thread = threadIdx.x;
-    for (int tile = first_tile; tile < tiles; tile += tile_stride) {
-      Problem problem = parameters;
-      const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
-      if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;  // the consumers skip it too
-      const int k_steps = problem.k_steps();
-      const int a_rows = ws_tile_rows(problem) > 64 ? kWgmmaBlockM : 64;  // see `computes` below
-      for (int step = 0; step < k_steps; ++step, ++iteration) {
-        const int stage = iteration % STAGES;
-        const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
-        mbarrier_wait(empty(stage), (use & 1) ^ 1);  // the consumers released its previous use
-        int64_t ld;
-        const bf16* a = problem.a_chunk(step, ld);
-        if constexpr (a_m_major)
-          ws_copy_mn_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread);
-        else
-          ws_copy_k_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread, a_rows);
-        const bf16* b = problem.b_chunk(step, ld);
-        if constexpr (b_n_major)
-          ws_copy_mn_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread, ws_b_second_half(problem));
-        else
-          ws_copy_k_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread);
-        cp_async_arrive_noinc(full(stage));  // arrives when this thread's copies have landed
+    if constexpr (TMA) {
+      if (thread != 0) return;  // one thread issues every copy
+      for (int tile = first_tile; tile < tiles; tile += tile_stride) {
+        Problem problem = parameters;
+        const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
+        if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
+        const int k_steps = problem.k_steps();
+        const int a_rows = ws_tile_rows(problem) > 64 ? kWgmmaBlockM : 64;
+        for (int step = 0; step < k_steps; ++step, ++iteration) {
+          const int stage = iteration % STAGES;
+          const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
+          mbarrier_wait(empty(stage), (use & 1) ^ 1);
+          mbarrier_arrive_expect_tx(full(stage), (a_rows + kWsBlockN) * kBlockK * sizeof(bf16));
+          ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, a_rows);
+        }
       }
+    } else {
+      for (int tile = first_tile; tile < tiles; tile += tile_stride) {
+        Problem problem = parameters;
+        const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
+        if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;  // the consumers skip it too
+        const int k_steps = problem.k_steps();
+        const int a_rows = ws_tile_rows(problem) > 64 ? kWgmmaBlockM : 64;  // see `computes` below
+        for (int step = 0; step < k_steps; ++step, ++iteration) {
+          const int stage = iteration % STAGES;
+          const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
+          mbarrier_wait(empty(stage), (use & 1) ^ 1);  // the consumers released its previous use
+          int64_t ld;
+          const bf16* a = problem.a_chunk(step, ld);
+          if constexpr (a_m_major)
+            ws_copy_mn_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread);
+          else
+            ws_copy_k_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread, a_rows);
+          const bf16* b = problem.b_chunk(step, ld);
+          if constexpr (b_n_major)
+            ws_copy_mn_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread, ws_b_second_half(problem));
+          else
+            ws_copy_k_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread);
+          cp_async_arrive_noinc(full(stage));  // arrives when this thread's copies have landed
+        }
+      }
+      cp_async_wait<0>();  // leave no copy in flight behind an exited thread
     }
-    cp_async_wait<0>();  // leave no copy in flight behind an exited thread
     return;
   }
 

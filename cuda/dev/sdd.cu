@@ -287,14 +287,14 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   }
   const int tiles_x = H / kWsBlockN, tiles = tiles_x * t.max_block_rows;
   constexpr int smem = ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>();
-  auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, Sdd>;
+  auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, /*TMA=*/false, Sdd>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid(tiles_x, t.max_block_rows);
   int device = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   if constexpr (PERSISTENT) grid = dim3(std::min(sms, tiles));
-  kernel<<<grid, kWsThreads, smem, stream>>>(problem, tiles_x, tiles, ws_group_rows(tiles_x, sms));
+  kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, ws_group_rows(tiles_x, sms));
 }
 
 // The same wgmma kernel configurations on the DSD (out = hidden blocks · W2[e]), to pick the mainline's

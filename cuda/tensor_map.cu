@@ -1,0 +1,89 @@
+// tensor_map.cu: encoding TMA tensor maps on the host, and the per-expert maps on the device (see
+// tensor_map.h). Build: cmake --build build --target moe_cuda
+#include "tensor_map.h"
+
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
+
+#include <stdexcept>
+#include <string>
+
+#include "cuda_check.h"  // CUDA_CHECK
+
+namespace moe::cuda {
+
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
+  static PFN_cuTensorMapEncodeTiled_v12000 function = [] {
+    void* pointer = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &pointer, 12000, cudaEnableDefault, &status));
+    if (status != cudaDriverEntryPointSuccess || pointer == nullptr)
+      throw std::runtime_error("moe::cuda: the driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 and a Hopper GPU)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(pointer);
+  }();
+  return function;
+}
+
+// rank 2 or 3, sizes and byte strides of the dimensions above the first, the box, 128-byte swizzle.
+CUtensorMap encode(const bf16* base, int rank, const cuuint64_t* sizes, const cuuint64_t* strides,
+                   const cuuint32_t* box) {
+  CUtensorMap map{};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result = encode_function()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<bf16*>(base), sizes, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS)
+    throw std::runtime_error("moe::cuda: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(result) +
+                             " (rank " + std::to_string(rank) + ", " + std::to_string(sizes[0]) + " x " +
+                             std::to_string(sizes[1]) + ")");
+  return map;
+}
+
+// One thread per expert: copy the prototype's 128 bytes, swap in the expert's address, then make
+// the new map visible to the tensor-map proxy that the copies read it through.
+__global__ void build_expert_maps_kernel(const __grid_constant__ CUtensorMap prototype, const bf16* const* pointers,
+                                         int count, CUtensorMap* maps) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= count) return;
+  const uint4* from = reinterpret_cast<const uint4*>(&prototype);
+  uint4* to = reinterpret_cast<uint4*>(&maps[e]);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(CUtensorMap) / sizeof(uint4)); ++i) to[i] = from[i];
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("tensormap.replace.tile.global_address.global.b1024.b64 [%0], %1;\n" ::"l"(&maps[e]),
+               "l"(pointers[e])
+               : "memory");
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
+#else
+  __trap();  // only the sm_90a build has tensormap.replace; the host never asks for it elsewhere
+#endif
+}
+
+}  // namespace
+
+CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  const cuuint64_t sizes[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * sizeof(bf16)};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  return encode(base, 2, sizes, strides, box);
+}
+
+CUtensorMap make_blocks_map(const bf16* base, int64_t count, int block_size, int box_rows) {
+  const cuuint64_t B = static_cast<cuuint64_t>(block_size);
+  const cuuint64_t sizes[3] = {B, B, static_cast<cuuint64_t>(count)};
+  const cuuint64_t strides[2] = {B * sizeof(bf16), B * B * sizeof(bf16)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
+  return encode(base, 3, sizes, strides, box);
+}
+
+void build_expert_maps(const CUtensorMap& prototype, const bf16* const* pointers, int count, CUtensorMap* maps,
+                       cudaStream_t stream) {
+  if (count <= 0) return;
+  constexpr int threads = 128;
+  build_expert_maps_kernel<<<(count + threads - 1) / threads, threads, 0, stream>>>(prototype, pointers, count, maps);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,48 @@
+// tensor_map.h: TMA tensor maps (CUtensorMap) for the warp-specialized block-sparse kernel
+// (block_sparse_wgmma_ws.cuh), which copies its operands into shared memory with the Hopper Tensor
+// Memory Accelerator instead of per-thread cp.async. Host code, includable by plain C++.
+// Built into moe_cuda; exercised by tests/cuda/test_block_sparse.cpp on an H100/H200.
+//
+// A tensor map describes a tiled view of a global tensor (address, sizes, strides, the box one
+// copy moves, the shared-memory swizzle), so that ONE thread issues one instruction per box and the
+// TMA unit does the address arithmetic, the bounds checks and the 128-byte swizzle that wgmma's
+// matrix descriptors expect (the same layout block_sparse_wgmma.cuh writes by hand).
+//
+// Every map here is bf16 with SWIZZLE_128B, so a box's inner extent is 64 elements (128 bytes):
+//   - a dense row-major matrix [rows, cols]              2-D map, box {64 columns, box_rows rows}
+//   - B x B blocks one after another [count, B, B]       3-D map, box {64, box_rows, 1}
+//   - one map per expert of an ExpertOperand's table     built ON THE DEVICE (build_expert_maps):
+//     the host knows only the device array of pointers, so it encodes a prototype with the right
+//     sizes and strides, and a kernel copies it once per expert and swaps in the expert's address
+//     (PTX tensormap.replace), as CUTLASS's grouped GEMM does. The maps are written by that kernel
+//     and read by the product launched after it on the same stream: the kernel boundary orders the
+//     writes before the reads (the writer also fences its generic-proxy writes towards the
+//     tensor-map proxy), so the product needs no acquire fence of its own.
+// The driver function cuTensorMapEncodeTiled is reached through cudaGetDriverEntryPointByVersion,
+// so the project still links only the CUDA runtime.
+#pragma once
+
+#include <cuda.h>          // CUtensorMap
+#include <cuda_runtime.h>  // cudaStream_t
+
+#include <cstdint>
+
+#include "bf16.h"  // bf16
+
+namespace moe::cuda {
+
+// A 2-D bf16 row-major matrix [rows, cols] (row stride ld elements, a multiple of 8), copied in
+// boxes of 64 columns x box_rows rows (box_rows <= 256).
+CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows);
+
+// count B x B bf16 blocks stored one after another, copied in boxes of 64 columns x box_rows rows of
+// one block.
+CUtensorMap make_blocks_map(const bf16* base, int64_t count, int block_size, int box_rows);
+
+// Writes maps[e] = `prototype` with its global address replaced by pointers[e], for e < count, on
+// `stream`. maps: device memory, 64-byte aligned, count entries. The prototype must have been made
+// for tensors of the experts' sizes and strides (its own address only has to be valid and aligned).
+void build_expert_maps(const CUtensorMap& prototype, const bf16* const* pointers, int count, CUtensorMap* maps,
+                       cudaStream_t stream);
+
+}  // namespace moe::cuda
