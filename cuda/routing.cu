@@ -22,11 +22,15 @@
 // lanes at once, one pass, with all of its logits in flight.
 //
 // The kernel is latency-bound: 4 MB in and 4 MB out take ~2 us of memory time. Measured on an H200
-// with ncu (2026-11-22, T = 16384, E = 64, K = 1, caches flushed), the version with 512 threads a
-// block (two passes of 16 warps) took 13.1 us; with 1024 threads 11.2 us, of which the body was
-// 7.0 us, the ticket 0.7 us and the last block 3.4 us, spent in eight L2 round trips in a row.
-// Loading the partial sums in batches (below) and one release-acquire ticket in place of two
-// sequentially consistent fences cut that tail.
+// with ncu (2026-11-22, T = 16384, E = 64, K = 1, caches flushed): 512 threads a block (two passes
+// of 16 warps) 13.1 us; 1024 threads 11.5 us; one release-acquire ticket in place of two
+// sequentially consistent fences (and the first loads issued before the first barrier) 11.2 us, of
+// which the body was 7.0 us, the ticket 0.7 us and the last block 3.4 us (its loads had been
+// serialised: eight L2 round trips in a row, as the SASS showed); the last block's loads in batches
+// (below) 10.4 us. At E = 8, K = 2, T = 8192: 8.7 us before, 8.1 us now. What remains is mostly
+// fixed cost: the count kernel of dispatch_plan.cu, a few hundred instructions, measures 2.8 us the
+// same way; then the body's one trip to memory, the ticket, and the last block's round trips to L2
+// after it.
 #include "routing.h"
 
 #include <cublas_v2.h>
