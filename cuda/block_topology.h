@@ -17,7 +17,8 @@
 //   block b                 : row b / (H/B), column e * H/B + b % (H/B)
 //   column_offsets[e*H/B+j] = (row_offsets[e]/B) * H/B + j * (rows of e)/B
 //   transpose_indices       : block (r, j) of expert e sits at column_offsets[e*H/B+j] + r - row_offsets[e]/B
-// The reference gets the same arrays with a stable counting sort of the blocks by column.
+// The reference gets the same arrays with a stable counting sort of the blocks by column; here one
+// kernel writes them, a thread per block row, block column and block.
 //
 // Past the used part (the grids run over host-known bounds):
 //   offsets[r] for r > block_rows       = nnz (so trailing block rows read as empty)

@@ -16,10 +16,21 @@
 // Now each block sums its tokens' statistics, warp by warp in a fixed order, into one row of
 // partial sums (RouterWorkspace), and the last block to finish adds the rows in block order: the
 // same bits on every run, and no second pass over probs. The grid is at most kRouterMaxBlocks
-// (128, about one block per SM) blocks of 512 threads, each block looping over passes of tokens
-// with the next pass's loads in flight: few blocks keep the last block's reading small (E = 64:
-// 128 rows of 64 doubles and ints, 96 KB), and two passes of loads per block keep ~4 MB in flight,
-// enough for the whole logits of T = 16384, E = 64.
+// (128, about one block per SM) blocks of 1024 threads, each block looping over passes of tokens:
+// few blocks keep the last block's reading small (E = 64: 128 rows of 64 doubles and ints, 96 KB),
+// and 32 warps a block (held to 64 registers a thread) give every token of T = 16384, E = 64 its
+// lanes at once, one pass, with all of its logits in flight.
+//
+// The kernel is latency-bound: 4 MB in and 4 MB out take ~2 us of memory time. Measured on an H200
+// with ncu (2026-11-22, T = 16384, E = 64, K = 1, caches flushed): 512 threads a block (two passes
+// of 16 warps) 13.1 us; 1024 threads 11.5 us; one release-acquire ticket in place of two
+// sequentially consistent fences (and the first loads issued before the first barrier) 11.2 us, of
+// which the body was 7.0 us, the ticket 0.7 us and the last block 3.4 us (its loads had been
+// serialised: eight L2 round trips in a row, as the SASS showed); the last block's loads in batches
+// (below) 10.4 us. At E = 8, K = 2, T = 8192: 8.7 us before, 8.1 us now. What remains is mostly
+// fixed cost: the count kernel of dispatch_plan.cu, a few hundred instructions, measures 2.8 us the
+// same way; then the body's one trip to memory, the ticket, and the last block's round trips to L2
+// after it.
 #include "routing.h"
 
 #include <cublas_v2.h>
@@ -62,10 +73,14 @@ __device__ float warp_sum(float value) {
 // 32-byte sectors from G = 2 on (with G = 1 a lane's two loads share one sector). For one lane the
 // experts grow with s, which the top-K's tie rule relies on.
 constexpr int kValuesPerLane = 8;
-constexpr int kRouteThreads = 512;  // 16 warps: the partial sums of a block stay in 32 KB of shared memory
+// 32 warps, one block per SM (<= 64 registers a thread): with T = 16384, E = 64 every token has its
+// lanes at once, one pass, and the 128 blocks leave 128 rows of partial sums for the last block.
+constexpr int kRouteThreads = 1024;
 constexpr int kRouteWarps = kRouteThreads / kWarpSize;
 static_assert(kRouterMaxExperts == kWarpSize * kValuesPerLane, "a warp holds the largest E");
 static_assert(kRouteThreads >= 2 * kRouterMaxExperts, "the last block gives each expert >= 2 threads");
+// The last block reuses the warp rows [kRouteWarps, E] as [slices, E] with slices <= 32.
+static_assert(kRouteWarps >= kWarpSize, "the slice sums fit in the warp rows");
 
 template <int kGroupLanes>
 __device__ __forceinline__ int slot_expert(int slot, int group_lane) {
@@ -145,11 +160,69 @@ struct BlockPartials {
   unsigned* ticket;   // [1]
 };
 
-// Block b handles the passes b, b + gridDim.x, ...; one pass is kRouteThreads / G consecutive tokens,
-// a token per group. The next pass's logits are loaded before this pass is computed, so a block
-// keeps two passes of loads in flight.
+// atomicAdd(ticket, 1) with release-acquire semantics at GPU scope; returns the previous value.
+__device__ __forceinline__ unsigned take_ticket(unsigned* ticket) {
+  unsigned previous;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(previous) : "l"(ticket) : "memory");
+  return previous;
+}
+
+// Halves the slots a lane carries: the lane whose `offset` bit is clear keeps the first half and
+// adds its partner's copy of it, the partner keeps the second half. One shuffle per kept slot.
+template <int kHalf>
+__device__ __forceinline__ void keep_half(double (&sum)[kValuesPerLane], int offset, bool upper) {
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const double send = upper ? sum[i] : sum[i + kHalf];
+    const double keep = upper ? sum[i + kHalf] : sum[i];
+    sum[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+  }
+}
+
+// Slots a lane still carries after reduce_scatter_slots: 8, halved once per level, at most 3 times.
 template <int kGroupLanes>
-__global__ void __launch_bounds__(kRouteThreads)
+constexpr int kept_slots() {
+  int kept = kValuesPerLane;
+  for (int lanes = kGroupLanes; lanes < kWarpSize && kept > 1; lanes *= 2) kept /= 2;
+  return kept;
+}
+
+// Adds the slot sums of the lanes of a warp that hold the same experts (lanes g, g + G, g + 2G, ...)
+// as a reduce-scatter: on each of the first three levels a lane keeps half of its slots and sends
+// the other half to its partner, so 8 slots cost 4 + 2 + 1 shuffles instead of 8 per level
+// (G = 1: 9 double shuffles instead of 40; the shuffle unit is shared by the block's 32 warps).
+// Afterwards sum[0 .. kept) hold slots first_slot .. first_slot + kept of this lane's group lane;
+// returns first_slot. Levels past the third add the one remaining slot in place, so that sum sits
+// in 32 / (8 G) lanes: the `writer` among them is the lowest.
+template <int kGroupLanes>
+__device__ __forceinline__ int reduce_scatter_slots(double (&sum)[kValuesPerLane], int lane, bool& writer) {
+  int first_slot = 0;
+  int offset = kGroupLanes;
+  if constexpr (kGroupLanes < kWarpSize) {
+    keep_half<4>(sum, offset, lane & offset);
+    first_slot += (lane & offset) ? 4 : 0;
+    offset *= 2;
+  }
+  if constexpr (kGroupLanes * 2 < kWarpSize) {
+    keep_half<2>(sum, offset, lane & offset);
+    first_slot += (lane & offset) ? 2 : 0;
+    offset *= 2;
+  }
+  if constexpr (kGroupLanes * 4 < kWarpSize) {
+    keep_half<1>(sum, offset, lane & offset);
+    first_slot += (lane & offset) ? 1 : 0;
+    offset *= 2;
+  }
+  for (; offset < kWarpSize; offset *= 2) sum[0] += __shfl_xor_sync(0xffffffffu, sum[0], offset);
+  writer = lane < kGroupLanes * kValuesPerLane;
+  return first_slot;
+}
+
+// Block b handles the passes b, b + gridDim.x, ...; one pass is kRouteThreads / G consecutive tokens,
+// a token per group. With 32 warps a block there is no prefetch of the next pass (it would cost
+// the 8 registers that keep the kernel under 64): up to T = 128 * 1024 / G there is one pass.
+template <int kGroupLanes>
+__global__ void __launch_bounds__(kRouteThreads, 1)
 route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
                    float* __restrict__ probs,              // [T, E]
                    int* __restrict__ top_experts,          // [T, K]
@@ -162,9 +235,9 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
                    BlockPartials partials, int tokens, int num_experts, int top_k, bool renormalize,
                    bool vector_rows) {
   constexpr int kTokensPerPass = kRouteThreads / kGroupLanes;
-  // Shared memory, reused by the last block: warp_prob_sums as [slices, E], block_counts' neighbour
-  // slice_counts likewise.
-  __shared__ double warp_prob_sums[kRouteWarps][kRouterMaxExperts];  // 32 KB
+  // warp_prob_sums [kRouteWarps, E] (dynamic: 32 E doubles, 16 KB at E = 64), reused by the last
+  // block as [slices, E]; slice_counts likewise.
+  extern __shared__ double warp_prob_sums[];
   __shared__ int block_counts[kRouterMaxExperts];
   __shared__ int slice_counts[kRouteThreads];
   __shared__ double warp_values[kRouteWarps];
@@ -173,13 +246,10 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int group_lane = lane % kGroupLanes;
-  for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) block_counts[e] = 0;
-  __syncthreads();  // zeroed before any warp adds its counts below
 
-  // This lane's share of the statistics, summed in pass order: its slots' probabilities and routed
-  // counts, and (group lane 0) the z-loss terms of its tokens.
+  // This lane's share of the probability sums, in pass order, and (group lane 0) the z-loss terms
+  // of its tokens. Routed counts are integers, whose sum has no order: shared atomics add them.
   double prob_sum[kValuesPerLane] = {};
-  int routed_count[kValuesPerLane] = {};
   double z_sum = 0.0;
 
   const int passes = (tokens + kTokensPerPass - 1) / kTokensPerPass;
@@ -190,15 +260,15 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
     const int token = min(pass * kTokensPerPass + token_in_pass, tokens - 1);
     return logits + static_cast<size_t>(token) * num_experts;
   };
-  float next[kValuesPerLane];
-  load_logits<kGroupLanes>(logit_row(static_cast<int>(blockIdx.x)), group_lane, num_experts, vector_rows, next);
+  // The first pass's logits are requested before the barrier, so their trip to memory overlaps it.
+  float value[kValuesPerLane];
+  load_logits<kGroupLanes>(logit_row(static_cast<int>(blockIdx.x)), group_lane, num_experts, vector_rows, value);
+  for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) block_counts[e] = 0;
+  __syncthreads();  // zeroed before any group adds its choices below
 
   for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
-    float value[kValuesPerLane];
-#pragma unroll
-    for (int s = 0; s < kValuesPerLane; ++s) value[s] = next[s];
-    if (pass + static_cast<int>(gridDim.x) < passes) {
-      load_logits<kGroupLanes>(logit_row(pass + static_cast<int>(gridDim.x)), group_lane, num_experts, vector_rows, next);
+    if (pass != static_cast<int>(blockIdx.x)) {
+      load_logits<kGroupLanes>(logit_row(pass), group_lane, num_experts, vector_rows, value);
     }
     const int token = pass * kTokensPerPass + token_in_pass;
     const bool active = token < tokens;
@@ -261,7 +331,10 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
       }
       chosen_prob[k] = best;
       chosen_sum += best;
-      if (active && group_lane == 0) top_experts[static_cast<size_t>(token) * top_k + k] = best_expert;
+      if (active && group_lane == 0) {
+        top_experts[static_cast<size_t>(token) * top_k + k] = best_expert;
+        atomicAdd(&block_counts[best_expert], 1);
+      }
     }
     if (active && group_lane == 0) {
 #pragma unroll
@@ -273,24 +346,18 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
     }
     if (active) {
 #pragma unroll
-      for (int s = 0; s < kValuesPerLane; ++s) {
-        prob_sum[s] += value[s];
-        routed_count[s] += (taken >> s) & 1u;
-      }
+      for (int s = 0; s < kValuesPerLane; ++s) prob_sum[s] += value[s];
     }
   }
 
   // ---- this block's partial sums ----
-  // Lanes g, g + G, g + 2G, ... of a warp hold the same experts: a fixed xor tree adds them into
-  // the first group. Counts are integers, whose sum has no order: shared atomics add them.
+  double* const warp_row = warp_prob_sums + warp * num_experts;
+  bool writer = false;
+  const int first_slot = reduce_scatter_slots<kGroupLanes>(prob_sum, lane, writer);
 #pragma unroll
-  for (int s = 0; s < kValuesPerLane; ++s) {
-    for (int offset = kGroupLanes; offset < kWarpSize; offset *= 2) {
-      prob_sum[s] += __shfl_xor_sync(0xffffffffu, prob_sum[s], offset);
-    }
-    const int expert = slot_expert<kGroupLanes>(s, group_lane);
-    if (lane < kGroupLanes && expert < num_experts) warp_prob_sums[warp][expert] = prob_sum[s];
-    if (routed_count[s] != 0) atomicAdd(&block_counts[expert], routed_count[s]);
+  for (int i = 0; i < kept_slots<kGroupLanes>(); ++i) {
+    const int expert = slot_expert<kGroupLanes>(first_slot + i, group_lane);
+    if (writer && expert < num_experts) warp_row[expert] = prob_sum[i];
   }
   z_sum = warp_sum_double(z_sum);
   if (lane == 0) warp_values[warp] = z_sum;
@@ -298,7 +365,7 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
   const int block_row = static_cast<int>(blockIdx.x) * num_experts;
   for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) {
     double block_sum = 0.0;
-    for (int w = 0; w < kRouteWarps; ++w) block_sum += warp_prob_sums[w][e];
+    for (int w = 0; w < kRouteWarps; ++w) block_sum += warp_prob_sums[w * num_experts + e];
     partials.prob_sums[block_row + e] = block_sum;
     partials.counts[block_row + e] = block_counts[e];
   }
@@ -309,42 +376,61 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
   }
 
   // ---- the last block to finish adds the partial sums, in block order ----
-  // The classic threadfence reduction (CUDA programming guide, "memory fence functions"): every
-  // writer fences its partials before the block takes a ticket, so the block that draws the last
-  // ticket sees all of them.
-  __threadfence();
+  // The threadfence reduction (CUDA programming guide, "memory fence functions") with one
+  // release-acquire ticket instead of two __threadfence() (fence.sc, the costliest fence): the
+  // barrier orders the block's partial-sum writes before thread 0's release, which is cumulative
+  // (CUTLASS's semaphore relies on the same), and the acquire of the block that draws the last
+  // ticket then sees every block's partials.
   __syncthreads();
-  if (threadIdx.x == 0) {
-    is_last_block = atomicAdd(partials.ticket, 1u) == gridDim.x - 1;
-    __threadfence();
-  }
+  if (threadIdx.x == 0) is_last_block = take_ticket(partials.ticket) == gridDim.x - 1;
   __syncthreads();
   if (!is_last_block) return;
 
-  // E <= 256 and 512 threads: each expert's column of block rows is split into `slices` strided
-  // runs (E = 64: 8 runs of 16 blocks), which are then added in slice order; at most 32 runs, so
+  // E <= 256 and 1024 threads: each expert's column of block rows is split into `slices` strided
+  // runs (E = 64: 16 runs of 8 blocks), which are then added in slice order; at most 32 runs, so
   // that adding them is short even for E = 1. __ldcg reads from L2, where the other blocks' writes
   // are, never from this SM's L1.
   const int slices = min(kRouteThreads / num_experts, kWarpSize);
   const int expert = static_cast<int>(threadIdx.x) % num_experts;
   const int slice = static_cast<int>(threadIdx.x) / num_experts;
-  double* slice_prob_sums = &warp_prob_sums[0][0];  // [slices, E], free again after the barriers above
+  double* slice_prob_sums = warp_prob_sums;  // [slices, E], free again after the barriers above
+  // Loads go in batches of kRowsInFlight, issued before any is added: written as a plain strided
+  // loop, the compiler (held to 64 registers) reused one register and waited for each load in turn,
+  // eight L2 round trips in a row (3.4 us of 11 at T = 16384, E = 64). Rows past the grid read 0,
+  // which leaves a sum's bits unchanged: the order of the additions is still block order.
+  constexpr int kRowsInFlight = 8;
+  const int grid = static_cast<int>(gridDim.x);
   if (slice < slices) {
     double prob_total = 0.0;
     int count_total = 0;
-#pragma unroll 8  // eight loads in flight per thread: the run is a chain of L2 round trips
-    for (int block = slice; block < static_cast<int>(gridDim.x); block += slices) {
-      prob_total += __ldcg(&partials.prob_sums[block * num_experts + expert]);
-      count_total += __ldcg(&partials.counts[block * num_experts + expert]);
+    for (int first = slice; first < grid; first += kRowsInFlight * slices) {
+      double prob[kRowsInFlight];
+      int count[kRowsInFlight];
+#pragma unroll
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        const int block = first + i * slices;
+        prob[i] = block < grid ? __ldcg(&partials.prob_sums[block * num_experts + expert]) : 0.0;
+        count[i] = block < grid ? __ldcg(&partials.counts[block * num_experts + expert]) : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        prob_total += prob[i];
+        count_total += count[i];
+      }
     }
     slice_prob_sums[slice * num_experts + expert] = prob_total;
     slice_counts[slice * num_experts + expert] = count_total;
   }
   if (warp == kRouteWarps - 1) {  // the z-loss: blocks strided over the lanes, then a fixed tree
-    double z_total = 0.0;
-    for (int block = lane; block < static_cast<int>(gridDim.x); block += kWarpSize) {
-      z_total += __ldcg(&partials.z_sums[block]);
+    double z[kRouterMaxBlocks / kWarpSize];
+#pragma unroll
+    for (int i = 0; i < kRouterMaxBlocks / kWarpSize; ++i) {
+      const int block = lane + i * kWarpSize;
+      z[i] = block < grid ? __ldcg(&partials.z_sums[block]) : 0.0;
     }
+    double z_total = 0.0;
+#pragma unroll
+    for (int i = 0; i < kRouterMaxBlocks / kWarpSize; ++i) z_total += z[i];
     z_total = warp_sum_double(z_total);
     if (lane == 0) *z_loss = static_cast<float>(z_total / tokens);
   }
@@ -513,8 +599,14 @@ void route_top_k(const float* logits, float* probs, int* top_experts, float* com
   const bool vector_rows = num_experts % 4 == 0 && aligned(logits) && aligned(probs);
   const BlockPartials partials{workspace.block_prob_sums.data(), workspace.block_counts.data(),
                                workspace.block_z_sums.data(), workspace.ticket.data()};
+  // The warp rows of partial sums: 32 E doubles, past the default 48 KB from E = 193 on.
+  const size_t shared_bytes = size_t(kRouteWarps) * num_experts * sizeof(double);
   const auto launch = [&](auto kernel) {
-    kernel<<<blocks, kRouteThreads, 0, stream>>>(logits, probs, top_experts, combine_weights, logsumexp,
+    if (shared_bytes > 48 * 1024) {
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(shared_bytes)));
+    }
+    kernel<<<blocks, kRouteThreads, shared_bytes, stream>>>(logits, probs, top_experts, combine_weights, logsumexp,
                                                  expert_fraction, mean_probs, aux_loss, z_loss, partials, tokens,
                                                  num_experts, top_k, renormalize, vector_rows);
   };
