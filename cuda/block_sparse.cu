@@ -140,16 +140,18 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
     return;
   }
   if constexpr (requires(const TmaMaps& m) { ws_tma_copy(problem, m, 0u, 0u, 0u, 0, 0); }) {
+    TmaMaps maps = tma->maps;
+    CUtensorMap* expert_maps = nullptr;  // the weight-gradient products have no expert operand
+    if (tma->experts > 0) {
+      expert_maps = allocate_expert_maps(tma->experts, stream);
+      build_expert_maps(tma->expert_prototype, tma->expert_pointers, tma->experts, expert_maps, stream);
+      maps.experts = expert_maps;
+    }
     auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, true, Problem>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    TmaMaps maps = tma->maps;
-    CUtensorMap* expert_maps = nullptr;
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&expert_maps), sizeof(CUtensorMap) * tma->experts, stream));
-    build_expert_maps(tma->expert_prototype, tma->expert_pointers, tma->experts, expert_maps, stream);
-    maps.experts = expert_maps;
     kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows);
     CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaFreeAsync(expert_maps, stream));
+    if (expert_maps != nullptr) free_expert_maps(expert_maps, stream);
   } else {
     throw std::logic_error("moe::cuda: TMA copies asked for a product that has none");
   }
@@ -160,15 +162,6 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
 bool takes_warp_specialized(int block_size, int dense_extent) {
   return block_size == 128 && dense_extent % kWsBlockN == 0 && wgmma_available();
 }
-
-// Whether its producer copies with TMA rather than cp.async, by the model width D (the SDD's K, the
-// DSD's N). Measured on an H200 (moe_bench and cuda/dev/sdd.cu, 2026-11-22, FFN forward against
-// dense cuBLAS): TMA took T=16384 D=2048 H=8192 E=64 K=2 from 0.73x to 0.88x (uniform routing) and
-// T=8192 D=4096 H=14336 E=8 K=2 from 0.77x to 0.88x, but T=16384 D=1024 H=4096 E=64 K=1 from 0.81x
-// down to 0.77x (the lesson's SDD: 0.370 -> 0.402 ms), although ncu, timing each kernel alone with
-// cold caches, has the TMA kernels faster there too (SDD 0.391 -> 0.378 ms). Until that is
-// understood, D = 1024 keeps cp.async.
-bool copies_with_tma(int model_width) { return model_width >= 2048; }
 
 // BM x BN is B x 128 (or B x 64 when the dense extent is not a multiple of 128) for the products
 // tiled by block rows / block columns, and 128 (64) x B for DDS, whose tiles run down the dense rows.
@@ -262,7 +255,7 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
   // TMA on the warp-specialized kernel: rows of `a` in boxes of 64 x 64; W_e in [64 k][64 n] boxes
   // when stored [k][n], one [256 n][64 k] box when read transposed.
   TmaOperands tma;
-  const bool use_tma = takes_warp_specialized(t.block_size, hidden) && copies_with_tma(args.inner);
+  const bool use_tma = takes_warp_specialized(t.block_size, hidden);
   if (use_tma) {
     const int64_t rows = static_cast<int64_t>(t.max_block_rows) * t.block_size;
     tma.maps.a[0] = make_matrix_map(args.a, rows, args.inner, args.inner, 64);
@@ -315,7 +308,7 @@ void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const E
   };
   // TMA on the warp-specialized kernel: the blocks in boxes of 64 x 64 of one block; W_e as in the SDD.
   TmaOperands tma;
-  const bool use_tma = takes_warp_specialized(t.block_size, out_cols) && copies_with_tma(out_cols);
+  const bool use_tma = takes_warp_specialized(t.block_size, out_cols);
   if (use_tma) {
     const int parts = s1 != nullptr ? 2 : 1, hidden = t.blocks_per_expert * t.block_size;
     tma.maps.a[0] = make_blocks_map(s0, t.max_nnz, t.block_size, 64);
@@ -347,7 +340,15 @@ void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* d
   problem.ldd = cols;
   problem.out = out;
   problem.ldo = ldo;
-  launch(problem, t.block_size, cols, t.block_cols, stream);
+  // TMA on the warp-specialized kernel: the blocks in [64 k][64 m] boxes, the rows of `dense` in
+  // [64 k][64 n] boxes; no expert operand (the output is per expert, the inputs are not).
+  TmaOperands tma;
+  const bool use_tma = takes_warp_specialized(t.block_size, cols);
+  if (use_tma) {
+    tma.maps.a[0] = make_blocks_map(s, t.max_nnz, t.block_size, 64);
+    tma.maps.a[1] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
+  }
+  launch(problem, t.block_size, cols, t.block_cols, stream, use_tma ? &tma : nullptr);
 }
 
 template <typename OUT>
@@ -374,7 +375,10 @@ void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16
   // T=16384 D=1024 H=4096 E=64 K=1 and 4.60 ms at T=8192 D=4096 H=14336 E=8 K=2, against 0.57 and
   // 3.63 ms for DSᵀD on the warp-specialized kernel (the same FLOPs).
   if (t.block_size == 128 && cols % kWgmmaBlockM == 0 && t.blocks_per_expert % 2 == 0 && wgmma_available()) {
-    launch_wgmma_ws(fill(DdsProblem<OUT, 2>{}), cols, t.block_cols / 2, stream);
+    TmaOperands tma;  // the rows of `dense` in [64 k][64 m] boxes, the blocks in [64 k][64 n] boxes
+    tma.maps.a[0] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
+    tma.maps.a[1] = make_blocks_map(s, t.max_nnz, t.block_size, 64);
+    launch_wgmma_ws(fill(DdsProblem<OUT, 2>{}), cols, t.block_cols / 2, stream, &tma);
     return;
   }
   launch(fill(DdsProblem<OUT, 1>{}), t.block_size, cols, t.block_cols, stream);

@@ -73,9 +73,10 @@ static_assert(kWsProducerThreads * kWsProducerRegisters + (kWsThreads - kWsProdu
 // The tensor maps of one launch with TMA copies (a __grid_constant__ kernel parameter: TMA reads a
 // map in parameter, constant or global memory, never in registers).
 struct TmaMaps {
-  CUtensorMap a[2];                      // the activation operand: rows of x or dy (2-D), or B x B
-                                         // blocks (3-D; a[1]: DSD's second part, SwiGLU's d_up)
-  const CUtensorMap* experts = nullptr;  // [E] the expert operand, one map per expert (device memory)
+  CUtensorMap a[2];                      // the activations, by product: SDD a[0] the rows of x or dy
+                                         // (2-D); DSD a[0], a[1] the blocks of its one or two parts
+                                         // (3-D); DSᵀD and DDS a[0] the A operand, a[1] the B operand
+  const CUtensorMap* experts = nullptr;  // [E] SDD, DSD: the expert operand, one map per expert
 };
 
 // The epilogue's fp32 staging: per consumer warpgroup [64][EPILOGUE_COLUMNS + kStagingPad] floats.
@@ -257,6 +258,30 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
   const int k_in_block = (within % steps_per_block) * kBlockK;
   for (int h = 0; h * 64 < a_rows; ++h) tma_load(a + h * 64 * 128, &maps.a[part], bar, k_in_block, 64 * h, block);
   ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, step * kBlockK, p.column_offset + p.n0);
+}
+
+// DSᵀD: A = the block (r, c) read M-major, two [64 k][64 m] boxes of the 3-D blocks map a[0];
+// B = rows of the dense operand (dy), four [64 k][64 n] boxes of the 2-D map a[1].
+template <typename OUT>
+__device__ inline void ws_tma_copy(const DsdTransposedProblem<OUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
+                                   uint32_t bar, int step, int /*a_rows: always 128*/) {
+  int k0;
+  const int block = p.block_of(step, k0);
+  for (int g = 0; g < 2; ++g) tma_load(a + g * kBlockK * 128, &maps.a[0], bar, 64 * g, k0, block);
+  const int row = p.row_indices[block] * p.block_size + k0;
+  for (int g = 0; g < kWsBlockN / 64; ++g) tma_load(b + g * kBlockK * 128, &maps.a[1], bar, p.n0 + 64 * g, row);
+}
+// DDS (two block columns a tile): A = rows of the dense operand (x) read M-major, two [64 k][64 m]
+// boxes of the 2-D map a[0]; B = the blocks (r, c) and (r, c+1), two [64 k][64 n] boxes of each
+// from the 3-D map a[1].
+template <typename OUT>
+__device__ inline void ws_tma_copy(const DdsProblem<OUT, 2>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
+                                   uint32_t bar, int step, int /*a_rows: always 128*/) {
+  int k0;
+  const int block = p.block_of(step, k0);
+  const int row = p.row_indices[block] * p.block_size + k0;
+  for (int g = 0; g < 2; ++g) tma_load(a + g * kBlockK * 128, &maps.a[0], bar, p.m0 + 64 * g, row);
+  for (int g = 0; g < kWsBlockN / 64; ++g) tma_load(b + g * kBlockK * 128, &maps.a[1], bar, 64 * (g % 2), k0, block + g / 2);
 }
 
 // Where columns 128 .. 255 of the problem's B chunk start (Problem::b_second_half, default 128).

@@ -4,8 +4,11 @@
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
 
+#include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cuda_check.h"  // CUDA_CHECK
 
@@ -61,7 +64,35 @@ __global__ void build_expert_maps_kernel(const __grid_constant__ CUtensorMap pro
 #endif
 }
 
+// One pool per device, created on first use and kept for the life of the process.
+cudaMemPool_t expert_map_pool() {
+  static std::mutex mutex;
+  static std::vector<cudaMemPool_t> pools;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (pools.size() <= static_cast<size_t>(device)) pools.resize(device + 1, nullptr);
+  if (pools[device] == nullptr) {
+    cudaMemPoolProps properties{};
+    properties.allocType = cudaMemAllocationTypePinned;
+    properties.location.type = cudaMemLocationTypeDevice;
+    properties.location.id = device;
+    CUDA_CHECK(cudaMemPoolCreate(&pools[device], &properties));
+    uint64_t keep_everything = UINT64_MAX;
+    CUDA_CHECK(cudaMemPoolSetAttribute(pools[device], cudaMemPoolAttrReleaseThreshold, &keep_everything));
+  }
+  return pools[device];
+}
+
 }  // namespace
+
+CUtensorMap* allocate_expert_maps(int count, cudaStream_t stream) {
+  void* maps = nullptr;
+  CUDA_CHECK(cudaMallocFromPoolAsync(&maps, sizeof(CUtensorMap) * static_cast<size_t>(count), expert_map_pool(), stream));
+  return static_cast<CUtensorMap*>(maps);
+}
+
+void free_expert_maps(CUtensorMap* maps, cudaStream_t stream) { CUDA_CHECK(cudaFreeAsync(maps, stream)); }
 
 CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
   const cuuint64_t sizes[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};

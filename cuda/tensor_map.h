@@ -39,6 +39,14 @@ CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_
 // one block.
 CUtensorMap make_blocks_map(const bf16* base, int64_t count, int block_size, int box_rows);
 
+// Device memory for `count` maps, taken from a stream-ordered pool of this library's own that keeps
+// its memory between launches (release threshold: unlimited). The default pool gives its memory back
+// at every synchronisation, so a launch after a sync would map fresh physical memory for 8 KB of maps
+// and the GPU would wait for that host work. Give the maps back with free_expert_maps on the same
+// stream after the launch that reads them.
+CUtensorMap* allocate_expert_maps(int count, cudaStream_t stream);
+void free_expert_maps(CUtensorMap* maps, cudaStream_t stream);
+
 // Writes maps[e] = `prototype` with its global address replaced by pointers[e], for e < count, on
 // `stream`. maps: device memory, 64-byte aligned, count entries. The prototype must have been made
 // for tensors of the experts' sizes and strides (its own address only has to be valid and aligned).

@@ -34,7 +34,8 @@
 //      Measured on an H200 (TFLOP/s useful, T=16384 D=1024 H=4096 E=64 K=1 | D=2048 H=8192 K=2;
 //      cuBLAS dense 705 | 778), with the epilogue kind a run-time switch in every store:
 //      v4 239 | 270, v6 217 | 306, v7 93 | 169, v8 264 | 337, v9 327 | 364-427, v10 92 | 163.
-//   11 the mainline library call moe::cuda::sdd (= version 12 on an H100/H200 at B = 128, else 4)
+//   11 the mainline library call moe::cuda::sdd (on an H100/H200 at B = 128 and H % 256 = 0 the
+//      kernel of version 18, before it version 16 and before that 12; else version 4)
 //   12 version 9 with the epilogue staged through shared memory: after the main loop the fp32 tile
 //      goes to the (now idle) stage buffers, then each thread applies the epilogue to 16-byte chunks
 //      of 8 columns and stores them, a warp 512 contiguous bytes of a block (instead of 4-byte
@@ -81,6 +82,30 @@
 //      version 16 for every product tiled over N (block_sparse.cu). Every version passes the
 //      check on the small problem; the persistent loop over several tiles per CTA is checked by
 //      tests/cuda/test_block_sparse.cpp (PersistentTilesB128) and moe_bench's checks.
+//   18 version 16 with TMA copies (cuda/tensor_map.h): the producer is ONE thread, which issues a
+//      box per 8 KB (two 64-row boxes of x, four [64 k][64 n] boxes of W1) from tensor maps, and the
+//      stage's full mbarrier counts bytes (expect_tx / complete_tx) instead of 128 cp.async
+//      arrivals; the TMA unit does the addressing, the bounds and the 128-byte swizzle. W1 is
+//      reached through a device pointer table, so its maps (one per expert) are built on the device
+//      before each launch: a kernel copies a prototype map and swaps in each expert's address
+//      (tensormap.replace).
+//      Measured on an H200, 2026-11-22 (useful TFLOP/s, % of cuBLAS), version 16 -> 18:
+//        T=16384 D=1024 H=4096 E=64 K=1:   373 -> 400 (58%)     cuBLAS 694
+//        T=16384 D=2048 H=8192 E=64 K=2:   395 -> 489 (62%)     cuBLAS 788
+//        T=8192 D=4096 H=14336 E=8 K=2:    501 -> 566 (74%)     cuBLAS 770
+//      A trap on the way: the maps first lived in cudaMallocAsync memory of the default pool, which
+//      gives its memory back at every synchronisation; a benchmark that synchronises between runs
+//      then had the GPU wait for fresh physical memory before every launch, and version 18 measured
+//      slower than 16 at D = 1024 (0.40 against 0.37 ms). The maps now come from a pool that keeps
+//      its memory.
+//      Also tried, and left out: clusters of 2 CTAs on the two tiles of a block row side by side,
+//      each copying half of the shared A tile and multicasting it to both (the "empty" barriers
+//      then wait for both CTAs' consumers). Half the L2 reads of A, but no gain: the FFN forward
+//      measured 2-5% slower at the three BASELINES shapes, the DSD alone 0.32 -> 0.31 ms at D = 1024
+//      but 2.14 -> 2.35 ms at D = 2048 (H200, 2026-11-22).
+//      The mainline (version 11) runs version 18's kernel for every product at B = 128,
+//      with the padding rows of a block row skipped and, where a row of tiles is long, a grouped
+//      tile order (block_sparse_wgmma_ws.cuh).
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
@@ -106,7 +131,8 @@
 #include "block_sparse.h"                      // moe::cuda::sdd, dsd, block_sparse_ffn_forward (version 11)
 #include "block_sparse.cuh"                    // the mma.sync tile kernel (versions 3-5)
 #include "block_sparse_wgmma.cuh"              // the wgmma tile kernel (versions 6-10, 12-14)
-#include "block_sparse_wgmma_ws.cuh"           // the warp-specialized wgmma kernel (versions 15-17)
+#include "tensor_map.h"                        // make_matrix_map, build_expert_maps (version 18)
+#include "block_sparse_wgmma_ws.cuh"           // the warp-specialized wgmma kernel (versions 15-18)
 #include "block_sparse_host.h"                 // upload_topology
 #include "cuda_check.h"                        // CUDA_CHECK
 #include "device_buffer.h"                     // DeviceBuffer
@@ -275,7 +301,10 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
 // Not persistent: one CTA per tile, the grid (H / 256, block-row bound) as in versions 6-14.
 // Persistent: one CTA per SM (fewer if there are fewer tiles), each walking tiles with a stride of
 // the grid; the tile count is the host bound, the CTAs skip the tiles past the device count.
-template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT>
+// TMA (version 18): the producer's copies come from tensor maps (cuda/tensor_map.h): x as a 2-D map
+// in boxes of 64 k x 64 rows, and one map per expert's W1 in boxes of 64 n x 64 k, built on the
+// device before each launch from the pointer table, as the mainline does.
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false>
 void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
                      cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
@@ -287,14 +316,24 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   }
   const int tiles_x = H / kWsBlockN, tiles = tiles_x * t.max_block_rows;
   constexpr int smem = ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>();
-  auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, /*TMA=*/false, Sdd>;
+  auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, TMA, Sdd>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid(tiles_x, t.max_block_rows);
   int device = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   if constexpr (PERSISTENT) grid = dim3(std::min(sms, tiles));
-  kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, ws_group_rows(tiles_x, sms));
+  TmaMaps maps{};
+  CUtensorMap* expert_maps = nullptr;  // stream-ordered: alive for this launch only, as in the mainline
+  if constexpr (TMA) {
+    const int experts = t.block_cols / t.blocks_per_expert;
+    expert_maps = moe::cuda::allocate_expert_maps(experts, stream);
+    maps.a[0] = maps.a[1] = moe::cuda::make_matrix_map(x, static_cast<int64_t>(t.max_block_rows) * t.block_size, D, D, 64);
+    moe::cuda::build_expert_maps(moe::cuda::make_matrix_map(x, D, H, H, 64), w1, experts, expert_maps, stream);
+    maps.experts = expert_maps;
+  }
+  kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, ws_group_rows(tiles_x, sms));
+  if constexpr (TMA) moe::cuda::free_expert_maps(expert_maps, stream);
 }
 
 // The same wgmma kernel configurations on the DSD (out = hidden blocks · W2[e]), to pick the mainline's
@@ -456,6 +495,9 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
     case 17:
       launch_wgmma_ws<3, 128, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
+    case 18:
+      launch_wgmma_ws<4, 32, true, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
                      p.out_device.data(), stream);
@@ -518,7 +560,7 @@ int main(int argc, char** argv) {
   // The wgmma versions need a compute capability 9.0 GPU (and this program's sm_90a code) and B = 128.
   const bool hopper = properties.major == 9 && properties.minor == 0 && B == 128;
   std::vector<int> versions = {1, 2, 3, 4, 5};
-  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17});
+  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18});
   versions.push_back(11);
   bool all_pass = true;
   {
@@ -578,7 +620,8 @@ int main(int argc, char** argv) {
                          "10 wgmma 128x256, 4 st, wait 0", "11 mainline moe::cuda::sdd",
                          "12 = 9, staged epilogue", "13 = 10, staged epilogue",
                          "14 = 7, staged epilogue", "15 warp-spec. 128x256, 4 stages",
-                         "16 = 15, persistent, 4 st", "17 = 15, persistent, 3 st"};
+                         "16 = 15, persistent, 4 st", "17 = 15, persistent, 3 st",
+                         "18 = 16, TMA copies"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----

@@ -5,8 +5,8 @@
 // Also checked: nothing past the used rows / blocks is written, rows past the used part of the
 // inputs are never read (they hold NaN), empty experts get exactly zero weight gradients.
 // At B = 128 with D and H multiples of 128, an H100/H200 runs all four products on the wgmma kernels
-// (block_sparse_wgmma_ws.cuh where the tiles are 256 wide, block_sparse_wgmma.cuh otherwise; DSᵀD
-// and DDS read A M-major; SDD and DSD copy with TMA from D = 2048); the B = 64 cases keep the
+// (block_sparse_wgmma_ws.cuh, its operands copied with TMA, where the tiles are 256 wide;
+// block_sparse_wgmma.cuh otherwise; DSᵀD and DDS read A M-major); the B = 64 cases keep the
 // mma.sync kernel.
 // Run: ctest --test-dir build -R cuda_test_block_sparse   (skips without a GPU)
 #include <gtest/gtest.h>
@@ -348,15 +348,15 @@ TEST(BlockSparseFfn, SwigluAllTokensToTwoExpertsB128) {
   check_ffn(Problem(300, 128, 256, 4, 2, 128, Activation::swiglu, Routing::all_to_one_expert, 17));
 }
 
-// D >= 2048 at B = 128: on an H100/H200 the SDD and DSD copy their operands with TMA (block_sparse.cu,
-// copies_with_tma): per-expert tensor maps built on the device, 64-row boxes of x and of the blocks,
-// W1 in [64 k][64 n] boxes, W2ᵀ and W1ᵀ (the backward's transposed reads) in [256 n][64 k] boxes,
-// and SwiGLU's two-part DSD.
-TEST(BlockSparseFfn, GeluB128WideModelTma) {
+// A wide model (D = 2048) at B = 128: on an H100/H200 every product copies its operands with TMA
+// (as at every D there): per-expert tensor maps built on the device, 64-row boxes of x and of the
+// blocks, W1 in [64 k][64 n] boxes, W2ᵀ and W1ᵀ (the backward's transposed reads) in [256 n][64 k]
+// boxes, SwiGLU's two-part DSD, and many 64-wide boxes per row of x.
+TEST(BlockSparseFfn, GeluB128WideModel) {
   REQUIRE_GPU();
   check_ffn(Problem(300, 2048, 512, 4, 2, 128, Activation::gelu, Routing::random, 19));
 }
-TEST(BlockSparseFfn, SwigluB128WideModelTmaExpertWithNoTokens) {
+TEST(BlockSparseFfn, SwigluB128WideModelExpertWithNoTokens) {
   REQUIRE_GPU();
   check_ffn(Problem(260, 2048, 256, 4, 1, 128, Activation::swiglu, Routing::skip_one_expert, 20));
 }
@@ -451,8 +451,8 @@ TEST(BlockSparseProducts, B128OneExpertGetsAllTokens) {
   check_products(800, 256, 384, 4, 1, 128, 15, Routing::all_to_one_expert);
 }
 
-// The products with TMA copies (D >= 2048), on random blocks.
-TEST(BlockSparseProducts, B128WideModelTma) {
+// The products of a wide model (D = 2048), on random blocks.
+TEST(BlockSparseProducts, B128WideModel) {
   REQUIRE_GPU();
   check_products(300, 2048, 512, 3, 2, 128, 21);
 }
