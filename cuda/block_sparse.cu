@@ -325,16 +325,22 @@ void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const E
     launch(fill(DsdProblem<Layout::row_major_km>{}), t.block_size, out_cols, t.max_block_rows, stream, tma_or_null);
 }
 
-template <typename OUT>
-void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* dense, int cols,
-                           OUT* const* out, int ldo, cudaStream_t stream) {
-  DsdTransposedProblem<OUT> problem{};
+// The fields of the weight-gradient products (DSᵀD, DDS) that walk a block column of the topology.
+template <class Problem>
+Problem with_column_walk(Problem problem, const DeviceTopology& t) {
   problem.column_offsets = t.column_offsets;
   problem.transpose_indices = t.transpose_indices;
   problem.row_indices = t.row_indices;
   problem.block_row_tokens = t.block_row_tokens;
   problem.blocks_per_expert = t.blocks_per_expert;
   problem.block_size = t.block_size;
+  return problem;
+}
+
+template <typename OUT>
+void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* dense, int cols,
+                           OUT* const* out, int ldo, cudaStream_t stream) {
+  DsdTransposedProblem<OUT> problem = with_column_walk(DsdTransposedProblem<OUT>{}, t);
   problem.s = s;
   problem.dense = dense;
   problem.ldd = cols;
@@ -354,13 +360,8 @@ void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* d
 template <typename OUT>
 void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16* s, OUT* const* out,
                 int ldo, int column_offset, cudaStream_t stream) {
-  auto fill = [&](auto problem) {
-    problem.column_offsets = t.column_offsets;
-    problem.transpose_indices = t.transpose_indices;
-    problem.row_indices = t.row_indices;
-    problem.block_row_tokens = t.block_row_tokens;
-    problem.blocks_per_expert = t.blocks_per_expert;
-    problem.block_size = t.block_size;
+  auto fill = [&](auto empty) {
+    auto problem = with_column_walk(empty, t);
     problem.dense = dense;
     problem.ldd = cols;
     problem.s = s;
