@@ -259,6 +259,7 @@ int main(int argc, char** argv) {
   arrays.add_row({"row_indices", int64_t(topology.row_indices.size()), join(topology.row_indices)});
   arrays.add_row({"column_indices", int64_t(topology.column_indices.size()), join(topology.column_indices)});
   arrays.add_row({"block_row_expert", int64_t(topology.block_row_expert.size()), join(topology.block_row_expert)});
+  arrays.add_row({"block_row_tokens", int64_t(topology.block_row_tokens.size()), join(topology.block_row_tokens)});
   arrays.add_row({"column_offsets", int64_t(topology.column_offsets.size()), join(topology.column_offsets)});
   arrays.add_row({"transpose_indices", int64_t(topology.transpose_indices.size()), join(topology.transpose_indices)});
   arrays.print();
