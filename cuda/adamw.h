@@ -3,7 +3,7 @@
 // over fp32 master weights that also refreshes their bf16 copies for the next forward. The CPU
 // oracle is moe::ref::clip_gradient_norm and moe::ref::adamw_step (reference_cpu/optimizer.h), whose
 // formulas these follow. Built into moe_cuda; tested by tests/cuda/test_adamw.cpp
-// (ctest --test-dir build -R cuda_test_adamw; skips without a GPU).
+// (ctest --test-dir build -R CudaAdamW; skips without a GPU).
 //
 // The learning-rate schedule (warm-up + cosine) is host arithmetic, one number per step:
 // moe::ref::learning_rate gives it, and the host passes lr and the step count here; the bias

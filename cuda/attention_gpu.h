@@ -2,7 +2,7 @@
 // products, our own kernels for the causal softmax and its backward. The CPU oracle is
 // moe::ref::attention_forward / attention_backward (reference_cpu/attention.h), whose formulas and
 // layout these follow. Built into moe_cuda; tested by tests/cuda/test_attention.cpp
-// (ctest --test-dir build -R cuda_test_attention; skips without a GPU).
+// (ctest --test-dir build -R CudaAttention; skips without a GPU).
 //
 // Dimension legend: N sequences, S sequence length, T = N * S tokens (t = n * S + s), D model width,
 // heads, d = D / heads the head width, B = N * heads the (sequence, head) pairs, b = n * heads + h.

@@ -3,7 +3,7 @@
 // offsets, row_indices and column_indices, and the transpose indices of MegaBlocks 5.1.4 that let
 // the backward kernels walk the sparse matrix column by column without a transposed copy.
 // The CPU oracle is reference_cpu/topology.h (make_topology); the used part of every array equals it.
-// Built into moe_cuda; tested by tests/cuda/test_topology.cpp (ctest --test-dir build-gpu -R cuda_test_topology).
+// Built into moe_cuda; tested by tests/cuda/test_topology.cpp (ctest --test-dir build -R CudaTopology).
 //
 // Dimension legend: T tokens, H expert hidden width, E experts, K top-k, B block size.
 //

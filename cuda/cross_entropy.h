@@ -2,7 +2,7 @@
 // loss) and backward (d_logits, the softmax recomputed in the same pass). The CPU oracle is the
 // "cross-entropy and the tied output projection" lines of moe::ref::model_forward / model_backward
 // (reference_cpu/model.cpp). Built into moe_cuda; tested by tests/cuda/test_cross_entropy.cpp
-// (ctest --test-dir build -R cuda_test_cross_entropy; skips without a GPU).
+// (ctest --test-dir build -R CudaCrossEntropy; skips without a GPU).
 //
 // Dimension legend: T = N * S positions, V = 256 byte classes.
 //   losses[t]  = logsumexp(logits[t]) - logits[t, targets[t]]        nats

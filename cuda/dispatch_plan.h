@@ -1,7 +1,7 @@
 // dispatch_plan.h: builds the dispatch plan (DevicePlan, device_plan.h) of the dropping, padded and
 // dropless formulations on the GPU from the router's top_experts, with no host synchronisation.
 // The CPU oracle is reference_cpu/dispatch.h: every array here equals its DispatchPlan namesake.
-// Built into moe_cuda; tested by tests/cuda/test_dispatch.cpp (ctest --test-dir build-gpu -R cuda_test_dispatch).
+// Built into moe_cuda; tested by tests/cuda/test_dispatch.cpp (ctest --test-dir build -R CudaDispatch).
 //
 // Dimension legend: T tokens, E experts, K top-k, C capacity, B block size. Slot = t * K + k.
 //

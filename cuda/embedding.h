@@ -1,7 +1,7 @@
 // embedding.h: the input embeddings of the byte-level transformer on the GPU, forward and backward.
 // The CPU oracle is the "embeddings" lines of moe::ref::model_forward / model_backward
 // (reference_cpu/model.cpp). Built into moe_cuda; tested by tests/cuda/test_embedding.cpp
-// (ctest --test-dir build -R cuda_test_embedding; skips without a GPU).
+// (ctest --test-dir build -R CudaEmbedding; skips without a GPU).
 //
 // Dimension legend: V = 256 byte values, D model width, N sequences, S sequence length,
 // T = N * S tokens, token t = n * S + s.

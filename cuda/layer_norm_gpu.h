@@ -1,7 +1,7 @@
 // layer_norm_gpu.h: LayerNorm over the model width on the GPU, forward and backward. The CPU oracle is
 // moe::ref::layer_norm_forward / layer_norm_backward (reference_cpu/layer_norm.h), whose formulas
 // these kernels follow. Built into moe_cuda; tested by tests/cuda/test_layer_norm.cpp
-// (ctest --test-dir build -R cuda_test_layer_norm; skips without a GPU).
+// (ctest --test-dir build -R CudaLayerNorm; skips without a GPU).
 //
 // Dimension legend: T rows (tokens), D model width.
 //   forward : mean, rstd = 1 / sqrt(var + eps) per row; y = (x - mean) * rstd .* gain + bias

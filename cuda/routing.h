@@ -3,7 +3,7 @@
 // and the router backward (d_logits). The CPU oracle is reference_cpu/router.h; the chain
 // of derivatives is the one of moe::ref::moe_backward (reference_cpu/moe_layer.cpp).
 // Built into moe_cuda (cmake --build build-gpu --target moe_cuda); tested by
-// tests/cuda/test_routing.cpp (ctest --test-dir build-gpu -R cuda_test_routing).
+// tests/cuda/test_routing.cpp (ctest --test-dir build -R CudaRouting).
 //
 // Dimension legend: T tokens, D model width, E experts, K top-k.
 //

@@ -2,7 +2,7 @@
 // scatter expert outputs back to tokens weighted by the router (un-permute and combine), and the
 // backward of both. The CPU oracle is reference_cpu/permute.h and the combine part of
 // moe::ref::moe_backward (reference_cpu/moe_layer.cpp).
-// Built into moe_cuda; tested by tests/cuda/test_permute.cpp (ctest --test-dir build-gpu -R cuda_test_permute).
+// Built into moe_cuda; tested by tests/cuda/test_permute.cpp (ctest --test-dir build -R CudaPermute).
 //
 // Dimension legend: T tokens, D model width, K top-k; rows = the plan's max_rows (a host-known
 // bound; the true row count stays on the device in plan.total_rows).

@@ -2,7 +2,7 @@
 // restored sampler drawing the same next batch), truncation at every offset and byte flips all
 // detected, wrong array names and lengths, an unknown version, a missing file, a failed write that
 // leaves the previous checkpoint intact, keep-the-last-N, and resuming from the latest checkpoint.
-//   ctest --test-dir build -R checkpoint
+//   ctest --test-dir build -R Checkpoint
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,6 +1,6 @@
 // test_chrome_trace.cpp: span and all-to-all events become Chrome trace complete events, and the
 // moe_trace_export tool writes them.
-//   ctest --test-dir build -R test_chrome_trace
+//   ctest --test-dir build -R ChromeTrace
 #include <gtest/gtest.h>
 
 #include <cstdlib>

@@ -1,5 +1,5 @@
 // test_moe_config.cpp: MoeConfig validation, capacity rounding, name parsing and the JSON form.
-//   ctest --test-dir build -R test_moe_config
+//   ctest --test-dir build -R MoeConfig
 #include <gtest/gtest.h>
 
 #include <cmath>

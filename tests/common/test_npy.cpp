@@ -1,6 +1,6 @@
 // test_npy.cpp: .npy files written and read back for every dtype and odd shapes, the exact
 // header numpy expects, every corrupt case, and random bytes.
-//   ctest --test-dir build -R test_npy
+//   ctest --test-dir build -R Npy
 #include <gtest/gtest.h>
 
 #include <random>

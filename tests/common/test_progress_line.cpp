@@ -1,6 +1,6 @@
 // test_progress_line.cpp: the progress line with an injected clock and stream: ETA and rate
 // formatting, the smoothed rate, in-place redrawing on a terminal, plain periodic lines otherwise.
-//   ctest --test-dir build -R progress_line
+//   ctest --test-dir build -R ProgressLine
 #include <gtest/gtest.h>
 
 #include <limits>

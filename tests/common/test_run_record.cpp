@@ -1,6 +1,6 @@
 // test_run_record.cpp: run records, written and read back, followed live, and attacked with
 // corrupt and random input.
-//   ctest --test-dir build -R test_run_record
+//   ctest --test-dir build -R RunRecord
 #include <gtest/gtest.h>
 
 #include <chrono>

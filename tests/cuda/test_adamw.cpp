@@ -2,7 +2,7 @@
 // and AdamW over fp32 master weights, against moe::ref::clip_gradient_norm and moe::ref::adamw_step
 // (reference_cpu/optimizer.h) over the same parameters, for several steps, with the learning rate
 // of moe::ref::learning_rate (warm-up then cosine). All fp32: tolerance 1e-5.
-// Run: ctest --test-dir build -R cuda_test_adamw   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaAdamW   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -2,7 +2,7 @@
 // backward, against moe::ref::attention_forward / attention_backward (reference_cpu/attention.h)
 // computed in double from the same bf16-rounded x and weights. Every GPU activation is bf16, every
 // product accumulates in fp32: relative errors of a few 1e-3 are expected; the tolerance is 2e-2.
-// Run: ctest --test-dir build -R cuda_test_attention   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaAttention   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -8,7 +8,7 @@
 // (block_sparse_wgmma_ws.cuh, its operands copied with TMA, where the tiles are 256 wide;
 // block_sparse_wgmma.cuh otherwise; DSᵀD and DDS read A M-major); the B = 64 cases keep the
 // mma.sync kernel.
-// Run: ctest --test-dir build -R cuda_test_block_sparse   (skips without a GPU)
+// Run: ctest --test-dir build -R '^BlockSparse'   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -2,7 +2,7 @@
 // backward, against the cross-entropy lines of moe::ref::model_forward / model_backward
 // (reference_cpu/model.cpp: logsumexp - logit[target], mean over T; d_logits = (probs - one_hot) / T),
 // which are not a function of their own: the test computes the same formulas in double, here.
-// Run: ctest --test-dir build -R cuda_test_cross_entropy   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaCrossEntropy   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <cmath>

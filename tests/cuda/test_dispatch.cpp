@@ -1,6 +1,6 @@
 // test_dispatch.cpp: the GPU dispatch plan (cuda/dispatch_plan.h) against reference_cpu/dispatch.h, array
 // by array and exactly, for the dropping, padded and dropless formulations, on awkward routings.
-// Run: ctest --test-dir build-gpu -R cuda_test_dispatch   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaDispatch   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <stdexcept>

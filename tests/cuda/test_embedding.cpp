@@ -2,7 +2,7 @@
 // backward, against the embedding lines of moe::ref::model_forward / model_backward
 // (reference_cpu/model.cpp), which are not a function of their own: the test computes the same
 // formulas in double, here, from the same bf16-rounded tables.
-// Run: ctest --test-dir build -R cuda_test_embedding   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaEmbedding   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <cmath>

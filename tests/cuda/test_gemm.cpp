@@ -1,6 +1,6 @@
 // test_gemm.cpp: the row-major cuBLAS wrappers (cuda/gemm.h) and the elementwise GeLU
 // (cuda/activation.h) against Eigen / the CPU reference, bf16 operands, fp32 accumulation.
-// Run: ctest --test-dir build -R cuda_test_gemm   (skips without a GPU)
+// Run: ctest --test-dir build -R 'CudaGemm|CudaActivation'   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <random>

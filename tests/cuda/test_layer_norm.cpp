@@ -2,7 +2,7 @@
 // moe::ref::layer_norm_forward / layer_norm_backward (reference_cpu/layer_norm.h) computed in
 // double from the same bf16-rounded x, gain and bias. y is bf16 (tolerance 2e-2); mean, rstd and
 // every gradient are fp32 computations from exact inputs (tolerance 1e-5).
-// Run: ctest --test-dir build -R cuda_test_layer_norm   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaLayerNorm   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <cstdio>

@@ -1,7 +1,7 @@
 // test_permute.cpp: the GPU gather / scatter (cuda/token_permute.h) against reference_cpu/permute.h
 // and the combine part of moe_backward: permute with fused padding, un-permute and combine, the
 // combine backward (d_expert_out, d_combine_weights) and the permute backward (dx).
-// Run: ctest --test-dir build-gpu -R cuda_test_permute   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaPermute   (skips without a GPU)
 //
 // Rows the kernels must not read (padding and unused rows of expert_out and d_permuted_x) hold NaN,
 // so reading one shows up as a NaN in the result.

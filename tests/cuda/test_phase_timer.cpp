@@ -1,6 +1,6 @@
 // test_phase_timer.cpp: phases nest (a model's "moe" phase holds the layer's own phases), each
 // with its depth, the inner ones inside the outer one on the GPU's clock; misuse is an error.
-// Run: ctest --test-dir build -R cuda_test_phase_timer   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaPhaseTimer   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include "cuda_check.h"        // CudaError

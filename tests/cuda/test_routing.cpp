@@ -1,7 +1,7 @@
 // test_routing.cpp: the GPU router (cuda/routing.h) against the CPU reference (reference_cpu/router.h
 // and the router part of moe_backward): probs, top-K, combine weights, logsumexp, f_e, P_e, the two
 // losses, d_logits, bad arguments, and the same bits on every run.
-// Run: ctest --test-dir build-gpu -R cuda_test_routing   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaRouting   (skips without a GPU)
 //
 // Near-ties: the GPU computes in fp32, the reference in double. Two experts whose probabilities
 // differ by less than fp32 rounding may come out in either order, so a top-K difference is accepted

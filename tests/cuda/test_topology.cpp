@@ -1,7 +1,7 @@
 // test_topology.cpp: the GPU block-sparse topology (cuda/block_topology.h) against
 // reference_cpu/topology.h's make_topology, array by array and exactly, plus the documented values
 // past the used part (offsets = nnz, indices = -1).
-// Run: ctest --test-dir build-gpu -R cuda_test_topology   (skips without a GPU)
+// Run: ctest --test-dir build -R CudaTopology   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <stdexcept>

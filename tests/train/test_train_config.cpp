@@ -1,7 +1,7 @@
 // test_train_config.cpp: the training program's settings (cuda/train/train_config.h): presets,
 // JSON files and flags layered in order, every bad input named with what is allowed, and the FLOP
 // accounting checked against a count by hand. CPU only.
-// Run: ctest --test-dir build -R train_config
+// Run: ctest --test-dir build -R TrainConfig
 #include <gtest/gtest.h>
 
 #include <fstream>

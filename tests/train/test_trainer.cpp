@@ -3,7 +3,7 @@
 // run record holds what the viewer needs and is consistent with itself, a resumed run continues the
 // very same loss curve (the steps after the last checkpoint that an interrupted run had already
 // recorded are cut and run again), and bad resumes are refused with a clear error.
-// Run: ctest --test-dir build -R train_test_trainer   (skips without a GPU)
+// Run: ctest --test-dir build -R '^Trainer[.]'   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <algorithm>
