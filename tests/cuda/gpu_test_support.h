@@ -21,6 +21,13 @@ using cuda::bf16_of;  // from reference_bridge.h
 using cuda::matrix_of;
 using cuda::round_bf16;
 
+// The values of m as fp32, in storage order: an fp32 device input built from a reference matrix.
+inline std::vector<float> floats_of(const Matrix& m) {
+  std::vector<float> out(static_cast<size_t>(m.size()));
+  for (int64_t i = 0; i < m.size(); ++i) out[static_cast<size_t>(i)] = static_cast<float>(m.data()[i]);
+  return out;
+}
+
 // ||got - ref|| / ||ref||, or ||got|| when the reference is zero.
 inline double relative_error(const Matrix& got, const Matrix& ref) {
   const double norm = ref.norm();

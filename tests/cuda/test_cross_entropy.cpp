@@ -13,7 +13,7 @@
 
 #include "cross_entropy.h"     // cross_entropy_forward, cross_entropy_backward
 #include "device_buffer.h"     // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU, matrix_of, relative_error
+#include "gpu_test_support.h"  // REQUIRE_GPU, matrix_of, relative_error, floats_of
 #include "init.h"              // moe::ref::random_matrix
 
 namespace {
@@ -27,11 +27,6 @@ constexpr double kBf16Tolerance = 2e-2;
 constexpr double kFp32Tolerance = 1e-5;
 constexpr int64_t V = moe::cuda::kCrossEntropyClasses;
 
-std::vector<float> floats_of(const Matrix& m) {
-  std::vector<float> out(size_t(m.size()));
-  for (int64_t i = 0; i < m.size(); ++i) out[size_t(i)] = float(m.data()[i]);
-  return out;
-}
 
 void check_cross_entropy(int64_t T, double logit_scale, uint64_t seed) {
   SCOPED_TRACE("T=" + std::to_string(T) + " logit_scale=" + std::to_string(logit_scale));

@@ -14,7 +14,7 @@
 
 #include "device_buffer.h"     // DeviceBuffer
 #include "embedding.h"         // embedding_forward, embedding_backward
-#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
+#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error, floats_of
 #include "init.h"              // moe::ref::random_matrix
 
 namespace {
@@ -28,11 +28,6 @@ constexpr double kBf16Tolerance = 2e-2;
 constexpr double kFp32Tolerance = 1e-5;
 constexpr int64_t V = moe::cuda::kEmbeddingVocabulary;
 
-std::vector<float> floats_of(const Matrix& m) {
-  std::vector<float> out(size_t(m.size()));
-  for (int64_t i = 0; i < m.size(); ++i) out[size_t(i)] = float(m.data()[i]);
-  return out;
-}
 Matrix as_float(const Matrix& m) { return m.unaryExpr([](double v) { return double(float(v)); }); }
 
 // `distinct` bytes in use: few distinct bytes make many tokens share a row of the scatter-add.

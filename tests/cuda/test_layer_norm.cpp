@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "device_buffer.h"     // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
+#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error, floats_of
 #include "init.h"              // moe::ref::random_matrix
 #include "layer_norm.h"        // moe::ref::layer_norm_forward / backward (reference_cpu/)
 #include "layer_norm_gpu.h"    // moe::cuda::layer_norm_forward / backward
@@ -28,11 +28,6 @@ constexpr double kBf16Tolerance = 2e-2;
 constexpr double kFp32Tolerance = 1e-5;
 constexpr double kEps = 1e-5;
 
-std::vector<float> floats_of(const Matrix& m) {
-  std::vector<float> out(size_t(m.size()));
-  for (int64_t i = 0; i < m.size(); ++i) out[size_t(i)] = float(m.data()[i]);
-  return out;
-}
 Matrix as_float(const Matrix& m) { return m.unaryExpr([](double v) { return double(float(v)); }); }
 
 void check_layer_norm(int64_t T, int64_t D, bool accumulate, uint64_t seed) {
