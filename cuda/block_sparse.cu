@@ -117,7 +117,7 @@ struct TmaOperands {
   int experts = 0;
 };
 
-// The warp-specialized persistent kernel (cuda/dev/sdd.cu, versions 16 and 18): 128 x 256 tiles, a
+// The warp-specialized persistent kernel (cuda/dev/sdd.cu, versions 16, 18 and 19): 128 x 256 tiles, a
 // producer warpgroup 4 stages ahead of 2 wgmma warpgroups, one CTA per SM walking the tiles, so one
 // tile's epilogue overlaps the next tile's loads. The tile count is the host bound; CTAs skip the
 // tiles past the device's counts. With `tma`, the producer copies with TMA; the per-expert maps live
@@ -125,7 +125,7 @@ struct TmaOperands {
 template <class Problem>
 void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStream_t stream,
                      const TmaOperands* tma = nullptr) {
-  constexpr int kStages = 4, kEpilogueColumns = 32;
+  constexpr int kStages = 4, kEpilogueColumns = 0;  // the register epilogue (version 19)
   constexpr int smem = ws_shared_bytes<kStages, kEpilogueColumns, true>();
   int device = 0, multiprocessors = 0;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -139,7 +139,7 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
     CUDA_CHECK(cudaGetLastError());
     return;
   }
-  if constexpr (requires(const TmaMaps& m) { ws_tma_copy(problem, m, 0u, 0u, 0u, 0, 0); }) {
+  if constexpr (WsTmaCopies<Problem>) {
     TmaMaps maps = tma->maps;
     CUtensorMap* expert_maps = nullptr;  // the weight-gradient products have no expert operand
     if (tma->experts > 0) {
@@ -236,7 +236,6 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
     problem.block_rows = t.block_rows;
     problem.offsets = t.offsets;
     problem.block_row_expert = t.block_row_expert;
-    problem.block_row_tokens = t.block_row_tokens;
     problem.a = args.a;
     problem.inner = args.inner;
     problem.b = args.b.pointers;
@@ -293,7 +292,6 @@ void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const E
     problem.block_rows = t.block_rows;
     problem.offsets = t.offsets;
     problem.block_row_expert = t.block_row_expert;
-    problem.block_row_tokens = t.block_row_tokens;
     problem.s0 = s0;
     problem.s1 = s1;
     problem.parts = s1 != nullptr ? 2 : 1;

@@ -119,9 +119,6 @@ __device__ inline float silu_derivative(float a) {
 //   void store(int m, int n, float v0, float v1) C[m][n], C[m][n+1] of the tile (n even)
 //   void store_chunk(int m, int n, const float (&v)[8])  C[m][n .. n+7] (n a multiple of 8): the
 //   wgmma kernel's staged epilogue; one 16-byte store of bf16, two of fp32
-//   optional: int tile_rows()                    rows of the tile that hold tokens (SDD, DSD: the
-//                                               block row's); the warp-specialized kernel skips
-//                                               the wgmma of a 64-row half with none
 //   optional: int64_t b_second_half()           the warp-specialized kernel's 256-wide B chunk (B
 //                                               stored [k][n]) is two 128-column halves this many
 //                                               elements apart (DDS: two B x B blocks); default 128
@@ -296,7 +293,6 @@ struct SddProblem {
   const int* block_rows;
   const int* offsets;
   const int* block_row_expert;
-  const int* block_row_tokens;
   const bf16* a;  // [max_rows, inner]
   int inner;      // Kd
   const bf16* const* b;  // [E]
@@ -312,13 +308,11 @@ struct SddProblem {
   const bf16* b_tile;
   int64_t first_block;  // block id of the tile's first block
   int tile_n_start;     // first column of the tile inside the expert's H
-  int tokens;           // rows of the block row that hold tokens
   int row, expert;      // the block row and its expert
 
   __device__ bool begin(int r, int tile_n, int bn) {
     if (r >= *block_rows) return false;
     const int e = block_row_expert[r];
-    tokens = block_row_tokens[r];
     row = r;
     expert = e;
     tile_n_start = tile_n * bn;
@@ -331,7 +325,6 @@ struct SddProblem {
     return true;
   }
   __device__ int k_steps() const { return inner / kBlockK; }
-  __device__ int tile_rows() const { return tokens; }
   __device__ const bf16* a_chunk(int step, int64_t& ld) const {
     ld = inner;
     return a_tile + step * kBlockK;
@@ -414,7 +407,6 @@ struct DsdProblem {
   const int* block_rows;
   const int* offsets;
   const int* block_row_expert;
-  const int* block_row_tokens;
   const bf16* s0;  // [max_nnz, B, B]
   const bf16* s1;  // second part or nullptr
   int parts;
@@ -429,13 +421,11 @@ struct DsdProblem {
   int64_t row_first_block;
   const bf16* b_tile;
   bf16* out_tile;
-  int tokens;  // rows of the block row that hold tokens
   int expert, n0;
 
   __device__ bool begin(int r, int tile_n, int bn) {
     if (r >= *block_rows) return false;
     const int e = block_row_expert[r];
-    tokens = block_row_tokens[r];
     expert = e;
     row_first_block = offsets[r];
     n0 = tile_n * bn;
@@ -447,7 +437,6 @@ struct DsdProblem {
     return true;
   }
   __device__ int k_steps() const { return parts * blocks_per_expert * (block_size / kBlockK); }
-  __device__ int tile_rows() const { return tokens; }
   __device__ const bf16* a_chunk(int step, int64_t& ld) const {
     const int steps_per_block = block_size / kBlockK;
     const int steps_per_part = blocks_per_expert * steps_per_block;

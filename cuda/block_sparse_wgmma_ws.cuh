@@ -79,10 +79,26 @@ struct TmaMaps {
   const CUtensorMap* experts = nullptr;  // [E] SDD, DSD: the expert operand, one map per expert
 };
 
-// The epilogue's fp32 staging: per consumer warpgroup [64][EPILOGUE_COLUMNS + kStagingPad] floats.
+// The staged epilogue's fp32 staging: per consumer warpgroup [64][EPILOGUE_COLUMNS + kWsStagingPad]
+// floats (none for the register epilogue, EPILOGUE_COLUMNS = 0).
+// The pad of 4 floats makes both of its accesses conflict-free. Rows are 4 banks apart (36 = 4 mod
+// 32 words), so the fragment writes (a float2 at row lane/4, columns 2 (lane % 4)) start at banks
+// 4r + 2c: 2 wavefronts for 256 bytes, the least; the chunk reads (a float4 at row lane/4, column
+// 8 (lane % 4)) start at 4r + 8c: every bank 4 times, 4 wavefronts for 512 bytes, the least. The
+// pad of 8 it had before (rows 8 banks apart) put every access on half the banks: ncu measured
+// 10.4-12.7 wavefronts per chunk read (H200, 2026-11-22), a third of a weight-gradient product's
+// time in shared memory.
+constexpr int kWsStagingPad = 4;
+template <int EPILOGUE_COLUMNS>
+constexpr bool ws_epilogue_columns_valid() {
+  if constexpr (EPILOGUE_COLUMNS == 0)
+    return true;
+  else
+    return kWsBlockN % EPILOGUE_COLUMNS == 0 && EPILOGUE_COLUMNS % 8 == 0;
+}
 template <int EPILOGUE_COLUMNS>
 constexpr int ws_staging_bytes() {
-  return 2 * 64 * (EPILOGUE_COLUMNS + kStagingPad) * static_cast<int>(sizeof(float));
+  return EPILOGUE_COLUMNS == 0 ? 0 : 2 * 64 * (EPILOGUE_COLUMNS + kWsStagingPad) * static_cast<int>(sizeof(float));
 }
 // Shared memory: the 1024-byte alignment slack, the stages, the staging (its own region when the
 // kernel is persistent: the producer is already filling the stages with the next tile), then the
@@ -170,10 +186,8 @@ __device__ inline void opaque(const bf16*& pointer) { asm volatile("" : "+l"(poi
 
 // K-major [ROWS][64]: chunk c of row r at byte r * 128 + (c ^ (r % 8)) * 16. Thread t copies chunk
 // t % 8 of rows t / 8 + 16 i: rows 16 apart share r % 8, so the swizzle is the same for every i.
-// Only the first `rows` rows (a multiple of 16) are copied: the rows of a warpgroup with nothing
-// to compute are left out.
 template <int ROWS>
-__device__ inline void ws_copy_k_major(uint32_t tile, const bf16* source, int64_t ld, int thread, int rows = ROWS) {
+__device__ inline void ws_copy_k_major(uint32_t tile, const bf16* source, int64_t ld, int thread) {
   constexpr int rows_per_pass = kWsProducerThreads / 8;  // 8 consecutive threads read one 128-byte row
   static_assert(ROWS % rows_per_pass == 0, "every producer thread copies the same number of chunks");
   const int row = thread / 8, c = thread % 8;
@@ -182,7 +196,6 @@ __device__ inline void ws_copy_k_major(uint32_t tile, const bf16* source, int64_
   const int64_t stride = rows_per_pass * ld;
 #pragma unroll
   for (int i = 0; i < ROWS / rows_per_pass; ++i) {
-    if (i * rows_per_pass >= rows) break;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to + i * rows_per_pass * 128), "l"(from)
                  : "memory");
     from += stride;
@@ -224,10 +237,10 @@ __device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64
 //   (a static schedule), and the staging has its own region so the producer can fill the stages
 //   with the next tile while the consumers store this one.
 // EPILOGUE_COLUMNS: the staging holds that many columns of a warpgroup's 64 rows at a time; the
-//   epilogue runs 256 / EPILOGUE_COLUMNS passes (1 pass when it reuses the stages).
+//   epilogue runs 256 / EPILOGUE_COLUMNS passes (1 pass when it reuses the stages). 0: the register
+//   epilogue (ws_register_epilogue), which needs no staging.
 // ---- the TMA copies of one k-step, per product (TMA = true) ----
-// A: a_rows (64 or 128) rows of 64 k, in boxes of 64 rows (8 KB), so a warpgroup with nothing to
-// compute gets no copy. B: 64 k x 256 n of the expert's operand, as four [64 k][64 n] boxes when it
+// A: 128 rows of 64 k, in two boxes of 64 rows (8 KB). B: 64 k x 256 n of the expert's operand, as four [64 k][64 n] boxes when it
 // is stored [k][n] (the MN-major layout of ws_copy_mn_major), or one [256 n][64 k] box when it is
 // stored [n][k] (K-major, as ws_copy_k_major).
 template <Layout B_LAYOUT>
@@ -242,21 +255,21 @@ __device__ inline void ws_tma_copy_b(const CUtensorMap* map, uint32_t b, uint32_
 // SDD: A = rows of x (or dy) from the 2-D map a[0]; B = the block row's expert's W.
 template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
 __device__ inline void ws_tma_copy(const SddProblem<B_LAYOUT, EPILOGUE>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, int a_rows) {
+                                   uint32_t bar, int step) {
   const int k0 = step * kBlockK;
-  for (int h = 0; h * 64 < a_rows; ++h) tma_load(a + h * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * h);
+  for (int h = 0; h < 2; ++h) tma_load(a + h * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * h);
   ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start);
 }
 // DSD: A = the block row's blocks from the 3-D map of its part; B = the expert's W (rows over all parts).
 template <Layout B_LAYOUT>
 __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, int a_rows) {
+                                   uint32_t bar, int step) {
   const int steps_per_block = p.block_size / kBlockK;
   const int steps_per_part = p.blocks_per_expert * steps_per_block;
   const int part = step / steps_per_part, within = step % steps_per_part;
   const int block = static_cast<int>(p.row_first_block) + within / steps_per_block;
   const int k_in_block = (within % steps_per_block) * kBlockK;
-  for (int h = 0; h * 64 < a_rows; ++h) tma_load(a + h * 64 * 128, &maps.a[part], bar, k_in_block, 64 * h, block);
+  for (int h = 0; h < 2; ++h) tma_load(a + h * 64 * 128, &maps.a[part], bar, k_in_block, 64 * h, block);
   ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, step * kBlockK, p.column_offset + p.n0);
 }
 
@@ -264,7 +277,7 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 // B = rows of the dense operand (dy), four [64 k][64 n] boxes of the 2-D map a[1].
 template <typename OUT>
 __device__ inline void ws_tma_copy(const DsdTransposedProblem<OUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, int /*a_rows: always 128*/) {
+                                   uint32_t bar, int step) {
   int k0;
   const int block = p.block_of(step, k0);
   for (int g = 0; g < 2; ++g) tma_load(a + g * kBlockK * 128, &maps.a[0], bar, 64 * g, k0, block);
@@ -276,13 +289,18 @@ __device__ inline void ws_tma_copy(const DsdTransposedProblem<OUT>& p, const Tma
 // from the 3-D map a[1].
 template <typename OUT>
 __device__ inline void ws_tma_copy(const DdsProblem<OUT, 2>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, int /*a_rows: always 128*/) {
+                                   uint32_t bar, int step) {
   int k0;
   const int block = p.block_of(step, k0);
   const int row = p.row_indices[block] * p.block_size + k0;
   for (int g = 0; g < 2; ++g) tma_load(a + g * kBlockK * 128, &maps.a[0], bar, p.m0 + 64 * g, row);
   for (int g = 0; g < kWsBlockN / 64; ++g) tma_load(b + g * kBlockK * 128, &maps.a[1], bar, 64 * (g % 2), k0, block + g / 2);
 }
+
+// The products with TMA copies: those with a ws_tma_copy overload above. The host asks this, and
+// the kernel's TMA path calls the same signature, so the two cannot drift apart.
+template <class Problem>
+concept WsTmaCopies = requires(const Problem& p, const TmaMaps& maps) { ws_tma_copy(p, maps, 0u, 0u, 0u, 0); };
 
 // Where columns 128 .. 255 of the problem's B chunk start (Problem::b_second_half, default 128).
 template <class Problem>
@@ -315,21 +333,53 @@ __device__ inline WsTile ws_tile_coordinates(int tile, int tiles_x, int tiles, i
 }
 inline int ws_group_rows(int tiles_x, int multiprocessors) { return tiles_x * 4 > multiprocessors ? 16 : 1; }
 
-// How many of the tile's 128 rows hold tokens (Problem::tile_rows, default all): SDD and DSD tiles
-// are block rows, and an expert's last block row may be mostly padding.
-template <class Problem>
-__device__ inline int ws_tile_rows(const Problem& problem) {
-  if constexpr (requires { problem.tile_rows(); })
-    return problem.tile_rows();
-  else
-    return kWgmmaBlockM;
-}
-
 // The tile over the grid's x: 256 columns (N) for the products tiled by block rows or block
 // columns; 128 rows (M) for DDS, whose 256 columns are two block columns (DdsProblem<OUT, 2>).
 template <class Problem>
 constexpr int ws_tile_x() {
   return Problem::grid_x_over_m ? kWgmmaBlockM : kWsBlockN;
+}
+
+// ---- the register epilogue (EPILOGUE_COLUMNS = 0): no shared memory, no barrier ----
+// Store_chunk takes 8 consecutive columns of one row (one 16-byte store of bf16). In the accumulator
+// layout, the 8 columns of chunk j of a row are spread over the 4 lanes of a quad (lane q holds
+// columns 2q, 2q+1). Take the chunks 4g .. 4g+3 of a row: lane q holds M[q][i] = its column pair of
+// chunk 4g+i, and wants chunk 4g+q whole, i.e. M[0..3][q]: a 4 x 4 transpose over the quad, done
+// in two butterfly stages with __shfl_xor_sync. Stage b (b = 1, 2) pairs the lanes q, q ^ b and
+// the registers i, i ^ b: a lane keeps the register whose bit matches its own lane bit and trades
+// the other. 8 shuffles per 4 chunks of a row (a float2 each way, two stages, two pairs); then
+// each lane stores its chunk, and a warp writes 8 rows x 64 contiguous bytes per store.
+// This replaces the staged epilogue's trip through shared memory (a float2 write and a float4 read
+// per value, and two named barriers per pass), which the consumers spent with the tensor cores idle.
+__device__ inline void quad_trade(float2& keep_if_low, float2& keep_if_high, bool high, int lane_mask) {
+  const float2 send = high ? keep_if_low : keep_if_high;
+  float2 received;
+  received.x = __shfl_xor_sync(0xffffffffu, send.x, lane_mask);
+  received.y = __shfl_xor_sync(0xffffffffu, send.y, lane_mask);
+  if (high)
+    keep_if_low = received;
+  else
+    keep_if_high = received;
+}
+template <class Problem>
+__device__ inline void ws_register_epilogue(const Problem& problem, const float (&acc)[kWsBlockN / 2], int row,
+                                            int quad_lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // rows `row` and `row + 8`
+#pragma unroll
+    for (int g = 0; g < kWsBlockN / 32; ++g) {  // chunks 4g .. 4g+3: 32 columns
+      float2 m[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m[i] = make_float2(acc[4 * (4 * g + i) + 2 * half], acc[4 * (4 * g + i) + 2 * half + 1]);
+      const bool bit0 = quad_lane & 1, bit1 = quad_lane & 2;
+      quad_trade(m[0], m[1], bit0, 1);  // now m[i] = M[q with bit 0 = i's][i with bit 0 = q's]
+      quad_trade(m[2], m[3], bit0, 1);
+      quad_trade(m[0], m[2], bit1, 2);  // and bit 1 likewise: m[i] = M[i][q]
+      quad_trade(m[1], m[3], bit1, 2);
+      const float v[8] = {m[0].x, m[0].y, m[1].x, m[1].y, m[2].x, m[2].y, m[3].x, m[3].y};
+      problem.store_chunk(row + 8 * half, 8 * (4 * g + quad_lane), v);
+    }
+  }
 }
 
 // TMA = true: one producer thread copies each stage with TMA boxes (Problem::tma_copy, the maps in
@@ -339,7 +389,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     block_sparse_wgmma_ws_kernel(const Problem parameters, const __grid_constant__ TmaMaps maps, int tiles_x,
                                  int tiles, int group_rows) {
   static_assert(STAGES >= 2, "one stage filling while one is read");
-  static_assert(kWsBlockN % EPILOGUE_COLUMNS == 0 && EPILOGUE_COLUMNS % 8 == 0, "whole 16-byte chunks per pass");
+  static_assert(ws_epilogue_columns_valid<EPILOGUE_COLUMNS>(), "the register epilogue (0), or whole 16-byte chunks per pass");
   static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
                 "the staging must fit in the stages it reuses");
   static_assert(ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>() <= 227 * 1024,
@@ -383,19 +433,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     setmaxnreg_dec<kWsProducerRegisters>();
     const int thread = threadIdx.x;
     if constexpr (TMA) {
+      static_assert(WsTmaCopies<Problem>, "TMA copies for a product without a ws_tma_copy overload");
       if (thread != 0) return;  // one thread issues every copy
       for (int tile = first_tile; tile < tiles; tile += tile_stride) {
         Problem problem = parameters;
         const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
         if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
         const int k_steps = problem.k_steps();
-        const int a_rows = ws_tile_rows(problem) > 64 ? kWgmmaBlockM : 64;
         for (int step = 0; step < k_steps; ++step, ++iteration) {
           const int stage = iteration % STAGES;
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
           mbarrier_wait(empty(stage), (use & 1) ^ 1);
-          mbarrier_arrive_expect_tx(full(stage), (a_rows + kWsBlockN) * kBlockK * sizeof(bf16));
-          ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, a_rows);
+          mbarrier_arrive_expect_tx(full(stage), (kWgmmaBlockM + kWsBlockN) * kBlockK * sizeof(bf16));
+          ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step);
         }
       }
     } else {
@@ -404,7 +454,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
         if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;  // the consumers skip it too
         const int k_steps = problem.k_steps();
-        const int a_rows = ws_tile_rows(problem) > 64 ? kWgmmaBlockM : 64;  // see `computes` below
         for (int step = 0; step < k_steps; ++step, ++iteration) {
           const int stage = iteration % STAGES;
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
@@ -414,7 +463,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if constexpr (a_m_major)
             ws_copy_mn_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread);
           else
-            ws_copy_k_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread, a_rows);
+            ws_copy_k_major<kWgmmaBlockM>(stage_a(stage), a, ld, thread);
           const bf16* b = problem.b_chunk(step, ld);
           if constexpr (b_n_major)
             ws_copy_mn_major<kWsBlockN>(stage_a(stage) + a_bytes, b, ld, thread, ws_b_second_half(problem));
@@ -432,7 +481,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   setmaxnreg_inc<kWsConsumerRegisters>();
   const int consumer = warpgroup - 1;  // rows 64 consumer .. 64 consumer + 63 of the tile
   const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, warp = thread / 32;
-  constexpr int row_floats = EPILOGUE_COLUMNS + kStagingPad;
+  constexpr int row_floats = EPILOGUE_COLUMNS + kWsStagingPad;
   float* staging = reinterpret_cast<float*>(shared_bytes + (staging_base - shared_raw)) + consumer * 64 * row_floats;
 
   for (int tile = first_tile; tile < tiles; tile += tile_stride) {
@@ -440,10 +489,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
     if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
     const int k_steps = problem.k_steps();
-    // A warpgroup whose 64 rows are all padding (an expert's last block row holding <= 64 tokens)
-    // computes nothing: it still meets every stage at its barriers, and its epilogue writes the
-    // zeros that the product of zero rows would give.
-    const bool computes = ws_tile_rows(problem) > consumer * 64;
+    // Every consumer multiplies all of its 64 rows, padding rows too (they are zero). A warpgroup
+    // whose rows were all padding once skipped its wgmma (an `if` around them, 2026-11-22): ptxas
+    // then serialised every wgmma of the kernel ("C7518 Potential Performance Loss: wgmma.mma_async
+    // instructions are serialized due to program dependence on compiler-inserted WG.DP in
+    // divergent path"), so that each waited for the one before it. Keep wgmma out of any branch
+    // ptxas cannot prove uniform over the warpgroup; the build must show no C7518 (-Xptxas -v).
 
     float acc[kAccumulators];
 #pragma unroll
@@ -452,10 +503,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int step = 0; step < k_steps; ++step, ++iteration) {
       const int stage = iteration % STAGES;
       mbarrier_wait(full(stage), static_cast<uint32_t>(iteration / STAGES) & 1);  // its copies landed
-      if (!computes) {
-        if (lane == 0) mbarrier_arrive(empty(stage));  // filled, and not to be read: straight back
-        continue;
-      }
       fence_proxy_async();  // ... and are visible to the tensor cores (async proxy)
       const uint32_t a = stage_a(stage) + consumer * 64 * 128;  // this warpgroup's 64 rows: 8 KB in
       const uint32_t b = stage_a(stage) + a_bytes;
@@ -473,44 +520,46 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       wgmma_wait<1>();
       if (step > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
     }
-    if (computes) {
-      wgmma_wait<0>();
-      if (k_steps > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
-    }
+    wgmma_wait<0>();
+    if (k_steps > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) register_fence(acc[i]);
 
-    // ---- epilogue: fragments -> staging -> 16-byte chunks, as block_sparse_wgmma.cuh's STAGED ----
     // Accumulator layout of m64nNk16: warp w owns rows 16w .. 16w+15; acc[4j + v] is row
     // 16w + lane/4 (+8 for v >= 2), column 8j + 2 (lane % 4) (+1 for odd v).
-    if constexpr (!PERSISTENT) named_barrier(1, 256);  // the staging reuses stages the other
-                                                       // warpgroup's last wgmma may still read
     const int row = warp * 16 + lane / 4;
-    constexpr int passes = kWsBlockN / EPILOGUE_COLUMNS;
-    constexpr int slab_columns = EPILOGUE_COLUMNS < 128 ? EPILOGUE_COLUMNS : 128;  // one B x B block at most
-    constexpr int slab_row_chunks = slab_columns / 8;
+    if constexpr (EPILOGUE_COLUMNS == 0) {
+      ws_register_epilogue(problem, acc, consumer * 64 + row, lane % 4);
+    } else {
+      // ---- staged epilogue: fragments -> staging -> 16-byte chunks, as block_sparse_wgmma.cuh's ----
+      if constexpr (!PERSISTENT) named_barrier(1, 256);  // the staging reuses stages the other
+                                                         // warpgroup's last wgmma may still read
+      constexpr int passes = kWsBlockN / EPILOGUE_COLUMNS;
+      constexpr int slab_columns = EPILOGUE_COLUMNS < 128 ? EPILOGUE_COLUMNS : 128;  // one B x B block at most
+      constexpr int slab_row_chunks = slab_columns / 8;
 #pragma unroll
-    for (int pass = 0; pass < passes; ++pass) {
+      for (int pass = 0; pass < passes; ++pass) {
 #pragma unroll
-      for (int jj = 0; jj < EPILOGUE_COLUMNS / 8; ++jj) {
-        const int j = pass * (EPILOGUE_COLUMNS / 8) + jj, n = 8 * jj + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(staging + row * row_floats + n) = make_float2(acc[4 * j], acc[4 * j + 1]);
-        *reinterpret_cast<float2*>(staging + (row + 8) * row_floats + n) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-      }
-      named_barrier(2 + consumer, 128);  // this warpgroup's fragments are all in the staging
-      // Chunk order: slab of <= 128 columns (one block of SDD), row, chunk: a warp stores whole
-      // 16-chunk rows of one block, contiguous in the block array.
-      constexpr int chunks = 64 * EPILOGUE_COLUMNS / 8;
+        for (int jj = 0; jj < EPILOGUE_COLUMNS / 8; ++jj) {
+          const int j = pass * (EPILOGUE_COLUMNS / 8) + jj, n = 8 * jj + 2 * (lane % 4);
+          *reinterpret_cast<float2*>(staging + row * row_floats + n) = make_float2(acc[4 * j], acc[4 * j + 1]);
+          *reinterpret_cast<float2*>(staging + (row + 8) * row_floats + n) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+        }
+        named_barrier(2 + consumer, 128);  // this warpgroup's fragments are all in the staging
+        // Chunk order: slab of <= 128 columns (one block of SDD), row, chunk: a warp stores whole
+        // 16-chunk rows of one block, contiguous in the block array.
+        constexpr int chunks = 64 * EPILOGUE_COLUMNS / 8;
 #pragma unroll 2
-      for (int chunk = thread; chunk < chunks; chunk += 128) {
-        const int slab = chunk / (64 * slab_row_chunks), within = chunk % (64 * slab_row_chunks);
-        const int r = within / slab_row_chunks, n = slab * slab_columns + (within % slab_row_chunks) * 8;
-        const float4 lo = *reinterpret_cast<const float4*>(staging + r * row_floats + n);
-        const float4 hi = *reinterpret_cast<const float4*>(staging + r * row_floats + n + 4);
-        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        problem.store_chunk(consumer * 64 + r, pass * EPILOGUE_COLUMNS + n, v);
+        for (int chunk = thread; chunk < chunks; chunk += 128) {
+          const int slab = chunk / (64 * slab_row_chunks), within = chunk % (64 * slab_row_chunks);
+          const int r = within / slab_row_chunks, n = slab * slab_columns + (within % slab_row_chunks) * 8;
+          const float4 lo = *reinterpret_cast<const float4*>(staging + r * row_floats + n);
+          const float4 hi = *reinterpret_cast<const float4*>(staging + r * row_floats + n + 4);
+          const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          problem.store_chunk(consumer * 64 + r, pass * EPILOGUE_COLUMNS + n, v);
+        }
+        named_barrier(2 + consumer, 128);  // every read is done before the staging is written again
       }
-      named_barrier(2 + consumer, 128);  // every read is done before the staging is written again
     }
   }
 #else

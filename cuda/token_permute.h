@@ -7,20 +7,24 @@
 // Dimension legend: T tokens, D model width, K top-k; rows = the plan's max_rows (a host-known
 // bound; the true row count stays on the device in plan.total_rows).
 //
-//   permute_tokens        permuted_x[r] = x[row_slot[r] / K], zero where row_slot[r] = -1
+//   permute_tokens        permuted_x[r] = x[row_slot[r] / K], zero where row_slot[r] = -1 (rows
+//                         r < total_rows; the rest untouched)
 //   unpermute_and_combine y[t] = sum_k w[t, k] * expert_out[slot_row[t*K+k]]   (dropped slots add 0)
 //   combine_backward      d_expert_out[r] = w[slot] * dy[slot / K], zero where row_slot[r] = -1
+//                         (rows r < total_rows; the rest untouched, as permute_tokens)
 //                         d_combine_weights[t, k] = <dy[t], expert_out[slot_row[t*K+k]]>, 0 if dropped
 //   permute_backward      dx[t] (+)= sum_k d_permuted_x[slot_row[t*K+k]]
 //
-// Every row up to max_rows is written, padding and unused rows with zeros, so the expert GEMMs that
-// run over max_rows rows read finite numbers and their padding rows contribute nothing to weight
-// gradients. Nothing needs atomics: the plan maps every row to at most one slot and every slot to
+// The rows a plan uses (up to its device count total_rows) are all written, padding rows with
+// zeros, so their products are zero and add nothing to weight gradients. Rows past total_rows are
+// left as they were: no kernel reads them (the block-sparse products stop at the device's block
+// count, and a capacity plan uses all of its E*C rows), and at T=16384 D=1024 E=64 B=128 they are a
+// third of max_rows, which permute_tokens once spent a third of its bytes writing zeros to. Nothing needs atomics: the plan maps every row to at most one slot and every slot to
 // at most one row, so each kernel either gathers per row or sums a token's K rows.
 //
 // Layout: one warp per row (or per token); each lane moves 8 bf16 = 16 bytes at a time when D is
 // a multiple of 8 and the pointers are 16-byte aligned (the widest load a thread can issue), one
-// bf16 at a time otherwise. Sums are in fp32.
+// bf16 at a time otherwise, and issues 4 such loads before its stores. Sums are in fp32.
 #pragma once
 
 #include <cuda_runtime.h>  // cudaStream_t

@@ -254,7 +254,6 @@ LessonSdd lesson_sdd_problem(const DeviceTopology& t, const bf16* x, int D, cons
   problem.block_rows = t.block_rows;
   problem.offsets = t.offsets;
   problem.block_row_expert = t.block_row_expert;
-  problem.block_row_tokens = t.block_row_tokens;
   problem.a = x;
   problem.inner = D;
   problem.b = w1;
@@ -347,7 +346,6 @@ void launch_wgmma_dsd(const DeviceTopology& t, const bf16* hidden, const bf16* c
   problem.block_rows = t.block_rows;
   problem.offsets = t.offsets;
   problem.block_row_expert = t.block_row_expert;
-  problem.block_row_tokens = t.block_row_tokens;
   problem.s0 = hidden;
   problem.parts = 1;
   problem.blocks_per_expert = t.blocks_per_expert;
@@ -498,6 +496,9 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
     case 18:
       launch_wgmma_ws<4, 32, true, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
+    case 19:
+      launch_wgmma_ws<4, 0, true, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
+      break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
                      p.out_device.data(), stream);
@@ -560,7 +561,7 @@ int main(int argc, char** argv) {
   // The wgmma versions need a compute capability 9.0 GPU (and this program's sm_90a code) and B = 128.
   const bool hopper = properties.major == 9 && properties.minor == 0 && B == 128;
   std::vector<int> versions = {1, 2, 3, 4, 5};
-  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18});
+  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19});
   versions.push_back(11);
   bool all_pass = true;
   {
@@ -621,7 +622,7 @@ int main(int argc, char** argv) {
                          "12 = 9, staged epilogue", "13 = 10, staged epilogue",
                          "14 = 7, staged epilogue", "15 warp-spec. 128x256, 4 stages",
                          "16 = 15, persistent, 4 st", "17 = 15, persistent, 3 st",
-                         "18 = 16, TMA copies"};
+                         "18 = 16, TMA copies", "19 = 18, register epilogue"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----
