@@ -4,7 +4,7 @@
 // __syncthreads) pass each stage back and forth. Optionally persistent: one CTA per SM walks many
 // tiles, so that one tile's epilogue overlaps the next tile's copies.
 // The mainline's kernel for every product at B = 128 where the tile fits (block_sparse.cu, launch),
-// and cuda/dev/sdd.cu's versions 15-17 (the lesson). Build: cmake --build build --target dev_sdd
+// and cuda/dev/sdd.cu's versions 15-19 (the lesson). Build: cmake --build build --target dev_sdd
 //
 // Why: block_sparse_wgmma.cuh's kernel has every thread copy, then wait, then compute. Its 128 x 256
 // tile (half the L2 traffic per FLOP of 128 x 128) lost to 128 x 128 at 2 CTAs per SM because, at
@@ -14,7 +14,8 @@
 //     STAGES stages of A [128][64] and B [64][256] bf16 (48 KB a stage), the same 128-byte-swizzled
 //     layout as block_sparse_wgmma.cuh, so the matrix descriptors are the same;
 //   - warpgroups 1 and 2 (the consumers) only compute: each owns 64 rows x 256 columns of the tile
-//     (m64n256k16, 128 fp32 accumulators per thread), then stores them through a staged epilogue;
+//     (m64n256k16, 128 fp32 accumulators per thread), then stores them, straight from registers
+//     (ws_register_epilogue: the mainline) or through a staged epilogue in shared memory;
 //   - setmaxnreg moves registers from the producer (40 per thread: addresses and a counter) to the
 //     consumers (232: 128 accumulators and room to spare): 128 x 40 + 256 x 232 = 384 x 168, the
 //     registers the CTA is launched with (__launch_bounds__(384, 1)).

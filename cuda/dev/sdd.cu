@@ -35,7 +35,7 @@
 //      cuBLAS dense 705 | 778), with the epilogue kind a run-time switch in every store:
 //      v4 239 | 270, v6 217 | 306, v7 93 | 169, v8 264 | 337, v9 327 | 364-427, v10 92 | 163.
 //   11 the mainline library call moe::cuda::sdd (on an H100/H200 at B = 128 and H % 256 = 0 the
-//      kernel of version 18, before it version 16 and before that 12; else version 4)
+//      kernel of version 19, before it 18, 16 and 12; else version 4)
 //   12 version 9 with the epilogue staged through shared memory: after the main loop the fp32 tile
 //      goes to the (now idle) stage buffers, then each thread applies the epilogue to 16-byte chunks
 //      of 8 columns and stores them, a warp 512 contiguous bytes of a block (instead of 4-byte
@@ -103,9 +103,36 @@
 //      then wait for both CTAs' consumers). Half the L2 reads of A, but no gain: the FFN forward
 //      measured 2-5% slower at the three BASELINES shapes, the DSD alone 0.32 -> 0.31 ms at D = 1024
 //      but 2.14 -> 2.35 ms at D = 2048 (H200, 2026-11-22).
-//      The mainline (version 11) runs version 18's kernel for every product at B = 128,
-//      with the padding rows of a block row skipped and, where a row of tiles is long, a grouped
-//      tile order (block_sparse_wgmma_ws.cuh).
+//      A trap found later: the figures of version 18 above (not those of 15-17, measured before)
+//      were measured with ptxas serialising the wgmma (each waited for the one before it). An `if`
+//      around the consumers' wgmma (to skip a warpgroup whose 64 rows were all padding, added to
+//      the header between versions 17 and 18) made ptxas report "C7518 Potential Performance
+//      Loss: wgmma.mma_async instructions are serialized due to program dependence on
+//      compiler-inserted WG.DP in divergent path" for every kernel of the header; the report shows
+//      only with -Xptxas -v, and nothing else changes. Without the `if` (padding rows are zero, so
+//      computing them is harmless), version 18 at the three shapes: 418, 498, 606 TFLOP/s (59%, 65%,
+//      75% of cuBLAS; H200, 2026-11-22), and the whole forward at D = 4096 went from 0.83x to
+//      1.05x dense. The ctest PtxasWgmmaPipelined.block_sparse now fails on any C751x.
+//   19 version 18 with the register epilogue (ws_register_epilogue): no staging. The 4 lanes of a
+//      quad hold the 8 columns of a chunk between them; two butterfly stages of __shfl_xor_sync
+//      give each lane a whole chunk, which it stores as 16 bytes. No shared memory, no named
+//      barrier. ncu on the staged epilogue had shown why it costs: with rows padded by 8 floats
+//      every access used half the banks (10.4-12.7 wavefronts per chunk read, 2.3-2.5 per fragment
+//      write), and the consumers waited at 16 named barriers a tile with the tensor cores idle;
+//      the pad is 4 now (conflict-free), but the trip through shared memory remains.
+//      Measured on an H200, 2026-11-22 (useful TFLOP/s, % of cuBLAS), version 18 -> 19:
+//        T=16384 D=1024 H=4096 E=64 K=1:   418 -> 423 (59%)     cuBLAS 712
+//        T=16384 D=2048 H=8192 E=64 K=2:   498 -> 492 (64%)     cuBLAS 765
+//        T=8192 D=4096 H=14336 E=8 K=2:    606 -> 578 (72%)     cuBLAS 804
+//      On the SDD alone a draw, or a loss where tiles are long (64 k-steps at D = 4096: the
+//      epilogue is a small share, and a warp's stores cover 8 rows x 64 bytes instead of 512
+//      contiguous bytes). It pays where tiles are short: the weight gradients (4 k-steps a tile at
+//      D = 1024) went from 431 / 424 / 439 us to 409 / 344 / 334 us (the SDD of the backward, DSᵀD,
+//      DDS; ncu, T=16384 D=1024 E=64 uniform), and the layer (moe_bench, the same call, mainline
+//      built both ways): forward + backward 0.62x -> 0.68x dense at D = 1024, 0.77x -> 0.79x at
+//      D = 2048; forward 0.84x -> 0.94x at D = 2048, 0.98x -> 1.05x at D = 4096.
+//      The mainline (version 11) runs version 19's kernel for every product at B = 128, with a
+//      grouped tile order where a row of tiles is long (block_sparse_wgmma_ws.cuh).
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
