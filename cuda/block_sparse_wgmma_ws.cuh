@@ -352,6 +352,10 @@ constexpr int ws_tile_x() {
 // each lane stores its chunk, and a warp writes 8 rows x 64 contiguous bytes per store.
 // This replaces the staged epilogue's trip through shared memory (a float2 write and a float4 read
 // per value, and two named barriers per pass), which the consumers spent with the tensor cores idle.
+// Tried after it, and left out: starting consumer 1 one or two k-steps after consumer 0 (a named
+// barrier at the start; the shared stages keep them that far apart), so that one's epilogue would
+// overlap the other's last k-steps. moe_bench, two rounds each on an H200 (2026-11-22): no change
+// beyond the run-to-run noise of 2-5% at any BASELINES shape, forward or forward + backward.
 __device__ inline void quad_trade(float2& keep_if_low, float2& keep_if_high, bool high, int lane_mask) {
   const float2 send = high ? keep_if_low : keep_if_high;
   float2 received;
