@@ -223,6 +223,7 @@ struct SddArguments {
   const bf16* a;
   int inner;
   ExpertOperand b;
+  RowGather gather;  // set: `a` is x in token order, its rows gathered (forward only)
   SddEpilogue epilogue = SddEpilogue::store;
   const bf16* in0 = nullptr;
   const bf16* in1 = nullptr;
@@ -238,6 +239,7 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
     problem.block_row_expert = t.block_row_expert;
     problem.a = args.a;
     problem.inner = args.inner;
+    problem.gather = args.gather;
     problem.b = args.b.pointers;
     problem.ldb = args.b.ld;
     problem.column_offset = args.b.column_offset;
@@ -255,9 +257,11 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
   // when stored [k][n], one [256 n][64 k] box when read transposed.
   TmaOperands tma;
   const bool use_tma = takes_warp_specialized(t.block_size, hidden);
+  const bool gathered = args.gather.row_slot != nullptr;
+  if (gathered && !use_tma) throw std::logic_error("moe::cuda: gathered SDD rows without the warp-specialized kernel");
   if (use_tma) {
     const int64_t rows = static_cast<int64_t>(t.max_block_rows) * t.block_size;
-    tma.maps.a[0] = make_matrix_map(args.a, rows, args.inner, args.inner, 64);
+    if (!gathered) tma.maps.a[0] = make_matrix_map(args.a, rows, args.inner, args.inner, 64);  // else cp.async
     tma.maps.a[1] = tma.maps.a[0];
     tma.expert_prototype = args.b.transposed
                                ? make_matrix_map(args.a, args.b.column_offset + hidden, args.b.ld, args.b.ld, 256)
@@ -396,7 +400,25 @@ void require_ffn(const MoeConfig& config, const DeviceTopology& t, const std::st
           "topology.block_cols must be E * H / B");
 }
 
+// The experts' input rows: a permuted copy, or gathered where the kernels can (rows_gatherable).
+RowGather checked_rows(const MoeConfig& config, const ExpertRows& x, const std::string& function) {
+  require_pointer(x.data, function, "x.data (the experts' input rows)");
+  if (x.row_slot == nullptr) return {};
+  require(rows_gatherable(config), function,
+          "gathered input rows (ExpertRows::gathered) need the warp-specialized Hopper kernel: a compute "
+          "capability 9.0 GPU with an sm_90a build, B = 128 and H a multiple of 256; elsewhere permute the "
+          "rows first (permute_tokens) and pass the permuted copy");
+  require(x.top_k >= 1 && x.top_k == config.top_k, function, "x.top_k must be the config's K");
+  require(x.tokens == config.tokens && int64_t{x.tokens} * config.model_dim < (int64_t{1} << 31), function,
+          "x.tokens must be the config's T, and T * D below 2^31 (the gather's 32-bit offsets into x)");
+  return RowGather{x.row_slot, x.top_k};
+}
+
 }  // namespace
+
+bool rows_gatherable(const MoeConfig& config) {
+  return takes_warp_specialized(static_cast<int>(config.block_size), static_cast<int>(config.hidden_dim));
+}
 
 // ---- public products ----
 void sdd(const DeviceTopology& topology, const bf16* a, int inner, const ExpertOperand& b,
@@ -471,13 +493,13 @@ void dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16
 }
 
 // ---- the dropless expert FFN ----
-void block_sparse_ffn_forward(const MoeConfig& config, const DeviceTopology& topology,
-                              const bf16* permuted_x, const bf16* const* w1, const bf16* const* w2,
-                              const BlockSparseFfnOutputs& outputs, cudaStream_t stream) {
+void block_sparse_ffn_forward(const MoeConfig& config, const DeviceTopology& topology, const ExpertRows& x,
+                              const bf16* const* w1, const bf16* const* w2, const BlockSparseFfnOutputs& outputs,
+                              cudaStream_t stream) {
   const std::string f = "moe::cuda::block_sparse_ffn_forward";
   require_ffn(config, topology, f);
   const bool swiglu = config.activation == Activation::swiglu;
-  require_pointer(permuted_x, f, "permuted_x");
+  const RowGather gather = checked_rows(config, x, f);
   require_pointer(w1, f, "w1");
   require_pointer(w2, f, "w2");
   require_pointer(outputs.pre_activation, f, "outputs.pre_activation");
@@ -487,11 +509,11 @@ void block_sparse_ffn_forward(const MoeConfig& config, const DeviceTopology& top
   const int D = static_cast<int>(config.model_dim), H = static_cast<int>(config.hidden_dim);
   const int w1_cols = swiglu ? 2 * H : H;
 
-  SddArguments first{permuted_x, D, ExpertOperand{w1, w1_cols, 0, false}};
+  SddArguments first{x.data, D, ExpertOperand{w1, w1_cols, 0, false}, gather};
   first.out0 = outputs.pre_activation;
   if (swiglu) {
     launch_sdd(topology, first, stream);  // the gate blocks
-    SddArguments up{permuted_x, D, ExpertOperand{w1, w1_cols, H, false}};
+    SddArguments up{x.data, D, ExpertOperand{w1, w1_cols, H, false}, gather};
     up.epilogue = SddEpilogue::swiglu;
     up.in0 = outputs.pre_activation;
     up.out0 = outputs.up_projection;

@@ -283,6 +283,17 @@ __device__ inline void store8(float* out, const float (&v)[8]) {
 // transposed (backward: d_hidden = d_out · W2_eᵀ).
 // EPILOGUE is a template parameter, not a field: each kernel carries the code of its own epilogue
 // only, with no run-time switch in every one of its 64-128 unrolled stores.
+// Gathered rows (the SDD's A operand in the forward: the experts' input): `a` is either stored in
+// expert order ([max_rows, inner], the permuted x) or, with row_slot set, is x itself in token order
+// ([T, inner]): expert-order row r is then token row_slot[r] / top_k, and a zero row where
+// row_slot[r] < 0 (padding). Only the warp-specialized kernel's producer gathers (WsGatheredRows,
+// block_sparse_wgmma_ws.cuh); the host sends gathered problems nowhere else (block_sparse.cu,
+// rows_gatherable).
+struct RowGather {
+  const int* row_slot = nullptr;  // [max_rows] (DevicePlan::row_slot), or nullptr: stored in expert order
+  int top_k = 1;                  // K: slot t*K + k belongs to token t
+};
+
 template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
 struct SddProblem {
   static constexpr bool grid_x_over_m = false;
@@ -293,8 +304,9 @@ struct SddProblem {
   const int* block_rows;
   const int* offsets;
   const int* block_row_expert;
-  const bf16* a;  // [max_rows, inner]
+  const bf16* a;  // [max_rows, inner], or [T, inner] in token order when gather.row_slot is set
   int inner;      // Kd
+  RowGather gather;
   const bf16* const* b;  // [E]
   int ldb;
   int column_offset;

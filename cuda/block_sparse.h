@@ -87,6 +87,34 @@ void dds(const DeviceTopology& topology, const bf16* dense, int cols,  // [max_r
 void dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16* s_blocks,
          bf16* const* out, int ldo, int column_offset, cudaStream_t stream = nullptr);
 
+// ---- the experts' input rows ----
+// The forward's SDD reads its input x in expert order (row r of expert e's rows, padded to B).
+// Either a permuted copy holds them ([max_rows, D], what permute_tokens writes), or the SDD gathers
+// them from x in token order as it copies its operand: row r is then x[row_slot[r] / K], and a
+// zero row where row_slot[r] < 0 (padding). Gathering saves the forward's permute kernel and its
+// copy of x (ScatterMoE, Tan et al. 2024, does the same); it runs on the warp-specialized Hopper
+// kernel only (rows_gatherable), elsewhere the caller permutes first. The backward's DDS reads a
+// permuted copy either way (gathering there cost more than the permute: block_sparse_wgmma_ws.cuh).
+struct ExpertRows {
+  const bf16* data = nullptr;     // [max_rows, D] in expert order, or [T, D] in token order
+  const int* row_slot = nullptr;  // nullptr: data is in expert order; else DevicePlan::row_slot
+  int top_k = 1;                  // K, with row_slot
+  int tokens = 0;                 // T, with row_slot: x's rows
+  ExpertRows() = default;
+  ExpertRows(const bf16* permuted) : data(permuted) {}  // NOLINT: a permuted copy converts implicitly
+  static ExpertRows gathered(const bf16* x, const DevicePlan& plan) {
+    ExpertRows rows(x);
+    rows.row_slot = plan.row_slot;
+    rows.top_k = plan.top_k;
+    rows.tokens = plan.tokens;
+    return rows;
+  }
+};
+
+// Whether block_sparse_ffn_forward can gather the rows for this config on the current GPU:
+// compute capability 9.0 with an sm_90a build, B = 128, H a multiple of 256.
+bool rows_gatherable(const MoeConfig& config);
+
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,
 // out = DSD(hidden, W2). SwiGLU: pre holds the gate blocks, up the up blocks, and the second SDD's
@@ -99,7 +127,7 @@ struct BlockSparseFfnOutputs {  // device buffers the caller owns
 };
 
 void block_sparse_ffn_forward(const MoeConfig& config, const DeviceTopology& topology,
-                              const bf16* permuted_x,   // [max_rows, D]
+                              const ExpertRows& x,      // permuted [max_rows, D] or gathered
                               const bf16* const* w1,    // device [E] -> [D, w1_columns]
                               const bf16* const* w2,    // device [E] -> [H, D]
                               const BlockSparseFfnOutputs& outputs, cudaStream_t stream = nullptr);
@@ -120,7 +148,7 @@ struct BlockSparseFfnGradients {  // device buffers the caller owns
 };
 
 void block_sparse_ffn_backward(const MoeConfig& config, const DeviceTopology& topology,
-                               const bf16* permuted_x,  // [max_rows, D]
+                               const bf16* permuted_x,  // [max_rows, D] (permute_tokens)
                                const bf16* const* w1,   // device [E] -> [D, w1_columns]
                                const bf16* const* w2,   // device [E] -> [H, D]
                                const BlockSparseFfnOutputs& forward,

@@ -228,6 +228,61 @@ __device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64
     opaque(from);
   }
 }
+
+// ---- gathered rows: the SDD's A operand straight from x in token order (RowGather) ----
+// The copies of ws_copy_k_major<128> ([128 rows][64 k]: thread t copies chunk t % 8 of rows
+// t / 8 + 16 i), with every row fetched from where the plan says: expert-order row r is token
+// row_slot[r] / K. A tile keeps its 128 rows for every k-step (only the column moves), so each
+// thread looks its 8 rows up once a tile, in two steps:
+//   fetch    loads the 8 slots, at the start of the tile, before the wait for the first stage;
+//   resolve  turns them into offsets into x after that wait, so the loads' trip to memory overlaps it;
+// then copy issues one cp.async per row at every k-step.
+// A padding row (row_slot < 0) copies 0 source bytes, which cp.async fills with zeros (its
+// src-size operand): the operand holds zeros there, exactly what permute_tokens would have
+// written. This is the permute kernel folded into the copies the product makes anyway: x is read
+// once, by the product, and no permuted copy is written (ScatterMoE, Tan et al. 2024, fuses the
+// same gather into its grouped GEMM).
+// Measured on an H200 (ncu, 2026-11-22, the GeLU SDD at T=16384 D=1024 H=4096 E=64 K=1 / T=8192
+// D=4096 H=14336 E=8 K=2): TMA on the permuted copy 322 us / 2.78 ms, gathered 329 us / 3.00 ms:
+// 128 threads issuing 16-byte copies cost 2-8% against one thread issuing TMA boxes, less than the
+// permute kernel it saves (20-75 us). Looking the rows up at every k-step, with a division, just
+// before the copies took 501 us. The DDS of the backward (dW1 = xᵀ d_pre) gathered the same way,
+// with its 64 new rows a k-step fetched one k-step ahead: 357 against 344 us at D=1024 but 3.69
+// against 2.68 ms at D=4096, so the backward permutes x once and its DDS reads the copy by TMA.
+struct WsGatheredRows {
+  static constexpr int kRows = 8;
+  static constexpr int kRowStep = 16;  // rows 16 apart share row % 8: one swizzled address for all 8
+  // this thread's rows: their slots after fetch, then (resolve) the element offset of this
+  // thread's chunk of each row in x, or -1 for a padding row
+  int source[kRows];
+
+  template <class Problem>
+  __device__ void fetch(const Problem& problem, int thread) {
+    const int* const row_slot = problem.gather.row_slot + problem.row * problem.block_size + thread / 8;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) source[i] = __ldg(row_slot + kRowStep * i);
+  }
+  template <class Problem>
+  __device__ void resolve(const Problem& problem, int thread) {
+    const int top_k = problem.gather.top_k, column = (thread % 8) * 8;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      source[i] = source[i] < 0 ? -1 : (source[i] / top_k) * problem.inner + column;  // < 2^31: host-checked
+    }
+  }
+  __device__ void copy(uint32_t tile, const bf16* x, int first_column, int thread) const {
+    const int row0 = thread / 8, c = thread % 8;
+    const uint32_t to = tile + row0 * 128 + ((c ^ (row0 & 7)) << 4);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const bool real = source[i] >= 0;
+      const bf16* from = x + (real ? source[i] + first_column : 0);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to + i * kRowStep * 128), "l"(from),
+                   "r"(real ? 16 : 0)
+                   : "memory");
+    }
+  }
+};
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- the kernel ----
@@ -258,7 +313,9 @@ template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
 __device__ inline void ws_tma_copy(const SddProblem<B_LAYOUT, EPILOGUE>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
                                    uint32_t bar, int step) {
   const int k0 = step * kBlockK;
-  for (int h = 0; h < 2; ++h) tma_load(a + h * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * h);
+  if (p.gather.row_slot == nullptr) {  // gathered rows come by cp.async (WsGatheredRows)
+    for (int h = 0; h < 2; ++h) tma_load(a + h * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * h);
+  }
   ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start);
 }
 // DSD: A = the block row's blocks from the 3-D map of its part; B = the expert's W (rows over all parts).
@@ -302,6 +359,21 @@ __device__ inline void ws_tma_copy(const DdsProblem<OUT, 2>& p, const TmaMaps& m
 // the kernel's TMA path calls the same signature, so the two cannot drift apart.
 template <class Problem>
 concept WsTmaCopies = requires(const Problem& p, const TmaMaps& maps) { ws_tma_copy(p, maps, 0u, 0u, 0u, 0); };
+
+// Whether the problem's A rows are gathered from token order (the SDD with a RowGather set);
+// always false for the other products. The same on every thread: it reads a kernel parameter.
+template <class Problem>
+concept WsGatherable = requires(const Problem& p) {
+  p.gather.row_slot;
+  p.gather.top_k;
+};
+template <class Problem>
+__device__ inline bool ws_gathers_a(const Problem& problem) {
+  if constexpr (WsGatherable<Problem>)
+    return problem.gather.row_slot != nullptr;
+  else
+    return false;
+}
 
 // Where columns 128 .. 255 of the problem's B chunk start (Problem::b_second_half, default 128).
 template <class Problem>
@@ -417,11 +489,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   auto empty = [&](int stage) { return barriers + (STAGES + stage) * 8; };
   auto stage_a = [&](int stage) { return shared_base + stage * wgmma_stage_bytes<kWsBlockN>(); };
 
+  // TMA with gathered A rows: thread 0 copies B by TMA and every producer thread gathers A by cp.async.
+  const bool gather = TMA && ws_gathers_a(parameters);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(full(s), TMA ? 1 : kWsProducerThreads);  // the expect_tx arrival, or one cp.async
-                                                             // arrival per producer thread
-      mbarrier_init(empty(s), 8);                  // one arrival per consumer warp
+      // The expect_tx arrival (TMA), one cp.async arrival per producer thread (cp.async), or both.
+      mbarrier_init(full(s), (TMA ? 1 : 0) + (!TMA || gather ? kWsProducerThreads : 0));
+      mbarrier_init(empty(s), 8);  // one arrival per consumer warp
     }
     // Makes the initialised barriers visible to the other threads' (and the cp.async unit's) arrivals.
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -439,20 +513,35 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int thread = threadIdx.x;
     if constexpr (TMA) {
       static_assert(WsTmaCopies<Problem>, "TMA copies for a product without a ws_tma_copy overload");
-      if (thread != 0) return;  // one thread issues every copy
+      if (thread != 0 && !gather) return;  // one thread issues every copy
+      constexpr uint32_t b_bytes = kWsBlockN * kBlockK * sizeof(bf16);  // 32 KB
+      WsGatheredRows rows;  // this thread's rows of x when they are gathered
       for (int tile = first_tile; tile < tiles; tile += tile_stride) {
         Problem problem = parameters;
         const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
         if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
         const int k_steps = problem.k_steps();
+        if constexpr (WsGatherable<Problem>) {
+          if (gather) rows.fetch(problem, thread);
+        }
         for (int step = 0; step < k_steps; ++step, ++iteration) {
           const int stage = iteration % STAGES;
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
           mbarrier_wait(empty(stage), (use & 1) ^ 1);
-          mbarrier_arrive_expect_tx(full(stage), (kWgmmaBlockM + kWsBlockN) * kBlockK * sizeof(bf16));
-          ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step);
+          if (thread == 0) {
+            mbarrier_arrive_expect_tx(full(stage), (gather ? 0 : a_bytes) + b_bytes);
+            ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step);
+          }
+          if constexpr (WsGatherable<Problem>) {
+            if (gather) {
+              if (step == 0) rows.resolve(problem, thread);
+              rows.copy(stage_a(stage), problem.a, step * kBlockK, thread);
+              cp_async_arrive_noinc(full(stage));  // arrives when this thread's rows have landed
+            }
+          }
         }
       }
+      if (gather) cp_async_wait<0>();  // leave no copy in flight behind an exited thread
     } else {
       for (int tile = first_tile; tile < tiles; tile += tile_stride) {
         Problem problem = parameters;

@@ -108,6 +108,7 @@ MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
     : config_(checked(config)),
       dropless_(config.formulation == Formulation::dropless),
       capacity_(dropless_ ? 0 : static_cast<int>(capacity(config))),
+      gathers_rows_(dropless_ && rows_gatherable(config_)),
       plan_(plan_config(config)),
       router_workspace_(config.num_experts) {
   const size_t T = config_.tokens, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts,
@@ -178,18 +179,20 @@ void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y
     build_dispatch_plan(top_experts_.data(), plan_, stream);
     if (dropless_) build_topology(plan_.plan(), *topology_, stream);
   });
-  phase(timer_, "dispatch", stream, [&] { permute_tokens(plan_.plan(), x, permuted_x_.data(), D, stream); });
-  phase(timer_, "expert_compute", stream, [&] { experts_forward(weights, stream); });
+  if (!gathers_rows_) {
+    phase(timer_, "dispatch", stream, [&] { permute_tokens(plan_.plan(), x, permuted_x_.data(), D, stream); });
+  }
+  phase(timer_, "expert_compute", stream, [&] { experts_forward(x, weights, stream); });
   phase(timer_, "combine", stream, [&] {
     unpermute_and_combine(plan_.plan(), combine_weights_.data(), expert_out_.data(), y, D, stream);
   });
 }
 
-void MoeLayerGpu::experts_forward(const MoeLayerWeights& weights, cudaStream_t stream) {
+void MoeLayerGpu::experts_forward(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream) {
   if (dropless_) {
     const BlockSparseFfnOutputs outputs{pre_activation_.data(), nullptr, hidden_.data(), expert_out_.data()};
-    block_sparse_ffn_forward(config_, topology_->topology(), permuted_x_.data(), weights.w1, weights.w2, outputs,
-                             stream);
+    const ExpertRows rows = gathers_rows_ ? ExpertRows::gathered(x, plan_.plan()) : ExpertRows(permuted_x_.data());
+    block_sparse_ffn_forward(config_, topology_->topology(), rows, weights.w1, weights.w2, outputs, stream);
     return;
   }
   // Padded / dropping: E products [C, D] x [D, H], GeLU, E products [C, H] x [H, D].
@@ -227,6 +230,10 @@ void MoeLayerGpu::backward(const bf16* x, const MoeLayerWeights& weights, const 
   const bf16* const gate_input = router_input != nullptr ? router_input : x;
   float* const d_gate_input = d_router_input != nullptr ? d_router_input : gradients.dx;
   const float d_gate_input_beta = d_router_input != nullptr ? 0.0f : 1.0f;
+  // The weight gradient dW1 reads x's rows in expert order: a forward that gathered them wrote no copy.
+  if (gathers_rows_) {
+    phase(timer_, "dispatch", stream, [&] { permute_tokens(plan_.plan(), x, permuted_x_.data(), D, stream); });
+  }
   // combine: d expert_out rows = w * dy, and d combine_weights (the router's input gradient)
   phase(timer_, "combine_backward", stream, [&] {
     combine_backward(plan_.plan(), combine_weights_.data(), dy, expert_out_.data(), d_expert_out_.data(),

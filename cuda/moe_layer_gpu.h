@@ -7,7 +7,10 @@
 //   router      logits = x Wg (cuBLAS), fused softmax + top-K + combine weights, router losses
 //   plan        histogram, prefix sums, stable sort by expert (dispatch_plan.h)
 //   topology    BCSR + transpose indices of the hidden matrix (dropless only, block_topology.h)
-//   permute     gather x into expert order, padding rows zeroed (token_permute.h)
+//   permute     gather x into expert order, padding rows zeroed (token_permute.h); on the
+//               dropless Hopper path the SDD gathers x's rows itself as it copies them
+//               (block_sparse.h, ExpertRows), and the permute runs in the backward instead, for
+//               the weight gradient dW1
 //   experts     dropless: block-sparse SDD (+GeLU) and DSD on tensor cores (block_sparse.h)
 //               padded / dropping: cuBLAS batched GEMMs over [E, C, D] (the GShard / Tutel way;
 //               dropping is padded with the capacity C = ceil(cf*T*K/E): the same kept tokens, the
@@ -35,6 +38,7 @@
 #include <memory>
 
 #include "bf16.h"            // bf16
+#include "block_sparse.h"    // ExpertRows
 #include "block_topology.h"  // TopologyBuffers
 #include "device_buffer.h"   // DeviceBuffer
 #include "dispatch_plan.h"   // DispatchPlanBuffers
@@ -104,18 +108,19 @@ class MoeLayerGpu {
   const DeviceBuffer<float>& combine_weights() const { return combine_weights_; }  // [T, K]
   const DeviceBuffer<float>& aux_loss() const { return aux_loss_; }                // [1] unscaled
   const DeviceBuffer<float>& z_loss() const { return z_loss_; }                    // [1] unscaled
-  const DeviceBuffer<bf16>& permuted_x() const { return permuted_x_; }             // [max_rows, D]
+  // The forward's SDD gathers x's rows (no permute before it); the backward then permutes.
+  bool gathers_rows() const { return gathers_rows_; }
   const DeviceBuffer<bf16>& expert_out() const { return expert_out_; }             // [max_rows, D]
 
  private:
-  void experts_forward(const MoeLayerWeights& weights, cudaStream_t stream);
-  void experts_backward(const MoeLayerWeights& weights, const MoeLayerGradients& gradients,
-                        cudaStream_t stream);
+  void experts_forward(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream);
+  void experts_backward(const MoeLayerWeights& weights, const MoeLayerGradients& gradients, cudaStream_t stream);
 
   MoeConfig config_;
   PhaseTimer* timer_ = nullptr;
   bool dropless_ = true;
   int capacity_ = 0;  // C for the padded / dropping formulations
+  bool gathers_rows_ = false;  // dropless on Hopper: the forward writes no permuted copy of x (rows_gatherable)
   CublasHandle cublas_;
   DispatchPlanBuffers plan_;
   std::unique_ptr<TopologyBuffers> topology_;
@@ -126,7 +131,8 @@ class MoeLayerGpu {
   DeviceBuffer<float> expert_fraction_, mean_probs_, aux_loss_, z_loss_;  // [E] [E] [1] [1]
   RouterWorkspace router_workspace_;  // route_top_k's per-block partial sums of the statistics
   // experts: dropless stores the hidden activations as [max_nnz, B, B] blocks, padded as
-  // [E*C, H] rows; both are max_rows * H values.
+  // [E*C, H] rows; both are max_rows * H values. permuted_x_ is written by the backward when the
+  // forward gathers the rows.
   DeviceBuffer<bf16> permuted_x_, pre_activation_, hidden_, expert_out_;
   // backward
   DeviceBuffer<bf16> d_expert_out_, d_hidden_, d_pre_activation_, d_permuted_x_, d_logits_bf16_;

@@ -10,6 +10,7 @@
 //                 --routing-from RUN_DIR[@STEP]  (adds "captured": the shares of the run's most
 //                 imbalanced MoE layer at STEP, default its last recorded step; shapes of its E only)
 //                 --only NAME[,NAME...]  --out FILE  --warmup 3  --repeat 20  --seed 1234
+//                 --permuted-rows (block-sparse on a permuted copy of x, not gathering its rows)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, C capacity,
@@ -17,8 +18,9 @@
 //
 // Formulations (names as in the table and the JSON):
 //   block_sparse_B128, _B64  dropless MegaBlocks FFN on our block-sparse kernels (block_sparse.h); the
-//                            plan and topology are built on the GPU from top_experts and x is
-//                            permuted by the GPU kernels, as in a real layer
+//                            plan and topology are built on the GPU from top_experts, as in a real
+//                            layer; x's rows are gathered by the SDD and DDS where the kernels can
+//                            (Hopper, B = 128), else permuted by the GPU kernel into a copy
 //   grouped_cublas           dropless, cuBLAS grouped GEMM on the exact per-expert row counts
 //   padded_max               every expert padded to C = the largest count, one batched GEMM [E, C, D]
 //   dropping_cf1.00, _cf1.25 C = ceil(cf * T*K / E), tokens past C dropped, batched GEMM [E, C, D]
@@ -125,6 +127,7 @@ struct Options {
   std::string out;
   int warmup = 3, repeat = 20;
   uint64_t seed = 1234;
+  bool permuted_rows = false;  // block-sparse on a permuted copy of x even where the SDD can gather
 
   // dense_cublas is always timed: every ratio is taken against it.
   bool selected(const std::string& formulation) const {
@@ -195,7 +198,9 @@ std::string utc_now(const char* format) {
 const char* kUsage =
     "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
-    "                 [--warmup N] [--repeat N] [--seed N]\n"
+    "                 [--warmup N] [--repeat N] [--seed N] [--permuted-rows]\n"
+    "  --permuted-rows: the block-sparse FFN reads a permuted copy of x (and the routing overhead\n"
+    "                times permute_tokens) even where its SDD and DDS can gather x's rows\n"
     "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
     "                layer at STEP, default the last recorded), on the shapes with the run's E\n"
     "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
@@ -240,6 +245,8 @@ Options parse_options(int argc, char** argv) {
       options.repeat = std::stoi(value());
     } else if (arg == "--seed") {
       options.seed = std::stoull(value());
+    } else if (arg == "--permuted-rows") {
+      options.permuted_rows = true;
     } else if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -677,6 +684,7 @@ struct Measurement {
   Routing routing;
   std::string formulation;
   int block_size = 0, capacity = 0;
+  bool gathers_rows = false;  // block-sparse: x's rows gathered by the SDD and DDS (no permuted copy)
   int64_t computed_rows = 0, useful_rows = 0;  // rows multiplied vs rows that belong to a kept token
   double dropped_fraction = 0;
   Timing forward, forward_backward;
@@ -916,11 +924,18 @@ class RoutingBench {
     f.dx.fill_bytes(0xFF, stream_);
     f.dw1.fill_bytes(0xFF, stream_);
     f.dw2.fill_bytes(0xFF, stream_);
+    // What the layer runs: x's rows gathered by the forward's SDD where the kernels can (no permute
+    // in the forward, so none in the routing overhead either; the backward then permutes x for its
+    // DDS, and that permute is timed with the backward), else the permuted copy.
+    const bool gathered = !options_.permuted_rows && moe::cuda::rows_gatherable(f.config);
+    const moe::cuda::ExpertRows rows =
+        gathered ? moe::cuda::ExpertRows::gathered(in_.x.data(), plan) : moe::cuda::ExpertRows(f.x.data());
     auto forward = [&] {
-      moe::cuda::block_sparse_ffn_forward(f.config, topology, f.x.data(), in_.w1_of.data(), in_.w2_of.data(),
-                                          f.outputs(), stream_);
+      moe::cuda::block_sparse_ffn_forward(f.config, topology, rows, in_.w1_of.data(), in_.w2_of.data(), f.outputs(),
+                                          stream_);
     };
     auto backward = [&] {
+      if (gathered) moe::cuda::permute_tokens(plan, in_.x.data(), f.x.data(), s_.D, stream_);
       moe::cuda::block_sparse_ffn_backward(f.config, topology, f.x.data(), in_.w1_of.data(), in_.w2_of.data(),
                                            f.outputs(), f.d_out.data(), f.gradients(), stream_);
     };
@@ -934,17 +949,19 @@ class RoutingBench {
 
     Measurement& m = add_measurement(name, -1, routed_rows());
     m.block_size = B;
+    m.gathers_rows = gathered;  // and forward_backward_ms includes the backward's permute
     std::vector<int> total_rows = download_ints(f.plan.total_rows);
     m.computed_rows = total_rows[0];
     time_forward_backward(m, forward, backward);
-    if (B == 128) routing_overhead(f, m.forward.median_ms);
+    if (B == 128) routing_overhead(f, m.forward.median_ms, gathered);
   }
 
   // Everything of a forward layer step outside the expert FFN, with the real kernels: the router,
-  // the plan, the topology, the permutation and the weighted un-permutation. The plan is built from
+  // the plan, the topology, the permutation (unless the SDD gathers the rows, as the layer then runs
+  // none) and the weighted un-permutation. The plan is built from
   // this bench's deterministic top_experts (so its sizes match the routing measured); the router
   // computes its losses from its own top_experts.
-  void routing_overhead(BlockSparseFfn& f, double ffn_forward_ms) {
+  void routing_overhead(BlockSparseFfn& f, double ffn_forward_ms, bool gathered) {
     if (!fits(size_t(s_.T) * (s_.D * 2 + s_.E * 8 + s_.K * 8) + size_t(s_.D) * s_.E * 2, label_ + " routing overhead",
               report_)) {
       return;
@@ -953,7 +970,7 @@ class RoutingBench {
     fill_uniform(r.gate_weights, 1.0f / std::sqrt(float(s_.D)), options_.seed + 5);
     const moe::cuda::DevicePlan plan = f.plan.plan();
     cublasHandle_t h = cublas_.get();
-    const std::vector<std::pair<std::string, std::function<void()>>> steps = {
+    std::vector<std::pair<std::string, std::function<void()>>> steps = {
         {"router_logits", [&] { moe::cuda::router_logits(h, in_.x.data(), r.gate_weights.data(), r.logits.data(), s_.T, s_.D, s_.E, stream_); }},
         {"route_top_k", [&] { moe::cuda::route_top_k(r.logits.data(), r.probs.data(), r.top_experts.data(), r.combine_weights.data(), r.logsumexp.data(), r.expert_fraction.data(), r.mean_probs.data(), r.aux_loss.data(), r.z_loss.data(), r.workspace, s_.T, s_.E, s_.K, false, stream_); }},
         {"build_dispatch_plan", [&] { moe::cuda::build_dispatch_plan(top_experts_.data(), f.plan, stream_); }},
@@ -961,6 +978,7 @@ class RoutingBench {
         {"permute_tokens", [&] { moe::cuda::permute_tokens(plan, in_.x.data(), f.x.data(), s_.D, stream_); }},
         {"unpermute_and_combine", [&] { moe::cuda::unpermute_and_combine(plan, r.combine_weights.data(), f.out.data(), r.y.data(), s_.D, stream_); }},
     };
+    if (gathered) steps.erase(steps.begin() + 4);  // the SDD gathers the rows: the layer runs no permute
     Overhead o;
     o.shape = s_;
     o.routing = routing_;
@@ -1120,6 +1138,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                        {"routing", moe::bench::to_string(m.routing)},
                        {"formulation", m.formulation},
                        {"block_size", m.block_size},
+                       {"gathers_rows", m.gathers_rows},
                        {"capacity", m.capacity},
                        {"computed_rows", m.computed_rows},
                        {"useful_rows", m.useful_rows},
@@ -1175,7 +1194,8 @@ void print_table(const Report& report) {
                 m.forward_vs_dense, m.forward_backward_tflops, m.forward_backward_vs_dense, 100.0 * m.dropped_fraction);
   }
   if (!report.overheads.empty()) {
-    std::printf("\nOutside the expert FFN (router, losses, plan, topology, permute, un-permute), forward:\n");
+    std::printf("\nOutside the expert FFN (router, losses, plan, topology, permute unless the SDD gathers, "
+                "un-permute), forward:\n");
     std::printf("%-32s %-8s %10s %14s %8s\n", "shape", "routing", "ms", "B128 FFN ms", "share");
     for (const Overhead& o : report.overheads) {
       std::printf("%-32s %-8s %10.3f %14.3f %7.1f%%\n", o.shape.name().c_str(),

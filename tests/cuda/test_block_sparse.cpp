@@ -150,7 +150,8 @@ struct Problem {
   moe::ref::BlockSparseTopology topology;
   moe::cuda::UploadedTopology device;
   int64_t rows = 0, max_rows = 0;
-  Matrix permuted_x, d_out;       // [rows, D]
+  Matrix x;                       // [T, D] in token order
+  Matrix permuted_x, d_out;       // [rows, D]: x's rows in expert order (zero padding rows), d_out
   std::vector<Matrix> w1, w2;     // E x [D, w1_columns], E x [H, D]
 
   Problem(int T, int D, int H, int E, int K, int B, Activation activation, Routing routing, uint64_t seed) {
@@ -185,9 +186,10 @@ struct Problem {
     device = moe::cuda::upload_topology(topology, H, max_rows);
 
     const int64_t w1_cols = moe::w1_columns(config);
-    permuted_x = random_bf16_matrix(rows, D, generator, 1.0);
+    x = random_bf16_matrix(T, D, generator, 1.0);
+    permuted_x = Matrix::Zero(rows, D);  // padding rows zero, as permute_tokens writes them
     for (int64_t r = 0; r < rows; ++r)
-      if (plan.row_slot[size_t(r)] < 0) permuted_x.row(r).setZero();  // padding rows, as permute writes
+      if (plan.row_slot[size_t(r)] >= 0) permuted_x.row(r) = x.row(plan.row_slot[size_t(r)] / K);
     d_out = random_bf16_matrix(rows, D, generator, 1.0);
     for (int64_t r = 0; r < rows; ++r)
       if (plan.row_slot[size_t(r)] < 0) d_out.row(r).setZero();  // as combine_backward writes
@@ -217,81 +219,100 @@ void check_ffn(const Problem& p) {
       moe::ref::expert_ffn_backward(c, p.plan, p.permuted_x, p.w1, p.w2, dense_forward, p.d_out);
 
   const ExpertWeights w1(p.w1), w2(p.w2);
-  const DeviceBuffer<bf16> x = upload_rows(p.permuted_x, p.max_rows);
   const DeviceBuffer<bf16> d_out = upload_rows(p.d_out, p.max_rows);
-  DeviceBuffer<bf16> pre = poisoned_bf16(p.block_elements()), hidden = poisoned_bf16(p.block_elements());
-  DeviceBuffer<bf16> up = poisoned_bf16(swiglu ? p.block_elements() : 0);
-  DeviceBuffer<bf16> out = poisoned_bf16(size_t(p.max_rows * D));
+  // The forward once with the rows in a permuted copy, once gathered from x in token order where the
+  // kernels can; the backward reads the permuted copy.
+  const DeviceBuffer<bf16> permuted_x = upload_rows(p.permuted_x, p.max_rows);
+  const DeviceBuffer<bf16> token_x = upload_rows(p.x, p.x.rows());
+  std::vector<int> row_slot(p.plan.row_slot.begin(), p.plan.row_slot.end());
+  row_slot.resize(size_t(p.max_rows), -1);
+  const DeviceBuffer<int> row_slot_device(row_slot);
+  moe::cuda::ExpertRows gathered(token_x.data());
+  gathered.row_slot = row_slot_device.data();
+  gathered.top_k = int(c.top_k);
+  gathered.tokens = int(c.tokens);
+  for (const bool gather : {false, true}) {
+    if (gather && !moe::cuda::rows_gatherable(c)) {
+      std::printf("  (gathered rows: not on this GPU or config, only the permuted copy is checked)\n");
+      continue;
+    }
+    SCOPED_TRACE(gather ? "rows gathered from x in token order" : "rows from the permuted copy");
+    std::printf("  -- input rows %s\n", gather ? "gathered from x (token order)" : "from the permuted copy");
+    const moe::cuda::ExpertRows x = gather ? gathered : moe::cuda::ExpertRows(permuted_x.data());
+    DeviceBuffer<bf16> pre = poisoned_bf16(p.block_elements()), hidden = poisoned_bf16(p.block_elements());
+    DeviceBuffer<bf16> up = poisoned_bf16(swiglu ? p.block_elements() : 0);
+    DeviceBuffer<bf16> out = poisoned_bf16(size_t(p.max_rows * D));
 
-  moe::cuda::BlockSparseFfnOutputs outputs{pre.data(), swiglu ? up.data() : nullptr, hidden.data(), out.data()};
-  moe::cuda::block_sparse_ffn_forward(c, p.device.topology, x.data(), w1.table.data(), w2.table.data(), outputs);
+    moe::cuda::BlockSparseFfnOutputs outputs{pre.data(), swiglu ? up.data() : nullptr, hidden.data(), out.data()};
+    moe::cuda::block_sparse_ffn_forward(c, p.device.topology, x, w1.table.data(), w2.table.data(), outputs);
 
-  const auto out_host = out.download();
-  const auto pre_host = pre.download(), hidden_host = hidden.download();
-  EXPECT_CLOSE(pre_host, ref_forward.pre_activation, "forward pre-activation");
-  if (swiglu) EXPECT_CLOSE(up.download(), ref_forward.up_projection, "forward up projection");
-  EXPECT_CLOSE(hidden_host, ref_forward.hidden, "forward hidden");
-  EXPECT_CLOSE(out_host, ref_forward.out, "forward out (block-sparse ref)");
-  EXPECT_CLOSE(out_host, dense_forward.out, "forward out (expert_ffn ref)");
-  expect_untouched(out_host, size_t(p.rows * D), "forward out");
-  expect_untouched(hidden_host, p.used_block_elements(), "forward hidden blocks");
-  expect_untouched(pre_host, p.used_block_elements(), "forward pre-activation blocks");
+    const auto out_host = out.download();
+    const auto pre_host = pre.download(), hidden_host = hidden.download();
+    EXPECT_CLOSE(pre_host, ref_forward.pre_activation, "forward pre-activation");
+    if (swiglu) EXPECT_CLOSE(up.download(), ref_forward.up_projection, "forward up projection");
+    EXPECT_CLOSE(hidden_host, ref_forward.hidden, "forward hidden");
+    EXPECT_CLOSE(out_host, ref_forward.out, "forward out (block-sparse ref)");
+    EXPECT_CLOSE(out_host, dense_forward.out, "forward out (expert_ffn ref)");
+    expect_untouched(out_host, size_t(p.rows * D), "forward out");
+    expect_untouched(hidden_host, p.used_block_elements(), "forward hidden blocks");
+    expect_untouched(pre_host, p.used_block_elements(), "forward pre-activation blocks");
 
-  DeviceBuffer<bf16> d_pre = poisoned_bf16(p.block_elements());
-  DeviceBuffer<bf16> d_up = poisoned_bf16(swiglu ? p.block_elements() : 0);
-  DeviceBuffer<bf16> d_x = poisoned_bf16(size_t(p.max_rows * D));
-  ExpertFloats d_w1(int(E), size_t(D * w1_cols)), d_w2(int(E), size_t(H * D));
-  moe::cuda::BlockSparseFfnGradients gradients{d_pre.data(), swiglu ? d_up.data() : nullptr, d_x.data(),
-                                               d_w1.table.data(), d_w2.table.data()};
-  moe::cuda::block_sparse_ffn_backward(c, p.device.topology, x.data(), w1.table.data(), w2.table.data(),
-                                       outputs, d_out.data(), gradients);
+    DeviceBuffer<bf16> d_pre = poisoned_bf16(p.block_elements());
+    DeviceBuffer<bf16> d_up = poisoned_bf16(swiglu ? p.block_elements() : 0);
+    DeviceBuffer<bf16> d_x = poisoned_bf16(size_t(p.max_rows * D));
+    ExpertFloats d_w1(int(E), size_t(D * w1_cols)), d_w2(int(E), size_t(H * D));
+    moe::cuda::BlockSparseFfnGradients gradients{d_pre.data(), swiglu ? d_up.data() : nullptr, d_x.data(),
+                                                 d_w1.table.data(), d_w2.table.data()};
+    moe::cuda::block_sparse_ffn_backward(c, p.device.topology, permuted_x.data(), w1.table.data(), w2.table.data(),
+                                         outputs, d_out.data(), gradients);
 
-  // d_pre against the reference's own blocks: SDD(d_out, W2catᵀ) . act'(pre).
-  const Matrix d_hidden = moe::ref::sdd(p.d_out, moe::ref::concat_expert_rows(p.w2).transpose(), p.topology);
-  Matrix d_pre_ref;
-  if (swiglu) {
-    d_pre_ref = d_hidden.cwiseProduct(ref_forward.up_projection)
-                    .cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::silu_derivative(a); }));
-    const Matrix d_up_ref =
-        d_hidden.cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::silu(a); }));
-    EXPECT_CLOSE(d_up.download(), d_up_ref, "backward d_up");
-  } else {
-    d_pre_ref = d_hidden.cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::gelu_derivative(a); }));
+    // d_pre against the reference's own blocks: SDD(d_out, W2catᵀ) . act'(pre).
+    const Matrix d_hidden = moe::ref::sdd(p.d_out, moe::ref::concat_expert_rows(p.w2).transpose(), p.topology);
+    Matrix d_pre_ref;
+    if (swiglu) {
+      d_pre_ref = d_hidden.cwiseProduct(ref_forward.up_projection)
+                      .cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::silu_derivative(a); }));
+      const Matrix d_up_ref =
+          d_hidden.cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::silu(a); }));
+      EXPECT_CLOSE(d_up.download(), d_up_ref, "backward d_up");
+    } else {
+      d_pre_ref = d_hidden.cwiseProduct(ref_forward.pre_activation.unaryExpr([](double a) { return moe::ref::gelu_derivative(a); }));
+    }
+    const auto d_pre_host = d_pre.download();
+    EXPECT_CLOSE(d_pre_host, d_pre_ref, "backward d_pre");
+    expect_untouched(d_pre_host, p.used_block_elements(), "backward d_pre blocks");
+
+    const auto d_x_host = d_x.download();
+    EXPECT_CLOSE(d_x_host, ref_grads.permuted_x, "backward d_x (block-sparse ref)");
+    EXPECT_CLOSE(d_x_host, dense_grads.permuted_x, "backward d_x (expert_ffn ref)");
+    expect_untouched(d_x_host, size_t(p.rows * D), "backward d_x");
+
+    const Matrix d_w1_gpu = d_w1.stacked(D, w1_cols), d_w2_gpu = d_w2.stacked(H, D);
+    const Matrix d_w1_ref = moe::ref::concat_expert_rows(ref_grads.w1), d_w2_ref = moe::ref::concat_expert_rows(ref_grads.w2);
+    const Matrix d_w1_dense = moe::ref::concat_expert_rows(dense_grads.w1), d_w2_dense = moe::ref::concat_expert_rows(dense_grads.w2);
+    auto as_vector = [](const Matrix& m) { return std::vector<float>(m.data(), m.data() + m.size()); };
+    EXPECT_CLOSE(as_vector(d_w1_gpu), d_w1_ref, "backward d_w1 (block-sparse ref)");
+    EXPECT_CLOSE(as_vector(d_w1_gpu), d_w1_dense, "backward d_w1 (expert_ffn ref)");
+    EXPECT_CLOSE(as_vector(d_w2_gpu), d_w2_ref, "backward d_w2 (block-sparse ref)");
+    EXPECT_CLOSE(as_vector(d_w2_gpu), d_w2_dense, "backward d_w2 (expert_ffn ref)");
+    for (int64_t e = 0; e < E; ++e) {
+      if (p.plan.rows_per_expert[size_t(e)] != 0) continue;
+      EXPECT_EQ(d_w1_gpu.middleRows(e * D, D).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
+      EXPECT_EQ(d_w2_gpu.middleRows(e * H, H).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
+    }
+
+    // The same backward with the weight gradients written in bf16 (one tensor per weight this time).
+    DeviceBuffer<bf16> d_w1_bf16 = poisoned_bf16(size_t(E * D * w1_cols)), d_w2_bf16 = poisoned_bf16(size_t(E * H * D));
+    const auto d_w1_table = moe::cuda::expert_pointer_table(d_w1_bf16.data(), int(E), size_t(D * w1_cols));
+    const auto d_w2_table = moe::cuda::expert_pointer_table(d_w2_bf16.data(), int(E), size_t(H * D));
+    moe::cuda::BlockSparseFfnGradients bf16_gradients{d_pre.data(), swiglu ? d_up.data() : nullptr, d_x.data()};
+    bf16_gradients.d_w1_bf16 = d_w1_table.data();
+    bf16_gradients.d_w2_bf16 = d_w2_table.data();
+    moe::cuda::block_sparse_ffn_backward(c, p.device.topology, permuted_x.data(), w1.table.data(), w2.table.data(),
+                                         outputs, d_out.data(), bf16_gradients);
+    EXPECT_CLOSE(d_w1_bf16.download(), d_w1_ref, "backward d_w1 in bf16");
+    EXPECT_CLOSE(d_w2_bf16.download(), d_w2_ref, "backward d_w2 in bf16");
   }
-  const auto d_pre_host = d_pre.download();
-  EXPECT_CLOSE(d_pre_host, d_pre_ref, "backward d_pre");
-  expect_untouched(d_pre_host, p.used_block_elements(), "backward d_pre blocks");
-
-  const auto d_x_host = d_x.download();
-  EXPECT_CLOSE(d_x_host, ref_grads.permuted_x, "backward d_x (block-sparse ref)");
-  EXPECT_CLOSE(d_x_host, dense_grads.permuted_x, "backward d_x (expert_ffn ref)");
-  expect_untouched(d_x_host, size_t(p.rows * D), "backward d_x");
-
-  const Matrix d_w1_gpu = d_w1.stacked(D, w1_cols), d_w2_gpu = d_w2.stacked(H, D);
-  const Matrix d_w1_ref = moe::ref::concat_expert_rows(ref_grads.w1), d_w2_ref = moe::ref::concat_expert_rows(ref_grads.w2);
-  const Matrix d_w1_dense = moe::ref::concat_expert_rows(dense_grads.w1), d_w2_dense = moe::ref::concat_expert_rows(dense_grads.w2);
-  auto as_vector = [](const Matrix& m) { return std::vector<float>(m.data(), m.data() + m.size()); };
-  EXPECT_CLOSE(as_vector(d_w1_gpu), d_w1_ref, "backward d_w1 (block-sparse ref)");
-  EXPECT_CLOSE(as_vector(d_w1_gpu), d_w1_dense, "backward d_w1 (expert_ffn ref)");
-  EXPECT_CLOSE(as_vector(d_w2_gpu), d_w2_ref, "backward d_w2 (block-sparse ref)");
-  EXPECT_CLOSE(as_vector(d_w2_gpu), d_w2_dense, "backward d_w2 (expert_ffn ref)");
-  for (int64_t e = 0; e < E; ++e) {
-    if (p.plan.rows_per_expert[size_t(e)] != 0) continue;
-    EXPECT_EQ(d_w1_gpu.middleRows(e * D, D).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
-    EXPECT_EQ(d_w2_gpu.middleRows(e * H, H).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
-  }
-
-  // The same backward with the weight gradients written in bf16 (one tensor per weight this time).
-  DeviceBuffer<bf16> d_w1_bf16 = poisoned_bf16(size_t(E * D * w1_cols)), d_w2_bf16 = poisoned_bf16(size_t(E * H * D));
-  const auto d_w1_table = moe::cuda::expert_pointer_table(d_w1_bf16.data(), int(E), size_t(D * w1_cols));
-  const auto d_w2_table = moe::cuda::expert_pointer_table(d_w2_bf16.data(), int(E), size_t(H * D));
-  moe::cuda::BlockSparseFfnGradients bf16_gradients{d_pre.data(), swiglu ? d_up.data() : nullptr, d_x.data()};
-  bf16_gradients.d_w1_bf16 = d_w1_table.data();
-  bf16_gradients.d_w2_bf16 = d_w2_table.data();
-  moe::cuda::block_sparse_ffn_backward(c, p.device.topology, x.data(), w1.table.data(), w2.table.data(),
-                                       outputs, d_out.data(), bf16_gradients);
-  EXPECT_CLOSE(d_w1_bf16.download(), d_w1_ref, "backward d_w1 in bf16");
-  EXPECT_CLOSE(d_w2_bf16.download(), d_w2_ref, "backward d_w2 in bf16");
 }
 
 TEST(BlockSparseFfn, GeluB128) {
@@ -489,6 +510,17 @@ TEST(BlockSparseBadInput, SizesAndPointers) {
   EXPECT_THROW(moe::cuda::dsd(p.device.topology, pre.data(),
                               moe::cuda::ExpertOperand{w2.table.data(), 128, 0, false}, 128, nullptr),
                std::invalid_argument);
+  // Gathered rows where the kernels cannot gather (B = 64 here, on any GPU): refused, with the way out.
+  const DeviceBuffer<int> row_slot(std::vector<int>(size_t(p.max_rows), -1));
+  moe::cuda::ExpertRows gathered(x.data());
+  gathered.row_slot = row_slot.data();
+  try {
+    moe::cuda::block_sparse_ffn_forward(p.config, p.device.topology, gathered, w1.table.data(), w2.table.data(),
+                                        outputs);
+    ADD_FAILURE() << "gathered rows at B = 64 were accepted";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("permute_tokens"), std::string::npos) << error.what();
+  }
   // The weight gradients in fp32 and bf16 at once, or in neither: refused with what to set.
   const DeviceBuffer<bf16> d_out = upload_rows(p.d_out, p.max_rows);
   DeviceBuffer<bf16> d_pre(p.block_elements()), d_x(size_t(p.max_rows * 128));

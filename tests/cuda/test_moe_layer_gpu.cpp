@@ -176,6 +176,29 @@ TEST(CudaMoeLayer, AwkwardShapes) {
   check_layer(c, 34);
 }
 
+// On Hopper at B = 128 the dropless layer writes no permuted copy of x: the SDD and the DDS gather
+// x's rows through the plan as they copy them (block_sparse.h, ExpertRows). The awkward cases
+// again that way: K = 2, one token, every token on one expert, and a separate router input.
+TEST(CudaMoeLayer, DroplessGatheredRowsB128) {
+  REQUIRE_GPU();
+  MoeConfig c = base_config();
+  c.block_size = 128;
+  if (!moe::cuda::rows_gatherable(c)) {
+    GTEST_SKIP() << "the rows are gathered only on a compute capability 9.0 GPU with an sm_90a build";
+  }
+  check_layer(c, 51);
+  c.tokens = 1;
+  check_layer(c, 52);
+  c = base_config();
+  c.block_size = 128;
+  c.top_k = 1;
+  c.renormalize = false;
+  check_layer(c, 53, 1.0, /*favoured_expert=*/3);
+  c = base_config();
+  c.block_size = 128;
+  check_layer(c, 54, 1.0, -1, Gate::pregated);
+}
+
 // The gate reads another tensor than the experts (pre-gating): every formulation, and all tokens on
 // one expert (the other experts empty, their gradients exactly zero).
 TEST(CudaMoeLayer, PreGatedRouterInput) {
