@@ -420,6 +420,10 @@ bool rows_gatherable(const MoeConfig& config) {
   return takes_warp_specialized(static_cast<int>(config.block_size), static_cast<int>(config.hidden_dim));
 }
 
+bool gathering_pays(const MoeConfig& config) {
+  return config.hidden_dim <= kGatherMaxHidden && rows_gatherable(config);
+}
+
 // ---- public products ----
 void sdd(const DeviceTopology& topology, const bf16* a, int inner, const ExpertOperand& b,
          bf16* out_blocks, cudaStream_t stream) {

@@ -115,6 +115,16 @@ struct ExpertRows {
 // compute capability 9.0 with an sm_90a build, B = 128, H a multiple of 256.
 bool rows_gatherable(const MoeConfig& config);
 
+// Whether gathering is also the faster choice (what MoeLayerGpu does): where rows_gatherable and
+// the experts are narrow, H <= kGatherMaxHidden. The permute it saves moves 4 T K D bytes, the SDD
+// it slows computes 2 T K D H FLOPs, so the permute weighs ~ 2 (FLOP/s) / ((bytes/s) H) of the SDD:
+// on an H200 (~600 TFLOP/s, ~4 TB/s) 7% at H = 4096 and 2% at H = 14336. The gathered SDD measured
+// 2-3% slower at H = 4096 and 8-9% at H = 14336 (block_sparse_wgmma_ws.cuh, WsGatheredRows), so
+// narrow experts gain (the forward layer at T=16384 D=1024 H=4096 E=64: 0.638 -> 0.624 ms) and
+// wide ones lose (T=8192 D=4096 H=14336 E=8: 5.70-5.59 -> 5.78-6.04 ms; moe_bench, H200, 2026-11-22).
+constexpr int kGatherMaxHidden = 4096;
+bool gathering_pays(const MoeConfig& config);
+
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,
 // out = DSD(hidden, W2). SwiGLU: pre holds the gate blocks, up the up blocks, and the second SDD's

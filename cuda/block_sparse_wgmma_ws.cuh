@@ -241,14 +241,20 @@ __device__ inline void ws_copy_mn_major(uint32_t tile, const bf16* source, int64
 // src-size operand): the operand holds zeros there, exactly what permute_tokens would have
 // written. This is the permute kernel folded into the copies the product makes anyway: x is read
 // once, by the product, and no permuted copy is written (ScatterMoE, Tan et al. 2024, fuses the
-// same gather into its grouped GEMM).
+// same gather into its grouped GEMM). Thread 0 still copies B (W1) by TMA, into the same stage:
+// the stage's full barrier counts its expect_tx arrival and the 128 cp.async arrivals.
 // Measured on an H200 (ncu, 2026-11-22, the GeLU SDD at T=16384 D=1024 H=4096 E=64 K=1 / T=8192
-// D=4096 H=14336 E=8 K=2): TMA on the permuted copy 322 us / 2.78 ms, gathered 329 us / 3.00 ms:
-// 128 threads issuing 16-byte copies cost 2-8% against one thread issuing TMA boxes, less than the
-// permute kernel it saves (20-75 us). Looking the rows up at every k-step, with a division, just
-// before the copies took 501 us. The DDS of the backward (dW1 = xᵀ d_pre) gathered the same way,
-// with its 64 new rows a k-step fetched one k-step ahead: 357 against 344 us at D=1024 but 3.69
-// against 2.68 ms at D=4096, so the backward permutes x once and its DDS reads the copy by TMA.
+// D=4096 H=14336 E=8 K=2), against TMA on the permuted copy (322-327 us / 2.78-2.80 ms):
+//   - looking the rows up at every k-step, with a division, just before the copies: 501 us;
+//   - once a tile (as here): 329-337 us / 3.00-3.04 ms, 2-9% slower: 128 threads issuing 16-byte
+//     copies (~100 instructions a warp a k-step) against one thread issuing TMA boxes; 64-bit
+//     pointers kept per row instead of offsets did not help (344 us / 3.20 ms);
+//   - TMA boxes of one row each (the 32 lanes of one warp issuing 4 boxes a k-step each): right,
+//     as the swizzle follows the shared-memory address, but 1.08 ms / 14.1 ms: the TMA unit took
+//     ~55 cycles per 128-byte box. Hopper's TMA has no gather; Blackwell's tile::gather4 adds one.
+// The DDS of the backward (dW1 = xᵀ d_pre) gathered the same way, its 64 new rows a k-step fetched
+// one k-step ahead: 357 against 344 us at D=1024 but 3.69 against 2.68 ms at D=4096, so the
+// backward permutes x once and its DDS reads the copy by TMA.
 struct WsGatheredRows {
   static constexpr int kRows = 8;
   static constexpr int kRowStep = 16;  // rows 16 apart share row % 8: one swizzled address for all 8

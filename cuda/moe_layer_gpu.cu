@@ -108,7 +108,7 @@ MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
     : config_(checked(config)),
       dropless_(config.formulation == Formulation::dropless),
       capacity_(dropless_ ? 0 : static_cast<int>(capacity(config))),
-      gathers_rows_(dropless_ && rows_gatherable(config_)),
+      gathers_rows_(dropless_ && gathering_pays(config_)),
       plan_(plan_config(config)),
       router_workspace_(config.num_experts) {
   const size_t T = config_.tokens, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts,

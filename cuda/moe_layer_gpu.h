@@ -8,9 +8,9 @@
 //   plan        histogram, prefix sums, stable sort by expert (dispatch_plan.h)
 //   topology    BCSR + transpose indices of the hidden matrix (dropless only, block_topology.h)
 //   permute     gather x into expert order, padding rows zeroed (token_permute.h); on the
-//               dropless Hopper path the SDD gathers x's rows itself as it copies them
-//               (block_sparse.h, ExpertRows), and the permute runs in the backward instead, for
-//               the weight gradient dW1
+//               dropless Hopper path with narrow experts the SDD gathers x's rows itself as it
+//               copies them (block_sparse.h, ExpertRows, gathering_pays), and the permute runs
+//               in the backward instead, for the weight gradient dW1
 //   experts     dropless: block-sparse SDD (+GeLU) and DSD on tensor cores (block_sparse.h)
 //               padded / dropping: cuBLAS batched GEMMs over [E, C, D] (the GShard / Tutel way;
 //               dropping is padded with the capacity C = ceil(cf*T*K/E): the same kept tokens, the
@@ -120,7 +120,7 @@ class MoeLayerGpu {
   PhaseTimer* timer_ = nullptr;
   bool dropless_ = true;
   int capacity_ = 0;  // C for the padded / dropping formulations
-  bool gathers_rows_ = false;  // dropless on Hopper: the forward writes no permuted copy of x (rows_gatherable)
+  bool gathers_rows_ = false;  // the forward writes no permuted copy of x (gathering_pays)
   CublasHandle cublas_;
   DispatchPlanBuffers plan_;
   std::unique_ptr<TopologyBuffers> topology_;

@@ -10,7 +10,7 @@
 //                 --routing-from RUN_DIR[@STEP]  (adds "captured": the shares of the run's most
 //                 imbalanced MoE layer at STEP, default its last recorded step; shapes of its E only)
 //                 --only NAME[,NAME...]  --out FILE  --warmup 3  --repeat 20  --seed 1234
-//                 --permuted-rows (block-sparse on a permuted copy of x, not gathering its rows)
+//                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, C capacity,
@@ -19,8 +19,8 @@
 // Formulations (names as in the table and the JSON):
 //   block_sparse_B128, _B64  dropless MegaBlocks FFN on our block-sparse kernels (block_sparse.h); the
 //                            plan and topology are built on the GPU from top_experts, as in a real
-//                            layer; x's rows are gathered by the SDD and DDS where the kernels can
-//                            (Hopper, B = 128), else permuted by the GPU kernel into a copy
+//                            layer; x's rows are gathered by the SDD where the layer does
+//                            (gathering_pays), else permuted by the GPU kernel into a copy
 //   grouped_cublas           dropless, cuBLAS grouped GEMM on the exact per-expert row counts
 //   padded_max               every expert padded to C = the largest count, one batched GEMM [E, C, D]
 //   dropping_cf1.00, _cf1.25 C = ceil(cf * T*K / E), tokens past C dropped, batched GEMM [E, C, D]
@@ -127,7 +127,7 @@ struct Options {
   std::string out;
   int warmup = 3, repeat = 20;
   uint64_t seed = 1234;
-  bool permuted_rows = false;  // block-sparse on a permuted copy of x even where the SDD can gather
+  enum class Rows { layer, gathered, permuted } rows = Rows::layer;  // block-sparse: how the SDD reads x
 
   // dense_cublas is always timed: every ratio is taken against it.
   bool selected(const std::string& formulation) const {
@@ -198,9 +198,9 @@ std::string utc_now(const char* format) {
 const char* kUsage =
     "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
-    "                 [--warmup N] [--repeat N] [--seed N] [--permuted-rows]\n"
-    "  --permuted-rows: the block-sparse FFN reads a permuted copy of x (and the routing overhead\n"
-    "                times permute_tokens) even where its SDD and DDS can gather x's rows\n"
+    "                 [--warmup N] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
+    "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
+    "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
     "                layer at STEP, default the last recorded), on the shapes with the run's E\n"
     "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
@@ -245,8 +245,12 @@ Options parse_options(int argc, char** argv) {
       options.repeat = std::stoi(value());
     } else if (arg == "--seed") {
       options.seed = std::stoull(value());
-    } else if (arg == "--permuted-rows") {
-      options.permuted_rows = true;
+    } else if (arg == "--rows") {
+      const std::string v = value();
+      if (v == "layer") options.rows = Options::Rows::layer;
+      else if (v == "gathered") options.rows = Options::Rows::gathered;
+      else if (v == "permuted") options.rows = Options::Rows::permuted;
+      else throw std::invalid_argument("--rows: layer, gathered or permuted");
     } else if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -924,10 +928,13 @@ class RoutingBench {
     f.dx.fill_bytes(0xFF, stream_);
     f.dw1.fill_bytes(0xFF, stream_);
     f.dw2.fill_bytes(0xFF, stream_);
-    // What the layer runs: x's rows gathered by the forward's SDD where the kernels can (no permute
+    // What the layer runs: x's rows gathered by the forward's SDD where gathering pays (no permute
     // in the forward, so none in the routing overhead either; the backward then permutes x for its
     // DDS, and that permute is timed with the backward), else the permuted copy.
-    const bool gathered = !options_.permuted_rows && moe::cuda::rows_gatherable(f.config);
+    const bool gathered =
+        options_.rows == Options::Rows::layer      ? moe::cuda::gathering_pays(f.config)
+        : options_.rows == Options::Rows::gathered ? moe::cuda::rows_gatherable(f.config)
+                                                   : false;
     const moe::cuda::ExpertRows rows =
         gathered ? moe::cuda::ExpertRows::gathered(in_.x.data(), plan) : moe::cuda::ExpertRows(f.x.data());
     auto forward = [&] {
@@ -1131,7 +1138,10 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                    {"repeat", options.repeat},
                    {"statistic", "median of CUDA-event times"},
                    {"seed", options.seed},
-                   {"tolerance", kTolerance}};
+                   {"tolerance", kTolerance},
+                   {"rows", options.rows == Options::Rows::layer      ? "layer"
+                            : options.rows == Options::Rows::gathered ? "gathered"
+                                                                      : "permuted"}};
   json results = json::array();
   for (const Measurement& m : report.measurements) {
     results.push_back({{"shape", shape_json(m.shape)},
