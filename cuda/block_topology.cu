@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cuda_check.h"     // CUDA_CHECK
+#include "dependent_launch.h"  // launch_dependent, wait_for_previous_grid
 #include "launch_checks.h"  // check_fits_int32, check_range
 
 namespace moe::cuda {
@@ -56,6 +57,7 @@ __global__ void __launch_bounds__(kThreads) topology_kernel(const int* __restric
                                                             int* __restrict__ transpose_indices,  // [max_nnz]
                                                             int num_experts, int block_size, int blocks_per_expert,
                                                             int max_block_rows, int block_cols, int max_nnz) {
+  wait_for_previous_grid();  // dependent_launch.h: read nothing before the previous kernel is done
   // row_offsets [E+1] and kept_per_expert [E], with total_rows, in one round of loads.
   extern __shared__ int plan_counts[];
   const int total = *total_rows;
@@ -181,8 +183,8 @@ void build_topology(const DevicePlan& plan, TopologyBuffers& buffers, cudaStream
   detail::check_not_null(function, "plan.kept_per_expert", plan.kept_per_expert);
 
   const int threads = std::max({view.max_block_rows + 1, view.block_cols + 1, view.max_nnz});
-  topology_kernel<<<blocks_for(threads), kThreads, (2 * plan.num_experts + 1) * sizeof(int), stream>>>(
-      plan.row_offsets, plan.kept_per_expert, plan.total_rows, view.block_rows, view.nnz, view.offsets,
+  launch_dependent(
+      topology_kernel, blocks_for(threads), kThreads, (2 * plan.num_experts + 1) * sizeof(int), stream, plan.row_offsets, plan.kept_per_expert, plan.total_rows, view.block_rows, view.nnz, view.offsets,
       view.block_row_expert, view.block_row_tokens, view.column_offsets, view.row_indices, view.column_indices,
       view.transpose_indices, plan.num_experts, view.block_size, view.blocks_per_expert, view.max_block_rows,
       view.block_cols, view.max_nnz);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda_check.h"     // CUDA_CHECK
+#include "dependent_launch.h"  // launch_dependent, wait_for_previous_grid
 #include "launch_checks.h"  // check_range, check_fits_int32, check_not_null
 #include "routing.h"        // kRouterMaxExperts: the plan sorts what the router chose
 
@@ -47,6 +48,7 @@ __device__ int bin_of(int expert, int num_experts) {
 __global__ void __launch_bounds__(kPlanThreads) count_slots_kernel(const int* __restrict__ top_experts,  // [T*K]
                                                                    int* __restrict__ block_counts,  // [E+1, blocks]
                                                                    int slots, int num_experts, int slots_per_block) {
+  wait_for_previous_grid();  // dependent_launch.h: read nothing before the previous kernel is done
   extern __shared__ int bins[];  // [E+1]
   for (int bin = threadIdx.x; bin <= num_experts; bin += blockDim.x) bins[bin] = 0;
   __syncthreads();
@@ -89,11 +91,12 @@ __global__ void __launch_bounds__(kPlanThreads) scatter_slots_kernel(const int* 
                                                                      int* __restrict__ total_rows,          // [1]
                                                                      int* __restrict__ invalid_slots,       // [1]
                                                                      int* __restrict__ routed_slots,  // [T*K]
-                                                                     int* __restrict__ row_slot,      // [max_rows], all -1
+                                                                     int* __restrict__ row_slot,      // [max_rows]
                                                                      int* __restrict__ slot_row,      // [T*K]
                                                                      int slots, int num_experts, int slots_per_warp,
                                                                      Formulation formulation, int capacity,
-                                                                     int block_size) {
+                                                                     int block_size, int max_rows) {
+  wait_for_previous_grid();  // dependent_launch.h: read nothing before the previous kernel is done
   using BlockScan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   extern __shared__ int plan_shared[];
@@ -201,6 +204,21 @@ __global__ void __launch_bounds__(kPlanThreads) scatter_slots_kernel(const int* 
     }
   }
   __syncthreads();  // bin_start, bin_rows and bin_kept are complete
+  // The rows no slot lands on get row_slot = -1: each expert's rows past its kept slots (padding:
+  // up to B - 1 dropless, C - kept padded), written by block e % blocks, and the rows from
+  // total_rows to max_rows, spread over all blocks. No slot lands there, so these writes never race
+  // with the scatter below. (A memset of the whole array before the plan did this once: one more
+  // operation in the stream, and one that a programmatic dependent launch cannot overlap.)
+  for (int e = block; e < num_experts; e += blocks) {
+    const int last = e + 1 < num_experts ? bin_rows[e + 1] : rows_total;
+    for (int row = bin_rows[e] + bin_kept[e] + static_cast<int>(threadIdx.x); row < last; row += kPlanThreads) {
+      row_slot[row] = -1;
+    }
+  }
+  for (int row = rows_total + block * kPlanThreads + static_cast<int>(threadIdx.x); row < max_rows;
+       row += blocks * kPlanThreads) {
+    row_slot[row] = -1;
+  }
   // Warp counts -> warp start positions: warp w starts where warps < w of this block end.
   for (int bin = threadIdx.x; bin < bins; bin += blockDim.x) {
     int position = bin_start[bin] + bin_before[bin];
@@ -309,22 +327,19 @@ void build_dispatch_plan(const int* top_experts, DispatchPlanBuffers& buffers, c
   const int blocks = buffers.plan_blocks_;
   const int slots_per_warp = buffers.slots_per_warp_;
 
-  // 0xFF bytes make every int -1: padding rows and rows past total_rows.
-  buffers.row_slot.fill_bytes(0xFF, stream);
-
-  count_slots_kernel<<<blocks, kPlanThreads, (E + 1) * sizeof(int), stream>>>(
-      top_experts, buffers.block_counts_.data(), slots, E, kPlanWarps * slots_per_warp);
+  launch_dependent(count_slots_kernel, blocks, kPlanThreads, (E + 1) * sizeof(int), stream, top_experts,
+                   buffers.block_counts_.data(), slots, E, kPlanWarps * slots_per_warp);
   CUDA_CHECK(cudaGetLastError());
 
   // cursor [8, E+1], then bin counts, counts before, starts, rows and kept: 13 (E+1) ints, and the
   // staged counts [E+1, blocks] <= kMaxPlanCounts ints: at most 45.4 KiB (E = 256), under the 48 KiB
   // a block gets without opting in.
   const size_t scatter_shared = (static_cast<size_t>(kPlanWarps + 5) * (E + 1) + size_t(E + 1) * blocks) * sizeof(int);
-  scatter_slots_kernel<<<blocks, kPlanThreads, scatter_shared, stream>>>(
-      top_experts, buffers.block_counts_.data(), buffers.tokens_per_expert.data(), buffers.routed_offsets.data(),
+  launch_dependent(
+      scatter_slots_kernel, blocks, kPlanThreads, scatter_shared, stream, top_experts, buffers.block_counts_.data(), buffers.tokens_per_expert.data(), buffers.routed_offsets.data(),
       buffers.kept_per_expert.data(), buffers.row_offsets.data(), buffers.total_rows.data(),
       buffers.invalid_slots.data(), buffers.routed_slots.data(), buffers.row_slot.data(), buffers.slot_row.data(),
-      slots, E, slots_per_warp, buffers.formulation_, buffers.capacity_, buffers.block_size_);
+      slots, E, slots_per_warp, buffers.formulation_, buffers.capacity_, buffers.block_size_, buffers.max_rows_);
   CUDA_CHECK(cudaGetLastError());
 }
 

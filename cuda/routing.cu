@@ -41,6 +41,7 @@
 #include <string>
 
 #include "cuda_check.h"     // CUDA_CHECK, CudaError
+#include "dependent_launch.h"  // launch_dependent, wait_for_previous_grid
 #include "launch_checks.h"  // check_not_null, check_range
 
 namespace moe::cuda {
@@ -237,6 +238,7 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
   constexpr int kTokensPerPass = kRouteThreads / kGroupLanes;
   // warp_prob_sums [kRouteWarps, E] (dynamic: 32 E doubles, 16 KB at E = 64), reused by the last
   // block as [slices, E]; slice_counts likewise.
+  wait_for_previous_grid();  // dependent_launch.h: read nothing before the logits are complete
   extern __shared__ double warp_prob_sums[];
   __shared__ int block_counts[kRouterMaxExperts];
   __shared__ int slice_counts[kRouteThreads];
@@ -606,9 +608,9 @@ void route_top_k(const float* logits, float* probs, int* top_experts, float* com
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(shared_bytes)));
     }
-    kernel<<<blocks, kRouteThreads, shared_bytes, stream>>>(logits, probs, top_experts, combine_weights, logsumexp,
-                                                 expert_fraction, mean_probs, aux_loss, z_loss, partials, tokens,
-                                                 num_experts, top_k, renormalize, vector_rows);
+    launch_dependent(kernel, blocks, kRouteThreads, shared_bytes, stream, logits, probs, top_experts, combine_weights,
+                     logsumexp, expert_fraction, mean_probs, aux_loss, z_loss, partials, tokens, num_experts, top_k,
+                     renormalize, vector_rows);
   };
   switch (group_lanes) {
     case 1: launch(route_top_k_kernel<1>); break;

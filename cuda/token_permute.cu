@@ -14,6 +14,7 @@
 #include <initializer_list>
 
 #include "cuda_check.h"     // CUDA_CHECK
+#include "dependent_launch.h"  // launch_dependent, wait_for_previous_grid
 #include "launch_checks.h"  // check_not_null, check_range
 
 namespace moe::cuda {
@@ -75,6 +76,7 @@ __global__ void permute_tokens_kernel(const int* __restrict__ row_slot,    // [m
                                       const bf16* __restrict__ x,          // [T, D]
                                       bf16* __restrict__ permuted_x,       // [max_rows, D]
                                       int max_rows, int top_k, int model_dim) {
+  wait_for_previous_grid();  // dependent_launch.h: read nothing before the previous kernel is done
   const int row = warp_index();
   if (row >= max_rows || row >= *total_rows) return;
   const int slot = row_slot[row];
@@ -103,6 +105,7 @@ __global__ void unpermute_and_combine_kernel(const int* __restrict__ slot_row,  
                                              const bf16* __restrict__ expert_out,       // [max_rows, D]
                                              bf16* __restrict__ y,                      // [T, D]
                                              int tokens, int top_k, int model_dim) {
+  wait_for_previous_grid();  // dependent_launch.h: read nothing before the previous kernel is done
   const int token = warp_index();
   if (token >= tokens) return;
   const RowSteps<kPack> steps{model_dim};
@@ -271,11 +274,11 @@ void permute_tokens(const DevicePlan& plan, const bf16* x, bf16* permuted_x, int
   if (plan.max_rows == 0) return;
   const unsigned grid = warp_blocks(plan.max_rows);
   if (use_wide_packs(model_dim, {x, permuted_x})) {
-    permute_tokens_kernel<8><<<grid, kThreadsPerBlock, 0, stream>>>(plan.row_slot, plan.total_rows, x,
-                                                                    permuted_x, plan.max_rows, plan.top_k, model_dim);
+    launch_dependent(permute_tokens_kernel<8>, grid, kThreadsPerBlock, 0, stream, plan.row_slot, plan.total_rows, x,
+                     permuted_x, plan.max_rows, plan.top_k, model_dim);
   } else {
-    permute_tokens_kernel<1><<<grid, kThreadsPerBlock, 0, stream>>>(plan.row_slot, plan.total_rows, x,
-                                                                    permuted_x, plan.max_rows, plan.top_k, model_dim);
+    launch_dependent(permute_tokens_kernel<1>, grid, kThreadsPerBlock, 0, stream, plan.row_slot, plan.total_rows, x,
+                     permuted_x, plan.max_rows, plan.top_k, model_dim);
   }
   CUDA_CHECK(cudaGetLastError());
 }
@@ -290,11 +293,11 @@ void unpermute_and_combine(const DevicePlan& plan, const float* combine_weights,
   detail::check_not_null(function, "y", y);
   const unsigned grid = warp_blocks(plan.tokens);
   if (use_wide_packs(model_dim, {expert_out, y})) {
-    unpermute_and_combine_kernel<8><<<grid, kThreadsPerBlock, 0, stream>>>(
-        plan.slot_row, combine_weights, expert_out, y, plan.tokens, plan.top_k, model_dim);
+    launch_dependent(unpermute_and_combine_kernel<8>, grid, kThreadsPerBlock, 0, stream, plan.slot_row,
+                     combine_weights, expert_out, y, plan.tokens, plan.top_k, model_dim);
   } else {
-    unpermute_and_combine_kernel<1><<<grid, kThreadsPerBlock, 0, stream>>>(
-        plan.slot_row, combine_weights, expert_out, y, plan.tokens, plan.top_k, model_dim);
+    launch_dependent(unpermute_and_combine_kernel<1>, grid, kThreadsPerBlock, 0, stream, plan.slot_row,
+                     combine_weights, expert_out, y, plan.tokens, plan.top_k, model_dim);
   }
   CUDA_CHECK(cudaGetLastError());
 }

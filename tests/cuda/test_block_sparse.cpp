@@ -521,6 +521,32 @@ TEST(BlockSparseBadInput, SizesAndPointers) {
   } catch (const std::invalid_argument& error) {
     EXPECT_NE(std::string(error.what()).find("permute_tokens"), std::string::npos) << error.what();
   }
+  // Gathered rows that do not match the config (K, T): refused where the kernels could gather.
+  Problem wide(300, 256, 256, 4, 2, 128, Activation::gelu, Routing::random, 14);
+  if (moe::cuda::rows_gatherable(wide.config)) {
+    const ExpertWeights wide_w1(wide.w1), wide_w2(wide.w2);
+    const DeviceBuffer<bf16> wide_x = upload_rows(wide.x, wide.x.rows());
+    const DeviceBuffer<int> wide_slots(std::vector<int>(size_t(wide.max_rows), -1));
+    DeviceBuffer<bf16> wide_pre(wide.block_elements()), wide_hidden(wide.block_elements());
+    DeviceBuffer<bf16> wide_out(size_t(wide.max_rows * 256));
+    const moe::cuda::BlockSparseFfnOutputs wide_outputs{wide_pre.data(), nullptr, wide_hidden.data(), wide_out.data()};
+    auto gathered_message = [&](int top_k, int tokens) {
+      moe::cuda::ExpertRows rows(wide_x.data());
+      rows.row_slot = wide_slots.data();
+      rows.top_k = top_k;
+      rows.tokens = tokens;
+      try {
+        moe::cuda::block_sparse_ffn_forward(wide.config, wide.device.topology, rows, wide_w1.table.data(),
+                                            wide_w2.table.data(), wide_outputs);
+      } catch (const std::invalid_argument& error) {
+        return std::string(error.what());
+      }
+      return std::string("no error");
+    };
+    EXPECT_NE(gathered_message(1, 300).find("top_k"), std::string::npos) << gathered_message(1, 300);
+    EXPECT_NE(gathered_message(2, 299).find("tokens"), std::string::npos) << gathered_message(2, 299);
+    EXPECT_EQ(gathered_message(2, 300), "no error");
+  }
   // The weight gradients in fp32 and bf16 at once, or in neither: refused with what to set.
   const DeviceBuffer<bf16> d_out = upload_rows(p.d_out, p.max_rows);
   DeviceBuffer<bf16> d_pre(p.block_elements()), d_x(size_t(p.max_rows * 128));
