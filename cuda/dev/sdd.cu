@@ -133,6 +133,21 @@
 //      D = 2048; forward 0.84x -> 0.94x at D = 2048, 0.98x -> 1.05x at D = 4096.
 //      The mainline (version 11) runs version 19's kernel for every product at B = 128, with a
 //      grouped tile order where a row of tiles is long (block_sparse_wgmma_ws.cuh).
+//   20 version 19 reading x in token order: the producer gathers each row through the plan's
+//      row_slot (row r = x[row_slot[r] / K], zeros for padding) with cp.async, 8 rows per thread
+//      looked up once a tile, while thread 0 still copies W1 by TMA (WsGatheredRows). No permuted
+//      copy of x exists: the permute kernel before the SDD is folded into its copies (ScatterMoE
+//      does the same in its grouped GEMM). Its cost against version 19 is what the layer weighs
+//      against the permute it saves (block_sparse.h, gathering_pays: narrow experts only).
+//      Measured on an H200, 2026-11-22 (useful TFLOP/s, % of cuBLAS), version 19 -> 20:
+//        T=16384 D=1024 H=4096 E=64 K=1:   431 -> 393 (55%)     cuBLAS 710
+//        T=16384 D=2048 H=8192 E=64 K=2:   502 -> 452 (59%)     cuBLAS 762
+//        T=8192 D=4096 H=14336 E=8 K=2:    557 -> 498 (65%)     cuBLAS 770
+//      9-11% here, on the plain store epilogue; on the layer's GeLU SDD, whose consumers are busier
+//      with two outputs, ncu measured 2-3% at D = 1024 (322 -> 329 us) and 8% at D = 4096 (2.78 ->
+//      3.00 ms). The 128 producer threads issue ~100 instructions a warp a k-step where one thread
+//      issued TMA boxes. TMA boxes of one row each instead: right (the swizzle follows the
+//      shared-memory address), but 1.08 / 14.1 ms, ~55 cycles a box: Hopper's TMA has no gather.
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
@@ -330,12 +345,14 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
 // TMA (version 18): the producer's copies come from tensor maps (cuda/tensor_map.h): x as a 2-D map
 // in boxes of 64 k x 64 rows, and one map per expert's W1 in boxes of 64 n x 64 k, built on the
 // device before each launch from the pointer table, as the mainline does.
+// Gathered rows (version 20): x is in token order [T, D] and `gather` says where each row comes from.
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false>
 void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, moe::cuda::block_sparse_detail::RowGather gather = {}) {
   using namespace moe::cuda::block_sparse_detail;
   using Sdd = LessonSdd;
-  const Sdd problem = lesson_sdd_problem(t, x, D, w1, H, out);
+  Sdd problem = lesson_sdd_problem(t, x, D, w1, H, out);
+  problem.gather = gather;
   if (H % kWsBlockN != 0 || t.block_size != kWgmmaBlockM) {
     std::fprintf(stderr, "the warp-specialized versions need B = 128 and H %% %d == 0\n", kWsBlockN);
     std::exit(1);
@@ -354,7 +371,9 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   if constexpr (TMA) {
     const int experts = t.block_cols / t.blocks_per_expert;
     expert_maps = moe::cuda::allocate_expert_maps(experts, stream);
-    maps.a[0] = maps.a[1] = moe::cuda::make_matrix_map(x, static_cast<int64_t>(t.max_block_rows) * t.block_size, D, D, 64);
+    if (gather.row_slot == nullptr) {  // else the producer gathers x's rows with cp.async
+      maps.a[0] = maps.a[1] = moe::cuda::make_matrix_map(x, static_cast<int64_t>(t.max_block_rows) * t.block_size, D, D, 64);
+    }
     moe::cuda::build_expert_maps(moe::cuda::make_matrix_map(x, D, H, H, 64), w1, experts, expert_maps, stream);
     maps.experts = expert_maps;
   }
@@ -395,7 +414,9 @@ struct Problem {
   moe::ref::BlockSparseTopology topology;
   moe::cuda::UploadedTopology device;
   moe::ref::Matrix x, w1_cat;  // reference copies (only for the small checked problem)
-  DeviceBuffer<bf16> x_device, out_device;
+  DeviceBuffer<bf16> x_device, out_device;  // x_device: x's rows in expert order (what permute_tokens writes)
+  DeviceBuffer<bf16> x_tokens;              // x in token order [T, D] (version 20 gathers from it)
+  DeviceBuffer<int> row_slot;               // [max_rows] the plan's slot of each row, -1 padding
   std::vector<DeviceBuffer<bf16>> w1_device;
   DeviceBuffer<const bf16*> w1_table;
   int64_t max_nnz_elements = 0;
@@ -437,14 +458,23 @@ struct Problem {
       for (int64_t i = 0; i < m.size(); ++i) m.data()[i] = __bfloat162float(values[static_cast<size_t>(i)]);
       return std::make_pair(m, values);
     };
-    auto [xm, xv] = random_bf16(rows, D, 1.0);
-    for (int64_t r = 0; r < rows; ++r) {  // padding rows are zero, as permute_tokens writes them
-      if (plan.row_slot[static_cast<size_t>(r)] >= 0) continue;
-      xm.row(r).setZero();
-      std::fill_n(xv.begin() + r * D, D, __float2bfloat16(0.0f));
+    // x in token order, and its rows in expert order as permute_tokens writes them (padding zero).
+    auto [tokens_m, tokens_v] = random_bf16(T, D, 1.0);
+    moe::ref::Matrix xm = moe::ref::Matrix::Zero(rows, D);
+    std::vector<bf16> xv(static_cast<size_t>(max_rows * D), __float2bfloat16(NAN));  // past rows: never read
+    std::vector<int> slots(static_cast<size_t>(max_rows), -1);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int slot = plan.row_slot[static_cast<size_t>(r)];
+      slots[static_cast<size_t>(r)] = slot;
+      if (slot >= 0) xm.row(r) = tokens_m.row(slot / K);
+      for (int c = 0; c < D; ++c) {
+        xv[static_cast<size_t>(r * D + c)] = slot >= 0 ? tokens_v[static_cast<size_t>(int64_t(slot / K) * D + c)]
+                                                       : __float2bfloat16(0.0f);
+      }
     }
-    xv.resize(static_cast<size_t>(max_rows * D), __float2bfloat16(NAN));  // never read: NaN would show
     x_device = DeviceBuffer<bf16>(xv);
+    x_tokens = DeviceBuffer<bf16>(tokens_v);
+    row_slot = DeviceBuffer<int>(slots);
     std::vector<const bf16*> pointers;
     if (keep_reference) {
       x = xm;
@@ -526,6 +556,10 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
     case 19:
       launch_wgmma_ws<4, 0, true, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
       break;
+    case 20:
+      launch_wgmma_ws<4, 0, true, true>(t, p.x_tokens.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream,
+                                        {p.row_slot.data(), p.K});
+      break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
                      p.out_device.data(), stream);
@@ -588,7 +622,7 @@ int main(int argc, char** argv) {
   // The wgmma versions need a compute capability 9.0 GPU (and this program's sm_90a code) and B = 128.
   const bool hopper = properties.major == 9 && properties.minor == 0 && B == 128;
   std::vector<int> versions = {1, 2, 3, 4, 5};
-  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19});
+  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20});
   versions.push_back(11);
   bool all_pass = true;
   {
@@ -649,7 +683,8 @@ int main(int argc, char** argv) {
                          "12 = 9, staged epilogue", "13 = 10, staged epilogue",
                          "14 = 7, staged epilogue", "15 warp-spec. 128x256, 4 stages",
                          "16 = 15, persistent, 4 st", "17 = 15, persistent, 3 st",
-                         "18 = 16, TMA copies", "19 = 18, register epilogue"};
+                         "18 = 16, TMA copies", "19 = 18, register epilogue",
+                         "20 = 19, rows gathered from x"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----
