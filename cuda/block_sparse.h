@@ -120,8 +120,11 @@ bool rows_gatherable(const MoeConfig& config);
 // it slows computes 2 T K D H FLOPs, so the permute weighs ~ 2 (FLOP/s) / ((bytes/s) H) of the SDD:
 // on an H200 (~600 TFLOP/s, ~4 TB/s) 7% at H = 4096 and 2% at H = 14336. The gathered SDD measured
 // 2-3% slower at H = 4096 and 8-9% at H = 14336 (block_sparse_wgmma_ws.cuh, WsGatheredRows), so
-// narrow experts gain (the forward layer at T=16384 D=1024 H=4096 E=64: 0.638 -> 0.624 ms) and
-// wide ones lose (T=8192 D=4096 H=14336 E=8: 5.70-5.59 -> 5.78-6.04 ms; moe_bench, H200, 2026-11-22).
+// narrow experts gain and wide ones lose. The forward layer (FFN + the work outside it), permuted ->
+// gathered, H200, notebooks_data/bench/moe_bench_2026-11-22e_rows_{permuted,gathered}_h200.json:
+// 0.636 -> 0.612 ms at T=16384 D=1024 H=4096 E=64 K=1 (uniform), 6.36 -> 6.52 ms at T=8192 D=4096
+// H=14336 E=8 K=2 (uniform); at D=2048, H=8192, a wash: 3.99 -> 3.71 ms (uniform) and 4.26 -> 4.26
+// (zipf) in that run, the other way round in two A/B runs before it.
 constexpr int kGatherMaxHidden = 4096;
 bool gathering_pays(const MoeConfig& config);
 
