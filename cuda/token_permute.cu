@@ -59,7 +59,7 @@ __device__ int lane_index() { return threadIdx.x % kWarpSize; }
 
 // A lane's columns of one row, in steps of kUnroll packs: step s covers the columns
 // s * kStepColumns + lane * kPack + u * kWarpSize * kPack, u = 0 .. kUnroll-1 (coalesced per u).
-// A kernel loads all kUnroll packs of a step, then computes and stores them.
+// A kernel loads all kUnroll packs of a step (load), then computes and stores them.
 constexpr int kUnroll = 4;
 template <int kPack>
 struct RowSteps {
@@ -67,6 +67,15 @@ struct RowSteps {
   int model_dim;
   __device__ int column(int step_begin, int u) const { return step_begin + lane_index() * kPack + u * kWarpSize * kPack; }
   __device__ bool valid(int column) const { return column < model_dim; }
+  // This lane's kUnroll packs of `row` at the step from step_begin: zeros past D, or everywhere
+  // when row is nullptr (a padding row, a dropped slot).
+  __device__ void load(const bf16* row, int step_begin, Pack<kPack> (&packs)[kUnroll]) const {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = column(step_begin, u);
+      packs[u] = row != nullptr && valid(c) ? load_pack<kPack>(row + c) : zero_pack<kPack>();
+    }
+  }
 };
 
 // ---- gather: x in token order -> rows in expert order, padding fused ----
@@ -85,11 +94,7 @@ __global__ void permute_tokens_kernel(const int* __restrict__ row_slot,    // [m
   const RowSteps<kPack> steps{model_dim};
   for (int begin = 0; begin < model_dim; begin += steps.kStepColumns) {
     Pack<kPack> value[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int column = steps.column(begin, u);
-      value[u] = source != nullptr && steps.valid(column) ? load_pack<kPack>(source + column) : zero_pack<kPack>();
-    }
+    steps.load(source, begin, value);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int column = steps.column(begin, u);
@@ -118,11 +123,7 @@ __global__ void unpermute_and_combine_kernel(const int* __restrict__ slot_row,  
       const float weight = combine_weights[slot];
       const bf16* out_row = expert_out + static_cast<size_t>(row) * model_dim;
       Pack<kPack> out[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int column = steps.column(begin, u);
-        out[u] = steps.valid(column) ? load_pack<kPack>(out_row + column) : zero_pack<kPack>();
-      }
+      steps.load(out_row, begin, out);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
@@ -164,13 +165,8 @@ __global__ void combine_backward_kernel(const int* __restrict__ row_slot,       
   float dot = 0.0f;
   for (int begin = 0; begin < model_dim; begin += steps.kStepColumns) {
     Pack<kPack> upstream[kUnroll], out[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int column = steps.column(begin, u);
-      const bool load = dy_row != nullptr && steps.valid(column);
-      upstream[u] = load ? load_pack<kPack>(dy_row + column) : zero_pack<kPack>();
-      out[u] = load ? load_pack<kPack>(out_row + column) : zero_pack<kPack>();
-    }
+    steps.load(dy_row, begin, upstream);
+    steps.load(dy_row != nullptr ? out_row : nullptr, begin, out);  // a padding row's dot is 0
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int column = steps.column(begin, u);
@@ -215,11 +211,7 @@ __global__ void permute_backward_kernel(const int* __restrict__ slot_row,       
       if (row < 0) continue;  // dropped: x reached no expert through this slot
       const bf16* gradient_row = d_permuted_x + static_cast<size_t>(row) * model_dim;
       Pack<kPack> g[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int column = steps.column(begin, u);
-        g[u] = steps.valid(column) ? load_pack<kPack>(gradient_row + column) : zero_pack<kPack>();
-      }
+      steps.load(gradient_row, begin, g);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
