@@ -122,10 +122,14 @@ struct TmaOperands {
 // tile's epilogue overlaps the next tile's loads. The tile count is the host bound; CTAs skip the
 // tiles past the device's counts. With `tma`, the producer copies with TMA; the per-expert maps live
 // in a stream-ordered allocation for the length of the launch.
+// The epilogue: the register epilogue (version 19) for the SDD and DSD, whose long tiles hide it;
+// the bulk-copy epilogue for the weight gradients (WsBulkStore: a plain output matrix), whose short
+// tiles wait on their stores, with 3 stages, as its staging takes the fourth's room.
 template <class Problem>
 void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStream_t stream,
                      const TmaOperands* tma = nullptr) {
-  constexpr int kStages = 4, kEpilogueColumns = 0;  // the register epilogue (version 19)
+  constexpr bool bulk = WsBulkStore<Problem>;
+  constexpr int kStages = bulk ? 3 : 4, kEpilogueColumns = bulk ? kWsBulkEpilogue : kWsRegisterEpilogue;
   constexpr int smem = ws_shared_bytes<kStages, kEpilogueColumns, true>();
   int device = 0, multiprocessors = 0;
   CUDA_CHECK(cudaGetDevice(&device));

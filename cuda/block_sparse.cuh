@@ -119,6 +119,9 @@ __device__ inline float silu_derivative(float a) {
 //   void store(int m, int n, float v0, float v1) C[m][n], C[m][n+1] of the tile (n even)
 //   void store_chunk(int m, int n, const float (&v)[8])  C[m][n .. n+7] (n a multiple of 8): the
 //   wgmma kernel's staged epilogue; one 16-byte store of bf16, two of fp32
+//   optional: OUT* out_at(int m, int n), using Out = OUT, int ldo: the output is a plain matrix
+//                                               (the weight gradients): the warp-specialized kernel
+//                                               copies it out with the bulk-copy engine
 //   optional: int64_t b_second_half()           the warp-specialized kernel's 256-wide B chunk (B
 //                                               stored [k][n]) is two 128-column halves this many
 //                                               elements apart (DDS: two B x B blocks); default 128
@@ -556,12 +559,10 @@ struct DsdTransposedProblem {
     ld = ldd;
     return dense + row * ldd + n0;
   }
-  __device__ void store(int m, int n, float v0, float v1) const {
-    store2(out_tile + static_cast<int64_t>(m) * ldo + n, v0, v1);
-  }
-  __device__ void store_chunk(int m, int n, const float (&v)[8]) const {
-    store8(out_tile + static_cast<int64_t>(m) * ldo + n, v);
-  }
+  using Out = OUT;
+  __device__ OUT* out_at(int m, int n) const { return out_tile + static_cast<int64_t>(m) * ldo + n; }
+  __device__ void store(int m, int n, float v0, float v1) const { store2(out_at(m, n), v0, v1); }
+  __device__ void store_chunk(int m, int n, const float (&v)[8]) const { store8(out_at(m, n), v); }
 };
 
 // DDS: out_e[m-tile, column_offset + jB : ...] = sum over the blocks (r, c) of block column
@@ -627,12 +628,10 @@ struct DdsProblem {
     return s + block * block_size * block_size + static_cast<int64_t>(k0) * block_size;
   }
   __device__ int64_t b_second_half() const { return static_cast<int64_t>(block_size) * block_size; }
-  __device__ void store(int m, int n, float v0, float v1) const {
-    store2(out_tile + static_cast<int64_t>(m) * ldo + n, v0, v1);
-  }
-  __device__ void store_chunk(int m, int n, const float (&v)[8]) const {
-    store8(out_tile + static_cast<int64_t>(m) * ldo + n, v);
-  }
+  using Out = OUT;
+  __device__ OUT* out_at(int m, int n) const { return out_tile + static_cast<int64_t>(m) * ldo + n; }
+  __device__ void store(int m, int n, float v0, float v1) const { store2(out_at(m, n), v0, v1); }
+  __device__ void store_chunk(int m, int n, const float (&v)[8]) const { store8(out_at(m, n), v); }
 };
 
 }  // namespace moe::cuda::block_sparse_detail

@@ -14,8 +14,9 @@
 //     STAGES stages of A [128][64] and B [64][256] bf16 (48 KB a stage), the same 128-byte-swizzled
 //     layout as block_sparse_wgmma.cuh, so the matrix descriptors are the same;
 //   - warpgroups 1 and 2 (the consumers) only compute: each owns 64 rows x 256 columns of the tile
-//     (m64n256k16, 128 fp32 accumulators per thread), then stores them, straight from registers
-//     (ws_register_epilogue: the mainline) or through a staged epilogue in shared memory;
+//     (m64n256k16, 128 fp32 accumulators per thread), then stores them: straight from registers
+//     (ws_register_epilogue: the mainline's SDD and DSD), through shared memory and the bulk-copy
+//     engine (ws_bulk_epilogue: the mainline's weight gradients), or through a staged epilogue;
 //   - setmaxnreg moves registers from the producer (40 per thread: addresses and a counter) to the
 //     consumers (232: 128 accumulators and room to spare): 128 x 40 + 256 x 232 = 384 x 168, the
 //     registers the CTA is launched with (__launch_bounds__(384, 1)).
@@ -54,6 +55,7 @@
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 
+#include <concepts>
 #include <cstdint>
 
 #include "block_sparse.cuh"        // Layout, kBlockK, the problems
@@ -80,8 +82,21 @@ struct TmaMaps {
   const CUtensorMap* experts = nullptr;  // [E] SDD, DSD: the expert operand, one map per expert
 };
 
+// How the consumers store a tile: EPILOGUE_COLUMNS, a template parameter of the kernel, is
+//   > 0                  the staged epilogue: fp32 through shared memory, that many columns a pass;
+//   kWsRegisterEpilogue  straight from the accumulators (ws_register_epilogue);
+//   kWsBulkEpilogue      through shared memory in the output's type, copied out by the bulk-copy
+//                        engine while the consumers go on to the next tile (ws_bulk_epilogue).
+constexpr int kWsRegisterEpilogue = 0;
+constexpr int kWsBulkEpilogue = -1;
+// The bulk epilogue's staging: per consumer warp, its 16 rows of 512 bytes (256 columns of bf16 or
+// 128 of fp32), each row padded by 16 bytes: rows 132 words apart start 4 banks apart, so a warp's
+// 4-byte writes (rows lane / 4, column pair lane % 4) hit 32 different banks.
+constexpr int kWsBulkRowBytes = 512;
+constexpr int kWsBulkRowStride = kWsBulkRowBytes + 16;
+constexpr int kWsBulkWarpBytes = 16 * kWsBulkRowStride;
 // The staged epilogue's fp32 staging: per consumer warpgroup [64][EPILOGUE_COLUMNS + kWsStagingPad]
-// floats (none for the register epilogue, EPILOGUE_COLUMNS = 0).
+// floats (none for the register epilogue).
 // The pad of 4 floats makes both of its accesses conflict-free. Rows are 4 banks apart (36 = 4 mod
 // 32 words), so the fragment writes (a float2 at row lane/4, columns 2 (lane % 4)) start at banks
 // 4r + 2c: 2 wavefronts for 256 bytes, the least; the chunk reads (a float4 at row lane/4, column
@@ -92,14 +107,19 @@ struct TmaMaps {
 constexpr int kWsStagingPad = 4;
 template <int EPILOGUE_COLUMNS>
 constexpr bool ws_epilogue_columns_valid() {
-  if constexpr (EPILOGUE_COLUMNS == 0)
+  if constexpr (EPILOGUE_COLUMNS == kWsRegisterEpilogue || EPILOGUE_COLUMNS == kWsBulkEpilogue)
     return true;
   else
     return kWsBlockN % EPILOGUE_COLUMNS == 0 && EPILOGUE_COLUMNS % 8 == 0;
 }
 template <int EPILOGUE_COLUMNS>
 constexpr int ws_staging_bytes() {
-  return EPILOGUE_COLUMNS == 0 ? 0 : 2 * 64 * (EPILOGUE_COLUMNS + kWsStagingPad) * static_cast<int>(sizeof(float));
+  if constexpr (EPILOGUE_COLUMNS == kWsRegisterEpilogue)
+    return 0;
+  else if constexpr (EPILOGUE_COLUMNS == kWsBulkEpilogue)
+    return 8 * kWsBulkWarpBytes;  // the 8 consumer warps
+  else
+    return 2 * 64 * (EPILOGUE_COLUMNS + kWsStagingPad) * static_cast<int>(sizeof(float));
 }
 // Shared memory: the 1024-byte alignment slack, the stages, the staging (its own region when the
 // kernel is persistent: the producer is already filling the stages with the next tile), then the
@@ -164,6 +184,17 @@ __device__ inline void mbarrier_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
+// ---- bulk copies from shared to global memory (PTX ISA 8.0: cp.async.bulk), for ws_bulk_epilogue ----
+// One instruction hands `bytes` (a multiple of 16, both addresses 16-byte aligned) to the copy
+// engine; the issuing thread's copies form bulk groups, which it can wait for: .read until the
+// engine has read the shared memory (it may be written again), plain until the writes are done.
+__device__ inline void bulk_copy_to_global(void* to, uint32_t from, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(to), "r"(from), "r"(bytes)
+               : "memory");
+}
+__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ inline void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ inline void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // Barrier `id` (1-15; 0 is __syncthreads) over `threads` threads (a multiple of 32): syncs a subset.
 __device__ inline void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -339,6 +370,11 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 
 // DSᵀD: A = the block (r, c) read M-major, two [64 k][64 m] boxes of the 3-D blocks map a[0];
 // B = rows of the dense operand (dy), four [64 k][64 n] boxes of the 2-D map a[1].
+// The weight gradients' copies wait on two dependent loads a k-step (the block's id, then its block
+// row). Tried (sixth session): the producer warp loading 32 walk entries at once, one per lane, each
+// k-step taking its entry by a shuffle. No change (ncu, H200, Zipf routing: DSᵀD 0.370 -> 0.372 ms
+// at T=16384 D=1024 E=64, 2.09 -> 2.09 ms at D=2048 E=64 K=2): the producer, running stages ahead,
+// was not what held these products back. Left out.
 template <typename OUT>
 __device__ inline void ws_tma_copy(const DsdTransposedProblem<OUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
                                    uint32_t bar, int step) {
@@ -465,6 +501,68 @@ __device__ inline void ws_register_epilogue(const Problem& problem, const float 
   }
 }
 
+// ---- the bulk-copy epilogue (kWsBulkEpilogue): the tile leaves through the copy engine ----
+// A tile of a weight gradient with small experts runs a few k-steps and then writes 64 KB (bf16) or
+// 128 KB (fp32); with the register epilogue the consumers wait until those stores have drained
+// into the memory system, and the tensor cores wait with them. Here each consumer warp writes its
+// 16 rows, converted to the output's type, into its own staging in shared memory, and 16 of its
+// lanes each hand one 512-byte row to the bulk-copy engine, which writes it to global memory on its
+// own while the warp goes on to the next tile. Before the warp writes its staging again, the lanes
+// that issued the copies wait until the engine has read it. No barrier beyond the warp: each warp
+// owns its rows (the accumulator layout gives warp w rows 16w .. 16w+15). fp32 rows take two
+// passes of 128 columns. The shared-memory writes go through the generic proxy and the engine
+// reads through the async proxy: a fence.proxy.async orders them.
+// The product's output must be a plain matrix (Problem::out_at) whose rows start on 16 bytes (the
+// copy's alignment); a tile whose rows do not takes the register epilogue (ws_bulk_store_aligned).
+// Its staging (66 KB) leaves room for 3 stages instead of 4. Measured with ncu on an H200
+// (2026-11-22, Zipf routing, bf16 weight gradients), against the register epilogue with 4 stages:
+// at T=16384 D=1024 H=4096 E=64 K=1 (4 k-steps a tile on average) DSᵀD 0.370 -> 0.349 ms and DDS
+// 0.372 -> 0.350 ms; at T=16384 D=2048 H=8192 E=64 K=2 (8 k-steps) 2.09 -> 2.09-2.10 ms, no change.
+// So the stores were a part of the short tiles' overhead, but not most of it: the two products run
+// at about 395 TFLOP/s at D = 1024, against 525 at D = 2048, whose tiles are twice as long.
+template <class Problem>
+concept WsBulkStore = requires(const Problem& p) {
+  { p.out_at(0, 0) } -> std::same_as<typename Problem::Out*>;
+  p.ldo;
+};
+template <class Problem>
+__device__ inline bool ws_bulk_store_aligned(const Problem& problem) {
+  const auto base = reinterpret_cast<uintptr_t>(problem.out_at(0, 0));
+  const auto row_bytes = static_cast<uintptr_t>(problem.ldo) * sizeof(typename Problem::Out);
+  return ((base | row_bytes) & 15) == 0;
+}
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <class Problem>
+__device__ inline void ws_bulk_epilogue(const Problem& problem, const float (&acc)[kWsBlockN / 2],
+                                        unsigned char* staging, uint32_t staging_address, int first_row, int lane) {
+  using Out = typename Problem::Out;
+  constexpr int columns = kWsBulkRowBytes / static_cast<int>(sizeof(Out));  // a pass: 256 bf16, 128 fp32
+  constexpr int chunks = columns / 8;                                        // of the accumulator layout
+  const int row = lane / 4, pair = 2 * (lane % 4);
+#pragma unroll
+  for (int pass = 0; pass < kWsBlockN / columns; ++pass) {
+    if (lane < 16) bulk_wait_read();  // the engine has read what this warp staged before
+    __syncwarp();
+#pragma unroll
+    for (int jj = 0; jj < chunks; ++jj) {
+      const int j = pass * chunks + jj;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // rows `row` and `row + 8`, columns 8 jj + pair, + 1
+        unsigned char* at = staging + (row + 8 * half) * kWsBulkRowStride + (8 * jj + pair) * sizeof(Out);
+        store2(reinterpret_cast<Out*>(at), acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+      }
+    }
+    fence_proxy_async();
+    __syncwarp();
+    if (lane < 16) {
+      bulk_copy_to_global(problem.out_at(first_row + lane, pass * columns), staging_address + lane * kWsBulkRowStride,
+                          kWsBulkRowBytes);
+      bulk_commit();
+    }
+  }
+}
+#endif
+
 // TMA = true: one producer thread copies each stage with TMA boxes (Problem::tma_copy, the maps in
 //   `maps`) instead of 128 threads issuing 16-byte cp.async; the other producer threads exit.
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem>
@@ -475,6 +573,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   static_assert(ws_epilogue_columns_valid<EPILOGUE_COLUMNS>(), "the register epilogue (0), or whole 16-byte chunks per pass");
   static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
                 "the staging must fit in the stages it reuses");
+  static_assert(EPILOGUE_COLUMNS != kWsBulkEpilogue || (PERSISTENT && WsBulkStore<Problem>),
+                "the bulk epilogue needs its own staging (persistent) and a plain output matrix (out_at)");
   static_assert(ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>() <= 227 * 1024,
                 "Hopper gives a CTA at most 227 KB of shared memory");
   static_assert(Problem::a_layout != Layout::row_major_nk, "A is stored [m][k] or [k][m]");
@@ -581,8 +681,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   setmaxnreg_inc<kWsConsumerRegisters>();
   const int consumer = warpgroup - 1;  // rows 64 consumer .. 64 consumer + 63 of the tile
   const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, warp = thread / 32;
-  constexpr int row_floats = EPILOGUE_COLUMNS + kWsStagingPad;
-  float* staging = reinterpret_cast<float*>(shared_bytes + (staging_base - shared_raw)) + consumer * 64 * row_floats;
+  unsigned char* const staging_bytes = shared_bytes + (staging_base - shared_raw);
+  constexpr int row_floats = EPILOGUE_COLUMNS + kWsStagingPad;  // the staged epilogue's
+  float* staging = reinterpret_cast<float*>(staging_bytes) + consumer * 64 * row_floats;
+  const int bulk_warp = consumer * 4 + warp;  // the bulk epilogue's: one staging per warp
 
   for (int tile = first_tile; tile < tiles; tile += tile_stride) {
     Problem problem = parameters;
@@ -595,6 +697,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // instructions are serialized due to program dependence on compiler-inserted WG.DP in
     // divergent path"), so that each waited for the one before it. Keep wgmma out of any branch
     // ptxas cannot prove uniform over the warpgroup; the build must show no C7518 (-Xptxas -v).
+    // Tried next (sixth session): a k-loop whose trip count is 0 for such a warpgroup, which then
+    // only handed each stage back. No C7518, and under Zipf routing the SDD gained (ncu, H200,
+    // T=16384 D=1024 E=64: 0.39 -> 0.37 ms), but the DSD lost (D=2048 E=64 K=2: 1.65 -> 1.85 ms),
+    // and the forward at D=4096, where no tile has a padding half, went from 5.4-5.5 to 6.0-6.2 ms:
+    // the loop, not the skipping, cost it. Left out.
 
     float acc[kAccumulators];
 #pragma unroll
@@ -628,8 +735,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // Accumulator layout of m64nNk16: warp w owns rows 16w .. 16w+15; acc[4j + v] is row
     // 16w + lane/4 (+8 for v >= 2), column 8j + 2 (lane % 4) (+1 for odd v).
     const int row = warp * 16 + lane / 4;
-    if constexpr (EPILOGUE_COLUMNS == 0) {
+    if constexpr (EPILOGUE_COLUMNS == kWsRegisterEpilogue) {
       ws_register_epilogue(problem, acc, consumer * 64 + row, lane % 4);
+    } else if constexpr (EPILOGUE_COLUMNS == kWsBulkEpilogue) {
+      if (ws_bulk_store_aligned(problem))
+        ws_bulk_epilogue(problem, acc, staging_bytes + bulk_warp * kWsBulkWarpBytes,
+                         staging_base + bulk_warp * kWsBulkWarpBytes, consumer * 64 + warp * 16, lane);
+      else
+        ws_register_epilogue(problem, acc, consumer * 64 + row, lane % 4);
     } else {
       // ---- staged epilogue: fragments -> staging -> 16-byte chunks, as block_sparse_wgmma.cuh's ----
       if constexpr (!PERSISTENT) named_barrier(1, 256);  // the staging reuses stages the other
@@ -661,6 +774,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         named_barrier(2 + consumer, 128);  // every read is done before the staging is written again
       }
     }
+  }
+  if constexpr (EPILOGUE_COLUMNS == kWsBulkEpilogue) {
+    if (lane < 16) bulk_wait();  // the last tile's copies are written before the CTA exits
   }
 #else
   __trap();  // built without sm_90a: the host must never pick this kernel

@@ -141,7 +141,10 @@ struct ExpertWeights {
   }
 };
 
-enum class Routing { random, skip_one_expert, all_to_one_expert };
+// tail_halves (K = 1, E = 5, T = 322): experts 0-3 get 192, 64, 65 and 1 tokens, expert 4 none, so
+// block rows end with 64 tokens (rows 64-127 all padding), 65, and 1.
+enum class Routing { random, skip_one_expert, all_to_one_expert, tail_halves };
+constexpr int kTailHalvesTokens[] = {192, 64, 65, 1};
 
 // One dropless layer's worth of inputs: config, plan, topology (host and device), tensors.
 struct Problem {
@@ -172,6 +175,10 @@ struct Problem {
           case Routing::random: e = int(generator() % uint64_t(E)); break;
           case Routing::skip_one_expert: e = int(generator() % uint64_t(E - 1)); e += (e >= E / 2); break;
           case Routing::all_to_one_expert: e = (1 + k) % E; break;
+          case Routing::tail_halves:
+            for (int first = 0; e < 4 && t >= first + kTailHalvesTokens[e]; first += kTailHalvesTokens[e++]) {
+            }
+            break;
         }
         for (int j = 0; j < k; ++j)
           if (top(t, j) == e) e = (e + 1) % E;  // K distinct experts per token
@@ -367,6 +374,18 @@ TEST(BlockSparseFfn, PersistentTilesB128) {
 TEST(BlockSparseFfn, SwigluAllTokensToTwoExpertsB128) {
   REQUIRE_GPU();
   check_ffn(Problem(300, 128, 256, 4, 2, 128, Activation::swiglu, Routing::all_to_one_expert, 17));
+}
+
+// Block rows that end with 64 tokens (the last 64 rows all padding), 65 and 1, and an expert with
+// none: the weight gradients' walks stop at 1, 1, 2 and 1 k-steps into a block row, and on an
+// H100/H200 their bulk-copy epilogue writes bf16 rows in one pass and fp32 rows in two.
+TEST(BlockSparseFfn, GeluB128PaddingHalves) {
+  REQUIRE_GPU();
+  check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::gelu, Routing::tail_halves, 22));
+}
+TEST(BlockSparseFfn, SwigluB128PaddingHalves) {
+  REQUIRE_GPU();
+  check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::swiglu, Routing::tail_halves, 23));
 }
 
 // A wide model (D = 2048) at B = 128: on an H100/H200 every product copies its operands with TMA
