@@ -371,10 +371,17 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 // DSᵀD: A = the block (r, c) read M-major, two [64 k][64 m] boxes of the 3-D blocks map a[0];
 // B = rows of the dense operand (dy), four [64 k][64 n] boxes of the 2-D map a[1].
 // The weight gradients' copies wait on two dependent loads a k-step (the block's id, then its block
-// row). Tried (sixth session): the producer warp loading 32 walk entries at once, one per lane, each
-// k-step taking its entry by a shuffle. No change (ncu, H200, Zipf routing: DSᵀD 0.370 -> 0.372 ms
-// at T=16384 D=1024 E=64, 2.09 -> 2.09 ms at D=2048 E=64 K=2): the producer, running stages ahead,
-// was not what held these products back. Left out.
+// row), and their begin() on a chain of four (the column's offset, its last block, that block's
+// row, the row's tokens). Two ways of hiding them were tried in the sixth session and left out
+// (ncu, H200, Zipf routing, DSᵀD at T=16384 D=1024 E=64 | D=2048 E=64 K=2):
+//   - the producer warp loading 32 walk entries at once, one per lane, each k-step taking its entry
+//     by a shuffle: 0.370 -> 0.372 ms | 2.09 -> 2.09 ms, no change;
+//   - the consumers running the next tile's begin() while the tile's first wgmma group runs:
+//     0.348 -> 0.365 ms | 2.09 -> 2.12 ms, slower (the SDD gained 1-3%).
+// Neither the producer, which runs stages ahead, nor the consumers' lookups held these products back.
+// With the bulk epilogue they run 5-7% behind the SDD of the same shape (TFLOP/s of the rows
+// computed: 394 against 423 at D = 1024, 526 against 555 at D = 2048): what holds the D = 1024
+// shape at about 60% of cuBLAS is common to every product there.
 template <typename OUT>
 __device__ inline void ws_tma_copy(const DsdTransposedProblem<OUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
                                    uint32_t bar, int step) {
