@@ -1,24 +1,12 @@
 // activation.cu: elementwise GeLU forward and backward (see activation.h).
 #include "activation.h"
 
-#include "cuda_check.h"  // CUDA_CHECK
+#include "activation_math.cuh"  // gelu, gelu_derivative
+#include "cuda_check.h"         // CUDA_CHECK
 
 namespace moe::cuda {
 
 namespace {
-
-// gelu(a) = 0.5 a (1 + tanh(u)), u = sqrt(2/pi) (a + 0.044715 a^3)
-__device__ __forceinline__ float gelu(float a) {
-  const float u = 0.7978845608028654f * (a + 0.044715f * a * a * a);
-  return 0.5f * a * (1.0f + tanhf(u));
-}
-
-__device__ __forceinline__ float gelu_derivative(float a) {
-  const float u = 0.7978845608028654f * (a + 0.044715f * a * a * a);
-  const float t = tanhf(u);
-  const float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * a * a);
-  return 0.5f * (1.0f + t) + 0.5f * a * (1.0f - t * t) * du;
-}
 
 // Grid-stride loops over bf16 pairs: each thread moves 4 bytes per array per iteration.
 __global__ void gelu_forward_kernel(const __nv_bfloat162* pre, __nv_bfloat162* hidden, size_t pairs) {

@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "activation_math.cuh"  // gelu, silu and their derivatives (the epilogues)
+
 namespace moe::cuda::block_sparse_detail {
 
 using bf16 = __nv_bfloat16;
@@ -88,22 +90,6 @@ __device__ inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// ---- activations (fp32, the same formulas as the CPU reference's expert_ffn.cpp) ----
-__device__ inline float gelu(float a) {
-  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  return 0.5f * a * (1.0f + tanhf(k * (a + 0.044715f * a * a * a)));
-}
-__device__ inline float gelu_derivative(float a) {
-  const float k = 0.7978845608028654f;
-  const float th = tanhf(k * (a + 0.044715f * a * a * a));
-  return 0.5f * (1.0f + th) + 0.5f * a * (1.0f - th * th) * k * (1.0f + 3.0f * 0.044715f * a * a);
-}
-__device__ inline float sigmoid(float a) { return 1.0f / (1.0f + __expf(-a)); }
-__device__ inline float silu(float a) { return a * sigmoid(a); }
-__device__ inline float silu_derivative(float a) {
-  const float s = sigmoid(a);
-  return s * (1.0f + a * (1.0f - s));
-}
 
 // ---- the tile kernel ----
 // Problem supplies (all __device__):
