@@ -242,8 +242,7 @@ __device__ inline uint4 pack8(const float (&v)[8]) {
   for (int i = 0; i < 4; ++i) h[i] = pack(v[2 * i], v[2 * i + 1]);
   return r;
 }
-__device__ inline void unpack8(const bf16* p, float (&v)[8]) {
-  const uint4 r = *reinterpret_cast<const uint4*>(p);
+__device__ inline void unpack8(const uint4& r, float (&v)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -384,15 +383,31 @@ struct SddProblem {
     *reinterpret_cast<__nv_bfloat162*>(out0 + at) = pack(o0[0], o0[1]);
     if constexpr (writes_out1) *reinterpret_cast<__nv_bfloat162*>(out1 + at) = pack(o1[0], o1[1]);
   }
-  // C[m][n .. n+7], n a multiple of 8 (8 columns never straddle two blocks).
-  __device__ void store_chunk(int m, int n, const float (&acc)[8]) const {
+  // C[m][n .. n+7], n a multiple of 8 (8 columns never straddle two blocks), in two steps: the
+  // epilogue's inputs (load_chunk), then the outputs (store_chunk). A caller that loads several
+  // chunks' inputs before it stores any keeps their trips to memory in flight together: a load
+  // placed after a store must wait for it, as the compiler cannot tell in0 from out0.
+  struct ChunkInputs {
+    uint4 in0, in1;  // 8 bf16 each
+  };
+  __device__ ChunkInputs load_chunk(int m, int n) const {
+    const int64_t at = index(m, n);
+    ChunkInputs in{};
+    if constexpr (reads_in0) in.in0 = *reinterpret_cast<const uint4*>(in0 + at);
+    if constexpr (reads_in1) in.in1 = *reinterpret_cast<const uint4*>(in1 + at);
+    return in;
+  }
+  __device__ void store_chunk(int m, int n, const float (&acc)[8], const ChunkInputs& in) const {
     const int64_t at = index(m, n);
     float i0[8] = {}, i1[8] = {}, o0[8], o1[8];
-    if constexpr (reads_in0) unpack8(in0 + at, i0);
-    if constexpr (reads_in1) unpack8(in1 + at, i1);
+    if constexpr (reads_in0) unpack8(in.in0, i0);
+    if constexpr (reads_in1) unpack8(in.in1, i1);
     apply<8>(acc, i0, i1, o0, o1);
     *reinterpret_cast<uint4*>(out0 + at) = pack8(o0);
     if constexpr (writes_out1) *reinterpret_cast<uint4*>(out1 + at) = pack8(o1);
+  }
+  __device__ void store_chunk(int m, int n, const float (&acc)[8]) const {
+    store_chunk(m, n, acc, load_chunk(m, n));
   }
 };
 
