@@ -377,7 +377,10 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 //   - the producer warp loading 32 walk entries at once, one per lane, each k-step taking its entry
 //     by a shuffle: 0.370 -> 0.372 ms | 2.09 -> 2.09 ms, no change;
 //   - the consumers running the next tile's begin() while the tile's first wgmma group runs:
-//     0.348 -> 0.365 ms | 2.09 -> 2.12 ms, slower (the SDD gained 1-3%).
+//     0.348 -> 0.365 ms | 2.09 -> 2.12 ms, slower (the SDD gained 1-3%);
+//   - begin()'s chain cut from four loads to two, the last block row taken from the dropless
+//     topology's closed forms (block_topology.h) instead of transpose_indices and row_indices:
+//     DSᵀD 0.350 -> 0.357 ms and DDS 0.355 -> 0.367 ms | 2.08 -> 2.12 and 2.09 -> 2.15 ms, slower.
 // Neither the producer, which runs stages ahead, nor the consumers' lookups held these products back.
 // With the bulk epilogue they run 5-7% behind the SDD of the same shape (TFLOP/s of the rows
 // computed: 394 against 423 at D = 1024, 526 against 555 at D = 2048): what holds the D = 1024
