@@ -9,7 +9,7 @@
 //        options: --shapes baselines|small|all|T,D,H,E,K  --routing both|uniform|zipf
 //                 --routing-from RUN_DIR[@STEP]  (adds "captured": the shares of the run's most
 //                 imbalanced MoE layer at STEP, default its last recorded step; shapes of its E only)
-//                 --only NAME[,NAME...]  --out FILE  --warmup 3  --repeat 20  --seed 1234
+//                 --only NAME[,NAME...]  --out FILE  --warmup 3  --warmup-ms 1000  --repeat 20  --seed 1234
 //                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
@@ -43,6 +43,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -126,6 +127,7 @@ struct Options {
   std::vector<std::string> only;  // formulation names to time (substrings); empty = all
   std::string out;
   int warmup = 3, repeat = 20;
+  double warmup_ms = 1000;  // and keep warming up until the GPU has been busy this long (time_work)
   uint64_t seed = 1234;
   enum class Rows { layer, gathered, permuted } rows = Rows::layer;  // block-sparse: how the SDD reads x
 
@@ -198,7 +200,7 @@ std::string utc_now(const char* format) {
 const char* kUsage =
     "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
-    "                 [--warmup N] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
+    "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
     "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
@@ -241,6 +243,8 @@ Options parse_options(int argc, char** argv) {
       options.out = value();
     } else if (arg == "--warmup") {
       options.warmup = std::stoi(value());
+    } else if (arg == "--warmup-ms") {
+      options.warmup_ms = std::stod(value());
     } else if (arg == "--repeat") {
       options.repeat = std::stoi(value());
     } else if (arg == "--seed") {
@@ -258,7 +262,9 @@ Options parse_options(int argc, char** argv) {
       throw std::invalid_argument("unknown option " + arg);
     }
   }
-  if (options.warmup < 0 || options.repeat < 1) throw std::invalid_argument("--warmup >= 0, --repeat >= 1");
+  if (options.warmup < 0 || options.repeat < 1 || !(options.warmup_ms >= 0)) {
+    throw std::invalid_argument("--warmup >= 0, --warmup-ms >= 0, --repeat >= 1");
+  }
   if (options.captured) options.routings.push_back(Routing::captured);
   return options;
 }
@@ -311,9 +317,22 @@ struct Timing {
 };
 
 // Warm-up runs, then `repeat` runs each between two events on `stream`; the median of their times.
+// The warm-up lasts `warmup` runs and at least warmup_ms of wall time: a GPU that was idle (as it is
+// after the checks between two measurements) runs at a low SM clock until it has been busy for about
+// half a second. nvidia-smi on an H200 (2026-11-22, sampled every 50 ms while moe_bench ran):
+// 1440-1485 MHz for the first 0.5 s of load, 1965-1980 MHz after 0.7 s. With 3 warm-up runs, a
+// short workload was timed entirely on the way up: the forward first, on the low clock, then
+// forward + backward on the high one, which is why the forward figures moved from run to run.
 Timing time_work(cudaStream_t stream, const Options& options, const std::function<void()>& work) {
+  const auto begin = std::chrono::steady_clock::now();
+  const auto busy_ms = [&] {
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+  };
   for (int i = 0; i < options.warmup; ++i) work();
-  CUDA_CHECK(cudaStreamSynchronize(stream));
+  while (busy_ms() < options.warmup_ms) {
+    for (int i = 0; i < 4; ++i) work();
+  }
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));
@@ -1135,6 +1154,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
   doc["runtime_version"] = runtime;
   doc["cublas_version"] = cublas_version;
   doc["method"] = {{"warmup", options.warmup},
+                   {"warmup_ms", options.warmup_ms},
                    {"repeat", options.repeat},
                    {"statistic", "median of CUDA-event times"},
                    {"seed", options.seed},

@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +34,17 @@ def routing_counts(rows, experts, routing):
     return counts
 
 
-def time_ms(fn, warmup=3, repeat=20):
+def time_ms(fn, warmup=3, repeat=20, warmup_s=1.0):
+    # Warm up for `warmup` runs and at least warmup_s of wall time, as moe_bench does (time_work):
+    # an idle GPU runs at a low SM clock for its first half second or so of load.
+    begin = time.perf_counter()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    while time.perf_counter() - begin < warmup_s:
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

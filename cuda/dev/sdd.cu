@@ -152,7 +152,7 @@
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
 // fresh random inputs and a NaN-poisoned output; then all are timed on the large problem (CUDA
-// events, 3 warm-up runs, median of 20) and a table prints TFLOP/s of useful work and % of cuBLAS.
+// events, 3 warm-up runs and at least 1 s of them, median of 20) and a table prints TFLOP/s of useful work and % of cuBLAS.
 // Last lines time the mainline DSD alone and the whole dropless forward (SDD + GeLU, DSD) against
 // cuBLAS's dense GEMMs.
 //
@@ -162,6 +162,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -571,10 +572,18 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Median of 20 timed runs after 3 warm-ups, in milliseconds.
+// Median of 20 timed runs after 3 warm-ups and at least a second of them, in milliseconds: an idle
+// GPU runs at a low SM clock for its first half second or so of load (moe_bench's time_work; the
+// logs in notebooks_data/bench before the sixth session were timed after the 3 runs alone).
 template <typename Launch>
 float time_median(Launch launch, cudaStream_t stream) {
+  const auto begin = std::chrono::steady_clock::now();
   for (int i = 0; i < 3; ++i) launch();
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  while (std::chrono::steady_clock::now() - begin < std::chrono::seconds(1)) {
+    for (int i = 0; i < 4; ++i) launch();
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));

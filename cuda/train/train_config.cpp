@@ -110,7 +110,7 @@ const std::vector<Field>& fields() {
       integer_field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
       // benchmark mode
       integer_field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
-      integer_field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first"),
+      integer_field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first (and at least 1 s of them)"),
       text_field("benchmark_json", &TrainConfig::benchmark_json, "benchmark: also write the results to this JSON file"),
   };
   return table;

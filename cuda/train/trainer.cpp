@@ -618,8 +618,15 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
     uploader.release_current();
   };
 
+  // Untimed steps: benchmark_warmup of them, and at least a second's worth. An idle GPU runs at a
+  // low SM clock for its first half second or so of load (cuda/bench/moe_bench.cpp, time_work).
+  const auto warmup_begin = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < c.benchmark_warmup; ++i) one_step();
   CUDA_CHECK(cudaStreamSynchronize(stream));
+  while (std::chrono::steady_clock::now() - warmup_begin < std::chrono::seconds(1)) {
+    one_step();
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
   // Steps back to back as in training (the host enqueues ahead); an event between each two.
   std::vector<cudaEvent_t> ends(size_t(c.benchmark_steps + 1));
   for (cudaEvent_t& event : ends) CUDA_CHECK(cudaEventCreate(&event));
