@@ -322,7 +322,10 @@ struct Timing {
 // half a second. nvidia-smi on an H200 (2026-11-22, sampled every 50 ms while moe_bench ran):
 // 1440-1485 MHz for the first 0.5 s of load, 1965-1980 MHz after 0.7 s. With 3 warm-up runs, a
 // short workload was timed entirely on the way up: the forward first, on the low clock, then
-// forward + backward on the high one, which is why the forward figures moved from run to run.
+// forward + backward on the high one, which is why the forward figures moved from run to run
+// (notebooks_data/bench/clocks_2026-11-22g_h200.txt). Under sustained load the H200 then reaches its
+// 700 W limit, where the software power cap holds the SM clock at about 1400-1750 MHz, dipping
+// below 1000 (clocks_2026-11-22h_h200.txt): the figures are those of that state, as in training.
 Timing time_work(cudaStream_t stream, const Options& options, const std::function<void()>& work) {
   const auto begin = std::chrono::steady_clock::now();
   const auto busy_ms = [&] {
