@@ -43,7 +43,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -63,6 +62,7 @@
 
 #include "../block_sparse.h"  // block_sparse_ffn_forward / backward (by path: reference_cpu/ has one too)
 #include "activation.h"       // gelu_forward, gelu_backward
+#include "clock_warm_up.h"    // warm_up_clock
 #include "bf16.h"             // bf16
 #include "block_topology.h"   // TopologyBuffers, build_topology
 #include "cuda_check.h"       // CUDA_CHECK
@@ -316,26 +316,10 @@ struct Timing {
   double median_ms = std::nan("");
 };
 
-// Warm-up runs, then `repeat` runs each between two events on `stream`; the median of their times.
-// The warm-up lasts `warmup` runs and at least warmup_ms of wall time: a GPU that was idle (as it is
-// after the checks between two measurements) runs at a low SM clock until it has been busy for about
-// half a second. nvidia-smi on an H200 (2026-11-22, sampled every 50 ms while moe_bench ran):
-// 1440-1485 MHz for the first 0.5 s of load, 1965-1980 MHz after 0.7 s. With 3 warm-up runs, a
-// short workload was timed entirely on the way up: the forward first, on the low clock, then
-// forward + backward on the high one, which is why the forward figures moved from run to run
-// (notebooks_data/bench/clocks_2026-11-22g_h200.txt). Under sustained load the H200 then reaches its
-// 700 W limit, where the software power cap holds the SM clock at about 1400-1750 MHz, dipping
-// below 1000 (clocks_2026-11-22h_h200.txt): the figures are those of that state, as in training.
+// Warm-up runs (`warmup` of them, and at least warmup_ms of load: clock_warm_up.h says why), then
+// `repeat` runs each between two events on `stream`; the median of their times.
 Timing time_work(cudaStream_t stream, const Options& options, const std::function<void()>& work) {
-  const auto begin = std::chrono::steady_clock::now();
-  const auto busy_ms = [&] {
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
-  };
-  for (int i = 0; i < options.warmup; ++i) work();
-  while (busy_ms() < options.warmup_ms) {
-    for (int i = 0; i < 4; ++i) work();
-  }
+  moe::cuda::warm_up_clock(stream, options.warmup, options.warmup_ms, work);
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));

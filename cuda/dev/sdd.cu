@@ -162,7 +162,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -177,6 +176,7 @@
 #include "tensor_map.h"                        // make_matrix_map, build_expert_maps (version 18)
 #include "block_sparse_wgmma_ws.cuh"           // the warp-specialized wgmma kernel (versions 15-18)
 #include "block_sparse_host.h"                 // upload_topology
+#include "clock_warm_up.h"                     // warm_up_clock
 #include "cuda_check.h"                        // CUDA_CHECK
 #include "device_buffer.h"                     // DeviceBuffer
 #include "../../reference_cpu/topology.h"      // moe::ref::plan_dispatch, make_topology
@@ -572,18 +572,11 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Median of 20 timed runs after 3 warm-ups and at least a second of them, in milliseconds: an idle
-// GPU runs at a low SM clock for its first half second or so of load (moe_bench's time_work; the
-// logs in notebooks_data/bench before the sixth session were timed after the 3 runs alone).
+// Median of 20 timed runs after 3 warm-ups and at least a second of them (clock_warm_up.h; the logs
+// in notebooks_data/bench before the sixth session were timed after the 3 runs alone), in ms.
 template <typename Launch>
 float time_median(Launch launch, cudaStream_t stream) {
-  const auto begin = std::chrono::steady_clock::now();
-  for (int i = 0; i < 3; ++i) launch();
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  while (std::chrono::steady_clock::now() - begin < std::chrono::seconds(1)) {
-    for (int i = 0; i < 4; ++i) launch();
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
+  moe::cuda::warm_up_clock(stream, 3, 1000.0, launch);
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));

@@ -25,6 +25,7 @@
 #include <sstream>
 
 #include "batch_sampler.h"  // BatchSampler, ByteBatch
+#include "clock_warm_up.h"  // warm_up_clock
 #include "checkpoint.h"     // save_checkpoint, load_checkpoint, latest_checkpoint
 #include "cuda_check.h"     // CUDA_CHECK
 #include "device_buffer.h"  // DeviceBuffer
@@ -618,15 +619,8 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
     uploader.release_current();
   };
 
-  // Untimed steps: benchmark_warmup of them, and at least a second's worth. An idle GPU runs at a
-  // low SM clock for its first half second or so of load (cuda/bench/moe_bench.cpp, time_work).
-  const auto warmup_begin = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < c.benchmark_warmup; ++i) one_step();
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  while (std::chrono::steady_clock::now() - warmup_begin < std::chrono::seconds(1)) {
-    one_step();
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
+  // Untimed steps: benchmark_warmup of them, and at least a second's worth (clock_warm_up.h).
+  cuda::warm_up_clock(stream, static_cast<int>(c.benchmark_warmup), 1000.0, one_step);
   // Steps back to back as in training (the host enqueues ahead); an event between each two.
   std::vector<cudaEvent_t> ends(size_t(c.benchmark_steps + 1));
   for (cudaEvent_t& event : ends) CUDA_CHECK(cudaEventCreate(&event));
