@@ -139,11 +139,12 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
   if (tma == nullptr) {
     auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, false, Problem>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, group_rows);
+    kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, group_rows, false);
     CUDA_CHECK(cudaGetLastError());
     return;
   }
   if constexpr (WsTmaCopies<Problem>) {
+    const bool half_rows = WsHalfRowTiles<Problem>;  // the SDD's (block_sparse_wgmma_ws.cuh)
     TmaMaps maps = tma->maps;
     CUtensorMap* expert_maps = nullptr;  // the weight-gradient products have no expert operand
     if (tma->experts > 0) {
@@ -153,7 +154,7 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
     }
     auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, true, Problem>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows);
+    kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows, half_rows);
     CUDA_CHECK(cudaGetLastError());
     if (expert_maps != nullptr) free_expert_maps(expert_maps, stream);
   } else {
@@ -241,6 +242,7 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
     problem.block_rows = t.block_rows;
     problem.offsets = t.offsets;
     problem.block_row_expert = t.block_row_expert;
+    problem.block_row_tokens = t.block_row_tokens;
     problem.a = args.a;
     problem.inner = args.inner;
     problem.gather = args.gather;

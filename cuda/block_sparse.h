@@ -29,6 +29,9 @@
 // Padding rows: the dropless plan's padding rows (past block_row_tokens[r] in block row r) are zero
 // in every operand of the FFN. The weight-gradient products (DSᵀD, DDS) rely on it and skip them
 // (64 rows at a time), so their S and dense operands must hold zeros there or the rows are ignored.
+// So does the SDD on Hopper at B = 128: a block row whose routed rows all lie in its first 64 is
+// computed as a half-row tile (block_sparse_wgmma_ws.cuh), which reads only those 64 rows of A and
+// writes zeros in rows 64 .. B-1 of the output blocks, what a zero A row gives.
 //
 // Requirements, checked on the host before any launch (std::invalid_argument otherwise):
 // B = 64 or 128, D and H multiples of B, every pointer argument non-null.

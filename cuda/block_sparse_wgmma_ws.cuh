@@ -57,6 +57,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <type_traits>
 
 #include "block_sparse.cuh"        // Layout, kBlockK, the problems
 #include "block_sparse_wgmma.cuh"  // matrix_descriptor, wgmma_m64n256k16, fences, kWgmmaBlockM
@@ -345,20 +346,22 @@ __device__ inline void ws_tma_copy_b(const CUtensorMap* map, uint32_t b, uint32_
     tma_load(b, map, bar, k0, n0);
   }
 }
-// SDD: A = rows of x (or dy) from the 2-D map a[0]; B = the block row's expert's W.
+// SDD: A = rows of x (or dy) from the 2-D map a[0]; B = the block row's expert's W. A half-row
+// tile's stages hold only the first 64 rows of A (the other 64 are padding).
 template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
 __device__ inline void ws_tma_copy(const SddProblem<B_LAYOUT, EPILOGUE>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step) {
+                                   uint32_t bar, int step, bool half_row) {
   const int k0 = step * kBlockK;
   if (p.gather.row_slot == nullptr) {  // gathered rows come by cp.async (WsGatheredRows)
-    for (int h = 0; h < 2; ++h) tma_load(a + h * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * h);
+    for (int h = 0; h < (half_row ? 1 : 2); ++h)
+      tma_load(a + h * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * h);
   }
   ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start);
 }
 // DSD: A = the block row's blocks from the 3-D map of its part; B = the expert's W (rows over all parts).
 template <Layout B_LAYOUT>
 __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step) {
+                                   uint32_t bar, int step, bool /*half_row: never*/) {
   const int steps_per_block = p.block_size / kBlockK;
   const int steps_per_part = p.blocks_per_expert * steps_per_block;
   const int part = step / steps_per_part, within = step % steps_per_part;
@@ -387,7 +390,7 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 // shape at about 60% of cuBLAS is common to every product there.
 template <typename OUT>
 __device__ inline void ws_tma_copy(const DsdTransposedProblem<OUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step) {
+                                   uint32_t bar, int step, bool /*half_row: never*/) {
   int k0;
   const int block = p.block_of(step, k0);
   for (int g = 0; g < 2; ++g) tma_load(a + g * kBlockK * 128, &maps.a[0], bar, 64 * g, k0, block);
@@ -399,7 +402,7 @@ __device__ inline void ws_tma_copy(const DsdTransposedProblem<OUT>& p, const Tma
 // from the 3-D map a[1].
 template <typename OUT>
 __device__ inline void ws_tma_copy(const DdsProblem<OUT, 2>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step) {
+                                   uint32_t bar, int step, bool /*half_row: never*/) {
   int k0;
   const int block = p.block_of(step, k0);
   const int row = p.row_indices[block] * p.block_size + k0;
@@ -410,7 +413,7 @@ __device__ inline void ws_tma_copy(const DdsProblem<OUT, 2>& p, const TmaMaps& m
 // The products with TMA copies: those with a ws_tma_copy overload above. The host asks this, and
 // the kernel's TMA path calls the same signature, so the two cannot drift apart.
 template <class Problem>
-concept WsTmaCopies = requires(const Problem& p, const TmaMaps& maps) { ws_tma_copy(p, maps, 0u, 0u, 0u, 0); };
+concept WsTmaCopies = requires(const Problem& p, const TmaMaps& maps) { ws_tma_copy(p, maps, 0u, 0u, 0u, 0, false); };
 
 // Whether the problem's A rows are gathered from token order (the SDD with a RowGather set);
 // always false for the other products. The same on every thread: it reads a kernel parameter.
@@ -465,6 +468,46 @@ constexpr int ws_tile_x() {
   return Problem::grid_x_over_m ? kWgmmaBlockM : kWsBlockN;
 }
 
+// ---- half-row tiles: an expert's last block row when its routed rows fit in 64 (the SDD's) ----
+// Under skewed routing most of the padding sits in block rows whose routed rows all lie in the
+// first half (1 .. 64 of 128; block_row_tokens, Problem::half_row): the second consumer warpgroup
+// then multiplies 64 rows of zeros. At T=16384 E=64 with Zipf routing, 27 of 155 block rows are
+// such rows at K=1 (D=1024) and 29 of 283 at K=2 (D=2048); computing only their first halves takes
+// the rows computed from 19840 to 18112 and from 36224 to 34368.
+// A half-row tile keeps the tile's place (block row r, 256 columns) and its stage layout, but its
+// stages hold only the first 64 rows of A (one TMA box instead of two), and the consumers split
+// the columns instead of the rows: consumer c multiplies rows 0-63 by columns 128 c .. 128 c + 127
+// (m64n128k16, 64 accumulators), half the tensor-core work of a whole tile for the same 32 KB of B
+// a k-step. The epilogue stores rows 0-63 and writes zeros in rows 64-127, the value a whole tile
+// computes there (the epilogue of a zero row is zero), so every output keeps the contract that
+// padding rows are zero (block_sparse.h).
+// The trade: a half-row tile moves 40 KB into shared memory per 1 M multiply-adds where a whole
+// tile moves 48 KB per 2 M, and it reads all of the expert's weights as a whole row does: it saves
+// tensor-core time, not bytes. Measured with ncu on an H200 (2026-11-22, Zipf routing, against
+// whole tiles in the same call): at T=16384 D=1024 H=4096 E=64 K=1 the GeLU SDD 0.35 -> 0.34 ms
+// and the backward's SDD 0.386 -> 0.375 ms (0.388 -> 0.364 in a second call); at D=2048 E=64 K=2
+// and at D=4096 E=8 K=2 (uniform, no half rows) no change beyond 0.5%.
+// The SDDs take them; the DSDs do not. With half-row tiles the DSD measured 0.25 -> 0.26 ms at
+// D=1024, 1.66 -> 1.88 ms at D=2048, and 2.54 -> 2.65 ms at D=4096 uniform, where no row is a half
+// row: its long k-loops (64-224 k-steps a tile) lost to the second k-loop's mere presence, as they
+// did to the sixth session's zero-trip loop (below), and at D=2048 its half rows were no faster.
+// Tried first, and left out: 64 x 512 tiles, both consumers on m64n256k16 (the k-loop unchanged),
+// each k-step filling two stages, one per consumer: DSD 0.25 -> 0.33 ms and SDD 0.35 -> 0.41 ms at
+// D=1024. With each consumer holding two of the four stages (the one its wgmma reads and the one
+// before, until that group retires), the producer ran one k-step ahead, and every k-step waited out
+// a copy's latency: the half-row tiles took 5-6 times as long as whole ones.
+template <class Problem>
+concept WsHalfRowTiles = requires(const Problem& p) {
+  { p.half_row(0) } -> std::same_as<bool>;
+};
+template <class Problem>
+__device__ inline bool ws_half_row(const Problem& problem, int y) {
+  if constexpr (WsHalfRowTiles<Problem>)
+    return problem.half_row(y);
+  else
+    return false;
+}
+
 // ---- the register epilogue (EPILOGUE_COLUMNS = 0): no shared memory, no barrier ----
 // Store_chunk takes 8 consecutive columns of one row (one 16-byte store of bf16). In the accumulator
 // layout, the 8 columns of chunk j of a row are spread over the 4 lanes of a quad (lane q holds
@@ -513,18 +556,20 @@ __device__ inline void ws_store_chunk(const Problem& problem, int m, int n, cons
   else
     problem.store_chunk(m, n, v);
 }
-template <class Problem>
+// COLUMNS: 256 (m64n256k16: all 128 accumulators), or 128 (a half-row tile's m64n128k16: the
+// first 64), stored from first_column on.
+template <int COLUMNS, class Problem>
 __device__ inline void ws_register_epilogue(const Problem& problem, const float (&acc)[kWsBlockN / 2], int row,
-                                            int quad_lane) {
+                                            int first_column, int quad_lane) {
   constexpr int kBatch = 4;  // chunk groups whose inputs are in flight together
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // rows `row` and `row + 8`
     const int r = row + 8 * half;
 #pragma unroll
-    for (int g0 = 0; g0 < kWsBlockN / 32; g0 += kBatch) {
+    for (int g0 = 0; g0 < COLUMNS / 32; g0 += kBatch) {
       decltype(ws_load_chunk(problem, 0, 0)) inputs[kBatch];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) inputs[b] = ws_load_chunk(problem, r, 8 * (4 * (g0 + b) + quad_lane));
+      for (int b = 0; b < kBatch; ++b) inputs[b] = ws_load_chunk(problem, r, first_column + 8 * (4 * (g0 + b) + quad_lane));
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {  // chunks 4g .. 4g+3: 32 columns
         const int g = g0 + b;
@@ -537,9 +582,23 @@ __device__ inline void ws_register_epilogue(const Problem& problem, const float 
         quad_trade(m[0], m[2], bit1, 2);  // and bit 1 likewise: m[i] = M[i][q]
         quad_trade(m[1], m[3], bit1, 2);
         const float v[8] = {m[0].x, m[0].y, m[1].x, m[1].y, m[2].x, m[2].y, m[3].x, m[3].y};
-        ws_store_chunk(problem, r, 8 * (4 * g + quad_lane), v, inputs[b]);
+        ws_store_chunk(problem, r, first_column + 8 * (4 * g + quad_lane), v, inputs[b]);
       }
     }
+  }
+}
+// A half-row tile's rows 64 .. 127 (padding): what a whole tile stores there, the epilogue of a zero
+// accumulator with zero inputs (padding rows of the inputs are zero too), for one consumer's
+// COLUMNS columns from first_column: 64 rows x COLUMNS / 8 chunks over its 128 threads.
+template <int COLUMNS, class Problem>
+__device__ inline void ws_zero_rows(const Problem& problem, int first_column, int thread) {
+  constexpr float zeros[8] = {};
+  constexpr int row_chunks = COLUMNS / 8;
+  using Inputs = decltype(ws_load_chunk(problem, 0, 0));
+#pragma unroll 4
+  for (int chunk = thread; chunk < 64 * row_chunks; chunk += 128) {
+    const int r = 64 + chunk / row_chunks, n = first_column + (chunk % row_chunks) * 8;
+    ws_store_chunk(problem, r, n, zeros, Inputs{});
   }
 }
 
@@ -607,10 +666,12 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const float (&ac
 
 // TMA = true: one producer thread copies each stage with TMA boxes (Problem::tma_copy, the maps in
 //   `maps`) instead of 128 threads issuing 16-byte cp.async; the other producer threads exit.
+// half_rows: compute the block rows whose routed rows fit in their first half as half-row tiles
+//   (see above; tiles_x even). Taken only with TMA copies and the register epilogue.
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem>
 __global__ void __launch_bounds__(kWsThreads, 1)
     block_sparse_wgmma_ws_kernel(const Problem parameters, const __grid_constant__ TmaMaps maps, int tiles_x,
-                                 int tiles, int group_rows) {
+                                 int tiles, int group_rows, bool half_rows) {
   static_assert(STAGES >= 2, "one stage filling while one is read");
   static_assert(ws_epilogue_columns_valid<EPILOGUE_COLUMNS>(), "the register epilogue (0), or whole 16-byte chunks per pass");
   static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
@@ -654,6 +715,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) : tiles;  // one tile when not persistent
   const int warpgroup = threadIdx.x / 128;
   int iteration = 0;  // k-steps this thread's role has gone through, over all tiles (see the header)
+  // Whether tile `at` is a half-row tile (the same answer in every warp: it reads only the tile's
+  // block row and the topology).
+  constexpr bool kHalfRows = TMA && WsHalfRowTiles<Problem> && EPILOGUE_COLUMNS == kWsRegisterEpilogue;
+  auto half_row = [&](const Problem& problem, WsTile at) { return kHalfRows && half_rows && ws_half_row(problem, at.y); };
 
   if (warpgroup == 0) {
     // ---- producer ----
@@ -669,19 +734,21 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
         if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
         const int k_steps = problem.k_steps();
+        const bool half = half_row(problem, at);
         if constexpr (WsGatherable<Problem>) {
           if (gather) rows.fetch(problem, thread);
         }
+        const uint32_t a_step_bytes = gather ? 0 : half ? a_bytes / 2 : a_bytes;
         for (int step = 0; step < k_steps; ++step, ++iteration) {
           const int stage = iteration % STAGES;
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
           mbarrier_wait(empty(stage), (use & 1) ^ 1);
           if (thread == 0) {
-            mbarrier_arrive_expect_tx(full(stage), (gather ? 0 : a_bytes) + b_bytes);
-            ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step);
+            mbarrier_arrive_expect_tx(full(stage), a_step_bytes + b_bytes);
+            ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, half);
           }
           if constexpr (WsGatherable<Problem>) {
-            if (gather) {
+            if (gather) {  // all 128 rows: a padding row is a zero fill, which reads nothing
               if (step == 0) rows.resolve(problem, thread);
               rows.copy(stage_a(stage), problem.a, step * kBlockK, thread);
               cp_async_arrive_noinc(full(stage));  // arrives when this thread's rows have landed
@@ -733,28 +800,39 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
     if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
     const int k_steps = problem.k_steps();
-    // Every consumer multiplies all of its 64 rows, padding rows too (they are zero). A warpgroup
-    // whose rows were all padding once skipped its wgmma (an `if` around them, 2026-11-22): ptxas
-    // then serialised every wgmma of the kernel ("C7518 Potential Performance Loss: wgmma.mma_async
-    // instructions are serialized due to program dependence on compiler-inserted WG.DP in
-    // divergent path"), so that each waited for the one before it. Keep wgmma out of any branch
-    // ptxas cannot prove uniform over the warpgroup; the build must show no C7518 (-Xptxas -v).
-    // Tried next (sixth session): a k-loop whose trip count is 0 for such a warpgroup, which then
-    // only handed each stage back. No C7518, and under Zipf routing the SDD gained (ncu, H200,
-    // T=16384 D=1024 E=64: 0.39 -> 0.37 ms), but the DSD lost (D=2048 E=64 K=2: 1.65 -> 1.85 ms),
-    // and the forward at D=4096, where no tile has a padding half, went from 5.4-5.5 to 6.0-6.2 ms:
-    // the loop, not the skipping, cost it. Left out.
+    const bool half = half_row(problem, at);
+    // Every consumer multiplies all of its 64 rows, padding rows too (they are zero), except in a
+    // half-row tile. A warpgroup whose rows were all padding once skipped its wgmma (an `if` around
+    // them, 2026-11-22): ptxas then serialised every wgmma of the kernel ("C7518 Potential
+    // Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on
+    // compiler-inserted WG.DP in divergent path"), so that each waited for the one before it. Keep
+    // wgmma out of any branch ptxas cannot prove uniform over the warpgroup; the build must show no
+    // C7518 (-Xptxas -v). Loops are fine: a half-row tile runs the second k-loop below, a whole
+    // tile the first, each with a trip count of 0 for the other kind.
+    // Tried in the sixth session: a k-loop whose trip count is 0 for a warpgroup whose 64 rows are
+    // all padding, which then only handed each stage back. Under Zipf routing the SDD gained (ncu,
+    // H200, T=16384 D=1024 E=64: 0.39 -> 0.37 ms), but the DSD lost (D=2048 E=64 K=2: 1.65 -> 1.85
+    // ms), and the forward at D=4096, where no tile has a padding half, went from 5.4-5.5 to
+    // 6.0-6.2 ms: the loop, not the skipping, cost it. The half-row tiles' second loop costs the
+    // DSD in the same way, so only the SDDs have one (WsHalfRowTiles).
 
     float acc[kAccumulators];
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) acc[i] = 0.0f;
 
-    for (int step = 0; step < k_steps; ++step, ++iteration) {
+    // One k-step: wait for the stage, issue its wgmma group, hand the previous step's stage back.
+    // A whole tile: this warpgroup's 64 rows of A by the 256 columns of B (m64n256k16). A half-row
+    // tile: rows 0-63 of A by this warpgroup's 128 columns of B (m64n128k16, the first 64
+    // accumulators), which start 16 KB into B in either of its layouts (four [64 k][64 n] groups
+    // 8 KB apart, or 256 rows of n 128 bytes apart).
+    int previous_stage = 0;
+    auto k_step = [&](auto half_tile, int step) {
+      constexpr bool kHalf = decltype(half_tile)::value;
       const int stage = iteration % STAGES;
       mbarrier_wait(full(stage), static_cast<uint32_t>(iteration / STAGES) & 1);  // its copies landed
       fence_proxy_async();  // ... and are visible to the tensor cores (async proxy)
-      const uint32_t a = stage_a(stage) + consumer * 64 * 128;  // this warpgroup's 64 rows: 8 KB in
-      const uint32_t b = stage_a(stage) + a_bytes;
+      const uint32_t a = stage_a(stage) + (kHalf ? 0u : static_cast<uint32_t>(consumer) * 64 * 128);
+      const uint32_t b = stage_a(stage) + a_bytes + (kHalf ? static_cast<uint32_t>(consumer) * 16 * 1024 : 0u);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
@@ -762,15 +840,24 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                                                 : matrix_descriptor(a + kk * 32, 16, 1024);
         const uint64_t b_descriptor = b_n_major ? matrix_descriptor(b + kk * 16 * 128, kBlockK * 128, 1024)
                                                 : matrix_descriptor(b + kk * 32, 16, 1024);
-        wgmma_m64n256k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
+        if constexpr (kHalf)
+          wgmma_m64n128k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(*reinterpret_cast<float(*)[kAccumulators / 2]>(acc),
+                                                                  a_descriptor, b_descriptor);
+        else
+          wgmma_m64n256k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
       }
       wgmma_commit();
       // Keep this step's group running; once the previous step's has retired, its stage goes back.
       wgmma_wait<1>();
-      if (step > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
-    }
+      if (step > 0 && lane == 0) mbarrier_arrive(empty(previous_stage));
+      previous_stage = stage;
+      ++iteration;
+    };
+    const int whole_steps = half ? 0 : k_steps, half_steps = half ? k_steps : 0;
+    for (int step = 0; step < whole_steps; ++step) k_step(std::false_type{}, step);
+    for (int step = 0; step < half_steps; ++step) k_step(std::true_type{}, step);
     wgmma_wait<0>();
-    if (k_steps > 0 && lane == 0) mbarrier_arrive(empty((iteration - 1) % STAGES));
+    if (k_steps > 0 && lane == 0) mbarrier_arrive(empty(previous_stage));
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) register_fence(acc[i]);
 
@@ -778,13 +865,18 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // 16w + lane/4 (+8 for v >= 2), column 8j + 2 (lane % 4) (+1 for odd v).
     const int row = warp * 16 + lane / 4;
     if constexpr (EPILOGUE_COLUMNS == kWsRegisterEpilogue) {
-      ws_register_epilogue(problem, acc, consumer * 64 + row, lane % 4);
+      if (half) {
+        ws_register_epilogue<kWsBlockN / 2>(problem, acc, row, consumer * (kWsBlockN / 2), lane % 4);
+        ws_zero_rows<kWsBlockN / 2>(problem, consumer * (kWsBlockN / 2), thread);
+      } else {
+        ws_register_epilogue<kWsBlockN>(problem, acc, consumer * 64 + row, 0, lane % 4);
+      }
     } else if constexpr (EPILOGUE_COLUMNS == kWsBulkEpilogue) {
       if (ws_bulk_store_aligned(problem))
         ws_bulk_epilogue(problem, acc, staging_bytes + bulk_warp * kWsBulkWarpBytes,
                          staging_base + bulk_warp * kWsBulkWarpBytes, consumer * 64 + warp * 16, lane);
       else
-        ws_register_epilogue(problem, acc, consumer * 64 + row, lane % 4);
+        ws_register_epilogue<kWsBlockN>(problem, acc, consumer * 64 + row, 0, lane % 4);
     } else {
       // ---- staged epilogue: fragments -> staging -> 16-byte chunks, as block_sparse_wgmma.cuh's ----
       if constexpr (!PERSISTENT) named_barrier(1, 256);  // the staging reuses stages the other

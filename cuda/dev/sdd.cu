@@ -297,6 +297,7 @@ LessonSdd lesson_sdd_problem(const DeviceTopology& t, const bf16* x, int D, cons
   problem.block_rows = t.block_rows;
   problem.offsets = t.offsets;
   problem.block_row_expert = t.block_row_expert;
+  problem.block_row_tokens = t.block_row_tokens;
   problem.a = x;
   problem.inner = D;
   problem.b = w1;
@@ -378,7 +379,9 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
     moe::cuda::build_expert_maps(moe::cuda::make_matrix_map(x, D, H, H, 64), w1, experts, expert_maps, stream);
     maps.experts = expert_maps;
   }
-  kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, ws_group_rows(tiles_x, sms));
+  // Half-row tiles off: they change only skewed routings (this lesson's is uniform); the mainline
+  // (version 11) takes them.
+  kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, ws_group_rows(tiles_x, sms), false);
   if constexpr (TMA) moe::cuda::free_expert_maps(expert_maps, stream);
 }
 

@@ -142,7 +142,8 @@ struct ExpertWeights {
 };
 
 // tail_halves (K = 1, E = 5, T = 322): experts 0-3 get 192, 64, 65 and 1 tokens, expert 4 none, so
-// block rows end with 64 tokens (rows 64-127 all padding), 65, and 1.
+// block rows end with 64 tokens (rows 64-127 all padding), 65, and 1. On an H100/H200 the SDDs run
+// the rows ending with 64 and 1 as half-row tiles (block_sparse_wgmma_ws.cuh), the row of 65 whole.
 enum class Routing { random, skip_one_expert, all_to_one_expert, tail_halves };
 constexpr int kTailHalvesTokens[] = {192, 64, 65, 1};
 
@@ -489,6 +490,15 @@ TEST(BlockSparseProducts, B128ExpertWithNoTokens) {
 TEST(BlockSparseProducts, B128OneExpertGetsAllTokens) {
   REQUIRE_GPU();
   check_products(800, 256, 384, 4, 1, 128, 15, Routing::all_to_one_expert);
+}
+
+// The products on their own with tail_halves routing: the SDDs' half-row tiles with the plain
+// store epilogue and both layouts of the expert operand, into poisoned blocks (rows 64-127 of a
+// half row must come out zero, and no column may be left out); the DSDs' whole tiles over rows of
+// padding; the weight gradients' k-steps stopping at the last routed row.
+TEST(BlockSparseProducts, B128PaddingHalves) {
+  REQUIRE_GPU();
+  check_products(322, 512, 512, 5, 1, 128, 16, Routing::tail_halves);
 }
 
 // The products of a wide model (D = 2048), on random blocks.
