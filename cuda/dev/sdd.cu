@@ -113,6 +113,9 @@
 //      computing them is harmless), version 18 at the three shapes: 418, 498, 606 TFLOP/s (59%, 65%,
 //      75% of cuBLAS; H200, 2026-11-22), and the whole forward at D = 4096 went from 0.83x to
 //      1.05x dense. The ctest PtxasWgmmaPipelined.block_sparse now fails on any C751x.
+//      The cluster-multicast experiment above ran with the same `if` in the header, so with the
+//      wgmma serialised: the issue of wgmma, not the L2 traffic that multicast halves, held those
+//      kernels back, and its verdict does not carry over to the kernels of today (seventh session).
 //   19 version 18 with the register epilogue (ws_register_epilogue): no staging. The 4 lanes of a
 //      quad hold the 8 columns of a chunk between them; two butterfly stages of __shfl_xor_sync
 //      give each lane a whole chunk, which it stores as 16 bytes. No shared memory, no named
