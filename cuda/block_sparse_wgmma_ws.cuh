@@ -159,6 +159,16 @@ __device__ inline void tma_load(uint32_t to, const CUtensorMap* map, uint32_t ba
 __device__ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   MOE_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// The same box written to the same shared-memory offset of every CTA of the cluster in `cta_mask`,
+// each CTA's mbarrier at `bar`'s offset counting the bytes that land in it (dev_sdd version 21).
+__device__ inline void tma_load_multicast(uint32_t to, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                          uint16_t cta_mask) {
+  MOE_SM90A_ASM(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+      "{%3, %4}], [%2], %5;\n" ::"r"(to),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+}
 #undef MOE_SM90A_ASM
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -196,6 +206,25 @@ __device__ inline void bulk_copy_to_global(void* to, uint32_t from, uint32_t byt
 __device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ inline void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ inline void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// ---- clusters (dev_sdd version 21): the CTA's rank, a barrier over the cluster, a remote arrival ----
+__device__ inline uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// Every non-exited thread of the cluster; release / acquire: what each CTA wrote before (its
+// initialised mbarriers) is visible to the others after.
+__device__ inline void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Arrives on the mbarrier at `bar`'s offset in the shared memory of CTA `rank` of the cluster.
+__device__ inline void mbarrier_arrive_remote(uint32_t bar, uint32_t rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
 // Barrier `id` (1-15; 0 is __syncthreads) over `threads` threads (a multiple of 32): syncs a subset.
 __device__ inline void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -358,6 +387,21 @@ __device__ inline void ws_tma_copy(const SddProblem<B_LAYOUT, EPILOGUE>& p, cons
   }
   ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start);
 }
+// Clusters of two CTAs on the tiles (r, 2p) and (r, 2p + 1), side by side in one block row (dev_sdd
+// version 21): both multiply the same 128 rows of A, so CTA `rank` copies rows 64 rank .. + 63 and
+// multicasts them into the same stage of both CTAs; each copies its own B. Each CTA's L2 reads a
+// k-step: 8 + 32 KB instead of 16 + 32.
+template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
+__device__ inline void ws_tma_copy_shared_a(const SddProblem<B_LAYOUT, EPILOGUE>& p, const TmaMaps& maps, uint32_t a,
+                                            uint32_t b, uint32_t bar, int step, uint32_t rank) {
+  const int k0 = step * kBlockK;
+  tma_load_multicast(a + rank * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * static_cast<int>(rank), 0b11);
+  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start);
+}
+template <class Problem>
+concept WsSharedA = requires(const Problem& p, const TmaMaps& maps) {
+  ws_tma_copy_shared_a(p, maps, 0u, 0u, 0u, 0, 0u);
+};
 // DSD: A = the block row's blocks from the 3-D map of its part; B = the expert's W (rows over all parts).
 template <Layout B_LAYOUT>
 __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
@@ -667,8 +711,16 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const float (&ac
 // TMA = true: one producer thread copies each stage with TMA boxes (Problem::tma_copy, the maps in
 //   `maps`) instead of 128 threads issuing 16-byte cp.async; the other producer threads exit.
 // half_rows: compute the block rows whose routed rows fit in their first half as half-row tiles
-//   (see above; tiles_x even). Taken only with TMA copies and the register epilogue.
-template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem>
+//   (see above). Taken only with TMA copies, the register epilogue and no cluster.
+// CLUSTER = 2 (dev_sdd version 21, the SDD without gathered rows): the grid is launched in clusters
+//   of two CTAs, which take two tiles side by side in a block row and share their A operand
+//   (ws_tma_copy_shared_a). A CTA's producer writes into the peer's stages too, so a stage is empty
+//   only when both CTAs' consumers have released it: each consumer warp arrives on its own CTA's
+//   "empty" barrier and on the peer's (16 arrivals), and before it exits the producer waits until
+//   every stage has been released, so that no peer arrives on the barriers of a CTA that is gone.
+//   Measured 19-31% slower than CLUSTER = 1 on an H200 at the three BASELINES shapes (cuda/dev/sdd.cu,
+//   version 21): the lesson's, not the mainline's.
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem, int CLUSTER = 1>
 __global__ void __launch_bounds__(kWsThreads, 1)
     block_sparse_wgmma_ws_kernel(const Problem parameters, const __grid_constant__ TmaMaps maps, int tiles_x,
                                  int tiles, int group_rows, bool half_rows) {
@@ -682,6 +734,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 "Hopper gives a CTA at most 227 KB of shared memory");
   static_assert(Problem::a_layout != Layout::row_major_nk, "A is stored [m][k] or [k][m]");
   static_assert(kBlockK == 64, "a k-step is one 128-byte swizzle row of K (K-major) or 64 rows (MN-major)");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && PERSISTENT && TMA && WsSharedA<Problem>),
+                "clusters of two share the SDD's A operand, persistent, with TMA copies");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool a_m_major = Problem::a_layout == Layout::row_major_km;
   constexpr bool b_n_major = Problem::b_layout == Layout::row_major_km;
@@ -704,20 +758,32 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int s = 0; s < STAGES; ++s) {
       // The expect_tx arrival (TMA), one cp.async arrival per producer thread (cp.async), or both.
       mbarrier_init(full(s), (TMA ? 1 : 0) + (!TMA || gather ? kWsProducerThreads : 0));
-      mbarrier_init(empty(s), 8);  // one arrival per consumer warp
+      mbarrier_init(empty(s), 8 * CLUSTER);  // one arrival per consumer warp of the cluster
     }
     // Makes the initialised barriers visible to the other threads' (and the cp.async unit's) arrivals.
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();  // the only CTA-wide barrier: from here on, the roles meet only at mbarriers
+  if constexpr (CLUSTER > 1) cluster_sync();  // the peer's barriers are initialised before we arrive on them
 
-  const int first_tile = PERSISTENT ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.y) * tiles_x + blockIdx.x;
-  const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) : tiles;  // one tile when not persistent
+  // Tiles are handed out per cluster (one CTA when CLUSTER = 1): cluster tile t is the CLUSTER tiles
+  // side by side at x = CLUSTER x' .. CLUSTER x' + CLUSTER - 1 of row y, with (y, x') from
+  // ws_tile_coordinates over tiles_x / CLUSTER columns; this CTA takes the one of its rank.
+  const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
+  const int cluster_tiles_x = tiles_x / CLUSTER, cluster_tiles = tiles / CLUSTER;
+  const int first_tile = PERSISTENT ? static_cast<int>(blockIdx.x) / CLUSTER
+                                    : static_cast<int>(blockIdx.y) * tiles_x + blockIdx.x;
+  const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) / CLUSTER : tiles;  // one tile when not persistent
+  auto tile_at = [&](int tile) {
+    WsTile at = ws_tile_coordinates(tile, cluster_tiles_x, cluster_tiles, group_rows);
+    at.x = at.x * CLUSTER + static_cast<int>(rank);
+    return at;
+  };
   const int warpgroup = threadIdx.x / 128;
   int iteration = 0;  // k-steps this thread's role has gone through, over all tiles (see the header)
   // Whether tile `at` is a half-row tile (the same answer in every warp: it reads only the tile's
   // block row and the topology).
-  constexpr bool kHalfRows = TMA && WsHalfRowTiles<Problem> && EPILOGUE_COLUMNS == kWsRegisterEpilogue;
+  constexpr bool kHalfRows = TMA && WsHalfRowTiles<Problem> && EPILOGUE_COLUMNS == kWsRegisterEpilogue && CLUSTER == 1;
   auto half_row = [&](const Problem& problem, WsTile at) { return kHalfRows && half_rows && ws_half_row(problem, at.y); };
 
   if (warpgroup == 0) {
@@ -729,9 +795,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       if (thread != 0 && !gather) return;  // one thread issues every copy
       constexpr uint32_t b_bytes = kWsBlockN * kBlockK * sizeof(bf16);  // 32 KB
       WsGatheredRows rows;  // this thread's rows of x when they are gathered
-      for (int tile = first_tile; tile < tiles; tile += tile_stride) {
+      for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
         Problem problem = parameters;
-        const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
+        const WsTile at = tile_at(tile);
         if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
         const int k_steps = problem.k_steps();
         const bool half = half_row(problem, at);
@@ -744,8 +810,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
           mbarrier_wait(empty(stage), (use & 1) ^ 1);
           if (thread == 0) {
-            mbarrier_arrive_expect_tx(full(stage), a_step_bytes + b_bytes);
-            ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, half);
+            mbarrier_arrive_expect_tx(full(stage), a_step_bytes + b_bytes);  // with a cluster, half of A
+                                                                              // comes from the peer
+            if constexpr (CLUSTER > 1)
+              ws_tma_copy_shared_a(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, rank);
+            else
+              ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, half);
           }
           if constexpr (WsGatherable<Problem>) {
             if (gather) {  // all 128 rows: a padding row is a zero fill, which reads nothing
@@ -757,10 +827,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         }
       }
       if (gather) cp_async_wait<0>();  // leave no copy in flight behind an exited thread
+      if constexpr (CLUSTER > 1) {  // stay until both CTAs' consumers have released every stage
+        for (int i = 0; i < STAGES; ++i, ++iteration)
+          mbarrier_wait(empty(iteration % STAGES), (static_cast<uint32_t>(iteration / STAGES) & 1) ^ 1);
+      }
     } else {
-      for (int tile = first_tile; tile < tiles; tile += tile_stride) {
+      for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
         Problem problem = parameters;
-        const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
+        const WsTile at = tile_at(tile);
         if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;  // the consumers skip it too
         const int k_steps = problem.k_steps();
         for (int step = 0; step < k_steps; ++step, ++iteration) {
@@ -794,10 +868,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   constexpr int row_floats = EPILOGUE_COLUMNS + kWsStagingPad;  // the staged epilogue's
   float* staging = reinterpret_cast<float*>(staging_bytes) + consumer * 64 * row_floats;
   const int bulk_warp = consumer * 4 + warp;  // the bulk epilogue's: one staging per warp
+  auto release = [&](int stage) {  // by lane 0 of each consumer warp, once its wgmma reading `stage` retired
+    mbarrier_arrive(empty(stage));
+    if constexpr (CLUSTER > 1) mbarrier_arrive_remote(empty(stage), rank ^ 1u);
+  };
 
-  for (int tile = first_tile; tile < tiles; tile += tile_stride) {
+  for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
     Problem problem = parameters;
-    const WsTile at = ws_tile_coordinates(tile, tiles_x, tiles, group_rows);
+    const WsTile at = tile_at(tile);
     if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
     const int k_steps = problem.k_steps();
     const bool half = half_row(problem, at);
@@ -849,7 +927,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       wgmma_commit();
       // Keep this step's group running; once the previous step's has retired, its stage goes back.
       wgmma_wait<1>();
-      if (step > 0 && lane == 0) mbarrier_arrive(empty(previous_stage));
+      if (step > 0 && lane == 0) release(previous_stage);
       previous_stage = stage;
       ++iteration;
     };
@@ -857,7 +935,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int step = 0; step < whole_steps; ++step) k_step(std::false_type{}, step);
     for (int step = 0; step < half_steps; ++step) k_step(std::true_type{}, step);
     wgmma_wait<0>();
-    if (k_steps > 0 && lane == 0) mbarrier_arrive(empty(previous_stage));
+    if (k_steps > 0 && lane == 0) release(previous_stage);
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) register_fence(acc[i]);
 

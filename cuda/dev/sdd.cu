@@ -151,6 +151,26 @@
 //      3.00 ms). The 128 producer threads issue ~100 instructions a warp a k-step where one thread
 //      issued TMA boxes. TMA boxes of one row each instead: right (the swizzle follows the
 //      shared-memory address), but 1.08 / 14.1 ms, ~55 cycles a box: Hopper's TMA has no gather.
+//   21 version 19 in clusters of two CTAs (a launch attribute): the two take the tiles side by side
+//      in a block row, (r, 2p) and (r, 2p + 1), which multiply the same 128 rows of x. Each CTA's
+//      producer copies 64 of those rows with TMA multicast into the same stage of both CTAs, so the
+//      L2 serves 8 + 32 KB a k-step to each SM instead of 16 + 32. A stage is then empty only when
+//      both CTAs' consumers are done with it: each consumer warp arrives on its own "empty" barrier
+//      and, through mapa, on the peer's; each producer stays until every stage has been released,
+//      so that no arrival lands in a CTA that has exited (block_sparse_wgmma_ws.cuh, CLUSTER).
+//      Version 18's note records an earlier try at the same, measured while ptxas serialised the
+//      wgmma; this one runs on the kernel of today.
+//      Measured on an H200, 2026-11-22 (useful TFLOP/s, % of cuBLAS, the same call; dev_sdd's own
+//      random routing), version 19 -> 21:
+//        T=16384 D=1024 H=4096 E=64 K=1:   385 -> 311 (53%)     cuBLAS 584
+//        T=16384 D=2048 H=8192 E=64 K=2:   515 -> 353 (58%)     cuBLAS 607
+//        T=8192 D=4096 H=14336 E=8 K=2:    595 -> 453 (70%)     cuBLAS 651
+//      Right (the check passes), and 19-31% slower. The pair advances in lockstep: a stage is refilled
+//      only when both CTAs' consumers have released it, and its A arrives from both producers, so
+//      each k-step waits for the slower CTA and for an arrival across the cluster; the 17% of L2
+//      reads it saves do not repay that. (A reading of the figures, not a measurement of the
+//      stalls.) Sharing B instead (block rows side by side, where one expert owns both) would save
+//      twice as many bytes, with the same coupling.
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
@@ -351,7 +371,9 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
 // in boxes of 64 k x 64 rows, and one map per expert's W1 in boxes of 64 n x 64 k, built on the
 // device before each launch from the pointer table, as the mainline does.
 // Gathered rows (version 20): x is in token order [T, D] and `gather` says where each row comes from.
-template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false>
+// Clusters (version 21): CLUSTER = 2 launches the persistent grid in clusters of two CTAs, which
+// share the A operand of two tiles side by side (TMA multicast); H / 256 must be even.
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false, int CLUSTER = 1>
 void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
                      cudaStream_t stream, moe::cuda::block_sparse_detail::RowGather gather = {}) {
   using namespace moe::cuda::block_sparse_detail;
@@ -364,13 +386,17 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   }
   const int tiles_x = H / kWsBlockN, tiles = tiles_x * t.max_block_rows;
   constexpr int smem = ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>();
-  auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, TMA, Sdd>;
+  auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, TMA, Sdd, CLUSTER>;
+  if (tiles_x % CLUSTER != 0) {
+    std::fprintf(stderr, "version 21 pairs the 256-column tiles of a block row: H / 256 must be even\n");
+    std::exit(1);
+  }
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid(tiles_x, t.max_block_rows);
   int device = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if constexpr (PERSISTENT) grid = dim3(std::min(sms, tiles));
+  if constexpr (PERSISTENT) grid = dim3(std::min(sms, tiles) / CLUSTER * CLUSTER);
   TmaMaps maps{};
   CUtensorMap* expert_maps = nullptr;  // stream-ordered: alive for this launch only, as in the mainline
   if constexpr (TMA) {
@@ -382,9 +408,26 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
     moe::cuda::build_expert_maps(moe::cuda::make_matrix_map(x, D, H, H, 64), w1, experts, expert_maps, stream);
     maps.experts = expert_maps;
   }
-  // Half-row tiles off: they change only skewed routings (this lesson's is uniform); the mainline
-  // (version 11) takes them.
-  kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, ws_group_rows(tiles_x, sms), false);
+  // Half-row tiles off: the versions here are the steps before them; the mainline (version 11)
+  // takes them.
+  if constexpr (CLUSTER == 1) {
+    kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, ws_group_rows(tiles_x, sms), false);
+  } else {
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = dim3(kWsThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = CLUSTER;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, problem, maps, tiles_x, tiles,
+                                  ws_group_rows(tiles_x / CLUSTER, sms / CLUSTER), false));
+  }
   if constexpr (TMA) moe::cuda::free_expert_maps(expert_maps, stream);
 }
 
@@ -567,6 +610,10 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
       launch_wgmma_ws<4, 0, true, true>(t, p.x_tokens.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream,
                                         {p.row_slot.data(), p.K});
       break;
+    case 21:
+      launch_wgmma_ws<4, 0, true, true, 2>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(),
+                                           stream);
+      break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
                      p.out_device.data(), stream);
@@ -630,7 +677,7 @@ int main(int argc, char** argv) {
   // The wgmma versions need a compute capability 9.0 GPU (and this program's sm_90a code) and B = 128.
   const bool hopper = properties.major == 9 && properties.minor == 0 && B == 128;
   std::vector<int> versions = {1, 2, 3, 4, 5};
-  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20});
+  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21});
   versions.push_back(11);
   bool all_pass = true;
   {
@@ -692,7 +739,7 @@ int main(int argc, char** argv) {
                          "14 = 7, staged epilogue", "15 warp-spec. 128x256, 4 stages",
                          "16 = 15, persistent, 4 st", "17 = 15, persistent, 3 st",
                          "18 = 16, TMA copies", "19 = 18, register epilogue",
-                         "20 = 19, rows gathered from x"};
+                         "20 = 19, rows gathered from x", "21 = 19, clusters of 2 share A"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----
