@@ -90,7 +90,6 @@ __device__ inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-
 // ---- the tile kernel ----
 // Problem supplies (all __device__):
 //   static constexpr Layout a_layout, b_layout;
@@ -282,15 +281,6 @@ struct RowGather {
   int top_k = 1;                  // K: slot t*K + k belongs to token t
 };
 
-// Whether block row r holds routed rows, all of them in its first half (1 .. B/2 of them: an
-// expert's last block row, the rest padding). The warp-specialized kernel computes such a row of
-// the SDD as a half-row tile (block_sparse_wgmma_ws.cuh): its second half is padding, zero in and
-// zero out. Past *block_rows block_row_tokens is 0: false.
-__device__ inline bool routed_in_first_half(const int* block_row_tokens, int r, int block_size) {
-  const int routed = block_row_tokens[r];
-  return routed > 0 && 2 * routed <= block_size;
-}
-
 template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
 struct SddProblem {
   static constexpr bool grid_x_over_m = false;
@@ -335,7 +325,13 @@ struct SddProblem {
     return true;
   }
   __device__ int k_steps() const { return inner / kBlockK; }
-  __device__ bool half_row(int r) const { return routed_in_first_half(block_row_tokens, r, block_size); }
+  // Whether block row r holds routed rows, all of them in its first half (1 .. B/2 of them: an
+  // expert's last block row, the rest padding). The warp-specialized kernel computes such a row as
+  // a half-row tile (block_sparse_wgmma_ws.cuh). Past *block_rows block_row_tokens is 0: false.
+  __device__ bool half_row(int r) const {
+    const int routed = block_row_tokens[r];
+    return routed > 0 && 2 * routed <= block_size;
+  }
   __device__ const bf16* a_chunk(int step, int64_t& ld) const {
     ld = inner;
     return a_tile + step * kBlockK;
