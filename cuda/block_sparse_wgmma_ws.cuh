@@ -667,6 +667,17 @@ __device__ inline void ws_zero_rows(const Problem& problem, int first_column, in
 // 0.372 -> 0.350 ms; at T=16384 D=2048 H=8192 E=64 K=2 (8 k-steps) 2.09 -> 2.09-2.10 ms, no change.
 // So the stores were a part of the short tiles' overhead, but not most of it: the two products run
 // at about 395 TFLOP/s at D = 1024, against 525 at D = 2048, whose tiles are twice as long.
+// Tried in the eighth session, and left out (ncu, H200, 2026-11-22, against this code in the same
+// call; notebooks_data/bench/ncu_2026-11-22k_h200.txt): the forward's GeLU SDD through this epilogue
+// (per pass 128 columns of the pre-activation and the same 128 of the GeLU side by side) went 0.343
+// -> 0.373 ms at D = 1024, 2.03 -> 2.08 at D = 2048 and 2.65 -> 2.66 at D = 4096 (Zipf; uniform at
+// D = 4096); with 4 stages beside a staging of 256-byte rows (34.7 KB), 0.345 -> 0.369, 2.02 -> 2.12
+// and 2.67 -> 2.70, and the weight gradients lost 2-3% at D = 1024 that way. The DSD through it:
+// 0.251 -> 0.263, 1.69 -> 1.64, 2.54 -> 2.50 ms with 3 stages; no change beyond 1% with 4. So the
+// register epilogue's stores do not hold the SDD's consumers back; the staging's passes and waits
+// would. Warp-state sampling says what does (lessons/03_block_sparse.md, "Where the consumers
+// wait"): in both the SDD and the DSD the consumers spend a quarter of their time waiting for a
+// stage's copies to land.
 template <class Problem>
 concept WsBulkStore = requires(const Problem& p) {
   { p.out_at(0, 0) } -> std::same_as<typename Problem::Out*>;
