@@ -107,14 +107,18 @@ void launch_wgmma_shape(const Problem& problem, int x_extent, int y_count, cudaS
   CUDA_CHECK(cudaGetLastError());
 }
 
-// What the TMA copies of the warp-specialized kernel need (SDD and DSD): the activation operand's
-// maps, and the expert operand's prototype map and pointer table, from which one map per expert is
-// built on the device just before the product (tensor_map.h).
+// What the TMA copies of the warp-specialized kernel need: the activation operands' maps, and for
+// the SDD and DSD the expert operand's prototype map and pointer table, for DSᵀD and DDS the
+// output's (the weight gradients' TMA stores), from which one map per expert is built on the device
+// just before the product (tensor_map.h).
 struct TmaOperands {
-  TmaMaps maps;  // a[0], a[1]; maps.experts is filled at launch
+  TmaMaps maps;  // a[0], a[1]; maps.experts and maps.outputs are filled at launch
   CUtensorMap expert_prototype;
   const bf16* const* expert_pointers = nullptr;
   int experts = 0;
+  CUtensorMap output_prototype;
+  const void* const* output_pointers = nullptr;  // [outputs] bf16* or float*
+  int outputs = 0;
 };
 
 // The warp-specialized persistent kernel (cuda/dev/sdd.cu, versions 16, 18 and 19): 128 x 256 tiles, a
@@ -146,11 +150,17 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
   if constexpr (WsTmaCopies<Problem>) {
     const bool half_rows = WsHalfRowTiles<Problem>;  // the SDD's (block_sparse_wgmma_ws.cuh)
     TmaMaps maps = tma->maps;
-    CUtensorMap* expert_maps = nullptr;  // the weight-gradient products have no expert operand
+    // One allocation for the per-expert maps: the expert operand's (SDD, DSD), then the output's
+    // (DSᵀD, DDS); each product has one of the two.
+    const int map_count = tma->experts + tma->outputs;
+    CUtensorMap* expert_maps = map_count > 0 ? allocate_expert_maps(map_count, stream) : nullptr;
     if (tma->experts > 0) {
-      expert_maps = allocate_expert_maps(tma->experts, stream);
       build_expert_maps(tma->expert_prototype, tma->expert_pointers, tma->experts, expert_maps, stream);
       maps.experts = expert_maps;
+    }
+    if (tma->outputs > 0) {
+      build_expert_maps(tma->output_prototype, tma->output_pointers, tma->outputs, expert_maps + tma->experts, stream);
+      maps.outputs = expert_maps + tma->experts;
     }
     auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, true, Problem>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -345,6 +355,18 @@ Problem with_column_walk(Problem problem, const DeviceTopology& t) {
   return problem;
 }
 
+// The weight gradients' output maps (ws_bulk_epilogue's TMA stores): every expert's [rows, ldo]
+// matrix of OUT, in boxes of 16 rows x 128 bytes. The prototype's own address is any aligned one
+// (`aligned`); the launch swaps in each expert's. A map needs rows that start 16 bytes apart: with
+// any other ldo there are none, and the kernel stores from registers.
+template <typename OUT>
+void set_output_maps(TmaOperands& tma, OUT* const* out, int64_t rows, int ldo, int experts, const void* aligned) {
+  if ((static_cast<size_t>(ldo) * sizeof(OUT)) % 16 != 0) return;
+  tma.output_prototype = make_matrix_map(static_cast<const OUT*>(aligned), rows, ldo, ldo, 16);
+  tma.output_pointers = reinterpret_cast<const void* const*>(out);
+  tma.outputs = experts;
+}
+
 template <typename OUT>
 void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* dense, int cols,
                            OUT* const* out, int ldo, cudaStream_t stream) {
@@ -361,6 +383,7 @@ void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* d
   if (use_tma) {
     tma.maps.a[0] = make_blocks_map(s, t.max_nnz, t.block_size, 64);
     tma.maps.a[1] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
+    set_output_maps(tma, out, int64_t{t.blocks_per_expert} * t.block_size, ldo, t.block_cols / t.blocks_per_expert, dense);
   }
   launch(problem, t.block_size, cols, t.block_cols, stream, use_tma ? &tma : nullptr);
 }
@@ -387,6 +410,7 @@ void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16
     TmaOperands tma;  // the rows of `dense` in [64 k][64 m] boxes, the blocks in [64 k][64 n] boxes
     tma.maps.a[0] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
     tma.maps.a[1] = make_blocks_map(s, t.max_nnz, t.block_size, 64);
+    set_output_maps(tma, out, cols, ldo, t.block_cols / t.blocks_per_expert, dense);
     launch_wgmma_ws(fill(DdsProblem<OUT, 2>{}), cols, t.block_cols / 2, stream, &tma);
     return;
   }

@@ -538,6 +538,7 @@ struct DsdTransposedProblem {
   int first, steps;
   int n0;
   OUT* out_tile;
+  int out_expert, out_row, out_column;  // out_tile = out[out_expert] + out_row * ldo + out_column
 
   __device__ bool begin(int c, int tile_n, int bn) {
     first = column_offsets[c];
@@ -545,7 +546,10 @@ struct DsdTransposedProblem {
                                     column_offsets[c + 1] - first, block_size);
     n0 = tile_n * bn;
     const int e = c / blocks_per_expert, j = c % blocks_per_expert;
-    out_tile = out[e] + static_cast<int64_t>(j) * block_size * ldo + n0;
+    out_expert = e;
+    out_row = j * block_size;
+    out_column = n0;
+    out_tile = out[e] + static_cast<int64_t>(out_row) * ldo + out_column;
     return true;
   }
   __device__ int k_steps() const { return steps; }
@@ -604,6 +608,7 @@ struct DdsProblem {
   int first, steps;
   int m0;
   OUT* out_tile;
+  int out_expert, out_row, out_column;  // out_tile = out[out_expert] + out_row * ldo + out_column
 
   // Here the grid's y is the block column (pair) and x the tile over P (rows of the output).
   __device__ bool begin(int y, int tile_m, int bm) {
@@ -613,7 +618,10 @@ struct DdsProblem {
                                     column_offsets[c + 1] - first, block_size);
     m0 = tile_m * bm;
     const int e = c / blocks_per_expert, j = c % blocks_per_expert;
-    out_tile = out[e] + static_cast<int64_t>(m0) * ldo + column_offset + j * block_size;
+    out_expert = e;
+    out_row = m0;
+    out_column = column_offset + j * block_size;
+    out_tile = out[e] + static_cast<int64_t>(out_row) * ldo + out_column;
     return true;
   }
   __device__ int k_steps() const { return steps; }

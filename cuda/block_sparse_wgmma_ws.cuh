@@ -83,6 +83,8 @@ struct TmaMaps {
                                          // (2-D); DSD a[0], a[1] the blocks of its one or two parts
                                          // (3-D); DSᵀD and DDS a[0] the A operand, a[1] the B operand
   const CUtensorMap* experts = nullptr;  // [E] SDD, DSD: the expert operand, one map per expert
+  const CUtensorMap* outputs = nullptr;  // [E] DSᵀD, DDS: the weight gradient, one map per expert,
+                                         // for the TMA stores of ws_bulk_epilogue
 };
 
 // How the consumers store a tile: EPILOGUE_COLUMNS, a template parameter of the kernel, is
@@ -93,11 +95,11 @@ struct TmaMaps {
 constexpr int kWsRegisterEpilogue = 0;
 constexpr int kWsBulkEpilogue = -1;
 // The bulk epilogue's staging: per consumer warp, its 16 rows of 512 bytes (256 columns of bf16 or
-// 128 of fp32), each row padded by 16 bytes: rows 132 words apart start 4 banks apart, so a warp's
-// 4-byte writes (rows lane / 4, column pair lane % 4) hit 32 different banks.
+// 128 of fp32) a pass, as the 4 boxes of 16 rows x 128 bytes that its TMA stores read, each in the
+// 128-byte swizzle of the output's tensor map (ws_bulk_epilogue).
 constexpr int kWsBulkRowBytes = 512;
-constexpr int kWsBulkRowStride = kWsBulkRowBytes + 16;
-constexpr int kWsBulkWarpBytes = 16 * kWsBulkRowStride;
+constexpr int kWsBulkBoxBytes = 16 * 128;
+constexpr int kWsBulkWarpBytes = (kWsBulkRowBytes / 128) * kWsBulkBoxBytes;
 // The staged epilogue's fp32 staging: per consumer warpgroup [64][EPILOGUE_COLUMNS + kWsStagingPad]
 // floats (none for the register epilogue).
 // The pad of 4 floats makes both of its accesses conflict-free. Rows are 4 banks apart (36 = 4 mod
@@ -158,6 +160,13 @@ __device__ inline void tma_load(uint32_t to, const CUtensorMap* map, uint32_t ba
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// The other way: a box of shared memory (in the map's swizzle) written to the tensor at {c0, c1}, as
+// a bulk group of the issuing thread (bulk_commit, bulk_wait_read, bulk_wait below).
+__device__ inline void tma_store(const CUtensorMap* map, uint32_t from, int c0, int c1) {
+  MOE_SM90A_ASM("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(map), "r"(from),
+                "r"(c0), "r"(c1)
+                : "memory");
+}
 __device__ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   MOE_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -197,14 +206,9 @@ __device__ inline void mbarrier_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
-// ---- bulk copies from shared to global memory (PTX ISA 8.0: cp.async.bulk), for ws_bulk_epilogue ----
-// One instruction hands `bytes` (a multiple of 16, both addresses 16-byte aligned) to the copy
-// engine; the issuing thread's copies form bulk groups, which it can wait for: .read until the
-// engine has read the shared memory (it may be written again), plain until the writes are done.
-__device__ inline void bulk_copy_to_global(void* to, uint32_t from, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(to), "r"(from), "r"(bytes)
-               : "memory");
-}
+// ---- bulk groups of the TMA stores (PTX ISA 8.0: cp.async.bulk), for ws_bulk_epilogue ----
+// The issuing thread's stores (tma_store) form bulk groups, which it can wait for: .read until the
+// TMA unit has read the shared memory (it may be written again), plain until the writes are done.
 __device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ inline void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ inline void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
@@ -652,36 +656,48 @@ __device__ inline void ws_zero_rows(const Problem& problem, int first_column, in
 // A tile of a weight gradient with small experts runs a few k-steps and then writes 64 KB (bf16) or
 // 128 KB (fp32); with the register epilogue the consumers wait until those stores have drained
 // into the memory system, and the tensor cores wait with them. Here each consumer warp writes its
-// 16 rows, converted to the output's type, into its own staging in shared memory, and 16 of its
-// lanes each hand one 512-byte row to the bulk-copy engine, which writes it to global memory on its
-// own while the warp goes on to the next tile. Before the warp writes its staging again, the lanes
-// that issued the copies wait until the engine has read it. No barrier beyond the warp: each warp
-// owns its rows (the accumulator layout gives warp w rows 16w .. 16w+15). fp32 rows take two
-// passes of 128 columns. The shared-memory writes go through the generic proxy and the engine
-// reads through the async proxy: a fence.proxy.async orders them.
+// 16 rows, converted to the output's type, into its own staging in shared memory, and lane 0 hands
+// them to the TMA unit as 4 boxes of 16 rows x 128 bytes (tma_store, through the expert's output
+// map: TmaMaps::outputs), which writes them to global memory on its own while the warp goes on to
+// the next tile. Before the warp writes its staging again, lane 0 waits until the unit has read it.
+// No barrier beyond the warp: each warp owns its rows (the accumulator layout gives warp w rows
+// 16w .. 16w+15). fp32 rows take two passes of 128 columns. The shared-memory writes go through the
+// generic proxy and the TMA unit reads through the async proxy: a fence.proxy.async orders them.
+// A box is stored in the map's 128-byte swizzle (16-byte chunk c of row r at r * 128 + (c ^ r % 8)
+// * 16, as the operands' boxes), which also spreads a warp's writes over the banks: the 8 rows of
+// one write land in 8 different chunk columns (bf16: 32 banks, one wavefront for 128 bytes; fp32:
+// two wavefronts for 256 bytes, the least).
 // The product's output must be a plain matrix (Problem::out_at) whose rows start on 16 bytes (the
-// copy's alignment); a tile whose rows do not takes the register epilogue (ws_bulk_store_aligned).
-// Its staging (66 KB) leaves room for 3 stages instead of 4. Measured with ncu on an H200
-// (2026-11-22, Zipf routing, bf16 weight gradients), against the register epilogue with 4 stages:
-// at T=16384 D=1024 H=4096 E=64 K=1 (4 k-steps a tile on average) DSᵀD 0.370 -> 0.349 ms and DDS
-// 0.372 -> 0.350 ms; at T=16384 D=2048 H=8192 E=64 K=2 (8 k-steps) 2.09 -> 2.09-2.10 ms, no change.
-// So the stores were a part of the short tiles' overhead, but not most of it: the two products run
-// at about 395 TFLOP/s at D = 1024, against 525 at D = 2048, whose tiles are twice as long.
-// Tried in the eighth session, and left out (ncu, H200, 2026-11-22, against this code in the same
-// call; notebooks_data/bench/ncu_2026-11-22k_h200.txt): the forward's GeLU SDD through this epilogue
-// (per pass 128 columns of the pre-activation and the same 128 of the GeLU side by side) went 0.343
-// -> 0.373 ms at D = 1024, 2.03 -> 2.08 at D = 2048 and 2.65 -> 2.66 at D = 4096 (Zipf; uniform at
-// D = 4096); with 4 stages beside a staging of 256-byte rows (34.7 KB), 0.345 -> 0.369, 2.02 -> 2.12
-// and 2.67 -> 2.70, and the weight gradients lost 2-3% at D = 1024 that way. The DSD through it:
-// 0.251 -> 0.263, 1.69 -> 1.64, 2.54 -> 2.50 ms with 3 stages; no change beyond 1% with 4. So the
-// register epilogue's stores do not hold the SDD's consumers back; the staging's passes and waits
-// would. Warp-state sampling says what does (lessons/03_block_sparse.md, "Where the consumers
-// wait"): in both the SDD and the DSD the consumers spend a quarter of their time waiting for a
-// stage's copies to land.
+// map's alignment); a tile whose rows do not, or a launch without output maps, takes the register
+// epilogue (ws_bulk_store_aligned).
+// Its staging (64 KB) leaves room for 3 stages instead of 4. History, measured with ncu on an H200
+// (2026-11-22, Zipf routing, bf16 weight gradients):
+//   - register epilogue (4 stages) -> this epilogue with one plain bulk copy (cp.async.bulk) per
+//     512-byte row, 16 lanes a warp each copying one (3 stages): at T=16384 D=1024 H=4096 E=64 K=1
+//     (4 k-steps a tile on average) DSᵀD 0.370 -> 0.349 ms and DDS 0.372 -> 0.350 ms; at T=16384
+//     D=2048 H=8192 E=64 K=2 (8 k-steps) 2.09 -> 2.09-2.10 ms, no change;
+//   - warp-state sampling of that form (ninth session, notebooks_data/bench/ncu_2026-11-22m_h200.txt)
+//     put 15% of the DDS's warp samples at D = 1024 (12% at D = 2048) on the loop that issued the
+//     16 row copies: the copy instruction takes its addresses in uniform registers, so the compiler
+//     issued the lanes' copies one after another, each waiting for the one before; hence the TMA
+//     stores here, 4 a warp instead of 16.
+// Tried in the eighth session, and left out (ncu, H200, 2026-11-22, against the row-copy form in the
+// same call; notebooks_data/bench/ncu_2026-11-22k_h200.txt): the forward's GeLU SDD through this
+// epilogue (per pass 128 columns of the pre-activation and the same 128 of the GeLU side by side)
+// went 0.343 -> 0.373 ms at D = 1024, 2.03 -> 2.08 at D = 2048 and 2.65 -> 2.66 at D = 4096 (Zipf;
+// uniform at D = 4096); with 4 stages beside a staging of 256-byte rows (34.7 KB), 0.345 -> 0.369,
+// 2.02 -> 2.12 and 2.67 -> 2.70, and the weight gradients lost 2-3% at D = 1024 that way. The DSD
+// through it: 0.251 -> 0.263, 1.69 -> 1.64, 2.54 -> 2.50 ms with 3 stages; no change beyond 1% with
+// 4. Warp-state sampling says what holds those two back (lessons/03_block_sparse.md, "Where the
+// consumers wait"): in both the SDD and the DSD the consumers spend a quarter of their time waiting
+// for a stage's copies to land.
 template <class Problem>
 concept WsBulkStore = requires(const Problem& p) {
   { p.out_at(0, 0) } -> std::same_as<typename Problem::Out*>;
   p.ldo;
+  p.out_expert;  // the tile's place in its expert's output: the map, and the row and column there
+  p.out_row;
+  p.out_column;
 };
 template <class Problem>
 __device__ inline bool ws_bulk_store_aligned(const Problem& problem) {
@@ -690,31 +706,38 @@ __device__ inline bool ws_bulk_store_aligned(const Problem& problem) {
   return ((base | row_bytes) & 15) == 0;
 }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// first_row: this warp's first row in the tile; staging: its 4 boxes (1024-byte aligned).
 template <class Problem>
-__device__ inline void ws_bulk_epilogue(const Problem& problem, const float (&acc)[kWsBlockN / 2],
+__device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMap* map, const float (&acc)[kWsBlockN / 2],
                                         unsigned char* staging, uint32_t staging_address, int first_row, int lane) {
   using Out = typename Problem::Out;
   constexpr int columns = kWsBulkRowBytes / static_cast<int>(sizeof(Out));  // a pass: 256 bf16, 128 fp32
+  constexpr int box_columns = 128 / static_cast<int>(sizeof(Out));           // 64 bf16, 32 fp32
   constexpr int chunks = columns / 8;                                        // of the accumulator layout
   const int row = lane / 4, pair = 2 * (lane % 4);
 #pragma unroll
   for (int pass = 0; pass < kWsBlockN / columns; ++pass) {
-    if (lane < 16) bulk_wait_read();  // the engine has read what this warp staged before
+    if (lane == 0) bulk_wait_read();  // the TMA unit has read what this warp staged before
     __syncwarp();
 #pragma unroll
     for (int jj = 0; jj < chunks; ++jj) {
       const int j = pass * chunks + jj;
+      const int byte = (8 * jj + pair) * static_cast<int>(sizeof(Out));  // in the pass's 512-byte row
+      const int box = byte / 128, chunk = (byte % 128) / 16, within = byte % 16;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // rows `row` and `row + 8`, columns 8 jj + pair, + 1
-        unsigned char* at = staging + (row + 8 * half) * kWsBulkRowStride + (8 * jj + pair) * sizeof(Out);
+        const int r = row + 8 * half;
+        unsigned char* at = staging + box * kWsBulkBoxBytes + r * 128 + ((chunk ^ (r & 7)) << 4) + within;
         store2(reinterpret_cast<Out*>(at), acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
       }
     }
     fence_proxy_async();
     __syncwarp();
-    if (lane < 16) {
-      bulk_copy_to_global(problem.out_at(first_row + lane, pass * columns), staging_address + lane * kWsBulkRowStride,
-                          kWsBulkRowBytes);
+    if (lane == 0) {
+#pragma unroll
+      for (int box = 0; box < kWsBulkRowBytes / 128; ++box)
+        tma_store(map, staging_address + box * kWsBulkBoxBytes,
+                  problem.out_column + pass * columns + box * box_columns, problem.out_row + first_row);
       bulk_commit();
     }
   }
@@ -963,8 +986,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         ws_register_epilogue<kWsBlockN>(problem, acc, consumer * 64 + row, 0, lane % 4);
       }
     } else if constexpr (EPILOGUE_COLUMNS == kWsBulkEpilogue) {
-      if (ws_bulk_store_aligned(problem))
-        ws_bulk_epilogue(problem, acc, staging_bytes + bulk_warp * kWsBulkWarpBytes,
+      if (maps.outputs != nullptr && ws_bulk_store_aligned(problem))
+        ws_bulk_epilogue(problem, maps.outputs + problem.out_expert, acc, staging_bytes + bulk_warp * kWsBulkWarpBytes,
                          staging_base + bulk_warp * kWsBulkWarpBytes, consumer * 64 + warp * 16, lane);
       else
         ws_register_epilogue<kWsBlockN>(problem, acc, consumer * 64 + row, 0, lane % 4);
@@ -1001,7 +1024,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
   }
   if constexpr (EPILOGUE_COLUMNS == kWsBulkEpilogue) {
-    if (lane < 16) bulk_wait();  // the last tile's copies are written before the CTA exits
+    if (lane == 0) bulk_wait();  // the last tile's copies are written before the CTA exits
   }
 #else
   __trap();  // built without sm_90a: the host must never pick this kernel

@@ -29,12 +29,12 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
 }
 
 // rank 2 or 3, sizes and byte strides of the dimensions above the first, the box, 128-byte swizzle.
-CUtensorMap encode(const bf16* base, int rank, const cuuint64_t* sizes, const cuuint64_t* strides,
-                   const cuuint32_t* box) {
+CUtensorMap encode(const void* base, CUtensorMapDataType type, int rank, const cuuint64_t* sizes,
+                   const cuuint64_t* strides, const cuuint32_t* box) {
   CUtensorMap map{};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult result = encode_function()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<bf16*>(base), sizes, strides, box, element_strides,
+      &map, type, rank, const_cast<void*>(base), sizes, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS)
@@ -46,7 +46,7 @@ CUtensorMap encode(const bf16* base, int rank, const cuuint64_t* sizes, const cu
 
 // One thread per expert: copy the prototype's 128 bytes, swap in the expert's address, then make
 // the new map visible to the tensor-map proxy that the copies read it through.
-__global__ void build_expert_maps_kernel(const __grid_constant__ CUtensorMap prototype, const bf16* const* pointers,
+__global__ void build_expert_maps_kernel(const __grid_constant__ CUtensorMap prototype, const void* const* pointers,
                                          int count, CUtensorMap* maps) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= count) return;
@@ -94,11 +94,21 @@ CUtensorMap* allocate_expert_maps(int count, cudaStream_t stream) {
 
 void free_expert_maps(CUtensorMap* maps, cudaStream_t stream) { CUDA_CHECK(cudaFreeAsync(maps, stream)); }
 
-CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+namespace {
+template <typename T>
+CUtensorMap matrix_map(const T* base, CUtensorMapDataType type, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
   const cuuint64_t sizes[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * sizeof(bf16)};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-  return encode(base, 2, sizes, strides, box);
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * sizeof(T)};
+  const cuuint32_t box[2] = {128 / sizeof(T), static_cast<cuuint32_t>(box_rows)};  // 128 bytes: the swizzle's row
+  return encode(base, type, 2, sizes, strides, box);
+}
+}  // namespace
+
+CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  return matrix_map(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rows, cols, ld, box_rows);
+}
+CUtensorMap make_matrix_map(const float* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  return matrix_map(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, rows, cols, ld, box_rows);
 }
 
 CUtensorMap make_blocks_map(const bf16* base, int64_t count, int block_size, int box_rows) {
@@ -106,10 +116,10 @@ CUtensorMap make_blocks_map(const bf16* base, int64_t count, int block_size, int
   const cuuint64_t sizes[3] = {B, B, static_cast<cuuint64_t>(count)};
   const cuuint64_t strides[2] = {B * sizeof(bf16), B * B * sizeof(bf16)};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
-  return encode(base, 3, sizes, strides, box);
+  return encode(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, sizes, strides, box);
 }
 
-void build_expert_maps(const CUtensorMap& prototype, const bf16* const* pointers, int count, CUtensorMap* maps,
+void build_expert_maps(const CUtensorMap& prototype, const void* const* pointers, int count, CUtensorMap* maps,
                        cudaStream_t stream) {
   if (count <= 0) return;
   constexpr int threads = 128;

@@ -8,8 +8,9 @@
 // TMA unit does the address arithmetic, the bounds checks and the 128-byte swizzle that wgmma's
 // matrix descriptors expect (the same layout block_sparse_wgmma.cuh writes by hand).
 //
-// Every map here is bf16 with SWIZZLE_128B, so a box's inner extent is 64 elements (128 bytes):
+// Every map here has SWIZZLE_128B, so a box's inner extent is 128 bytes (64 bf16 or 32 fp32):
 //   - a dense row-major matrix [rows, cols]              2-D map, box {64 columns, box_rows rows}
+//     (bf16), or {32 columns, box_rows rows} (fp32: the weight gradients' TMA stores)
 //   - B x B blocks one after another [count, B, B]       3-D map, box {64, box_rows, 1}
 //   - one map per expert of an ExpertOperand's table     built ON THE DEVICE (build_expert_maps):
 //     the host knows only the device array of pointers, so it encodes a prototype with the right
@@ -34,6 +35,8 @@ namespace moe::cuda {
 // A 2-D bf16 row-major matrix [rows, cols] (row stride ld elements, a multiple of 8), copied in
 // boxes of 64 columns x box_rows rows (box_rows <= 256).
 CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows);
+// The same for fp32 (row stride a multiple of 4 elements), in boxes of 32 columns x box_rows rows.
+CUtensorMap make_matrix_map(const float* base, int64_t rows, int64_t cols, int64_t ld, int box_rows);
 
 // count B x B bf16 blocks stored one after another, copied in boxes of 64 columns x box_rows rows of
 // one block.
@@ -50,7 +53,14 @@ void free_expert_maps(CUtensorMap* maps, cudaStream_t stream);
 // Writes maps[e] = `prototype` with its global address replaced by pointers[e], for e < count, on
 // `stream`. maps: device memory, 64-byte aligned, count entries. The prototype must have been made
 // for tensors of the experts' sizes and strides (its own address only has to be valid and aligned).
-void build_expert_maps(const CUtensorMap& prototype, const bf16* const* pointers, int count, CUtensorMap* maps,
+// pointers: the device array [E] of the experts' tensors, of the prototype's element type (bf16
+// operands, or the bf16 / fp32 weight gradients that a TMA-store epilogue writes).
+void build_expert_maps(const CUtensorMap& prototype, const void* const* pointers, int count, CUtensorMap* maps,
                        cudaStream_t stream);
+template <typename T>
+void build_expert_maps(const CUtensorMap& prototype, T* const* pointers, int count, CUtensorMap* maps,
+                       cudaStream_t stream) {
+  build_expert_maps(prototype, reinterpret_cast<const void* const*>(pointers), count, maps, stream);
+}
 
 }  // namespace moe::cuda
