@@ -128,12 +128,12 @@ struct TmaOperands {
 // in a stream-ordered allocation for the length of the launch.
 // The epilogue: the register epilogue (version 19) for the SDD and DSD, whose long tiles hide it;
 // the bulk-copy epilogue for the weight gradients (WsBulkStore: a plain output matrix), whose short
-// tiles wait on their stores, with 3 stages, as its staging takes the fourth's room.
+// tiles wait on their stores, its 32 KB staging beside the same 4 stages.
 template <class Problem>
 void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStream_t stream,
                      const TmaOperands* tma = nullptr) {
   constexpr bool bulk = WsBulkStore<Problem>;
-  constexpr int kStages = bulk ? 3 : 4, kEpilogueColumns = bulk ? kWsBulkEpilogue : kWsRegisterEpilogue;
+  constexpr int kStages = 4, kEpilogueColumns = bulk ? kWsBulkEpilogue : kWsRegisterEpilogue;
   constexpr int smem = ws_shared_bytes<kStages, kEpilogueColumns, true>();
   int device = 0, multiprocessors = 0;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -356,13 +356,17 @@ Problem with_column_walk(Problem problem, const DeviceTopology& t) {
 }
 
 // The weight gradients' output maps (ws_bulk_epilogue's TMA stores): every expert's [rows, ldo]
-// matrix of OUT, in boxes of 16 rows x 128 bytes. The prototype's own address is any aligned one
-// (`aligned`); the launch swaps in each expert's. A map needs rows that start 16 bytes apart: with
-// any other ldo there are none, and the kernel stores from registers.
+// matrix of OUT as its 128-byte column groups, in boxes of 16 rows x kWsBulkGroups groups. The
+// prototype's own address is any aligned one (`aligned`); the launch swaps in each expert's. A map
+// needs rows that start 16 bytes apart, and the tiles must start on a group (their first column is
+// column_offset plus a multiple of 128): otherwise there are no maps, and the kernel stores from
+// registers.
 template <typename OUT>
-void set_output_maps(TmaOperands& tma, OUT* const* out, int64_t rows, int ldo, int experts, const void* aligned) {
-  if ((static_cast<size_t>(ldo) * sizeof(OUT)) % 16 != 0) return;
-  tma.output_prototype = make_matrix_map(static_cast<const OUT*>(aligned), rows, ldo, ldo, 16);
+void set_output_maps(TmaOperands& tma, OUT* const* out, int64_t rows, int ldo, int column_offset, int experts,
+                     const void* aligned) {
+  constexpr int group = 128 / sizeof(OUT);
+  if ((static_cast<size_t>(ldo) * sizeof(OUT)) % 16 != 0 || column_offset % group != 0) return;
+  tma.output_prototype = make_column_groups_map(static_cast<const OUT*>(aligned), rows, ldo, ldo, 16, kWsBulkGroups);
   tma.output_pointers = reinterpret_cast<const void* const*>(out);
   tma.outputs = experts;
 }
@@ -383,7 +387,8 @@ void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* d
   if (use_tma) {
     tma.maps.a[0] = make_blocks_map(s, t.max_nnz, t.block_size, 64);
     tma.maps.a[1] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
-    set_output_maps(tma, out, int64_t{t.blocks_per_expert} * t.block_size, ldo, t.block_cols / t.blocks_per_expert, dense);
+    set_output_maps(tma, out, int64_t{t.blocks_per_expert} * t.block_size, ldo, 0, t.block_cols / t.blocks_per_expert,
+                    dense);
   }
   launch(problem, t.block_size, cols, t.block_cols, stream, use_tma ? &tma : nullptr);
 }
@@ -410,7 +415,7 @@ void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16
     TmaOperands tma;  // the rows of `dense` in [64 k][64 m] boxes, the blocks in [64 k][64 n] boxes
     tma.maps.a[0] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
     tma.maps.a[1] = make_blocks_map(s, t.max_nnz, t.block_size, 64);
-    set_output_maps(tma, out, cols, ldo, t.block_cols / t.blocks_per_expert, dense);
+    set_output_maps(tma, out, cols, ldo, column_offset, t.block_cols / t.blocks_per_expert, dense);
     launch_wgmma_ws(fill(DdsProblem<OUT, 2>{}), cols, t.block_cols / 2, stream, &tma);
     return;
   }

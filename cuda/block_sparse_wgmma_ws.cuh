@@ -94,12 +94,13 @@ struct TmaMaps {
 //                        engine while the consumers go on to the next tile (ws_bulk_epilogue).
 constexpr int kWsRegisterEpilogue = 0;
 constexpr int kWsBulkEpilogue = -1;
-// The bulk epilogue's staging: per consumer warp, its 16 rows of 512 bytes (256 columns of bf16 or
-// 128 of fp32) a pass, as the 4 boxes of 16 rows x 128 bytes that its TMA stores read, each in the
-// 128-byte swizzle of the output's tensor map (ws_bulk_epilogue).
-constexpr int kWsBulkRowBytes = 512;
-constexpr int kWsBulkBoxBytes = 16 * 128;
-constexpr int kWsBulkWarpBytes = (kWsBulkRowBytes / 128) * kWsBulkBoxBytes;
+// The bulk epilogue's staging: per consumer warp, its 16 rows of 256 bytes (128 columns of bf16 or
+// 64 of fp32) a pass, as the 2 column groups of 16 rows x 128 bytes that its TMA store reads, each
+// in the 128-byte swizzle of the output's tensor map (ws_bulk_epilogue).
+constexpr int kWsBulkRowBytes = 256;
+constexpr int kWsBulkGroups = kWsBulkRowBytes / 128;
+constexpr int kWsBulkGroupBytes = 16 * 128;
+constexpr int kWsBulkWarpBytes = kWsBulkGroups * kWsBulkGroupBytes;
 // The staged epilogue's fp32 staging: per consumer warpgroup [64][EPILOGUE_COLUMNS + kWsStagingPad]
 // floats (none for the register epilogue).
 // The pad of 4 floats makes both of its accesses conflict-free. Rows are 4 banks apart (36 = 4 mod
@@ -160,11 +161,11 @@ __device__ inline void tma_load(uint32_t to, const CUtensorMap* map, uint32_t ba
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
-// The other way: a box of shared memory (in the map's swizzle) written to the tensor at {c0, c1}, as
-// a bulk group of the issuing thread (bulk_commit, bulk_wait_read, bulk_wait below).
-__device__ inline void tma_store(const CUtensorMap* map, uint32_t from, int c0, int c1) {
-  MOE_SM90A_ASM("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(map), "r"(from),
-                "r"(c0), "r"(c1)
+// The other way: a box of shared memory (in the map's swizzle) written to the 3-D tensor at {c0, c1,
+// c2}, as a bulk group of the issuing thread (bulk_commit, bulk_wait_read, bulk_wait below).
+__device__ inline void tma_store(const CUtensorMap* map, uint32_t from, int c0, int c1, int c2) {
+  MOE_SM90A_ASM("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(map),
+                "r"(from), "r"(c0), "r"(c1), "r"(c2)
                 : "memory");
 }
 __device__ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -656,41 +657,52 @@ __device__ inline void ws_zero_rows(const Problem& problem, int first_column, in
 // A tile of a weight gradient with small experts runs a few k-steps and then writes 64 KB (bf16) or
 // 128 KB (fp32); with the register epilogue the consumers wait until those stores have drained
 // into the memory system, and the tensor cores wait with them. Here each consumer warp writes its
-// 16 rows, converted to the output's type, into its own staging in shared memory, and lane 0 hands
-// them to the TMA unit as 4 boxes of 16 rows x 128 bytes (tma_store, through the expert's output
-// map: TmaMaps::outputs), which writes them to global memory on its own while the warp goes on to
-// the next tile. Before the warp writes its staging again, lane 0 waits until the unit has read it.
-// No barrier beyond the warp: each warp owns its rows (the accumulator layout gives warp w rows
-// 16w .. 16w+15). fp32 rows take two passes of 128 columns. The shared-memory writes go through the
-// generic proxy and the TMA unit reads through the async proxy: a fence.proxy.async orders them.
-// A box is stored in the map's 128-byte swizzle (16-byte chunk c of row r at r * 128 + (c ^ r % 8)
+// 16 rows, converted to the output's type, into its own staging in shared memory, 256 bytes of each
+// row a pass, and lane 0 hands the pass to the TMA unit as one store (tma_store through the
+// expert's output map, TmaMaps::outputs: the column groups of make_column_groups_map), which writes
+// it to global memory on its own while the warp goes on. Before the warp writes its staging again,
+// lane 0 waits until the unit has read it. No barrier beyond the warp: each warp owns its rows (the
+// accumulator layout gives warp w rows 16w .. 16w+15). bf16 rows take two passes of 128 columns,
+// fp32 rows four of 64. The shared-memory writes go through the generic proxy and the TMA unit
+// reads through the async proxy: a fence.proxy.async orders them.
+// A group is stored in the map's 128-byte swizzle (16-byte chunk c of row r at r * 128 + (c ^ r % 8)
 // * 16, as the operands' boxes), which also spreads a warp's writes over the banks: the 8 rows of
 // one write land in 8 different chunk columns (bf16: 32 banks, one wavefront for 128 bytes; fp32:
 // two wavefronts for 256 bytes, the least).
-// The product's output must be a plain matrix (Problem::out_at) whose rows start on 16 bytes (the
-// map's alignment); a tile whose rows do not, or a launch without output maps, takes the register
-// epilogue (ws_bulk_store_aligned).
-// Its staging (64 KB) leaves room for 3 stages instead of 4. History, measured with ncu on an H200
-// (2026-11-22, Zipf routing, bf16 weight gradients):
-//   - register epilogue (4 stages) -> this epilogue with one plain bulk copy (cp.async.bulk) per
-//     512-byte row, 16 lanes a warp each copying one (3 stages): at T=16384 D=1024 H=4096 E=64 K=1
-//     (4 k-steps a tile on average) DSᵀD 0.370 -> 0.349 ms and DDS 0.372 -> 0.350 ms; at T=16384
-//     D=2048 H=8192 E=64 K=2 (8 k-steps) 2.09 -> 2.09-2.10 ms, no change;
+// The product's output must be a plain matrix (Problem::out_at) whose rows start on 16 bytes and
+// whose tiles start on a column group (the maps' alignment, block_sparse.cu set_output_maps); a
+// tile whose rows do not, or a launch without output maps, takes the register epilogue
+// (ws_bulk_store_aligned). Its staging (32 KB) leaves room for the 4 stages of the other products.
+// History, measured with ncu on an H200 (2026-11-22, Zipf routing, bf16 weight gradients; D = 1024
+// is T=16384 D=1024 H=4096 E=64 K=1, 4 k-steps a tile on average; D = 2048 is T=16384 D=2048 H=8192
+// E=64 K=2, 8 k-steps):
+//   - register epilogue (4 stages) -> one plain bulk copy (cp.async.bulk) per 512-byte row, 16
+//     lanes a warp each copying one row, in a 66 KB staging (3 stages): DSᵀD 0.370 -> 0.349 ms and
+//     DDS 0.372 -> 0.350 ms at D = 1024; 2.09 -> 2.09-2.10 ms at D = 2048;
 //   - warp-state sampling of that form (ninth session, notebooks_data/bench/ncu_2026-11-22m_h200.txt)
-//     put 15% of the DDS's warp samples at D = 1024 (12% at D = 2048) on the loop that issued the
-//     16 row copies: the copy instruction takes its addresses in uniform registers, so the compiler
-//     issued the lanes' copies one after another, each waiting for the one before; hence the TMA
-//     stores here, 4 a warp instead of 16.
+//     put 15% of the DDS's warp samples at D = 1024 (12% at D = 2048) on the loop that issued the 16
+//     row copies: the copy takes its addresses in uniform registers, so the compiler issued the
+//     lanes' copies one after another, each waiting until the unit took the one before;
+//   - TMA stores of 4 boxes of 16 rows x 128 bytes a warp (a 2-D map, 512-byte passes, 3 stages):
+//     DSᵀD 0.343 -> 0.312 and DDS 0.349 -> 0.322 ms at D = 1024, 2.02 -> 1.87 and 2.04 -> 1.91 at
+//     D = 2048, 2.64 -> 2.55 and 2.63 -> 2.58 at T=8192 D=4096 H=14336 E=8 K=2 (uniform); sampled
+//     again, each of the 4 stores still held its warp about 2% of the time, and the consumers
+//     waited for a stage's copies 27% of it (15% before);
+//   - against that (same call): one 3-D store of 4 groups a warp, 0.306 / 0.314 ms at D = 1024 and
+//     1.84 / 1.87 at D = 2048; 256-byte passes with 4 stages, 0.302 / 0.306 and 1.92 / 1.94 (1.81 /
+//     1.82 in a second build); both (as here), 0.301 / 0.302 and 1.91 / 1.81 ms.
 // Tried in the eighth session, and left out (ncu, H200, 2026-11-22, against the row-copy form in the
 // same call; notebooks_data/bench/ncu_2026-11-22k_h200.txt): the forward's GeLU SDD through this
 // epilogue (per pass 128 columns of the pre-activation and the same 128 of the GeLU side by side)
 // went 0.343 -> 0.373 ms at D = 1024, 2.03 -> 2.08 at D = 2048 and 2.65 -> 2.66 at D = 4096 (Zipf;
 // uniform at D = 4096); with 4 stages beside a staging of 256-byte rows (34.7 KB), 0.345 -> 0.369,
-// 2.02 -> 2.12 and 2.67 -> 2.70, and the weight gradients lost 2-3% at D = 1024 that way. The DSD
-// through it: 0.251 -> 0.263, 1.69 -> 1.64, 2.54 -> 2.50 ms with 3 stages; no change beyond 1% with
-// 4. Warp-state sampling says what holds those two back (lessons/03_block_sparse.md, "Where the
-// consumers wait"): in both the SDD and the DSD the consumers spend a quarter of their time waiting
-// for a stage's copies to land.
+// 2.02 -> 2.12 and 2.67 -> 2.70. The DSD through it: 0.251 -> 0.263, 1.69 -> 1.64, 2.54 -> 2.50 ms
+// with 3 stages; no change beyond 1% with 4. The ninth session put the DSD through the TMA-store
+// form too: 0.252 -> 0.254 / 0.257 ms at D = 1024, 1.69 -> 1.72 / 1.69 at D = 2048 and 2.57 -> 2.65
+// / 2.60 at D = 4096 (4 stages and 256-byte passes / 3 stages and 512-byte passes): no gain, as its
+// long tiles hide the register epilogue. Warp-state sampling says what holds the SDD and the DSD
+// back (lessons/03_block_sparse.md, "Where the consumers wait"): their consumers spend a quarter of
+// their time waiting for a stage's copies to land.
 template <class Problem>
 concept WsBulkStore = requires(const Problem& p) {
   { p.out_at(0, 0) } -> std::same_as<typename Problem::Out*>;
@@ -706,13 +718,13 @@ __device__ inline bool ws_bulk_store_aligned(const Problem& problem) {
   return ((base | row_bytes) & 15) == 0;
 }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// first_row: this warp's first row in the tile; staging: its 4 boxes (1024-byte aligned).
+// first_row: this warp's first row in the tile; staging: its 2 column groups (1024-byte aligned).
 template <class Problem>
 __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMap* map, const float (&acc)[kWsBlockN / 2],
                                         unsigned char* staging, uint32_t staging_address, int first_row, int lane) {
   using Out = typename Problem::Out;
-  constexpr int columns = kWsBulkRowBytes / static_cast<int>(sizeof(Out));  // a pass: 256 bf16, 128 fp32
-  constexpr int box_columns = 128 / static_cast<int>(sizeof(Out));           // 64 bf16, 32 fp32
+  constexpr int columns = kWsBulkRowBytes / static_cast<int>(sizeof(Out));  // a pass: 128 bf16, 64 fp32
+  constexpr int group_columns = 128 / static_cast<int>(sizeof(Out));        // 64 bf16, 32 fp32
   constexpr int chunks = columns / 8;                                        // of the accumulator layout
   const int row = lane / 4, pair = 2 * (lane % 4);
 #pragma unroll
@@ -722,22 +734,19 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMa
 #pragma unroll
     for (int jj = 0; jj < chunks; ++jj) {
       const int j = pass * chunks + jj;
-      const int byte = (8 * jj + pair) * static_cast<int>(sizeof(Out));  // in the pass's 512-byte row
-      const int box = byte / 128, chunk = (byte % 128) / 16, within = byte % 16;
+      const int byte = (8 * jj + pair) * static_cast<int>(sizeof(Out));  // in the pass's 256-byte row
+      const int group = byte / 128, chunk = (byte % 128) / 16, within = byte % 16;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // rows `row` and `row + 8`, columns 8 jj + pair, + 1
         const int r = row + 8 * half;
-        unsigned char* at = staging + box * kWsBulkBoxBytes + r * 128 + ((chunk ^ (r & 7)) << 4) + within;
+        unsigned char* at = staging + group * kWsBulkGroupBytes + r * 128 + ((chunk ^ (r & 7)) << 4) + within;
         store2(reinterpret_cast<Out*>(at), acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
       }
     }
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) {
-#pragma unroll
-      for (int box = 0; box < kWsBulkRowBytes / 128; ++box)
-        tma_store(map, staging_address + box * kWsBulkBoxBytes,
-                  problem.out_column + pass * columns + box * box_columns, problem.out_row + first_row);
+      tma_store(map, staging_address, 0, problem.out_row + first_row, (problem.out_column + pass * columns) / group_columns);
       bulk_commit();
     }
   }

@@ -94,21 +94,33 @@ CUtensorMap* allocate_expert_maps(int count, cudaStream_t stream) {
 
 void free_expert_maps(CUtensorMap* maps, cudaStream_t stream) { CUDA_CHECK(cudaFreeAsync(maps, stream)); }
 
-namespace {
-template <typename T>
-CUtensorMap matrix_map(const T* base, CUtensorMapDataType type, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
   const cuuint64_t sizes[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * sizeof(T)};
-  const cuuint32_t box[2] = {128 / sizeof(T), static_cast<cuuint32_t>(box_rows)};  // 128 bytes: the swizzle's row
-  return encode(base, type, 2, sizes, strides, box);
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * sizeof(bf16)};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  return encode(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, sizes, strides, box);
+}
+
+namespace {
+// The dimensions, innermost first: the 128 bytes of a group (stride: the element), the rows
+// (stride ld), the groups (stride 128 bytes). Strides need not grow outwards.
+template <typename T>
+CUtensorMap column_groups_map(const T* base, CUtensorMapDataType type, int64_t rows, int64_t cols, int64_t ld,
+                              int box_rows, int groups) {
+  constexpr cuuint64_t group = 128 / sizeof(T);
+  const cuuint64_t sizes[3] = {group, static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(cols) / group};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld) * sizeof(T), 128};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(group), static_cast<cuuint32_t>(box_rows),
+                             static_cast<cuuint32_t>(groups)};
+  return encode(base, type, 3, sizes, strides, box);
 }
 }  // namespace
 
-CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
-  return matrix_map(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rows, cols, ld, box_rows);
+CUtensorMap make_column_groups_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows, int groups) {
+  return column_groups_map(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rows, cols, ld, box_rows, groups);
 }
-CUtensorMap make_matrix_map(const float* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
-  return matrix_map(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, rows, cols, ld, box_rows);
+CUtensorMap make_column_groups_map(const float* base, int64_t rows, int64_t cols, int64_t ld, int box_rows, int groups) {
+  return column_groups_map(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, rows, cols, ld, box_rows, groups);
 }
 
 CUtensorMap make_blocks_map(const bf16* base, int64_t count, int block_size, int box_rows) {

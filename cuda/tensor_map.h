@@ -10,7 +10,8 @@
 //
 // Every map here has SWIZZLE_128B, so a box's inner extent is 128 bytes (64 bf16 or 32 fp32):
 //   - a dense row-major matrix [rows, cols]              2-D map, box {64 columns, box_rows rows}
-//     (bf16), or {32 columns, box_rows rows} (fp32: the weight gradients' TMA stores)
+//   - the same matrix as column groups, for the weight   3-D map [cols / 128 bytes][rows][128 bytes],
+//     gradients' TMA stores (bf16 or fp32)               box {128 bytes, box_rows rows, groups}
 //   - B x B blocks one after another [count, B, B]       3-D map, box {64, box_rows, 1}
 //   - one map per expert of an ExpertOperand's table     built ON THE DEVICE (build_expert_maps):
 //     the host knows only the device array of pointers, so it encodes a prototype with the right
@@ -35,8 +36,14 @@ namespace moe::cuda {
 // A 2-D bf16 row-major matrix [rows, cols] (row stride ld elements, a multiple of 8), copied in
 // boxes of 64 columns x box_rows rows (box_rows <= 256).
 CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows);
-// The same for fp32 (row stride a multiple of 4 elements), in boxes of 32 columns x box_rows rows.
-CUtensorMap make_matrix_map(const float* base, int64_t rows, int64_t cols, int64_t ld, int box_rows);
+// A row-major matrix [rows, cols] of bf16 or fp32 (row stride ld elements, ld * size a multiple of
+// 16 bytes) seen as its column groups of 128 bytes (64 bf16 or 32 fp32): a 3-D map of
+// [cols / group][rows][group] whose box {group, box_rows, groups} lands in shared memory as `groups`
+// blocks of box_rows x 128 bytes, one after another. One copy then moves box_rows rows of
+// groups x 128 bytes, each group in the 128-byte swizzle; a 2-D box cannot be wider than one
+// swizzle row. Coordinates {0, row, column / group}: a box starts on a group boundary.
+CUtensorMap make_column_groups_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows, int groups);
+CUtensorMap make_column_groups_map(const float* base, int64_t rows, int64_t cols, int64_t ld, int box_rows, int groups);
 
 // count B x B bf16 blocks stored one after another, copied in boxes of 64 columns x box_rows rows of
 // one block.

@@ -470,6 +470,17 @@ void check_products(int T, int D, int H, int E, int K, int B, uint64_t seed, Rou
   EXPECT_CLOSE(std::vector<float>(offset_used.data(), offset_used.data() + offset_used.size()), ref_stacked,
                "dds x^T S at column 2");
   EXPECT_TRUE(offset_gpu.leftCols(2).array().isNaN().all()) << "dds wrote left of column_offset";
+
+  // At column_offset 4 of rows of H + 4: rows 16-byte aligned, but the tiles do not start on a
+  // 128-byte column group, so on Hopper the weight gradients' TMA stores (which need one) give way
+  // to the register epilogue; columns 0-3 stay untouched.
+  ExpertFloats xt_s_offset4(E, size_t(D * (H + 4)));
+  moe::cuda::dds(t, x.data(), D, s_device.data(), xt_s_offset4.table.data(), H + 4, 4);
+  const Matrix offset4_gpu = xt_s_offset4.stacked(D, H + 4);
+  const Matrix offset4_used = offset4_gpu.middleCols(4, H);
+  EXPECT_CLOSE(std::vector<float>(offset4_used.data(), offset4_used.data() + offset4_used.size()), ref_stacked,
+               "dds x^T S at column 4");
+  EXPECT_TRUE(offset4_gpu.leftCols(4).array().isNaN().all()) << "dds wrote left of column_offset 4";
 }
 
 TEST(BlockSparseProducts, B128) {
