@@ -590,6 +590,11 @@ __device__ inline void quad_trade(float2& keep_if_low, float2& keep_if_high, boo
 // that might alias it): ncu on an H200 (2026-11-22) put the backward's GeLU SDD at 0.458 ms against
 // the forward's 0.352 ms at T=16384 D=1024 H=4096 E=64 K=1, Zipf routing. With the loads batched:
 // 0.388 ms there, 2.37 -> 2.15 ms at D=2048 E=64 K=2, 2.90 -> 2.75 ms at D=4096 E=8 K=2 (uniform).
+// Tried in the ninth session and left out: the producer asking for the tile's input blocks into L2
+// (cp.async.bulk.prefetch.L2, 64 KB) when it starts the tile, so that the epilogue's loads would hit
+// there. ncu, H200, against this code in the same call: 0.375 -> 0.391 ms at D=1024 (Zipf), 2.14 ->
+// 2.21 ms at D=2048 (Zipf), 2.73 -> 2.75 ms at D=4096 (uniform): the loads are not what the
+// epilogue waits for, and the early reads compete with the k-loop's copies.
 template <class Problem>
 concept WsChunkInputs = requires(const Problem& p) { p.load_chunk(0, 0); };
 struct WsNoChunkInputs {};
