@@ -461,26 +461,23 @@ void check_products(int T, int D, int H, int E, int K, int B, uint64_t seed, Rou
   const Matrix xt_s_gpu = xt_s.stacked(D, H);
   EXPECT_CLOSE(std::vector<float>(xt_s_gpu.data(), xt_s_gpu.data() + xt_s_gpu.size()), ref_stacked, "dds x^T S");
 
-  // The same at column_offset 2 of rows of H + 2: outputs only 8-byte aligned, so the staged
-  // epilogue's fp32 stores must fall back from 16 to 8 bytes; columns 0-1 stay untouched (NaN).
-  ExpertFloats xt_s_offset(E, size_t(D * (H + 2)));
-  moe::cuda::dds(t, x.data(), D, s_device.data(), xt_s_offset.table.data(), H + 2, 2);
-  const Matrix offset_gpu = xt_s_offset.stacked(D, H + 2);
-  const Matrix offset_used = offset_gpu.middleCols(2, H);
-  EXPECT_CLOSE(std::vector<float>(offset_used.data(), offset_used.data() + offset_used.size()), ref_stacked,
-               "dds x^T S at column 2");
-  EXPECT_TRUE(offset_gpu.leftCols(2).array().isNaN().all()) << "dds wrote left of column_offset";
-
-  // At column_offset 4 of rows of H + 4: rows 16-byte aligned, but the tiles do not start on a
-  // 128-byte column group, so on Hopper the weight gradients' TMA stores (which need one) give way
-  // to the register epilogue; columns 0-3 stay untouched.
-  ExpertFloats xt_s_offset4(E, size_t(D * (H + 4)));
-  moe::cuda::dds(t, x.data(), D, s_device.data(), xt_s_offset4.table.data(), H + 4, 4);
-  const Matrix offset4_gpu = xt_s_offset4.stacked(D, H + 4);
-  const Matrix offset4_used = offset4_gpu.middleCols(4, H);
-  EXPECT_CLOSE(std::vector<float>(offset4_used.data(), offset4_used.data() + offset4_used.size()), ref_stacked,
-               "dds x^T S at column 4");
-  EXPECT_TRUE(offset4_gpu.leftCols(4).array().isNaN().all()) << "dds wrote left of column_offset 4";
+  // dds at column_offset `offset` of rows of H + offset: the used columns match, columns left of
+  // the offset stay untouched (NaN).
+  auto check_dds_at = [&](int offset) {
+    ExpertFloats out(E, size_t(D * (H + offset)));
+    moe::cuda::dds(t, x.data(), D, s_device.data(), out.table.data(), H + offset, offset);
+    const Matrix gpu = out.stacked(D, H + offset);
+    const Matrix used = gpu.middleCols(offset, H);
+    const std::string what = "dds x^T S at column " + std::to_string(offset);
+    EXPECT_CLOSE(std::vector<float>(used.data(), used.data() + used.size()), ref_stacked, what.c_str());
+    EXPECT_TRUE(gpu.leftCols(offset).array().isNaN().all()) << what << ": wrote left of column_offset";
+  };
+  // Offset 2: outputs only 8-byte aligned, so the staged epilogue's fp32 stores must fall back from
+  // 16 to 8 bytes (and on Hopper the weight gradients' TMA stores to the register epilogue).
+  check_dds_at(2);
+  // Offset 4: rows 16-byte aligned, but the tiles do not start on a 128-byte column group, so on
+  // Hopper the weight gradients' TMA stores (which need one) give way to the register epilogue.
+  check_dds_at(4);
 }
 
 TEST(BlockSparseProducts, B128) {
