@@ -121,6 +121,48 @@ struct TmaOperands {
   int outputs = 0;
 };
 
+
+// The stages of every warp-specialized product (lesson 03, "Where the consumers wait": 3 -> 4
+// stages saves up to 6%, 2 -> 3 25-35%).
+constexpr int kWsStages = 4;
+
+// The SDD or DSD in clusters of two CTAs whose pairs of block rows share the expert's B chunk
+// (WsCluster::share_b): as many clusters as can be resident at once, over the block rows rounded
+// up to even.
+template <class Problem>
+void launch_ws_pairs(const Problem& problem, const TmaMaps& maps, int tiles_x, int y_count, int group_rows,
+                     bool half_rows, int multiprocessors, cudaStream_t stream) {
+  constexpr int smem = ws_shared_bytes<kWsStages, kWsRegisterEpilogue, true>();
+  auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kWsRegisterEpilogue, true, true, Problem, WsCluster::share_b>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int pair_tiles = tiles_x * ((y_count + 1) / 2);
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(kWsThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // Clusters that fit on the GPU at once (the GPCs decide, not only the SM count: an H200 holds 66
+  // of these pairs, but only 30 clusters of four), asked once per kernel: every GPU of a process is
+  // taken to be of one kind.
+  static const int resident = [&] {
+    int clusters = 0;
+    config.gridDim = dim3(2 * (multiprocessors / 2));
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    return clusters > 0 ? clusters : multiprocessors / 2;
+  }();
+  config.gridDim = dim3(2 * std::min(resident, pair_tiles));
+  // The tile order groups block rows as the single-CTA order does: group_rows block rows are
+  // group_rows / 2 pairs.
+  CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, problem, maps, tiles_x, tiles_x * y_count, std::max(1, group_rows / 2),
+                                half_rows));
+}
+
 // The warp-specialized persistent kernel (cuda/dev/sdd.cu, versions 16, 18 and 19): 128 x 256 tiles, a
 // producer warpgroup 4 stages ahead of 2 wgmma warpgroups, one CTA per SM walking the tiles, so one
 // tile's epilogue overlaps the next tile's loads. The tile count is the host bound; CTAs skip the
@@ -133,15 +175,15 @@ template <class Problem>
 void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStream_t stream,
                      const TmaOperands* tma = nullptr) {
   constexpr bool bulk = WsBulkStore<Problem>;
-  constexpr int kStages = 4, kEpilogueColumns = bulk ? kWsBulkEpilogue : kWsRegisterEpilogue;
-  constexpr int smem = ws_shared_bytes<kStages, kEpilogueColumns, true>();
+  constexpr int kEpilogueColumns = bulk ? kWsBulkEpilogue : kWsRegisterEpilogue;
+  constexpr int smem = ws_shared_bytes<kWsStages, kEpilogueColumns, true>();
   int device = 0, multiprocessors = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
   const int tiles_x = x_extent / ws_tile_x<Problem>(), tiles = tiles_x * y_count;
   const int grid = std::min(multiprocessors, tiles), group_rows = ws_group_rows(tiles_x, multiprocessors);
   if (tma == nullptr) {
-    auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, false, Problem>;
+    auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kEpilogueColumns, true, false, Problem>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, group_rows, false);
     CUDA_CHECK(cudaGetLastError());
@@ -162,9 +204,18 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
       build_expert_maps(tma->output_prototype, tma->output_pointers, tma->outputs, expert_maps + tma->experts, stream);
       maps.outputs = expert_maps + tma->experts;
     }
-    auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogueColumns, true, true, Problem>;
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows, half_rows);
+    bool launched = false;
+    if constexpr (WsSharedB<Problem>) {
+      if (block_row_pairs_share_weights(y_count, tma->experts)) {
+        launch_ws_pairs(problem, maps, tiles_x, y_count, group_rows, half_rows, multiprocessors, stream);
+        launched = true;
+      }
+    }
+    if (!launched) {
+      auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kEpilogueColumns, true, true, Problem>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows, half_rows);
+    }
     CUDA_CHECK(cudaGetLastError());
     if (expert_maps != nullptr) free_expert_maps(expert_maps, stream);
   } else {
@@ -270,7 +321,7 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
   // read transposed ([n][k]) in the backward.
   constexpr Layout km = Layout::row_major_km, nk = Layout::row_major_nk;
   // TMA on the warp-specialized kernel: rows of `a` in boxes of 64 x 64; W_e in [64 k][64 n] boxes
-  // when stored [k][n], one [256 n][64 k] box when read transposed.
+  // when stored [k][n], two [128 n][64 k] boxes when read transposed (a half each: WsBHalves).
   TmaOperands tma;
   const bool use_tma = takes_warp_specialized(t.block_size, hidden);
   const bool gathered = args.gather.row_slot != nullptr;
@@ -280,7 +331,7 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
     if (!gathered) tma.maps.a[0] = make_matrix_map(args.a, rows, args.inner, args.inner, 64);  // else cp.async
     tma.maps.a[1] = tma.maps.a[0];
     tma.expert_prototype = args.b.transposed
-                               ? make_matrix_map(args.a, args.b.column_offset + hidden, args.b.ld, args.b.ld, 256)
+                               ? make_matrix_map(args.a, args.b.column_offset + hidden, args.b.ld, args.b.ld, 128)
                                : make_matrix_map(args.a, args.inner, args.b.ld, args.b.ld, 64);
     tma.expert_pointers = args.b.pointers;
     tma.experts = t.block_cols / t.blocks_per_expert;
@@ -331,7 +382,7 @@ void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const E
     const int parts = s1 != nullptr ? 2 : 1, hidden = t.blocks_per_expert * t.block_size;
     tma.maps.a[0] = make_blocks_map(s0, t.max_nnz, t.block_size, 64);
     tma.maps.a[1] = s1 != nullptr ? make_blocks_map(s1, t.max_nnz, t.block_size, 64) : tma.maps.a[0];
-    tma.expert_prototype = b.transposed ? make_matrix_map(s0, b.column_offset + out_cols, b.ld, b.ld, 256)
+    tma.expert_prototype = b.transposed ? make_matrix_map(s0, b.column_offset + out_cols, b.ld, b.ld, 128)
                                         : make_matrix_map(s0, int64_t(parts) * hidden, b.ld, b.ld, 64);
     tma.expert_pointers = b.pointers;
     tma.experts = t.block_cols / t.blocks_per_expert;
@@ -450,6 +501,25 @@ RowGather checked_rows(const MoeConfig& config, const ExpertRows& x, const std::
 }
 
 }  // namespace
+
+// Pairs of block rows (WsCluster::share_b) where an expert has 4 or more block rows by the host
+// bound (T·K/B + E). Measured on an H200, 2026-11-22, against the same code without clusters in the
+// same call (notebooks_data/bench/ncu_2026-11-22n_h200.txt; x dense cuBLAS, forward | forward +
+// backward, two calls):
+//   - T=8192 D=4096 E=8 K=2 (17 block rows an expert), Zipf: 0.912 | 0.912 -> 0.958 | 0.941 and
+//     0.922 | 0.911 -> 0.969 | 0.956; uniform: 0.973 | 0.969 -> 0.983 | 0.958 and 0.987 | 0.961 ->
+//     0.983 | 0.967 (a draw).
+//   - T=16384 D=2048 E=64 K=2 (5): uniform 0.930 | 0.881 -> 0.958 | 0.888 and 0.926 | 0.859 ->
+//     0.952 | 0.885; Zipf 0.852 | 0.820 -> 0.858 | 0.846 and 0.848 | 0.806 -> 0.847 | 0.822.
+//   At locked base clocks (ncu) the same kernels ran as fast as without clusters, within 2%: the
+//   multicast saves L2 reads, and power with them, so at the card's power limit the clock stays up.
+//   - T=16384 D=1024 E=64 K=1 (3): slower at base clocks, the forward's SDD by 9% and its DSD by 2%
+//     under Zipf (2% and 1% uniform). Each expert's weights are read by one or two block rows, so
+//     they stream from HBM about once per pair anyway, many pairs straddle two experts (no sharing),
+//     and the pairing only makes the two CTAs wait for each other.
+bool block_row_pairs_share_weights(int max_block_rows, int experts) {
+  return experts > 0 && max_block_rows >= 4 * experts;
+}
 
 bool rows_gatherable(const MoeConfig& config) {
   return takes_warp_specialized(static_cast<int>(config.block_size), static_cast<int>(config.hidden_dim));

@@ -131,6 +131,13 @@ bool rows_gatherable(const MoeConfig& config);
 constexpr int kGatherMaxHidden = 4096;
 bool gathering_pays(const MoeConfig& config);
 
+// Whether the SDDs and DSDs on Hopper (B = 128, the warp-specialized kernel) run in clusters of two
+// CTAs whose pairs of block rows 2 y, 2 y + 1 share the expert's weights by TMA multicast
+// (block_sparse_wgmma_ws.cuh, WsCluster::share_b), from the topology's host bound of block rows
+// (max_block_rows) and its expert count: where an expert has 4 or more block rows. Where they pay
+// and where they do not: block_sparse.cu.
+bool block_row_pairs_share_weights(int max_block_rows, int experts);
+
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,
 // out = DSD(hidden, W2). SwiGLU: pre holds the gate blocks, up the up blocks, and the second SDD's

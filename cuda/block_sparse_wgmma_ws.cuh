@@ -87,6 +87,9 @@ struct TmaMaps {
                                          // for the TMA stores of ws_bulk_epilogue
 };
 
+// Clusters of two CTAs that share one operand's copies (block_sparse_wgmma_ws_kernel, CLUSTER).
+enum class WsCluster { none, share_a, share_b };
+
 // How the consumers store a tile: EPILOGUE_COLUMNS, a template parameter of the kernel, is
 //   > 0                  the staged epilogue: fp32 through shared memory, that many columns a pass;
 //   kWsRegisterEpilogue  straight from the accumulators (ws_register_epilogue);
@@ -225,10 +228,20 @@ __device__ inline void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 // Arrives on the mbarrier at `bar`'s offset in the shared memory of CTA `rank` of the cluster.
+// With the default semantics, .release at CTA scope (the form CUTLASS's ClusterBarrier uses): the
+// arrival only says "this warp's wgmma reading the stage have retired" (wgmma.wait_group already
+// ordered those reads), so it has nothing to publish to the other SM. The seventh session wrote
+// .release.cluster here, which makes each arrival wait until the thread's earlier memory operations,
+// the epilogue's global stores among them, are visible to the whole cluster: ptxas puts a
+// MEMBAR.ALL.GPU before it (cuobjdump -sass). That, and not the pairing, made dev_sdd's version 21
+// 19-31% slower than version 19.
+// With this form (H200, 2026-11-22, dev_sdd, the same call, % of cuBLAS, version 19 -> 21):
+// 67.2 -> 67.8 at D=1024, 83.6 -> 86.0 at D=2048, 92.0 -> 93.1 at D=4096; .relaxed.cluster measured
+// the same within noise (66.2, 81.5, 93.0).
 __device__ inline void mbarrier_arrive_remote(uint32_t bar, uint32_t rank) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
       "r"(rank)
       : "memory");
 }
@@ -370,29 +383,44 @@ struct WsGatheredRows {
 //   epilogue runs 256 / EPILOGUE_COLUMNS passes (1 pass when it reuses the stages). 0: the register
 //   epilogue (ws_register_epilogue), which needs no staging.
 // ---- the TMA copies of one k-step, per product (TMA = true) ----
-// A: 128 rows of 64 k, in two boxes of 64 rows (8 KB). B: 64 k x 256 n of the expert's operand, as four [64 k][64 n] boxes when it
-// is stored [k][n] (the MN-major layout of ws_copy_mn_major), or one [256 n][64 k] box when it is
-// stored [n][k] (K-major, as ws_copy_k_major).
+// A: 128 rows of 64 k, in two boxes of 64 rows (8 KB). B: 64 k x 256 n of the expert's operand, as
+// four [64 k][64 n] boxes when it is stored [k][n] (the MN-major layout of ws_copy_mn_major), or two
+// [128 n][64 k] boxes when it is stored [n][k] (K-major, as ws_copy_k_major). Either way columns
+// 128 n .. 128 n + 127 of the chunk are its half n, 16 KB into the stage's B.
+// WsBHalves says which halves this CTA copies, and to which CTAs of its cluster: both to itself
+// alone (no cluster, or a pair that does not share), or, in a pair of block rows that share the
+// expert's chunk (WsCluster::share_b), its own half to both CTAs.
+struct WsBHalves {
+  int first = 0, count = 2;
+  uint16_t multicast = 0;  // CTA mask; 0: a plain copy into this CTA
+};
 template <Layout B_LAYOUT>
-__device__ inline void ws_tma_copy_b(const CUtensorMap* map, uint32_t b, uint32_t bar, int k0, int n0) {
-  if constexpr (B_LAYOUT == Layout::row_major_km) {
-#pragma unroll
-    for (int g = 0; g < kWsBlockN / 64; ++g) tma_load(b + g * kBlockK * 128, map, bar, n0 + 64 * g, k0);
-  } else {
-    tma_load(b, map, bar, k0, n0);
+__device__ inline void ws_tma_copy_b(const CUtensorMap* map, uint32_t b, uint32_t bar, int k0, int n0, WsBHalves halves) {
+  auto load = [&](uint32_t to, int c0, int c1) {
+    if (halves.multicast != 0)
+      tma_load_multicast(to, map, bar, c0, c1, halves.multicast);
+    else
+      tma_load(to, map, bar, c0, c1);
+  };
+  for (int h = halves.first; h < halves.first + halves.count; ++h) {
+    if constexpr (B_LAYOUT == Layout::row_major_km) {
+      for (int g = 2 * h; g < 2 * h + 2; ++g) load(b + g * kBlockK * 128, n0 + 64 * g, k0);
+    } else {
+      load(b + h * 128 * 128, k0, n0 + 128 * h);
+    }
   }
 }
 // SDD: A = rows of x (or dy) from the 2-D map a[0]; B = the block row's expert's W. A half-row
 // tile's stages hold only the first 64 rows of A (the other 64 are padding).
 template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
 __device__ inline void ws_tma_copy(const SddProblem<B_LAYOUT, EPILOGUE>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, bool half_row) {
+                                   uint32_t bar, int step, bool half_row, WsBHalves halves = {}) {
   const int k0 = step * kBlockK;
   if (p.gather.row_slot == nullptr) {  // gathered rows come by cp.async (WsGatheredRows)
     for (int h = 0; h < (half_row ? 1 : 2); ++h)
       tma_load(a + h * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * h);
   }
-  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start);
+  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start, halves);
 }
 // Clusters of two CTAs on the tiles (r, 2p) and (r, 2p + 1), side by side in one block row (dev_sdd
 // version 21): both multiply the same 128 rows of A, so CTA `rank` copies rows 64 rank .. + 63 and
@@ -403,7 +431,7 @@ __device__ inline void ws_tma_copy_shared_a(const SddProblem<B_LAYOUT, EPILOGUE>
                                             uint32_t b, uint32_t bar, int step, uint32_t rank) {
   const int k0 = step * kBlockK;
   tma_load_multicast(a + rank * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * static_cast<int>(rank), 0b11);
-  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start);
+  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start, WsBHalves{});
 }
 template <class Problem>
 concept WsSharedA = requires(const Problem& p, const TmaMaps& maps) {
@@ -412,14 +440,14 @@ concept WsSharedA = requires(const Problem& p, const TmaMaps& maps) {
 // DSD: A = the block row's blocks from the 3-D map of its part; B = the expert's W (rows over all parts).
 template <Layout B_LAYOUT>
 __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, bool /*half_row: never*/) {
+                                   uint32_t bar, int step, bool /*half_row: never*/, WsBHalves halves = {}) {
   const int steps_per_block = p.block_size / kBlockK;
   const int steps_per_part = p.blocks_per_expert * steps_per_block;
   const int part = step / steps_per_part, within = step % steps_per_part;
   const int block = static_cast<int>(p.row_first_block) + within / steps_per_block;
   const int k_in_block = (within % steps_per_block) * kBlockK;
   for (int h = 0; h < 2; ++h) tma_load(a + h * 64 * 128, &maps.a[part], bar, k_in_block, 64 * h, block);
-  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, step * kBlockK, p.column_offset + p.n0);
+  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, step * kBlockK, p.column_offset + p.n0, halves);
 }
 
 // DSᵀD: A = the block (r, c) read M-major, two [64 k][64 m] boxes of the 3-D blocks map a[0];
@@ -460,6 +488,15 @@ __device__ inline void ws_tma_copy(const DdsProblem<OUT, 2>& p, const TmaMaps& m
   for (int g = 0; g < 2; ++g) tma_load(a + g * kBlockK * 128, &maps.a[0], bar, p.m0 + 64 * g, row);
   for (int g = 0; g < kWsBlockN / 64; ++g) tma_load(b + g * kBlockK * 128, &maps.a[1], bar, 64 * (g % 2), k0, block + g / 2);
 }
+
+// The products whose pairs of block rows can share B (WsCluster::share_b): the SDD and the DSD,
+// whose B chunk depends only on the block row's expert and the tile's columns, and whose tiles all
+// take the same k-steps (so the two CTAs of a pair go through the stages in step).
+template <class Problem>
+concept WsSharedB = requires(const Problem& p, const TmaMaps& maps) {
+  { p.expert } -> std::convertible_to<int>;
+  ws_tma_copy(p, maps, 0u, 0u, 0u, 0, false, WsBHalves{});
+};
 
 // The products with TMA copies: those with a ws_tma_copy overload above. The host asks this, and
 // the kernel's TMA path calls the same signature, so the two cannot drift apart.
@@ -761,16 +798,23 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMa
 // TMA = true: one producer thread copies each stage with TMA boxes (Problem::tma_copy, the maps in
 //   `maps`) instead of 128 threads issuing 16-byte cp.async; the other producer threads exit.
 // half_rows: compute the block rows whose routed rows fit in their first half as half-row tiles
-//   (see above). Taken only with TMA copies, the register epilogue and no cluster.
-// CLUSTER = 2 (dev_sdd version 21, the SDD without gathered rows): the grid is launched in clusters
-//   of two CTAs, which take two tiles side by side in a block row and share their A operand
-//   (ws_tma_copy_shared_a). A CTA's producer writes into the peer's stages too, so a stage is empty
-//   only when both CTAs' consumers have released it: each consumer warp arrives on its own CTA's
-//   "empty" barrier and on the peer's (16 arrivals), and before it exits the producer waits until
-//   every stage has been released, so that no peer arrives on the barriers of a CTA that is gone.
-//   Measured 19-31% slower than CLUSTER = 1 on an H200 at the three BASELINES shapes (cuda/dev/sdd.cu,
-//   version 21): the lesson's, not the mainline's.
-template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem, int CLUSTER = 1>
+//   (see above). Taken only with TMA copies, the register epilogue and no share_a cluster.
+// CLUSTER (WsCluster): none, or clusters of two CTAs that share an operand's copies by TMA multicast.
+//   A CTA's producer then writes into the peer's stages too, so a stage is empty only when both
+//   CTAs' consumers have released it: each consumer warp arrives on its own CTA's "empty" barrier
+//   and on the peer's (16 arrivals), and before it exits the producer waits until every stage has
+//   been released, so that no peer arrives on the barriers of a CTA that is gone. The pair goes
+//   through the stages in step, tile by tile.
+//   share_a (dev_sdd version 21, the SDD without gathered rows): the two take tiles side by side in
+//     a block row and share their A (ws_tma_copy_shared_a): 8 + 32 KB a k-step from the L2 instead
+//     of 16 + 32.
+//   share_b (the mainline's SDD and DSD, dev_sdd version 22): the two take block rows 2 y' and
+//     2 y' + 1 at the same columns; where both belong to one expert they multiply the same chunk of
+//     its weights, and each copies one half of it into both (WsBHalves): 16 + 16 KB a k-step
+//     instead of 16 + 32. Where the two block rows belong to different experts, each copies its own
+//     B; where one block row is past the device's count, its CTA multiplies the peer's tile (sharing
+//     B) and stores nothing, so that the pair stays in step.
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem, WsCluster CLUSTER = WsCluster::none>
 __global__ void __launch_bounds__(kWsThreads, 1)
     block_sparse_wgmma_ws_kernel(const Problem parameters, const __grid_constant__ TmaMaps maps, int tiles_x,
                                  int tiles, int group_rows, bool half_rows) {
@@ -784,9 +828,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 "Hopper gives a CTA at most 227 KB of shared memory");
   static_assert(Problem::a_layout != Layout::row_major_nk, "A is stored [m][k] or [k][m]");
   static_assert(kBlockK == 64, "a k-step is one 128-byte swizzle row of K (K-major) or 64 rows (MN-major)");
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && PERSISTENT && TMA && WsSharedA<Problem>),
-                "clusters of two share the SDD's A operand, persistent, with TMA copies");
+  static_assert(CLUSTER == WsCluster::none || (PERSISTENT && TMA), "clusters are persistent, with TMA copies");
+  static_assert(CLUSTER != WsCluster::share_a || WsSharedA<Problem>, "share_a: the SDD (ws_tma_copy_shared_a)");
+  static_assert(CLUSTER != WsCluster::share_b || WsSharedB<Problem>, "share_b: the SDD or the DSD (WsSharedB)");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kCtas = CLUSTER == WsCluster::none ? 1 : 2;
   constexpr bool a_m_major = Problem::a_layout == Layout::row_major_km;
   constexpr bool b_n_major = Problem::b_layout == Layout::row_major_km;
   constexpr uint32_t a_bytes = kWgmmaBlockM * kBlockK * sizeof(bf16);  // 16 KB
@@ -808,32 +854,59 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int s = 0; s < STAGES; ++s) {
       // The expect_tx arrival (TMA), one cp.async arrival per producer thread (cp.async), or both.
       mbarrier_init(full(s), (TMA ? 1 : 0) + (!TMA || gather ? kWsProducerThreads : 0));
-      mbarrier_init(empty(s), 8 * CLUSTER);  // one arrival per consumer warp of the cluster
+      mbarrier_init(empty(s), 8 * kCtas);  // one arrival per consumer warp of the cluster
     }
     // Makes the initialised barriers visible to the other threads' (and the cp.async unit's) arrivals.
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();  // the only CTA-wide barrier: from here on, the roles meet only at mbarriers
-  if constexpr (CLUSTER > 1) cluster_sync();  // the peer's barriers are initialised before we arrive on them
+  if constexpr (kCtas > 1) cluster_sync();  // the peer's barriers are initialised before we arrive on them
 
-  // Tiles are handed out per cluster (one CTA when CLUSTER = 1): cluster tile t is the CLUSTER tiles
-  // side by side at x = CLUSTER x' .. CLUSTER x' + CLUSTER - 1 of row y, with (y, x') from
-  // ws_tile_coordinates over tiles_x / CLUSTER columns; this CTA takes the one of its rank.
-  const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
-  const int cluster_tiles_x = tiles_x / CLUSTER, cluster_tiles = tiles / CLUSTER;
-  const int first_tile = PERSISTENT ? static_cast<int>(blockIdx.x) / CLUSTER
+  // Tiles are handed out per cluster (one CTA when CLUSTER = none), in ws_tile_coordinates' order
+  // over the grid of cluster tiles: share_a's cluster tile (y, x') is the tiles x = 2 x', 2 x' + 1
+  // of row y; share_b's (y', x) the tiles y = 2 y', 2 y' + 1 of column x (the host bound of block
+  // rows rounded up to even). This CTA takes the one of its rank.
+  const uint32_t rank = kCtas > 1 ? cluster_rank() : 0;
+  const int y_count = tiles / tiles_x;
+  const int cluster_tiles_x = CLUSTER == WsCluster::share_a ? tiles_x / 2 : tiles_x;
+  const int cluster_tiles = CLUSTER == WsCluster::share_a   ? tiles / 2
+                            : CLUSTER == WsCluster::share_b ? tiles_x * ((y_count + 1) / 2)
+                                                            : tiles;
+  const int first_tile = PERSISTENT ? static_cast<int>(blockIdx.x) / kCtas
                                     : static_cast<int>(blockIdx.y) * tiles_x + blockIdx.x;
-  const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) / CLUSTER : tiles;  // one tile when not persistent
-  auto tile_at = [&](int tile) {
+  const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) / kCtas : tiles;  // one tile when not persistent
+  // What this CTA does with cluster tile `tile`: the tile it multiplies (its own, or under share_b
+  // its peer's when its own is past the device's counts), whether it stores it, and whether the
+  // pair shares B. `problem` is begun on that tile. The same answer in both CTAs of a pair and in
+  // every warp: it reads only tile indices and the topology.
+  struct WsWork {
+    WsTile at;
+    bool run, store, share_b;
+  };
+  auto claim = [&](int tile, Problem& problem) -> WsWork {
     WsTile at = ws_tile_coordinates(tile, cluster_tiles_x, cluster_tiles, group_rows);
-    at.x = at.x * CLUSTER + static_cast<int>(rank);
-    return at;
+    if constexpr (CLUSTER == WsCluster::share_a) at.x = 2 * at.x + static_cast<int>(rank);
+    if constexpr (CLUSTER == WsCluster::share_b) at.y = 2 * at.y + static_cast<int>(rank);
+    problem = parameters;
+    const bool mine = problem.begin(at.y, at.x, ws_tile_x<Problem>());
+    if constexpr (CLUSTER == WsCluster::share_b) {
+      Problem peer = parameters;
+      const bool theirs = peer.begin(at.y ^ 1, at.x, ws_tile_x<Problem>());
+      if (!mine && theirs) {
+        problem = peer;
+        at.y ^= 1;
+      }
+      return {at, mine || theirs, mine, mine && theirs ? problem.expert == peer.expert : true};
+    } else {
+      return {at, mine, mine, false};
+    }
   };
   const int warpgroup = threadIdx.x / 128;
   int iteration = 0;  // k-steps this thread's role has gone through, over all tiles (see the header)
   // Whether tile `at` is a half-row tile (the same answer in every warp: it reads only the tile's
   // block row and the topology).
-  constexpr bool kHalfRows = TMA && WsHalfRowTiles<Problem> && EPILOGUE_COLUMNS == kWsRegisterEpilogue && CLUSTER == 1;
+  constexpr bool kHalfRows =
+      TMA && WsHalfRowTiles<Problem> && EPILOGUE_COLUMNS == kWsRegisterEpilogue && CLUSTER != WsCluster::share_a;
   auto half_row = [&](const Problem& problem, WsTile at) { return kHalfRows && half_rows && ws_half_row(problem, at.y); };
 
   if (warpgroup == 0) {
@@ -846,11 +919,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       constexpr uint32_t b_bytes = kWsBlockN * kBlockK * sizeof(bf16);  // 32 KB
       WsGatheredRows rows;  // this thread's rows of x when they are gathered
       for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
-        Problem problem = parameters;
-        const WsTile at = tile_at(tile);
-        if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
+        Problem problem;
+        const WsWork work = claim(tile, problem);
+        if (!work.run) continue;
         const int k_steps = problem.k_steps();
-        const bool half = half_row(problem, at);
+        const bool half = half_row(problem, work.at);
+        // share_b: this CTA's half of B into both CTAs' stages, when the pair shares it
+        const WsBHalves halves = work.share_b ? WsBHalves{static_cast<int>(rank), 1, 0b11} : WsBHalves{};
         if constexpr (WsGatherable<Problem>) {
           if (gather) rows.fetch(problem, thread);
         }
@@ -860,10 +935,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
           mbarrier_wait(empty(stage), (use & 1) ^ 1);
           if (thread == 0) {
-            mbarrier_arrive_expect_tx(full(stage), a_step_bytes + b_bytes);  // with a cluster, half of A
-                                                                              // comes from the peer
-            if constexpr (CLUSTER > 1)
+            mbarrier_arrive_expect_tx(full(stage), a_step_bytes + b_bytes);  // in a sharing pair, half of
+                                                                              // A or B comes from the peer
+            if constexpr (CLUSTER == WsCluster::share_a)
               ws_tma_copy_shared_a(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, rank);
+            else if constexpr (CLUSTER == WsCluster::share_b)
+              ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, half, halves);
             else
               ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, half);
           }
@@ -877,15 +954,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         }
       }
       if (gather) cp_async_wait<0>();  // leave no copy in flight behind an exited thread
-      if constexpr (CLUSTER > 1) {  // stay until both CTAs' consumers have released every stage
+      if constexpr (kCtas > 1) {  // stay until both CTAs' consumers have released every stage
         for (int i = 0; i < STAGES; ++i, ++iteration)
           mbarrier_wait(empty(iteration % STAGES), (static_cast<uint32_t>(iteration / STAGES) & 1) ^ 1);
       }
     } else {
       for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
-        Problem problem = parameters;
-        const WsTile at = tile_at(tile);
-        if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;  // the consumers skip it too
+        Problem problem;
+        if (!claim(tile, problem).run) continue;  // the consumers skip it too
         const int k_steps = problem.k_steps();
         for (int step = 0; step < k_steps; ++step, ++iteration) {
           const int stage = iteration % STAGES;
@@ -920,15 +996,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int bulk_warp = consumer * 4 + warp;  // the bulk epilogue's: one staging per warp
   auto release = [&](int stage) {  // by lane 0 of each consumer warp, once its wgmma reading `stage` retired
     mbarrier_arrive(empty(stage));
-    if constexpr (CLUSTER > 1) mbarrier_arrive_remote(empty(stage), rank ^ 1u);
+    if constexpr (kCtas > 1) mbarrier_arrive_remote(empty(stage), rank ^ 1u);
   };
 
   for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
-    Problem problem = parameters;
-    const WsTile at = tile_at(tile);
-    if (!problem.begin(at.y, at.x, ws_tile_x<Problem>())) continue;
+    Problem problem;
+    const WsWork work = claim(tile, problem);
+    if (!work.run) continue;
     const int k_steps = problem.k_steps();
-    const bool half = half_row(problem, at);
+    const bool half = half_row(problem, work.at);
     // Every consumer multiplies all of its 64 rows, padding rows too (they are zero), except in a
     // half-row tile. A warpgroup whose rows were all padding once skipped its wgmma (an `if` around
     // them, 2026-11-22): ptxas then serialised every wgmma of the kernel ("C7518 Potential
@@ -988,6 +1064,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if (k_steps > 0 && lane == 0) release(previous_stage);
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) register_fence(acc[i]);
+    if (!work.store) continue;  // share_b: the peer's tile, multiplied only to keep the pair in step
 
     // Accumulator layout of m64nNk16: warp w owns rows 16w .. 16w+15; acc[4j + v] is row
     // 16w + lane/4 (+8 for v >= 2), column 8j + 2 (lane % 4) (+1 for odd v).

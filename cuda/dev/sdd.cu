@@ -373,7 +373,8 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
 // Gathered rows (version 20): x is in token order [T, D] and `gather` says where each row comes from.
 // Clusters (version 21): CLUSTER = 2 launches the persistent grid in clusters of two CTAs, which
 // share the A operand of two tiles side by side (TMA multicast); H / 256 must be even.
-template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false, int CLUSTER = 1>
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false,
+          moe::cuda::block_sparse_detail::WsCluster CLUSTER = moe::cuda::block_sparse_detail::WsCluster::none>
 void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
                      cudaStream_t stream, moe::cuda::block_sparse_detail::RowGather gather = {}) {
   using namespace moe::cuda::block_sparse_detail;
@@ -387,7 +388,8 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   const int tiles_x = H / kWsBlockN, tiles = tiles_x * t.max_block_rows;
   constexpr int smem = ws_shared_bytes<STAGES, EPILOGUE_COLUMNS, PERSISTENT>();
   auto* kernel = &block_sparse_wgmma_ws_kernel<STAGES, EPILOGUE_COLUMNS, PERSISTENT, TMA, Sdd, CLUSTER>;
-  if (tiles_x % CLUSTER != 0) {
+  constexpr int ctas = CLUSTER == WsCluster::none ? 1 : 2;
+  if (CLUSTER == WsCluster::share_a && tiles_x % 2 != 0) {
     std::fprintf(stderr, "version 21 pairs the 256-column tiles of a block row: H / 256 must be even\n");
     std::exit(1);
   }
@@ -396,7 +398,7 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   int device = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if constexpr (PERSISTENT) grid = dim3(std::min(sms, tiles) / CLUSTER * CLUSTER);
+  if constexpr (PERSISTENT) grid = dim3(std::min(sms, tiles) / ctas * ctas);
   TmaMaps maps{};
   CUtensorMap* expert_maps = nullptr;  // stream-ordered: alive for this launch only, as in the mainline
   if constexpr (TMA) {
@@ -410,7 +412,7 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   }
   // Half-row tiles off: the versions here are the steps before them; the mainline (version 11)
   // takes them.
-  if constexpr (CLUSTER == 1) {
+  if constexpr (ctas == 1) {
     kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, ws_group_rows(tiles_x, sms), false);
   } else {
     cudaLaunchConfig_t config{};
@@ -420,13 +422,15 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
     config.stream = stream;
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = CLUSTER;
+    cluster.val.clusterDim.x = ctas;
     cluster.val.clusterDim.y = 1;
     cluster.val.clusterDim.z = 1;
     config.attrs = &cluster;
     config.numAttrs = 1;
     CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, problem, maps, tiles_x, tiles,
-                                  ws_group_rows(tiles_x / CLUSTER, sms / CLUSTER), false));
+                                  CLUSTER == WsCluster::share_a ? ws_group_rows(tiles_x / 2, sms / 2)
+                                                                : std::max(1, ws_group_rows(tiles_x, sms) / 2),
+                                  false));
   }
   if constexpr (TMA) moe::cuda::free_expert_maps(expert_maps, stream);
 }
@@ -611,8 +615,12 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
                                         {p.row_slot.data(), p.K});
       break;
     case 21:
-      launch_wgmma_ws<4, 0, true, true, 2>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(),
-                                           stream);
+      launch_wgmma_ws<4, 0, true, true, moe::cuda::block_sparse_detail::WsCluster::share_a>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H,
+                                                            p.out_device.data(), stream);
+      break;
+    case 22:
+      launch_wgmma_ws<4, 0, true, true, moe::cuda::block_sparse_detail::WsCluster::share_b>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H,
+                                                            p.out_device.data(), stream);
       break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
@@ -677,8 +685,16 @@ int main(int argc, char** argv) {
   // The wgmma versions need a compute capability 9.0 GPU (and this program's sm_90a code) and B = 128.
   const bool hopper = properties.major == 9 && properties.minor == 0 && B == 128;
   std::vector<int> versions = {1, 2, 3, 4, 5};
-  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21});
+  if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22});
   versions.push_back(11);
+  if (const char* only = std::getenv("DEV_SDD_VERSIONS")) {  // e.g. "19,21": those alone
+    versions.clear();
+    for (const char* c = only; *c != '\0';) {
+      versions.push_back(std::atoi(c));
+      while (*c != '\0' && *c != ',') ++c;
+      if (*c == ',') ++c;
+    }
+  }
   bool all_pass = true;
   {
     const int check_D = std::min(D, 512), check_H = std::min(H, 512), check_E = std::min(E, 8);
@@ -739,7 +755,8 @@ int main(int argc, char** argv) {
                          "14 = 7, staged epilogue", "15 warp-spec. 128x256, 4 stages",
                          "16 = 15, persistent, 4 st", "17 = 15, persistent, 3 st",
                          "18 = 16, TMA copies", "19 = 18, register epilogue",
-                         "20 = 19, rows gathered from x", "21 = 19, clusters of 2 share A"};
+                         "20 = 19, rows gathered from x", "21 = 19, clusters of 2 share A",
+                         "22 = 19, clusters of 2 share B"};
   for (int version : versions) row(names[version], time_median([&] { run_version(version, big, stream); }, stream));
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----

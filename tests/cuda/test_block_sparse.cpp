@@ -144,8 +144,17 @@ struct ExpertWeights {
 // tail_halves (K = 1, E = 5, T = 322): experts 0-3 get 192, 64, 65 and 1 tokens, expert 4 none, so
 // block rows end with 64 tokens (rows 64-127 all padding), 65, and 1. On an H100/H200 the SDDs run
 // the rows ending with 64 and 1 as half-row tiles (block_sparse_wgmma_ws.cuh), the row of 65 whole.
-enum class Routing { random, skip_one_expert, all_to_one_expert, tail_halves };
+// block_row_pairs (K = 1, E = 4, T = 1540): experts 0-3 get 576, 385, 66 and 513 tokens, so 15
+// block rows: 5 of expert 0 (the last of 64 tokens), 4 of expert 1 (the last of 1), 1 of expert 2,
+// 5 of expert 3 (the last of 1). The host bound is 16 block rows, 4 an expert, so on an H100/H200
+// the SDDs and DSDs run in pairs of block rows that share the expert's B chunk (WsCluster::share_b,
+// block_sparse.cu: pairs_share_b), and every case of a pair comes up: rows 0-1, 2-3, 6-7, 10-11 and
+// 12-13 share; rows 4-5 (a half row of expert 0 beside expert 1) and 8-9 (a half row of expert 1
+// beside expert 2) do not; row 14's peer is past the 15 block rows, so its CTA multiplies row 14 (a
+// half-row tile) and stores nothing.
+enum class Routing { random, skip_one_expert, all_to_one_expert, tail_halves, block_row_pairs };
 constexpr int kTailHalvesTokens[] = {192, 64, 65, 1};
+constexpr int kBlockRowPairsTokens[] = {576, 385, 66, 513};
 
 // One dropless layer's worth of inputs: config, plan, topology (host and device), tensors.
 struct Problem {
@@ -178,6 +187,10 @@ struct Problem {
           case Routing::all_to_one_expert: e = (1 + k) % E; break;
           case Routing::tail_halves:
             for (int first = 0; e < 4 && t >= first + kTailHalvesTokens[e]; first += kTailHalvesTokens[e++]) {
+            }
+            break;
+          case Routing::block_row_pairs:
+            for (int first = 0; e < 3 && t >= first + kBlockRowPairsTokens[e]; first += kBlockRowPairsTokens[e++]) {
             }
             break;
         }
@@ -388,10 +401,29 @@ TEST(BlockSparseFfn, SwigluB128PaddingHalves) {
   REQUIRE_GPU();
   check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::swiglu, Routing::tail_halves, 23));
 }
+// Pairs of block rows sharing the expert's weights (block_row_pairs above), forward and backward:
+// the SDDs with W read [k][n] (forward) and [n][k] (backward, two 128-row boxes a k-step), the DSDs
+// likewise, SwiGLU's two-part DSD.
+// The premise of the tests below: this routing's topology takes the pairs (no GPU needed).
+TEST(BlockSparseFfn, BlockRowPairsTaken) {
+  EXPECT_TRUE(moe::cuda::block_row_pairs_share_weights(16, 4)) << "block_row_pairs: 16 block rows (host bound), 4 experts";
+  EXPECT_FALSE(moe::cuda::block_row_pairs_share_weights(7, 5)) << "tail_halves: 7 block rows (host bound), 5 experts";
+}
+TEST(BlockSparseFfn, GeluB128BlockRowPairs) {
+  REQUIRE_GPU();
+  const Problem p(1540, 256, 512, 4, 1, 128, Activation::gelu, Routing::block_row_pairs, 24);
+  ASSERT_EQ(p.topology.block_rows, 15);
+  ASSERT_TRUE(moe::cuda::block_row_pairs_share_weights(p.device.topology.max_block_rows, 4));
+  check_ffn(p);
+}
+TEST(BlockSparseFfn, SwigluB128BlockRowPairs) {
+  REQUIRE_GPU();
+  check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::swiglu, Routing::block_row_pairs, 25));
+}
 
 // A wide model (D = 2048) at B = 128: on an H100/H200 every product copies its operands with TMA
 // (as at every D there): per-expert tensor maps built on the device, 64-row boxes of x and of the
-// blocks, W1 in [64 k][64 n] boxes, W2ᵀ and W1ᵀ (the backward's transposed reads) in [256 n][64 k]
+// blocks, W1 in [64 k][64 n] boxes, W2ᵀ and W1ᵀ (the backward's transposed reads) in [128 n][64 k]
 // boxes, SwiGLU's two-part DSD, and many 64-wide boxes per row of x.
 TEST(BlockSparseFfn, GeluB128WideModel) {
   REQUIRE_GPU();
@@ -507,6 +539,12 @@ TEST(BlockSparseProducts, B128OneExpertGetsAllTokens) {
 TEST(BlockSparseProducts, B128PaddingHalves) {
   REQUIRE_GPU();
   check_products(322, 512, 512, 5, 1, 128, 16, Routing::tail_halves);
+}
+// The products on their own in pairs of block rows (block_row_pairs above), into poisoned outputs:
+// a CTA that multiplies its peer's tile must store nothing, and no row past the used ones is written.
+TEST(BlockSparseProducts, B128BlockRowPairs) {
+  REQUIRE_GPU();
+  check_products(1540, 512, 512, 4, 1, 128, 26, Routing::block_row_pairs);
 }
 
 // The products of a wide model (D = 2048), on random blocks.
