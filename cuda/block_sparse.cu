@@ -511,7 +511,7 @@ RowGather checked_rows(const MoeConfig& config, const ExpertRows& x, const std::
 //     0.983 | 0.967 (a draw).
 //   - T=16384 D=2048 E=64 K=2 (5): uniform 0.930 | 0.881 -> 0.958 | 0.888 and 0.926 | 0.859 ->
 //     0.952 | 0.885; Zipf 0.852 | 0.820 -> 0.858 | 0.846 and 0.848 | 0.806 -> 0.847 | 0.822.
-//   At locked base clocks (ncu) the same kernels ran as fast as without clusters, within 2%: the
+//   At locked base clocks (ncu) the same kernels ran as fast as without clusters, within 3%: the
 //   multicast saves L2 reads, and power with them, so at the card's power limit the clock stays up.
 //   - T=16384 D=1024 E=64 K=1 (3): slower at base clocks, the forward's SDD by 9% and its DSD by 2%
 //     under Zipf (2% and 1% uniform). Each expert's weights are read by one or two block rows, so

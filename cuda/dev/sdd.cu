@@ -165,12 +165,23 @@
 //        T=16384 D=1024 H=4096 E=64 K=1:   385 -> 311 (53%)     cuBLAS 584
 //        T=16384 D=2048 H=8192 E=64 K=2:   515 -> 353 (58%)     cuBLAS 607
 //        T=8192 D=4096 H=14336 E=8 K=2:    595 -> 453 (70%)     cuBLAS 651
-//      Right (the check passes), and 19-31% slower. The pair advances in lockstep: a stage is refilled
-//      only when both CTAs' consumers have released it, and its A arrives from both producers, so
-//      each k-step waits for the slower CTA and for an arrival across the cluster; the 17% of L2
-//      reads it saves do not repay that. (A reading of the figures, not a measurement of the
-//      stalls.) Sharing B instead (block rows side by side, where one expert owns both) would save
-//      twice as many bytes, with the same coupling.
+//      Right (the check passes), and 19-31% slower. The seventh session blamed the lockstep (a stage
+//      is refilled only when both CTAs' consumers have released it). The tenth found the cause: the
+//      consumers' arrival on the peer's "empty" barrier was mbarrier.arrive.release.cluster, and a
+//      cluster-scope release makes ptxas put a MEMBAR.ALL.GPU before it (cuobjdump -sass), so each
+//      consumer warp waited at every k-step for its earlier stores to reach the L2. With the default
+//      .release.cta form (CUTLASS's; the arrival has nothing to publish), the same call, H200,
+//      2026-11-22, % of cuBLAS, version 19 -> 21: 67.2 -> 67.8, 83.6 -> 86.0, 92.0 -> 93.1
+//      (notebooks_data/bench/ncu_2026-11-22n_h200.txt).
+//   22 version 19 in clusters of two CTAs the other way (WsCluster::share_b): the two take block rows
+//      2y and 2y + 1 at the same columns; where one expert owns both, each copies one half of W1's
+//      chunk by TMA multicast into both, so the L2 serves 16 + 16 KB a k-step to each SM instead of
+//      16 + 32, twice what version 21 saves. Where the rows belong to two experts each copies its own
+//      chunk; where one row is past the routed rows its CTA multiplies the peer's tile and stores
+//      nothing, so that the pair stays in step. H200, 2026-11-22 (the same call, % of cuBLAS, dev_sdd's
+//      own random routing), versions 19 | 21 | 22: 67.0 | 66.6 | 67.2 at D = 1024, 83.3 | 86.5 | 86.9
+//      at D = 2048, 97.5 | 98.3 | 98.3 at D = 4096. The mainline's SDDs and DSDs take these pairs
+//      where an expert has 4 or more block rows (block_sparse.cu, block_row_pairs_share_weights).
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
@@ -371,8 +382,9 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
 // in boxes of 64 k x 64 rows, and one map per expert's W1 in boxes of 64 n x 64 k, built on the
 // device before each launch from the pointer table, as the mainline does.
 // Gathered rows (version 20): x is in token order [T, D] and `gather` says where each row comes from.
-// Clusters (version 21): CLUSTER = 2 launches the persistent grid in clusters of two CTAs, which
-// share the A operand of two tiles side by side (TMA multicast); H / 256 must be even.
+// Clusters (versions 21 and 22): the persistent grid in clusters of two CTAs, which share the A
+// operand of two tiles side by side (share_a; H / 256 must be even) or the B operand of two block
+// rows one above the other (share_b), by TMA multicast.
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false,
           moe::cuda::block_sparse_detail::WsCluster CLUSTER = moe::cuda::block_sparse_detail::WsCluster::none>
 void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
