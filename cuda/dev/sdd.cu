@@ -684,7 +684,7 @@ int main(int argc, char** argv) {
     T = std::atoi(argv[1]); D = std::atoi(argv[2]); H = std::atoi(argv[3]);
     E = std::atoi(argv[4]); K = std::atoi(argv[5]); B = std::atoi(argv[6]);
   } else if (argc != 1) {
-    std::fprintf(stderr, "usage: %s [T D H E K B]\n", argv[0]);
+    std::fprintf(stderr, "usage: [DEV_SDD_VERSIONS=19,21,22] %s [T D H E K B]\n", argv[0]);
     return 2;
   }
   cudaDeviceProp properties{};
