@@ -121,7 +121,6 @@ struct TmaOperands {
   int outputs = 0;
 };
 
-
 // The stages of every warp-specialized product (lesson 03, "Where the consumers wait": 3 -> 4
 // stages saves up to 6%, 2 -> 3 25-35%).
 constexpr int kWsStages = 4;
