@@ -219,6 +219,7 @@
 using moe::cuda::bf16;
 using moe::cuda::DeviceBuffer;
 using moe::cuda::DeviceTopology;
+using moe::cuda::block_sparse_detail::WsCluster;
 
 #define CUBLAS_CHECK(call)                                                              \
   do {                                                                                  \
@@ -385,8 +386,7 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
 // Clusters (versions 21 and 22): the persistent grid in clusters of two CTAs, which share the A
 // operand of two tiles side by side (share_a; H / 256 must be even) or the B operand of two block
 // rows one above the other (share_b), by TMA multicast.
-template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false,
-          moe::cuda::block_sparse_detail::WsCluster CLUSTER = moe::cuda::block_sparse_detail::WsCluster::none>
+template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false, WsCluster CLUSTER = WsCluster::none>
 void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
                      cudaStream_t stream, moe::cuda::block_sparse_detail::RowGather gather = {}) {
   using namespace moe::cuda::block_sparse_detail;
@@ -627,12 +627,12 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
                                         {p.row_slot.data(), p.K});
       break;
     case 21:
-      launch_wgmma_ws<4, 0, true, true, moe::cuda::block_sparse_detail::WsCluster::share_a>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H,
-                                                            p.out_device.data(), stream);
+      launch_wgmma_ws<4, 0, true, true, WsCluster::share_a>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H,
+                                                     p.out_device.data(), stream);
       break;
     case 22:
-      launch_wgmma_ws<4, 0, true, true, moe::cuda::block_sparse_detail::WsCluster::share_b>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H,
-                                                            p.out_device.data(), stream);
+      launch_wgmma_ws<4, 0, true, true, WsCluster::share_b>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H,
+                                                     p.out_device.data(), stream);
       break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
