@@ -125,9 +125,32 @@ struct TmaOperands {
 // stages saves up to 6%, 2 -> 3 25-35%).
 constexpr int kWsStages = 4;
 
+// set_persistent_worker_cap's cap (0: none), and set_stream_k_tail's switch.
+int persistent_worker_cap = 0;
+bool stream_k_tail = true;
+int capped_workers(int workers) {
+  return persistent_worker_cap > 0 ? std::min(workers, persistent_worker_cap) : workers;
+}
+
+// The stream-K tail's scratch (WsStreamKScratch) for `workers` workers of `ctas` CTAs, from the
+// launch-scratch pool, its counts zeroed on the stream; none (no tail) when set_stream_k_tail(false).
+// Give it back with free_launch_scratch (partials) on the same stream after the launch. Two parts
+// of 16 KB a consumer warp: 33 MB for 132 CTAs, of which a launch touches what its tail cuts.
+WsStreamKScratch allocate_stream_k(int workers, int ctas, cudaStream_t stream) {
+  if (!stream_k_tail) return {};
+  const size_t places = static_cast<size_t>(workers) * ctas * 8;  // consumer warps
+  const size_t partial_bytes = 2 * places * kWsPartialFloats * sizeof(float), count_bytes = places * 2 * sizeof(int);
+  auto* memory = static_cast<unsigned char*>(allocate_launch_scratch(partial_bytes + count_bytes, stream));
+  WsStreamKScratch scratch;
+  scratch.partials = reinterpret_cast<float*>(memory);
+  scratch.counts = reinterpret_cast<int*>(memory + partial_bytes);
+  CUDA_CHECK(cudaMemsetAsync(scratch.counts, 0, count_bytes, stream));
+  return scratch;
+}
+
 // The SDD or DSD in clusters of two CTAs whose pairs of block rows share the expert's B chunk
 // (WsCluster::share_b): as many clusters as can be resident at once, over the block rows rounded
-// up to even.
+// up to even. The DSD ends in a stream-K tail (tile_schedule.h says where it pays and where not).
 template <class Problem>
 void launch_ws_pairs(const Problem& problem, const TmaMaps& maps, int tiles_x, int y_count, int group_rows,
                      bool half_rows, int multiprocessors, cudaStream_t stream) {
@@ -155,11 +178,15 @@ void launch_ws_pairs(const Problem& problem, const TmaMaps& maps, int tiles_x, i
     CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
     return clusters > 0 ? clusters : multiprocessors / 2;
   }();
-  config.gridDim = dim3(2 * std::min(resident, pair_tiles));
+  const int clusters = capped_workers(std::min(resident, pair_tiles));
+  config.gridDim = dim3(2 * clusters);
+  WsStreamKScratch stream_k;  // the DSD (its tiles all take the same k-steps) ends in a stream-K tail
+  if constexpr (WsStreamK<Problem>) stream_k = allocate_stream_k(clusters, 2, stream);
   // The tile order groups block rows as the single-CTA order does: group_rows block rows are
   // group_rows / 2 pairs.
   CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, problem, maps, tiles_x, tiles_x * y_count, std::max(1, group_rows / 2),
-                                half_rows));
+                                half_rows, stream_k));
+  if (stream_k.partials != nullptr) free_launch_scratch(stream_k.partials, stream);
 }
 
 // The warp-specialized persistent kernel (cuda/dev/sdd.cu, versions 16, 18 and 19): 128 x 256 tiles, a
@@ -180,11 +207,12 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
   const int tiles_x = x_extent / ws_tile_x<Problem>(), tiles = tiles_x * y_count;
-  const int grid = std::min(multiprocessors, tiles), group_rows = ws_group_rows(tiles_x, multiprocessors);
+  const int grid = capped_workers(std::min(multiprocessors, tiles)), group_rows = ws_group_rows(tiles_x, multiprocessors);
   if (tma == nullptr) {
     auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kEpilogueColumns, true, false, Problem>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, group_rows, false);
+    kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, group_rows, false,
+                                               WsStreamKScratch{});
     CUDA_CHECK(cudaGetLastError());
     return;
   }
@@ -213,9 +241,10 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
     if (!launched) {
       auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kEpilogueColumns, true, true, Problem>;
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows, half_rows);
+      kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows, half_rows,
+                                                 WsStreamKScratch{});
+      CUDA_CHECK(cudaGetLastError());
     }
-    CUDA_CHECK(cudaGetLastError());
     if (expert_maps != nullptr) free_expert_maps(expert_maps, stream);
   } else {
     throw std::logic_error("moe::cuda: TMA copies asked for a product that has none");
@@ -519,6 +548,13 @@ RowGather checked_rows(const MoeConfig& config, const ExpertRows& x, const std::
 bool block_row_pairs_share_weights(int max_block_rows, int experts) {
   return experts > 0 && max_block_rows >= 4 * experts;
 }
+
+void set_persistent_worker_cap(int workers) {
+  if (workers < 0) throw std::invalid_argument("set_persistent_worker_cap: workers must be >= 0 (0: no cap)");
+  persistent_worker_cap = workers;
+}
+
+void set_stream_k_tail(bool enabled) { stream_k_tail = enabled; }
 
 bool rows_gatherable(const MoeConfig& config) {
   return takes_warp_specialized(static_cast<int>(config.block_size), static_cast<int>(config.hidden_dim));

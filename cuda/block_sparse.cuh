@@ -460,6 +460,8 @@ struct DsdProblem {
     return true;
   }
   __device__ int k_steps() const { return parts * blocks_per_expert * (block_size / kBlockK); }
+  // The true count of block rows (the tiles' y): the stream-K tail shares out the true tiles (WsStreamK).
+  __device__ int device_block_rows() const { return *block_rows; }
   __device__ const bf16* a_chunk(int step, int64_t& ld) const {
     const int steps_per_block = block_size / kBlockK;
     const int steps_per_part = blocks_per_expert * steps_per_block;

@@ -138,6 +138,15 @@ bool gathering_pays(const MoeConfig& config);
 // and where they do not: block_sparse.cu.
 bool block_row_pairs_share_weights(int max_block_rows, int experts);
 
+// For tests and lessons: caps the persistent warp-specialized kernel at `workers` CTAs, or clusters
+// of two where block rows pair up (0, the default: one per SM or resident cluster). A small problem
+// then runs several rounds of tiles and a stream-K tail, as the BASELINES shapes do on the whole GPU
+// (tile_schedule.h). Process-wide; not for use while another thread launches products.
+void set_persistent_worker_cap(int workers);
+// For lessons and benchmarks: whether the DSDs end in a stream-K tail (tile_schedule.h; the
+// default, true) or run their last partial round of tiles whole. Process-wide, as above.
+void set_stream_k_tail(bool enabled);
+
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,
 // out = DSD(hidden, W2). SwiGLU: pre holds the gate blocks, up the up blocks, and the second SDD's

@@ -65,6 +65,7 @@
 
 #include "block_sparse.cuh"        // Layout, kBlockK, the problems
 #include "block_sparse_wgmma.cuh"  // matrix_descriptor, wgmma_m64n256k16, fences, kWgmmaBlockM
+#include "tile_schedule.h"         // TileSchedule: whole rounds of tiles, then a stream-K tail
 
 namespace moe::cuda::block_sparse_detail {
 
@@ -91,6 +92,16 @@ struct TmaMaps {
 
 // Clusters of two CTAs that share one operand's copies (block_sparse_wgmma_ws_kernel, CLUSTER).
 enum class WsCluster { none, share_a, share_b };
+
+// The stream-K tail's scratch in global memory (tile_schedule.h): where the parts of a cut tile
+// meet, per CTA of the cluster and consumer warp. Null partials: no tail, every tile whole.
+struct WsStreamKScratch {
+  float* partials = nullptr;  // [2 x workers][CTAs][8 warps][32][32 lanes] float4: a part's 128 accumulators
+                              // a warp (16 KB), at TileSchedule::part_slot
+  int* counts = nullptr;      // [workers][CTAs][8 warps][2] by tail tile: the arrivals, and the parts
+                              // written; zero at launch
+};
+constexpr int kWsPartialFloats = 32 * (kWsBlockN / 2);  // a consumer warp's accumulators
 
 // How the consumers store a tile: EPILOGUE_COLUMNS, a template parameter of the kernel, is
 //   > 0                  the staged epilogue: fp32 through shared memory, that many columns a pass;
@@ -372,15 +383,82 @@ struct WsGatheredRows {
     }
   }
 };
+
+// ---- the stream-K tail: the parts of a cut tile meet (tile_schedule.h) ----
+// Each consumer warp of the workers that computed a part of the tile meets the others at the tile's
+// place in the scratch (its tail tile, its CTA of the cluster, its warp: the same 16 rows in every
+// part, in the same accumulator layout, lane for lane). A ticket (atomicAdd on the place's arrival
+// count) orders the arrivals: all but the last write their 128 accumulators to their own slot and
+// count themselves written with a release; the last waits (acquire) until all the others are
+// written, adds their partial sums to its own (ws_stream_k_add), and stores the tile. The last
+// never waits for the others' k-steps, only for writes of 16 KB that began before it arrived.
+// Each warp meets alone, with no barrier beyond the warp: bar.warp.sync (__syncwarp) orders the
+// lanes' writes before lane 0's release, and lane 0's acquire before the lanes' reads (PTX ISA,
+// "bar.warp.sync": it guarantees memory ordering among the threads taking part). The host zeroes
+// the counts before each launch (block_sparse.cu). The sum's order follows the arrivals, so a cut
+// tile's fp32 sums may differ in their last bits from run to run (before the bf16 rounding).
+constexpr int kWsPartialFloat4s = kWsPartialFloats / 4;
+// True for the last of `parts` arrivals, which then adds the others' partial sums and stores the tile.
+__device__ inline bool ws_stream_k_arrive(int* counts, float4* own_partial, int parts, int lane,
+                                          const float (&acc)[kWsBlockN / 2]) {
+  int* const arrivals = counts;
+  int* const written = counts + 1;
+  int order = 0;
+  if (lane == 0) order = atomicAdd(arrivals, 1);
+  order = __shfl_sync(0xffffffffu, order, 0);
+  if (order < parts - 1) {  // leave this part's sum, coalesced (lane-minor float4s)
+#pragma unroll
+    for (int i = 0; i < kWsBlockN / 8; ++i)
+      __stcg(own_partial + i * 32 + lane, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+    __syncwarp();
+    if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(written) : "memory");
+    return false;
+  }
+  if (lane == 0) {
+    int ready = 0;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(ready) : "l"(written) : "memory");
+    } while (ready < parts - 1);
+  }
+  __syncwarp();
+  return true;
+}
+__device__ inline void ws_stream_k_add(const float4* partial, int lane, float (&acc)[kWsBlockN / 2]) {
+  // Eight float4 loads in flight at a time: with all 32 in flight beside the 128 accumulators, the
+  // consumers ran out of registers (ptxas spilled). __syncwarp orders memory, so no load moves past it.
+  constexpr int kInFlight = 8;
+#pragma unroll
+  for (int i0 = 0; i0 < kWsBlockN / 8; i0 += kInFlight) {
+    __syncwarp();
+#pragma unroll
+    for (int i = i0; i < i0 + kInFlight; ++i) {
+      const float4 p = __ldcg(partial + i * 32 + lane);
+      acc[4 * i] += p.x;
+      acc[4 * i + 1] += p.y;
+      acc[4 * i + 2] += p.z;
+      acc[4 * i + 3] += p.w;
+    }
+  }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Products whose tiles all take the same k-steps, k_steps() known from the parameters before
+// begin(), with y the block row and *block_rows (device_block_rows) the true count: the SDD and the
+// DSD. The stream-K tail may cut their tiles (tile_schedule.h); the weight gradients' tiles run as
+// many k-steps as their expert has block rows, and stay whole.
+template <class Problem>
+concept WsStreamK = requires(const Problem& p) {
+  { p.device_block_rows() } -> std::same_as<int>;
+  { p.k_steps() } -> std::same_as<int>;
+};
 
 // ---- the kernel ----
 // Tiles are numbered 0 .. tiles-1 and visited in the order of ws_tile_coordinates (group_rows).
 // PERSISTENT = false: the grid is (tiles_x, y bound), one tile per CTA; the epilogue's staging then
 //   reuses the stages (all copies have landed and every wgmma has retired by then).
 // PERSISTENT = true: the grid is one CTA per SM (or fewer); CTA b takes tiles b, b + gridDim.x, ...
-//   (a static schedule), and the staging has its own region so the producer can fill the stages
-//   with the next tile while the consumers store this one.
+//   (a static schedule: TileSchedule, tile_schedule.h), and the staging has its own region so the
+//   producer can fill the stages with the next tile while the consumers store this one.
 // EPILOGUE_COLUMNS: the staging holds that many columns of a warpgroup's 64 rows at a time; the
 //   epilogue runs 256 / EPILOGUE_COLUMNS passes (1 pass when it reuses the stages). 0: the register
 //   epilogue (ws_register_epilogue), which needs no staging.
@@ -684,15 +762,17 @@ __device__ inline void ws_register_epilogue(const Problem& problem, const float 
 }
 // A half-row tile's rows 64 .. 127 (padding): what a whole tile stores there, the epilogue of a zero
 // accumulator with zero inputs (padding rows of the inputs are zero too), for one consumer's
-// COLUMNS columns from first_column: 64 rows x COLUMNS / 8 chunks over its 128 threads.
+// COLUMNS columns from first_column. Warp w stores rows 64 + 16 w .. 64 + 16 w + 15 (16 rows x
+// COLUMNS / 8 chunks over its 32 lanes): each warp stores what it owns, as the register epilogue
+// does, so that a warp can leave a tile to another (the stream-K tail's meet) on its own.
 template <int COLUMNS, class Problem>
-__device__ inline void ws_zero_rows(const Problem& problem, int first_column, int thread) {
+__device__ inline void ws_zero_rows(const Problem& problem, int first_column, int warp, int lane) {
   constexpr float zeros[8] = {};
   constexpr int row_chunks = COLUMNS / 8;
   using Inputs = decltype(ws_load_chunk(problem, 0, 0));
 #pragma unroll 4
-  for (int chunk = thread; chunk < 64 * row_chunks; chunk += 128) {
-    const int r = 64 + chunk / row_chunks, n = first_column + (chunk % row_chunks) * 8;
+  for (int chunk = lane; chunk < 16 * row_chunks; chunk += 32) {
+    const int r = 64 + 16 * warp + chunk / row_chunks, n = first_column + (chunk % row_chunks) * 8;
     ws_store_chunk(problem, r, n, zeros, Inputs{});
   }
 }
@@ -816,10 +896,13 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMa
 //     instead of 16 + 32. Where the two block rows belong to different experts, each copies its own
 //     B; where one block row is past the device's count, its CTA multiplies the peer's tile (sharing
 //     B) and stores nothing, so that the pair stays in step.
+// stream_k (the DSD in pairs, WsStreamK; null partials: none): the tiles of the last partial round
+//   are shared out by k-steps (TileSchedule's tail), and the parts of a cut tile meet in this
+//   scratch (ws_stream_k_arrive, ws_stream_k_add) before the last of them stores it.
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem, WsCluster CLUSTER = WsCluster::none>
 __global__ void __launch_bounds__(kWsThreads, 1)
     block_sparse_wgmma_ws_kernel(const Problem parameters, const __grid_constant__ TmaMaps maps, int tiles_x,
-                                 int tiles, int group_rows, bool half_rows) {
+                                 int tiles, int group_rows, bool half_rows, WsStreamKScratch stream_k) {
   static_assert(STAGES >= 2, "one stage filling while one is read");
   static_assert(ws_epilogue_columns_valid<EPILOGUE_COLUMNS>(), "the register epilogue (0), or whole 16-byte chunks per pass");
   static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
@@ -874,9 +957,31 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int cluster_tiles = CLUSTER == WsCluster::share_a   ? tiles / 2
                             : CLUSTER == WsCluster::share_b ? tiles_x * ((y_count + 1) / 2)
                                                             : tiles;
-  const int first_tile = PERSISTENT ? static_cast<int>(blockIdx.x) / kCtas
-                                    : static_cast<int>(blockIdx.y) * tiles_x + blockIdx.x;
-  const int tile_stride = PERSISTENT ? static_cast<int>(gridDim.x) / kCtas : tiles;  // one tile when not persistent
+  // The workers: one per CTA (or cluster) of the persistent grid, or one per tile. With a stream-K
+  // tail (WsStreamK products, scratch given) they share out the true tiles, from the device's count
+  // of block rows; otherwise the host bound's, skipping those past the count (claim).
+  // Only in pairs of block rows (share_b), where it measured faster; one CTA a tile keeps its code
+  // as it was (tile_schedule.h). The meet is per consumer warp, and so is the register epilogue.
+  constexpr bool kStreamK =
+      WsStreamK<Problem> && PERSISTENT && EPILOGUE_COLUMNS == kWsRegisterEpilogue && CLUSTER == WsCluster::share_b;
+  bool tail = false;
+  int order_tiles = cluster_tiles, k_steps_each = 0;
+  if constexpr (kStreamK) {
+    if (stream_k.partials != nullptr) {
+      const int rows = parameters.device_block_rows();
+      order_tiles = cluster_tiles_x * (CLUSTER == WsCluster::share_b ? (rows + 1) / 2 : rows);
+      k_steps_each = parameters.k_steps();
+      tail = true;
+    }
+  }
+  const int workers = PERSISTENT ? static_cast<int>(gridDim.x) / kCtas : tiles;
+  const int worker = PERSISTENT ? static_cast<int>(blockIdx.x) / kCtas
+                                : static_cast<int>(blockIdx.y) * tiles_x + blockIdx.x;
+  auto schedule = [&] { return TileSchedule(order_tiles, workers, worker, k_steps_each, tail); };
+  // The k-steps of a piece of work: a whole tile's are its own (the weight gradients' vary by tile).
+  auto k_end_of = [](const TileSegment& segment, const Problem& problem) {
+    return segment.tail_tile < 0 ? problem.k_steps() : segment.k_end;
+  };
   // What this CTA does with cluster tile `tile`: the tile it multiplies (its own, or under share_b
   // its peer's when its own is past the device's counts), whether it stores it, and whether the
   // pair shares B. `problem` is begun on that tile. The same answer in both CTAs of a pair and in
@@ -886,7 +991,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     bool run, store, share_b;
   };
   auto claim = [&](int tile, Problem& problem) -> WsWork {
-    WsTile at = ws_tile_coordinates(tile, cluster_tiles_x, cluster_tiles, group_rows);
+    WsTile at = ws_tile_coordinates(tile, cluster_tiles_x, order_tiles, group_rows);
     if constexpr (CLUSTER == WsCluster::share_a) at.x = 2 * at.x + static_cast<int>(rank);
     if constexpr (CLUSTER == WsCluster::share_b) at.y = 2 * at.y + static_cast<int>(rank);
     problem = parameters;
@@ -920,11 +1025,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       if (thread != 0 && !gather) return;  // one thread issues every copy
       constexpr uint32_t b_bytes = kWsBlockN * kBlockK * sizeof(bf16);  // 32 KB
       WsGatheredRows rows;  // this thread's rows of x when they are gathered
-      for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
+      TileSchedule tiles_of_worker = schedule();
+      for (TileSegment segment; tiles_of_worker.next(segment);) {
         Problem problem;
-        const WsWork work = claim(tile, problem);
+        const WsWork work = claim(segment.tile, problem);
         if (!work.run) continue;
-        const int k_steps = problem.k_steps();
+        const int k_begin = segment.k_begin, k_end = k_end_of(segment, problem);
         const bool half = half_row(problem, work.at);
         // share_b: this CTA's half of B into both CTAs' stages, when the pair shares it
         const WsBHalves halves = work.share_b ? WsBHalves{static_cast<int>(rank), 1, 0b11} : WsBHalves{};
@@ -932,7 +1038,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (gather) rows.fetch(problem, thread);
         }
         const uint32_t a_step_bytes = gather ? 0 : half ? a_bytes / 2 : a_bytes;
-        for (int step = 0; step < k_steps; ++step, ++iteration) {
+        for (int step = k_begin; step < k_end; ++step, ++iteration) {
           const int stage = iteration % STAGES;
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
           mbarrier_wait(empty(stage), (use & 1) ^ 1);
@@ -948,7 +1054,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           }
           if constexpr (WsGatherable<Problem>) {
             if (gather) {  // all 128 rows: a padding row is a zero fill, which reads nothing
-              if (step == 0) rows.resolve(problem, thread);
+              if (step == k_begin) rows.resolve(problem, thread);
               rows.copy(stage_a(stage), problem.a, step * kBlockK, thread);
               cp_async_arrive_noinc(full(stage));  // arrives when this thread's rows have landed
             }
@@ -961,11 +1067,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           mbarrier_wait(empty(iteration % STAGES), (static_cast<uint32_t>(iteration / STAGES) & 1) ^ 1);
       }
     } else {
-      for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
+      TileSchedule tiles_of_worker = schedule();
+      for (TileSegment segment; tiles_of_worker.next(segment);) {
         Problem problem;
-        if (!claim(tile, problem).run) continue;  // the consumers skip it too
-        const int k_steps = problem.k_steps();
-        for (int step = 0; step < k_steps; ++step, ++iteration) {
+        if (!claim(segment.tile, problem).run) continue;  // the consumers skip it too
+        const int k_end = k_end_of(segment, problem);
+        for (int step = segment.k_begin; step < k_end; ++step, ++iteration) {
           const int stage = iteration % STAGES;
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
           mbarrier_wait(empty(stage), (use & 1) ^ 1);  // the consumers released its previous use
@@ -1001,11 +1108,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if constexpr (kCtas > 1) mbarrier_arrive_remote(empty(stage), rank ^ 1u);
   };
 
-  for (int tile = first_tile; tile < cluster_tiles; tile += tile_stride) {
+  TileSchedule tiles_of_worker = schedule();
+  for (TileSegment segment; tiles_of_worker.next(segment);) {
     Problem problem;
-    const WsWork work = claim(tile, problem);
+    const WsWork work = claim(segment.tile, problem);
     if (!work.run) continue;
-    const int k_steps = problem.k_steps();
+    const int k_count = k_end_of(segment, problem) - segment.k_begin;
     const bool half = half_row(problem, work.at);
     // Every consumer multiplies all of its 64 rows, padding rows too (they are zero), except in a
     // half-row tile. A warpgroup whose rows were all padding once skipped its wgmma (an `if` around
@@ -1059,14 +1167,29 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       previous_stage = stage;
       ++iteration;
     };
-    const int whole_steps = half ? 0 : k_steps, half_steps = half ? k_steps : 0;
+    const int whole_steps = half ? 0 : k_count, half_steps = half ? k_count : 0;
     for (int step = 0; step < whole_steps; ++step) k_step(std::false_type{}, step);
     for (int step = 0; step < half_steps; ++step) k_step(std::true_type{}, step);
     wgmma_wait<0>();
-    if (k_steps > 0 && lane == 0) release(previous_stage);
+    if (k_count > 0 && lane == 0) release(previous_stage);
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) register_fence(acc[i]);
     if (!work.store) continue;  // share_b: the peer's tile, multiplied only to keep the pair in step
+    if constexpr (kStreamK) {  // a part of a cut tile: the last of its parts to arrive stores it
+      if (segment.cut(k_steps_each)) {
+        auto place = [&](int index) { return (index * kCtas + static_cast<int>(rank)) * 8 + consumer * 4 + warp; };
+        float4* const partials = reinterpret_cast<float4*>(stream_k.partials);
+        const int tail_tile = segment.tail_tile;
+        const int own = place(tiles_of_worker.part_slot(worker, tail_tile));
+        if (!ws_stream_k_arrive(stream_k.counts + 2 * place(tail_tile), partials + own * kWsPartialFloat4s,
+                                tiles_of_worker.parts(tail_tile), lane, acc))
+          continue;
+        for (int w = tiles_of_worker.first_worker(tail_tile), last = tiles_of_worker.last_worker(tail_tile); w <= last; ++w) {
+          if (w == worker || !tiles_of_worker.has_steps(w)) continue;
+          ws_stream_k_add(partials + place(tiles_of_worker.part_slot(w, tail_tile)) * kWsPartialFloat4s, lane, acc);
+        }
+      }
+    }
 
     // Accumulator layout of m64nNk16: warp w owns rows 16w .. 16w+15; acc[4j + v] is row
     // 16w + lane/4 (+8 for v >= 2), column 8j + 2 (lane % 4) (+1 for odd v).
@@ -1074,7 +1197,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if constexpr (EPILOGUE_COLUMNS == kWsRegisterEpilogue) {
       if (half) {
         ws_register_epilogue<kWsBlockN / 2>(problem, acc, row, consumer * (kWsBlockN / 2), lane % 4);
-        ws_zero_rows<kWsBlockN / 2>(problem, consumer * (kWsBlockN / 2), thread);
+        ws_zero_rows<kWsBlockN / 2>(problem, consumer * (kWsBlockN / 2), warp, lane);
       } else {
         ws_register_epilogue<kWsBlockN>(problem, acc, consumer * 64 + row, 0, lane % 4);
       }

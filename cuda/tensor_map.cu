@@ -65,7 +65,7 @@ __global__ void build_expert_maps_kernel(const __grid_constant__ CUtensorMap pro
 }
 
 // One pool per device, created on first use and kept for the life of the process.
-cudaMemPool_t expert_map_pool() {
+cudaMemPool_t launch_scratch_pool() {
   static std::mutex mutex;
   static std::vector<cudaMemPool_t> pools;
   int device = 0;
@@ -86,13 +86,19 @@ cudaMemPool_t expert_map_pool() {
 
 }  // namespace
 
-CUtensorMap* allocate_expert_maps(int count, cudaStream_t stream) {
-  void* maps = nullptr;
-  CUDA_CHECK(cudaMallocFromPoolAsync(&maps, sizeof(CUtensorMap) * static_cast<size_t>(count), expert_map_pool(), stream));
-  return static_cast<CUtensorMap*>(maps);
+void* allocate_launch_scratch(size_t bytes, cudaStream_t stream) {
+  void* scratch = nullptr;
+  CUDA_CHECK(cudaMallocFromPoolAsync(&scratch, bytes, launch_scratch_pool(), stream));
+  return scratch;
 }
 
-void free_expert_maps(CUtensorMap* maps, cudaStream_t stream) { CUDA_CHECK(cudaFreeAsync(maps, stream)); }
+void free_launch_scratch(void* scratch, cudaStream_t stream) { CUDA_CHECK(cudaFreeAsync(scratch, stream)); }
+
+CUtensorMap* allocate_expert_maps(int count, cudaStream_t stream) {
+  return static_cast<CUtensorMap*>(allocate_launch_scratch(sizeof(CUtensorMap) * static_cast<size_t>(count), stream));
+}
+
+void free_expert_maps(CUtensorMap* maps, cudaStream_t stream) { free_launch_scratch(maps, stream); }
 
 CUtensorMap make_matrix_map(const bf16* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
   const cuuint64_t sizes[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};

@@ -56,6 +56,10 @@ CUtensorMap make_blocks_map(const bf16* base, int64_t count, int block_size, int
 // stream after the launch that reads them.
 CUtensorMap* allocate_expert_maps(int count, cudaStream_t stream);
 void free_expert_maps(CUtensorMap* maps, cudaStream_t stream);
+// Any other per-launch scratch from the same pool (the stream-K tail's partial sums and flags,
+// block_sparse.cu), given back with free_launch_scratch on the same stream after the launch.
+void* allocate_launch_scratch(size_t bytes, cudaStream_t stream);
+void free_launch_scratch(void* scratch, cudaStream_t stream);
 
 // Writes maps[e] = `prototype` with its global address replaced by pointers[e], for e < count, on
 // `stream`. maps: device memory, 64-byte aligned, count entries. The prototype must have been made

@@ -11,6 +11,7 @@
 // Run: ctest --test-dir build -R '^BlockSparse'   (skips without a GPU)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -24,6 +25,7 @@
 #include "block_sparse_host.h"                 // upload_topology
 #include "device_info.h"                       // gpu_available, current_device
 #include "init.h"                              // moe::ref::random_matrix
+#include "tile_schedule.h"                     // moe::cuda::TileSchedule
 
 namespace {
 
@@ -421,6 +423,125 @@ TEST(BlockSparseFfn, SwigluB128BlockRowPairs) {
   check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::swiglu, Routing::block_row_pairs, 25));
 }
 
+// ---- the stream-K tail (cuda/tile_schedule.h) ----
+// The schedule on the CPU: over all workers, every k-step of every tile is computed exactly once;
+// a tile is whole in one worker, or (a tail tile) cut into 2 or 3 parts of consecutive k-steps,
+// each part knowing how many there are, each leaving its sum in a slot of its own, and the tile
+// naming exactly the workers that hold its parts; the tail is spread evenly, and none of its
+// ranges is shorter than half a tile.
+void check_schedule(int tiles, int workers, int k_steps, bool stream_k) {
+  SCOPED_TRACE("tiles " + std::to_string(tiles) + ", workers " + std::to_string(workers) + ", k_steps " +
+               std::to_string(k_steps) + (stream_k ? ", stream-K" : ""));
+  std::vector<std::vector<int>> owner(size_t(tiles), std::vector<int>(size_t(k_steps), -1));
+  std::vector<std::vector<moe::cuda::TileSegment>> parts{size_t(tiles)};
+  std::vector<std::vector<int>> part_workers{size_t(tiles)};
+  std::vector<int> steps_of(size_t(workers), 0), tail_steps_of(size_t(workers), 0);
+  std::vector<int> slot_taken(size_t(2 * workers), 0);
+  bool tail = false;
+  for (int w = 0; w < workers; ++w) {
+    moe::cuda::TileSchedule schedule(tiles, workers, w, k_steps, stream_k);
+    tail = schedule.has_tail();
+    moe::cuda::TileSegment s;
+    while (schedule.next(s)) {
+      ASSERT_GE(s.tile, 0);
+      ASSERT_LT(s.tile, tiles);
+      ASSERT_LT(s.k_begin, s.k_end);
+      ASSERT_LE(s.k_end, k_steps);
+      for (int k = s.k_begin; k < s.k_end; ++k) {
+        ASSERT_EQ(owner[size_t(s.tile)][size_t(k)], -1) << "tile " << s.tile << " k-step " << k << " twice";
+        owner[size_t(s.tile)][size_t(k)] = w;
+      }
+      parts[size_t(s.tile)].push_back(s);
+      part_workers[size_t(s.tile)].push_back(w);
+      steps_of[size_t(w)] += s.k_end - s.k_begin;
+      if (s.tail_tile >= 0) tail_steps_of[size_t(w)] += s.k_end - s.k_begin;
+      if (s.cut(k_steps)) {
+        ASSERT_EQ(s.tile, tiles / workers * workers + s.tail_tile);
+        const int slot = schedule.part_slot(w, s.tail_tile);
+        ASSERT_GE(slot, 0);
+        ASSERT_LT(slot, 2 * workers);
+        EXPECT_EQ(slot_taken[size_t(slot)]++, 0) << "slot " << slot << " written by two parts";
+      }
+    }
+  }
+  EXPECT_EQ(tail, stream_k && k_steps > 1 && tiles % workers != 0);
+  for (int t = 0; t < tiles; ++t) {
+    for (int k = 0; k < k_steps; ++k) ASSERT_NE(owner[size_t(t)][size_t(k)], -1) << "tile " << t << " k-step " << k;
+    const auto& p = parts[size_t(t)];
+    if (p.size() == 1) {
+      EXPECT_FALSE(p[0].cut(k_steps)) << "whole tile " << t;
+      continue;
+    }
+    ASSERT_LE(p.size(), 3u) << "tile " << t << " is cut into more than three parts";
+    const moe::cuda::TileSchedule any(tiles, workers, 0, k_steps, stream_k);  // what the last part reads
+    for (const auto& part : p) EXPECT_TRUE(part.cut(k_steps)) << "tile " << t;
+    EXPECT_EQ(any.parts(p[0].tail_tile), int(p.size())) << "tile " << t;
+    std::vector<int> named;
+    for (int v = any.first_worker(p[0].tail_tile); v <= any.last_worker(p[0].tail_tile); ++v)
+      if (any.has_steps(v)) named.push_back(v);
+    EXPECT_EQ(named, part_workers[size_t(t)]) << "tile " << t;
+  }
+  const int rounds = tiles / workers;
+  const auto high = *std::max_element(steps_of.begin(), steps_of.end());
+  if (tail) {  // the tail's k-steps spread evenly over min(workers, 2 x its tiles) workers
+    const int tail_tiles = tiles - rounds * workers, tail_workers = std::min(workers, 2 * tail_tiles);
+    EXPECT_EQ(high, rounds * k_steps + (tail_tiles * k_steps + tail_workers - 1) / tail_workers);
+    for (int w = 0; w < workers; ++w)
+      if (tail_steps_of[size_t(w)] > 0) EXPECT_GE(tail_steps_of[size_t(w)], k_steps / 2) << "worker " << w;
+  } else {
+    EXPECT_EQ(high, (rounds + (tiles % workers != 0)) * k_steps);
+  }
+}
+TEST(TileSchedule, StreamKTailCoversEveryKStepOnce) {
+  check_schedule(1136, 66, 128, true);  // D=2048 Zipf's forward DSD: 17.2 rounds, 14 tiles in the tail
+  check_schedule(620, 132, 64, true);   // D=1024 Zipf's: 4.7 rounds
+  check_schedule(16, 3, 8, true);
+  check_schedule(7, 4, 5, true);        // less than two rounds
+  check_schedule(3, 4, 7, true);        // less than one round: it is all tail
+  check_schedule(1, 132, 128, true);    // one tile over two workers
+  check_schedule(131, 132, 3, true);    // k_steps < workers: some ranges as long as a tile
+  check_schedule(1000, 132, 4, true);
+}
+TEST(TileSchedule, WholeTilesWithoutATail) {
+  check_schedule(1024, 64, 32, true);   // whole rounds: nothing to even out
+  check_schedule(5, 4, 1, true);        // one k-step a tile: nothing to cut
+  check_schedule(1136, 66, 128, false);
+  check_schedule(9, 1, 16, true);       // one worker
+}
+
+// The DSDs of the FFN and of the products on a persistent grid capped at a few clusters
+// (set_persistent_worker_cap), so that small problems end in a stream-K tail: forward and backward
+// DSD, SwiGLU's two-part one too, in pairs of block rows (block_row_pairs: 15 block rows, 8 pairs).
+// Each test first works out on the host how many parts its forward DSD cuts a tile into.
+struct PersistentWorkerCap {
+  explicit PersistentWorkerCap(int workers) { moe::cuda::set_persistent_worker_cap(workers); }
+  ~PersistentWorkerCap() { moe::cuda::set_persistent_worker_cap(0); }
+};
+int forward_dsd_tail_parts(int D, int H, int block_rows, int clusters) {
+  const int tiles = D / 256 * ((block_rows + 1) / 2), k_steps = H / 64;
+  const moe::cuda::TileSchedule schedule(tiles, clusters, 0, k_steps, true);
+  int parts = 0;
+  for (int t = 0; schedule.has_tail() && t < tiles % clusters; ++t) parts = std::max(parts, schedule.parts(t));
+  return parts;
+}
+// The premise of the tests below (no GPU needed): 16 pair tiles over 3 clusters cut a tile in 2,
+// 8 over 5 and 16 over 10 cut one in 3.
+TEST(TileSchedule, StreamKTestsCutTiles) {
+  EXPECT_EQ(forward_dsd_tail_parts(512, 512, 15, 3), 2);
+  EXPECT_EQ(forward_dsd_tail_parts(256, 512, 15, 5), 3);
+  EXPECT_EQ(forward_dsd_tail_parts(512, 512, 15, 10), 3);
+}
+TEST(BlockSparseFfn, GeluB128StreamKTail) {
+  REQUIRE_GPU();
+  const PersistentWorkerCap cap(3);
+  check_ffn(Problem(1540, 512, 512, 4, 1, 128, Activation::gelu, Routing::block_row_pairs, 27));
+}
+TEST(BlockSparseFfn, SwigluB128StreamKTail) {
+  REQUIRE_GPU();
+  const PersistentWorkerCap cap(5);
+  check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::swiglu, Routing::block_row_pairs, 28));
+}
+
 // A wide model (D = 2048) at B = 128: on an H100/H200 every product copies its operands with TMA
 // (as at every D there): per-expert tensor maps built on the device, 64-row boxes of x and of the
 // blocks, W1 in [64 k][64 n] boxes, W2ᵀ and W1ᵀ (the backward's transposed reads) in [128 n][64 k]
@@ -545,6 +666,16 @@ TEST(BlockSparseProducts, B128PaddingHalves) {
 TEST(BlockSparseProducts, B128BlockRowPairs) {
   REQUIRE_GPU();
   check_products(1540, 512, 512, 4, 1, 128, 26, Routing::block_row_pairs);
+}
+
+// The products on a grid of 3 and of 10 clusters: the DSDs end in a stream-K tail of 2 and 3 parts a tile.
+TEST(BlockSparseProducts, B128StreamKTail) {
+  REQUIRE_GPU();
+  for (const int clusters : {3, 10}) {
+    SCOPED_TRACE(std::to_string(clusters) + " clusters");
+    const PersistentWorkerCap cap(clusters);
+    check_products(1540, 512, 512, 4, 1, 128, 29, Routing::block_row_pairs);
+  }
 }
 
 // The products of a wide model (D = 2048), on random blocks.
