@@ -28,8 +28,9 @@
 // ncu_2026-11-22o_h200.txt): the forward's DSD 1.91 -> 1.86 ms and the backward's 1.91 -> 1.84 at
 // T=16384 D=2048 E=64 K=2 under Zipf routing (14 of 66 clusters in the last round), 1.64 -> 1.61 ms
 // uniform, 2.78 -> 2.74 ms at T=8192 D=4096 E=8 K=2 uniform; one CTA a tile at D=1024 (4.7 and 3.9
-// rounds) lost even with this tail, 0.321 -> 0.336 ms (Zipf) and 0.268 -> 0.300 (uniform): its
-// DSD waits on HBM for W2, so the L2 sharing lost in the cut tiles costs more than the idle SMs.
+// rounds) lost even with this tail, 0.321 -> 0.336 ms (Zipf) and 0.268 -> 0.300 (uniform), and so
+// did that DSD in pairs (0.307 -> 0.325 and 0.247 -> 0.256, call 6): it waits on HBM for W2, so the
+// L2 sharing lost in the cut tiles costs more than the idle SMs.
 // At the card's own clock (moe_bench, same file, call 5) the gain is within the spread but for the
 // forward + backward at D=2048 Zipf (1%); at D=4096 uniform the forward may lose up to 2%.
 #pragma once
