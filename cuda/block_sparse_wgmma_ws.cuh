@@ -443,9 +443,10 @@ __device__ inline void ws_stream_k_add(const float4* partial, int lane, float (&
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Products whose tiles all take the same k-steps, k_steps() known from the parameters before
-// begin(), with y the block row and *block_rows (device_block_rows) the true count: the SDD and the
-// DSD. The stream-K tail may cut their tiles (tile_schedule.h); the weight gradients' tiles run as
-// many k-steps as their expert has block rows, and stay whole.
+// begin(), with y the block row and *block_rows (device_block_rows) the true count: the DSD. The
+// stream-K tail may cut their tiles (tile_schedule.h). The SDD could be one too, but its tails are
+// short (19-69 rounds), and the meet's loads made ptxas spill in its paired kernels; the weight
+// gradients' tiles run as many k-steps as their expert has block rows, and stay whole.
 template <class Problem>
 concept WsStreamK = requires(const Problem& p) {
   { p.device_block_rows() } -> std::same_as<int>;
@@ -960,16 +961,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // The workers: one per CTA (or cluster) of the persistent grid, or one per tile. With a stream-K
   // tail (WsStreamK products, scratch given) they share out the true tiles, from the device's count
   // of block rows; otherwise the host bound's, skipping those past the count (claim).
-  // Only in pairs of block rows (share_b), where it measured faster; one CTA a tile keeps its code
-  // as it was (tile_schedule.h). The meet is per consumer warp, and so is the register epilogue.
+  // The tail only in pairs of block rows (share_b), where it measured faster; one CTA a tile keeps
+  // its code as it was (tile_schedule.h). The meet is per consumer warp, and so is the register
+  // epilogue.
   constexpr bool kStreamK =
       WsStreamK<Problem> && PERSISTENT && EPILOGUE_COLUMNS == kWsRegisterEpilogue && CLUSTER == WsCluster::share_b;
   bool tail = false;
   int order_tiles = cluster_tiles, k_steps_each = 0;
   if constexpr (kStreamK) {
     if (stream_k.partials != nullptr) {
-      const int rows = parameters.device_block_rows();
-      order_tiles = cluster_tiles_x * (CLUSTER == WsCluster::share_b ? (rows + 1) / 2 : rows);
+      order_tiles = cluster_tiles_x * ((parameters.device_block_rows() + 1) / 2);  // pairs of block rows
       k_steps_each = parameters.k_steps();
       tail = true;
     }
