@@ -58,7 +58,7 @@ class TileSchedule {
   // `tiles` tiles of `k_steps` k-steps each over `workers` workers; this is worker `worker`'s share.
   // Without stream_k, or with no partial last round: whole tiles worker, worker + workers, ...
   MOE_HOST_DEVICE TileSchedule(int tiles, int workers, int worker, int k_steps, bool stream_k)
-      : workers_(workers), k_steps_(k_steps), worker_(worker), round_tiles_(tiles), next_tile_(worker) {
+      : workers_(workers), k_steps_(k_steps), round_tiles_(tiles), next_tile_(worker) {
     if (stream_k && k_steps > 1 && tiles % workers != 0) {
       round_tiles_ = tiles / workers * workers;
       const int tail_tiles = tiles - round_tiles_;
@@ -117,7 +117,7 @@ class TileSchedule {
     return w;
   }
 
-  int workers_, k_steps_, worker_;
+  int workers_, k_steps_;
   int round_tiles_;                   // tiles [0, round_tiles_) go whole, one per worker a round
   int next_tile_;                     // this worker's next whole tile
   int tail_workers_ = 1;              // the workers that share the tail: min(workers, 2 tail tiles)
