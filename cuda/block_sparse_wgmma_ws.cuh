@@ -692,6 +692,20 @@ __device__ inline bool ws_half_row(const Problem& problem, int y) {
 // barrier at the start; the shared stages keep them that far apart), so that one's epilogue would
 // overlap the other's last k-steps. moe_bench, two rounds each on an H200 (2026-11-22): no change
 // beyond the run-to-run noise of 2-5% at any BASELINES shape, forward or forward + backward.
+// Tried in the twelfth session, and left out (ncu at locked base clocks, H200, 2026-11-22,
+// notebooks_data/bench/ncu_2026-11-22p_h200.txt; D = 1024 is T=16384 D=1024 E=64 K=1 Zipf, D = 2048
+// T=16384 D=2048 E=64 K=2 Zipf, D = 4096 T=8192 D=4096 E=8 K=2 uniform):
+//   - what the GeLU costs: with gelu(x) replaced by x (timing only), the forward's SDD 0.407 -> 0.397
+//     ms at D = 1024, 2.21 -> 2.15 at D = 2048, 3.09 -> 3.08 at D = 4096. The activation's arithmetic
+//     is not what keeps the SDD behind the DSD (2.2 against 1.86 ms at D = 2048, about the same work);
+//   - a deferred epilogue: the consumers store only the product (bf16) and go on to their next tile,
+//     and warps 1-3 of the producer warpgroup (idle with TMA copies) read each tile back from the L2
+//     and apply the GeLU, handed over through mbarriers. Correct (every test, memcheck, racecheck),
+//     but the forward's SDD went 0.38 -> 0.63-0.66 ms at D = 1024 (rows permuted), 2.20 -> 2.85-2.94
+//     at D = 2048, 3.05 -> 3.23-3.30 at D = 4096, the backward's likewise. Warp sampling at D = 1024:
+//     the consumers spent a quarter of their time waiting for the 96 workers, which waited on their
+//     reads of the tile; at D = 4096, where a tile's 64 k-steps leave the workers time, the tile's
+//     trip back through the L2 still cost 6-8%.
 __device__ inline void quad_trade(float2& keep_if_low, float2& keep_if_high, bool high, int lane_mask) {
   const float2 send = high ? keep_if_low : keep_if_high;
   float2 received;

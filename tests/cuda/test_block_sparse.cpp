@@ -487,7 +487,9 @@ void check_schedule(int tiles, int workers, int k_steps, bool stream_k) {
     const int tail_tiles = tiles - rounds * workers, tail_workers = std::min(workers, 2 * tail_tiles);
     EXPECT_EQ(high, rounds * k_steps + (tail_tiles * k_steps + tail_workers - 1) / tail_workers);
     for (int w = 0; w < workers; ++w)
-      if (tail_steps_of[size_t(w)] > 0) EXPECT_GE(tail_steps_of[size_t(w)], k_steps / 2) << "worker " << w;
+      if (tail_steps_of[size_t(w)] > 0) {
+        EXPECT_GE(tail_steps_of[size_t(w)], k_steps / 2) << "worker " << w;
+      }
   } else {
     EXPECT_EQ(high, (rounds + (tiles % workers != 0)) * k_steps);
   }
