@@ -745,10 +745,11 @@ __device__ inline void ws_store_chunk(const Problem& problem, int m, int n, cons
     problem.store_chunk(m, n, v);
 }
 // COLUMNS: 256 (m64n256k16: all 128 accumulators), or 128 (a half-row tile's m64n128k16: the
-// first 64), stored from first_column on.
-template <int COLUMNS, class Problem>
+// 64 from acc[FIRST] on), stored from first_column on.
+template <int COLUMNS, int FIRST = 0, class Problem>
 __device__ inline void ws_register_epilogue(const Problem& problem, const float (&acc)[kWsBlockN / 2], int row,
                                             int first_column, int quad_lane) {
+  static_assert(FIRST + COLUMNS / 2 <= kWsBlockN / 2, "the accumulators of one m64nNk16");
   constexpr int kBatch = 4;  // chunk groups whose inputs are in flight together
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // rows `row` and `row + 8`
@@ -763,7 +764,8 @@ __device__ inline void ws_register_epilogue(const Problem& problem, const float 
         const int g = g0 + b;
         float2 m[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) m[i] = make_float2(acc[4 * (4 * g + i) + 2 * half], acc[4 * (4 * g + i) + 2 * half + 1]);
+        for (int i = 0; i < 4; ++i)
+          m[i] = make_float2(acc[FIRST + 4 * (4 * g + i) + 2 * half], acc[FIRST + 4 * (4 * g + i) + 2 * half + 1]);
         const bool bit0 = quad_lane & 1, bit1 = quad_lane & 2;
         quad_trade(m[0], m[1], bit0, 1);  // now m[i] = M[q with bit 0 = i's][i with bit 0 = q's]
         quad_trade(m[2], m[3], bit0, 1);
