@@ -13,7 +13,6 @@
 #include "block_sparse.cuh"        // block_sparse_mma_kernel and the problems
 #include "block_sparse_wgmma.cuh"  // block_sparse_wgmma_kernel (sm_90a)
 #include "block_sparse_wgmma_ws.cuh"  // block_sparse_wgmma_ws_kernel (sm_90a, warp-specialized)
-#include "block_sparse_pingpong.cuh"  // block_sparse_pingpong_kernel (sm_90a, the SDD in ping-pong)
 #include "cuda_check.h"            // CUDA_CHECK
 #include "tensor_map.h"            // make_matrix_map, make_blocks_map, build_expert_maps
 
@@ -129,8 +128,6 @@ constexpr int kWsStages = 4;
 // set_persistent_worker_cap's cap (0: none), and set_stream_k_tail's switch.
 int persistent_worker_cap = 0;
 bool stream_k_tail = true;
-bool sdd_pingpong = false;  // set_sdd_pingpong
-constexpr int kPingPongStages = 6;
 int capped_workers(int workers) {
   return persistent_worker_cap > 0 ? std::min(workers, persistent_worker_cap) : workers;
 }
@@ -235,21 +232,8 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
       maps.outputs = expert_maps + tma->experts;
     }
     bool launched = false;
-    if constexpr (WsGatherable<Problem>) {  // the SDDs: in ping-pong where asked, and the rows are not gathered
-      if (sdd_pingpong && problem.gather.row_slot == nullptr) {
-        constexpr int kSmem = pingpong_shared_bytes<kPingPongStages>();
-        auto* kernel = &block_sparse_pingpong_kernel<kPingPongStages, Problem>;
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-        const int pingpong_tiles_x = x_extent / kPingPongBlockN, pingpong_tiles = pingpong_tiles_x * y_count;
-        const int workers = capped_workers(std::min(multiprocessors, pingpong_tiles));
-        kernel<<<workers, kWsThreads, kSmem, stream>>>(problem, maps, pingpong_tiles_x, pingpong_tiles,
-                                                       ws_group_rows(pingpong_tiles_x, multiprocessors));
-        CUDA_CHECK(cudaGetLastError());
-        launched = true;
-      }
-    }
     if constexpr (WsSharedB<Problem>) {
-      if (!launched && block_row_pairs_share_weights(y_count, tma->experts)) {
+      if (block_row_pairs_share_weights(y_count, tma->experts)) {
         launch_ws_pairs(problem, maps, tiles_x, y_count, group_rows, half_rows, multiprocessors, stream);
         launched = true;
       }
@@ -571,8 +555,6 @@ void set_persistent_worker_cap(int workers) {
 }
 
 void set_stream_k_tail(bool enabled) { stream_k_tail = enabled; }
-
-void set_sdd_pingpong(bool enabled) { sdd_pingpong = enabled; }
 
 bool rows_gatherable(const MoeConfig& config) {
   return takes_warp_specialized(static_cast<int>(config.block_size), static_cast<int>(config.hidden_dim));

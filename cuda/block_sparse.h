@@ -146,10 +146,6 @@ void set_persistent_worker_cap(int workers);
 // For lessons and benchmarks: whether the DSDs end in a stream-K tail (tile_schedule.h; the
 // default, true) or run their last partial round of tiles whole. Process-wide, as above.
 void set_stream_k_tail(bool enabled);
-// For lessons and benchmarks: whether the SDDs whose rows are not gathered run in the ping-pong
-// kernel (block_sparse_pingpong.cuh: two consumer warpgroups taking turns over 128 x 128 tiles)
-// instead of the cooperative one (the default, false). Process-wide, as above.
-void set_sdd_pingpong(bool enabled);
 
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,

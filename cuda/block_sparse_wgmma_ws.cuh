@@ -705,7 +705,12 @@ __device__ inline bool ws_half_row(const Problem& problem, int y) {
 //     at D = 2048, 3.05 -> 3.23-3.30 at D = 4096, the backward's likewise. Warp sampling at D = 1024:
 //     the consumers spent a quarter of their time waiting for the 96 workers, which waited on their
 //     reads of the tile; at D = 4096, where a tile's 64 k-steps leave the workers time, the tile's
-//     trip back through the L2 still cost 6-8%.
+//     trip back through the L2 still cost 6-8%;
+//   - CUTLASS's ping-pong schedule (commit 768a43f, block_sparse_pingpong.cuh): the two consumers
+//     take turns over whole 128 x 128 tiles, each one's epilogue under the other's k-loop (an order
+//     barrier between their k-loops). 1-5% slower than this kernel at every shape, with 6 or 7
+//     stages: the 128 x 128 tile's extra third of L2 bytes a multiply-add (and no half-row tiles or
+//     pairs there) cost about what the hidden epilogue bought.
 __device__ inline void quad_trade(float2& keep_if_low, float2& keep_if_high, bool high, int lane_mask) {
   const float2 send = high ? keep_if_low : keep_if_high;
   float2 received;
@@ -745,11 +750,10 @@ __device__ inline void ws_store_chunk(const Problem& problem, int m, int n, cons
     problem.store_chunk(m, n, v);
 }
 // COLUMNS: 256 (m64n256k16: all 128 accumulators), or 128 (a half-row tile's m64n128k16: the
-// 64 from acc[FIRST] on), stored from first_column on.
-template <int COLUMNS, int FIRST = 0, class Problem>
+// first 64), stored from first_column on.
+template <int COLUMNS, class Problem>
 __device__ inline void ws_register_epilogue(const Problem& problem, const float (&acc)[kWsBlockN / 2], int row,
                                             int first_column, int quad_lane) {
-  static_assert(FIRST + COLUMNS / 2 <= kWsBlockN / 2, "the accumulators of one m64nNk16");
   constexpr int kBatch = 4;  // chunk groups whose inputs are in flight together
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // rows `row` and `row + 8`
@@ -764,8 +768,7 @@ __device__ inline void ws_register_epilogue(const Problem& problem, const float 
         const int g = g0 + b;
         float2 m[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          m[i] = make_float2(acc[FIRST + 4 * (4 * g + i) + 2 * half], acc[FIRST + 4 * (4 * g + i) + 2 * half + 1]);
+        for (int i = 0; i < 4; ++i) m[i] = make_float2(acc[4 * (4 * g + i) + 2 * half], acc[4 * (4 * g + i) + 2 * half + 1]);
         const bool bit0 = quad_lane & 1, bit1 = quad_lane & 2;
         quad_trade(m[0], m[1], bit0, 1);  // now m[i] = M[q with bit 0 = i's][i with bit 0 = q's]
         quad_trade(m[2], m[3], bit0, 1);

@@ -687,34 +687,6 @@ TEST(BlockSparseProducts, B128WideModel) {
 }
 
 // ---- bad input: refused on the host, before any launch ----
-// The SDDs in ping-pong (block_sparse_pingpong.cuh: two consumer warpgroups taking turns over
-// 128 x 128 tiles), where the rows are not gathered: the forward from the permuted copy and the
-// backward. Many tiles a CTA (the order barrier and the ring's parity over both consumers' tiles,
-// also on a grid capped at 3 CTAs), padding halves, an expert with every row, SwiGLU's epilogues.
-struct SddPingPong {
-  SddPingPong() { moe::cuda::set_sdd_pingpong(true); }
-  ~SddPingPong() { moe::cuda::set_sdd_pingpong(false); }
-};
-TEST(BlockSparseFfn, PingPongB128) {
-  REQUIRE_GPU();
-  const SddPingPong pingpong;
-  check_ffn(Problem(8192, 256, 512, 4, 2, 128, Activation::gelu, Routing::random, 33));
-  check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::gelu, Routing::tail_halves, 34));
-  check_ffn(Problem(600, 256, 384, 4, 1, 128, Activation::gelu, Routing::all_to_one_expert, 35));
-  check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::swiglu, Routing::block_row_pairs, 36));
-}
-TEST(BlockSparseFfn, PingPongB128CappedGrid) {
-  REQUIRE_GPU();
-  const SddPingPong pingpong;
-  const PersistentWorkerCap cap(3);
-  check_ffn(Problem(1540, 512, 512, 4, 1, 128, Activation::gelu, Routing::block_row_pairs, 37));
-}
-TEST(BlockSparseProducts, PingPongB128) {
-  REQUIRE_GPU();
-  const SddPingPong pingpong;
-  check_products(1540, 512, 512, 4, 1, 128, 38, Routing::block_row_pairs);
-}
-
 TEST(BlockSparseBadInput, SizesAndPointers) {
   REQUIRE_GPU();
   Problem p(100, 128, 128, 2, 1, 64, Activation::gelu, Routing::random, 13);
