@@ -146,9 +146,6 @@ void set_persistent_worker_cap(int workers);
 // For lessons and benchmarks: whether the DSDs end in a stream-K tail (tile_schedule.h; the
 // default, true) or run their last partial round of tiles whole. Process-wide, as above.
 void set_stream_k_tail(bool enabled);
-// For benchmarks: whether the SDDs and DSDs visit their tiles from both ends of the block rows at
-// once (block_sparse_wgmma_ws.cuh, ws_interleave) or in order (the default). Process-wide, as above.
-void set_tile_interleave(bool enabled);
 
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,

@@ -618,6 +618,14 @@ __device__ inline int64_t ws_b_second_half(const Problem& problem) {
 // column slabs across 16 rows of one expert (CUTLASS calls this a swizzled tile scheduler).
 // Measured with ncu on an H200 (2026-11-22): SDD 3.64 -> 3.40 ms at D=4096 with groups of 16; at
 // T=16384 D=1024 E=64 the same groups cost 6% (0.39 -> 0.41 ms), hence row-major there.
+// Tried in the thirteenth session, and left out (commit 807d31e, reverted; ncu at locked base clocks,
+// H200, 2026-11-22, notebooks_data/bench/ncu_2026-11-22q_h200.txt): this order taken from both ends
+// at once, so that under Zipf routing every round mixes the large experts (their weights served from
+// the L2) with the small ones (every tile's chunk from HBM), instead of leaving HBM idle in the first
+// rounds and busy in the last. Forward SDD | DSD: 0.412 -> 0.422 | 0.302 -> 0.304 ms at D=1024 Zipf,
+// 2.20 -> 2.26 | 1.86 -> 1.86 at D=2048 Zipf, 3.14 -> 3.11 | 2.80 -> 2.79 at D=4096 Zipf; uniform
+// routing likewise within -3% .. +3%. Where HBM's load falls over the rounds is not what the copies
+// wait for.
 struct WsTile {
   int y, x;
 };
@@ -629,14 +637,6 @@ __device__ inline WsTile ws_tile_coordinates(int tile, int tiles_x, int tiles, i
   return {group * group_rows + within % rows, within / rows};
 }
 inline int ws_group_rows(int tiles_x, int multiprocessors) { return tiles_x * 4 > multiprocessors ? 16 : 1; }
-
-// The interleaved order (interleave = true; the SDD and DSD, whose tiles' y are block rows): the
-// tiles of this order taken from both ends at once (interleaved_tile, tile_schedule.h says why).
-// Products whose tiles' y is a block row, *block_rows the device's count of them.
-template <class Problem>
-concept WsBlockRowTiles = requires(const Problem& p) {
-  { *p.block_rows } -> std::convertible_to<int>;
-};
 
 // The tile over the grid's x: 256 columns (N) for the products tiled by block rows or block
 // columns; 128 rows (M) for DDS, whose 256 columns are two block columns (DdsProblem<OUT, 2>).
@@ -930,8 +930,7 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMa
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem, WsCluster CLUSTER = WsCluster::none>
 __global__ void __launch_bounds__(kWsThreads, 1)
     block_sparse_wgmma_ws_kernel(const Problem parameters, const __grid_constant__ TmaMaps maps, int tiles_x,
-                                 int tiles, int group_rows, bool half_rows, WsStreamKScratch stream_k,
-                                 bool interleave) {
+                                 int tiles, int group_rows, bool half_rows, WsStreamKScratch stream_k) {
   static_assert(STAGES >= 2, "one stage filling while one is read");
   static_assert(ws_epilogue_columns_valid<EPILOGUE_COLUMNS>(), "the register epilogue (0), or whole 16-byte chunks per pass");
   static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
@@ -1007,17 +1006,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int worker = PERSISTENT ? static_cast<int>(blockIdx.x) / kCtas
                                 : static_cast<int>(blockIdx.y) * tiles_x + blockIdx.x;
   auto schedule = [&] { return TileSchedule(order_tiles, workers, worker, k_steps_each, tail); };
-  // The interleaved order runs over the true tiles (the device's count of block rows, or of pairs of
-  // them); the schedule's tiles past them are skipped (a row past the count: begin() says no).
-  bool interleaved = false;
-  int true_tiles = order_tiles;
-  if constexpr (WsBlockRowTiles<Problem> && PERSISTENT) {
-    if (interleave) {
-      const int rows = *parameters.block_rows;
-      true_tiles = cluster_tiles_x * (CLUSTER == WsCluster::share_b ? (rows + 1) / 2 : rows);
-      interleaved = true;
-    }
-  }
   // The k-steps of a piece of work: a whole tile's are its own (the weight gradients' vary by tile).
   auto k_end_of = [](const TileSegment& segment, const Problem& problem) {
     return segment.tail_tile < 0 ? problem.k_steps() : segment.k_end;
@@ -1031,13 +1019,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     bool run, store, share_b;
   };
   auto claim = [&](int tile, Problem& problem) -> WsWork {
-    WsTile at;
-    if (!interleaved)
-      at = ws_tile_coordinates(tile, cluster_tiles_x, order_tiles, group_rows);
-    else if (tile < true_tiles)
-      at = ws_tile_coordinates(interleaved_tile(tile, workers, true_tiles), cluster_tiles_x, true_tiles, group_rows);
-    else
-      at = {true_tiles / cluster_tiles_x, 0};  // past the true tiles
+    WsTile at = ws_tile_coordinates(tile, cluster_tiles_x, order_tiles, group_rows);
     if constexpr (CLUSTER == WsCluster::share_a) at.x = 2 * at.x + static_cast<int>(rank);
     if constexpr (CLUSTER == WsCluster::share_b) at.y = 2 * at.y + static_cast<int>(rank);
     problem = parameters;

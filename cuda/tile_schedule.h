@@ -125,30 +125,6 @@ class TileSchedule {
   int next_step_ = 0, end_step_ = 0;  // this worker's range of them
 };
 
-// The interleaved tile order (set_tile_interleave): where tile `tile` of a schedule over `workers`
-// goes, as an index into the kernel's usual order of `tiles` tiles, taken from both ends at once.
-// Block rows come in expert order, so under skewed routing the front holds the large experts, whose
-// weights serve many block rows from the L2 one chunk at a time, and the back the small ones, whose
-// every tile reads its own chunk from HBM. In order, the first rounds leave HBM idle and the last
-// ones wait on it; interleaved, every round takes half its tiles from each end. In a round of an
-// even number of workers, position p takes the front where p + round is even (so each worker
-// alternates), at index round * workers / 2 + p / 2 of it; with an odd number, tile t alternates
-// by itself. A bijection on 0 .. tiles - 1: each round, the partial last one too, gives each end
-// consecutive indices, so the front takes 0 .. n_front - 1 and the back tiles - n_back .. tiles - 1.
-MOE_HOST_DEVICE inline int interleaved_tile(int tile, int workers, int tiles) {
-  bool back;
-  int index;
-  if (workers % 2 == 0) {
-    const int round = tile / workers, p = tile % workers;
-    back = ((p + round) & 1) != 0;
-    index = round * (workers / 2) + p / 2;
-  } else {
-    back = (tile & 1) != 0;
-    index = tile / 2;
-  }
-  return back ? tiles - 1 - index : index;
-}
-
 }  // namespace moe::cuda
 
 #undef MOE_HOST_DEVICE

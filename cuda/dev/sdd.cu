@@ -422,11 +422,11 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
     moe::cuda::build_expert_maps(moe::cuda::make_matrix_map(x, D, H, H, 64), w1, experts, expert_maps, stream);
     maps.experts = expert_maps;
   }
-  // Half-row tiles, the stream-K tail and the interleaved order off: the versions here are the steps
-  // before them; the mainline takes them.
+  // Half-row tiles and the stream-K tail off: the versions here are the steps before them; the
+  // mainline takes them.
   if constexpr (ctas == 1) {
     kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, ws_group_rows(tiles_x, sms), false,
-                                               WsStreamKScratch{}, false);
+                                               WsStreamKScratch{});
   } else {
     cudaLaunchConfig_t config{};
     config.gridDim = grid;
@@ -443,7 +443,7 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
     CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, problem, maps, tiles_x, tiles,
                                   CLUSTER == WsCluster::share_a ? ws_group_rows(tiles_x / 2, sms / 2)
                                                                 : std::max(1, ws_group_rows(tiles_x, sms) / 2),
-                                  false, WsStreamKScratch{}, false));
+                                  false, WsStreamKScratch{}));
   }
   if constexpr (TMA) moe::cuda::free_expert_maps(expert_maps, stream);
 }

@@ -533,62 +533,6 @@ TEST(TileSchedule, StreamKTestsCutTiles) {
   EXPECT_EQ(forward_dsd_tail_parts(256, 512, 15, 5), 3);
   EXPECT_EQ(forward_dsd_tail_parts(512, 512, 15, 10), 3);
 }
-// The interleaved tile order (interleaved_tile): a permutation of the tiles, whatever the rounds;
-// with an even number of workers, every round takes half its tiles from each end and each worker
-// alternates between them.
-void check_interleaved(int tiles, int workers) {
-  SCOPED_TRACE("tiles " + std::to_string(tiles) + ", workers " + std::to_string(workers));
-  // Tile by tile, each index must be the front's next (0, 1, ...) or the back's (tiles - 1, ...):
-  // then every index comes once, and we know which end each tile took.
-  std::vector<bool> from_front(tiles);
-  int fronts = 0, backs = 0;
-  for (int t = 0; t < tiles; ++t) {
-    const int index = moe::cuda::interleaved_tile(t, workers, tiles);
-    if (index == fronts) {
-      from_front[t] = true;
-      ++fronts;
-    } else {
-      ASSERT_EQ(index, tiles - 1 - backs) << "tile " << t << ": neither end's next index";
-      ++backs;
-    }
-  }
-  // A worker's consecutive tiles come from both ends (the very last index belongs to either).
-  for (int t = 0; t + workers < tiles - 1; ++t)
-    ASSERT_NE(from_front[t], from_front[t + workers]) << "tile " << t;
-}
-TEST(TileSchedule, InterleavedOrderIsAPermutation) {
-  check_interleaved(2480, 132);  // D=1024 Zipf's forward SDD: 155 block rows x 16
-  check_interleaved(620, 132);   // its DSD: 4.7 rounds
-  check_interleaved(1136, 66);   // D=2048 Zipf's forward DSD in pairs
-  check_interleaved(17, 3);      // odd workers
-  check_interleaved(7, 4);
-  check_interleaved(1, 132);
-  check_interleaved(2, 2);
-}
-// The SDDs and DSDs with their tiles in the interleaved order (set_tile_interleave), on a grid
-// capped at an odd and an even number of workers: one CTA a tile, pairs of block rows, half-row
-// tiles and a stream-K tail.
-struct TileInterleave {
-  TileInterleave() { moe::cuda::set_tile_interleave(true); }
-  ~TileInterleave() { moe::cuda::set_tile_interleave(false); }
-};
-TEST(BlockSparseFfn, GeluB128Interleaved) {
-  REQUIRE_GPU();
-  const TileInterleave interleave;
-  for (int workers : {3, 4, 0}) {
-    SCOPED_TRACE("workers " + std::to_string(workers));
-    const PersistentWorkerCap cap(workers);
-    check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::gelu, Routing::tail_halves, 29));
-    check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::gelu, Routing::block_row_pairs, 30));
-  }
-}
-TEST(BlockSparseFfn, SwigluB128Interleaved) {
-  REQUIRE_GPU();
-  const TileInterleave interleave;
-  const PersistentWorkerCap cap(5);
-  check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::swiglu, Routing::block_row_pairs, 31));
-  check_ffn(Problem(300, 2048, 512, 4, 2, 128, Activation::swiglu, Routing::random, 32));
-}
 TEST(BlockSparseFfn, GeluB128StreamKTail) {
   REQUIRE_GPU();
   const PersistentWorkerCap cap(3);
