@@ -128,7 +128,6 @@ constexpr int kWsStages = 4;
 // set_persistent_worker_cap's cap (0: none), and set_stream_k_tail's switch.
 int persistent_worker_cap = 0;
 bool stream_k_tail = true;
-int l2_prefetch_steps = 0;
 int capped_workers(int workers) {
   return persistent_worker_cap > 0 ? std::min(workers, persistent_worker_cap) : workers;
 }
@@ -186,7 +185,7 @@ void launch_ws_pairs(const Problem& problem, const TmaMaps& maps, int tiles_x, i
   // The tile order groups block rows as the single-CTA order does: group_rows block rows are
   // group_rows / 2 pairs.
   CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, problem, maps, tiles_x, tiles_x * y_count, std::max(1, group_rows / 2),
-                                half_rows, stream_k, l2_prefetch_steps));
+                                half_rows, stream_k));
   if (stream_k.partials != nullptr) free_launch_scratch(stream_k.partials, stream);
 }
 
@@ -213,7 +212,7 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
     auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kEpilogueColumns, true, false, Problem>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<grid, kWsThreads, smem, stream>>>(problem, TmaMaps{}, tiles_x, tiles, group_rows, false,
-                                               WsStreamKScratch{}, 0);
+                                               WsStreamKScratch{});
     CUDA_CHECK(cudaGetLastError());
     return;
   }
@@ -243,7 +242,7 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
       auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kEpilogueColumns, true, true, Problem>;
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows, half_rows,
-                                                 WsStreamKScratch{}, l2_prefetch_steps);
+                                                 WsStreamKScratch{});
       CUDA_CHECK(cudaGetLastError());
     }
     if (expert_maps != nullptr) free_expert_maps(expert_maps, stream);
@@ -556,11 +555,6 @@ void set_persistent_worker_cap(int workers) {
 }
 
 void set_stream_k_tail(bool enabled) { stream_k_tail = enabled; }
-
-void set_l2_prefetch_steps(int steps) {
-  if (steps < 0) throw std::invalid_argument("set_l2_prefetch_steps: steps must be >= 0 (0: no look-ahead)");
-  l2_prefetch_steps = steps;
-}
 
 bool rows_gatherable(const MoeConfig& config) {
   return takes_warp_specialized(static_cast<int>(config.block_size), static_cast<int>(config.hidden_dim));

@@ -146,9 +146,6 @@ void set_persistent_worker_cap(int workers);
 // For lessons and benchmarks: whether the DSDs end in a stream-K tail (tile_schedule.h; the
 // default, true) or run their last partial round of tiles whole. Process-wide, as above.
 void set_stream_k_tail(bool enabled);
-// For benchmarks: how many k-steps ahead of its copies the warp-specialized kernels' producer asks
-// for its operands' boxes to be fetched into the L2 (0, the default: none). Process-wide, as above.
-void set_l2_prefetch_steps(int steps);
 
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,

@@ -158,21 +158,21 @@ constexpr int ws_shared_bytes() {
 // full barrier completes when the arrival that announced them (expect_tx) and all its bytes are in.
 // (Declared in every compilation pass, so that the host pass sees which products have TMA copies;
 // the instructions exist only in the sm_90a pass.)
+// Tried in the thirteenth session, and left out (commit 2474622, reverted; ncu at locked base clocks,
+// H200, 2026-11-22, notebooks_data/bench/ncu_2026-11-22r_h200.txt): with the copies of k-step s, the
+// producer asking for the boxes of k-step s + N to be fetched into the L2 only
+// (cp.async.bulk.prefetch.tensor), so that the copies that land late would find them there. Every
+// product got slower, against N = 0 in the same binary: with N = 4 the forward SDD 0.452 -> 0.541 ms
+// and DSD 0.292 -> 0.360 at T=16384 D=1024 E=64 K=1 (Zipf), 2.75 -> 3.74 and 2.11 -> 3.00 at D=2048
+// E=64 K=2 (Zipf), 3.89 -> 5.31 and 3.14 -> 4.32 at T=8192 D=4096 E=8 K=2 (uniform); with N = 8 more.
+// The look-ahead doubles the requests that the L2 and the TMA unit serve, and the copies were not
+// waiting on HBM's latency alone.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOE_SM90A_ASM(...) asm volatile(__VA_ARGS__)
 #else
 #define MOE_SM90A_ASM(...) __trap()
 #endif
-// A destination at or past kWsL2Prefetch (no shared-memory address is that high) asks for the box
-// to be fetched into the L2 only (cp.async.bulk.prefetch.tensor): the producer's look-ahead, which
-// reuses each product's ws_tma_copy with such a destination and no barrier.
-constexpr uint32_t kWsL2Prefetch = 0x80000000u;
 __device__ inline void tma_load(uint32_t to, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  if (to >= kWsL2Prefetch) {
-    MOE_SM90A_ASM("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(c0), "r"(c1)
-                  : "memory");
-    return;
-  }
   MOE_SM90A_ASM(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
           to),
@@ -180,12 +180,6 @@ __device__ inline void tma_load(uint32_t to, const CUtensorMap* map, uint32_t ba
       : "memory");
 }
 __device__ inline void tma_load(uint32_t to, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
-  if (to >= kWsL2Prefetch) {
-    MOE_SM90A_ASM("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(map), "r"(c0), "r"(c1),
-                  "r"(c2)
-                  : "memory");
-    return;
-  }
   MOE_SM90A_ASM(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
       "[%2];\n" ::"r"(to),
@@ -206,10 +200,6 @@ __device__ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
 // each CTA's mbarrier at `bar`'s offset counting the bytes that land in it (dev_sdd version 21).
 __device__ inline void tma_load_multicast(uint32_t to, const CUtensorMap* map, uint32_t bar, int c0, int c1,
                                           uint16_t cta_mask) {
-  if (to >= kWsL2Prefetch) {  // this CTA's box, into the L2 (both CTAs of the pair ask for their own)
-    tma_load(to, map, bar, c0, c1);
-    return;
-  }
   MOE_SM90A_ASM(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
       "{%3, %4}], [%2], %5;\n" ::"r"(to),
@@ -949,8 +939,7 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMa
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA, class Problem, WsCluster CLUSTER = WsCluster::none>
 __global__ void __launch_bounds__(kWsThreads, 1)
     block_sparse_wgmma_ws_kernel(const Problem parameters, const __grid_constant__ TmaMaps maps, int tiles_x,
-                                 int tiles, int group_rows, bool half_rows, WsStreamKScratch stream_k,
-                                 int prefetch_steps) {
+                                 int tiles, int group_rows, bool half_rows, WsStreamKScratch stream_k) {
   static_assert(STAGES >= 2, "one stage filling while one is read");
   static_assert(ws_epilogue_columns_valid<EPILOGUE_COLUMNS>(), "the register epilogue (0), or whole 16-byte chunks per pass");
   static_assert(PERSISTENT || ws_staging_bytes<EPILOGUE_COLUMNS>() <= STAGES * wgmma_stage_bytes<kWsBlockN>(),
@@ -1082,35 +1071,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const bool half = half_row(problem, work.at);
         // share_b: this CTA's half of B into both CTAs' stages, when the pair shares it
         const WsBHalves halves = work.share_b ? WsBHalves{static_cast<int>(rank), 1, 0b11} : WsBHalves{};
-        // The look-ahead into the L2 (prefetch_steps > 0): with the copies of k-step s, the boxes of
-        // k-step s + prefetch_steps, in this tile or, past its end, in this worker's next one (found
-        // again each time, so that no second tile's state stays in the producer's 40 registers).
-        auto prefetch_into_l2 = [&](const Problem& of, const WsWork& w, int step) {
-          const bool of_half = half_row(of, w.at);
-          const WsBHalves of_halves = w.share_b ? WsBHalves{static_cast<int>(rank), 1, 0b11} : WsBHalves{};
-          if constexpr (CLUSTER == WsCluster::share_a)
-            ws_tma_copy_shared_a(of, maps, kWsL2Prefetch, kWsL2Prefetch + a_bytes, 0, step, rank);
-          else if constexpr (CLUSTER == WsCluster::share_b)
-            ws_tma_copy(of, maps, kWsL2Prefetch, kWsL2Prefetch + a_bytes, 0, step, of_half, of_halves);
-          else
-            ws_tma_copy(of, maps, kWsL2Prefetch, kWsL2Prefetch + a_bytes, 0, step, of_half);
-        };
-        auto prefetch = [&](int step) {
-          const int ahead = step + prefetch_steps;
-          if (ahead < k_end) {
-            prefetch_into_l2(problem, work, ahead);
-            return;
-          }
-          TileSchedule peek = tiles_of_worker;
-          for (TileSegment next; peek.next(next);) {
-            Problem next_problem;
-            const WsWork next_work = claim(next.tile, next_problem);
-            if (!next_work.run) continue;
-            const int next_step = ahead - k_end + next.k_begin;
-            if (next_step < k_end_of(next, next_problem)) prefetch_into_l2(next_problem, next_work, next_step);
-            return;
-          }
-        };
         if constexpr (WsGatherable<Problem>) {
           if (gather) rows.fetch(problem, thread);
         }
@@ -1128,7 +1088,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
               ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, half, halves);
             else
               ws_tma_copy(problem, maps, stage_a(stage), stage_a(stage) + a_bytes, full(stage), step, half);
-            if (prefetch_steps > 0) prefetch(step);
           }
           if constexpr (WsGatherable<Problem>) {
             if (gather) {  // all 128 rows: a padding row is a zero fill, which reads nothing

@@ -12,7 +12,6 @@
 //                 --only NAME[,NAME...]  --out FILE  --warmup 3  --warmup-ms 1000  --repeat 20  --seed 1234
 //                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
 //                 --stream-k on|off (the block-sparse DSDs' stream-K tail, cuda/tile_schedule.h)
-//                 --l2-prefetch N (the block-sparse kernels' look-ahead into the L2, set_l2_prefetch_steps)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, C capacity,
@@ -133,7 +132,6 @@ struct Options {
   uint64_t seed = 1234;
   enum class Rows { layer, gathered, permuted } rows = Rows::layer;  // block-sparse: how the SDD reads x
   bool stream_k = true;  // block-sparse: the DSDs end in a stream-K tail (set_stream_k_tail)
-  int l2_prefetch = 0;    // block-sparse: k-steps of look-ahead into the L2 (set_l2_prefetch_steps)
 
   // dense_cublas is always timed: every ratio is taken against it.
   bool selected(const std::string& formulation) const {
@@ -205,12 +203,10 @@ const char* kUsage =
     "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
     "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
-    "                 [--stream-k on|off] [--l2-prefetch N]\n"
+    "                 [--stream-k on|off]\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
     "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --stream-k:    whether the block-sparse DSDs end in a stream-K tail (default on)\n"
-    "  --l2-prefetch: k-steps ahead of its copies that the block-sparse kernels' producer asks for\n"
-    "                its boxes in the L2 (default 0: none)\n"
     "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
     "                layer at STEP, default the last recorded), on the shapes with the run's E\n"
     "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
@@ -268,9 +264,6 @@ Options parse_options(int argc, char** argv) {
       if (v == "on") options.stream_k = true;
       else if (v == "off") options.stream_k = false;
       else throw std::invalid_argument("--stream-k: on or off");
-    } else if (arg == "--l2-prefetch") {
-      options.l2_prefetch = std::stoi(value());
-      if (options.l2_prefetch < 0) throw std::invalid_argument("--l2-prefetch: k-steps, 0 or more");
     } else if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -1165,7 +1158,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                    {"rows", options.rows == Options::Rows::layer      ? "layer"
                             : options.rows == Options::Rows::gathered ? "gathered"
                                                                       : "permuted"},
-                   {"stream_k", options.stream_k}, {"l2_prefetch_steps", options.l2_prefetch}};
+                   {"stream_k", options.stream_k}};
   json results = json::array();
   for (const Measurement& m : report.measurements) {
     results.push_back({{"shape", shape_json(m.shape)},
@@ -1250,7 +1243,6 @@ int main(int argc, char** argv) {
   try {
     options = parse_options(argc, argv);
     moe::cuda::set_stream_k_tail(options.stream_k);
-    moe::cuda::set_l2_prefetch_steps(options.l2_prefetch);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "moe_bench: %s\n%s", error.what(), kUsage);
     return 2;

@@ -426,7 +426,7 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   // mainline takes them.
   if constexpr (ctas == 1) {
     kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, ws_group_rows(tiles_x, sms), false,
-                                               WsStreamKScratch{}, 0);
+                                               WsStreamKScratch{});
   } else {
     cudaLaunchConfig_t config{};
     config.gridDim = grid;
@@ -443,7 +443,7 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
     CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, problem, maps, tiles_x, tiles,
                                   CLUSTER == WsCluster::share_a ? ws_group_rows(tiles_x / 2, sms / 2)
                                                                 : std::max(1, ws_group_rows(tiles_x, sms) / 2),
-                                  false, WsStreamKScratch{}, 0));
+                                  false, WsStreamKScratch{}));
   }
   if constexpr (TMA) moe::cuda::free_expert_maps(expert_maps, stream);
 }

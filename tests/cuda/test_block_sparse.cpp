@@ -533,29 +533,6 @@ TEST(TileSchedule, StreamKTestsCutTiles) {
   EXPECT_EQ(forward_dsd_tail_parts(256, 512, 15, 5), 3);
   EXPECT_EQ(forward_dsd_tail_parts(512, 512, 15, 10), 3);
 }
-// The producer's look-ahead into the L2 (set_l2_prefetch_steps): prefetches change no result, and
-// their boxes (past a tile's end, in the worker's next tile, past the matrix's edge) must be valid
-// requests. One CTA a tile, half rows, pairs and a stream-K tail.
-struct L2Prefetch {
-  explicit L2Prefetch(int steps) { moe::cuda::set_l2_prefetch_steps(steps); }
-  ~L2Prefetch() { moe::cuda::set_l2_prefetch_steps(0); }
-};
-TEST(BlockSparseFfn, GeluB128L2Prefetch) {
-  REQUIRE_GPU();
-  for (int steps : {1, 4, 9}) {
-    SCOPED_TRACE("prefetch steps " + std::to_string(steps));
-    const L2Prefetch prefetch(steps);
-    check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::gelu, Routing::tail_halves, 29));
-    const PersistentWorkerCap cap(3);
-    check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::gelu, Routing::block_row_pairs, 30));
-  }
-}
-TEST(BlockSparseFfn, SwigluB128L2Prefetch) {
-  REQUIRE_GPU();
-  const L2Prefetch prefetch(4);
-  check_ffn(Problem(300, 2048, 512, 4, 2, 128, Activation::swiglu, Routing::random, 32));
-  check_ffn(Problem(260, 2048, 256, 4, 1, 128, Activation::swiglu, Routing::skip_one_expert, 33));
-}
 TEST(BlockSparseFfn, GeluB128StreamKTail) {
   REQUIRE_GPU();
   const PersistentWorkerCap cap(3);
