@@ -12,6 +12,7 @@
 //                 --only NAME[,NAME...]  --out FILE  --warmup 3  --warmup-ms 1000  --repeat 20  --seed 1234
 //                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
 //                 --stream-k on|off (the block-sparse DSDs' stream-K tail, cuda/tile_schedule.h)
+//                 --timing synced|pipelined (each timed run from an idle GPU, or back to back)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, C capacity,
@@ -132,6 +133,7 @@ struct Options {
   uint64_t seed = 1234;
   enum class Rows { layer, gathered, permuted } rows = Rows::layer;  // block-sparse: how the SDD reads x
   bool stream_k = true;  // block-sparse: the DSDs end in a stream-K tail (set_stream_k_tail)
+  bool pipelined = false;  // time_work: the timed runs back to back, not each after a synchronize
 
   // dense_cublas is always timed: every ratio is taken against it.
   bool selected(const std::string& formulation) const {
@@ -203,10 +205,13 @@ const char* kUsage =
     "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
     "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
-    "                 [--stream-k on|off]\n"
+    "                 [--stream-k on|off] [--timing synced|pipelined]\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
     "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --stream-k:    whether the block-sparse DSDs end in a stream-K tail (default on)\n"
+    "  --timing:      synced (default): each timed run starts on an idle GPU, after a synchronize, so\n"
+    "                it includes the host's time to its first launch; pipelined: the runs enqueued\n"
+    "                back to back, an event between each two, so each is timed on the GPU alone\n"
     "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
     "                layer at STEP, default the last recorded), on the shapes with the run's E\n"
     "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
@@ -264,6 +269,11 @@ Options parse_options(int argc, char** argv) {
       if (v == "on") options.stream_k = true;
       else if (v == "off") options.stream_k = false;
       else throw std::invalid_argument("--stream-k: on or off");
+    } else if (arg == "--timing") {
+      const std::string v = value();
+      if (v == "synced") options.pipelined = false;
+      else if (v == "pipelined") options.pipelined = true;
+      else throw std::invalid_argument("--timing: synced or pipelined");
     } else if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -326,24 +336,37 @@ struct Timing {
 };
 
 // Warm-up runs (`warmup` of them, and at least warmup_ms of load: clock_warm_up.h says why), then
-// `repeat` runs each between two events on `stream`; the median of their times.
+// `repeat` runs, each between two events on `stream`; the median of their times.
+// Synced: each run is enqueued after the one before has finished, so it starts on an idle GPU and
+// its time includes the host's work up to its first launch. Pipelined: one untimed run, then every
+// run enqueued back to back with an event between each two, so that while the GPU runs one the
+// host enqueues the next, as in a training loop: each time is the GPU's alone.
 Timing time_work(cudaStream_t stream, const Options& options, const std::function<void()>& work) {
   moe::cuda::warm_up_clock(stream, options.warmup, options.warmup_ms, work);
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<cudaEvent_t> events(options.repeat + 1);
+  for (cudaEvent_t& e : events) CUDA_CHECK(cudaEventCreate(&e));
   Timing timing;
-  for (int i = 0; i < options.repeat; ++i) {
-    CUDA_CHECK(cudaEventRecord(start, stream));
+  if (options.pipelined) {
     work();
-    CUDA_CHECK(cudaEventRecord(stop, stream));
-    CUDA_CHECK(cudaEventSynchronize(stop));
+    CUDA_CHECK(cudaEventRecord(events[0], stream));
+    for (int i = 0; i < options.repeat; ++i) {
+      work();
+      CUDA_CHECK(cudaEventRecord(events[i + 1], stream));
+    }
+    CUDA_CHECK(cudaEventSynchronize(events.back()));
+  }
+  for (int i = 0; i < options.repeat; ++i) {
+    if (!options.pipelined) {
+      CUDA_CHECK(cudaEventRecord(events[i], stream));
+      work();
+      CUDA_CHECK(cudaEventRecord(events[i + 1], stream));
+      CUDA_CHECK(cudaEventSynchronize(events[i + 1]));
+    }
     float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
     timing.samples_ms.push_back(ms);
   }
-  CUDA_CHECK(cudaEventDestroy(start));
-  CUDA_CHECK(cudaEventDestroy(stop));
+  for (cudaEvent_t e : events) CUDA_CHECK(cudaEventDestroy(e));
   std::vector<float> sorted = timing.samples_ms;
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
@@ -1153,6 +1176,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                    {"warmup_ms", options.warmup_ms},
                    {"repeat", options.repeat},
                    {"statistic", "median of CUDA-event times"},
+                   {"timing", options.pipelined ? "pipelined" : "synced"},
                    {"seed", options.seed},
                    {"tolerance", kTolerance},
                    {"rows", options.rows == Options::Rows::layer      ? "layer"

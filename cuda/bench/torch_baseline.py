@@ -8,6 +8,9 @@ Expert FFN y = gelu(x W1) W2 per expert, bf16, forward and forward+backward, tim
 of the same useful FLOPs (4 * rows * D * H, rows = T*K routed rows). The routing counts follow the
 same deterministic rule as moe_bench (cuda/bench/routing_counts.h): expert e gets a share
 proportional to w_e (uniform: 1, zipf: 1/(e+1)), floor'ed, the remainder to the first experts.
+Each forward + backward starts with no .grad on the leaves, so its gradients are written, not added
+into earlier ones (moe_bench's formulations write theirs; before 2026-11-22q this script let them
+accumulate, which added a pass over every expert weight to PyTorch's time). --timing as moe_bench's.
 """
 import argparse
 import datetime
@@ -34,9 +37,12 @@ def routing_counts(rows, experts, routing):
     return counts
 
 
-def time_ms(fn, warmup=3, repeat=20, warmup_s=1.0):
+def time_ms(fn, pipelined, warmup=3, repeat=20, warmup_s=1.0):
     # Warm up for `warmup` runs and at least warmup_s of wall time, as moe_bench does (time_work):
-    # an idle GPU runs at a low SM clock for its first half second or so of load.
+    # an idle GPU runs at a low SM clock for its first half second or so of load. Then, as moe_bench
+    # --timing: synced, each run after a synchronize (its time includes the host's work up to its
+    # first launch); pipelined, one untimed run and then all of them back to back, an event between
+    # each two (each time is the GPU's alone).
     begin = time.perf_counter()
     for _ in range(warmup):
         fn()
@@ -45,18 +51,28 @@ def time_ms(fn, warmup=3, repeat=20, warmup_s=1.0):
         for _ in range(4):
             fn()
         torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeat + 1)]
     times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    if pipelined:
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        events[0].record()
+        for i in range(repeat):
+            fn()
+            events[i + 1].record()
+        events[-1].synchronize()
+        times = [events[i].elapsed_time(events[i + 1]) for i in range(repeat)]
+    else:
+        for i in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
-def bench_shape(T, D, H, E, K, routing):
+def bench_shape(T, D, H, E, K, routing, pipelined):
     rows = T * K
     counts = routing_counts(rows, E, routing)
     offsets = torch.tensor(counts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -87,11 +103,21 @@ def bench_shape(T, D, H, E, K, routing):
     def dense():
         return F.gelu(xg @ dense_w1, approximate="tanh") @ dense_w2
 
+    leaves = (xg, w1, w2, dense_w1, dense_w2)
+
+    def forward_backward(fn):
+        # Fresh gradients each run, as moe_bench writes them: with .grad left set, autograd would
+        # add every new gradient into it, an extra pass over all expert weights (at D=1024 E=64,
+        # about 3 GB of memory traffic) that the layer does not do.
+        for leaf in leaves:
+            leaf.grad = None
+        fn().backward(dy)
+
     for name, fn in [("torch_grouped_mm", grouped), ("torch_loop", loop), ("dense_cublas", dense)]:
         try:
             with torch.no_grad():
-                fwd = time_ms(fn)
-            fwd_bwd = time_ms(lambda: fn().backward(dy))
+                fwd = time_ms(fn, pipelined)
+            fwd_bwd = time_ms(lambda: forward_backward(fn), pipelined)
             result[name] = {
                 "forward_ms": fwd,
                 "forward_tflops": useful / fwd / 1e9,
@@ -106,12 +132,14 @@ def bench_shape(T, D, H, E, K, routing):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="torch_baseline.json")
+    parser.add_argument("--timing", choices=("synced", "pipelined"), default="synced",
+                        help="as moe_bench --timing: each run after a synchronize, or back to back")
     args = parser.parse_args()
     results = []
     print(f"{'shape':32s} {'routing':8s} {'grouped_mm':>11s} {'loop':>8s} {'dense':>8s}  (forward TFLOP/s)")
     for T, D, H, E, K in SHAPES:
         for routing in ("uniform", "zipf"):
-            r = bench_shape(T, D, H, E, K, routing)
+            r = bench_shape(T, D, H, E, K, routing, args.timing == "pipelined")
             results.append(r)
             cells = [f"{r[n].get('forward_tflops', float('nan')):8.0f}" for n in ("torch_grouped_mm", "torch_loop", "dense_cublas")]
             print(f"T={T} D={D} H={H} E={E} K={K}".ljust(32), routing.ljust(8), "   ".join(cells), flush=True)
@@ -120,6 +148,8 @@ def main():
         "device": torch.cuda.get_device_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
+        "timing": args.timing,
+        "gradients": "fresh each forward + backward (.grad = None), as moe_bench writes them",
         "results": results,
     }
     with open(args.out, "w") as f:
