@@ -9,7 +9,6 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <type_traits>  // std::integral_constant
 
 #include "block_sparse.cuh"        // block_sparse_mma_kernel and the problems
 #include "block_sparse_wgmma.cuh"  // block_sparse_wgmma_kernel (sm_90a)
@@ -125,16 +124,10 @@ struct TmaOperands {
 // The stages of every warp-specialized product (lesson 03, "Where the consumers wait": 3 -> 4
 // stages saves up to 6%, 2 -> 3 25-35%).
 constexpr int kWsStages = 4;
-// The deferred epilogue's 66 KB staging leaves room for 3 stages.
-template <int EPILOGUE>
-constexpr int ws_stages() {
-  return EPILOGUE == kWsDeferredEpilogue ? 3 : kWsStages;
-}
 
-// set_persistent_worker_cap's cap (0: none), set_stream_k_tail's and set_deferred_epilogue's switches.
+// set_persistent_worker_cap's cap (0: none), and set_stream_k_tail's switch.
 int persistent_worker_cap = 0;
 bool stream_k_tail = true;
-bool deferred_epilogue = false;
 int capped_workers(int workers) {
   return persistent_worker_cap > 0 ? std::min(workers, persistent_worker_cap) : workers;
 }
@@ -158,12 +151,11 @@ WsStreamKScratch allocate_stream_k(int workers, int ctas, cudaStream_t stream) {
 // The SDD or DSD in clusters of two CTAs whose pairs of block rows share the expert's B chunk
 // (WsCluster::share_b): as many clusters as can be resident at once, over the block rows rounded
 // up to even. The DSD ends in a stream-K tail (tile_schedule.h says where it pays and where not).
-template <int EPILOGUE, class Problem>
+template <class Problem>
 void launch_ws_pairs(const Problem& problem, const TmaMaps& maps, int tiles_x, int y_count, int group_rows,
                      bool half_rows, int multiprocessors, cudaStream_t stream) {
-  constexpr int kStages = ws_stages<EPILOGUE>();
-  constexpr int smem = ws_shared_bytes<kStages, EPILOGUE, true>();
-  auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, EPILOGUE, true, true, Problem, WsCluster::share_b>;
+  constexpr int smem = ws_shared_bytes<kWsStages, kWsRegisterEpilogue, true>();
+  auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kWsRegisterEpilogue, true, true, Problem, WsCluster::share_b>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int pair_tiles = tiles_x * ((y_count + 1) / 2);
   cudaLaunchAttribute cluster{};
@@ -202,10 +194,9 @@ void launch_ws_pairs(const Problem& problem, const TmaMaps& maps, int tiles_x, i
 // tile's epilogue overlaps the next tile's loads. The tile count is the host bound; CTAs skip the
 // tiles past the device's counts. With `tma`, the producer copies with TMA; the per-expert maps live
 // in a stream-ordered allocation for the length of the launch.
-// The epilogue: the register epilogue (version 19) for the DSD, whose long tiles hide it, and for a
-// plain SDD; the deferred epilogue for the SDDs with an activation (WsDeferredEpilogue), where their
-// rows are not gathered; the bulk-copy epilogue for the weight gradients (WsBulkStore: a plain output
-// matrix), whose short tiles wait on their stores, its 32 KB staging beside the same 4 stages.
+// The epilogue: the register epilogue (version 19) for the SDD and DSD, whose long tiles hide it;
+// the bulk-copy epilogue for the weight gradients (WsBulkStore: a plain output matrix), whose short
+// tiles wait on their stores, its 32 KB staging beside the same 4 stages.
 template <class Problem>
 void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStream_t stream,
                      const TmaOperands* tma = nullptr) {
@@ -240,30 +231,19 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
       build_expert_maps(tma->output_prototype, tma->output_pointers, tma->outputs, expert_maps + tma->experts, stream);
       maps.outputs = expert_maps + tma->experts;
     }
-    auto go = [&](auto epilogue) {
-      constexpr int kEpilogue = decltype(epilogue)::value;
-      if constexpr (WsSharedB<Problem>) {
-        if (block_row_pairs_share_weights(y_count, tma->experts)) {
-          launch_ws_pairs<kEpilogue>(problem, maps, tiles_x, y_count, group_rows, half_rows, multiprocessors, stream);
-          return;
-        }
+    bool launched = false;
+    if constexpr (WsSharedB<Problem>) {
+      if (block_row_pairs_share_weights(y_count, tma->experts)) {
+        launch_ws_pairs(problem, maps, tiles_x, y_count, group_rows, half_rows, multiprocessors, stream);
+        launched = true;
       }
-      constexpr int kStages = ws_stages<kEpilogue>();
-      constexpr int kSmem = ws_shared_bytes<kStages, kEpilogue, true>();
-      auto* kernel = &block_sparse_wgmma_ws_kernel<kStages, kEpilogue, true, true, Problem>;
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-      kernel<<<grid, kWsThreads, kSmem, stream>>>(problem, maps, tiles_x, tiles, group_rows, half_rows,
-                                                  WsStreamKScratch{});
+    }
+    if (!launched) {
+      auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kEpilogueColumns, true, true, Problem>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      kernel<<<grid, kWsThreads, smem, stream>>>(problem, maps, tiles_x, tiles, group_rows, half_rows,
+                                                 WsStreamKScratch{});
       CUDA_CHECK(cudaGetLastError());
-    };
-    constexpr std::integral_constant<int, kEpilogueColumns> usual;
-    if constexpr (WsDeferredEpilogue<Problem>) {  // not for gathered rows: every producer thread copies there
-      if (deferred_epilogue && problem.gather.row_slot == nullptr)
-        go(std::integral_constant<int, kWsDeferredEpilogue>{});
-      else
-        go(usual);
-    } else {
-      go(usual);
     }
     if (expert_maps != nullptr) free_expert_maps(expert_maps, stream);
   } else {
@@ -575,8 +555,6 @@ void set_persistent_worker_cap(int workers) {
 }
 
 void set_stream_k_tail(bool enabled) { stream_k_tail = enabled; }
-
-void set_deferred_epilogue(bool enabled) { deferred_epilogue = enabled; }
 
 bool rows_gatherable(const MoeConfig& config) {
   return takes_warp_specialized(static_cast<int>(config.block_size), static_cast<int>(config.hidden_dim));

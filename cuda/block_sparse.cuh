@@ -416,28 +416,6 @@ struct SddProblem {
   __device__ void store_chunk(int m, int n, const float (&acc)[8]) const {
     store_chunk(m, n, acc, load_chunk(m, n));
   }
-
-  // The deferred epilogue (kWsDeferredEpilogue, block_sparse_wgmma_ws.cuh): the consumers stage the
-  // product, rounded to bf16, in shared memory and go on to their next tile; the producer
-  // warpgroup's idle warps then apply the epilogue to it with its inputs (finish_chunk). The
-  // epilogue reads the product in bf16: gelu(bf16(acc)) where the register epilogue computes
-  // gelu(acc), one rounding more (2^-9 relative) before the output's. GeLU's two epilogues; SwiGLU's
-  // read one more input a chunk (or two): not measured, not deferred.
-  static constexpr bool defers = EPILOGUE == SddEpilogue::gelu || EPILOGUE == SddEpilogue::gelu_backward;
-  struct FinishInputs {
-    uint4 product;  // 8 bf16 products, as the consumers staged them
-    ChunkInputs in;
-  };
-  __device__ void finish_chunk(int m, int n, const FinishInputs& inputs) const {
-    const int64_t at = index(m, n);
-    float acc[8], i0[8] = {}, i1[8] = {}, o0[8], o1[8];
-    unpack8(inputs.product, acc);
-    if constexpr (reads_in0) unpack8(inputs.in.in0, i0);
-    if constexpr (reads_in1) unpack8(inputs.in.in1, i1);
-    apply<8>(acc, i0, i1, o0, o1);
-    *reinterpret_cast<uint4*>(out0 + at) = pack8(o0);
-    if constexpr (writes_out1) *reinterpret_cast<uint4*>(out1 + at) = pack8(o1);
-  }
 };
 
 // DSD: out[rB : rB+B, n-tile] = sum over the blocks j of block row r of S(r, j) · W_e[jB : jB+B, n-tile].

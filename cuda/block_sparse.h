@@ -146,10 +146,6 @@ void set_persistent_worker_cap(int workers);
 // For lessons and benchmarks: whether the DSDs end in a stream-K tail (tile_schedule.h; the
 // default, true) or run their last partial round of tiles whole. Process-wide, as above.
 void set_stream_k_tail(bool enabled);
-// For lessons and benchmarks: whether the SDDs with an activation hand it to the producer
-// warpgroup's idle warps (the deferred epilogue, block_sparse_wgmma_ws.cuh; the default, true) or
-// apply it in their own register epilogue. Process-wide, as above.
-void set_deferred_epilogue(bool enabled);
 
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,

@@ -75,16 +75,9 @@ constexpr int kWsProducerThreads = 128;  // every producer thread copies: one wa
 constexpr int kWsBlockN = 256;           // m64n256k16: the widest wgmma
 constexpr int kWsProducerRegisters = 40;
 constexpr int kWsConsumerRegisters = 232;
-// With the deferred epilogue the producer warpgroup's workers apply the epilogue (its inputs of
-// several chunks in flight), and the consumers only store their accumulators.
-constexpr int kWsWorkerRegisters = 72;
-constexpr int kWsDeferringConsumerRegisters = 216;
-constexpr bool ws_registers_fit(int producer, int consumer) {
-  // setmaxnreg may only hand out what the CTA was launched with: 65536 / 384 -> 168 per thread
-  return kWsProducerThreads * producer + (kWsThreads - kWsProducerThreads) * consumer <= kWsThreads * 168;
-}
-static_assert(ws_registers_fit(kWsProducerRegisters, kWsConsumerRegisters) &&
-              ws_registers_fit(kWsWorkerRegisters, kWsDeferringConsumerRegisters));
+static_assert(kWsProducerThreads * kWsProducerRegisters + (kWsThreads - kWsProducerThreads) * kWsConsumerRegisters <=
+                  kWsThreads * 168,
+              "setmaxnreg may only hand out what the CTA was launched with: 65536 / 384 -> 168 per thread");
 
 // The tensor maps of one launch with TMA copies (a __grid_constant__ kernel parameter: TMA reads a
 // map in parameter, constant or global memory, never in registers).
@@ -114,18 +107,9 @@ constexpr int kWsPartialFloats = 32 * (kWsBlockN / 2);  // a consumer warp's acc
 //   > 0                  the staged epilogue: fp32 through shared memory, that many columns a pass;
 //   kWsRegisterEpilogue  straight from the accumulators (ws_register_epilogue);
 //   kWsBulkEpilogue      through shared memory in the output's type, copied out by the bulk-copy
-//                        engine while the consumers go on to the next tile (ws_bulk_epilogue);
-//   kWsDeferredEpilogue  the product as it is, straight from the accumulators; the producer
-//                        warpgroup's idle warps apply the epilogue to it while the consumers go on
-//                        to the next tile (ws_finish_tile).
+//                        engine while the consumers go on to the next tile (ws_bulk_epilogue).
 constexpr int kWsRegisterEpilogue = 0;
 constexpr int kWsBulkEpilogue = -1;
-constexpr int kWsDeferredEpilogue = -2;
-// The deferred epilogue's staging: the tile's 128 rows of 256 bf16 products, 528 bytes apart (512 and
-// 16 of pad). A consumer writes a bf16 pair at row r (8 rows a warp's write), column 8 j + 2 q (q the
-// lane in its quad): words 132 r + 4 j + q, banks 4 r + 4 j + q mod 32, all 32 different. A worker
-// reads a 16-byte chunk, a warp one 512-byte row: conflict-free too.
-constexpr int kWsDeferredPitch = 528;
 // The bulk epilogue's staging: per consumer warp, its 16 rows of 256 bytes (128 columns of bf16 or
 // 64 of fp32) a pass, as the 2 column groups of 16 rows x 128 bytes that its TMA store reads, each
 // in the 128-byte swizzle of the output's tensor map (ws_bulk_epilogue).
@@ -145,8 +129,7 @@ constexpr int kWsBulkWarpBytes = kWsBulkGroups * kWsBulkGroupBytes;
 constexpr int kWsStagingPad = 4;
 template <int EPILOGUE_COLUMNS>
 constexpr bool ws_epilogue_columns_valid() {
-  if constexpr (EPILOGUE_COLUMNS == kWsRegisterEpilogue || EPILOGUE_COLUMNS == kWsBulkEpilogue ||
-                EPILOGUE_COLUMNS == kWsDeferredEpilogue)
+  if constexpr (EPILOGUE_COLUMNS == kWsRegisterEpilogue || EPILOGUE_COLUMNS == kWsBulkEpilogue)
     return true;
   else
     return kWsBlockN % EPILOGUE_COLUMNS == 0 && EPILOGUE_COLUMNS % 8 == 0;
@@ -155,8 +138,6 @@ template <int EPILOGUE_COLUMNS>
 constexpr int ws_staging_bytes() {
   if constexpr (EPILOGUE_COLUMNS == kWsRegisterEpilogue)
     return 0;
-  else if constexpr (EPILOGUE_COLUMNS == kWsDeferredEpilogue)
-    return kWgmmaBlockM * kWsDeferredPitch;  // one tile of products in bf16
   else if constexpr (EPILOGUE_COLUMNS == kWsBulkEpilogue)
     return 8 * kWsBulkWarpBytes;  // the 8 consumer warps
   else
@@ -164,12 +145,11 @@ constexpr int ws_staging_bytes() {
 }
 // Shared memory: the 1024-byte alignment slack, the stages, the staging (its own region when the
 // kernel is persistent: the producer is already filling the stages with the next tile), then the
-// 2 x STAGES mbarriers of the stages and the deferred epilogue's 4 (kWsHandoffBarriers), 8 bytes each.
-constexpr int kWsHandoffBarriers = 2;
+// 2 x STAGES mbarriers of 8 bytes.
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT>
 constexpr int ws_shared_bytes() {
   return 1024 + STAGES * wgmma_stage_bytes<kWsBlockN>() + (PERSISTENT ? ws_staging_bytes<EPILOGUE_COLUMNS>() : 0) +
-         (2 * STAGES + kWsHandoffBarriers) * 8;
+         2 * STAGES * 8;
 }
 
 // ---- TMA: one thread copies a whole box (PTX ISA 8.0: cp.async.bulk.tensor) ----
@@ -748,6 +728,16 @@ __device__ inline bool ws_half_row(const Problem& problem, int y) {
 //     barrier between their k-loops). 1-5% slower than this kernel at every shape, with 6 or 7
 //     stages: the 128 x 128 tile's extra third of L2 bytes a multiply-add (and no half-row tiles or
 //     pairs there) cost about what the hidden epilogue bought.
+// Tried in the thirteenth session, and left out (commit 5b158b3, reverted; ncu at locked base clocks,
+// H200, 2026-11-22, notebooks_data/bench/ncu_2026-11-22s_h200.txt): the deferred epilogue's handoff
+// through shared memory instead of the L2. The consumers wrote the bf16 product into a 66 KB staging
+// tile (64 conflict-free 4-byte writes a thread) and went on; the producer's warps 1-3 read it, applied
+// the GeLU and stored both outputs. Correct (every test, memcheck, racecheck, synccheck), and slower:
+// the forward's SDD 0.380 -> 0.427 ms at D = 1024 Zipf (rows permuted), 2.20 -> 2.29 at D = 2048 Zipf,
+// 3.10 -> 3.15 at D = 4096 uniform; the backward's (whose workers also load the pre-activation) 30-70%
+// slower. The staging costs a stage (3 of 48 KB instead of 4), and with the consumers' epilogue down to
+// a few shared-memory writes the SDD was no faster even at D = 4096, where 3 stages cost nothing: the
+// register epilogue is not what keeps the SDD behind the DSD there.
 __device__ inline void quad_trade(float2& keep_if_low, float2& keep_if_high, bool high, int lane_mask) {
   const float2 send = high ? keep_if_low : keep_if_high;
   float2 received;
@@ -831,80 +821,6 @@ __device__ inline void ws_zero_rows(const Problem& problem, int first_column, in
   for (int chunk = lane; chunk < 16 * row_chunks; chunk += 32) {
     const int r = 64 + 16 * warp + chunk / row_chunks, n = first_column + (chunk % row_chunks) * 8;
     ws_store_chunk(problem, r, n, zeros, Inputs{});
-  }
-}
-
-// ---- the deferred epilogue (kWsDeferredEpilogue): the SDD's activation off the consumers' path ----
-// The SDD's tiles are short (16-64 k-steps at the BASELINES shapes), and its register epilogue is
-// long: the activation of 128 values a thread, then two 64 KB outputs a tile (the pre-activation and
-// the GeLU). The tensor cores idle through it: at locked base clocks the GeLU SDD takes 2.20 ms at
-// T=16384 D=2048 E=64 K=2 (Zipf) where the DSD takes 1.86 ms for 5% more multiply-adds, and 3.05
-// against 2.72 ms at T=8192 D=4096 E=8 K=2 for the same (ncu_2026-11-22q_h200.txt).
-// Here the work is split. The consumers write only the product, rounded to bf16, into a staging
-// tile in shared memory (ws_stage_products: 64 bf16 pairs a thread, no global store, no activation)
-// and go on to their next tile. With TMA copies and no gathered rows, one producer thread issues
-// every copy and the other 127 had nothing to do; warps 1-3 of the producer warpgroup (96 threads,
-// the workers) read the staged tile, load the epilogue's inputs, apply the epilogue
-// (Problem::finish_chunk) and store both outputs, while the consumers multiply the next tile.
-// The twelfth session handed the product over through the L2 instead (stored to out0, read back):
-// the workers then waited on their reads, and the consumers on the workers.
-// The handoff, two mbarriers after the stages' (one staging, so the consumers write tile h + 1 only
-// once the workers are done with tile h):
-//   stored  expects 256 arrivals: every consumer thread, after its writes to the staging;
-//   taken   expects 96: every worker, once it has read (and finished) the whole staged tile.
-// The h-th tile a CTA stores (counted alike by consumers and workers, over the same schedule):
-// workers wait stored with parity h & 1, consumers wait taken with parity (h & 1) ^ 1 before they
-// write, so neither side can run two phases ahead on one barrier. Memory order: mbarrier arrivals
-// release and waits acquire at CTA scope, which orders the staging's writes before its reads and
-// the reads before the next writes.
-// The staging takes 66 KB, so the kernel runs 3 stages of 48 KB (block_sparse.cu, ws_stages). The
-// epilogue reads the product in bf16: gelu(bf16(acc)) where the register epilogue computes
-// gelu(acc), one rounding more (2^-9 relative) before the output's. Not for gathered rows: there
-// every producer thread copies (the host picks the register epilogue for those, block_sparse.cu).
-template <class Problem>
-concept WsDeferredEpilogue = Problem::defers && requires(const Problem& p, typename Problem::FinishInputs in) {
-  { p.load_chunk(0, 0) } -> std::same_as<decltype(in.in)>;
-  p.finish_chunk(0, 0, in);
-};
-constexpr int kWsWorkers = 96;  // producer warps 1-3
-// The consumers' side: the accumulators, rounded to bf16, into the staging at the rows and columns
-// the register epilogue would store them (the same accumulator layout: ws_register_epilogue).
-template <int COLUMNS>
-__device__ inline void ws_stage_products(unsigned char* staging, const float (&acc)[kWsBlockN / 2], int row,
-                                         int first_column, int quad_lane) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    unsigned char* at = staging + (row + 8 * half) * kWsDeferredPitch + (first_column + 2 * quad_lane) * 2;
-#pragma unroll
-    for (int j = 0; j < COLUMNS / 8; ++j)
-      *reinterpret_cast<__nv_bfloat162*>(at + 16 * j) = __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-  }
-}
-// The workers' side: worker w (0-95) finishes chunks w, w + 96, ... of the tile's 128 rows x 32
-// chunks, a warp 32 consecutive chunks (one 512-byte row of the tile, two 256-byte rows of its
-// blocks), kBatch chunks' inputs in flight before their stores. A half-row tile's rows 64-127 are
-// finished from zero products (the epilogue of a zero row, as ws_zero_rows stores).
-template <class Problem>
-__device__ inline void ws_finish_tile(const Problem& problem, const unsigned char* staging, bool half, int worker) {
-  constexpr int kRowChunks = kWsBlockN / 8, kChunks = kWgmmaBlockM * kRowChunks;
-  constexpr int kBatch = Problem::reads_in0 ? 4 : 8;  // chunks in flight, as the registers allow
-  const int staged_chunks = half ? kChunks / 2 : kChunks;
-  for (int first = worker; first < kChunks; first += kBatch * kWsWorkers) {
-    typename Problem::FinishInputs inputs[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int chunk = first + b * kWsWorkers, m = chunk / kRowChunks, n = (chunk % kRowChunks) * 8;
-      inputs[b] = {};
-      if (chunk < staged_chunks) {
-        inputs[b].product = *reinterpret_cast<const uint4*>(staging + m * kWsDeferredPitch + n * 2);
-        inputs[b].in = problem.load_chunk(m, n);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int chunk = first + b * kWsWorkers;
-      if (chunk < kChunks) problem.finish_chunk(chunk / kRowChunks, (chunk % kRowChunks) * 8, inputs[b]);
-    }
   }
 }
 
@@ -1047,9 +963,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   static_assert(CLUSTER == WsCluster::none || (PERSISTENT && TMA), "clusters are persistent, with TMA copies");
   static_assert(CLUSTER != WsCluster::share_a || WsSharedA<Problem>, "share_a: the SDD (ws_tma_copy_shared_a)");
   static_assert(CLUSTER != WsCluster::share_b || WsSharedB<Problem>, "share_b: the SDD or the DSD (WsSharedB)");
-  constexpr bool kDeferred = EPILOGUE_COLUMNS == kWsDeferredEpilogue;
-  static_assert(!kDeferred || (PERSISTENT && TMA && CLUSTER != WsCluster::share_a && WsDeferredEpilogue<Problem>),
-                "the deferred epilogue: persistent, TMA copies (the workers are the idle producer warps), an SDD");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kCtas = CLUSTER == WsCluster::none ? 1 : 2;
   constexpr bool a_m_major = Problem::a_layout == Layout::row_major_km;
@@ -1065,8 +978,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       shared_base + STAGES * wgmma_stage_bytes<kWsBlockN>() + (PERSISTENT ? ws_staging_bytes<EPILOGUE_COLUMNS>() : 0);
   auto full = [&](int stage) { return barriers + stage * 8; };
   auto empty = [&](int stage) { return barriers + (STAGES + stage) * 8; };
-  const uint32_t stored = barriers + 2 * STAGES * 8;  // the deferred epilogue's handoff (ws_finish_tile)
-  const uint32_t taken = barriers + (2 * STAGES + 1) * 8;
   auto stage_a = [&](int stage) { return shared_base + stage * wgmma_stage_bytes<kWsBlockN>(); };
 
   // TMA with gathered A rows: thread 0 copies B by TMA and every producer thread gathers A by cp.async.
@@ -1077,8 +988,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       mbarrier_init(full(s), (TMA ? 1 : 0) + (!TMA || gather ? kWsProducerThreads : 0));
       mbarrier_init(empty(s), 8 * kCtas);  // one arrival per consumer warp of the cluster
     }
-    mbarrier_init(stored, kWsThreads - kWsProducerThreads);  // every consumer thread
-    mbarrier_init(taken, kWsWorkers);                        // every worker
     // Makes the initialised barriers visible to the other threads' (and the cp.async unit's) arrivals.
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -1150,34 +1059,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   int iteration = 0;  // k-steps this thread's role has gone through, over all tiles (see the header)
   // Whether tile `at` is a half-row tile (the same answer in every warp: it reads only the tile's
   // block row and the topology).
-  constexpr bool kHalfRows = TMA && WsHalfRowTiles<Problem> &&
-                             (EPILOGUE_COLUMNS == kWsRegisterEpilogue || kDeferred) && CLUSTER != WsCluster::share_a;
+  constexpr bool kHalfRows =
+      TMA && WsHalfRowTiles<Problem> && EPILOGUE_COLUMNS == kWsRegisterEpilogue && CLUSTER != WsCluster::share_a;
   auto half_row = [&](const Problem& problem, WsTile at) { return kHalfRows && half_rows && ws_half_row(problem, at.y); };
 
   if (warpgroup == 0) {
     // ---- producer ----
-    setmaxnreg_dec<kDeferred ? kWsWorkerRegisters : kWsProducerRegisters>();
+    setmaxnreg_dec<kWsProducerRegisters>();
     const int thread = threadIdx.x;
     if constexpr (TMA) {
       static_assert(WsTmaCopies<Problem>, "TMA copies for a product without a ws_tma_copy overload");
-      if constexpr (kDeferred) {
-        if (gather) __trap();  // every producer thread copies there: the host never defers gathered rows
-        if (thread >= 32) {    // ---- workers: the deferred epilogue of every tile this CTA stores ----
-          int handoffs = 0;
-          TileSchedule tiles_of_worker = schedule();
-          for (TileSegment segment; tiles_of_worker.next(segment);) {
-            Problem problem;
-            const WsWork work = claim(segment.tile, problem);
-            if (!work.run || !work.store) continue;  // the consumers store nothing either
-            const unsigned char* staging = shared_bytes + (staging_base - shared_raw);
-            mbarrier_wait(stored, handoffs & 1);  // the consumers' products of the tile are staged
-            ws_finish_tile(problem, staging, half_row(problem, work.at), thread - 32);
-            mbarrier_arrive(taken);  // done with the staging: the consumers may write the next tile
-            ++handoffs;
-          }
-          return;
-        }
-      }
       if (thread != 0 && !gather) return;  // one thread issues every copy
       constexpr uint32_t b_bytes = kWsBlockN * kBlockK * sizeof(bf16);  // 32 KB
       WsGatheredRows rows;  // this thread's rows of x when they are gathered
@@ -1252,7 +1143,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
 
   // ---- consumers ----
-  setmaxnreg_inc<kDeferred ? kWsDeferringConsumerRegisters : kWsConsumerRegisters>();
+  setmaxnreg_inc<kWsConsumerRegisters>();
   const int consumer = warpgroup - 1;  // rows 64 consumer .. 64 consumer + 63 of the tile
   const int thread = threadIdx.x % 128, lane = threadIdx.x % 32, warp = thread / 32;
   unsigned char* const staging_bytes = shared_bytes + (staging_base - shared_raw);
@@ -1264,7 +1155,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if constexpr (kCtas > 1) mbarrier_arrive_remote(empty(stage), rank ^ 1u);
   };
 
-  int handoffs = 0;  // tiles handed to the workers (the deferred epilogue)
   TileSchedule tiles_of_worker = schedule();
   for (TileSegment segment; tiles_of_worker.next(segment);) {
     Problem problem;
@@ -1358,14 +1248,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       } else {
         ws_register_epilogue<kWsBlockN>(problem, acc, consumer * 64 + row, 0, lane % 4);
       }
-    } else if constexpr (kDeferred) {  // the product only, into the staging; the workers do the rest
-      mbarrier_wait(taken, (handoffs & 1) ^ 1);  // the workers are done with the staging's last tile
-      if (half)
-        ws_stage_products<kWsBlockN / 2>(staging_bytes, acc, row, consumer * (kWsBlockN / 2), lane % 4);
-      else
-        ws_stage_products<kWsBlockN>(staging_bytes, acc, consumer * 64 + row, 0, lane % 4);
-      mbarrier_arrive(stored);  // releases this thread's writes to the staging
-      ++handoffs;
     } else if constexpr (EPILOGUE_COLUMNS == kWsBulkEpilogue) {
       if (maps.outputs != nullptr && ws_bulk_store_aligned(problem))
         ws_bulk_epilogue(problem, maps.outputs + problem.out_expert, acc, staging_bytes + bulk_warp * kWsBulkWarpBytes,

@@ -13,7 +13,6 @@
 //                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
 //                 --stream-k on|off (the block-sparse DSDs' stream-K tail, cuda/tile_schedule.h)
 //                 --timing synced|pipelined (each timed run from an idle GPU, or back to back)
-//                 --deferred-epilogue on|off (the GeLU SDDs' epilogue on the producer's idle warps)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, C capacity,
@@ -135,7 +134,6 @@ struct Options {
   enum class Rows { layer, gathered, permuted } rows = Rows::layer;  // block-sparse: how the SDD reads x
   bool stream_k = true;  // block-sparse: the DSDs end in a stream-K tail (set_stream_k_tail)
   bool pipelined = false;  // time_work: the timed runs back to back, not each after a synchronize
-  bool deferred_epilogue = false;  // block-sparse: the GeLU SDDs defer their epilogue (set_deferred_epilogue)
 
   // dense_cublas is always timed: every ratio is taken against it.
   bool selected(const std::string& formulation) const {
@@ -207,15 +205,13 @@ const char* kUsage =
     "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
     "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
-    "                 [--stream-k on|off] [--timing synced|pipelined] [--deferred-epilogue on|off]\n"
+    "                 [--stream-k on|off] [--timing synced|pipelined]\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
     "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --stream-k:    whether the block-sparse DSDs end in a stream-K tail (default on)\n"
     "  --timing:      synced (default): each timed run starts on an idle GPU, after a synchronize, so\n"
     "                it includes the host's time to its first launch; pipelined: the runs enqueued\n"
     "                back to back, an event between each two, so each is timed on the GPU alone\n"
-    "  --deferred-epilogue: whether the block-sparse GeLU SDDs leave their epilogue to the producer\n"
-    "                warpgroup's idle warps where x's rows are not gathered (default on)\n"
     "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
     "                layer at STEP, default the last recorded), on the shapes with the run's E\n"
     "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
@@ -278,11 +274,6 @@ Options parse_options(int argc, char** argv) {
       if (v == "synced") options.pipelined = false;
       else if (v == "pipelined") options.pipelined = true;
       else throw std::invalid_argument("--timing: synced or pipelined");
-    } else if (arg == "--deferred-epilogue") {
-      const std::string v = value();
-      if (v == "on") options.deferred_epilogue = true;
-      else if (v == "off") options.deferred_epilogue = false;
-      else throw std::invalid_argument("--deferred-epilogue: on or off");
     } else if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -1191,8 +1182,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                    {"rows", options.rows == Options::Rows::layer      ? "layer"
                             : options.rows == Options::Rows::gathered ? "gathered"
                                                                       : "permuted"},
-                   {"stream_k", options.stream_k},
-                   {"deferred_epilogue", options.deferred_epilogue}};
+                   {"stream_k", options.stream_k}};
   json results = json::array();
   for (const Measurement& m : report.measurements) {
     results.push_back({{"shape", shape_json(m.shape)},
@@ -1277,7 +1267,6 @@ int main(int argc, char** argv) {
   try {
     options = parse_options(argc, argv);
     moe::cuda::set_stream_k_tail(options.stream_k);
-    moe::cuda::set_deferred_epilogue(options.deferred_epilogue);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "moe_bench: %s\n%s", error.what(), kUsage);
     return 2;

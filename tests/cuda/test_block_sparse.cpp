@@ -403,23 +403,6 @@ TEST(BlockSparseFfn, SwigluB128PaddingHalves) {
   REQUIRE_GPU();
   check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::swiglu, Routing::tail_halves, 23));
 }
-// The GeLU SDDs with their epilogue left to the producer warpgroup's idle warps through a staging
-// tile in shared memory (set_deferred_epilogue; where the rows are not gathered: the backward's SDD,
-// and the forward's from the permuted copy). Many tiles a CTA (the handoff's parity goes round),
-// half-row tiles, pairs of block rows, a grid capped at 3 CTAs, a wide model.
-struct DeferredEpilogue {
-  DeferredEpilogue() { moe::cuda::set_deferred_epilogue(true); }
-  ~DeferredEpilogue() { moe::cuda::set_deferred_epilogue(false); }
-};
-TEST(BlockSparseFfn, GeluB128DeferredEpilogue) {
-  REQUIRE_GPU();
-  const DeferredEpilogue deferred;
-  check_ffn(Problem(8192, 256, 512, 4, 2, 128, Activation::gelu, Routing::random, 30));
-  check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::gelu, Routing::tail_halves, 31));
-  check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::gelu, Routing::block_row_pairs, 32));
-  check_ffn(Problem(300, 2048, 512, 4, 2, 128, Activation::gelu, Routing::random, 33));
-}
-
 // Pairs of block rows sharing the expert's weights (block_row_pairs above), forward and backward:
 // the SDDs with W read [k][n] (forward) and [n][k] (backward, two 128-row boxes a k-step), the DSDs
 // likewise, SwiGLU's two-part DSD.
@@ -549,13 +532,6 @@ TEST(TileSchedule, StreamKTestsCutTiles) {
   EXPECT_EQ(forward_dsd_tail_parts(512, 512, 15, 3), 2);
   EXPECT_EQ(forward_dsd_tail_parts(256, 512, 15, 5), 3);
   EXPECT_EQ(forward_dsd_tail_parts(512, 512, 15, 10), 3);
-}
-TEST(BlockSparseFfn, GeluB128DeferredEpilogueFewWorkers) {
-  REQUIRE_GPU();
-  const DeferredEpilogue deferred;
-  const PersistentWorkerCap cap(3);
-  check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::gelu, Routing::block_row_pairs, 34));
-  check_ffn(Problem(322, 256, 512, 5, 1, 128, Activation::gelu, Routing::tail_halves, 35));
 }
 TEST(BlockSparseFfn, GeluB128StreamKTail) {
   REQUIRE_GPU();
