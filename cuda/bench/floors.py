@@ -19,21 +19,15 @@ What is counted, forward only, bf16 (2 bytes), rows = T*K routed rows, counts by
   and the GeLU written by the elementwise pass, the GeLU read, y written (what moe_bench's dense
   cuBLAS runs).
 Each product also reads its operands many times through the L2; those reads are not in the floor.
+The DSD's padded rows are checked against the plan moe_bench built (computed_rows in the file).
 """
 import argparse
 import json
 import math
 
+from routing_counts import routing_counts  # beside this script
+
 BLOCK = 128
-
-
-def routing_counts(rows, experts, routing):
-    weights = [1.0 if routing == "uniform" else 1.0 / (e + 1) for e in range(experts)]
-    total = sum(weights)
-    counts = [int(rows * w / total) for w in weights]
-    for e in range(rows - sum(counts)):
-        counts[e % experts] += 1
-    return counts
 
 
 def padded_rows(counts, half_rows):
@@ -84,6 +78,9 @@ def main():
         dense = measured.get((json.dumps(shape, sort_keys=True), routing, "dense_cublas"), math.nan)
         rows = shape["T"] * shape["K"]
         sdd_rows, dsd_rows, (of, ob), (df, db) = floors(shape, routing, args.tflops, args.gbps)
+        if r.get("computed_rows") not in (None, dsd_rows):  # the padding model against the GPU's plan
+            raise SystemExit(f"floors.py: {shape} {routing}: {dsd_rows} padded rows here, but moe_bench's plan "
+                             f"computed {r['computed_rows']}: the counts rule or B differs from this run's")
         name = "T={T} D={D} H={H} E={E} K={K}".format(**shape)
         print(f"{name:30s} {routing:8s} {sdd_rows / rows - 1:7.1%} /{dsd_rows / rows - 1:6.1%} | "
               f"{of:10.3f} {ob:6.3f} {r['forward_ms']:8.3f} {r['forward_ms'] / max(of, ob):6.2f} | "

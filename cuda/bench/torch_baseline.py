@@ -21,20 +21,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from routing_counts import routing_counts  # beside this script
+
 SHAPES = [  # T, D, H, E, K  (shared/BASELINES.md)
     (16384, 1024, 4096, 64, 1),
     (16384, 2048, 8192, 64, 2),
     (8192, 4096, 14336, 8, 2),
 ]
-
-
-def routing_counts(rows, experts, routing):
-    weights = [1.0 if routing == "uniform" else 1.0 / (e + 1) for e in range(experts)]
-    total = sum(weights)
-    counts = [int(rows * w / total) for w in weights]
-    for e in range(rows - sum(counts)):
-        counts[e % experts] += 1
-    return counts
 
 
 def time_ms(fn, pipelined, warmup=3, repeat=20, warmup_s=1.0):
