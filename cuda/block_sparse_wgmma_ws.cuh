@@ -626,7 +626,9 @@ __device__ inline int64_t ws_b_second_half(const Problem& problem) {
 // group_rows = 16 rows, x slow and y fast inside a group, so that the CTAs of one moment share a few
 // column slabs across 16 rows of one expert (CUTLASS calls this a swizzled tile scheduler).
 // Measured with ncu on an H200 (2026-11-22): SDD 3.64 -> 3.40 ms at D=4096 with groups of 16; at
-// T=16384 D=1024 E=64 the same groups cost 6% (0.39 -> 0.41 ms), hence row-major there.
+// T=16384 D=1024 E=64 the same groups cost 6% (0.39 -> 0.41 ms), hence row-major there. With the
+// thirteenth session's kernels other sizes changed nothing beyond 1% (groups of 4, 8, 32 at D=4096; 8
+// and 16 against row-major at D=2048 E=64 K=2 Zipf; notebooks_data/bench/ncu_2026-11-22t_h200.txt).
 // Tried in the thirteenth session, and left out (commit 807d31e, reverted; ncu at locked base clocks,
 // H200, 2026-11-22, notebooks_data/bench/ncu_2026-11-22q_h200.txt): this order taken from both ends
 // at once, so that under Zipf routing every round mixes the large experts (their weights served from
