@@ -61,13 +61,17 @@ def main():
     parser.add_argument("--tflops", type=float, default=796.0, help="bf16 matrix rate, TFLOP/s")
     parser.add_argument("--gbps", type=float, default=4183.0, help="HBM bandwidth, GB/s")
     args = parser.parse_args()
-    with open(args.result) as f:
-        doc = json.load(f)
+    try:
+        with open(args.result) as f:
+            doc = json.load(f)
+        doc["results"], doc["device"]["name"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"floors.py: {args.result} is not a readable moe_bench result file ({error})")
     measured = {}
     for r in doc["results"]:
         key = (json.dumps(r["shape"], sort_keys=True), r["routing"], r["formulation"])
         measured[key] = r["forward_ms"]
-    print(f"{doc['device']['name'] if isinstance(doc.get('device'), dict) else doc.get('device')}, "
+    print(f"{doc['device']['name']}, "
           f"{doc.get('date_utc', '')}; ceilings {args.tflops:.0f} TFLOP/s, {args.gbps:.0f} GB/s; forward, ms")
     print(f"{'shape':30s} {'routing':8s} {'padding sdd/dsd':>16s} | {'ours: flop':>10s} {'bytes':>6s} "
           f"{'measured':>8s} {'x max':>6s} | {'dense: flop':>11s} {'bytes':>6s} {'measured':>8s} {'x max':>6s}")

@@ -343,9 +343,14 @@ struct Timing {
 // host enqueues the next, as in a training loop: each time is the GPU's alone.
 Timing time_work(cudaStream_t stream, const Options& options, const std::function<void()>& work) {
   moe::cuda::warm_up_clock(stream, options.warmup, options.warmup_ms, work);
-  std::vector<cudaEvent_t> events(options.repeat + 1);
+  std::vector<cudaEvent_t> events(options.repeat + 1);  // pipelined: one between each two runs
   for (cudaEvent_t& e : events) CUDA_CHECK(cudaEventCreate(&e));
   Timing timing;
+  auto add_sample = [&](cudaEvent_t start, cudaEvent_t stop) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    timing.samples_ms.push_back(ms);
+  };
   if (options.pipelined) {
     work();
     CUDA_CHECK(cudaEventRecord(events[0], stream));
@@ -354,17 +359,15 @@ Timing time_work(cudaStream_t stream, const Options& options, const std::functio
       CUDA_CHECK(cudaEventRecord(events[i + 1], stream));
     }
     CUDA_CHECK(cudaEventSynchronize(events.back()));
-  }
-  for (int i = 0; i < options.repeat; ++i) {
-    if (!options.pipelined) {
-      CUDA_CHECK(cudaEventRecord(events[i], stream));
+    for (int i = 0; i < options.repeat; ++i) add_sample(events[i], events[i + 1]);
+  } else {
+    for (int i = 0; i < options.repeat; ++i) {
+      CUDA_CHECK(cudaEventRecord(events[0], stream));
       work();
-      CUDA_CHECK(cudaEventRecord(events[i + 1], stream));
-      CUDA_CHECK(cudaEventSynchronize(events[i + 1]));
+      CUDA_CHECK(cudaEventRecord(events[1], stream));
+      CUDA_CHECK(cudaEventSynchronize(events[1]));
+      add_sample(events[0], events[1]);
     }
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
-    timing.samples_ms.push_back(ms);
   }
   for (cudaEvent_t e : events) CUDA_CHECK(cudaEventDestroy(e));
   std::vector<float> sorted = timing.samples_ms;

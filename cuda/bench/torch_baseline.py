@@ -45,7 +45,6 @@ def time_ms(fn, pipelined, warmup=3, repeat=20, warmup_s=1.0):
             fn()
         torch.cuda.synchronize()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(repeat + 1)]
-    times = []
     if pipelined:
         fn()
         events[0].record()
@@ -55,13 +54,13 @@ def time_ms(fn, pipelined, warmup=3, repeat=20, warmup_s=1.0):
         events[-1].synchronize()
         times = [events[i].elapsed_time(events[i + 1]) for i in range(repeat)]
     else:
-        for i in range(repeat):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        times = []
+        for _ in range(repeat):
+            events[0].record()
             fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            events[1].record()
+            events[1].synchronize()
+            times.append(events[0].elapsed_time(events[1]))
     return statistics.median(times)
 
 
