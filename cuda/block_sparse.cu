@@ -119,6 +119,7 @@ struct TmaOperands {
   CUtensorMap output_prototype;
   const void* const* output_pointers = nullptr;  // [outputs] bf16* or float*
   int outputs = 0;
+  bool gradient_pairs = false;  // DSᵀD, DDS: tiles 2 y', 2 y' + 1 always of one expert (pairs allowed)
 };
 
 // The stages of every warp-specialized product (lesson 03, "Where the consumers wait": 3 -> 4
@@ -128,6 +129,7 @@ constexpr int kWsStages = 4;
 // set_persistent_worker_cap's cap (0: none), and set_stream_k_tail's switch.
 int persistent_worker_cap = 0;
 bool stream_k_tail = true;
+bool weight_gradient_pairs = true;
 int capped_workers(int workers) {
   return persistent_worker_cap > 0 ? std::min(workers, persistent_worker_cap) : workers;
 }
@@ -154,8 +156,9 @@ WsStreamKScratch allocate_stream_k(int workers, int ctas, cudaStream_t stream) {
 template <class Problem>
 void launch_ws_pairs(const Problem& problem, const TmaMaps& maps, int tiles_x, int y_count, int group_rows,
                      bool half_rows, int multiprocessors, cudaStream_t stream) {
-  constexpr int smem = ws_shared_bytes<kWsStages, kWsRegisterEpilogue, true>();
-  auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kWsRegisterEpilogue, true, true, Problem, WsCluster::share_b>;
+  constexpr int kEpilogueColumns = WsBulkStore<Problem> ? kWsBulkEpilogue : kWsRegisterEpilogue;
+  constexpr int smem = ws_shared_bytes<kWsStages, kEpilogueColumns, true>();
+  auto* kernel = &block_sparse_wgmma_ws_kernel<kWsStages, kEpilogueColumns, true, true, Problem, WsCluster::share_b>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int pair_tiles = tiles_x * ((y_count + 1) / 2);
   cudaLaunchAttribute cluster{};
@@ -233,7 +236,9 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
     }
     bool launched = false;
     if constexpr (WsSharedB<Problem>) {
-      if (block_row_pairs_share_weights(y_count, tma->experts)) {
+      const bool pairs = WsBulkStore<Problem> ? tma->gradient_pairs && weight_gradient_pairs
+                                              : block_row_pairs_share_weights(y_count, tma->experts);
+      if (pairs) {
         launch_ws_pairs(problem, maps, tiles_x, y_count, group_rows, half_rows, multiprocessors, stream);
         launched = true;
       }
@@ -349,7 +354,7 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
   // read transposed ([n][k]) in the backward.
   constexpr Layout km = Layout::row_major_km, nk = Layout::row_major_nk;
   // TMA on the warp-specialized kernel: rows of `a` in boxes of 64 x 64; W_e in [64 k][64 n] boxes
-  // when stored [k][n], two [128 n][64 k] boxes when read transposed (a half each: WsBHalves).
+  // when stored [k][n], two [128 n][64 k] boxes when read transposed (a half each: WsPairHalves).
   TmaOperands tma;
   const bool use_tma = takes_warp_specialized(t.block_size, hidden);
   const bool gathered = args.gather.row_slot != nullptr;
@@ -468,6 +473,8 @@ void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* d
     tma.maps.a[1] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
     set_output_maps(tma, out, int64_t{t.blocks_per_expert} * t.block_size, ldo, 0, t.block_cols / t.blocks_per_expert,
                     dense);
+    tma.gradient_pairs = weight_gradient_pairs_fit(t.blocks_per_expert, 1) &&
+                         block_row_pairs_share_weights(t.max_block_rows, t.block_cols / t.blocks_per_expert);
   }
   launch(problem, t.block_size, cols, t.block_cols, stream, use_tma ? &tma : nullptr);
 }
@@ -495,6 +502,8 @@ void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16
     tma.maps.a[0] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
     tma.maps.a[1] = make_blocks_map(s, t.max_nnz, t.block_size, 64);
     set_output_maps(tma, out, cols, ldo, column_offset, t.block_cols / t.blocks_per_expert, dense);
+    tma.gradient_pairs = weight_gradient_pairs_fit(t.blocks_per_expert, 2) &&
+                         block_row_pairs_share_weights(t.max_block_rows, t.block_cols / t.blocks_per_expert);
     launch_wgmma_ws(fill(DdsProblem<OUT, 2>{}), cols, t.block_cols / 2, stream, &tma);
     return;
   }
@@ -545,6 +554,12 @@ RowGather checked_rows(const MoeConfig& config, const ExpertRows& x, const std::
 //     under Zipf (2% and 1% uniform). Each expert's weights are read by one or two block rows, so
 //     they stream from HBM about once per pair anyway, many pairs straddle two experts (no sharing),
 //     and the pairing only makes the two CTAs wait for each other.
+// The weight gradients follow the same rule (fourteenth session; ncu at locked base clocks, H200,
+// 2026-11-22, notebooks_data/bench/ncu_2026-11-22u_h200.txt): their pairs of block columns share dy's
+// rows (DSᵀD) or x's (DDS), and a tile runs as many k-steps as its expert has block rows. DSᵀD | DDS
+// without pairs -> in pairs: D=4096 uniform 3.003 | 3.022 -> 2.911 | 2.955 ms (DSᵀD's L2 traffic 22.3
+// -> 17.0 GB); D=2048 Zipf 2.211 | 2.258 -> 2.154 | 2.214; D=1024 Zipf 0.358 | 0.363 -> 0.355 | 0.368
+// and uniform 0.340 | 0.346 -> 0.342 | 0.355 (2 block rows an expert: no pairs there).
 bool block_row_pairs_share_weights(int max_block_rows, int experts) {
   return experts > 0 && max_block_rows >= 4 * experts;
 }
@@ -555,6 +570,12 @@ void set_persistent_worker_cap(int workers) {
 }
 
 void set_stream_k_tail(bool enabled) { stream_k_tail = enabled; }
+
+void set_weight_gradient_pairs(bool enabled) { weight_gradient_pairs = enabled; }
+
+bool weight_gradient_pairs_fit(int blocks_per_expert, int columns_per_tile) {
+  return blocks_per_expert > 0 && blocks_per_expert % (2 * columns_per_tile) == 0;
+}
 
 bool rows_gatherable(const MoeConfig& config) {
   return takes_warp_specialized(static_cast<int>(config.block_size), static_cast<int>(config.hidden_dim));

@@ -134,7 +134,8 @@ bool gathering_pays(const MoeConfig& config);
 // Whether the SDDs and DSDs on Hopper (B = 128, the warp-specialized kernel) run in clusters of two
 // CTAs whose pairs of block rows 2 y, 2 y + 1 share the expert's weights by TMA multicast
 // (block_sparse_wgmma_ws.cuh, WsCluster::share_b), from the topology's host bound of block rows
-// (max_block_rows) and its expert count: where an expert has 4 or more block rows. Where they pay
+// (max_block_rows) and its expert count: where an expert has 4 or more block rows. The weight
+// gradients pair their tiles by the same rule (where weight_gradient_pairs_fit too). Where they pay
 // and where they do not: block_sparse.cu.
 bool block_row_pairs_share_weights(int max_block_rows, int experts);
 
@@ -146,6 +147,14 @@ void set_persistent_worker_cap(int workers);
 // For lessons and benchmarks: whether the DSDs end in a stream-K tail (tile_schedule.h; the
 // default, true) or run their last partial round of tiles whole. Process-wide, as above.
 void set_stream_k_tail(bool enabled);
+// For lessons and benchmarks: whether the weight gradients (DSᵀD, DDS) may run in clusters of two
+// tiles of one expert that share an operand's copies (the default, true: where the rule above takes
+// pairs) or always one CTA a tile.
+void set_weight_gradient_pairs(bool enabled);
+// Whether the weight gradients' pairs of tiles (2 y', 2 y' + 1 over the block columns, or over pairs
+// of them in DDS: columns_per_tile 1 or 2) always fall in one expert, so that both CTAs of a pair run
+// the same k-steps and multiply the same rows: H / B a multiple of 2 * columns_per_tile.
+bool weight_gradient_pairs_fit(int blocks_per_expert, int columns_per_tile);
 
 // ---- the dropless expert FFN ----
 // Forward (MegaBlocks 5.1): pre = SDD(x, W1), hidden = act(pre) fused into the SDD's epilogue,

@@ -477,21 +477,24 @@ concept WsStreamK = requires(const Problem& p) {
 // four [64 k][64 n] boxes when it is stored [k][n] (the MN-major layout of ws_copy_mn_major), or two
 // [128 n][64 k] boxes when it is stored [n][k] (K-major, as ws_copy_k_major). Either way columns
 // 128 n .. 128 n + 127 of the chunk are its half n, 16 KB into the stage's B.
-// WsBHalves says which halves this CTA copies, and to which CTAs of its cluster: both to itself
-// alone (no cluster, or a pair that does not share), or, in a pair of block rows that share the
-// expert's chunk (WsCluster::share_b), its own half to both CTAs.
-struct WsBHalves {
+// WsPairHalves says which halves of the operand a pair of tiles shares this CTA copies, and to which
+// CTAs of its cluster: both to itself alone (no cluster, or a pair that does not share), or, in a
+// pair that shares it (WsCluster::share_b: the expert's chunk of B in the SDD and DSD, the rows of
+// dy in DSᵀD, the rows of x in DDS), its own half to both CTAs.
+struct WsPairHalves {
   int first = 0, count = 2;
   uint16_t multicast = 0;  // CTA mask; 0: a plain copy into this CTA
 };
+// One box of a 2-D map: into this CTA alone, or into the CTAs of `halves`' mask.
+__device__ inline void ws_tma_load(uint32_t to, const CUtensorMap* map, uint32_t bar, int c0, int c1, WsPairHalves halves) {
+  if (halves.multicast != 0)
+    tma_load_multicast(to, map, bar, c0, c1, halves.multicast);
+  else
+    tma_load(to, map, bar, c0, c1);
+}
 template <Layout B_LAYOUT>
-__device__ inline void ws_tma_copy_b(const CUtensorMap* map, uint32_t b, uint32_t bar, int k0, int n0, WsBHalves halves) {
-  auto load = [&](uint32_t to, int c0, int c1) {
-    if (halves.multicast != 0)
-      tma_load_multicast(to, map, bar, c0, c1, halves.multicast);
-    else
-      tma_load(to, map, bar, c0, c1);
-  };
+__device__ inline void ws_tma_copy_b(const CUtensorMap* map, uint32_t b, uint32_t bar, int k0, int n0, WsPairHalves halves) {
+  auto load = [&](uint32_t to, int c0, int c1) { ws_tma_load(to, map, bar, c0, c1, halves); };
   for (int h = halves.first; h < halves.first + halves.count; ++h) {
     if constexpr (B_LAYOUT == Layout::row_major_km) {
       for (int g = 2 * h; g < 2 * h + 2; ++g) load(b + g * kBlockK * 128, n0 + 64 * g, k0);
@@ -504,7 +507,7 @@ __device__ inline void ws_tma_copy_b(const CUtensorMap* map, uint32_t b, uint32_
 // tile's stages hold only the first 64 rows of A (the other 64 are padding).
 template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
 __device__ inline void ws_tma_copy(const SddProblem<B_LAYOUT, EPILOGUE>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, bool half_row, WsBHalves halves = {}) {
+                                   uint32_t bar, int step, bool half_row, WsPairHalves halves = {}) {
   const int k0 = step * kBlockK;
   if (p.gather.row_slot == nullptr) {  // gathered rows come by cp.async (WsGatheredRows)
     for (int h = 0; h < (half_row ? 1 : 2); ++h)
@@ -521,7 +524,7 @@ __device__ inline void ws_tma_copy_shared_a(const SddProblem<B_LAYOUT, EPILOGUE>
                                             uint32_t b, uint32_t bar, int step, uint32_t rank) {
   const int k0 = step * kBlockK;
   tma_load_multicast(a + rank * 64 * 128, &maps.a[0], bar, k0, p.row * p.block_size + 64 * static_cast<int>(rank), 0b11);
-  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start, WsBHalves{});
+  ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, k0, p.column_offset + p.tile_n_start, WsPairHalves{});
 }
 template <class Problem>
 concept WsSharedA = requires(const Problem& p, const TmaMaps& maps) {
@@ -530,7 +533,7 @@ concept WsSharedA = requires(const Problem& p, const TmaMaps& maps) {
 // DSD: A = the block row's blocks from the 3-D map of its part; B = the expert's W (rows over all parts).
 template <Layout B_LAYOUT>
 __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, bool /*half_row: never*/, WsBHalves halves = {}) {
+                                   uint32_t bar, int step, bool /*half_row: never*/, WsPairHalves halves = {}) {
   const int steps_per_block = p.block_size / kBlockK;
   const int steps_per_part = p.blocks_per_expert * steps_per_block;
   const int part = step / steps_per_part, within = step % steps_per_part;
@@ -557,36 +560,52 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 // With the bulk epilogue they run 5-7% behind the SDD of the same shape (TFLOP/s of the rows
 // computed: 394 against 423 at D = 1024, 526 against 555 at D = 2048): what holds the D = 1024
 // shape at about 60% of cuBLAS is common to every product there.
+// In pairs of block columns of one expert (WsCluster::share_b), both multiply the same rows of dy:
+// each CTA copies one half of them into both (halves).
 template <typename OUT>
 __device__ inline void ws_tma_copy(const DsdTransposedProblem<OUT>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, bool /*half_row: never*/) {
+                                   uint32_t bar, int step, bool /*half_row: never*/, WsPairHalves halves = {}) {
   int k0;
   const int block = p.block_of(step, k0);
   for (int g = 0; g < 2; ++g) tma_load(a + g * kBlockK * 128, &maps.a[0], bar, 64 * g, k0, block);
   const int row = p.row_indices[block] * p.block_size + k0;
-  for (int g = 0; g < kWsBlockN / 64; ++g) tma_load(b + g * kBlockK * 128, &maps.a[1], bar, p.n0 + 64 * g, row);
+  ws_tma_copy_b<Layout::row_major_km>(&maps.a[1], b, bar, row, p.n0, halves);
 }
 // DDS (two block columns a tile): A = rows of the dense operand (x) read M-major, two [64 k][64 m]
 // boxes of the 2-D map a[0]; B = the blocks (r, c) and (r, c+1), two [64 k][64 n] boxes of each
 // from the 3-D map a[1].
+// In pairs of tiles at the same rows of x (WsCluster::share_b: block column pairs 2 y', 2 y' + 1 of
+// one expert), both multiply the same A: each CTA copies one of its two boxes into both (halves).
 template <typename OUT>
 __device__ inline void ws_tma_copy(const DdsProblem<OUT, 2>& p, const TmaMaps& maps, uint32_t a, uint32_t b,
-                                   uint32_t bar, int step, bool /*half_row: never*/) {
+                                   uint32_t bar, int step, bool /*half_row: never*/, WsPairHalves halves = {}) {
   int k0;
   const int block = p.block_of(step, k0);
   const int row = p.row_indices[block] * p.block_size + k0;
-  for (int g = 0; g < 2; ++g) tma_load(a + g * kBlockK * 128, &maps.a[0], bar, p.m0 + 64 * g, row);
+  for (int g = halves.first; g < halves.first + halves.count; ++g)
+    ws_tma_load(a + g * kBlockK * 128, &maps.a[0], bar, p.m0 + 64 * g, row, halves);
   for (int g = 0; g < kWsBlockN / 64; ++g) tma_load(b + g * kBlockK * 128, &maps.a[1], bar, 64 * (g % 2), k0, block + g / 2);
 }
 
-// The products whose pairs of block rows can share B (WsCluster::share_b): the SDD and the DSD,
-// whose B chunk depends only on the block row's expert and the tile's columns, and whose tiles all
-// take the same k-steps (so the two CTAs of a pair go through the stages in step).
+// The products whose pairs of tiles 2 y', 2 y' + 1 can share an operand (WsCluster::share_b): the SDD
+// and the DSD, whose B chunk depends only on the block row's expert and the tile's columns, and
+// whose tiles all take the same k-steps (so the two CTAs of a pair go through the stages in step);
+// and the weight gradients, whose pairs are two block columns (DSᵀD) or two pairs of them (DDS) of
+// one expert, with the same blocks' rows (so the same k-steps), sharing dy's rows (DSᵀD: B) or x's
+// (DDS: A). The host pairs them only where every pair falls in one expert
+// (weight_gradient_pairs_fit): the two CTAs of a pair must run the same k-steps.
 template <class Problem>
 concept WsSharedB = requires(const Problem& p, const TmaMaps& maps) {
-  { p.expert } -> std::convertible_to<int>;
-  ws_tma_copy(p, maps, 0u, 0u, 0u, 0, false, WsBHalves{});
+  ws_tma_copy(p, maps, 0u, 0u, 0u, 0, false, WsPairHalves{});
 };
+// The expert a tile belongs to: the pair shares its operand only within one expert.
+template <class Problem>
+__device__ inline int ws_tile_expert(const Problem& p) {
+  if constexpr (requires { p.expert; })
+    return p.expert;
+  else
+    return p.out_expert;
+}
 
 // The products with TMA copies: those with a ws_tma_copy overload above. The host asks this, and
 // the kernel's TMA path calls the same signature, so the two cannot drift apart.
@@ -939,12 +958,14 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMa
 //   share_a (dev_sdd version 21, the SDD without gathered rows): the two take tiles side by side in
 //     a block row and share their A (ws_tma_copy_shared_a): 8 + 32 KB a k-step from the L2 instead
 //     of 16 + 32.
-//   share_b (the mainline's SDD and DSD, dev_sdd version 22): the two take block rows 2 y' and
+//   share_b (the mainline's products, dev_sdd version 22): the two take block rows 2 y' and
 //     2 y' + 1 at the same columns; where both belong to one expert they multiply the same chunk of
-//     its weights, and each copies one half of it into both (WsBHalves): 16 + 16 KB a k-step
+//     its weights, and each copies one half of it into both (WsPairHalves): 16 + 16 KB a k-step
 //     instead of 16 + 32. Where the two block rows belong to different experts, each copies its own
 //     B; where one block row is past the device's count, its CTA multiplies the peer's tile (sharing
-//     B) and stores nothing, so that the pair stays in step.
+//     B) and stores nothing, so that the pair stays in step. The weight gradients' pairs are two
+//     block columns of one expert (DSᵀD: tiles y = block column) sharing dy's rows, or two pairs of
+//     them (DDS: y = a pair of block columns) sharing x's rows; WsSharedB says which.
 // stream_k (the DSD in pairs, WsStreamK; null partials: none): the tiles of the last partial round
 //   are shared out by k-steps (TileSchedule's tail), and the parts of a cut tile meet in this
 //   scratch (ws_stream_k_arrive, ws_stream_k_add) before the last of them stores it.
@@ -964,7 +985,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   static_assert(kBlockK == 64, "a k-step is one 128-byte swizzle row of K (K-major) or 64 rows (MN-major)");
   static_assert(CLUSTER == WsCluster::none || (PERSISTENT && TMA), "clusters are persistent, with TMA copies");
   static_assert(CLUSTER != WsCluster::share_a || WsSharedA<Problem>, "share_a: the SDD (ws_tma_copy_shared_a)");
-  static_assert(CLUSTER != WsCluster::share_b || WsSharedB<Problem>, "share_b: the SDD or the DSD (WsSharedB)");
+  static_assert(CLUSTER != WsCluster::share_b || WsSharedB<Problem>, "share_b: a product with a pair's copy (WsSharedB)");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kCtas = CLUSTER == WsCluster::none ? 1 : 2;
   constexpr bool a_m_major = Problem::a_layout == Layout::row_major_km;
@@ -1052,7 +1073,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         problem = peer;
         at.y ^= 1;
       }
-      return {at, mine || theirs, mine, mine && theirs ? problem.expert == peer.expert : true};
+      return {at, mine || theirs, mine, mine && theirs ? ws_tile_expert(problem) == ws_tile_expert(peer) : true};
     } else {
       return {at, mine, mine, false};
     }
@@ -1082,7 +1103,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int k_begin = segment.k_begin, k_end = k_end_of(segment, problem);
         const bool half = half_row(problem, work.at);
         // share_b: this CTA's half of B into both CTAs' stages, when the pair shares it
-        const WsBHalves halves = work.share_b ? WsBHalves{static_cast<int>(rank), 1, 0b11} : WsBHalves{};
+        const WsPairHalves halves = work.share_b ? WsPairHalves{static_cast<int>(rank), 1, 0b11} : WsPairHalves{};
         if constexpr (WsGatherable<Problem>) {
           if (gather) rows.fetch(problem, thread);
         }

@@ -12,6 +12,7 @@
 //                 --only NAME[,NAME...]  --out FILE  --warmup 3  --warmup-ms 1000  --repeat 20  --seed 1234
 //                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
 //                 --stream-k on|off (the block-sparse DSDs' stream-K tail, cuda/tile_schedule.h)
+//                 --gradient-pairs on|off (the block-sparse weight gradients in clusters of two tiles)
 //                 --timing synced|pipelined (each timed run from an idle GPU, or back to back)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
@@ -133,6 +134,7 @@ struct Options {
   uint64_t seed = 1234;
   enum class Rows { layer, gathered, permuted } rows = Rows::layer;  // block-sparse: how the SDD reads x
   bool stream_k = true;  // block-sparse: the DSDs end in a stream-K tail (set_stream_k_tail)
+  bool gradient_pairs = true;  // block-sparse: weight gradients in pairs of tiles (set_weight_gradient_pairs)
   bool pipelined = false;  // time_work: the timed runs back to back, not each after a synchronize
 
   // dense_cublas is always timed: every ratio is taken against it.
@@ -205,10 +207,12 @@ const char* kUsage =
     "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
     "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
-    "                 [--stream-k on|off] [--timing synced|pipelined]\n"
+    "                 [--stream-k on|off] [--gradient-pairs on|off] [--timing synced|pipelined]\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
     "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --stream-k:    whether the block-sparse DSDs end in a stream-K tail (default on)\n"
+    "  --gradient-pairs: whether the block-sparse weight gradients run in clusters of two tiles that\n"
+    "                share an operand's copies (default on)\n"
     "  --timing:      synced (default): each timed run starts on an idle GPU, after a synchronize, so\n"
     "                it includes the host's time to its first launch; pipelined: the runs enqueued\n"
     "                back to back, an event between each two, so each is timed on the GPU alone\n"
@@ -269,6 +273,11 @@ Options parse_options(int argc, char** argv) {
       if (v == "on") options.stream_k = true;
       else if (v == "off") options.stream_k = false;
       else throw std::invalid_argument("--stream-k: on or off");
+    } else if (arg == "--gradient-pairs") {
+      const std::string v = value();
+      if (v == "on") options.gradient_pairs = true;
+      else if (v == "off") options.gradient_pairs = false;
+      else throw std::invalid_argument("--gradient-pairs: on or off");
     } else if (arg == "--timing") {
       const std::string v = value();
       if (v == "synced") options.pipelined = false;
@@ -1185,7 +1194,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                    {"rows", options.rows == Options::Rows::layer      ? "layer"
                             : options.rows == Options::Rows::gathered ? "gathered"
                                                                       : "permuted"},
-                   {"stream_k", options.stream_k}};
+                   {"stream_k", options.stream_k}, {"gradient_pairs", options.gradient_pairs}};
   json results = json::array();
   for (const Measurement& m : report.measurements) {
     results.push_back({{"shape", shape_json(m.shape)},
@@ -1270,6 +1279,7 @@ int main(int argc, char** argv) {
   try {
     options = parse_options(argc, argv);
     moe::cuda::set_stream_k_tail(options.stream_k);
+    moe::cuda::set_weight_gradient_pairs(options.gradient_pairs);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "moe_bench: %s\n%s", error.what(), kUsage);
     return 2;

@@ -670,6 +670,31 @@ TEST(BlockSparseProducts, B128BlockRowPairs) {
   check_products(1540, 512, 512, 4, 1, 128, 26, Routing::block_row_pairs);
 }
 
+// The weight gradients in pairs of tiles that share an operand (set_weight_gradient_pairs, the
+// default) and one CTA a tile, into poisoned outputs. The premise: with block_row_pairs routing
+// (BlockRowPairsTaken), at H = 512 (4 block columns an expert) both DSᵀD and DDS take pairs, at
+// H = 256 only DSᵀD; at H = 384 neither.
+TEST(BlockSparseProducts, WeightGradientPairsTaken) {
+  EXPECT_TRUE(moe::cuda::weight_gradient_pairs_fit(4, 1));
+  EXPECT_TRUE(moe::cuda::weight_gradient_pairs_fit(4, 2));
+  EXPECT_TRUE(moe::cuda::weight_gradient_pairs_fit(2, 1));
+  EXPECT_FALSE(moe::cuda::weight_gradient_pairs_fit(2, 2));
+  EXPECT_FALSE(moe::cuda::weight_gradient_pairs_fit(3, 1));
+}
+struct WeightGradientPairs {
+  explicit WeightGradientPairs(bool enabled) { moe::cuda::set_weight_gradient_pairs(enabled); }
+  ~WeightGradientPairs() { moe::cuda::set_weight_gradient_pairs(true); }
+};
+TEST(BlockSparseProducts, B128WeightGradientPairsAndSingleTiles) {
+  REQUIRE_GPU();
+  for (const bool pairs : {true, false}) {
+    SCOPED_TRACE(pairs ? "pairs" : "one CTA a tile");
+    const WeightGradientPairs setting(pairs);
+    check_products(1540, 512, 512, 4, 1, 128, 30, Routing::block_row_pairs);  // 4 block columns an expert
+    check_products(1540, 256, 256, 4, 1, 128, 31, Routing::block_row_pairs);  // 2: DSᵀD pairs, DDS single
+  }
+}
+
 // The products on a grid of 3 and of 10 clusters: the DSDs end in a stream-K tail of 2 and 3 parts a tile.
 TEST(BlockSparseProducts, B128StreamKTail) {
   REQUIRE_GPU();
