@@ -3,8 +3,9 @@
 // ring of shared-memory stages, two consumer warpgroups run wgmma on them, and mbarriers (not
 // __syncthreads) pass each stage back and forth. Optionally persistent: one CTA per SM walks many
 // tiles, so that one tile's epilogue overlaps the next tile's copies; optionally in clusters of two
-// CTAs that copy an operand once for both by TMA multicast (WsCluster: the SDD and DSD take pairs of
-// block rows sharing the expert's weights where an expert has 4 or more block rows).
+// CTAs that copy an operand once for both by TMA multicast (WsCluster: where an expert has 4 or more
+// block rows, the SDD and DSD take pairs of block rows sharing the expert's weights, and the weight
+// gradients pairs of block columns sharing dy's or x's rows).
 // The mainline's kernel for every product at B = 128 where the tile fits (block_sparse.cu, launch),
 // and cuda/dev/sdd.cu's versions 15-19 (the lesson). Build: cmake --build build --target dev_sdd
 //
