@@ -848,15 +848,25 @@ class RoutingBench {
     return report_.measurements.back();
   }
 
+  // Each phase is announced as it starts ("timing NAME forward", then "timing NAME forward+backward";
+  // the "time" line ends the second), flushed at once, so that a tool reading the output as it comes
+  // knows what the GPU is running (cuda/bench/power_trace.py samples the clock and power beside it).
   void time_forward_backward(Measurement& m, const std::function<void()>& forward,
                              const std::function<void()>& backward) {
+    auto announce = [&](const char* phase) {
+      std::printf("  timing %s %s\n", m.formulation.c_str(), phase);
+      std::fflush(stdout);
+    };
+    announce("forward");
     m.forward = time_work(stream_, options_, forward);
+    announce("forward+backward");
     m.forward_backward = time_work(stream_, options_, [&] {
       forward();
       backward();
     });
     std::printf("  time  %-20s forward %8.3f ms   forward+backward %8.3f ms\n", m.formulation.c_str(),
                 m.forward.median_ms, m.forward_backward.median_ms);
+    std::fflush(stdout);
   }
 
   std::vector<int> download_ints(const DeviceBuffer<int>& b) {
