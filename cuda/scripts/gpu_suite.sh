@@ -90,8 +90,11 @@ dev() {
 bench() {
   local rc=0
   if [ -x build-gpu/cuda/bench/moe_bench ]; then
-    build-gpu/cuda/bench/moe_bench --out "$OUT/moe_bench.json" > "$LOGS/moe_bench.log" 2>&1 || rc=1
-    tail -45 "$LOGS/moe_bench.log"
+    # under power_trace.py (the SM clock and power of each timed phase) where nvidia-smi is present
+    local trace=()
+    command -v nvidia-smi > /dev/null && trace=(python3 cuda/bench/power_trace.py --out "$OUT/power_trace.json" --)
+    "${trace[@]}" build-gpu/cuda/bench/moe_bench --out "$OUT/moe_bench.json" > "$LOGS/moe_bench.log" 2>&1 || rc=1
+    tail -75 "$LOGS/moe_bench.log"
   fi
   if [ -f cuda/bench/torch_baseline.py ]; then
     PYTHONUNBUFFERED=1 python3 cuda/bench/torch_baseline.py --out "$OUT/torch_baseline.json" > "$LOGS/torch_baseline.log" 2>&1 || rc=1
