@@ -673,7 +673,8 @@ TEST(BlockSparseProducts, B128BlockRowPairs) {
 // The weight gradients in pairs of tiles that share an operand (set_weight_gradient_pairs, the
 // default) and one CTA a tile, into poisoned outputs. The premise: with block_row_pairs routing
 // (BlockRowPairsTaken), at H = 512 (4 block columns an expert) both DSᵀD and DDS take pairs, at
-// H = 256 only DSᵀD; at H = 384 neither.
+// H = 256 only DSᵀD; at H = 384 neither. With an expert that has no rows, its pairs run no k-step
+// and must still write zeros.
 TEST(BlockSparseProducts, WeightGradientPairsTaken) {
   EXPECT_TRUE(moe::cuda::weight_gradient_pairs_fit(4, 1));
   EXPECT_TRUE(moe::cuda::weight_gradient_pairs_fit(4, 2));
@@ -692,6 +693,7 @@ TEST(BlockSparseProducts, B128WeightGradientPairsAndSingleTiles) {
     const WeightGradientPairs setting(pairs);
     check_products(1540, 512, 512, 4, 1, 128, 30, Routing::block_row_pairs);  // 4 block columns an expert
     check_products(1540, 256, 256, 4, 1, 128, 31, Routing::block_row_pairs);  // 2: DSᵀD pairs, DDS single
+    check_products(1540, 512, 512, 4, 1, 128, 32, Routing::skip_one_expert);  // pairs of zero k-steps
   }
 }
 
