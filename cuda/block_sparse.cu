@@ -455,6 +455,13 @@ void set_output_maps(TmaOperands& tma, OUT* const* out, int64_t rows, int ldo, i
   tma.outputs = experts;
 }
 
+// Whether a weight gradient's tiles (columns_per_tile block columns each) run in pairs: where every
+// pair falls in one expert, by the block-row pairs' rule (block_sparse.h).
+bool gradient_pairs_taken(const DeviceTopology& t, int columns_per_tile) {
+  return weight_gradient_pairs_fit(t.blocks_per_expert, columns_per_tile) &&
+         block_row_pairs_share_weights(t.max_block_rows, t.block_cols / t.blocks_per_expert);
+}
+
 template <typename OUT>
 void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* dense, int cols,
                            OUT* const* out, int ldo, cudaStream_t stream) {
@@ -473,8 +480,7 @@ void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* d
     tma.maps.a[1] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
     set_output_maps(tma, out, int64_t{t.blocks_per_expert} * t.block_size, ldo, 0, t.block_cols / t.blocks_per_expert,
                     dense);
-    tma.gradient_pairs = weight_gradient_pairs_fit(t.blocks_per_expert, 1) &&
-                         block_row_pairs_share_weights(t.max_block_rows, t.block_cols / t.blocks_per_expert);
+    tma.gradient_pairs = gradient_pairs_taken(t, 1);
   }
   launch(problem, t.block_size, cols, t.block_cols, stream, use_tma ? &tma : nullptr);
 }
@@ -502,8 +508,7 @@ void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16
     tma.maps.a[0] = make_matrix_map(dense, static_cast<int64_t>(t.max_block_rows) * t.block_size, cols, cols, 64);
     tma.maps.a[1] = make_blocks_map(s, t.max_nnz, t.block_size, 64);
     set_output_maps(tma, out, cols, ldo, column_offset, t.block_cols / t.blocks_per_expert, dense);
-    tma.gradient_pairs = weight_gradient_pairs_fit(t.blocks_per_expert, 2) &&
-                         block_row_pairs_share_weights(t.max_block_rows, t.block_cols / t.blocks_per_expert);
+    tma.gradient_pairs = gradient_pairs_taken(t, 2);
     launch_wgmma_ws(fill(DdsProblem<OUT, 2>{}), cols, t.block_cols / 2, stream, &tma);
     return;
   }

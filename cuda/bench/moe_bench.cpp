@@ -230,6 +230,12 @@ Options parse_options(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
       return argv[++i];
     };
+    auto on_off = [&]() {  // a switch's value: on or off
+      const std::string v = value();
+      if (v == "on") return true;
+      if (v == "off") return false;
+      throw std::invalid_argument(arg + ": on or off");
+    };
     if (arg == "--shapes") {
       const std::string v = value();
       if (v == "baselines") options.shapes = kBaselineShapes;
@@ -269,15 +275,9 @@ Options parse_options(int argc, char** argv) {
       else if (v == "permuted") options.rows = Options::Rows::permuted;
       else throw std::invalid_argument("--rows: layer, gathered or permuted");
     } else if (arg == "--stream-k") {
-      const std::string v = value();
-      if (v == "on") options.stream_k = true;
-      else if (v == "off") options.stream_k = false;
-      else throw std::invalid_argument("--stream-k: on or off");
+      options.stream_k = on_off();
     } else if (arg == "--gradient-pairs") {
-      const std::string v = value();
-      if (v == "on") options.gradient_pairs = true;
-      else if (v == "off") options.gradient_pairs = false;
-      else throw std::invalid_argument("--gradient-pairs: on or off");
+      options.gradient_pairs = on_off();
     } else if (arg == "--timing") {
       const std::string v = value();
       if (v == "synced") options.pipelined = false;
