@@ -130,6 +130,12 @@ constexpr int kWsStages = 4;
 int persistent_worker_cap = 0;
 bool stream_k_tail = true;
 bool weight_gradient_pairs = true;
+bool block_row_pairs_everywhere = false;  // set_block_row_pairs_everywhere
+
+// block_row_pairs_share_weights, unless an experiment takes pairs everywhere.
+bool block_row_pairs_taken(int max_block_rows, int experts) {
+  return block_row_pairs_everywhere || block_row_pairs_share_weights(max_block_rows, experts);
+}
 int capped_workers(int workers) {
   return persistent_worker_cap > 0 ? std::min(workers, persistent_worker_cap) : workers;
 }
@@ -237,7 +243,7 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
     bool launched = false;
     if constexpr (WsSharedB<Problem>) {
       const bool pairs = WsBulkStore<Problem> ? tma->gradient_pairs && weight_gradient_pairs
-                                              : block_row_pairs_share_weights(y_count, tma->experts);
+                                              : block_row_pairs_taken(y_count, tma->experts);
       if (pairs) {
         launch_ws_pairs(problem, maps, tiles_x, y_count, group_rows, half_rows, multiprocessors, stream);
         launched = true;
@@ -459,7 +465,7 @@ void set_output_maps(TmaOperands& tma, OUT* const* out, int64_t rows, int ldo, i
 // pair falls in one expert, by the block-row pairs' rule (block_sparse.h).
 bool gradient_pairs_taken(const DeviceTopology& t, int columns_per_tile) {
   return weight_gradient_pairs_fit(t.blocks_per_expert, columns_per_tile) &&
-         block_row_pairs_share_weights(t.max_block_rows, t.block_cols / t.blocks_per_expert);
+         block_row_pairs_taken(t.max_block_rows, t.block_cols / t.blocks_per_expert);
 }
 
 template <typename OUT>
@@ -577,6 +583,8 @@ void set_persistent_worker_cap(int workers) {
 void set_stream_k_tail(bool enabled) { stream_k_tail = enabled; }
 
 void set_weight_gradient_pairs(bool enabled) { weight_gradient_pairs = enabled; }
+
+void set_block_row_pairs_everywhere(bool enabled) { block_row_pairs_everywhere = enabled; }
 
 bool weight_gradient_pairs_fit(int blocks_per_expert, int columns_per_tile) {
   return blocks_per_expert > 0 && blocks_per_expert % (2 * columns_per_tile) == 0;

@@ -151,6 +151,10 @@ void set_stream_k_tail(bool enabled);
 // tiles of one expert that share an operand's copies (the default, true: where the rule above takes
 // pairs) or always one CTA a tile.
 void set_weight_gradient_pairs(bool enabled);
+// For experiments: take pairs of block rows (and the weight gradients' pairs, where they fit) at every
+// shape, whatever block_row_pairs_share_weights says (true), or by that rule (false, the default).
+// Process-wide, as above.
+void set_block_row_pairs_everywhere(bool enabled);
 // Whether the weight gradients' pairs of tiles (2 y', 2 y' + 1 over the block columns, or over pairs
 // of them in DDS: columns_per_tile 1 or 2) always fall in one expert, so that both CTAs of a pair run
 // the same k-steps and multiply the same rows: H / B a multiple of 2 * columns_per_tile.

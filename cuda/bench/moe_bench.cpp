@@ -13,7 +13,11 @@
 //                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
 //                 --stream-k on|off (the block-sparse DSDs' stream-K tail, cuda/tile_schedule.h)
 //                 --gradient-pairs on|off (the block-sparse weight gradients in clusters of two tiles)
+//                 --block-row-pairs rule|everywhere (pairs of block rows where the rule takes them, or
+//                 at every shape: set_block_row_pairs_everywhere)
 //                 --timing synced|pipelined (each timed run from an idle GPU, or back to back)
+//                 --kernel-trace (after timing each formulation, `repeat` more runs back to back
+//                 under CUPTI: every kernel's time in place and the GPU's idle gaps between them)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, C capacity,
@@ -75,6 +79,7 @@
 #include "dispatch_plan.h"    // DispatchPlanBuffers, build_dispatch_plan
 #include "expert_ffn.h"       // moe::ref::expert_ffn_forward (the CPU oracle)
 #include "gemm.h"             // gemm, gemm_batched, gemm_grouped, CublasHandle
+#include "kernel_trace.h"     // KernelTrace, summarize_runs (--kernel-trace)
 #include "moe_config.h"       // MoeConfig
 #include "run_record.h"       // RunReader (--routing-from: a recorded run's routing)
 #include "routing.h"          // router_logits, route_top_k (with the router losses), RouterWorkspace
@@ -135,7 +140,9 @@ struct Options {
   enum class Rows { layer, gathered, permuted } rows = Rows::layer;  // block-sparse: how the SDD reads x
   bool stream_k = true;  // block-sparse: the DSDs end in a stream-K tail (set_stream_k_tail)
   bool gradient_pairs = true;  // block-sparse: weight gradients in pairs of tiles (set_weight_gradient_pairs)
+  bool pairs_everywhere = false;  // block-sparse: set_block_row_pairs_everywhere
   bool pipelined = false;  // time_work: the timed runs back to back, not each after a synchronize
+  bool kernel_trace = false;  // trace each formulation's kernels (kernel_trace.h)
 
   // dense_cublas is always timed: every ratio is taken against it.
   bool selected(const std::string& formulation) const {
@@ -208,6 +215,7 @@ const char* kUsage =
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
     "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
     "                 [--stream-k on|off] [--gradient-pairs on|off] [--timing synced|pipelined]\n"
+    "                 [--block-row-pairs rule|everywhere] [--kernel-trace]\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
     "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --stream-k:    whether the block-sparse DSDs end in a stream-K tail (default on)\n"
@@ -216,6 +224,11 @@ const char* kUsage =
     "  --timing:      synced (default): each timed run starts on an idle GPU, after a synchronize, so\n"
     "                it includes the host's time to its first launch; pipelined: the runs enqueued\n"
     "                back to back, an event between each two, so each is timed on the GPU alone\n"
+    "  --block-row-pairs: pairs of block rows (and of weight-gradient tiles) where the measured rule\n"
+    "                takes them (default), or at every shape, for an experiment\n"
+    "  --kernel-trace: after timing each formulation, run its forward and its forward + backward\n"
+    "                `repeat` more times back to back under CUPTI and report each kernel's median\n"
+    "                time in place and the GPU's idle gaps between kernels (JSON: kernel_traces)\n"
     "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
     "                layer at STEP, default the last recorded), on the shapes with the run's E\n"
     "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
@@ -283,6 +296,13 @@ Options parse_options(int argc, char** argv) {
       if (v == "synced") options.pipelined = false;
       else if (v == "pipelined") options.pipelined = true;
       else throw std::invalid_argument("--timing: synced or pipelined");
+    } else if (arg == "--block-row-pairs") {
+      const std::string v = value();
+      if (v == "rule") options.pairs_everywhere = false;
+      else if (v == "everywhere") options.pairs_everywhere = true;
+      else throw std::invalid_argument("--block-row-pairs: rule or everywhere");
+    } else if (arg == "--kernel-trace") {
+      options.kernel_trace = true;
     } else if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -752,9 +772,19 @@ struct Overhead {
   double total_ms = 0, ffn_forward_ms = 0, share = 0;
 };
 
+// One formulation's forward (or forward + backward), `repeat` runs back to back under CUPTI.
+struct Trace {
+  Shape shape;
+  Routing routing;
+  std::string formulation, phase;
+  double timed_median_ms = 0;  // the same work's median from time_work, for comparison with the span
+  moe::bench::KernelTraceSummary summary;
+};
+
 struct Report {
   std::vector<Measurement> measurements;
   std::vector<Overhead> overheads;
+  std::vector<Trace> traces;
   std::vector<std::string> skipped;
 };
 
@@ -867,6 +897,30 @@ class RoutingBench {
     std::printf("  time  %-20s forward %8.3f ms   forward+backward %8.3f ms\n", m.formulation.c_str(),
                 m.forward.median_ms, m.forward_backward.median_ms);
     std::fflush(stdout);
+    if (options_.kernel_trace) {
+      trace(m, "forward", m.forward.median_ms, forward);
+      trace(m, "forward+backward", m.forward_backward.median_ms, [&] {
+        forward();
+        backward();
+      });
+    }
+  }
+
+  // `repeat` runs of `work` back to back (the GPU is warm from the timing just done) under CUPTI.
+  void trace(const Measurement& m, const char* phase, double timed_median_ms, const std::function<void()>& work) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    Trace t{s_, routing_, m.formulation, phase, timed_median_ms, {}};
+    {
+      moe::bench::KernelTrace tracer;
+      for (int i = 0; i < options_.repeat; ++i) work();
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      t.summary = moe::bench::summarize_runs(tracer.take(), options_.repeat);
+    }
+    std::printf("  trace %-20s %-16s span %8.3f ms = kernels %8.3f + gaps %6.3f ms (%zu kernels a run)\n",
+                m.formulation.c_str(), phase, t.summary.median_span_ms, t.summary.sum_kernels_ms,
+                t.summary.sum_gaps_ms, t.summary.kernels.size());
+    std::fflush(stdout);
+    report_.traces.push_back(std::move(t));
   }
 
   std::vector<int> download_ints(const DeviceBuffer<int>& b) {
@@ -1204,7 +1258,8 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                    {"rows", options.rows == Options::Rows::layer      ? "layer"
                             : options.rows == Options::Rows::gathered ? "gathered"
                                                                       : "permuted"},
-                   {"stream_k", options.stream_k}, {"gradient_pairs", options.gradient_pairs}};
+                   {"stream_k", options.stream_k}, {"gradient_pairs", options.gradient_pairs},
+                   {"block_row_pairs", options.pairs_everywhere ? "everywhere" : "rule"}};
   json results = json::array();
   for (const Measurement& m : report.measurements) {
     results.push_back({{"shape", shape_json(m.shape)},
@@ -1238,6 +1293,24 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                          {"share_of_forward_layer", o.share}});
   }
   doc["routing_overhead"] = overheads;
+  json traces = json::array();
+  for (const Trace& t : report.traces) {
+    json kernels = json::array();
+    for (const auto& k : t.summary.kernels) {
+      kernels.push_back({{"name", k.name}, {"median_ms", k.median_ms}, {"median_gap_before_ms", k.median_gap_before_ms}});
+    }
+    traces.push_back({{"shape", shape_json(t.shape)},
+                      {"routing", moe::bench::to_string(t.routing)},
+                      {"formulation", t.formulation},
+                      {"phase", t.phase},
+                      {"runs", t.summary.runs},
+                      {"timed_median_ms", t.timed_median_ms},
+                      {"median_span_ms", t.summary.median_span_ms},
+                      {"sum_kernels_ms", t.summary.sum_kernels_ms},
+                      {"sum_gaps_ms", t.summary.sum_gaps_ms},
+                      {"kernels", kernels}});
+  }
+  if (!report.traces.empty()) doc["kernel_traces"] = traces;
   json checks = json::array();
   for (const Check& c : g_checks) {
     checks.push_back({{"name", c.name}, {"pass", c.pass}, {"relative_error", c.relative_error},
@@ -1275,6 +1348,16 @@ void print_table(const Report& report) {
                   std::string(moe::bench::to_string(o.routing)).c_str(), o.total_ms, o.ffn_forward_ms, 100.0 * o.share);
     }
   }
+  for (const Trace& t : report.traces) {
+    std::printf("\nKernel trace, %s %s %s %s: %d runs back to back; median span %.3f ms (timed: %.3f) = kernels "
+                "%.3f + GPU idle %.3f\n",
+                t.shape.name().c_str(), std::string(moe::bench::to_string(t.routing)).c_str(), t.formulation.c_str(),
+                t.phase.c_str(), t.summary.runs, t.summary.median_span_ms, t.timed_median_ms, t.summary.sum_kernels_ms,
+                t.summary.sum_gaps_ms);
+    for (const auto& k : t.summary.kernels) {
+      std::printf("  %9.4f ms  gap before %7.4f ms  %s\n", k.median_ms, k.median_gap_before_ms, k.name.c_str());
+    }
+  }
   for (const std::string& s : report.skipped) std::printf("%s\n", s.c_str());
 }
 
@@ -1290,6 +1373,7 @@ int main(int argc, char** argv) {
     options = parse_options(argc, argv);
     moe::cuda::set_stream_k_tail(options.stream_k);
     moe::cuda::set_weight_gradient_pairs(options.gradient_pairs);
+    moe::cuda::set_block_row_pairs_everywhere(options.pairs_everywhere);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "moe_bench: %s\n%s", error.what(), kUsage);
     return 2;
