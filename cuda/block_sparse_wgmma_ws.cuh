@@ -561,6 +561,13 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 // With the bulk epilogue they run 5-7% behind the SDD of the same shape (TFLOP/s of the rows
 // computed: 394 against 423 at D = 1024, 526 against 555 at D = 2048): what holds the D = 1024
 // shape at about 60% of cuBLAS is common to every product there.
+// Tried in the fifteenth session, and left out (moe_bench --kernel-trace, H200, 2026-11-22,
+// notebooks_data/bench/trace_2026-11-22_h200.txt): B kept in the stages from tile to tile. A tile of
+// 4 k-steps (an expert of 256 rows) fills the 4 stages, so the next tile's k-step j lands where this
+// one's did; the producer remembered which B each stage held (a key: dy's rows and columns, or the
+// d_pre blocks) and copied only A where it matched, workers taking runs of 8 consecutive tiles that
+// share B. At T=16384 D=1024 E=64 uniform (7 of 8 copies of B skipped) DSᵀD | DDS went 0.33 | 0.33 ->
+// 0.33 | 0.31 ms; under Zipf the runs put 8 tiles of 54 k-steps on one SM: 0.34 | 0.34 -> 0.53 | 0.57.
 // In pairs of block columns of one expert (WsCluster::share_b), both multiply the same rows of dy:
 // each CTA copies one half of them into both (halves).
 template <typename OUT>
