@@ -370,8 +370,9 @@ int main(int argc, char** argv) {
     const double error = std::abs(numeric - analytic) / std::abs(analytic);
     fd_error = std::max(fd_error, error);
     const int64_t cols = probe.tensor->cols();
-    differences.add_row({probe.name, "(" + std::to_string(index / cols) + ", " + std::to_string(index % cols) + ")",
-                         analytic, numeric, error, 1e-6});
+    std::ostringstream entry;  // (row, column); a stream, where "(" + std::string trips GCC 12's -Wrestrict
+    entry << "(" << index / cols << ", " << index % cols << ")";
+    differences.add_row({probe.name, entry.str(), analytic, numeric, error, 1e-6});
   }
   differences.print();
   writer.append(to_event(differences.event()));
