@@ -13,7 +13,6 @@
 #include "block_sparse.cuh"        // block_sparse_mma_kernel and the problems
 #include "block_sparse_wgmma.cuh"  // block_sparse_wgmma_kernel (sm_90a)
 #include "block_sparse_wgmma_ws.cuh"  // block_sparse_wgmma_ws_kernel (sm_90a, warp-specialized)
-#include "block_sparse_pingpong.cuh"  // block_sparse_pingpong_kernel (sm_90a, dW2 in ping-pong: an experiment)
 #include "cuda_check.h"            // CUDA_CHECK
 #include "tensor_map.h"            // make_matrix_map, make_blocks_map, build_expert_maps
 
@@ -132,8 +131,6 @@ int persistent_worker_cap = 0;
 bool stream_k_tail = true;
 bool weight_gradient_pairs = true;
 bool block_row_pairs_everywhere = false;  // set_block_row_pairs_everywhere
-bool weight_gradient_pingpong = false;    // set_weight_gradient_pingpong
-constexpr int kPingPongStages = 6;
 
 // block_row_pairs_share_weights, unless an experiment takes pairs everywhere.
 bool block_row_pairs_taken(int max_block_rows, int experts) {
@@ -244,23 +241,10 @@ void launch_wgmma_ws(const Problem& problem, int x_extent, int y_count, cudaStre
       maps.outputs = expert_maps + tma->experts;
     }
     bool launched = false;
-    if constexpr (WsPingPong<Problem>) {  // DSᵀD in ping-pong, where asked (block_sparse_pingpong.cuh)
-      if (weight_gradient_pingpong) {
-        constexpr int kSmem = pingpong_shared_bytes<kPingPongStages>();
-        auto* kernel = &block_sparse_pingpong_kernel<kPingPongStages, Problem>;
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-        const int pingpong_tiles_x = x_extent / kPingPongBlockN, pingpong_tiles = pingpong_tiles_x * y_count;
-        const int workers = capped_workers(std::min(multiprocessors, pingpong_tiles));
-        kernel<<<workers, kWsThreads, kSmem, stream>>>(problem, maps, pingpong_tiles_x, pingpong_tiles,
-                                                       ws_group_rows(pingpong_tiles_x, multiprocessors));
-        CUDA_CHECK(cudaGetLastError());
-        launched = true;
-      }
-    }
     if constexpr (WsSharedB<Problem>) {
       const bool pairs = WsBulkStore<Problem> ? tma->gradient_pairs && weight_gradient_pairs
                                               : block_row_pairs_taken(y_count, tma->experts);
-      if (pairs && !launched) {
+      if (pairs) {
         launch_ws_pairs(problem, maps, tiles_x, y_count, group_rows, half_rows, multiprocessors, stream);
         launched = true;
       }
@@ -601,8 +585,6 @@ void set_stream_k_tail(bool enabled) { stream_k_tail = enabled; }
 void set_weight_gradient_pairs(bool enabled) { weight_gradient_pairs = enabled; }
 
 void set_block_row_pairs_everywhere(bool enabled) { block_row_pairs_everywhere = enabled; }
-
-void set_weight_gradient_pingpong(bool enabled) { weight_gradient_pingpong = enabled; }
 
 bool weight_gradient_pairs_fit(int blocks_per_expert, int columns_per_tile) {
   return blocks_per_expert > 0 && blocks_per_expert % (2 * columns_per_tile) == 0;

@@ -155,10 +155,6 @@ void set_weight_gradient_pairs(bool enabled);
 // shape, whatever block_row_pairs_share_weights says (true), or by that rule (false, the default).
 // Process-wide, as above.
 void set_block_row_pairs_everywhere(bool enabled);
-// For experiments: dW2 (DSᵀD) on the ping-pong kernel (block_sparse_pingpong.cuh: two consumer
-// warpgroups taking turns over 128 x 128 tiles, each storing under the other's k-loop) instead of
-// the cooperative one (false, the default). Process-wide, as above.
-void set_weight_gradient_pingpong(bool enabled);
 // Whether the weight gradients' pairs of tiles (2 y', 2 y' + 1 over the block columns, or over pairs
 // of them in DDS: columns_per_tile 1 or 2) always fall in one expert, so that both CTAs of a pair run
 // the same k-steps and multiply the same rows: H / B a multiple of 2 * columns_per_tile.

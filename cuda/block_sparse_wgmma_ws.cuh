@@ -806,11 +806,10 @@ __device__ inline void ws_store_chunk(const Problem& problem, int m, int n, cons
     problem.store_chunk(m, n, v);
 }
 // COLUMNS: 256 (m64n256k16: all 128 accumulators), or 128 (a half-row tile's m64n128k16: the
-// 64 from acc[FIRST] on), stored from first_column on.
-template <int COLUMNS, int FIRST = 0, class Problem>
+// first 64), stored from first_column on.
+template <int COLUMNS, class Problem>
 __device__ inline void ws_register_epilogue(const Problem& problem, const float (&acc)[kWsBlockN / 2], int row,
                                             int first_column, int quad_lane) {
-  static_assert(FIRST + COLUMNS / 2 <= kWsBlockN / 2, "the accumulators of one m64nNk16");
   constexpr int kBatch = 4;  // chunk groups whose inputs are in flight together
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // rows `row` and `row + 8`
@@ -825,8 +824,7 @@ __device__ inline void ws_register_epilogue(const Problem& problem, const float 
         const int g = g0 + b;
         float2 m[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          m[i] = make_float2(acc[FIRST + 4 * (4 * g + i) + 2 * half], acc[FIRST + 4 * (4 * g + i) + 2 * half + 1]);
+        for (int i = 0; i < 4; ++i) m[i] = make_float2(acc[4 * (4 * g + i) + 2 * half], acc[4 * (4 * g + i) + 2 * half + 1]);
         const bool bit0 = quad_lane & 1, bit1 = quad_lane & 2;
         quad_trade(m[0], m[1], bit0, 1);  // now m[i] = M[q with bit 0 = i's][i with bit 0 = q's]
         quad_trade(m[2], m[3], bit0, 1);
@@ -921,22 +919,16 @@ __device__ inline bool ws_bulk_store_aligned(const Problem& problem) {
 }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // first_row: this warp's first row in the tile; staging: its 2 column groups (1024-byte aligned).
-// TILE_COLUMNS: 256, the accumulators of one m64n256k16 (16 rows a warp); or 128, those of two
-// m64n128k16 one above the other (block_sparse_pingpong.cuh: rows first_row .. + 15 from acc[0..63],
-// 64 rows further down from acc[64..127]). The passes go along the columns, then down.
-template <class Problem, int TILE_COLUMNS = kWsBlockN>
+template <class Problem>
 __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMap* map, const float (&acc)[kWsBlockN / 2],
                                         unsigned char* staging, uint32_t staging_address, int first_row, int lane) {
   using Out = typename Problem::Out;
   constexpr int columns = kWsBulkRowBytes / static_cast<int>(sizeof(Out));  // a pass: 128 bf16, 64 fp32
   constexpr int group_columns = 128 / static_cast<int>(sizeof(Out));        // 64 bf16, 32 fp32
   constexpr int chunks = columns / 8;                                        // of the accumulator layout
-  constexpr int passes_across = TILE_COLUMNS / columns;
-  static_assert(TILE_COLUMNS == kWsBlockN || TILE_COLUMNS == kWsBlockN / 2, "one m64n256k16, or two m64n128k16");
   const int row = lane / 4, pair = 2 * (lane % 4);
 #pragma unroll
-  for (int pass = 0; pass < kWsBlockN / columns; ++pass) {  // acc[4 (pass chunks + jj) ..] in both layouts
-    const int band = pass / passes_across, across = pass % passes_across;
+  for (int pass = 0; pass < kWsBlockN / columns; ++pass) {
     if (lane == 0) bulk_wait_read();  // the TMA unit has read what this warp staged before
     __syncwarp();
 #pragma unroll
@@ -954,8 +946,7 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMa
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) {
-      tma_store(map, staging_address, 0, problem.out_row + first_row + 64 * band,
-                (problem.out_column + across * columns) / group_columns);
+      tma_store(map, staging_address, 0, problem.out_row + first_row, (problem.out_column + pass * columns) / group_columns);
       bulk_commit();
     }
   }

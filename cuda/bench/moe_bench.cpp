@@ -15,7 +15,6 @@
 //                 --gradient-pairs on|off (the block-sparse weight gradients in clusters of two tiles)
 //                 --block-row-pairs rule|everywhere (pairs of block rows where the rule takes them, or
 //                 at every shape: set_block_row_pairs_everywhere)
-//                 --gradient-pingpong on|off (dW2 on the ping-pong kernel: set_weight_gradient_pingpong)
 //                 --timing synced|pipelined (each timed run from an idle GPU, or back to back)
 //                 --kernel-trace (after timing each formulation, `repeat` more runs back to back
 //                 under CUPTI: every kernel's time in place and the GPU's idle gaps between them)
@@ -142,7 +141,6 @@ struct Options {
   bool stream_k = true;  // block-sparse: the DSDs end in a stream-K tail (set_stream_k_tail)
   bool gradient_pairs = true;  // block-sparse: weight gradients in pairs of tiles (set_weight_gradient_pairs)
   bool pairs_everywhere = false;  // block-sparse: set_block_row_pairs_everywhere
-  bool gradient_pingpong = false;  // block-sparse: set_weight_gradient_pingpong
   bool pipelined = false;  // time_work: the timed runs back to back, not each after a synchronize
   bool kernel_trace = false;  // trace each formulation's kernels (kernel_trace.h)
 
@@ -217,7 +215,7 @@ const char* kUsage =
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
     "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
     "                 [--stream-k on|off] [--gradient-pairs on|off] [--timing synced|pipelined]\n"
-    "                 [--block-row-pairs rule|everywhere] [--gradient-pingpong on|off] [--kernel-trace]\n"
+    "                 [--block-row-pairs rule|everywhere] [--kernel-trace]\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
     "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --stream-k:    whether the block-sparse DSDs end in a stream-K tail (default on)\n"
@@ -228,8 +226,6 @@ const char* kUsage =
     "                back to back, an event between each two, so each is timed on the GPU alone\n"
     "  --block-row-pairs: pairs of block rows (and of weight-gradient tiles) where the measured rule\n"
     "                takes them (default), or at every shape, for an experiment\n"
-    "  --gradient-pingpong: dW2 on the ping-pong kernel (two consumer warpgroups taking turns over\n"
-    "                128 x 128 tiles), for an experiment (default off)\n"
     "  --kernel-trace: after timing each formulation, run its forward and its forward + backward\n"
     "                `repeat` more times back to back under CUPTI and report each kernel's median\n"
     "                time in place and the GPU's idle gaps between kernels (JSON: kernel_traces)\n"
@@ -305,8 +301,6 @@ Options parse_options(int argc, char** argv) {
       if (v == "rule") options.pairs_everywhere = false;
       else if (v == "everywhere") options.pairs_everywhere = true;
       else throw std::invalid_argument("--block-row-pairs: rule or everywhere");
-    } else if (arg == "--gradient-pingpong") {
-      options.gradient_pingpong = on_off();
     } else if (arg == "--kernel-trace") {
       options.kernel_trace = true;
     } else if (arg == "--help" || arg == "-h") {
@@ -1265,8 +1259,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                             : options.rows == Options::Rows::gathered ? "gathered"
                                                                       : "permuted"},
                    {"stream_k", options.stream_k}, {"gradient_pairs", options.gradient_pairs},
-                   {"block_row_pairs", options.pairs_everywhere ? "everywhere" : "rule"},
-                   {"gradient_pingpong", options.gradient_pingpong}};
+                   {"block_row_pairs", options.pairs_everywhere ? "everywhere" : "rule"}};
   json results = json::array();
   for (const Measurement& m : report.measurements) {
     results.push_back({{"shape", shape_json(m.shape)},
@@ -1381,7 +1374,6 @@ int main(int argc, char** argv) {
     moe::cuda::set_stream_k_tail(options.stream_k);
     moe::cuda::set_weight_gradient_pairs(options.gradient_pairs);
     moe::cuda::set_block_row_pairs_everywhere(options.pairs_everywhere);
-    moe::cuda::set_weight_gradient_pingpong(options.gradient_pingpong);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "moe_bench: %s\n%s", error.what(), kUsage);
     return 2;

@@ -712,28 +712,6 @@ TEST(BlockSparseProducts, B128BlockRowPairsEverywhere) {
   check_products(700, 512, 512, 8, 1, 128, 34);
 }
 
-// dW2 (DSᵀD) on the ping-pong kernel (set_weight_gradient_pingpong, block_sparse_pingpong.cuh), into
-// poisoned outputs: random routing, an expert with no rows (tiles of zero k-steps, which must still
-// store zeros) and a wide model, on the whole GPU and on 3 CTAs, each then running many tiles in turn
-// (the consumers' order barrier and the ring's parity across tiles of different k-step counts); and
-// the FFN's backward, which writes dW2 in fp32 and in bf16.
-struct WeightGradientPingPong {
-  WeightGradientPingPong() { moe::cuda::set_weight_gradient_pingpong(true); }
-  ~WeightGradientPingPong() { moe::cuda::set_weight_gradient_pingpong(false); }
-};
-TEST(BlockSparseProducts, B128WeightGradientPingPong) {
-  REQUIRE_GPU();
-  const WeightGradientPingPong pingpong;
-  for (const int workers : {0, 3}) {
-    SCOPED_TRACE(workers ? "3 CTAs" : "one CTA an SM");
-    const PersistentWorkerCap cap(workers);
-    check_products(700, 512, 512, 8, 1, 128, 35);
-    check_products(1540, 512, 512, 4, 1, 128, 36, Routing::skip_one_expert);
-    check_products(300, 2048, 512, 3, 2, 128, 37);
-  }
-  check_ffn(Problem(1540, 512, 512, 4, 1, 128, Activation::gelu, Routing::random, 38));  // fp32 and bf16 dW2
-}
-
 // The products on a grid of 3 and of 10 clusters: the DSDs end in a stream-K tail of 2 and 3 parts a tile.
 TEST(BlockSparseProducts, B128StreamKTail) {
   REQUIRE_GPU();
