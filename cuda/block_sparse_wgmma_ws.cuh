@@ -568,6 +568,9 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 // d_pre blocks) and copied only A where it matched, workers taking runs of 8 consecutive tiles that
 // share B. At T=16384 D=1024 E=64 uniform (7 of 8 copies of B skipped) DSᵀD | DDS went 0.33 | 0.33 ->
 // 0.33 | 0.31 ms; under Zipf the runs put 8 tiles of 54 k-steps on one SM: 0.34 | 0.34 -> 0.53 | 0.57.
+// Tried after it, and left out (commit 02b7ed1, reverted; same file): DSᵀD on a ping-pong kernel, the
+// two consumers taking turns over 128 x 128 tiles, each one's bulk stores under the other's k-loop:
+// 0.33 -> 0.42-0.45 ms at D=1024 (uniform and Zipf), 2.14 -> 2.94 at D=2048 Zipf.
 // In pairs of block columns of one expert (WsCluster::share_b), both multiply the same rows of dy:
 // each CTA copies one half of them into both (halves).
 template <typename OUT>
