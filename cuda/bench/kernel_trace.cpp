@@ -123,7 +123,7 @@ std::string short_kernel_name(const std::string& name, size_t width) {
       return base + "<" + text.substr(match.position(0), end - match.position(0)) + ">";
     }
   }
-  return text.substr(0, std::min(width, text.find('(') == std::string::npos ? text.size() : text.find('(')));
+  return text.substr(0, std::min(width, text.find('(')));  // npos when there is no argument list
 }
 
 KernelTraceSummary summarize_runs(const std::vector<KernelRecord>& records, int runs) {
