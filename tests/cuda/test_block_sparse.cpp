@@ -698,18 +698,21 @@ TEST(BlockSparseProducts, B128WeightGradientPairsAndSingleTiles) {
 }
 
 // Pairs of block rows (and of weight-gradient tiles) forced where the rule leaves them out
-// (set_block_row_pairs_everywhere, moe_bench --block-row-pairs everywhere): random routing over 8
-// experts of 1-3 block rows, so that pairs straddle two experts (each CTA copies its own B) and an
-// odd last block row pairs with one past the count (multiplied, not stored), into poisoned outputs.
+// (set_block_row_pairs_everywhere, moe_bench --block-row-pairs everywhere), random routing over 8
+// experts, into poisoned outputs: at T = 700 every expert has one block row, so every pair straddles
+// two experts (each CTA copies its own B) and the pairs past the device's 8 block rows (the host
+// bound is 13) run nothing; at T = 1020, 13 block rows (5 experts with two), some pairs share an
+// expert's weights and the odd last block row pairs with one past the count (multiplied, not stored).
 struct BlockRowPairsEverywhere {
   BlockRowPairsEverywhere() { moe::cuda::set_block_row_pairs_everywhere(true); }
   ~BlockRowPairsEverywhere() { moe::cuda::set_block_row_pairs_everywhere(false); }
 };
 TEST(BlockSparseProducts, B128BlockRowPairsEverywhere) {
   REQUIRE_GPU();
-  ASSERT_FALSE(moe::cuda::block_row_pairs_share_weights((700 + 8 * 127) / 128, 8)) << "the rule would take pairs";
+  ASSERT_FALSE(moe::cuda::block_row_pairs_share_weights((1020 + 8 * 127) / 128, 8)) << "the rule would take pairs";
   const BlockRowPairsEverywhere everywhere;
   check_products(700, 512, 512, 8, 1, 128, 34);
+  check_products(1020, 512, 512, 8, 1, 128, 34);
 }
 
 // The products on a grid of 3 and of 10 clusters: the DSDs end in a stream-K tail of 2 and 3 parts a tile.
