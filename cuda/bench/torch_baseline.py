@@ -2,6 +2,7 @@
 same shapes and routings as moe_bench, so the comparison sits side by side in one GPU call.
 
 Run (on the GPU machine, PyTorch 2.11):  python3 cuda/bench/torch_baseline.py --out torch_baseline.json
+    one shape of your own, as moe_bench --shapes:  ... torch_baseline.py --shapes 65536,1024,4096,64,1
 
 Expert FFN y = gelu(x W1) W2 per expert, bf16, forward and forward+backward, timed with CUDA events
 (warm-up, median of 20) for: torch._grouped_mm, a Python loop over experts, and one dense GEMM pair
@@ -121,16 +122,31 @@ def bench_shape(T, D, H, E, K, routing, pipelined):
     return result
 
 
+def parse_shape(text):
+    fields = text.split(",")
+    if len(fields) != 5 or not all(f.isdigit() and int(f) > 0 for f in fields):
+        raise SystemExit(f"--shapes: 'baselines' or five positive integers T,D,H,E,K, not '{text}'")
+    T, D, H, E, K = (int(f) for f in fields)
+    if K > E:
+        raise SystemExit(f"--shapes: K = {K} experts a token cannot exceed E = {E}")
+    return T, D, H, E, K
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="torch_baseline.json")
     parser.add_argument("--timing", choices=("synced", "pipelined"), default="synced",
                         help="as moe_bench --timing: each run after a synchronize, or back to back")
+    parser.add_argument("--shapes", default="baselines",
+                        help="baselines (shared/BASELINES.md) or one shape T,D,H,E,K, as moe_bench --shapes")
+    parser.add_argument("--routing", choices=("both", "uniform", "zipf"), default="both")
     args = parser.parse_args()
+    shapes = SHAPES if args.shapes == "baselines" else [parse_shape(args.shapes)]
+    routings = ("uniform", "zipf") if args.routing == "both" else (args.routing,)
     results = []
     print(f"{'shape':32s} {'routing':8s} {'grouped_mm':>11s} {'loop':>8s} {'dense':>8s}  (forward TFLOP/s)")
-    for T, D, H, E, K in SHAPES:
-        for routing in ("uniform", "zipf"):
+    for T, D, H, E, K in shapes:
+        for routing in routings:
             r = bench_shape(T, D, H, E, K, routing, args.timing == "pipelined")
             results.append(r)
             cells = [f"{r[n].get('forward_tflops', float('nan')):8.0f}" for n in ("torch_grouped_mm", "torch_loop", "dense_cublas")]
