@@ -162,8 +162,7 @@ std::vector<Parameter> parameters(const ModelConfig& config, ModelWeights& value
 
 // ---- forward ----
 
-void check_model_inputs(const ModelConfig& config, const ModelWeights& weights, const IndexMatrix& inputs,
-                        const IndexMatrix& targets) {
+void check_model_weights(const ModelConfig& config, const ModelWeights& weights) {
   validate(config);
   if (static_cast<int64_t>(weights.blocks.size()) != config.num_layers) {
     throw std::invalid_argument("weights have " + std::to_string(weights.blocks.size()) +
@@ -176,6 +175,11 @@ void check_model_inputs(const ModelConfig& config, const ModelWeights& weights, 
     check_shape(name, m, info.rows, info.cols, "the shape in parameter_layout");
     check_finite(name, m);
   });
+}
+
+void check_model_inputs(const ModelConfig& config, const ModelWeights& weights, const IndexMatrix& inputs,
+                        const IndexMatrix& targets) {
+  check_model_weights(config, weights);
   check_bytes("inputs", inputs, config.seq_len);
   check_bytes("targets", targets, config.seq_len);
   if (targets.rows() != inputs.rows()) {

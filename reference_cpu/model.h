@@ -144,7 +144,10 @@ struct ModelForward {
   double loss = 0.0;      // lm_loss + aux_loss_coef * aux_loss + z_loss_coef * z_loss
 };
 
-// validate(config), the shapes and finiteness of every weight, inputs and targets [N, S] of bytes.
+// validate(config), then the number of blocks and the shape and finiteness of every weight.
+void check_model_weights(const ModelConfig& config, const ModelWeights& weights);
+
+// check_model_weights, then inputs and targets [N, S] of bytes.
 void check_model_inputs(const ModelConfig& config, const ModelWeights& weights,
                         const IndexMatrix& inputs, const IndexMatrix& targets);
 
