@@ -36,8 +36,8 @@ void validate(const SamplingSettings& s) {
     throw std::invalid_argument(message.str());
   }
   if (s.top_k < 0 || s.top_k > kByteVocabulary) {
-    throw std::invalid_argument("invalid sampling: top_k = " + std::to_string(s.top_k) + "; allowed: 0 (every byte) to V = " +
-                                std::to_string(kByteVocabulary));
+    throw std::invalid_argument("invalid sampling: top_k = " + std::to_string(s.top_k) +
+                                "; allowed: 0 (every byte) to V = " + std::to_string(kByteVocabulary));
   }
 }
 
