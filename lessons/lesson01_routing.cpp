@@ -12,9 +12,9 @@
 #include <sstream>
 
 #include "lesson_support.h"  // options, zipf_tokens, Table, load_stats
-#include "moe_layer.h"       // moe_forward, moe_backward
+#include "reference_cpu/moe_layer.h"       // moe_forward, moe_backward
 #include "init.h"            // random_matrix, random_weights
-#include "router.h"          // route
+#include "reference_cpu/router.h"          // route
 
 using namespace moe;
 using moe::lessons::Table;

@@ -26,7 +26,7 @@ echo "==================== lesson08_quality ===================="
 
 # The GPU path, where there is a GPU: one MoE layer on the GPU beside the CPU reference, forward
 # and backward, dropless (block-sparse kernels) and padded (cuBLAS), with every tensor as .npy.
-dump="$build_dir/cuda/moe_layer_dump"
+dump="$build_dir/cuda/tools/moe_layer_dump"
 if [ -x "$dump" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   for formulation in dropless padded; do
     echo

@@ -4,7 +4,7 @@ measured matrix rate, and the bytes they must move through HBM at its measured b
 them, the measured times, so that one reads how far each side is from its own floors and which
 floor binds.
 
-Run:  python3 cuda/bench/floors.py notebooks_data/bench/moe_bench_2026-11-22q_h200.json
+Run:  python3 cuda/bench/floors.py notebooks_data/bench/moe_bench_h200_2026-11-22.json
       (--tflops and --gbps: the ceilings; defaults are shared/BASELINES.md's H200 figures,
       796 TFLOP/s bf16 from cuBLAS and 4183 GB/s device-to-device)
 
@@ -12,7 +12,7 @@ What is counted, forward only, bf16 (2 bytes), rows = T*K routed rows, counts by
 (routing_counts below, as cuda/bench/routing_counts.h):
 - dropless FLOPs: the rows each product multiplies, padding included: the DSD every expert's count
   rounded up to B = 128, the SDD the same but a last block row with 64 routed rows or fewer as 64
-  (its half-row tiles, cuda/block_sparse_wgmma_ws.cuh);
+  (its half-row tiles, cuda/moe/block_sparse_wgmma_ws.cuh);
 - dropless bytes: x read once (T*K rows of D), W1 and W2 read once (E x D x H each), the SDD's two
   outputs written (pre-activation and GeLU, padded rows x H), the GeLU read by the DSD, y written;
 - dense FLOPs: 4 rows D H; dense bytes: x, one expert's W1 and W2, the pre-activation written, read

@@ -1,7 +1,7 @@
 // kernel_trace.cpp: see kernel_trace.h. CUPTI's activity API: CUPTI asks for buffers
 // (buffer_requested), fills them with records as kernels complete, and hands each full buffer back
 // (buffer_completed), from its own thread; cuptiActivityFlushAll hands back the partly filled ones.
-#include "kernel_trace.h"
+#include "bench/kernel_trace.h"
 
 #include <cupti.h>
 #include <cxxabi.h>

@@ -11,7 +11,7 @@
 //                 imbalanced MoE layer at STEP, default its last recorded step; shapes of its E only)
 //                 --only NAME[,NAME...]  --out FILE  --warmup 3  --warmup-ms 1000  --repeat 20  --seed 1234
 //                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
-//                 --stream-k on|off (the block-sparse DSDs' stream-K tail, cuda/tile_schedule.h)
+//                 --stream-k on|off (the block-sparse DSDs' stream-K tail, cuda/moe/tile_schedule.h)
 //                 --gradient-pairs on|off (the block-sparse weight gradients in clusters of two tiles)
 //                 --block-row-pairs rule|everywhere (pairs of block rows where the rule takes them, or
 //                 at every shape: set_block_row_pairs_everywhere)
@@ -67,24 +67,24 @@
 #include <type_traits>
 #include <vector>
 
-#include "../block_sparse.h"  // block_sparse_ffn_forward / backward (by path: reference_cpu/ has one too)
-#include "activation.h"       // gelu_forward, gelu_backward
-#include "clock_warm_up.h"    // warm_up_clock
-#include "bf16.h"             // bf16
-#include "block_topology.h"   // TopologyBuffers, build_topology
-#include "cuda_check.h"       // CUDA_CHECK
-#include "device_buffer.h"    // DeviceBuffer
-#include "device_info.h"      // gpu_available, why_no_gpu
-#include "dispatch.h"         // moe::ref::DispatchPlan (the CPU oracle's plan)
-#include "dispatch_plan.h"    // DispatchPlanBuffers, build_dispatch_plan
+#include "moe/block_sparse.h"  // block_sparse_ffn_forward / backward
+#include "moe/activation.h"       // gelu_forward, gelu_backward
+#include "core/clock_warm_up.h"    // warm_up_clock
+#include "core/bf16.h"             // bf16
+#include "moe/topology.h"   // TopologyBuffers, build_topology
+#include "core/cuda_check.h"       // CUDA_CHECK
+#include "core/device_buffer.h"    // DeviceBuffer
+#include "core/device_info.h"      // gpu_available, why_no_gpu
+#include "reference_cpu/dispatch.h"         // moe::ref::DispatchPlan (the CPU oracle's plan)
+#include "moe/dispatch.h"    // DispatchPlanBuffers, build_dispatch_plan
 #include "expert_ffn.h"       // moe::ref::expert_ffn_forward (the CPU oracle)
-#include "gemm.h"             // gemm, gemm_batched, gemm_grouped, CublasHandle
-#include "kernel_trace.h"     // KernelTrace, summarize_runs (--kernel-trace)
+#include "core/gemm.h"             // gemm, gemm_batched, gemm_grouped, CublasHandle
+#include "bench/kernel_trace.h"     // KernelTrace, summarize_runs (--kernel-trace)
 #include "moe_config.h"       // MoeConfig
 #include "run_record.h"       // RunReader (--routing-from: a recorded run's routing)
-#include "routing.h"          // router_logits, route_top_k (with the router losses), RouterWorkspace
-#include "routing_counts.h"   // routing_counts, top_experts_from_counts
-#include "token_permute.h"    // permute_tokens, unpermute_and_combine
+#include "moe/router.h"          // router_logits, route_top_k (with the router losses), RouterWorkspace
+#include "bench/routing_counts.h"   // routing_counts, top_experts_from_counts
+#include "moe/permute.h"    // permute_tokens, unpermute_and_combine
 
 namespace {
 

@@ -6,7 +6,7 @@
 // x_perm [max_rows, D] bf16 (tokens sorted by expert, each expert padded to a multiple of B),
 // W1[e] [D, H] bf16 through a device table of per-expert pointers, out [max_nnz, B, B] bf16 in BCSR
 // order. The grid is sized by host bounds (max_nnz, max_block_rows); the true counts stay on the
-// device and the CTAs past them exit (cuda/device_plan.h).
+// device and the CTAs past them exit (cuda/moe/device_plan.h).
 //
 // Versions (`switch (version)` in run_version):
 //   1  naive: one thread per output element, fp32 FMA straight from global memory
@@ -82,7 +82,7 @@
 //      version 16 for every product tiled over N (block_sparse.cu). Every version passes the
 //      check on the small problem; the persistent loop over several tiles per CTA is checked by
 //      tests/cuda/test_block_sparse.cpp (PersistentTilesB128) and moe_bench's checks.
-//   18 version 16 with TMA copies (cuda/tensor_map.h): the producer is ONE thread, which issues a
+//   18 version 16 with TMA copies (cuda/moe/tensor_map.h): the producer is ONE thread, which issues a
 //      box per 8 KB (two 64-row boxes of x, four [64 k][64 n] boxes of W1) from tensor maps, and the
 //      stage's full mbarrier counts bytes (expect_tx / complete_tx) instead of 128 cp.async
 //      arrivals; the TMA unit does the addressing, the bounds and the 128-byte swizzle. W1 is
@@ -172,7 +172,7 @@
 //      consumer warp waited at every k-step for its earlier stores to reach the L2. With the default
 //      .release.cta form (CUTLASS's; the arrival has nothing to publish), the same call, H200,
 //      2026-11-22, % of cuBLAS, version 19 -> 21: 67.2 -> 67.8, 83.6 -> 86.0, 92.0 -> 93.1
-//      (notebooks_data/bench/ncu_2026-11-22n_h200.txt).
+//      (notebooks_data/bench/ncu_block_row_pairs_h200_2026-11-22.txt).
 //   22 version 19 in clusters of two CTAs the other way (WsCluster::share_b): the two take block rows
 //      2y and 2y + 1 at the same columns; where one expert owns both, each copies one half of W1's
 //      chunk by TMA multicast into both, so the L2 serves 16 + 16 KB a k-step to each SM instead of
@@ -203,17 +203,17 @@
 #include <string>
 #include <vector>
 
-#include "../../reference_cpu/block_sparse.h"  // moe::ref::sdd (by path: cuda/block_sparse.h exists too)
-#include "block_sparse.h"                      // moe::cuda::sdd, dsd, block_sparse_ffn_forward (version 11)
-#include "block_sparse.cuh"                    // the mma.sync tile kernel (versions 3-5)
-#include "block_sparse_wgmma.cuh"              // the wgmma tile kernel (versions 6-10, 12-14)
-#include "tensor_map.h"                        // make_matrix_map, build_expert_maps (version 18)
-#include "block_sparse_wgmma_ws.cuh"           // the warp-specialized wgmma kernel (versions 15-18)
-#include "block_sparse_host.h"                 // upload_topology
-#include "clock_warm_up.h"                     // warm_up_clock
-#include "cuda_check.h"                        // CUDA_CHECK
-#include "device_buffer.h"                     // DeviceBuffer
-#include "../../reference_cpu/topology.h"      // moe::ref::plan_dispatch, make_topology
+#include "reference_cpu/block_sparse.h"  // moe::ref::sdd
+#include "moe/block_sparse.h"                      // moe::cuda::sdd, dsd, block_sparse_ffn_forward (version 11)
+#include "moe/block_sparse.cuh"                    // the mma.sync tile kernel (versions 3-5)
+#include "moe/block_sparse_wgmma.cuh"              // the wgmma tile kernel (versions 6-10, 12-14)
+#include "moe/tensor_map.h"                        // make_matrix_map, build_expert_maps (version 18)
+#include "moe/block_sparse_wgmma_ws.cuh"           // the warp-specialized wgmma kernel (versions 15-18)
+#include "moe/block_sparse_host.h"                 // upload_topology
+#include "core/clock_warm_up.h"                     // warm_up_clock
+#include "core/cuda_check.h"                        // CUDA_CHECK
+#include "core/device_buffer.h"                     // DeviceBuffer
+#include "reference_cpu/topology.h"      // moe::ref::plan_dispatch, make_topology
 #include "init.h"                              // moe::ref::random_matrix
 
 using moe::cuda::bf16;
@@ -379,7 +379,7 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
 // Not persistent: one CTA per tile, the grid (H / 256, block-row bound) as in versions 6-14.
 // Persistent: one CTA per SM (fewer if there are fewer tiles), each walking tiles with a stride of
 // the grid; the tile count is the host bound, the CTAs skip the tiles past the device count.
-// TMA (version 18): the producer's copies come from tensor maps (cuda/tensor_map.h): x as a 2-D map
+// TMA (version 18): the producer's copies come from tensor maps (cuda/moe/tensor_map.h): x as a 2-D map
 // in boxes of 64 k x 64 rows, and one map per expert's W1 in boxes of 64 n x 64 k, built on the
 // device before each launch from the pointer table, as the mainline does.
 // Gathered rows (version 20): x is in token order [T, D] and `gather` says where each row comes from.

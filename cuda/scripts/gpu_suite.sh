@@ -104,7 +104,7 @@ bench() {
 }
 
 train() {
-  # The training step's speed at moe_train's "throughput" preset (issue 4's configuration), each
+  # The training step's speed at moe_train's "throughput" preset, each
   # formulation and a dense model of the same active FLOPs, and PyTorch's straightforward version of
   # the same model beside it (cuda/train/torch_train_baseline.py). Real text when the Brown corpus is
   # in notebooks_data/brown (carried: the GPU machines have no npm), else random bytes.
@@ -134,7 +134,7 @@ record() {
   local rc=0 runs="$OUT/runs"
   mkdir -p "$runs"
   for formulation in dropless padded dropping; do
-    build-gpu/cuda/moe_layer_dump --formulation "$formulation" --tokens 4096 --model-dim 512 \
+    build-gpu/cuda/tools/moe_layer_dump --formulation "$formulation" --tokens 4096 --model-dim 512 \
       --hidden-dim 1024 --experts 16 --top-k 2 --block-size 128 --capacity-factor 1.0 --steps 5 --no-npy \
       --out "$runs/gpu_layer_$formulation" > "$LOGS/record_$formulation.log" 2>&1 || rc=1
     tail -1 "$LOGS/record_$formulation.log"

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "device_info.h"   // why_no_gpu
-#include "train_config.h"  // parse_arguments, help_text
-#include "trainer.h"       // train, benchmark
+#include "core/device_info.h"   // why_no_gpu
+#include "train/train_config.h"  // parse_arguments, help_text
+#include "train/trainer.h"       // train, benchmark
 
 int main(int argc, char** argv) {
   const std::vector<std::string> arguments(argv + 1, argv + argc);

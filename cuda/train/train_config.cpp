@@ -1,6 +1,6 @@
 // train_config.cpp: presets, the one table of fields behind both JSON keys and flags, validation,
 // and the FLOP accounting of a run. See train_config.h.
-#include "train_config.h"
+#include "train/train_config.h"
 
 #include <cmath>
 #include <fstream>
@@ -218,7 +218,8 @@ TrainConfig preset(std::string_view name) {
     m.num_experts = 8; m.expert_hidden_dim = 512; m.dense_hidden_dim = 1024; m.block_size = 128;
     c.batch = 32;
   } else if (name == "throughput") {
-    // Issue 4's speed configuration; PyTorch's figures for it are in notebooks_data/bench/README.md.
+    // The speed configuration: its step timed beside PyTorch's is in
+    // notebooks_data/bench/train_throughput_vs_torch_h200_2026-11-22.json.
     m.model_dim = 512; m.num_layers = 8; m.num_heads = 8; m.seq_len = 256;
     m.num_experts = 16; m.expert_hidden_dim = 1024; m.dense_hidden_dim = 2048; m.block_size = 128;
     c.batch = 64;

@@ -26,7 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model_config.h"  // moe::ref::ModelConfig
-#include "optimizer.h"     // moe::ref::ScheduleConfig
+#include "reference_cpu/optimizer.h"     // moe::ref::ScheduleConfig
 
 namespace moe::train {
 
@@ -82,8 +82,8 @@ struct TrainConfig {
 };
 
 // The named starting points. "default": a model that learns something visible from the Brown
-// corpus in a minute or two on one H100/H200; "throughput": the configuration of issue 4's speed
-// target (D=512, L=8, 8 heads, E=16 of H=1024, K=2, S=256, N=64); "tiny": the sizes the CPU
+// corpus in a minute or two on one H100/H200; "throughput": the configuration the training step is
+// timed at (D=512, L=8, 8 heads, E=16 of H=1024, K=2, S=256, N=64); "tiny": the sizes the CPU
 // reference runs in a second (tests).
 TrainConfig preset(std::string_view name);
 std::vector<std::string> preset_names();

@@ -8,7 +8,7 @@
 //   [SECTION] run directory             create, resume, cut events past a checkpoint
 //   [SECTION] train
 //   [SECTION] benchmark
-#include "trainer.h"
+#include "train/trainer.h"
 
 #include <cuda_runtime.h>
 
@@ -25,14 +25,14 @@
 #include <sstream>
 
 #include "batch_sampler.h"  // BatchSampler, ByteBatch
-#include "clock_warm_up.h"  // warm_up_clock
+#include "core/clock_warm_up.h"  // warm_up_clock
 #include "checkpoint.h"     // save_checkpoint, load_checkpoint, latest_checkpoint
-#include "cuda_check.h"     // CUDA_CHECK
-#include "device_buffer.h"  // DeviceBuffer
-#include "device_info.h"    // current_device
-#include "model.h"          // ref::init_model, ref::parameters (the initial weights)
-#include "model_gpu.h"      // ModelGpu
-#include "phase_timer.h"    // PhaseTimer
+#include "core/cuda_check.h"     // CUDA_CHECK
+#include "core/device_buffer.h"  // DeviceBuffer
+#include "core/device_info.h"    // current_device
+#include "reference_cpu/model.h"          // ref::init_model, ref::parameters (the initial weights)
+#include "model/model.h"      // ModelGpu
+#include "core/phase_timer.h"    // PhaseTimer
 #include "progress_line.h"  // ProgressLine
 #include "run_record.h"     // RunWriter, events
 #include "text_corpus.h"    // load_corpus, unigram_bits_per_byte

@@ -1,5 +1,5 @@
 // trainer.h: trains the tiny byte-level MoE transformer on one GPU and records the run: the loop
-// that joins ModelGpu (cuda/model_gpu.h), the text and its batches (common/text_corpus.h,
+// that joins ModelGpu (cuda/model/model.h), the text and its batches (common/text_corpus.h,
 // batch_sampler.h), the learning-rate schedule (reference_cpu/optimizer.h), checkpoints
 // (common/checkpoint.h), the run record the viewer follows (common/run_record.h) and the progress
 // line (common/progress_line.h). moe_train.cpp is its command line; tests/train/ drive it directly.
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "train_config.h"  // TrainConfig
+#include "train/train_config.h"  // TrainConfig
 
 namespace moe::train {
 

@@ -1,13 +1,13 @@
 // gpu_test_support.h: what the GPU tests share: skipping without a GPU, the reference <-> bf16
-// conversions of cuda/reference_bridge.h, and the relative error every comparison uses.
+// conversions of cuda/core/reference_bridge.h, and the relative error every comparison uses.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <vector>
 
-#include "reference_bridge.h"  // round_bf16, bf16_of, matrix_of
-#include "device_info.h"  // gpu_available, why_no_gpu
+#include "core/reference_bridge.h"  // round_bf16, bf16_of, matrix_of
+#include "core/device_info.h"  // gpu_available, why_no_gpu
 #include "types.h"        // moe::ref::Matrix
 
 #define REQUIRE_GPU() \

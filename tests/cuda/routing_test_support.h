@@ -1,5 +1,5 @@
 // routing_test_support.h: helpers shared by the routing, dispatch, topology and permute GPU tests
-// (tests/cuda/test_routing.cpp, test_dispatch.cpp, test_topology.cpp, test_permute.cpp): random
+// (tests/cuda/test_router.cpp, test_dispatch.cpp, test_topology.cpp, test_permute.cpp): random
 // routings, the reference plan of a routing, and comparisons that print one verdict line.
 // Host C++ only (compiled by g++); the tests skip where no GPU is present.
 #pragma once
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "device_buffer.h"  // DeviceBuffer
+#include "core/device_buffer.h"  // DeviceBuffer
 #include "types.h"          // moe::ref::Matrix, IndexMatrix
 
 namespace moe::test {

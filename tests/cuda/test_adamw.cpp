@@ -1,4 +1,4 @@
-// test_adamw.cpp: the optimizer step on the GPU (cuda/adamw.h): the global gradient norm, clipping
+// test_adamw.cpp: the optimizer step on the GPU (cuda/train/optimizer.h): the global gradient norm, clipping
 // and AdamW over fp32 master weights, against moe::ref::clip_gradient_norm and moe::ref::adamw_step
 // (reference_cpu/optimizer.h) over the same parameters, for several steps, with the learning rate
 // of moe::ref::learning_rate (warm-up then cosine). All fp32: tolerance 1e-5.
@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "adamw.h"             // gradient_norm, adamw_update, AdamWStep
-#include "device_buffer.h"     // DeviceBuffer
+#include "train/optimizer.h"             // gradient_norm, adamw_update, AdamWStep
+#include "core/device_buffer.h"     // DeviceBuffer
 #include "gpu_test_support.h"  // REQUIRE_GPU, matrix_of, relative_error
 #include "init.h"              // moe::ref::random_matrix
-#include "optimizer.h"         // moe::ref::adamw_step, clip_gradient_norm, learning_rate
+#include "reference_cpu/optimizer.h"         // moe::ref::adamw_step, clip_gradient_norm, learning_rate
 
 namespace {
 

@@ -1,4 +1,4 @@
-// test_attention.cpp: causal multi-head attention on the GPU (cuda/attention_gpu.h), forward and
+// test_attention.cpp: causal multi-head attention on the GPU (cuda/model/attention.h), forward and
 // backward, against moe::ref::attention_forward / attention_backward (reference_cpu/attention.h)
 // computed in double from the same bf16-rounded x and weights. Every GPU activation is bf16, every
 // product accumulates in fp32: relative errors of a few 1e-3 are expected; the tolerance is 2e-2.
@@ -11,10 +11,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "attention.h"         // moe::ref::attention_forward / backward (reference_cpu/)
-#include "attention_gpu.h"     // moe::cuda::attention_forward / backward, AttentionWorkspace
-#include "device_buffer.h"     // DeviceBuffer
-#include "gemm.h"              // CublasHandle
+#include "reference_cpu/attention.h"         // moe::ref::attention_forward / backward
+#include "model/attention.h"     // moe::cuda::attention_forward / backward, AttentionWorkspace
+#include "core/device_buffer.h"     // DeviceBuffer
+#include "core/gemm.h"              // CublasHandle
 #include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
 #include "init.h"              // moe::ref::random_matrix
 

@@ -1,4 +1,4 @@
-// test_block_sparse.cpp: the block-sparse tensor-core kernels (cuda/block_sparse.h: SDD, DSD, DSᵀD,
+// test_block_sparse.cpp: the block-sparse tensor-core kernels (cuda/moe/block_sparse.h: SDD, DSD, DSᵀD,
 // DDS and the dropless expert FFN forward and backward) against the CPU reference, on fresh random
 // bf16 inputs with every output poisoned (0xFF bytes: NaN) before the run. Tolerance: relative
 // Frobenius error ||gpu - ref|| / ||ref|| < 1e-2 (bf16 operands and outputs, fp32 accumulation).
@@ -19,13 +19,13 @@
 #include <string>
 #include <vector>
 
-#include "../../reference_cpu/block_sparse.h"  // moe::ref::sdd, dsd, dds (by path: cuda/ has one too)
-#include "block_sparse.h"                      // moe::cuda: the kernels under test
+#include "reference_cpu/block_sparse.h"  // moe::ref::sdd, dsd, dds
+#include "moe/block_sparse.h"                      // moe::cuda: the kernels under test
 #include "block_sparse_ffn.h"                  // moe::ref::block_sparse_ffn_forward / backward
-#include "block_sparse_host.h"                 // upload_topology
-#include "device_info.h"                       // gpu_available, current_device
+#include "moe/block_sparse_host.h"                 // upload_topology
+#include "core/device_info.h"                       // gpu_available, current_device
 #include "init.h"                              // moe::ref::random_matrix
-#include "tile_schedule.h"                     // moe::cuda::TileSchedule
+#include "moe/tile_schedule.h"                     // moe::cuda::TileSchedule
 
 namespace {
 
@@ -423,7 +423,7 @@ TEST(BlockSparseFfn, SwigluB128BlockRowPairs) {
   check_ffn(Problem(1540, 256, 512, 4, 1, 128, Activation::swiglu, Routing::block_row_pairs, 25));
 }
 
-// ---- the stream-K tail (cuda/tile_schedule.h) ----
+// ---- the stream-K tail (cuda/moe/tile_schedule.h) ----
 // The schedule on the CPU: over all workers, every k-step of every tile is computed exactly once;
 // a tile is whole in one worker, or (a tail tile) cut into 2 or 3 parts of consecutive k-steps,
 // each part knowing how many there are, each leaving its sum in a slot of its own, and the tile

@@ -1,4 +1,4 @@
-// test_cross_entropy.cpp: the loss over 256 bytes on the GPU (cuda/cross_entropy.h), forward and
+// test_cross_entropy.cpp: the loss over 256 bytes on the GPU (cuda/model/cross_entropy.h), forward and
 // backward, against the cross-entropy lines of moe::ref::model_forward / model_backward
 // (reference_cpu/model.cpp: logsumexp - logit[target], mean over T; d_logits = (probs - one_hot) / T),
 // which are not a function of their own: the test computes the same formulas in double, here.
@@ -11,8 +11,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "cross_entropy.h"     // cross_entropy_forward, cross_entropy_backward
-#include "device_buffer.h"     // DeviceBuffer
+#include "model/cross_entropy.h"     // cross_entropy_forward, cross_entropy_backward
+#include "core/device_buffer.h"     // DeviceBuffer
 #include "gpu_test_support.h"  // REQUIRE_GPU, matrix_of, relative_error, floats_of
 #include "init.h"              // moe::ref::random_matrix
 

@@ -1,4 +1,4 @@
-// test_dispatch.cpp: the GPU dispatch plan (cuda/dispatch_plan.h) against reference_cpu/dispatch.h, array
+// test_dispatch.cpp: the GPU dispatch plan (cuda/moe/dispatch.h) against reference_cpu/dispatch.h, array
 // by array and exactly, for the dropping, padded and dropless formulations, on awkward routings.
 // Run: ctest --test-dir build -R CudaDispatch   (skips without a GPU)
 #include <gtest/gtest.h>
@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "cuda_check.h"     // CUDA_CHECK
-#include "device_buffer.h"  // DeviceBuffer
-#include "device_info.h"    // gpu_available, why_no_gpu
-#include "dispatch.h"       // moe::ref::plan_dispatch (reference_cpu/)
-#include "dispatch_plan.h"  // DispatchPlanBuffers, build_dispatch_plan (cuda/)
-#include "routing.h"        // kRouterMaxExperts, the plan's E limit too
+#include "core/cuda_check.h"     // CUDA_CHECK
+#include "core/device_buffer.h"  // DeviceBuffer
+#include "core/device_info.h"    // gpu_available, why_no_gpu
+#include "reference_cpu/dispatch.h"       // moe::ref::plan_dispatch
+#include "moe/dispatch.h"  // DispatchPlanBuffers, build_dispatch_plan (cuda/)
+#include "moe/router.h"        // kRouterMaxExperts, the plan's E limit too
 #include "routing_test_support.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// test_embedding.cpp: the token + position embedding on the GPU (cuda/embedding.h), forward and
+// test_embedding.cpp: the token + position embedding on the GPU (cuda/model/embedding.h), forward and
 // backward, against the embedding lines of moe::ref::model_forward / model_backward
 // (reference_cpu/model.cpp), which are not a function of their own: the test computes the same
 // formulas in double, here, from the same bf16-rounded tables.
@@ -12,8 +12,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "device_buffer.h"     // DeviceBuffer
-#include "embedding.h"         // embedding_forward, embedding_backward
+#include "core/device_buffer.h"     // DeviceBuffer
+#include "model/embedding.h"         // embedding_forward, embedding_backward
 #include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error, floats_of
 #include "init.h"              // moe::ref::random_matrix
 

@@ -1,15 +1,15 @@
-// test_gemm.cpp: the row-major cuBLAS wrappers (cuda/gemm.h) and the elementwise GeLU
-// (cuda/activation.h) against Eigen / the CPU reference, bf16 operands, fp32 accumulation.
+// test_gemm.cpp: the row-major cuBLAS wrappers (cuda/core/gemm.h) and the elementwise GeLU
+// (cuda/moe/activation.h) against Eigen / the CPU reference, bf16 operands, fp32 accumulation.
 // Run: ctest --test-dir build -R 'CudaGemm|CudaActivation'   (skips without a GPU)
 #include <gtest/gtest.h>
 
 #include <random>
 
-#include "activation.h"     // gelu_forward, gelu_backward
-#include "device_buffer.h"  // DeviceBuffer
+#include "moe/activation.h"     // gelu_forward, gelu_backward
+#include "core/device_buffer.h"  // DeviceBuffer
 #include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
 #include "expert_ffn.h"     // moe::ref::gelu
-#include "gemm.h"           // gemm, gemm_batched, gemm_grouped
+#include "core/gemm.h"           // gemm, gemm_batched, gemm_grouped
 #include "init.h"           // moe::ref::random_matrix
 
 namespace {

@@ -6,12 +6,12 @@
 #include <optional>
 #include <stdexcept>
 
-#include "activation.h"  // gelu_forward: a kernel to trace
-#include "bf16.h"
-#include "cuda_check.h"
-#include "device_buffer.h"
+#include "moe/activation.h"  // gelu_forward: a kernel to trace
+#include "core/bf16.h"
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
 #include "gpu_test_support.h"
-#include "kernel_trace.h"
+#include "bench/kernel_trace.h"
 
 namespace moe::test {
 namespace {

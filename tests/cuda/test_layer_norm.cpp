@@ -1,4 +1,4 @@
-// test_layer_norm.cpp: LayerNorm on the GPU (cuda/layer_norm_gpu.h), forward and backward, against
+// test_layer_norm.cpp: LayerNorm on the GPU (cuda/model/layer_norm.h), forward and backward, against
 // moe::ref::layer_norm_forward / layer_norm_backward (reference_cpu/layer_norm.h) computed in
 // double from the same bf16-rounded x, gain and bias. y is bf16 (tolerance 2e-2); mean, rstd and
 // every gradient are fp32 computations from exact inputs (tolerance 1e-5).
@@ -11,11 +11,11 @@
 #include <stdexcept>
 #include <vector>
 
-#include "device_buffer.h"     // DeviceBuffer
+#include "core/device_buffer.h"     // DeviceBuffer
 #include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error, floats_of
 #include "init.h"              // moe::ref::random_matrix
-#include "layer_norm.h"        // moe::ref::layer_norm_forward / backward (reference_cpu/)
-#include "layer_norm_gpu.h"    // moe::cuda::layer_norm_forward / backward
+#include "reference_cpu/layer_norm.h"        // moe::ref::layer_norm_forward / backward
+#include "model/layer_norm.h"    // moe::cuda::layer_norm_forward / backward
 
 namespace {
 

@@ -1,4 +1,4 @@
-// test_permute.cpp: the GPU gather / scatter (cuda/token_permute.h) against reference_cpu/permute.h
+// test_permute.cpp: the GPU gather / scatter (cuda/moe/permute.h) against reference_cpu/permute.h
 // and the combine part of moe_backward: permute with fused padding, un-permute and combine, the
 // combine backward (d_expert_out, d_combine_weights) and the permute backward (dx).
 // Run: ctest --test-dir build -R CudaPermute   (skips without a GPU)
@@ -15,16 +15,16 @@
 #include <string>
 #include <vector>
 
-#include "bf16.h"           // bf16, to_bf16, to_float
-#include "cuda_check.h"     // CUDA_CHECK
-#include "device_buffer.h"  // DeviceBuffer
-#include "device_info.h"    // gpu_available, why_no_gpu
-#include "dispatch.h"       // moe::ref::plan_dispatch (reference_cpu/)
-#include "dispatch_plan.h"  // DispatchPlanBuffers, build_dispatch_plan (cuda/)
+#include "core/bf16.h"           // bf16, to_bf16, to_float
+#include "core/cuda_check.h"     // CUDA_CHECK
+#include "core/device_buffer.h"  // DeviceBuffer
+#include "core/device_info.h"    // gpu_available, why_no_gpu
+#include "reference_cpu/dispatch.h"       // moe::ref::plan_dispatch
+#include "moe/dispatch.h"  // DispatchPlanBuffers, build_dispatch_plan (cuda/)
 #include "init.h"           // moe::ref::random_matrix
-#include "permute.h"        // moe::ref::permute_tokens, unpermute_and_combine (reference_cpu/)
+#include "reference_cpu/permute.h"        // moe::ref::permute_tokens, unpermute_and_combine
 #include "routing_test_support.h"
-#include "token_permute.h"  // the launchers under test (cuda/)
+#include "moe/permute.h"  // the launchers under test (cuda/)
 
 namespace {
 

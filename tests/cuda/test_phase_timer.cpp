@@ -3,10 +3,10 @@
 // Run: ctest --test-dir build -R CudaPhaseTimer   (skips without a GPU)
 #include <gtest/gtest.h>
 
-#include "cuda_check.h"        // CudaError
-#include "device_buffer.h"     // DeviceBuffer
+#include "core/cuda_check.h"        // CudaError
+#include "core/device_buffer.h"     // DeviceBuffer
 #include "gpu_test_support.h"  // REQUIRE_GPU
-#include "phase_timer.h"
+#include "core/phase_timer.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// test_topology.cpp: the GPU block-sparse topology (cuda/block_topology.h) against
+// test_topology.cpp: the GPU block-sparse topology (cuda/moe/topology.h) against
 // reference_cpu/topology.h's make_topology, array by array and exactly, plus the documented values
 // past the used part (offsets = nnz, indices = -1).
 // Run: ctest --test-dir build -R CudaTopology   (skips without a GPU)
@@ -8,14 +8,14 @@
 #include <string>
 #include <vector>
 
-#include "block_topology.h"  // TopologyBuffers, build_topology (cuda/)
-#include "cuda_check.h"      // CUDA_CHECK
-#include "device_buffer.h"   // DeviceBuffer
-#include "device_info.h"     // gpu_available, why_no_gpu
-#include "dispatch.h"        // moe::ref::plan_dispatch (reference_cpu/)
-#include "dispatch_plan.h"   // DispatchPlanBuffers, build_dispatch_plan (cuda/)
+#include "moe/topology.h"  // TopologyBuffers, build_topology (cuda/)
+#include "core/cuda_check.h"      // CUDA_CHECK
+#include "core/device_buffer.h"   // DeviceBuffer
+#include "core/device_info.h"     // gpu_available, why_no_gpu
+#include "reference_cpu/dispatch.h"        // moe::ref::plan_dispatch
+#include "moe/dispatch.h"   // DispatchPlanBuffers, build_dispatch_plan (cuda/)
 #include "routing_test_support.h"
-#include "topology.h"        // moe::ref::make_topology (reference_cpu/)
+#include "reference_cpu/topology.h"        // moe::ref::make_topology
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "temp_dir.h"      // moe::testing::TempDir
-#include "train_config.h"
+#include "train/train_config.h"
 
 namespace {
 
@@ -38,7 +38,7 @@ TEST(TrainConfig, PresetsAreValidAndDiffer) {
     EXPECT_NO_THROW(moe::train::validate(config)) << name;
     EXPECT_EQ(config.preset, name);
   }
-  const TrainConfig throughput = moe::train::preset("throughput");  // issue 4's speed configuration
+  const TrainConfig throughput = moe::train::preset("throughput");  // the speed configuration
   EXPECT_EQ(throughput.model.model_dim, 512);
   EXPECT_EQ(throughput.model.num_layers, 8);
   EXPECT_EQ(throughput.model.num_heads, 8);

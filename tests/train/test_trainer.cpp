@@ -15,10 +15,10 @@
 #include <string>
 
 #include "checkpoint.h"    // CheckpointError, latest_checkpoint
-#include "device_info.h"   // gpu_available, why_no_gpu
+#include "core/device_info.h"   // gpu_available, why_no_gpu
 #include "run_record.h"    // RunReader
 #include "temp_dir.h"      // moe::testing::TempDir
-#include "trainer.h"
+#include "train/trainer.h"
 
 #define REQUIRE_GPU() \
   if (!moe::cuda::gpu_available()) GTEST_SKIP() << moe::cuda::why_no_gpu()

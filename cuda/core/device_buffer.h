@@ -1,0 +1,66 @@
+// device_buffer.h: DeviceBuffer<T>, an owning array in GPU memory (plain cudaMalloc), with copies
+// to and from host vectors. Every GPU program and test of the project holds its tensors in these.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+#include "core/cuda_check.h"  // CUDA_CHECK
+
+namespace moe::cuda {
+
+template <typename T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t count) : count_(count) {
+    if (count_ > 0) CUDA_CHECK(cudaMalloc(&data_, count_ * sizeof(T)));
+  }
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
+  DeviceBuffer(DeviceBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), count_(std::exchange(other.count_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::exchange(other.data_, nullptr);
+      count_ = std::exchange(other.count_, 0);
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { release(); }
+
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  size_t size() const { return count_; }
+  size_t bytes() const { return count_ * sizeof(T); }
+
+  void upload(const std::vector<T>& host) {
+    if (host.size() != count_) throw CudaError("DeviceBuffer::upload: size mismatch");
+    if (count_ > 0) CUDA_CHECK(cudaMemcpy(data_, host.data(), bytes(), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    if (count_ > 0) CUDA_CHECK(cudaMemcpy(host.data(), data_, bytes(), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  // Fills every byte with `byte` (0xFF poisons floats with NaN and ints with -1 before a test).
+  void fill_bytes(int byte, cudaStream_t stream = nullptr) {
+    if (count_ > 0) CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream));
+  }
+
+ private:
+  void release() {
+    if (data_ != nullptr) cudaFree(data_);  // no throw from a destructor
+    data_ = nullptr;
+    count_ = 0;
+  }
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+}  // namespace moe::cuda

@@ -1,0 +1,54 @@
+// phase_timer.cu: see phase_timer.h.
+#include "core/phase_timer.h"
+
+#include <nvtx3/nvToolsExt.h>  // nvtxRangePushA, nvtxRangePop (header-only NVTX 3)
+
+#include "core/cuda_check.h"  // CUDA_CHECK
+
+namespace moe::cuda {
+
+PhaseTimer::~PhaseTimer() {
+  for (auto& phase : pending_) {
+    cudaEventDestroy(phase.start);
+    cudaEventDestroy(phase.stop);
+  }
+}
+
+void PhaseTimer::begin(const char* name, cudaStream_t stream) {
+  nvtxRangePushA(name);
+  Pending phase{name, nullptr, nullptr, int(open_.size())};
+  CUDA_CHECK(cudaEventCreate(&phase.start));
+  CUDA_CHECK(cudaEventCreate(&phase.stop));
+  CUDA_CHECK(cudaEventRecord(phase.start, stream));
+  open_.push_back(pending_.size());
+  pending_.push_back(phase);
+}
+
+void PhaseTimer::end(cudaStream_t stream) {
+  if (open_.empty()) throw CudaError("PhaseTimer::end without a matching begin");
+  CUDA_CHECK(cudaEventRecord(pending_[open_.back()].stop, stream));  // the innermost open phase
+  open_.pop_back();
+  nvtxRangePop();
+}
+
+std::vector<TimedPhase> PhaseTimer::collect() {
+  std::vector<TimedPhase> phases;
+  if (!open_.empty()) {
+    throw CudaError("PhaseTimer::collect while phase " + pending_[open_.back()].name + " is still open");
+  }
+  for (auto& phase : pending_) {
+    CUDA_CHECK(cudaEventSynchronize(phase.stop));
+    float start_ms = 0, duration_ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&start_ms, pending_.front().start, phase.start));
+    CUDA_CHECK(cudaEventElapsedTime(&duration_ms, phase.start, phase.stop));
+    phases.push_back({phase.name, 1000.0 * start_ms, 1000.0 * duration_ms, phase.depth});
+  }
+  for (auto& phase : pending_) {
+    cudaEventDestroy(phase.start);
+    cudaEventDestroy(phase.stop);
+  }
+  pending_.clear();
+  return phases;
+}
+
+}  // namespace moe::cuda

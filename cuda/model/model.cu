@@ -1,0 +1,634 @@
+// model/model.cu: the tiny MoE transformer on one GPU (see model/model.h): the flat parameter layout,
+// the phases of the forward and the backward, and the optimizer step. The three small kernels here
+// are the residual stream's bookkeeping; everything else is a launcher of this folder.
+//
+// Index:
+//   [SECTION] config and layout
+//   [SECTION] residual kernels
+//   [SECTION] construction and weights
+//   [SECTION] forward
+//   [SECTION] backward
+//   [SECTION] optimizer
+#include "model/model.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "moe/activation.h"      // gelu_forward, gelu_backward
+#include "train/optimizer.h"           // gradient_norm, adamw_update, kGradientNormBlocks
+#include "model/cross_entropy.h"   // cross_entropy_forward / backward, kCrossEntropyClasses
+#include "core/cuda_check.h"      // CUDA_CHECK
+#include "model/embedding.h"       // embedding_forward / backward
+#include "model/layer_norm.h"  // layer_norm_forward / backward
+
+namespace moe::cuda {
+
+// ---- [SECTION] config and layout ----
+
+namespace {
+
+constexpr int64_t kVocabulary = kCrossEntropyClasses;  // V = 256 bytes
+
+[[noreturn]] void reject(const std::string& field, const std::string& value, const std::string& allowed) {
+  throw std::invalid_argument("ModelGpu: invalid config: " + field + " = " + value + "; allowed: " + allowed);
+}
+
+std::string text(int64_t value) { return std::to_string(value); }
+
+}  // namespace
+
+void validate(const ModelGpuConfig& c) {
+  if (c.model_dim < 1) reject("model_dim (D)", text(c.model_dim), "D >= 1");
+  if (c.num_layers < 1) reject("num_layers (L)", text(c.num_layers), "L >= 1");
+  if (c.num_heads < 1 || c.model_dim % c.num_heads != 0) {
+    reject("num_heads", text(c.num_heads), "a divisor of model_dim D = " + text(c.model_dim));
+  }
+  if (c.seq_len < 1) reject("seq_len (S)", text(c.seq_len), "S >= 1");
+  if (c.batch < 1) reject("batch (N)", text(c.batch), "N >= 1");
+  if (!(c.layer_norm_eps > 0.0)) reject("layer_norm_eps", std::to_string(c.layer_norm_eps), "a number > 0");
+  if (c.moe_blocks == MoeBlocks::every_other_block && c.num_layers < 2) {
+    reject("moe_blocks", "every_other_block with L = " + text(c.num_layers), "L >= 2");
+  }
+  if (c.moe_blocks != MoeBlocks::every_block && c.dense_hidden_dim < 1) {
+    reject("dense_hidden_dim (H_dense)", text(c.dense_hidden_dim), "H_dense >= 1 when some blocks are dense");
+  }
+  if (c.pregated && c.moe_blocks == MoeBlocks::none) {
+    reject("pregated", "true with moe_blocks = none", "pregated = false for a dense model (no gate to move)");
+  }
+  if (c.moe_blocks == MoeBlocks::none) return;
+  const MoeConfig& m = c.moe;
+  if (m.tokens != c.batch * c.seq_len) {
+    reject("moe.tokens (T)", text(m.tokens), "batch * seq_len = " + text(c.batch * c.seq_len));
+  }
+  if (m.model_dim != c.model_dim) reject("moe.model_dim", text(m.model_dim), "model_dim = " + text(c.model_dim));
+  try {
+    moe::validate(m);
+  } catch (const std::invalid_argument& error) {
+    throw std::invalid_argument(std::string("ModelGpu: MoE layer: ") + error.what());
+  }
+  // MoeLayerGpu's own limits, checked here too so that no buffer of the model is allocated first.
+  if (m.activation != Activation::gelu) {
+    reject("moe.activation", std::string(to_string(m.activation)), "gelu (the GPU experts are GeLU only)");
+  }
+  if (m.jitter_eps != 0.0) reject("moe.jitter_eps", std::to_string(m.jitter_eps), "0 (the model is deterministic)");
+  if (m.formulation == Formulation::dropless && m.block_size != 64 && m.block_size != 128) {
+    reject("moe.block_size (B)", text(m.block_size), "64 or 128 for dropless (the block-sparse kernels' tiles)");
+  }
+}
+
+bool is_moe_block(const ModelGpuConfig& config, int64_t layer) {
+  switch (config.moe_blocks) {
+    case MoeBlocks::every_block: return true;
+    case MoeBlocks::every_other_block: return layer % 2 == 1;
+    case MoeBlocks::none: return false;
+  }
+  return false;
+}
+
+std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& c) {
+  std::vector<ParameterSpan> layout;
+  int64_t offset = 0;
+  // Matrices decay, LayerNorm gains and biases do not (reference_cpu/optimizer.h says why).
+  const auto add = [&](std::string name, int64_t rows, int64_t cols, bool decays) {
+    layout.push_back({std::move(name), rows, cols, offset, decays});
+    offset += rows * cols;
+  };
+  const int64_t D = c.model_dim;
+  add("token_embedding", kVocabulary, D, true);
+  add("position_embedding", c.seq_len, D, true);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string prefix = "blocks." + std::to_string(i) + ".";
+    add(prefix + "ln1.gain", 1, D, false);
+    add(prefix + "ln1.bias", 1, D, false);
+    add(prefix + "attention.qkv", D, 3 * D, true);
+    add(prefix + "attention.out", D, D, true);
+    add(prefix + "ln2.gain", 1, D, false);
+    add(prefix + "ln2.bias", 1, D, false);
+    if (is_moe_block(c, i)) {
+      const int64_t E = c.moe.num_experts;
+      add(prefix + "moe.gate", D, E, true);
+      for (int64_t e = 0; e < E; ++e) add(prefix + "moe.w1." + std::to_string(e), D, w1_columns(c.moe), true);
+      for (int64_t e = 0; e < E; ++e) add(prefix + "moe.w2." + std::to_string(e), c.moe.hidden_dim, D, true);
+    } else {
+      add(prefix + "ffn.w1", D, c.dense_hidden_dim, true);
+      add(prefix + "ffn.w2", c.dense_hidden_dim, D, true);
+    }
+  }
+  add("final_ln.gain", 1, D, false);
+  add("final_ln.bias", 1, D, false);
+  return layout;
+}
+
+// ---- [SECTION] residual kernels ----
+
+namespace {
+
+// Grid-stride launches of 256 threads, at most 1024 blocks: these are memory-bound passes over
+// [T, D], and any size that keeps every SM busy reads them at full bandwidth.
+constexpr int kThreads = 256;
+int blocks_for(size_t n) { return static_cast<int>(std::min<size_t>((n + kThreads - 1) / kThreads, 1024)); }
+
+// The embedding writes bf16 x0; the residual stream starts as its fp32 value.
+__global__ void bf16_to_float_kernel(const bf16* in, float* out, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    out[i] = __bfloat162float(in[i]);
+  }
+}
+
+__global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    out[i] = __float2bfloat16(in[i]);
+  }
+}
+
+// residual += delta in fp32, and the bf16 copy that the next LayerNorm reads (and the backward keeps).
+__global__ void residual_add_kernel(float* residual, const bf16* delta, bf16* residual_bf16, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    const float value = residual[i] + __bfloat162float(delta[i]);
+    residual[i] = value;
+    residual_bf16[i] = __float2bfloat16(value);
+  }
+}
+
+// into += from, fp32: a second gradient arriving at the same tensor (pre-gating's LN2 output).
+__global__ void add_kernel(float* into, const float* from, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    into[i] += from[i];
+  }
+}
+
+// losses = {loss, lm, aux sum, z sum}: starts from the mean cross-entropy (already in losses[1]).
+__global__ void start_loss_kernel(float* losses) {
+  losses[0] = losses[1];
+  losses[2] = 0.0f;
+  losses[3] = 0.0f;
+}
+
+// One MoE block's router losses into the total, in block order (one thread: a fixed order).
+__global__ void add_router_losses_kernel(float* losses, const float* aux, const float* z, float aux_coef,
+                                         float z_coef) {
+  losses[0] += aux_coef * aux[0] + z_coef * z[0];
+  losses[2] += aux[0];
+  losses[3] += z[0];
+}
+
+}  // namespace
+
+// ---- [SECTION] construction and weights ----
+
+ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimizer, cudaStream_t stream)
+    : config_((validate(config), config)), optimizer_(optimizer), stream_(stream) {
+  layout_ = parameter_layout(config_);
+  parameter_count_ = layout_.back().offset + layout_.back().rows * layout_.back().cols;
+  token_embedding_ = layout_.front().offset;
+  position_embedding_ = layout_[1].offset;
+  final_gain_ = layout_[layout_.size() - 2].offset;
+  final_bias_ = layout_.back().offset;
+
+  const size_t T = size_t(config_.batch * config_.seq_len), D = size_t(config_.model_dim);
+  const size_t V = size_t(kVocabulary), Hd = size_t(config_.dense_hidden_dim), P = size_t(parameter_count_);
+  const size_t attention_pairs = size_t(config_.batch * config_.num_heads), S = size_t(config_.seq_len);
+
+  // The MoE layers first: they check that they fit in the free memory before allocating anything.
+  blocks_.resize(size_t(config_.num_layers));
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    if (is_moe_block(config_, i)) blocks_[size_t(i)].moe = std::make_unique<MoeLayerGpu>(config_.moe);
+  }
+
+  weights_ = DeviceBuffer<float>(P);
+  gradients_ = DeviceBuffer<float>(P);
+  first_moment_ = DeviceBuffer<float>(P);
+  second_moment_ = DeviceBuffer<float>(P);
+  weights_bf16_ = DeviceBuffer<bf16>(P);
+  weights_.fill_bytes(0);
+  weights_bf16_.fill_bytes(0);
+  first_moment_.fill_bytes(0);
+  second_moment_.fill_bytes(0);
+  norm_partials_ = DeviceBuffer<float>(kGradientNormBlocks);
+  grad_norm_ = DeviceBuffer<float>(1);
+  clip_scale_ = DeviceBuffer<float>(1);
+
+  // Per block: parameter offsets (walking the layout in its order), activations, expert tables.
+  size_t next = 2;  // after token_embedding and position_embedding
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    Block& b = blocks_[size_t(i)];
+    b.ln1_gain = layout_[next++].offset;
+    b.ln1_bias = layout_[next++].offset;
+    b.qkv = layout_[next++].offset;
+    b.out = layout_[next++].offset;
+    b.ln2_gain = layout_[next++].offset;
+    b.ln2_bias = layout_[next++].offset;
+    b.x = DeviceBuffer<bf16>(T * D);
+    b.ln1_y = DeviceBuffer<bf16>(T * D);
+    b.ln1_mean = DeviceBuffer<float>(T);
+    b.ln1_rstd = DeviceBuffer<float>(T);
+    b.qkv_out = DeviceBuffer<bf16>(T * 3 * D);
+    b.probs = DeviceBuffer<bf16>(attention_pairs * S * S);
+    b.context = DeviceBuffer<bf16>(T * D);
+    b.x_mid = DeviceBuffer<bf16>(T * D);
+    b.ln2_y = DeviceBuffer<bf16>(T * D);
+    b.ln2_mean = DeviceBuffer<float>(T);
+    b.ln2_rstd = DeviceBuffer<float>(T);
+    if (b.moe) {
+      const size_t E = size_t(config_.moe.num_experts);
+      b.gate = layout_[next++].offset;
+      std::vector<const bf16*> w1(E), w2(E);
+      std::vector<float*> d_w1(E), d_w2(E);
+      for (size_t e = 0; e < E; ++e) {
+        w1[e] = weight(layout_[next + e].offset);
+        d_w1[e] = gradient(layout_[next + e].offset);
+        w2[e] = weight(layout_[next + E + e].offset);
+        d_w2[e] = gradient(layout_[next + E + e].offset);
+      }
+      next += 2 * E;
+      b.w1_table = DeviceBuffer<const bf16*>(w1);
+      b.w2_table = DeviceBuffer<const bf16*>(w2);
+      b.d_w1_table = DeviceBuffer<float*>(d_w1);
+      b.d_w2_table = DeviceBuffer<float*>(d_w2);
+    } else {
+      b.ffn_w1 = layout_[next++].offset;
+      b.ffn_w2 = layout_[next++].offset;
+      b.pre_activation = DeviceBuffer<bf16>(T * Hd);
+      b.hidden = DeviceBuffer<bf16>(T * Hd);
+    }
+  }
+  // Pre-gating: each MoE block after the first routes from the previous MoE block's LN2 output,
+  // and that block keeps a buffer for the gradient the gate sends back.
+  if (config_.pregated) {
+    int64_t previous_moe = -1;
+    for (int64_t i = 0; i < config_.num_layers; ++i) {
+      Block& b = blocks_[size_t(i)];
+      if (!b.moe) continue;
+      b.gate_input_block = previous_moe;
+      if (previous_moe >= 0) blocks_[size_t(previous_moe)].d_ln2_from_next_gate = DeviceBuffer<float>(T * D);
+      previous_moe = i;
+    }
+  }
+  if (config_.moe_blocks != MoeBlocks::every_block) {
+    d_hidden_ = DeviceBuffer<bf16>(T * Hd);
+    d_pre_activation_ = DeviceBuffer<bf16>(T * Hd);
+  }
+  attention_workspace_ = std::make_unique<AttentionWorkspace>(
+      AttentionShape{config_.batch, config_.seq_len, config_.model_dim, config_.num_heads});
+
+  residual_ = DeviceBuffer<float>(T * D);
+  block_out_ = DeviceBuffer<bf16>(T * D);
+  final_x_ = DeviceBuffer<bf16>(T * D);
+  final_y_ = DeviceBuffer<bf16>(T * D);
+  final_mean_ = DeviceBuffer<float>(T);
+  final_rstd_ = DeviceBuffer<float>(T);
+  logits_ = DeviceBuffer<float>(T * V);
+  token_losses_ = DeviceBuffer<float>(T);
+  losses_ = DeviceBuffer<float>(4);
+  d_logits_ = DeviceBuffer<bf16>(T * V);
+  d_residual_ = DeviceBuffer<float>(T * D);
+  d_residual_bf16_ = DeviceBuffer<bf16>(T * D);
+  d_norm_input_ = DeviceBuffer<float>(T * D);
+  layer_norm_scratch_ = DeviceBuffer<float>(size_t(layer_norm_backward_scratch_floats(int64_t(T), int64_t(D))));
+  CUDA_CHECK(cudaDeviceSynchronize());  // the fills above ran on the default stream
+}
+
+void ModelGpu::upload_weights(const std::vector<float>& weights) {
+  if (int64_t(weights.size()) != parameter_count_) {
+    throw std::invalid_argument("ModelGpu::upload_weights: " + std::to_string(weights.size()) +
+                                " values; expected parameter_count() = " + std::to_string(parameter_count_));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  weights_.upload(weights);
+  float_to_bf16_kernel<<<blocks_for(weights.size()), kThreads, 0, stream_>>>(weights_.data(), weights_bf16_.data(),
+                                                                             weights.size());
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+std::vector<float> ModelGpu::download_weights() const {
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return weights_.download();
+}
+
+std::vector<float> ModelGpu::download_gradients() const {
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return gradients_.download();
+}
+
+std::vector<bf16> ModelGpu::download_weights_bf16() const {
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return weights_bf16_.download();
+}
+
+ModelGpu::OptimizerState ModelGpu::download_optimizer_state() const {
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return {optimizer_steps_, first_moment_.download(), second_moment_.download()};
+}
+
+void ModelGpu::upload_optimizer_state(const OptimizerState& state) {
+  for (const std::vector<float>* moment : {&state.first_moment, &state.second_moment}) {
+    if (int64_t(moment->size()) != parameter_count_) {
+      throw std::invalid_argument("ModelGpu::upload_optimizer_state: a moment of " + std::to_string(moment->size()) +
+                                  " values; expected parameter_count() = " + std::to_string(parameter_count_));
+    }
+  }
+  if (state.steps < 0) throw std::invalid_argument("ModelGpu::upload_optimizer_state: steps < 0");
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  first_moment_.upload(state.first_moment);
+  second_moment_.upload(state.second_moment);
+  optimizer_steps_ = state.steps;
+}
+
+float ModelGpu::read_loss() const {
+  float loss = 0.0f;
+  CUDA_CHECK(cudaMemcpyAsync(&loss, losses_.data(), sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return loss;
+}
+
+float ModelGpu::read_grad_norm() const {
+  float norm = 0.0f;
+  CUDA_CHECK(cudaMemcpyAsync(&norm, grad_norm_.data(), sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return norm;
+}
+
+void ModelGpu::poison_activations() {
+  constexpr int kNaN = 0xFF;  // every float and bf16 becomes a NaN
+  for (Block& b : blocks_) {
+    for (DeviceBuffer<bf16>* buffer :
+         {&b.x, &b.ln1_y, &b.qkv_out, &b.probs, &b.context, &b.x_mid, &b.ln2_y, &b.pre_activation, &b.hidden}) {
+      buffer->fill_bytes(kNaN, stream_);
+    }
+    for (DeviceBuffer<float>* buffer :
+         {&b.ln1_mean, &b.ln1_rstd, &b.ln2_mean, &b.ln2_rstd, &b.d_ln2_from_next_gate}) {
+      buffer->fill_bytes(kNaN, stream_);
+    }
+  }
+  for (DeviceBuffer<bf16>* buffer :
+       {&block_out_, &final_x_, &final_y_, &d_logits_, &d_residual_bf16_, &d_hidden_, &d_pre_activation_}) {
+    buffer->fill_bytes(kNaN, stream_);
+  }
+  for (DeviceBuffer<float>* buffer : {&residual_, &final_mean_, &final_rstd_, &logits_, &token_losses_, &losses_,
+                                      &d_residual_, &d_norm_input_, &layer_norm_scratch_}) {
+    buffer->fill_bytes(kNaN, stream_);
+  }
+}
+
+void ModelGpu::set_phase_timer(PhaseTimer* timer) {
+  timer_ = timer;
+  for (Block& b : blocks_) {
+    if (b.moe) b.moe->set_phase_timer(timer);
+  }
+}
+
+template <typename Work>
+void ModelGpu::phase(const char* name, Work&& work) {
+  if (timer_ != nullptr) timer_->begin(name, stream_);
+  work();
+  if (timer_ != nullptr) timer_->end(stream_);
+}
+
+// ---- [SECTION] forward ----
+
+const float* ModelGpu::forward(const int32_t* tokens, const int32_t* targets) {
+  tokens_ = tokens;
+  targets_ = targets;
+  embedding_forward_phase();
+  for (Block& block : blocks_) {
+    attention_forward_phase(block);
+    ffn_forward_phase(block);
+  }
+  lm_head_forward_phase();
+  loss_phase();
+  return losses_.data();
+}
+
+// x0 = token_embedding[tokens] + position_embedding[s], straight into block 0's saved input.
+void ModelGpu::embedding_forward_phase() {
+  phase("embedding", [&] {
+    const size_t n = blocks_[0].x.size();
+    embedding_forward(tokens_, weight(token_embedding_), weight(position_embedding_), blocks_[0].x.data(),
+                      config_.batch, config_.seq_len, config_.model_dim, stream_);
+    bf16_to_float_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(blocks_[0].x.data(), residual_.data(), n);
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+// x_mid = x + attention(LN1(x)); the fp32 residual in place, its bf16 copy saved as x_mid.
+void ModelGpu::attention_forward_phase(Block& b) {
+  phase("attention", [&] {
+    const int64_t T = config_.batch * config_.seq_len, D = config_.model_dim;
+    layer_norm_forward(b.x.data(), weight(b.ln1_gain), weight(b.ln1_bias), b.ln1_y.data(), b.ln1_mean.data(),
+                       b.ln1_rstd.data(), T, D, float(config_.layer_norm_eps), stream_);
+    attention_forward(cublas_.get(), attention_workspace_->shape, b.ln1_y.data(), weight(b.qkv), weight(b.out),
+                      b.qkv_out.data(), b.probs.data(), b.context.data(), block_out_.data(), *attention_workspace_,
+                      stream_);
+    residual_add_kernel<<<blocks_for(size_t(T * D)), kThreads, 0, stream_>>>(residual_.data(), block_out_.data(),
+                                                                            b.x_mid.data(), size_t(T * D));
+    CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+// What block b's gate reads: the previous MoE block's LN2 output when pre-gated, else nullptr
+// (MoeLayerGpu then routes the block's own LN2 output).
+const bf16* ModelGpu::gate_input(const Block& b) const {
+  return b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].ln2_y.data() : nullptr;
+}
+
+// x_out = x_mid + FFN(LN2(x_mid)); x_out's bf16 copy is the next block's input (or LN_final's).
+void ModelGpu::ffn_forward_phase(Block& b) {
+  const int64_t T = config_.batch * config_.seq_len, D = config_.model_dim;
+  layer_norm_forward(b.x_mid.data(), weight(b.ln2_gain), weight(b.ln2_bias), b.ln2_y.data(), b.ln2_mean.data(),
+                     b.ln2_rstd.data(), T, D, float(config_.layer_norm_eps), stream_);
+  if (b.moe) {
+    phase("moe", [&] {
+      const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
+      b.moe->forward(b.ln2_y.data(), weights, block_out_.data(), stream_, gate_input(b));
+    });
+  } else {
+    phase("dense_ffn", [&] {
+      const int Hd = int(config_.dense_hidden_dim);
+      cublas_.set_stream(stream_);
+      // pre = LN2(x) w1 [T, H_dense];  hidden = gelu(pre);  out = hidden w2 [T, D]
+      gemm(cublas_.get(), Op::none, Op::none, int(T), Hd, int(D), b.ln2_y.data(), int(D), weight(b.ffn_w1), Hd,
+           b.pre_activation.data(), Hd);
+      gelu_forward(b.pre_activation.data(), b.hidden.data(), size_t(T) * size_t(Hd), stream_);
+      gemm(cublas_.get(), Op::none, Op::none, int(T), int(D), Hd, b.hidden.data(), Hd, weight(b.ffn_w2), int(D),
+           block_out_.data(), int(D));
+    });
+  }
+  Block* const next = &b == &blocks_.back() ? nullptr : &b + 1;
+  bf16* const x_out = next != nullptr ? next->x.data() : final_x_.data();
+  residual_add_kernel<<<blocks_for(size_t(T * D)), kThreads, 0, stream_>>>(residual_.data(), block_out_.data(),
+                                                                          x_out, size_t(T * D));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// logits = LN_final(x) token_embedding^T [T, V], fp32 (the tied output projection).
+void ModelGpu::lm_head_forward_phase() {
+  phase("lm_head", [&] {
+    const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim), V = int(kVocabulary);
+    layer_norm_forward(final_x_.data(), weight(final_gain_), weight(final_bias_), final_y_.data(),
+                       final_mean_.data(), final_rstd_.data(), T, D, float(config_.layer_norm_eps), stream_);
+    cublas_.set_stream(stream_);
+    gemm(cublas_.get(), Op::none, Op::transpose, T, V, D, final_y_.data(), D, weight(token_embedding_), D,
+         logits_.data(), V, 1.0f, 0.0f, /*c_is_float=*/true);
+  });
+}
+
+// loss = mean cross-entropy + aux_loss_coef * sum aux + z_loss_coef * sum z, on the device.
+void ModelGpu::loss_phase() {
+  phase("loss", [&] {
+    cross_entropy_forward(logits_.data(), targets_, token_losses_.data(), losses_.data() + 1,
+                          config_.batch * config_.seq_len, stream_);
+    start_loss_kernel<<<1, 1, 0, stream_>>>(losses_.data());
+    CUDA_CHECK(cudaGetLastError());
+    for (const Block& b : blocks_) {
+      if (!b.moe) continue;
+      add_router_losses_kernel<<<1, 1, 0, stream_>>>(losses_.data(), b.moe->aux_loss().data(),
+                                                     b.moe->z_loss().data(), float(config_.moe.aux_loss_coef),
+                                                     float(config_.moe.z_loss_coef));
+      CUDA_CHECK(cudaGetLastError());
+    }
+  });
+}
+
+// ---- [SECTION] backward ----
+
+void ModelGpu::backward() {
+  if (tokens_ == nullptr) throw std::logic_error("ModelGpu::backward: call forward() first");
+  loss_backward_phase();
+  for (auto block = blocks_.rbegin(); block != blocks_.rend(); ++block) {
+    ffn_backward_phase(*block);
+    attention_backward_phase(*block);
+  }
+  embedding_backward_phase();
+}
+
+// d_logits = (softmax - one_hot) / T; the tied projection's two products; LN_final's backward
+// starts the residual gradient (overwritten here, accumulated by every block after).
+void ModelGpu::loss_backward_phase() {
+  phase("backward_lm_head", [&] {
+    const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim), V = int(kVocabulary);
+    cross_entropy_backward(logits_.data(), targets_, d_logits_.data(), T, stream_);
+    cublas_.set_stream(stream_);
+    // d token_embedding [V, D] = d_logitsᵀ LN_final(x): overwritten; the embedding adds its share later.
+    gemm(cublas_.get(), Op::transpose, Op::none, V, D, T, d_logits_.data(), V, final_y_.data(), D,
+         gradient(token_embedding_), D, 1.0f, 0.0f, true);
+    // d LN_final(x) [T, D] = d_logits token_embedding
+    gemm(cublas_.get(), Op::none, Op::none, T, D, V, d_logits_.data(), V, weight(token_embedding_), D,
+         d_norm_input_.data(), D, 1.0f, 0.0f, true);
+    layer_norm_backward(d_norm_input_.data(), final_x_.data(), final_mean_.data(), final_rstd_.data(),
+                        weight(final_gain_), d_residual_.data(), gradient(final_gain_), gradient(final_bias_),
+                        layer_norm_scratch_.data(), T, D, /*accumulate_dx=*/false, stream_);
+  });
+}
+
+// Through x_out = x_mid + FFN(LN2(x_mid)): the FFN reads d_residual (bf16), LN2 adds its dx.
+// Pre-gated, LN2's output has two readers, this block's FFN and the next MoE block's gate, so its
+// gradient is the sum of both: the gate's share arrives first (that block's backward ran earlier).
+void ModelGpu::ffn_backward_phase(Block& b) {
+  const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim);
+  const size_t n = size_t(T) * size_t(D);
+  float_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(d_residual_.data(), d_residual_bf16_.data(), n);
+  CUDA_CHECK(cudaGetLastError());
+  if (b.moe) {
+    phase("backward_moe", [&] {
+      const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
+      const MoeLayerGradients gradients{d_norm_input_.data(), gradient(b.gate), b.d_w1_table.data(),
+                                        b.d_w2_table.data()};
+      // Pre-gated: d_norm_input_ receives only the gradient through the experts, and the gate's
+      // share goes back to the block whose LN2 output it read.
+      float* const d_gate_input =
+          b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].d_ln2_from_next_gate.data() : nullptr;
+      b.moe->backward(b.ln2_y.data(), weights, d_residual_bf16_.data(), gradients, stream_, gate_input(b),
+                      d_gate_input);
+    });
+  } else {
+    phase("backward_dense_ffn", [&] {
+      const int Hd = int(config_.dense_hidden_dim);
+      cublas_.set_stream(stream_);
+      // d w2 [H_dense, D] = hiddenᵀ dy;  d hidden [T, H_dense] = dy w2ᵀ
+      gemm(cublas_.get(), Op::transpose, Op::none, Hd, D, T, b.hidden.data(), Hd, d_residual_bf16_.data(), D,
+           gradient(b.ffn_w2), D, 1.0f, 0.0f, true);
+      gemm(cublas_.get(), Op::none, Op::transpose, T, Hd, D, d_residual_bf16_.data(), D, weight(b.ffn_w2), D,
+           d_hidden_.data(), Hd);
+      gelu_backward(b.pre_activation.data(), d_hidden_.data(), d_pre_activation_.data(), size_t(T) * size_t(Hd),
+                    stream_);
+      // d w1 [D, H_dense] = LN2(x)ᵀ d pre;  d LN2(x) [T, D] = d pre w1ᵀ
+      gemm(cublas_.get(), Op::transpose, Op::none, D, Hd, T, b.ln2_y.data(), D, d_pre_activation_.data(), Hd,
+           gradient(b.ffn_w1), Hd, 1.0f, 0.0f, true);
+      gemm(cublas_.get(), Op::none, Op::transpose, T, D, Hd, d_pre_activation_.data(), Hd, weight(b.ffn_w1), Hd,
+           d_norm_input_.data(), D, 1.0f, 0.0f, true);
+    });
+  }
+  phase("backward_layer_norm", [&] {
+    if (b.d_ln2_from_next_gate.size() > 0) {
+      add_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(d_norm_input_.data(), b.d_ln2_from_next_gate.data(), n);
+      CUDA_CHECK(cudaGetLastError());
+    }
+    layer_norm_backward(d_norm_input_.data(), b.x_mid.data(), b.ln2_mean.data(), b.ln2_rstd.data(),
+                        weight(b.ln2_gain), d_residual_.data(), gradient(b.ln2_gain), gradient(b.ln2_bias),
+                        layer_norm_scratch_.data(), T, D, /*accumulate_dx=*/true, stream_);
+  });
+}
+
+// Through x_mid = x + attention(LN1(x)).
+void ModelGpu::attention_backward_phase(Block& b) {
+  phase("backward_attention", [&] {
+    const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim);
+    const size_t n = size_t(T) * size_t(D);
+    float_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(d_residual_.data(), d_residual_bf16_.data(), n);
+    CUDA_CHECK(cudaGetLastError());
+    attention_backward(cublas_.get(), attention_workspace_->shape, b.ln1_y.data(), weight(b.qkv), weight(b.out),
+                       b.qkv_out.data(), b.probs.data(), b.context.data(), d_residual_bf16_.data(), gradient(b.qkv),
+                       gradient(b.out), d_norm_input_.data(), *attention_workspace_, stream_);
+    layer_norm_backward(d_norm_input_.data(), b.x.data(), b.ln1_mean.data(), b.ln1_rstd.data(), weight(b.ln1_gain),
+                        d_residual_.data(), gradient(b.ln1_gain), gradient(b.ln1_bias), layer_norm_scratch_.data(),
+                        T, D, /*accumulate_dx=*/true, stream_);
+  });
+}
+
+// The residual gradient at the input into both tables; the token table adds to the lm head's share.
+void ModelGpu::embedding_backward_phase() {
+  phase("backward_embedding", [&] {
+    embedding_backward(tokens_, d_residual_.data(), gradient(token_embedding_), gradient(position_embedding_),
+                       config_.batch, config_.seq_len, config_.model_dim, /*accumulate_token_gradient=*/true,
+                       stream_);
+  });
+}
+
+// ---- [SECTION] optimizer ----
+
+// Global norm and clip scale stay on the device. AdamW runs over the flat buffers with one launch
+// per run of neighbouring tensors that share a weight-decay setting (layout order keeps a block's
+// matrices together: about four runs per block), not one per tensor: with 16 experts a block
+// has 38 tensors, and hundreds of tiny launches cost more than the update itself.
+void ModelGpu::step(float lr) {
+  phase("optimizer", [&] {
+    gradient_norm(gradients_.data(), parameter_count_, norm_partials_.data(), grad_norm_.data(), clip_scale_.data(),
+                  optimizer_.max_grad_norm, stream_);
+    ++optimizer_steps_;
+    for (size_t first = 0; first < layout_.size();) {
+      size_t end = first + 1;  // [first, end): tensors adjacent in memory with the same decay
+      while (end < layout_.size() && layout_[end].weight_decay == layout_[first].weight_decay &&
+             layout_[end].offset == layout_[end - 1].offset + layout_[end - 1].rows * layout_[end - 1].cols) {
+        ++end;
+      }
+      const int64_t offset = layout_[first].offset;
+      const int64_t count = layout_[end - 1].offset + layout_[end - 1].rows * layout_[end - 1].cols - offset;
+      AdamWStep step;
+      step.lr = lr;
+      step.beta1 = optimizer_.beta1;
+      step.beta2 = optimizer_.beta2;
+      step.eps = optimizer_.eps;
+      step.weight_decay = layout_[first].weight_decay ? optimizer_.weight_decay : 0.0f;
+      step.step = optimizer_steps_;
+      adamw_update(step, weights_.data() + offset, gradients_.data() + offset, first_moment_.data() + offset,
+                   second_moment_.data() + offset, weights_bf16_.data() + offset, clip_scale_.data(), count, stream_);
+      first = end;
+    }
+  });
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,237 @@
+// model/model.h: the tiny byte-level MoE transformer on one GPU, one training step at a time:
+// forward (loss on the device), backward (every parameter's gradient), AdamW step. It assembles
+// the blocks of this folder (embedding, layer_norm_gpu, attention_gpu, MoeLayerGpu, cross_entropy,
+// adamw) into the model that moe::ref::model_forward / model_backward define (reference_cpu/model.h),
+// its oracle. Built into moe_cuda; tested by tests/cuda/test_model.cpp
+// (ctest --test-dir build -R CudaModelGpu; skips without a GPU).
+//
+// Dimension legend: V = 256 bytes, D model width, L blocks, S sequence length, N sequences,
+// T = N * S tokens (t = n * S + s), H_dense the dense FFN's hidden width; E, K, H, B as in MoeConfig.
+//   x      = token_embedding[tokens] + position_embedding[s]                         [T, D]
+//   block i:  x += attention(LN1(x));  x += FFN(LN2(x))     FFN = MoeLayerGpu or dense GeLU FFN
+//   logits = LN_final(x) token_embedding^T                                            [T, V]
+//   loss   = mean cross-entropy + aux_loss_coef * sum_j aux_j + z_loss_coef * sum_j z_j
+//
+// Pre-gated routing (config.pregated; reference_cpu/model.h says it in full): number the MoE blocks
+// m_0 < m_1 < ...; block m_j's gate (j >= 1) reads LN2(x) of block m_{j-1}, m_0's gate its own, and
+// every block's experts read their own LN2(x). MoeLayerGpu takes the gate's input as router_input
+// and returns the gate's input gradient separately, which block m_{j-1}'s backward adds to the
+// gradient of its LN2 output. Here block m_j's router runs when block m_j does, on m_{j-1}'s saved
+// LN2 output: the same numbers as the reference, which evaluates it one MoE block earlier so that
+// an offload engine knows m_j's experts in advance.
+//
+// Parameters: ONE flat fp32 buffer of master weights in exactly moe::ref::parameter_layout's order
+// (layout() below repeats it without Eigen), a bf16 copy of it that the forward reads, and a
+// parallel flat fp32 gradient buffer, so a test uploads ref::init_model's values in list order and
+// compares the gradients tensor by tensor, and the optimizer's norm is one pass over one buffer.
+// The MoE experts' weights are reached through per-expert device pointer tables into these buffers.
+//
+// Precision: the residual stream is kept in fp32 (one [T, D] buffer updated in place by each
+// block), and a bf16 copy of it at each block boundary is what LayerNorm reads and the backward
+// keeps; every GEMM reads bf16 operands and accumulates in fp32; logits and the loss are fp32.
+// The backward's residual gradient is fp32, rounded to bf16 only where it is a GEMM operand.
+//
+// Synchronisation: forward, backward and step only enqueue work on the model's stream. The one
+// host synchronisation is read_loss(), which a caller uses when it wants the number.
+//
+// Out of scope here: SwiGLU and jitter (MoeLayerGpu supports GeLU without jitter), and pre-gating a
+// model without MoE blocks (there is no gate to move, as the reference says). The constructor
+// rejects them, with the field named, before allocating anything.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/attention.h"   // AttentionWorkspace
+#include "core/bf16.h"            // bf16
+#include "core/device_buffer.h"   // DeviceBuffer
+#include "core/gemm.h"            // CublasHandle
+#include "moe_config.h"      // MoeConfig
+#include "moe/moe_layer.h"   // MoeLayerGpu
+#include "core/phase_timer.h"     // PhaseTimer
+
+namespace moe::cuda {
+
+// Which blocks have an MoE FFN: the same three choices as moe::ref::MoeLayers.
+enum class MoeBlocks {
+  every_block,        // every block
+  every_other_block,  // blocks 1, 3, 5, ... (block 0 dense, as GShard and Switch alternate)
+  none,               // a dense transformer
+};
+
+// The plain fields of moe::ref::ModelConfig plus the batch: the cuda library does not link the
+// (Eigen) reference, so the test and the trainer fill this from a ref::ModelConfig.
+struct ModelGpuConfig {
+  int64_t model_dim = 64;   // D
+  int64_t num_layers = 2;   // L
+  int64_t num_heads = 4;    // D % num_heads == 0
+  int64_t seq_len = 64;     // S
+  int64_t batch = 4;        // N sequences per step
+  MoeBlocks moe_blocks = MoeBlocks::every_block;
+  int64_t dense_hidden_dim = 256;  // H_dense
+  double layer_norm_eps = 1e-5;
+  MoeConfig moe;  // every MoE block's layer: tokens = N * S, model_dim = D, H, E, K, B, coefficients
+  bool pregated = false;  // MoE block m_j's gate reads block m_{j-1}'s LN2 output (see above)
+};
+
+// The optimizer's fixed settings (the learning rate comes with each step).
+struct OptimizerSettings {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;   // applied to matrices only, as the reference (optimizer.h)
+  float max_grad_norm = 1.0f;  // clip the global norm to this; <= 0 only measures
+};
+
+// One tensor of the flat parameter list, as moe::ref::ParameterInfo.
+struct ParameterSpan {
+  std::string name;  // "blocks.1.moe.w1.3"
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t offset = 0;  // first entry in the flat buffers
+  bool weight_decay = false;
+};
+
+// Throws std::invalid_argument naming the field, its value and what is allowed.
+void validate(const ModelGpuConfig& config);
+bool is_moe_block(const ModelGpuConfig& config, int64_t layer);
+// The flat list in moe::ref::parameter_layout's order and names.
+std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& config);
+
+class ModelGpu {
+ public:
+  // Validates everything first (nothing is allocated for a bad config), then allocates weights,
+  // gradients, optimizer moments and the activations of one [N, S] batch. Weights start at zero:
+  // upload_weights() sets them.
+  explicit ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimizer = {},
+                    cudaStream_t stream = nullptr);
+
+  // fp32 master weights in layout order, [parameter_count()]; refreshes the bf16 copy. Synchronous.
+  void upload_weights(const std::vector<float>& weights);
+  std::vector<float> download_weights() const;      // fp32 masters
+  std::vector<float> download_gradients() const;    // fp32, from the last backward()
+  std::vector<bf16> download_weights_bf16() const;  // the forward's copy
+
+  // Enqueues the forward for device arrays tokens, targets [N, S] of bytes, which must stay valid
+  // until backward() is enqueued. Returns the device address of the loss [1].
+  const float* forward(const int32_t* tokens, const int32_t* targets);
+  // Every parameter's gradient of the last forward's loss, overwritten in gradients().
+  void backward();
+  // Clips the gradients' global norm and takes one AdamW step with learning rate lr.
+  void step(float lr);
+
+  // AdamW's state, for a checkpoint: the moments m and v in layout order and the steps taken (the
+  // bias corrections' t). Synchronous. upload_optimizer_state checks both lengths.
+  struct OptimizerState {
+    int64_t steps = 0;
+    std::vector<float> first_moment, second_moment;  // [parameter_count()] each
+  };
+  OptimizerState download_optimizer_state() const;
+  void upload_optimizer_state(const OptimizerState& state);
+
+  float read_loss() const;       // synchronises the stream
+  float read_grad_norm() const;  // the norm before clipping of the last step(); synchronises
+
+  const ModelGpuConfig& config() const { return config_; }
+  const std::vector<ParameterSpan>& layout() const { return layout_; }
+  int64_t parameter_count() const { return parameter_count_; }
+  DeviceBuffer<float>& gradients() { return gradients_; }  // [parameter_count()] fp32
+  // MoE block `layer`'s layer (routing, router losses of the last forward); null for a dense block.
+  const MoeLayerGpu* moe_layer(int64_t layer) const { return blocks_[size_t(layer)].moe.get(); }
+  const DeviceBuffer<float>& losses() const { return losses_; }  // {loss, lm, aux sum, z sum}
+
+  // Fills every activation buffer with NaN bytes (tests: nothing may be read before it is written).
+  void poison_activations();
+
+  // Names each phase on the GPU timeline (NVTX + events); the MoE layers add their own inside "moe".
+  void set_phase_timer(PhaseTimer* timer);
+
+ private:
+  // Saved activations and parameter addresses of one block.
+  struct Block {
+    int64_t ln1_gain = 0, ln1_bias = 0, qkv = 0, out = 0, ln2_gain = 0, ln2_bias = 0;  // offsets
+    int64_t ffn_w1 = 0, ffn_w2 = 0, gate = 0;  // dense w1, w2 / MoE gate offsets
+    DeviceBuffer<bf16> x;                     // [T, D] the residual entering the block (bf16 copy)
+    DeviceBuffer<bf16> ln1_y;                 // [T, D]
+    DeviceBuffer<float> ln1_mean, ln1_rstd;   // [T]
+    DeviceBuffer<bf16> qkv_out, probs, context;  // [T, 3D] [N*heads, S, S] [T, D]
+    DeviceBuffer<bf16> x_mid;                 // [T, D] after the attention residual (bf16 copy)
+    DeviceBuffer<bf16> ln2_y;                 // [T, D]
+    DeviceBuffer<float> ln2_mean, ln2_rstd;   // [T]
+    DeviceBuffer<bf16> pre_activation, hidden;  // [T, H_dense] dense blocks
+    std::unique_ptr<MoeLayerGpu> moe;         // MoE blocks
+    // Pre-gated: the previous MoE block, whose ln2_y this block's gate reads; -1 when the gate reads
+    // this block's own ln2_y (not pre-gated, or the first MoE block).
+    int64_t gate_input_block = -1;
+    // Pre-gated, in an MoE block whose ln2_y a later block's gate reads: that gate's gradient with
+    // respect to ln2_y [T, D]. The later block's backward runs first and writes it; this block's
+    // backward adds it to the FFN's share before LN2's backward.
+    DeviceBuffer<float> d_ln2_from_next_gate;
+    DeviceBuffer<const bf16*> w1_table, w2_table;  // [E] -> [D, H], [H, D] in weights_bf16_
+    DeviceBuffer<float*> d_w1_table, d_w2_table;   // [E] -> the same entries of gradients_
+  };
+
+  // ---- forward phases ----
+  void embedding_forward_phase();
+  void attention_forward_phase(Block& block);
+  void ffn_forward_phase(Block& block);
+  void lm_head_forward_phase();
+  void loss_phase();
+  // ---- backward phases ----
+  void loss_backward_phase();
+  void ffn_backward_phase(Block& block);
+  void attention_backward_phase(Block& block);
+  void embedding_backward_phase();
+
+  template <typename Work>
+  void phase(const char* name, Work&& work);
+
+  const bf16* gate_input(const Block& block) const;  // [T, D] pre-gated, or nullptr: its own ln2_y
+
+  const bf16* weight(int64_t offset) const { return weights_bf16_.data() + offset; }
+  float* gradient(int64_t offset) { return gradients_.data() + offset; }
+
+  ModelGpuConfig config_;
+  OptimizerSettings optimizer_;
+  cudaStream_t stream_ = nullptr;
+  PhaseTimer* timer_ = nullptr;
+  std::vector<ParameterSpan> layout_;
+  int64_t parameter_count_ = 0;
+  int64_t token_embedding_ = 0, position_embedding_ = 0, final_gain_ = 0, final_bias_ = 0;  // offsets
+  int64_t optimizer_steps_ = 0;
+  const int32_t* tokens_ = nullptr;   // [N, S] of the last forward, device
+  const int32_t* targets_ = nullptr;  // [N, S]
+
+  CublasHandle cublas_;
+  std::vector<Block> blocks_;  // L
+  std::unique_ptr<AttentionWorkspace> attention_workspace_;
+
+  // parameters and optimizer state, all [parameter_count()]
+  DeviceBuffer<float> weights_, gradients_, first_moment_, second_moment_;
+  DeviceBuffer<bf16> weights_bf16_;
+  DeviceBuffer<float> norm_partials_, grad_norm_, clip_scale_;  // [kGradientNormBlocks] [1] [1]
+
+  // activations shared by the blocks
+  DeviceBuffer<float> residual_;         // [T, D] the fp32 residual stream
+  DeviceBuffer<bf16> block_out_;         // [T, D] attention or FFN output before the residual add
+  DeviceBuffer<bf16> final_x_;           // [T, D] the residual after the last block (bf16 copy)
+  DeviceBuffer<bf16> final_y_;           // [T, D] LN_final's output
+  DeviceBuffer<float> final_mean_, final_rstd_;  // [T]
+  DeviceBuffer<float> logits_;           // [T, V]
+  DeviceBuffer<float> token_losses_;     // [T]
+  DeviceBuffer<float> losses_;           // [4] loss, lm loss, aux sum, z sum
+
+  // backward scratch
+  DeviceBuffer<bf16> d_logits_;          // [T, V]
+  DeviceBuffer<float> d_residual_;       // [T, D] d loss / d residual stream
+  DeviceBuffer<bf16> d_residual_bf16_;   // [T, D] its bf16 copy, a GEMM operand
+  DeviceBuffer<float> d_norm_input_;     // [T, D] the gradient a LayerNorm's output receives
+  DeviceBuffer<bf16> d_hidden_, d_pre_activation_;  // [T, H_dense] dense blocks
+  DeviceBuffer<float> layer_norm_scratch_;
+};
+
+}  // namespace moe::cuda

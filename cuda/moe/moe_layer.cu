@@ -1,0 +1,293 @@
+// moe/moe_layer.cu: one MoE layer on the GPU, forward and backward (see moe/moe_layer.h).
+#include "moe/moe_layer.h"
+
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include "moe/activation.h"     // gelu_forward, gelu_backward
+#include "moe/block_sparse.h"   // block_sparse_ffn_forward, block_sparse_ffn_backward
+#include "core/cuda_check.h"     // CUDA_CHECK
+#include "moe/router.h"        // router_logits, route_top_k, router_backward
+#include "moe/permute.h"  // permute_tokens, unpermute_and_combine, combine_backward, permute_backward
+
+namespace moe::cuda {
+
+namespace {
+
+// The rows every expert buffer holds: T*K + E*(B-1) dropless, E*C padded and dropping.
+double layer_rows(const MoeConfig& config) {
+  return config.formulation == Formulation::dropless
+             ? double(config.tokens * config.top_k + config.num_experts * (config.block_size - 1))
+             : double(config.num_experts) * double(capacity(config));
+}
+
+MoeConfig checked(const MoeConfig& config) {
+  validate(config);
+  auto reject = [](const std::string& what) { throw std::invalid_argument("MoeLayerGpu: " + what); };
+  if (config.activation != Activation::gelu) {
+    reject("activation = " + std::string(to_string(config.activation)) + "; allowed on the GPU: gelu");
+  }
+  if (config.jitter_eps != 0.0) {
+    reject("jitter_eps = " + std::to_string(config.jitter_eps) +
+           "; allowed on the GPU: 0 (apply jitter to x before the layer instead)");
+  }
+  if (config.num_experts > kRouterMaxExperts) {
+    reject("num_experts (E) = " + std::to_string(config.num_experts) + "; allowed: E <= " +
+           std::to_string(kRouterMaxExperts));
+  }
+  if (config.top_k > kRouterMaxTopK) {
+    reject("top_k (K) = " + std::to_string(config.top_k) + "; allowed: K <= " + std::to_string(kRouterMaxTopK));
+  }
+  if (config.formulation == Formulation::dropless && config.block_size != 64 && config.block_size != 128) {
+    reject("block_size (B) = " + std::to_string(config.block_size) + "; allowed for dropless: 64 or 128");
+  }
+  const double rows = layer_rows(config);
+  if (rows * double(std::max(config.model_dim, config.hidden_dim)) > double((int64_t{1} << 31) - 1)) {
+    reject("rows x max(D, H) = " + std::to_string(int64_t(rows)) + " x " +
+           std::to_string(std::max(config.model_dim, config.hidden_dim)) +
+           " is too large for the kernels' 32-bit indexing; allowed: below 2^31 (fewer tokens, a smaller "
+           "capacity factor)");
+  }
+  // Fail before any allocation or launch when the layer's buffers cannot fit in the free memory.
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  check_layer_fits(config, free_bytes);
+  return config;
+}
+
+// The GPU computes dropping as padded with the same capacity (C rows per expert, the rows past the
+// kept tokens zero): the plan of the padded formulation.
+MoeConfig plan_config(const MoeConfig& config) {
+  MoeConfig c = config;
+  if (c.formulation == Formulation::dropping) c.formulation = Formulation::padded;
+  return c;
+}
+
+// Runs `work` as one named phase of the timeline when a timer is set.
+template <typename Work>
+void phase(PhaseTimer* timer, const char* name, cudaStream_t stream, Work&& work) {
+  if (timer != nullptr) timer->begin(name, stream);
+  work();
+  if (timer != nullptr) timer->end(stream);
+}
+
+__global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    out[i] = __float2bfloat16(in[i]);
+  }
+}
+
+}  // namespace
+
+double layer_memory_bytes(const MoeConfig& config) {
+  const double rows = layer_rows(config);
+  // permuted x, pre-activation, hidden, expert out and their gradients (+ d_hidden when padded)
+  const double activation_bytes = rows * (4.0 * config.model_dim + 4.0 * config.hidden_dim) * sizeof(bf16);
+  const double router_bytes = double(config.tokens) * (config.num_experts * 14.0 + config.top_k * 16.0) +
+                              kRouterMaxBlocks * (config.num_experts * 12.0 + 8.0);  // RouterWorkspace
+  const double plan_bytes = (rows + 4.0 * config.tokens * config.top_k) * sizeof(int);
+  return 1.1 * (activation_bytes + router_bytes + plan_bytes);
+}
+
+void check_layer_fits(const MoeConfig& config, size_t free_bytes) {
+  const double needed = layer_memory_bytes(config);
+  if (needed <= double(free_bytes)) return;
+  char message[320];
+  std::snprintf(message, sizeof message,
+                "MoeLayerGpu: the layer needs about %.2f GiB of GPU memory (T=%lld, D=%lld, H=%lld, E=%lld, "
+                "K=%lld) and %.2f GiB are free; allowed: a problem that fits (fewer tokens, a smaller capacity "
+                "factor)",
+                needed / (1 << 30), (long long)config.tokens, (long long)config.model_dim,
+                (long long)config.hidden_dim, (long long)config.num_experts, (long long)config.top_k,
+                double(free_bytes) / (1 << 30));
+  throw std::invalid_argument(message);
+}
+
+MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
+    : config_(checked(config)),
+      dropless_(config.formulation == Formulation::dropless),
+      capacity_(dropless_ ? 0 : static_cast<int>(capacity(config))),
+      gathers_rows_(dropless_ && gathering_pays(config_)),
+      plan_(plan_config(config)),
+      router_workspace_(config.num_experts) {
+  const size_t T = config_.tokens, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts,
+               K = config_.top_k, rows = static_cast<size_t>(plan_.max_rows());
+  if (dropless_) topology_ = std::make_unique<TopologyBuffers>(config_);
+  logits_ = DeviceBuffer<float>(T * E);
+  probs_ = DeviceBuffer<float>(T * E);
+  logsumexp_ = DeviceBuffer<float>(T);
+  combine_weights_ = DeviceBuffer<float>(T * K);
+  top_experts_ = DeviceBuffer<int>(T * K);
+  expert_fraction_ = DeviceBuffer<float>(E);
+  mean_probs_ = DeviceBuffer<float>(E);
+  aux_loss_ = DeviceBuffer<float>(1);
+  z_loss_ = DeviceBuffer<float>(1);
+  permuted_x_ = DeviceBuffer<bf16>(rows * D);
+  pre_activation_ = DeviceBuffer<bf16>(rows * H);
+  hidden_ = DeviceBuffer<bf16>(rows * H);
+  expert_out_ = DeviceBuffer<bf16>(rows * D);
+  d_expert_out_ = DeviceBuffer<bf16>(rows * D);
+  d_pre_activation_ = DeviceBuffer<bf16>(rows * H);
+  d_permuted_x_ = DeviceBuffer<bf16>(rows * D);
+  d_combine_weights_ = DeviceBuffer<float>(T * K);
+  d_logits_ = DeviceBuffer<float>(T * E);
+  d_logits_bf16_ = DeviceBuffer<bf16>(T * E);
+  if (!dropless_) {
+    // [E, C, *] tensors: expert e's rows start at e * C. The pointer tables are made once here.
+    d_hidden_ = DeviceBuffer<bf16>(rows * H);
+    const size_t C = static_cast<size_t>(capacity_);
+    auto table_in = [&](DeviceBuffer<const bf16*>& table, const DeviceBuffer<bf16>& base, size_t width) {
+      table = DeviceBuffer<const bf16*>(E);
+      fill_strided_pointers<const bf16>(base.data(), C * width, static_cast<int>(E), table.data(), nullptr);
+    };
+    auto table_out = [&](DeviceBuffer<bf16*>& table, DeviceBuffer<bf16>& base, size_t width) {
+      table = DeviceBuffer<bf16*>(E);
+      fill_strided_pointers(base.data(), C * width, static_cast<int>(E), table.data(), nullptr);
+    };
+    table_in(x_rows_, permuted_x_, D);
+    table_in(pre_rows_, pre_activation_, H);
+    table_in(hidden_rows_, hidden_, H);
+    table_in(d_out_rows_, d_expert_out_, D);
+    table_in(d_pre_rows_, d_pre_activation_, H);
+    table_out(pre_rows_out_, pre_activation_, H);
+    table_out(out_rows_out_, expert_out_, D);
+    table_out(d_hidden_rows_out_, d_hidden_, H);
+    table_out(d_x_rows_out_, d_permuted_x_, D);
+    CUDA_CHECK(cudaDeviceSynchronize());  // the tables exist before any stream uses them
+  }
+}
+
+// ---- forward ----
+
+void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
+                          const bf16* router_input) {
+  if (x == nullptr || y == nullptr || weights.gate_weights == nullptr || weights.w1 == nullptr ||
+      weights.w2 == nullptr) {
+    throw std::invalid_argument("MoeLayerGpu::forward: x, y and every weight pointer must be non-null");
+  }
+  const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
+  // The gate is the only reader of router_input: everything after the router sees x alone.
+  const bf16* const gate_input = router_input != nullptr ? router_input : x;
+  phase(timer_, "router", stream, [&] {
+    router_logits(cublas_.get(), gate_input, weights.gate_weights, logits_.data(), T, D, E, stream);
+    route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(),
+                expert_fraction_.data(), mean_probs_.data(), aux_loss_.data(), z_loss_.data(), router_workspace_,
+                T, E, K, config_.renormalize, stream);
+  });
+  phase(timer_, "plan", stream, [&] {
+    build_dispatch_plan(top_experts_.data(), plan_, stream);
+    if (dropless_) build_topology(plan_.plan(), *topology_, stream);
+  });
+  if (!gathers_rows_) {
+    phase(timer_, "dispatch", stream, [&] { permute_tokens(plan_.plan(), x, permuted_x_.data(), D, stream); });
+  }
+  phase(timer_, "expert_compute", stream, [&] { experts_forward(x, weights, stream); });
+  phase(timer_, "combine", stream, [&] {
+    unpermute_and_combine(plan_.plan(), combine_weights_.data(), expert_out_.data(), y, D, stream);
+  });
+}
+
+void MoeLayerGpu::experts_forward(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream) {
+  if (dropless_) {
+    const BlockSparseFfnOutputs outputs{pre_activation_.data(), nullptr, hidden_.data(), expert_out_.data()};
+    const ExpertRows rows = gathers_rows_ ? ExpertRows::gathered(x, plan_.plan()) : ExpertRows(permuted_x_.data());
+    block_sparse_ffn_forward(config_, topology_->topology(), rows, weights.w1, weights.w2, outputs, stream);
+    return;
+  }
+  // Padded / dropping: E products [C, D] x [D, H], GeLU, E products [C, H] x [H, D].
+  const int C = capacity_, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts;
+  cublas_.set_stream(stream);
+  gemm_batched(cublas_.get(), Op::none, Op::none, C, H, D, x_rows_.data(), D, weights.w1, H,
+               pre_rows_out_.data(), H, E);
+  gelu_forward(pre_activation_.data(), hidden_.data(), static_cast<size_t>(E) * C * H, stream);
+  gemm_batched(cublas_.get(), Op::none, Op::none, C, D, H, hidden_rows_.data(), H, weights.w2, D,
+               out_rows_out_.data(), D, E);
+}
+
+// ---- backward ----
+
+void MoeLayerGpu::backward(const bf16* x, const MoeLayerWeights& weights, const bf16* dy,
+                           const MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
+                           float* d_router_input) {
+  if (x == nullptr || dy == nullptr || gradients.dx == nullptr || gradients.d_gate_weights == nullptr ||
+      gradients.d_w1 == nullptr || gradients.d_w2 == nullptr) {
+    throw std::invalid_argument("MoeLayerGpu::backward: x, dy and every gradient pointer must be non-null");
+  }
+  if (router_input != nullptr && d_router_input == nullptr) {
+    throw std::invalid_argument(
+        "MoeLayerGpu::backward: router_input is given but d_router_input is nullptr; the gradient through the "
+        "gate belongs to router_input, not to dx: pass a [T, D] buffer for it");
+  }
+  if (d_router_input != nullptr && d_router_input == gradients.dx) {
+    throw std::invalid_argument(
+        "MoeLayerGpu::backward: d_router_input is gradients.dx; pass nullptr to get the sum in dx");
+  }
+  const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
+  // The one place the two inputs differ: the gate's products read gate_input and write d_gate_input.
+  // When the gate read x and no separate output is asked for, its gradient is added onto dx, which
+  // the un-gather has just written (beta = 1); a separate d_router_input is overwritten (beta = 0).
+  const bf16* const gate_input = router_input != nullptr ? router_input : x;
+  float* const d_gate_input = d_router_input != nullptr ? d_router_input : gradients.dx;
+  const float d_gate_input_beta = d_router_input != nullptr ? 0.0f : 1.0f;
+  // The weight gradient dW1 reads x's rows in expert order: a forward that gathered them wrote no copy.
+  if (gathers_rows_) {
+    phase(timer_, "dispatch", stream, [&] { permute_tokens(plan_.plan(), x, permuted_x_.data(), D, stream); });
+  }
+  // combine: d expert_out rows = w * dy, and d combine_weights (the router's input gradient)
+  phase(timer_, "combine_backward", stream, [&] {
+    combine_backward(plan_.plan(), combine_weights_.data(), dy, expert_out_.data(), d_expert_out_.data(),
+                     d_combine_weights_.data(), D, stream);
+  });
+  phase(timer_, "expert_compute_backward", stream, [&] { experts_backward(weights, gradients, stream); });
+  // un-gather: dx[t] = sum of its K rows' gradients
+  phase(timer_, "dispatch_backward", stream, [&] {
+    permute_backward(plan_.plan(), d_permuted_x_.data(), gradients.dx, D, /*accumulate=*/false, stream);
+  });
+  // router: d_logits, then the gate's two products. d_logits is rounded to bf16 for the tensor-core
+  // GEMMs (fp32 accumulation), the same precision as every other activation gradient here.
+  phase(timer_, "router_backward", stream, [&] {
+    router_backward(probs_.data(), logsumexp_.data(), top_experts_.data(), d_combine_weights_.data(),
+                    expert_fraction_.data(), d_logits_.data(), T, E, K, config_.renormalize,
+                    config_.aux_loss_coef, config_.z_loss_coef, stream);
+    const size_t n = static_cast<size_t>(T) * E;
+    float_to_bf16_kernel<<<static_cast<unsigned>(std::min<size_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(
+        d_logits_.data(), d_logits_bf16_.data(), n);
+    CUDA_CHECK(cudaGetLastError());
+    cublas_.set_stream(stream);
+    // d_gate_weights [D, E] = gate_inputᵀ [D, T] d_logits [T, E];
+    // d_gate_input [T, D] (+)= d_logits [T, E] Wgᵀ [E, D]
+    gemm(cublas_.get(), Op::transpose, Op::none, D, E, T, gate_input, D, d_logits_bf16_.data(), E,
+         gradients.d_gate_weights, E, 1.0f, 0.0f, /*c_is_float=*/true);
+    gemm(cublas_.get(), Op::none, Op::transpose, T, D, E, d_logits_bf16_.data(), E, weights.gate_weights, E,
+         d_gate_input, D, 1.0f, d_gate_input_beta, /*c_is_float=*/true);
+  });
+}
+
+void MoeLayerGpu::experts_backward(const MoeLayerWeights& weights, const MoeLayerGradients& gradients,
+                                   cudaStream_t stream) {
+  if (dropless_) {
+    const BlockSparseFfnOutputs forward{pre_activation_.data(), nullptr, hidden_.data(), expert_out_.data()};
+    const BlockSparseFfnGradients out{d_pre_activation_.data(), nullptr, d_permuted_x_.data(), gradients.d_w1,
+                                      gradients.d_w2};
+    block_sparse_ffn_backward(config_, topology_->topology(), permuted_x_.data(), weights.w1, weights.w2, forward,
+                              d_expert_out_.data(), out, stream);
+    return;
+  }
+  // Padded / dropping, per expert e over its C rows (padding rows carry zero gradient):
+  //   dh = d_out W2ᵀ,  d_pre = dh * gelu'(pre),  dW2 = hiddenᵀ d_out,  dW1 = xᵀ d_pre,  dx = d_pre W1ᵀ
+  const int C = capacity_, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts;
+  cublas_.set_stream(stream);
+  gemm_batched(cublas_.get(), Op::none, Op::transpose, C, H, D, d_out_rows_.data(), D, weights.w2, D,
+               d_hidden_rows_out_.data(), H, E);
+  gelu_backward(pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(), static_cast<size_t>(E) * C * H,
+                stream);
+  gemm_batched(cublas_.get(), Op::transpose, Op::none, H, D, C, hidden_rows_.data(), H, d_out_rows_.data(), D,
+               gradients.d_w2, D, E);
+  gemm_batched(cublas_.get(), Op::transpose, Op::none, D, H, C, x_rows_.data(), D, d_pre_rows_.data(), H,
+               gradients.d_w1, H, E);
+  gemm_batched(cublas_.get(), Op::none, Op::transpose, C, D, H, d_pre_rows_.data(), H, weights.w1, H,
+               d_x_rows_out_.data(), D, E);
+}
+
+}  // namespace moe::cuda

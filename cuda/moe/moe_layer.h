@@ -1,0 +1,145 @@
+// moe/moe_layer.h: one whole MoE layer on the GPU, forward and backward, in the three formulations.
+// This is the layer the training, offload and distributed code reuse; its oracle is the CPU
+// reference's moe::ref::moe_forward / moe_backward (reference_cpu/moe_layer.h).
+// Built into moe_cuda; tested by tests/cuda/test_moe_layer.cpp; dumped to .npy by moe_layer_dump.
+//
+// Forward, each step one launch (or one CUB / cuBLAS call) on the caller's stream:
+//   router      logits = x Wg (cuBLAS), fused softmax + top-K + combine weights, router losses
+//   plan        histogram, prefix sums, stable sort by expert (moe/dispatch.h)
+//   topology    BCSR + transpose indices of the hidden matrix (dropless only, moe/topology.h)
+//   permute     gather x into expert order, padding rows zeroed (moe/permute.h); on the
+//               dropless Hopper path with narrow experts the SDD gathers x's rows itself as it
+//               copies them (block_sparse.h, ExpertRows, gathering_pays), and the permute runs
+//               in the backward instead, for the weight gradient dW1
+//   experts     dropless: block-sparse SDD (+GeLU) and DSD on tensor cores (block_sparse.h)
+//               padded / dropping: cuBLAS batched GEMMs over [E, C, D] (the GShard / Tutel way;
+//               dropping is padded with the capacity C = ceil(cf*T*K/E): the same kept tokens, the
+//               same output, C rows computed per expert)
+//   combine     y[t] = sum_k w[t,k] expert_out[row of (t,k)]
+// No step reads anything back to the host: counts stay on the GPU and every buffer and grid is sized
+// by host-known bounds (device_plan.h). Backward runs the same steps in reverse.
+//
+// Pre-gated routing (Pre-gated MoE, Hwang et al., ISCA 2024; reference_cpu/pregated_layer.h): the
+// router may read another tensor than the experts (router_input, the previous MoE block's input in
+// the model), and the backward then splits the input gradient in two: dx through the experts,
+// d_router_input through the gate. With no router_input both are one tensor and dx gets their sum.
+//
+// Precision: bf16 activations and weights, fp32 accumulation; router logits, probabilities and
+// combine weights in fp32; weight and input gradients in fp32.
+// Supported: GeLU, no jitter (both checked in the constructor with a clear error).
+//
+// Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k,
+// C capacity, B block size.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "core/bf16.h"            // bf16
+#include "moe/block_sparse.h"    // ExpertRows
+#include "moe/topology.h"  // TopologyBuffers
+#include "core/device_buffer.h"   // DeviceBuffer
+#include "moe/dispatch.h"   // DispatchPlanBuffers
+#include "core/gemm.h"            // CublasHandle
+#include "moe_config.h"      // MoeConfig
+#include "core/phase_timer.h"     // PhaseTimer
+#include "moe/router.h"         // RouterWorkspace
+
+namespace moe::cuda {
+
+struct MoeLayerWeights {           // device memory, owned by the caller
+  const bf16* gate_weights = nullptr;  // [D, E]
+  const bf16* const* w1 = nullptr;     // device array [E] -> [D, H] per expert
+  const bf16* const* w2 = nullptr;     // device array [E] -> [H, D] per expert
+};
+
+struct MoeLayerGradients {         // device memory, owned by the caller; overwritten, not accumulated
+  float* dx = nullptr;                // [T, D]
+  float* d_gate_weights = nullptr;    // [D, E]
+  float* const* d_w1 = nullptr;       // device array [E] -> [D, H]
+  float* const* d_w2 = nullptr;       // device array [E] -> [H, D]
+};
+
+// GPU memory the layer allocates for `config`, an estimate with a 10% margin.
+double layer_memory_bytes(const MoeConfig& config);
+// Throws std::invalid_argument naming both figures when the layer needs more than free_bytes.
+// The constructor calls it with cudaMemGetInfo's free memory before allocating anything.
+void check_layer_fits(const MoeConfig& config, size_t free_bytes);
+
+class MoeLayerGpu {
+ public:
+  // Validates the config (moe::validate, then GeLU only, no jitter, E and K within the router's
+  // limits, dropless B of 64 or 128) and allocates every buffer for T tokens.
+  explicit MoeLayerGpu(const MoeConfig& config);
+
+  // router_input: what the gate reads; nullptr (the default) routes x itself.
+  void forward(const bf16* x,  // [T, D] the experts' input
+               const MoeLayerWeights& weights,
+               bf16* y,        // [T, D]
+               cudaStream_t stream,
+               const bf16* router_input = nullptr);  // [T, D] the gate's input, or nullptr
+
+  // Gradients of L = sum(dy .* y) + aux_loss_coef * aux + z_loss_coef * z, for the x, weights and
+  // routing of the last forward() (call forward first, with the same x, router_input and weights).
+  // The gradient through the gate goes to d_router_input when it is given (overwritten), and
+  // gradients.dx then holds only the part through the experts; with d_router_input = nullptr it is
+  // added into dx. A separate router_input needs a d_router_input: its gradient is not dx's.
+  void backward(const bf16* x,   // [T, D] the experts' input
+                const MoeLayerWeights& weights,
+                const bf16* dy,  // [T, D]
+                const MoeLayerGradients& gradients, cudaStream_t stream,
+                const bf16* router_input = nullptr,  // [T, D] as given to forward
+                float* d_router_input = nullptr);    // [T, D] or nullptr
+
+  // Times and names each phase (router, plan, topology, permute, experts, combine, and their
+  // backward) on the GPU timeline; nullptr (the default) records nothing.
+  void set_phase_timer(PhaseTimer* timer) { timer_ = timer; }
+
+  const MoeConfig& config() const { return config_; }
+  int max_rows() const { return plan_.max_rows(); }
+
+  // ---- what the last forward computed, on the device (for tests, lessons, .npy dumps) ----
+  const DispatchPlanBuffers& plan() const { return plan_; }
+  const TopologyBuffers* topology() const { return topology_.get(); }  // dropless only
+  const DeviceBuffer<float>& probs() const { return probs_; }                      // [T, E]
+  const DeviceBuffer<int>& top_experts() const { return top_experts_; }            // [T, K]
+  const DeviceBuffer<float>& combine_weights() const { return combine_weights_; }  // [T, K]
+  const DeviceBuffer<float>& aux_loss() const { return aux_loss_; }                // [1] unscaled
+  const DeviceBuffer<float>& z_loss() const { return z_loss_; }                    // [1] unscaled
+  // The forward's SDD gathers x's rows (no permute before it); the backward then permutes.
+  bool gathers_rows() const { return gathers_rows_; }
+  const DeviceBuffer<bf16>& expert_out() const { return expert_out_; }             // [max_rows, D]
+
+ private:
+  void experts_forward(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream);
+  void experts_backward(const MoeLayerWeights& weights, const MoeLayerGradients& gradients, cudaStream_t stream);
+
+  MoeConfig config_;
+  PhaseTimer* timer_ = nullptr;
+  bool dropless_ = true;
+  int capacity_ = 0;  // C for the padded / dropping formulations
+  bool gathers_rows_ = false;  // the forward writes no permuted copy of x (gathering_pays)
+  CublasHandle cublas_;
+  DispatchPlanBuffers plan_;
+  std::unique_ptr<TopologyBuffers> topology_;
+
+  // router
+  DeviceBuffer<float> logits_, probs_, logsumexp_, combine_weights_;  // [T,E] [T,E] [T] [T,K]
+  DeviceBuffer<int> top_experts_;                                     // [T, K]
+  DeviceBuffer<float> expert_fraction_, mean_probs_, aux_loss_, z_loss_;  // [E] [E] [1] [1]
+  RouterWorkspace router_workspace_;  // route_top_k's per-block partial sums of the statistics
+  // experts: dropless stores the hidden activations as [max_nnz, B, B] blocks, padded as
+  // [E*C, H] rows; both are max_rows * H values. permuted_x_ is written by the backward when the
+  // forward gathers the rows.
+  DeviceBuffer<bf16> permuted_x_, pre_activation_, hidden_, expert_out_;
+  // backward
+  DeviceBuffer<bf16> d_expert_out_, d_hidden_, d_pre_activation_, d_permuted_x_, d_logits_bf16_;
+  DeviceBuffer<float> d_combine_weights_, d_logits_;
+  // padded / dropping: per-expert pointers into the [E, C, *] activation tensors
+  DeviceBuffer<const bf16*> x_rows_, pre_rows_, hidden_rows_, d_out_rows_, d_pre_rows_;
+  DeviceBuffer<bf16*> pre_rows_out_, out_rows_out_, d_hidden_rows_out_, d_x_rows_out_;
+};
+
+}  // namespace moe::cuda

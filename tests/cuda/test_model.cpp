@@ -1,0 +1,398 @@
+// test_model.cpp: one GPU training step of the whole transformer (cuda/model/model.h) against the
+// CPU reference model (reference_cpu/model.h, optimizer.h): the loss and every gradient within bf16
+// tolerance. Tiny configs (D=64, 2 heads, L=2, S=32, N=4, E=4, K=2, H=64, B=64), MoE
+// in every block or every other block, dropless and padded, self-gated and pre-gated (model.h).
+// The pre-gated cases take L = 3 or 4 where L = 2 would leave a single MoE block (nothing to
+// pre-gate): every other block of 4 has MoE blocks 1 and 3, and every block of 3 has a middle MoE
+// block that both receives a later gate's gradient and sends its own gate's gradient back.
+// Run: ctest --test-dir build -R CudaModelGpu   (the step tests skip without a GPU; the config
+// checks run anywhere)
+//
+// The same bytes to both: ref::init_model's weights are rounded to bf16 first, so the GPU's fp32
+// masters, its bf16 copies and the reference's doubles hold the same values; what remains between
+// them is the GPU's arithmetic.
+//
+// Tolerances, from the precision:
+//   loss (and lm / aux / z parts)  1e-2 relative. The mean of T cross-entropies over fp32 logits
+//                                  from bf16 activations: errors of ~1e-3 that average out.
+//   each parameter's gradient      3e-2 relative (Frobenius norm per tensor). Every activation the
+//                                  backward reads is stored in bf16 (2^-9 relative rounding per value)
+//                                  and so is every backward GEMM operand (d_residual, d_hidden,
+//                                  d_logits, the attention's d_scores); through L blocks of
+//                                  LayerNorm, attention, FFN and back, a few such roundings
+//                                  compound into errors of ~1e-2 on the deepest tensors (the
+//                                  embeddings, block 0), the MoE layer test alone reaches a few 1e-3.
+//                                  The gate's and LayerNorm's gradients are differences of nearly
+//                                  equal terms, which magnifies relative error, hence 3e-2, not 2e-2.
+//   AdamW                          1e-4 relative on the fp32 masters (fp32 against double, same
+//                                  gradients: the GPU's own, uploaded into the reference step).
+//
+// Routing is the one discontinuity: top-K picks experts by comparing probabilities, and a token
+// whose K-th and (K+1)-th probabilities differ by less than bf16 rounding can pick another expert on
+// the GPU, which moves a whole token's contribution between experts: not a precision error. At
+// initialisation the router's probabilities are nearly uniform, so the test checks that the GPU and
+// the reference route every token of every MoE block identically and, if one batch has a near tie,
+// draws another batch (at most kBatchTries); it reports how many it drew.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"        // CUDA_CHECK
+#include "core/device_buffer.h"     // DeviceBuffer
+#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, matrix_of, relative_error
+#include "reference_cpu/model.h"             // moe::ref::init_model, model_forward, model_backward, parameters
+#include "model/model.h"         // moe::cuda::ModelGpu
+#include "reference_cpu/optimizer.h"         // moe::ref::adamw_step, clip_gradient_norm
+
+namespace {
+
+using moe::Formulation;
+using moe::cuda::bf16;
+using moe::cuda::DeviceBuffer;
+using moe::cuda::ModelGpu;
+using moe::ref::IndexMatrix;
+using moe::ref::Matrix;
+using moe::ref::ModelConfig;
+using moe::ref::MoeLayers;
+using namespace moe::test;
+
+constexpr int64_t kBatch = 4;  // N
+constexpr double kLossTolerance = 1e-2;
+constexpr double kGradientTolerance = 3e-2;
+constexpr double kOptimizerTolerance = 1e-4;
+constexpr int kBatchTries = 8;
+
+ModelConfig tiny_config(MoeLayers moe_layers, Formulation formulation) {
+  ModelConfig c;
+  c.model_dim = 64;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.seq_len = 32;
+  c.moe_layers = moe_layers;
+  c.dense_hidden_dim = 128;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.expert_hidden_dim = 64;
+  c.formulation = formulation;
+  c.capacity_factor = 1.25;  // padded: C = ceil(1.25 * T * K / E), a few tokens may be dropped
+  c.block_size = 64;
+  return c;
+}
+
+// The plain fields the cuda library takes (it does not link the Eigen reference).
+moe::cuda::ModelGpuConfig gpu_config(const ModelConfig& c, int64_t batch) {
+  moe::cuda::ModelGpuConfig g;
+  g.model_dim = c.model_dim;
+  g.num_layers = c.num_layers;
+  g.num_heads = c.num_heads;
+  g.seq_len = c.seq_len;
+  g.batch = batch;
+  g.moe_blocks = c.moe_layers == MoeLayers::every_block         ? moe::cuda::MoeBlocks::every_block
+                 : c.moe_layers == MoeLayers::every_other_block ? moe::cuda::MoeBlocks::every_other_block
+                                                                : moe::cuda::MoeBlocks::none;
+  g.dense_hidden_dim = c.dense_hidden_dim;
+  g.layer_norm_eps = c.layer_norm_eps;
+  g.moe = moe::ref::moe_layer_config(c, batch);
+  g.pregated = c.pregated;
+  return g;
+}
+
+// init_model's weights rounded to bf16 (the same bytes to both), and their flat fp32 list.
+struct Weights {
+  moe::ref::ModelWeights values;
+  std::vector<float> flat;
+};
+
+Weights bf16_init(const ModelConfig& config, uint64_t seed) {
+  Weights w{moe::ref::init_model(config, seed), {}};
+  moe::ref::ModelGradients unused = moe::ref::zero_weights(config);
+  for (moe::ref::Parameter& p : moe::ref::parameters(config, w.values, unused)) {
+    *p.value = round_bf16(*p.value);
+    for (int64_t i = 0; i < p.value->size(); ++i) w.flat.push_back(float(p.value->data()[i]));
+  }
+  return w;
+}
+
+// N windows of S + 1 bytes of `text` from the given starts: inputs [0, S), targets [1, S + 1).
+void windows(const std::string& text, const std::vector<size_t>& starts, int64_t S, IndexMatrix& inputs,
+             IndexMatrix& targets) {
+  inputs.resize(int64_t(starts.size()), S);
+  targets.resize(int64_t(starts.size()), S);
+  for (size_t n = 0; n < starts.size(); ++n) {
+    for (int64_t s = 0; s < S; ++s) {
+      inputs(int64_t(n), s) = static_cast<unsigned char>(text[starts[n] + size_t(s)]);
+      targets(int64_t(n), s) = static_cast<unsigned char>(text[starts[n] + size_t(s) + 1]);
+    }
+  }
+}
+
+std::vector<int32_t> flat_of(const IndexMatrix& m) { return {m.data(), m.data() + m.size()}; }
+
+// Tokens whose chosen expert set differs between the GPU's last forward and the reference's.
+int routing_differences(const ModelGpu& model, const moe::ref::ModelForward& forward) {
+  int differences = 0;
+  for (int64_t i = 0; i < model.config().num_layers; ++i) {
+    const moe::cuda::MoeLayerGpu* layer = model.moe_layer(i);
+    if (layer == nullptr) continue;
+    const std::vector<int> gpu = layer->top_experts().download();
+    const IndexMatrix& ref = forward.blocks[size_t(i)].moe->router.top_experts;
+    const int64_t K = ref.cols();
+    for (int64_t t = 0; t < ref.rows(); ++t) {
+      std::set<int> got(gpu.begin() + t * K, gpu.begin() + (t + 1) * K), want;
+      for (int64_t k = 0; k < K; ++k) want.insert(int(ref(t, k)));
+      differences += got != want;
+    }
+  }
+  return differences;
+}
+
+struct StepCase {
+  MoeLayers moe_layers;
+  Formulation formulation;
+  bool pregated = false;
+  int64_t num_layers = 2;  // L
+};
+
+std::string case_name(const StepCase& c) {
+  std::string name =
+      std::string(moe::ref::to_string(c.moe_layers)) + "_" + std::string(moe::to_string(c.formulation));
+  if (c.pregated) name += "_pregated_L" + std::to_string(c.num_layers);
+  return name;
+}
+
+class CudaModelGpuStep : public ::testing::TestWithParam<StepCase> {};
+
+// One forward + backward: loss and every gradient against the reference; then one AdamW step.
+TEST_P(CudaModelGpuStep, MatchesReference) {
+  REQUIRE_GPU();
+  ModelConfig config = tiny_config(GetParam().moe_layers, GetParam().formulation);
+  config.pregated = GetParam().pregated;
+  config.num_layers = GetParam().num_layers;
+  const int64_t S = config.seq_len, T = kBatch * S;
+  const Weights weights = bf16_init(config, 7);
+
+  ModelGpu model(gpu_config(config, kBatch));
+  // The layout is the reference's, entry by entry.
+  const std::vector<moe::ref::ParameterInfo> ref_layout = moe::ref::parameter_layout(config);
+  ASSERT_EQ(model.layout().size(), ref_layout.size());
+  for (size_t i = 0; i < ref_layout.size(); ++i) {
+    const moe::cuda::ParameterSpan& got = model.layout()[i];
+    const moe::ref::ParameterInfo& want = ref_layout[i];
+    ASSERT_EQ(got.name, want.name);
+    ASSERT_EQ(got.rows, want.rows) << want.name;
+    ASSERT_EQ(got.cols, want.cols) << want.name;
+    ASSERT_EQ(got.offset, want.offset) << want.name;
+    ASSERT_EQ(got.weight_decay, want.weight_decay) << want.name;
+  }
+  ASSERT_EQ(model.parameter_count(), moe::ref::parameter_count(config));
+  model.upload_weights(weights.flat);
+
+  // Random bytes (all 256 values appear), redrawn while a near tie routes a token differently.
+  IndexMatrix inputs, targets;
+  moe::ref::ModelForward ref_forward;
+  DeviceBuffer<int32_t> tokens(static_cast<size_t>(T)), next_bytes(static_cast<size_t>(T));
+  int tries = 0, differences = 0;
+  std::mt19937_64 rng(11);
+  do {
+    std::string text(size_t(kBatch * (S + 1)), '\0');
+    for (char& byte : text) byte = static_cast<char>(rng() & 0xFF);
+    std::vector<size_t> starts;
+    for (int64_t n = 0; n < kBatch; ++n) starts.push_back(size_t(n * (S + 1)));
+    windows(text, starts, S, inputs, targets);
+    tokens.upload(flat_of(inputs));
+    next_bytes.upload(flat_of(targets));
+    ref_forward = moe::ref::model_forward(config, weights.values, inputs, targets);
+    model.poison_activations();
+    model.gradients().fill_bytes(0xFF);
+    model.forward(tokens.data(), next_bytes.data());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    differences = routing_differences(model, ref_forward);
+  } while (differences > 0 && ++tries < kBatchTries);
+  ASSERT_EQ(differences, 0) << "every one of " << kBatchTries << " batches had a token routed differently";
+
+  // ---- loss ----
+  const double loss = model.read_loss();
+  const std::vector<float> parts = model.losses().download();  // loss, lm, aux sum, z sum
+  const double loss_error = std::abs(loss - ref_forward.loss) / ref_forward.loss;
+  EXPECT_LT(loss_error, kLossTolerance) << "GPU " << loss << " reference " << ref_forward.loss;
+  EXPECT_LT(std::abs(parts[1] - ref_forward.lm_loss) / ref_forward.lm_loss, kLossTolerance) << "lm loss";
+  EXPECT_LT(std::abs(parts[2] - ref_forward.aux_loss) / ref_forward.aux_loss, kLossTolerance) << "aux loss";
+  EXPECT_LT(std::abs(parts[3] - ref_forward.z_loss) / ref_forward.z_loss, kLossTolerance) << "z loss";
+
+  // ---- every gradient, tensor by tensor ----
+  model.backward();
+  const std::vector<float> gpu_gradients = model.download_gradients();
+  moe::ref::ModelWeights ref_values = weights.values;
+  moe::ref::ModelGradients ref_gradients = moe::ref::model_backward(config, weights.values, inputs, targets, ref_forward);
+  const std::vector<moe::ref::Parameter> ref_params = moe::ref::parameters(config, ref_values, ref_gradients);
+  double worst = 0.0;
+  std::string worst_name;
+  for (size_t i = 0; i < ref_params.size(); ++i) {
+    const moe::cuda::ParameterSpan& span = model.layout()[i];
+    const double error =
+        relative_error(matrix_of(gpu_gradients, span.rows, span.cols, size_t(span.offset)), *ref_params[i].gradient);
+    EXPECT_LT(error, kGradientTolerance) << span.name;
+    if (!(error <= worst)) {  // a NaN becomes the worst
+      worst = error;
+      worst_name = span.name;
+    }
+  }
+  std::printf("%s %s: tries %d, loss %.5f (ref %.5f, rel %.1e, tol %.0e), worst gradient %s rel %.2e (tol %.0e), "
+              "%zu tensors\n",
+              loss_error < kLossTolerance && worst < kGradientTolerance ? "PASS" : "FAIL",
+              case_name(GetParam()).c_str(), tries + 1, loss, ref_forward.loss, loss_error, kLossTolerance,
+              worst_name.c_str(), worst, kGradientTolerance, ref_params.size());
+
+  // ---- one AdamW step, from the GPU's own gradients on both sides ----
+  const moe::cuda::OptimizerSettings settings;  // the model's defaults
+  const moe::ref::AdamWConfig adamw{settings.beta1, settings.beta2, settings.eps, settings.weight_decay};
+  const float lr = 3e-3f;
+  std::vector<moe::ref::Parameter> params = moe::ref::parameters(config, ref_values, ref_gradients);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const moe::cuda::ParameterSpan& span = model.layout()[i];
+    *params[i].gradient = matrix_of(gpu_gradients, span.rows, span.cols, size_t(span.offset));
+  }
+  const double ref_norm = moe::ref::clip_gradient_norm(params, settings.max_grad_norm);
+  moe::ref::AdamWState state;
+  moe::ref::adamw_step(adamw, lr, params, state);
+  model.step(lr);
+  const std::vector<float> masters = model.download_weights();
+  const std::vector<bf16> copies = model.download_weights_bf16();
+  EXPECT_LT(std::abs(model.read_grad_norm() - ref_norm) / ref_norm, kOptimizerTolerance) << "gradient norm";
+  double worst_master = 0.0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const moe::cuda::ParameterSpan& span = model.layout()[i];
+    const Matrix got = matrix_of(masters, span.rows, span.cols, size_t(span.offset));
+    const double error = relative_error(got, *params[i].value);
+    EXPECT_LT(error, kOptimizerTolerance) << span.name;
+    if (!(error <= worst_master)) worst_master = error;
+    // The update itself (new - old), looser: it is ~lr, a small difference of fp32 numbers.
+    const Matrix before = matrix_of(weights.flat, span.rows, span.cols, size_t(span.offset));
+    EXPECT_LT(relative_error(got - before, *params[i].value - before), 1e-2) << span.name << " update";
+  }
+  int copy_mismatches = 0;
+  for (size_t i = 0; i < masters.size(); ++i) {
+    copy_mismatches += __bfloat162float(copies[i]) != __bfloat162float(__float2bfloat16(masters[i]));
+  }
+  EXPECT_EQ(copy_mismatches, 0) << "bf16 copies of the masters";
+  std::printf("%s %s adamw: norm %.4f (ref %.4f), worst master rel %.1e (tol %.0e), bf16 copy mismatches %d\n",
+              worst_master < kOptimizerTolerance && copy_mismatches == 0 ? "PASS" : "FAIL",
+              case_name(GetParam()).c_str(), model.read_grad_norm(), ref_norm, worst_master, kOptimizerTolerance,
+              copy_mismatches);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, CudaModelGpuStep,
+                         ::testing::Values(StepCase{MoeLayers::every_block, Formulation::dropless},
+                                           StepCase{MoeLayers::every_other_block, Formulation::dropless},
+                                           StepCase{MoeLayers::every_block, Formulation::padded},
+                                           StepCase{MoeLayers::every_other_block, Formulation::padded},
+                                           StepCase{MoeLayers::every_block, Formulation::dropless, true, 3},
+                                           StepCase{MoeLayers::every_other_block, Formulation::dropless, true, 4},
+                                           StepCase{MoeLayers::every_block, Formulation::padded, true, 2},
+                                           StepCase{MoeLayers::every_other_block, Formulation::padded, true, 4}),
+                         [](const ::testing::TestParamInfo<StepCase>& info) { return case_name(info.param); });
+
+// A few steps on repeated text: the model learns it, the loss falls.
+TEST(CudaModelGpu, LossFallsOnRepeatedText) {
+  REQUIRE_GPU();
+  const ModelConfig config = tiny_config(MoeLayers::every_other_block, Formulation::dropless);
+  const int64_t S = config.seq_len;
+  std::string text;
+  while (text.size() < 400) text += "the quick brown fox jumps over the lazy dog. ";
+  IndexMatrix inputs, targets;
+  windows(text, {0, 45, 90, 135}, S, inputs, targets);
+  DeviceBuffer<int32_t> tokens(flat_of(inputs)), next_bytes(flat_of(targets));
+
+  ModelGpu model(gpu_config(config, kBatch));
+  model.upload_weights(bf16_init(config, 3).flat);
+  std::vector<float> losses;
+  for (int step = 0; step < 30; ++step) {
+    model.forward(tokens.data(), next_bytes.data());
+    losses.push_back(model.read_loss());
+    model.backward();
+    model.step(1e-2f);
+  }
+  for (float loss : losses) ASSERT_TRUE(std::isfinite(loss));
+  const bool fell = losses.back() < 0.75f * losses.front();
+  EXPECT_TRUE(fell) << "first " << losses.front() << " last " << losses.back();
+  std::printf("%s loss on repeated text: step 0 %.3f, step 10 %.3f, step 29 %.3f (expected below 0.75 x the first)\n",
+              fell ? "PASS" : "FAIL", losses.front(), losses[10], losses.back());
+}
+
+// Bad configs are rejected with the field named, before any GPU memory is allocated.
+TEST(CudaModelGpu, RejectsBadConfigsBeforeAllocating) {
+  REQUIRE_GPU();
+  CUDA_CHECK(cudaFree(nullptr));  // the context exists before the free memory is measured
+  const auto expect_rejected = [](ModelConfig config, const std::string& field) {
+    size_t free_before = 0, free_after = 0, total = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+    try {
+      ModelGpu model(gpu_config(config, kBatch));
+      ADD_FAILURE() << "accepted a config with a bad " << field;
+    } catch (const std::invalid_argument& error) {
+      EXPECT_NE(std::string(error.what()).find(field), std::string::npos) << error.what();
+      std::printf("rejected, as expected: %s\n", error.what());
+    }
+    CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+    EXPECT_EQ(free_after, free_before) << field;
+  };
+  ModelConfig dense_pregated = tiny_config(MoeLayers::none, Formulation::dropless);
+  dense_pregated.pregated = true;
+  expect_rejected(dense_pregated, "pregated");
+  ModelConfig swiglu = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  swiglu.activation = moe::Activation::swiglu;
+  expect_rejected(swiglu, "activation");
+  ModelConfig small_blocks = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  small_blocks.block_size = 32;
+  expect_rejected(small_blocks, "block_size");
+  ModelConfig odd_heads = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  odd_heads.num_heads = 3;
+  expect_rejected(odd_heads, "num_heads");
+}
+
+// validate() is host code: these run without a GPU. Pre-gating is accepted wherever there are MoE
+// blocks, as the reference accepts it, and refused for a dense model, as the reference refuses it.
+TEST(CudaModelGpuConfig, ValidateAcceptsPregatedWithMoeBlocks) {
+  for (MoeLayers moe_layers : {MoeLayers::every_block, MoeLayers::every_other_block}) {
+    for (Formulation formulation : {Formulation::dropless, Formulation::padded}) {
+      ModelConfig config = tiny_config(moe_layers, formulation);
+      config.pregated = true;
+      EXPECT_NO_THROW(moe::ref::validate(config));
+      EXPECT_NO_THROW(moe::cuda::validate(gpu_config(config, kBatch)))
+          << moe::ref::to_string(moe_layers) << " " << moe::to_string(formulation);
+    }
+  }
+}
+
+TEST(CudaModelGpuConfig, ValidateRejectsPregatedDenseModel) {
+  const auto expect_rejected = [](const ModelConfig& config, const std::string& field) {
+    EXPECT_THROW(moe::ref::validate(config), std::invalid_argument) << field << " (the reference)";
+    try {
+      moe::cuda::validate(gpu_config(config, kBatch));
+      ADD_FAILURE() << "accepted a config with a bad " << field;
+    } catch (const std::invalid_argument& error) {
+      EXPECT_NE(std::string(error.what()).find(field), std::string::npos) << error.what();
+      std::printf("rejected, as expected: %s\n", error.what());
+    }
+  };
+  ModelConfig dense_pregated = tiny_config(MoeLayers::none, Formulation::dropless);
+  dense_pregated.pregated = true;
+  expect_rejected(dense_pregated, "pregated");
+  ModelConfig swiglu = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  swiglu.pregated = true;
+  swiglu.activation = moe::Activation::swiglu;
+  // The reference runs SwiGLU; only the GPU refuses it.
+  EXPECT_THROW(moe::cuda::validate(gpu_config(swiglu, kBatch)), std::invalid_argument);
+  ModelConfig odd_heads = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  odd_heads.pregated = true;
+  odd_heads.num_heads = 3;
+  expect_rejected(odd_heads, "num_heads");
+}
+
+}  // namespace
