@@ -1,0 +1,24 @@
+// rank_agreement.h: checks that end on every rank together. A check that throws on one rank only
+// leaves its peers waiting in the next collective, so a distributed layer first lets every rank
+// check its own inputs, then shares the outcomes (one all-gather), and every rank throws the same
+// message, naming the ranks that failed. Issue 25's "a clear error on every rank".
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string_view>
+
+#include "communicator.h"
+
+namespace moe::dist {
+
+// Runs local_check here; if it threw on any rank, every rank throws std::invalid_argument
+// "<what>: rank p: <its message>; rank q: ..." (the ranks that failed, in order). Collective.
+void check_on_every_rank(Communicator& communicator, std::string_view what,
+                         const std::function<void()>& local_check);
+
+// Every rank passes a fingerprint of what must be equal everywhere (a hash of its settings); if any
+// differs from rank 0's, every rank throws std::invalid_argument naming those ranks. Collective.
+void check_same_on_every_rank(Communicator& communicator, std::string_view what, uint64_t fingerprint);
+
+}  // namespace moe::dist
