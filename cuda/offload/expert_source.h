@@ -1,0 +1,64 @@
+// offload/expert_source.h: where an MoE block's expert weights come from when a model decodes.
+//
+// The MoE layer reads its experts through per-expert pointer tables (moe/moe_layer.h,
+// MoeLayerWeights::w1 / w2: device arrays [E] -> [D, H] / [H, D]), so it does not care whether an
+// expert lives in one resident tensor or in a slot of an expert cache that was filled a moment ago
+// over PCIe. An ExpertSource hands the decoding model those tables, block by block:
+//
+//   ResidentExperts (gpu_only)   every expert of every block on the GPU: the tables never change,
+//                                and the model needs no block's routing on the host
+//   OffloadedExperts (offload/)  every expert in pinned host memory and a pool of GPU slots (the
+//                                expert cache): acquire() copies the missing experts (on demand)
+//                                and makes the compute stream wait for their copies; prefetch()
+//                                starts copies early (prefetch-all, pre-gated, speculative)
+//
+// The schedule (which experts to prefetch for block i+1 while block i computes: all of them, the
+// pre-gate's choice, or a guess from block i+1's gate on block i's hidden state) is the decoding
+// model's; the source only moves bytes and keeps the slots. A wrong guess costs a copy, never a
+// different answer: the experts a block computes with are always the ones its router chose,
+// bit for bit the same weights wherever they live.
+//
+// Dimension legend: D model width, H expert hidden width, E experts per MoE block.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+
+#include "core/bf16.h"  // bf16
+
+namespace moe::cuda {
+
+// The pointer tables of one MoE block, in device memory, valid for the work the caller enqueues on
+// its compute stream after acquire() and before release().
+struct ExpertTables {
+  const bf16* const* w1 = nullptr;  // device array [E] -> [D, H]
+  const bf16* const* w2 = nullptr;  // device array [E] -> [H, D]
+};
+
+class ExpertSource {
+ public:
+  virtual ~ExpertSource() = default;
+
+  // True when acquire() needs the block's chosen experts (read back from the router to the host);
+  // false when every expert is resident and `experts` is ignored (no host synchronisation).
+  virtual bool needs_experts_on_host() const = 0;
+
+  // Block `block`'s experts (ids in [0, E), sorted, unique: the experts its router chose for the
+  // tokens of this step) become readable by work enqueued on `compute` after this call: missing
+  // ones are copied now (on demand) and `compute` waits for their copies. The returned tables
+  // point every chosen expert at its weights; the others at weights the layer never reads.
+  virtual ExpertTables acquire(int64_t block, std::span<const int32_t> experts,
+                               cudaStream_t compute) = 0;
+
+  // The work on `compute` that reads block `block`'s experts has been enqueued: their slots may be
+  // reused once `compute` passes this point (an event, not a host wait).
+  virtual void release(int64_t block, cudaStream_t compute) = 0;
+
+  // A hint that block `block` will soon need `experts`: start copying the missing ones without
+  // making anyone wait. A resident source ignores it.
+  virtual void prefetch(int64_t block, std::span<const int32_t> experts) { (void)block; (void)experts; }
+};
+
+}  // namespace moe::cuda
