@@ -1,0 +1,523 @@
+// expert_parallel_cpu.cpp: FastMoE's expert-parallel layer on CPU ranks, with Tutel's chunked
+// pipeline (see expert_parallel_cpu.h).
+//
+// Sections: ---- placement and settings ----  ---- the token exchange ----  ---- chunks ----
+//           ---- forward ----  ---- backward ----
+#include "expert_parallel_cpu.h"
+
+#include <algorithm>
+#include <bit>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "all_to_all_2dh.h"            // HierarchicalAllToAll
+#include "rank_agreement.h"            // check_on_every_rank, check_same_on_every_rank
+#include "reference_cpu/checks.h"      // check_shape, check_finite, check_expert_matrices
+#include "reference_cpu/expert_ffn.h"  // expert_ffn_forward / backward, ExpertActivations
+
+namespace moe::dist {
+
+using ref::IndexVector;
+using ref::Matrix;
+
+// ---- placement and settings ----
+
+int64_t experts_per_rank(const MoeConfig& config, int ranks) {
+  if (ranks < 1 || config.num_experts % ranks != 0) {
+    throw std::invalid_argument("expert parallelism places E / R experts on every rank: E = " +
+                                std::to_string(config.num_experts) + " is not divisible by R = " +
+                                std::to_string(ranks) + " ranks; choose E a multiple of R");
+  }
+  return config.num_experts / ranks;
+}
+
+ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeights& all, int rank, int ranks) {
+  const int64_t per_rank = experts_per_rank(config, ranks);
+  if (static_cast<int64_t>(all.w1.size()) != config.num_experts ||
+      static_cast<int64_t>(all.w2.size()) != config.num_experts) {
+    throw std::invalid_argument("local_weights: expected E = " + std::to_string(config.num_experts) +
+                                " matrices in w1 and w2; got " + std::to_string(all.w1.size()) + " and " +
+                                std::to_string(all.w2.size()));
+  }
+  if (rank < 0 || rank >= ranks) {
+    throw std::invalid_argument("local_weights: rank = " + std::to_string(rank) + "; expected 0 <= rank < R = " +
+                                std::to_string(ranks));
+  }
+  ExpertParallelWeights mine;
+  mine.gate_weights = all.gate_weights;
+  for (int64_t j = 0; j < per_rank; ++j) {
+    mine.w1.push_back(all.w1[rank * per_rank + j]);
+    mine.w2.push_back(all.w2[rank * per_rank + j]);
+  }
+  return mine;
+}
+
+uint64_t config_fingerprint(const MoeConfig& c) {
+  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over each field's 64-bit value
+  auto add = [&hash](uint64_t value) {
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= (value >> (8 * byte)) & 0xff;
+      hash *= 0x100000001b3ull;
+    }
+  };
+  for (int64_t field : {c.tokens, c.model_dim, c.hidden_dim, c.num_experts, c.top_k, c.block_size}) {
+    add(static_cast<uint64_t>(field));
+  }
+  add(static_cast<uint64_t>(c.formulation));
+  add(static_cast<uint64_t>(c.activation));
+  add(c.renormalize ? 1 : 0);
+  add(c.seed);
+  for (double field : {c.capacity_factor, c.jitter_eps, c.aux_loss_coef, c.z_loss_coef}) {
+    add(std::bit_cast<uint64_t>(field));
+  }
+  return hash;
+}
+
+namespace {
+
+// Settings first (the same on every rank, so the same outcome everywhere), then this rank's own
+// inputs, whose failure every rank reports together.
+void check_forward_inputs(Communicator& comm, const MoeConfig& config, const Matrix& x,
+                          const ExpertParallelWeights& weights, const ExpertParallelOptions& options) {
+  check_same_on_every_rank(comm, "expert parallel layer: the MoE configs", config_fingerprint(config));
+  const uint64_t options_fingerprint =
+      static_cast<uint64_t>(options.pipeline_chunks) * 1000003u +
+      static_cast<uint64_t>(options.hierarchical ? options.hierarchical->ranks_per_node() : 0);
+  check_same_on_every_rank(comm, "expert parallel layer: the options (pipeline_chunks, 2DH node size)",
+                           options_fingerprint);
+  validate(config);
+  const int64_t per_rank = experts_per_rank(config, comm.size());
+  if (options.pipeline_chunks < 1) {
+    throw std::invalid_argument("expert parallel layer: pipeline_chunks = " + std::to_string(options.pipeline_chunks) +
+                                "; expected d >= 1");
+  }
+  if (options.hierarchical && options.hierarchical->world().size() != comm.size()) {
+    throw std::invalid_argument("expert parallel layer: the 2D hierarchical all-to-all spans " +
+                                std::to_string(options.hierarchical->world().size()) +
+                                " ranks; it must be built over the layer's communicator of R = " +
+                                std::to_string(comm.size()));
+  }
+  check_on_every_rank(comm, "expert parallel layer: bad input", [&] {
+    const int64_t D = config.model_dim, H = config.hidden_dim, E = config.num_experts;
+    ref::check_shape("x", x, x.rows(), D, "[T_r, D]");
+    ref::check_finite("x", x);
+    ref::check_shape("gate_weights", weights.gate_weights, D, E, "[D, E]");
+    ref::check_finite("gate_weights", weights.gate_weights);
+    ref::check_expert_matrices("w1", weights.w1, per_rank, D, w1_columns(config), "[D, w1_columns] (E_r of them)");
+    ref::check_expert_matrices("w2", weights.w2, per_rank, H, D, "[H, D] (E_r of them)");
+  });
+}
+
+// ---- the token exchange ----
+
+// All-to-all-v of whole rows of a row-major matrix: send_rows[p] rows of `send` (packed, peer after
+// peer) go to rank p; recv_rows[p] rows arrive from rank p. Flat, or through Tutel's 2DH. The
+// receive buffer starts as NaN, so a row that never arrives cannot pass for a result.
+Matrix exchange_rows(Communicator& comm, HierarchicalAllToAll* hierarchical,
+                     const Matrix& send,  // [sum send_rows, cols]
+                     const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                     int64_t cols) {
+  std::vector<int64_t> send_counts(send_rows.size()), recv_counts(recv_rows.size());
+  int64_t total = 0;
+  for (size_t p = 0; p < send_rows.size(); ++p) {
+    send_counts[p] = send_rows[p] * cols;
+    recv_counts[p] = recv_rows[p] * cols;
+    total += recv_rows[p];
+  }
+  const std::vector<int64_t> send_offsets = exclusive_prefix_sum(send_counts);
+  const std::vector<int64_t> recv_offsets = exclusive_prefix_sum(recv_counts);
+  Matrix recv = Matrix::Constant(total, cols, std::numeric_limits<double>::quiet_NaN());
+  if (hierarchical) {
+    hierarchical->all_to_all_v(send.data(), send_counts, send_offsets, recv.data(), recv_counts, recv_offsets,
+                               DataType::float64);
+  } else {
+    comm.all_to_all_v(send.data(), send_counts, send_offsets, recv.data(), recv_counts, recv_offsets,
+                      DataType::float64);
+  }
+  return recv;
+}
+
+// ---- chunks ----
+
+// Which rows of which (source rank, expert) block each chunk carries. Expert e's rows, over all
+// ranks, form its row space: its kept slots in global token order (source rank r's block is
+// [start[r][e], start[r][e] + kept[r][e])), followed, when padded, by padding up to C. Chunk c
+// takes rows [n c / d, n (c + 1) / d) of a row space of n rows (Tutel splits the capacity
+// dimension the same way). Every rank computes the same layout from the R x E kept counts, so no
+// chunk needs a count exchange of its own.
+class ChunkLayout {
+ public:
+  struct Part {
+    int64_t first = 0;  // first row of the block in the chunk, counted from the block's start
+    int64_t count = 0;
+  };
+
+  ChunkLayout(const std::vector<int64_t>& kept, int ranks, int64_t experts, int64_t capacity, bool padded,
+              int chunks)
+      : kept_(kept), ranks_(ranks), experts_(experts), chunks_(chunks),
+        start_(kept.size(), 0), space_(experts, 0) {
+    for (int64_t e = 0; e < experts; ++e) {
+      int64_t rows = 0;
+      for (int r = 0; r < ranks; ++r) {
+        start_[r * experts + e] = rows;
+        rows += kept[r * experts + e];
+      }
+      space_[e] = padded ? capacity : rows;
+    }
+  }
+
+  int64_t chunk_begin(int chunk, int64_t expert) const { return space_[expert] * chunk / chunks_; }
+  int64_t chunk_rows(int chunk, int64_t expert) const {
+    return chunk_begin(chunk + 1, expert) - chunk_begin(chunk, expert);
+  }
+
+  Part part(int chunk, int source, int64_t expert) const {
+    const int64_t block_begin = start_[source * experts_ + expert];
+    const int64_t block_end = block_begin + kept_[source * experts_ + expert];
+    const int64_t begin = std::max(block_begin, chunk_begin(chunk, expert));
+    const int64_t end = std::min(block_end, chunk_begin(chunk + 1, expert));
+    return end > begin ? Part{begin - block_begin, end - begin} : Part{};
+  }
+
+ private:
+  const std::vector<int64_t>& kept_;  // [R, E]
+  int ranks_;
+  int64_t experts_;
+  int chunks_;
+  std::vector<int64_t> start_;  // [R, E] where each source's block begins in the expert's row space
+  std::vector<int64_t> space_;  // [E] rows in each expert's row space
+};
+
+// ---- forward ----
+
+// The reference router on this rank's tokens. The jitter noise of a token depends on its global
+// position, so it is the global draw's rows of these tokens, applied here (the router then runs
+// with jitter off on the already-scaled input: the same logits).
+ref::RouterOutput route_shard(const MoeConfig& config, const Matrix& x, const Matrix& gate_weights,
+                              int64_t token_offset) {
+  const int64_t T_r = x.rows(), D = config.model_dim, E = config.num_experts, K = config.top_k;
+  const Matrix noise = ref::jitter_noise(config, token_offset + T_r, D).bottomRows(T_r);
+  ref::RouterOutput out;
+  if (T_r > 0) {
+    MoeConfig shard = config;
+    shard.tokens = T_r;
+    shard.jitter_eps = 0.0;
+    out = ref::route(shard, x.cwiseProduct(noise), gate_weights);
+  } else {  // a rank without tokens: empty tensors of the right widths
+    out.logits.resize(0, E);
+    out.probs.resize(0, E);
+    out.logsumexp.resize(0);
+    out.top_experts.resize(0, K);
+    out.top_probs.resize(0, K);
+    out.combine_weights.resize(0, K);
+  }
+  out.jitter_noise = noise;
+  return out;
+}
+
+// The rows this rank's E_r experts compute in one chunk: the formulation's row rule applied to the
+// rows received, ordered [local expert][source rank][token].
+ref::DispatchPlan plan_local_experts(const MoeConfig& config, const ChunkLayout& layout, int chunk, int rank,
+                                     int ranks, int64_t per_rank) {
+  ref::DispatchPlan plan;
+  plan.formulation = config.formulation;
+  plan.num_experts = per_rank;
+  plan.top_k = config.top_k;
+  plan.block_size = config.block_size;
+  plan.capacity = config.formulation == Formulation::dropless ? 0 : capacity(config);
+
+  // Where each (source, local expert) block sits among the received rows: [source][local expert].
+  std::vector<int64_t> block_start(static_cast<size_t>(ranks) * per_rank);
+  int64_t received = 0;
+  for (int s = 0; s < ranks; ++s) {
+    for (int64_t j = 0; j < per_rank; ++j) {
+      block_start[s * per_rank + j] = received;
+      received += layout.part(chunk, s, rank * per_rank + j).count;
+    }
+  }
+  plan.tokens_per_expert.assign(per_rank, 0);
+  plan.kept_per_expert.assign(per_rank, 0);
+  plan.rows_per_expert.assign(per_rank, 0);
+  plan.row_offsets.assign(per_rank + 1, 0);
+  for (int64_t j = 0; j < per_rank; ++j) {
+    const int64_t e = rank * per_rank + j;
+    int64_t arrived = 0;
+    for (int s = 0; s < ranks; ++s) arrived += layout.part(chunk, s, e).count;
+    int64_t rows = arrived;
+    if (config.formulation == Formulation::padded) rows = layout.chunk_rows(chunk, e);  // zeros up to C
+    if (config.formulation == Formulation::dropless) {
+      rows = (arrived + config.block_size - 1) / config.block_size * config.block_size;  // up to B
+    }
+    plan.tokens_per_expert[j] = static_cast<int32_t>(arrived);
+    plan.kept_per_expert[j] = static_cast<int32_t>(arrived);
+    plan.rows_per_expert[j] = static_cast<int32_t>(rows);
+    plan.row_offsets[j + 1] = static_cast<int32_t>(plan.row_offsets[j] + rows);
+    plan.padding_rows += rows - arrived;
+  }
+  plan.total_rows = plan.row_offsets[per_rank];
+  plan.tokens = received;
+  plan.row_slot.assign(plan.total_rows, -1);
+  for (int64_t j = 0; j < per_rank; ++j) {
+    int64_t row = plan.row_offsets[j];
+    for (int s = 0; s < ranks; ++s) {
+      const int64_t count = layout.part(chunk, s, rank * per_rank + j).count;
+      for (int64_t i = 0; i < count; ++i) {
+        plan.row_slot[row++] = static_cast<int32_t>(block_start[s * per_rank + j] + i);
+      }
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfig& config, const Matrix& x,
+                                              const ExpertParallelWeights& weights,
+                                              const ExpertParallelOptions& options) {
+  check_forward_inputs(comm, config, x, weights, options);
+  const int R = comm.size(), rank = comm.rank(), d = options.pipeline_chunks;
+  const int64_t D = config.model_dim, E = config.num_experts, K = config.top_k;
+  const int64_t per_rank = experts_per_rank(config, R);
+
+  ExpertParallelForward f;
+  f.options = options;
+  f.experts_per_rank = per_rank;
+
+  // ---- the shard: every rank's token count, so each knows its place in token order ----
+  const std::vector<int64_t> tokens_per_rank = all_gather<int64_t>(comm, static_cast<int64_t>(x.rows()));
+  for (int p = 0; p < R; ++p) {
+    if (p < rank) f.token_offset += tokens_per_rank[p];
+    f.tokens += tokens_per_rank[p];
+  }
+  if (f.tokens != config.tokens) {
+    std::string counts;
+    for (int p = 0; p < R; ++p) counts += (p ? ", " : "") + std::to_string(tokens_per_rank[p]);
+    throw std::invalid_argument("expert parallel layer: the ranks hold " + std::to_string(f.tokens) +
+                                " tokens (" + counts + " by rank); config.tokens says T = " +
+                                std::to_string(config.tokens) + " (T counts the tokens of all ranks)");
+  }
+  const int64_t T = f.tokens, T_r = x.rows();
+  f.local_tokens = T_r;
+
+  // ---- 1. route locally ----
+  f.router = route_shard(config, x, weights.gate_weights, f.token_offset);
+
+  // ---- 2. the count exchange: the R x E matrix of routed slots, on every rank ----
+  std::vector<int64_t> routed_here(E, 0);
+  for (int64_t slot = 0; slot < T_r * K; ++slot) ++routed_here[f.router.top_experts.data()[slot]];
+  f.routed_per_rank_expert = all_gather<int64_t>(comm, routed_here);
+
+  // The router losses over all tokens: f_e from the counts; P_e and the z-loss from per-rank sums.
+  std::vector<double> sums(E + 1, 0.0);
+  for (int64_t e = 0; e < E; ++e) sums[e] = f.router.probs.col(e).sum();
+  sums[E] = f.router.logsumexp.squaredNorm();
+  all_reduce_sum<double>(comm, sums);
+  f.router.expert_fraction = ref::Vector::Zero(E);
+  f.router.mean_probs.resize(E);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int p = 0; p < R; ++p) f.router.expert_fraction(e) += static_cast<double>(f.routed_per_rank_expert[p * E + e]);
+    f.router.mean_probs(e) = sums[e] / static_cast<double>(T);
+  }
+  f.router.expert_fraction /= static_cast<double>(T * K);
+  f.router.aux_loss = static_cast<double>(E) * f.router.expert_fraction.dot(f.router.mean_probs);
+  f.router.z_loss = sums[E] / static_cast<double>(T);
+  f.aux_loss = f.router.aux_loss;
+  f.z_loss = f.router.z_loss;
+
+  // ---- the dropping rule over all tokens: each expert keeps its first C slots in token order ----
+  const bool dropless = config.formulation == Formulation::dropless;
+  f.capacity = dropless ? 0 : capacity(config);
+  f.kept_per_rank_expert.assign(static_cast<size_t>(R) * E, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t kept_before = 0;  // by earlier ranks, whose tokens come first
+    for (int p = 0; p < R; ++p) {
+      const int64_t routed = f.routed_per_rank_expert[p * E + e];
+      const int64_t kept = dropless ? routed : std::min(routed, std::max<int64_t>(0, f.capacity - kept_before));
+      f.kept_per_rank_expert[p * E + e] = kept;
+      kept_before += kept;
+      f.dropped_slots += routed - kept;
+    }
+  }
+
+  // This rank's slots grouped by expert, token order inside (dispatch.cpp's stable counting sort).
+  std::vector<int64_t> routed_offsets(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) routed_offsets[e + 1] = routed_offsets[e] + routed_here[e];
+  IndexVector routed_slots(T_r * K);
+  {
+    std::vector<int64_t> cursor(routed_offsets.begin(), routed_offsets.end() - 1);
+    for (int64_t slot = 0; slot < T_r * K; ++slot) {
+      routed_slots[cursor[f.router.top_experts.data()[slot]]++] = static_cast<int32_t>(slot);
+    }
+  }
+
+  // ---- 3-5, chunk after chunk: dispatch, the local experts, the way back ----
+  const ChunkLayout layout(f.kept_per_rank_expert, R, E, f.capacity, config.formulation == Formulation::padded, d);
+  f.chunks.resize(d);
+  f.slot_chunk.assign(T_r * K, -1);
+  f.slot_expert_out = Matrix::Zero(T_r * K, D);
+  for (int c = 0; c < d; ++c) {
+    ExpertParallelChunk& chunk = f.chunks[c];
+
+    // As the tokens' rank: experts in id order are grouped by owner, so the rows are grouped by
+    // destination rank, then expert, then token.
+    chunk.send_rows.assign(R, 0);
+    for (int64_t e = 0; e < E; ++e) {
+      const ChunkLayout::Part part = layout.part(c, rank, e);
+      for (int64_t i = 0; i < part.count; ++i) {
+        const int32_t slot = routed_slots[routed_offsets[e] + part.first + i];
+        chunk.sent_slots.push_back(slot);
+        f.slot_chunk[slot] = c;
+      }
+      chunk.send_rows[e / per_rank] += part.count;
+    }
+    Matrix send(static_cast<int64_t>(chunk.sent_slots.size()), D);
+    for (size_t i = 0; i < chunk.sent_slots.size(); ++i) send.row(i) = x.row(chunk.sent_slots[i] / K);
+
+    // ---- 3. all-to-all-v of the token rows ----
+    chunk.recv_rows.assign(R, 0);
+    for (int s = 0; s < R; ++s) {
+      for (int64_t j = 0; j < per_rank; ++j) chunk.recv_rows[s] += layout.part(c, s, rank * per_rank + j).count;
+    }
+    const Matrix received = exchange_rows(comm, options.hierarchical, send, chunk.send_rows, chunk.recv_rows, D);
+
+    // ---- 4. the local experts over exactly the rows received ----
+    chunk.expert_plan = plan_local_experts(config, layout, c, rank, R, per_rank);
+    const ref::DispatchPlan& plan = chunk.expert_plan;
+    chunk.permuted_x = Matrix::Zero(plan.total_rows, D);
+    for (int64_t row = 0; row < plan.total_rows; ++row) {
+      if (plan.row_slot[row] >= 0) chunk.permuted_x.row(row) = received.row(plan.row_slot[row]);
+    }
+    ref::ExpertActivations experts = ref::expert_ffn_forward(config, plan, chunk.permuted_x, weights.w1, weights.w2);
+    chunk.pre_activation = std::move(experts.pre_activation);
+    chunk.hidden = std::move(experts.hidden);
+    chunk.expert_out = std::move(experts.out);
+
+    // ---- 5. all-to-all-v of the expert outputs, back in the order they came ----
+    Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
+    for (int64_t row = 0; row < plan.total_rows; ++row) {
+      if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = chunk.expert_out.row(row);
+    }
+    const Matrix returned = exchange_rows(comm, options.hierarchical, back, chunk.recv_rows, chunk.send_rows, D);
+    for (size_t i = 0; i < chunk.sent_slots.size(); ++i) f.slot_expert_out.row(chunk.sent_slots[i]) = returned.row(i);
+  }
+
+  // ---- 6. the weighted combine; a dropped slot adds zero ----
+  f.y = Matrix::Zero(T_r, D);
+  for (int64_t t = 0; t < T_r; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      if (f.slot_chunk[t * K + k] >= 0) f.y.row(t) += f.router.combine_weights(t, k) * f.slot_expert_out.row(t * K + k);
+    }
+  }
+  return f;
+}
+
+// ---- backward ----
+
+namespace {
+
+// The router's backward of ref::moe_backward (moe_layer.cpp), with T and f_e over all ranks:
+// d_combine [T_r, K] -> d_logits [T_r, E].
+Matrix router_backward(const MoeConfig& config, const ref::RouterOutput& router, const Matrix& d_combine,
+                       int64_t tokens) {
+  const int64_t T_r = router.probs.rows(), E = config.num_experts, K = config.top_k;
+  Matrix d_probs = Matrix::Zero(T_r, E);
+  for (int64_t t = 0; t < T_r; ++t) {
+    if (config.renormalize) {
+      // w_k = p_k / S with S = sum_j p_j:  dL/dp_k = (dw_k - sum_j dw_j w_j) / S
+      const double sum = router.top_probs.row(t).sum();
+      const double weighted = d_combine.row(t).dot(router.combine_weights.row(t));
+      for (int64_t k = 0; k < K; ++k) d_probs(t, router.top_experts(t, k)) += (d_combine(t, k) - weighted) / sum;
+    } else {
+      for (int64_t k = 0; k < K; ++k) d_probs(t, router.top_experts(t, k)) += d_combine(t, k);
+    }
+  }
+  // aux = E sum_e f_e P_e with P_e = mean over all T tokens of probs[t, e]
+  const double aux_scale = config.aux_loss_coef * static_cast<double>(E) / static_cast<double>(tokens);
+  d_probs.rowwise() += aux_scale * router.expert_fraction.transpose();
+  // softmax backward, then the z-loss: d lse_t / d logits[t, e] = probs[t, e]
+  Matrix d_logits(T_r, E);
+  for (int64_t t = 0; t < T_r; ++t) {
+    const double inner = router.probs.row(t).dot(d_probs.row(t));
+    d_logits.row(t) = router.probs.row(t).cwiseProduct((d_probs.row(t).array() - inner).matrix());
+    const double z_scale = config.z_loss_coef * 2.0 * router.logsumexp(t) / static_cast<double>(tokens);
+    d_logits.row(t) += z_scale * router.probs.row(t);
+  }
+  return d_logits;
+}
+
+}  // namespace
+
+ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeConfig& config, const Matrix& x,
+                                                 const ExpertParallelWeights& weights,
+                                                 const ExpertParallelForward& forward, const Matrix& dy) {
+  const int64_t D = config.model_dim, H = config.hidden_dim, K = config.top_k, T_r = forward.local_tokens;
+  const int64_t per_rank = forward.experts_per_rank;
+  check_same_on_every_rank(comm, "expert parallel backward: the MoE configs", config_fingerprint(config));
+  check_on_every_rank(comm, "expert parallel backward: bad input", [&] {
+    ref::check_shape("x", x, T_r, D, "[T_r, D] as in the forward pass");
+    ref::check_shape("dy", dy, T_r, D, "[T_r, D]");
+    ref::check_finite("dy", dy);
+    if (static_cast<int>(forward.chunks.size()) != forward.options.pipeline_chunks ||
+        static_cast<int64_t>(weights.w1.size()) != per_rank) {
+      throw std::invalid_argument("the forward pass does not belong to these weights and this communicator");
+    }
+  });
+
+  // ---- combine: y[t] = sum_k w[t, k] out(t, k) ----
+  Matrix d_slot_out = Matrix::Zero(T_r * K, D);
+  Matrix d_combine = Matrix::Zero(T_r, K);
+  for (int64_t t = 0; t < T_r; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t slot = t * K + k;
+      if (forward.slot_chunk[slot] < 0) continue;  // dropped: nothing flows back through it
+      d_slot_out.row(slot) = forward.router.combine_weights(t, k) * dy.row(t);
+      d_combine(t, k) = dy.row(t).dot(forward.slot_expert_out.row(slot));
+    }
+  }
+
+  ExpertParallelGradients grads;
+  grads.x = Matrix::Zero(T_r, D);
+  for (int64_t j = 0; j < per_rank; ++j) {
+    grads.w1.push_back(Matrix::Zero(D, w1_columns(config)));
+    grads.w2.push_back(Matrix::Zero(H, D));
+  }
+
+  // ---- the experts, chunk after chunk: output gradients out, input gradients back ----
+  for (const ExpertParallelChunk& chunk : forward.chunks) {
+    Matrix send(static_cast<int64_t>(chunk.sent_slots.size()), D);
+    for (size_t i = 0; i < chunk.sent_slots.size(); ++i) send.row(i) = d_slot_out.row(chunk.sent_slots[i]);
+    const Matrix received =
+        exchange_rows(comm, forward.options.hierarchical, send, chunk.send_rows, chunk.recv_rows, D);
+
+    const ref::DispatchPlan& plan = chunk.expert_plan;
+    Matrix d_expert_out = Matrix::Zero(plan.total_rows, D);  // padding rows get no gradient
+    for (int64_t row = 0; row < plan.total_rows; ++row) {
+      if (plan.row_slot[row] >= 0) d_expert_out.row(row) = received.row(plan.row_slot[row]);
+    }
+    const ref::ExpertActivations activations{chunk.pre_activation, chunk.hidden, chunk.expert_out};
+    const ref::ExpertGradients experts = ref::expert_ffn_backward(config, plan, chunk.permuted_x, weights.w1,
+                                                                  weights.w2, activations, d_expert_out);
+    for (int64_t j = 0; j < per_rank; ++j) {  // expert weight gradients stay on this rank
+      grads.w1[j] += experts.w1[j];
+      grads.w2[j] += experts.w2[j];
+    }
+
+    Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
+    for (int64_t row = 0; row < plan.total_rows; ++row) {
+      if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = experts.permuted_x.row(row);
+    }
+    const Matrix returned =
+        exchange_rows(comm, forward.options.hierarchical, back, chunk.recv_rows, chunk.send_rows, D);
+    for (size_t i = 0; i < chunk.sent_slots.size(); ++i) grads.x.row(chunk.sent_slots[i] / K) += returned.row(i);
+  }
+
+  // ---- the router: logits = (x .* noise) Wg; its weight gradient summed over ranks ----
+  const Matrix d_logits = router_backward(config, forward.router, d_combine, forward.tokens);
+  grads.gate_weights = x.cwiseProduct(forward.router.jitter_noise).transpose() * d_logits;
+  all_reduce_sum<double>(comm, std::span<double>(grads.gate_weights.data(), grads.gate_weights.size()));
+  grads.x += (d_logits * weights.gate_weights.transpose()).cwiseProduct(forward.router.jitter_noise);
+  return grads;
+}
+
+}  // namespace moe::dist

@@ -1,0 +1,146 @@
+// expert_parallel_cpu.h: expert parallelism (FastMoE; He et al., 2021) on CPU ranks, the reference
+// that every distributed MoE layer of the project is compared with. Eigen, double precision, one
+// process per rank, any Communicator (the MPI backend on the CPU).
+//   mpirun -np 4 build/tests/distributed/test_distributed_expert_parallel_cpu
+//
+// Dimension legend: T tokens (all ranks together), T_r this rank's tokens, D model width, H expert
+// hidden width, E experts, K top-k, C capacity, B block size, R ranks; E_r = E / R experts a rank.
+//
+// Placement. The T tokens are sharded over the R ranks in token order: rank r holds tokens
+// [token_offset, token_offset + T_r), any T_r >= 0 (a rank may hold none). Experts are placed E / R
+// per rank, rank r owning experts [r E_r, (r + 1) E_r); E % R != 0 is an error on every rank. The
+// router weights are replicated (data parallel); each rank holds only its own experts' W1 and W2.
+//
+// Forward, as FastMoE runs it:
+//   1. route locally: the reference router on this rank's tokens (reference_cpu/router.h);
+//   2. count exchange: one all-gather of the per-expert counts gives every rank the R x E matrix of
+//      routed slots (FastMoE exchanges only the counts a rank needs; the whole matrix is as cheap
+//      at this size and also gives the dropping rule and the load-balancing loss below);
+//   3. all-to-all-v of the token rows, each to the rank that owns its expert;
+//   4. the local experts over exactly the rows received (reference_cpu/expert_ffn.h);
+//   5. all-to-all-v of the expert outputs back to the tokens' ranks;
+//   6. the weighted combine (reference_cpu/permute.h's rule: y[t] = sum_k w[t, k] out(t, k)).
+// Backward mirrors it: the output gradients of the slots travel to the experts, the experts'
+// input gradients travel back. Expert weight gradients stay on the rank that owns the expert; the
+// router weight gradient is all-reduced (summed), so it is the same on every rank.
+//
+// Formulations (reference_cpu/dispatch.h), with capacity counted the way the single-device layer
+// counts it: C = ceil(capacity_factor * T * K / E) over all T tokens, and expert e keeps its first
+// C slots in global token order. Shards are in token order, so from the R x E count matrix rank r
+// knows how many slots of earlier ranks expert e already kept, and keeps
+//   kept[r][e] = min(routed[r][e], max(0, C - sum_{r' < r} kept[r'][e]))
+// of its own, in token order. Every result then equals the single-device layer's on all tokens.
+//   dropping: only kept slots travel; a dropped slot adds zero to y.
+//   padded  : the same kept slots travel; the owner pads each expert to C rows of zeros. Padding is
+//             made where the experts live and never crosses the network.
+//   dropless: every slot travels; the owner rounds each expert's rows up to B (MegaBlocks' layout).
+// On the expert's rank, its rows are ordered by source rank, then token: global token order, the
+// single-device plan's order. The router losses are global: f_e from the count matrix, P_e and the
+// z-loss from one all-reduce of per-rank sums.
+//
+// Tutel's adaptive pipelining (Hwang et al., MLSys 2023): with pipeline_chunks = d, each expert's
+// rows are split into d chunks of its row space (C rows when padded, its kept rows otherwise;
+// chunk c = rows [n c / d, n (c + 1) / d)), and dispatch -> experts -> combine runs chunk after
+// chunk. On a GPU chunk c + 1's all-to-all overlaps chunk c's experts; on CPU ranks the chunks run
+// one after the other, so this shows the schedule and that it changes no result, not a speed-up.
+//
+// Collective: every rank calls with the same config and options. Inputs are checked on every rank
+// first (rank_agreement.h), so a bad setting or shape is a std::invalid_argument on every rank,
+// naming the ranks at fault, never a hang.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "communicator.h"               // Communicator
+#include "moe_config.h"                 // MoeConfig
+#include "reference_cpu/dispatch.h"     // DispatchPlan
+#include "reference_cpu/moe_layer.h"    // MoeWeights
+#include "reference_cpu/router.h"       // RouterOutput
+#include "reference_cpu/types.h"        // Matrix, IndexVector
+
+namespace moe::dist {
+
+class HierarchicalAllToAll;  // all_to_all_2dh.h
+
+// One rank's share of the layer's weights.
+struct ExpertParallelWeights {
+  ref::Matrix gate_weights;     // [D, E] the router, replicated on every rank
+  std::vector<ref::Matrix> w1;  // E_r x [D, w1_columns]  this rank's experts, global ids r E_r + j
+  std::vector<ref::Matrix> w2;  // E_r x [H, D]
+};
+
+struct ExpertParallelOptions {
+  int pipeline_chunks = 1;  // d: Tutel's pipelining degree; 1 is FastMoE's single exchange
+  // The token all-to-alls through Tutel's 2D hierarchical all-to-all (built over the same
+  // communicator) instead of the flat one; nullptr: flat.
+  HierarchicalAllToAll* hierarchical = nullptr;
+};
+
+// E_r = E / R; throws std::invalid_argument unless R divides E.
+int64_t experts_per_rank(const MoeConfig& config, int ranks);
+
+// The weights rank `rank` of `ranks` holds: the router, and its E_r experts (tests and lessons
+// slice the single-device weights with it).
+ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeights& all, int rank, int ranks);
+
+// A hash of every field of the config: ranks compare it before any work.
+uint64_t config_fingerprint(const MoeConfig& config);
+
+// One chunk of the exchange (the whole exchange when d = 1), on one rank, in both roles.
+struct ExpertParallelChunk {
+  // As the tokens' rank:
+  std::vector<int64_t> send_rows;  // [R] rows sent to each rank (slots for its experts)
+  ref::IndexVector sent_slots;     // [sum send_rows] the local slot t*K+k of each row sent, in send order
+  // As the experts' rank:
+  std::vector<int64_t> recv_rows;  // [R] rows received from each rank (ordered [source][local expert][token])
+  ref::DispatchPlan expert_plan;   // this rank's E_r experts over this chunk: rows_per_expert, row_offsets,
+                                   // row_slot = index of the received row feeding each row, -1 for padding
+  ref::Matrix permuted_x;          // [rows, D]           the received rows in expert order, padding zero
+  ref::Matrix pre_activation;      // [rows, w1_columns]
+  ref::Matrix hidden;              // [rows, H]
+  ref::Matrix expert_out;          // [rows, D]
+};
+
+struct ExpertParallelForward {
+  int64_t tokens = 0;            // T, all ranks
+  int64_t token_offset = 0;      // this rank's first global token
+  int64_t local_tokens = 0;      // T_r
+  int64_t experts_per_rank = 0;  // E_r
+  int64_t capacity = 0;          // C (dropping / padded), 0 for dropless
+  std::vector<int64_t> routed_per_rank_expert;  // [R, E] routed slots before dropping (the count exchange)
+  std::vector<int64_t> kept_per_rank_expert;    // [R, E] slots that get a row
+  int64_t dropped_slots = 0;                    // all ranks
+  // This rank's tokens. jitter_noise holds the global noise's rows of these tokens;
+  // expert_fraction (f_e), mean_probs (P_e), aux_loss and z_loss are global.
+  ref::RouterOutput router;
+  std::vector<ExpertParallelChunk> chunks;  // d chunks
+  ref::IndexVector slot_chunk;              // [T_r*K] the chunk that carried each slot, -1 if dropped
+  ref::Matrix slot_expert_out;              // [T_r*K, D] each slot's expert output, back home; 0 if dropped
+  ref::Matrix y;                            // [T_r, D] the layer output (without the residual)
+  double aux_loss = 0.0;                    // global, unscaled
+  double z_loss = 0.0;                      // global, unscaled
+  ExpertParallelOptions options;
+};
+
+struct ExpertParallelGradients {
+  ref::Matrix x;                // [T_r, D]
+  ref::Matrix gate_weights;     // [D, E] summed over ranks: the same on every rank
+  std::vector<ref::Matrix> w1;  // E_r x [D, w1_columns] this rank's experts only
+  std::vector<ref::Matrix> w2;  // E_r x [H, D]
+};
+
+ExpertParallelForward expert_parallel_forward(Communicator& communicator, const MoeConfig& config,
+                                              const ref::Matrix& x,  // [T_r, D]
+                                              const ExpertParallelWeights& weights,
+                                              const ExpertParallelOptions& options = {});
+
+// Differentiates the same scalar as ref::moe_backward, summed over ranks:
+//   L = sum(dy .* y) + aux_loss_coef * aux_loss + z_loss_coef * z_loss.
+ExpertParallelGradients expert_parallel_backward(Communicator& communicator, const MoeConfig& config,
+                                                 const ref::Matrix& x,  // [T_r, D]
+                                                 const ExpertParallelWeights& weights,
+                                                 const ExpertParallelForward& forward,
+                                                 const ref::Matrix& dy);  // [T_r, D]
+
+}  // namespace moe::dist
