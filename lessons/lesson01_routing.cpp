@@ -11,10 +11,10 @@
 #include <iostream>
 #include <sstream>
 
-#include "lesson_support.h"  // options, zipf_tokens, Table, load_stats
-#include "reference_cpu/moe_layer.h"       // moe_forward, moe_backward
-#include "init.h"            // random_matrix, random_weights
-#include "reference_cpu/router.h"          // route
+#include "lesson_support.h"           // options, zipf_tokens, Table, load_stats
+#include "reference_cpu/moe_layer.h"  // moe_forward, moe_backward
+#include "init.h"                     // random_matrix, random_weights
+#include "reference_cpu/router.h"     // route
 
 using namespace moe;
 using moe::lessons::Table;

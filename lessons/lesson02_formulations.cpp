@@ -10,10 +10,10 @@
 #include <iostream>
 #include <sstream>
 
-#include "expert_ffn.h"      // activate
-#include "init.h"            // random_weights
-#include "lesson_support.h"  // options, zipf_tokens, Table
-#include "reference_cpu/moe_layer.h"       // moe_forward
+#include "expert_ffn.h"               // activate
+#include "init.h"                     // random_weights
+#include "lesson_support.h"           // options, zipf_tokens, Table
+#include "reference_cpu/moe_layer.h"  // moe_forward
 
 using namespace moe;
 using moe::lessons::Table;

@@ -20,19 +20,19 @@
 #include <utility>
 
 #include "reference_cpu/block_sparse.h"  // moe::ref::sdd, dsd, sparse_to_dense
-#include "block_sparse_ffn.h"               // concat_expert_columns, concat_expert_rows, block_sparse_ffn_forward
-#include "expert_ffn.h"                     // gelu
-#include "init.h"                           // random_weights
-#include "lesson_support.h"                 // options, zipf_tokens, Table
-#include "reference_cpu/moe_layer.h"                      // moe_forward
+#include "block_sparse_ffn.h"            // concat_expert_columns, concat_expert_rows, block_sparse_ffn_forward
+#include "expert_ffn.h"                  // gelu
+#include "init.h"                        // random_weights
+#include "lesson_support.h"              // options, zipf_tokens, Table
+#include "reference_cpu/moe_layer.h"     // moe_forward
 
 #ifdef MOE_LESSON_HAS_CUDA
-#include "moe/block_sparse.h"  // moe::cuda::block_sparse_ffn_forward
-#include "core/bf16.h"                  // bf16, to_bf16
-#include "moe/block_sparse_host.h"     // upload_topology
-#include "core/cuda_check.h"            // CUDA_CHECK
-#include "core/device_buffer.h"         // DeviceBuffer
-#include "core/device_info.h"           // gpu_available, why_no_gpu, current_device
+#include "moe/block_sparse.h"       // moe::cuda::block_sparse_ffn_forward
+#include "core/bf16.h"              // bf16, to_bf16
+#include "moe/block_sparse_host.h"  // upload_topology
+#include "core/cuda_check.h"        // CUDA_CHECK
+#include "core/device_buffer.h"     // DeviceBuffer
+#include "core/device_info.h"       // gpu_available, why_no_gpu, current_device
 #endif
 
 using namespace moe;

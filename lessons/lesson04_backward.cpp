@@ -16,20 +16,20 @@
 #include <sstream>
 
 #include "reference_cpu/block_sparse.h"  // moe::ref::sdd, dsd, dds
-#include "block_sparse_ffn.h"               // concat_expert_columns, concat_expert_rows
-#include "expert_ffn.h"                     // gelu, gelu_derivative
-#include "init.h"                           // random_matrix, random_weights
-#include "lesson_support.h"                 // options, zipf_tokens, Table
-#include "reference_cpu/moe_layer.h"                      // moe_forward, moe_backward, moe_objective
+#include "block_sparse_ffn.h"            // concat_expert_columns, concat_expert_rows
+#include "expert_ffn.h"                  // gelu, gelu_derivative
+#include "init.h"                        // random_matrix, random_weights
+#include "lesson_support.h"              // options, zipf_tokens, Table
+#include "reference_cpu/moe_layer.h"     // moe_forward, moe_backward, moe_objective
 
 #ifdef MOE_LESSON_HAS_CUDA
-#include "moe/block_sparse.h"  // expert_pointer_table
-#include "core/bf16.h"                  // bf16, to_bf16
-#include "core/cuda_check.h"            // CUDA_CHECK
-#include "core/device_buffer.h"         // DeviceBuffer
-#include "core/device_info.h"           // gpu_available, why_no_gpu, current_device
-#include "moe/moe_layer.h"         // MoeLayerGpu
-#include "core/reference_bridge.h"      // round_bf16, bf16_of, matrix_of
+#include "moe/block_sparse.h"       // expert_pointer_table
+#include "core/bf16.h"              // bf16, to_bf16
+#include "core/cuda_check.h"        // CUDA_CHECK
+#include "core/device_buffer.h"     // DeviceBuffer
+#include "core/device_info.h"       // gpu_available, why_no_gpu, current_device
+#include "moe/moe_layer.h"          // MoeLayerGpu
+#include "core/reference_bridge.h"  // round_bf16, bf16_of, matrix_of
 #endif
 
 using namespace moe;

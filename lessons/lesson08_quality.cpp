@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "lesson_support.h"  // parse_options, create_lesson_run, Table, finish
-#include "run_record.h"      // RunReader
-#include "train/train_config.h"    // TrainConfig, apply_json: the settings the runs were trained with
+#include "lesson_support.h"      // parse_options, create_lesson_run, Table, finish
+#include "run_record.h"          // RunReader
+#include "train/train_config.h"  // TrainConfig, apply_json: the settings the runs were trained with
 
 namespace {
 

@@ -9,8 +9,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/bf16.h"   // bf16, to_bf16
-#include "types.h"  // moe::ref::Matrix
+#include "core/bf16.h"  // bf16, to_bf16
+#include "types.h"      // moe::ref::Matrix
 
 namespace moe::cuda {
 

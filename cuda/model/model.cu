@@ -17,12 +17,12 @@
 #include <string>
 #include <utility>
 
-#include "moe/activation.h"      // gelu_forward, gelu_backward
-#include "train/optimizer.h"           // gradient_norm, adamw_update, kGradientNormBlocks
-#include "model/cross_entropy.h"   // cross_entropy_forward / backward, kCrossEntropyClasses
+#include "moe/activation.h"       // gelu_forward, gelu_backward
+#include "train/optimizer.h"      // gradient_norm, adamw_update, kGradientNormBlocks
+#include "model/cross_entropy.h"  // cross_entropy_forward / backward, kCrossEntropyClasses
 #include "core/cuda_check.h"      // CUDA_CHECK
-#include "model/embedding.h"       // embedding_forward / backward
-#include "model/layer_norm.h"  // layer_norm_forward / backward
+#include "model/embedding.h"      // embedding_forward / backward
+#include "model/layer_norm.h"     // layer_norm_forward / backward
 
 namespace moe::cuda {
 

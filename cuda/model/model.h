@@ -46,13 +46,13 @@
 #include <string>
 #include <vector>
 
-#include "model/attention.h"   // AttentionWorkspace
-#include "core/bf16.h"            // bf16
-#include "core/device_buffer.h"   // DeviceBuffer
-#include "core/gemm.h"            // CublasHandle
-#include "moe_config.h"      // MoeConfig
-#include "moe/moe_layer.h"   // MoeLayerGpu
-#include "core/phase_timer.h"     // PhaseTimer
+#include "model/attention.h"     // AttentionWorkspace
+#include "core/bf16.h"           // bf16
+#include "core/device_buffer.h"  // DeviceBuffer
+#include "core/gemm.h"           // CublasHandle
+#include "moe_config.h"          // MoeConfig
+#include "moe/moe_layer.h"       // MoeLayerGpu
+#include "core/phase_timer.h"    // PhaseTimer
 
 namespace moe::cuda {
 

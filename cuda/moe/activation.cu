@@ -2,7 +2,7 @@
 #include "moe/activation.h"
 
 #include "moe/activation_math.cuh"  // gelu, gelu_derivative
-#include "core/cuda_check.h"         // CUDA_CHECK
+#include "core/cuda_check.h"        // CUDA_CHECK
 
 namespace moe::cuda {
 

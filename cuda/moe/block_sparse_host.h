@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "reference_cpu/topology.h"  // moe::ref::BlockSparseTopology
-#include "core/device_buffer.h"              // DeviceBuffer
-#include "moe/device_plan.h"                // DeviceTopology
+#include "core/device_buffer.h"      // DeviceBuffer
+#include "moe/device_plan.h"         // DeviceTopology
 
 namespace moe::cuda {
 

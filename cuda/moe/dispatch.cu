@@ -8,10 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "core/cuda_check.h"     // CUDA_CHECK
+#include "core/cuda_check.h"        // CUDA_CHECK
 #include "core/dependent_launch.h"  // launch_dependent, wait_for_previous_grid
-#include "core/launch_checks.h"  // check_range, check_fits_int32, check_not_null
-#include "moe/router.h"        // kRouterMaxExperts: the plan sorts what the router chose
+#include "core/launch_checks.h"     // check_range, check_fits_int32, check_not_null
+#include "moe/router.h"             // kRouterMaxExperts: the plan sorts what the router chose
 
 namespace moe::cuda {
 

@@ -36,8 +36,8 @@
 #include <cstddef>
 
 #include "core/device_buffer.h"  // DeviceBuffer
-#include "moe/device_plan.h"    // DevicePlan
-#include "moe_config.h"     // MoeConfig, Formulation
+#include "moe/device_plan.h"     // DevicePlan
+#include "moe_config.h"          // MoeConfig, Formulation
 
 namespace moe::cuda {
 

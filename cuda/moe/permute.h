@@ -29,7 +29,7 @@
 
 #include <cuda_runtime.h>  // cudaStream_t
 
-#include "core/bf16.h"         // bf16
+#include "core/bf16.h"        // bf16
 #include "moe/device_plan.h"  // DevicePlan
 
 namespace moe::cuda {

@@ -40,9 +40,9 @@
 #include <cstdint>
 #include <string>
 
-#include "core/cuda_check.h"     // CUDA_CHECK, CudaError
+#include "core/cuda_check.h"        // CUDA_CHECK, CudaError
 #include "core/dependent_launch.h"  // launch_dependent, wait_for_previous_grid
-#include "core/launch_checks.h"  // check_not_null, check_range
+#include "core/launch_checks.h"     // check_not_null, check_range
 
 namespace moe::cuda {
 

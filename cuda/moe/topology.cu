@@ -7,9 +7,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "core/cuda_check.h"     // CUDA_CHECK
+#include "core/cuda_check.h"        // CUDA_CHECK
 #include "core/dependent_launch.h"  // launch_dependent, wait_for_previous_grid
-#include "core/launch_checks.h"  // check_fits_int32, check_range
+#include "core/launch_checks.h"     // check_fits_int32, check_range
 
 namespace moe::cuda {
 

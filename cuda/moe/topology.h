@@ -29,8 +29,8 @@
 #include <cuda_runtime.h>  // cudaStream_t
 
 #include "core/device_buffer.h"  // DeviceBuffer
-#include "moe/device_plan.h"    // DevicePlan, DeviceTopology
-#include "moe_config.h"     // MoeConfig
+#include "moe/device_plan.h"     // DevicePlan, DeviceTopology
+#include "moe_config.h"          // MoeConfig
 
 namespace moe::cuda {
 

@@ -19,17 +19,17 @@
 #include <sstream>
 #include <string>
 
-#include "core/bf16.h"           // to_bf16
-#include "moe/block_sparse.h"   // expert_pointer_table
-#include "core/device_buffer.h"  // DeviceBuffer
-#include "core/device_info.h"    // gpu_available, current_device
-#include "init.h"           // random_matrix, random_weights
-#include "reference_cpu/moe_layer.h"      // moe::ref::moe_forward, moe_backward
-#include "moe/moe_layer.h"  // MoeLayerGpu
-#include "npy.h"            // write_npy
-#include "core/phase_timer.h"    // PhaseTimer
-#include "core/reference_bridge.h"  // round_bf16
-#include "run_record.h"     // RunWriter, span / routing / topology events
+#include "core/bf16.h"                // to_bf16
+#include "moe/block_sparse.h"         // expert_pointer_table
+#include "core/device_buffer.h"       // DeviceBuffer
+#include "core/device_info.h"         // gpu_available, current_device
+#include "init.h"                     // random_matrix, random_weights
+#include "reference_cpu/moe_layer.h"  // moe::ref::moe_forward, moe_backward
+#include "moe/moe_layer.h"            // MoeLayerGpu
+#include "npy.h"                      // write_npy
+#include "core/phase_timer.h"         // PhaseTimer
+#include "core/reference_bridge.h"    // round_bf16
+#include "run_record.h"               // RunWriter, span / routing / topology events
 
 using namespace moe;
 using moe::cuda::bf16;

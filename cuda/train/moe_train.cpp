@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "core/device_info.h"   // why_no_gpu
+#include "core/device_info.h"    // why_no_gpu
 #include "train/train_config.h"  // parse_arguments, help_text
 #include "train/trainer.h"       // train, benchmark
 

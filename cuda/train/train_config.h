@@ -25,8 +25,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model_config.h"  // moe::ref::ModelConfig
-#include "reference_cpu/optimizer.h"     // moe::ref::ScheduleConfig
+#include "model_config.h"             // moe::ref::ModelConfig
+#include "reference_cpu/optimizer.h"  // moe::ref::ScheduleConfig
 
 namespace moe::train {
 

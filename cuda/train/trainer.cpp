@@ -24,18 +24,18 @@
 #include <random>
 #include <sstream>
 
-#include "batch_sampler.h"  // BatchSampler, ByteBatch
-#include "core/clock_warm_up.h"  // warm_up_clock
-#include "checkpoint.h"     // save_checkpoint, load_checkpoint, latest_checkpoint
-#include "core/cuda_check.h"     // CUDA_CHECK
-#include "core/device_buffer.h"  // DeviceBuffer
-#include "core/device_info.h"    // current_device
-#include "reference_cpu/model.h"          // ref::init_model, ref::parameters (the initial weights)
-#include "model/model.h"      // ModelGpu
-#include "core/phase_timer.h"    // PhaseTimer
-#include "progress_line.h"  // ProgressLine
-#include "run_record.h"     // RunWriter, events
-#include "text_corpus.h"    // load_corpus, unigram_bits_per_byte
+#include "batch_sampler.h"        // BatchSampler, ByteBatch
+#include "core/clock_warm_up.h"   // warm_up_clock
+#include "checkpoint.h"           // save_checkpoint, load_checkpoint, latest_checkpoint
+#include "core/cuda_check.h"      // CUDA_CHECK
+#include "core/device_buffer.h"   // DeviceBuffer
+#include "core/device_info.h"     // current_device
+#include "reference_cpu/model.h"  // ref::init_model, ref::parameters (the initial weights)
+#include "model/model.h"          // ModelGpu
+#include "core/phase_timer.h"     // PhaseTimer
+#include "progress_line.h"        // ProgressLine
+#include "run_record.h"           // RunWriter, events
+#include "text_corpus.h"          // load_corpus, unigram_bits_per_byte
 
 namespace moe::train {
 namespace {

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "core/reference_bridge.h"  // round_bf16, bf16_of, matrix_of
-#include "core/device_info.h"  // gpu_available, why_no_gpu
-#include "types.h"        // moe::ref::Matrix
+#include "core/device_info.h"       // gpu_available, why_no_gpu
+#include "types.h"                  // moe::ref::Matrix
 
 #define REQUIRE_GPU() \
   if (!moe::cuda::gpu_available()) GTEST_SKIP() << moe::cuda::why_no_gpu()

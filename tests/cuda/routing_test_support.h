@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/device_buffer.h"  // DeviceBuffer
-#include "types.h"          // moe::ref::Matrix, IndexMatrix
+#include "types.h"               // moe::ref::Matrix, IndexMatrix
 
 namespace moe::test {
 

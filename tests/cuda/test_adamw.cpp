@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "train/optimizer.h"             // gradient_norm, adamw_update, AdamWStep
-#include "core/device_buffer.h"     // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU, matrix_of, relative_error
-#include "init.h"              // moe::ref::random_matrix
-#include "reference_cpu/optimizer.h"         // moe::ref::adamw_step, clip_gradient_norm, learning_rate
+#include "train/optimizer.h"          // gradient_norm, adamw_update, AdamWStep
+#include "core/device_buffer.h"       // DeviceBuffer
+#include "gpu_test_support.h"         // REQUIRE_GPU, matrix_of, relative_error
+#include "init.h"                     // moe::ref::random_matrix
+#include "reference_cpu/optimizer.h"  // moe::ref::adamw_step, clip_gradient_norm, learning_rate
 
 namespace {
 

@@ -11,12 +11,12 @@
 #include <stdexcept>
 #include <vector>
 
-#include "reference_cpu/attention.h"         // moe::ref::attention_forward / backward
-#include "model/attention.h"     // moe::cuda::attention_forward / backward, AttentionWorkspace
-#include "core/device_buffer.h"     // DeviceBuffer
-#include "core/gemm.h"              // CublasHandle
-#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
-#include "init.h"              // moe::ref::random_matrix
+#include "reference_cpu/attention.h"  // moe::ref::attention_forward / backward
+#include "model/attention.h"          // moe::cuda::attention_forward / backward, AttentionWorkspace
+#include "core/device_buffer.h"       // DeviceBuffer
+#include "core/gemm.h"                // CublasHandle
+#include "gpu_test_support.h"         // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
+#include "init.h"                     // moe::ref::random_matrix
 
 namespace {
 

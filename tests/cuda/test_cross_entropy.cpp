@@ -11,10 +11,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "model/cross_entropy.h"     // cross_entropy_forward, cross_entropy_backward
-#include "core/device_buffer.h"     // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU, matrix_of, relative_error, floats_of
-#include "init.h"              // moe::ref::random_matrix
+#include "model/cross_entropy.h"  // cross_entropy_forward, cross_entropy_backward
+#include "core/device_buffer.h"   // DeviceBuffer
+#include "gpu_test_support.h"     // REQUIRE_GPU, matrix_of, relative_error, floats_of
+#include "init.h"                 // moe::ref::random_matrix
 
 namespace {
 

@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda_check.h"     // CUDA_CHECK
-#include "core/device_buffer.h"  // DeviceBuffer
-#include "core/device_info.h"    // gpu_available, why_no_gpu
-#include "reference_cpu/dispatch.h"       // moe::ref::plan_dispatch
-#include "moe/dispatch.h"  // DispatchPlanBuffers, build_dispatch_plan (cuda/)
-#include "moe/router.h"        // kRouterMaxExperts, the plan's E limit too
+#include "core/cuda_check.h"         // CUDA_CHECK
+#include "core/device_buffer.h"      // DeviceBuffer
+#include "core/device_info.h"        // gpu_available, why_no_gpu
+#include "reference_cpu/dispatch.h"  // moe::ref::plan_dispatch
+#include "moe/dispatch.h"            // DispatchPlanBuffers, build_dispatch_plan (cuda/)
+#include "moe/router.h"              // kRouterMaxExperts, the plan's E limit too
 #include "routing_test_support.h"
 
 namespace {

@@ -12,10 +12,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "core/device_buffer.h"     // DeviceBuffer
-#include "model/embedding.h"         // embedding_forward, embedding_backward
-#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error, floats_of
-#include "init.h"              // moe::ref::random_matrix
+#include "core/device_buffer.h"  // DeviceBuffer
+#include "model/embedding.h"     // embedding_forward, embedding_backward
+#include "gpu_test_support.h"    // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error, floats_of
+#include "init.h"                // moe::ref::random_matrix
 
 namespace {
 

@@ -5,12 +5,12 @@
 
 #include <random>
 
-#include "moe/activation.h"     // gelu_forward, gelu_backward
+#include "moe/activation.h"      // gelu_forward, gelu_backward
 #include "core/device_buffer.h"  // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
-#include "expert_ffn.h"     // moe::ref::gelu
+#include "gpu_test_support.h"    // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
+#include "expert_ffn.h"          // moe::ref::gelu
 #include "core/gemm.h"           // gemm, gemm_batched, gemm_grouped
-#include "init.h"           // moe::ref::random_matrix
+#include "init.h"                // moe::ref::random_matrix
 
 namespace {
 

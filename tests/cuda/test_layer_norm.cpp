@@ -11,11 +11,11 @@
 #include <stdexcept>
 #include <vector>
 
-#include "core/device_buffer.h"     // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error, floats_of
-#include "init.h"              // moe::ref::random_matrix
-#include "reference_cpu/layer_norm.h"        // moe::ref::layer_norm_forward / backward
-#include "model/layer_norm.h"    // moe::cuda::layer_norm_forward / backward
+#include "core/device_buffer.h"        // DeviceBuffer
+#include "gpu_test_support.h"          // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error, floats_of
+#include "init.h"                      // moe::ref::random_matrix
+#include "reference_cpu/layer_norm.h"  // moe::ref::layer_norm_forward / backward
+#include "model/layer_norm.h"          // moe::cuda::layer_norm_forward / backward
 
 namespace {
 

@@ -43,12 +43,12 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda_check.h"        // CUDA_CHECK
-#include "core/device_buffer.h"     // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, matrix_of, relative_error
-#include "reference_cpu/model.h"             // moe::ref::init_model, model_forward, model_backward, parameters
-#include "model/model.h"         // moe::cuda::ModelGpu
-#include "reference_cpu/optimizer.h"         // moe::ref::adamw_step, clip_gradient_norm
+#include "core/cuda_check.h"          // CUDA_CHECK
+#include "core/device_buffer.h"       // DeviceBuffer
+#include "gpu_test_support.h"         // REQUIRE_GPU, round_bf16, matrix_of, relative_error
+#include "reference_cpu/model.h"      // moe::ref::init_model, model_forward, model_backward, parameters
+#include "model/model.h"              // moe::cuda::ModelGpu
+#include "reference_cpu/optimizer.h"  // moe::ref::adamw_step, clip_gradient_norm
 
 namespace {
 

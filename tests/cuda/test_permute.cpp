@@ -15,16 +15,16 @@
 #include <string>
 #include <vector>
 
-#include "core/bf16.h"           // bf16, to_bf16, to_float
-#include "core/cuda_check.h"     // CUDA_CHECK
-#include "core/device_buffer.h"  // DeviceBuffer
-#include "core/device_info.h"    // gpu_available, why_no_gpu
-#include "reference_cpu/dispatch.h"       // moe::ref::plan_dispatch
-#include "moe/dispatch.h"  // DispatchPlanBuffers, build_dispatch_plan (cuda/)
-#include "init.h"           // moe::ref::random_matrix
-#include "reference_cpu/permute.h"        // moe::ref::permute_tokens, unpermute_and_combine
+#include "core/bf16.h"               // bf16, to_bf16, to_float
+#include "core/cuda_check.h"         // CUDA_CHECK
+#include "core/device_buffer.h"      // DeviceBuffer
+#include "core/device_info.h"        // gpu_available, why_no_gpu
+#include "reference_cpu/dispatch.h"  // moe::ref::plan_dispatch
+#include "moe/dispatch.h"            // DispatchPlanBuffers, build_dispatch_plan (cuda/)
+#include "init.h"                    // moe::ref::random_matrix
+#include "reference_cpu/permute.h"   // moe::ref::permute_tokens, unpermute_and_combine
 #include "routing_test_support.h"
-#include "moe/permute.h"  // the launchers under test (cuda/)
+#include "moe/permute.h"             // the launchers under test (cuda/)
 
 namespace {
 

@@ -3,9 +3,9 @@
 // Run: ctest --test-dir build -R CudaPhaseTimer   (skips without a GPU)
 #include <gtest/gtest.h>
 
-#include "core/cuda_check.h"        // CudaError
-#include "core/device_buffer.h"     // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU
+#include "core/cuda_check.h"     // CudaError
+#include "core/device_buffer.h"  // DeviceBuffer
+#include "gpu_test_support.h"    // REQUIRE_GPU
 #include "core/phase_timer.h"
 
 namespace {

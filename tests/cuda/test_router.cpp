@@ -17,14 +17,14 @@
 #include <string>
 #include <tuple>
 
-#include "core/bf16.h"            // to_bf16
-#include "core/cuda_check.h"      // CUDA_CHECK
-#include "core/device_buffer.h"   // DeviceBuffer
-#include "core/device_info.h"     // gpu_available, why_no_gpu
-#include "init.h"            // moe::ref::random_matrix, random_weights
-#include "reference_cpu/moe_layer.h"       // moe::ref::moe_forward, moe_backward
-#include "reference_cpu/router.h"          // moe::ref::route
-#include "moe/router.h"         // the launchers under test
+#include "core/bf16.h"                // to_bf16
+#include "core/cuda_check.h"          // CUDA_CHECK
+#include "core/device_buffer.h"       // DeviceBuffer
+#include "core/device_info.h"         // gpu_available, why_no_gpu
+#include "init.h"                     // moe::ref::random_matrix, random_weights
+#include "reference_cpu/moe_layer.h"  // moe::ref::moe_forward, moe_backward
+#include "reference_cpu/router.h"     // moe::ref::route
+#include "moe/router.h"               // the launchers under test
 #include "routing_test_support.h"
 
 namespace {

@@ -8,14 +8,14 @@
 #include <string>
 #include <vector>
 
-#include "moe/topology.h"  // TopologyBuffers, build_topology (cuda/)
-#include "core/cuda_check.h"      // CUDA_CHECK
-#include "core/device_buffer.h"   // DeviceBuffer
-#include "core/device_info.h"     // gpu_available, why_no_gpu
-#include "reference_cpu/dispatch.h"        // moe::ref::plan_dispatch
-#include "moe/dispatch.h"   // DispatchPlanBuffers, build_dispatch_plan (cuda/)
+#include "moe/topology.h"            // TopologyBuffers, build_topology (cuda/)
+#include "core/cuda_check.h"         // CUDA_CHECK
+#include "core/device_buffer.h"      // DeviceBuffer
+#include "core/device_info.h"        // gpu_available, why_no_gpu
+#include "reference_cpu/dispatch.h"  // moe::ref::plan_dispatch
+#include "moe/dispatch.h"            // DispatchPlanBuffers, build_dispatch_plan (cuda/)
 #include "routing_test_support.h"
-#include "reference_cpu/topology.h"        // moe::ref::make_topology
+#include "reference_cpu/topology.h"  // moe::ref::make_topology
 
 namespace {
 

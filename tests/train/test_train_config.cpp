@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "temp_dir.h"      // moe::testing::TempDir
+#include "temp_dir.h"  // moe::testing::TempDir
 #include "train/train_config.h"
 
 namespace {

@@ -14,10 +14,10 @@
 #include <sstream>
 #include <string>
 
-#include "checkpoint.h"    // CheckpointError, latest_checkpoint
-#include "core/device_info.h"   // gpu_available, why_no_gpu
-#include "run_record.h"    // RunReader
-#include "temp_dir.h"      // moe::testing::TempDir
+#include "checkpoint.h"        // CheckpointError, latest_checkpoint
+#include "core/device_info.h"  // gpu_available, why_no_gpu
+#include "run_record.h"        // RunReader
+#include "temp_dir.h"          // moe::testing::TempDir
 #include "train/trainer.h"
 
 #define REQUIRE_GPU() \
