@@ -370,6 +370,20 @@ TEST(ExpertParallelCpu, ExpertsNotDivisibleByRanksIsAnErrorOnEveryRank) {
   world().barrier();
 }
 
+TEST(ExpertParallelCpu, TopKAboveExpertsIsAnErrorOnEveryRank) {
+  const int R = world().size();
+  const MoeConfig good = layer_config(Formulation::dropless);
+  const Problem problem = make_problem(good, shared_seed());
+  MoeConfig config = good;
+  config.top_k = config.num_experts + 1;
+  const std::string message = error_of([&] {
+    expert_parallel_forward(world(), config, problem.x.topRows(even_shards(config.tokens, R)[world().rank()]),
+                            local_weights(good, problem.weights, world().rank(), R));
+  });
+  EXPECT_THAT(message, HasSubstr("top_k (K) = 13; allowed: 1 <= K <= E (E = 12)"));
+  world().barrier();
+}
+
 TEST(ExpertParallelCpu, ConfigsThatDifferBetweenRanksAreAnErrorOnEveryRank) {
   const int R = world().size();
   if (R < 2) GTEST_SKIP() << "needs two ranks";
