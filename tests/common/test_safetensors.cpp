@@ -1,7 +1,7 @@
 // test_safetensors.cpp: the safetensors reader and writer (common/safetensors.h): a round trip of
 // every typed view with metadata, the writer's bytes against a hand-built file of the format, a
-// hand-built file with half-precision dtypes read back, every error of the reader and the writer,
-// and the atomic save.
+// hand-built file with half-precision dtypes read back, a file written by the Python library,
+// every error of the reader and the writer, and the atomic save.
 // Run: cmake --build build --target test_safetensors && ctest --test-dir build -R Safetensors
 #include <gmock/gmock.h>  // HasSubstr
 #include <gtest/gtest.h>
@@ -140,6 +140,27 @@ TEST(Safetensors, ReadsAHandBuiltFileWithEveryConvertedDtype) {
   EXPECT_THAT(error_of([&] { file.to_double("f8"); }), HasSubstr("tensor 'f8' is F8_E4M3"));
   EXPECT_TRUE(file.contains("h"));
   EXPECT_FALSE(file.contains("w"));
+}
+
+// A file written by the Python library (safetensors 0.8.0, PyTorch 2.11) on the GPU machine:
+//   save_file({"w_bf16": torch.tensor([[1.0, -2.5], [3.0, 0.125]], dtype=torch.bfloat16),
+//              "h_f16": torch.tensor([1.0, -0.5, 65504.0], dtype=torch.float16),
+//              "i_i64": torch.tensor([-5, 7]), "s_f32": torch.tensor(2.5),
+//              "z_i32": torch.zeros((0, 3), dtype=torch.int32)},
+//             "python_safetensors_0.8.0.safetensors", metadata={"format": "pt"})
+// (the same library reads this writer's files: safetensors.numpy.load_file gives the same values).
+TEST(Safetensors, ReadsAFileWrittenByThePythonLibrary) {
+  const SafetensorsFile file = SafetensorsFile::load("tests/common/data/python_safetensors_0.8.0.safetensors");
+  EXPECT_EQ(file.metadata(), (std::map<std::string, std::string>{{"format", "pt"}}));
+  EXPECT_EQ(file.info("w_bf16").dtype, Dtype::bf16);
+  EXPECT_EQ(file.info("w_bf16").shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(file.to_double("w_bf16"), (std::vector<double>{1.0, -2.5, 3.0, 0.125}));
+  EXPECT_EQ(file.to_double("h_f16"), (std::vector<double>{1.0, -0.5, 65504.0}));
+  EXPECT_EQ(file.to_double("i_i64"), (std::vector<double>{-5.0, 7.0}));
+  EXPECT_EQ(file.info("s_f32").shape, std::vector<int64_t>{});
+  EXPECT_EQ(file.to_float("s_f32"), std::vector<float>{2.5f});
+  EXPECT_EQ(file.info("z_i32").shape, (std::vector<int64_t>{0, 3}));
+  EXPECT_TRUE(file.to_double("z_i32").empty());
 }
 
 // ---- every error of the reader ----
