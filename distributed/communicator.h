@@ -13,8 +13,8 @@
 //   mpi_communicator.h   MPI over host buffers: CPU-only ranks, and several ranks sharing one GPU
 //                        (NCCL refuses two ranks on one device: "Duplicate GPU detected")
 //   nccl_communicator.h  NCCL over device buffers, enqueued on the stream the communicator holds
-//                        (not built yet; the same calls, so a layer written against this interface
-//                        runs on either)
+//                        (built where CMake finds CUDA and NCCL; the same calls, so a layer written
+//                        against this interface runs on either)
 // Buffers are raw pointers because they live in host memory for one backend and device memory for
 // the other; counts, offsets and roots are always host values. Counts and offsets are in elements
 // of `type`, never bytes, as in MPI and NCCL.

@@ -1,0 +1,192 @@
+// test_nccl_communicator.cpp: the NCCL backend's collectives on device buffers against what each
+// rank computes by hand for its peers (the checks of test_communicator.cpp), on fresh random data
+// with uneven and zero counts, and sub-groups. One GPU per rank: with fewer GPUs than ranks (NCCL
+// refuses two ranks on one device) or none, every test skips and says why. Built where MOE_HAVE_NCCL.
+//   ctest --test-dir build -R DistributedNcclCommunicator
+//   mpirun -np 2 build/tests/distributed/test_distributed_nccl_communicator
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "mpi_test_support.h"
+#include "nccl_communicator.h"
+
+namespace moe::dist {
+namespace {
+
+using testing::mix;
+using testing::same_bits;
+using testing::shared_seed;
+using testing::value_from;
+using testing::world;
+
+// Device memory for n elements, with host copies in and out.
+template <typename Element>
+class DeviceVector {
+ public:
+  explicit DeviceVector(const std::vector<Element>& host) : size_(host.size()) {
+    if (cudaMalloc(&data_, std::max<size_t>(1, size_) * sizeof(Element)) != cudaSuccess) data_ = nullptr;
+    if (data_ && size_) cudaMemcpy(data_, host.data(), size_ * sizeof(Element), cudaMemcpyHostToDevice);
+  }
+  ~DeviceVector() { cudaFree(data_); }
+  DeviceVector(const DeviceVector&) = delete;
+  DeviceVector& operator=(const DeviceVector&) = delete;
+  Element* data() { return data_; }
+  std::vector<Element> to_host() const {
+    std::vector<Element> host(size_);
+    if (size_) cudaMemcpy(host.data(), data_, size_ * sizeof(Element), cudaMemcpyDeviceToHost);
+    return host;
+  }
+
+ private:
+  Element* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// One NCCL communicator for the whole suite (joining costs a few hundred milliseconds), or the
+// reason there is none. Every rank reaches the same verdict: they see the same devices.
+class NcclCommunicatorTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+    if (devices < world().size()) {
+      skip_reason_ = new std::string("needs one GPU per rank: " + std::to_string(devices) + " GPU(s) for " +
+                                     std::to_string(world().size()) + " ranks");
+      return;
+    }
+    cudaSetDevice(world().rank());
+    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr);
+  }
+  static void TearDownTestSuite() {
+    delete nccl_;
+    nccl_ = nullptr;
+    delete skip_reason_;
+    skip_reason_ = nullptr;
+  }
+  void SetUp() override {
+    if (skip_reason_) GTEST_SKIP() << *skip_reason_;
+  }
+  static NcclCommunicator& nccl() { return *nccl_; }
+
+  static NcclCommunicator* nccl_;
+  static std::string* skip_reason_;
+};
+NcclCommunicator* NcclCommunicatorTest::nccl_ = nullptr;
+std::string* NcclCommunicatorTest::skip_reason_ = nullptr;
+
+int64_t pair_count(uint64_t seed, int from, int to) { return static_cast<int64_t>(mix(seed, from, to) % 5); }
+
+template <typename Element>
+Element pair_value(uint64_t seed, int from, int to, int64_t i) {
+  return value_from<Element>(mix(seed, from, to, static_cast<uint64_t>(i) + 1000));
+}
+
+template <typename Element, typename Count>
+void check_all_to_all_v(Communicator& comm, uint64_t seed, Count count, int64_t gap) {
+  const int R = comm.size(), me = comm.rank();
+  std::vector<int64_t> send_counts(R), recv_counts(R), recv_offsets(R);
+  for (int p = 0; p < R; ++p) {
+    send_counts[p] = count(me, p);
+    recv_counts[p] = count(p, me);
+  }
+  const std::vector<int64_t> send_offsets = exclusive_prefix_sum(send_counts);
+  int64_t end = 0;
+  for (int p = 0; p < R; ++p) {
+    recv_offsets[p] = end + gap;
+    end = recv_offsets[p] + recv_counts[p];
+  }
+  std::vector<Element> send;
+  for (int p = 0; p < R; ++p) {
+    for (int64_t i = 0; i < send_counts[p]; ++i) send.push_back(pair_value<Element>(seed, me, p, i));
+  }
+  const Element poison = value_from<Element>(mix(seed, 999));
+  DeviceVector<Element> device_send(send);
+  DeviceVector<Element> device_recv(std::vector<Element>(static_cast<size_t>(end + gap), poison));
+  comm.all_to_all_v(device_send.data(), send_counts, send_offsets, device_recv.data(), recv_counts, recv_offsets,
+                    data_type_of<Element>());
+  comm.barrier();
+  const std::vector<Element> recv = device_recv.to_host();
+  std::vector<bool> written(recv.size(), false);
+  for (int p = 0; p < R; ++p) {
+    for (int64_t i = 0; i < recv_counts[p]; ++i) {
+      const size_t at = static_cast<size_t>(recv_offsets[p] + i);
+      written[at] = true;
+      ASSERT_TRUE(same_bits(recv[at], pair_value<Element>(seed, p, me, i)))
+          << "element " << i << " from rank " << p << " (seed " << seed << ")";
+    }
+  }
+  for (size_t at = 0; at < recv.size(); ++at) {
+    if (!written[at]) {
+      EXPECT_TRUE(same_bits(recv[at], poison)) << "gap element " << at << " was written";
+    }
+  }
+}
+
+TEST_F(NcclCommunicatorTest, AllToAllVUnevenAndZeroCounts) {
+  EXPECT_EQ(nccl().backend(), "nccl");
+  EXPECT_EQ(nccl().rank(), world().rank());
+  const uint64_t seed = shared_seed();
+  check_all_to_all_v<double>(nccl(), seed, [&](int s, int d) { return pair_count(seed, s, d); }, 0);
+  check_all_to_all_v<uint16_t>(nccl(), seed, [&](int s, int d) { return 1 + pair_count(seed, s, d); }, 3);
+  check_all_to_all_v<int64_t>(nccl(), seed, [&](int s, int d) { return s == 0 ? 0 : pair_count(seed, s, d); }, 1);
+  check_all_to_all_v<float>(nccl(), seed, [](int, int) { return int64_t{0}; }, 2);
+}
+
+TEST_F(NcclCommunicatorTest, AllReduceSumAllGatherBroadcast) {
+  const uint64_t seed = shared_seed();
+  const int R = nccl().size(), me = nccl().rank();
+  const int64_t n = 300;
+  std::vector<double> mine(n);
+  std::vector<int64_t> mine_int(n);
+  for (int64_t i = 0; i < n; ++i) {
+    mine[i] = value_from<double>(mix(seed, me, i));
+    mine_int[i] = static_cast<int64_t>(mix(seed, me, i) % 1000);
+  }
+  DeviceVector<double> sum(mine);
+  DeviceVector<int64_t> sum_int(mine_int);
+  nccl().all_reduce_sum(sum.data(), sum.data(), n, DataType::float64);
+  nccl().all_reduce_sum(sum_int.data(), sum_int.data(), n, DataType::int64);
+  DeviceVector<double> gathered(std::vector<double>(n * R, 0.0));
+  DeviceVector<double> source(mine);
+  nccl().all_gather(source.data(), gathered.data(), n, DataType::float64);
+  DeviceVector<double> broadcast_buffer(mine);
+  nccl().broadcast(broadcast_buffer.data(), n, DataType::float64, R - 1);
+  nccl().barrier();
+
+  const std::vector<double> sums = sum.to_host(), all = gathered.to_host(), from_root = broadcast_buffer.to_host();
+  const std::vector<int64_t> sums_int = sum_int.to_host();
+  for (int64_t i = 0; i < n; ++i) {
+    double expected = 0.0;
+    int64_t expected_int = 0;
+    for (int p = 0; p < R; ++p) {
+      expected += value_from<double>(mix(seed, p, i));
+      expected_int += static_cast<int64_t>(mix(seed, p, i) % 1000);
+      EXPECT_EQ(all[p * n + i], value_from<double>(mix(seed, p, i))) << "gathered rank " << p << " element " << i;
+    }
+    EXPECT_NEAR(sums[i], expected, 1e-12 * R) << "element " << i;
+    EXPECT_EQ(sums_int[i], expected_int) << "element " << i;
+    EXPECT_EQ(from_root[i], value_from<double>(mix(seed, R - 1, i))) << "element " << i;
+  }
+}
+
+TEST_F(NcclCommunicatorTest, SplitIntoNodes) {
+  const uint64_t seed = shared_seed();
+  const int R = nccl().size(), me = nccl().rank();
+  for (int G = 1; G <= R; ++G) {
+    if (R % G != 0) continue;
+    SCOPED_TRACE("G = " + std::to_string(G));
+    std::unique_ptr<Communicator> node = nccl().split(me / G);
+    ASSERT_EQ(node->size(), G);
+    ASSERT_EQ(node->rank(), me % G);
+    check_all_to_all_v<double>(*node, seed, [&](int s, int d) { return pair_count(seed, s, d); }, 1);
+    node->barrier();
+  }
+}
+
+}  // namespace
+}  // namespace moe::dist
