@@ -1,5 +1,5 @@
 """torch_baseline.py: what a PyTorch user would run instead of our dropless MoE layer, timed on the
-same shapes and routings as moe_bench, so the comparison sits side by side in one GPU call.
+same shapes and routings as moe_bench, so the comparison sits side by side in one GPU run.
 
 Run (on the GPU machine, PyTorch 2.11):  python3 cuda/bench/torch_baseline.py --out torch_baseline.json
     one shape of your own, as moe_bench --shapes:  ... torch_baseline.py --shapes 65536,1024,4096,64,1
@@ -10,8 +10,8 @@ of the same useful FLOPs (4 * rows * D * H, rows = T*K routed rows). The routing
 same deterministic rule as moe_bench (cuda/bench/routing_counts.h): expert e gets a share
 proportional to w_e (uniform: 1, zipf: 1/(e+1)), floor'ed, the remainder to the first experts.
 Each forward + backward starts with no .grad on the leaves, so its gradients are written, not added
-into earlier ones (moe_bench's formulations write theirs; before 2026-11-22q this script let them
-accumulate, which added a pass over every expert weight to PyTorch's time). --timing as moe_bench's.
+into earlier ones, as moe_bench's formulations write theirs (accumulating would add a pass over every
+expert weight to PyTorch's time). --timing as moe_bench's.
 """
 import argparse
 import datetime

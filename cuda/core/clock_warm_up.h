@@ -4,9 +4,9 @@
 // notebooks_data/bench/clocks_3_warmup_runs_h200_2026-11-22.txt and clocks_1s_warmup_h200_2026-11-22.txt) showed three
 // states: after idle the SM clock sits at 1440-1485 MHz for the first half second of load; then it
 // runs at 1965-1980 MHz; after a few seconds of tensor-core work the card reaches its 700 W limit,
-// where the software power cap holds it at about 1400-1750 MHz, now and then below 1000. With a few
-// warm-up runs, a short workload was timed on the way up (the forward first, on the low clock), and
-// its figures moved from run to run. Warming up for at least a second of load puts every
+// where the software power cap holds it at about 1400-1750 MHz, now and then below 1000. With only a
+// few warm-up runs, a short workload is timed on the way up (the forward first, on the low clock),
+// and its figures move from run to run. Warming up for at least a second of load puts every
 // measurement in the sustained state that a training run lives in.
 #pragma once
 

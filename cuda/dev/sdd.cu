@@ -41,16 +41,17 @@
 //      of 8 columns and stores them, a warp 512 contiguous bytes of a block (instead of 4-byte
 //      stores spread over 8 rows). The mainline's SDD.
 //   13 version 10 (128 x 256, wait 0), staged;  14 version 7 (128 x 256, one wgmma in flight), staged
-//      The epilogue kind is now a template parameter of SddProblem: one kernel per kind, no switch.
-//      That alone took the SDD kernels from 10k-20k SASS instructions to 1.4k-2.6k (the cubin's
-//      .text sizes) and was the 128 x 256 tiles' 3x loss: v7 93 -> 275 | 169 -> 359.
+//      In every version of this file the epilogue kind is a template parameter of SddProblem: one
+//      kernel per kind, no switch. That alone takes the SDD kernels from 10k-20k SASS instructions
+//      to 1.4k-2.6k (the cubin's .text sizes); the switch was the 128 x 256 tiles' 3x loss: v7 93
+//      -> 275 | 169 -> 359.
 //      Measured on an H200, 2026-11-22 (same shapes; cuBLAS 688 | 750):
 //        v4 228 | 264, v6 259 | 319, v7 275 | 359, v8 258 | 323, v9 307 | 361, v10 267 | 339,
 //        v12 366 (53%) | 390 (52%), v13 321 | 336, v14 323 | 339; a second run: v12 366 | 408,
 //        v13 314 | 366, v14 316 | 366 (the large shape drifts up to 10% between runs, cuBLAS too).
 //      Whole forward with this mainline (SDD v12 + GeLU, DSD as v14): 0.44x | 0.51x two dense cuBLAS
 //      GEMMs, from 0.40x | 0.48x with version 9's.
-//      Prediction was: staged epilogue +10-20% at 128 x 128 (came: +19% | +8%), and 128 x 256 then
+//      Predicted: staged epilogue +10-20% at 128 x 128 (measured: +19% | +8%), and 128 x 256 then
 //      ahead of 128 x 128 by its lighter L2 traffic (12 KB per MFLOP against 16): it is not, at
 //      1 CTA per SM: K = D gives only 16-32 k-steps, and nothing overlaps one CTA's pipeline fill
 //      and epilogue. On the DSD (K = H: 64-128 k-steps) it is: v9 315 | 344, v12 309 | 340,
@@ -93,36 +94,34 @@
 //        T=16384 D=1024 H=4096 E=64 K=1:   373 -> 400 (58%)     cuBLAS 694
 //        T=16384 D=2048 H=8192 E=64 K=2:   395 -> 489 (62%)     cuBLAS 788
 //        T=8192 D=4096 H=14336 E=8 K=2:    501 -> 566 (74%)     cuBLAS 770
-//      A trap on the way: the maps first lived in cudaMallocAsync memory of the default pool, which
-//      gives its memory back at every synchronisation; a benchmark that synchronises between runs
-//      then had the GPU wait for fresh physical memory before every launch, and version 18 measured
-//      slower than 16 at D = 1024 (0.40 against 0.37 ms). The maps now come from a pool that keeps
-//      its memory.
+//      The maps come from a pool that keeps its memory: the default pool of cudaMallocAsync gives
+//      its memory back at every synchronisation, so a benchmark that synchronises between runs has
+//      the GPU wait for fresh physical memory before every launch, and version 18 then measures
+//      slower than 16 at D = 1024 (0.40 against 0.37 ms).
 //      Also tried, and left out: clusters of 2 CTAs on the two tiles of a block row side by side,
 //      each copying half of the shared A tile and multicasting it to both (the "empty" barriers
 //      then wait for both CTAs' consumers). Half the L2 reads of A, but no gain: the FFN forward
 //      measured 2-5% slower at the three BASELINES shapes, the DSD alone 0.32 -> 0.31 ms at D = 1024
 //      but 2.14 -> 2.35 ms at D = 2048 (H200, 2026-11-22).
-//      A trap found later: the figures of version 18 above (not those of 15-17, measured before)
-//      were measured with ptxas serialising the wgmma (each waited for the one before it). An `if`
-//      around the consumers' wgmma (to skip a warpgroup whose 64 rows were all padding, added to
-//      the header between versions 17 and 18) made ptxas report "C7518 Potential Performance
+//      The figures of version 18 above (not those of 15-17) come from a build with ptxas serialising
+//      the wgmma (each waits for the one before it). An `if` around the consumers' wgmma (to skip a
+//      warpgroup whose 64 rows are all padding) makes ptxas report "C7518 Potential Performance
 //      Loss: wgmma.mma_async instructions are serialized due to program dependence on
 //      compiler-inserted WG.DP in divergent path" for every kernel of the header; the report shows
 //      only with -Xptxas -v, and nothing else changes. Without the `if` (padding rows are zero, so
 //      computing them is harmless), version 18 at the three shapes: 418, 498, 606 TFLOP/s (59%, 65%,
-//      75% of cuBLAS; H200, 2026-11-22), and the whole forward at D = 4096 went from 0.83x to
-//      1.05x dense. The ctest PtxasWgmmaPipelined.block_sparse now fails on any C751x.
-//      The cluster-multicast experiment above ran with the same `if` in the header, so with the
-//      wgmma serialised: the issue of wgmma, not the L2 traffic that multicast halves, held those
-//      kernels back, and its verdict does not carry over to the kernels of today (seventh session).
+//      75% of cuBLAS; H200, 2026-11-22), and the whole forward at D = 4096 0.83x -> 1.05x dense.
+//      The ctest PtxasWgmmaPipelined.block_sparse fails on any C751x.
+//      The cluster-multicast figures above come from the same build, with the wgmma serialised:
+//      the issue of wgmma, not the L2 traffic that multicast halves, held those kernels back, so
+//      they say nothing of the pipelined kernel (version 21 measures it).
 //   19 version 18 with the register epilogue (ws_register_epilogue): no staging. The 4 lanes of a
 //      quad hold the 8 columns of a chunk between them; two butterfly stages of __shfl_xor_sync
 //      give each lane a whole chunk, which it stores as 16 bytes. No shared memory, no named
-//      barrier. ncu on the staged epilogue had shown why it costs: with rows padded by 8 floats
-//      every access used half the banks (10.4-12.7 wavefronts per chunk read, 2.3-2.5 per fragment
-//      write), and the consumers waited at 16 named barriers a tile with the tensor cores idle;
-//      the pad is 4 now (conflict-free), but the trip through shared memory remains.
+//      barrier. ncu on the staged epilogue shows why it costs: the consumers wait at 16 named
+//      barriers a tile with the tensor cores idle; with rows padded by 8 floats every access also
+//      used half the banks (10.4-12.7 wavefronts per chunk read, 2.3-2.5 per fragment write), which
+//      the pad of 4 removes (conflict-free), but the trip through shared memory remains.
 //      Measured on an H200, 2026-11-22 (useful TFLOP/s, % of cuBLAS), version 18 -> 19:
 //        T=16384 D=1024 H=4096 E=64 K=1:   418 -> 423 (59%)     cuBLAS 712
 //        T=16384 D=2048 H=8192 E=64 K=2:   498 -> 492 (64%)     cuBLAS 765
@@ -131,7 +130,7 @@
 //      epilogue is a small share, and a warp's stores cover 8 rows x 64 bytes instead of 512
 //      contiguous bytes). It pays where tiles are short: the weight gradients (4 k-steps a tile at
 //      D = 1024) went from 431 / 424 / 439 us to 409 / 344 / 334 us (the SDD of the backward, DSᵀD,
-//      DDS; ncu, T=16384 D=1024 E=64 uniform), and the layer (moe_bench, the same call, mainline
+//      DDS; ncu, T=16384 D=1024 E=64 uniform), and the layer (moe_bench, the same run, mainline
 //      built both ways): forward + backward 0.62x -> 0.68x dense at D = 1024, 0.77x -> 0.79x at
 //      D = 2048; forward 0.84x -> 0.94x at D = 2048, 0.98x -> 1.05x at D = 4096.
 //      The mainline (version 11) runs version 19's kernel for every product at B = 128, with a
@@ -158,30 +157,31 @@
 //      both CTAs' consumers are done with it: each consumer warp arrives on its own "empty" barrier
 //      and, through mapa, on the peer's; each producer stays until every stage has been released,
 //      so that no arrival lands in a CTA that has exited (block_sparse_wgmma_ws.cuh, CLUSTER).
-//      Version 18's note records an earlier try at the same, measured while ptxas serialised the
-//      wgmma; this one runs on the kernel of today.
-//      Measured on an H200, 2026-11-22 (useful TFLOP/s, % of cuBLAS, the same call; dev_sdd's own
-//      random routing), version 19 -> 21:
+//      Version 18's note has the same idea measured with the wgmma serialised; this one runs on the
+//      pipelined kernel.
+//      Measured on an H200, 2026-11-22 (useful TFLOP/s, % of cuBLAS, one run; dev_sdd's own random
+//      routing; notebooks_data/bench/dev_sdd_h200_2026-11-22.log), version 19 -> 21:
 //        T=16384 D=1024 H=4096 E=64 K=1:   385 -> 311 (53%)     cuBLAS 584
 //        T=16384 D=2048 H=8192 E=64 K=2:   515 -> 353 (58%)     cuBLAS 607
 //        T=8192 D=4096 H=14336 E=8 K=2:    595 -> 453 (70%)     cuBLAS 651
-//      Right (the check passes), and 19-31% slower. The seventh session blamed the lockstep (a stage
-//      is refilled only when both CTAs' consumers have released it). The tenth found the cause: the
-//      consumers' arrival on the peer's "empty" barrier was mbarrier.arrive.release.cluster, and a
-//      cluster-scope release makes ptxas put a MEMBAR.ALL.GPU before it (cuobjdump -sass), so each
-//      consumer warp waited at every k-step for its earlier stores to reach the L2. With the default
-//      .release.cta form (CUTLASS's; the arrival has nothing to publish), the same call, H200,
-//      2026-11-22, % of cuBLAS, version 19 -> 21: 67.2 -> 67.8, 83.6 -> 86.0, 92.0 -> 93.1
+//      Right (the check passes), and 19-31% slower, with the consumers' arrival on the peer's
+//      "empty" barrier as mbarrier.arrive.release.cluster: a cluster-scope release makes ptxas put a
+//      MEMBAR.ALL.GPU before it (cuobjdump -sass), so each consumer warp waits at every k-step for
+//      its earlier stores to reach the L2. The lockstep (a stage is refilled only when both CTAs'
+//      consumers have released it) is not the cause. With the default .release.cta form (CUTLASS's;
+//      the arrival has nothing to publish), one run, H200, 2026-11-22, % of cuBLAS, version 19 -> 21:
+//      67.2 -> 67.8, 83.6 -> 86.0, 92.0 -> 93.1
 //      (notebooks_data/bench/ncu_block_row_pairs_h200_2026-11-22.txt).
 //   22 version 19 in clusters of two CTAs the other way (WsCluster::share_b): the two take block rows
 //      2y and 2y + 1 at the same columns; where one expert owns both, each copies one half of W1's
 //      chunk by TMA multicast into both, so the L2 serves 16 + 16 KB a k-step to each SM instead of
 //      16 + 32, twice what version 21 saves. Where the rows belong to two experts each copies its own
 //      chunk; where one row is past the routed rows its CTA multiplies the peer's tile and stores
-//      nothing, so that the pair stays in step. H200, 2026-11-22 (the same call, % of cuBLAS, dev_sdd's
-//      own random routing), versions 19 | 21 | 22: 67.0 | 66.6 | 67.2 at D = 1024, 83.3 | 86.5 | 86.9
-//      at D = 2048, 97.5 | 98.3 | 98.3 at D = 4096. The mainline's SDDs and DSDs take these pairs
-//      where an expert has 4 or more block rows (block_sparse.cu, block_row_pairs_share_weights).
+//      nothing, so that the pair stays in step. H200, 2026-11-22 (one run, % of cuBLAS, dev_sdd's
+//      own random routing; notebooks_data/bench/ncu_block_row_pairs_h200_2026-11-22.txt), versions
+//      19 | 21 | 22: 67.0 | 66.6 | 67.2 at D = 1024, 83.3 | 86.5 | 86.9 at D = 2048, 97.5 | 98.3 |
+//      98.3 at D = 4096. The mainline's SDDs and DSDs take these pairs where an expert has 4 or
+//      more block rows (block_sparse.cu, block_row_pairs_share_weights).
 //   cuBLAS: cublasGemmEx bf16 / fp32 compute on the dense product [T*K, D] x [D, H], the same useful
 //      FLOPs with no padding and no sparsity: the ceiling a block-sparse kernel is measured against.
 // Every version is first checked against the CPU reference (moe::ref::sdd) on a small problem with
@@ -646,8 +646,7 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Median of 20 timed runs after 3 warm-ups and at least a second of them (clock_warm_up.h; the logs
-// in notebooks_data/bench before the sixth session were timed after the 3 runs alone), in ms.
+// Median of 20 timed runs after 3 warm-ups and at least a second of them (clock_warm_up.h), in ms.
 template <typename Launch>
 float time_median(Launch launch, cudaStream_t stream) {
   moe::cuda::warm_up_clock(stream, 3, 1000.0, launch);

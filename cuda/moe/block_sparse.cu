@@ -281,11 +281,11 @@ void launch(const Problem& problem, int block_size, int dense_extent, int y_coun
   //     the 128 x 256 tile's lighter L2 traffic (366-390 TFLOP/s against 321-338);
   //   - DSD: K = H is long (64-128 k-steps): 128 x 256 tiles, 4 stages, 1 CTA per SM, one wgmma
   //     group in flight (version 14 on the DSD: 308-381 TFLOP/s against 309-340);
-  //   - DSᵀD and DDS (the weight gradients, A read M-major): the SDD's configuration, not yet
-  //     measured. DDS's tiles run over M, so its dense extent (D) must be a multiple of 128 rows.
+  //   - DSᵀD and DDS (the weight gradients, A read M-major): the SDD's configuration, not measured
+  //     on its own. DDS's tiles run over M, so its dense extent (D) must be a multiple of 128 rows.
   const bool wgmma = block_size == 128 && dense_extent % 128 == 0 && wgmma_available();
-  // Measured later (cuda/dev/sdd.cu, versions 15-17, H200, T=16384 D=1024 H=4096 E=64 K=1): the
-  // warp-specialized persistent kernel takes the SDD from 368 to 399 TFLOP/s (version 12 -> 16).
+  // The warp-specialized persistent kernel beats them: it takes the SDD from 368 to 399 TFLOP/s
+  // (cuda/dev/sdd.cu, version 12 -> 16, H200, 2026-11-22, T=16384 D=1024 H=4096 E=64 K=1).
   // Every product tiled over N (SDD, DSD, DSᵀD) takes it where the dense extent allows 256-wide
   // tiles; DDS takes it in launch_dds (two block columns a tile); other extents keep the kernels
   // below.
@@ -506,7 +506,7 @@ void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16
   };
   // On Hopper at B = 128, the warp-specialized kernel takes two block columns of one expert a tile
   // (128 rows of D by 256 columns of H; H / B must be even so that pairs never straddle experts).
-  // Measured before it (ncu, H200, 2026-11-22): DDS on the 128 x 128 wgmma kernel took 0.68 ms at
+  // Why (ncu, H200, 2026-11-22): DDS on the 128 x 128 wgmma kernel below measured 0.68 ms at
   // T=16384 D=1024 H=4096 E=64 K=1 and 4.60 ms at T=8192 D=4096 H=14336 E=8 K=2, against 0.57 and
   // 3.63 ms for DSᵀD on the warp-specialized kernel (the same FLOPs).
   if (t.block_size == 128 && cols % kWgmmaBlockM == 0 && t.blocks_per_expert % 2 == 0 && wgmma_available()) {
@@ -552,8 +552,8 @@ RowGather checked_rows(const MoeConfig& config, const ExpertRows& x, const std::
 
 // Pairs of block rows (WsCluster::share_b) where an expert has 4 or more block rows by the host
 // bound (T·K/B + E). Measured on an H200, 2026-11-22, against the same code without clusters in the
-// same call (notebooks_data/bench/ncu_block_row_pairs_h200_2026-11-22.txt; x dense cuBLAS, forward | forward +
-// backward, two calls):
+// same run (notebooks_data/bench/ncu_block_row_pairs_h200_2026-11-22.txt; x dense cuBLAS, forward | forward +
+// backward, two runs):
 //   - T=8192 D=4096 E=8 K=2 (17 block rows an expert), Zipf: 0.912 | 0.912 -> 0.958 | 0.941 and
 //     0.922 | 0.911 -> 0.969 | 0.956; uniform: 0.973 | 0.969 -> 0.983 | 0.958 and 0.987 | 0.961 ->
 //     0.983 | 0.967 (a draw).
@@ -565,12 +565,12 @@ RowGather checked_rows(const MoeConfig& config, const ExpertRows& x, const std::
 //     under Zipf (2% and 1% uniform). Each expert's weights are read by one or two block rows, so
 //     they stream from HBM about once per pair anyway, many pairs straddle two experts (no sharing),
 //     and the pairing only makes the two CTAs wait for each other.
-// The weight gradients follow the same rule (fourteenth session; ncu at locked base clocks, H200,
-// 2026-11-22, notebooks_data/bench/ncu_weight_gradient_pairs_h200_2026-11-22.txt): their pairs of block columns share dy's
-// rows (DSᵀD) or x's (DDS), and a tile runs as many k-steps as its expert has block rows. DSᵀD | DDS
-// without pairs -> in pairs: D=4096 uniform 3.003 | 3.022 -> 2.911 | 2.955 ms (DSᵀD's L2 traffic 22.3
-// -> 17.0 GB); D=2048 Zipf 2.211 | 2.258 -> 2.154 | 2.214; D=1024 Zipf 0.358 | 0.363 -> 0.355 | 0.368
-// and uniform 0.340 | 0.346 -> 0.342 | 0.355 (2 block rows an expert: no pairs there).
+// The weight gradients follow the same rule (ncu at locked base clocks, H200, 2026-11-22,
+// notebooks_data/bench/ncu_weight_gradient_pairs_h200_2026-11-22.txt): their pairs of block columns
+// share dy's rows (DSᵀD) or x's (DDS), and a tile runs as many k-steps as its expert has block rows.
+// DSᵀD | DDS without pairs -> in pairs: D=4096 uniform 3.003 | 3.022 -> 2.911 | 2.955 ms (DSᵀD's L2
+// traffic 22.3 -> 17.0 GB); D=2048 Zipf 2.211 | 2.258 -> 2.154 | 2.214; D=1024 Zipf 0.358 | 0.363 ->
+// 0.355 | 0.368 and uniform 0.340 | 0.346 -> 0.342 | 0.355 (2 block rows an expert: no pairs there).
 bool block_row_pairs_share_weights(int max_block_rows, int experts) {
   return experts > 0 && max_block_rows >= 4 * experts;
 }

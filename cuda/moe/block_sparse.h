@@ -127,7 +127,7 @@ bool rows_gatherable(const MoeConfig& config);
 // gathered, H200, notebooks_data/bench/moe_bench_rows_{permuted,gathered}_h200_2026-11-22.json:
 // 0.636 -> 0.612 ms at T=16384 D=1024 H=4096 E=64 K=1 (uniform), 6.36 -> 6.52 ms at T=8192 D=4096
 // H=14336 E=8 K=2 (uniform); at D=2048, H=8192, a wash: 3.99 -> 3.71 ms (uniform) and 4.26 -> 4.26
-// (zipf) in that run, the other way round in two A/B runs before it.
+// (zipf) in those files, the other way round in two other A/B runs on the same H200.
 constexpr int kGatherMaxHidden = 4096;
 bool gathering_pays(const MoeConfig& config);
 

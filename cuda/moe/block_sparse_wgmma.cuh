@@ -26,8 +26,8 @@
 //     (DSᵀD's 128 rows are one block of an expert's H; DDS's tiles are 128 rows of D by one block
 //     column, the grid's x running over M);
 //   - the weight gradients (DSᵀD, DDS) take the SDD's configuration: 128 x 128, 3 stages, 2 CTAs
-//     per SM (chosen by analogy with the SDD, not yet measured; K = an expert's rows: 32 k-steps at
-//     T = 16384, K = 2, E = 16);
+//     per SM (chosen by analogy with the SDD, not measured on their own; K = an expert's rows: 32
+//     k-steps at T = 16384, K = 2, E = 16);
 //   - every thread copies chunks with cp.async (16 bytes) STAGES deep, as the mma.sync kernel does,
 //     so each k-step's operands may come from any address: the per-expert pointer table and the
 //     sparse blocks of DSD need no tensor map (TMA wants one descriptor per tensor);

@@ -123,10 +123,10 @@ constexpr int kWsBulkWarpBytes = kWsBulkGroups * kWsBulkGroupBytes;
 // The pad of 4 floats makes both of its accesses conflict-free. Rows are 4 banks apart (36 = 4 mod
 // 32 words), so the fragment writes (a float2 at row lane/4, columns 2 (lane % 4)) start at banks
 // 4r + 2c: 2 wavefronts for 256 bytes, the least; the chunk reads (a float4 at row lane/4, column
-// 8 (lane % 4)) start at 4r + 8c: every bank 4 times, 4 wavefronts for 512 bytes, the least. The
-// pad of 8 it had before (rows 8 banks apart) put every access on half the banks: ncu measured
-// 10.4-12.7 wavefronts per chunk read (H200, 2026-11-22), a third of a weight-gradient product's
-// time in shared memory.
+// 8 (lane % 4)) start at 4r + 8c: every bank 4 times, 4 wavefronts for 512 bytes, the least. A
+// pad of 8 (rows 8 banks apart) puts every access on half the banks: ncu measured 10.4-12.7
+// wavefronts per chunk read (H200, 2026-11-22), a third of a weight-gradient product's time in
+// shared memory.
 constexpr int kWsStagingPad = 4;
 template <int EPILOGUE_COLUMNS>
 constexpr bool ws_epilogue_columns_valid() {
@@ -159,14 +159,14 @@ constexpr int ws_shared_bytes() {
 // full barrier completes when the arrival that announced them (expect_tx) and all its bytes are in.
 // (Declared in every compilation pass, so that the host pass sees which products have TMA copies;
 // the instructions exist only in the sm_90a pass.)
-// Tried in the thirteenth session, and left out (commit 2474622, reverted; ncu at locked base clocks,
-// H200, 2026-11-22, notebooks_data/bench/ncu_l2_prefetch_h200_2026-11-22.txt): with the copies of k-step s, the
-// producer asking for the boxes of k-step s + N to be fetched into the L2 only
+// Left out (ncu at locked base clocks, H200, 2026-11-22,
+// notebooks_data/bench/ncu_l2_prefetch_h200_2026-11-22.txt; the experiment's code: commit 2474622): with the
+// copies of k-step s, the producer asking for the boxes of k-step s + N to be fetched into the L2 only
 // (cp.async.bulk.prefetch.tensor), so that the copies that land late would find them there. Every
-// product got slower, against N = 0 in the same binary: with N = 4 the forward SDD 0.452 -> 0.541 ms
+// product is slower, against N = 0 in the same binary: with N = 4 the forward SDD 0.452 -> 0.541 ms
 // and DSD 0.292 -> 0.360 at T=16384 D=1024 E=64 K=1 (Zipf), 2.75 -> 3.74 and 2.11 -> 3.00 at D=2048
 // E=64 K=2 (Zipf), 3.89 -> 5.31 and 3.14 -> 4.32 at T=8192 D=4096 E=8 K=2 (uniform); with N = 8 more.
-// The look-ahead doubles the requests that the L2 and the TMA unit serve, and the copies were not
+// The look-ahead doubles the requests that the L2 and the TMA unit serve, and the copies are not
 // waiting on HBM's latency alone.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOE_SM90A_ASM(...) asm volatile(__VA_ARGS__)
@@ -253,14 +253,15 @@ __device__ inline void cluster_sync() {
 // Arrives on the mbarrier at `bar`'s offset in the shared memory of CTA `rank` of the cluster.
 // With the default semantics, .release at CTA scope (the form CUTLASS's ClusterBarrier uses): the
 // arrival only says "this warp's wgmma reading the stage have retired" (wgmma.wait_group already
-// ordered those reads), so it has nothing to publish to the other SM. The seventh session wrote
-// .release.cluster here, which makes each arrival wait until the thread's earlier memory operations,
-// the epilogue's global stores among them, are visible to the whole cluster: ptxas puts a
-// MEMBAR.ALL.GPU before it (cuobjdump -sass). That, and not the pairing, made dev_sdd's version 21
-// 19-31% slower than version 19.
-// With this form (H200, 2026-11-22, dev_sdd, the same call, % of cuBLAS, version 19 -> 21):
-// 67.2 -> 67.8 at D=1024, 83.6 -> 86.0 at D=2048, 92.0 -> 93.1 at D=4096; .relaxed.cluster measured
-// the same within noise (66.2, 81.5, 93.0).
+// ordered those reads), so it has nothing to publish to the other SM. A .release.cluster arrival
+// waits until the thread's earlier memory operations, the epilogue's global stores among them, are
+// visible to the whole cluster: ptxas puts a MEMBAR.ALL.GPU before it (cuobjdump -sass). That, and
+// not the pairing, makes dev_sdd's version 21 19-31% slower than version 19 with that form
+// (notebooks_data/bench/dev_sdd_h200_2026-11-22.log).
+// With this form (H200, 2026-11-22, dev_sdd, one run, % of cuBLAS, version 19 -> 21;
+// notebooks_data/bench/ncu_block_row_pairs_h200_2026-11-22.txt): 67.2 -> 67.8 at D=1024, 83.6 ->
+// 86.0 at D=2048, 92.0 -> 93.1 at D=4096; .relaxed.cluster measured the same within noise (66.2,
+// 81.5, 93.0).
 __device__ inline void mbarrier_arrive_remote(uint32_t bar, uint32_t rank) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
@@ -548,8 +549,8 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 // B = rows of the dense operand (dy), four [64 k][64 n] boxes of the 2-D map a[1].
 // The weight gradients' copies wait on two dependent loads a k-step (the block's id, then its block
 // row), and their begin() on a chain of four (the column's offset, its last block, that block's
-// row, the row's tokens). Two ways of hiding them were tried in the sixth session and left out
-// (ncu, H200, Zipf routing, DSᵀD at T=16384 D=1024 E=64 | D=2048 E=64 K=2):
+// row, the row's tokens). Ways of hiding them, left out (ncu, H200, Zipf routing, DSᵀD at
+// T=16384 D=1024 E=64 | D=2048 E=64 K=2):
 //   - the producer warp loading 32 walk entries at once, one per lane, each k-step taking its entry
 //     by a shuffle: 0.370 -> 0.372 ms | 2.09 -> 2.09 ms, no change;
 //   - the consumers running the next tile's begin() while the tile's first wgmma group runs:
@@ -561,14 +562,14 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
 // With the bulk epilogue they run 5-7% behind the SDD of the same shape (TFLOP/s of the rows
 // computed: 394 against 423 at D = 1024, 526 against 555 at D = 2048): what holds the D = 1024
 // shape at about 60% of cuBLAS is common to every product there.
-// Tried in the fifteenth session, and left out (moe_bench --kernel-trace, H200, 2026-11-22,
+// Left out (moe_bench --kernel-trace, H200, 2026-11-22,
 // notebooks_data/bench/kernel_trace_h200_2026-11-22.txt): B kept in the stages from tile to tile. A tile of
 // 4 k-steps (an expert of 256 rows) fills the 4 stages, so the next tile's k-step j lands where this
-// one's did; the producer remembered which B each stage held (a key: dy's rows and columns, or the
-// d_pre blocks) and copied only A where it matched, workers taking runs of 8 consecutive tiles that
-// share B. At T=16384 D=1024 E=64 uniform (7 of 8 copies of B skipped) DSᵀD | DDS went 0.33 | 0.33 ->
+// one's did; the producer remembers which B each stage holds (a key: dy's rows and columns, or the
+// d_pre blocks) and copies only A where it matches, workers taking runs of 8 consecutive tiles that
+// share B. At T=16384 D=1024 E=64 uniform (7 of 8 copies of B skipped) DSᵀD | DDS 0.33 | 0.33 ->
 // 0.33 | 0.31 ms; under Zipf the runs put 8 tiles of 54 k-steps on one SM: 0.34 | 0.34 -> 0.53 | 0.57.
-// Tried after it, and left out (commit 02b7ed1, reverted; same file): DSᵀD on a ping-pong kernel, the
+// Left out too (same file; the experiment's code: commit 02b7ed1): DSᵀD on a ping-pong kernel, the
 // two consumers taking turns over 128 x 128 tiles, each one's bulk stores under the other's k-loop:
 // 0.33 -> 0.42-0.45 ms at D=1024 (uniform and Zipf), 2.14 -> 2.94 at D=2048 Zipf.
 // In pairs of block columns of one expert (WsCluster::share_b), both multiply the same rows of dy:
@@ -656,16 +657,16 @@ __device__ inline int64_t ws_b_second_half(const Problem& problem) {
 // group_rows = 16 rows, x slow and y fast inside a group, so that the CTAs of one moment share a few
 // column slabs across 16 rows of one expert (CUTLASS calls this a swizzled tile scheduler).
 // Measured with ncu on an H200 (2026-11-22): SDD 3.64 -> 3.40 ms at D=4096 with groups of 16; at
-// T=16384 D=1024 E=64 the same groups cost 6% (0.39 -> 0.41 ms), hence row-major there. With the
-// thirteenth session's kernels other sizes changed nothing beyond 1% (groups of 4, 8, 32 at D=4096; 8
-// and 16 against row-major at D=2048 E=64 K=2 Zipf; notebooks_data/bench/ncu_tile_group_size_h200_2026-11-22.txt).
-// Tried in the thirteenth session, and left out (commit 807d31e, reverted; ncu at locked base clocks,
-// H200, 2026-11-22, notebooks_data/bench/ncu_tile_order_h200_2026-11-22.txt): this order taken from both ends
-// at once, so that under Zipf routing every round mixes the large experts (their weights served from
-// the L2) with the small ones (every tile's chunk from HBM), instead of leaving HBM idle in the first
-// rounds and busy in the last. Forward SDD | DSD: 0.412 -> 0.422 | 0.302 -> 0.304 ms at D=1024 Zipf,
-// 2.20 -> 2.26 | 1.86 -> 1.86 at D=2048 Zipf, 3.14 -> 3.11 | 2.80 -> 2.79 at D=4096 Zipf; uniform
-// routing likewise within -3% .. +3%. Where HBM's load falls over the rounds is not what the copies
+// T=16384 D=1024 E=64 the same groups cost 6% (0.39 -> 0.41 ms), hence row-major there. Other sizes
+// change nothing beyond 1% (groups of 4, 8, 32 at D=4096; 8 and 16 against row-major at D=2048 E=64
+// K=2 Zipf; notebooks_data/bench/ncu_tile_group_size_h200_2026-11-22.txt).
+// Left out (ncu at locked base clocks, H200, 2026-11-22,
+// notebooks_data/bench/ncu_tile_order_h200_2026-11-22.txt; the experiment's code: commit 807d31e): this
+// order taken from both ends at once, so that under Zipf routing every round mixes the large experts
+// (their weights served from the L2) with the small ones (every tile's chunk from HBM), instead of
+// leaving HBM idle in the first rounds and busy in the last. Forward SDD | DSD: 0.412 -> 0.422 |
+// 0.302 -> 0.304 ms at D=1024 Zipf, 2.20 -> 2.26 | 1.86 -> 1.86 at D=2048 Zipf, 3.14 -> 3.11 |
+// 2.80 -> 2.79 at D=4096 Zipf; uniform routing likewise within -3% .. +3%. Where HBM's load falls over the rounds is not what the copies
 // wait for.
 struct WsTile {
   int y, x;
@@ -702,18 +703,19 @@ constexpr int ws_tile_x() {
 // The trade: a half-row tile moves 40 KB into shared memory per 1 M multiply-adds where a whole
 // tile moves 48 KB per 2 M, and it reads all of the expert's weights as a whole row does: it saves
 // tensor-core time, not bytes. Measured with ncu on an H200 (2026-11-22, Zipf routing, against
-// whole tiles in the same call): at T=16384 D=1024 H=4096 E=64 K=1 the GeLU SDD 0.35 -> 0.34 ms
-// and the backward's SDD 0.386 -> 0.375 ms (0.388 -> 0.364 in a second call); at D=2048 E=64 K=2
-// and at D=4096 E=8 K=2 (uniform, no half rows) no change beyond 0.5%.
+// whole tiles in the same run; notebooks_data/bench/ncu_half_row_tiles_h200_2026-11-22.txt): at
+// T=16384 D=1024 H=4096 E=64 K=1 the GeLU SDD 0.35 -> 0.34 ms and the backward's SDD 0.386 -> 0.375
+// ms (0.388 -> 0.364 in a second run); at D=2048 E=64 K=2 and at D=4096 E=8 K=2 (uniform, no half
+// rows) no change beyond 0.5%.
 // The SDDs take them; the DSDs do not. With half-row tiles the DSD measured 0.25 -> 0.26 ms at
 // D=1024, 1.66 -> 1.88 ms at D=2048, and 2.54 -> 2.65 ms at D=4096 uniform, where no row is a half
-// row: its long k-loops (64-224 k-steps a tile) lost to the second k-loop's mere presence, as they
-// did to the sixth session's zero-trip loop (below), and at D=2048 its half rows were no faster.
-// Tried first, and left out: 64 x 512 tiles, both consumers on m64n256k16 (the k-loop unchanged),
-// each k-step filling two stages, one per consumer: DSD 0.25 -> 0.33 ms and SDD 0.35 -> 0.41 ms at
-// D=1024. With each consumer holding two of the four stages (the one its wgmma reads and the one
-// before, until that group retires), the producer ran one k-step ahead, and every k-step waited out
-// a copy's latency: the half-row tiles took 5-6 times as long as whole ones.
+// row: its long k-loops (64-224 k-steps a tile) lose to the second k-loop's mere presence, as they
+// do to a zero-trip loop (below), and at D=2048 its half rows are no faster.
+// Left out: 64 x 512 tiles, both consumers on m64n256k16 (the k-loop unchanged), each k-step
+// filling two stages, one per consumer: DSD 0.25 -> 0.33 ms and SDD 0.35 -> 0.41 ms at D=1024.
+// With each consumer holding two of the four stages (the one its wgmma reads and the one before,
+// until that group retires), the producer runs one k-step ahead, and every k-step waits out a
+// copy's latency: the half-row tiles take 5-6 times as long as whole ones.
 template <class Problem>
 concept WsHalfRowTiles = requires(const Problem& p) {
   { p.half_row(0) } -> std::same_as<bool>;
@@ -737,11 +739,11 @@ __device__ inline bool ws_half_row(const Problem& problem, int y) {
 // each lane stores its chunk, and a warp writes 8 rows x 64 contiguous bytes per store.
 // This replaces the staged epilogue's trip through shared memory (a float2 write and a float4 read
 // per value, and two named barriers per pass), which the consumers spent with the tensor cores idle.
-// Tried after it, and left out: starting consumer 1 one or two k-steps after consumer 0 (a named
-// barrier at the start; the shared stages keep them that far apart), so that one's epilogue would
-// overlap the other's last k-steps. moe_bench, two rounds each on an H200 (2026-11-22): no change
-// beyond the run-to-run noise of 2-5% at any BASELINES shape, forward or forward + backward.
-// Tried in the twelfth session, and left out (ncu at locked base clocks, H200, 2026-11-22,
+// Left out: starting consumer 1 one or two k-steps after consumer 0 (a named barrier at the start;
+// the shared stages keep them that far apart), so that one's epilogue would overlap the other's
+// last k-steps. moe_bench, two runs each on an H200 (2026-11-22): no change beyond the run-to-run
+// noise of 2-5% at any BASELINES shape, forward or forward + backward.
+// Left out (ncu at locked base clocks, H200, 2026-11-22,
 // notebooks_data/bench/ncu_sdd_epilogue_experiments_h200_2026-11-22.txt; D = 1024 is T=16384 D=1024 E=64 K=1 Zipf, D = 2048
 // T=16384 D=2048 E=64 K=2 Zipf, D = 4096 T=8192 D=4096 E=8 K=2 uniform):
 //   - what the GeLU costs: with gelu(x) replaced by x (timing only), the forward's SDD 0.407 -> 0.397
@@ -750,25 +752,25 @@ __device__ inline bool ws_half_row(const Problem& problem, int y) {
 //   - a deferred epilogue: the consumers store only the product (bf16) and go on to their next tile,
 //     and warps 1-3 of the producer warpgroup (idle with TMA copies) read each tile back from the L2
 //     and apply the GeLU, handed over through mbarriers. Correct (every test, memcheck, racecheck),
-//     but the forward's SDD went 0.38 -> 0.63-0.66 ms at D = 1024 (rows permuted), 2.20 -> 2.85-2.94
+//     but the forward's SDD 0.38 -> 0.63-0.66 ms at D = 1024 (rows permuted), 2.20 -> 2.85-2.94
 //     at D = 2048, 3.05 -> 3.23-3.30 at D = 4096, the backward's likewise. Warp sampling at D = 1024:
-//     the consumers spent a quarter of their time waiting for the 96 workers, which waited on their
+//     the consumers spend a quarter of their time waiting for the 96 workers, which wait on their
 //     reads of the tile; at D = 4096, where a tile's 64 k-steps leave the workers time, the tile's
-//     trip back through the L2 still cost 6-8%;
-//   - CUTLASS's ping-pong schedule (commit 768a43f, block_sparse_pingpong.cuh): the two consumers
-//     take turns over whole 128 x 128 tiles, each one's epilogue under the other's k-loop (an order
-//     barrier between their k-loops). 1-5% slower than this kernel at every shape, with 6 or 7
+//     trip back through the L2 still costs 6-8%;
+//   - CUTLASS's ping-pong schedule (the code: commit 768a43f, block_sparse_pingpong.cuh): the two
+//     consumers take turns over whole 128 x 128 tiles, each one's epilogue under the other's k-loop
+//     (an order barrier between their k-loops). 1-5% slower than this kernel at every shape, with 6 or 7
 //     stages: the 128 x 128 tile's extra third of L2 bytes a multiply-add (and no half-row tiles or
 //     pairs there) cost about what the hidden epilogue bought.
-// Tried in the thirteenth session, and left out (commit 5b158b3, reverted; ncu at locked base clocks,
-// H200, 2026-11-22, notebooks_data/bench/ncu_deferred_epilogue_smem_h200_2026-11-22.txt): the deferred epilogue's handoff
-// through shared memory instead of the L2. The consumers wrote the bf16 product into a 66 KB staging
-// tile (64 conflict-free 4-byte writes a thread) and went on; the producer's warps 1-3 read it, applied
-// the GeLU and stored both outputs. Correct (every test, memcheck, racecheck, synccheck), and slower:
-// the forward's SDD 0.380 -> 0.427 ms at D = 1024 Zipf (rows permuted), 2.20 -> 2.29 at D = 2048 Zipf,
-// 3.10 -> 3.15 at D = 4096 uniform; the backward's (whose workers also load the pre-activation) 30-70%
+// Left out (ncu at locked base clocks, H200, 2026-11-22,
+// notebooks_data/bench/ncu_deferred_epilogue_smem_h200_2026-11-22.txt; the experiment's code: commit
+// 5b158b3): the deferred epilogue's handoff through shared memory instead of the L2. The consumers write
+// the bf16 product into a 66 KB staging tile (64 conflict-free 4-byte writes a thread) and go on; the
+// producer's warps 1-3 read it, apply the GeLU and store both outputs. Correct (every test, memcheck,
+// racecheck, synccheck), and slower: the forward's SDD 0.380 -> 0.427 ms at D = 1024 Zipf (rows
+// permuted), 2.20 -> 2.29 at D = 2048 Zipf, 3.10 -> 3.15 at D = 4096 uniform; the backward's (whose workers also load the pre-activation) 30-70%
 // slower. The staging costs a stage (3 of 48 KB instead of 4), and with the consumers' epilogue down to
-// a few shared-memory writes the SDD was no faster even at D = 4096, where 3 stages cost nothing: the
+// a few shared-memory writes the SDD is no faster even at D = 4096, where 3 stages cost nothing: the
 // register epilogue is not what keeps the SDD behind the DSD there.
 __device__ inline void quad_trade(float2& keep_if_low, float2& keep_if_high, bool high, int lane_mask) {
   const float2 send = high ? keep_if_low : keep_if_high;
@@ -786,9 +788,10 @@ __device__ inline void quad_trade(float2& keep_if_low, float2& keep_if_high, boo
 // that might alias it): ncu on an H200 (2026-11-22) put the backward's GeLU SDD at 0.458 ms against
 // the forward's 0.352 ms at T=16384 D=1024 H=4096 E=64 K=1, Zipf routing. With the loads batched:
 // 0.388 ms there, 2.37 -> 2.15 ms at D=2048 E=64 K=2, 2.90 -> 2.75 ms at D=4096 E=8 K=2 (uniform).
-// Tried in the ninth session and left out: the producer asking for the tile's input blocks into L2
-// (cp.async.bulk.prefetch.L2, 64 KB) when it starts the tile, so that the epilogue's loads would hit
-// there. ncu, H200, against this code in the same call: 0.375 -> 0.391 ms at D=1024 (Zipf), 2.14 ->
+// Left out: the producer asking for the tile's input blocks into L2 (cp.async.bulk.prefetch.L2,
+// 64 KB) when it starts the tile, so that the epilogue's loads would hit there. ncu, H200,
+// 2026-11-22, against this code in the same run (notebooks_data/bench/
+// ncu_weight_gradient_stores_h200_2026-11-22.txt): 0.375 -> 0.391 ms at D=1024 (Zipf), 2.14 ->
 // 2.21 ms at D=2048 (Zipf), 2.73 -> 2.75 ms at D=4096 (uniform): the loads are not what the
 // epilogue waits for, and the early reads compete with the k-loop's copies.
 template <class Problem>
@@ -876,36 +879,39 @@ __device__ inline void ws_zero_rows(const Problem& problem, int first_column, in
 // whose tiles start on a column group (the maps' alignment, block_sparse.cu set_output_maps); a
 // tile whose rows do not, or a launch without output maps, takes the register epilogue
 // (ws_bulk_store_aligned). Its staging (32 KB) leaves room for the 4 stages of the other products.
-// History, measured with ncu on an H200 (2026-11-22, Zipf routing, bf16 weight gradients; D = 1024
+// The forms of this epilogue, measured with ncu on an H200 (2026-11-22, Zipf routing, bf16 weight
+// gradients; the first in notebooks_data/bench/ncu_epilogues_h200_2026-11-22.txt, the others in
+// notebooks_data/bench/ncu_weight_gradient_stores_h200_2026-11-22.txt; D = 1024
 // is T=16384 D=1024 H=4096 E=64 K=1, 4 k-steps a tile on average; D = 2048 is T=16384 D=2048 H=8192
 // E=64 K=2, 8 k-steps):
 //   - register epilogue (4 stages) -> one plain bulk copy (cp.async.bulk) per 512-byte row, 16
 //     lanes a warp each copying one row, in a 66 KB staging (3 stages): DSᵀD 0.370 -> 0.349 ms and
 //     DDS 0.372 -> 0.350 ms at D = 1024; 2.09 -> 2.09-2.10 ms at D = 2048;
-//   - warp-state sampling of that form (ninth session, notebooks_data/bench/ncu_weight_gradient_stores_h200_2026-11-22.txt)
-//     put 15% of the DDS's warp samples at D = 1024 (12% at D = 2048) on the loop that issued the 16
-//     row copies: the copy takes its addresses in uniform registers, so the compiler issued the
-//     lanes' copies one after another, each waiting until the unit took the one before;
+//   - warp-state sampling of that form puts 15% of the DDS's warp samples at D = 1024 (12% at
+//     D = 2048) on the loop that issues the 16 row copies: the copy takes its addresses in uniform
+//     registers, so the compiler issues the lanes' copies one after another, each waiting until the
+//     unit took the one before;
 //   - TMA stores of 4 boxes of 16 rows x 128 bytes a warp (a 2-D map, 512-byte passes, 3 stages):
 //     DSᵀD 0.343 -> 0.312 and DDS 0.349 -> 0.322 ms at D = 1024, 2.02 -> 1.87 and 2.04 -> 1.91 at
-//     D = 2048, 2.64 -> 2.55 and 2.63 -> 2.58 at T=8192 D=4096 H=14336 E=8 K=2 (uniform); sampled
-//     again, each of the 4 stores still held its warp about 2% of the time, and the consumers
-//     waited for a stage's copies 27% of it (15% before);
-//   - against that (same call): one 3-D store of 4 groups a warp, 0.306 / 0.314 ms at D = 1024 and
+//     D = 2048, 2.64 -> 2.55 and 2.63 -> 2.58 at T=8192 D=4096 H=14336 E=8 K=2 (uniform); sampled,
+//     each of the 4 stores still holds its warp about 2% of the time, and the consumers wait for a
+//     stage's copies 27% of it (15% with the row copies);
+//   - against that (same run): one 3-D store of 4 groups a warp, 0.306 / 0.314 ms at D = 1024 and
 //     1.84 / 1.87 at D = 2048; 256-byte passes with 4 stages, 0.302 / 0.306 and 1.92 / 1.94 (1.81 /
 //     1.82 in a second build); both (as here), 0.301 / 0.302 and 1.91 / 1.81 ms.
-// Tried in the eighth session, and left out (ncu, H200, 2026-11-22, against the row-copy form in the
-// same call; notebooks_data/bench/ncu_consumer_waits_h200_2026-11-22.txt): the forward's GeLU SDD through this
+// Left out (ncu, H200, 2026-11-22, against the row-copy form in the same run;
+// notebooks_data/bench/ncu_consumer_waits_h200_2026-11-22.txt): the forward's GeLU SDD through this
 // epilogue (per pass 128 columns of the pre-activation and the same 128 of the GeLU side by side)
-// went 0.343 -> 0.373 ms at D = 1024, 2.03 -> 2.08 at D = 2048 and 2.65 -> 2.66 at D = 4096 (Zipf;
+// 0.343 -> 0.373 ms at D = 1024, 2.03 -> 2.08 at D = 2048 and 2.65 -> 2.66 at D = 4096 (Zipf;
 // uniform at D = 4096); with 4 stages beside a staging of 256-byte rows (34.7 KB), 0.345 -> 0.369,
 // 2.02 -> 2.12 and 2.67 -> 2.70. The DSD through it: 0.251 -> 0.263, 1.69 -> 1.64, 2.54 -> 2.50 ms
-// with 3 stages; no change beyond 1% with 4. The ninth session put the DSD through the TMA-store
-// form too: 0.252 -> 0.254 / 0.257 ms at D = 1024, 1.69 -> 1.72 / 1.69 at D = 2048 and 2.57 -> 2.65
-// / 2.60 at D = 4096 (4 stages and 256-byte passes / 3 stages and 512-byte passes): no gain, as its
-// long tiles hide the register epilogue. Warp-state sampling says what holds the SDD and the DSD
-// back (lessons/03_block_sparse.md, "Where the consumers wait"): their consumers spend a quarter of
-// their time waiting for a stage's copies to land.
+// with 3 stages; no change beyond 1% with 4. The DSD through the TMA-store form
+// (notebooks_data/bench/ncu_weight_gradient_stores_h200_2026-11-22.txt): 0.252 -> 0.254 / 0.257 ms
+// at D = 1024, 1.69 -> 1.72 / 1.69 at D = 2048 and 2.57 -> 2.65 / 2.60 at D = 4096 (4 stages and
+// 256-byte passes / 3 stages and 512-byte passes): no gain, as its long tiles hide the register
+// epilogue. Warp-state sampling says what holds the SDD and the DSD back (lessons/03_block_sparse.md,
+// "Where the consumers wait"): their consumers spend a quarter of their time waiting for a stage's
+// copies to land.
 template <class Problem>
 concept WsBulkStore = requires(const Problem& p) {
   { p.out_at(0, 0) } -> std::same_as<typename Problem::Out*>;
@@ -1041,8 +1047,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // The workers: one per CTA (or cluster) of the persistent grid, or one per tile. With a stream-K
   // tail (WsStreamK products, scratch given) they share out the true tiles, from the device's count
   // of block rows; otherwise the host bound's, skipping those past the count (claim).
-  // The tail only in pairs of block rows (share_b), where it measured faster; one CTA a tile keeps
-  // its code as it was (tile_schedule.h). The meet is per consumer warp, and so is the register
+  // The tail only in pairs of block rows (share_b), where it measured faster; with one CTA a tile
+  // every tile runs whole (tile_schedule.h). The meet is per consumer warp, and so is the register
   // epilogue.
   constexpr bool kStreamK =
       WsStreamK<Problem> && PERSISTENT && EPILOGUE_COLUMNS == kWsRegisterEpilogue && CLUSTER == WsCluster::share_b;
@@ -1197,19 +1203,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int k_count = k_end_of(segment, problem) - segment.k_begin;
     const bool half = half_row(problem, work.at);
     // Every consumer multiplies all of its 64 rows, padding rows too (they are zero), except in a
-    // half-row tile. A warpgroup whose rows were all padding once skipped its wgmma (an `if` around
-    // them, 2026-11-22): ptxas then serialised every wgmma of the kernel ("C7518 Potential
-    // Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on
-    // compiler-inserted WG.DP in divergent path"), so that each waited for the one before it. Keep
-    // wgmma out of any branch ptxas cannot prove uniform over the warpgroup; the build must show no
-    // C7518 (-Xptxas -v). Loops are fine: a half-row tile runs the second k-loop below, a whole
-    // tile the first, each with a trip count of 0 for the other kind.
-    // Tried in the sixth session: a k-loop whose trip count is 0 for a warpgroup whose 64 rows are
-    // all padding, which then only handed each stage back. Under Zipf routing the SDD gained (ncu,
-    // H200, T=16384 D=1024 E=64: 0.39 -> 0.37 ms), but the DSD lost (D=2048 E=64 K=2: 1.65 -> 1.85
-    // ms), and the forward at D=4096, where no tile has a padding half, went from 5.4-5.5 to
-    // 6.0-6.2 ms: the loop, not the skipping, cost it. The half-row tiles' second loop costs the
-    // DSD in the same way, so only the SDDs have one (WsHalfRowTiles).
+    // half-row tile. An `if` around the wgmma that skips a warpgroup whose rows are all padding makes
+    // ptxas serialise every wgmma of the kernel ("C7518 Potential Performance Loss:
+    // wgmma.mma_async instructions are serialized due to program dependence on compiler-inserted
+    // WG.DP in divergent path"), so that each waits for the one before it. Keep wgmma out of any
+    // branch ptxas cannot prove uniform over the warpgroup; the build must show no C7518 (-Xptxas
+    // -v). Loops are fine: a half-row tile runs the second k-loop below, a whole tile the first,
+    // each with a trip count of 0 for the other kind.
+    // Left out: a k-loop whose trip count is 0 for a warpgroup whose 64 rows are all padding, which
+    // then only hands each stage back. Under Zipf routing the SDD gains (ncu, H200, 2026-11-22,
+    // T=16384 D=1024 E=64: 0.39 -> 0.37 ms), but the DSD loses (D=2048 E=64 K=2: 1.65 -> 1.85 ms),
+    // and the forward at D=4096, where no tile has a padding half, goes from 5.4-5.5 to 6.0-6.2 ms:
+    // the loop, not the skipping, costs it. The half-row tiles' second loop costs the DSD in the
+    // same way, so only the SDDs have one (WsHalfRowTiles).
 
     float acc[kAccumulators];
 #pragma unroll

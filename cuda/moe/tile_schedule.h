@@ -22,16 +22,17 @@
 // weights (the tiles of its block rows at the same columns) run side by side at the same k-step, so
 // the chunk comes from HBM once and from the L2 for the rest. A k-step cut out of step moves them
 // apart, and each reads the chunk on its own: a tail of a round and a half (the paper's two-tile
-// form) made the forward's DSD at T=16384 D=1024 E=64 a third slower on an H200.
+// form) makes the forward's DSD at T=16384 D=1024 E=64 a third slower on an H200 (part 1 of the
+// file below).
 // Where it is taken: the DSDs in pairs of block rows (block_sparse.cu, launch_ws_pairs). Measured
-// on an H200 at locked base clocks, against no tail in the same call (notebooks_data/bench/
+// on an H200 at locked base clocks, against no tail in the same run (notebooks_data/bench/
 // ncu_stream_k_h200_2026-11-22.txt): the forward's DSD 1.91 -> 1.86 ms and the backward's 1.91 -> 1.84 at
 // T=16384 D=2048 E=64 K=2 under Zipf routing (14 of 66 clusters in the last round), 1.64 -> 1.61 ms
 // uniform, 2.78 -> 2.74 ms at T=8192 D=4096 E=8 K=2 uniform; one CTA a tile at D=1024 (4.7 and 3.9
 // rounds) lost even with this tail, 0.321 -> 0.336 ms (Zipf) and 0.268 -> 0.300 (uniform), and so
-// did that DSD in pairs (0.307 -> 0.325 and 0.247 -> 0.256, call 6): it waits on HBM for W2, so the
+// did that DSD in pairs (0.307 -> 0.325 and 0.247 -> 0.256, part 6): it waits on HBM for W2, so the
 // L2 sharing lost in the cut tiles costs more than the idle SMs.
-// At the card's own clock (moe_bench, same file, call 5) the gain is within the spread but for the
+// At the card's own clock (moe_bench, same file, part 5) the gain is within the spread but for the
 // forward + backward at D=2048 Zipf (1%); at D=4096 uniform the forward may lose up to 2%.
 #pragma once
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_suite.sh: everything the project checks and measures on a GPU machine, in one call.
+# gpu_suite.sh: everything the project checks and measures on a GPU machine, in one run.
 #
 #   cuda/scripts/gpu_suite.sh bundle        on a development machine: copy the header-only and
 #                                           test dependencies the GPU machines lack (nlohmann-json,

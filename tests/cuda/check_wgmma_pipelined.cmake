@@ -5,9 +5,10 @@
 # in flight, it waits for each wgmma before issuing the next and says so only in its verbose
 # report: "ptxas info : (C7518) Potential Performance Loss: wgmma.mma_async instructions are
 # serialized due to ...". Every result stays correct; the kernels just lose their overlap. An `if`
-# around the wgmma of block_sparse_wgmma_ws.cuh did this to every block-sparse product for a
-# session (H200, 2026-11-22: forward 0.83x -> 0.88x dense at D=1024, 0.83x -> 1.05x at D=4096
-# once it was gone). This test compiles SOURCE for sm_90a with -Xptxas -v and fails on any C751x.
+# around the wgmma of block_sparse_wgmma_ws.cuh does this to every block-sparse product (H200,
+# 2026-11-22: forward 0.83x dense with it, 0.88x without at D=1024; 0.83x and 1.05x at D=4096;
+# cuda/dev/sdd.cu, version 18). This test compiles SOURCE for sm_90a with -Xptxas -v and fails on
+# any C751x.
 #
 # Run by ctest (tests/cuda/CMakeLists.txt) as:
 #   cmake -DNVCC=... -DSOURCE=... -DINCLUDES="dir;dir" -DOUTPUT=... -P check_wgmma_pipelined.cmake

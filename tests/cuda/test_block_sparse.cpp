@@ -324,7 +324,7 @@ void check_ffn(const Problem& p) {
       EXPECT_EQ(d_w2_gpu.middleRows(e * H, H).cwiseAbs().maxCoeff(), 0.0) << "expert " << e << " has no rows";
     }
 
-    // The same backward with the weight gradients written in bf16 (one tensor per weight this time).
+    // The same backward with the weight gradients written in bf16 (here one tensor per weight).
     DeviceBuffer<bf16> d_w1_bf16 = poisoned_bf16(size_t(E * D * w1_cols)), d_w2_bf16 = poisoned_bf16(size_t(E * H * D));
     const auto d_w1_table = moe::cuda::expert_pointer_table(d_w1_bf16.data(), int(E), size_t(D * w1_cols));
     const auto d_w2_table = moe::cuda::expert_pointer_table(d_w2_bf16.data(), int(E), size_t(H * D));

@@ -48,7 +48,7 @@ void check_layer(MoeConfig config, uint64_t seed, double gate_scale = 1.0, int f
   Matrix x = round_bf16(moe::ref::random_matrix(T, D, rng));
   if (favoured_expert >= 0) x = x.cwiseAbs();
   const Matrix dy = round_bf16(moe::ref::random_matrix(T, D, rng));
-  // Drawn after dy, so the self-gated cases see the same x and dy at the same seeds as before.
+  // Drawn after dy, so that a seed gives the same x and dy with a separate router input or without.
   const bool pregated = gate == Gate::pregated;
   Matrix router_input = pregated ? round_bf16(moe::ref::random_matrix(T, D, rng)) : x;
   if (favoured_expert >= 0) router_input = router_input.cwiseAbs();
