@@ -1,8 +1,6 @@
-// checkpoint.cpp: the checkpoint file format, atomic replacement, validation (see checkpoint.h).
+// checkpoint.cpp: the checkpoint file format, written through AtomicFileWriter (file_io.h), and its
+// validation (see checkpoint.h).
 #include "checkpoint.h"
-
-#include <fcntl.h>   // open
-#include <unistd.h>  // write, fsync, close
 
 #include <algorithm>
 #include <bit>
@@ -13,6 +11,8 @@
 #include <map>
 #include <regex>
 #include <set>
+
+#include "file_io.h"  // AtomicFileWriter
 
 namespace moe {
 
@@ -72,69 +72,6 @@ T get_le(const char* bytes) {
   return value;
 }
 
-// A file descriptor that writes everything it is given, keeps the running checksum, and can be
-// told to fail after N bytes (CheckpointWriteOptions).
-class ChecksummedWriter {
- public:
-  ChecksummedWriter(const std::filesystem::path& path, std::optional<uint64_t> fail_after)
-      : path_(path), fail_after_(fail_after) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail(path_, std::string("cannot create: ") + std::strerror(errno));
-  }
-  ~ChecksummedWriter() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  ChecksummedWriter(const ChecksummedWriter&) = delete;
-  ChecksummedWriter& operator=(const ChecksummedWriter&) = delete;
-
-  void write(const void* data, size_t size, bool update_checksum = true) {
-    const char* bytes = static_cast<const char*>(data);
-    if (update_checksum) checksum_ = fnv1a_64(bytes, size, checksum_);
-    while (size > 0) {
-      size_t chunk = std::min<size_t>(size, 1 << 20);
-      if (fail_after_ && written_ + chunk > *fail_after_) {
-        chunk = static_cast<size_t>(*fail_after_ - written_);
-        write_all(bytes, chunk);
-        fail(path_, "simulated write failure after " + std::to_string(*fail_after_) + " bytes");
-      }
-      write_all(bytes, chunk);
-      bytes += chunk;
-      size -= chunk;
-    }
-  }
-
-  uint64_t checksum() const { return checksum_; }
-
-  // fsync before the rename: otherwise a crash soon after it could leave the new name pointing
-  // at data that never reached the disk.
-  void sync_and_close() {
-    if (::fsync(fd_) != 0) fail(path_, std::string("fsync failed: ") + std::strerror(errno));
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) fail(path_, std::string("close failed: ") + std::strerror(errno));
-  }
-
- private:
-  void write_all(const char* bytes, size_t size) {
-    while (size > 0) {
-      const ssize_t got = ::write(fd_, bytes, size);
-      if (got < 0) {
-        if (errno == EINTR) continue;
-        fail(path_, std::string("write failed: ") + std::strerror(errno));
-      }
-      bytes += got;
-      size -= static_cast<size_t>(got);
-      written_ += static_cast<uint64_t>(got);
-    }
-  }
-
-  std::filesystem::path path_;
-  std::optional<uint64_t> fail_after_;
-  int fd_ = -1;
-  uint64_t written_ = 0;
-  uint64_t checksum_ = kFnv1aOffsetBasis;
-};
-
 nlohmann::json header_to_json(const CheckpointHeader& header,
                               const std::vector<CheckpointArrayView>& arrays) {
   nlohmann::json json;
@@ -157,13 +94,6 @@ nlohmann::json header_to_json(const CheckpointHeader& header,
   }
   json["arrays"] = list;
   return json;
-}
-
-void sync_directory(const std::filesystem::path& directory) {
-  const int fd = ::open(directory.empty() ? "." : directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;  // best effort: some file systems do not allow opening a directory
-  ::fsync(fd);
-  ::close(fd);
 }
 
 }  // namespace
@@ -203,30 +133,24 @@ void save_checkpoint(const std::filesystem::path& path, const CheckpointHeader& 
   put_le<uint32_t>(preamble, 0);
   put_le<uint64_t>(preamble, header_text.size());
 
-  std::filesystem::path temporary = path;
-  temporary += ".tmp";
   try {
-    ChecksummedWriter writer(temporary, options.fail_after_bytes);
-    writer.write(preamble.data(), preamble.size());
-    writer.write(header_text.data(), header_text.size());
+    AtomicFileWriter file(path, options.fail_after_bytes);
+    // The checksum covers every byte before it, so it is summed over exactly what is written.
+    uint64_t checksum = kFnv1aOffsetBasis;
+    const auto write_summed = [&](const void* bytes, size_t size) {
+      checksum = fnv1a_64(bytes, size, checksum);
+      file.write(bytes, size);
+    };
+    write_summed(preamble.data(), preamble.size());
+    write_summed(header_text.data(), header_text.size());
     for (const CheckpointArrayView& array : arrays) {
-      writer.write(array.values.data(), array.values.size_bytes());
+      write_summed(array.values.data(), array.values.size_bytes());
     }
-    const uint64_t checksum = writer.checksum();
-    writer.write(&checksum, sizeof checksum, /*update_checksum=*/false);
-    writer.sync_and_close();
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(temporary, ignored);
-    throw;
+    file.write(&checksum, sizeof checksum);
+    file.commit();
+  } catch (const FileWriteError& error) {
+    throw CheckpointError(error.what());
   }
-  std::error_code error;
-  std::filesystem::rename(temporary, path, error);
-  if (error) {
-    std::filesystem::remove(temporary, error);
-    fail(path, "cannot rename " + temporary.string() + " over it: " + error.message());
-  }
-  sync_directory(path.parent_path());
 }
 
 // ---- reading ----

@@ -1,17 +1,32 @@
-// file_io.cpp: atomic writes and size-capped reads (see file_io.h).
+// file_io.cpp: the atomic, durable file writer and size-capped reads (see file_io.h).
 #include "file_io.h"
+
+#include <fcntl.h>   // open
+#include <unistd.h>  // write, fsync, close
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <system_error>
+#include <utility>
 
 #include "record_error.h"
 
 namespace moe {
 
 namespace {
+
+[[noreturn]] void fail(const std::filesystem::path& path, const std::string& what) {
+  throw FileWriteError(path.string() + ": " + what);
+}
+
+void sync_directory(const std::filesystem::path& directory) {
+  const int fd = ::open(directory.empty() ? "." : directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;  // best effort: some file systems do not allow opening a directory
+  ::fsync(fd);
+  ::close(fd);
+}
 
 struct FileCloser {
   void operator()(std::FILE* file) const { std::fclose(file); }
@@ -20,30 +35,67 @@ using FileHandle = std::unique_ptr<std::FILE, FileCloser>;
 
 }  // namespace
 
-void write_file_atomically(const std::filesystem::path& path, std::string_view bytes) {
-  std::filesystem::path temporary = path;
-  temporary += ".tmp";
-  {
-    FileHandle file(std::fopen(temporary.c_str(), "wb"));
-    if (!file) {
-      throw RecordError("cannot write " + temporary.string() + ": " + std::strerror(errno));
-    }
-    if (std::fwrite(bytes.data(), 1, bytes.size(), file.get()) != bytes.size() ||
-        std::fflush(file.get()) != 0) {
-      throw RecordError("writing " + temporary.string() + " failed: " + std::strerror(errno));
-    }
-    std::FILE* raw = file.release();
-    if (std::fclose(raw) != 0) {
-      throw RecordError("closing " + temporary.string() + " failed: " + std::strerror(errno));
-    }
-  }
-  std::error_code error;
-  std::filesystem::rename(temporary, path, error);
-  if (error) {
-    std::filesystem::remove(temporary, error);
-    throw RecordError("cannot rename " + temporary.string() + " to " + path.string());
+// ---- writing ----
+
+AtomicFileWriter::AtomicFileWriter(std::filesystem::path path, std::optional<uint64_t> fail_after_bytes)
+    : path_(std::move(path)), temporary_(path_.string() + ".tmp"), fail_after_bytes_(fail_after_bytes) {
+  fd_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail(temporary_, std::string("cannot create: ") + std::strerror(errno));
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) {
+    std::error_code ignored;
+    std::filesystem::remove(temporary_, ignored);
   }
 }
+
+void AtomicFileWriter::write(const void* bytes, size_t size) {
+  const char* next = static_cast<const char*>(bytes);
+  bool simulate_failure = false;
+  if (fail_after_bytes_ && written_ + size > *fail_after_bytes_) {
+    size = static_cast<size_t>(*fail_after_bytes_ - written_);
+    simulate_failure = true;
+  }
+  while (size > 0) {
+    const ssize_t got = ::write(fd_, next, size);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      fail(temporary_, std::string("write failed: ") + std::strerror(errno));
+    }
+    next += got;
+    size -= static_cast<size_t>(got);
+    written_ += static_cast<uint64_t>(got);
+  }
+  if (simulate_failure) {
+    fail(temporary_, "simulated write failure after " + std::to_string(*fail_after_bytes_) + " bytes");
+  }
+}
+
+void AtomicFileWriter::commit() {
+  if (::fsync(fd_) != 0) fail(temporary_, std::string("fsync failed: ") + std::strerror(errno));
+  if (::close(std::exchange(fd_, -1)) != 0) {
+    fail(temporary_, std::string("close failed: ") + std::strerror(errno));
+  }
+  std::error_code error;
+  std::filesystem::rename(temporary_, path_, error);
+  if (error) fail(path_, "cannot rename " + temporary_.string() + " over it: " + error.message());
+  committed_ = true;
+  sync_directory(path_.parent_path());
+}
+
+void write_file_atomically(const std::filesystem::path& path, std::string_view bytes) {
+  try {
+    AtomicFileWriter file(path);
+    file.write(bytes.data(), bytes.size());
+    file.commit();
+  } catch (const FileWriteError& error) {
+    throw RecordError(error.what());
+  }
+}
+
+// ---- reading ----
 
 std::string read_file_capped(const std::filesystem::path& path, uint64_t max_bytes) {
   std::error_code error;

@@ -2,9 +2,6 @@
 // safetensors.h).
 #include "safetensors.h"
 
-#include <fcntl.h>   // open
-#include <unistd.h>  // write, fsync, close
-
 #include <algorithm>
 #include <bit>
 #include <cerrno>
@@ -14,6 +11,8 @@
 #include <set>
 
 #include <nlohmann/json.hpp>
+
+#include "file_io.h"  // AtomicFileWriter
 
 namespace moe {
 
@@ -161,71 +160,6 @@ T read_as(const std::byte* p) {
   return value;
 }
 
-// ---- writing the file ----
-
-void sync_directory(const std::filesystem::path& directory) {
-  const int fd = ::open(directory.empty() ? "." : directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;  // best effort: some file systems do not allow opening a directory
-  ::fsync(fd);
-  ::close(fd);
-}
-
-class FileWriter {
- public:
-  FileWriter(const std::filesystem::path& path, std::optional<uint64_t> fail_after)
-      : path_(path), fail_after_(fail_after) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail(path_.string(), std::string("cannot create: ") + std::strerror(errno));
-  }
-  ~FileWriter() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FileWriter(const FileWriter&) = delete;
-  FileWriter& operator=(const FileWriter&) = delete;
-
-  void write(const void* data, size_t size) {
-    const char* bytes = static_cast<const char*>(data);
-    while (size > 0) {
-      if (fail_after_ && written_ + size > *fail_after_) {
-        write_all(bytes, static_cast<size_t>(*fail_after_ - written_));
-        fail(path_.string(), "simulated write failure after " + std::to_string(*fail_after_) + " bytes");
-      }
-      const size_t chunk = std::min<size_t>(size, 1 << 20);
-      write_all(bytes, chunk);
-      bytes += chunk;
-      size -= chunk;
-    }
-  }
-
-  // fsync before the rename: otherwise a crash soon after it could leave the new name pointing at
-  // data that never reached the disk.
-  void sync_and_close() {
-    if (::fsync(fd_) != 0) fail(path_.string(), std::string("fsync failed: ") + std::strerror(errno));
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) fail(path_.string(), std::string("close failed: ") + std::strerror(errno));
-  }
-
- private:
-  void write_all(const char* bytes, size_t size) {
-    while (size > 0) {
-      const ssize_t got = ::write(fd_, bytes, size);
-      if (got < 0) {
-        if (errno == EINTR) continue;
-        fail(path_.string(), std::string("write failed: ") + std::strerror(errno));
-      }
-      bytes += got;
-      size -= static_cast<size_t>(got);
-      written_ += static_cast<uint64_t>(got);
-    }
-  }
-
-  std::filesystem::path path_;
-  std::optional<uint64_t> fail_after_;
-  int fd_ = -1;
-  uint64_t written_ = 0;
-};
-
 template <typename T>
 TensorView typed_view(std::string name, std::vector<int64_t> shape, std::span<const T> values, Dtype dtype) {
   return {std::move(name), dtype, std::move(shape), std::as_bytes(values)};
@@ -290,25 +224,14 @@ std::string encode_safetensors(const std::vector<TensorView>& tensors, const std
 void save_safetensors(const std::filesystem::path& path, const std::vector<TensorView>& tensors,
                       const std::map<std::string, std::string>& metadata, const SafetensorsWriteOptions& options) {
   const std::string header = encode_header(tensors, metadata, path.string());
-  std::filesystem::path temporary = path;
-  temporary += ".tmp";
   try {
-    FileWriter writer(temporary, options.fail_after_bytes);
-    writer.write(header.data(), header.size());
-    for (const TensorView& tensor : tensors) writer.write(tensor.bytes.data(), tensor.bytes.size());
-    writer.sync_and_close();
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(temporary, ignored);
-    throw;
+    AtomicFileWriter file(path, options.fail_after_bytes);
+    file.write(header.data(), header.size());
+    for (const TensorView& tensor : tensors) file.write(tensor.bytes.data(), tensor.bytes.size());
+    file.commit();
+  } catch (const FileWriteError& error) {
+    throw SafetensorsError(error.what());
   }
-  std::error_code error;
-  std::filesystem::rename(temporary, path, error);
-  if (error) {
-    std::filesystem::remove(temporary, error);
-    fail(path.string(), "cannot rename " + temporary.string() + " over it: " + error.message());
-  }
-  sync_directory(path.parent_path());
 }
 
 // ---- reading ----
