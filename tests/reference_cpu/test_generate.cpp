@@ -24,6 +24,8 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::invalid_argument_message;
+using testing::random_bytes;
+using testing::random_test_weights;
 using testing::relative_error;
 
 // ---- tiny models ----
@@ -47,36 +49,6 @@ ModelConfig tiny_config(MoeLayers moe_layers, int64_t top_k, bool pregated) {
   config.renormalize = top_k > 1;
   config.pregated = pregated;
   return config;
-}
-
-IndexMatrix random_bytes(int64_t rows, int64_t cols, uint64_t seed) {
-  std::mt19937_64 generator(seed);
-  IndexMatrix bytes(rows, cols);
-  for (Eigen::Index i = 0; i < rows; ++i) {
-    for (Eigen::Index j = 0; j < cols; ++j) bytes(i, j) = static_cast<int32_t>(generator() % kByteVocabulary);
-  }
-  return bytes;
-}
-
-// Weights far from the initialisation, so attention is not uniform and the routing is far from
-// balanced: matrices uniform with scale 1/sqrt(rows) (embeddings 1), gains 1 +- 0.3, biases +- 0.3.
-ModelWeights random_test_weights(const ModelConfig& config, uint64_t seed) {
-  ModelWeights weights = zero_weights(config);
-  ModelGradients unused = zero_weights(config);
-  std::mt19937_64 generator(seed);
-  for (Parameter& p : parameters(config, weights, unused)) {
-    Matrix& m = *p.value;
-    if (p.name.ends_with("gain")) {
-      m = Matrix::Ones(m.rows(), m.cols()) + random_matrix(m.rows(), m.cols(), generator, 0.3);
-    } else if (p.name.ends_with("bias")) {
-      m = random_matrix(m.rows(), m.cols(), generator, 0.3);
-    } else if (p.name.ends_with("embedding")) {
-      m = random_matrix(m.rows(), m.cols(), generator, 1.0);
-    } else {
-      m = random_matrix(m.rows(), m.cols(), generator, 1.0 / std::sqrt(static_cast<double>(m.rows())));
-    }
-  }
-  return weights;
 }
 
 std::vector<int32_t> row_bytes(const IndexMatrix& bytes, int64_t n, int64_t begin, int64_t end) {

@@ -22,6 +22,8 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::invalid_argument_message;
+using testing::random_bytes;
+using testing::random_test_weights;
 
 // ---- tiny models ----
 
@@ -50,37 +52,6 @@ ModelConfig tiny_config(MoeLayers moe_layers, Formulation formulation, int64_t t
 }
 
 constexpr int64_t kBatch = 2;
-
-IndexMatrix random_bytes(int64_t rows, int64_t cols, uint64_t seed) {
-  std::mt19937_64 generator(seed);
-  IndexMatrix bytes(rows, cols);
-  for (Eigen::Index i = 0; i < rows; ++i) {
-    for (Eigen::Index j = 0; j < cols; ++j) bytes(i, j) = static_cast<int32_t>(generator() % kByteVocabulary);
-  }
-  return bytes;
-}
-
-// Weights far from the initialisation, so attention is not uniform, the routing is not balanced and
-// every gradient is O(1e-3..1): matrices uniform with scale 1/sqrt(rows) (embeddings 1), gains
-// 1 +- 0.3, biases +- 0.3.
-ModelWeights random_test_weights(const ModelConfig& config, uint64_t seed) {
-  ModelWeights weights = zero_weights(config);
-  ModelGradients unused = zero_weights(config);
-  std::mt19937_64 generator(seed);
-  for (Parameter& p : parameters(config, weights, unused)) {
-    Matrix& m = *p.value;
-    if (p.name.ends_with("gain")) {
-      m = Matrix::Ones(m.rows(), m.cols()) + random_matrix(m.rows(), m.cols(), generator, 0.3);
-    } else if (p.name.ends_with("bias")) {
-      m = random_matrix(m.rows(), m.cols(), generator, 0.3);
-    } else if (p.name.ends_with("embedding")) {
-      m = random_matrix(m.rows(), m.cols(), generator, 1.0);
-    } else {
-      m = random_matrix(m.rows(), m.cols(), generator, 1.0 / std::sqrt(static_cast<double>(m.rows())));
-    }
-  }
-  return weights;
-}
 
 // Every MoE block's top-K choice, to notice a finite difference that crossed a routing boundary.
 std::vector<IndexMatrix> routing_of(const ModelForward& forward) {
