@@ -1,0 +1,99 @@
+// offload/cache_policy.h: the expert cache's bookkeeping on the host: which (block, expert) each GPU
+// slot holds, which slots a block is using right now, and which slot to fill next (LRU or LFU).
+//
+// Plain C++ with no CUDA call, so the eviction rules are tested on any machine
+// (tests/cuda/test_offload.cpp, CudaOffloadPolicy.*). expert_cache.h moves the bytes; this file only
+// decides where they go.
+//
+// Pre-gated MoE (Hwang et al., ISCA 2024) keeps a few expert slots on the GPU and streams the rest
+// from host memory; which experts stay resident between tokens is the cache policy:
+//   lru  evict the slot used longest ago. Decoding touches the same popular experts token after
+//        token, so recency is a good guess of the next use.
+//   lfu  evict the expert chosen least often over the whole run (counts survive eviction, so an
+//        expert that is popular overall comes back to a high rank); ties go to the least recent.
+// Either way a slot that a block is using (pinned: between acquire and release) is never evicted,
+// and an empty slot is always filled before anything is evicted.
+//
+// Dimension legend: E experts per MoE block, K top-k.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moe::cuda {
+
+enum class CachePolicy { lru, lfu };
+
+std::string to_string(CachePolicy policy);                  // "lru", "lfu"
+CachePolicy cache_policy_from_string(std::string_view name);  // std::invalid_argument on others
+
+// The fewest slots a cache may have: the most experts one MoE block can need at once, when every
+// routed slot of a step picks a different expert: min(E, tokens_per_step * K). In decoding,
+// tokens_per_step is the batch (one token per sequence); in a prefill it is batch * prompt length.
+int64_t minimum_cache_slots(int64_t experts, int64_t tokens_per_step, int64_t top_k);
+
+// Throws std::invalid_argument, naming the minimum and the sizes, when `slots` < `minimum_slots`.
+void check_cache_size(int64_t slots, int64_t minimum_slots, int64_t experts, int64_t tokens_per_step,
+                      int64_t top_k, size_t expert_bytes);
+
+// A cache size given in MB (10^6 bytes) as whole slots, rounded down.
+int64_t cache_slots_in_megabytes(double megabytes, size_t expert_bytes);
+
+struct ExpertKey {
+  int64_t block = -1;   // -1: the slot is empty
+  int32_t expert = -1;
+};
+
+class ExpertSlotMap {
+ public:
+  ExpertSlotMap(int64_t slots, int64_t blocks, int64_t experts, CachePolicy policy);
+
+  int64_t slots() const { return static_cast<int64_t>(holder_.size()); }
+  CachePolicy policy() const { return policy_; }
+
+  // The slot that holds (block, expert), if any.
+  std::optional<int64_t> find(int64_t block, int32_t expert) const;
+  ExpertKey holder(int64_t slot) const { return holder_.at(static_cast<size_t>(slot)); }
+
+  // The slot to fill next: the lowest empty slot if there is one, else the unpinned slot the policy
+  // ranks lowest; nothing when every slot is pinned. A linear scan: caches hold tens to hundreds of
+  // slots, and a miss costs a PCIe copy of megabytes next to it.
+  std::optional<int64_t> choose_victim() const;
+
+  // Puts (block, expert) into `slot`, forgetting what it held. Its recency becomes "now".
+  void assign(int64_t slot, int64_t block, int32_t expert);
+
+  // A block chose the slot's expert: recency "now", and its expert's use count + 1 (LFU's rank).
+  void record_use(int64_t slot);
+  // A hint that the slot is about to be used (a prefetch): recency only, no use counted.
+  void touch(int64_t slot);
+
+  // Pinned slots are never chosen as victims. Pins count, so nested holders unpin independently.
+  void pin(int64_t slot);
+  void unpin(int64_t slot);
+  bool pinned(int64_t slot) const { return pins_.at(static_cast<size_t>(slot)) > 0; }
+  int64_t pinned_slots() const;
+
+  // How often (block, expert) was chosen over the run (LFU's count).
+  uint64_t use_count(int64_t block, int32_t expert) const;
+
+ private:
+  size_t key_index(int64_t block, int32_t expert) const;
+  void check_slot(int64_t slot) const;
+
+  CachePolicy policy_;
+  int64_t blocks_;
+  int64_t experts_;
+  std::vector<ExpertKey> holder_;      // [slots]
+  std::vector<int32_t> pins_;          // [slots]
+  std::vector<uint64_t> last_use_;     // [slots] clock tick of the last use or load
+  std::vector<int64_t> slot_of_;       // [blocks * E] -> slot, or -1 when not resident
+  std::vector<uint64_t> use_counts_;   // [blocks * E] uses over the run
+  uint64_t clock_ = 0;
+};
+
+}  // namespace moe::cuda

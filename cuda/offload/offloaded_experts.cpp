@@ -1,0 +1,139 @@
+// offload/offloaded_experts.cpp: the offloading ExpertSource (see offloaded_experts.h).
+#include "offload/offloaded_experts.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+#include "core/cuda_check.h"  // CUDA_CHECK
+
+namespace moe::cuda {
+
+int64_t cache_slots_of(const OffloadOptions& options, size_t expert_bytes) {
+  const bool in_slots = options.cache_slots != 0;
+  const bool in_megabytes = options.cache_megabytes != 0;
+  if (in_slots == in_megabytes) {
+    throw std::invalid_argument("offloaded experts: give the expert cache's size in slots or in MB (exactly one), got " +
+                                std::to_string(options.cache_slots) + " slots and " +
+                                std::to_string(options.cache_megabytes) + " MB");
+  }
+  if (in_slots) {
+    if (options.cache_slots < 0) {
+      throw std::invalid_argument("offloaded experts: cache_slots must be > 0, got " +
+                                  std::to_string(options.cache_slots));
+    }
+    return options.cache_slots;
+  }
+  return cache_slots_in_megabytes(options.cache_megabytes, expert_bytes);
+}
+
+namespace {
+double milliseconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+}  // namespace
+
+OffloadedExperts::OffloadedExperts(const PinnedExpertStore& store, const OffloadOptions& options)
+    : store_(store),
+      cache_(store, cache_slots_of(options, store.expert_bytes()), options.policy, options.max_tokens_per_step,
+             options.top_k, options.time_copies),
+      poison_(static_cast<size_t>(store.shape().expert_elements())),
+      experts_(store.shape().experts) {
+  const int64_t blocks = store.shape().blocks;
+  // The table ring. A block's tables are read twice after acquire returns, both later on the GPU:
+  // the staging pair by the table copy when the compute stream reaches it, the device pair by the
+  // block's kernels until release. Rewriting either sooner would change a table under work in
+  // flight, so an entry is reused only once the event recorded at its release has completed.
+  // Two decoding steps of entries (2 * blocks) make that wait a formality: a decoding host reads
+  // each block's routing back from the GPU, so it never runs more than one block ahead.
+  const int64_t entries = 2 * blocks;
+  ring_.resize(static_cast<size_t>(entries));
+  for (TableEntry& entry : ring_) CUDA_CHECK(cudaEventCreateWithFlags(&entry.released, cudaEventDisableTiming));
+  const size_t table_values = static_cast<size_t>(entries * 2 * experts_);
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&staging_), table_values * sizeof(const bf16*),
+                           cudaHostAllocDefault));
+  device_tables_ = DeviceBuffer<const bf16*>(table_values);
+  entry_of_block_.assign(static_cast<size_t>(blocks), -1);
+  slot_addresses_.resize(static_cast<size_t>(experts_));
+  // 0xFF bytes are bf16 0xFFFF: a NaN. The legacy-stream memset must finish before any non-blocking
+  // stream reads the poison: wait once, here.
+  poison_.fill_bytes(0xFF);
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+OffloadedExperts::~OffloadedExperts() {
+  // Tables still being read or copied must not be freed under the GPU. No throw from a destructor.
+  cudaDeviceSynchronize();
+  for (TableEntry& entry : ring_) cudaEventDestroy(entry.released);
+  if (staging_ != nullptr) cudaFreeHost(staging_);
+}
+
+int64_t OffloadedExperts::take_table_entry(double& host_wait_ms) {
+  const auto entries = static_cast<int64_t>(ring_.size());
+  int64_t index = next_entry_;
+  while (ring_[static_cast<size_t>(index)].holder >= 0) index = (index + 1) % entries;  // entries > blocks
+  next_entry_ = (index + 1) % entries;
+  TableEntry& entry = ring_[static_cast<size_t>(index)];
+  if (entry.recorded) {
+    const cudaError_t status = cudaEventQuery(entry.released);
+    if (status == cudaErrorNotReady) {
+      const auto start = std::chrono::steady_clock::now();
+      CUDA_CHECK(cudaEventSynchronize(entry.released));  // the host ran two steps ahead of the GPU
+      host_wait_ms += milliseconds_since(start);
+    } else {
+      CUDA_CHECK(status);
+    }
+  }
+  return index;
+}
+
+ExpertTables OffloadedExperts::acquire(int64_t block, std::span<const int32_t> experts, cudaStream_t compute) {
+  const auto start = std::chrono::steady_clock::now();
+  // The cache checks the input before it changes anything; then the copies of the misses are on
+  // their way while the tables are written.
+  cache_.validate(block, experts);  // sorted, unique, in [0, E): at most E of them
+  const std::span<const bf16*> addresses(slot_addresses_.data(), experts.size());
+  cache_.acquire(block, experts, addresses);
+
+  double host_wait_ms = 0;
+  const int64_t index = take_table_entry(host_wait_ms);
+  TableEntry& entry = ring_[static_cast<size_t>(index)];
+  entry.holder = block;
+  entry_of_block_[static_cast<size_t>(block)] = index;
+
+  const bf16** w1 = staging_ + index * 2 * experts_;  // [E]
+  const bf16** w2 = w1 + experts_;                    // [E]
+  const int64_t w1_elements = store_.shape().w1_elements();
+  for (int64_t e = 0; e < experts_; ++e) {
+    w1[e] = poison_.data();
+    w2[e] = poison_.data() + w1_elements;
+  }
+  for (size_t i = 0; i < experts.size(); ++i) {
+    w1[experts[i]] = addresses[i];
+    w2[experts[i]] = addresses[i] + w1_elements;
+  }
+  const bf16** device = device_tables_.data() + index * 2 * experts_;
+  // On the compute stream: ordered after every earlier reader of this entry and before the block's
+  // kernels; it runs while the compute stream would otherwise wait for the copies below.
+  CUDA_CHECK(cudaMemcpyAsync(device, w1, static_cast<size_t>(2 * experts_) * sizeof(const bf16*),
+                             cudaMemcpyHostToDevice, compute));
+  cache_.wait_for_copies(block, compute);
+  cache_.record_host_time(block, milliseconds_since(start), host_wait_ms);
+  return ExpertTables{device, device + experts_};
+}
+
+void OffloadedExperts::release(int64_t block, cudaStream_t compute) {
+  cache_.release(block, compute);  // checks the block and that it was acquired
+  const int64_t index = entry_of_block_[static_cast<size_t>(block)];
+  TableEntry& entry = ring_[static_cast<size_t>(index)];
+  CUDA_CHECK(cudaEventRecord(entry.released, compute));
+  entry.recorded = true;
+  entry.holder = -1;
+  entry_of_block_[static_cast<size_t>(block)] = -1;
+}
+
+void OffloadedExperts::prefetch(int64_t block, std::span<const int32_t> experts) {
+  cache_.prefetch(block, experts);
+}
+
+}  // namespace moe::cuda
