@@ -414,40 +414,6 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
 
 // ---- backward ----
 
-namespace {
-
-// The router's backward of ref::moe_backward (moe_layer.cpp), with T and f_e over all ranks:
-// d_combine [T_r, K] -> d_logits [T_r, E].
-Matrix router_backward(const MoeConfig& config, const ref::RouterOutput& router, const Matrix& d_combine,
-                       int64_t tokens) {
-  const int64_t T_r = router.probs.rows(), E = config.num_experts, K = config.top_k;
-  Matrix d_probs = Matrix::Zero(T_r, E);
-  for (int64_t t = 0; t < T_r; ++t) {
-    if (config.renormalize) {
-      // w_k = p_k / S with S = sum_j p_j:  dL/dp_k = (dw_k - sum_j dw_j w_j) / S
-      const double sum = router.top_probs.row(t).sum();
-      const double weighted = d_combine.row(t).dot(router.combine_weights.row(t));
-      for (int64_t k = 0; k < K; ++k) d_probs(t, router.top_experts(t, k)) += (d_combine(t, k) - weighted) / sum;
-    } else {
-      for (int64_t k = 0; k < K; ++k) d_probs(t, router.top_experts(t, k)) += d_combine(t, k);
-    }
-  }
-  // aux = E sum_e f_e P_e with P_e = mean over all T tokens of probs[t, e]
-  const double aux_scale = config.aux_loss_coef * static_cast<double>(E) / static_cast<double>(tokens);
-  d_probs.rowwise() += aux_scale * router.expert_fraction.transpose();
-  // softmax backward, then the z-loss: d lse_t / d logits[t, e] = probs[t, e]
-  Matrix d_logits(T_r, E);
-  for (int64_t t = 0; t < T_r; ++t) {
-    const double inner = router.probs.row(t).dot(d_probs.row(t));
-    d_logits.row(t) = router.probs.row(t).cwiseProduct((d_probs.row(t).array() - inner).matrix());
-    const double z_scale = config.z_loss_coef * 2.0 * router.logsumexp(t) / static_cast<double>(tokens);
-    d_logits.row(t) += z_scale * router.probs.row(t);
-  }
-  return d_logits;
-}
-
-}  // namespace
-
 ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeConfig& config, const Matrix& x,
                                                  const ExpertParallelWeights& weights,
                                                  const ExpertParallelForward& forward, const Matrix& dy) {
@@ -513,7 +479,9 @@ ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeCo
   }
 
   // ---- the router: logits = (x .* noise) Wg; its weight gradient summed over ranks ----
-  const Matrix d_logits = router_backward(config, forward.router, d_combine, forward.tokens);
+  // The losses are means over all T tokens, f_e counted over all ranks (the count exchange).
+  const Matrix d_logits =
+      ref::router_backward(config, forward.router, d_combine, forward.tokens, forward.router.expert_fraction);
   grads.gate_weights = x.cwiseProduct(forward.router.jitter_noise).transpose() * d_logits;
   all_reduce_sum<double>(comm, std::span<double>(grads.gate_weights.data(), grads.gate_weights.size()));
   grads.x += (d_logits * weights.gate_weights.transpose()).cwiseProduct(forward.router.jitter_noise);

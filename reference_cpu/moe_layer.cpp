@@ -50,7 +50,7 @@ LayerGradients moe_backward(const MoeConfig& config, const Matrix& x, const MoeW
   check_layer_inputs(config, x, weights);
   check_shape("dy", dy, config.tokens, config.model_dim, "[T, D]");
   check_finite("dy", dy);
-  const int64_t T = config.tokens, E = config.num_experts, K = config.top_k;
+  const int64_t T = config.tokens, K = config.top_k;
   const DispatchPlan& plan = forward.plan;
   const RouterOutput& router = forward.router;
 
@@ -92,32 +92,8 @@ LayerGradients moe_backward(const MoeConfig& config, const Matrix& x, const MoeW
     if (slot >= 0) grads.x.row(slot / K) += experts.permuted_x.row(row);
   }
 
-  // ---- combine weights -> router probabilities ----
-  Matrix d_probs = Matrix::Zero(T, E);
-  for (int64_t t = 0; t < T; ++t) {
-    if (config.renormalize) {
-      // w_k = p_k / S with S = sum_j p_j:  dL/dp_k = (dw_k - sum_j dw_j w_j) / S
-      const double sum = router.top_probs.row(t).sum();
-      const double weighted = d_combine.row(t).dot(router.combine_weights.row(t));
-      for (int64_t k = 0; k < K; ++k) {
-        d_probs(t, router.top_experts(t, k)) += (d_combine(t, k) - weighted) / sum;
-      }
-    } else {
-      for (int64_t k = 0; k < K; ++k) d_probs(t, router.top_experts(t, k)) += d_combine(t, k);
-    }
-  }
-  // aux = E sum_e f_e P_e with P_e = mean_t probs[t, e]: dL/dprobs[t, e] = coef E f_e / T
-  const double aux_scale = config.aux_loss_coef * static_cast<double>(E) / static_cast<double>(T);
-  d_probs.rowwise() += aux_scale * router.expert_fraction.transpose();
-
-  // ---- softmax backward, then the z-loss: d lse_t / d logits[t, e] = probs[t, e] ----
-  Matrix d_logits(T, E);
-  for (int64_t t = 0; t < T; ++t) {
-    const double inner = router.probs.row(t).dot(d_probs.row(t));
-    d_logits.row(t) = router.probs.row(t).cwiseProduct((d_probs.row(t).array() - inner).matrix());
-    const double z_scale = config.z_loss_coef * 2.0 * router.logsumexp(t) / static_cast<double>(T);
-    d_logits.row(t) += z_scale * router.probs.row(t);
-  }
+  // ---- the router: combine weights -> probabilities -> logits, with the aux and z losses ----
+  const Matrix d_logits = router_backward(config, router, d_combine, T, router.expert_fraction);
 
   // ---- logits = (x .* noise) Wg ----
   grads.gate_weights = x.cwiseProduct(router.jitter_noise).transpose() * d_logits;

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <stdexcept>
+#include <string>
 
 #include "checks.h"
 
@@ -76,6 +78,46 @@ RouterOutput route(const MoeConfig& config, const Matrix& x, const Matrix& gate_
   out.aux_loss = static_cast<double>(E) * out.expert_fraction.dot(out.mean_probs);
   out.z_loss = out.logsumexp.squaredNorm() / static_cast<double>(T);
   return out;
+}
+
+Matrix router_backward(const MoeConfig& config, const RouterOutput& router, const Matrix& d_combine,
+                       int64_t tokens, const Vector& expert_fraction) {
+  const int64_t rows = router.probs.rows(), E = config.num_experts, K = config.top_k;
+  check_shape("d_combine", d_combine, rows, K, "[rows, K]");
+  if (expert_fraction.size() != E || tokens < rows || tokens < 1) {
+    throw std::invalid_argument("router_backward: expected expert_fraction of E = " + std::to_string(E) +
+                                " entries and tokens >= " + std::to_string(std::max<int64_t>(rows, 1)) +
+                                "; got " + std::to_string(expert_fraction.size()) + " and " +
+                                std::to_string(tokens));
+  }
+
+  // ---- combine weights -> router probabilities ----
+  Matrix d_probs = Matrix::Zero(rows, E);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (config.renormalize) {
+      // w_k = p_k / S with S = sum_j p_j:  dL/dp_k = (dw_k - sum_j dw_j w_j) / S
+      const double sum = router.top_probs.row(t).sum();
+      const double weighted = d_combine.row(t).dot(router.combine_weights.row(t));
+      for (int64_t k = 0; k < K; ++k) {
+        d_probs(t, router.top_experts(t, k)) += (d_combine(t, k) - weighted) / sum;
+      }
+    } else {
+      for (int64_t k = 0; k < K; ++k) d_probs(t, router.top_experts(t, k)) += d_combine(t, k);
+    }
+  }
+  // aux = E sum_e f_e P_e with P_e = mean over all T tokens of probs[t, e]: dL/dprobs[t, e] = coef E f_e / T
+  const double aux_scale = config.aux_loss_coef * static_cast<double>(E) / static_cast<double>(tokens);
+  d_probs.rowwise() += aux_scale * expert_fraction.transpose();
+
+  // ---- softmax backward, then the z-loss: d lse_t / d logits[t, e] = probs[t, e] ----
+  Matrix d_logits(rows, E);
+  for (int64_t t = 0; t < rows; ++t) {
+    const double inner = router.probs.row(t).dot(d_probs.row(t));
+    d_logits.row(t) = router.probs.row(t).cwiseProduct((d_probs.row(t).array() - inner).matrix());
+    const double z_scale = config.z_loss_coef * 2.0 * router.logsumexp(t) / static_cast<double>(tokens);
+    d_logits.row(t) += z_scale * router.probs.row(t);
+  }
+  return d_logits;
 }
 
 }  // namespace moe::ref

@@ -44,4 +44,19 @@ RouterOutput route(const MoeConfig& config,
                    const Matrix& x,              // [T, D]
                    const Matrix& gate_weights);  // [D, E]
 
+// The router's backward, from the combine weights' gradient to the logits' gradient, with the two
+// router losses added at the coefficients of config:
+//   d_combine [rows, K] -> d_logits [rows, E]
+// `router` holds the rows of the tokens differentiated here: all T tokens (ref::moe_backward), or
+// one rank's T_r of them (expert parallelism). The losses are means over all T tokens of the layer,
+// so `tokens` is that T and `expert_fraction` the f_e [E] counted over all of them; on one device
+// these are config.tokens and router.expert_fraction. The gate's own product (d Wg, dx) is left to
+// the caller, which knows whether to sum it over ranks.
+//   aux  : dL/dprobs[t, e] += aux_loss_coef * E * f_e / T   (f_e has no gradient)
+//   z    : dL/dlogits[t, e] += z_loss_coef * 2 * lse_t / T * probs[t, e]
+Matrix router_backward(const MoeConfig& config, const RouterOutput& router,
+                       const Matrix& d_combine,         // [rows, K]
+                       int64_t tokens,                  // T of the losses' means
+                       const Vector& expert_fraction);  // [E] f_e over all T tokens
+
 }  // namespace moe::ref
