@@ -5,11 +5,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "moe/activation.h"     // gelu_forward, gelu_backward
-#include "moe/block_sparse.h"   // block_sparse_ffn_forward, block_sparse_ffn_backward
-#include "core/cuda_check.h"     // CUDA_CHECK
+#include "moe/activation.h"    // gelu_forward, gelu_backward
+#include "moe/block_sparse.h"  // block_sparse_ffn_forward, block_sparse_ffn_backward
+#include "core/cuda_check.h"   // CUDA_CHECK
 #include "moe/router.h"        // router_logits, route_top_k, router_backward
-#include "moe/permute.h"  // permute_tokens, unpermute_and_combine, combine_backward, permute_backward
+#include "moe/permute.h"       // permute_tokens, unpermute_and_combine, combine_backward, permute_backward
 
 namespace moe::cuda {
 
@@ -166,11 +166,18 @@ void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y
       weights.w2 == nullptr) {
     throw std::invalid_argument("MoeLayerGpu::forward: x, y and every weight pointer must be non-null");
   }
-  const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
   // The gate is the only reader of router_input: everything after the router sees x alone.
-  const bf16* const gate_input = router_input != nullptr ? router_input : x;
+  route(router_input != nullptr ? router_input : x, weights.gate_weights, stream);
+  compute_experts(x, weights, y, stream);
+}
+
+void MoeLayerGpu::route(const bf16* router_input, const bf16* gate_weights, cudaStream_t stream) {
+  if (router_input == nullptr || gate_weights == nullptr) {
+    throw std::invalid_argument("MoeLayerGpu::route: router_input and gate_weights must be non-null");
+  }
+  const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
   phase(timer_, "router", stream, [&] {
-    router_logits(cublas_.get(), gate_input, weights.gate_weights, logits_.data(), T, D, E, stream);
+    router_logits(cublas_.get(), router_input, gate_weights, logits_.data(), T, D, E, stream);
     route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(),
                 expert_fraction_.data(), mean_probs_.data(), aux_loss_.data(), z_loss_.data(), router_workspace_,
                 T, E, K, config_.renormalize, stream);
@@ -179,6 +186,13 @@ void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y
     build_dispatch_plan(top_experts_.data(), plan_, stream);
     if (dropless_) build_topology(plan_.plan(), *topology_, stream);
   });
+}
+
+void MoeLayerGpu::compute_experts(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream) {
+  if (x == nullptr || y == nullptr || weights.w1 == nullptr || weights.w2 == nullptr) {
+    throw std::invalid_argument("MoeLayerGpu::compute_experts: x, y and the expert tables w1, w2 must be non-null");
+  }
+  const int D = config_.model_dim;
   if (!gathers_rows_) {
     phase(timer_, "dispatch", stream, [&] { permute_tokens(plan_.plan(), x, permuted_x_.data(), D, stream); });
   }

@@ -37,15 +37,15 @@
 
 #include <memory>
 
-#include "core/bf16.h"            // bf16
+#include "core/bf16.h"           // bf16
 #include "moe/block_sparse.h"    // ExpertRows
-#include "moe/topology.h"  // TopologyBuffers
-#include "core/device_buffer.h"   // DeviceBuffer
-#include "moe/dispatch.h"   // DispatchPlanBuffers
-#include "core/gemm.h"            // CublasHandle
-#include "moe_config.h"      // MoeConfig
-#include "core/phase_timer.h"     // PhaseTimer
-#include "moe/router.h"         // RouterWorkspace
+#include "moe/topology.h"        // TopologyBuffers
+#include "core/device_buffer.h"  // DeviceBuffer
+#include "moe/dispatch.h"        // DispatchPlanBuffers
+#include "core/gemm.h"           // CublasHandle
+#include "moe_config.h"          // MoeConfig
+#include "core/phase_timer.h"    // PhaseTimer
+#include "moe/router.h"          // RouterWorkspace
 
 namespace moe::cuda {
 
@@ -75,14 +75,34 @@ class MoeLayerGpu {
   explicit MoeLayerGpu(const MoeConfig& config);
 
   // router_input: what the gate reads; nullptr (the default) routes x itself.
+  // forward is route(router_input or x, weights.gate_weights) then compute_experts(x, weights, y):
+  // the same launches in the same order, so the same bits.
   void forward(const bf16* x,  // [T, D] the experts' input
                const MoeLayerWeights& weights,
                bf16* y,        // [T, D]
                cudaStream_t stream,
                const bf16* router_input = nullptr);  // [T, D] the gate's input, or nullptr
 
+  // ---- forward in two halves: a block's experts are known before they run ----
+  // A decoding model routes a block, reads top_experts() back if its experts must be fetched (the
+  // on-demand path), or routes it one MoE block early from the previous block's input (Pre-gated
+  // MoE), and only then runs the experts, from wherever they are by then.
+  //   route            router (logits, softmax, top-K, combine weights, router losses), dispatch
+  //                    plan, topology: afterwards top_experts(), combine_weights() and plan() hold
+  //                    this routing on the device
+  //   compute_experts  permute (or the SDD's gather), the experts, combine, for the last route()
+  void route(const bf16* router_input,  // [T, D] what the gate reads: x itself when self-gated
+             const bf16* gate_weights,  // [D, E]
+             cudaStream_t stream);
+  // weights.w1 and w2 are read; weights.gate_weights is not (route() used it).
+  void compute_experts(const bf16* x,  // [T, D] the experts' input
+                       const MoeLayerWeights& weights,
+                       bf16* y,        // [T, D]
+                       cudaStream_t stream);
+
   // Gradients of L = sum(dy .* y) + aux_loss_coef * aux + z_loss_coef * z, for the x, weights and
-  // routing of the last forward() (call forward first, with the same x, router_input and weights).
+  // routing of the last forward() (call forward first, with the same x, router_input and weights;
+  // route + compute_experts count as a forward).
   // The gradient through the gate goes to d_router_input when it is given (overwritten), and
   // gradients.dx then holds only the part through the experts; with d_router_input = nullptr it is
   // added into dx. A separate router_input needs a d_router_input: its gradient is not dx's.

@@ -7,16 +7,19 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <string>
+#include <vector>
 
-#include "moe/block_sparse.h"   // expert_pointer_table
-#include "core/device_buffer.h"  // DeviceBuffer
-#include "gpu_test_support.h"  // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
-#include "init.h"           // moe::ref::random_matrix, random_weights
-#include "reference_cpu/moe_layer.h"      // moe::ref::moe_forward, moe_backward
-#include "moe/moe_layer.h"  // MoeLayerGpu
-#include "pregate.h"        // moe::ref::pregate
-#include "pregated_layer.h" // moe::ref::pregated_moe_forward / backward
+#include "moe/block_sparse.h"         // expert_pointer_table
+#include "core/device_buffer.h"       // DeviceBuffer
+#include "gpu_test_support.h"         // REQUIRE_GPU, round_bf16, bf16_of, matrix_of, relative_error
+#include "init.h"                     // moe::ref::random_matrix, random_weights
+#include "reference_cpu/moe_layer.h"  // moe::ref::moe_forward, moe_backward
+#include "moe/moe_layer.h"            // MoeLayerGpu
+#include "pregate.h"                  // moe::ref::pregate
+#include "pregated_layer.h"           // moe::ref::pregated_moe_forward / backward
 
 namespace {
 
@@ -233,6 +236,80 @@ TEST(CudaMoeLayer, PreGatedBackwardNeedsItsOwnGradient) {
                std::invalid_argument);
   EXPECT_THROW(layer.backward(x.data(), w, dy.data(), g, nullptr, router_input.data(), dx.data()),
                std::invalid_argument);
+}
+
+// forward() in two halves (route, then compute_experts), as a decoding model calls them: the same
+// routing, y and gradients as forward(), bit for bit, self-gated and with a separate router input,
+// dropless (B = 64: the mma.sync kernels, no stream-K tail whose partial sums meet in arrival order)
+// and padded. compute_experts gets no gate weights: route() has used them.
+TEST(CudaMoeLayer, RouteThenComputeExpertsIsForward) {
+  REQUIRE_GPU();
+  struct Case { moe::Formulation formulation; Gate gate; };
+  for (const Case& c : {Case{moe::Formulation::dropless, Gate::self}, Case{moe::Formulation::dropless, Gate::pregated},
+                        Case{moe::Formulation::padded, Gate::self}}) {
+    MoeConfig config = base_config();
+    config.formulation = c.formulation;
+    config.capacity_factor = 2.0;
+    const int64_t T = config.tokens, D = config.model_dim, H = config.hidden_dim, E = config.num_experts;
+    const moe::ref::MoeWeights weights = moe::ref::random_weights(config, 61);
+    std::mt19937_64 rng(62);
+    const Matrix x = moe::ref::random_matrix(T, D, rng), dy = moe::ref::random_matrix(T, D, rng);
+    const Matrix router_input = moe::ref::random_matrix(T, D, rng);
+    DeviceBuffer<bf16> x_gpu(bf16_of(x)), dy_gpu(bf16_of(dy)), router_input_gpu(bf16_of(router_input));
+    DeviceBuffer<bf16> gate(bf16_of(weights.gate_weights)), w1(bf16_of(weights.w1)), w2(bf16_of(weights.w2));
+    auto w1_table = moe::cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * H));
+    auto w2_table = moe::cuda::expert_pointer_table<const bf16>(w2.data(), int(E), size_t(H * D));
+    const moe::cuda::MoeLayerWeights w{gate.data(), w1_table.data(), w2_table.data()};
+    const bool pregated = c.gate == Gate::pregated;
+    const bf16* const gate_input = pregated ? router_input_gpu.data() : x_gpu.data();
+
+    // Everything one run produces, downloaded: y, the routing, every gradient.
+    struct Run {
+      std::vector<bf16> y;
+      std::vector<int> top_experts;
+      std::vector<float> combine_weights, dx, d_gate, d_w1, d_w2, d_router_input;
+    };
+    auto run = [&](bool split) {
+      moe::cuda::MoeLayerGpu layer(config);
+      DeviceBuffer<bf16> y(size_t(T * D));
+      DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
+      DeviceBuffer<float> d_router_input(size_t(T * D));
+      auto d_w1_table = moe::cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
+      auto d_w2_table = moe::cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
+      for (auto* buffer : {&dx, &d_gate, &d_w1, &d_w2, &d_router_input}) buffer->fill_bytes(0xFF);  // NaN poison
+      y.fill_bytes(0xFF);
+      if (split) {
+        layer.route(gate_input, gate.data(), nullptr);
+        layer.compute_experts(x_gpu.data(), {nullptr, w1_table.data(), w2_table.data()}, y.data(), nullptr);
+      } else {
+        layer.forward(x_gpu.data(), w, y.data(), nullptr, pregated ? router_input_gpu.data() : nullptr);
+      }
+      layer.backward(x_gpu.data(), w, dy_gpu.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
+                     nullptr, pregated ? router_input_gpu.data() : nullptr,
+                     pregated ? d_router_input.data() : nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      return Run{y.download(), layer.top_experts().download(), layer.combine_weights().download(), dx.download(),
+                 d_gate.download(), d_w1.download(), d_w2.download(),
+                 pregated ? d_router_input.download() : std::vector<float>{}};
+    };
+    const Run whole = run(false), halves = run(true);
+    const std::string name = std::string(moe::to_string(c.formulation)) + (pregated ? " pre-gated" : " self-gated");
+    auto same_bytes = [](const auto& a, const auto& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+    };
+    EXPECT_TRUE(same_bytes(whole.top_experts, halves.top_experts)) << name << ": top_experts";
+    EXPECT_TRUE(same_bytes(whole.combine_weights, halves.combine_weights)) << name << ": combine weights";
+    EXPECT_TRUE(same_bytes(whole.y, halves.y)) << name << ": y";
+    EXPECT_TRUE(same_bytes(whole.dx, halves.dx)) << name << ": dx";
+    EXPECT_TRUE(same_bytes(whole.d_gate, halves.d_gate)) << name << ": d_gate_weights";
+    EXPECT_TRUE(same_bytes(whole.d_w1, halves.d_w1)) << name << ": d_w1";
+    EXPECT_TRUE(same_bytes(whole.d_w2, halves.d_w2)) << name << ": d_w2";
+    EXPECT_TRUE(same_bytes(whole.d_router_input, halves.d_router_input)) << name << ": d_router_input";
+    // And the halves' output is the layer's, not NaN poison.
+    const Matrix y = matrix_of(halves.y, T, D);
+    EXPECT_TRUE(y.allFinite()) << name;
+    EXPECT_GT(y.norm(), 0.0) << name;
+  }
 }
 
 TEST(CudaMoeLayer, BadConfigurationsFailBeforeAnyLaunch) {
