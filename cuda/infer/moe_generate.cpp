@@ -1,0 +1,362 @@
+// moe_generate.cpp: the command-line program that writes text with a trained byte-level MoE model on
+// the GPU: load a moe_train run's latest checkpoint or a model.safetensors file, prefill the prompt
+// (the same prompt for every sequence of the batch, each with its own sampling seed), then decode
+// byte by byte with a KV cache, every MoE block's experts served by the chosen mode: all resident
+// (gpu_only) or streamed from pinned host memory into an expert cache (on_demand, prefetch_all,
+// pregated, speculative; offload/offloaded_experts.h).
+//
+//   cmake --build build --target moe_train moe_generate
+//   build/cuda/train/moe_train --run-dir runs/train
+//   build/cuda/infer/moe_generate --checkpoint runs/train --prompt "The jury said"
+//   build/cuda/infer/moe_generate --help
+//
+// Sequence 0 is printed as it is produced (flushed byte by byte), the others at the end; a summary
+// (times, the experts each MoE block used, the prefetches' accuracy, the expert cache's hits and
+// stalls) goes to stderr. Exit status: 0 done or --help; 2 bad flags or bad input (the message
+// says which); 1 a failure on the GPU.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"             // CudaError
+#include "core/device_info.h"            // gpu_available, why_no_gpu, current_device
+#include "infer/expert_schedule.h"       // ExpertSchedule, parse_expert_schedule
+#include "infer/generate.h"              // generate
+#include "infer/inference_model.h"       // InferenceModelGpu
+#include "infer/weights_file.h"          // load_weights_checkpoint, load_weights_safetensors
+#include "offload/offloaded_experts.h"   // OffloadedExperts, OffloadOptions
+#include "offload/pinned_expert_store.h" // PinnedExpertStore
+#include "offload/resident_experts.h"    // ResidentExperts
+
+namespace {
+
+using namespace moe::cuda;
+
+constexpr const char* kUsage =
+    "usage: moe_generate (--checkpoint PATH | --weights FILE) [--prompt TEXT | --prompt-file FILE] [options]\n"
+    "  Writes text with a trained byte-level MoE model on the GPU: prefill, then one byte per sequence per\n"
+    "  step with a KV cache. Sequence 0 is printed as it is produced, the others at the end.\n"
+    "  --checkpoint PATH      a moe_train run directory (its latest checkpoint), its checkpoints/ folder,\n"
+    "                         or one checkpoint file\n"
+    "  --weights FILE         a model.safetensors (moe_export_weights --checkpoint RUN --out FILE)\n"
+    "  --prompt TEXT          the prompt's bytes (default: \"The \")\n"
+    "  --prompt-file FILE     the prompt: every byte of FILE\n"
+    "  --max-new-bytes N      bytes to generate per sequence (default 200; prompt + N - 1 <= the context)\n"
+    "  --batch N              sequences decoded together: the same prompt, seeds seed, seed+1, ... (default 1)\n"
+    "  --temperature T        0 = greedy; > 0 samples from softmax(logits / T) (default 0.8)\n"
+    "  --top-k K              sample among the K most likely bytes; 0 = all 256 (default 0)\n"
+    "  --seed S               sequence n draws from mt19937_64(S + n) (default 1)\n"
+    "  --mode M               where the experts live and when they are fetched (default gpu_only):\n"
+    "                           gpu_only      every expert resident on the GPU\n"
+    "                           on_demand     pinned host memory; a block's chosen experts copied after its gate\n"
+    "                           prefetch_all  ... and every expert of the next MoE block copied during this one\n"
+    "                           pregated      ... the experts this block's pre-gate chose for the next (a model\n"
+    "                                         trained with moe_train --pregated)\n"
+    "                           speculative   ... the next block's gate applied to this block's hidden state\n"
+    "  --cache-experts N      expert cache slots for the modes other than gpu_only (default: two MoE\n"
+    "                         blocks' worth, 2E, or all experts if fewer)\n"
+    "  --cache-policy P       lru | lfu (default lru)\n"
+    "  --help                 this text\n";
+
+struct BadInput : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  std::optional<std::string> checkpoint, weights, prompt, prompt_file;
+  int64_t max_new_bytes = 200;
+  int64_t batch = 1;
+  SamplingSettings sampling{0.8, 0, 1};
+  ExpertSchedule mode = ExpertSchedule::gpu_only;
+  int64_t cache_experts = 0;  // 0: the default
+  CachePolicy cache_policy = CachePolicy::lru;
+};
+
+int64_t integer_of(const std::string& flag, const std::string& text, int64_t least) {
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty() || value < least) {
+    throw BadInput(flag + " " + text + ": expected an integer >= " + std::to_string(least));
+  }
+  return value;
+}
+
+double number_of(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || text.empty()) throw BadInput(flag + " " + text + ": expected a number");
+  return value;
+}
+
+// Flags take their value as the next argument or after '=' (--batch=4).
+std::optional<Options> parse(const std::vector<std::string>& arguments) {
+  Options o;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    std::string flag = arguments[i];
+    std::optional<std::string> value;
+    if (const size_t equals = flag.find('='); flag.rfind("--", 0) == 0 && equals != std::string::npos) {
+      value = flag.substr(equals + 1);
+      flag = flag.substr(0, equals);
+    }
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      return std::nullopt;
+    }
+    static const std::vector<std::string> known = {
+        "--checkpoint", "--weights", "--prompt", "--prompt-file", "--max-new-bytes", "--batch", "--temperature",
+        "--top-k", "--seed", "--mode", "--cache-experts", "--cache-policy"};
+    if (std::find(known.begin(), known.end(), flag) == known.end()) {
+      throw BadInput("unknown argument '" + arguments[i] + "' (--help)");
+    }
+    if (!value) {
+      if (i + 1 == arguments.size()) throw BadInput(flag + " needs a value (--help)");
+      value = arguments[++i];
+    }
+    const std::string& v = *value;
+    if (flag == "--checkpoint") o.checkpoint = v;
+    else if (flag == "--weights") o.weights = v;
+    else if (flag == "--prompt") o.prompt = v;
+    else if (flag == "--prompt-file") o.prompt_file = v;
+    else if (flag == "--max-new-bytes") o.max_new_bytes = integer_of(flag, v, 1);
+    else if (flag == "--batch") o.batch = integer_of(flag, v, 1);
+    else if (flag == "--temperature") o.sampling.temperature = number_of(flag, v);
+    else if (flag == "--top-k") o.sampling.top_k = integer_of(flag, v, 0);
+    else if (flag == "--seed") o.sampling.seed = static_cast<uint64_t>(integer_of(flag, v, 0));
+    else if (flag == "--cache-experts") o.cache_experts = integer_of(flag, v, 1);
+    else if (flag == "--cache-policy") {
+      try {
+        o.cache_policy = cache_policy_from_string(v);
+      } catch (const std::invalid_argument& error) {
+        throw BadInput(std::string("--cache-policy: ") + error.what());
+      }
+    } else if (flag == "--mode") {
+      try {
+        o.mode = parse_expert_schedule(v);
+      } catch (const std::invalid_argument& error) {
+        throw BadInput(std::string("--mode: ") + error.what());
+      }
+    }
+  }
+  if (o.checkpoint.has_value() == o.weights.has_value()) {
+    throw BadInput("give one of --checkpoint PATH or --weights FILE (--help)");
+  }
+  if (o.prompt && o.prompt_file) throw BadInput("give --prompt or --prompt-file, not both (--help)");
+  try {
+    validate(o.sampling);
+  } catch (const std::invalid_argument& error) {
+    throw BadInput(error.what());
+  }
+  return o;
+}
+
+std::vector<int32_t> prompt_bytes(const Options& o) {
+  std::string text = o.prompt.value_or("The ");
+  if (o.prompt_file) {
+    std::ifstream file(*o.prompt_file, std::ios::binary);
+    if (!file) throw BadInput(*o.prompt_file + ": cannot read the prompt file");
+    text.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  }
+  if (text.empty()) throw BadInput("the prompt is empty; it needs at least one byte");
+  std::vector<int32_t> bytes;
+  for (char c : text) bytes.push_back(static_cast<unsigned char>(c));
+  return bytes;
+}
+
+// Every MoE block's experts, stacked [E, D, H] / [E, H, D] as the flat layout holds them (expert
+// e's w1 right after expert e-1's), into pinned host memory as bf16.
+PinnedExpertStore expert_store(const ModelGpuConfig& config, const std::vector<float>& weights) {
+  std::vector<int64_t> moe;
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    if (is_moe_block(config, i)) moe.push_back(i);
+  }
+  const ExpertShape shape{int64_t(moe.size()), config.moe.num_experts, config.model_dim, config.moe.hidden_dim, 0};
+  PinnedExpertStore store(shape);
+  const std::vector<ParameterSpan> layout = parameter_layout(config);
+  auto stacked = [&](const std::string& first, int64_t elements) {
+    const auto span = std::find_if(layout.begin(), layout.end(), [&](const ParameterSpan& s) { return s.name == first; });
+    std::vector<bf16> out(static_cast<size_t>(elements));
+    for (int64_t i = 0; i < elements; ++i) out[size_t(i)] = __float2bfloat16(weights[size_t(span->offset + i)]);
+    return out;
+  };
+  for (size_t j = 0; j < moe.size(); ++j) {
+    const std::string prefix = "blocks." + std::to_string(moe[j]) + ".moe.";
+    const std::vector<bf16> w1 = stacked(prefix + "w1.0", shape.experts * shape.w1_elements());
+    const std::vector<bf16> w2 = stacked(prefix + "w2.0", shape.experts * shape.w2_elements());
+    store.set_block(int64_t(j), w1, w2);
+  }
+  return store;
+}
+
+int run(const std::vector<std::string>& arguments) {
+  const std::optional<Options> parsed = parse(arguments);
+  if (!parsed) return 0;
+  const Options& o = *parsed;
+  const std::vector<int32_t> prompt = prompt_bytes(o);
+  if (!gpu_available()) {
+    std::fprintf(stderr, "moe_generate: no GPU: %s\n", why_no_gpu().c_str());
+    return 1;
+  }
+
+  InferenceWeights loaded;
+  try {
+    loaded = o.checkpoint ? load_weights_checkpoint(*o.checkpoint) : load_weights_safetensors(*o.weights);
+  } catch (const std::invalid_argument& error) {
+    throw BadInput(error.what());
+  }
+  ModelGpuConfig config = loaded.config;
+  config.batch = o.batch;
+  try {
+    validate_for_inference(config);
+    check_schedule(config, o.mode);
+  } catch (const std::invalid_argument& error) {
+    throw BadInput(std::string(error.what()) + " (--mode)");
+  }
+  const int64_t P = int64_t(prompt.size()), S = config.seq_len;
+  if (P + o.max_new_bytes - 1 > S) {
+    throw BadInput("the prompt has " + std::to_string(P) + " bytes; with --max-new-bytes " +
+                   std::to_string(o.max_new_bytes) + " it needs " + std::to_string(P + o.max_new_bytes - 1) +
+                   " positions, and the model's context holds S = " + std::to_string(S) +
+                   " (a shorter prompt or fewer bytes)");
+  }
+
+  // The experts: resident, or in pinned host memory behind an expert cache.
+  const bool has_experts = config.moe_blocks != MoeBlocks::none;
+  std::optional<PinnedExpertStore> store;
+  std::unique_ptr<ExpertSource> source;
+  OffloadedExperts* offloaded = nullptr;
+  if (has_experts) store.emplace(expert_store(config, loaded.weights));
+  if (has_experts && o.mode != ExpertSchedule::gpu_only) {
+    const int64_t E = config.moe.num_experts, all = store->shape().blocks * E;
+    OffloadOptions options;
+    options.cache_slots = o.cache_experts > 0 ? o.cache_experts : std::min(2 * E, all);
+    options.policy = o.cache_policy;
+    options.max_tokens_per_step = o.batch * P;  // the prefill's tokens: the largest acquire
+    options.top_k = config.moe.top_k;
+    try {
+      auto cache = std::make_unique<OffloadedExperts>(*store, options);
+      offloaded = cache.get();
+      source = std::move(cache);
+    } catch (const std::invalid_argument& error) {
+      throw BadInput(std::string(error.what()) + " (--cache-experts)");
+    }
+  } else if (has_experts) {
+    source = std::make_unique<ResidentExperts>(*store);
+  }
+  // A dense model reads no experts; the resident source of an empty store would do, but none is needed.
+  struct NoExperts : ExpertSource {
+    bool needs_experts_on_host() const override { return false; }
+    ExpertTables acquire(int64_t, std::span<const int32_t>, cudaStream_t) override {
+      throw std::logic_error("a dense model has no experts");
+    }
+    void release(int64_t, cudaStream_t) override {}
+  };
+  if (!source) source = std::make_unique<NoExperts>();
+
+  InferenceModelGpu model(config, loaded.weights, *source, o.mode);
+  std::fprintf(stderr,
+               "moe_generate: %s on %s: D=%lld L=%lld S=%lld, MoE %s E=%lld K=%lld%s, mode %s, batch %lld, "
+               "temperature %g, top-k %lld, seed %llu\n",
+               loaded.source.string().c_str(), current_device().name.c_str(), (long long)config.model_dim,
+               (long long)config.num_layers, (long long)S,
+               config.moe_blocks == MoeBlocks::none ? "none" : config.moe_blocks == MoeBlocks::every_block ? "every block" : "every other block",
+               (long long)config.moe.num_experts, (long long)config.moe.top_k, config.pregated ? ", pre-gated" : "",
+               std::string(to_string(o.mode)).c_str(), (long long)o.batch, o.sampling.temperature,
+               (long long)o.sampling.top_k, (unsigned long long)o.sampling.seed);
+
+  // Sequence 0 as it comes, byte by byte.
+  std::fwrite(std::string(prompt.begin(), prompt.end()).data(), 1, prompt.size(), stdout);
+  std::fflush(stdout);
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  Clock::time_point first = start, last = start;
+  const Generation generation =
+      generate(model, std::vector<std::vector<int32_t>>(size_t(o.batch), prompt), o.max_new_bytes, o.sampling,
+               [&](int64_t step, const std::vector<int32_t>& bytes) {
+                 std::fputc(bytes[0], stdout);
+                 std::fflush(stdout);
+                 (step == 0 ? first : last) = Clock::now();
+               });
+  std::fputc('\n', stdout);
+  for (int64_t n = 1; n < o.batch; ++n) {
+    std::printf("--- sequence %lld (seed %llu) ---\n", (long long)n, (unsigned long long)(o.sampling.seed + n));
+    std::string text(prompt.begin(), prompt.end());
+    for (int32_t byte : generation.bytes[size_t(n)]) text.push_back(static_cast<char>(byte));
+    std::printf("%s\n", text.c_str());
+  }
+  std::fflush(stdout);
+
+  // ---- the summary ----
+  const double prefill_ms = std::chrono::duration<double, std::milli>(first - start).count();
+  const int64_t decode_steps = o.max_new_bytes - 1;
+  const double decode_ms = decode_steps > 0 ? std::chrono::duration<double, std::milli>(last - first).count() : 0.0;
+  std::fprintf(stderr, "moe_generate: prefill %lld x %lld bytes %.2f ms; %lld decode steps %.3f ms each (%.0f bytes/s)\n",
+               (long long)o.batch, (long long)P, prefill_ms, (long long)decode_steps,
+               decode_steps > 0 ? decode_ms / double(decode_steps) : 0.0,
+               decode_ms > 0 ? 1e3 * double(decode_steps * o.batch) / decode_ms : 0.0);
+  // What each MoE block used over the decode steps, and how often the schedule's prefetches were used.
+  for (size_t j = 0; j < model.moe_blocks().size(); ++j) {
+    int64_t used = 0, prefetched = 0, prefetched_used = 0;
+    for (size_t step = 1; step < generation.steps.size(); ++step) {
+      const MoeBlockStep& b = generation.steps[step].moe[j];
+      used += int64_t(b.experts.size());
+      prefetched += int64_t(b.prefetched.size());
+      for (int32_t e : b.prefetched) prefetched_used += std::binary_search(b.experts.begin(), b.experts.end(), e);
+    }
+    std::fprintf(stderr, "  MoE block %lld (layer %lld): %.2f experts per step", (long long)j,
+                 (long long)model.moe_blocks()[j], decode_steps > 0 ? double(used) / double(decode_steps) : 0.0);
+    if (prefetched > 0) {
+      std::fprintf(stderr, ", prefetch accuracy %.3f (%lld of %lld used)", double(prefetched_used) / double(prefetched),
+                   (long long)prefetched_used, (long long)prefetched);
+    }
+    std::fputc('\n', stderr);
+  }
+  if (offloaded != nullptr) {
+    const BlockOffloadStatistics total = offloaded->statistics().total();
+    std::fprintf(stderr,
+                 "  expert cache: %lld slots (%s), hits %lld, misses %lld (hit rate %.3f), %s copied at %.1f GB/s, "
+                 "stalls %.2f ms\n",
+                 (long long)offloaded->cache().slots(), to_string(o.cache_policy).c_str(), (long long)total.hits,
+                 (long long)total.misses, total.hit_rate(), gigabytes(double(total.bytes_copied)).c_str(),
+                 total.copy_gb_per_s(), total.stall_ms);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const BadInput& error) {
+    std::fprintf(stderr, "moe_generate: %s\n", error.what());
+    return 2;
+  } catch (const moe::SafetensorsError& error) {  // names the file and the fault
+    std::fprintf(stderr, "moe_generate: %s\n", error.what());
+    return 2;
+  } catch (const moe::CheckpointError& error) {  // names the file and the fault
+    std::fprintf(stderr, "moe_generate: %s\n", error.what());
+    return 2;
+  } catch (const std::exception& error) {  // CudaError, CublasError, out of memory: a failure on the GPU
+    std::fprintf(stderr, "moe_generate: %s\n", error.what());
+    return 1;
+  }
+}

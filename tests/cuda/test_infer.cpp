@@ -1,0 +1,659 @@
+// test_infer.cpp: generation on the GPU (cuda/infer/): the decoding model against the CPU
+// reference's incremental decoding, prefill + decode against the full-sequence forward of ModelGpu,
+// every expert schedule bit for bit the same, the host sampler against the reference's, and the
+// errors of bad input. Tiny models (D=64, 2 heads, S=32, E=4, H=64), random weights rounded to bf16
+// so that both sides see the same bytes, as tests/cuda/test_model.cpp does.
+// Run: ctest --test-dir build -R "CudaInfer"   (the decoding tests skip without a GPU; the sampler,
+// weights-file and config checks run anywhere)
+//
+// Tolerance, from the precision: next-byte logits within 2e-2 relative (Frobenius over [N, V]).
+// Every activation is bf16 between fp32-accumulated products, through L blocks of LayerNorm,
+// attention and FFN; the KV cache holds bf16 keys and values. Errors of a few 1e-3 are expected.
+//
+// Routing is the one discontinuity (test_model.cpp says it in full): a token whose K-th and
+// (K+1)-th router probabilities differ by less than bf16 rounding may choose another expert on the
+// GPU. The decoding tests compare every MoE block's choices first and, on a near tie, draw other
+// bytes (at most kTries times), reporting how many draws they took.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <ostream>
+#include <random>
+#include <set>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "checkpoint.h"                       // save_checkpoint, CheckpointHeader
+#include "core/cuda_check.h"                  // CUDA_CHECK
+#include "core/device_buffer.h"               // DeviceBuffer
+#include "gpu_test_support.h"                 // REQUIRE_GPU, round_bf16, relative_error
+#include "infer/generate.h"                   // moe::cuda::generate
+#include "infer/inference_model.h"            // InferenceModelGpu
+#include "infer/sampling.h"                   // moe::cuda::ByteSampler
+#include "infer/weights_file.h"               // load_weights_safetensors, load_weights_checkpoint, gpu_config_of
+#include "model/model.h"                      // ModelGpu
+#include "offload/expert_source.h"            // ExpertSource
+#include "reference_cpu/generate.h"           // moe::ref::prefill, decode_step
+#include "reference_cpu/model.h"              // moe::ref::init_model, parameters
+#include "reference_cpu/model_config_json.h"  // model_config_to_json
+#include "reference_cpu/model_safetensors.h"  // save_model_safetensors
+#include "reference_cpu/sampling.h"           // moe::ref::ByteSampler
+
+namespace {
+
+namespace fs = std::filesystem;
+using moe::cuda::bf16;
+using moe::cuda::DeviceBuffer;
+using moe::cuda::ExpertSchedule;
+using moe::cuda::ExpertTables;
+using moe::cuda::InferenceModelGpu;
+using moe::cuda::ModelGpuConfig;
+using moe::cuda::StepResult;
+using moe::ref::Matrix;
+using moe::ref::ModelConfig;
+using moe::ref::MoeLayers;
+using namespace moe::test;
+
+constexpr double kTolerance = 2e-2;
+constexpr int kTries = 8;
+constexpr int64_t kV = 256;
+
+ModelConfig tiny_config(MoeLayers moe_layers, bool pregated, int64_t num_layers, int64_t top_k) {
+  ModelConfig c;
+  c.model_dim = 64;
+  c.num_layers = num_layers;
+  c.num_heads = 2;
+  c.seq_len = 32;
+  c.moe_layers = moe_layers;
+  c.dense_hidden_dim = 128;
+  c.num_experts = 4;
+  c.top_k = top_k;
+  c.expert_hidden_dim = 64;
+  c.block_size = 64;
+  c.pregated = pregated;
+  return c;
+}
+
+// init_model's weights rounded to bf16 (the same bytes to both sides), and their flat fp32 list.
+struct Weights {
+  moe::ref::ModelWeights values;
+  std::vector<float> flat;
+};
+
+Weights bf16_init(const ModelConfig& config, uint64_t seed) {
+  Weights w{moe::ref::init_model(config, seed), {}};
+  moe::ref::ModelGradients unused = moe::ref::zero_weights(config);
+  for (moe::ref::Parameter& p : moe::ref::parameters(config, w.values, unused)) {
+    *p.value = round_bf16(*p.value);
+    for (int64_t i = 0; i < p.value->size(); ++i) w.flat.push_back(float(p.value->data()[i]));
+  }
+  return w;
+}
+
+std::vector<int32_t> random_bytes(std::mt19937_64& rng, size_t count) {
+  std::vector<int32_t> bytes(count);
+  for (int32_t& b : bytes) b = int32_t(rng() & 0xFF);
+  return bytes;
+}
+
+Matrix logits_matrix(const std::vector<float>& next_logits, int64_t N) {
+  Matrix m(N, kV);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t v = 0; v < kV; ++v) m(n, v) = next_logits[size_t(n * kV + v)];
+  }
+  return m;
+}
+
+// Tokens whose expert set differs between the GPU step's record and the reference step's routing.
+int routing_differences(const StepResult& gpu, const moe::ref::StepOutput& ref, int64_t K) {
+  if (gpu.moe.size() != ref.moe.size()) return 1 << 20;
+  int differences = 0;
+  for (size_t j = 0; j < gpu.moe.size(); ++j) {
+    const moe::ref::IndexMatrix& top = ref.moe[j].top_experts;
+    if (gpu.moe[j].block != ref.moe[j].block || int64_t(gpu.moe[j].top_experts.size()) != top.size()) return 1 << 20;
+    for (int64_t t = 0; t < top.rows(); ++t) {
+      std::set<int32_t> got(gpu.moe[j].top_experts.begin() + t * K, gpu.moe[j].top_experts.begin() + (t + 1) * K), want;
+      for (int64_t k = 0; k < K; ++k) want.insert(int32_t(top(t, k)));
+      differences += got != want;
+    }
+  }
+  return differences;
+}
+
+// A resident ExpertSource for the tests: every expert of every MoE block on the GPU, at addresses
+// that change with `placement` (a leading offset and, for odd placements, the experts in reverse
+// order). With on_host, it asks for the blocks' choices and points every expert a block did not
+// choose at a NaN expert, so a kernel that read one, or an acquire that missed one, shows in the
+// logits; it logs what it was asked and counts calls out of order.
+class TestExperts : public moe::cuda::ExpertSource {
+ public:
+  TestExperts(const ModelGpuConfig& config, const std::vector<float>& flat, int placement, bool on_host)
+      : on_host_(on_host), experts_(config.moe.num_experts) {
+    const int64_t D = config.model_dim, H = config.moe.hidden_dim, E = experts_;
+    const size_t matrix = size_t(D * H), pad = size_t(placement) * 64;  // keeps 128-byte alignment
+    const std::vector<moe::cuda::ParameterSpan> layout = moe::cuda::parameter_layout(config);
+    auto offset_of = [&](const std::string& name) {
+      return std::find_if(layout.begin(), layout.end(), [&](const auto& s) { return s.name == name; })->offset;
+    };
+    nan_expert_ = DeviceBuffer<bf16>(std::vector<bf16>(matrix, __float2bfloat16(NAN)));
+    for (int64_t i = 0; i < config.num_layers; ++i) {
+      if (!moe::cuda::is_moe_block(config, i)) continue;
+      // [pad, then 2E matrices: expert e's w1 and w2 at slot p(e)]
+      std::vector<bf16> host(pad + 2 * size_t(E) * matrix, __float2bfloat16(0.0f));
+      auto slot = [&](int64_t e) { return size_t(placement % 2 == 1 ? E - 1 - e : e); };
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string prefix = "blocks." + std::to_string(i) + ".moe.";
+        const int64_t w1 = offset_of(prefix + "w1." + std::to_string(e)), w2 = offset_of(prefix + "w2." + std::to_string(e));
+        for (size_t k = 0; k < matrix; ++k) {
+          host[pad + 2 * slot(e) * matrix + k] = __float2bfloat16(flat[size_t(w1) + k]);
+          host[pad + (2 * slot(e) + 1) * matrix + k] = __float2bfloat16(flat[size_t(w2) + k]);
+        }
+      }
+      weights_.emplace_back(host);
+      std::vector<const bf16*> table(2 * size_t(E));
+      for (int64_t e = 0; e < E; ++e) {
+        table[size_t(e)] = weights_.back().data() + pad + 2 * slot(e) * matrix;
+        table[size_t(E + e)] = weights_.back().data() + pad + (2 * slot(e) + 1) * matrix;
+      }
+      resident_tables_.push_back(table);
+      tables_.emplace_back(table);
+      held_.push_back(false);
+    }
+  }
+
+  bool needs_experts_on_host() const override { return on_host_; }
+
+  ExpertTables acquire(int64_t block, std::span<const int32_t> experts, cudaStream_t compute) override {
+    const size_t b = size_t(block);
+    if (block < 0 || b >= tables_.size()) throw std::invalid_argument("TestExperts: no MoE block " + std::to_string(block));
+    if (held_[b]) ++misuse;
+    if (!std::is_sorted(experts.begin(), experts.end()) ||
+        std::adjacent_find(experts.begin(), experts.end()) != experts.end()) {
+      ++misuse;
+    }
+    held_[b] = true;
+    acquired.push_back({block, {experts.begin(), experts.end()}});
+    if (on_host_) {
+      // Chosen experts at their weights, the others at NaN; uploaded on the compute stream, ahead
+      // of the kernels that read the table (a pageable copy is staged before the call returns).
+      std::vector<const bf16*>& table = staged_[b];
+      table.assign(2 * size_t(experts_), nan_expert_.data());
+      for (int32_t e : experts) {
+        table[size_t(e)] = resident_tables_[b][size_t(e)];
+        table[size_t(experts_ + e)] = resident_tables_[b][size_t(experts_ + e)];
+      }
+      CUDA_CHECK(cudaMemcpyAsync(tables_[b].data(), table.data(), tables_[b].bytes(), cudaMemcpyHostToDevice, compute));
+    }
+    return {tables_[b].data(), tables_[b].data() + experts_};
+  }
+
+  void release(int64_t block, cudaStream_t) override {
+    if (block < 0 || size_t(block) >= held_.size()) throw std::invalid_argument("TestExperts: no MoE block");
+    if (!held_[size_t(block)]) ++misuse;
+    held_[size_t(block)] = false;
+  }
+
+  void prefetch(int64_t block, std::span<const int32_t> experts) override {
+    if (block < 0 || size_t(block) >= held_.size()) ++misuse;
+    prefetched.push_back({block, {experts.begin(), experts.end()}});
+  }
+
+  struct Call {
+    int64_t block;
+    std::vector<int32_t> experts;
+  };
+  std::vector<Call> acquired, prefetched;
+  int misuse = 0;
+
+ private:
+  bool on_host_;
+  int64_t experts_;
+  DeviceBuffer<bf16> nan_expert_;                        // [D * H]
+  std::vector<DeviceBuffer<bf16>> weights_;              // [M] each [pad + 2E * D * H]
+  std::vector<std::vector<const bf16*>> resident_tables_;  // [M][2E] w1 pointers, then w2 pointers
+  std::vector<DeviceBuffer<const bf16*>> tables_;        // [M][2E] what acquire returns
+  std::map<size_t, std::vector<const bf16*>> staged_;    // [M][2E] the last table uploaded
+  std::vector<bool> held_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// (a) one GPU decode step against the reference's incremental decoding
+
+struct DecodeCase {
+  MoeLayers moe_layers;
+  bool pregated;
+  int64_t num_layers;
+  int64_t top_k;
+  int64_t batch;
+};
+
+std::string case_name(const DecodeCase& c) {
+  return std::string(c.moe_layers == MoeLayers::every_block ? "every_block" : "every_other_block") +
+         (c.pregated ? "_pregated" : "_self_gated") + "_L" + std::to_string(c.num_layers) + "_K" +
+         std::to_string(c.top_k) + "_N" + std::to_string(c.batch);
+}
+
+void PrintTo(const DecodeCase& c, std::ostream* out) { *out << case_name(c); }  // ctest's names, not bytes
+
+class CudaInferDecode : public ::testing::TestWithParam<DecodeCase> {};
+
+// Prefill of 5 bytes, then 3 decode steps, each step's next-byte logits against the reference's.
+TEST_P(CudaInferDecode, StepMatchesReferenceIncrementalDecoding) {
+  REQUIRE_GPU();
+  const DecodeCase& c = GetParam();
+  const ModelConfig config = tiny_config(c.moe_layers, c.pregated, c.num_layers, c.top_k);
+  const int64_t N = c.batch, P = 5, steps = 3;
+  const Weights weights = bf16_init(config, 17);
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
+  TestExperts experts(gpu, weights.flat, 0, /*on_host=*/true);
+  InferenceModelGpu model(gpu, weights.flat, experts, c.pregated ? ExpertSchedule::pregated : ExpertSchedule::on_demand);
+
+  std::mt19937_64 rng(23);
+  int tries = 0, differences = 0;
+  std::vector<double> errors;
+  do {
+    errors.clear();
+    differences = 0;
+    std::vector<std::vector<int32_t>> prompts;
+    for (int64_t n = 0; n < N; ++n) prompts.push_back(random_bytes(rng, size_t(P)));
+    model.poison();  // the cache and the step's buffers NaN: nothing may be read before it is written
+    moe::ref::KvCache cache = moe::ref::make_kv_cache(config, N);
+    moe::ref::StepOutput ref = moe::ref::prefill(config, weights.values, prompts, cache);
+    StepResult gpu_step = model.prefill(prompts);
+    differences += routing_differences(gpu_step, ref, c.top_k);
+    errors.push_back(relative_error(logits_matrix(gpu_step.next_logits, N), ref.next_logits));
+    for (int64_t step = 0; step < steps; ++step) {
+      const std::vector<int32_t> next = random_bytes(rng, size_t(N));
+      ref = moe::ref::decode_step(config, weights.values, next, cache);
+      gpu_step = model.decode_step(next);
+      differences += routing_differences(gpu_step, ref, c.top_k);
+      errors.push_back(relative_error(logits_matrix(gpu_step.next_logits, N), ref.next_logits));
+      for (size_t j = 0; j < gpu_step.moe.size(); ++j) {
+        EXPECT_EQ(gpu_step.moe[j].known_in_block, ref.moe[j].known_in_block) << "MoE block " << j;
+      }
+    }
+  } while (differences > 0 && ++tries < kTries);
+  ASSERT_EQ(differences, 0) << "every one of " << kTries << " draws had a token routed differently";
+  EXPECT_EQ(model.length(), P + steps);
+  EXPECT_EQ(experts.misuse, 0) << "acquire / release / prefetch out of order";
+  double worst = 0;
+  for (size_t i = 0; i < errors.size(); ++i) {
+    EXPECT_LT(errors[i], kTolerance) << (i == 0 ? "prefill" : "decode step " + std::to_string(i));
+    if (!(errors[i] <= worst)) worst = errors[i];  // a NaN becomes the worst
+  }
+  std::printf("%s %s: draws %d, prefill + %lld decode steps, worst next-logit error %.2e (tol %.0e)\n",
+              worst < kTolerance ? "PASS" : "FAIL", case_name(c).c_str(), tries + 1, (long long)steps, worst, kTolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, CudaInferDecode,
+                         ::testing::Values(DecodeCase{MoeLayers::every_block, false, 2, 1, 1},
+                                           DecodeCase{MoeLayers::every_block, false, 2, 1, 3},
+                                           DecodeCase{MoeLayers::every_block, false, 2, 2, 1},
+                                           DecodeCase{MoeLayers::every_block, false, 2, 2, 3},
+                                           DecodeCase{MoeLayers::every_block, true, 3, 1, 1},
+                                           DecodeCase{MoeLayers::every_block, true, 3, 1, 3},
+                                           DecodeCase{MoeLayers::every_block, true, 3, 2, 1},
+                                           DecodeCase{MoeLayers::every_block, true, 3, 2, 3},
+                                           DecodeCase{MoeLayers::every_other_block, false, 2, 2, 3},
+                                           DecodeCase{MoeLayers::every_other_block, true, 4, 2, 3}),
+                         [](const ::testing::TestParamInfo<DecodeCase>& info) { return case_name(info.param); });
+
+// ---------------------------------------------------------------------------------------------
+// (b) prefill + decode against the full-sequence forward of ModelGpu
+
+// The log-softmax of ModelGpu's logits at (sequence 0, position p), read through its loss: ModelGpu
+// keeps its logits to itself and returns the loss, whose dependence on one target byte v is
+// -log_softmax(logits[p])[v] / T plus a constant. 256 forwards with targets[p] = v, then the
+// constant that makes the row a log-probability (logsumexp 0). Batch 1, so T = S.
+std::vector<double> model_gpu_log_softmax(moe::cuda::ModelGpu& model, const std::vector<int32_t>& tokens, int64_t p) {
+  const int64_t S = int64_t(tokens.size());
+  DeviceBuffer<int32_t> device_tokens(tokens), targets(tokens.size());
+  std::vector<int32_t> target_bytes(tokens.size(), 0);
+  std::vector<double> row(kV);
+  for (int64_t v = 0; v < kV; ++v) {
+    target_bytes[size_t(p)] = int32_t(v);
+    targets.upload(target_bytes);
+    model.forward(device_tokens.data(), targets.data());
+    row[size_t(v)] = -double(S) * double(model.read_loss());
+  }
+  double max = *std::max_element(row.begin(), row.end()), sum = 0;
+  for (double value : row) sum += std::exp(value - max);
+  const double shift = max + std::log(sum);
+  for (double& value : row) value -= shift;
+  return row;
+}
+
+std::vector<double> log_softmax(std::span<const float> logits) {
+  double max = *std::max_element(logits.begin(), logits.end()), sum = 0;
+  for (float value : logits) sum += std::exp(double(value) - max);
+  std::vector<double> row;
+  for (float value : logits) row.push_back(double(value) - max - std::log(sum));
+  return row;
+}
+
+// Prefill of 6 bytes and 4 decode steps give the last position's next-byte distribution of a
+// ModelGpu forward over the same 10 bytes (and whatever follows them: the mask is causal).
+TEST(CudaInferDecode, PrefillAndDecodeMatchModelGpuForward) {
+  REQUIRE_GPU();
+  for (const bool pregated : {false, true}) {
+    const ModelConfig config = tiny_config(MoeLayers::every_block, pregated, 3, 2);
+    const int64_t N = 2, P = 6, steps = 4, S = config.seq_len;
+    const Weights weights = bf16_init(config, 29);
+    const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
+    TestExperts experts(gpu, weights.flat, 1, /*on_host=*/false);
+    InferenceModelGpu model(gpu, weights.flat, experts);
+    moe::cuda::ModelGpu full(moe::cuda::gpu_config_of(config, 1));
+    full.upload_weights(weights.flat);
+
+    std::mt19937_64 rng(31);
+    int tries = 0, differences = 0;
+    double worst = 0;
+    do {
+      differences = 0;
+      worst = 0;
+      std::vector<std::vector<int32_t>> sequences;
+      for (int64_t n = 0; n < N; ++n) sequences.push_back(random_bytes(rng, size_t(S)));
+      std::vector<std::vector<int32_t>> prompts;
+      for (const auto& s : sequences) prompts.emplace_back(s.begin(), s.begin() + P);
+      StepResult step = model.prefill(prompts);
+      std::vector<StepResult> record{step};
+      for (int64_t i = 0; i < steps; ++i) {
+        std::vector<int32_t> next;
+        for (const auto& s : sequences) next.push_back(s[size_t(P + i)]);
+        record.push_back(step = model.decode_step(next));
+      }
+      const int64_t last = P + steps - 1;  // the position whose next-byte logits the last step gave
+      for (int64_t n = 0; n < N; ++n) {
+        // ModelGpu's routing of positions 0..last must be the decoding's (a near tie redraws).
+        const DeviceBuffer<int32_t> tokens(sequences[size_t(n)]);  // targets: any bytes will do here
+        full.forward(tokens.data(), tokens.data());
+        CUDA_CHECK(cudaDeviceSynchronize());
+        const int64_t K = config.top_k;
+        for (size_t j = 0; j < model.moe_blocks().size(); ++j) {
+          const std::vector<int> full_top = full.moe_layer(model.moe_blocks()[j])->top_experts().download();
+          for (int64_t position = 0; position <= last; ++position) {
+            // the prefill's rows are n * P + position; decode step i's row is n
+            const StepResult& r = position < P ? record[0] : record[size_t(position - P + 1)];
+            const int64_t row = position < P ? n * P + position : n;
+            std::set<int32_t> got(r.moe[j].top_experts.begin() + row * K, r.moe[j].top_experts.begin() + (row + 1) * K);
+            std::set<int32_t> want(full_top.begin() + position * K, full_top.begin() + (position + 1) * K);
+            differences += got != want;
+          }
+        }
+        if (differences > 0) break;
+        const std::vector<double> want = model_gpu_log_softmax(full, sequences[size_t(n)], last);
+        const std::vector<double> got = log_softmax(std::span<const float>(step.next_logits).subspan(size_t(n * kV), kV));
+        double error = 0, norm = 0;
+        for (int64_t v = 0; v < kV; ++v) {
+          error += (got[size_t(v)] - want[size_t(v)]) * (got[size_t(v)] - want[size_t(v)]);
+          norm += want[size_t(v)] * want[size_t(v)];
+        }
+        const double relative = std::sqrt(error / norm);
+        if (!(relative <= worst)) worst = relative;
+      }
+    } while (differences > 0 && ++tries < kTries);
+    ASSERT_EQ(differences, 0) << "every one of " << kTries << " draws had a token routed differently";
+    EXPECT_LT(worst, kTolerance) << (pregated ? "pre-gated" : "self-gated");
+    std::printf("%s %s: draws %d, log-softmax of position %lld after prefill %lld + %lld steps against ModelGpu: "
+                "rel %.2e (tol %.0e)\n",
+                worst < kTolerance ? "PASS" : "FAIL", pregated ? "pre-gated" : "self-gated", tries + 1,
+                (long long)(P + steps - 1), (long long)P, (long long)steps, worst, kTolerance);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// (c) every schedule gives the same bytes and logits, bit for bit
+
+// One generation of `bytes` bytes per sequence with sampling (not greedy: every logit matters).
+struct ScheduleRun {
+  moe::cuda::Generation generation;
+  std::vector<TestExperts::Call> acquired, prefetched;
+  int misuse = 0;
+};
+
+ScheduleRun generate_with(const ModelConfig& config, const Weights& weights, ExpertSchedule schedule, int placement,
+                  bool on_host, const std::vector<std::vector<int32_t>>& prompts, int64_t bytes) {
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, int64_t(prompts.size()));
+  TestExperts experts(gpu, weights.flat, placement, on_host);
+  InferenceModelGpu model(gpu, weights.flat, experts, schedule);
+  ScheduleRun run;
+  run.generation = moe::cuda::generate(model, prompts, bytes, {0.9, 0, 5});
+  run.acquired = experts.acquired;
+  run.prefetched = experts.prefetched;
+  run.misuse = experts.misuse;
+  return run;
+}
+
+TEST(CudaInferSchedules, EveryScheduleGivesTheSameBytesAndLogits) {
+  REQUIRE_GPU();
+  for (const bool pregated : {false, true}) {
+    const ModelConfig config = tiny_config(MoeLayers::every_block, pregated, 3, 2);
+    const Weights weights = bf16_init(config, 37);
+    std::mt19937_64 rng(41);
+    std::vector<std::vector<int32_t>> prompts;
+    for (int n = 0; n < 3; ++n) prompts.push_back(random_bytes(rng, 7));
+    const int64_t bytes = 12, E = config.num_experts;
+    const ScheduleRun baseline = generate_with(config, weights, ExpertSchedule::gpu_only, 0, false, prompts, bytes);
+    int placement = 1;
+    for (const ExpertSchedule schedule : moe::cuda::kExpertSchedules) {
+      if (schedule == ExpertSchedule::pregated && !pregated) continue;
+      const std::string name = std::string(pregated ? "pre-gated " : "self-gated ") + std::string(to_string(schedule));
+      const ScheduleRun run = generate_with(config, weights, schedule, placement++, /*on_host=*/true, prompts, bytes);
+      EXPECT_EQ(run.misuse, 0) << name;
+      EXPECT_EQ(run.generation.bytes, baseline.generation.bytes) << name;
+      ASSERT_EQ(run.generation.steps.size(), baseline.generation.steps.size()) << name;
+      size_t acquire = 0;
+      int mismatched_logits = 0, wrong_acquires = 0, wrong_prefetches = 0;
+      for (size_t s = 0; s < run.generation.steps.size(); ++s) {
+        const StepResult& got = run.generation.steps[s];
+        const StepResult& want = baseline.generation.steps[s];
+        mismatched_logits += got.next_logits.size() != want.next_logits.size() ||
+                             std::memcmp(got.next_logits.data(), want.next_logits.data(),
+                                         got.next_logits.size() * sizeof(float)) != 0;
+        for (size_t j = 0; j < got.moe.size(); ++j) {
+          EXPECT_EQ(got.moe[j].top_experts, want.moe[j].top_experts) << name << " step " << s << " block " << j;
+          // the source was asked for exactly the experts the block used, in block order
+          const TestExperts::Call& call = run.acquired.at(acquire++);
+          wrong_acquires += call.block != int64_t(j) || call.experts != got.moe[j].experts;
+          // what each schedule prefetches
+          std::vector<int32_t> expected;
+          if (schedule == ExpertSchedule::prefetch_all) {
+            for (int32_t e = 0; e < E; ++e) expected.push_back(e);
+          } else if (j > 0 && (schedule == ExpertSchedule::pregated ||
+                               (schedule == ExpertSchedule::speculative && pregated))) {
+            expected = got.moe[j].experts;  // the pre-gate's choice is the block's routing
+          }
+          if (schedule == ExpertSchedule::speculative && !pregated) {
+            wrong_prefetches += (j == 0) != got.moe[j].prefetched.empty();  // a guess for every block after m_0
+          } else {
+            wrong_prefetches += got.moe[j].prefetched != expected;
+          }
+        }
+      }
+      EXPECT_EQ(mismatched_logits, 0) << name << ": steps whose logits differ from gpu_only's in a bit";
+      EXPECT_EQ(wrong_acquires, 0) << name;
+      EXPECT_EQ(wrong_prefetches, 0) << name;
+      EXPECT_EQ(acquire, run.acquired.size()) << name;
+      std::printf("%s %s: %zu steps, bytes and logits %s gpu_only's, %zu acquires, %zu prefetches\n",
+                  mismatched_logits == 0 && run.generation.bytes == baseline.generation.bytes ? "PASS" : "FAIL",
+                  name.c_str(), run.generation.steps.size(), mismatched_logits == 0 ? "identical to" : "DIFFER from",
+                  run.acquired.size(), run.prefetched.size());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling: the GPU's host sampler picks the reference's byte from the same logits
+
+TEST(CudaInferSampling, SameBytesAsReference) {
+  std::mt19937_64 rng(43);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const int64_t N = 3;
+  for (const moe::cuda::SamplingSettings settings :
+       {moe::cuda::SamplingSettings{0.0, 0, 1}, moe::cuda::SamplingSettings{1.0, 0, 2},
+        moe::cuda::SamplingSettings{0.7, 40, 3}, moe::cuda::SamplingSettings{2.0, 1, 4},
+        moe::cuda::SamplingSettings{0.5, 256, 5}}) {
+    moe::cuda::ByteSampler gpu(settings, N);
+    moe::ref::ByteSampler ref({settings.temperature, settings.top_k, settings.seed}, N);
+    int differences = 0;
+    for (int draw = 0; draw < 200; ++draw) {
+      std::vector<float> logits(size_t(N * kV));
+      for (float& value : logits) value = normal(rng);
+      if (draw % 7 == 0) logits[5] = logits[9];  // ties go to the lower byte on both sides
+      Matrix ref_logits(N, kV);
+      for (int64_t i = 0; i < N * kV; ++i) ref_logits(i / kV, i % kV) = logits[size_t(i)];
+      differences += gpu.sample(logits) != ref.sample(ref_logits);
+    }
+    EXPECT_EQ(differences, 0) << "temperature " << settings.temperature << " top_k " << settings.top_k;
+  }
+  EXPECT_THROW((moe::cuda::ByteSampler{{-1.0, 0, 0}, 1}), std::invalid_argument);
+  EXPECT_THROW((moe::cuda::ByteSampler{{1.0, 257, 0}, 1}), std::invalid_argument);
+  moe::cuda::ByteSampler sampler({1.0, 0, 0}, 1);
+  std::vector<float> bad(kV, 0.0f);
+  bad[3] = NAN;
+  EXPECT_THROW(sampler.sample(0, bad), std::invalid_argument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// (d) bad input
+
+fs::path temporary_directory(const std::string& name) {
+  const fs::path directory = fs::temp_directory_path() / ("moe_test_infer_" + name);
+  fs::remove_all(directory);
+  fs::create_directories(directory);
+  return directory;
+}
+
+template <typename Error, typename Work>
+std::string error_of(Work&& work) {
+  try {
+    work();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  ADD_FAILURE() << "no error thrown";
+  return "";
+}
+
+// A safetensors file round trip, a file of another model (the field named), a truncated file.
+TEST(CudaInferWeights, SafetensorsFileChecked) {
+  const ModelConfig config = tiny_config(MoeLayers::every_other_block, true, 4, 2);
+  const Weights weights = bf16_init(config, 47);
+  const fs::path directory = temporary_directory("safetensors");
+  const fs::path file = directory / "model.safetensors";
+  moe::ref::save_model_safetensors(file, config, weights.values);
+
+  const moe::cuda::InferenceWeights loaded = moe::cuda::load_weights_safetensors(file, moe::cuda::gpu_config_of(config, 3));
+  EXPECT_EQ(loaded.weights, weights.flat);
+  EXPECT_EQ(loaded.config.batch, 3);
+  EXPECT_TRUE(loaded.config.pregated);
+  EXPECT_EQ(loaded.config.moe_blocks, moe::cuda::MoeBlocks::every_other_block);
+  EXPECT_EQ(loaded.config.moe.top_k, 2);
+
+  ModelConfig other = config;
+  other.num_experts = 8;
+  const std::string message = error_of<moe::SafetensorsError>(
+      [&] { moe::cuda::load_weights_safetensors(file, moe::cuda::gpu_config_of(other, 1)); });
+  EXPECT_NE(message.find("num_experts"), std::string::npos) << message;
+  EXPECT_NE(message.find(file.string()), std::string::npos) << message;
+
+  // half of the file: the reader names the file and says it is short
+  const fs::path truncated = directory / "truncated.safetensors";
+  fs::copy_file(file, truncated);
+  fs::resize_file(truncated, fs::file_size(file) / 2);
+  const std::string truncated_message =
+      error_of<moe::SafetensorsError>([&] { moe::cuda::load_weights_safetensors(truncated); });
+  EXPECT_NE(truncated_message.find(truncated.string()), std::string::npos) << truncated_message;
+  fs::remove_all(directory);
+}
+
+// A moe_train run directory: its latest checkpoint's config and weights.
+TEST(CudaInferWeights, CheckpointRunDirectory) {
+  const ModelConfig config = tiny_config(MoeLayers::every_block, false, 2, 1);
+  const Weights weights = bf16_init(config, 53);
+  const fs::path run = temporary_directory("checkpoint");
+  moe::CheckpointHeader header;
+  header.model_config = moe::ref::model_config_to_json(config);
+  header.model_config["batch"] = 16;  // moe_train writes its batch too
+  header.step = 100;
+  fs::create_directories(run / "checkpoints");
+  moe::save_checkpoint(moe::checkpoint_path(run / "checkpoints", 100), header, {{"weights", weights.flat}});
+  const moe::cuda::InferenceWeights loaded = moe::cuda::load_weights_checkpoint(run);
+  EXPECT_EQ(loaded.weights, weights.flat);
+  EXPECT_EQ(loaded.config.num_layers, 2);
+  EXPECT_EQ(loaded.config.moe.num_experts, 4);
+  EXPECT_EQ(loaded.source, moe::checkpoint_path(run / "checkpoints", 100));
+  const std::string message = error_of<std::invalid_argument>([&] { moe::cuda::load_weights_checkpoint(run / "none"); });
+  EXPECT_NE(message.find("no such checkpoint"), std::string::npos) << message;
+  fs::remove_all(run);
+}
+
+// Configs and schedules the decoding model refuses, before any allocation (no GPU needed).
+TEST(CudaInferConfig, RefusedWithTheFieldNamed) {
+  const ModelConfig self_gated = tiny_config(MoeLayers::every_block, false, 2, 2);
+  const std::string message = error_of<std::invalid_argument>([&] {
+    moe::cuda::check_schedule(moe::cuda::gpu_config_of(self_gated, 1), ExpertSchedule::pregated);
+  });
+  EXPECT_NE(message.find("pregated"), std::string::npos) << message;
+  EXPECT_NO_THROW(moe::cuda::check_schedule(moe::cuda::gpu_config_of(self_gated, 1), ExpertSchedule::speculative));
+  ModelConfig odd = self_gated;
+  odd.expert_hidden_dim = 96;  // not a multiple of B = 64
+  odd.block_size = 32;
+  const std::string hidden = error_of<std::invalid_argument>(
+      [&] { moe::cuda::validate_for_inference(moe::cuda::gpu_config_of(odd, 1)); });
+  EXPECT_NE(hidden.find("hidden_dim"), std::string::npos) << hidden;
+  // A model trained padded or with B = 16 decodes (dropless, B = 64 at inference).
+  ModelConfig padded = self_gated;
+  padded.formulation = moe::Formulation::padded;
+  padded.block_size = 16;
+  EXPECT_NO_THROW(moe::cuda::validate_for_inference(moe::cuda::gpu_config_of(padded, 2)));
+  EXPECT_EQ(moe::cuda::parse_expert_schedule("speculative"), ExpertSchedule::speculative);
+  EXPECT_THROW(moe::cuda::parse_expert_schedule("eventually"), std::invalid_argument);
+}
+
+// A prompt longer than the context, unequal prompts, the wrong batch, a full context, the pregated
+// schedule on a self-gated model: clear errors, and the model still decodes afterwards.
+TEST(CudaInferConfig, BadInputOnTheGpu) {
+  REQUIRE_GPU();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, false, 2, 2);
+  const Weights weights = bf16_init(config, 59);
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, 2);
+  TestExperts experts(gpu, weights.flat, 0, false);
+  EXPECT_THROW((InferenceModelGpu{gpu, weights.flat, experts, ExpertSchedule::pregated}), std::invalid_argument);
+  InferenceModelGpu model(gpu, weights.flat, experts);
+  EXPECT_THROW(model.set_schedule(ExpertSchedule::pregated), std::invalid_argument);
+  EXPECT_THROW(model.decode_step({1, 2}), std::logic_error);  // before a prefill
+
+  const std::vector<int32_t> too_long(size_t(config.seq_len + 1), 'a');
+  std::string message = error_of<std::invalid_argument>([&] { model.prefill({too_long, too_long}); });
+  EXPECT_NE(message.find("longer than the context"), std::string::npos) << message;
+  message = error_of<std::invalid_argument>([&] { model.prefill({{'a', 'b'}, {'a'}}); });
+  EXPECT_NE(message.find("equal length"), std::string::npos) << message;
+  EXPECT_THROW(model.prefill({{'a'}}), std::invalid_argument);           // N = 1, the model decodes 2
+  EXPECT_THROW(model.prefill({{'a'}, {256}}), std::invalid_argument);    // not a byte
+  message = error_of<std::invalid_argument>(
+      [&] { moe::cuda::generate(model, {{'a', 'b'}, {'c', 'd'}}, config.seq_len, {}); });
+  EXPECT_NE(message.find("context holds S"), std::string::npos) << message;
+
+  // The whole context, then one step too many.
+  const std::vector<int32_t> full(size_t(config.seq_len), 'x');
+  const StepResult step = model.prefill({full, full});
+  EXPECT_EQ(step.next_logits.size(), size_t(2 * kV));
+  message = error_of<std::invalid_argument>([&] { model.decode_step({'a', 'b'}); });
+  EXPECT_NE(message.find("context is full"), std::string::npos) << message;
+  EXPECT_EQ(model.length(), config.seq_len);
+  // A one-byte prompt (the decode step's shape) and a step after it.
+  model.prefill({{'a'}, {'b'}});
+  EXPECT_NO_THROW(model.decode_step({'c', 'd'}));
+  EXPECT_EQ(model.length(), 2);
+}
+
+}  // namespace
