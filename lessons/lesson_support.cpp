@@ -55,7 +55,21 @@ LessonOptions parse_options(int argc, char** argv, const std::string& lesson_nam
 RunWriter create_lesson_run(const LessonOptions& options, const std::string& lesson_name,
                             const std::string& lesson_number, const MoeConfig& config,
                             std::vector<std::string> devices) {
+  return create_lesson_run(options, lesson_name, lesson_number, config, std::move(devices), 1);
+}
+
+bool lesson_run_refused(const LessonOptions& options, const std::string& lesson_name) {
+  if (options.overwrite || !std::filesystem::exists(options.out / "run.json")) return false;
+  std::cerr << lesson_name << ": a run record already exists at " << options.out.string()
+            << "; run with --overwrite to replace it, or choose another --out DIR\n";
+  return true;
+}
+
+RunWriter create_lesson_run(const LessonOptions& options, const std::string& lesson_name,
+                            const std::string& lesson_number, const MoeConfig& config,
+                            std::vector<std::string> devices, int64_t world_size) {
   RunInfo info;
+  info.world_size = world_size;
   info.kind = RunKind::lesson;
   info.name = lesson_name;
   info.moe_config = config;

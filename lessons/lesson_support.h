@@ -36,6 +36,17 @@ RunWriter create_lesson_run(const LessonOptions& options, const std::string& les
                             const std::string& lesson_number, const MoeConfig& config,
                             std::vector<std::string> devices = {"CPU (moe::ref, double)"});
 
+// The same for a run of R ranks (world_size R in run.json, one device name per rank). Under
+// mpirun only rank 0 calls it; the ranks agree beforehand, with lesson_run_refused, whether the
+// run may be written, so that they stop together.
+RunWriter create_lesson_run(const LessonOptions& options, const std::string& lesson_name,
+                            const std::string& lesson_number, const MoeConfig& config,
+                            std::vector<std::string> devices, int64_t world_size);
+
+// True when a run record already exists at options.out and --overwrite was not given (the case in
+// which create_lesson_run stops the program); says so on stderr.
+bool lesson_run_refused(const LessonOptions& options, const std::string& lesson_name);
+
 // ||a - reference|| / ||reference|| (Frobenius), or ||a|| when the reference is zero.
 double relative_error(const ref::Matrix& a, const ref::Matrix& reference);
 

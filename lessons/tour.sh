@@ -19,6 +19,27 @@ for lesson in lesson01_routing lesson02_formulations lesson03_block_sparse lesso
   "$program" --out "runs/$lesson" --overwrite || failed=1
 done
 
+# Lessons 06 and 07 run on 4 CPU ranks under mpirun; they are built where CMake found MPI. OpenMPI
+# wants --oversubscribe for more ranks than cores and, as root, --allow-run-as-root (what the
+# top-level CMakeLists.txt passes CTest).
+mpi_flags=()
+if command -v mpirun >/dev/null && mpirun --version 2>&1 | grep -q -e "Open MPI" -e "OpenRTE"; then
+  mpi_flags+=(--oversubscribe)
+  [ "$(id -u)" -eq 0 ] && mpi_flags+=(--allow-run-as-root)
+fi
+for lesson in lesson06_expert_parallelism lesson07_tutel; do
+  program="$build_dir/lessons/$lesson"
+  echo
+  echo "==================== $lesson (mpirun -np 4) ===================="
+  if ! command -v mpirun >/dev/null; then
+    echo "tour: no mpirun here (sudo apt install openmpi-bin libopenmpi-dev, then rebuild): $lesson is left out"
+  elif [ ! -x "$program" ]; then
+    echo "tour: $program is not built (CMake found no MPI): $lesson is left out"
+  else
+    mpirun -np 4 ${mpi_flags[@]+"${mpi_flags[@]}"} "$program" --out "runs/$lesson" --overwrite || failed=1
+  fi
+done
+
 # Lesson 08 reads the training runs recorded on a GPU (notebooks_data/runs/train_*).
 echo
 echo "==================== lesson08_quality ===================="

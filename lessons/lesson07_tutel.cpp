@@ -1,0 +1,517 @@
+// lesson07_tutel.cpp: Lesson 07, Tutel (Hwang et al., MLSys 2023) on top of expert parallelism:
+// adaptive pipelining (the rows in d chunks, so chunk c + 1's exchange overlaps chunk c's
+// experts), the 2D hierarchical all-to-all (nodes of G ranks: fewer, larger messages between
+// nodes), and parallelism switching (Tutel's r). Each idea is shown with a cost model built from
+// figures measured on the GPU machines; the real run on CPU ranks checks that neither the chunking
+// nor the 2DH exchange changes a result. Read lessons/07_tutel.md beside it.
+//
+// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root, and --oversubscribe
+// when there are more ranks than cores):
+//   ./moe build && mpirun -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
+//
+// The layer is distributed/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
+// hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h. Rank 0 prints the tables
+// and the verdict and writes the run record. Dimension legend: T tokens (all ranks), T_r per rank,
+// D model width, H expert hidden width, E experts, K top-k, R ranks, G ranks per node, N = R / G
+// nodes, d pipeline chunks, r Tutel's parallelism degree.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <iostream>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <tuple>
+
+#include "all_to_all_2dh.h"           // HierarchicalAllToAll
+#include "expert_parallel_cpu.h"      // expert_parallel_forward / backward, local_weights
+#include "init.h"                     // random_weights, random_matrix
+#include "lesson_support.h"           // options, zipf_tokens, Table
+#include "mpi_communicator.h"         // MpiEnvironment, MpiCommunicator
+
+using namespace moe;
+using moe::lessons::Table;
+
+namespace {
+
+constexpr const char* kName = "lesson07_tutel";
+constexpr double kTolerance = 1e-12;  // d chunks vs one: double, only the order of the weight-gradient sums differs
+constexpr double kBf16Bytes = 2;
+
+std::string text(double value, int decimals) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(decimals) << value;
+  return out.str();
+}
+
+// ---- the cost model ----
+
+// An exchange of b bytes per rank takes latency + b / bandwidth, the line through two points of the
+// all-to-all sweep on two H200s over NVLink (PyTorch + NCCL 2.28, 2026-11-24, shared BASELINES):
+// busbw 58 GB/s at 8 MiB per rank and 249 GB/s at 256 MiB. time = bytes / algbw, algbw = busbw *
+// R / (R - 1) = 2 busbw at R = 2.
+struct Link {
+  double latency_us = 0;
+  double bytes_per_us = 0;
+  double time_us(double bytes) const { return latency_us + bytes / bytes_per_us; }
+};
+
+Link measured_link() {
+  const double small = 8.0 * (1 << 20), large = 256.0 * (1 << 20);
+  const double small_us = small / (2 * 58e9) * 1e6, large_us = large / (2 * 249e9) * 1e6;
+  Link link;
+  link.bytes_per_us = (large - small) / (large_us - small_us);
+  link.latency_us = small_us - small / link.bytes_per_us;
+  return link;
+}
+
+// Expert FLOPs / rate: torch._grouped_mm, bf16 forward, D=2048 H=8192 K=2 uniform routing, one H200,
+// 2026-11-21 (shared BASELINES): 623 TFLOP/s.
+constexpr double kExpertFlopsPerUs = 623e12 / 1e6;
+
+struct Span {
+  int chunk = 0;
+  double start = 0, end = 0;  // us
+};
+
+// One layer's forward with d chunks on two streams: the comm stream sends every chunk's dispatch,
+// then every chunk's combine, in chunk order; the compute stream runs chunk c's experts as soon as
+// its dispatch has arrived; chunk c's combine waits for its experts.
+struct Schedule {
+  std::vector<Span> dispatch, experts, combine;
+  double total_us = 0;
+};
+
+Schedule simulate(int chunks, double exchange_us, double expert_us) {  // per chunk
+  Schedule s;
+  double comm = 0, compute = 0;
+  for (int c = 0; c < chunks; ++c) s.dispatch.push_back({c, comm, comm + exchange_us}), comm += exchange_us;
+  for (int c = 0; c < chunks; ++c) {
+    const double start = std::max(compute, s.dispatch[c].end);
+    s.experts.push_back({c, start, start + expert_us});
+    compute = start + expert_us;
+  }
+  for (int c = 0; c < chunks; ++c) {
+    const double start = std::max(comm, s.experts[c].end);
+    s.combine.push_back({c, start, start + exchange_us});
+    comm = start + exchange_us;
+  }
+  s.total_us = comm;
+  return s;
+}
+
+// One lane of the timeline: the chunk number where an op runs, '.' where the stream waits.
+std::string lane(const std::vector<Span>& spans, double us_per_column, int columns) {
+  std::string out(static_cast<size_t>(columns), ' ');
+  for (int i = 0; i < columns; ++i) {
+    const double t = (i + 0.5) * us_per_column;
+    for (const Span& span : spans) {
+      if (t >= span.start && t < span.end) out[i] = static_cast<char>('0' + span.chunk % 10);
+    }
+    if (out[i] == ' ' && t < spans.back().end) out[i] = '.';
+  }
+  return out;
+}
+
+// ---- the real run ----
+
+struct Shard {
+  int rank = 0, ranks = 1;
+  int64_t offset = 0, tokens = 0;
+};
+
+struct LayerResult {
+  dist::ExpertParallelForward forward;
+  dist::ExpertParallelGradients grads;
+};
+
+LayerResult run_layer(dist::Communicator& comm, const MoeConfig& config, const ref::Matrix& x,  // [T, D]
+                      const ref::Matrix& dy, const ref::MoeWeights& weights, const Shard& shard,
+                      const dist::ExpertParallelOptions& options) {
+  const ref::Matrix x_r = x.middleRows(shard.offset, shard.tokens);
+  const auto local = dist::local_weights(config, weights, shard.rank, shard.ranks);
+  LayerResult result;
+  result.forward = dist::expert_parallel_forward(comm, config, x_r, local, options);
+  result.grads = dist::expert_parallel_backward(comm, config, x_r, local, result.forward,
+                                                dy.middleRows(shard.offset, shard.tokens));
+  return result;
+}
+
+// Every tensor of a result, in one list: y, dx, dWg, dW1..., dW2...
+std::vector<const ref::Matrix*> tensors(const LayerResult& r) {
+  std::vector<const ref::Matrix*> out{&r.forward.y, &r.grads.x, &r.grads.gate_weights};
+  for (const auto& m : r.grads.w1) out.push_back(&m);
+  for (const auto& m : r.grads.w2) out.push_back(&m);
+  return out;
+}
+
+bool same_bits(const ref::Matrix& a, const ref::Matrix& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(double) * static_cast<size_t>(a.size())) == 0;
+}
+
+struct Comparison {
+  bool y_bitwise = true;   // the forward output, on every rank
+  bool bitwise = true;     // on every rank, every tensor
+  double max_rel_err = 0;  // the largest over the tensors, ||a - b|| / ||b|| over all ranks
+};
+
+// Collective: every rank compares its tensors; the outcome is the same on every rank.
+Comparison compare(dist::Communicator& comm, const LayerResult& actual, const LayerResult& expected) {
+  const auto a = tensors(actual), b = tensors(expected);
+  // [difference^2, reference^2] per tensor, then the tensors that differ in a bit: y, all
+  std::vector<double> sums(2 * a.size() + 2, 0.0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const bool replicated = i == 2;  // dWg is the same on every rank: count it once
+    if (replicated && comm.rank() != 0) continue;
+    sums[2 * i] = (*a[i] - *b[i]).squaredNorm();
+    sums[2 * i + 1] = b[i]->squaredNorm();
+  }
+  sums[2 * a.size()] = same_bits(*a[0], *b[0]) ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) sums.back() += same_bits(*a[i], *b[i]) ? 0 : 1;
+  dist::all_reduce_sum<double>(comm, sums);
+  Comparison c;
+  c.y_bitwise = sums[2 * a.size()] == 0;
+  c.bitwise = sums.back() == 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double e = sums[2 * i + 1] > 0 ? std::sqrt(sums[2 * i] / sums[2 * i + 1]) : std::sqrt(sums[2 * i]);
+    c.max_rel_err = std::max(c.max_rel_err, e);
+  }
+  return c;
+}
+
+// The dispatch's rows as bf16 with a different bit pattern per element, through the flat and the
+// 2DH all-to-all-v into NaN-filled buffers: true when both receive the same bits (on every rank).
+bool same_exchange(dist::Communicator& comm, dist::HierarchicalAllToAll& hierarchical,
+                   const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows, int64_t D) {
+  const int R = comm.size();
+  std::vector<int64_t> send_counts(R), recv_counts(R);
+  for (int p = 0; p < R; ++p) send_counts[p] = send_rows[p] * D, recv_counts[p] = recv_rows[p] * D;
+  const auto send_offsets = dist::exclusive_prefix_sum(send_counts);
+  const auto recv_offsets = dist::exclusive_prefix_sum(recv_counts);
+  std::vector<uint16_t> send(send_offsets[R - 1] + send_counts[R - 1]);
+  for (size_t i = 0; i < send.size(); ++i) send[i] = static_cast<uint16_t>(0x3C00 + (comm.rank() * 7919 + i) % 0x800);
+  const size_t received = recv_offsets[R - 1] + recv_counts[R - 1];
+  std::vector<uint16_t> flat(received, 0x7FC0), two_level(received, 0x7FC0);  // bf16 NaN
+  comm.all_to_all_v(send.data(), send_counts, send_offsets, flat.data(), recv_counts, recv_offsets,
+                    dist::DataType::bfloat16);
+  hierarchical.all_to_all_v(send.data(), send_counts, send_offsets, two_level.data(), recv_counts, recv_offsets,
+                            dist::DataType::bfloat16);
+  int32_t same = flat == two_level ? 1 : 0;
+  for (int32_t s : dist::all_gather<int32_t>(comm, same)) same &= s;
+  return same == 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto options = lessons::parse_options(argc, argv, kName, "runs/lesson07_tutel");
+  dist::MpiEnvironment mpi(argc, argv);
+  const auto world = dist::MpiCommunicator::world();
+  dist::Communicator& comm = *world;
+  const int R = comm.size(), rank = comm.rank();
+  const bool root = rank == 0;
+
+  MoeConfig config;
+  config.tokens = 2048;    // T, all ranks together
+  config.model_dim = 32;   // D
+  config.hidden_dim = 64;  // H
+  config.num_experts = 8;  // E
+  config.top_k = 2;        // K
+  config.block_size = 8;   // B
+  config.capacity_factor = 1.25;
+  config.formulation = Formulation::dropless;
+  config.aux_loss_coef = 0.01;
+  config.z_loss_coef = 1e-3;
+  const int64_t T = config.tokens, D = config.model_dim, E = config.num_experts;
+  if (E % R != 0 || T % R != 0) {
+    if (root) std::cerr << kName << ": R = " << R << " ranks must divide E = " << E << " and T = " << T
+                        << "; run with -np 1, 2, 4 or 8\n";
+    return 2;
+  }
+  const Shard shard{rank, R, rank * (T / R), T / R};
+
+  int32_t refused = root && lessons::lesson_run_refused(options, kName) ? 1 : 0;
+  dist::broadcast<int32_t>(comm, std::span<int32_t>(&refused, 1), 0);
+  if (refused) return 2;
+  std::optional<RunWriter> writer;
+  if (root) {
+    std::vector<std::string> devices;
+    for (int r = 0; r < R; ++r) devices.push_back("CPU rank " + std::to_string(r) + " (moe::ref, double, MPI)");
+    writer.emplace(lessons::create_lesson_run(options, kName, "07", config, devices, R));
+  }
+  auto show = [&](const Table& table) {
+    if (!root) return;
+    table.print();
+    writer->append(to_event(table.event()));
+  };
+  auto say = [&](const std::string& line) { if (root) std::cout << line; };
+
+  say("Lesson 07: Tutel on R=" + std::to_string(R) + " CPU ranks (real run: T=" + std::to_string(T) +
+      ", D=" + std::to_string(D) + ", H=" + std::to_string(config.hidden_dim) + ", E=" + std::to_string(E) +
+      ", K=" + std::to_string(config.top_k) + "; cost models at GPU sizes)\n");
+
+  // ---- 1. adaptive pipelining: the cost model ----
+  const Link link = measured_link();
+  say("\nThe cost model: exchange = " + text(link.latency_us, 1) + " us + bytes / " +
+      text(link.bytes_per_us / 1e3, 0) + " GB/s (fit of the 2 x H200 all-to-all sweep, 2026-11-24);\n"
+      "experts = FLOPs / 623 TFLOP/s (grouped GEMM, one H200, 2026-11-21). Forward of one layer, per rank.\n");
+  struct PipelineShape {
+    std::string name;
+    int64_t tokens_per_rank, D, H, K;
+    double link_speed;  // 1 = the measured NVLink pair
+  };
+  const std::vector<PipelineShape> shapes{
+      {"Tutel's layer, NVLink", 16384, 2048, 8192, 2, 1.0},
+      {"Tutel's layer, link 8x slower (hypothetical)", 16384, 2048, 8192, 2, 0.125},
+      {"T_r=1024 (small batch), NVLink", 1024, 2048, 8192, 2, 1.0}};
+  const std::vector<int> degrees{1, 2, 4, 8};
+  Table pipeline_table("Table 1: d chunks, forward time from the cost model (bf16 rows; the comm stream carries both exchanges)",
+                       {"shape", "d", "exchange a chunk (us)", "experts a chunk (us)", "forward (us)", "vs d=1",
+                        "model's choice"});
+  std::vector<Schedule> first_shape_schedules;
+  for (const PipelineShape& s : shapes) {
+    const double bytes = static_cast<double>(s.tokens_per_rank * s.K * s.D) * kBf16Bytes;  // T_r*K*D*2 each way
+    const double flops = 4.0 * static_cast<double>(s.tokens_per_rank * s.K) * s.D * s.H;
+    std::vector<Schedule> schedules;
+    std::vector<double> exchange_us;
+    for (int d : degrees) {
+      exchange_us.push_back(link.latency_us + bytes / d / (link.bytes_per_us * s.link_speed));
+      schedules.push_back(simulate(d, exchange_us.back(), flops / d / kExpertFlopsPerUs));
+    }
+    size_t best = 0;  // the fastest; d = 1 unless another is strictly faster
+    for (size_t i = 1; i < schedules.size(); ++i) {
+      if (schedules[i].total_us < schedules[best].total_us) best = i;
+    }
+    for (size_t i = 0; i < schedules.size(); ++i) {
+      pipeline_table.add_row({i == 0 ? s.name : "", degrees[i], exchange_us[i], flops / degrees[i] / kExpertFlopsPerUs,
+                              schedules[i].total_us, schedules[i].total_us / schedules[0].total_us,
+                              i == best ? "<- best" : ""});
+    }
+    if (first_shape_schedules.empty()) first_shape_schedules = schedules;
+  }
+  show(pipeline_table);
+
+  {
+    const int columns = 72;
+    double longest = 0;
+    for (const Schedule& s : first_shape_schedules) longest = std::max(longest, s.total_us);
+    const double us_per_column = longest / columns;
+    std::ostringstream out;
+    out << "\nTimelines of Tutel's layer on NVLink (one column = " << text(us_per_column, 0)
+        << " us; digits are chunk numbers, '.' a stream waiting):\n";
+    for (size_t i = 0; i < first_shape_schedules.size(); ++i) {
+      const Schedule& s = first_shape_schedules[i];
+      out << "  d=" << degrees[i] << "  " << text(s.total_us, 0) << " us\n"
+          << "    dispatch |" << lane(s.dispatch, us_per_column, columns) << "\n"
+          << "    experts  |" << lane(s.experts, us_per_column, columns) << "\n"
+          << "    combine  |" << lane(s.combine, us_per_column, columns) << "\n";
+      if (root) {  // the same timelines as spans (step = d), so the viewer's timeline draws them
+        for (const auto& [spans, stream, stream_name, name] :
+             {std::tuple{&s.dispatch, 1, "comm (cost model)", "dispatch"},
+              std::tuple{&s.experts, 0, "compute (cost model)", "expert_compute"},
+              std::tuple{&s.combine, 1, "comm (cost model)", "combine"}}) {
+          for (const Span& span : *spans) {
+            writer->append(to_event(SpanEvent{.step = degrees[i], .rank = 0, .stream = stream,
+                                              .stream_name = stream_name, .name = name, .start_us = span.start,
+                                              .duration_us = span.end - span.start}));
+          }
+        }
+      }
+    }
+    say(out.str());
+  }
+
+  // ---- 2. adaptive pipelining: the real run, d = 1, 2, 4, 8 on CPU ranks ----
+  std::mt19937_64 generator(options.seed);
+  const ref::Matrix x = lessons::zipf_tokens(T, D, 1000, 1.1, generator);
+  const ref::Matrix dy = ref::random_matrix(T, D, generator);
+  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
+  weights.gate_weights = ref::random_matrix(D, E, generator, 3.0 / std::sqrt(static_cast<double>(D)));
+
+  double chunk_error = 0;
+  bool chunks_y_bitwise = true;
+  std::optional<LayerResult> flat_dropless;  // d = 1, flat: the 2DH runs compare with it
+  {
+    Table table("Table 2: the real run in d chunks on " + std::to_string(R) +
+                    " CPU ranks (zipf text), forward and backward, against d=1",
+                {"formulation", "d", "rows computed per chunk (all ranks)", "max_rel_err vs d=1", "y bit for bit",
+                 "all bit for bit"});
+    for (Formulation formulation : {Formulation::dropless, Formulation::padded}) {
+      MoeConfig c = config;
+      c.formulation = formulation;
+      std::optional<LayerResult> one;
+      for (int d : degrees) {
+        LayerResult result = run_layer(comm, c, x, dy, weights, shard, {.pipeline_chunks = d, .hierarchical = nullptr});
+        std::vector<int64_t> rows;
+        for (const auto& chunk : result.forward.chunks) rows.push_back(chunk.expert_plan.total_rows);
+        rows = dist::all_gather<int64_t>(comm, rows);  // [R, d]
+        std::string rows_text;
+        for (int ch = 0; ch < d; ++ch) {
+          int64_t sum = 0;
+          for (int r = 0; r < R; ++r) sum += rows[r * d + ch];
+          if (ch) rows_text += ' ';
+          rows_text += std::to_string(sum);
+        }
+        Comparison cmp;
+        if (one) {
+          cmp = compare(comm, result, *one);
+          chunk_error = std::max(chunk_error, cmp.max_rel_err);
+          chunks_y_bitwise = chunks_y_bitwise && cmp.y_bitwise;
+        }
+        table.add_row({std::string(to_string(formulation)), d, rows_text, cmp.max_rel_err,
+                       d == 1 ? "-" : (cmp.y_bitwise ? "yes" : "no"), d == 1 ? "-" : (cmp.bitwise ? "yes" : "no")});
+        if (!one) one = std::move(result);
+      }
+      if (formulation == Formulation::dropless) flat_dropless = std::move(one);
+    }
+    show(table);
+    say("  The chunks split each expert's row space (its kept rows, or C when padded): every row is\n"
+        "  computed once, y bit for bit. Dropless rounds each chunk's rows up to B: more padding. The\n"
+        "  gradients (weights, and dx over a token's K slots) add up chunk by chunk: another order.\n");
+  }
+
+  // ---- 3. the 2D hierarchical all-to-all ----
+  {
+    // The message arithmetic per rank for b bytes per rank each way (Tutel's layer: 128 MiB).
+    const double b = 16384.0 * 2 * 2048 * kBf16Bytes;
+    Table table("Table 3: messages a rank sends in one all-to-all of b = 128 MiB per rank (uniform routing)",
+                {"R", "G", "exchange", "messages within node", "KiB each", "messages across nodes", "KiB each"});
+    for (const auto& [ranks, per_node] : {std::pair{4, 2}, std::pair{64, 8}, std::pair{256, 8}}) {
+      const int nodes = ranks / per_node;
+      auto kib = [](double bytes) { return static_cast<int64_t>(std::llround(bytes / 1024)); };
+      table.add_row({ranks, per_node, "flat", per_node - 1, kib(b / ranks), ranks - per_node, kib(b / ranks)});
+      table.add_row({"", "", "2DH stage 1", per_node - 1, kib(b / per_node), 0, "-"});
+      table.add_row({"", "", "2DH stage 2", 0, "-", nodes - 1, kib(b / nodes)});
+    }
+    show(table);
+    say("  Flat: R - G messages of b/R cross nodes. 2DH: N - 1 messages of b/N, each G times larger;\n"
+        "  the bytes that cross nodes are the same, the messages G times fewer. The price: stage 1\n"
+        "  moves (G-1)/G of b once more inside the node, and two local copies reorder the blocks.\n");
+  }
+
+  const std::vector<int64_t> dispatch_rows = dist::all_gather<int64_t>(comm, flat_dropless->forward.chunks[0].send_rows);
+  {
+    std::vector<int> node_sizes;
+    for (int g = 2; g < R; ++g) if (R % g == 0) node_sizes.push_back(g);
+    if (node_sizes.empty()) {
+      say("\n(Table 4 needs R with a node size 1 < G < R, e.g. -np 4; skipped at R=" + std::to_string(R) + ")\n");
+    } else {
+      Table table("Table 4: the real dispatch of Table 2 (dropless, d=1), flat and 2DH, bytes as bf16 rows",
+                  {"G", "exchange", "messages within node", "bytes within node", "messages across nodes",
+                   "bytes across nodes", "mean message across (bytes)"});
+      const int64_t row_bytes = D * static_cast<int64_t>(kBf16Bytes);
+      for (int G : node_sizes) {
+        const int N = R / G;
+        struct Stage { int64_t within = 0, across = 0, within_bytes = 0, across_bytes = 0; };
+        Stage flat, stage1, stage2;
+        auto add = [](Stage& s, bool same_node, int64_t bytes) {
+          if (bytes <= 0) return;
+          if (same_node) ++s.within, s.within_bytes += bytes;
+          else ++s.across, s.across_bytes += bytes;
+        };
+        for (int s = 0; s < R; ++s)
+          for (int t = 0; t < R; ++t)
+            if (s != t) add(flat, s / G == t / G, dispatch_rows[s * R + t] * row_bytes);
+        for (int n = 0; n < N; ++n) {
+          for (int g = 0; g < G; ++g) {
+            for (int g2 = 0; g2 < G; ++g2) {  // stage 1: (n, g) -> (n, g2), all it has for ranks (*, g2)
+              int64_t bytes = 0;
+              for (int n2 = 0; n2 < N; ++n2) bytes += dispatch_rows[(n * G + g) * R + n2 * G + g2] * row_bytes;
+              if (g2 != g) add(stage1, true, bytes);
+            }
+            for (int n2 = 0; n2 < N; ++n2) {  // stage 2: (n, g) -> (n2, g), node n's blocks for (n2, g)
+              int64_t bytes = 0;
+              for (int g_source = 0; g_source < G; ++g_source) bytes += dispatch_rows[(n * G + g_source) * R + n2 * G + g] * row_bytes;
+              if (n2 != n) add(stage2, false, bytes);
+            }
+          }
+        }
+        for (const auto& [name, s] : {std::pair<std::string, Stage>{"flat", flat}, {"2DH stage 1", stage1}, {"2DH stage 2", stage2}}) {
+          table.add_row({G, name, s.within, s.within_bytes, s.across, s.across_bytes,
+                         s.across > 0 ? s.across_bytes / s.across : int64_t{0}});
+        }
+      }
+      show(table);
+    }
+  }
+
+  bool hierarchical_bitwise = true;
+  std::string node_sizes_checked;
+  {
+    Table table("Table 5: the layer through the 2DH all-to-all against the flat one (dropless, d=1, forward and backward)",
+                {"G", "nodes N", "y, dx, dWg, dW1, dW2 bit for bit", "bf16 dispatch bit for bit"});
+    for (int G = 1; G <= R; ++G) {
+      if (R % G != 0) continue;
+      dist::HierarchicalAllToAll hierarchical(comm, G);
+      const LayerResult result =
+          run_layer(comm, config, x, dy, weights, shard, {.pipeline_chunks = 1, .hierarchical = &hierarchical});
+      const bool layer_same = compare(comm, result, *flat_dropless).bitwise;
+      const bool exchange_same = same_exchange(comm, hierarchical, flat_dropless->forward.chunks[0].send_rows,
+                                               flat_dropless->forward.chunks[0].recv_rows, D);
+      hierarchical_bitwise = hierarchical_bitwise && layer_same && exchange_same;
+      if (!node_sizes_checked.empty()) node_sizes_checked += ',';
+      node_sizes_checked += std::to_string(G);
+      table.add_row({G, R / G, layer_same ? "yes" : "NO", exchange_same ? "yes" : "NO"});
+    }
+    show(table);
+  }
+
+  // ---- 4. parallelism switching (Tutel's r): the cost model ----
+  {
+    struct SwitchShape {
+      std::string name;
+      int ranks;
+      int64_t E, D, H, K, tokens_per_rank;
+    };
+    const std::vector<SwitchShape> shapes{
+        {"Tutel's layer: R=2 E=32 D=2048 H=8192 T_r=16384", 2, 32, 2048, 8192, 2, 16384},
+        {"small experts: R=8 E=4 D=1024 H=1024 T_r=16384", 8, 4, 1024, 1024, 2, 16384},
+        {"large experts: R=8 E=4 D=4096 H=14336 T_r=8192", 8, 4, 4096, 14336, 2, 8192}};
+    const double busbw = 249e9;  // 2 x H200 all-to-all at 256 MiB, 2026-11-24; a stand-in for every collective
+    Table table("Table 6: one training step of the layer per rank under Tutel's r (cost model, bf16, K=2)",
+                {"shape", "r", "layout", "expert weights held (MiB)", "weight bytes a step (MiB)",
+                 "token bytes a step (MiB)", "ms at 249 GB/s", "least"});
+    const double MiB = 1 << 20;
+    for (const SwitchShape& s : shapes) {
+      const double P = static_cast<double>(s.E) * 2 * s.D * s.H * kBf16Bytes;  // every expert's W1 and W2
+      const double stored = P / s.ranks;                                          // each rank's slice, every r
+      const double b = static_cast<double>(s.tokens_per_rank * s.K * s.D) * kBf16Bytes;  // one exchange
+      const double crossing = static_cast<double>(s.ranks - 1) / s.ranks;
+      std::vector<std::vector<nlohmann::json>> rows;
+      double least = 1e300;
+      size_t least_row = 0;
+      for (int r : {0, 1, 2}) {
+        const double held = r == 0 ? P : P / std::min<double>(s.ranks, static_cast<double>(s.E * r));
+        const double weight_bytes = 2 * (held - stored);                        // all-gather + reduce-scatter
+        const double token_bytes = r == 0 ? 0 : 4 * b * r * crossing;           // 2 exchanges fwd, 2 bwd
+        const double ms = 1e3 * (weight_bytes + token_bytes) / busbw;
+        const std::string layout = r == 0 ? "data parallel: every expert on every rank"
+                                   : r == 1 ? "expert parallel"
+                                            : "each expert sharded over 2 ranks along H";
+        if (ms < least) least = ms, least_row = rows.size();
+        rows.push_back({rows.empty() ? s.name : "", r, layout, held / MiB, weight_bytes / MiB, token_bytes / MiB, ms, ""});
+      }
+      rows[least_row].back() = "<-";
+      for (auto& row : rows) table.add_row(row);
+    }
+    show(table);
+    say("  Expert FLOPs are the same in every layout; r trades the memory a rank holds against the bytes\n"
+        "  it moves. Tutel stores 1/R of the expert parameters on each rank for every r and gathers what\n"
+        "  r needs, so r can change between steps with no parameter moved. Not built here yet.\n");
+  }
+
+  // ---- verdict ----
+  const bool pass = hierarchical_bitwise && chunk_error <= kTolerance;
+  std::ostringstream message;
+  message << std::setprecision(2) << "on R=" << R << " ranks: 2DH == flat bit for bit at G=" << node_sizes_checked
+          << " (y, dx, dWg, dW1, dW2 and the bf16 dispatch): " << (hierarchical_bitwise ? "yes" : "NO")
+          << "; d=2,4,8 == d=1 (dropless and padded, forward and backward): max_rel_err=" << chunk_error
+          << " tol=" << kTolerance << ", y bit for bit: " << (chunks_y_bitwise ? "yes" : "no");
+  if (root) {
+    lessons::finish(*writer, kName, pass, message.str());
+    std::cout << "run record: " << options.out.string() << "\n";
+  }
+  return pass ? 0 : 1;
+}
