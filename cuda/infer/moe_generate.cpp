@@ -9,6 +9,11 @@
 //   build/cuda/train/moe_train --run-dir runs/train
 //   build/cuda/infer/moe_generate --checkpoint runs/train --prompt "The jury said"
 //   build/cuda/infer/moe_generate --help
+//   build/cuda/infer/moe_generate --checkpoint runs/train --mode on_demand --run-dir runs/generate_on_demand
+//
+// With --run-dir, a run record (kind "infer", notebooks_data/README.md) for the viewer's offload
+// panel: per step an `offload` event per MoE block and spans on the compute and copy streams
+// (infer/offload_recording.h says where each time comes from).
 //
 // Sequence 0 is printed as it is produced (flushed byte by byte), the others at the end; a summary
 // (times, the experts each MoE block used, the prefetches' accuracy, the expert cache's hits and
@@ -18,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -32,6 +38,7 @@
 #include "infer/expert_schedule.h"       // ExpertSchedule, parse_expert_schedule
 #include "infer/generate.h"              // generate
 #include "infer/inference_model.h"       // InferenceModelGpu
+#include "infer/offload_recording.h"     // RecordedExpertSource
 #include "infer/weights_file.h"          // load_weights_checkpoint, load_weights_safetensors
 #include "offload/offloaded_experts.h"   // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h" // PinnedExpertStore
@@ -65,6 +72,8 @@ constexpr const char* kUsage =
     "  --cache-experts N      expert cache slots for the modes other than gpu_only (default: two MoE\n"
     "                         blocks' worth, 2E, or all experts if fewer)\n"
     "  --cache-policy P       lru | lfu (default lru)\n"
+    "  --run-dir DIR          also write a run record there (kind infer: offload events and copy / compute\n"
+    "                         spans per step, for the viewer); an existing record in DIR is replaced\n"
     "  --help                 this text\n";
 
 struct BadInput : std::runtime_error {
@@ -79,6 +88,7 @@ struct Options {
   ExpertSchedule mode = ExpertSchedule::gpu_only;
   int64_t cache_experts = 0;  // 0: the default
   CachePolicy cache_policy = CachePolicy::lru;
+  std::optional<std::string> run_dir;
 };
 
 int64_t integer_of(const std::string& flag, const std::string& text, int64_t least) {
@@ -123,7 +133,7 @@ std::optional<Options> parse(const std::vector<std::string>& arguments) {
     }
     static const std::vector<std::string> known = {
         "--checkpoint", "--weights", "--prompt", "--prompt-file", "--max-new-bytes", "--batch", "--temperature",
-        "--top-k", "--seed", "--mode", "--cache-experts", "--cache-policy"};
+        "--top-k", "--seed", "--mode", "--cache-experts", "--cache-policy", "--run-dir"};
     if (std::find(known.begin(), known.end(), flag) == known.end()) {
       throw BadInput("unknown argument '" + arguments[i] + "' (--help)");
     }
@@ -142,6 +152,7 @@ std::optional<Options> parse(const std::vector<std::string>& arguments) {
     else if (flag == "--top-k") o.sampling.top_k = integer_of(flag, v, 0);
     else if (flag == "--seed") o.sampling.seed = static_cast<uint64_t>(integer_of(flag, v, 0));
     else if (flag == "--cache-experts") o.cache_experts = integer_of(flag, v, 1);
+    else if (flag == "--run-dir") o.run_dir = v;
     else if (flag == "--cache-policy") {
       try {
         o.cache_policy = cache_policy_from_string(v);
@@ -271,7 +282,35 @@ int run(const std::vector<std::string>& arguments) {
   };
   if (!source) source = std::make_unique<NoExperts>();
 
-  InferenceModelGpu model(config, loaded.weights, *source, o.mode);
+  // --run-dir: the source wrapped so that each step's copies, waits and phases are timed.
+  std::optional<moe::RunWriter> writer;
+  std::unique_ptr<RecordedExpertSource> recorded;
+  if (o.run_dir) {
+    moe::RunInfo info;
+    info.kind = moe::RunKind::infer;
+    info.name = std::filesystem::path(*o.run_dir).filename().string();
+    if (has_experts) info.moe_config = config.moe;
+    info.model = {{"layers", config.num_layers}, {"model_dim", config.model_dim}, {"heads", config.num_heads},
+                  {"seq_len", S}, {"pregated", config.pregated},
+                  {"moe_blocks", config.moe_blocks == MoeBlocks::none ? "none"
+                                 : config.moe_blocks == MoeBlocks::every_block ? "every_block" : "every_other_block"}};
+    info.devices = {current_device().name};
+    info.extra = {{"program", "moe_generate"}, {"weights", loaded.source.string()}, {"mode", std::string(to_string(o.mode))},
+                  {"batch", o.batch}, {"prompt_bytes", P}, {"max_new_bytes", o.max_new_bytes},
+                  {"cache_slots", offloaded != nullptr ? offloaded->cache().slots() : 0},
+                  {"cache_policy", to_string(o.cache_policy)}, {"temperature", o.sampling.temperature},
+                  {"top_k", o.sampling.top_k}, {"seed", o.sampling.seed},
+                  {"steps", "step 0 is the prefill, then one decode step per generated byte"}};
+    try {
+      writer.emplace(moe::RunWriter::create(*o.run_dir, info, moe::OnExisting::overwrite));
+    } catch (const moe::RecordError& error) {
+      throw BadInput(std::string("--run-dir: ") + error.what());
+    }
+    recorded = std::make_unique<RecordedExpertSource>(*source, offloaded, *writer);
+  }
+  ExpertSource& model_source = recorded ? static_cast<ExpertSource&>(*recorded) : *source;
+  InferenceModelGpu model(config, loaded.weights, model_source, o.mode);
+  if (recorded) model.set_phase_timer(&recorded->phase_timer());
   std::fprintf(stderr,
                "moe_generate: %s on %s: D=%lld L=%lld S=%lld, MoE %s E=%lld K=%lld%s, mode %s, batch %lld, "
                "temperature %g, top-k %lld, seed %llu\n",
@@ -288,13 +327,31 @@ int run(const std::vector<std::string>& arguments) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   Clock::time_point first = start, last = start;
+  if (recorded) recorded->begin_step(nullptr);  // the model's stream: the default one
   const Generation generation =
       generate(model, std::vector<std::vector<int32_t>>(size_t(o.batch), prompt), o.max_new_bytes, o.sampling,
                [&](int64_t step, const std::vector<int32_t>& bytes) {
                  std::fputc(bytes[0], stdout);
                  std::fflush(stdout);
                  (step == 0 ? first : last) = Clock::now();
+                 if (recorded) {  // step `step` has run (0: the prefill); the next one is fed this byte
+                   recorded->end_step();
+                   if (step + 1 < o.max_new_bytes) recorded->begin_step(nullptr);
+                 }
                });
+  if (recorded) {
+    recorded->write(generation.steps, model.moe_blocks());
+    std::string text(prompt.begin(), prompt.end());
+    for (int32_t byte : generation.bytes[0]) text.push_back(static_cast<char>(byte));
+    for (char& c : text) {  // JSON strings are UTF-8: other bytes are shown as '?'
+      if ((static_cast<unsigned char>(c) < 0x20 && c != '\n') || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+    }
+    writer->append({{"type", "table"}, {"name", "generated text"}, {"columns", {"sequence", "text"}},
+                    {"rows", {{0, text}}}});
+    writer->close();
+    std::fprintf(stderr, "moe_generate: run record in %s (%lld steps)\n", o.run_dir->c_str(),
+                 (long long)recorded->steps_kept());
+  }
   std::fputc('\n', stdout);
   for (int64_t n = 1; n < o.batch; ++n) {
     std::printf("--- sequence %lld (seed %llu) ---\n", (long long)n, (unsigned long long)(o.sampling.seed + n));

@@ -1,0 +1,104 @@
+// infer/offload_recording.h: a run record of offloaded decoding, step by step, for the viewer's
+// offload panel: per MoE block an `offload` event (hits, misses, stall_us, prefetched, and
+// prefetched_used, bytes), and `span` events on the compute stream and the expert cache's copy
+// stream. Used by moe_generate --run-dir and offload_bench --record-dir (both in this folder).
+//
+//   RecordedExpertSource recorded(inner, offloaded, writer);    // wraps the mode's ExpertSource
+//   InferenceModelGpu model(config, weights, recorded, mode, stream);
+//   model.set_phase_timer(&recorded.phase_timer());
+//   recorded.begin_step(stream);  result = model.prefill(...);      recorded.end_step();
+//   recorded.begin_step(stream);  result = model.decode_step(...);  recorded.end_step();  ...
+//   recorded.write(results, model.moe_blocks());  // steps[0] the prefill, then the decode steps
+//
+// Where the times come from (all GPU times, from CUDA events):
+//   compute  the decoding model's phases (embedding, attention, moe, dense_ffn, lm_head) from its
+//            PhaseTimer, placed from the step's start (the first phase begins as the step does)
+//   waits    "wait_for_copy m_j": an event on the compute stream before and after the source's
+//            acquire, which enqueues the compute stream's waits for the block's copies (stream 2)
+//   copy     "copy m_j" (copies acquire makes on demand) and "prefetch m_j" (copies prefetch
+//            starts): events on the cache's copy stream (ExpertCache::copy_stream) before and after
+//            the call, so a span covers the copies it enqueued, with their waits for evicted slots
+// A span's start_us is the run clock at the step's start (RunWriter::elapsed_us, taken on the host
+// as the step is enqueued) plus its GPU offset from an event recorded there.
+// Counts come from OffloadedExperts::statistics(), read after each step (it waits for the step's
+// copies; the caller's timing events around a step are recorded before end_step).
+//
+// Dimension legend: E experts per MoE block, M the MoE blocks, N sequences.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/phase_timer.h"           // PhaseTimer
+#include "infer/inference_model.h"      // StepResult
+#include "offload/expert_source.h"      // ExpertSource
+#include "offload/offloaded_experts.h"  // OffloadedExperts, OffloadStatistics
+#include "run_record.h"                 // RunWriter
+
+namespace moe::cuda {
+
+class RecordedExpertSource : public ExpertSource {
+ public:
+  // inner: the mode's source (ResidentExperts or OffloadedExperts); offloaded: the same object when
+  // it is an OffloadedExperts, else nullptr (gpu_only: every chosen expert counts as a hit). Both
+  // and the writer must outlive this object.
+  RecordedExpertSource(ExpertSource& inner, OffloadedExperts* offloaded, RunWriter& writer);
+  ~RecordedExpertSource() override;
+  RecordedExpertSource(const RecordedExpertSource&) = delete;
+  RecordedExpertSource& operator=(const RecordedExpertSource&) = delete;
+
+  bool needs_experts_on_host() const override { return inner_.needs_experts_on_host(); }
+  ExpertTables acquire(int64_t block, std::span<const int32_t> experts, cudaStream_t compute) override;
+  void release(int64_t block, cudaStream_t compute) override;
+  void prefetch(int64_t block, std::span<const int32_t> experts) override;
+
+  PhaseTimer& phase_timer() { return timer_; }
+
+  // Around each step (prefill or decode step) on the model's stream.
+  void begin_step(cudaStream_t compute);
+  void end_step();  // waits for the step's events, keeps its spans and its statistics
+  // Writes every kept step: results[i] is the StepResult of the i-th begin/end pair (step i).
+  void write(const std::vector<StepResult>& results, const std::vector<int64_t>& moe_layers);
+  int64_t steps_kept() const { return int64_t(steps_.size()); }
+  // The counts of kept steps first.. summed over steps and MoE blocks (all zero for gpu_only).
+  BlockOffloadStatistics steps_total(size_t first) const;
+
+ private:
+  struct Marked {  // two events on one stream and what they bracket
+    std::string name;
+    int64_t stream = 0;  // 0 compute, 1 copy, 2 compute waits
+    cudaEvent_t start = nullptr, end = nullptr;
+  };
+  struct Span {
+    std::string name;
+    int64_t stream = 0;
+    double start_us = 0, duration_us = 0;
+  };
+  struct Step {
+    double origin_us = 0;  // run clock at the step's start
+    std::vector<Span> spans;
+    std::vector<BlockOffloadStatistics> blocks;  // [M] this step's counts (empty for gpu_only)
+  };
+
+  cudaEvent_t take_event();
+  int64_t missing(int64_t block, std::span<const int32_t> experts) const;  // experts in no slot
+
+  ExpertSource& inner_;
+  OffloadedExperts* offloaded_;
+  RunWriter& writer_;
+  PhaseTimer timer_;
+  std::vector<cudaEvent_t> events_;  // reused every step
+  size_t events_used_ = 0;
+  cudaEvent_t step_start_ = nullptr;
+  double step_origin_us_ = 0;
+  std::vector<Marked> marked_;                  // this step's
+  std::vector<cudaEvent_t> acquired_;           // [M] the compute event after each block's acquire
+  OffloadStatistics previous_;                  // cumulative, at the last end_step
+  std::vector<Step> steps_;
+};
+
+}  // namespace moe::cuda
