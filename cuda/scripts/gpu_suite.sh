@@ -6,7 +6,9 @@
 #                                           Eigen, GoogleTest) into .deps/ (ignored by git)
 #   cuda/scripts/gpu_suite.sh run [STEPS]   on the GPU machine: build with .deps, then run STEPS
 #                                           (default: tests sanitize lessons dev bench record; train
-#                                           times the training step beside PyTorch), logs in $OUT
+#                                           times the training step beside PyTorch; offload measures
+#                                           the expert modes and records a run per mode; infer trains
+#                                           briefly and generates in every mode), logs in $OUT
 # The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -143,6 +145,58 @@ record() {
   return $rc
 }
 
+offload() {
+  # Experts in pinned host memory (cuda/offload, cuda/infer): the copy engine against the pinned
+  # bandwidth, every expert mode at the Switch-Base-like and large-expert scales, and one small
+  # recorded run per mode (Switch-Base-like, batch 1) for notebooks_data/runs/, tarred as record's.
+  local rc=0 runs="$OUT/runs_offload" day
+  day=$(date -u +%Y-%m-%d)
+  mkdir -p "$runs"
+  build-gpu/cuda/offload/offload_copy_bench --out "$OUT/offload_copy_bench_$day.json" \
+    > "$LOGS/offload_copy_bench.log" 2>&1 || rc=1
+  tail -8 "$LOGS/offload_copy_bench.log"
+  build-gpu/cuda/infer/offload_bench --out "$OUT/offload_bench_$day.json" > "$LOGS/offload_bench.log" 2>&1 || rc=1
+  sed -n '/==== summary/,$p' "$LOGS/offload_bench.log"
+  for mode in gpu_only on_demand prefetch_all pregated speculative; do
+    build-gpu/cuda/infer/offload_bench --scales switch --batches 1 --modes "$mode" --warmup 2 --steps 16 \
+      --record-dir "$runs/offload_$mode" > "$LOGS/offload_record_$mode.log" 2>&1 || rc=1
+    echo "offload record $mode: $(tail -1 "$LOGS/offload_record_$mode.log")"
+  done
+  tar czf "$OUT/runs_offload.tar.gz" -C "$runs" . && rm -rf "$runs"
+  return $rc
+}
+
+infer() {
+  # Train the default preset briefly, self-gated and pre-gated, then generate in every mode with a
+  # run record each; the text must be the same in every mode (greedy, and bit-identical logits).
+  local rc=0 runs="$OUT/runs_infer" data=notebooks_data/brown text
+  [ -f "$data/train.txt" ] || data=README.md
+  mkdir -p "$runs"
+  for variant in "self:" "pregated:--pregated"; do
+    local name=${variant%%:*} flags=${variant#*:}
+    # shellcheck disable=SC2086
+    build-gpu/cuda/train/moe_train --steps 300 --data "$data" --run-dir "$runs/train_$name" --overwrite $flags \
+      > "$LOGS/infer_train_$name.log" 2>&1 || { rc=1; echo "infer: moe_train $name failed"; tail -5 "$LOGS/infer_train_$name.log"; continue; }
+    echo "infer: trained $name ($(tail -1 "$LOGS/infer_train_$name.log"))"
+    local modes="gpu_only on_demand prefetch_all speculative" first=""
+    [ "$name" = pregated ] && modes="gpu_only on_demand prefetch_all pregated speculative"
+    for mode in $modes; do
+      text="$runs/generate_${name}_$mode.txt"
+      build-gpu/cuda/infer/moe_generate --checkpoint "$runs/train_$name" --prompt "The jury said" \
+        --max-new-bytes 64 --temperature 0 --mode "$mode" --run-dir "$runs/generate_${name}_$mode" \
+        > "$text" 2> "$LOGS/infer_generate_${name}_$mode.log" || { rc=1; echo "infer: moe_generate $name $mode failed"; continue; }
+      [ -z "$first" ] && first="$text"
+      if cmp -s "$first" "$text"; then echo "infer: $name $mode: same text as $(basename "$first")"
+      else echo "infer: $name $mode: TEXT DIFFERS from $(basename "$first")"; rc=1; fi
+    done
+    head -c 200 "$first"; echo
+  done
+  # The run records only (the checkpoints stay here: too large for the transfer).
+  rm -rf "$runs"/train_*/checkpoints
+  tar czf "$OUT/runs_infer.tar.gz" -C "$runs" . && rm -rf "$runs"
+  return $rc
+}
+
 case "${1:-}" in
   bundle) bundle ;;
   run)
@@ -156,5 +210,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench] [train] [record]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer]" >&2; exit 2 ;;
 esac
