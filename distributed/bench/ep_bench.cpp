@@ -1,0 +1,236 @@
+// ep_bench.cpp: the expert-parallel benchmark, in nccl-tests' shape: one harness
+// (ep_bench_harness.h), one small description per row (ep_bench_variants.h), one table whose every
+// row carries size, count, type, time (us), algbw, busbw and an error from a check of the data, so a
+// wrong answer shows beside the speed. Rows: raw all-to-all (first, as in nccl-tests), the count
+// exchange (the layer's host synchronisation), dispatch + combine of the EP layer at the same bytes,
+// and the whole layer forward + backward at each pipelining degree, with the fastest degree picked
+// (Tutel's adaptive pipelining by measurement: never slower than d = 1, which is one of the choices).
+//
+//   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl --out ep_bench.json   (one GPU per rank)
+//   mpirun -np 2 build/distributed/bench/ep_bench --backend mpi                        (ranks may share a GPU)
+//   build/distributed/bench/ep_bench --help
+// As root, OpenMPI also wants --allow-run-as-root. The MPI backend stages every exchange through
+// host memory: its timings are of PCIe copies and shared memory between processes, not of an
+// interconnect, and the table says so; ranks that share a GPU check correctness only.
+#include <cuda_runtime.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"  // CUDA_CHECK
+#include "device_exchange.h"  // DeviceExchange
+#include "ep_bench_harness.h"
+#include "ep_bench_variants.h"
+#include "file_io.h"  // write_file_atomically
+#include "mpi_communicator.h"
+#if MOE_HAVE_NCCL
+#include "nccl_communicator.h"
+#endif
+
+namespace moe::dist::bench {
+namespace {
+
+// This rank's place among the ranks of its host: (local rank, local ranks).
+std::pair<int, int> host_rank(const MpiCommunicator& world) {
+  MPI_Comm local = MPI_COMM_NULL;
+  MPI_Comm_split_type(world.handle(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &local);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(local, &rank);
+  MPI_Comm_size(local, &size);
+  MPI_Comm_free(&local);
+  return {rank, size};
+}
+
+std::string today() {
+  char text[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(text, sizeof text, "%Y-%m-%d", std::localtime(&now));
+  return text;
+}
+
+nlohmann::json row_json(const Row& row) {
+  return {{"variant", row.variant},
+          {"size_bytes", row.size_bytes},
+          {"count", row.count},
+          {"type", row.type},
+          {"time_us", row.time_us},
+          {"algbw_gbs", row.algbw_gbs},
+          {"busbw_gbs", row.busbw_gbs},
+          {"error", row.check.available ? nlohmann::json(row.check.error) : nlohmann::json(nullptr)},
+          {"error_kind", row.check.exact ? "wrong_elements" : "relative"},
+          {"host_syncs", row.host_syncs}};
+}
+
+int run(int argc, char** argv, MpiCommunicator& world) {
+  const int rank = world.rank(), R = world.size();
+  auto say = [rank](const std::string& text) {
+    if (rank == 0) std::printf("%s\n", text.c_str());
+  };
+  BenchOptions options;
+  try {
+    options = parse_options(argc, argv);
+  } catch (const std::exception& error) {
+    say(std::string("ep_bench: ") + error.what() + "\n" + usage());
+    return 2;
+  }
+  if (options.help) {
+    say(usage());
+    return 0;
+  }
+
+  // ---- one GPU per rank, or ranks sharing one ----
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  const std::vector<int64_t> all_devices = all_gather<int64_t>(world, devices);
+  if (*std::min_element(all_devices.begin(), all_devices.end()) == 0) {
+    say("ep_bench: a rank sees no GPU; ep_bench times GPU exchanges (the CPU path is "
+        "test_distributed_expert_parallel_cpu)");
+    return 1;
+  }
+  const auto [local_rank, local_ranks] = host_rank(world);
+  const int device = local_rank % devices;
+  CUDA_CHECK(cudaSetDevice(device));
+  int ranks_per_gpu = 0;  // the ranks of this host whose local rank maps to this device
+  for (int r = 0; r < local_ranks; ++r) ranks_per_gpu += r % devices == device;
+  const std::vector<int64_t> sharing = all_gather<int64_t>(world, ranks_per_gpu);
+  const int most_sharing = static_cast<int>(*std::max_element(sharing.begin(), sharing.end()));
+  cudaDeviceProp properties{};
+  CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
+
+  std::unique_ptr<Communicator> nccl;
+  if (options.backend == "nccl") {
+#if MOE_HAVE_NCCL
+    if (most_sharing > 1) {
+      say("ep_bench: --backend nccl needs one GPU per rank (NCCL refuses two ranks on one GPU); " +
+          std::to_string(R) + " ranks share " + std::to_string(devices) + " GPU(s): use --backend mpi");
+      return 2;
+    }
+    nccl = std::make_unique<NcclCommunicator>(world, /*stream=*/nullptr);
+#else
+    say("ep_bench: this build has no NCCL: use --backend mpi");
+    return 2;
+#endif
+  }
+  Communicator& layer = nccl ? *nccl : static_cast<Communicator&>(world);
+  DeviceExchange exchange(layer);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  BenchContext ctx{world, layer, exchange, rank, R, ranks_per_gpu, double(properties.totalGlobalMem), stream, options};
+
+  // ---- the header ----
+  say("# ep_bench: expert-parallel exchange and layer (nccl-tests' columns; busbw = algbw * (R-1)/R)");
+  say("# " + today() + "  ranks R=" + std::to_string(R) + "  backend " + options.backend + "  device " +
+      properties.name + " (" + std::to_string(devices) + " on rank 0's host, " + std::to_string(most_sharing) +
+      " rank(s) per GPU at most)");
+  if (options.backend == "mpi") {
+    say("# NOTE: the MPI backend stages every exchange through pinned host memory (device -> host, MPI,");
+    say("#       host -> device): these timings are of PCIe copies and shared memory, not of an interconnect.");
+  }
+  if (most_sharing > 1) say("# NOTE: ranks share a GPU: the rows check correctness; their times are not a multi-GPU system's.");
+  say("# time: the slowest rank's median of " + std::to_string(options.iterations) + " runs after " +
+      std::to_string(options.warmup_runs) + " warm-up runs and " + std::to_string(int(options.warmup_ms)) +
+      " ms of load; error: wrong elements summed over ranks, or the largest relative error (layer rows,");
+  say("#       against the single-GPU layer on all tokens); syncs: waits of the host on the GPU in one run");
+
+  std::vector<Row> rows;
+  auto measure_all = [&](Variant& variant) {
+    for (int64_t size : variant.sizes(options)) {
+      rows.push_back(measure(ctx, variant, size));
+      say(table_line(rows.back()));
+      std::fflush(stdout);
+    }
+  };
+  auto wanted = [&](const std::string& name) {
+    return std::find(options.variants.begin(), options.variants.end(), name) != options.variants.end();
+  };
+  std::shared_ptr<LayerProblem> problem;
+  std::vector<std::string> messages;
+  if (wanted("layer")) problem = make_layer_problem(ctx, messages);  // first: its check needs the memory
+  for (const std::string& message : messages) say("# " + message);
+  if (problem) say("# layer rows: " + layer_summary(*problem).description);
+  say(table_header());
+  if (wanted("alltoall")) measure_all(*make_alltoall_variant(ctx));
+  if (wanted("count")) measure_all(*make_count_exchange_variant(ctx));
+  if (wanted("dispatch")) measure_all(*make_dispatch_combine_variant(ctx));
+  int adaptive = 0;
+  double adaptive_us = 0, one_chunk_us = 0;
+  if (problem) {
+    for (int d : options.pipeline_chunks) {
+      measure_all(*make_layer_variant(ctx, problem, d));
+      const double time = rows.back().time_us;
+      if (d == 1) one_chunk_us = time;
+      if (adaptive == 0 || time < adaptive_us) {
+        adaptive = d;
+        adaptive_us = time;
+      }
+    }
+    char line[200];
+    std::snprintf(line, sizeof line, "# adaptive pipelining (the fastest degree measured): d = %d, %.1f us", adaptive,
+                  adaptive_us);
+    say(line);
+    if (one_chunk_us > 0) {
+      std::snprintf(line, sizeof line, "#   against d = 1: %.1f us (%.3fx)", one_chunk_us, one_chunk_us / adaptive_us);
+      say(line);
+    }
+  }
+  double wrong = 0;
+  for (const Row& row : rows) wrong += row.check.exact ? row.check.error : 0;
+  say(std::string(wrong == 0 ? "# PASS" : "# FAIL") + " wrong elements in the exact checks: " +
+      std::to_string(static_cast<long long>(wrong)));
+
+  if (rank == 0 && !options.out.empty()) {
+    nlohmann::json json;
+    json["benchmark"] = "ep_bench";
+    json["date"] = today();
+    json["device"] = properties.name;
+    json["ranks"] = R;
+    json["ranks_per_gpu"] = most_sharing;
+    json["backend"] = options.backend;
+    json["interconnect_timings"] = options.backend == "nccl" && most_sharing == 1;
+    json["iterations"] = options.iterations;
+    if (problem) {
+      const LayerSummary layer_shape = layer_summary(*problem);
+      json["layer"] = {{"description", layer_shape.description},
+                       {"tokens_per_rank", layer_shape.tokens_per_rank},
+                       {"model_dim", layer_shape.config.model_dim},
+                       {"hidden_dim", layer_shape.config.hidden_dim},
+                       {"experts", layer_shape.config.num_experts},
+                       {"top_k", layer_shape.config.top_k},
+                       {"formulation", std::string(to_string(layer_shape.config.formulation))}};
+      json["adaptive_pipeline_chunks"] = adaptive;
+    }
+    json["notes"] = messages;
+    json["rows"] = nlohmann::json::array();
+    for (const Row& row : rows) json["rows"].push_back(row_json(row));
+    write_file_atomically(options.out, json.dump(2) + "\n");
+    say("# wrote " + options.out);
+  }
+  problem.reset();
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  return wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace moe::dist::bench
+
+int main(int argc, char** argv) {
+  moe::dist::MpiEnvironment mpi(argc, argv);
+  int status = 0;
+  {
+    auto world = moe::dist::MpiCommunicator::world();
+    try {
+      status = moe::dist::bench::run(argc, argv, *world);
+    } catch (const std::exception& error) {
+      std::fprintf(stderr, "[rank %d] ep_bench: %s\n", world->rank(), error.what());
+      MPI_Abort(MPI_COMM_WORLD, 1);  // a rank that failed alone would leave the others waiting
+    }
+  }
+  return status;
+}

@@ -1,0 +1,39 @@
+// ep_bench_variants.h: the rows of ep_bench, one small description each (nccl-tests keeps one file
+// per collective; so does this folder), handed to the harness (ep_bench_harness.h):
+//   count_exchange     the layer's count exchange alone: each rank's routing summary gathered to
+//                      every host; its time is the host synchronisation a forward pays
+//   alltoall           raw all-to-all of the same bytes, through the communicator's all_to_all_v
+//                      with equal counts (NCCL: grouped send / recv), the first row as in nccl-tests
+//   dispatch+combine   the EP layer with identity experts: routing, count exchange, the rows to the
+//                      experts' ranks and back, the combine; size = the bytes a rank dispatches
+//   ep_layer d=N       the whole layer, forward + backward, at each pipelining degree
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ep_bench_harness.h"
+#include "moe_config.h"  // MoeConfig
+
+namespace moe::dist::bench {
+
+std::unique_ptr<Variant> make_count_exchange_variant(BenchContext& ctx);
+std::unique_ptr<Variant> make_alltoall_variant(BenchContext& ctx);
+std::unique_ptr<Variant> make_dispatch_combine_variant(BenchContext& ctx);
+
+// The layer rows share one problem: inputs, weights, and the single-GPU layer's output on all
+// ranks' tokens (the check), made once. Its shape is the options' --layer, scaled down (with a
+// line in `messages`) where ranks share a GPU or it would not fit in the GPU's memory.
+struct LayerProblem;
+std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<std::string>& messages);
+std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
+                                            int pipeline_chunks);
+struct LayerSummary {
+  MoeConfig config;  // T = all ranks' tokens
+  int64_t tokens_per_rank = 0;
+  std::string description;  // "T=... per rank (T=... in all), D=..., ..."
+};
+LayerSummary layer_summary(const LayerProblem& problem);
+
+}  // namespace moe::dist::bench

@@ -1,0 +1,263 @@
+// variant_layer.cpp: ep_bench's layer rows: the whole expert-parallel layer, forward + backward, at
+// one pipelining degree each (Tutel's d). The shape is --layer (issue 30's by default: T_r = 16384
+// tokens a rank, D = 2048, H = 8192, E = 32, K = 2, dropless, B = 128), scaled down where ranks
+// share a GPU or the memory estimate does not fit. size = the bytes a rank dispatches (T_r K D 2);
+// a step moves them four times (tokens out and back, gradients out and back): bytes moved = 4 size,
+// so algbw here is an effective exchange rate of the whole step, not of a collective.
+// Checked against the single-GPU layer (MoeLayerGpu) on all R T_r tokens, computed once on every
+// rank before the timing (where it fits): the largest relative error of this rank's y and dx.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "bench_kernels.h"        // fill_uniform
+#include "core/device_buffer.h"  // DeviceBuffer
+#include "ep_bench_variants.h"
+#include "expert_parallel_gpu.h"  // ExpertParallelGpu
+#include "moe/block_sparse.h"     // expert_pointer_table
+#include "moe/moe_layer.h"        // MoeLayerGpu, layer_memory_bytes: the check
+
+namespace moe::dist::bench {
+
+struct LayerProblem {
+  MoeConfig config;
+  int64_t tokens_per_rank = 0, experts_per_rank = 0;
+  cuda::DeviceBuffer<bf16> x, dy, gate, w1, w2, y;           // this rank's
+  cuda::DeviceBuffer<const bf16*> w1_table, w2_table;        // [E_r]
+  cuda::DeviceBuffer<float> dx, d_gate, d_w1, d_w2;
+  cuda::DeviceBuffer<float*> d_w1_table, d_w2_table;
+  std::vector<float> reference_y, reference_dx;  // [T_r, D] this rank's rows of the single-GPU layer
+  bool has_reference = false;
+  std::string reference_note;
+};
+
+namespace {
+
+// The seeds of each tensor: the same element gets the same value on every rank (bench_kernels.h).
+enum Seed : uint64_t { kX = 21, kDy, kGate, kW1, kW2 };
+
+MoeConfig layer_config(const LayerShape& shape, int64_t tokens_per_rank, int ranks) {
+  MoeConfig c;
+  c.tokens = tokens_per_rank * ranks;
+  c.model_dim = shape.model_dim;
+  c.hidden_dim = shape.hidden_dim;
+  c.num_experts = shape.experts;
+  c.top_k = shape.top_k;
+  c.block_size = shape.block_size;
+  c.formulation = shape.formulation;
+  c.capacity_factor = shape.capacity_factor;
+  c.renormalize = true;  // Tutel's normalised top-K gates
+  c.aux_loss_coef = 0.01;
+  return c;
+}
+
+// GPU memory of one rank's expert-parallel layer and inputs; the received rows counted at 2x an
+// even share (routing imbalance, the buffers' headroom, the topology's bound of B - 1 rows an expert).
+double expert_parallel_bytes(const LayerShape& s, int64_t T_r, int ranks, bool pipelined) {
+  const double D = s.model_dim, H = s.hidden_dim, E = s.experts, K = s.top_k, E_r = E / ranks;
+  const double rows = 2.0 * T_r * K;
+  const double home = 4.0 * T_r * K * D * 2 + T_r * E * 18.0 + T_r * D * 10.0;
+  const double experts = rows * (5.0 * D * 2 + 4.0 * H * 2);
+  const double weights = E_r * 2 * D * H * (2.0 + 4.0 + (pipelined ? 4.0 : 0.0));  // bf16, grads, scratch
+  return home + experts + weights;
+}
+
+// GPU memory of the single-GPU check on all R T_r tokens.
+double reference_bytes(const MoeConfig& all) {
+  const double D = all.model_dim, H = all.hidden_dim, E = all.num_experts, T = all.tokens;
+  return cuda::layer_memory_bytes(all) + E * 2 * D * H * (2.0 + 4.0) + T * D * 10.0;
+}
+
+// The single-GPU layer on every rank's tokens: this rank's rows of y and dx.
+void compute_reference(BenchContext& ctx, LayerProblem& p) {
+  const MoeConfig& c = p.config;
+  const int64_t T = c.tokens, D = c.model_dim, H = c.hidden_dim, E = c.num_experts, T_r = p.tokens_per_rank;
+  const uint64_t seed = ctx.options.seed;
+  cudaStream_t stream = ctx.stream;
+  cuda::DeviceBuffer<bf16> x(size_t(T * D)), dy(size_t(T * D)), y(size_t(T * D)), gate(size_t(D * E));
+  cuda::DeviceBuffer<bf16> w1(size_t(E * D * H)), w2(size_t(E * H * D));
+  fill_uniform(x.data(), x.size(), seed + kX, 0, 1.0f, stream);
+  fill_uniform(dy.data(), dy.size(), seed + kDy, 0, 1.0f, stream);
+  fill_uniform(gate.data(), gate.size(), seed + kGate, 0, 1.0f / std::sqrt(float(D)), stream);
+  fill_uniform(w1.data(), w1.size(), seed + kW1, 0, 1.0f / std::sqrt(float(D)), stream);
+  fill_uniform(w2.data(), w2.size(), seed + kW2, 0, 1.0f / std::sqrt(float(H)), stream);
+  auto w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * H));
+  auto w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), int(E), size_t(H * D));
+  cuda::DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
+  auto d_w1_table = cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
+  auto d_w2_table = cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  cuda::MoeLayerGpu layer(c);
+  const cuda::MoeLayerWeights weights{gate.data(), w1_table.data(), w2_table.data()};
+  layer.forward(x.data(), weights, y.data(), stream);
+  layer.backward(x.data(), weights, dy.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
+                 stream);
+  std::vector<bf16> y_rows(size_t(T_r * D));
+  p.reference_dx.resize(size_t(T_r * D));
+  const size_t first = size_t(ctx.rank * T_r * D);
+  CUDA_CHECK(cudaMemcpyAsync(y_rows.data(), y.data() + first, y_rows.size() * sizeof(bf16), cudaMemcpyDeviceToHost,
+                             stream));
+  CUDA_CHECK(cudaMemcpyAsync(p.reference_dx.data(), dx.data() + first, p.reference_dx.size() * sizeof(float),
+                             cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  p.reference_y = cuda::to_float(y_rows);
+  p.has_reference = true;
+}
+
+// ||got - expected|| / ||expected||.
+double relative_error(const std::vector<float>& got, const std::vector<float>& expected) {
+  double difference = 0, norm = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double d = double(got[i]) - double(expected[i]);
+    difference += std::isfinite(d) ? d * d : 1e300;
+    norm += double(expected[i]) * double(expected[i]);
+  }
+  return norm > 0 ? std::sqrt(difference / norm) : std::sqrt(difference);
+}
+
+class LayerRow final : public Variant {
+ public:
+  LayerRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int chunks)
+      : ctx_(ctx), problem_(std::move(problem)), chunks_(chunks) {}
+  std::string name() const override { return "ep_layer d=" + std::to_string(chunks_); }
+  std::vector<int64_t> sizes(const BenchOptions&) const override { return {bytes()}; }
+
+  Prepared prepare(int64_t) override {
+    layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, problem_->config, problem_->tokens_per_rank,
+                                                 ExpertParallelGpuOptions{.pipeline_chunks = chunks_});
+    return {bytes(), problem_->tokens_per_rank, "bf16", 4.0 * static_cast<double>(bytes())};
+  }
+
+  void run(cudaStream_t stream) override {
+    LayerProblem& p = *problem_;
+    const ExpertParallelGpuWeights weights{p.gate.data(), p.w1_table.data(), p.w2_table.data()};
+    layer_->forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), stream);
+    layer_->backward(p.x.data(), weights, p.dy.data(),
+                     {p.dx.data(), p.d_gate.data(), p.d_w1_table.data(), p.d_w2_table.data()}, stream);
+  }
+
+  Check check() override {
+    CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+    LayerProblem& p = *problem_;
+    if (!p.has_reference) return {0, false, p.reference_note, false};
+    const double y_error = relative_error(cuda::to_float(p.y.download()), p.reference_y);
+    const double dx_error = relative_error(p.dx.download(), p.reference_dx);
+    return {std::max(y_error, dx_error), false, {}, true};
+  }
+
+  int host_syncs() const override {
+    return layer_ ? layer_->last_step().host_synchronisations + layer_->last_step().backward_host_synchronisations : 0;
+  }
+
+  void release() override { layer_.reset(); }
+
+ private:
+  int64_t bytes() const {
+    const MoeConfig& c = problem_->config;
+    return problem_->tokens_per_rank * c.top_k * c.model_dim * 2;
+  }
+
+  BenchContext& ctx_;
+  std::shared_ptr<LayerProblem> problem_;
+  int chunks_;
+  std::unique_ptr<ExpertParallelGpu> layer_;
+};
+
+}  // namespace
+
+std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<std::string>& messages) {
+  const LayerShape& shape = ctx.options.layer;
+  const int R = ctx.ranks;
+  const bool pipelined = std::any_of(ctx.options.pipeline_chunks.begin(), ctx.options.pipeline_chunks.end(),
+                                     [](int d) { return d > 1; });
+  int64_t T_r = shape.tokens_per_rank;
+  char line[512];
+  if (ctx.ranks_per_gpu > 1) {
+    // Ranks that share a GPU check correctness; they split one rank's tokens between them.
+    T_r = std::max<int64_t>(128, T_r / ctx.ranks_per_gpu);
+    std::snprintf(line, sizeof line, "%d ranks share this GPU: the layer rows run T=%lld tokens per rank (was %lld)",
+                  ctx.ranks_per_gpu, static_cast<long long>(T_r), static_cast<long long>(shape.tokens_per_rank));
+    messages.push_back(line);
+  }
+  auto needed = [&](int64_t tokens) {
+    const double ep = expert_parallel_bytes(shape, tokens, R, pipelined);
+    const double reference = reference_bytes(layer_config(shape, tokens, R));
+    return ctx.ranks_per_gpu * std::max(ep, reference);  // the check runs before the layer, not beside it
+  };
+  const int64_t before = T_r;
+  while (T_r > 128 && needed(T_r) > 0.85 * ctx.gpu_memory_bytes) T_r /= 2;
+  // Every rank must run the same T_r: the smallest any rank could afford.
+  const std::vector<int64_t> all = all_gather<int64_t>(ctx.host, T_r);
+  T_r = *std::min_element(all.begin(), all.end());
+  if (T_r != before) {
+    std::snprintf(line, sizeof line,
+                  "the layer at T=%lld tokens per rank needs about %.1f GiB per GPU (%d rank(s) on it) of %.1f GiB: "
+                  "scaled down to T=%lld",
+                  static_cast<long long>(before), needed(before) / (1 << 30), ctx.ranks_per_gpu,
+                  ctx.gpu_memory_bytes / (1 << 30), static_cast<long long>(T_r));
+    messages.push_back(line);
+  }
+
+  auto p = std::make_shared<LayerProblem>();
+  p->config = layer_config(shape, T_r, R);
+  p->tokens_per_rank = T_r;
+  p->experts_per_rank = shape.experts / R;
+  const int64_t D = shape.model_dim, H = shape.hidden_dim, E = shape.experts, E_r = p->experts_per_rank;
+  const uint64_t seed = ctx.options.seed;
+
+  // The check first, alone on the GPU, then freed before the layer's buffers are made.
+  try {
+    compute_reference(ctx, *p);
+  } catch (const std::exception& error) {  // too large for one GPU, or for the kernels' int32 indices
+    (void)cudaGetLastError();                // an allocation failure is not sticky; clear it
+    p->reference_note = std::string("no single-GPU check: ") + error.what();
+    messages.push_back(p->reference_note);
+  }
+
+  cudaStream_t stream = ctx.stream;
+  p->x = cuda::DeviceBuffer<bf16>(size_t(T_r * D));
+  p->dy = cuda::DeviceBuffer<bf16>(size_t(T_r * D));
+  p->y = cuda::DeviceBuffer<bf16>(size_t(T_r * D));
+  p->gate = cuda::DeviceBuffer<bf16>(size_t(D * E));
+  p->w1 = cuda::DeviceBuffer<bf16>(size_t(E_r * D * H));
+  p->w2 = cuda::DeviceBuffer<bf16>(size_t(E_r * H * D));
+  // This rank's slices of the tensors the check made whole: its tokens, its experts.
+  fill_uniform(p->x.data(), p->x.size(), seed + kX, uint64_t(ctx.rank * T_r * D), 1.0f, stream);
+  fill_uniform(p->dy.data(), p->dy.size(), seed + kDy, uint64_t(ctx.rank * T_r * D), 1.0f, stream);
+  fill_uniform(p->gate.data(), p->gate.size(), seed + kGate, 0, 1.0f / std::sqrt(float(D)), stream);
+  fill_uniform(p->w1.data(), p->w1.size(), seed + kW1, uint64_t(ctx.rank * E_r * D * H), 1.0f / std::sqrt(float(D)),
+               stream);
+  fill_uniform(p->w2.data(), p->w2.size(), seed + kW2, uint64_t(ctx.rank * E_r * H * D), 1.0f / std::sqrt(float(H)),
+               stream);
+  p->w1_table = cuda::expert_pointer_table<const bf16>(p->w1.data(), int(E_r), size_t(D * H));
+  p->w2_table = cuda::expert_pointer_table<const bf16>(p->w2.data(), int(E_r), size_t(H * D));
+  p->dx = cuda::DeviceBuffer<float>(size_t(T_r * D));
+  p->d_gate = cuda::DeviceBuffer<float>(size_t(D * E));
+  p->d_w1 = cuda::DeviceBuffer<float>(size_t(E_r * D * H));
+  p->d_w2 = cuda::DeviceBuffer<float>(size_t(E_r * H * D));
+  p->d_w1_table = cuda::expert_pointer_table(p->d_w1.data(), int(E_r), size_t(D * H));
+  p->d_w2_table = cuda::expert_pointer_table(p->d_w2.data(), int(E_r), size_t(H * D));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  return p;
+}
+
+std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
+                                            int pipeline_chunks) {
+  return std::make_unique<LayerRow>(ctx, std::move(problem), pipeline_chunks);
+}
+
+LayerSummary layer_summary(const LayerProblem& p) {
+  const MoeConfig& c = p.config;
+  char line[256];
+  std::snprintf(line, sizeof line, "T=%lld per rank (T=%lld in all), D=%lld, H=%lld, E=%lld (%lld a rank), K=%lld, %s",
+                static_cast<long long>(p.tokens_per_rank), static_cast<long long>(c.tokens),
+                static_cast<long long>(c.model_dim), static_cast<long long>(c.hidden_dim),
+                static_cast<long long>(c.num_experts), static_cast<long long>(p.experts_per_rank),
+                static_cast<long long>(c.top_k), std::string(to_string(c.formulation)).c_str());
+  char rows[64];
+  if (c.formulation == Formulation::dropless) std::snprintf(rows, sizeof rows, ", B=%lld", static_cast<long long>(c.block_size));
+  else std::snprintf(rows, sizeof rows, ", capacity factor %.2f", c.capacity_factor);
+  return {c, p.tokens_per_rank, std::string(line) + rows};
+}
+
+}  // namespace moe::dist::bench

@@ -1,0 +1,318 @@
+// device_exchange.cpp: collectives over device buffers on either backend (see device_exchange.h).
+//
+// Sections: ---- helpers ----  ---- host collectives over NCCL ----  ---- DeviceExchange ----
+#include "device_exchange.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if MOE_HAVE_NCCL
+#include "nccl_communicator.h"  // NcclCommunicator: set_stream, stream
+#endif
+
+namespace moe::dist {
+
+// ---- helpers ----
+
+namespace {
+
+void check_cuda(cudaError_t result, std::string_view call) {
+  if (result == cudaSuccess) return;
+  throw std::runtime_error("DeviceExchange: " + std::string(call) + " failed: " + cudaGetErrorString(result));
+}
+
+// The elements a rank touches in an all-to-all-v buffer: up to the end of its last block.
+int64_t extent(std::span<const int64_t> counts, std::span<const int64_t> offsets) {
+  int64_t end = 0;
+  for (size_t p = 0; p < counts.size(); ++p) {
+    if (counts[p] > 0) end = std::max(end, offsets[p] + counts[p]);
+  }
+  return end;
+}
+
+// Device memory grown on demand (never shrunk): the NCCL host adapter's scratch.
+class DeviceScratch {
+ public:
+  ~DeviceScratch() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  char* reserve(size_t bytes) {
+    if (bytes > capacity_) {
+      if (data_ != nullptr) check_cuda(cudaFree(data_), "cudaFree");
+      data_ = nullptr;
+      check_cuda(cudaMalloc(&data_, bytes), "cudaMalloc");
+      capacity_ = bytes;
+    }
+    return static_cast<char*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+}  // namespace
+
+class DeviceExchange::PinnedBuffer {
+ public:
+  ~PinnedBuffer() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+  }
+  char* reserve(size_t bytes) {
+    if (bytes > capacity_) {
+      if (data_ != nullptr) check_cuda(cudaFreeHost(data_), "cudaFreeHost");
+      data_ = nullptr;
+      check_cuda(cudaHostAlloc(&data_, bytes, cudaHostAllocDefault), "cudaHostAlloc");
+      capacity_ = bytes;
+    }
+    return static_cast<char*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// ---- host collectives over NCCL ----
+
+#if MOE_HAVE_NCCL
+namespace {
+
+// Host buffers in, host buffers out, over an NCCL communicator: each call copies its input to
+// device scratch, runs the NCCL collective on the communicator's stream, copies the result back
+// and waits. Small messages only (agreement checks, settings), so the round trip does not matter.
+class HostOverNccl final : public Communicator {
+ public:
+  explicit HostOverNccl(NcclCommunicator& nccl) : nccl_(nccl) {}
+
+  int rank() const override { return nccl_.rank(); }
+  int size() const override { return nccl_.size(); }
+  std::string_view backend() const override { return "nccl"; }
+
+  void all_to_all_v(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_offsets,
+                    void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
+                    DataType type) override {
+    check_all_to_all_arguments(*this, send_counts, send_offsets, recv_counts, recv_offsets);
+    const size_t width = element_size(type);
+    const size_t send_bytes = static_cast<size_t>(extent(send_counts, send_offsets)) * width;
+    const size_t recv_bytes = static_cast<size_t>(extent(recv_counts, recv_offsets)) * width;
+    char* device_send = send_scratch_.reserve(std::max<size_t>(send_bytes, 1));
+    char* device_recv = recv_scratch_.reserve(std::max<size_t>(recv_bytes, 1));
+    copy(device_send, send, send_bytes, cudaMemcpyHostToDevice);
+    nccl_.all_to_all_v(device_send, send_counts, send_offsets, device_recv, recv_counts, recv_offsets, type);
+    for (size_t p = 0; p < recv_counts.size(); ++p) {  // block by block: gaps of recv stay as they were
+      if (recv_counts[p] == 0) continue;
+      const size_t offset = static_cast<size_t>(recv_offsets[p]) * width;
+      copy(static_cast<char*>(recv) + offset, device_recv + offset, static_cast<size_t>(recv_counts[p]) * width,
+           cudaMemcpyDeviceToHost);
+    }
+    finish();
+  }
+
+  void all_reduce_sum(const void* send, void* recv, int64_t count, DataType type) override {
+    check_count("all_reduce_sum", count);
+    const size_t bytes = static_cast<size_t>(count) * element_size(type);
+    char* device = send_scratch_.reserve(std::max<size_t>(bytes, 1));
+    copy(device, send, bytes, cudaMemcpyHostToDevice);
+    nccl_.all_reduce_sum(device, device, count, type);
+    copy(recv, device, bytes, cudaMemcpyDeviceToHost);
+    finish();
+  }
+
+  void all_gather(const void* send, void* recv, int64_t count, DataType type) override {
+    check_count("all_gather", count);
+    const size_t bytes = static_cast<size_t>(count) * element_size(type);
+    char* device_send = send_scratch_.reserve(std::max<size_t>(bytes, 1));
+    char* device_recv = recv_scratch_.reserve(std::max<size_t>(bytes * static_cast<size_t>(size()), 1));
+    copy(device_send, send, bytes, cudaMemcpyHostToDevice);
+    nccl_.all_gather(device_send, device_recv, count, type);
+    copy(recv, device_recv, bytes * static_cast<size_t>(size()), cudaMemcpyDeviceToHost);
+    finish();
+  }
+
+  void broadcast(void* buffer, int64_t count, DataType type, int root) override {
+    check_count("broadcast", count);
+    check_root(*this, root);
+    const size_t bytes = static_cast<size_t>(count) * element_size(type);
+    char* device = send_scratch_.reserve(std::max<size_t>(bytes, 1));
+    copy(device, buffer, bytes, cudaMemcpyHostToDevice);
+    nccl_.broadcast(device, count, type, root);
+    copy(buffer, device, bytes, cudaMemcpyDeviceToHost);
+    finish();
+  }
+
+  void barrier() override { nccl_.barrier(); }
+
+  using Communicator::split;
+  std::unique_ptr<Communicator> split(int, int) override {
+    throw std::logic_error("DeviceExchange::host(): split the NCCL communicator itself, not its host view");
+  }
+
+ private:
+  void copy(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) {
+    if (bytes > 0) check_cuda(cudaMemcpyAsync(to, from, bytes, kind, nccl_.stream()), "cudaMemcpyAsync");
+  }
+  void finish() { check_cuda(cudaStreamSynchronize(nccl_.stream()), "cudaStreamSynchronize"); }
+
+  NcclCommunicator& nccl_;
+  DeviceScratch send_scratch_, recv_scratch_;
+};
+
+}  // namespace
+#endif
+
+// ---- DeviceExchange ----
+
+// NCCL enqueues on the communicator's stream: for one call, that is the caller's stream.
+class DeviceExchange::StreamScope {
+ public:
+#if MOE_HAVE_NCCL
+  StreamScope(NcclCommunicator* nccl, cudaStream_t stream) : nccl_(nccl), previous_(nccl->stream()) {
+    nccl_->set_stream(stream);
+  }
+  ~StreamScope() { nccl_->set_stream(previous_); }
+
+ private:
+  NcclCommunicator* nccl_;
+  cudaStream_t previous_;
+#else
+  StreamScope(NcclCommunicator*, cudaStream_t) {}
+#endif
+};
+
+DeviceExchange::DeviceExchange(Communicator& communicator) : communicator_(communicator) {
+  if (communicator.backend() == "nccl") {
+#if MOE_HAVE_NCCL
+    nccl_ = dynamic_cast<NcclCommunicator*>(&communicator);
+#endif
+    if (nccl_ == nullptr) {
+      throw std::invalid_argument("DeviceExchange: the communicator says \"nccl\" but is not this build's "
+                                  "NcclCommunicator (was the project built with NCCL?)");
+    }
+    device_pointers_ = true;
+  } else if (communicator.backend() != "mpi") {
+    throw std::invalid_argument("DeviceExchange: backend \"" + std::string(communicator.backend()) +
+                                "\"; expected \"nccl\" (device buffers) or \"mpi\" (host buffers, staged)");
+  }
+  send_stage_ = std::make_unique<PinnedBuffer>();
+  recv_stage_ = std::make_unique<PinnedBuffer>();
+}
+
+void DeviceExchange::wait(cudaStream_t stream) {
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  ++host_waits_;
+}
+
+DeviceExchange::~DeviceExchange() {
+  if (gather_device_ != nullptr) cudaFree(gather_device_);
+}
+
+Communicator& DeviceExchange::host() {
+  if (!device_pointers_) return communicator_;
+#if MOE_HAVE_NCCL
+  if (!host_adapter_) host_adapter_ = std::make_unique<HostOverNccl>(*nccl_);
+#endif
+  return *host_adapter_;
+}
+
+void DeviceExchange::all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                                  std::span<const int64_t> send_offsets, void* recv,
+                                  std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
+                                  DataType type, cudaStream_t stream) {
+  check_all_to_all_arguments(communicator_, send_counts, send_offsets, recv_counts, recv_offsets);
+  if (device_pointers_) {
+    StreamScope scope(nccl_, stream);
+    communicator_.all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, type);
+    return;
+  }
+  const size_t width = element_size(type);
+  const size_t send_bytes = static_cast<size_t>(extent(send_counts, send_offsets)) * width;
+  const size_t recv_bytes = static_cast<size_t>(extent(recv_counts, recv_offsets)) * width;
+  char* send_host = send_stage_->reserve(std::max<size_t>(send_bytes, 1));
+  char* recv_host = recv_stage_->reserve(std::max<size_t>(recv_bytes, 1));
+  if (send_bytes > 0) {
+    check_cuda(cudaMemcpyAsync(send_host, send, send_bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  }
+  wait(stream);
+  communicator_.all_to_all_v(send_host, send_counts, send_offsets, recv_host, recv_counts, recv_offsets, type);
+  for (size_t p = 0; p < recv_counts.size(); ++p) {  // block by block: gaps of recv stay as they were
+    if (recv_counts[p] == 0) continue;
+    const size_t offset = static_cast<size_t>(recv_offsets[p]) * width;
+    check_cuda(cudaMemcpyAsync(static_cast<char*>(recv) + offset, recv_host + offset,
+                               static_cast<size_t>(recv_counts[p]) * width, cudaMemcpyHostToDevice, stream),
+               "cudaMemcpyAsync");
+  }
+  wait(stream);  // the staging is free again
+}
+
+void DeviceExchange::all_reduce_sum(const void* send, void* recv, int64_t count, DataType type,
+                                    cudaStream_t stream) {
+  check_count("all_reduce_sum", count);
+  if (device_pointers_) {
+    StreamScope scope(nccl_, stream);
+    communicator_.all_reduce_sum(send, recv, count, type);
+    return;
+  }
+  const size_t bytes = static_cast<size_t>(count) * element_size(type);
+  char* host_buffer = send_stage_->reserve(std::max<size_t>(bytes, 1));
+  if (bytes > 0) check_cuda(cudaMemcpyAsync(host_buffer, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  wait(stream);
+  communicator_.all_reduce_sum(host_buffer, host_buffer, count, type);
+  if (bytes > 0) check_cuda(cudaMemcpyAsync(recv, host_buffer, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  wait(stream);
+}
+
+void DeviceExchange::all_gather(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream) {
+  check_count("all_gather", count);
+  if (device_pointers_) {
+    StreamScope scope(nccl_, stream);
+    communicator_.all_gather(send, recv, count, type);
+    return;
+  }
+  const size_t bytes = static_cast<size_t>(count) * element_size(type);
+  const size_t all_bytes = bytes * static_cast<size_t>(size());
+  char* send_host = send_stage_->reserve(std::max<size_t>(bytes, 1));
+  char* recv_host = recv_stage_->reserve(std::max<size_t>(all_bytes, 1));
+  if (bytes > 0) check_cuda(cudaMemcpyAsync(send_host, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  wait(stream);
+  communicator_.all_gather(send_host, recv_host, count, type);
+  if (all_bytes > 0) {
+    check_cuda(cudaMemcpyAsync(recv, recv_host, all_bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  }
+  wait(stream);
+}
+
+void DeviceExchange::all_gather_to_host(const void* send, void* recv, int64_t count, DataType type,
+                                        cudaStream_t stream) {
+  check_count("all_gather_to_host", count);
+  const size_t bytes = static_cast<size_t>(count) * element_size(type);
+  const size_t all_bytes = bytes * static_cast<size_t>(size());
+  if (device_pointers_) {
+    char* gathered = recv_stage_->reserve(std::max<size_t>(all_bytes, 1));  // pinned, for the copy back
+    if (all_bytes > gather_device_bytes_) {
+      if (gather_device_ != nullptr) check_cuda(cudaFree(gather_device_), "cudaFree");
+      gather_device_ = nullptr;
+      check_cuda(cudaMalloc(&gather_device_, all_bytes), "cudaMalloc");
+      gather_device_bytes_ = all_bytes;
+    }
+    {
+      StreamScope scope(nccl_, stream);
+      communicator_.all_gather(send, gather_device_, count, type);
+    }
+    if (all_bytes > 0) {
+      check_cuda(cudaMemcpyAsync(gathered, gather_device_, all_bytes, cudaMemcpyDeviceToHost, stream),
+                 "cudaMemcpyAsync");
+    }
+    wait(stream);
+    std::copy(gathered, gathered + all_bytes, static_cast<char*>(recv));
+    return;
+  }
+  char* send_host = send_stage_->reserve(std::max<size_t>(bytes, 1));
+  if (bytes > 0) check_cuda(cudaMemcpyAsync(send_host, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  wait(stream);
+  communicator_.all_gather(send_host, recv, count, type);
+}
+
+}  // namespace moe::dist

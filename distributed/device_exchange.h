@@ -1,0 +1,92 @@
+// device_exchange.h: collectives over GPU buffers on either backend of the communicator, the one
+// mechanism by which the expert-parallel layer on the GPU (expert_parallel_gpu.h) and ep_bench move
+// device data between ranks.
+//   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu
+//
+// The two backends take different memory (communicator.h): NCCL takes device pointers and enqueues
+// on a stream; MPI takes host buffers and returns when the data has moved. DeviceExchange hides
+// exactly that difference and nothing else:
+//   nccl  the device pointers go straight to NCCL, enqueued on the stream of the call (the
+//         communicator's own stream is set for the call and put back after);
+//   mpi   staged: device -> pinned host (cudaMemcpyAsync on the stream, then the host waits for
+//         it), the MPI collective on the pinned buffers, pinned host -> device on the stream (and
+//         the host waits again, so the staging buffers are free for the next call). This is how
+//         several ranks share one GPU, which NCCL refuses ("Duplicate GPU detected"); its timings
+//         are those of two PCIe copies and shared memory between processes, not of an interconnect.
+// So with NCCL a call returns at once and the stream carries the dependency; with MPI the call
+// returns after the data is in place. Either way, work enqueued on the same stream afterwards sees
+// the result, and the caller must not touch `recv` on another stream without an event.
+//
+// host(): the same collectives over HOST buffers, on either backend (for the checks every rank must
+// agree on, rank_agreement.h, and the R x E routing counts): the MPI communicator itself, or over
+// NCCL an adapter that stages through a small device buffer.
+//
+// Counts and offsets are in elements of `type` and are host values, as in communicator.h.
+// Dimension legend: R ranks.
+#pragma once
+
+#include <cuda_runtime.h>  // cudaStream_t
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include "communicator.h"  // Communicator, DataType
+
+namespace moe::dist {
+
+class NcclCommunicator;  // nccl_communicator.h, where the build has NCCL
+
+class DeviceExchange {
+ public:
+  // Takes the backend from communicator.backend(): "nccl" (then it must be a NcclCommunicator, in a
+  // build with NCCL) or "mpi". The MPI mode touches no CUDA API until its first device collective,
+  // so host() works on a machine without a GPU.
+  explicit DeviceExchange(Communicator& communicator);
+  ~DeviceExchange();
+  DeviceExchange(const DeviceExchange&) = delete;
+  DeviceExchange& operator=(const DeviceExchange&) = delete;
+
+  int rank() const { return communicator_.rank(); }
+  int size() const { return communicator_.size(); }  // R
+  std::string_view backend() const { return communicator_.backend(); }
+  // Whether device data goes through host memory (the MPI backend).
+  bool staged() const { return !device_pointers_; }
+  Communicator& communicator() { return communicator_; }
+  // Collectives over host buffers on this backend (see the file comment).
+  Communicator& host();
+
+  // ---- collectives over device buffers, ordered on `stream` ----
+  // As Communicator::all_to_all_v, with send and recv in device memory.
+  void all_to_all_v(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_offsets,
+                    void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
+                    DataType type, cudaStream_t stream);
+  void all_reduce_sum(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream);
+  void all_gather(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream);
+
+  // Device `send` [count] from every rank into HOST `recv` [R * count], rank after rank; returns
+  // when recv holds them. One wait of the host on `stream` on either backend: the layer's one
+  // host synchronisation per forward (FastMoE's count read-back).
+  void all_gather_to_host(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream);
+
+  // How many times the calls above made the host wait for the GPU, since construction.
+  int64_t host_waits() const { return host_waits_; }
+
+ private:
+  class PinnedBuffer;
+  class StreamScope;
+  void wait(cudaStream_t stream);  // cudaStreamSynchronize, counted
+
+  Communicator& communicator_;
+  NcclCommunicator* nccl_ = nullptr;  // the same communicator, when its backend is NCCL
+  bool device_pointers_ = false;
+  std::unique_ptr<PinnedBuffer> send_stage_, recv_stage_;  // MPI: the pinned staging buffers, grown on demand
+  std::unique_ptr<Communicator> host_adapter_;             // NCCL: host collectives through device memory
+  void* gather_device_ = nullptr;                          // NCCL: all_gather_to_host's device scratch
+  size_t gather_device_bytes_ = 0;
+  int64_t host_waits_ = 0;
+};
+
+}  // namespace moe::dist

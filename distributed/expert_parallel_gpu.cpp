@@ -1,0 +1,713 @@
+// expert_parallel_gpu.cpp: FastMoE's expert-parallel layer on the GPU with Tutel's pipelining
+// (see expert_parallel_gpu.h). Host code: every kernel is a launcher of cuda/moe/ or of
+// expert_parallel_kernels.h.
+//
+// Sections: ---- settings ----  ---- buffers ----  ---- construction ----  ---- forward ----
+//           ---- the pipeline ----  ---- the local experts ----  ---- backward ----
+#include "expert_parallel_gpu.h"
+
+#include <nvtx3/nvToolsExt.h>  // nvtxRangePushA, nvtxRangePop: the phases on Nsight's timeline
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "core/cuda_check.h"          // CUDA_CHECK
+#include "expert_parallel_cpu.h"      // experts_per_rank, config_fingerprint: the CPU layer's rules
+#include "expert_parallel_kernels.h"  // pack_routing_summary, build_send_order, build_expert_rows, ...
+#include "moe/activation.h"           // gelu_forward, gelu_backward (padded experts)
+#include "moe/block_sparse.h"         // block_sparse_ffn_forward / backward, expert_pointer_table
+#include "moe/permute.h"              // permute_tokens, unpermute_and_combine, combine_backward, permute_backward
+#include "rank_agreement.h"           // check_on_every_rank, check_same_on_every_rank
+
+namespace moe::dist {
+
+using cuda::DeviceBuffer;
+using cuda::DevicePlan;
+
+// ---- settings ----
+
+namespace {
+
+// What a rank reports in word 0 of its routing summary when its own forward inputs are wrong.
+constexpr int32_t kBadTokenCount = -1;
+constexpr int32_t kNullPointer = -2;
+constexpr int kMaxPipelineChunks = 64;
+
+class NvtxRange {
+ public:
+  explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+  ~NvtxRange() { nvtxRangePop(); }
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+};
+
+// The supported set (see the header), checked on the host before any GPU work.
+void check_supported(const MoeConfig& config, const ExpertParallelGpuOptions& options, int64_t max_local_tokens,
+                     int ranks) {
+  validate(config);
+  experts_per_rank(config, ranks);  // E % R == 0, with the CPU layer's message
+  auto reject = [](const std::string& what) { throw std::invalid_argument(what); };
+  if (config.activation != Activation::gelu) {
+    reject("activation = " + std::string(to_string(config.activation)) + "; allowed on the GPU: gelu");
+  }
+  if (config.jitter_eps != 0.0) {
+    reject("jitter_eps = " + std::to_string(config.jitter_eps) + "; allowed on the GPU: 0 (apply jitter to x first)");
+  }
+  if (config.num_experts > cuda::kRouterMaxExperts) {
+    reject("num_experts (E) = " + std::to_string(config.num_experts) + "; allowed: E <= " +
+           std::to_string(cuda::kRouterMaxExperts));
+  }
+  if (config.top_k > cuda::kRouterMaxTopK) {
+    reject("top_k (K) = " + std::to_string(config.top_k) + "; allowed: K <= " + std::to_string(cuda::kRouterMaxTopK));
+  }
+  if (config.formulation == Formulation::dropless) {
+    if (config.block_size != 64 && config.block_size != 128) {
+      reject("block_size (B) = " + std::to_string(config.block_size) + "; allowed for dropless: 64 or 128");
+    }
+    if (config.model_dim % config.block_size != 0) {
+      reject("model_dim (D) = " + std::to_string(config.model_dim) + "; allowed for dropless: a multiple of B = " +
+             std::to_string(config.block_size) + " (the block-sparse products tile D by B)");
+    }
+  }
+  if (options.pipeline_chunks < 1 || options.pipeline_chunks > kMaxPipelineChunks) {
+    reject("pipeline_chunks (d) = " + std::to_string(options.pipeline_chunks) + "; allowed: 1 <= d <= " +
+           std::to_string(kMaxPipelineChunks));
+  }
+  if (options.experts != ExpertCompute::ffn && options.experts != ExpertCompute::identity) {
+    reject("options.experts is neither ffn nor identity");
+  }
+  constexpr int64_t int32_limit = std::numeric_limits<int32_t>::max();
+  if (max_local_tokens < 0 || max_local_tokens * config.top_k > int32_limit ||
+      max_local_tokens * config.num_experts > int32_limit || config.tokens * config.top_k > int32_limit) {
+    reject("max_local_tokens = " + std::to_string(max_local_tokens) + " (T = " + std::to_string(config.tokens) +
+           "); allowed: 0 <= T_r, and T * K, T_r * E below 2^31 (the plans' int32 indices)");
+  }
+}
+
+uint64_t options_fingerprint(const ExpertParallelGpuOptions& options) {
+  return static_cast<uint64_t>(options.pipeline_chunks) * 1000003u +
+         (options.all_reduce_router_gradient ? 101u : 0u) + static_cast<uint64_t>(options.experts) * 7u;
+}
+
+// ---- buffers ----
+
+// Grows `buffer` to at least `count` elements (and at least 1, so that a pointer is never null),
+// with a quarter of headroom: the routing, and so the row counts, move a little from step to step.
+// (No headroom for counts derived from a bound that already has it.)
+template <typename T>
+void ensure(DeviceBuffer<T>& buffer, int64_t count, bool headroom = true) {
+  const size_t needed = static_cast<size_t>(std::max<int64_t>(count, 1));
+  if (buffer.size() < needed) buffer = DeviceBuffer<T>(headroom ? needed + needed / 4 : needed);
+}
+
+std::vector<int64_t> times(std::span<const int64_t> rows, int64_t width) {
+  std::vector<int64_t> out(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) out[i] = rows[i] * width;
+  return out;
+}
+
+}  // namespace
+
+// One chunk's rows on the experts' side, kept from the forward for the backward.
+struct ExpertParallelGpu::Chunk {
+  DeviceBuffer<bf16> received;    // [N_c, D] the rows as they arrive ([source][local expert][token])
+  DeviceBuffer<bf16> sent_back;   // [N_c, D] the experts' results in the same order, sent home
+  DeviceBuffer<int> row_slot;     // [M_c] the received row feeding each expert row, -1 for padding
+  DeviceBuffer<bf16> permuted_x;  // [M_c, D] the experts' input rows (padding zero)
+  DeviceBuffer<bf16> expert_out;  // [M_c, D] their outputs; in the backward, d(outputs)
+  DeviceBuffer<bf16> d_permuted_x;                                    // [M_c, D]
+  DeviceBuffer<bf16> pre_activation, hidden, d_pre_activation, d_hidden;  // [M_c, H]; d_hidden padded only
+  std::unique_ptr<cuda::TopologyBuffers> topology;  // dropless: the E_r local experts' BCSR
+  int64_t topology_rows = 0;                        // the received rows it was sized for
+  // padded / dropping: per-expert pointers into the [E_r, C_c, *] tensors above
+  DeviceBuffer<bf16*> x_rows, pre_rows, hidden_rows, out_rows, d_hidden_rows, d_pre_rows, d_x_rows;
+};
+
+// The exchange plan's index tables, packed as int32 words, one upload a forward.
+struct ExpertParallelGpu::Tables {
+  std::vector<int32_t> words;
+  int32_t* pinned = nullptr;  // the upload's source: pinned, so the copy is asynchronous
+  size_t pinned_words = 0;
+  DeviceBuffer<int32_t> device;
+  // where each table starts, in words
+  size_t slot_chunk_begin = 0, part_send_row = 0, total_sent = 0, global_fraction = 0;
+  std::vector<size_t> row_offsets, arrived, total_rows, arrived_before, block_start;  // per chunk
+
+  ~Tables() {
+    if (pinned != nullptr) cudaFreeHost(pinned);
+  }
+  int* at(size_t offset) const { return const_cast<int*>(device.data()) + offset; }
+};
+
+// ---- construction ----
+
+ExpertParallelGpu::ExpertParallelGpu(Communicator& communicator, const MoeConfig& config, int64_t max_local_tokens,
+                                     const ExpertParallelGpuOptions& options)
+    : config_(config), options_(options), max_local_tokens_(max_local_tokens),
+      exchange_(std::make_unique<DeviceExchange>(communicator)) {
+  // The settings first, on every rank, before any GPU work: a bad one fails everywhere alike.
+  Communicator& host = exchange_->host();
+  check_same_on_every_rank(host, "expert parallel layer (GPU): the MoE configs", config_fingerprint(config));
+  check_same_on_every_rank(host, "expert parallel layer (GPU): the options (pipeline_chunks, "
+                           "all_reduce_router_gradient, experts)", options_fingerprint(options));
+  check_on_every_rank(host, "expert parallel layer (GPU): bad settings",
+                      [&] { check_supported(config, options, max_local_tokens, communicator.size()); });
+
+  const int R = communicator.size(), d = options.pipeline_chunks;
+  const size_t T = static_cast<size_t>(std::max<int64_t>(max_local_tokens, 1)), D = config.model_dim,
+               E = config.num_experts, K = config.top_k;
+  experts_per_rank_ = config.num_experts / R;
+  local_experts_config_ = config;
+  local_experts_config_.num_experts = experts_per_rank_;
+  local_experts_config_.top_k = 1;  // each received row is one row of one expert
+  local_experts_config_.tokens = 1;  // sizes come from the received counts, not from here
+
+  cublas_ = std::make_unique<cuda::CublasHandle>();
+  CUDA_CHECK(cudaStreamCreateWithFlags(&exchange_stream_, cudaStreamNonBlocking));
+  events_.assign(static_cast<size_t>(2 * d + 2), nullptr);
+  for (cudaEvent_t& event : events_) CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&tables_uploaded_, cudaEventDisableTiming));
+
+  logits_ = DeviceBuffer<float>(T * E);
+  probs_ = DeviceBuffer<float>(T * E);
+  logsumexp_ = DeviceBuffer<float>(T);
+  combine_weights_ = DeviceBuffer<float>(T * K);
+  top_experts_ = DeviceBuffer<int>(T * K);
+  local_fraction_ = DeviceBuffer<float>(E);
+  local_mean_probs_ = DeviceBuffer<float>(E);
+  local_aux_loss_ = DeviceBuffer<float>(1);
+  local_z_loss_ = DeviceBuffer<float>(1);
+  router_workspace_ = std::make_unique<cuda::RouterWorkspace>(static_cast<int>(E));
+  summary_ = DeviceBuffer<int32_t>(static_cast<size_t>(routing_summary_words(config.num_experts)));
+  summaries_.assign(static_cast<size_t>(R) * summary_.size(), 0);
+  send_slot_ = DeviceBuffer<int>(T * K);
+  slot_send_row_ = DeviceBuffer<int>(T * K);
+  send_x_ = DeviceBuffer<bf16>(T * K * D);
+  returned_ = DeviceBuffer<bf16>(T * K * D);
+  d_send_ = DeviceBuffer<bf16>(T * K * D);
+  returned_dx_ = DeviceBuffer<bf16>(T * K * D);
+  d_combine_weights_ = DeviceBuffer<float>(T * K);
+  d_logits_ = DeviceBuffer<float>(T * E);
+  d_logits_bf16_ = DeviceBuffer<bf16>(T * E);
+  tables_ = std::make_unique<Tables>();
+  for (int c = 0; c < d; ++c) chunks_.push_back(std::make_unique<Chunk>());
+}
+
+ExpertParallelGpu::~ExpertParallelGpu() {
+  for (cudaEvent_t event : events_) {
+    if (event != nullptr) cudaEventDestroy(event);
+  }
+  if (tables_uploaded_ != nullptr) cudaEventDestroy(tables_uploaded_);
+  if (exchange_stream_ != nullptr) cudaStreamDestroy(exchange_stream_);
+}
+
+const ExchangePlan& ExpertParallelGpu::plan() const {
+  if (!plan_) throw std::logic_error("ExpertParallelGpu::plan: no forward has run yet");
+  return *plan_;
+}
+
+// ---- forward ----
+
+void ExpertParallelGpu::route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream) {
+  NvtxRange range("ep_route");
+  const int T = static_cast<int>(local_tokens), D = static_cast<int>(config_.model_dim),
+            E = static_cast<int>(config_.num_experts), K = static_cast<int>(config_.top_k);
+  cuda::router_logits(cublas_->get(), x, gate_weights, logits_.data(), T, D, E, stream);
+  cuda::route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(),
+                    local_fraction_.data(), local_mean_probs_.data(), local_aux_loss_.data(), local_z_loss_.data(),
+                    *router_workspace_, T, E, K, config_.renormalize, stream);
+  // The slots of this rank grouped by expert, token order inside: the dispatch plan's stable sort.
+  // Only routed_slots, routed_offsets and tokens_per_expert are read, so the formulation is any.
+  if (!home_plan_ || home_plan_tokens_ != local_tokens) {
+    MoeConfig home = config_;
+    home.tokens = local_tokens;
+    home.formulation = Formulation::padded;  // needs no H % B; its rows are not used
+    home.capacity_factor = 1.0;
+    home_plan_ = std::make_unique<cuda::DispatchPlanBuffers>(home);
+    home_plan_tokens_ = local_tokens;
+  }
+  cuda::build_dispatch_plan(top_experts_.data(), *home_plan_, stream);
+}
+
+void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const ExpertParallelGpuWeights& weights, bf16* y,
+                                cudaStream_t stream) {
+  NvtxRange range("ep_forward");
+  forward_done_ = false;
+  const int64_t waits_before = exchange_->host_waits();
+  const int R = exchange_->size(), rank = exchange_->rank();
+  const int64_t E = config_.num_experts, K = config_.top_k, D = config_.model_dim;
+  const int64_t words = routing_summary_words(E);
+
+  // ---- 1. route locally; this rank's own faults travel in the count exchange ----
+  int32_t status = static_cast<int32_t>(std::clamp<int64_t>(local_tokens, 0, std::numeric_limits<int32_t>::max()));
+  if (local_tokens < 0 || local_tokens > max_local_tokens_) {
+    status = kBadTokenCount;
+  } else if (local_tokens > 0 && (x == nullptr || y == nullptr || weights.gate_weights == nullptr ||
+                                  (options_.experts == ExpertCompute::ffn && (weights.w1 == nullptr || weights.w2 == nullptr)))) {
+    status = kNullPointer;
+  }
+  if (status > 0) route(x, local_tokens, weights.gate_weights, stream);
+  pack_routing_summary(status > 0 ? home_plan_->tokens_per_expert.data() : nullptr, local_mean_probs_.data(),
+                       local_z_loss_.data(), status, static_cast<int>(E), summary_.data(), stream);
+
+  // ---- 2. the count exchange: the forward's one host synchronisation ----
+  {
+    NvtxRange count_range("ep_count_exchange");
+    exchange_->all_gather_to_host(summary_.data(), summaries_.data(), words, DataType::int32, stream);
+  }
+  std::vector<int64_t> tokens_per_rank(R), routed(static_cast<size_t>(R) * E);
+  std::string faults;
+  for (int p = 0; p < R; ++p) {
+    const int32_t* summary = summaries_.data() + static_cast<size_t>(p) * words;
+    if (summary[0] < 0) {
+      faults += std::string(faults.empty() ? "" : "; ") + "rank " + std::to_string(p) + ": " +
+                (summary[0] == kBadTokenCount ? "local_tokens outside [0, max_local_tokens]"
+                                              : "a null x, y or weight pointer");
+    }
+    tokens_per_rank[p] = std::max<int32_t>(summary[0], 0);
+    for (int64_t e = 0; e < E; ++e) routed[p * E + e] = summary[1 + e];
+  }
+  if (!faults.empty()) throw std::invalid_argument("expert parallel layer (GPU) forward: bad input: " + faults);
+  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, options_.pipeline_chunks, tokens_per_rank, routed);
+
+  // The router losses over all T tokens: f_e from the counts, P_e and the z-loss from the summaries.
+  const ExchangePlan& plan = *plan_;
+  const double T = static_cast<double>(plan.tokens());
+  step_ = ExpertParallelGpuStep{};
+  step_.tokens = plan.tokens();
+  step_.token_offset = plan.token_offset();
+  step_.local_tokens = plan.local_tokens();
+  step_.capacity = plan.capacity();
+  step_.routed_per_rank_expert = plan.routed_matrix();
+  step_.kept_per_rank_expert = plan.kept_matrix();
+  step_.dropped_slots = plan.dropped_slots();
+  step_.rows_sent = plan.rows_sent();
+  step_.rows_received = plan.rows_received();
+  double z_sum = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    double routed_e = 0.0, prob_sum = 0.0;
+    for (int p = 0; p < R; ++p) {
+      const int32_t* summary = summaries_.data() + static_cast<size_t>(p) * words;
+      routed_e += static_cast<double>(routed[p * E + e]);
+      prob_sum += static_cast<double>(tokens_per_rank[p]) * std::bit_cast<float>(summary[1 + E + e]);
+    }
+    const double fraction = routed_e / (T * static_cast<double>(K));
+    step_.aux_loss += static_cast<double>(E) * fraction * prob_sum / T;
+  }
+  for (int p = 0; p < R; ++p) {
+    const int32_t* summary = summaries_.data() + static_cast<size_t>(p) * words;
+    z_sum += static_cast<double>(tokens_per_rank[p]) * std::bit_cast<float>(summary[1 + 2 * E]);
+  }
+  step_.z_loss = z_sum / T;
+
+  upload_tables(stream);  // with the global f_e, for the router backward
+  reserve_buffers();
+
+  // ---- 3. the send order, and the rows in it ----
+  const int64_t T_r = plan.local_tokens();
+  if (T_r > 0) {
+    NvtxRange dispatch_range("ep_permute");
+    build_send_order(top_experts_.data(), home_plan_->routed_slots.data(), home_plan_->routed_offsets.data(),
+                     tables_->at(tables_->slot_chunk_begin), tables_->at(tables_->part_send_row),
+                     static_cast<int>(T_r * K), options_.pipeline_chunks, send_slot_.data(), slot_send_row_.data(),
+                     stream);
+    if (plan.rows_sent() > 0) cuda::permute_tokens(home_view(T_r), x, send_x_.data(), static_cast<int>(D), stream);
+  }
+  for (int c = 0; c < options_.pipeline_chunks; ++c) prepare_experts(c, weights, stream);
+
+  // ---- 4, 5: chunk after chunk, the rows out, the experts, the results back ----
+  pipeline(send_x_.data(), returned_.data(), stream, [&](int c) { experts_forward(c, weights, stream); });
+
+  // ---- 6. the weighted combine ----
+  if (T_r > 0) {
+    NvtxRange combine_range("ep_combine");
+    cuda::unpermute_and_combine(home_view(T_r), combine_weights_.data(), returned_.data(), y, static_cast<int>(D),
+                                stream);
+  }
+  step_.host_synchronisations = static_cast<int>(exchange_->host_waits() - waits_before);
+  forward_done_ = true;
+}
+
+void ExpertParallelGpu::upload_tables(cudaStream_t stream) {
+  const ExchangePlan& plan = *plan_;
+  Tables& t = *tables_;
+  const int d = plan.chunks(), R = plan.ranks();
+  const int64_t E = plan.experts(), E_r = plan.experts_per_rank();
+  t.words.clear();
+  auto put = [&t](int64_t value) {
+    if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max()) {
+      throw std::invalid_argument("expert parallel layer (GPU): an exchange index of " + std::to_string(value) +
+                                  " does not fit the kernels' int32 indices");
+    }
+    t.words.push_back(static_cast<int32_t>(value));
+  };
+  t.slot_chunk_begin = t.words.size();
+  for (int64_t e = 0; e < E; ++e) {
+    for (int c = 0; c <= d; ++c) put(plan.slot_chunk_begin(e, c));
+  }
+  t.part_send_row = t.words.size();
+  for (int64_t e = 0; e < E; ++e) {
+    for (int c = 0; c < d; ++c) put(plan.part_send_row(e, c));
+  }
+  t.total_sent = t.words.size();
+  put(plan.rows_sent());
+  t.global_fraction = t.words.size();
+  for (int64_t e = 0; e < E; ++e) {
+    double routed = 0.0;
+    for (int p = 0; p < R; ++p) routed += static_cast<double>(plan.routed(p, e));
+    const float fraction = static_cast<float>(routed / (static_cast<double>(plan.tokens()) * config_.top_k));
+    t.words.push_back(std::bit_cast<int32_t>(fraction));
+  }
+  t.row_offsets.assign(d, 0);
+  t.arrived.assign(d, 0);
+  t.total_rows.assign(d, 0);
+  t.arrived_before.assign(d, 0);
+  t.block_start.assign(d, 0);
+  for (int c = 0; c < d; ++c) {
+    t.row_offsets[c] = t.words.size();
+    for (int64_t j = 0; j <= E_r; ++j) put(plan.row_offset(c, j));
+    t.arrived[c] = t.words.size();
+    for (int64_t j = 0; j < E_r; ++j) put(plan.arrived(c, j));
+    t.total_rows[c] = t.words.size();
+    put(plan.total_rows(c));
+    t.arrived_before[c] = t.words.size();
+    for (int64_t j = 0; j < E_r; ++j) {
+      for (int s = 0; s <= R; ++s) put(plan.arrived_before(c, j, s));
+    }
+    t.block_start[c] = t.words.size();
+    for (int s = 0; s < R; ++s) {
+      for (int64_t j = 0; j < E_r; ++j) put(plan.block_start(c, s, j));
+    }
+  }
+  // The last upload may still be reading the pinned words (if the caller changed streams).
+  CUDA_CHECK(cudaEventSynchronize(tables_uploaded_));
+  if (t.pinned_words < t.words.size()) {
+    if (t.pinned != nullptr) CUDA_CHECK(cudaFreeHost(t.pinned));
+    t.pinned = nullptr;
+    CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&t.pinned), t.words.size() * sizeof(int32_t),
+                             cudaHostAllocDefault));
+    t.pinned_words = t.words.size();
+  }
+  std::memcpy(t.pinned, t.words.data(), t.words.size() * sizeof(int32_t));
+  ensure(t.device, static_cast<int64_t>(t.words.size()));
+  CUDA_CHECK(cudaMemcpyAsync(t.device.data(), t.pinned, t.words.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                             stream));
+  CUDA_CHECK(cudaEventRecord(tables_uploaded_, stream));
+}
+
+void ExpertParallelGpu::reserve_buffers() {
+  const ExchangePlan& plan = *plan_;
+  const int64_t D = config_.model_dim, H = config_.hidden_dim, E_r = experts_per_rank_;
+  const bool ffn = options_.experts == ExpertCompute::ffn;
+  const bool dropless = config_.formulation == Formulation::dropless;
+  for (int c = 0; c < plan.chunks(); ++c) {
+    Chunk& chunk = *chunks_[c];
+    const int64_t received = plan.rows_received(c), rows = plan.total_rows(c);
+    ensure(chunk.received, received * D);
+    if (!ffn) continue;
+    ensure(chunk.sent_back, received * D);
+    if (received == 0) continue;  // the experts skip this chunk
+    int64_t rows_allocated = rows;
+    if (dropless) {
+      if (!chunk.topology || chunk.topology_rows < received) {
+        MoeConfig sizes = local_experts_config_;
+        sizes.tokens = received + received / 4;  // headroom, as ensure()
+        chunk.topology = std::make_unique<cuda::TopologyBuffers>(sizes);
+        chunk.topology_rows = sizes.tokens;
+      }
+      // The products' grids and TMA descriptors span the topology's bound on rows: the operands
+      // span it too, as MoeLayerGpu's do, so no tile of a block row past the real ones reads
+      // outside an allocation.
+      const cuda::DeviceTopology bound = chunk.topology->topology();
+      rows_allocated = std::max<int64_t>(rows, int64_t{bound.max_block_rows} * bound.block_size);
+    }
+    const bool headroom = !dropless;  // the topology's bound has its own
+    ensure(chunk.row_slot, rows);
+    ensure(chunk.permuted_x, rows_allocated * D, headroom);
+    ensure(chunk.expert_out, rows_allocated * D, headroom);
+    ensure(chunk.d_permuted_x, rows_allocated * D, headroom);
+    ensure(chunk.pre_activation, rows_allocated * H, headroom);
+    ensure(chunk.hidden, rows_allocated * H, headroom);
+    ensure(chunk.d_pre_activation, rows_allocated * H, headroom);
+    if (!dropless) {
+      ensure(chunk.d_hidden, rows * H);
+      for (DeviceBuffer<bf16*>* table : {&chunk.x_rows, &chunk.pre_rows, &chunk.hidden_rows, &chunk.out_rows,
+                                         &chunk.d_hidden_rows, &chunk.d_pre_rows, &chunk.d_x_rows}) {
+        ensure(*table, E_r);
+      }
+    }
+  }
+}
+
+DevicePlan ExpertParallelGpu::home_view(int64_t local_tokens) const {
+  DevicePlan view;  // the send order as a plan: row r of the send buffer holds slot send_slot[r]
+  view.tokens = static_cast<int>(local_tokens);
+  view.top_k = static_cast<int>(config_.top_k);
+  view.num_experts = static_cast<int>(config_.num_experts);
+  view.capacity = 0;
+  view.block_size = static_cast<int>(config_.block_size);
+  view.max_rows = static_cast<int>(local_tokens * config_.top_k);
+  view.row_slot = const_cast<int*>(send_slot_.data());
+  view.slot_row = const_cast<int*>(slot_send_row_.data());
+  view.total_rows = tables_->at(tables_->total_sent);
+  return view;
+}
+
+DevicePlan ExpertParallelGpu::expert_view(int c) const {
+  const ExchangePlan& plan = *plan_;
+  DevicePlan view;  // the local experts' rows over the rows received: one "token" per received row
+  view.tokens = static_cast<int>(plan.rows_received(c));
+  view.top_k = 1;
+  view.num_experts = static_cast<int>(experts_per_rank_);
+  view.capacity = static_cast<int>(plan.padded_rows(c));
+  view.block_size = static_cast<int>(config_.block_size);
+  view.max_rows = static_cast<int>(plan.total_rows(c));
+  view.tokens_per_expert = tables_->at(tables_->arrived[c]);
+  view.kept_per_expert = tables_->at(tables_->arrived[c]);
+  view.row_offsets = tables_->at(tables_->row_offsets[c]);
+  view.row_slot = const_cast<int*>(chunks_[c]->row_slot.data());
+  view.total_rows = tables_->at(tables_->total_rows[c]);
+  return view;
+}
+
+// ---- the pipeline ----
+
+template <typename Work>
+void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t stream, Work&& work) {
+  const ExchangePlan& plan = *plan_;
+  const int d = plan.chunks();
+  const int64_t D = config_.model_dim;
+  cudaEvent_t start = events_[0], returned = events_[1];
+  auto arrived = [this](int c) { return events_[2 + 2 * c]; };
+  auto computed = [this](int c) { return events_[3 + 2 * c]; };
+
+  // The exchange stream starts once what came before on the caller's stream (the rows in send
+  // order) is done.
+  CUDA_CHECK(cudaEventRecord(start, stream));
+  CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, start, 0));
+  auto send_out = [&](int c) {
+    NvtxRange range("ep_dispatch");
+    exchange_->all_to_all_v(out + plan.chunk_send_begin(c) * D, times(plan.send_rows(c), D),
+                            times(plan.send_row_offsets(c), D), chunks_[c]->received.data(),
+                            times(plan.recv_rows(c), D), times(plan.recv_row_offsets(c), D), DataType::bfloat16,
+                            exchange_stream_);
+    CUDA_CHECK(cudaEventRecord(arrived(c), exchange_stream_));
+  };
+  auto bring_back = [&](int c) {
+    NvtxRange range("ep_combine_exchange");
+    CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, computed(c), 0));
+    exchange_->all_to_all_v(chunk_result(c), times(plan.recv_rows(c), D), times(plan.recv_row_offsets(c), D),
+                            back + plan.chunk_send_begin(c) * D, times(plan.send_rows(c), D),
+                            times(plan.send_row_offsets(c), D), DataType::bfloat16, exchange_stream_);
+  };
+  // Tutel's order: chunk c + 1 goes out before chunk c comes back, so that its exchange runs while
+  // chunk c's experts do.
+  send_out(0);
+  for (int c = 0; c < d; ++c) {
+    CUDA_CHECK(cudaStreamWaitEvent(stream, arrived(c), 0));
+    {
+      NvtxRange range("ep_experts");
+      work(c);
+    }
+    CUDA_CHECK(cudaEventRecord(computed(c), stream));
+    if (c + 1 < d) send_out(c + 1);
+    bring_back(c);
+  }
+  CUDA_CHECK(cudaEventRecord(returned, exchange_stream_));
+  CUDA_CHECK(cudaStreamWaitEvent(stream, returned, 0));
+}
+
+const bf16* ExpertParallelGpu::chunk_result(int c) const {
+  return options_.experts == ExpertCompute::identity ? chunks_[c]->received.data() : chunks_[c]->sent_back.data();
+}
+
+// ---- the local experts ----
+
+void ExpertParallelGpu::prepare_experts(int c, const ExpertParallelGpuWeights&, cudaStream_t stream) {
+  const ExchangePlan& plan = *plan_;
+  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
+  Chunk& chunk = *chunks_[c];
+  const int E_r = static_cast<int>(experts_per_rank_), rows = static_cast<int>(plan.total_rows(c));
+  build_expert_rows(tables_->at(tables_->row_offsets[c]), tables_->at(tables_->arrived_before[c]),
+                    tables_->at(tables_->block_start[c]), E_r, plan.ranks(), rows, chunk.row_slot.data(), stream);
+  if (config_.formulation == Formulation::dropless) {
+    cuda::build_topology(expert_view(c), *chunk.topology, stream);
+    return;
+  }
+  // [E_r, C_c, *] tensors: expert j's rows start at j C_c.
+  const size_t C = static_cast<size_t>(plan.padded_rows(c)), D = config_.model_dim, H = config_.hidden_dim;
+  auto table = [&](DeviceBuffer<bf16*>& pointers, DeviceBuffer<bf16>& base, size_t width) {
+    cuda::fill_strided_pointers(base.data(), C * width, E_r, pointers.data(), stream);
+  };
+  table(chunk.x_rows, chunk.permuted_x, D);
+  table(chunk.pre_rows, chunk.pre_activation, H);
+  table(chunk.hidden_rows, chunk.hidden, H);
+  table(chunk.out_rows, chunk.expert_out, D);
+  table(chunk.d_hidden_rows, chunk.d_hidden, H);
+  table(chunk.d_pre_rows, chunk.d_pre_activation, H);
+  table(chunk.d_x_rows, chunk.d_permuted_x, D);
+}
+
+void ExpertParallelGpu::experts_forward(int c, const ExpertParallelGpuWeights& weights, cudaStream_t stream) {
+  const ExchangePlan& plan = *plan_;
+  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
+  Chunk& chunk = *chunks_[c];
+  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(config_.hidden_dim),
+            E_r = static_cast<int>(experts_per_rank_), rows = static_cast<int>(plan.total_rows(c));
+  cuda::permute_tokens(expert_view(c), chunk.received.data(), chunk.permuted_x.data(), D, stream);
+  if (config_.formulation == Formulation::dropless) {
+    const cuda::BlockSparseFfnOutputs outputs{chunk.pre_activation.data(), nullptr, chunk.hidden.data(),
+                                              chunk.expert_out.data()};
+    cuda::block_sparse_ffn_forward(local_experts_config_, chunk.topology->topology(),
+                                   cuda::ExpertRows(chunk.permuted_x.data()), weights.w1, weights.w2, outputs, stream);
+  } else {
+    // E_r products [C_c, D] x [D, H], GeLU, E_r products [C_c, H] x [H, D] (MoeLayerGpu's padded path).
+    const int C = static_cast<int>(plan.padded_rows(c));
+    cublas_->set_stream(stream);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, H, D, chunk.x_rows.data(), D, weights.w1,
+                       H, chunk.pre_rows.data(), H, E_r);
+    cuda::gelu_forward(chunk.pre_activation.data(), chunk.hidden.data(), static_cast<size_t>(rows) * H, stream);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, D, H, chunk.hidden_rows.data(), H,
+                       weights.w2, D, chunk.out_rows.data(), D, E_r);
+  }
+  scatter_rows(chunk.row_slot.data(), chunk.expert_out.data(), chunk.sent_back.data(), rows, D, stream);
+}
+
+void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& weights,
+                                         const ExpertParallelGpuGradients& gradients, bool first_with_rows,
+                                         cudaStream_t stream) {
+  const ExchangePlan& plan = *plan_;
+  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
+  Chunk& chunk = *chunks_[c];
+  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(config_.hidden_dim),
+            E_r = static_cast<int>(experts_per_rank_), rows = static_cast<int>(plan.total_rows(c));
+  // d(expert outputs) in expert order, padding rows zero, into expert_out (the forward's values of
+  // it are no longer needed: the combine's backward used the copies that went home).
+  cuda::permute_tokens(expert_view(c), chunk.received.data(), chunk.expert_out.data(), D, stream);
+  if (config_.formulation == Formulation::dropless) {
+    // The block-sparse weight gradients are written, not accumulated: the first chunk writes the
+    // caller's, later ones a scratch copy that is then added.
+    float* const* d_w1 = first_with_rows ? gradients.d_w1 : scratch_w1_.data();
+    float* const* d_w2 = first_with_rows ? gradients.d_w2 : scratch_w2_.data();
+    const cuda::BlockSparseFfnOutputs forward{chunk.pre_activation.data(), nullptr, chunk.hidden.data(), nullptr};
+    cuda::BlockSparseFfnGradients out;
+    out.d_pre_activation = chunk.d_pre_activation.data();
+    out.d_permuted_x = chunk.d_permuted_x.data();
+    out.d_w1 = d_w1;
+    out.d_w2 = d_w2;
+    cuda::block_sparse_ffn_backward(local_experts_config_, chunk.topology->topology(), chunk.permuted_x.data(),
+                                    weights.w1, weights.w2, forward, chunk.expert_out.data(), out, stream);
+    if (!first_with_rows) {
+      add_through_tables(gradients.d_w1, scratch_w1_.data(), E_r, static_cast<size_t>(D) * H, stream);
+      add_through_tables(gradients.d_w2, scratch_w2_.data(), E_r, static_cast<size_t>(H) * D, stream);
+    }
+  } else {
+    // Per expert over its C_c rows (padding rows carry zero gradient); cuBLAS accumulates the weight
+    // gradients of later chunks itself (beta = 1).
+    //   dh = d_out W2ᵀ,  d_pre = dh * gelu'(pre),  dW2 += hiddenᵀ d_out,  dW1 += xᵀ d_pre,  dx = d_pre W1ᵀ
+    const int C = static_cast<int>(plan.padded_rows(c));
+    const float beta = first_with_rows ? 0.0f : 1.0f;
+    cublas_->set_stream(stream);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, H, D, chunk.out_rows.data(), D,
+                       weights.w2, D, chunk.d_hidden_rows.data(), H, E_r);
+    cuda::gelu_backward(chunk.pre_activation.data(), chunk.d_hidden.data(), chunk.d_pre_activation.data(),
+                        static_cast<size_t>(rows) * H, stream);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, H, D, C, chunk.hidden_rows.data(), H,
+                       chunk.out_rows.data(), D, gradients.d_w2, D, E_r, beta);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, D, H, C, chunk.x_rows.data(), D,
+                       chunk.d_pre_rows.data(), H, gradients.d_w1, H, E_r, beta);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, D, H, chunk.d_pre_rows.data(), H,
+                       weights.w1, H, chunk.d_x_rows.data(), D, E_r);
+  }
+  scatter_rows(chunk.row_slot.data(), chunk.d_permuted_x.data(), chunk.sent_back.data(), rows, D, stream);
+}
+
+// ---- backward ----
+
+void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& weights, const bf16* dy,
+                                 const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
+  NvtxRange range("ep_backward");
+  if (!forward_done_) {
+    throw std::logic_error("ExpertParallelGpu::backward: call forward first (a failed forward does not count)");
+  }
+  const ExchangePlan& plan = *plan_;
+  const int64_t T_r = plan.local_tokens(), E = config_.num_experts, K = config_.top_k, D = config_.model_dim,
+                H = config_.hidden_dim, E_r = experts_per_rank_;
+  const bool ffn = options_.experts == ExpertCompute::ffn;
+  // A null pointer here is this rank's programming error; it is thrown before any collective, and
+  // the peers then wait in the first exchange (unlike the forward, whose faults every rank sees).
+  if (gradients.d_gate_weights == nullptr || (T_r > 0 && (x == nullptr || dy == nullptr || gradients.dx == nullptr ||
+                                                          weights.gate_weights == nullptr)) ||
+      (ffn && (weights.w1 == nullptr || weights.w2 == nullptr || gradients.d_w1 == nullptr ||
+               gradients.d_w2 == nullptr))) {
+    throw std::invalid_argument("ExpertParallelGpu::backward: x, dy, the weights and every gradient pointer must be "
+                                "non-null");
+  }
+  const int64_t waits_before = exchange_->host_waits();
+
+  // ---- combine: d(rows sent) = w * dy, and d(combine weights) for the router ----
+  if (T_r > 0) {
+    NvtxRange combine_range("ep_combine_backward");
+    cuda::combine_backward(home_view(T_r), combine_weights_.data(), dy, returned_.data(), d_send_.data(),
+                           d_combine_weights_.data(), static_cast<int>(D), stream);
+  }
+
+  // ---- the experts, chunk after chunk; their weight gradients stay here ----
+  int first_with_rows = -1;
+  int chunks_with_rows = 0;
+  for (int c = 0; c < plan.chunks(); ++c) {
+    if (plan.rows_received(c) == 0) continue;
+    if (first_with_rows < 0) first_with_rows = c;
+    ++chunks_with_rows;
+  }
+  if (ffn && config_.formulation == Formulation::dropless && chunks_with_rows > 1 && scratch_w1_.size() == 0) {
+    const size_t per_w1 = static_cast<size_t>(D) * H, per_w2 = static_cast<size_t>(H) * D;
+    gradient_scratch_ = DeviceBuffer<float>(static_cast<size_t>(E_r) * (per_w1 + per_w2));
+    scratch_w1_ = cuda::expert_pointer_table(gradient_scratch_.data(), static_cast<int>(E_r), per_w1);
+    scratch_w2_ = cuda::expert_pointer_table(gradient_scratch_.data() + E_r * per_w1, static_cast<int>(E_r), per_w2);
+  }
+  pipeline(d_send_.data(), returned_dx_.data(), stream,
+           [&](int c) { experts_backward(c, weights, gradients, c == first_with_rows, stream); });
+  if (ffn && first_with_rows < 0) {  // no row reached this rank's experts: their gradients are zero
+    zero_through_tables(gradients.d_w1, static_cast<int>(E_r), static_cast<size_t>(D) * H, stream);
+    zero_through_tables(gradients.d_w2, static_cast<int>(E_r), static_cast<size_t>(H) * D, stream);
+  }
+
+  // ---- un-gather and the router ----
+  if (T_r > 0) {
+    NvtxRange router_range("ep_router_backward");
+    const int T = static_cast<int>(T_r);
+    cuda::permute_backward(home_view(T_r), returned_dx_.data(), gradients.dx, static_cast<int>(D),
+                           /*accumulate=*/false, stream);
+    // router_backward divides the losses' terms by its token count; the losses are over all T
+    // tokens, so the coefficients are scaled by T_r / T.
+    const double share = static_cast<double>(T_r) / static_cast<double>(plan.tokens());
+    const float* global_fraction = reinterpret_cast<const float*>(tables_->at(tables_->global_fraction));
+    cuda::router_backward(probs_.data(), logsumexp_.data(), top_experts_.data(), d_combine_weights_.data(),
+                          global_fraction, d_logits_.data(), T, static_cast<int>(E), static_cast<int>(K),
+                          config_.renormalize, config_.aux_loss_coef * share, config_.z_loss_coef * share, stream);
+    // d_logits in bf16 for the tensor-core GEMMs, as MoeLayerGpu does.
+    float_to_bf16(d_logits_.data(), d_logits_bf16_.data(), static_cast<size_t>(T_r * E), stream);
+    cublas_->set_stream(stream);
+    // d_gate_weights [D, E] = xᵀ [D, T_r] d_logits [T_r, E];  dx [T_r, D] += d_logits Wgᵀ
+    cuda::gemm(cublas_->get(), cuda::Op::transpose, cuda::Op::none, static_cast<int>(D), static_cast<int>(E), T, x,
+               static_cast<int>(D), d_logits_bf16_.data(), static_cast<int>(E), gradients.d_gate_weights,
+               static_cast<int>(E), 1.0f, 0.0f, /*c_is_float=*/true);
+    cuda::gemm(cublas_->get(), cuda::Op::none, cuda::Op::transpose, T, static_cast<int>(D), static_cast<int>(E),
+               d_logits_bf16_.data(), static_cast<int>(E), weights.gate_weights, static_cast<int>(E), gradients.dx,
+               static_cast<int>(D), 1.0f, 1.0f, /*c_is_float=*/true);
+  } else {
+    CUDA_CHECK(cudaMemsetAsync(gradients.d_gate_weights, 0, static_cast<size_t>(D * E) * sizeof(float), stream));
+  }
+  if (options_.all_reduce_router_gradient) {
+    NvtxRange all_reduce_range("ep_router_all_reduce");
+    exchange_->all_reduce_sum(gradients.d_gate_weights, gradients.d_gate_weights, D * E, DataType::float32, stream);
+  }
+  step_.backward_host_synchronisations = static_cast<int>(exchange_->host_waits() - waits_before);
+}
+
+}  // namespace moe::dist

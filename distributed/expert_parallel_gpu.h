@@ -1,0 +1,233 @@
+// expert_parallel_gpu.h: FastMoE's expert-parallel MoE layer on the GPU (He et al., 2021), with
+// Tutel's pipelining of the exchange against the experts (Hwang et al., MLSys 2023). One process
+// per rank, one GPU per rank (NCCL) or several ranks on one GPU (MPI, staged through host memory).
+//   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu          (ranks may share a GPU)
+//   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu_nccl     (one GPU per rank)
+//   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl
+//
+// Dimension legend: T tokens (all ranks together), T_r this rank's, D model width, H expert hidden
+// width, E experts, K top-k, C capacity, B block size, R ranks, E_r = E / R experts a rank, d chunks.
+//
+// Placement and the rules of the exchange are those of the CPU reference (expert_parallel_cpu.h,
+// expert_parallel_plan.h): tokens sharded in token order (rank r holds T_r of them, any T_r >= 0),
+// rank r owns experts [r E_r, (r + 1) E_r); the router is replicated, each rank holds only its own
+// experts' W1 and W2 (addressed through per-expert pointer tables, as MoeLayerGpu's).
+//
+// Forward, reusing cuda/'s launchers (moe/router.h, dispatch.h, topology.h, permute.h,
+// block_sparse.h) on this rank's T_r tokens:
+//   1. route locally     router logits (cuBLAS), fused softmax + top-K + combine weights, and the
+//                        stable sort of the T_r K slots by expert (the dispatch plan's routed_slots);
+//   2. count exchange    one all-gather of each rank's routing summary (T_r, the E routed counts,
+//                        its router statistics), read back to the host: THE ONE HOST
+//                        SYNCHRONISATION of a forward, as in FastMoE, which reads the counts back to
+//                        size its buffers. Every rank then knows the R x E count matrix and computes
+//                        the same ExchangePlan (capacity over all T tokens, chunks, offsets);
+//   3. dispatch          gather the kept slots' rows into send order (permute_tokens over a view of
+//                        the send order), all-to-all-v of the bf16 rows (DeviceExchange);
+//   4. local experts     over exactly the rows received: their plan (rows per local expert, B-rounded
+//                        or the capacity's share) comes from the received counts, the row map from a
+//                        small kernel, then permute_tokens, and the dropless block-sparse FFN over the
+//                        topology of the E_r local experts (padded / dropping: cuBLAS batched GEMMs
+//                        over [E_r, C_c, D], as MoeLayerGpu computes them);
+//   5. combine exchange  the expert outputs, back in the order received, all-to-all-v home;
+//   6. weighted combine  y[t] = sum_k w[t, k] out(t, k) (unpermute_and_combine; dropped slots add 0).
+// Backward mirrors it: combine_backward at home, the output gradients' rows to the experts, the
+// block-sparse (or batched) backward, d(input rows) back home, the un-gather and the router
+// backward; expert weight gradients stay on their rank, the router weight gradient is all-reduced
+// only when options.all_reduce_router_gradient (data parallel; otherwise each rank's part).
+// The router losses are global: f_e from the count matrix, P_e and the z-loss from the summaries.
+//
+// Host synchronisation: exactly one wait of the host per forward (the count read-back) on the NCCL
+// backend, none in the backward. On the MPI backend every exchange also waits twice (before MPI
+// reads the staged rows, and after they are back on the device): 1 + 4 d waits in a forward, 4 d
+// (+ 2 for the router's all-reduce) in a backward. last_step() counts them; ep_bench prints them. Buffers that depend on
+// the counts grow when a forward needs more (cudaMalloc, which itself synchronises) and are kept.
+//
+// Tutel's pipelining, options.pipeline_chunks = d: the rows of every expert in d chunks (the rule
+// of expert_parallel_plan.h); chunk c + 1's all-to-all runs on the layer's exchange stream while
+// chunk c's experts run on the caller's stream (events order them). On NCCL the two overlap on
+// the GPU. On MPI the exchange is the host's (the host blocks in MPI while the GPU runs the
+// enqueued experts), so the schedule is the same but its timings are not an interconnect's.
+// d = 2, 4 and 8 give y, dx and the router gradient bit for bit equal to d = 1 wherever the expert
+// products compute a row the same way whatever the other rows are (the portable mma.sync kernels:
+// B = 64, or a GPU without sm_90a; the tests check it at B = 64). On Hopper at B = 128 the DSD's
+// stream-K tail splits the k-loop of whichever tiles fall in its last round, which depends on the
+// row count, and cuBLAS may pick another kernel for another row count: equal within bf16 rounding
+// there. The expert weight gradients are sums over the chunks' rows, so equal to d = 1 within fp32
+// rounding (another order of the same sum), not bit for bit.
+//
+// Supported: GeLU, no jitter (as MoeLayerGpu), E <= 256 and K <= 8 (the router), dropless with
+// B = 64 or 128 and D, H multiples of B; padded and dropping (dropping computed as padded with C, as
+// MoeLayerGpu does; C counted over all T tokens). Anything else is a std::invalid_argument on every
+// rank at construction. Not built: SwiGLU (the block-sparse FFN has it; the single-GPU oracle
+// does not), the SDD gathering its rows from the receive buffer (MoeLayerGpu's gathers_rows),
+// Tutel's 2DH exchange on the GPU, an adaptive choice of d.
+//
+// Collective: every rank constructs, and calls forward and backward, with the same config and
+// options, in the same order. Settings are compared across ranks at construction, and a bad
+// local_tokens in a forward travels in the count exchange, so both fail on every rank together.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "communicator.h"            // Communicator
+#include "core/bf16.h"               // bf16
+#include "core/device_buffer.h"      // DeviceBuffer
+#include "core/gemm.h"               // CublasHandle
+#include "device_exchange.h"         // DeviceExchange
+#include "expert_parallel_plan.h"    // ExchangePlan
+#include "moe/dispatch.h"            // DispatchPlanBuffers
+#include "moe/router.h"              // RouterWorkspace
+#include "moe/topology.h"            // TopologyBuffers
+#include "moe_config.h"              // MoeConfig
+
+namespace moe::dist {
+
+using cuda::bf16;
+
+struct ExpertParallelGpuWeights {  // device memory, owned by the caller
+  const bf16* gate_weights = nullptr;  // [D, E] the router, the same on every rank
+  const bf16* const* w1 = nullptr;     // device array [E_r] -> [D, H], this rank's experts r E_r + j
+  const bf16* const* w2 = nullptr;     // device array [E_r] -> [H, D]
+};
+
+struct ExpertParallelGpuGradients {  // device memory, owned by the caller; overwritten, not accumulated
+  float* dx = nullptr;              // [T_r, D]
+  float* d_gate_weights = nullptr;  // [D, E] summed over ranks when all_reduce_router_gradient
+  float* const* d_w1 = nullptr;     // device array [E_r] -> [D, H], this rank's experts
+  float* const* d_w2 = nullptr;     // device array [E_r] -> [H, D]
+};
+
+// What the local experts do with the rows they receive.
+enum class ExpertCompute {
+  ffn,       // the expert FFN (the layer)
+  identity,  // send every row back unchanged: the exchange alone (ep_bench's dispatch + combine);
+             // y[t] = sum_k w[t, k] x[t], no expert weights read, none of their gradients written
+};
+
+struct ExpertParallelGpuOptions {
+  int pipeline_chunks = 1;                 // d in [1, 64]: Tutel's pipelining degree; 1 is FastMoE's
+  bool all_reduce_router_gradient = true;  // sum d_gate_weights over ranks (data-parallel router)
+  ExpertCompute experts = ExpertCompute::ffn;
+};
+
+// What the last forward did, on the host (every rank knows the whole count matrix).
+struct ExpertParallelGpuStep {
+  int64_t tokens = 0;        // T
+  int64_t token_offset = 0;  // this rank's first global token
+  int64_t local_tokens = 0;  // T_r
+  int64_t capacity = 0;      // C; 0 when dropless
+  std::vector<int64_t> routed_per_rank_expert;  // [R, E] before dropping (the count exchange)
+  std::vector<int64_t> kept_per_rank_expert;    // [R, E]
+  int64_t dropped_slots = 0;                    // all ranks
+  int64_t rows_sent = 0;      // token rows this rank sent (and got back), all chunks
+  int64_t rows_received = 0;  // token rows this rank's experts received, all chunks
+  double aux_loss = 0.0;      // global, unscaled: E sum_e f_e P_e
+  double z_loss = 0.0;        // global, unscaled: mean over all T tokens of logsumexp^2
+  int host_synchronisations = 0;           // of the last forward (see the file comment)
+  int backward_host_synchronisations = 0;  // of the last backward
+};
+
+class ExpertParallelGpu {
+ public:
+  // Collective. config.tokens is T, all ranks' tokens together (as in the CPU reference);
+  // max_local_tokens bounds T_r, for the buffers of this rank's tokens. Checks the settings on every
+  // rank (the same config and options everywhere, E % R == 0, the supported set above) before
+  // touching the GPU, so a bad setting is a std::invalid_argument on every rank, even without a GPU
+  // on the MPI backend. The current device is this rank's (cudaSetDevice before constructing).
+  ExpertParallelGpu(Communicator& communicator, const MoeConfig& config, int64_t max_local_tokens,
+                    const ExpertParallelGpuOptions& options = {});
+  ~ExpertParallelGpu();
+  ExpertParallelGpu(const ExpertParallelGpu&) = delete;
+  ExpertParallelGpu& operator=(const ExpertParallelGpu&) = delete;
+
+  // y [T_r, D] for this rank's x [T_r, D]. Collective; 0 <= local_tokens <= max_local_tokens, and
+  // the ranks' local_tokens add up to config.tokens (else std::invalid_argument on every rank).
+  void forward(const bf16* x,  // [T_r, D]
+               int64_t local_tokens, const ExpertParallelGpuWeights& weights,
+               bf16* y,  // [T_r, D]
+               cudaStream_t stream);
+
+  // Gradients of L = sum over ranks of sum(dy .* y) + aux_loss_coef * aux + z_loss_coef * z for the
+  // last forward (same x and weights). Collective.
+  void backward(const bf16* x,  // [T_r, D] as given to forward
+                const ExpertParallelGpuWeights& weights,
+                const bf16* dy,  // [T_r, D]
+                const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
+
+  const MoeConfig& config() const { return config_; }
+  const ExpertParallelGpuOptions& options() const { return options_; }
+  int64_t experts_per_rank() const { return experts_per_rank_; }
+  DeviceExchange& exchange() { return *exchange_; }
+  const ExchangePlan& plan() const;  // of the last forward
+  const ExpertParallelGpuStep& last_step() const { return step_; }
+
+  // ---- what the last forward computed, on the device (tests, ep_bench's checks) ----
+  const cuda::DeviceBuffer<int>& top_experts() const { return top_experts_; }            // [T_r, K] used
+  const cuda::DeviceBuffer<float>& combine_weights() const { return combine_weights_; }  // [T_r, K] used
+  const bf16* sent_rows() const { return send_x_.data(); }        // [rows_sent, D] in send order
+  const bf16* returned_rows() const { return returned_.data(); }  // [rows_sent, D] the experts' outputs
+
+ private:
+  struct Chunk;
+  struct Tables;
+
+  void route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream);
+  void upload_tables(cudaStream_t stream);
+  void reserve_buffers();
+  void prepare_experts(int chunk, const ExpertParallelGpuWeights& weights, cudaStream_t stream);
+  void experts_forward(int chunk, const ExpertParallelGpuWeights& weights, cudaStream_t stream);
+  void experts_backward(int chunk, const ExpertParallelGpuWeights& weights, const ExpertParallelGpuGradients& gradients,
+                        bool first_with_rows, cudaStream_t stream);
+  // The d-chunk pipeline shared by forward and backward: `out` rows in send order go to the experts,
+  // `work(c)` runs on `stream` once chunk c arrived, its rows come back into `back` in send order.
+  template <typename Work>
+  void pipeline(const bf16* out, bf16* back, cudaStream_t stream, Work&& work);
+  const bf16* chunk_result(int chunk) const;  // what chunk c sends home
+  cuda::DevicePlan home_view(int64_t local_tokens) const;
+  cuda::DevicePlan expert_view(int chunk) const;
+
+  MoeConfig config_;
+  ExpertParallelGpuOptions options_;
+  int64_t max_local_tokens_ = 0;
+  int64_t experts_per_rank_ = 0;
+  std::unique_ptr<DeviceExchange> exchange_;
+  MoeConfig local_experts_config_;  // E = E_r: what the block-sparse FFN and the topology see
+  cudaStream_t exchange_stream_ = nullptr;
+  std::vector<cudaEvent_t> events_;  // [2 d + 2]: start, arrived[c], computed[c], returned
+  cudaEvent_t tables_uploaded_ = nullptr;
+  std::unique_ptr<cuda::CublasHandle> cublas_;  // made after the settings are checked: no GPU before
+
+  // ---- this rank's tokens (sized by max_local_tokens) ----
+  cuda::DeviceBuffer<float> logits_, probs_, logsumexp_, combine_weights_;  // [T,E] [T,E] [T] [T,K]
+  cuda::DeviceBuffer<int> top_experts_;                                     // [T, K]
+  cuda::DeviceBuffer<float> local_fraction_, local_mean_probs_, local_aux_loss_, local_z_loss_;  // [E] [E] [1] [1]
+  std::unique_ptr<cuda::RouterWorkspace> router_workspace_;
+  std::unique_ptr<cuda::DispatchPlanBuffers> home_plan_;  // for T_r slots; rebuilt when T_r changes
+  int64_t home_plan_tokens_ = 0;
+  cuda::DeviceBuffer<int32_t> summary_;  // [routing_summary_words(E)]
+  std::vector<int32_t> summaries_;       // [R, routing_summary_words(E)] on the host
+  cuda::DeviceBuffer<int> send_slot_, slot_send_row_;  // [T*K] the send order (expert_parallel_kernels.h)
+  cuda::DeviceBuffer<bf16> send_x_, returned_, d_send_, returned_dx_;  // [T*K, D] rows in send order
+  cuda::DeviceBuffer<float> d_combine_weights_, d_logits_;  // [T, K] [T, E]
+  cuda::DeviceBuffer<bf16> d_logits_bf16_;                  // [T, E]
+
+  // ---- the exchange plan of the last forward, and its tables on the device ----
+  std::unique_ptr<ExchangePlan> plan_;
+  std::unique_ptr<Tables> tables_;
+
+  // ---- the local experts, one set of buffers per chunk (the backward needs each chunk's) ----
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  cuda::DeviceBuffer<float> gradient_scratch_;  // d > 1, dropless: [E_r, D, H] + [E_r, H, D]
+  cuda::DeviceBuffer<float*> scratch_w1_, scratch_w2_;  // [E_r] pointer tables into it
+
+  ExpertParallelGpuStep step_;
+  bool forward_done_ = false;
+};
+
+}  // namespace moe::dist

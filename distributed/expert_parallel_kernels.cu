@@ -1,0 +1,159 @@
+// expert_parallel_kernels.cu: the expert-parallel layer's own kernels (see expert_parallel_kernels.h).
+// Each is a short index pass or a copy; none needs atomics, because every index map here is one to one.
+#include "expert_parallel_kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/cuda_check.h"        // CUDA_CHECK
+#include "expert_parallel_index.h"  // send_row_of, received_row_of
+
+namespace moe::dist {
+
+namespace {
+
+constexpr int kThreads = 256;  // a plain 1D launch: eight warps a block
+
+unsigned blocks_for(int64_t threads) {
+  // Grid-stride loops below: 4096 blocks of 256 cover a million items a sweep, enough to fill an H200.
+  return static_cast<unsigned>(std::clamp<int64_t>((threads + kThreads - 1) / kThreads, 1, 4096));
+}
+
+__global__ void pack_routing_summary_kernel(const int* tokens_per_expert, const float* mean_probs,
+                                            const float* z_loss, int local_tokens, int experts, int32_t* summary) {
+  const bool any = local_tokens > 0;
+  for (int i = threadIdx.x; i < 2 * experts + 2; i += blockDim.x) {
+    int32_t word = 0;
+    if (i == 0) {
+      word = local_tokens;
+    } else if (i <= experts) {
+      word = any ? tokens_per_expert[i - 1] : 0;
+    } else {
+      const float value = !any ? 0.0f : i <= 2 * experts ? mean_probs[i - 1 - experts] : z_loss[0];
+      word = __float_as_int(value);
+    }
+    summary[i] = word;
+  }
+}
+
+__global__ void build_send_order_kernel(const int* top_experts, const int* routed_slots, const int* routed_offsets,
+                                        const int* slot_chunk_begin, const int* part_send_row, int slots, int chunks,
+                                        int* send_slot, int* slot_send_row) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < slots; i += gridDim.x * blockDim.x) {
+    const int slot = routed_slots[i];
+    const int expert = top_experts[slot];
+    const int row = send_row_of(i - routed_offsets[expert], expert, slot_chunk_begin, part_send_row, chunks);
+    slot_send_row[slot] = row;
+    if (row >= 0) send_slot[row] = slot;
+  }
+}
+
+__global__ void build_expert_rows_kernel(const int* row_offsets, const int* arrived_before, const int* block_start,
+                                         int experts, int ranks, int rows, int* row_slot) {
+  for (int row = blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += gridDim.x * blockDim.x) {
+    row_slot[row] = received_row_of(row, row_offsets, arrived_before, block_start, experts, ranks);
+  }
+}
+
+// One warp per row; each lane moves 16 bytes (8 bf16) at a time when kWide, one bf16 otherwise.
+template <bool kWide>
+__global__ void scatter_rows_kernel(const int* row_slot, const bf16* rows, bf16* out, int count, int model_dim) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < count; row += warps) {
+    const int target = row_slot[row];
+    if (target < 0) continue;  // a padding row: it was made here and goes nowhere
+    const bf16* from = rows + static_cast<size_t>(row) * model_dim;
+    bf16* to = out + static_cast<size_t>(target) * model_dim;
+    if constexpr (kWide) {
+      const int4* from4 = reinterpret_cast<const int4*>(from);
+      int4* to4 = reinterpret_cast<int4*>(to);
+      for (int i = lane; i < model_dim / 8; i += 32) to4[i] = from4[i];
+    } else {
+      for (int i = lane; i < model_dim; i += 32) to[i] = from[i];
+    }
+  }
+}
+
+__global__ void add_through_tables_kernel(float* const* to, float* const* from, int tables, size_t count) {
+  const size_t total = static_cast<size_t>(tables) * count;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
+    const size_t table = i / count, element = i % count;
+    to[table][element] += from[table][element];
+  }
+}
+
+__global__ void zero_through_tables_kernel(float* const* to, int tables, size_t count) {
+  const size_t total = static_cast<size_t>(tables) * count;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
+    to[i / count][i % count] = 0.0f;
+  }
+}
+
+__global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t count) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < count; i += size_t{gridDim.x} * blockDim.x) {
+    out[i] = __float2bfloat16(in[i]);
+  }
+}
+
+bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+}  // namespace
+
+void pack_routing_summary(const int* tokens_per_expert, const float* mean_probs, const float* z_loss,
+                          int local_tokens, int experts, int32_t* summary, cudaStream_t stream) {
+  pack_routing_summary_kernel<<<1, kThreads, 0, stream>>>(tokens_per_expert, mean_probs, z_loss, local_tokens,
+                                                          experts, summary);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void build_send_order(const int* top_experts, const int* routed_slots, const int* routed_offsets,
+                      const int* slot_chunk_begin, const int* part_send_row, int slots, int chunks, int* send_slot,
+                      int* slot_send_row, cudaStream_t stream) {
+  if (slots == 0) return;
+  build_send_order_kernel<<<blocks_for(slots), kThreads, 0, stream>>>(
+      top_experts, routed_slots, routed_offsets, slot_chunk_begin, part_send_row, slots, chunks, send_slot,
+      slot_send_row);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void build_expert_rows(const int* row_offsets, const int* arrived_before, const int* block_start, int experts,
+                       int ranks, int rows, int* row_slot, cudaStream_t stream) {
+  if (rows == 0) return;
+  build_expert_rows_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(row_offsets, arrived_before, block_start,
+                                                                      experts, ranks, rows, row_slot);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void scatter_rows(const int* row_slot, const bf16* rows, bf16* out, int count, int model_dim, cudaStream_t stream) {
+  if (count == 0) return;
+  const unsigned grid = blocks_for(static_cast<int64_t>(count) * 32);  // a warp a row
+  if (model_dim % 8 == 0 && aligned16(rows) && aligned16(out)) {
+    scatter_rows_kernel<true><<<grid, kThreads, 0, stream>>>(row_slot, rows, out, count, model_dim);
+  } else {
+    scatter_rows_kernel<false><<<grid, kThreads, 0, stream>>>(row_slot, rows, out, count, model_dim);
+  }
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void add_through_tables(float* const* to, float* const* from, int tables, size_t count, cudaStream_t stream) {
+  if (tables == 0 || count == 0) return;
+  add_through_tables_kernel<<<blocks_for(static_cast<int64_t>(tables * count)), kThreads, 0, stream>>>(
+      to, from, tables, count);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void zero_through_tables(float* const* to, int tables, size_t count, cudaStream_t stream) {
+  if (tables == 0 || count == 0) return;
+  zero_through_tables_kernel<<<blocks_for(static_cast<int64_t>(tables * count)), kThreads, 0, stream>>>(
+      to, tables, count);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void float_to_bf16(const float* in, bf16* out, size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  float_to_bf16_kernel<<<blocks_for(static_cast<int64_t>(count)), kThreads, 0, stream>>>(in, out, count);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace moe::dist

@@ -1,0 +1,76 @@
+// expert_parallel_kernels.h: the few kernels the expert-parallel layer on the GPU needs beyond
+// cuda/'s router, dispatch plan, topology, permutes and block-sparse FFN: packing the routing
+// summary for the count exchange, the send order of the token rows, the local experts' row map
+// over the rows received, rows back in the order they came, and gradient tables summed over the
+// pipeline's chunks. Everything is asynchronous on `stream`; nothing reads back to the host.
+// Built into moe_expert_parallel_gpu; used by expert_parallel_gpu.cpp.
+//
+// Dimension legend: T_r this rank's tokens, D model width, E experts, E_r local experts, K top-k,
+// R ranks, d chunks; slot = t * K + k.
+#pragma once
+
+#include <cuda_runtime.h>  // cudaStream_t
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/bf16.h"  // bf16
+
+namespace moe::dist {
+
+using cuda::bf16;
+
+// The routing summary a rank contributes to the count exchange, int32 words:
+//   [0] T_r | [1, 1 + E) routed slots per expert | [1 + E, 1 + 2E) mean router probability per
+//   expert (fp32 bits) | [1 + 2E] mean logsumexp^2 (fp32 bits).
+// With T_r = 0 the pointers may be null: a summary of zeros.
+inline constexpr int64_t routing_summary_words(int64_t experts) { return 2 * experts + 2; }
+void pack_routing_summary(const int* tokens_per_expert,  // [E]
+                          const float* mean_probs,       // [E]
+                          const float* z_loss,           // [1]
+                          int local_tokens, int experts,
+                          int32_t* summary,  // [routing_summary_words(E)]
+                          cudaStream_t stream);
+
+// The send order: for each routed slot, grouped by expert in token order (routed_slots,
+// routed_offsets: moe/dispatch.h), its send-buffer row (send_row_of, expert_parallel_index.h).
+// Writes send_slot[row] = slot for every kept slot and slot_send_row[slot] = row, or -1 for a
+// dropped slot: a view of DevicePlan (row_slot = send_slot, slot_row = slot_send_row) over which
+// moe/permute.h's launchers gather the rows, combine what comes back, and run their backward.
+void build_send_order(const int* top_experts,       // [T_r, K]
+                      const int* routed_slots,      // [T_r * K]
+                      const int* routed_offsets,    // [E + 1]
+                      const int* slot_chunk_begin,  // [E, d + 1]
+                      const int* part_send_row,     // [E, d]
+                      int slots, int chunks,
+                      int* send_slot,      // [T_r * K], the first rows_sent written
+                      int* slot_send_row,  // [T_r * K]
+                      cudaStream_t stream);
+
+// The local experts' row map in one chunk: row_slot[row] = the received row feeding it
+// (received_row_of, expert_parallel_index.h), -1 for padding; rows in [0, rows).
+void build_expert_rows(const int* row_offsets,     // [E_r + 1]
+                       const int* arrived_before,  // [E_r, R + 1]
+                       const int* block_start,     // [R, E_r]
+                       int experts, int ranks, int rows,
+                       int* row_slot,  // [rows]
+                       cudaStream_t stream);
+
+// out[row_slot[r]] = rows[r] for every r < count with row_slot[r] >= 0: the experts' rows back in
+// the order they were received, to be sent home. One warp per row, 16-byte copies where D allows.
+void scatter_rows(const int* row_slot,  // [count]
+                  const bf16* rows,     // [count, D]
+                  bf16* out,            // [received, D]
+                  int count, int model_dim, cudaStream_t stream);
+
+// to[e][i] += from[e][i] for e < tables, i < count: a chunk's weight gradients added to the
+// earlier chunks' (the block-sparse products write theirs, they do not accumulate).
+void add_through_tables(float* const* to,    // device [tables] -> [count]
+                        float* const* from,  // device [tables] -> [count]
+                        int tables, size_t count, cudaStream_t stream);
+// to[e][i] = 0: the weight gradients of a rank whose experts received no row.
+void zero_through_tables(float* const* to, int tables, size_t count, cudaStream_t stream);
+
+void float_to_bf16(const float* in, bf16* out, size_t count, cudaStream_t stream);
+
+}  // namespace moe::dist

@@ -1,0 +1,146 @@
+// expert_parallel_plan.cpp: the exchange of one forward of the expert-parallel layer on the GPU,
+// from the R x E count matrix (see expert_parallel_plan.h).
+#include "expert_parallel_plan.h"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+namespace moe::dist {
+
+ExchangePlan::ExchangePlan(const MoeConfig& config, int ranks, int rank, int chunks,
+                           std::span<const int64_t> tokens_per_rank, std::span<const int64_t> routed)
+    : ranks_(ranks), rank_(rank), chunks_(chunks), experts_(config.num_experts), block_size_(config.block_size),
+      dropless_(config.formulation == Formulation::dropless) {
+  if (ranks < 1 || rank < 0 || rank >= ranks) {
+    throw std::invalid_argument("ExchangePlan: rank " + std::to_string(rank) + " of R = " + std::to_string(ranks));
+  }
+  if (experts_ < 1 || experts_ % ranks != 0) {
+    throw std::invalid_argument("expert parallelism places E / R experts on every rank: E = " +
+                                std::to_string(experts_) + " is not divisible by R = " + std::to_string(ranks) +
+                                " ranks; choose E a multiple of R");
+  }
+  if (chunks < 1) throw std::invalid_argument("ExchangePlan: pipeline chunks d = " + std::to_string(chunks) + "; expected d >= 1");
+  if (tokens_per_rank.size() != static_cast<size_t>(ranks) ||
+      routed.size() != static_cast<size_t>(ranks) * static_cast<size_t>(experts_)) {
+    throw std::invalid_argument("ExchangePlan: expected R = " + std::to_string(ranks) + " token counts and R x E = " +
+                                std::to_string(ranks * experts_) + " routed counts");
+  }
+  experts_per_rank_ = experts_ / ranks;
+  tokens_per_rank_.assign(tokens_per_rank.begin(), tokens_per_rank.end());
+  routed_.assign(routed.begin(), routed.end());
+  tokens_ = std::accumulate(tokens_per_rank_.begin(), tokens_per_rank_.end(), int64_t{0});
+  token_offset_ = std::accumulate(tokens_per_rank_.begin(), tokens_per_rank_.begin() + rank, int64_t{0});
+  if (tokens_ != config.tokens) {
+    std::string counts;
+    for (int p = 0; p < ranks; ++p) counts += (p ? ", " : "") + std::to_string(tokens_per_rank_[p]);
+    throw std::invalid_argument("expert parallel layer: the ranks hold " + std::to_string(tokens_) + " tokens (" +
+                                counts + " by rank); config.tokens says T = " + std::to_string(config.tokens) +
+                                " (T counts the tokens of all ranks)");
+  }
+  for (int p = 0; p < ranks; ++p) {
+    int64_t slots = 0;
+    for (int64_t e = 0; e < experts_; ++e) slots += routed_[index(p, e)];
+    if (slots != tokens_per_rank_[p] * config.top_k) {
+      throw std::invalid_argument("ExchangePlan: rank " + std::to_string(p) + " routed " + std::to_string(slots) +
+                                  " slots for " + std::to_string(tokens_per_rank_[p]) + " tokens; expected T_r * K");
+    }
+  }
+
+  // ---- the capacity rule over all tokens, and each expert's row space ----
+  capacity_ = dropless_ ? 0 : moe::capacity(config);
+  kept_.assign(routed_.size(), 0);
+  start_.assign(routed_.size(), 0);
+  space_.assign(experts_, 0);
+  for (int64_t e = 0; e < experts_; ++e) {
+    int64_t kept_before = 0;  // by earlier ranks, whose tokens come first
+    for (int p = 0; p < ranks; ++p) {
+      const int64_t r = routed_[index(p, e)];
+      const int64_t k = dropless_ ? r : std::min(r, std::max<int64_t>(0, capacity_ - kept_before));
+      kept_[index(p, e)] = k;
+      start_[index(p, e)] = kept_before;
+      kept_before += k;
+      dropped_slots_ += r - k;
+    }
+    space_[e] = dropless_ ? kept_before : capacity_;
+  }
+
+  const int d = chunks_, R = ranks_;
+  const int64_t E = experts_, E_r = experts_per_rank_;
+
+  // ---- as the tokens' rank ----
+  send_rows_.assign(static_cast<size_t>(d) * R, 0);
+  send_offsets_.assign(static_cast<size_t>(d) * R, 0);
+  chunk_send_begin_.assign(d + 1, 0);
+  slot_chunk_begin_.assign(static_cast<size_t>(E) * (d + 1), 0);
+  part_send_row_.assign(static_cast<size_t>(E) * d, 0);
+  for (int c = 0; c < d; ++c) {
+    for (int64_t e = 0; e < E; ++e) send_rows_[c * R + e / E_r] += part(c, rank_, e).count;
+    int64_t row = chunk_send_begin_[c];
+    for (int p = 0; p < R; ++p) {
+      send_offsets_[c * R + p] = row - chunk_send_begin_[c];
+      for (int64_t j = 0; j < E_r; ++j) {
+        const int64_t e = p * E_r + j;
+        part_send_row_[e * d + c] = row;
+        row += part(c, rank_, e).count;
+      }
+    }
+    chunk_send_begin_[c + 1] = row;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t kept_here = kept_[index(rank_, e)];
+    for (int c = 0; c <= d; ++c) {
+      const int64_t begin = (c == d ? space_[e] : chunk_begin(c, e)) - start_[index(rank_, e)];
+      slot_chunk_begin_[e * (d + 1) + c] = std::clamp<int64_t>(begin, 0, kept_here);
+    }
+  }
+
+  // ---- as the experts' rank ----
+  recv_rows_.assign(static_cast<size_t>(d) * R, 0);
+  recv_offsets_.assign(static_cast<size_t>(d) * R, 0);
+  rows_received_.assign(d, 0);
+  arrived_.assign(static_cast<size_t>(d) * E_r, 0);
+  row_offsets_.assign(static_cast<size_t>(d) * (E_r + 1), 0);
+  arrived_before_.assign(static_cast<size_t>(d) * E_r * (R + 1), 0);
+  block_start_.assign(static_cast<size_t>(d) * R * E_r, 0);
+  for (int c = 0; c < d; ++c) {
+    int64_t received = 0;
+    for (int s = 0; s < R; ++s) {
+      recv_offsets_[c * R + s] = received;
+      for (int64_t j = 0; j < E_r; ++j) {
+        const int64_t count = part(c, s, rank_ * E_r + j).count;
+        block_start_[(c * R + s) * E_r + j] = received;
+        arrived_before_[(c * E_r + j) * (R + 1) + s + 1] = arrived_before_[(c * E_r + j) * (R + 1) + s] + count;
+        arrived_[c * E_r + j] += count;
+        recv_rows_[c * R + s] += count;
+        received += count;
+      }
+    }
+    rows_received_[c] = received;
+    for (int64_t j = 0; j < E_r; ++j) {
+      const int64_t arrived_here = arrived_[c * E_r + j];
+      const int64_t rows = dropless_ ? (arrived_here + block_size_ - 1) / block_size_ * block_size_ : padded_rows(c);
+      row_offsets_[c * (E_r + 1) + j + 1] = row_offsets_[c * (E_r + 1) + j] + rows;
+    }
+  }
+}
+
+ExchangePlan::Part ExchangePlan::part(int chunk, int source, int64_t expert) const {
+  const int64_t block_begin = start_[index(source, expert)];
+  const int64_t block_end = block_begin + kept_[index(source, expert)];
+  const int64_t begin = std::max(block_begin, chunk_begin(chunk, expert));
+  const int64_t end = std::min(block_end, chunk_begin(chunk + 1, expert));
+  return end > begin ? Part{begin - block_begin, end - begin} : Part{};
+}
+
+int64_t ExchangePlan::rows_received() const {
+  return std::accumulate(rows_received_.begin(), rows_received_.end(), int64_t{0});
+}
+
+int64_t ExchangePlan::padded_rows(int chunk) const {
+  if (dropless_) return 0;
+  return capacity_ * (chunk + 1) / chunks_ - capacity_ * chunk / chunks_;
+}
+
+}  // namespace moe::dist

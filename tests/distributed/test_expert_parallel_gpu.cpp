@@ -1,0 +1,499 @@
+// test_expert_parallel_gpu.cpp: the expert-parallel layer on the GPU (distributed/expert_parallel_gpu.h)
+// against the single-GPU layer (cuda/moe/moe_layer.h, MoeLayerGpu) on all ranks' tokens together,
+// from the same bf16 inputs: y, dx, the router gradient (all-reduced) and this rank's experts'
+// weight gradients within 2e-2 relative (bf16 activations; the two layers sum in other orders),
+// the routing itself exactly; in the dropless formulation at B = 64 and 128, padded and dropping
+// (capacity counted over all tokens), uneven shards, a rank without tokens, experts that receive
+// nothing. Tutel's pipelining: d = 2, 4, 8 give y, dx and the router gradient bit for bit equal to
+// d = 1 (B = 64: the portable kernels compute a row the same way whatever rows surround it), the
+// expert weight gradients within fp32 rounding. The exchange alone (identity experts) returns
+// every row unchanged. Bad settings and bad forward inputs are an error on every rank.
+//
+// Built twice: test_distributed_expert_parallel_gpu runs the layer over the MPI backend (ranks may
+// share a GPU: rank r uses device r % devices, its rows staged through host memory);
+// test_distributed_expert_parallel_gpu_nccl (MOE_TEST_NCCL_BACKEND) over NCCL, one GPU per rank.
+// Without a GPU (or, for NCCL, with fewer GPUs than ranks) every GPU test skips on every rank,
+// saying why; the settings checks of the MPI build still run, as they need no GPU.
+//   ctest --test-dir build -R DistributedExpertParallelGpu --output-on-failure
+//   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu
+//   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu_nccl
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/device_buffer.h"       // DeviceBuffer
+#include "core/device_info.h"         // why_no_gpu
+#include "core/reference_bridge.h"    // round_bf16, bf16_of, matrix_of
+#include "expert_parallel_gpu.h"      // ExpertParallelGpu
+#include "moe/block_sparse.h"         // expert_pointer_table
+#include "moe/moe_layer.h"            // MoeLayerGpu: the oracle
+#include "mpi_test_support.h"         // world, shared_seed
+#include "reference_cpu/init.h"       // random_matrix, random_weights
+#include "reference_cpu/moe_layer.h"  // MoeWeights
+#if MOE_TEST_NCCL_BACKEND
+#include "nccl_communicator.h"
+#endif
+
+namespace moe::dist {
+namespace {
+
+using cuda::DeviceBuffer;
+using ref::Matrix;
+using testing::shared_seed;
+using testing::world;
+
+constexpr double kTolerance = 2e-2;           // bf16 activations, fp32 accumulation
+constexpr double kChunkSumTolerance = 1e-5;   // the same fp32 sums in another order
+
+// ---- the ranks' communicator for the layer, or why there is none ----
+
+class ExpertParallelGpuTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+      (void)cudaGetLastError();
+      devices = 0;
+    }
+    [[maybe_unused]] const int R = world().size();
+    const int rank = world().rank();
+    std::string reason;
+    if (devices == 0) reason = cuda::why_no_gpu();
+#if MOE_TEST_NCCL_BACKEND
+    else if (devices < R)
+      reason = "the NCCL backend needs one GPU per rank (NCCL refuses two ranks on one GPU): " +
+               std::to_string(devices) + " GPU(s) for " + std::to_string(R) + " ranks";
+#endif
+    // Every rank skips, or none: a rank that ran on while another skipped would wait forever.
+    const std::vector<int64_t> skips = all_gather<int64_t>(world(), reason.empty() ? 0 : 1);
+    if (reason.empty() && std::count(skips.begin(), skips.end(), 1) > 0) reason = "another rank has no usable GPU";
+    if (!reason.empty()) {
+      skip_reason_ = new std::string(reason);
+      std::fprintf(stderr, "[rank %d] SKIPPED the GPU tests: %s\n", rank, reason.c_str());
+      return;
+    }
+    cudaSetDevice(rank % devices);
+#if MOE_TEST_NCCL_BACKEND
+    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr);
+#endif
+  }
+  static void TearDownTestSuite() {
+#if MOE_TEST_NCCL_BACKEND
+    delete nccl_;
+    nccl_ = nullptr;
+#endif
+    delete skip_reason_;
+    skip_reason_ = nullptr;
+  }
+  void SetUp() override {
+    if (skip_reason_) GTEST_SKIP() << *skip_reason_;
+  }
+
+ public:
+  // The layer's communicator: NCCL over device buffers, or the MPI world over host buffers.
+  static Communicator& layer_communicator() {
+#if MOE_TEST_NCCL_BACKEND
+    return *nccl_;
+#else
+    return world();
+#endif
+  }
+
+ protected:
+  static std::string* skip_reason_;
+#if MOE_TEST_NCCL_BACKEND
+  static NcclCommunicator* nccl_;
+#endif
+};
+std::string* ExpertParallelGpuTest::skip_reason_ = nullptr;
+#if MOE_TEST_NCCL_BACKEND
+NcclCommunicator* ExpertParallelGpuTest::nccl_ = nullptr;
+#endif
+
+// ---- problems ----
+
+// ||got - expected|| / ||expected||, or ||got|| when the expected tensor is zero or empty.
+double relative_error(const Matrix& got, const Matrix& expected) {
+  const double norm = expected.norm();
+  return norm > 0 ? (got - expected).norm() / norm : got.norm();
+}
+
+MoeConfig base_config() {  // E = 8 divides R = 1, 2; T = 300 is not a multiple of B
+  MoeConfig c;
+  c.tokens = 300;
+  c.model_dim = 128;
+  c.hidden_dim = 256;
+  c.num_experts = 8;
+  c.top_k = 2;
+  c.block_size = 64;
+  c.renormalize = true;
+  c.aux_loss_coef = 0.01;
+  c.z_loss_coef = 0.001;
+  return c;
+}
+
+// All ranks' tokens and the whole layer, the same on every rank (from a shared seed), rounded to
+// bf16 so that both layers read the same values.
+struct Problem {
+  MoeConfig config;
+  Matrix x, dy;  // [T, D]
+  ref::MoeWeights weights;
+};
+
+Problem make_problem(const MoeConfig& config, uint64_t seed, double gate_scale = 1.0, int favoured_expert = -1) {
+  std::mt19937_64 generator(seed);
+  Problem p{config, Matrix(), Matrix(), ref::random_weights(config, seed + 1)};
+  p.weights.gate_weights *= gate_scale;
+  if (favoured_expert >= 0) p.weights.gate_weights.col(favoured_expert).array() += 50.0;  // x > 0 below
+  p.weights.gate_weights = cuda::round_bf16(p.weights.gate_weights);
+  for (auto& w : p.weights.w1) w = cuda::round_bf16(w);
+  for (auto& w : p.weights.w2) w = cuda::round_bf16(w);
+  p.x = cuda::round_bf16(ref::random_matrix(config.tokens, config.model_dim, generator));
+  if (favoured_expert >= 0) p.x = p.x.cwiseAbs();
+  p.dy = cuda::round_bf16(ref::random_matrix(config.tokens, config.model_dim, generator));
+  return p;
+}
+
+std::vector<int64_t> even_shards(int64_t tokens, int ranks) {
+  std::vector<int64_t> shards(ranks, tokens / ranks);
+  for (int p = 0; p < tokens % ranks; ++p) ++shards[p];
+  return shards;
+}
+
+// Rank p holds (p + 1) parts: uneven, the last rank the most.
+std::vector<int64_t> uneven_shards(int64_t tokens, int ranks) {
+  std::vector<int64_t> shards(ranks);
+  int64_t given = 0;
+  for (int p = 0; p < ranks; ++p) {
+    shards[p] = p + 1 == ranks ? tokens - given : tokens * (p + 1) / (ranks * (ranks + 1) / 2);
+    given += shards[p];
+  }
+  return shards;
+}
+
+int64_t offset_of(const std::vector<int64_t>& shards, int rank) {
+  int64_t offset = 0;
+  for (int p = 0; p < rank; ++p) offset += shards[p];
+  return offset;
+}
+
+// ---- the single-GPU layer on all tokens (every rank runs it) ----
+
+struct SingleGpuRun {
+  Matrix y, dx, d_gate;         // [T, D] [T, D] [D, E]
+  std::vector<Matrix> d_w1, d_w2;  // E of each
+  std::vector<int> top;         // [T, K]
+  double aux_loss = 0, z_loss = 0;
+};
+
+SingleGpuRun run_single_gpu(const Problem& p) {
+  const MoeConfig& c = p.config;
+  const int64_t T = c.tokens, D = c.model_dim, H = c.hidden_dim, E = c.num_experts;
+  DeviceBuffer<bf16> x(cuda::bf16_of(p.x)), dy(cuda::bf16_of(p.dy)), gate(cuda::bf16_of(p.weights.gate_weights));
+  DeviceBuffer<bf16> w1(cuda::bf16_of(p.weights.w1)), w2(cuda::bf16_of(p.weights.w2)), y(size_t(T * D));
+  auto w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * H));
+  auto w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), int(E), size_t(H * D));
+  DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
+  auto d_w1_table = cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
+  auto d_w2_table = cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
+  cuda::MoeLayerGpu layer(c);
+  const cuda::MoeLayerWeights weights{gate.data(), w1_table.data(), w2_table.data()};
+  layer.forward(x.data(), weights, y.data(), nullptr);
+  layer.backward(x.data(), weights, dy.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
+                 nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  SingleGpuRun run;
+  run.y = cuda::matrix_of(y.download(), T, D);
+  run.dx = cuda::matrix_of(dx.download(), T, D);
+  run.d_gate = cuda::matrix_of(d_gate.download(), D, E);
+  const auto d_w1_host = d_w1.download(), d_w2_host = d_w2.download();
+  for (int64_t e = 0; e < E; ++e) {
+    run.d_w1.push_back(cuda::matrix_of(d_w1_host, D, H, size_t(e * D * H)));
+    run.d_w2.push_back(cuda::matrix_of(d_w2_host, H, D, size_t(e * H * D)));
+  }
+  run.top = layer.top_experts().download();
+  run.aux_loss = layer.aux_loss().download()[0];
+  run.z_loss = layer.z_loss().download()[0];
+  return run;
+}
+
+// ---- the expert-parallel layer on this rank's shard ----
+
+struct ExpertParallelRun {
+  Matrix y, dx, d_gate;            // [T_r, D] [T_r, D] [D, E]
+  std::vector<Matrix> d_w1, d_w2;  // E_r of each: this rank's experts
+  std::vector<int> top;            // [T_r, K]
+  std::vector<bf16> y_raw;         // the same, as bits, for the pipelining's bit-for-bit check
+  std::vector<float> dx_raw, d_gate_raw;
+  ExpertParallelGpuStep step;
+};
+
+ExpertParallelRun run_expert_parallel(const Problem& p, const std::vector<int64_t>& shards,
+                                      const ExpertParallelGpuOptions& options = {}) {
+  Communicator& comm = ExpertParallelGpuTest::layer_communicator();
+  const MoeConfig& c = p.config;
+  const int R = comm.size(), rank = comm.rank();
+  const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts, K = c.top_k, E_r = E / R;
+  const int64_t offset = offset_of(shards, rank), T_r = shards[rank];
+  DeviceBuffer<bf16> x(cuda::bf16_of(Matrix(p.x.middleRows(offset, T_r))));
+  DeviceBuffer<bf16> dy(cuda::bf16_of(Matrix(p.dy.middleRows(offset, T_r))));
+  DeviceBuffer<bf16> gate(cuda::bf16_of(p.weights.gate_weights));
+  const std::vector<Matrix> w1_local(p.weights.w1.begin() + rank * E_r, p.weights.w1.begin() + (rank + 1) * E_r);
+  const std::vector<Matrix> w2_local(p.weights.w2.begin() + rank * E_r, p.weights.w2.begin() + (rank + 1) * E_r);
+  DeviceBuffer<bf16> w1(cuda::bf16_of(w1_local)), w2(cuda::bf16_of(w2_local));
+  auto w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), int(E_r), size_t(D * H));
+  auto w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), int(E_r), size_t(H * D));
+  DeviceBuffer<bf16> y(size_t(T_r * D));
+  DeviceBuffer<float> dx(size_t(T_r * D)), d_gate(size_t(D * E)), d_w1(size_t(E_r * D * H)), d_w2(size_t(E_r * H * D));
+  auto d_w1_table = cuda::expert_pointer_table(d_w1.data(), int(E_r), size_t(D * H));
+  auto d_w2_table = cuda::expert_pointer_table(d_w2.data(), int(E_r), size_t(H * D));
+  for (auto* buffer : {&dx, &d_gate, &d_w1, &d_w2}) buffer->fill_bytes(0xFF);  // NaN poison
+  y.fill_bytes(0xFF);
+
+  ExpertParallelGpu layer(comm, c, *std::max_element(shards.begin(), shards.end()), options);
+  const ExpertParallelGpuWeights weights{gate.data(), w1_table.data(), w2_table.data()};
+  layer.forward(x.data(), T_r, weights, y.data(), nullptr);
+  layer.backward(x.data(), weights, dy.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
+                 nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+
+  ExpertParallelRun run;
+  run.y_raw = y.download();
+  run.dx_raw = dx.download();
+  run.d_gate_raw = d_gate.download();
+  run.y = cuda::matrix_of(run.y_raw, T_r, D);
+  run.dx = cuda::matrix_of(run.dx_raw, T_r, D);
+  run.d_gate = cuda::matrix_of(run.d_gate_raw, D, E);
+  const auto d_w1_host = d_w1.download(), d_w2_host = d_w2.download();
+  for (int64_t j = 0; j < E_r; ++j) {
+    run.d_w1.push_back(cuda::matrix_of(d_w1_host, D, H, size_t(j * D * H)));
+    run.d_w2.push_back(cuda::matrix_of(d_w2_host, H, D, size_t(j * H * D)));
+  }
+  const std::vector<int> top = layer.top_experts().download();
+  run.top.assign(top.begin(), top.begin() + T_r * K);
+  run.step = layer.last_step();
+  return run;
+}
+
+// This rank's results against the single-GPU layer's on all tokens.
+void expect_equals_single_gpu(const Problem& p, const std::vector<int64_t>& shards, const ExpertParallelRun& run,
+                              const SingleGpuRun& single) {
+  const MoeConfig& c = p.config;
+  const int R = world().size(), rank = world().rank();
+  const int64_t K = c.top_k, E_r = c.num_experts / R;
+  const int64_t offset = offset_of(shards, rank), T_r = shards[rank];
+  int flips = 0;
+  for (int64_t i = 0; i < T_r * K; ++i) flips += run.top[size_t(i)] != single.top[size_t(offset * K + i)];
+  ASSERT_EQ(flips, 0) << "the routing differs from the single-GPU layer's in " << flips << " slots";
+  EXPECT_EQ(run.step.tokens, c.tokens);
+  EXPECT_EQ(run.step.token_offset, offset);
+  ASSERT_TRUE(run.y.allFinite());
+  ASSERT_TRUE(run.dx.allFinite());
+  ASSERT_TRUE(run.d_gate.allFinite());
+  EXPECT_LT(relative_error(run.y, single.y.middleRows(offset, T_r)), kTolerance) << "y";
+  EXPECT_LT(relative_error(run.dx, single.dx.middleRows(offset, T_r)), kTolerance) << "dx";
+  EXPECT_LT(relative_error(run.d_gate, single.d_gate), kTolerance) << "d gate_weights (all-reduced)";
+  EXPECT_NEAR(run.step.aux_loss, single.aux_loss, 1e-4 * std::max(1.0, single.aux_loss)) << "aux loss";
+  EXPECT_NEAR(run.step.z_loss, single.z_loss, 1e-4 * std::max(1.0, single.z_loss)) << "z loss";
+  for (int64_t j = 0; j < E_r; ++j) {
+    const int64_t e = rank * E_r + j;
+    ASSERT_TRUE(run.d_w1[j].allFinite() && run.d_w2[j].allFinite()) << "expert " << e;
+    if (single.d_w1[e].norm() == 0) {  // an expert without rows: exactly zero
+      EXPECT_EQ(run.d_w1[j].norm(), 0.0) << "d w1 of idle expert " << e;
+      EXPECT_EQ(run.d_w2[j].norm(), 0.0) << "d w2 of idle expert " << e;
+      continue;
+    }
+    EXPECT_LT(relative_error(run.d_w1[j], single.d_w1[e]), kTolerance) << "d w1 of expert " << e;
+    EXPECT_LT(relative_error(run.d_w2[j], single.d_w2[e]), kTolerance) << "d w2 of expert " << e;
+  }
+}
+
+void check_case(const MoeConfig& config, const std::vector<int64_t>& shards, const ExpertParallelGpuOptions& options = {},
+                double gate_scale = 1.0, int favoured_expert = -1) {
+  const uint64_t seed = shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::string(to_string(config.formulation)) + ", d = " +
+               std::to_string(options.pipeline_chunks));
+  const Problem problem = make_problem(config, seed, gate_scale, favoured_expert);
+  const SingleGpuRun single = run_single_gpu(problem);
+  const ExpertParallelRun run = run_expert_parallel(problem, shards, options);
+  expect_equals_single_gpu(problem, shards, run, single);
+}
+
+// ---- equal to the single-GPU layer ----
+
+TEST_F(ExpertParallelGpuTest, DroplessEqualsTheSingleGpuLayer) {
+  MoeConfig c = base_config();
+  check_case(c, even_shards(c.tokens, world().size()));
+  check_case(c, uneven_shards(c.tokens, world().size()));
+  c.block_size = 128;  // the Hopper kernels where the build has sm_90a
+  check_case(c, uneven_shards(c.tokens, world().size()));
+}
+
+TEST_F(ExpertParallelGpuTest, PaddedAndDroppingEqualTheSingleGpuLayer) {
+  MoeConfig c = base_config();
+  c.formulation = Formulation::padded;
+  c.capacity_factor = 2.0;
+  check_case(c, uneven_shards(c.tokens, world().size()));
+  check_case(c, uneven_shards(c.tokens, world().size()), {.pipeline_chunks = 2});
+  c.formulation = Formulation::dropping;
+  c.capacity_factor = 1.0;  // drops: capacity over all tokens, as the single-GPU layer counts it
+  check_case(c, even_shards(c.tokens, world().size()), {}, /*gate_scale=*/3.0);
+  check_case(c, even_shards(c.tokens, world().size()), {.pipeline_chunks = 4}, 3.0);
+}
+
+TEST_F(ExpertParallelGpuTest, ARankWithoutTokensAndExpertsWithoutRows) {
+  const int R = world().size();
+  MoeConfig c = base_config();
+  std::vector<int64_t> last_rank_only(R, 0);  // every rank but the last holds no token
+  last_rank_only[R - 1] = c.tokens;
+  check_case(c, last_rank_only);
+  check_case(c, last_rank_only, {.pipeline_chunks = 2});
+  // Top-1 onto expert 3: every other expert receives nothing (at R = 2, rank 1's experts too).
+  c.top_k = 1;
+  c.renormalize = false;
+  check_case(c, even_shards(c.tokens, R), {}, 1.0, /*favoured_expert=*/3);
+  check_case(c, last_rank_only, {.pipeline_chunks = 4}, 1.0, 3);
+  c.formulation = Formulation::dropping;
+  check_case(c, even_shards(c.tokens, R), {}, 1.0, 3);  // expert 3 keeps C of T, the rest dropped
+}
+
+// ---- Tutel's pipelining ----
+
+TEST_F(ExpertParallelGpuTest, PipelinedEqualsOneExchangeBitForBit) {
+  const MoeConfig c = base_config();  // B = 64: the portable kernels
+  const uint64_t seed = shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Problem problem = make_problem(c, seed);
+  const std::vector<int64_t> shards = uneven_shards(c.tokens, world().size());
+  const ExpertParallelRun one = run_expert_parallel(problem, shards);
+  for (int d : {2, 4, 8}) {
+    SCOPED_TRACE("d = " + std::to_string(d));
+    const ExpertParallelRun piped = run_expert_parallel(problem, shards, {.pipeline_chunks = d});
+    ASSERT_EQ(piped.y_raw.size(), one.y_raw.size());
+    EXPECT_EQ(std::memcmp(piped.y_raw.data(), one.y_raw.data(), one.y_raw.size() * sizeof(bf16)), 0) << "y";
+    EXPECT_EQ(std::memcmp(piped.dx_raw.data(), one.dx_raw.data(), one.dx_raw.size() * sizeof(float)), 0) << "dx";
+    EXPECT_EQ(std::memcmp(piped.d_gate_raw.data(), one.d_gate_raw.data(), one.d_gate_raw.size() * sizeof(float)), 0)
+        << "d gate_weights";
+    for (size_t j = 0; j < one.d_w1.size(); ++j) {
+      EXPECT_LE(relative_error(piped.d_w1[j], one.d_w1[j]), kChunkSumTolerance) << "d w1 of local expert " << j;
+      EXPECT_LE(relative_error(piped.d_w2[j], one.d_w2[j]), kChunkSumTolerance) << "d w2 of local expert " << j;
+    }
+    EXPECT_EQ(piped.step.rows_received, one.step.rows_received);
+  }
+}
+
+// ---- the exchange alone ----
+
+TEST_F(ExpertParallelGpuTest, IdentityExpertsReturnEveryRowUnchanged) {
+  const MoeConfig c = base_config();
+  const std::vector<int64_t> shards = uneven_shards(c.tokens, world().size());
+  const uint64_t seed = shared_seed();
+  const Problem p = make_problem(c, seed);
+  Communicator& comm = layer_communicator();
+  const int64_t D = c.model_dim, K = c.top_k, T_r = shards[comm.rank()], offset = offset_of(shards, comm.rank());
+  const Matrix x_local = p.x.middleRows(offset, T_r);
+  DeviceBuffer<bf16> x(cuda::bf16_of(x_local)), gate(cuda::bf16_of(p.weights.gate_weights)), y(size_t(T_r * D));
+  for (int d : {1, 3}) {
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", d = " + std::to_string(d));
+    ExpertParallelGpu layer(comm, c, T_r + 1, {.pipeline_chunks = d, .experts = ExpertCompute::identity});
+    layer.forward(x.data(), T_r, {gate.data(), nullptr, nullptr}, y.data(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const int64_t rows = layer.last_step().rows_sent;
+    EXPECT_EQ(rows, T_r * K);  // dropless: every slot travels
+    std::vector<bf16> sent(size_t(rows * D)), returned(size_t(rows * D));
+    if (rows > 0) {
+      CUDA_CHECK(cudaMemcpy(sent.data(), layer.sent_rows(), sent.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(returned.data(), layer.returned_rows(), returned.size() * sizeof(bf16),
+                            cudaMemcpyDeviceToHost));
+    }
+    EXPECT_EQ(std::memcmp(sent.data(), returned.data(), sent.size() * sizeof(bf16)), 0) << "rows changed on the way";
+    // y[t] = sum_k w[t, k] x[t]: the combine weights sum to 1 (renormalized), so y = x within bf16.
+    EXPECT_LT(relative_error(cuda::matrix_of(y.download(), T_r, D), x_local), kTolerance);
+  }
+}
+
+// ---- errors on every rank ----
+
+// The settings are checked before the layer touches the GPU: on the MPI build these tests run
+// without one (the NCCL build needs its communicator, so one GPU per rank).
+class ExpertParallelGpuSettings : public ExpertParallelGpuTest {
+ protected:
+  void SetUp() override {
+#if MOE_TEST_NCCL_BACKEND
+    if (skip_reason_) GTEST_SKIP() << *skip_reason_;
+#endif
+  }
+};
+
+TEST_F(ExpertParallelGpuSettings, BadSettingsAreAnErrorOnEveryRank) {
+  const int R = world().size();
+  Communicator& comm = layer_communicator();
+  auto expect_error = [&](const MoeConfig& config, const ExpertParallelGpuOptions& options, const std::string& text) {
+    try {
+      ExpertParallelGpu layer(comm, config, 10, options);
+      ADD_FAILURE() << "expected an error containing \"" << text << "\"";
+    } catch (const std::invalid_argument& error) {
+      EXPECT_THAT(error.what(), ::testing::HasSubstr(text));
+    }
+  };
+  MoeConfig c = base_config();
+  if (R > 1) {
+    c.num_experts = R + 1;  // E % R != 0
+    expect_error(c, {}, "is not divisible by R");
+    c = base_config();
+    c.seed = static_cast<uint64_t>(world().rank());  // a config that differs between ranks
+    expect_error(c, {}, "differ between ranks");
+    c = base_config();
+  }
+  c.activation = Activation::swiglu;
+  expect_error(c, {}, "allowed on the GPU: gelu");
+  c = base_config();
+  c.block_size = 32;
+  expect_error(c, {}, "allowed for dropless: 64 or 128");
+  expect_error(base_config(), {.pipeline_chunks = 0}, "pipeline_chunks (d) = 0");
+}
+
+TEST_F(ExpertParallelGpuTest, BadForwardInputIsAnErrorOnEveryRank) {
+  const MoeConfig c = base_config();
+  Communicator& comm = layer_communicator();
+  const int R = comm.size(), rank = comm.rank();
+  const std::vector<int64_t> shards = even_shards(c.tokens, R);
+  const Problem p = make_problem(c, shared_seed());
+  const int64_t D = c.model_dim, E_r = c.num_experts / R, H = c.hidden_dim;
+  const int64_t T_r = shards[rank], offset = offset_of(shards, rank);
+  DeviceBuffer<bf16> x(cuda::bf16_of(Matrix(p.x.middleRows(offset, T_r)))), y(size_t(T_r * D));
+  DeviceBuffer<bf16> gate(cuda::bf16_of(p.weights.gate_weights));
+  DeviceBuffer<bf16> w(size_t(E_r * D * H));
+  auto w1 = cuda::expert_pointer_table<const bf16>(w.data(), int(E_r), size_t(D * H));
+  auto w2 = cuda::expert_pointer_table<const bf16>(w.data(), int(E_r), size_t(H * D));
+  const ExpertParallelGpuWeights weights{gate.data(), w1.data(), w2.data()};
+  ExpertParallelGpu layer(comm, c, T_r, {});
+  // One token fewer on rank 0: the shards no longer add up to T.
+  try {
+    layer.forward(x.data(), rank == 0 ? T_r - 1 : T_r, weights, y.data(), nullptr);
+    ADD_FAILURE() << "expected an error: the shards do not add up to T";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("config.tokens says T = 300"));
+  }
+  // More tokens than the layer was made for, on the last rank only: every rank names it.
+  try {
+    layer.forward(x.data(), rank == R - 1 ? T_r + 1 : T_r, weights, y.data(), nullptr);
+    ADD_FAILURE() << "expected an error: local_tokens above max_local_tokens on rank " << R - 1;
+  } catch (const std::invalid_argument& error) {
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("rank " + std::to_string(R - 1) + ": local_tokens outside"));
+  }
+  // The layer still works after both.
+  EXPECT_NO_THROW(layer.forward(x.data(), T_r, weights, y.data(), nullptr));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace
+}  // namespace moe::dist
