@@ -8,7 +8,7 @@ build_dir="${1:-build}"
 mkdir -p runs
 
 failed=0
-for lesson in lesson01_routing lesson02_formulations lesson03_block_sparse lesson04_backward; do
+for lesson in lesson01_routing lesson02_formulations lesson03_block_sparse lesson04_backward lesson05_offload; do
   program="$build_dir/lessons/$lesson"
   if [ ! -x "$program" ]; then
     echo "tour: $program is not built (run ./moe build)" >&2
