@@ -67,24 +67,24 @@
 #include <type_traits>
 #include <vector>
 
-#include "moe/block_sparse.h"  // block_sparse_ffn_forward / backward
-#include "moe/activation.h"       // gelu_forward, gelu_backward
-#include "core/clock_warm_up.h"    // warm_up_clock
-#include "core/bf16.h"             // bf16
-#include "moe/topology.h"   // TopologyBuffers, build_topology
-#include "core/cuda_check.h"       // CUDA_CHECK
-#include "core/device_buffer.h"    // DeviceBuffer
-#include "core/device_info.h"      // gpu_available, why_no_gpu
-#include "reference_cpu/dispatch.h"         // moe::ref::DispatchPlan (the CPU oracle's plan)
-#include "moe/dispatch.h"    // DispatchPlanBuffers, build_dispatch_plan
-#include "expert_ffn.h"       // moe::ref::expert_ffn_forward (the CPU oracle)
-#include "core/gemm.h"             // gemm, gemm_batched, gemm_grouped, CublasHandle
-#include "bench/kernel_trace.h"     // KernelTrace, summarize_runs (--kernel-trace)
-#include "moe_config.h"       // MoeConfig
-#include "run_record.h"       // RunReader (--routing-from: a recorded run's routing)
-#include "moe/router.h"          // router_logits, route_top_k (with the router losses), RouterWorkspace
-#include "bench/routing_counts.h"   // routing_counts, top_experts_from_counts
-#include "moe/permute.h"    // permute_tokens, unpermute_and_combine
+#include "moe/block_sparse.h"        // block_sparse_ffn_forward / backward
+#include "moe/activation.h"          // gelu_forward, gelu_backward
+#include "core/clock_warm_up.h"      // warm_up_clock
+#include "core/bf16.h"               // bf16
+#include "moe/topology.h"            // TopologyBuffers, build_topology
+#include "core/cuda_check.h"         // CUDA_CHECK
+#include "core/device_buffer.h"      // DeviceBuffer
+#include "core/device_info.h"        // gpu_available, why_no_gpu
+#include "reference_cpu/dispatch.h"  // moe::ref::DispatchPlan (the CPU oracle's plan)
+#include "moe/dispatch.h"            // DispatchPlanBuffers, build_dispatch_plan
+#include "expert_ffn.h"              // moe::ref::expert_ffn_forward (the CPU oracle)
+#include "core/gemm.h"               // gemm, gemm_batched, gemm_grouped, CublasHandle
+#include "bench/kernel_trace.h"      // KernelTrace, summarize_runs (--kernel-trace)
+#include "moe_config.h"              // MoeConfig
+#include "run_record.h"              // RunReader (--routing-from: a recorded run's routing)
+#include "moe/router.h"              // router_logits, route_top_k (with the router losses), RouterWorkspace
+#include "bench/routing_counts.h"    // routing_counts, top_experts_from_counts
+#include "moe/permute.h"             // permute_tokens, unpermute_and_combine
 
 namespace {
 

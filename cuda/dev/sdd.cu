@@ -203,18 +203,18 @@
 #include <string>
 #include <vector>
 
-#include "reference_cpu/block_sparse.h"  // moe::ref::sdd
-#include "moe/block_sparse.h"                      // moe::cuda::sdd, dsd, block_sparse_ffn_forward (version 11)
-#include "moe/block_sparse.cuh"                    // the mma.sync tile kernel (versions 3-5)
-#include "moe/block_sparse_wgmma.cuh"              // the wgmma tile kernel (versions 6-10, 12-14)
-#include "moe/tensor_map.h"                        // make_matrix_map, build_expert_maps (version 18)
-#include "moe/block_sparse_wgmma_ws.cuh"           // the warp-specialized wgmma kernel (versions 15-18)
-#include "moe/block_sparse_host.h"                 // upload_topology
-#include "core/clock_warm_up.h"                     // warm_up_clock
-#include "core/cuda_check.h"                        // CUDA_CHECK
-#include "core/device_buffer.h"                     // DeviceBuffer
-#include "reference_cpu/topology.h"      // moe::ref::plan_dispatch, make_topology
-#include "init.h"                              // moe::ref::random_matrix
+#include "reference_cpu/block_sparse.h"   // moe::ref::sdd
+#include "moe/block_sparse.h"             // moe::cuda::sdd, dsd, block_sparse_ffn_forward (version 11)
+#include "moe/block_sparse.cuh"           // the mma.sync tile kernel (versions 3-5)
+#include "moe/block_sparse_wgmma.cuh"     // the wgmma tile kernel (versions 6-10, 12-14)
+#include "moe/tensor_map.h"               // make_matrix_map, build_expert_maps (version 18)
+#include "moe/block_sparse_wgmma_ws.cuh"  // the warp-specialized wgmma kernel (versions 15-18)
+#include "moe/block_sparse_host.h"        // upload_topology
+#include "core/clock_warm_up.h"           // warm_up_clock
+#include "core/cuda_check.h"              // CUDA_CHECK
+#include "core/device_buffer.h"           // DeviceBuffer
+#include "reference_cpu/topology.h"       // moe::ref::plan_dispatch, make_topology
+#include "init.h"                         // moe::ref::random_matrix
 
 using moe::cuda::bf16;
 using moe::cuda::DeviceBuffer;

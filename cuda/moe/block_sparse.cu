@@ -10,11 +10,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "moe/block_sparse.cuh"        // block_sparse_mma_kernel and the problems
-#include "moe/block_sparse_wgmma.cuh"  // block_sparse_wgmma_kernel (sm_90a)
+#include "moe/block_sparse.cuh"           // block_sparse_mma_kernel and the problems
+#include "moe/block_sparse_wgmma.cuh"     // block_sparse_wgmma_kernel (sm_90a)
 #include "moe/block_sparse_wgmma_ws.cuh"  // block_sparse_wgmma_ws_kernel (sm_90a, warp-specialized)
-#include "core/cuda_check.h"            // CUDA_CHECK
-#include "moe/tensor_map.h"            // make_matrix_map, make_blocks_map, build_expert_maps
+#include "core/cuda_check.h"              // CUDA_CHECK
+#include "moe/tensor_map.h"               // make_matrix_map, make_blocks_map, build_expert_maps
 
 namespace moe::cuda {
 

@@ -44,8 +44,8 @@
 
 #include "core/bf16.h"           // bf16
 #include "core/device_buffer.h"  // DeviceBuffer
-#include "moe/device_plan.h"    // DeviceTopology
-#include "moe_config.h"     // MoeConfig, Activation
+#include "moe/device_plan.h"     // DeviceTopology
+#include "moe_config.h"          // MoeConfig, Activation
 
 namespace moe::cuda {
 
