@@ -195,6 +195,9 @@ ExpertParallelGpu::ExpertParallelGpu(Communicator& communicator, const MoeConfig
   d_logits_bf16_ = DeviceBuffer<bf16>(T * E);
   tables_ = std::make_unique<Tables>();
   for (int c = 0; c < d; ++c) chunks_.push_back(std::make_unique<Chunk>());
+  // The router workspace's ticket is zeroed on the legacy stream; the caller's stream may be a
+  // non-blocking one that does not wait for it.
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 ExpertParallelGpu::~ExpertParallelGpu() {
