@@ -8,7 +8,8 @@
 #                                           (default: tests sanitize lessons dev bench record; train
 #                                           times the training step beside PyTorch; offload measures
 #                                           the expert modes and records a run per mode; infer trains
-#                                           briefly and generates in every mode), logs in $OUT
+#                                           briefly and generates in every mode; distributed runs
+#                                           ep_bench over NCCL and over MPI), logs in $OUT
 # The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -197,6 +198,24 @@ infer() {
   return $rc
 }
 
+distributed() {
+  # Expert parallelism on the GPUs (distributed/): ctest's tests step already ran its tests (one
+  # rank per GPU over NCCL where two GPUs exist; ranks sharing one GPU over MPI). Here ep_bench:
+  # over NCCL with one rank per GPU where there are two or more, and over MPI with two ranks on one
+  # GPU (its timings are not an interconnect's: it checks the program).
+  local rc=0 gpus mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [ "$gpus" -ge 2 ]; then
+    "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend nccl --out "$OUT/ep_bench_nccl.json" \
+      > "$LOGS/ep_bench_nccl.log" 2>&1 || rc=1
+    tail -25 "$LOGS/ep_bench_nccl.log"
+  fi
+  CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend mpi -e 16M --warmup-ms 200 -n 5 \
+    --chunks 1,2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
+  tail -4 "$LOGS/ep_bench_mpi.log"
+  return $rc
+}
+
 case "${1:-}" in
   bundle) bundle ;;
   run)
@@ -210,5 +229,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [offload] [infer]" >&2; exit 2 ;;
 esac
