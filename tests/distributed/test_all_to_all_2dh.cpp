@@ -11,11 +11,14 @@
 
 #include "all_to_all_2dh.h"
 #include "communicator.h"
+#include "distributed_test_support.h"  // exchange_layout
 #include "mpi_test_support.h"
 
 namespace moe::dist {
 namespace {
 
+using testing::exchange_layout;
+using testing::ExchangeLayout;
 using testing::mix;
 using testing::same_bits;
 using testing::shared_seed;
@@ -27,26 +30,17 @@ using testing::world;
 template <typename Element, typename Count>
 void expect_2dh_equals_flat(HierarchicalAllToAll& hierarchical, uint64_t seed, Count count) {
   Communicator& comm = world();
-  const int R = comm.size(), me = comm.rank();
-  std::vector<int64_t> send_counts(R), recv_counts(R), recv_offsets(R);
-  for (int p = 0; p < R; ++p) {
-    send_counts[p] = count(me, p);
-    recv_counts[p] = count(p, me);
-  }
-  const std::vector<int64_t> send_offsets = exclusive_prefix_sum(send_counts);
-  int64_t end = 0;
-  for (int p = 0; p < R; ++p) {
-    recv_offsets[p] = end + 2;
-    end = recv_offsets[p] + recv_counts[p];
-  }
-  std::vector<Element> send(static_cast<size_t>(send_offsets.back() + send_counts.back()));
+  const int me = comm.rank();
+  const ExchangeLayout layout = exchange_layout(comm.size(), me, count, /*gap=*/2);
+  std::vector<Element> send(static_cast<size_t>(layout.send_offsets.back() + layout.send_counts.back()));
   for (size_t i = 0; i < send.size(); ++i) send[i] = value_from<Element>(mix(seed, me, i));
   const Element poison = value_from<Element>(mix(seed, 12345));
-  std::vector<Element> flat(static_cast<size_t>(end), poison), stepped(flat);
+  std::vector<Element> flat(static_cast<size_t>(layout.recv_end), poison), stepped(flat);
 
-  all_to_all_v<Element>(comm, send, send_counts, send_offsets, flat, recv_counts, recv_offsets);
-  hierarchical.all_to_all_v(send.data(), send_counts, send_offsets, stepped.data(), recv_counts, recv_offsets,
-                            data_type_of<Element>());
+  all_to_all_v<Element>(comm, send, layout.send_counts, layout.send_offsets, flat, layout.recv_counts,
+                        layout.recv_offsets);
+  hierarchical.all_to_all_v(send.data(), layout.send_counts, layout.send_offsets, stepped.data(), layout.recv_counts,
+                            layout.recv_offsets, data_type_of<Element>());
 
   for (size_t i = 0; i < flat.size(); ++i) {
     ASSERT_TRUE(same_bits(stepped[i], flat[i])) << "element " << i << " on rank " << me << " (seed " << seed << ")";

@@ -11,12 +11,19 @@
 #include <vector>
 
 #include "communicator.h"
+#include "distributed_test_support.h"  // pair_count, pair_value, exchange_layout
 #include "mpi_test_support.h"
 
 namespace moe::dist {
 namespace {
 
+using testing::exchange_layout;
+using testing::ExchangeLayout;
+using testing::expect_pair_blocks_and_untouched_gaps;
 using testing::mix;
+using testing::pair_count;
+using testing::pair_send_buffer;
+using testing::pair_value;
 using testing::same_bits;
 using testing::shared_seed;
 using testing::value_from;
@@ -24,55 +31,22 @@ using testing::world;
 
 // ---- all-to-all-v ----
 
-// Elements rank `from` sends rank `to`: 0..4, a fifth of the pairs send nothing.
-int64_t pair_count(uint64_t seed, int from, int to) { return static_cast<int64_t>(mix(seed, from, to) % 5); }
-
-template <typename Element>
-Element pair_value(uint64_t seed, int from, int to, int64_t i) {
-  return value_from<Element>(mix(seed, from, to, static_cast<uint64_t>(i) + 1000));
-}
-
 // One all-to-all-v where rank s sends count(s, d) elements to rank d, packed on the send side and
 // placed with a gap of `gap` poisoned elements before every block on the receive side. Checks the
 // received blocks element by element and that the gaps are untouched.
 template <typename Element, typename Count>
 void check_all_to_all_v(uint64_t seed, Count count, int64_t gap) {
   Communicator& comm = world();
-  const int R = comm.size(), me = comm.rank();
-  std::vector<int64_t> send_counts(R), recv_counts(R), recv_offsets(R);
-  for (int p = 0; p < R; ++p) {
-    send_counts[p] = count(me, p);
-    recv_counts[p] = count(p, me);
-  }
-  const std::vector<int64_t> send_offsets = exclusive_prefix_sum(send_counts);
-  int64_t end = 0;
-  for (int p = 0; p < R; ++p) {
-    recv_offsets[p] = end + gap;
-    end = recv_offsets[p] + recv_counts[p];
-  }
-  std::vector<Element> send;
-  for (int p = 0; p < R; ++p) {
-    for (int64_t i = 0; i < send_counts[p]; ++i) send.push_back(pair_value<Element>(seed, me, p, i));
-  }
+  const int me = comm.rank();
+  const ExchangeLayout layout = exchange_layout(comm.size(), me, count, gap);
+  const std::vector<Element> send = pair_send_buffer<Element>(seed, me, layout);
   const Element poison = value_from<Element>(mix(seed, 999));
-  std::vector<Element> recv(static_cast<size_t>(end + gap), poison);
+  std::vector<Element> recv(static_cast<size_t>(layout.recv_end + gap), poison);
 
-  all_to_all_v<Element>(comm, send, send_counts, send_offsets, recv, recv_counts, recv_offsets);
+  all_to_all_v<Element>(comm, send, layout.send_counts, layout.send_offsets, recv, layout.recv_counts,
+                        layout.recv_offsets);
 
-  std::vector<bool> written(recv.size(), false);
-  for (int p = 0; p < R; ++p) {
-    for (int64_t i = 0; i < recv_counts[p]; ++i) {
-      const size_t at = static_cast<size_t>(recv_offsets[p] + i);
-      written[at] = true;
-      ASSERT_TRUE(same_bits(recv[at], pair_value<Element>(seed, p, me, i)))
-          << "element " << i << " from rank " << p << " on rank " << me << " (seed " << seed << ")";
-    }
-  }
-  for (size_t at = 0; at < recv.size(); ++at) {
-    if (!written[at]) {
-      EXPECT_TRUE(same_bits(recv[at], poison)) << "gap element " << at << " was written";
-    }
-  }
+  expect_pair_blocks_and_untouched_gaps(recv, layout, seed, me, poison);
 }
 
 template <typename Element>

@@ -12,14 +12,19 @@
 #include <numeric>
 #include <vector>
 
+#include "distributed_test_support.h"  // pair_count, pair_value, exchange_layout
 #include "mpi_test_support.h"
 #include "nccl_communicator.h"
 
 namespace moe::dist {
 namespace {
 
+using testing::exchange_layout;
+using testing::ExchangeLayout;
+using testing::expect_pair_blocks_and_untouched_gaps;
 using testing::mix;
-using testing::same_bits;
+using testing::pair_count;
+using testing::pair_send_buffer;
 using testing::shared_seed;
 using testing::value_from;
 using testing::world;
@@ -79,52 +84,18 @@ class NcclCommunicatorTest : public ::testing::Test {
 NcclCommunicator* NcclCommunicatorTest::nccl_ = nullptr;
 std::string* NcclCommunicatorTest::skip_reason_ = nullptr;
 
-int64_t pair_count(uint64_t seed, int from, int to) { return static_cast<int64_t>(mix(seed, from, to) % 5); }
-
-template <typename Element>
-Element pair_value(uint64_t seed, int from, int to, int64_t i) {
-  return value_from<Element>(mix(seed, from, to, static_cast<uint64_t>(i) + 1000));
-}
-
+// The exchange of test_communicator.cpp's check_all_to_all_v, on device buffers through `comm`.
 template <typename Element, typename Count>
 void check_all_to_all_v(Communicator& comm, uint64_t seed, Count count, int64_t gap) {
-  const int R = comm.size(), me = comm.rank();
-  std::vector<int64_t> send_counts(R), recv_counts(R), recv_offsets(R);
-  for (int p = 0; p < R; ++p) {
-    send_counts[p] = count(me, p);
-    recv_counts[p] = count(p, me);
-  }
-  const std::vector<int64_t> send_offsets = exclusive_prefix_sum(send_counts);
-  int64_t end = 0;
-  for (int p = 0; p < R; ++p) {
-    recv_offsets[p] = end + gap;
-    end = recv_offsets[p] + recv_counts[p];
-  }
-  std::vector<Element> send;
-  for (int p = 0; p < R; ++p) {
-    for (int64_t i = 0; i < send_counts[p]; ++i) send.push_back(pair_value<Element>(seed, me, p, i));
-  }
+  const int me = comm.rank();
+  const ExchangeLayout layout = exchange_layout(comm.size(), me, count, gap);
   const Element poison = value_from<Element>(mix(seed, 999));
-  DeviceVector<Element> device_send(send);
-  DeviceVector<Element> device_recv(std::vector<Element>(static_cast<size_t>(end + gap), poison));
-  comm.all_to_all_v(device_send.data(), send_counts, send_offsets, device_recv.data(), recv_counts, recv_offsets,
-                    data_type_of<Element>());
+  DeviceVector<Element> device_send(pair_send_buffer<Element>(seed, me, layout));
+  DeviceVector<Element> device_recv(std::vector<Element>(static_cast<size_t>(layout.recv_end + gap), poison));
+  comm.all_to_all_v(device_send.data(), layout.send_counts, layout.send_offsets, device_recv.data(),
+                    layout.recv_counts, layout.recv_offsets, data_type_of<Element>());
   comm.barrier();
-  const std::vector<Element> recv = device_recv.to_host();
-  std::vector<bool> written(recv.size(), false);
-  for (int p = 0; p < R; ++p) {
-    for (int64_t i = 0; i < recv_counts[p]; ++i) {
-      const size_t at = static_cast<size_t>(recv_offsets[p] + i);
-      written[at] = true;
-      ASSERT_TRUE(same_bits(recv[at], pair_value<Element>(seed, p, me, i)))
-          << "element " << i << " from rank " << p << " (seed " << seed << ")";
-    }
-  }
-  for (size_t at = 0; at < recv.size(); ++at) {
-    if (!written[at]) {
-      EXPECT_TRUE(same_bits(recv[at], poison)) << "gap element " << at << " was written";
-    }
-  }
+  expect_pair_blocks_and_untouched_gaps(device_recv.to_host(), layout, seed, me, poison);
 }
 
 TEST_F(NcclCommunicatorTest, AllToAllVUnevenAndZeroCounts) {
