@@ -24,11 +24,12 @@
 #include <sstream>
 #include <tuple>
 
-#include "all_to_all_2dh.h"           // HierarchicalAllToAll
-#include "expert_parallel_cpu.h"      // expert_parallel_forward / backward, local_weights
-#include "init.h"                     // random_weights, random_matrix
-#include "lesson_support.h"           // options, zipf_tokens, Table
-#include "mpi_communicator.h"         // MpiEnvironment, MpiCommunicator
+#include "all_to_all_2dh.h"               // HierarchicalAllToAll
+#include "distributed_lesson_support.h"  // open_lesson_run_on_ranks
+#include "expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
+#include "init.h"                        // random_weights, random_matrix
+#include "lesson_support.h"              // options, zipf_tokens, Table
+#include "mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
 
 using namespace moe;
 using moe::lessons::Table;
@@ -232,15 +233,9 @@ int main(int argc, char** argv) {
   }
   const Shard shard{rank, R, rank * (T / R), T / R};
 
-  int32_t refused = root && lessons::lesson_run_refused(options, kName) ? 1 : 0;
-  dist::broadcast<int32_t>(comm, std::span<int32_t>(&refused, 1), 0);
-  if (refused) return 2;
+  // The ranks agree first whether the run record may be written, so that they stop together.
   std::optional<RunWriter> writer;
-  if (root) {
-    std::vector<std::string> devices;
-    for (int r = 0; r < R; ++r) devices.push_back("CPU rank " + std::to_string(r) + " (moe::ref, double, MPI)");
-    writer.emplace(lessons::create_lesson_run(options, kName, "07", config, devices, R));
-  }
+  if (!lessons::open_lesson_run_on_ranks(comm, options, kName, "07", config, writer)) return 2;
   auto show = [&](const Table& table) {
     if (!root) return;
     table.print();
