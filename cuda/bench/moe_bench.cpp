@@ -54,7 +54,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -69,6 +68,7 @@
 
 #include "moe/block_sparse.h"        // block_sparse_ffn_forward / backward
 #include "moe/activation.h"          // gelu_forward, gelu_backward
+#include "core/bench_support.h"      // utc_now
 #include "core/clock_warm_up.h"      // warm_up_clock
 #include "core/bf16.h"               // bf16
 #include "moe/topology.h"            // TopologyBuffers, build_topology
@@ -94,6 +94,7 @@ using moe::bench::Routing;
 using moe::cuda::bf16;
 using moe::cuda::DeviceBuffer;
 using moe::cuda::Op;
+using moe::cuda::utc_now;
 using json = nlohmann::json;
 
 constexpr double kTolerance = 2e-2;  // relative Frobenius error, bf16 operands and activations
@@ -199,15 +200,6 @@ CapturedRouting capture_routing(const std::string& argument) {
                                 std::to_string(captured.step));
   }
   return captured;
-}
-
-std::string utc_now(const char* format) {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char text[64];
-  std::strftime(text, sizeof text, format, &tm);
-  return text;
 }
 
 const char* kUsage =

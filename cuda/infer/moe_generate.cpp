@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "core/bench_support.h"          // parse_integer, parse_number
 #include "core/cuda_check.h"             // CudaError
 #include "core/device_info.h"            // gpu_available, why_no_gpu, current_device
 #include "infer/expert_schedule.h"       // ExpertSchedule, parse_expert_schedule
@@ -92,29 +93,15 @@ struct Options {
 };
 
 int64_t integer_of(const std::string& flag, const std::string& text, int64_t least) {
-  size_t used = 0;
-  int64_t value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || value < least) {
-    throw BadInput(flag + " " + text + ": expected an integer >= " + std::to_string(least));
-  }
-  return value;
+  const std::optional<int64_t> value = parse_integer(text);
+  if (!value || *value < least) throw BadInput(flag + " " + text + ": expected an integer >= " + std::to_string(least));
+  return *value;
 }
 
 double number_of(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty()) throw BadInput(flag + " " + text + ": expected a number");
-  return value;
+  const std::optional<double> value = parse_number(text);
+  if (!value) throw BadInput(flag + " " + text + ": expected a number");
+  return *value;
 }
 
 // Flags take their value as the next argument or after '=' (--batch=4).

@@ -59,7 +59,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -73,6 +72,7 @@
 #include <string>
 #include <vector>
 
+#include "core/bench_support.h"           // median, utc_now, parse_integer, parse_number
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
 #include "core/device_info.h"             // gpu_available, why_no_gpu, current_device
@@ -141,17 +141,9 @@ std::vector<std::string> split(const std::string& text) {
 }
 
 int64_t integer_at_least(const std::string& flag, const std::string& text, int64_t least) {
-  size_t used = 0;
-  int64_t value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (text.empty() || used != text.size() || value < least) {
-    throw BadFlag(flag + " " + text + ": expected an integer >= " + std::to_string(least));
-  }
-  return value;
+  const std::optional<int64_t> value = parse_integer(text);
+  if (!value || *value < least) throw BadFlag(flag + " " + text + ": expected an integer >= " + std::to_string(least));
+  return *value;
 }
 
 Options parse_options(int argc, char** argv) {
@@ -196,13 +188,9 @@ Options parse_options(int argc, char** argv) {
       o.steps = integer_at_least(flag, value(), 1);
     } else if (flag == "--cache-factor") {
       const std::string v = value();
-      size_t used = 0;
-      try {
-        o.cache_factor = std::stod(v, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (v.empty() || used != v.size() || !(o.cache_factor >= 1)) throw BadFlag("--cache-factor " + v + ": a number >= 1");
+      const std::optional<double> factor = parse_number(v);
+      if (!factor || !(*factor >= 1)) throw BadFlag("--cache-factor " + v + ": a number >= 1");
+      o.cache_factor = *factor;
     } else if (flag == "--cache-experts") {
       o.cache_experts = integer_at_least(flag, value(), 1);
     } else if (flag == "--policy") {
@@ -293,26 +281,10 @@ class FlatWeights {
 
 // ---- [SECTION] measuring ----
 
-double median(std::vector<double> values) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
-
 size_t device_used_bytes() {
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   return total_bytes - free_bytes;
-}
-
-std::string utc_now(const char* format) {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char text[64];
-  std::strftime(text, sizeof text, format, &tm);
-  return text;
 }
 
 // The ceiling: one 1 GiB copy from pinned memory, the median of 5 after 2 untimed (as

@@ -28,16 +28,18 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "core/bench_support.h"           // median, utc_now, parse_integer
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
 #include "core/device_info.h"             // gpu_available, why_no_gpu, current_device
@@ -47,6 +49,9 @@
 namespace {
 
 using moe::cuda::bf16;
+using moe::cuda::median;
+using moe::cuda::parse_integer;
+using moe::cuda::utc_now;
 using nlohmann::json;
 
 constexpr double kTargetRatio = 0.90;
@@ -69,17 +74,11 @@ struct Options {
 };
 
 int count_at_least(const std::string& flag, const std::string& text, int minimum) {
-  size_t used = 0;
-  int value = 0;
-  try {
-    value = std::stoi(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || value < minimum) {
+  const std::optional<int64_t> value = parse_integer(text);
+  if (!value || *value < minimum || *value > std::numeric_limits<int>::max()) {
     throw std::invalid_argument(flag + " wants an integer >= " + std::to_string(minimum) + ", got '" + text + "'");
   }
-  return value;
+  return static_cast<int>(*value);
 }
 
 Options parse_options(int argc, char** argv) {
@@ -105,21 +104,6 @@ Options parse_options(int argc, char** argv) {
     }
   }
   return options;
-}
-
-std::string utc_now(const char* format) {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char text[64];
-  std::strftime(text, sizeof text, format, &tm);
-  return text;
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
 // A row of the table: one kind of run, enqueued on the compute stream and timed in every round.
