@@ -34,7 +34,7 @@
 #include "checkpoint.h"                       // save_checkpoint, CheckpointHeader
 #include "core/cuda_check.h"                  // CUDA_CHECK
 #include "core/device_buffer.h"               // DeviceBuffer
-#include "gpu_test_support.h"                 // REQUIRE_GPU, round_bf16, relative_error
+#include "gpu_test_support.h"                 // REQUIRE_GPU, bf16_init, relative_error
 #include "infer/generate.h"                   // moe::cuda::generate
 #include "infer/inference_model.h"            // InferenceModelGpu
 #include "infer/sampling.h"                   // moe::cuda::ByteSampler
@@ -80,22 +80,6 @@ ModelConfig tiny_config(MoeLayers moe_layers, bool pregated, int64_t num_layers,
   c.block_size = 64;
   c.pregated = pregated;
   return c;
-}
-
-// init_model's weights rounded to bf16 (the same bytes to both sides), and their flat fp32 list.
-struct Weights {
-  moe::ref::ModelWeights values;
-  std::vector<float> flat;
-};
-
-Weights bf16_init(const ModelConfig& config, uint64_t seed) {
-  Weights w{moe::ref::init_model(config, seed), {}};
-  moe::ref::ModelGradients unused = moe::ref::zero_weights(config);
-  for (moe::ref::Parameter& p : moe::ref::parameters(config, w.values, unused)) {
-    *p.value = round_bf16(*p.value);
-    for (int64_t i = 0; i < p.value->size(); ++i) w.flat.push_back(float(p.value->data()[i]));
-  }
-  return w;
 }
 
 std::vector<int32_t> random_bytes(std::mt19937_64& rng, size_t count) {
@@ -251,7 +235,7 @@ TEST_P(CudaInferDecode, StepMatchesReferenceIncrementalDecoding) {
   const DecodeCase& c = GetParam();
   const ModelConfig config = tiny_config(c.moe_layers, c.pregated, c.num_layers, c.top_k);
   const int64_t N = c.batch, P = 5, steps = 3;
-  const Weights weights = bf16_init(config, 17);
+  const Bf16ModelWeights weights = bf16_init(config, 17);
   const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
   TestExperts experts(gpu, weights.flat, 0, /*on_host=*/true);
   InferenceModelGpu model(gpu, weights.flat, experts, c.pregated ? ExpertSchedule::pregated : ExpertSchedule::on_demand);
@@ -346,7 +330,7 @@ TEST(CudaInferDecode, PrefillAndDecodeMatchModelGpuForward) {
   for (const bool pregated : {false, true}) {
     const ModelConfig config = tiny_config(MoeLayers::every_block, pregated, 3, 2);
     const int64_t N = 2, P = 6, steps = 4, S = config.seq_len;
-    const Weights weights = bf16_init(config, 29);
+    const Bf16ModelWeights weights = bf16_init(config, 29);
     const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
     TestExperts experts(gpu, weights.flat, 1, /*on_host=*/false);
     InferenceModelGpu model(gpu, weights.flat, experts);
@@ -419,8 +403,8 @@ struct ScheduleRun {
   int misuse = 0;
 };
 
-ScheduleRun generate_with(const ModelConfig& config, const Weights& weights, ExpertSchedule schedule, int placement,
-                  bool on_host, const std::vector<std::vector<int32_t>>& prompts, int64_t bytes) {
+ScheduleRun generate_with(const ModelConfig& config, const Bf16ModelWeights& weights, ExpertSchedule schedule,
+                          int placement, bool on_host, const std::vector<std::vector<int32_t>>& prompts, int64_t bytes) {
   const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, int64_t(prompts.size()));
   TestExperts experts(gpu, weights.flat, placement, on_host);
   InferenceModelGpu model(gpu, weights.flat, experts, schedule);
@@ -436,7 +420,7 @@ TEST(CudaInferSchedules, EveryScheduleGivesTheSameBytesAndLogits) {
   REQUIRE_GPU();
   for (const bool pregated : {false, true}) {
     const ModelConfig config = tiny_config(MoeLayers::every_block, pregated, 3, 2);
-    const Weights weights = bf16_init(config, 37);
+    const Bf16ModelWeights weights = bf16_init(config, 37);
     std::mt19937_64 rng(41);
     std::vector<std::vector<int32_t>> prompts;
     for (int n = 0; n < 3; ++n) prompts.push_back(random_bytes(rng, 7));
@@ -546,7 +530,7 @@ std::string error_of(Work&& work) {
 // A safetensors file round trip, a file of another model (the field named), a truncated file.
 TEST(CudaInferWeights, SafetensorsFileChecked) {
   const ModelConfig config = tiny_config(MoeLayers::every_other_block, true, 4, 2);
-  const Weights weights = bf16_init(config, 47);
+  const Bf16ModelWeights weights = bf16_init(config, 47);
   const fs::path directory = temporary_directory("safetensors");
   const fs::path file = directory / "model.safetensors";
   moe::ref::save_model_safetensors(file, config, weights.values);
@@ -578,7 +562,7 @@ TEST(CudaInferWeights, SafetensorsFileChecked) {
 // A moe_train run directory: its latest checkpoint's config and weights.
 TEST(CudaInferWeights, CheckpointRunDirectory) {
   const ModelConfig config = tiny_config(MoeLayers::every_block, false, 2, 1);
-  const Weights weights = bf16_init(config, 53);
+  const Bf16ModelWeights weights = bf16_init(config, 53);
   const fs::path run = temporary_directory("checkpoint");
   moe::CheckpointHeader header;
   header.model_config = moe::ref::model_config_to_json(config);
@@ -624,7 +608,7 @@ TEST(CudaInferConfig, RefusedWithTheFieldNamed) {
 TEST(CudaInferConfig, BadInputOnTheGpu) {
   REQUIRE_GPU();
   const ModelConfig config = tiny_config(MoeLayers::every_block, false, 2, 2);
-  const Weights weights = bf16_init(config, 59);
+  const Bf16ModelWeights weights = bf16_init(config, 59);
   const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, 2);
   TestExperts experts(gpu, weights.flat, 0, false);
   EXPECT_THROW((InferenceModelGpu{gpu, weights.flat, experts, ExpertSchedule::pregated}), std::invalid_argument);

@@ -45,7 +45,7 @@
 
 #include "core/cuda_check.h"          // CUDA_CHECK
 #include "core/device_buffer.h"       // DeviceBuffer
-#include "gpu_test_support.h"         // REQUIRE_GPU, round_bf16, matrix_of, relative_error
+#include "gpu_test_support.h"         // REQUIRE_GPU, bf16_init, matrix_of, relative_error
 #include "reference_cpu/model.h"      // moe::ref::init_model, model_forward, model_backward, parameters
 #include "model/model.h"              // moe::cuda::ModelGpu
 #include "reference_cpu/optimizer.h"  // moe::ref::adamw_step, clip_gradient_norm
@@ -101,22 +101,6 @@ moe::cuda::ModelGpuConfig gpu_config(const ModelConfig& c, int64_t batch) {
   g.moe = moe::ref::moe_layer_config(c, batch);
   g.pregated = c.pregated;
   return g;
-}
-
-// init_model's weights rounded to bf16 (the same bytes to both), and their flat fp32 list.
-struct Weights {
-  moe::ref::ModelWeights values;
-  std::vector<float> flat;
-};
-
-Weights bf16_init(const ModelConfig& config, uint64_t seed) {
-  Weights w{moe::ref::init_model(config, seed), {}};
-  moe::ref::ModelGradients unused = moe::ref::zero_weights(config);
-  for (moe::ref::Parameter& p : moe::ref::parameters(config, w.values, unused)) {
-    *p.value = round_bf16(*p.value);
-    for (int64_t i = 0; i < p.value->size(); ++i) w.flat.push_back(float(p.value->data()[i]));
-  }
-  return w;
 }
 
 // N windows of S + 1 bytes of `text` from the given starts: inputs [0, S), targets [1, S + 1).
@@ -175,7 +159,7 @@ TEST_P(CudaModelGpuStep, MatchesReference) {
   config.pregated = GetParam().pregated;
   config.num_layers = GetParam().num_layers;
   const int64_t S = config.seq_len, T = kBatch * S;
-  const Weights weights = bf16_init(config, 7);
+  const Bf16ModelWeights weights = bf16_init(config, 7);
 
   ModelGpu model(gpu_config(config, kBatch));
   // The layout is the reference's, entry by entry.
