@@ -252,7 +252,10 @@ int main(int argc, char** argv) {
     for (size_t j = 0; j < step.moe.size(); ++j) {
       const ref::MoeBlockRouting& r = step.moe[j];
       std::string experts;
-      for (size_t i = 0; i < r.experts.size(); ++i) experts += (i ? "," : "") + std::to_string(r.experts[i]);
+      for (size_t i = 0; i < r.experts.size(); ++i) {
+        if (i > 0) experts += ',';
+        experts += std::to_string(r.experts[i]);
+      }
       const bool early = j > 0 && r.known_in_block < r.block;
       known_early = known_early && (j == 0 || early);
       needs.add_row({s + 1, r.block, experts, r.known_in_block, "after block " + std::to_string(r.block) + "'s gate",
