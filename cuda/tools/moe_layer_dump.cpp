@@ -12,6 +12,8 @@
 // y, dx, d_gate_weights, d_w1, d_w2 (GPU), and ref_y, ref_dx, ref_d_gate_weights, ref_d_w1,
 // ref_d_w2 (CPU reference, double rounded to float32). All float32 unless said.
 // Ends with one verdict line, PASS when every relative error is under 2e-2 (bf16 arithmetic).
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -57,17 +59,55 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& r
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
+constexpr const char* usage_text =
+    "usage: moe_layer_dump [--out DIR] [--formulation dropless|padded|dropping] [--tokens T]"
+    " [--model-dim D] [--hidden-dim H] [--experts E] [--top-k K] [--block-size B]"
+    " [--capacity-factor CF] [--seed N] [--steps N] [--no-npy]\n";
+
+// Bad usage: one line naming the flag, the usage, exit 2.
 [[noreturn]] void usage(const std::string& message) {
-  std::cerr << "moe_layer_dump: " << message
-            << "\nusage: moe_layer_dump [--out DIR] [--formulation dropless|padded|dropping] [--tokens T]"
-               " [--model-dim D] [--hidden-dim H] [--experts E] [--top-k K] [--block-size B]"
-               " [--capacity-factor CF] [--seed N] [--steps N] [--no-npy]\n";
+  std::cerr << "moe_layer_dump: " << message << "\n" << usage_text;
   std::exit(2);
 }
 
+// The whole value must be a number: "--tokens 12x" is an error, not 12.
+int64_t parse_integer(const std::string& flag, const std::string& value) {
+  try {
+    size_t used = 0;
+    const long long number = std::stoll(value, &used);
+    if (used == value.size()) return number;
+  } catch (const std::logic_error&) {  // std::stoll: not a number, or out of range
+  }
+  usage(flag + " " + value + ": allowed: an integer");
+}
+
+double parse_real(const std::string& flag, const std::string& value) {
+  try {
+    size_t used = 0;
+    const double number = std::stod(value, &used);
+    if (used == value.size() && std::isfinite(number)) return number;
+  } catch (const std::logic_error&) {
+  }
+  usage(flag + " " + value + ": allowed: a finite number");
+}
+
+int run(int argc, char** argv);
+
 }  // namespace
 
+// Every error that reaches here is a message for the user, never an abort.
 int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& error) {
+    std::cerr << "moe_layer_dump: " << error.what() << "\n";
+    return 2;
+  }
+}
+
+namespace {
+
+int run(int argc, char** argv) {
   MoeConfig config;
   config.tokens = 512;
   config.model_dim = 256;
@@ -86,28 +126,44 @@ int main(int argc, char** argv) {
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];
-      if (arg == "--help" || arg == "-h") usage("dumps one GPU MoE layer and its CPU reference as .npy");
+      if (arg == "--help" || arg == "-h") {
+        std::cout << "moe_layer_dump: dumps one GPU MoE layer and its CPU reference as .npy\n" << usage_text;
+        return 0;
+      }
       if (arg == "--no-npy") {
         write_tensors = false;
         continue;
       }
+      static const char* const value_flags[] = {"--out",        "--formulation", "--tokens",     "--model-dim",
+                                                "--hidden-dim", "--experts",     "--top-k",      "--block-size",
+                                                "--capacity-factor", "--seed",   "--steps"};
+      if (std::find(std::begin(value_flags), std::end(value_flags), arg) == std::end(value_flags))
+        usage("unknown flag " + arg);
       if (i + 1 >= argc) usage(arg + " needs a value");
       const std::string value = argv[++i];
       if (arg == "--out") out = value;
       else if (arg == "--formulation") config.formulation = parse_formulation(value);
-      else if (arg == "--tokens") config.tokens = std::stoll(value);
-      else if (arg == "--model-dim") config.model_dim = std::stoll(value);
-      else if (arg == "--hidden-dim") config.hidden_dim = std::stoll(value);
-      else if (arg == "--experts") config.num_experts = std::stoll(value);
-      else if (arg == "--top-k") config.top_k = std::stoll(value);
-      else if (arg == "--block-size") config.block_size = std::stoll(value);
-      else if (arg == "--capacity-factor") config.capacity_factor = std::stod(value);
-      else if (arg == "--seed") seed = std::stoull(value);
-      else if (arg == "--steps") steps = std::stoi(value);
-      else usage("unknown argument '" + arg + "'");
+      else if (arg == "--tokens") config.tokens = parse_integer(arg, value);
+      else if (arg == "--model-dim") config.model_dim = parse_integer(arg, value);
+      else if (arg == "--hidden-dim") config.hidden_dim = parse_integer(arg, value);
+      else if (arg == "--experts") config.num_experts = parse_integer(arg, value);
+      else if (arg == "--top-k") config.top_k = parse_integer(arg, value);
+      else if (arg == "--block-size") config.block_size = parse_integer(arg, value);
+      else if (arg == "--capacity-factor") config.capacity_factor = parse_real(arg, value);
+      else if (arg == "--seed") seed = static_cast<uint64_t>(parse_integer(arg, value));
+      else if (arg == "--steps") steps = static_cast<int>(parse_integer(arg, value));
     }
     validate(config);
     if (steps < 1) usage("--steps " + std::to_string(steps) + ": allowed: 1 or more");
+    // The dropless layer is block-sparse over whole B x B blocks of D and H (cuda/moe/block_sparse.cu);
+    // say so here, before any GPU work, with the flags the user typed.
+    const bool block_sparse = config.formulation == Formulation::dropless;
+    if (block_sparse && config.model_dim % config.block_size != 0)
+      usage("--model-dim " + std::to_string(config.model_dim) + ": allowed: a positive multiple of --block-size " +
+            std::to_string(config.block_size));
+    if (block_sparse && config.hidden_dim % config.block_size != 0)
+      usage("--hidden-dim " + std::to_string(config.hidden_dim) + ": allowed: a positive multiple of --block-size " +
+            std::to_string(config.block_size));
   } catch (const std::exception& error) {  // std::stoll's and validate()'s messages
     usage(error.what());
   }
@@ -233,3 +289,5 @@ int main(int argc, char** argv) {
                                       .step = std::nullopt}));
   return pass ? 0 : 1;
 }
+
+}  // namespace
