@@ -127,6 +127,7 @@ void DrawFrame(ViewerState& state, const std::string& only_panel) {
       const ImGuiTabItemFlags flags = state.selected_panel == panel.name ? ImGuiTabItemFlags_SetSelected : 0;
       if (ImGui::BeginTabItem(panel.title, nullptr, flags)) {
         ImGui::BeginChild(panel.name);
+        state.current_panel = panel.name;  // ForEachShownRun draws the runs holding its data first
         panel.show(state);
         ImGui::EndChild();
         ImGui::EndTabItem();

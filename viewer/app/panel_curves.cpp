@@ -37,22 +37,24 @@ const char* HelpFor(const std::string& metric) {
 }  // namespace
 
 void ShowCurvesPanel(ViewerState& state) {
-  std::vector<OpenRun*> shown = state.shown_runs();
+  // Only the runs with step metrics are overlaid, GPU runs first (run_choice.h); the rest are counted.
+  size_t with_data = 0;
+  std::vector<OpenRun*> shown = state.panel_runs("curves", &with_data);
   if (shown.empty()) {
     ImGui::TextWrapped("No run is open.");
     return;
   }
+  if (with_data == 0) {
+    NoRunHolds("curves");
+    return;
+  }
+  const size_t without = shown.size() - with_data;
+  shown.resize(with_data);
   std::vector<const RunModel*> models;
   for (OpenRun* run : shown) models.push_back(&run->model);
   RunLegend(shown);
-  for (OpenRun* run : shown)
-    if (run->model.step_metrics.empty()) {
-      ImGui::PushStyleColor(ImGuiCol_Text, RunColor(run->color_index));
-      ImGui::TextUnformatted(run->model.label.c_str());
-      ImGui::PopStyleColor();
-      ImGui::SameLine();
-      LacksData("step metrics (no \"step\" events: nothing to plot over steps)");
-    }
+  if (without > 0)
+    ImGui::TextDisabled("(%zu more shown runs have no step metrics: no \"step\" events, nothing to plot over steps)", without);
   // Every plot shows the same steps, so a step sits at the same x in all of them; zooming one
   // zooms all (double-click fits them again).
   const StepRange range = curve_step_range(models);

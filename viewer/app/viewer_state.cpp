@@ -34,6 +34,17 @@ std::vector<OpenRun*> ViewerState::shown_runs() const {
   return out;
 }
 
+std::vector<OpenRun*> ViewerState::panel_runs(std::string_view panel, size_t* with_data) const {
+  const std::vector<OpenRun*> shown = shown_runs();
+  std::vector<RunHoldings> held;
+  for (const OpenRun* run : shown) held.push_back(run_holdings(run->model));
+  const PanelChoice choice = choose_runs(panel, held);
+  if (with_data) *with_data = choice.with_data;
+  std::vector<OpenRun*> out;
+  for (size_t i : choice.order) out.push_back(shown[i]);
+  return out;
+}
+
 void ViewerState::record_region(const std::string& name, float x0, float y0, float x1, float y1) {
   for (Region& r : regions)
     if (r.name == name) {

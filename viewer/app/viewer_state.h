@@ -15,6 +15,7 @@
 #include "comm_view.h"        // Timeline
 #include "downsample.h"       // CurveColumn
 #include "heatmap_texture.h"  // HeatmapTexture
+#include "run_choice.h"       // choose_runs
 #include "run_list.h"         // RunEntry
 #include "run_model.h"        // RunModel
 
@@ -78,6 +79,7 @@ struct ViewerState {
   TableSort summary_sort;  // the summary panel's comparison table, sorted by a header click
   std::vector<Region> regions;
   std::string selected_panel;  // the tab to select on the next frame ("" = leave as is)
+  std::string current_panel;   // the panel being drawn (its --panel name): orders panel_runs()
   bool screenshot = false;     // headless: no interaction, fixed layout
   bool scrub = false;          // headless benchmark: move the step every frame (re-prepares views)
 
@@ -89,6 +91,9 @@ struct ViewerState {
   int64_t first_step() const;
   int64_t last_step() const;
   std::vector<OpenRun*> shown_runs() const;
+  // The shown runs in the order `panel` draws them (run_choice.h): those holding its data first,
+  // GPU runs before the lessons'; `with_data` gets how many lead the list with the data.
+  std::vector<OpenRun*> panel_runs(std::string_view panel, size_t* with_data = nullptr) const;
   void record_region(const std::string& name, float x0, float y0, float x1, float y1);
 };
 

@@ -27,6 +27,13 @@ void LacksData(const char* what) {
   ImGui::PopStyleColor();
 }
 
+void NoRunHolds(std::string_view panel) {
+  ImGui::PushStyleColor(ImGuiCol_Text, ImVec4(0.95f, 0.75f, 0.35f, 1.0f));
+  ImGui::TextWrapped("No open run holds %s. Such a run is written by: %s.", panel_data_name(panel),
+                     panel_data_writers(panel));
+  ImGui::PopStyleColor();
+}
+
 void Metric(const char* name, const char* value_format, double value, const char* help) {
   ImGui::Text("%s:", name);
   ImGui::SameLine();
@@ -105,12 +112,14 @@ bool HeatmapImage(const HeatmapTexture& texture, ImVec2 size, int* hovered_col, 
 }
 
 void ForEachShownRun(ViewerState& state, const char* table_id, const std::function<void(OpenRun&)>& draw) {
-  std::vector<OpenRun*> shown = state.shown_runs();
+  size_t with_data = 0;
+  std::vector<OpenRun*> shown = state.panel_runs(state.current_panel, &with_data);
   if (shown.empty()) {
     ImGui::TextWrapped("No run is open. Open one from the Runs panel on the left, or name run directories "
                        "on the command line (moe_viewer runs/lesson01_routing).");
     return;
   }
+  if (with_data == 0) NoRunHolds(state.current_panel);
   // A run that could not be read says why, in every panel (and main() printed it on the terminal).
   auto draw_or_explain = [&](OpenRun& run) {
     if (!run.model.error.empty()) {
@@ -139,7 +148,9 @@ void ForEachShownRun(ViewerState& state, const char* table_id, const std::functi
     }
     ImGui::EndTable();
   }
-  if (shown.size() > 4) ImGui::TextDisabled("(%zu runs shown; the first 4 are drawn side by side)", shown.size());
+  if (shown.size() > 4)
+    ImGui::TextDisabled("(%zu runs shown, %zu with %s; the first 4 are drawn side by side, those with it first)",
+                        shown.size(), with_data, panel_data_name(state.current_panel));
 }
 
 std::string TextureKey(const char* what, const OpenRun& run, int64_t a, int64_t b, float scale) {
@@ -153,7 +164,7 @@ std::string TextureKey(const char* what, const OpenRun& run, int64_t a, int64_t 
 // The region name the screenshot tests look up: "routing_heatmap" for the first shown run,
 // "routing_heatmap#1" for the second, ...
 std::string RegionName(const ViewerState& state, const OpenRun& run, const char* base) {
-  const auto shown = state.shown_runs();
+  const auto shown = state.panel_runs(state.current_panel);
   const auto it = std::find(shown.begin(), shown.end(), &run);
   const long index = it == shown.end() ? 0 : static_cast<long>(it - shown.begin());
   return index == 0 ? std::string(base) : std::string(base) + "#" + std::to_string(index);

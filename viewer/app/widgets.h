@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <imgui.h>
@@ -22,6 +23,8 @@ namespace moe::viewer {
 // [SECTION] help and notices
 void HelpMarker(const char* text);  // a "(?)" that shows `text` when hovered
 void LacksData(const char* what);   // "This run has no <what>." in a muted colour
+// "No open run holds <the panel's data>. Such a run is written by: <programs>." (run_choice.h)
+void NoRunHolds(std::string_view panel);
 // "name: value (?)" on one line.
 void Metric(const char* name, const char* value_format, double value, const char* help);
 
