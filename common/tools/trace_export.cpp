@@ -6,17 +6,31 @@
 // one thread per CUDA stream, one slice per span (dispatch, expert_compute, combine, ...).
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "chrome_trace.h"  // export_chrome_trace
 #include "run_record.h"    // RunReader, RecordError
 
+constexpr const char* usage_text =
+    "usage: moe_trace_export RUN_DIR OUT.json\n"
+    "  Writes the span and all-to-all events of the run in RUN_DIR (a directory with\n"
+    "  run.json and events.jsonl) as a Chrome trace that opens in ui.perfetto.dev.\n";
+
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(usage_text, stdout);
+      return 0;
+    }
+    if (arg.size() > 1 && arg[0] == '-') {
+      std::fprintf(stderr, "moe_trace_export: unknown flag %s (it takes no flags but --help)\n%s", arg.c_str(),
+                   usage_text);
+      return 2;
+    }
+  }
   if (argc != 3) {
-    std::fprintf(stderr,
-                 "usage: %s RUN_DIR OUT.json\n"
-                 "  Writes the span and all-to-all events of the run in RUN_DIR (a directory with\n"
-                 "  run.json and events.jsonl) as a Chrome trace that opens in ui.perfetto.dev.\n",
-                 argc > 0 ? argv[0] : "moe_trace_export");
+    std::fprintf(stderr, "moe_trace_export: needs RUN_DIR and OUT.json, got %d arguments\n%s", argc - 1, usage_text);
     return 2;
   }
   try {

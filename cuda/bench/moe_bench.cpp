@@ -235,6 +235,24 @@ Options parse_options(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
       return argv[++i];
     };
+    auto integer = [&](const std::string& v) -> int64_t {  // the whole text, or an error naming the flag
+      try {
+        size_t used = 0;
+        const long long n = std::stoll(v, &used);
+        if (used == v.size()) return n;
+      } catch (const std::logic_error&) {  // std::stoll: not a number, or out of range
+      }
+      throw std::invalid_argument(arg + " " + v + ": allowed: an integer");
+    };
+    auto real = [&](const std::string& v) -> double {
+      try {
+        size_t used = 0;
+        const double x = std::stod(v, &used);
+        if (used == v.size() && std::isfinite(x)) return x;
+      } catch (const std::logic_error&) {
+      }
+      throw std::invalid_argument(arg + " " + v + ": allowed: a finite number");
+    };
     auto on_off = [&]() {  // a switch's value: on or off
       const std::string v = value();
       if (v == "on") return true;
@@ -251,7 +269,7 @@ Options parse_options(int argc, char** argv) {
       } else {
         const std::vector<std::string> n = split(v, ',');
         if (n.size() != 5) throw std::invalid_argument("--shapes: baselines, small, all or T,D,H,E,K");
-        options.shapes = {{std::stoi(n[0]), std::stoi(n[1]), std::stoi(n[2]), std::stoi(n[3]), std::stoi(n[4])}};
+        options.shapes = {{int(integer(n[0])), int(integer(n[1])), int(integer(n[2])), int(integer(n[3])), int(integer(n[4]))}};
       }
     } else if (arg == "--routing") {
       const std::string v = value();
@@ -266,13 +284,13 @@ Options parse_options(int argc, char** argv) {
     } else if (arg == "--out") {
       options.out = value();
     } else if (arg == "--warmup") {
-      options.warmup = std::stoi(value());
+      options.warmup = static_cast<int>(integer(value()));
     } else if (arg == "--warmup-ms") {
-      options.warmup_ms = std::stod(value());
+      options.warmup_ms = real(value());
     } else if (arg == "--repeat") {
-      options.repeat = std::stoi(value());
+      options.repeat = static_cast<int>(integer(value()));
     } else if (arg == "--seed") {
-      options.seed = std::stoull(value());
+      options.seed = static_cast<uint64_t>(integer(value()));
     } else if (arg == "--rows") {
       const std::string v = value();
       if (v == "layer") options.rows = Options::Rows::layer;

@@ -191,7 +191,8 @@
 // cuBLAS's dense GEMMs.
 //
 // Build: cmake --build build --target dev_sdd
-// Run:   build/cuda/dev/dev_sdd [T D H E K B]     (default 16384 1024 4096 64 1 128, uniform routing)
+// Run:   build/cuda/dev/dev_sdd [T D H E K B] [--versions 19,21,22]
+//        (default 16384 1024 4096 64 1 128, uniform routing, every version this GPU runs)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -199,6 +200,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <random>
 #include <string>
 #include <vector>
@@ -678,14 +680,70 @@ void gemm_row_major(cublasHandle_t handle, int M, int N, int Kd, const bf16* a, 
                             CUBLAS_GEMM_DEFAULT));
 }
 
+constexpr const char* usage_text =
+    "usage: dev_sdd [T D H E K B] [--versions LIST]\n"
+    "  T D H E K B      the timed problem, all six or none (default 16384 1024 4096 64 1 128)\n"
+    "  --versions LIST  kernel versions to check and time, comma-separated, 1-22 (default: every\n"
+    "                   version this GPU runs; 6-10 and 12-22 need an sm_90 GPU and B = 128)\n";
+
+// Bad usage: one line naming what is wrong and what is allowed, exit 2.
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "dev_sdd: %s\n%s", message.c_str(), usage_text);
+  std::exit(2);
+}
+
+// A whole positive integer in [low, high], or a usage error naming `what`.
+int parse_int(const std::string& what, const std::string& text, int low, int high) {
+  char* end = nullptr;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || value < low || value > high)
+    usage_error(what + " " + text + ": allowed: an integer from " + std::to_string(low) + " to " +
+                std::to_string(high));
+  return static_cast<int>(value);
+}
+
+int run(int argc, char** argv);
+
+// A CUDA or cuBLAS error (no GPU, a failed launch) ends with its message, never an abort.
 int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "dev_sdd: %s\n", error.what());
+    return 1;
+  }
+}
+
+int run(int argc, char** argv) {
   int T = 16384, D = 1024, H = 4096, E = 64, K = 1, B = 128;
-  if (argc == 7) {
-    T = std::atoi(argv[1]); D = std::atoi(argv[2]); H = std::atoi(argv[3]);
-    E = std::atoi(argv[4]); K = std::atoi(argv[5]); B = std::atoi(argv[6]);
-  } else if (argc != 1) {
-    std::fprintf(stderr, "usage: [DEV_SDD_VERSIONS=19,21,22] %s [T D H E K B]\n", argv[0]);
-    return 2;
+  std::vector<int> only_versions;  // empty: every version this GPU runs
+  std::vector<std::string> positional;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(usage_text, stdout);
+      return 0;
+    }
+    if (arg == "--versions") {
+      if (i + 1 >= argc) usage_error("--versions needs a value");
+      const std::string list = argv[++i];
+      for (size_t start = 0; start <= list.size();) {
+        const size_t comma = std::min(list.find(',', start), list.size());
+        only_versions.push_back(parse_int("--versions", list.substr(start, comma - start), 1, 22));
+        start = comma + 1;
+      }
+    } else if (arg.size() > 1 && arg[0] == '-') {
+      usage_error("unknown flag " + arg);
+    } else {
+      positional.push_back(arg);
+    }
+  }
+  if (positional.size() == 6) {
+    const char* names[] = {"T", "D", "H", "E", "K", "B"};
+    int* sizes[] = {&T, &D, &H, &E, &K, &B};
+    for (int j = 0; j < 6; ++j) *sizes[j] = parse_int(names[j], positional[static_cast<size_t>(j)], 1, 1 << 30);
+  } else if (!positional.empty()) {
+    usage_error("takes all six sizes T D H E K B or none, got " + std::to_string(positional.size()));
   }
   cudaDeviceProp properties{};
   CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
@@ -699,14 +757,7 @@ int main(int argc, char** argv) {
   std::vector<int> versions = {1, 2, 3, 4, 5};
   if (hopper) versions.insert(versions.end(), {6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22});
   versions.push_back(11);
-  if (const char* only = std::getenv("DEV_SDD_VERSIONS")) {  // e.g. "19,21": those alone
-    versions.clear();
-    for (const char* c = only; *c != '\0';) {
-      versions.push_back(std::atoi(c));
-      while (*c != '\0' && *c != ',') ++c;
-      if (*c == ',') ++c;
-    }
-  }
+  if (!only_versions.empty()) versions = only_versions;  // --versions 19,21: those alone
   bool all_pass = true;
   {
     const int check_D = std::min(D, 512), check_H = std::min(H, 512), check_E = std::min(E, 8);

@@ -39,7 +39,10 @@ int main(int argc, char** argv) {
     } else {
       moe::train::train(config, std::cout);
     }
-  } catch (const std::exception& error) {
+  } catch (const moe::train::TrainConfigError& error) {  // bad usage or input: exit 2
+    std::cerr << "moe_train: " << error.what() << "\n";
+    return 2;
+  } catch (const std::exception& error) {  // a failure while running: exit 1
     std::cerr << "moe_train: " << error.what() << "\n";
     return 1;
   }

@@ -73,11 +73,14 @@ int run(int argc, char** argv, MpiCommunicator& world) {
   auto say = [rank](const std::string& text) {
     if (rank == 0) std::printf("%s\n", text.c_str());
   };
+  auto complain = [rank](const std::string& text) {  // bad usage: stderr, once
+    if (rank == 0) std::fprintf(stderr, "%s\n", text.c_str());
+  };
   BenchOptions options;
   try {
     options = parse_options(argc, argv);
   } catch (const std::exception& error) {
-    say(std::string("ep_bench: ") + error.what() + "\n" + usage());
+    complain(std::string("ep_bench: ") + error.what() + "\n" + usage());
     return 2;
   }
   if (options.help) {
@@ -90,7 +93,7 @@ int run(int argc, char** argv, MpiCommunicator& world) {
   if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
   const std::vector<int64_t> all_devices = all_gather<int64_t>(world, devices);
   if (*std::min_element(all_devices.begin(), all_devices.end()) == 0) {
-    say("ep_bench: a rank sees no GPU; ep_bench times GPU exchanges (the CPU path is "
+    complain("ep_bench: a rank sees no GPU; ep_bench times GPU exchanges (the CPU path is "
         "test_distributed_expert_parallel_cpu)");
     return 1;
   }
@@ -108,13 +111,13 @@ int run(int argc, char** argv, MpiCommunicator& world) {
   if (options.backend == "nccl") {
 #if MOE_HAVE_NCCL
     if (most_sharing > 1) {
-      say("ep_bench: --backend nccl needs one GPU per rank (NCCL refuses two ranks on one GPU); " +
+      complain("ep_bench: --backend nccl needs one GPU per rank (NCCL refuses two ranks on one GPU); " +
           std::to_string(R) + " ranks share " + std::to_string(devices) + " GPU(s): use --backend mpi");
       return 2;
     }
     nccl = std::make_unique<NcclCommunicator>(world, /*stream=*/nullptr);
 #else
-    say("ep_bench: this build has no NCCL: use --backend mpi");
+    complain("ep_bench: this build has no NCCL: use --backend mpi");
     return 2;
 #endif
   }

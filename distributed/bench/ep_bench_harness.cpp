@@ -76,7 +76,7 @@ BenchOptions parse_options(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(flag + ": expected a value");
+      if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
       return argv[++i];
     };
     if (flag == "--help" || flag == "-h") o.help = true;

@@ -18,6 +18,13 @@ int main(int argc, char** argv) {
   std::string out;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::printf("usage: moe_fake_run --out DIR [--steps N] [--experts E (1..4096)] [--layers L] [--ranks R]\n"
+                  "         [--top-k K] [--tokens T] [--capacity-factor F (0 = dropless)] [--hot-expert e]\n"
+                  "         [--live-ms MS] [--seed S] [--name NAME]\n"
+                  "  writes a SYNTHETIC run record (made-up numbers) for the viewer's tests and demos\n");
+      return 0;
+    }
     auto next = [&]() -> std::string {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "moe_fake_run: %s needs a value\n", arg.c_str());
@@ -39,16 +46,23 @@ int main(int argc, char** argv) {
       else if (arg == "--seed") o.seed = std::stoull(next());
       else if (arg == "--name") o.name = next();
       else {
-        std::fprintf(stderr, "moe_fake_run: unknown option %s (see the top of viewer/tools/fake_run.cpp)\n", arg.c_str());
+        std::fprintf(stderr, "moe_fake_run: unknown flag %s (see --help)\n", arg.c_str());
         return 2;
       }
     } catch (const std::exception&) {
-      std::fprintf(stderr, "moe_fake_run: %s needs a number\n", arg.c_str());
+      std::fprintf(stderr, "moe_fake_run: %s %s: allowed: a number\n", arg.c_str(), argv[i]);
       return 2;
     }
   }
-  if (out.empty() || o.steps < 0 || o.experts < 1 || o.experts > 4096 || o.layers < 1 || o.ranks < 1) {
-    std::fprintf(stderr, "usage: moe_fake_run --out DIR [--steps N --experts E(1..4096) --layers L --ranks R ...]\n");
+  // One line naming the flag and what it allows, as the user typed it.
+  const char* bad = out.empty()                           ? "--out DIR is required"
+                    : o.steps < 0                         ? "--steps: allowed: 0 or more"
+                    : o.experts < 1 || o.experts > 4096   ? "--experts: allowed: 1 to 4096"
+                    : o.layers < 1                        ? "--layers: allowed: 1 or more"
+                    : o.ranks < 1                         ? "--ranks: allowed: 1 or more"
+                                                          : nullptr;
+  if (bad != nullptr) {
+    std::fprintf(stderr, "moe_fake_run: %s (see --help)\n", bad);
     return 2;
   }
   try {
