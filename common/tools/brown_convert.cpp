@@ -8,6 +8,7 @@
 // numbers notebooks_data/brown/README.md records.
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 
 #include "brown_corpus.h"  // convert_brown, brown_genres
@@ -90,6 +91,9 @@ int main(int argc, char** argv) {
     std::printf("wrote %s/{train.txt,val.txt,index.json%s}\n", out_directory.c_str(),
                 corpus.tag_names.empty() ? "" : ",train.tags.npy,val.tags.npy");
   } catch (const moe::TextCorpusError& e) {
+    std::fprintf(stderr, "moe_brown_convert: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {  // a filesystem error, out of memory: a message, never an abort
     std::fprintf(stderr, "moe_brown_convert: %s\n", e.what());
     return 1;
   }
