@@ -425,6 +425,11 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
     info.extra["active_parameters"] = active_parameters(c.model);
     info.extra["flops_per_token"] = flops_per_token(c.model);
     if (c.overwrite) fs::remove_all(checkpoints_dir(c));
+    // RunWriter names its C++ option; the user types the flag.
+    if (!c.overwrite && (fs::exists(fs::path(c.run_dir) / "run.json") || fs::exists(fs::path(c.run_dir) / "events.jsonl"))) {
+      throw TrainConfigError("refusing to overwrite the existing run at " + c.run_dir +
+                             "; pick a new --run-dir, pass --resume to continue it or --overwrite to replace it");
+    }
     writer.emplace(RunWriter::create(c.run_dir, info, c.overwrite ? OnExisting::overwrite : OnExisting::refuse));
   }
   result.first_step = step;
