@@ -5,6 +5,8 @@
 #include <cmath>
 #include <fstream>
 
+#include <sys/stat.h>  // mkfifo
+
 #include "run_list.h"
 #include "run_model.h"
 #include "synthetic_run.h"
@@ -109,6 +111,46 @@ TEST(ViewerRunModel, UnreadableRunsSayWhy) {
   testing::write_text(dir.path() / "bad" / "events.jsonl", "{\"type\":\"step\",\"step\":1}\n{garbage\n{\"type\":\"step\",\"step\":2}\n");
   RunModel corrupt = RunModel::load(dir.path() / "bad");
   EXPECT_NE(corrupt.error.find("line 2"), std::string::npos) << corrupt.error;
+}
+
+TEST(ViewerRunModel, OddFilesSayWhatTheyAreAndNeverBlock) {
+  // events.jsonl as a named pipe: opening it to read would wait for a writer that never comes.
+  TempDir dir;
+  const auto pipe_run = dir.path() / "pipe";
+  testing::write_text(pipe_run / "run.json", testing::kRunJson);
+  ASSERT_EQ(mkfifo((pipe_run / "events.jsonl").c_str(), 0600), 0);
+  RunModel loaded = RunModel::load(pipe_run);
+  EXPECT_NE(loaded.error.find("events.jsonl is not a regular file (a named pipe)"), std::string::npos) << loaded.error;
+  EXPECT_EQ(loaded.error.find("no such file"), std::string::npos) << loaded.error;
+  RunModel followed = RunModel::follow(pipe_run);
+  EXPECT_NE(followed.error.find("a named pipe"), std::string::npos) << followed.error;
+  EXPECT_FALSE(followed.live());
+  // A directory where a file should be: run.json, then events.jsonl.
+  std::filesystem::create_directories(dir.path() / "dir_info" / "run.json");
+  RunModel info_dir = RunModel::load(dir.path() / "dir_info");
+  EXPECT_NE(info_dir.error.find("run.json is not a regular file (a directory)"), std::string::npos) << info_dir.error;
+  testing::write_text(dir.path() / "dir_events" / "run.json", testing::kRunJson);
+  std::filesystem::create_directories(dir.path() / "dir_events" / "events.jsonl");
+  RunModel events_dir = RunModel::load(dir.path() / "dir_events");
+  EXPECT_NE(events_dir.error.find("events.jsonl is not a regular file (a directory)"), std::string::npos) << events_dir.error;
+  // A followed run whose events.jsonl is replaced by a pipe: following stops with the message.
+  const auto live = dir.path() / "live";
+  testing::write_text(live / "run.json", testing::kRunJson);
+  testing::write_text(live / "events.jsonl", "{\"type\":\"step\",\"step\":0,\"loss\":3}\n");
+  RunModel m = RunModel::follow(live);
+  EXPECT_EQ(m.error, "");
+  EXPECT_EQ(m.last_step, 0);
+  std::filesystem::remove(live / "events.jsonl");
+  ASSERT_EQ(mkfifo((live / "events.jsonl").c_str(), 0600), 0);
+  EXPECT_EQ(m.poll(), 0);
+  EXPECT_NE(m.error.find("a named pipe"), std::string::npos) << m.error;
+  EXPECT_FALSE(m.live());
+  EXPECT_EQ(m.last_step, 0);  // what was read stays
+  // Regular files, or none yet, are not odd.
+  testing::write_text(dir.path() / "fine" / "run.json", testing::kRunJson);
+  EXPECT_EQ(odd_run_file(dir.path() / "fine"), "");
+  testing::write_text(dir.path() / "fine" / "events.jsonl", "");
+  EXPECT_EQ(odd_run_file(dir.path() / "fine"), "");
 }
 
 TEST(ViewerRunModel, FollowsALiveRunLineByLine) {

@@ -100,6 +100,27 @@ const Record* closest_at_or_before(const std::vector<Record>& records, int64_t s
 
 }  // namespace
 
+std::string odd_run_file(const fs::path& dir) {
+  for (const char* name : {"run.json", "events.jsonl"}) {
+    const fs::path file = dir / name;
+    std::error_code ec;
+    const fs::file_status st = fs::status(file, ec);  // follows links: a link to a file is fine
+    const char* what = nullptr;
+    switch (st.type()) {
+      case fs::file_type::fifo: what = "a named pipe"; break;
+      case fs::file_type::directory: what = "a directory"; break;
+      case fs::file_type::socket: what = "a socket"; break;
+      case fs::file_type::block: what = "a block device"; break;
+      case fs::file_type::character: what = "a character device"; break;
+      case fs::file_type::unknown: what = "of unknown type"; break;
+      default: break;  // regular, absent (the reader says what is missing), or unreadable
+    }
+    if (what)
+      return file.string() + " is not a regular file (" + what + "): the viewer reads run records from files";
+  }
+  return "";
+}
+
 // ---- statistics ----
 
 RoutingStats routing_stats(const std::vector<int64_t>& tokens, const std::vector<int64_t>& dropped) {
@@ -150,6 +171,12 @@ RunModel RunModel::load(const fs::path& dir) {
   RunModel model;
   model.dir = dir;
   model.label = dir.filename().string();
+  // Checked before reading: a named pipe would block the read until a writer comes.
+  model.error = odd_run_file(dir);
+  if (!model.error.empty()) {
+    ++model.version;
+    return model;
+  }
   try {
     RunRecord record = RunReader::load(dir);
     model.ingest_info(record.info);
@@ -197,6 +224,12 @@ int64_t RunModel::poll() {
     if (waiting_for.empty()) return 0;  // a loaded run: nothing to follow
     std::error_code ec;
     if (!fs::exists(dir / "run.json", ec)) return 0;  // not started yet: try again later
+    error = odd_run_file(dir);
+    if (!error.empty()) {
+      waiting_for.clear();
+      ++version;
+      return 0;
+    }
     try {
       reader_ = std::make_unique<RunReader>(dir);
       ingest_info(reader_->info());
@@ -208,6 +241,14 @@ int64_t RunModel::poll() {
       waiting_for.clear();
       return 0;
     }
+  }
+  // events.jsonl may appear (or be replaced) as a named pipe after the run started: opening one
+  // would block until a writer comes, so it is checked on each poll.
+  if (const std::string odd = odd_run_file(dir); !odd.empty()) {
+    error = odd + " (live following stopped; reopen the run)";
+    reader_.reset();
+    ++version;
+    return 0;
   }
   try {
     std::vector<json> events = reader_->poll();

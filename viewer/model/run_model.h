@@ -152,6 +152,11 @@ struct RunSummary {
   bool synthetic = false;     // extra.synthetic: written by moe_fake_run, not a measurement
 };
 
+// "" when the run's run.json and events.jsonl are regular files (or absent); otherwise what is
+// wrong, e.g. "R/events.jsonl is not a regular file (a named pipe): the viewer reads run records
+// from files". load() and poll() check it first, so a named pipe never blocks a read.
+std::string odd_run_file(const std::filesystem::path& dir);
+
 class RunModel {
  public:
   // Loads a whole run. Never throws; see `error`.
