@@ -28,6 +28,9 @@ TEST(ViewerRunChoice, GpuRunsAreKnownByKindOrDevice) {
   s.kind = "lesson";
   s.devices = {"CPU (Eigen)"};
   EXPECT_FALSE(is_gpu_run(s));
+  s.devices = {"reads GPU training runs from notebooks_data/runs"};  // lesson 08's devices line
+  EXPECT_FALSE(is_gpu_run(s));
+  s.kind = "";
   s.devices = {"NVIDIA H100 80GB HBM3"};
   EXPECT_TRUE(is_gpu_run(s));
   s.devices = {};

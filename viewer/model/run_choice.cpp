@@ -48,9 +48,12 @@ const PanelData* find_panel(std::string_view panel) {
 
 bool is_gpu_run(const RunSummary& summary) {
   if (summary.kind == "train" || summary.kind == "infer" || summary.kind == "bench") return true;
+  // A lesson runs on the CPU even where its devices line mentions GPUs (lesson 08 "reads GPU
+  // training runs"); device names are matched by vendor and model, not by the word "GPU".
+  if (summary.kind == "lesson") return false;
   for (const std::string& device : summary.devices) {
     const std::string d = lower(device);
-    for (const char* word : {"gpu", "nvidia", "cuda", "h100", "h200", "a100"})
+    for (const char* word : {"nvidia", "cuda", "h100", "h200", "a100", "geforce", "tesla", "rtx"})
       if (d.find(word) != std::string::npos) return true;
   }
   return false;

@@ -33,8 +33,8 @@ struct RunHoldings {
   bool alltoall_bytes = false;  // "alltoall" matrices (not only spans)
 };
 
-// A GPU run: a device whose name says GPU / NVIDIA / H100 / H200 / A100 / CUDA, or kind train,
-// infer or bench (the CUDA programs' kinds; the lessons write kind "lesson").
+// A GPU run: kind train, infer or bench (the CUDA programs' kinds), or a device named NVIDIA /
+// CUDA / H100 / H200 / A100 / GeForce / Tesla / RTX; never kind "lesson" (the lessons run on the CPU).
 bool is_gpu_run(const RunSummary& summary);
 RunHoldings run_holdings(const RunModel& run);
 
