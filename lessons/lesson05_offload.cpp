@@ -184,7 +184,7 @@ void gpu_part(const std::string& checkpoint, Table& table) {
   OffloadedExperts source(store, options);
   InferenceModelGpu model(config, loaded.weights, source, mode);
   StepResult step = model.prefill({std::vector<int32_t>(prompt.begin(), prompt.end())});
-  ByteSampler sampler(SamplingSettings{0.0, 0, 1}, 1);
+  cuda::ByteSampler sampler(SamplingSettings{0.0, 0, 1}, 1);
   int64_t used = 0, foreseen = 0;
   for (int s = 0; s < 64 && model.length() < config.seq_len; ++s) {
     step = model.decode_step(sampler.sample(step.next_logits));

@@ -1,95 +1,31 @@
-// sampling.cpp: greedy, temperature and top-k choice of the next byte (see sampling.h).
+// sampling.cpp: Eigen rows handed to the rule of common/byte_sampling.h (see sampling.h).
 #include "sampling.h"
 
-#include <algorithm>
-#include <cmath>
-#include <numeric>
-#include <sstream>
+#include <span>
 #include <stdexcept>
 #include <string>
-
-#include "model_config.h"  // kByteVocabulary
 
 namespace moe::ref {
 
 namespace {
 
-void check_logits(const Eigen::Ref<const Eigen::RowVectorXd>& logits) {
-  if (logits.size() != kByteVocabulary) {
-    throw std::invalid_argument("logits have " + std::to_string(logits.size()) + " entries; expected V = " +
-                                std::to_string(kByteVocabulary));
-  }
-  for (Eigen::Index i = 0; i < logits.size(); ++i) {
-    if (std::isfinite(logits(i))) continue;
-    std::ostringstream message;
-    message << "logits[" << i << "] = " << logits(i) << "; expected a finite number";
-    throw std::invalid_argument(message.str());
-  }
+// An Eigen::Ref<const RowVectorXd> is contiguous (Eigen copies a strided row into a temporary).
+std::span<const double> span_of(const Eigen::Ref<const Eigen::RowVectorXd>& logits) {
+  return {logits.data(), static_cast<size_t>(logits.size())};
 }
 
 }  // namespace
 
-void validate(const SamplingSettings& s) {
-  if (!std::isfinite(s.temperature) || s.temperature < 0.0) {
-    std::ostringstream message;
-    message << "invalid sampling: temperature = " << s.temperature << "; allowed: a finite number >= 0 (0 = greedy)";
-    throw std::invalid_argument(message.str());
-  }
-  if (s.top_k < 0 || s.top_k > kByteVocabulary) {
-    throw std::invalid_argument("invalid sampling: top_k = " + std::to_string(s.top_k) +
-                                "; allowed: 0 (every byte) to V = " + std::to_string(kByteVocabulary));
-  }
-}
-
-int32_t greedy_byte(const Eigen::Ref<const Eigen::RowVectorXd>& logits) {
-  check_logits(logits);
-  Eigen::Index best = 0;
-  for (Eigen::Index i = 1; i < logits.size(); ++i) {
-    if (logits(i) > logits(best)) best = i;  // strict: an equal logit keeps the lower byte
-  }
-  return static_cast<int32_t>(best);
-}
-
-ByteSampler::ByteSampler(const SamplingSettings& settings, int64_t batch) : settings_(settings) {
-  validate(settings);
-  if (batch < 1) throw std::invalid_argument("sampler batch (N) = " + std::to_string(batch) + "; expected N >= 1");
-  for (int64_t n = 0; n < batch; ++n) generators_.emplace_back(settings.seed + static_cast<uint64_t>(n));
-}
+int32_t greedy_byte(const Eigen::Ref<const Eigen::RowVectorXd>& logits) { return moe::greedy_byte(span_of(logits)); }
 
 int32_t ByteSampler::sample(int64_t sequence, const Eigen::Ref<const Eigen::RowVectorXd>& logits) {
-  if (sequence < 0 || sequence >= static_cast<int64_t>(generators_.size())) {
-    throw std::invalid_argument("sequence " + std::to_string(sequence) + " is outside the sampler's batch of " +
-                                std::to_string(generators_.size()));
-  }
-  if (settings_.temperature == 0.0) return greedy_byte(logits);
-  check_logits(logits);
-
-  std::vector<int32_t> candidates(kByteVocabulary);
-  std::iota(candidates.begin(), candidates.end(), 0);
-  // Descending logit; stable, so equal logits keep the lower byte first.
-  std::stable_sort(candidates.begin(), candidates.end(), [&](int32_t a, int32_t b) { return logits(a) > logits(b); });
-  if (settings_.top_k > 0) candidates.resize(static_cast<size_t>(settings_.top_k));
-
-  const double max_logit = logits(candidates.front());
-  std::vector<double> weights(candidates.size());
-  double total = 0.0;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    weights[i] = std::exp((logits(candidates[i]) - max_logit) / settings_.temperature);
-    total += weights[i];
-  }
-  const double u = static_cast<double>(generators_[sequence]() >> 11) * 0x1.0p-53;
-  double running = 0.0;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    running += weights[i] / total;
-    if (running > u) return candidates[i];
-  }
-  return candidates.back();
+  return rule_.sample(sequence, span_of(logits));
 }
 
 std::vector<int32_t> ByteSampler::sample(const Matrix& next_logits) {
-  if (next_logits.rows() != static_cast<int64_t>(generators_.size())) {
+  if (next_logits.rows() != rule_.batch()) {
     throw std::invalid_argument("next_logits have " + std::to_string(next_logits.rows()) +
-                                " rows; expected one per sequence, N = " + std::to_string(generators_.size()));
+                                " rows; expected one per sequence, N = " + std::to_string(rule_.batch()));
   }
   std::vector<int32_t> bytes;
   for (int64_t n = 0; n < next_logits.rows(); ++n) bytes.push_back(sample(n, next_logits.row(n)));

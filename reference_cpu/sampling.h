@@ -1,5 +1,6 @@
 // sampling.h: choosing the next byte from the model's logits: greedy, temperature and top-k, with a
-// seed. Part of the CPU reference (moe::ref), used by generate.h; tested by
+// seed, for Eigen rows. The rule itself is common/byte_sampling.h's, the one GPU generation uses
+// too. Part of the CPU reference (moe::ref), used by generate.h; tested by
 // tests/reference_cpu/test_generate.cpp (ctest --test-dir build -R ReferenceGenerate).
 //
 // V = 256 byte values. For one sequence's logits row [V]:
@@ -18,29 +19,21 @@
 #pragma once
 
 #include <cstdint>
-#include <random>
 #include <vector>
 
+#include "byte_sampling.h"  // moe::SamplingSettings, moe::ByteSampler: the rule
 #include "types.h"
 
 namespace moe::ref {
 
-struct SamplingSettings {
-  double temperature = 0.0;  // 0: greedy; > 0: sample from softmax(logits / temperature)
-  int64_t top_k = 0;         // 0 or V: every byte is a candidate; 1..V-1: the top_k most likely
-  uint64_t seed = 0;         // sequence n draws from std::mt19937_64(seed + n)
-};
+using SamplingSettings = moe::SamplingSettings;
+using moe::validate;
 
-// Throws std::invalid_argument naming the field: temperature finite and >= 0, 0 <= top_k <= V.
-void validate(const SamplingSettings& settings);
-
-// The byte with the largest logit, ties to the lower byte.
 int32_t greedy_byte(const Eigen::Ref<const Eigen::RowVectorXd>& logits);  // [V]
 
-// One sampler per batch: the settings and each sequence's generator.
 class ByteSampler {
  public:
-  ByteSampler(const SamplingSettings& settings, int64_t batch);
+  ByteSampler(const SamplingSettings& settings, int64_t batch) : rule_(settings, batch) {}
 
   // The next byte of `sequence` from its logits row; advances that sequence's generator unless greedy.
   int32_t sample(int64_t sequence, const Eigen::Ref<const Eigen::RowVectorXd>& logits);  // [V]
@@ -49,8 +42,7 @@ class ByteSampler {
   std::vector<int32_t> sample(const Matrix& next_logits);
 
  private:
-  SamplingSettings settings_;
-  std::vector<std::mt19937_64> generators_;  // [N]
+  moe::ByteSampler rule_;
 };
 
 }  // namespace moe::ref
