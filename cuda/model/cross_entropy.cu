@@ -64,14 +64,13 @@ __global__ void mean_kernel(const float* values, float* mean, int64_t count) {
 }
 
 __global__ void cross_entropy_backward_kernel(const float* logits, const int32_t* targets, bf16* d_logits,
-                                              int64_t positions) {
+                                              int64_t positions, float scale) {
   const int64_t t = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (t >= positions) return;
   const RowSoftmax r = load_row(logits + t * kCrossEntropyClasses, lane);
   const int32_t target = targets[t];
   const bool valid = target >= 0 && target < kCrossEntropyClasses;
-  const float scale = 1.0f / static_cast<float>(positions);  // d mean / d loss[t]
   const float inverse_sum = 1.0f / r.sum;
   bf16* out = d_logits + t * kCrossEntropyClasses;
   for (int i = 0; i < kClassesPerLane; ++i) {
@@ -108,14 +107,17 @@ void cross_entropy_forward(const float* logits, const int32_t* targets, float* l
 }
 
 void cross_entropy_backward(const float* logits, const int32_t* targets, bf16* d_logits, int64_t positions,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, int64_t mean_over) {
   constexpr const char* kFunction = "cross_entropy_backward";
   check_positions(kFunction, positions);
+  if (mean_over == 0) mean_over = positions;
+  detail::check_range(kFunction, "mean_over", mean_over, positions, int64_t{1} << 40,
+                      "at least positions: the mean is over these positions and maybe other ranks'");
   detail::check_not_null(kFunction, "logits", logits);
   detail::check_not_null(kFunction, "targets", targets);
   detail::check_not_null(kFunction, "d_logits", d_logits);
   cross_entropy_backward_kernel<<<row_blocks(positions), kWarpsPerBlock * 32, 0, stream>>>(logits, targets, d_logits,
-                                                                                            positions);
+                                                                                            positions, 1.0f / static_cast<float>(mean_over));  // d mean / d loss[t]
   CUDA_CHECK(cudaGetLastError());
 }
 

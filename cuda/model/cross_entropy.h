@@ -38,9 +38,12 @@ void cross_entropy_forward(const float* logits,    // [T, V]
                            float* mean_loss,       // [1]
                            int64_t positions, cudaStream_t stream);
 
+// d_logits = d (sum of the T losses / mean_over) / d logits. mean_over is T for the mean over these
+// positions (0 means T); a model trained on several ranks passes all ranks' positions, so that each
+// rank's gradient is its share of the mean over the global batch.
 void cross_entropy_backward(const float* logits,    // [T, V]
                             const int32_t* targets, // [T]
                             bf16* d_logits,         // [T, V]
-                            int64_t positions, cudaStream_t stream);
+                            int64_t positions, cudaStream_t stream, int64_t mean_over = 0);
 
 }  // namespace moe::cuda

@@ -55,13 +55,24 @@ void validate(const ModelGpuConfig& c) {
   if (c.moe_blocks != MoeBlocks::every_block && c.dense_hidden_dim < 1) {
     reject("dense_hidden_dim (H_dense)", text(c.dense_hidden_dim), "H_dense >= 1 when some blocks are dense");
   }
+  if (c.ranks < 1) reject("ranks (R)", text(c.ranks), "R >= 1");
+  if (c.rank < 0 || c.rank >= c.ranks) reject("rank", text(c.rank), "0 <= rank < ranks = " + text(c.ranks));
   if (c.pregated && c.moe_blocks == MoeBlocks::none) {
     reject("pregated", "true with moe_blocks = none", "pregated = false for a dense model (no gate to move)");
   }
   if (c.moe_blocks == MoeBlocks::none) return;
   const MoeConfig& m = c.moe;
-  if (m.tokens != c.batch * c.seq_len) {
-    reject("moe.tokens (T)", text(m.tokens), "batch * seq_len = " + text(c.batch * c.seq_len));
+  if (m.tokens != c.ranks * c.batch * c.seq_len) {
+    reject("moe.tokens (T)", text(m.tokens),
+           (c.ranks > 1 ? "ranks * batch * seq_len = " : "batch * seq_len = ") + text(c.ranks * c.batch * c.seq_len));
+  }
+  if (c.ranks > 1 && m.num_experts % c.ranks != 0) {
+    reject("moe.num_experts (E)", text(m.num_experts),
+           "a multiple of the ranks R = " + text(c.ranks) + " (each rank holds E / R experts)");
+  }
+  if (c.ranks > 1 && c.pregated) {
+    reject("pregated", "true on " + text(c.ranks) + " ranks",
+           "false (the expert-parallel layer routes its own input; pre-gating is for offloaded inference)");
   }
   if (m.model_dim != c.model_dim) reject("moe.model_dim", text(m.model_dim), "model_dim = " + text(c.model_dim));
   try {
@@ -88,14 +99,20 @@ bool is_moe_block(const ModelGpuConfig& config, int64_t layer) {
   return false;
 }
 
+std::pair<int64_t, int64_t> local_experts(const ModelGpuConfig& c) {
+  const int64_t per_rank = c.moe.num_experts / std::max<int64_t>(c.ranks, 1);
+  return {c.rank * per_rank, per_rank};
+}
+
 std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& c) {
   std::vector<ParameterSpan> layout;
   int64_t offset = 0;
   // Matrices decay, LayerNorm gains and biases do not (reference_cpu/optimizer.h says why).
-  const auto add = [&](std::string name, int64_t rows, int64_t cols, bool decays) {
-    layout.push_back({std::move(name), rows, cols, offset, decays});
+  const auto add = [&](std::string name, int64_t rows, int64_t cols, bool decays, bool expert = false) {
+    layout.push_back({std::move(name), rows, cols, offset, decays, expert});
     offset += rows * cols;
   };
+  const auto [first_expert, expert_count] = local_experts(c);
   const int64_t D = c.model_dim;
   add("token_embedding", kVocabulary, D, true);
   add("position_embedding", c.seq_len, D, true);
@@ -108,10 +125,14 @@ std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& c) {
     add(prefix + "ln2.gain", 1, D, false);
     add(prefix + "ln2.bias", 1, D, false);
     if (is_moe_block(c, i)) {
-      const int64_t E = c.moe.num_experts;
-      add(prefix + "moe.gate", D, E, true);
-      for (int64_t e = 0; e < E; ++e) add(prefix + "moe.w1." + std::to_string(e), D, w1_columns(c.moe), true);
-      for (int64_t e = 0; e < E; ++e) add(prefix + "moe.w2." + std::to_string(e), c.moe.hidden_dim, D, true);
+      add(prefix + "moe.gate", D, c.moe.num_experts, true);
+      const int64_t end = first_expert + expert_count;
+      for (int64_t e = first_expert; e < end; ++e) {
+        add(prefix + "moe.w1." + std::to_string(e), D, w1_columns(c.moe), true, true);
+      }
+      for (int64_t e = first_expert; e < end; ++e) {
+        add(prefix + "moe.w2." + std::to_string(e), c.moe.hidden_dim, D, true, true);
+      }
     } else {
       add(prefix + "ffn.w1", D, c.dense_hidden_dim, true);
       add(prefix + "ffn.w2", c.dense_hidden_dim, D, true);
@@ -175,12 +196,42 @@ __global__ void add_router_losses_kernel(float* losses, const float* aux, const 
   losses[3] += z[0];
 }
 
+// The one-GPU MoE block: MoeLayerGpu as the model's MoeBlockFfn.
+class SingleGpuMoeFfn final : public MoeBlockFfn {
+ public:
+  explicit SingleGpuMoeFfn(const MoeConfig& config) : layer_(config) {}
+  void forward(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
+               const bf16* router_input) override {
+    layer_.forward(x, weights, y, stream, router_input);
+  }
+  void backward(const bf16* x, const MoeLayerWeights& weights, const bf16* dy, const MoeLayerGradients& gradients,
+                cudaStream_t stream, const bf16* router_input, float* d_router_input) override {
+    layer_.backward(x, weights, dy, gradients, stream, router_input, d_router_input);
+  }
+  const float* aux_loss() const override { return layer_.aux_loss().data(); }
+  const float* z_loss() const override { return layer_.z_loss().data(); }
+  const DeviceBuffer<int>& top_experts() const override { return layer_.top_experts(); }
+  void set_phase_timer(PhaseTimer* timer) override { layer_.set_phase_timer(timer); }
+  const MoeLayerGpu* single_gpu_layer() const override { return &layer_; }
+
+ private:
+  MoeLayerGpu layer_;
+};
+
 }  // namespace
 
 // ---- [SECTION] construction and weights ----
 
-ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimizer, cudaStream_t stream)
-    : config_((validate(config), config)), optimizer_(optimizer), stream_(stream) {
+ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimizer, cudaStream_t stream,
+                   ModelRanks* ranks)
+    : config_((validate(config), config)), optimizer_(optimizer), stream_(stream), ranks_(ranks) {
+  if (config_.ranks > 1 && (ranks_ == nullptr || ranks_->size() != config_.ranks || ranks_->rank() != config_.rank)) {
+    throw std::invalid_argument("ModelGpu: config.ranks = " + text(config_.ranks) + ", rank = " + text(config_.rank) +
+                                " needs the ModelRanks of that rank of that many ranks; got " +
+                                (ranks_ == nullptr ? std::string("none")
+                                                   : "rank " + text(ranks_->rank()) + " of " + text(ranks_->size())));
+  }
+  if (config_.ranks == 1) ranks_ = nullptr;  // nothing to share with
   layout_ = parameter_layout(config_);
   parameter_count_ = layout_.back().offset + layout_.back().rows * layout_.back().cols;
   token_embedding_ = layout_.front().offset;
@@ -195,7 +246,9 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   // The MoE layers first: they check that they fit in the free memory before allocating anything.
   blocks_.resize(size_t(config_.num_layers));
   for (int64_t i = 0; i < config_.num_layers; ++i) {
-    if (is_moe_block(config_, i)) blocks_[size_t(i)].moe = std::make_unique<MoeLayerGpu>(config_.moe);
+    if (!is_moe_block(config_, i)) continue;
+    blocks_[size_t(i)].moe = ranks_ != nullptr ? ranks_->make_moe_ffn(config_.moe, config_.batch * config_.seq_len)
+                                               : std::make_unique<SingleGpuMoeFfn>(config_.moe);
   }
 
   weights_ = DeviceBuffer<float>(P);
@@ -210,6 +263,29 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   norm_partials_ = DeviceBuffer<float>(kGradientNormBlocks);
   grad_norm_ = DeviceBuffer<float>(1);
   clip_scale_ = DeviceBuffer<float>(1);
+  if (ranks_ != nullptr) {
+    // Runs of neighbouring replicated tensors, summed over the ranks in one call each; the norm
+    // counts a replicated tensor once over all ranks (weight 1 / R on each) and each expert once.
+    std::vector<NormSpan> spans;
+    for (const ParameterSpan& p : layout_) {
+      const int64_t count = p.rows * p.cols;
+      const float weight = p.expert ? 1.0f : 1.0f / float(config_.ranks);
+      if (!spans.empty() && spans.back().weight == weight && spans.back().offset + spans.back().count == p.offset) {
+        spans.back().count += count;
+      } else {
+        spans.push_back({p.offset, count, weight});
+      }
+      if (!p.expert) {
+        if (!replicated_runs_.empty() && replicated_runs_.back().first + replicated_runs_.back().second == p.offset) {
+          replicated_runs_.back().second += count;
+        } else {
+          replicated_runs_.emplace_back(p.offset, count);
+        }
+      }
+    }
+    norm_spans_ = DeviceBuffer<NormSpan>(spans);
+    squared_norm_ = DeviceBuffer<double>(1);
+  }
 
   // Per block: parameter offsets (walking the layout in its order), activations, expert tables.
   size_t next = 2;  // after token_embedding and position_embedding
@@ -233,7 +309,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     b.ln2_mean = DeviceBuffer<float>(T);
     b.ln2_rstd = DeviceBuffer<float>(T);
     if (b.moe) {
-      const size_t E = size_t(config_.moe.num_experts);
+      const size_t E = size_t(local_experts(config_).second);  // this rank's experts: all on one GPU
       b.gate = layout_[next++].offset;
       std::vector<const bf16*> w1(E), w2(E);
       std::vector<float*> d_w1(E), d_w2(E);
@@ -485,8 +561,8 @@ void ModelGpu::loss_phase() {
     CUDA_CHECK(cudaGetLastError());
     for (const Block& b : blocks_) {
       if (!b.moe) continue;
-      add_router_losses_kernel<<<1, 1, 0, stream_>>>(losses_.data(), b.moe->aux_loss().data(),
-                                                     b.moe->z_loss().data(), float(config_.moe.aux_loss_coef),
+      add_router_losses_kernel<<<1, 1, 0, stream_>>>(losses_.data(), b.moe->aux_loss(), b.moe->z_loss(),
+                                                     float(config_.moe.aux_loss_coef),
                                                      float(config_.moe.z_loss_coef));
       CUDA_CHECK(cudaGetLastError());
     }
@@ -510,7 +586,8 @@ void ModelGpu::backward() {
 void ModelGpu::loss_backward_phase() {
   phase("backward_lm_head", [&] {
     const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim), V = int(kVocabulary);
-    cross_entropy_backward(logits_.data(), targets_, d_logits_.data(), T, stream_);
+    // The loss is the mean over all ranks' tokens: each rank's d_logits is its share of it.
+    cross_entropy_backward(logits_.data(), targets_, d_logits_.data(), T, stream_, int64_t{T} * config_.ranks);
     cublas_.set_stream(stream_);
     // d token_embedding [V, D] = d_logitsᵀ LN_final(x): overwritten; the embedding adds its share later.
     gemm(cublas_.get(), Op::transpose, Op::none, V, D, T, d_logits_.data(), V, final_y_.data(), D,
@@ -605,9 +682,22 @@ void ModelGpu::embedding_backward_phase() {
 // matrices together: about four runs per block), not one per tensor: with 16 experts a block
 // has 38 tensors, and hundreds of tiny launches cost more than the update itself.
 void ModelGpu::step(float lr) {
+  if (ranks_ != nullptr) {
+    phase("gradient_all_reduce", [&] {
+      for (const auto& [offset, count] : replicated_runs_) ranks_->all_reduce_sum(gradients_.data() + offset, count, stream_);
+    });
+  }
   phase("optimizer", [&] {
-    gradient_norm(gradients_.data(), parameter_count_, norm_partials_.data(), grad_norm_.data(), clip_scale_.data(),
-                  optimizer_.max_grad_norm, stream_);
+    if (ranks_ == nullptr) {
+      gradient_norm(gradients_.data(), parameter_count_, norm_partials_.data(), grad_norm_.data(), clip_scale_.data(),
+                    optimizer_.max_grad_norm, stream_);
+    } else {
+      gradient_squared_norm(gradients_.data(), norm_spans_.data(), int(norm_spans_.size()), norm_partials_.data(),
+                            squared_norm_.data(), stream_);
+      ranks_->all_reduce_sum(squared_norm_.data(), 1, stream_);
+      clip_scale_from_squared_norm(squared_norm_.data(), grad_norm_.data(), clip_scale_.data(), optimizer_.max_grad_norm,
+                                   stream_);
+    }
     ++optimizer_steps_;
     for (size_t first = 0; first < layout_.size();) {
       size_t end = first + 1;  // [first, end): tensors adjacent in memory with the same decay

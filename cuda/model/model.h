@@ -34,6 +34,14 @@
 // Synchronisation: forward, backward and step only enqueue work on the model's stream. The one
 // host synchronisation is read_loss(), which a caller uses when it wants the number.
 //
+// On several GPUs (model_ranks.h): the same model as one rank of R, data parallel with expert
+// parallelism. The config's ranks and rank fields say which; the layout lists the replicated
+// parameters and this rank's E / R experts of each MoE block (with their global names), the MoE
+// blocks are the expert-parallel layer that ModelRanks makes, the loss's gradient is this rank's
+// share of the mean over all R N S tokens, and step() sums the replicated gradients over the ranks
+// and clips by the norm over all ranks' gradients before AdamW. A rank's model then holds exactly
+// what the one-GPU model holds of those parameters, step for step (tests/distributed/).
+//
 // Out of scope here: SwiGLU and jitter (MoeLayerGpu supports GeLU without jitter), and pre-gating a
 // model without MoE blocks (there is no gate to move, as the reference says). The constructor
 // rejects them, with the field named, before allocating anything.
@@ -44,6 +52,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/attention.h"     // AttentionWorkspace
@@ -52,7 +61,9 @@
 #include "core/gemm.h"           // CublasHandle
 #include "moe_config.h"          // MoeConfig
 #include "moe/moe_layer.h"       // MoeLayerGpu
+#include "model/model_ranks.h"   // MoeBlockFfn, ModelRanks
 #include "core/phase_timer.h"    // PhaseTimer
+#include "train/optimizer.h"     // NormSpan
 
 namespace moe::cuda {
 
@@ -76,6 +87,11 @@ struct ModelGpuConfig {
   double layer_norm_eps = 1e-5;
   MoeConfig moe;  // every MoE block's layer: tokens = N * S, model_dim = D, H, E, K, B, coefficients
   bool pregated = false;  // MoE block m_j's gate reads block m_{j-1}'s LN2 output (see above)
+  // Trained on several ranks: this model is rank `rank` of `ranks`; batch is this rank's share N / R
+  // of the global batch, moe.tokens all ranks' tokens (ranks * batch * seq_len), and the layout holds
+  // experts [rank E / ranks, (rank + 1) E / ranks) of each MoE block.
+  int64_t ranks = 1;
+  int64_t rank = 0;
 };
 
 // The optimizer's fixed settings (the learning rate comes with each step).
@@ -94,21 +110,26 @@ struct ParameterSpan {
   int64_t cols = 0;
   int64_t offset = 0;  // first entry in the flat buffers
   bool weight_decay = false;
+  bool expert = false;  // an expert's W1 or W2: lives on one rank when the model spans several
 };
 
 // Throws std::invalid_argument naming the field, its value and what is allowed.
 void validate(const ModelGpuConfig& config);
 bool is_moe_block(const ModelGpuConfig& config, int64_t layer);
-// The flat list in moe::ref::parameter_layout's order and names.
+// The flat list in moe::ref::parameter_layout's order and names; on several ranks, the subsequence
+// this rank holds (the replicated tensors and its own experts).
 std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& config);
+// The first of this rank's experts and how many: [rank E / ranks, + E / ranks); {0, E} on one GPU.
+std::pair<int64_t, int64_t> local_experts(const ModelGpuConfig& config);
 
 class ModelGpu {
  public:
   // Validates everything first (nothing is allocated for a bad config), then allocates weights,
   // gradients, optimizer moments and the activations of one [N, S] batch. Weights start at zero:
-  // upload_weights() sets them.
+  // upload_weights() sets them. config.ranks > 1 needs `ranks` (of that size, this rank's), which
+  // makes the MoE blocks and sums the gradients; it must outlive the model.
   explicit ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimizer = {},
-                    cudaStream_t stream = nullptr);
+                    cudaStream_t stream = nullptr, ModelRanks* ranks = nullptr);
 
   // fp32 master weights in layout order, [parameter_count()]; refreshes the bf16 copy. Synchronous.
   void upload_weights(const std::vector<float>& weights);
@@ -121,7 +142,9 @@ class ModelGpu {
   const float* forward(const int32_t* tokens, const int32_t* targets);
   // Every parameter's gradient of the last forward's loss, overwritten in gradients().
   void backward();
-  // Clips the gradients' global norm and takes one AdamW step with learning rate lr.
+  // Clips the gradients' global norm and takes one AdamW step with learning rate lr. On several
+  // ranks, first sums the replicated parameters' gradients over the ranks; the norm is over every
+  // rank's gradients (collective).
   void step(float lr);
 
   // AdamW's state, for a checkpoint: the moments m and v in layout order and the steps taken (the
@@ -140,8 +163,13 @@ class ModelGpu {
   const std::vector<ParameterSpan>& layout() const { return layout_; }
   int64_t parameter_count() const { return parameter_count_; }
   DeviceBuffer<float>& gradients() { return gradients_; }  // [parameter_count()] fp32
-  // MoE block `layer`'s layer (routing, router losses of the last forward); null for a dense block.
-  const MoeLayerGpu* moe_layer(int64_t layer) const { return blocks_[size_t(layer)].moe.get(); }
+  // MoE block `layer`'s FFN (routing, router losses of the last forward); null for a dense block.
+  const MoeBlockFfn* moe_ffn(int64_t layer) const { return blocks_[size_t(layer)].moe.get(); }
+  // The same as the one-GPU layer; null for a dense block or on several ranks.
+  const MoeLayerGpu* moe_layer(int64_t layer) const {
+    const MoeBlockFfn* ffn = moe_ffn(layer);
+    return ffn != nullptr ? ffn->single_gpu_layer() : nullptr;
+  }
   const DeviceBuffer<float>& losses() const { return losses_; }  // {loss, lm, aux sum, z sum}
 
   // Fills every activation buffer with NaN bytes (tests: nothing may be read before it is written).
@@ -163,7 +191,7 @@ class ModelGpu {
     DeviceBuffer<bf16> ln2_y;                 // [T, D]
     DeviceBuffer<float> ln2_mean, ln2_rstd;   // [T]
     DeviceBuffer<bf16> pre_activation, hidden;  // [T, H_dense] dense blocks
-    std::unique_ptr<MoeLayerGpu> moe;         // MoE blocks
+    std::unique_ptr<MoeBlockFfn> moe;         // MoE blocks
     // Pre-gated: the previous MoE block, whose ln2_y this block's gate reads; -1 when the gate reads
     // this block's own ln2_y (not pre-gated, or the first MoE block).
     int64_t gate_input_block = -1;
@@ -198,6 +226,7 @@ class ModelGpu {
   ModelGpuConfig config_;
   OptimizerSettings optimizer_;
   cudaStream_t stream_ = nullptr;
+  ModelRanks* ranks_ = nullptr;  // null on one GPU
   PhaseTimer* timer_ = nullptr;
   std::vector<ParameterSpan> layout_;
   int64_t parameter_count_ = 0;
@@ -214,6 +243,11 @@ class ModelGpu {
   DeviceBuffer<float> weights_, gradients_, first_moment_, second_moment_;
   DeviceBuffer<bf16> weights_bf16_;
   DeviceBuffer<float> norm_partials_, grad_norm_, clip_scale_;  // [kGradientNormBlocks] [1] [1]
+  // On several ranks: the runs of replicated tensors (offset, count) whose gradients are summed over
+  // the ranks, the norm's weighted spans (train/optimizer.h) and its sum of squares.
+  std::vector<std::pair<int64_t, int64_t>> replicated_runs_;
+  DeviceBuffer<NormSpan> norm_spans_;
+  DeviceBuffer<double> squared_norm_;  // [1]
 
   // activations shared by the blocks
   DeviceBuffer<float> residual_;         // [T, D] the fp32 residual stream

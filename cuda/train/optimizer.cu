@@ -49,6 +49,47 @@ __global__ void norm_finish_kernel(const float* partials, float* norm, float* cl
   }
 }
 
+// gradient_squared_norm's pass 1: squares_partials_kernel's partition applied to every span in turn.
+__global__ void span_squares_partials_kernel(const float* gradients, const NormSpan* spans, int span_count,
+                                             float* partials) {
+  __shared__ float sums[kNormThreads];
+  float sum = 0.0f;
+  for (int s = 0; s < span_count; ++s) {
+    const float* g = gradients + spans[s].offset;
+    float span_sum = 0.0f;
+    for (int64_t i = int64_t{blockIdx.x} * kNormThreads + threadIdx.x; i < spans[s].count;
+         i += int64_t{kGradientNormBlocks} * kNormThreads) {
+      span_sum += g[i] * g[i];
+    }
+    sum += spans[s].weight * span_sum;
+  }
+  sums[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = kNormThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = sums[0];
+}
+
+// Its pass 2: norm_finish_kernel's tree, stopping at the sum of squares.
+__global__ void squared_finish_kernel(const float* partials, double* squared) {
+  __shared__ double sums[kGradientNormBlocks];
+  sums[threadIdx.x] = partials[threadIdx.x];
+  __syncthreads();
+  for (int stride = kGradientNormBlocks / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *squared = sums[0];
+}
+
+__global__ void clip_from_squared_kernel(const double* squared, float* norm, float* clip_scale, float max_norm) {
+  const double value = sqrt(*squared);
+  *norm = static_cast<float>(value);
+  *clip_scale = (max_norm > 0.0f && value > max_norm) ? static_cast<float>(max_norm / value) : 1.0f;
+}
+
 struct UpdateConstants {  // per step, from the host
   float lr, beta1, beta2, eps, decay_factor;  // decay_factor = 1 - lr * weight_decay
   float inverse_correction1, inverse_correction2;  // 1 / (1 - beta^t)
@@ -92,6 +133,32 @@ void gradient_norm(const float* gradients, int64_t count, float* partials, float
   squares_partials_kernel<<<kGradientNormBlocks, kNormThreads, 0, stream>>>(gradients, count, partials);
   CUDA_CHECK(cudaGetLastError());
   norm_finish_kernel<<<1, kGradientNormBlocks, 0, stream>>>(partials, norm, clip_scale, max_norm);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void gradient_squared_norm(const float* gradients, const NormSpan* spans, int span_count, float* partials,
+                           double* squared, cudaStream_t stream) {
+  constexpr const char* kFunction = "gradient_squared_norm";
+  detail::check_range(kFunction, "span_count", span_count, 0, 1 << 20);
+  detail::check_not_null(kFunction, "gradients", gradients);
+  if (span_count > 0) detail::check_not_null(kFunction, "spans", spans);
+  detail::check_not_null(kFunction, "partials", partials);
+  detail::check_not_null(kFunction, "squared", squared);
+  span_squares_partials_kernel<<<kGradientNormBlocks, kNormThreads, 0, stream>>>(gradients, spans, span_count,
+                                                                                 partials);
+  CUDA_CHECK(cudaGetLastError());
+  squared_finish_kernel<<<1, kGradientNormBlocks, 0, stream>>>(partials, squared);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void clip_scale_from_squared_norm(const double* squared, float* norm, float* clip_scale, float max_norm,
+                                  cudaStream_t stream) {
+  constexpr const char* kFunction = "clip_scale_from_squared_norm";
+  if (std::isnan(max_norm)) throw std::invalid_argument("clip_scale_from_squared_norm: max_norm = nan; expected a number");
+  detail::check_not_null(kFunction, "squared", squared);
+  detail::check_not_null(kFunction, "norm", norm);
+  detail::check_not_null(kFunction, "clip_scale", clip_scale);
+  clip_from_squared_kernel<<<1, 1, 0, stream>>>(squared, norm, clip_scale, max_norm);
   CUDA_CHECK(cudaGetLastError());
 }
 

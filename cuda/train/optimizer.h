@@ -43,6 +43,26 @@ void gradient_norm(const float* gradients,  // [count]
                    float* clip_scale,       // [1]
                    float max_norm, cudaStream_t stream);
 
+// The norm of gradients that live on several ranks (data parallel with expert parallelism: the
+// replicated parameters' gradients are the same on every rank after their all-reduce, each rank's
+// experts' gradients only there): each rank sums weight * g^2 over its spans (the replicated ones
+// with weight 1 / R, its experts with weight 1) in the fixed order of gradient_norm (block b takes a
+// strided share of every span, the partials added in a fixed tree in double), the ranks add their
+// sums, and clip_scale_from_squared_norm finishes as gradient_norm does.
+struct NormSpan {
+  int64_t offset = 0;   // first entry in the flat gradient buffer
+  int64_t count = 0;    // entries
+  float weight = 1.0f;  // the factor of its squares
+};
+void gradient_squared_norm(const float* gradients,  // the flat buffer
+                           const NormSpan* spans,   // [span_count] on the device
+                           int span_count,
+                           float* partials,         // [kGradientNormBlocks] scratch
+                           double* squared,         // [1] the weighted sum of squares
+                           cudaStream_t stream);
+void clip_scale_from_squared_norm(const double* squared,  // [1] summed over ranks
+                                  float* norm, float* clip_scale, float max_norm, cudaStream_t stream);
+
 struct AdamWStep {
   float lr = 0.0f;            // from the schedule, for this step
   float beta1 = 0.9f;

@@ -3,6 +3,7 @@
 //
 // Index:
 //   [SECTION] the model on the GPU      config translation, initial weights
+//   [SECTION] ranks                     one rank of several: its share, collectives, the whole model
 //   [SECTION] batches                   pinned double-buffered uploads
 //   [SECTION] recording                 routing / topology / tokens / span events from one step
 //   [SECTION] run directory             create, resume, cut events past a checkpoint
@@ -50,20 +51,23 @@ constexpr uint64_t kValidationSeed = 0x5eed'0f'7a11'da7aull;
 
 // ---- [SECTION] the model on the GPU ----
 
-cuda::ModelGpuConfig gpu_config(const TrainConfig& c) {
+// Rank `rank` of `ranks` trains on N / R of the N sequences; its MoE layers see all R's tokens.
+cuda::ModelGpuConfig gpu_config(const TrainConfig& c, int ranks = 1, int rank = 0) {
   cuda::ModelGpuConfig g;
   g.model_dim = c.model.model_dim;
   g.num_layers = c.model.num_layers;
   g.num_heads = c.model.num_heads;
   g.seq_len = c.model.seq_len;
-  g.batch = c.batch;
+  g.batch = c.batch / ranks;
   g.moe_blocks = c.model.moe_layers == ref::MoeLayers::every_block         ? cuda::MoeBlocks::every_block
                  : c.model.moe_layers == ref::MoeLayers::every_other_block ? cuda::MoeBlocks::every_other_block
                                                                            : cuda::MoeBlocks::none;
   g.dense_hidden_dim = c.model.dense_hidden_dim;
   g.layer_norm_eps = c.model.layer_norm_eps;
-  g.moe = ref::moe_layer_config(c.model, c.batch);
+  g.moe = ref::moe_layer_config(c.model, c.batch);  // tokens: the global batch's
   g.pregated = c.model.pregated;
+  g.ranks = ranks;
+  g.rank = rank;
   return g;
 }
 
@@ -89,6 +93,104 @@ std::vector<float> initial_weights(const TrainConfig& c) {
 }
 
 std::string device_name() { return cuda::current_device().name; }
+
+// ---- [SECTION] ranks ----
+
+// This process's place in the run and the host collectives the loop needs; on one GPU, rank 0 of 1
+// with nothing to exchange. Every collective is called by every rank at the same point.
+class RankView {
+ public:
+  explicit RankView(cuda::ModelRanks* ranks) : ranks_(ranks) {}
+  cuda::ModelRanks* ranks() const { return ranks_; }
+  int rank() const { return ranks_ != nullptr ? ranks_->rank() : 0; }
+  int size() const { return ranks_ != nullptr ? ranks_->size() : 1; }
+  bool root() const { return rank() == 0; }
+
+  // The mean over the ranks of each value.
+  std::vector<double> mean(std::vector<double> values) const {
+    if (ranks_ == nullptr) return values;
+    ranks_->host_all_reduce_sum(values);
+    for (double& v : values) v /= double(size());
+    return values;
+  }
+  // Ends on every rank together when `failure` is set on any (a rank that throws alone leaves the
+  // others waiting in the next collective): the failing rank's message there, a pointer to it on
+  // the others.
+  void agree(const std::string& what, const std::string& failure) const {
+    if (ranks_ == nullptr) {
+      if (!failure.empty()) throw std::runtime_error(failure);
+      return;
+    }
+    std::vector<double> failed = {failure.empty() ? 0.0 : 1.0};
+    ranks_->host_all_reduce_sum(failed);
+    if (!failure.empty()) throw std::runtime_error(failure);
+    if (failed[0] > 0) throw std::runtime_error(what + " failed on another rank (its message is above)");
+  }
+
+ private:
+  cuda::ModelRanks* ranks_;
+};
+
+// The whole model's layout (one GPU's) for a rank's config.
+cuda::ModelGpuConfig one_gpu(cuda::ModelGpuConfig config) {
+  config.batch *= config.ranks;
+  config.ranks = 1;
+  config.rank = 0;
+  return config;
+}
+
+// The values of this rank's tensors, in its layout's order, picked by name from the whole model's.
+std::vector<float> local_part(const std::vector<float>& whole, const cuda::ModelGpuConfig& local) {
+  if (local.ranks == 1) return whole;
+  std::map<std::string, int64_t> offset;
+  for (const cuda::ParameterSpan& p : cuda::parameter_layout(one_gpu(local))) offset[p.name] = p.offset;
+  std::vector<float> part;
+  for (const cuda::ParameterSpan& p : cuda::parameter_layout(local)) {
+    const auto first = whole.begin() + offset.at(p.name);
+    part.insert(part.end(), first, first + p.rows * p.cols);
+  }
+  return part;
+}
+
+// Every rank's tensors back in the whole model's layout, on every rank (collective).
+std::vector<float> gather_whole(const RankView& view, const std::vector<float>& mine,
+                                const cuda::ModelGpuConfig& local) {
+  if (view.ranks() == nullptr) return mine;
+  const std::vector<float> all = view.ranks()->host_all_gather(mine);  // [R][local parameters]
+  std::map<std::string, int64_t> offset;
+  const std::vector<cuda::ParameterSpan> whole_layout = cuda::parameter_layout(one_gpu(local));
+  for (const cuda::ParameterSpan& p : whole_layout) offset[p.name] = p.offset;
+  const cuda::ParameterSpan& last = whole_layout.back();
+  std::vector<float> whole(size_t(last.offset + last.rows * last.cols));
+  for (int q = 0; q < view.size(); ++q) {
+    cuda::ModelGpuConfig theirs = local;
+    theirs.rank = q;
+    const float* base = all.data() + size_t(q) * mine.size();
+    for (const cuda::ParameterSpan& p : cuda::parameter_layout(theirs)) {
+      std::copy(base + p.offset, base + p.offset + p.rows * p.cols, whole.begin() + offset.at(p.name));
+    }
+  }
+  return whole;
+}
+
+// Sequences [first, first + count) of a batch: one rank's share.
+ByteBatch share_of(const ByteBatch& batch, int first, int count) {
+  if (first == 0 && count == batch.batch) return batch;
+  ByteBatch part;
+  part.batch = count;
+  part.sequence = batch.sequence;
+  const size_t window = size_t(batch.sequence + 1);
+  part.bytes.assign(batch.bytes.begin() + first * window, batch.bytes.begin() + (first + count) * window);
+  part.offsets.assign(batch.offsets.begin() + first, batch.offsets.begin() + first + count);
+  part.genres.assign(batch.genres.begin() + first, batch.genres.begin() + first + count);
+  return part;
+}
+
+// A stream that drops what is written: the log of ranks other than 0.
+class NullStream : public std::ostream {
+ public:
+  NullStream() : std::ostream(nullptr) {}
+};
 
 // The model's stream, created non-blocking (the legacy default stream would serialise with it),
 // drained and destroyed when the run ends, also when it ends by an exception.
@@ -188,18 +290,42 @@ struct RoutingSummary {
 };
 
 // Reads each MoE layer's routing of the last forward and appends its routing, topology and
-// tokens events. Synchronises (through the downloads).
+// tokens events; on several ranks, every rank's routing (gathered: collective) and the rows each
+// rank sent each rank, as the dispatch and combine all-to-all byte matrices. `batch` is the global
+// batch; `writer` is null on ranks other than 0. Synchronises (through the downloads).
 RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, const cuda::ModelGpu& model,
-                              const ByteBatch& batch, int64_t step, RunWriter& writer) {
+                              const ByteBatch& batch, int64_t step, const RankView& view, RunWriter* writer) {
   const int64_t E = c.model.num_experts, K = c.model.top_k, S = c.model.seq_len, B = c.model.block_size;
   const int64_t H = c.model.expert_hidden_dim;
   const int64_t C = capacity_of(c);
   const bool dropless = c.model.formulation == Formulation::dropless;
   RoutingSummary summary;
   for (int64_t layer = 0; layer < c.model.num_layers; ++layer) {
-    const cuda::MoeLayerGpu* moe = model.moe_layer(layer);
+    const cuda::MoeBlockFfn* moe = model.moe_ffn(layer);
     if (moe == nullptr) continue;
-    const std::vector<int> top = moe->top_experts().download();  // [T, K]
+    const int64_t local_slots = model.config().batch * S * K;
+    std::vector<int32_t> top = moe->top_experts().download();  // [T_r, K] (the buffer may hold more)
+    top.resize(size_t(local_slots));
+    if (view.ranks() != nullptr) {
+      top = view.ranks()->host_all_gather(top);  // [T, K]: the ranks' tokens in token order
+      std::vector<int32_t> sent;
+      for (int64_t rows : moe->rows_sent_per_rank()) sent.push_back(int32_t(rows));
+      const std::vector<int32_t> rows = view.ranks()->host_all_gather(sent);  // [R source][R destination]
+      if (writer != nullptr) {
+        const int64_t R = view.size(), row_bytes = c.model.model_dim * int64_t(sizeof(uint16_t));  // bf16 rows
+        const std::vector<std::vector<int64_t>> zeros(static_cast<size_t>(R), std::vector<int64_t>(static_cast<size_t>(R), 0));
+        std::vector<std::vector<int64_t>> dispatch = zeros, combine = zeros;
+        for (int64_t from = 0; from < R; ++from) {
+          for (int64_t to = 0; to < R; ++to) {
+            dispatch[size_t(from)][size_t(to)] = rows[size_t(from * R + to)] * row_bytes;
+            combine[size_t(to)][size_t(from)] = rows[size_t(from * R + to)] * row_bytes;  // the way back
+          }
+        }
+        writer->append(to_event(AllToAllEvent{.step = step, .layer = layer, .name = "dispatch", .bytes = dispatch}));
+        writer->append(to_event(AllToAllEvent{.step = step, .layer = layer, .name = "combine", .bytes = combine}));
+      }
+    }
+    if (writer == nullptr) continue;
 
     RoutingEvent routing{.step = step, .layer = layer};
     routing.tokens_per_expert.assign(size_t(E), 0);
@@ -224,7 +350,7 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
       }
     }
     for (int64_t count : routing.tokens_per_expert) summary.routed += count;
-    writer.append(to_event(routing));
+    writer->append(to_event(routing));
 
     if (dropless) {  // MegaBlocks' topology: each expert's rows rounded up to a multiple of B
       TopologyEvent topology{.step = step, .layer = layer, .block_size = B, .block_cols = H / B};
@@ -235,7 +361,7 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
         topology.block_rows += rows / B;
       }
       topology.nnz = topology.block_rows * topology.block_cols;
-      writer.append(to_event(topology));
+      writer->append(to_event(topology));
     }
 
     // The first sample_bytes bytes of sequence 0 and the experts each went to.
@@ -244,20 +370,40 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
     for (int64_t s = 0; s < c.sample_bytes; ++s) {
       tokens.experts.emplace_back(top.begin() + s * K, top.begin() + (s + 1) * K);
     }
-    writer.append(to_event(tokens));
+    writer->append(to_event(tokens));
   }
   return summary;
 }
 
 // The phases of one step as span events on the run's clock (GPU times from the step's first
 // phase, placed at the host time the step began). The MoE layers' own phases nest inside the
-// model's "moe" phases: they go on a second timeline row so the rows never overlap.
-void record_spans(cuda::PhaseTimer& timer, int64_t step, double origin_us, RunWriter& writer) {
-  for (const cuda::TimedPhase& phase : timer.collect()) {
-    writer.append(to_event(SpanEvent{.step = step, .rank = 0, .stream = phase.depth,
-                                      .stream_name = phase.depth == 0 ? "compute" : "compute: inside the MoE layer",
-                                      .name = phase.name, .start_us = origin_us + phase.start_us,
-                                      .duration_us = phase.duration_us}));
+// model's "moe" phases: they go on a second timeline row so the rows never overlap. On several
+// ranks, every rank's phases (gathered: collective), each on its own GPU's clock from its step's
+// first phase, placed at rank 0's host time; `writer` is null on ranks other than 0.
+void record_spans(cuda::PhaseTimer& timer, int64_t step, double origin_us, const RankView& view, RunWriter* writer) {
+  const std::vector<cuda::TimedPhase> phases = timer.collect();
+  std::vector<float> times;  // [phases][start, duration]
+  for (const cuda::TimedPhase& phase : phases) {
+    times.push_back(float(phase.start_us));
+    times.push_back(float(phase.duration_us));
+  }
+  int ranks_recorded = 1;
+  if (view.ranks() != nullptr) {
+    // The ranks run the same phases in the same order; where a count differs, rank 0's alone.
+    const std::vector<int32_t> counts = view.ranks()->host_all_gather(std::vector<int32_t>{int32_t(phases.size())});
+    if (std::all_of(counts.begin(), counts.end(), [&](int32_t n) { return n == counts[0]; })) {
+      times = view.ranks()->host_all_gather(times);
+      ranks_recorded = view.size();
+    }
+  }
+  if (writer == nullptr) return;
+  for (int q = 0; q < ranks_recorded; ++q) {
+    for (size_t i = 0; i < phases.size(); ++i) {
+      const float* t = &times[(size_t(q) * phases.size() + i) * 2];
+      writer->append(to_event(SpanEvent{.step = step, .rank = q, .stream = phases[i].depth,
+                                        .stream_name = phases[i].depth == 0 ? "compute" : "compute: inside the MoE layer",
+                                        .name = phases[i].name, .start_us = origin_us + t[0], .duration_us = t[1]}));
+    }
   }
 }
 
@@ -306,8 +452,9 @@ std::vector<CheckpointArraySpec> checkpoint_arrays(int64_t parameters) {
   return {{"weights", n}, {"adam_m", n}, {"adam_v", n}};
 }
 
+// The whole model in the one-GPU layout, written by rank 0 (the others send it their experts).
 void save(const TrainConfig& c, const cuda::ModelGpu& model, int64_t step, int64_t tokens_seen,
-          const BatchSampler& sampler) {
+          const BatchSampler& sampler, const RankView& view) {
   CheckpointHeader header;
   header.model_config = model_json(c);
   header.step = step;
@@ -319,11 +466,21 @@ void save(const TrainConfig& c, const cuda::ModelGpu& model, int64_t step, int64
   header.model_seed = c.seed;
   header.data_seed = c.data_seed;
   header.run_directory = c.run_dir;
-  const std::vector<float> weights = model.download_weights();
-  fs::create_directories(checkpoints_dir(c));
-  save_checkpoint(checkpoint_path(checkpoints_dir(c), step), header,
-                  {{"weights", weights}, {"adam_m", state.first_moment}, {"adam_v", state.second_moment}});
-  prune_checkpoints(checkpoints_dir(c), int(c.keep_checkpoints));
+  const std::vector<float> weights = gather_whole(view, model.download_weights(), model.config());
+  const std::vector<float> first_moment = gather_whole(view, state.first_moment, model.config());
+  const std::vector<float> second_moment = gather_whole(view, state.second_moment, model.config());
+  std::string failure;
+  if (view.root()) {
+    try {
+      fs::create_directories(checkpoints_dir(c));
+      save_checkpoint(checkpoint_path(checkpoints_dir(c), step), header,
+                      {{"weights", weights}, {"adam_m", first_moment}, {"adam_v", second_moment}});
+      prune_checkpoints(checkpoints_dir(c), int(c.keep_checkpoints));
+    } catch (const std::exception& error) {
+      failure = error.what();
+    }
+  }
+  view.agree("saving the checkpoint", failure);
 }
 
 std::string fixed(double value, int digits) {
@@ -352,8 +509,17 @@ double peak_bf16_flops(const std::string& device_name) {
 
 // ---- [SECTION] train ----
 
-TrainResult train(const TrainConfig& c, std::ostream& log) {
+TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks) {
   validate(c);
+  const RankView view(ranks);
+  const int R = view.size();
+  if (c.batch % R != 0) {
+    throw TrainConfigError("batch = " + std::to_string(c.batch) + " sequences cannot be shared by " + std::to_string(R) +
+                           " ranks; the global batch must be a multiple of the ranks");
+  }
+  NullStream quiet;
+  std::ostream& log = view.root() ? rank_log : quiet;
+  const int N_r = int(c.batch) / R, first_sequence = view.rank() * N_r;  // this rank's share of each batch
   const auto wall_start = std::chrono::steady_clock::now();
   TextCorpus corpus;
   try {
@@ -376,16 +542,18 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
   // checkpoint have all been accepted.
   const OwnedStream owned_stream;
   const cudaStream_t stream = owned_stream.get();
-  cuda::ModelGpu model(gpu_config(c), optimizer_settings(c), stream);
+  cuda::ModelGpu model(gpu_config(c, R, view.rank()), optimizer_settings(c), stream, ranks);
   int64_t step = 0, tokens_seen = 0;
-  std::optional<RunWriter> writer;
+  std::optional<RunWriter> writer;  // rank 0's
   if (c.resume) {
     const std::optional<fs::path> latest = latest_checkpoint(checkpoints_dir(c));
     if (!latest) {
       throw CheckpointError("--resume: no checkpoint in " + checkpoints_dir(c).string() +
                             "; start the run without --resume (or check --run-dir)");
     }
-    const LoadedCheckpoint checkpoint = load_checkpoint(*latest, checkpoint_arrays(model.parameter_count()));
+    const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(model.config())).back();
+    const int64_t whole_parameters = last.offset + last.rows * last.cols;  // the one-GPU model's
+    const LoadedCheckpoint checkpoint = load_checkpoint(*latest, checkpoint_arrays(whole_parameters));
     const std::string changed = differences(checkpoint.header.model_config, model_json(c));
     if (!changed.empty()) {
       throw CheckpointError(latest->string() + " was trained with another model: " + changed +
@@ -397,16 +565,20 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
                             ": the run already reached step " + std::to_string(target) +
                             "; nothing to resume (a longer run is a new run: --steps sets its schedule)");
     }
-    model.upload_weights(checkpoint.array("weights"));
-    model.upload_optimizer_state({checkpoint.header.optimizer_step, checkpoint.array("adam_m"), checkpoint.array("adam_v")});
+    model.upload_weights(local_part(checkpoint.array("weights"), model.config()));
+    model.upload_optimizer_state({checkpoint.header.optimizer_step, local_part(checkpoint.array("adam_m"), model.config()),
+                                  local_part(checkpoint.array("adam_v"), model.config())});
     sampler.set_state(checkpoint.header.sampler_state);
     step = checkpoint.header.step;
     tokens_seen = checkpoint.header.tokens_seen;
-    cut_events_after(c.run_dir, step);
-    writer.emplace(RunWriter::resume(c.run_dir));
+    if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has read it before rank 0 edits the run
+    if (view.root()) {
+      cut_events_after(c.run_dir, step);
+      writer.emplace(RunWriter::resume(c.run_dir));
+    }
     log << "resumed " << c.run_dir << " at step " << step << " from " << latest->filename().string() << "\n";
   } else {
-    model.upload_weights(initial_weights(c));
+    model.upload_weights(local_part(initial_weights(c), model.config()));
     RunInfo info;
     info.kind = RunKind::train;
     info.name = c.name.empty() ? fs::path(c.run_dir).filename().string() : c.name;
@@ -415,6 +587,11 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
     info.model["layers"] = c.model.num_layers;
     info.formulation = c.model.moe_layers == ref::MoeLayers::none ? "dense" : std::string(to_string(c.model.formulation));
     info.devices = {device_name()};
+    if (view.ranks() != nullptr) {
+      info.world_size = R;
+      info.devices.assign(size_t(R), device_name());
+      info.extra["ranks"] = view.ranks()->description();
+    }
     info.extra["train_config"] = to_json(c);
     info.extra["data"] = corpus.source;
     json genres = json::array();
@@ -424,25 +601,39 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
     info.extra["parameters"] = total_parameters(c.model);
     info.extra["active_parameters"] = active_parameters(c.model);
     info.extra["flops_per_token"] = flops_per_token(c.model);
-    if (c.overwrite) fs::remove_all(checkpoints_dir(c));
-    // RunWriter names its C++ option; the user types the flag.
+    // RunWriter names its C++ option; the user types the flag. Every rank looks before rank 0 writes.
     if (!c.overwrite && (fs::exists(fs::path(c.run_dir) / "run.json") || fs::exists(fs::path(c.run_dir) / "events.jsonl"))) {
       throw TrainConfigError("refusing to overwrite the existing run at " + c.run_dir +
                              "; pick a new --run-dir, pass --resume to continue it or --overwrite to replace it");
     }
-    writer.emplace(RunWriter::create(c.run_dir, info, c.overwrite ? OnExisting::overwrite : OnExisting::refuse));
+    if (view.ranks() != nullptr) view.ranks()->barrier();
+    std::string failure;
+    if (view.root()) {
+      try {
+        if (c.overwrite) fs::remove_all(checkpoints_dir(c));
+        writer.emplace(RunWriter::create(c.run_dir, info, c.overwrite ? OnExisting::overwrite : OnExisting::refuse));
+      } catch (const std::exception& error) {
+        failure = error.what();
+      }
+    }
+    view.agree("creating the run directory", failure);
   }
   result.first_step = step;
   const int64_t last_step = c.stop_after > 0 ? c.stop_after : c.steps;
   const ref::ScheduleConfig lr_schedule = schedule(c);
-  const double peak = peak_bf16_flops(device_name());
+  const double peak = peak_bf16_flops(device_name()) * R;  // all ranks' GPUs together
   const double model_flops = flops_per_token(c.model);
 
   log << "training " << (c.name.empty() ? c.run_dir : c.name) << ": " << total_parameters(c.model) / 1e6
       << "M parameters (" << active_parameters(c.model) / 1e6 << "M active per byte), T = " << T
-      << " bytes per step, steps " << step << " -> " << last_step << ", data " << corpus.source << "\n";
+      << " bytes per step, steps " << step << " -> " << last_step << ", data " << corpus.source;
+  if (view.ranks() != nullptr) {
+    log << "; " << view.ranks()->description() << ", " << N_r << " sequences and E / R = "
+        << c.model.num_experts / R << " experts of each MoE block per rank";
+  }
+  log << "\n";
 
-  BatchUploader uploader(N, S, stream);
+  BatchUploader uploader(N_r, S, stream);
   // The ring of per-step losses {loss, lm, aux, z}: one device copy per step, read every log_every.
   const int64_t ring_rows = c.log_every;
   DeviceBuffer<float> loss_ring(size_t(ring_rows * 4));
@@ -464,7 +655,7 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
   DeviceBuffer<float> validation_losses(validation.size() * 4);
   auto evaluate = [&]() {
     for (size_t i = 0; i < validation.size(); ++i) {
-      const auto [tokens, targets] = uploader.upload(validation[i]);
+      const auto [tokens, targets] = uploader.upload(share_of(validation[i], first_sequence, N_r));
       model.forward(tokens, targets);
       uploader.release_current();
       CUDA_CHECK(cudaMemcpyAsync(validation_losses.data() + i * 4, model.losses().data(), 4 * sizeof(float),
@@ -474,16 +665,19 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
     const std::vector<float> losses = validation_losses.download();
     double sum = 0;
     for (size_t i = 0; i < validation.size(); ++i) sum += losses[i * 4 + 1];  // the language-model part: nats per byte
-    return sum / double(validation.size());
+    return view.mean({sum / double(validation.size())})[0];
   };
 
   auto flush = [&](int64_t through_step) {  // steps ring_first+1 .. through_step
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    const std::vector<float> ring = loss_ring.download();
     const int64_t rows = through_step - ring_first;
+    std::vector<double> ring;  // [rows][loss, lm, aux, z], the mean over the ranks
+    for (float value : loss_ring.download()) ring.push_back(value);
+    ring.resize(size_t(rows * 4));
+    ring = view.mean(std::move(ring));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t s = ring_first + r + 1;
-      const float* l = &ring[size_t(r * 4)];
+      const double* l = &ring[size_t(r * 4)];
       result.losses.push_back(l[0]);
       std::vector<std::pair<std::string, double>> metrics = {
           {"loss", l[0]}, {"lm_loss", l[1]}, {"aux_loss", l[2]}, {"z_loss", l[3]}, {"lr", ring_lr[size_t(r)]}};
@@ -496,7 +690,7 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
         if (peak > 0) metrics.push_back({"mfu", model_flops * double(T) / (ms * 1e-3) / peak});
         metrics.push_back({"grad_norm", model.read_grad_norm()});
       }
-      writer->append(step_event(s, metrics));
+      if (writer) writer->append(step_event(s, metrics));
     }
     if (rows > 0) {
       progress.update(through_step, tokens_seen, ring[size_t((rows - 1) * 4)],
@@ -514,9 +708,9 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
     const double lr = ref::learning_rate(lr_schedule, step);
     ring_lr[size_t(row)] = lr;
 
-    const ByteBatch batch = sampler.next();
-    const auto [tokens, targets] = uploader.upload(batch);
-    const double origin_us = writer->elapsed_us();
+    const ByteBatch batch = sampler.next();  // the global batch: every rank draws the same
+    const auto [tokens, targets] = uploader.upload(share_of(batch, first_sequence, N_r));
+    const double origin_us = writer ? writer->elapsed_us() : 0.0;
     if (record) model.set_phase_timer(&timer);
     model.forward(tokens, targets);
     model.backward();
@@ -534,10 +728,10 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
     tokens_seen += T;
 
     if (record) {
-      const RoutingSummary summary = record_routing(c, &corpus, model, batch, step, *writer);
+      const RoutingSummary summary = record_routing(c, &corpus, model, batch, step, view, writer ? &*writer : nullptr);
       routed += summary.routed;
       dropped += summary.dropped;
-      record_spans(timer, step, origin_us, *writer);
+      record_spans(timer, step, origin_us, view, writer ? &*writer : nullptr);
     }
     if (step - ring_first == ring_rows || evaluate_now || checkpoint_now) {
       flush(step);
@@ -546,12 +740,14 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
     if (evaluate_now) {
       result.validation_loss = evaluate();
       result.validation_bits_per_byte = result.validation_loss / kLn2;
-      writer->append(step_event(step, {{"val_loss", result.validation_loss},
-                                       {"val_bits_per_byte", result.validation_bits_per_byte}}));
+      if (writer) {
+        writer->append(step_event(step, {{"val_loss", result.validation_loss},
+                                         {"val_bits_per_byte", result.validation_bits_per_byte}}));
+      }
       CUDA_CHECK(cudaEventRecord(step_end[0], stream));  // the next step's time starts after evaluation
     }
     if (checkpoint_now) {
-      save(c, model, step, tokens_seen, sampler);
+      save(c, model, step, tokens_seen, sampler, view);
       CUDA_CHECK(cudaEventRecord(step_end[0], stream));
     }
   }
@@ -565,7 +761,7 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
   result.dropped_fraction = routed > 0 ? double(dropped) / double(routed) : 0;
   result.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
 
-  writer->append(to_event(TableEvent{
+  if (writer) writer->append(to_event(TableEvent{
       .name = "summary",
       .columns = {"steps", "val_loss", "val_bits_per_byte", "unigram_bits_per_byte", "median_step_ms",
                   "tokens_per_s", "mfu", "dropped_fraction"},
@@ -585,12 +781,21 @@ TrainResult train(const TrainConfig& c, std::ostream& log) {
 
 // ---- [SECTION] benchmark ----
 
-BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
+BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cuda::ModelRanks* ranks) {
   TrainConfig c = config;
   c.run_dir = c.run_dir.empty() ? "unused" : c.run_dir;
   validate(c);
   if (c.benchmark_steps < 1) throw TrainConfigError("benchmark: benchmark_steps must be >= 1");
-  const int64_t N = c.batch, S = c.model.seq_len, T = N * S;
+  const RankView view(ranks);
+  const int R = view.size();
+  if (c.batch % R != 0) {
+    throw TrainConfigError("batch = " + std::to_string(c.batch) + " sequences cannot be shared by " + std::to_string(R) +
+                           " ranks; the global batch must be a multiple of the ranks");
+  }
+  NullStream quiet;
+  std::ostream& log = view.root() ? rank_log : quiet;
+  const int N_r = int(c.batch) / R, first_sequence = view.rank() * N_r;
+  const int64_t N = c.batch, S = c.model.seq_len, T = N * S;  // T: all ranks' tokens
   BenchmarkResult result;
   result.device = device_name();
   result.tokens_per_step = T;
@@ -611,13 +816,13 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
 
   const OwnedStream owned_stream;
   const cudaStream_t stream = owned_stream.get();
-  cuda::ModelGpu model(gpu_config(c), optimizer_settings(c), stream);
-  model.upload_weights(initial_weights(c));
-  BatchUploader uploader(N, S, stream);
+  cuda::ModelGpu model(gpu_config(c, R, view.rank()), optimizer_settings(c), stream, ranks);
+  model.upload_weights(local_part(initial_weights(c), model.config()));
+  BatchUploader uploader(N_r, S, stream);
   const ref::ScheduleConfig lr_schedule = schedule(c);
   int64_t step = 0;
   auto one_step = [&] {
-    const auto [tokens, targets] = uploader.upload(next_batch());
+    const auto [tokens, targets] = uploader.upload(share_of(next_batch(), first_sequence, N_r));
     model.forward(tokens, targets);
     model.backward();
     model.step(float(ref::learning_rate(lr_schedule, step++)));
@@ -625,7 +830,13 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
   };
 
   // Untimed steps: benchmark_warmup of them, and at least a second's worth (clock_warm_up.h).
-  cuda::warm_up_clock(stream, static_cast<int>(c.benchmark_warmup), 1000.0, one_step);
+  // On several ranks a count, the same on all (a time would differ between ranks, and so would the
+  // number of collective steps).
+  if (view.ranks() != nullptr) {
+    for (int64_t i = 0; i < std::max<int64_t>(c.benchmark_warmup, 20); ++i) one_step();
+  } else {
+    cuda::warm_up_clock(stream, static_cast<int>(c.benchmark_warmup), 1000.0, one_step);
+  }
   // Steps back to back as in training (the host enqueues ahead); an event between each two.
   std::vector<cudaEvent_t> ends(size_t(c.benchmark_steps + 1));
   for (cudaEvent_t& event : ends) CUDA_CHECK(cudaEventCreate(&event));
@@ -648,7 +859,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
   result.min_step_ms = *std::min_element(step_ms.begin(), step_ms.end());
   result.tokens_per_second = double(T) / (result.median_step_ms * 1e-3);
   const double peak = peak_bf16_flops(result.device);
-  result.mfu = peak > 0 ? result.flops_per_token * result.tokens_per_second / peak : 0;
+  result.mfu = peak > 0 ? result.flops_per_token * result.tokens_per_second / (peak * R) : 0;
 
   // One more step with the phase timer: where the time goes (events add a little of their own).
   cuda::PhaseTimer timer;
@@ -671,16 +882,18 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log) {
   for (const std::string& name : order) result.phase_ms.push_back({name, by_name[name]});
   result.moe_share = total > 0 ? moe / total : 0;
 
-  log << "benchmark on " << result.device << " (" << result.data << "): T = " << T << " bytes per step, "
-      << c.benchmark_steps << " steps after " << c.benchmark_warmup << " warm-up\n"
+  log << "benchmark on " << result.device
+      << (view.ranks() != nullptr ? " x " + std::to_string(R) + " (" + view.ranks()->description() + ")" : "") << " ("
+      << result.data << "): T = " << T << " bytes per step, " << c.benchmark_steps << " steps after "
+      << c.benchmark_warmup << " warm-up\n"
       << "  median step " << fixed(result.median_step_ms, 3) << " ms (min " << fixed(result.min_step_ms, 3)
       << "), " << format_rate(result.tokens_per_second) << " tokens/s, MFU " << fixed(100 * result.mfu, 1)
       << "% (" << fixed(result.flops_per_token / 1e6, 1) << " MFLOP per token)\n  phases of one timed step:";
   for (const auto& [name, ms] : result.phase_ms) log << " " << name << " " << fixed(ms, 3);
   log << " ms; MoE share " << fixed(100 * result.moe_share, 1) << "%\n";
 
-  if (!c.benchmark_json.empty()) {
-    json out = {{"device", result.device}, {"date", utc_now_iso8601()}, {"data", result.data},
+  if (!c.benchmark_json.empty() && view.root()) {
+    json out = {{"device", result.device}, {"ranks", R}, {"date", utc_now_iso8601()}, {"data", result.data},
                 {"config", to_json(c)}, {"tokens_per_step", T}, {"median_step_ms", result.median_step_ms},
                 {"min_step_ms", result.min_step_ms}, {"step_ms", step_ms},
                 {"tokens_per_second", result.tokens_per_second}, {"mfu", result.mfu},

@@ -14,6 +14,14 @@
 // Every eval_every steps: the mean loss over the same eval_batches validation batches, in nats and
 // bits per byte. Every checkpoint_every steps (and at the end): a checkpoint, the oldest pruned.
 //
+// On several GPUs (`ranks`, model/model_ranks.h; distributed/train/moe_train_distributed.cpp is its
+// command line under mpirun): every rank samples the same global batch of N sequences and trains on
+// its N / R of them; the replicated parameters' gradients are summed over the ranks, the experts live
+// E / R per rank (model/model.h). Rank 0 writes the run record (every rank's spans, the all-to-all
+// row counts as rank x rank byte matrices) and the checkpoints, which hold the whole model in the
+// one-GPU layout: a run resumes on any number of ranks, one GPU included. Losses and validation
+// are averaged over the ranks; every collective happens on every rank at the same step.
+//
 // Resuming (config.resume): the newest checkpoint of <run_dir>/checkpoints gives the weights,
 // AdamW's moments and step, the schedule's position and the batch sampler's state, so the run
 // continues the curve it was on (tests/train/test_trainer.cpp checks it step for step). Events the
@@ -26,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "model/model_ranks.h"   // ModelRanks
 #include "train/train_config.h"  // TrainConfig
 
 namespace moe::train {
@@ -47,7 +56,9 @@ struct TrainResult {
 // Trains as configured, writing the run record and checkpoints; progress and the summary go to
 // `log`. Throws TrainConfigError for a bad config, TextCorpusError for missing or bad data,
 // CheckpointError for a bad checkpoint, RecordError for an existing run without --overwrite.
-TrainResult train(const TrainConfig& config, std::ostream& log);
+// With `ranks`, this is one rank of a collective run: every rank calls it with the same config; only
+// rank 0 writes to `log` and to the run directory.
+TrainResult train(const TrainConfig& config, std::ostream& log, cuda::ModelRanks* ranks = nullptr);
 
 struct BenchmarkResult {
   std::string device;
@@ -63,7 +74,8 @@ struct BenchmarkResult {
 };
 
 // Times config.benchmark_steps optimizer steps after config.benchmark_warmup untimed ones.
-BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log);
+// With `ranks`, collective as train(); tokens per step and per second count all ranks' tokens.
+BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log, cuda::ModelRanks* ranks = nullptr);
 
 // The dense bf16 tensor-core peak of a known GPU in FLOP/s (H100 SXM and H200: 989e12), else 0.
 double peak_bf16_flops(const std::string& device_name);

@@ -17,6 +17,7 @@
 #include "checkpoint.h"        // CheckpointError, latest_checkpoint
 #include "core/device_info.h"  // gpu_available, why_no_gpu
 #include "run_record.h"        // RunReader
+#include "sample_text.h"       // moe::testing::write_sample_text
 #include "temp_dir.h"          // moe::testing::TempDir
 #include "train/trainer.h"
 
@@ -28,20 +29,6 @@ namespace {
 namespace fs = std::filesystem;
 using moe::train::TrainConfig;
 using nlohmann::json;
-
-// About 40 KB of text with structure to learn: sentences from a small grammar, seeded.
-void write_text(const fs::path& file) {
-  const char* subjects[] = {"the cat", "a dog", "my old friend", "the teacher", "every child", "our neighbour"};
-  const char* verbs[] = {"sees", "likes", "follows", "draws", "remembers", "finds"};
-  const char* objects[] = {"the red ball", "a small house", "the river", "an open door", "the garden", "a letter"};
-  std::ostringstream text;
-  uint64_t state = 12345;
-  auto next = [&](int n) { state = state * 6364136223846793005ull + 1442695040888963407ull; return int((state >> 33) % n); };
-  while (text.tellp() < 40000) {
-    text << subjects[next(6)] << ' ' << verbs[next(6)] << ' ' << objects[next(6)] << (next(4) == 0 ? ".\n" : ". ");
-  }
-  std::ofstream(file) << text.str();
-}
 
 TrainConfig tiny(const fs::path& dir, const std::string& run) {
   TrainConfig c = moe::train::preset("tiny");
@@ -68,7 +55,7 @@ std::map<int64_t, double> metric_by_step(const moe::RunRecord& run, const std::s
 TEST(Trainer, LearnsAndRecordsWhatTheViewerNeeds) {
   REQUIRE_GPU();
   moe::testing::TempDir dir;
-  write_text(dir.path() / "text.txt");
+  moe::testing::write_sample_text(dir.path() / "text.txt");
   TrainConfig c = tiny(dir.path(), "run");
   c.steps = 300;  // well under a second on an H100 / H200
   c.eval_every = 100;
@@ -136,7 +123,7 @@ TEST(Trainer, LearnsAndRecordsWhatTheViewerNeeds) {
 TEST(Trainer, DroppingRecordsWhatCapacityDropped) {
   REQUIRE_GPU();
   moe::testing::TempDir dir;
-  write_text(dir.path() / "text.txt");
+  moe::testing::write_sample_text(dir.path() / "text.txt");
   TrainConfig c = tiny(dir.path(), "dropping");
   c.steps = 20;
   c.model.formulation = moe::Formulation::dropping;
@@ -162,7 +149,7 @@ TEST(Trainer, DroppingRecordsWhatCapacityDropped) {
 TEST(Trainer, ResumeContinuesTheSameCurve) {
   REQUIRE_GPU();
   moe::testing::TempDir dir;
-  write_text(dir.path() / "text.txt");
+  moe::testing::write_sample_text(dir.path() / "text.txt");
   TrainConfig a = tiny(dir.path(), "straight");
   a.steps = 40;
   a.checkpoint_every = 10;
@@ -209,7 +196,7 @@ TEST(Trainer, ResumeContinuesTheSameCurve) {
 TEST(Trainer, BadResumesAndExistingRunsAreRefused) {
   REQUIRE_GPU();
   moe::testing::TempDir dir;
-  write_text(dir.path() / "text.txt");
+  moe::testing::write_sample_text(dir.path() / "text.txt");
   TrainConfig c = tiny(dir.path(), "run");
   c.steps = 10;
   c.warmup_steps = 2;

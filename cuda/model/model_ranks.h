@@ -1,0 +1,82 @@
+// model/model_ranks.h: what the model and its trainer need from other ranks when the model is
+// trained on several GPUs, as two small interfaces. distributed/train/ implements them over a
+// Communicator (NCCL or MPI) and FastMoE's expert-parallel layer; on one GPU there are no other
+// ranks, ModelGpu makes MoeLayerGpu blocks itself and the trainer passes no ModelRanks.
+//
+// The layout they serve (data parallel + expert parallel): R ranks, each with N / R of a global
+// batch's N sequences. Every parameter except the experts is replicated: the same on every rank,
+// its gradient summed over the ranks before the optimizer (all_reduce_sum). The experts are placed
+// E / R per rank (rank r holds experts [r E_r, (r + 1) E_r) of every MoE block) and their
+// gradients stay where they live: the expert-parallel layer already sums every rank's tokens'
+// contributions on the expert's rank.
+//
+// Dimension legend: T_r this rank's tokens (N / R sequences of S), T = R T_r, D, E, K, R as usual.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"          // bf16
+#include "core/device_buffer.h" // DeviceBuffer
+#include "core/phase_timer.h"   // PhaseTimer
+#include "moe/moe_layer.h"      // MoeLayerWeights, MoeLayerGradients, MoeLayerGpu
+#include "moe_config.h"         // MoeConfig
+
+namespace moe::cuda {
+
+// The FFN of one MoE block as the model calls it. On one GPU: MoeLayerGpu. On several: the
+// expert-parallel layer, whose weight tables hold this rank's E_r experts and whose forward and
+// backward are collective (every rank calls them in the same order).
+class MoeBlockFfn {
+ public:
+  virtual ~MoeBlockFfn() = default;
+  // y [T_r, D] = the layer on x [T_r, D]; router_input: the gate's input when pre-gated, else null.
+  virtual void forward(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
+                       const bf16* router_input) = 0;
+  // Gradients of sum(dy .* y) + aux_loss_coef aux + z_loss_coef z (summed over ranks: the router
+  // losses are global), overwritten. On several ranks d_gate_weights is this rank's part only.
+  virtual void backward(const bf16* x, const MoeLayerWeights& weights, const bf16* dy,
+                        const MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
+                        float* d_router_input) = 0;
+  virtual const float* aux_loss() const = 0;  // [1] device, unscaled, of the last forward (global)
+  virtual const float* z_loss() const = 0;    // [1] device, unscaled
+  virtual const DeviceBuffer<int>& top_experts() const = 0;  // [T_r, K] of the last forward
+  // Token rows this rank's last forward sent to each rank, [R] (the all-to-all's row of its byte
+  // matrix, in rows); empty on one GPU.
+  virtual std::vector<int64_t> rows_sent_per_rank() const { return {}; }
+  // Names the layer's own phases on the timeline (inside the model's "moe" phase); null stops.
+  virtual void set_phase_timer(PhaseTimer* timer) = 0;
+  // The single-GPU layer, where it is one (tests and recording read its internals); else null.
+  virtual const MoeLayerGpu* single_gpu_layer() const { return nullptr; }
+};
+
+// The other ranks, for ModelGpu (device collectives, the MoE blocks) and the trainer (host ones).
+// Every call is collective: all ranks make the same calls in the same order.
+class ModelRanks {
+ public:
+  virtual ~ModelRanks() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;                // R
+  virtual std::string description() const = 0; // "2 ranks over NCCL", for logs and run records
+
+  // An MoE block's FFN whose experts are spread over the ranks. layer_config.tokens is T (all
+  // ranks' tokens), local_tokens is T_r.
+  virtual std::unique_ptr<MoeBlockFfn> make_moe_ffn(const MoeConfig& layer_config, int64_t local_tokens) = 0;
+
+  // Sums device data [count] over the ranks in place, ordered on `stream`.
+  virtual void all_reduce_sum(float* data, int64_t count, cudaStream_t stream) = 0;
+  virtual void all_reduce_sum(double* data, int64_t count, cudaStream_t stream) = 0;
+
+  // Host buffers.
+  virtual void host_all_reduce_sum(std::vector<double>& values) = 0;
+  // Every rank's `mine` (the same length on every rank), concatenated in rank order, on every rank.
+  virtual std::vector<float> host_all_gather(const std::vector<float>& mine) = 0;
+  virtual std::vector<int32_t> host_all_gather(const std::vector<int32_t>& mine) = 0;
+  virtual void barrier() = 0;
+};
+
+}  // namespace moe::cuda

@@ -1,0 +1,207 @@
+// moe_train_distributed.cpp: train the tiny byte-level MoE transformer on several GPUs, one process
+// per rank: data parallel for every parameter but the experts, the experts placed E / R per rank
+// (FastMoE's expert parallelism). The same settings, presets, run record and checkpoints as
+// moe_train (cuda/train/), whose loop it runs (trainer.h) with this folder's ranks.
+//
+//   mpirun -np 2 build/distributed/train/moe_train_distributed --preset default --run-dir runs/ep2
+//   mpirun -np 2 build/distributed/train/moe_train_distributed --run-dir runs/ep2 --resume
+//   mpirun -np 2 build/distributed/train/moe_train_distributed --preset throughput --benchmark-steps 30
+//   mpirun -np 2 build/distributed/train/moe_train_distributed --backend mpi ...   (2 ranks on 1 GPU)
+//   build/distributed/train/moe_train_distributed --help
+// As root OpenMPI also wants --allow-run-as-root; with more ranks than cores --oversubscribe.
+//
+// Flags of its own: --backend nccl|mpi (default: nccl where every rank has its own GPU, else mpi,
+// which stages every exchange through host memory so that ranks may share a GPU: correct, but its
+// timings are not an interconnect's) and --pipeline-chunks d (Tutel's pipelining degree of the
+// expert-parallel layers, default 1). --batch is the global batch: each rank trains on batch / R.
+// A checkpoint holds the whole model as moe_train writes it, so a run resumes on any number of
+// ranks or on one GPU with moe_train.
+//
+// Exit status: 0 done; 2 bad usage or input (the same message on every rank, printed once);
+// 1 a failure while running (the failing rank's message, then MPI_Abort ends every rank).
+#include <cuda_runtime.h>
+#include <mpi.h>
+
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/device_info.h"      // why_no_gpu
+#include "expert_parallel_ranks.h"  // ExpertParallelRanks
+#include "mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
+#include "rank_agreement.h"         // check_on_every_rank, check_same_on_every_rank
+#include "train/train_config.h"     // parse_arguments, validate, help_text, to_json
+#include "train/trainer.h"          // train, benchmark
+#if MOE_HAVE_NCCL
+#include "nccl_communicator.h"
+#endif
+
+namespace {
+
+using moe::dist::Communicator;
+using moe::dist::MpiCommunicator;
+
+struct DistributedFlags {
+  std::string backend;  // "", "nccl" or "mpi"
+  int pipeline_chunks = 1;
+  std::vector<std::string> rest;  // moe_train's flags
+};
+
+// Takes this program's own flags out of the arguments; throws TrainConfigError naming a bad one.
+DistributedFlags split_flags(const std::vector<std::string>& arguments) {
+  DistributedFlags flags;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const std::string& a = arguments[i];
+    if (a == "--backend" || a == "--pipeline-chunks") {
+      if (i + 1 == arguments.size()) throw moe::train::TrainConfigError(a + " needs a value");
+      const std::string value = arguments[++i];
+      if (a == "--backend") {
+        if (value != "nccl" && value != "mpi") {
+          throw moe::train::TrainConfigError("--backend " + value + ": allowed: nccl, mpi");
+        }
+        flags.backend = value;
+      } else {
+        int d = 0;
+        try {
+          size_t used = 0;
+          d = std::stoi(value, &used);
+          if (used != value.size()) d = 0;
+        } catch (const std::exception&) {
+          d = 0;
+        }
+        if (d < 1 || d > 64) throw moe::train::TrainConfigError("--pipeline-chunks " + value + ": allowed: 1 to 64");
+        flags.pipeline_chunks = d;
+      }
+    } else {
+      flags.rest.push_back(a);
+    }
+  }
+  return flags;
+}
+
+// This rank's place among the ranks of its host: (local rank, local ranks).
+std::pair<int, int> host_rank(const MpiCommunicator& world) {
+  MPI_Comm local = MPI_COMM_NULL;
+  MPI_Comm_split_type(world.handle(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &local);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(local, &rank);
+  MPI_Comm_size(local, &size);
+  MPI_Comm_free(&local);
+  return {rank, size};
+}
+
+uint64_t fingerprint(const std::string& text) {  // FNV-1a
+  uint64_t hash = 1469598103934665603ull;
+  for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ull;
+  return hash;
+}
+
+int run(const std::vector<std::string>& arguments, MpiCommunicator& world) {
+  const int rank = world.rank(), R = world.size();
+  for (const std::string& argument : arguments) {
+    if (argument == "--help" || argument == "-h") {
+      if (rank == 0) {
+        std::cout << "usage: mpirun -np R moe_train_distributed [--backend nccl|mpi] [--pipeline-chunks d] "
+                     "[--preset NAME] [--config FILE.json] [--setting value ...]\n"
+                     "  --backend nccl|mpi       exchanges over NCCL (one GPU per rank) or MPI staged through host\n"
+                     "                           memory (ranks may share a GPU); default nccl where each rank has a GPU\n"
+                     "  --pipeline-chunks d      Tutel's pipelining degree of the expert-parallel layers (1 to 64)\n"
+                     "  --batch is the global batch (a multiple of R); every other setting is moe_train's:\n"
+                  << moe::train::help_text(moe::train::preset("default"));
+      }
+      return 0;
+    }
+  }
+
+  // ---- the settings: parsed and checked on every rank, the same everywhere ----
+  DistributedFlags flags;
+  moe::train::TrainConfig config;
+  moe::dist::check_on_every_rank(world, "moe_train_distributed: settings", [&] {
+    flags = split_flags(arguments);
+    config = moe::train::parse_arguments(flags.rest);
+    moe::train::validate(config);
+    if (config.batch % R != 0) {
+      throw moe::train::TrainConfigError("--batch " + std::to_string(config.batch) + " is the global batch: it must be a "
+                                         "multiple of the " + std::to_string(R) + " ranks");
+    }
+    if (config.model.moe_layers != moe::ref::MoeLayers::none && config.model.num_experts % R != 0) {
+      throw moe::train::TrainConfigError("--num-experts " + std::to_string(config.model.num_experts) +
+                                         " cannot be placed on " + std::to_string(R) + " ranks: E must be a multiple of R");
+    }
+    if (config.model.pregated && R > 1) {
+      throw moe::train::TrainConfigError("--pregated: not on several ranks (the expert-parallel layer routes its own input)");
+    }
+  });
+  moe::dist::check_same_on_every_rank(world, "moe_train_distributed: the settings of every rank",
+                                      fingerprint(moe::train::to_json(config).dump() + flags.backend +
+                                                  std::to_string(flags.pipeline_chunks)));
+
+  // ---- one GPU per rank, or ranks sharing one ----
+  moe::dist::check_on_every_rank(world, "moe_train_distributed: GPUs", [] {
+    if (const std::string why = moe::cuda::why_no_gpu(); !why.empty()) throw std::runtime_error("no GPU: " + why);
+  });
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  const auto [local_rank, local_ranks] = host_rank(world);
+  const int device = local_rank % devices;
+  if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice(" + std::to_string(device) + ") failed");
+  const bool own_gpu = local_ranks <= devices;
+  std::vector<int32_t> own = moe::dist::all_gather<int32_t>(world, own_gpu ? 1 : 0);
+  bool every_rank_own_gpu = true;
+  for (int32_t o : own) every_rank_own_gpu = every_rank_own_gpu && o == 1;
+  std::string backend = flags.backend.empty() ? (every_rank_own_gpu ? "nccl" : "mpi") : flags.backend;
+  moe::dist::check_on_every_rank(world, "moe_train_distributed: --backend", [&] {
+    if (backend == "nccl" && !every_rank_own_gpu) {
+      throw moe::train::TrainConfigError("--backend nccl needs one GPU per rank (NCCL refuses two ranks on one GPU); "
+                                         "use --backend mpi");
+    }
+#if !MOE_HAVE_NCCL
+    if (backend == "nccl") throw moe::train::TrainConfigError("--backend nccl: this build has no NCCL; use --backend mpi");
+#endif
+  });
+
+  std::unique_ptr<Communicator> nccl;
+#if MOE_HAVE_NCCL
+  if (backend == "nccl") nccl = std::make_unique<moe::dist::NcclCommunicator>(world, /*stream=*/nullptr);
+#endif
+  Communicator& device_communicator = nccl ? *nccl : static_cast<Communicator&>(world);
+  moe::dist::ExpertParallelGpuOptions layer_options;
+  layer_options.pipeline_chunks = flags.pipeline_chunks;
+  moe::dist::ExpertParallelRanks ranks(world, device_communicator, layer_options);
+
+  if (config.benchmark_steps > 0) {
+    moe::train::benchmark(config, std::cout, &ranks);
+  } else {
+    moe::train::train(config, std::cout, &ranks);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  moe::dist::MpiEnvironment mpi(argc, argv);
+  const std::vector<std::string> arguments(argv + 1, argv + argc);
+  int status = 0;
+  {
+    auto world = MpiCommunicator::world();
+    const int rank = world->rank();
+    try {
+      status = run(arguments, *world);
+    } catch (const std::invalid_argument& error) {
+      // Bad usage or input, found the same way on every rank: the settings and GPUs (checked together,
+      // rank_agreement.h), the run directory and the data (TrainConfigError). Printed once.
+      if (rank == 0) std::fprintf(stderr, "moe_train_distributed: %s\n", error.what());
+      status = 2;
+    } catch (const std::exception& error) {
+      std::fprintf(stderr, "[rank %d] moe_train_distributed: %s\n", rank, error.what());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);  // a rank that failed alone would leave the others waiting
+    }
+  }
+  return status;
+}

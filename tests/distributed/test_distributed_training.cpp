@@ -1,0 +1,271 @@
+// test_distributed_training.cpp: the language model trained on R ranks (distributed/train/,
+// cuda/train/trainer.h with ExpertParallelRanks) against the same model trained on one GPU on the
+// same global batch, at the "tiny" preset on a small generated text:
+//   - the loss curve is the one-GPU curve within bf16 tolerance (equal at R = 1);
+//   - a run stopped at a checkpoint and resumed continues its own curve, every step recorded once,
+//     and its checkpoint (the whole model in the one-GPU layout) resumes on one GPU too;
+//   - the run record holds every rank's spans and the dispatch / combine byte matrices (R x R);
+//   - settings that the ranks cannot share end on every rank with a clear error, nothing written.
+// Ranks share one GPU over MPI (staged through host memory); the _nccl build runs the same tests
+// over NCCL with one GPU per rank. Every test skips on every rank, saying why, without a GPU.
+//   mpirun -np 2 build/tests/distributed/test_distributed_training          (as root: --allow-run-as-root)
+//   mpirun -np 2 build/tests/distributed/test_distributed_training_nccl     (two GPUs)
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>  // getpid
+
+#include "core/device_info.h"       // why_no_gpu
+#include "expert_parallel_ranks.h"  // ExpertParallelRanks
+#include "mpi_test_support.h"       // world
+#include "run_record.h"             // RunReader
+#include "sample_text.h"            // write_sample_text
+#include "train/trainer.h"          // train
+#if MOE_TEST_NCCL_BACKEND
+#include "nccl_communicator.h"
+#endif
+
+namespace moe::dist {
+namespace {
+
+namespace fs = std::filesystem;
+using moe::dist::testing::world;
+using moe::train::TrainConfig;
+using nlohmann::json;
+
+class DistributedTrainingTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+      (void)cudaGetLastError();
+      devices = 0;
+    }
+    [[maybe_unused]] const int R = world().size();
+    const int rank = world().rank();
+    std::string reason;
+    if (devices == 0) reason = cuda::why_no_gpu();
+#if MOE_TEST_NCCL_BACKEND
+    else if (devices < R)
+      reason = "the NCCL backend needs one GPU per rank (NCCL refuses two ranks on one GPU): " +
+               std::to_string(devices) + " GPU(s) for " + std::to_string(R) + " ranks";
+#endif
+    // Every rank skips, or none: a rank that ran on while another skipped would wait forever.
+    const std::vector<int64_t> skips = all_gather<int64_t>(world(), reason.empty() ? 0 : 1);
+    if (reason.empty() && std::count(skips.begin(), skips.end(), 1) > 0) reason = "another rank has no usable GPU";
+    if (!reason.empty()) {
+      skip_reason_ = new std::string(reason);
+      std::fprintf(stderr, "[rank %d] SKIPPED the GPU tests: %s\n", rank, reason.c_str());
+      return;
+    }
+    cudaSetDevice(rank % devices);
+#if MOE_TEST_NCCL_BACKEND
+    device_ = new NcclCommunicator(world(), /*stream=*/nullptr);
+#else
+    device_ = &world();
+#endif
+  }
+  static void TearDownTestSuite() {
+#if MOE_TEST_NCCL_BACKEND
+    delete device_;
+#endif
+    device_ = nullptr;
+    delete skip_reason_;
+    skip_reason_ = nullptr;
+  }
+
+  void SetUp() override {
+    if (skip_reason_) GTEST_SKIP() << *skip_reason_;
+    // One directory for every rank: rank 0 makes it and writes the text, the others learn its name.
+    std::string name;
+    if (world().rank() == 0) {
+      const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+      const fs::path made = fs::temp_directory_path() /
+                            ("moe_distributed_training_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+      fs::remove_all(made);
+      fs::create_directories(made);
+      moe::testing::write_sample_text(made / "text.txt");
+      name = made.string();
+    }
+    int64_t length = static_cast<int64_t>(name.size());
+    world().broadcast(&length, 1, DataType::int64, 0);
+    name.resize(static_cast<size_t>(length));
+    world().broadcast(name.data(), length, DataType::uint8, 0);
+    dir_ = name;
+    ranks_ = std::make_unique<ExpertParallelRanks>(world(), *device_);
+  }
+  void TearDown() override {
+    if (skip_reason_) return;
+    ranks_.reset();
+    world().barrier();
+    if (world().rank() == 0) fs::remove_all(dir_);
+  }
+
+  TrainConfig tiny(const std::string& run) const {
+    TrainConfig c = moe::train::preset("tiny");
+    c.data = (dir_ / "text.txt").string();
+    c.run_dir = (dir_ / run).string();
+    c.steps = 40;
+    c.learning_rate = 3e-3;
+    c.log_every = 5;
+    c.eval_every = 20;
+    c.checkpoint_every = 20;
+    c.record_every = 20;
+    return c;
+  }
+
+  static std::string* skip_reason_;
+  static Communicator* device_;
+  fs::path dir_;
+  std::unique_ptr<ExpertParallelRanks> ranks_;
+};
+std::string* DistributedTrainingTest::skip_reason_ = nullptr;
+Communicator* DistributedTrainingTest::device_ = nullptr;
+
+// The "step" events' values of one metric, by step; fails the test if a step appears twice.
+std::map<int64_t, double> metric_by_step(const fs::path& run_dir, const std::string& metric) {
+  std::map<int64_t, double> values;
+  for (const json& event : RunReader::load(run_dir).events) {
+    if (event["type"] == "step" && event.contains(metric) && event[metric].is_number()) {
+      const int64_t step = event["step"];
+      EXPECT_FALSE(values.count(step)) << metric << " of step " << step << " recorded twice";
+      values[step] = event[metric];
+    }
+  }
+  return values;
+}
+
+// bf16 activations and another order of the gradient sums: the curves drift apart slowly. Each
+// step's loss within 2% of the one-GPU loss, and the mean gap under 0.5%.
+void expect_same_curve(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double gap = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 0.02 * std::abs(want[i])) << what << ": step " << i + 1;
+    gap += std::abs(got[i] - want[i]) / std::abs(want[i]);
+  }
+  EXPECT_LT(gap / double(want.size()), 0.005) << what << ": the mean relative gap over " << want.size() << " steps";
+}
+
+TEST_F(DistributedTrainingTest, SameLossCurveAsOneGpuOnTheSameGlobalBatch) {
+  std::ostringstream log;
+  const TrainConfig c = tiny("ranks");
+  const moe::train::TrainResult distributed = moe::train::train(c, log, ranks_.get());
+  ASSERT_EQ(distributed.losses.size(), 40u);
+  if (world().rank() == 0) {
+    std::printf("%s", log.str().c_str());
+    std::ostringstream one_log;
+    const moe::train::TrainResult one = moe::train::train(tiny("one_gpu"), one_log);
+    if (world().size() == 1) {
+      EXPECT_EQ(distributed.losses, one.losses) << "one rank is the one-GPU model";
+    } else {
+      expect_same_curve(distributed.losses, one.losses, "R ranks against one GPU");
+    }
+    EXPECT_NEAR(distributed.validation_loss, one.validation_loss, 0.02 * one.validation_loss);
+    EXPECT_LT(distributed.losses.back(), 0.8 * distributed.losses.front()) << "the model should learn";
+  }
+  world().barrier();
+}
+
+TEST_F(DistributedTrainingTest, ResumesItsOwnCurveAndItsCheckpointResumesOnOneGpu) {
+  std::ostringstream log;
+  const TrainConfig whole = tiny("whole");
+  const moe::train::TrainResult uninterrupted = moe::train::train(whole, log, ranks_.get());
+
+  TrainConfig first_half = tiny("halves");
+  first_half.stop_after = 20;
+  moe::train::train(first_half, log, ranks_.get());
+  // The one-GPU run resumes from a copy of the checkpoint that the ranks wrote at step 20.
+  if (world().rank() == 0) fs::copy(first_half.run_dir, dir_ / "one_gpu", fs::copy_options::recursive);
+  world().barrier();
+
+  TrainConfig second_half = tiny("halves");
+  second_half.resume = true;
+  const moe::train::TrainResult resumed = moe::train::train(second_half, log, ranks_.get());
+  EXPECT_EQ(resumed.first_step, 20);
+  const std::vector<double> tail(uninterrupted.losses.begin() + 20, uninterrupted.losses.end());
+  ASSERT_EQ(resumed.losses.size(), tail.size());
+  for (size_t i = 0; i < tail.size(); ++i) {
+    EXPECT_NEAR(resumed.losses[i], tail[i], 1e-6 * std::abs(tail[i])) << "step " << 21 + i;
+  }
+  if (world().rank() == 0) {
+    EXPECT_EQ(metric_by_step(second_half.run_dir, "loss").size(), 40u) << "every step once";
+    TrainConfig on_one_gpu = tiny("one_gpu");
+    on_one_gpu.resume = true;
+    std::ostringstream one_log;
+    const moe::train::TrainResult one = moe::train::train(on_one_gpu, one_log);
+    EXPECT_EQ(one.first_step, 20);
+    if (world().size() == 1) {
+      EXPECT_EQ(one.losses, tail);
+    } else {
+      expect_same_curve(one.losses, tail, "the ranks' checkpoint resumed on one GPU");
+    }
+  }
+  world().barrier();
+}
+
+TEST_F(DistributedTrainingTest, RecordsEveryRanksSpansAndTheAllToAllMatrices) {
+  std::ostringstream log;
+  const TrainConfig c = tiny("record");
+  moe::train::train(c, log, ranks_.get());
+  if (world().rank() == 0) {
+    const int64_t R = world().size();
+    const RunRecord run = RunReader::load(c.run_dir);
+    EXPECT_EQ(run.info["world_size"], R);
+    const int64_t T = c.batch * c.model.seq_len, K = c.model.top_k, D = c.model.model_dim;
+    std::vector<bool> span_ranks(static_cast<size_t>(R), false);
+    int dispatches = 0;
+    for (const json& event : run.events) {
+      if (event["type"] == "span") span_ranks.at(event["rank"].get<size_t>()) = true;
+      if (event["type"] == "alltoall" && event["name"] == "dispatch") {
+        ++dispatches;
+        const std::vector<std::vector<int64_t>> bytes = event["bytes"];
+        ASSERT_EQ(static_cast<int64_t>(bytes.size()), R);
+        int64_t total = 0;
+        for (const std::vector<int64_t>& row : bytes) {
+          ASSERT_EQ(static_cast<int64_t>(row.size()), R);
+          total += std::accumulate(row.begin(), row.end(), int64_t{0});
+        }
+        EXPECT_EQ(total, T * K * D * 2) << "dropless: every slot's bf16 row travels once";
+      }
+    }
+    for (int64_t q = 0; q < R; ++q) EXPECT_TRUE(span_ranks[static_cast<size_t>(q)]) << "spans of rank " << q;
+    if (R > 1) {
+      EXPECT_GT(dispatches, 0) << "the recorded steps' dispatch matrices";
+    } else {
+      EXPECT_EQ(dispatches, 0) << "one rank exchanges nothing";
+    }
+  }
+  world().barrier();
+}
+
+TEST_F(DistributedTrainingTest, SettingsTheRanksCannotShareEndOnEveryRank) {
+  std::ostringstream log;
+  const int R = world().size();
+  TrainConfig odd_batch = tiny("odd_batch");
+  odd_batch.batch = 2 * R + 1;
+  if (R > 1) {
+    EXPECT_THROW(moe::train::train(odd_batch, log, ranks_.get()), moe::train::TrainConfigError);
+    TrainConfig odd_experts = tiny("odd_experts");
+    odd_experts.model.num_experts = 2 * R + 1;  // cannot be placed E / R per rank
+    odd_experts.model.top_k = 1;
+    EXPECT_THROW(moe::train::train(odd_experts, log, ranks_.get()), std::invalid_argument);
+    world().barrier();
+    EXPECT_FALSE(fs::exists(fs::path(odd_batch.run_dir) / "run.json"));
+    EXPECT_FALSE(fs::exists(fs::path(odd_experts.run_dir) / "run.json"));
+    EXPECT_FALSE(fs::exists(fs::path(odd_experts.run_dir) / "checkpoints"));
+  }
+  world().barrier();
+}
+
+}  // namespace
+}  // namespace moe::dist
