@@ -306,7 +306,7 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
     const int64_t local_slots = model.config().batch * S * K;
     std::vector<int32_t> top = moe->top_experts().download();  // [T_r, K] (the buffer may hold more)
     top.resize(size_t(local_slots));
-    if (view.ranks() != nullptr) {
+    if (view.size() > 1) {
       top = view.ranks()->host_all_gather(top);  // [T, K]: the ranks' tokens in token order
       std::vector<int32_t> sent;
       for (int64_t rows : moe->rows_sent_per_rank()) sent.push_back(int32_t(rows));
@@ -388,7 +388,7 @@ void record_spans(cuda::PhaseTimer& timer, int64_t step, double origin_us, const
     times.push_back(float(phase.duration_us));
   }
   int ranks_recorded = 1;
-  if (view.ranks() != nullptr) {
+  if (view.size() > 1) {
     // The ranks run the same phases in the same order; where a count differs, rank 0's alone.
     const std::vector<int32_t> counts = view.ranks()->host_all_gather(std::vector<int32_t>{int32_t(phases.size())});
     if (std::all_of(counts.begin(), counts.end(), [&](int32_t n) { return n == counts[0]; })) {

@@ -209,7 +209,7 @@ TEST(Trainer, BadResumesAndExistingRunsAreRefused) {
   }();
 
   // A second run into the same directory without --overwrite.
-  EXPECT_THROW(moe::train::train(c, log), moe::RecordError);
+  EXPECT_THROW(moe::train::train(c, log), moe::train::TrainConfigError);  // names --overwrite and --resume
 
   // Resuming with another model.
   TrainConfig other = c;
