@@ -3,15 +3,18 @@
 // experts), the 2D hierarchical all-to-all (nodes of G ranks: fewer, larger messages between
 // nodes), and parallelism switching (Tutel's r). Each idea is shown with a cost model built from
 // figures measured on the GPU machines; the real run on CPU ranks checks that neither the chunking
-// nor the 2DH exchange changes a result. Read lessons/07_tutel.md beside it.
+// nor the 2DH exchange changes a result, and computes the layer in every valid layout r over one
+// stored placement of the experts, each against the single-device layer, with the cost model's and
+// the measured choice of r. Read lessons/07_tutel.md beside it.
 //
 // Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root, and --oversubscribe
 // when there are more ranks than cores):
 //   ./moe build && mpirun -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
 //
 // The layer is distributed/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
-// hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h. Rank 0 prints the tables
-// and the verdict and writes the run record. Dimension legend: T tokens (all ranks), T_r per rank,
+// hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h; the layouts r are
+// distributed/expert_layouts.h. Rank 0 prints the tables and the verdict and writes the run
+// record. Dimension legend: T tokens (all ranks), T_r per rank,
 // D model width, H expert hidden width, E experts, K top-k, R ranks, G ranks per node, N = R / G
 // nodes, d pipeline chunks, r Tutel's parallelism degree.
 #include <algorithm>
