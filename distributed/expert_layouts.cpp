@@ -85,7 +85,8 @@ void check_layout_inputs(Communicator& comm, const MoeConfig& config, const Matr
                                 " the 2DH exchange; the d-chunk pipeline and the 2DH exchange belong to the "
                                 "expert-parallel layout (r = 1); other layouts take d = 1, flat");
   }
-  check_expert_parallel_inputs(comm, config, x, stored, {});  // shapes of x and the stored weights
+  // Shapes of x and the stored weights (at r = 1 expert_parallel_forward checks them itself).
+  if (options.r != 1) check_expert_parallel_inputs(comm, config, x, stored, {});
 }
 
 // ---- placement ----
