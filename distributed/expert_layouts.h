@@ -49,6 +49,8 @@
 //   r = 1  weights 0, tokens 2 (n_out + n_in) D  (dispatch and combine, forward and backward)
 //   r > 1  weights 2 (r - 1) E_r P_e / r,        tokens 2 (n_out + n_in) D
 // With uniform routing n_out = n_in = T_r K r (R - 1) / R (r >= 1): tokens 4 T_r K D r (R - 1) / R.
+// What a rank holds for one step besides its stored E_r P_e: r = 0 all E experts (E P_e), r > 1 the
+// H / r slices of its group's r E_r experts (E_r P_e), r = 1 nothing more.
 //
 // The choice (Tutel picks r at run time): choose_layout() from a cost model of these bytes, the
 // number of collectives and the expert FLOPs of the busiest rank; or measure_layouts(), which times
@@ -79,7 +81,8 @@ struct ExpertLayoutOptions {
   ExpertParallelOptions expert_parallel;  // r = 1 only (d chunks, 2DH); other r reject anything but the default
 };
 
-// Elements this rank sends to other ranks (its own blocks excluded) and its non-empty messages.
+// Elements this rank sends to other ranks (its own blocks excluded) and its non-empty messages, as
+// a flat exchange sends them (r = 1 through the 2DH exchange moves the same rows in two stages).
 struct LayoutTraffic {
   int64_t weight_elements = 0;  // gathered expert weights (forward), their gradients (backward)
   int64_t token_elements = 0;   // token rows, expert outputs, their gradients
@@ -187,8 +190,9 @@ struct LayoutChoice {
 
 // The cheapest valid layout by the cost model, from the kept counts of a step (kept_per_rank_expert
 // [R, E], e.g. from the previous call's forward; empty: uniform routing, T K / (R E) a rank and
-// expert). Pure arithmetic: every rank that passes the same inputs gets the same choice. Ties keep
-// the smaller r.
+// expert, at most C / R when capacity applies). Padded rows up to C count as computed rows; the
+// dropless rounding up to B is left out. Pure arithmetic: every rank that passes the same inputs
+// gets the same choice. Ties keep the smaller r.
 LayoutChoice choose_layout(const MoeConfig& config, int ranks, std::span<const int64_t> kept_per_rank_expert,
                            const LayoutCostModel& model);
 
