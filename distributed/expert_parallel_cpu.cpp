@@ -74,11 +74,9 @@ uint64_t config_fingerprint(const MoeConfig& c) {
   return hash;
 }
 
-namespace {
-
 // Settings first (the same on every rank, so the same outcome everywhere), then this rank's own
 // inputs, whose failure every rank reports together.
-void check_forward_inputs(Communicator& comm, const MoeConfig& config, const Matrix& x,
+void check_expert_parallel_inputs(Communicator& comm, const MoeConfig& config, const Matrix& x,
                           const ExpertParallelWeights& weights, const ExpertParallelOptions& options) {
   check_same_on_every_rank(comm, "expert parallel layer: the MoE configs", config_fingerprint(config));
   const uint64_t options_fingerprint =
@@ -137,6 +135,8 @@ Matrix exchange_rows(Communicator& comm, HierarchicalAllToAll* hierarchical,
   }
   return recv;
 }
+
+namespace {
 
 // ---- chunks ----
 
@@ -272,17 +272,11 @@ ref::DispatchPlan plan_local_experts(const MoeConfig& config, const ChunkLayout&
 
 }  // namespace
 
-ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfig& config, const Matrix& x,
-                                              const ExpertParallelWeights& weights,
-                                              const ExpertParallelOptions& options) {
-  check_forward_inputs(comm, config, x, weights, options);
-  const int R = comm.size(), rank = comm.rank(), d = options.pipeline_chunks;
-  const int64_t D = config.model_dim, E = config.num_experts, K = config.top_k;
-  const int64_t per_rank = experts_per_rank(config, R);
-
-  ExpertParallelForward f;
-  f.options = options;
-  f.experts_per_rank = per_rank;
+RoutingOnRanks route_on_ranks(Communicator& comm, const MoeConfig& config, const Matrix& x,
+                              const Matrix& gate_weights) {
+  const int R = comm.size(), rank = comm.rank();
+  const int64_t E = config.num_experts, K = config.top_k;
+  RoutingOnRanks f;
 
   // ---- the shard: every rank's token count, so each knows its place in token order ----
   const std::vector<int64_t> tokens_per_rank = all_gather<int64_t>(comm, static_cast<int64_t>(x.rows()));
@@ -293,7 +287,7 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
   if (f.tokens != config.tokens) {
     std::string counts;
     for (int p = 0; p < R; ++p) counts += (p ? ", " : "") + std::to_string(tokens_per_rank[p]);
-    throw std::invalid_argument("expert parallel layer: the ranks hold " + std::to_string(f.tokens) +
+    throw std::invalid_argument("MoE layer on ranks: the ranks hold " + std::to_string(f.tokens) +
                                 " tokens (" + counts + " by rank); config.tokens says T = " +
                                 std::to_string(config.tokens) + " (T counts the tokens of all ranks)");
   }
@@ -301,7 +295,7 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
   f.local_tokens = T_r;
 
   // ---- 1. route locally ----
-  f.router = route_shard(config, x, weights.gate_weights, f.token_offset);
+  f.router = route_shard(config, x, gate_weights, f.token_offset);
 
   // ---- 2. the count exchange: the R x E matrix of routed slots, on every rank ----
   std::vector<int64_t> routed_here(E, 0);
@@ -322,8 +316,6 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
   f.router.expert_fraction /= static_cast<double>(T * K);
   f.router.aux_loss = static_cast<double>(E) * f.router.expert_fraction.dot(f.router.mean_probs);
   f.router.z_loss = sums[E] / static_cast<double>(T);
-  f.aux_loss = f.router.aux_loss;
-  f.z_loss = f.router.z_loss;
 
   // ---- the dropping rule over all tokens: each expert keeps its first C slots in token order ----
   const bool dropless = config.formulation == Formulation::dropless;
@@ -341,15 +333,43 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
   }
 
   // This rank's slots grouped by expert, token order inside (dispatch.cpp's stable counting sort).
-  std::vector<int64_t> routed_offsets(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) routed_offsets[e + 1] = routed_offsets[e] + routed_here[e];
-  IndexVector routed_slots(T_r * K);
-  {
-    std::vector<int64_t> cursor(routed_offsets.begin(), routed_offsets.end() - 1);
-    for (int64_t slot = 0; slot < T_r * K; ++slot) {
-      routed_slots[cursor[f.router.top_experts.data()[slot]]++] = static_cast<int32_t>(slot);
-    }
+  f.routed_offsets.assign(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) f.routed_offsets[e + 1] = f.routed_offsets[e] + routed_here[e];
+  f.routed_slots.resize(T_r * K);
+  std::vector<int64_t> cursor(f.routed_offsets.begin(), f.routed_offsets.end() - 1);
+  for (int64_t slot = 0; slot < T_r * K; ++slot) {
+    f.routed_slots[cursor[f.router.top_experts.data()[slot]]++] = static_cast<int32_t>(slot);
   }
+  return f;
+}
+
+ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfig& config, const Matrix& x,
+                                              const ExpertParallelWeights& weights,
+                                              const ExpertParallelOptions& options) {
+  check_expert_parallel_inputs(comm, config, x, weights, options);
+  const int R = comm.size(), rank = comm.rank(), d = options.pipeline_chunks;
+  const int64_t D = config.model_dim, E = config.num_experts, K = config.top_k;
+  const int64_t per_rank = experts_per_rank(config, R);
+
+  ExpertParallelForward f;
+  f.options = options;
+  f.experts_per_rank = per_rank;
+
+  // ---- 1-2. route locally, the count exchange, the router losses and the dropping rule ----
+  RoutingOnRanks routing = route_on_ranks(comm, config, x, weights.gate_weights);
+  f.tokens = routing.tokens;
+  f.token_offset = routing.token_offset;
+  f.local_tokens = routing.local_tokens;
+  f.capacity = routing.capacity;
+  f.routed_per_rank_expert = std::move(routing.routed_per_rank_expert);
+  f.kept_per_rank_expert = std::move(routing.kept_per_rank_expert);
+  f.dropped_slots = routing.dropped_slots;
+  f.router = std::move(routing.router);
+  f.aux_loss = f.router.aux_loss;
+  f.z_loss = f.router.z_loss;
+  const std::vector<int64_t>& routed_offsets = routing.routed_offsets;
+  const IndexVector& routed_slots = routing.routed_slots;
+  const int64_t T_r = f.local_tokens;
 
   // ---- 3-5, chunk after chunk: dispatch, the local experts, the way back ----
   const ChunkLayout layout(f.kept_per_rank_expert, R, E, f.capacity, config.formulation == Formulation::padded, d);
@@ -478,14 +498,21 @@ ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeCo
     for (size_t i = 0; i < chunk.sent_slots.size(); ++i) grads.x.row(chunk.sent_slots[i] / K) += returned.row(i);
   }
 
+  grads.gate_weights = router_backward_on_ranks(comm, config, x, forward.router, forward.tokens, d_combine,
+                                                weights.gate_weights, grads.x);
+  return grads;
+}
+
+Matrix router_backward_on_ranks(Communicator& comm, const MoeConfig& config, const Matrix& x,
+                                const ref::RouterOutput& router, int64_t tokens, const Matrix& d_combine,
+                                const Matrix& gate_weights, Matrix& dx) {
   // ---- the router: logits = (x .* noise) Wg; its weight gradient summed over ranks ----
   // The losses are means over all T tokens, f_e counted over all ranks (the count exchange).
-  const Matrix d_logits =
-      ref::router_backward(config, forward.router, d_combine, forward.tokens, forward.router.expert_fraction);
-  grads.gate_weights = x.cwiseProduct(forward.router.jitter_noise).transpose() * d_logits;
-  all_reduce_sum<double>(comm, std::span<double>(grads.gate_weights.data(), grads.gate_weights.size()));
-  grads.x += (d_logits * weights.gate_weights.transpose()).cwiseProduct(forward.router.jitter_noise);
-  return grads;
+  const Matrix d_logits = ref::router_backward(config, router, d_combine, tokens, router.expert_fraction);
+  Matrix d_gate_weights = x.cwiseProduct(router.jitter_noise).transpose() * d_logits;
+  all_reduce_sum<double>(comm, std::span<double>(d_gate_weights.data(), d_gate_weights.size()));
+  dx += (d_logits * gate_weights.transpose()).cwiseProduct(router.jitter_noise);
+  return d_gate_weights;
 }
 
 }  // namespace moe::dist

@@ -87,6 +87,51 @@ ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeigh
 // A hash of every field of the config: ranks compare it before any work.
 uint64_t config_fingerprint(const MoeConfig& config);
 
+// The forward's checks, collective: the configs and options agree between ranks, the config is
+// valid, R divides E, and each rank's x and weights have their shapes; otherwise
+// std::invalid_argument on every rank, naming the ranks at fault.
+void check_expert_parallel_inputs(Communicator& communicator, const MoeConfig& config,
+                                  const ref::Matrix& x,  // [T_r, D]
+                                  const ExpertParallelWeights& weights, const ExpertParallelOptions& options);
+
+// All-to-all-v of whole rows of a row-major matrix: send_rows[p] rows of `send` (packed, peer after
+// peer) go to rank p; recv_rows[p] rows arrive from rank p, packed in rank order into a matrix that
+// starts as NaN. Through Tutel's 2DH exchange when `hierarchical` is set, else flat. Collective.
+ref::Matrix exchange_rows(Communicator& communicator, HierarchicalAllToAll* hierarchical,
+                         const ref::Matrix& send,  // [sum send_rows, cols]
+                         const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                         int64_t cols);
+
+// Steps 1 and 2 of the forward and the dropping rule: what every expert layout (expert_layouts.h)
+// shares before a token row moves. Collective; every rank gets the same count matrices.
+struct RoutingOnRanks {
+  int64_t tokens = 0;        // T, all ranks
+  int64_t token_offset = 0;  // this rank's first global token
+  int64_t local_tokens = 0;  // T_r
+  int64_t capacity = 0;      // C (dropping / padded), 0 for dropless
+  std::vector<int64_t> routed_per_rank_expert;  // [R, E] routed slots before dropping
+  std::vector<int64_t> kept_per_rank_expert;    // [R, E] slots that get a row (C counted over all T)
+  int64_t dropped_slots = 0;                    // all ranks
+  ref::RouterOutput router;                     // this rank's tokens; f_e, P_e and the losses global
+  std::vector<int64_t> routed_offsets;          // [E+1] this rank's slots grouped by expert
+  ref::IndexVector routed_slots;                // [T_r*K] slot t*K+k, grouped by expert, token order inside
+};
+
+// Checks that the ranks' token counts add up to config.tokens (an error on every rank otherwise).
+RoutingOnRanks route_on_ranks(Communicator& communicator, const MoeConfig& config,
+                              const ref::Matrix& x,              // [T_r, D]
+                              const ref::Matrix& gate_weights);  // [D, E]
+
+// The router's part of the backward: its weight gradient, summed over ranks (returned, the same on
+// every rank), and its input gradient, added to dx. `router` is this rank's forward routing (global
+// f_e), `tokens` T; d_combine [T_r, K] is dL / d combine_weights.
+ref::Matrix router_backward_on_ranks(Communicator& communicator, const MoeConfig& config,
+                                     const ref::Matrix& x,  // [T_r, D]
+                                     const ref::RouterOutput& router, int64_t tokens,
+                                     const ref::Matrix& d_combine,  // [T_r, K]
+                                     const ref::Matrix& gate_weights,  // [D, E]
+                                     ref::Matrix& dx);                 // [T_r, D]
+
 // One chunk of the exchange (the whole exchange when d = 1), on one rank, in both roles.
 struct ExpertParallelChunk {
   // As the tokens' rank:

@@ -3,15 +3,18 @@
 // experts), the 2D hierarchical all-to-all (nodes of G ranks: fewer, larger messages between
 // nodes), and parallelism switching (Tutel's r). Each idea is shown with a cost model built from
 // figures measured on the GPU machines; the real run on CPU ranks checks that neither the chunking
-// nor the 2DH exchange changes a result. Read lessons/07_tutel.md beside it.
+// nor the 2DH exchange changes a result, and computes the layer in every valid layout r over one
+// stored placement of the experts, each against the single-device layer, with the cost model's and
+// the measured choice of r. Read lessons/07_tutel.md beside it.
 //
 // Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root, and --oversubscribe
 // when there are more ranks than cores):
 //   ./moe build && mpirun -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
 //
 // The layer is distributed/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
-// hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h. Rank 0 prints the tables
-// and the verdict and writes the run record. Dimension legend: T tokens (all ranks), T_r per rank,
+// hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h; the layouts r are
+// distributed/expert_layouts.h. Rank 0 prints the tables and the verdict and writes the run
+// record. Dimension legend: T tokens (all ranks), T_r per rank,
 // D model width, H expert hidden width, E experts, K top-k, R ranks, G ranks per node, N = R / G
 // nodes, d pipeline chunks, r Tutel's parallelism degree.
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include <cstring>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -26,9 +30,11 @@
 
 #include "all_to_all_2dh.h"               // HierarchicalAllToAll
 #include "distributed_lesson_support.h"  // open_lesson_run_on_ranks
+#include "expert_layouts.h"              // expert_layout_forward / backward, choose_layout, measure_layouts
 #include "expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
 #include "init.h"                        // random_weights, random_matrix
 #include "lesson_support.h"              // options, zipf_tokens, Table
+#include "moe_layer.h"                   // ref::moe_forward / moe_backward, the oracle of section 4
 #include "mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
 
 using namespace moe;
@@ -202,6 +208,65 @@ bool same_exchange(dist::Communicator& comm, dist::HierarchicalAllToAll& hierarc
   int32_t same = flat == two_level ? 1 : 0;
   for (int32_t s : dist::all_gather<int32_t>(comm, same)) same &= s;
   return same == 1;
+}
+
+
+// ---- parallelism switching: the real run ----
+
+constexpr double kLayoutTolerance = 1e-10;  // every layout against the single-device layer, double
+
+struct LayoutRun {
+  dist::ExpertLayoutForward forward;
+  dist::ExpertLayoutGradients grads;
+};
+
+// The layer in layout r on this rank's shard, forward and backward, over the stored placement.
+LayoutRun run_layout(dist::Communicator& comm, const MoeConfig& config, const ref::Matrix& x,  // [T, D]
+                     const ref::Matrix& dy, const dist::ExpertParallelWeights& stored, const Shard& shard, int r) {
+  const ref::Matrix x_r = x.middleRows(shard.offset, shard.tokens);
+  dist::ExpertLayoutOptions options;
+  options.r = r;
+  LayoutRun run;
+  run.forward = dist::expert_layout_forward(comm, config, x_r, stored, options);
+  run.grads = dist::expert_layout_backward(comm, config, x_r, stored, run.forward,
+                                           dy.middleRows(shard.offset, shard.tokens));
+  return run;
+}
+
+// The largest of ||run - reference|| / ||reference|| over y, dx, dWg, and the dW1 and dW2 of the
+// experts each rank stores (norms over all ranks), and the aux and z losses' relative errors.
+// Collective; the same on every rank.
+double error_against_reference(dist::Communicator& comm, const LayoutRun& run, const ref::LayerForward& forward,
+                               const ref::LayerGradients& grads, const Shard& shard) {
+  enum Kind { y, dx, dw1, dw2, dwg, kinds };
+  struct Pair {
+    Kind kind;
+    const ref::Matrix* actual;
+    ref::Matrix reference;
+  };
+  std::vector<Pair> pairs{{y, &run.forward.y, forward.y.middleRows(shard.offset, shard.tokens)},
+                          {dx, &run.grads.x, grads.x.middleRows(shard.offset, shard.tokens)}};
+  const int64_t per_rank = static_cast<int64_t>(run.grads.w1.size());
+  for (int64_t j = 0; j < per_rank; ++j) {
+    pairs.push_back({dw1, &run.grads.w1[j], grads.w1[shard.rank * per_rank + j]});
+    pairs.push_back({dw2, &run.grads.w2[j], grads.w2[shard.rank * per_rank + j]});
+  }
+  if (shard.rank == 0) pairs.push_back({dwg, &run.grads.gate_weights, grads.gate_weights});  // the same on every rank
+  std::vector<double> sums(2 * kinds, 0.0);  // [difference^2, reference^2] per kind
+  for (const Pair& pair : pairs) {
+    const bool same_shape = pair.actual->rows() == pair.reference.rows() && pair.actual->cols() == pair.reference.cols();
+    sums[2 * pair.kind] += same_shape ? (*pair.actual - pair.reference).squaredNorm()
+                                      : std::numeric_limits<double>::infinity();
+    sums[2 * pair.kind + 1] += pair.reference.squaredNorm();
+  }
+  dist::all_reduce_sum<double>(comm, sums);
+  double error = std::max(std::abs(run.forward.aux_loss - forward.aux_loss) / std::abs(forward.aux_loss),
+                          std::abs(run.forward.z_loss - forward.z_loss) / std::abs(forward.z_loss));
+  for (int kind = 0; kind < kinds; ++kind) {
+    error = std::max(error, sums[2 * kind + 1] > 0 ? std::sqrt(sums[2 * kind] / sums[2 * kind + 1])
+                                                   : std::sqrt(sums[2 * kind]));
+  }
+  return std::isnan(error) ? std::numeric_limits<double>::infinity() : error;
 }
 
 }  // namespace
@@ -494,16 +559,86 @@ int main(int argc, char** argv) {
     show(table);
     say("  Expert FLOPs are the same in every layout; r trades the memory a rank holds against the bytes\n"
         "  it moves. Tutel stores 1/R of the expert parameters on each rank for every r and gathers what\n"
-        "  r needs, so r can change between steps with no parameter moved. Not built here yet.\n");
+        "  r needs, so r can change between steps with no parameter moved (the real run follows).\n");
+  }
+
+  // ---- 4. parallelism switching: the real run on CPU ranks, every valid r over one storage ----
+  double layout_error = 0;
+  std::string layouts_checked;
+  {
+    const std::vector<int> layouts = dist::valid_layouts(config, R);
+    const std::vector<Formulation> formulations{Formulation::dropless, Formulation::padded, Formulation::dropping};
+    // The stored placement of every layout: rank q keeps experts [q E_r, (q+1) E_r) whole.
+    const dist::ExpertParallelWeights stored = dist::local_weights(config, weights, rank, R);
+    std::vector<std::vector<double>> errors(layouts.size());       // [layout][formulation]
+    std::vector<dist::LayoutTraffic> step_traffic(layouts.size());  // dropless, this rank, forward + backward
+    std::vector<int64_t> kept_dropless;                             // [R, E] of the dropless step
+    for (Formulation formulation : formulations) {
+      MoeConfig c = config;
+      c.formulation = formulation;
+      const ref::LayerForward reference = ref::moe_forward(c, x, weights);
+      const ref::LayerGradients reference_grads = ref::moe_backward(c, x, weights, reference, dy);
+      for (size_t i = 0; i < layouts.size(); ++i) {
+        const LayoutRun run = run_layout(comm, c, x, dy, stored, shard, layouts[i]);
+        errors[i].push_back(error_against_reference(comm, run, reference, reference_grads, shard));
+        layout_error = std::max(layout_error, errors[i].back());
+        if (formulation == Formulation::dropless) {
+          step_traffic[i] = run.forward.traffic;
+          step_traffic[i] += run.grads.traffic;
+          kept_dropless = run.forward.kept_per_rank_expert;
+        }
+      }
+    }
+    for (int r : layouts) layouts_checked += (layouts_checked.empty() ? "" : ",") + std::to_string(r);
+
+    // The choice: the cost model on this step's counts (section 1's H200 figures, bf16 elements),
+    // and the measurement of every layout on these CPU ranks (host MPI and Eigen).
+    dist::LayoutCostModel model;
+    model.latency_us = link.latency_us;
+    model.bytes_per_us = link.bytes_per_us;
+    model.expert_flops_per_us = kExpertFlopsPerUs;
+    model.bytes_per_element = kBf16Bytes;
+    const dist::LayoutChoice modelled = dist::choose_layout(config, R, kept_dropless, model);
+    const dist::LayoutChoice measured =
+        dist::measure_layouts(comm, config, x.middleRows(shard.offset, shard.tokens),
+                              dy.middleRows(shard.offset, shard.tokens), stored, layouts, 5);
+
+    Table table("Table 7: the real run in every layout on " + std::to_string(R) +
+                    " CPU ranks (T=2048 D=32 H=64 E=8 K=2, zipf text), forward and backward, against the "
+                    "single-device layer",
+                {"layout", "max_rel_err dropless", "padded", "dropping", "weight KiB sent a step (all ranks)",
+                 "token KiB sent a step (all ranks)", "messages", "model (us, H200 figures, bf16)",
+                 "measured (us, host MPI)"});
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      // Bytes as run here: double, 8 bytes an element, summed over the ranks (dropless step).
+      const std::vector<int64_t> all = dist::all_gather<int64_t>(
+          comm, std::vector<int64_t>{step_traffic[i].weight_elements, step_traffic[i].token_elements,
+                                     step_traffic[i].messages});
+      int64_t weight_elements = 0, token_elements = 0, messages = 0;
+      for (int p = 0; p < R; ++p) weight_elements += all[3 * p], token_elements += all[3 * p + 1], messages += all[3 * p + 2];
+      table.add_row({dist::layout_name(layouts[i]), errors[i][0], errors[i][1], errors[i][2],
+                     weight_elements * 8.0 / 1024, token_elements * 8.0 / 1024, messages,
+                     modelled.estimates[i].total_us, measured.measured_us[i]});
+    }
+    show(table);
+    say("  Every layout computes the same layer from the same stored experts: r = 0 gathers the experts\n"
+        "  and moves no token, r = 1 moves tokens and no weight, r > 1 gathers H / r slices inside groups\n"
+        "  of r ranks and sends each token to all r of them. The model's choice: " +
+        dist::layout_name(modelled.r) + "; the measured choice (median of 5 calls, slowest rank): " +
+        dist::layout_name(measured.r) + ".\n"
+        "  The measured times are host MPI and Eigen on CPU ranks, not a GPU interconnect.\n");
   }
 
   // ---- verdict ----
-  const bool pass = hierarchical_bitwise && chunk_error <= kTolerance;
+  const bool pass = hierarchical_bitwise && chunk_error <= kTolerance && layout_error <= kLayoutTolerance;
   std::ostringstream message;
   message << std::setprecision(2) << "on R=" << R << " ranks: 2DH == flat bit for bit at G=" << node_sizes_checked
           << " (y, dx, dWg, dW1, dW2 and the bf16 dispatch): " << (hierarchical_bitwise ? "yes" : "NO")
           << "; d=2,4,8 == d=1 (dropless and padded, forward and backward): max_rel_err=" << chunk_error
-          << " tol=" << kTolerance << ", y bit for bit: " << (chunks_y_bitwise ? "yes" : "no");
+          << " tol=" << kTolerance << ", y bit for bit: " << (chunks_y_bitwise ? "yes" : "no")
+          << "; layouts r=" << layouts_checked << " == single device (3 formulations, forward and backward): "
+          << (layout_error <= kLayoutTolerance ? "PASS" : "FAIL") << " max_rel_err=" << layout_error
+          << " tol=" << kLayoutTolerance;
   if (root) {
     lessons::finish(*writer, kName, pass, message.str());
     std::cout << "run record: " << options.out.string() << "\n";
