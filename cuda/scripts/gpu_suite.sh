@@ -9,7 +9,8 @@
 #                                           times the training step beside PyTorch; offload measures
 #                                           the expert modes and records a run per mode; infer trains
 #                                           briefly and generates in every mode; distributed runs
-#                                           ep_bench over NCCL and over MPI), logs in $OUT
+#                                           ep_bench over NCCL and over MPI; train_distributed trains
+#                                           on two GPUs against one and kills a rank), logs in $OUT
 # The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -213,6 +214,51 @@ distributed() {
   CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend mpi -e 16M --warmup-ms 200 -n 5 \
     --chunks 1,2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
   tail -4 "$LOGS/ep_bench_mpi.log"
+  return $rc
+}
+
+train_distributed() {
+  # The language model on two GPUs (distributed/train/moe_train_distributed, NCCL, one rank per GPU)
+  # against one GPU in the same call: tokens/s at the same per-GPU batch (throughput preset: 64
+  # sequences a GPU, so the two-GPU global batch is 128), the loss curve of the default preset on
+  # the same global batch, and the two-GPU run's record (every rank's spans, all-to-all matrices).
+  # Then a rank killed mid-run: how long the other takes to end. Without two GPUs: two ranks on one
+  # GPU over MPI (a check, not an interconnect's timing).
+  local rc=0 gpus runs="$OUT/runs_distributed" data=notebooks_data/brown
+  local mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
+  local one=build-gpu/cuda/train/moe_train two=build-gpu/distributed/train/moe_train_distributed backend=nccl
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [ "$gpus" -ge 2 ] || backend=mpi
+  [ -f "$data/train.txt" ] || data=README.md
+  mkdir -p "$runs"
+  $one --preset throughput --benchmark-steps 30 --benchmark-json "$OUT/train_throughput_1gpu.json" \
+    > "$LOGS/train_distributed_bench_1.log" 2>&1 || rc=1
+  echo "1 GPU : $(grep 'median step' "$LOGS/train_distributed_bench_1.log")"
+  "${mpirun[@]}" -np 2 $two --backend $backend --preset throughput --batch 128 --benchmark-steps 30 \
+    --benchmark-json "$OUT/train_throughput_2gpu_$backend.json" > "$LOGS/train_distributed_bench_2.log" 2>&1 || rc=1
+  echo "2 ranks ($backend): $(grep 'median step' "$LOGS/train_distributed_bench_2.log")"
+  tail -3 "$LOGS/train_distributed_bench_2.log"
+  $one --preset default --steps 300 --data "$data" --run-dir "$runs/train_1gpu" --overwrite \
+    > "$LOGS/train_distributed_curve_1.log" 2>&1 || rc=1
+  echo "1 GPU  curve: $(tail -1 "$LOGS/train_distributed_curve_1.log")"
+  "${mpirun[@]}" -np 2 $two --backend $backend --preset default --steps 300 --data "$data" \
+    --run-dir "$runs/train_2gpu_$backend" --overwrite > "$LOGS/train_distributed_curve_2.log" 2>&1 || rc=1
+  echo "2 ranks curve: $(tail -1 "$LOGS/train_distributed_curve_2.log")"
+  # A rank killed mid-run (SIGKILL to the second rank's process after 15 s): seconds until mpirun ends.
+  local pid
+  "${mpirun[@]}" -np 2 $two --backend $backend --preset default --steps 100000 --data "$data" \
+    --run-dir "$runs/killed" --overwrite > "$LOGS/train_distributed_killed.log" 2>&1 &
+  local launcher=$!
+  sleep 15
+  pid=$(pgrep -f "moe_train_distributed.*runs_distributed/killed" | tail -1)
+  kill -9 "$pid" 2>/dev/null
+  local killed_at
+  killed_at=$(date +%s.%N)
+  timeout 120 tail --pid=$launcher -f /dev/null
+  echo "killed rank pid $pid: mpirun ended $(awk -v now="$(date +%s.%N)" -v then="$killed_at" 'BEGIN { printf "%.1f", now - then }') s later ($(grep -ciE "signal 9|killed|watchdog" "$LOGS/train_distributed_killed.log") lines name it)"
+  kill -9 $launcher 2>/dev/null
+  rm -rf "$runs"/*/checkpoints "$runs/killed"
+  tar czf "$OUT/runs_distributed.tar.gz" -C "$runs" . && rm -rf "$runs"
   return $rc
 }
 
