@@ -1,10 +1,15 @@
 // device_buffer.h: DeviceBuffer<T>, an owning array in GPU memory (plain cudaMalloc), with copies
 // to and from host vectors. Every GPU program and test of the project holds its tensors in these.
+// device_buffer_allocations() counts the buffers this process has allocated, so that a test of
+// "rejected before allocating anything" counts its own process's allocations (the device's free
+// memory, cudaMemGetInfo, changes with whatever else runs on the GPU).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -12,12 +17,22 @@
 
 namespace moe::cuda {
 
+namespace detail {
+inline std::atomic<int64_t> device_buffer_allocations{0};
+}  // namespace detail
+
+// How many DeviceBuffer allocations (cudaMalloc calls) this process has made so far.
+inline int64_t device_buffer_allocations() { return detail::device_buffer_allocations.load(); }
+
 template <typename T>
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t count) : count_(count) {
-    if (count_ > 0) CUDA_CHECK(cudaMalloc(&data_, count_ * sizeof(T)));
+    if (count_ > 0) {
+      CUDA_CHECK(cudaMalloc(&data_, count_ * sizeof(T)));
+      ++detail::device_buffer_allocations;
+    }
   }
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
   DeviceBuffer(DeviceBuffer&& other) noexcept
