@@ -41,8 +41,9 @@
 // Host synchronisation: exactly one wait of the host per forward (the count read-back) on the NCCL
 // backend, none in the backward. On the MPI backend every exchange also waits twice (before MPI
 // reads the staged rows, and after they are back on the device): 1 + 4 d waits in a forward, 4 d
-// (+ 2 for the router's all-reduce) in a backward. last_step() counts them; ep_bench prints them. Buffers that depend on
-// the counts grow when a forward needs more (cudaMalloc, which itself synchronises) and are kept.
+// (+ 2 for the router's all-reduce) in a backward; with the 2DH exchange each exchange is two staged
+// stages, 1 + 8 d and 8 d (+ 2). last_step() counts them; ep_bench prints them. Buffers that depend
+// on the counts grow when a forward needs more (cudaMalloc, which itself synchronises) and are kept.
 //
 // Tutel's pipelining, options.pipeline_chunks = d: the rows of every expert in d chunks (the rule
 // of expert_parallel_plan.h); chunk c + 1's all-to-all runs on the layer's exchange stream while
