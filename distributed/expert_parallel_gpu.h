@@ -70,8 +70,9 @@
 // next forward, after its count exchange has waited on the stream anyway, so the trials add no wait
 // of the host on the GPU beyond one small gather of the times when a shape's trials end. Results
 // mean the same at every d (above), so the trials are ordinary steps. last_step().pipeline tells the
-// candidates, their times and the choice; last_step().pipeline_chunks the d of the last forward. The
-// buffers are those of the largest candidate's chunks (about twice d = 1's received rows).
+// candidates, their times and the choice; last_step().pipeline_chunks the d of the last forward.
+// Chunk c's buffers keep the largest size any candidate gave it: chunk 0 d = 1's, chunk 1 half of
+// it, chunks 2-3 a quarter, 4-7 an eighth: about 2.5 times d = 1's received rows.
 //
 // Tutel's 2DH exchange, options.hierarchical_ranks_per_node = G > 1 (G divides R): every token
 // exchange (rows out, results back, in both passes) goes through DeviceHierarchicalAllToAll
@@ -253,7 +254,8 @@ class ExpertParallelGpu {
   int max_chunks_ = 1;  // chunks' buffers and events: d, or the largest adaptive candidate
   std::unique_ptr<DeviceExchange> exchange_;
   std::unique_ptr<DeviceHierarchicalAllToAll> hierarchical_;  // when G > 1
-  std::vector<std::vector<int64_t>> chunk_counts_;  // 2DH: [d][R * R] elements rank s sends rank t in chunk c
+  // 2DH: [2 d][R * R] elements; [c]: rank s sends rank t in chunk c, [d + c]: the same rows back
+  std::vector<std::vector<int64_t>> chunk_counts_;
   MoeConfig local_experts_config_;  // E = E_r: what the block-sparse FFN and the topology see
   cudaStream_t exchange_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;  // [2 d + 2]: start, arrived[c], computed[c], returned
