@@ -10,6 +10,108 @@
 
 namespace moe::dist {
 
+// ---- the steps from a known count matrix ----
+
+namespace {
+
+bool moves_nothing(const std::vector<BlockCopy>& copies) {
+  for (const BlockCopy& copy : copies) {
+    if (copy.from != copy.to) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+HierarchicalSteps plan_hierarchical_all_to_all(std::span<const int64_t> counts, int ranks, int ranks_per_node,
+                                               int rank, std::span<const int64_t> send_offsets,
+                                               std::span<const int64_t> recv_offsets) {
+  const int R = ranks, G = ranks_per_node;
+  if (G < 1 || R < 1 || R % G != 0) {
+    throw std::invalid_argument("2DH all-to-all: ranks_per_node G = " + std::to_string(G) +
+                                " must be >= 1 and divide the number of ranks R = " + std::to_string(R));
+  }
+  if (rank < 0 || rank >= R || counts.size() != static_cast<size_t>(R) * R ||
+      send_offsets.size() != static_cast<size_t>(R) || recv_offsets.size() != static_cast<size_t>(R)) {
+    throw std::invalid_argument("2DH all-to-all: expected rank in [0, R), an R x R count matrix and R offsets, R = " +
+                                std::to_string(R));
+  }
+  for (int64_t count : counts) {
+    if (count < 0) throw std::invalid_argument("2DH all-to-all: a negative count in the count matrix");
+  }
+  const int N = R / G, n = rank / G, g = rank % G;
+  auto world_rank = [G](int node, int local) { return node * G + local; };
+  auto count = [&](int source, int destination) { return counts[static_cast<size_t>(source) * R + destination]; };
+
+  HierarchicalSteps steps;
+  steps.ranks_per_node = G;
+  steps.nodes = N;
+
+  // ---- gather: this rank's blocks grouped by the destination's local index, node order inside ----
+  steps.stage1_send_counts.assign(G, 0);
+  int64_t at = 0;
+  for (int local = 0; local < G; ++local) {
+    for (int node = 0; node < N; ++node) {
+      const int destination = world_rank(node, local);
+      const int64_t elements = count(rank, destination);
+      if (elements > 0) steps.gather.push_back({send_offsets[destination], at, elements});
+      at += elements;
+      steps.stage1_send_counts[local] += elements;
+    }
+  }
+  steps.stage1_send_elements = at;
+  steps.stage1_send_offsets = exclusive_prefix_sum(steps.stage1_send_counts);
+
+  // ---- stage 1 receives, from node peer g'', its blocks for ranks (*, g): [g''][n'] ----
+  std::vector<int64_t> block_offsets(static_cast<size_t>(G) * N);
+  steps.stage1_recv_counts.assign(G, 0);
+  at = 0;
+  for (int peer = 0; peer < G; ++peer) {
+    for (int node = 0; node < N; ++node) {
+      block_offsets[static_cast<size_t>(peer) * N + node] = at;
+      const int64_t elements = count(world_rank(n, peer), world_rank(node, g));
+      at += elements;
+      steps.stage1_recv_counts[peer] += elements;
+    }
+  }
+  steps.stage1_recv_elements = at;
+  steps.stage1_recv_offsets = exclusive_prefix_sum(steps.stage1_recv_counts);
+
+  // ---- align: [g''][n'] -> [n'][g''], so each destination node gets one merged message ----
+  steps.stage2_send_counts.assign(N, 0);
+  at = 0;
+  for (int node = 0; node < N; ++node) {
+    for (int peer = 0; peer < G; ++peer) {
+      const int64_t elements = count(world_rank(n, peer), world_rank(node, g));
+      if (elements > 0) steps.align.push_back({block_offsets[static_cast<size_t>(peer) * N + node], at, elements});
+      at += elements;
+      steps.stage2_send_counts[node] += elements;
+    }
+  }
+  steps.stage2_send_offsets = exclusive_prefix_sum(steps.stage2_send_counts);
+
+  // ---- stage 2 receives, from node n'', the blocks of its G ranks for this rank: source order ----
+  steps.stage2_recv_counts.assign(N, 0);
+  for (int node = 0; node < N; ++node) {
+    for (int local = 0; local < G; ++local) steps.stage2_recv_counts[node] += count(world_rank(node, local), rank);
+  }
+  steps.stage2_recv_offsets = exclusive_prefix_sum(steps.stage2_recv_counts);
+  at = 0;
+  for (int source = 0; source < R; ++source) {
+    const int64_t elements = count(source, rank);
+    if (elements > 0) steps.place.push_back({at, recv_offsets[source], elements});
+    at += elements;
+  }
+  steps.stage2_recv_elements = at;
+
+  steps.gather_is_identity = moves_nothing(steps.gather);
+  steps.align_is_identity = moves_nothing(steps.align);
+  steps.place_is_identity = moves_nothing(steps.place);
+  return steps;
+}
+
+// ---- HierarchicalAllToAll ----
+
 HierarchicalAllToAll::HierarchicalAllToAll(Communicator& world, int ranks_per_node)
     : world_(world), ranks_per_node_(ranks_per_node) {
   check_same_on_every_rank(world, "HierarchicalAllToAll: ranks_per_node (G)", static_cast<uint64_t>(ranks_per_node));
@@ -110,6 +212,45 @@ void HierarchicalAllToAll::all_to_all_v(const void* send, std::span<const int64_
     copy(output + recv_offsets[source] * width, stage2_recv.data() + at * width, recv_counts[source]);
     at += recv_counts[source];
   }
+}
+
+void HierarchicalAllToAll::all_to_all_v_known_counts(const void* send, std::span<const int64_t> send_offsets,
+                                                     void* recv, std::span<const int64_t> recv_offsets,
+                                                     std::span<const int64_t> counts, DataType type) {
+  const HierarchicalSteps steps =
+      plan_hierarchical_all_to_all(counts, world_.size(), ranks_per_node_, world_.rank(), send_offsets, recv_offsets);
+  const size_t width = element_size(type);
+  auto run = [width](const std::vector<BlockCopy>& copies, const void* from, void* to) {
+    for (const BlockCopy& copy : copies) {
+      std::memcpy(static_cast<char*>(to) + copy.to * width, static_cast<const char*>(from) + copy.from * width,
+                  static_cast<size_t>(copy.count) * width);
+    }
+  };
+  // A step that moves nothing is skipped, its input serving as its output (as on the GPU).
+  std::vector<char> stage1_send, stage1_recv(static_cast<size_t>(steps.stage1_recv_elements) * width + 1), stage2_send,
+      stage2_recv;
+  const void* stage1_in = send;
+  if (!steps.gather_is_identity) {
+    stage1_send.resize(static_cast<size_t>(steps.stage1_send_elements) * width + 1);
+    run(steps.gather, send, stage1_send.data());
+    stage1_in = stage1_send.data();
+  }
+  node_->all_to_all_v(stage1_in, steps.stage1_send_counts, steps.stage1_send_offsets, stage1_recv.data(),
+                      steps.stage1_recv_counts, steps.stage1_recv_offsets, type);
+  const void* stage2_in = stage1_recv.data();
+  if (!steps.align_is_identity) {
+    stage2_send.resize(stage1_recv.size());
+    run(steps.align, stage1_recv.data(), stage2_send.data());
+    stage2_in = stage2_send.data();
+  }
+  void* stage2_out = recv;
+  if (!steps.place_is_identity) {
+    stage2_recv.resize(static_cast<size_t>(steps.stage2_recv_elements) * width + 1);
+    stage2_out = stage2_recv.data();
+  }
+  across_->all_to_all_v(stage2_in, steps.stage2_send_counts, steps.stage2_send_offsets, stage2_out,
+                        steps.stage2_recv_counts, steps.stage2_recv_offsets, type);
+  if (!steps.place_is_identity) run(steps.place, stage2_recv.data(), recv);
 }
 
 }  // namespace moe::dist

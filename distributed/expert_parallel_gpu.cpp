@@ -1,9 +1,10 @@
-// expert_parallel_gpu.cpp: FastMoE's expert-parallel layer on the GPU with Tutel's pipelining
-// (see expert_parallel_gpu.h). Host code: every kernel is a launcher of cuda/moe/ or of
-// expert_parallel_kernels.h.
+// expert_parallel_gpu.cpp: FastMoE's expert-parallel layer on the GPU with Tutel's pipelining,
+// adaptive pipelining degree and 2DH exchange (see expert_parallel_gpu.h). Host code: every kernel
+// is a launcher of cuda/moe/ or of expert_parallel_kernels.h.
 //
 // Sections: ---- settings ----  ---- buffers ----  ---- construction ----  ---- forward ----
-//           ---- the pipeline ----  ---- the local experts ----  ---- backward ----
+//           ---- adaptive pipelining ----  ---- the pipeline ----  ---- the local experts ----
+//           ---- backward ----
 #include "expert_parallel_gpu.h"
 
 #include <nvtx3/nvToolsExt.h>  // nvtxRangePushA, nvtxRangePop: the phases on Nsight's timeline
@@ -12,6 +13,7 @@
 #include <bit>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <stdexcept>
 #include <string>
 
@@ -73,9 +75,15 @@ void check_supported(const MoeConfig& config, const ExpertParallelGpuOptions& op
              std::to_string(config.block_size) + " (the block-sparse products tile D by B)");
     }
   }
-  if (options.pipeline_chunks < 1 || options.pipeline_chunks > kMaxPipelineChunks) {
+  if (options.pipeline_chunks != kAdaptivePipelineChunks &&
+      (options.pipeline_chunks < 1 || options.pipeline_chunks > kMaxPipelineChunks)) {
     reject("pipeline_chunks (d) = " + std::to_string(options.pipeline_chunks) + "; allowed: 1 <= d <= " +
-           std::to_string(kMaxPipelineChunks));
+           std::to_string(kMaxPipelineChunks) + ", or kAdaptivePipelineChunks (0): chosen by measurement");
+  }
+  const int G = options.hierarchical_ranks_per_node;
+  if (G < 0 || (G > 1 && ranks % G != 0)) {
+    reject("hierarchical_ranks_per_node (G) = " + std::to_string(G) + " with R = " + std::to_string(ranks) +
+           " ranks; allowed: 0 or 1 (the flat exchange), or G > 1 dividing R (nodes of G consecutive ranks)");
   }
   if (options.experts != ExpertCompute::ffn && options.experts != ExpertCompute::identity) {
     reject("options.experts is neither ffn nor identity");
@@ -90,7 +98,8 @@ void check_supported(const MoeConfig& config, const ExpertParallelGpuOptions& op
 
 uint64_t options_fingerprint(const ExpertParallelGpuOptions& options) {
   return static_cast<uint64_t>(options.pipeline_chunks) * 1000003u +
-         (options.all_reduce_router_gradient ? 101u : 0u) + static_cast<uint64_t>(options.experts) * 7u;
+         (options.all_reduce_router_gradient ? 101u : 0u) + static_cast<uint64_t>(options.experts) * 7u +
+         static_cast<uint64_t>(options.hierarchical_ranks_per_node) * 1009u * 1000003u;
 }
 
 // ---- buffers ----
@@ -143,6 +152,12 @@ struct ExpertParallelGpu::Tables {
   int* at(size_t offset) const { return const_cast<int*>(device.data()) + offset; }
 };
 
+// The trials of one shape while its adaptive choice is measured.
+struct ExpertParallelGpu::Trial {
+  std::vector<double> best_ms;  // [candidates] this rank's best step so far
+  int steps = 0;                // trial steps read so far; candidate i runs steps [i k, (i + 1) k)
+};
+
 // ---- construction ----
 
 ExpertParallelGpu::ExpertParallelGpu(Communicator& communicator, const MoeConfig& config, int64_t max_local_tokens,
@@ -153,11 +168,16 @@ ExpertParallelGpu::ExpertParallelGpu(Communicator& communicator, const MoeConfig
   Communicator& host = exchange_->host();
   check_same_on_every_rank(host, "expert parallel layer (GPU): the MoE configs", config_fingerprint(config));
   check_same_on_every_rank(host, "expert parallel layer (GPU): the options (pipeline_chunks, "
-                           "all_reduce_router_gradient, experts)", options_fingerprint(options));
+                           "all_reduce_router_gradient, experts, hierarchical_ranks_per_node)",
+                           options_fingerprint(options));
   check_on_every_rank(host, "expert parallel layer (GPU): bad settings",
                       [&] { check_supported(config, options, max_local_tokens, communicator.size()); });
 
-  const int R = communicator.size(), d = options.pipeline_chunks;
+  const int R = communicator.size();
+  max_chunks_ = options.pipeline_chunks == kAdaptivePipelineChunks
+                    ? *std::max_element(kAdaptiveCandidates.begin(), kAdaptiveCandidates.end())
+                    : options.pipeline_chunks;
+  const int d = max_chunks_;
   const size_t T = static_cast<size_t>(std::max<int64_t>(max_local_tokens, 1)), D = config.model_dim,
                E = config.num_experts, K = config.top_k;
   experts_per_rank_ = config.num_experts / R;
@@ -171,6 +191,14 @@ ExpertParallelGpu::ExpertParallelGpu(Communicator& communicator, const MoeConfig
   events_.assign(static_cast<size_t>(2 * d + 2), nullptr);
   for (cudaEvent_t& event : events_) CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&tables_uploaded_, cudaEventDisableTiming));
+  for (StepEvents& events : step_events_) {  // with timing: the adaptive trials read them
+    for (cudaEvent_t* event : {&events.forward_start, &events.forward_end, &events.backward_start, &events.backward_end}) {
+      CUDA_CHECK(cudaEventCreate(event));
+    }
+  }
+  if (options.hierarchical_ranks_per_node > 1) {  // collective: the node and across-node groups
+    hierarchical_ = std::make_unique<DeviceHierarchicalAllToAll>(*exchange_, options.hierarchical_ranks_per_node);
+  }
 
   logits_ = DeviceBuffer<float>(T * E);
   probs_ = DeviceBuffer<float>(T * E);
@@ -205,6 +233,11 @@ ExpertParallelGpu::~ExpertParallelGpu() {
     if (event != nullptr) cudaEventDestroy(event);
   }
   if (tables_uploaded_ != nullptr) cudaEventDestroy(tables_uploaded_);
+  for (const StepEvents& events : step_events_) {
+    for (cudaEvent_t event : {events.forward_start, events.forward_end, events.backward_start, events.backward_end}) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
+  }
   if (exchange_stream_ != nullptr) cudaStreamDestroy(exchange_stream_);
 }
 
@@ -240,7 +273,11 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
                                 cudaStream_t stream) {
   NvtxRange range("ep_forward");
   forward_done_ = false;
-  const int64_t waits_before = exchange_->host_waits();
+  const int64_t waits_before = exchange_->host_waits() + (hierarchical_ ? hierarchical_->host_waits() : 0);
+  // Not the set of a trial step still to be read (after the count exchange below, or, when this
+  // forward fails before, at a later one).
+  current_step_events_ = trial_step_pending_ ? 1 - trial_step_events_ : 1 - current_step_events_;
+  CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].forward_start, stream));
   const int R = exchange_->size(), rank = exchange_->rank();
   const int64_t E = config_.num_experts, K = config_.top_k, D = config_.model_dim;
   const int64_t words = routing_summary_words(E);
@@ -275,7 +312,9 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
     for (int64_t e = 0; e < E; ++e) routed[p * E + e] = summary[1 + e];
   }
   if (!faults.empty()) throw std::invalid_argument("expert parallel layer (GPU) forward: bad input: " + faults);
-  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, options_.pipeline_chunks, tokens_per_rank, routed);
+  const bool adaptive = options_.pipeline_chunks == kAdaptivePipelineChunks;
+  const int d = adaptive ? choose_pipeline_chunks(tokens_per_rank) : options_.pipeline_chunks;
+  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, d, tokens_per_rank, routed);
 
   // The router losses over all T tokens: f_e from the counts, P_e and the z-loss from the summaries.
   const ExchangePlan& plan = *plan_;
@@ -290,6 +329,14 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
   step_.dropped_slots = plan.dropped_slots();
   step_.rows_sent = plan.rows_sent();
   step_.rows_received = plan.rows_received();
+  step_.pipeline_chunks = d;
+  step_.hierarchical_ranks_per_node = hierarchical_ ? options_.hierarchical_ranks_per_node : 0;
+  if (adaptive) {
+    step_.pipeline = choices_.at(tokens_per_rank);
+  } else {
+    step_.pipeline.chosen = d;
+  }
+  const bool trial_step = adaptive && step_.pipeline.chosen == 0;
   double z_sum = 0.0;
   for (int64_t e = 0; e < E; ++e) {
     double routed_e = 0.0, prob_sum = 0.0;
@@ -309,6 +356,7 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
 
   upload_tables(stream);  // with the global f_e, for the router backward
   reserve_buffers();
+  if (hierarchical_) hierarchical_counts();
 
   // ---- 3. the send order, and the rows in it ----
   const int64_t T_r = plan.local_tokens();
@@ -316,11 +364,10 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
     NvtxRange dispatch_range("ep_permute");
     build_send_order(top_experts_.data(), home_plan_->routed_slots.data(), home_plan_->routed_offsets.data(),
                      tables_->at(tables_->slot_chunk_begin), tables_->at(tables_->part_send_row),
-                     static_cast<int>(T_r * K), options_.pipeline_chunks, send_slot_.data(), slot_send_row_.data(),
-                     stream);
+                     static_cast<int>(T_r * K), d, send_slot_.data(), slot_send_row_.data(), stream);
     if (plan.rows_sent() > 0) cuda::permute_tokens(home_view(T_r), x, send_x_.data(), static_cast<int>(D), stream);
   }
-  for (int c = 0; c < options_.pipeline_chunks; ++c) prepare_experts(c, weights, stream);
+  for (int c = 0; c < d; ++c) prepare_experts(c, weights, stream);
 
   // ---- 4, 5: chunk after chunk, the rows out, the experts, the results back ----
   pipeline(send_x_.data(), returned_.data(), stream, [&](int c) { experts_forward(c, weights, stream); });
@@ -331,8 +378,67 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
     cuda::unpermute_and_combine(home_view(T_r), combine_weights_.data(), returned_.data(), y, static_cast<int>(D),
                                 stream);
   }
-  step_.host_synchronisations = static_cast<int>(exchange_->host_waits() - waits_before);
+  CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].forward_end, stream));
+  if (trial_step) {  // read at the next forward, once the count exchange has waited on the stream
+    trial_step_pending_ = true;
+    trial_step_has_backward_ = false;
+    trial_step_events_ = current_step_events_;
+  }
+  step_.host_synchronisations = static_cast<int>(exchange_->host_waits() +
+                                                 (hierarchical_ ? hierarchical_->host_waits() : 0) - waits_before);
   forward_done_ = true;
+}
+
+// ---- adaptive pipelining ----
+
+int ExpertParallelGpu::choose_pipeline_chunks(const std::vector<int64_t>& tokens_per_rank) {
+  finish_trial_step();
+  PipelineChoice& choice = choices_[tokens_per_rank];
+  if (choice.candidates.empty()) {  // a new shape: its trials start
+    choice.adaptive = true;
+    choice.candidates.assign(kAdaptiveCandidates.begin(), kAdaptiveCandidates.end());
+    choice.times_ms.assign(choice.candidates.size(), -1.0);
+    auto trial = std::make_unique<Trial>();
+    trial->best_ms.assign(choice.candidates.size(), std::numeric_limits<double>::infinity());
+    trials_[tokens_per_rank] = std::move(trial);
+  }
+  if (choice.chosen != 0) return choice.chosen;
+  const Trial& trial = *trials_.at(tokens_per_rank);
+  trial_step_shape_ = tokens_per_rank;
+  trial_step_candidate_ = trial.steps / kTrialStepsPerCandidate;
+  return choice.candidates[static_cast<size_t>(trial_step_candidate_)];
+}
+
+void ExpertParallelGpu::finish_trial_step() {
+  if (!trial_step_pending_) return;
+  trial_step_pending_ = false;
+  // Usually complete already: the count exchange just waited on the caller's stream.
+  const StepEvents& events = step_events_[trial_step_events_];
+  CUDA_CHECK(cudaEventSynchronize(trial_step_has_backward_ ? events.backward_end : events.forward_end));
+  float forward_ms = 0.0f, backward_ms = 0.0f;
+  CUDA_CHECK(cudaEventElapsedTime(&forward_ms, events.forward_start, events.forward_end));
+  if (trial_step_has_backward_) {
+    CUDA_CHECK(cudaEventElapsedTime(&backward_ms, events.backward_start, events.backward_end));
+  }
+  Trial& trial = *trials_.at(trial_step_shape_);
+  double& best = trial.best_ms[static_cast<size_t>(trial_step_candidate_)];
+  best = std::min(best, static_cast<double>(forward_ms) + static_cast<double>(backward_ms));
+  ++trial.steps;
+  const size_t candidates = trial.best_ms.size();
+  if (trial.steps < static_cast<int>(candidates) * kTrialStepsPerCandidate) return;
+
+  // Every rank's times; a candidate is as slow as its slowest rank, and every rank picks the same d.
+  const std::vector<double> all = all_gather<double>(exchange_->host(), std::span<const double>(trial.best_ms));
+  PipelineChoice& choice = choices_.at(trial_step_shape_);
+  size_t fastest = 0;
+  for (size_t i = 0; i < candidates; ++i) {
+    double slowest = 0.0;
+    for (int p = 0; p < exchange_->size(); ++p) slowest = std::max(slowest, all[p * candidates + i]);
+    choice.times_ms[i] = slowest;
+    if (choice.times_ms[i] < choice.times_ms[fastest]) fastest = i;
+  }
+  choice.chosen = choice.candidates[fastest];
+  trials_.erase(trial_step_shape_);
 }
 
 void ExpertParallelGpu::upload_tables(cudaStream_t stream) {
@@ -494,18 +600,14 @@ void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t strea
   CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, start, 0));
   auto send_out = [&](int c) {
     NvtxRange range("ep_dispatch");
-    exchange_->all_to_all_v(out + plan.chunk_send_begin(c) * D, times(plan.send_rows(c), D),
-                            times(plan.send_row_offsets(c), D), chunks_[c]->received.data(),
-                            times(plan.recv_rows(c), D), times(plan.recv_row_offsets(c), D), DataType::bfloat16,
-                            exchange_stream_);
+    exchange_chunk(c, /*forward=*/true, out + plan.chunk_send_begin(c) * D, chunks_[c]->received.data(),
+                   exchange_stream_);
     CUDA_CHECK(cudaEventRecord(arrived(c), exchange_stream_));
   };
   auto bring_back = [&](int c) {
     NvtxRange range("ep_combine_exchange");
     CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, computed(c), 0));
-    exchange_->all_to_all_v(chunk_result(c), times(plan.recv_rows(c), D), times(plan.recv_row_offsets(c), D),
-                            back + plan.chunk_send_begin(c) * D, times(plan.send_rows(c), D),
-                            times(plan.send_row_offsets(c), D), DataType::bfloat16, exchange_stream_);
+    exchange_chunk(c, /*forward=*/false, chunk_result(c), back + plan.chunk_send_begin(c) * D, exchange_stream_);
   };
   // Tutel's order: chunk c + 1 goes out before chunk c comes back, so that its exchange runs while
   // chunk c's experts do.
@@ -522,6 +624,52 @@ void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t strea
   }
   CUDA_CHECK(cudaEventRecord(returned, exchange_stream_));
   CUDA_CHECK(cudaStreamWaitEvent(stream, returned, 0));
+}
+
+void ExpertParallelGpu::exchange_chunk(int c, bool forward, const bf16* send, bf16* recv, cudaStream_t stream) {
+  const ExchangePlan& plan = *plan_;
+  const int64_t D = config_.model_dim;
+  // Out: this rank's send rows to the experts' ranks; back: the received rows to their sources.
+  const std::vector<int64_t> send_offsets = times(forward ? plan.send_row_offsets(c) : plan.recv_row_offsets(c), D);
+  const std::vector<int64_t> recv_offsets = times(forward ? plan.recv_row_offsets(c) : plan.send_row_offsets(c), D);
+  if (hierarchical_) {
+    hierarchical_->all_to_all_v(send, send_offsets, recv, recv_offsets,
+                                chunk_counts_[static_cast<size_t>(forward ? c : plan.chunks() + c)],
+                                DataType::bfloat16, stream);
+    return;
+  }
+  exchange_->all_to_all_v(send, times(forward ? plan.send_rows(c) : plan.recv_rows(c), D), send_offsets, recv,
+                          times(forward ? plan.recv_rows(c) : plan.send_rows(c), D), recv_offsets,
+                          DataType::bfloat16, stream);
+}
+
+void ExpertParallelGpu::hierarchical_counts() {
+  const ExchangePlan& plan = *plan_;
+  const int d = plan.chunks(), R = plan.ranks(), rank = plan.rank();
+  const int64_t E = plan.experts(), E_r = plan.experts_per_rank(), D = config_.model_dim;
+  // [c]: the rows out, rank s to the rank t of the experts; [d + c]: the same rows back, t to s.
+  chunk_counts_.assign(static_cast<size_t>(2 * d), std::vector<int64_t>(static_cast<size_t>(R) * R, 0));
+  for (int c = 0; c < d; ++c) {
+    std::vector<int64_t>& out = chunk_counts_[static_cast<size_t>(c)];
+    std::vector<int64_t>& back = chunk_counts_[static_cast<size_t>(d + c)];
+    for (int s = 0; s < R; ++s) {
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t elements = plan.part(c, s, e).count * D;
+        const int t = static_cast<int>(e / E_r);
+        out[static_cast<size_t>(s) * R + t] += elements;
+        back[static_cast<size_t>(t) * R + s] += elements;
+      }
+    }
+    // This rank's row and column are the plan's own send and receive counts.
+    for (int t = 0; t < R; ++t) {
+      if (out[static_cast<size_t>(rank) * R + t] != plan.send_rows(c)[t] * D ||
+          out[static_cast<size_t>(t) * R + rank] != plan.recv_rows(c)[t] * D) {
+        throw std::logic_error("expert parallel layer (GPU): the 2DH count matrix disagrees with the plan");
+      }
+    }
+    hierarchical_->reserve(out, DataType::bfloat16);
+    hierarchical_->reserve(back, DataType::bfloat16);
+  }
 }
 
 const bf16* ExpertParallelGpu::chunk_result(int c) const {
@@ -650,7 +798,8 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
     throw std::invalid_argument("ExpertParallelGpu::backward: x, dy, the weights and every gradient pointer must be "
                                 "non-null");
   }
-  const int64_t waits_before = exchange_->host_waits();
+  const int64_t waits_before = exchange_->host_waits() + (hierarchical_ ? hierarchical_->host_waits() : 0);
+  CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].backward_start, stream));
 
   // ---- combine: d(rows sent) = w * dy, and d(combine weights) for the router ----
   if (T_r > 0) {
@@ -710,7 +859,10 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
     NvtxRange all_reduce_range("ep_router_all_reduce");
     exchange_->all_reduce_sum(gradients.d_gate_weights, gradients.d_gate_weights, D * E, DataType::float32, stream);
   }
-  step_.backward_host_synchronisations = static_cast<int>(exchange_->host_waits() - waits_before);
+  CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].backward_end, stream));
+  if (trial_step_pending_) trial_step_has_backward_ = true;
+  step_.backward_host_synchronisations = static_cast<int>(
+      exchange_->host_waits() + (hierarchical_ ? hierarchical_->host_waits() : 0) - waits_before);
 }
 
 }  // namespace moe::dist

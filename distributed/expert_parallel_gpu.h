@@ -4,6 +4,7 @@
 //   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu          (ranks may share a GPU)
 //   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu_nccl     (one GPU per rank)
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl
+//   mpirun -np 2 build/lessons/lesson06_expert_parallelism --gpu
 //
 // Dimension legend: T tokens (all ranks together), T_r this rank's, D model width, H expert hidden
 // width, E experts, K top-k, C capacity, B block size, R ranks, E_r = E / R experts a rank, d chunks.
@@ -40,8 +41,9 @@
 // Host synchronisation: exactly one wait of the host per forward (the count read-back) on the NCCL
 // backend, none in the backward. On the MPI backend every exchange also waits twice (before MPI
 // reads the staged rows, and after they are back on the device): 1 + 4 d waits in a forward, 4 d
-// (+ 2 for the router's all-reduce) in a backward. last_step() counts them; ep_bench prints them. Buffers that depend on
-// the counts grow when a forward needs more (cudaMalloc, which itself synchronises) and are kept.
+// (+ 2 for the router's all-reduce) in a backward; with the 2DH exchange each exchange is two staged
+// stages, 1 + 8 d and 8 d (+ 2). last_step() counts them; ep_bench prints them. Buffers that depend
+// on the counts grow when a forward needs more (cudaMalloc, which itself synchronises) and are kept.
 //
 // Tutel's pipelining, options.pipeline_chunks = d: the rows of every expert in d chunks (the rule
 // of expert_parallel_plan.h); chunk c + 1's all-to-all runs on the layer's exchange stream while
@@ -56,12 +58,34 @@
 // there. The expert weight gradients are sums over the chunks' rows, so equal to d = 1 within fp32
 // rounding (another order of the same sum), not bit for bit.
 //
+// Tutel's adaptive pipelining, options.pipeline_chunks = kAdaptivePipelineChunks: the layer picks d
+// itself, by measurement, for each shape it sees (the ranks' T_r; the config is fixed). The first
+// forward + backward steps of a new shape are trials: each candidate d of kAdaptiveCandidates runs
+// kTrialStepsPerCandidate steps, timed with CUDA events on the caller's stream from the start of the
+// forward to its end plus the backward's (a forward without backward: the forward alone); a
+// candidate's time is its best step (its first may include the buffers' growth). After the last
+// trial every rank gathers every rank's times and keeps, for each candidate, the slowest rank's,
+// then every rank picks the same fastest d (ties: the smaller). d = 1 is a candidate, so the choice
+// is never slower than d = 1 beyond the noise of the measurement. A step's times are read at the
+// next forward, after its count exchange has waited on the stream anyway, so the trials add no wait
+// of the host on the GPU beyond one small gather of the times when a shape's trials end. Results
+// mean the same at every d (above), so the trials are ordinary steps. last_step().pipeline tells the
+// candidates, their times and the choice; last_step().pipeline_chunks the d of the last forward.
+// Chunk c's buffers keep the largest size any candidate gave it: chunk 0 d = 1's, chunk 1 half of
+// it, chunks 2-3 a quarter, 4-7 an eighth: about 2.5 times d = 1's received rows.
+//
+// Tutel's 2DH exchange, options.hierarchical_ranks_per_node = G > 1 (G divides R): every token
+// exchange (rows out, results back, in both passes) goes through DeviceHierarchicalAllToAll
+// (device_all_to_all_2dh.h): within nodes of G consecutive ranks, then one merged message per node
+// across nodes. The R x R counts of each chunk come from the plan every rank already computed, so
+// the 2DH needs no count exchange of its own. It only moves bytes: y, dx and every gradient are bit
+// for bit those of the flat exchange (tested). G = 0 or 1: the flat all-to-all.
+//
 // Supported: GeLU, no jitter (as MoeLayerGpu), E <= 256 and K <= 8 (the router), dropless with
 // B = 64 or 128 and D, H multiples of B; padded and dropping (dropping computed as padded with C, as
 // MoeLayerGpu does; C counted over all T tokens). Anything else is a std::invalid_argument on every
 // rank at construction. Not built: SwiGLU (the block-sparse FFN has it; the single-GPU oracle
-// does not), the SDD gathering its rows from the receive buffer (MoeLayerGpu's gathers_rows),
-// Tutel's 2DH exchange on the GPU, an adaptive choice of d.
+// does not), the SDD gathering its rows from the receive buffer (MoeLayerGpu's gathers_rows).
 //
 // Collective: every rank constructs, and calls forward and backward, with the same config and
 // options, in the same order. Settings are compared across ranks at construction, and a bad
@@ -71,7 +95,9 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -79,6 +105,7 @@
 #include "core/bf16.h"               // bf16
 #include "core/device_buffer.h"      // DeviceBuffer
 #include "core/gemm.h"               // CublasHandle
+#include "device_all_to_all_2dh.h"   // DeviceHierarchicalAllToAll
 #include "device_exchange.h"         // DeviceExchange
 #include "expert_parallel_plan.h"    // ExchangePlan
 #include "moe/dispatch.h"            // DispatchPlanBuffers
@@ -110,10 +137,26 @@ enum class ExpertCompute {
              // y[t] = sum_k w[t, k] x[t], no expert weights read, none of their gradients written
 };
 
+// pipeline_chunks = kAdaptivePipelineChunks: the layer measures these degrees for each new shape and
+// keeps the fastest (see the file comment).
+constexpr int kAdaptivePipelineChunks = 0;
+constexpr std::array<int, 4> kAdaptiveCandidates{1, 2, 4, 8};
+constexpr int kTrialStepsPerCandidate = 2;
+
 struct ExpertParallelGpuOptions {
-  int pipeline_chunks = 1;                 // d in [1, 64]: Tutel's pipelining degree; 1 is FastMoE's
+  int pipeline_chunks = 1;                 // d in [1, 64]: Tutel's pipelining degree; 1 is FastMoE's;
+                                           // kAdaptivePipelineChunks (0): chosen by measurement
   bool all_reduce_router_gradient = true;  // sum d_gate_weights over ranks (data-parallel router)
   ExpertCompute experts = ExpertCompute::ffn;
+  int hierarchical_ranks_per_node = 0;     // G: 0 or 1 the flat exchange; G > 1 dividing R: Tutel's 2DH
+};
+
+// The adaptive choice of d for one shape (every rank holds the same).
+struct PipelineChoice {
+  bool adaptive = false;        // options.pipeline_chunks == kAdaptivePipelineChunks
+  std::vector<int> candidates;  // kAdaptiveCandidates; empty when not adaptive
+  std::vector<double> times_ms; // per candidate: the slowest rank's best forward + backward; < 0 until agreed
+  int chosen = 0;               // the d kept; 0 while the trials run
 };
 
 // What the last forward did, on the host (every rank knows the whole count matrix).
@@ -131,6 +174,9 @@ struct ExpertParallelGpuStep {
   double z_loss = 0.0;        // global, unscaled: mean over all T tokens of logsumexp^2
   int host_synchronisations = 0;           // of the last forward (see the file comment)
   int backward_host_synchronisations = 0;  // of the last backward
+  int pipeline_chunks = 1;                 // d of the last forward (a trial's while adaptive trials run)
+  int hierarchical_ranks_per_node = 0;     // G of the exchanges (0: flat)
+  PipelineChoice pipeline;                 // the adaptive choice for the last forward's shape
 };
 
 class ExpertParallelGpu {
@@ -166,6 +212,8 @@ class ExpertParallelGpu {
   DeviceExchange& exchange() { return *exchange_; }
   const ExchangePlan& plan() const;  // of the last forward
   const ExpertParallelGpuStep& last_step() const { return step_; }
+  // The adaptive choices made so far, by shape (the ranks' T_r); empty when d is fixed.
+  const std::map<std::vector<int64_t>, PipelineChoice>& pipeline_choices() const { return choices_; }
 
   // ---- what the last forward computed, on the device (tests, ep_bench's checks) ----
   const cuda::DeviceBuffer<int>& top_experts() const { return top_experts_; }            // [T_r, K] used
@@ -176,6 +224,7 @@ class ExpertParallelGpu {
  private:
   struct Chunk;
   struct Tables;
+  struct Trial;
 
   void route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream);
   void upload_tables(cudaStream_t stream);
@@ -191,12 +240,22 @@ class ExpertParallelGpu {
   const bf16* chunk_result(int chunk) const;  // what chunk c sends home
   cuda::DevicePlan home_view(int64_t local_tokens) const;
   cuda::DevicePlan expert_view(int chunk) const;
+  // The token rows of chunk c: out to the experts' ranks (forward = true), or back home.
+  void exchange_chunk(int chunk, bool forward, const bf16* send, bf16* recv, cudaStream_t stream);
+  void hierarchical_counts();  // the 2DH's R x R counts of every chunk, from the plan
+  // Adaptive pipelining: the d of this forward, for the shape `tokens_per_rank`.
+  int choose_pipeline_chunks(const std::vector<int64_t>& tokens_per_rank);
+  void finish_trial_step();  // reads the last trial step's time, agrees when a shape's trials end
 
   MoeConfig config_;
   ExpertParallelGpuOptions options_;
   int64_t max_local_tokens_ = 0;
   int64_t experts_per_rank_ = 0;
+  int max_chunks_ = 1;  // chunks' buffers and events: d, or the largest adaptive candidate
   std::unique_ptr<DeviceExchange> exchange_;
+  std::unique_ptr<DeviceHierarchicalAllToAll> hierarchical_;  // when G > 1
+  // 2DH: [2 d][R * R] elements; [c]: rank s sends rank t in chunk c, [d + c]: the same rows back
+  std::vector<std::vector<int64_t>> chunk_counts_;
   MoeConfig local_experts_config_;  // E = E_r: what the block-sparse FFN and the topology see
   cudaStream_t exchange_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;  // [2 d + 2]: start, arrived[c], computed[c], returned
@@ -225,6 +284,22 @@ class ExpertParallelGpu {
   std::vector<std::unique_ptr<Chunk>> chunks_;
   cuda::DeviceBuffer<float> gradient_scratch_;  // d > 1, dropless: [E_r, D, H] + [E_r, H, D]
   cuda::DeviceBuffer<float*> scratch_w1_, scratch_w2_;  // [E_r] pointer tables into it
+
+  // ---- adaptive pipelining ----
+  std::map<std::vector<int64_t>, PipelineChoice> choices_;  // by the ranks' T_r
+  std::map<std::vector<int64_t>, std::unique_ptr<Trial>> trials_;
+  // Timing events on the caller's stream, two sets: a forward records into one while the trial step
+  // of the forward before is read from the other.
+  struct StepEvents {
+    cudaEvent_t forward_start = nullptr, forward_end = nullptr, backward_start = nullptr, backward_end = nullptr;
+  };
+  std::array<StepEvents, 2> step_events_;
+  int current_step_events_ = 0;      // the set of the last forward (and its backward)
+  bool trial_step_pending_ = false;  // the last forward was a trial step, not yet read
+  bool trial_step_has_backward_ = false;
+  int trial_step_events_ = 0;        // its set
+  std::vector<int64_t> trial_step_shape_;
+  int trial_step_candidate_ = 0;
 
   ExpertParallelGpuStep step_;
   bool forward_done_ = false;

@@ -8,12 +8,17 @@
 // when there are more ranks than cores):
 //   ./moe build && mpirun -np 4 build/lessons/lesson06_expert_parallelism [--out runs/lesson06_expert_parallelism]
 //   build/lessons/lesson06_expert_parallelism        (one rank: the same protocol, nothing travels)
+//   mpirun -np 2 build/lessons/lesson06_expert_parallelism --gpu [--backend auto|nccl|mpi]
+//                    (the same layer on GPU ranks, distributed/expert_parallel_gpu.h, checked against
+//                    the CPU reference; writes runs/lesson06_expert_parallelism_gpu)
 //
 // The layer is distributed/expert_parallel_cpu.h (Eigen, double), checked against the
 // single-device layer reference_cpu/moe_layer.h on all tokens. Rank 0 prints the tables and the
 // verdict and writes the run record. Dimension legend: T tokens (all ranks), T_r per rank,
 // D model width, H expert hidden width, E experts, E_r = E / R per rank, K top-k, C capacity,
 // B block size, R ranks.
+#include <mpi.h>  // MPI_Abort: a GPU error on one rank ends every rank
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -24,12 +29,16 @@
 #include <sstream>
 #include <tuple>
 
-#include "distributed_lesson_support.h"  // open_lesson_run_on_ranks
+#include "distributed_lesson_support.h"  // open_lesson_run_on_ranks, GpuFlags
 #include "expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
 #include "init.h"                        // random_weights, random_matrix
 #include "lesson_support.h"              // options, zipf_tokens, Table, load_stats
 #include "mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
 #include "reference_cpu/moe_layer.h"     // moe_forward, moe_backward: the oracle
+#ifdef MOE_LESSON_HAS_CUDA
+#include "core/reference_bridge.h"       // round_bf16
+#include "distributed_lesson_gpu.h"      // open_gpu_ranks, GpuLessonLayer
+#endif
 
 using namespace moe;
 using moe::lessons::Table;
@@ -167,10 +176,178 @@ std::vector<std::vector<int64_t>> square(const std::vector<int64_t>& matrix, int
   return rows;
 }
 
+// ---- the GPU path (--gpu) ----
+
+#ifdef MOE_LESSON_HAS_CUDA
+// The lesson's layer on GPU ranks (distributed/expert_parallel_gpu.h, bf16), checked against the CPU
+// reference on all tokens (double, from the same bf16 values), then what the GPU run measured: the
+// count exchange's matrix, the bytes each rank moves, and where the time goes. Collective; returns
+// the exit code.
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
+               MoeConfig config, const Shard& shard) {
+  const bool root = world.rank() == 0;
+  const auto ranks = lessons::open_gpu_ranks(world, flags.backend);
+  if (!ranks->refusal.empty()) {
+    if (root) std::cerr << kName << " --gpu: " << ranks->refusal << "\n";
+    return ranks->exit_code;
+  }
+  dist::Communicator& comm = world;  // the lesson's own collectives (tables, checks) on host values
+  const int R = comm.size();
+  // The GPU's block-sparse kernels tile by B = 64 or 128 (D, H multiples of B): the lesson's B = 16
+  // becomes 64. Dropless, B only sets the padding rows: y and every gradient are the same.
+  config.block_size = 64;
+  const int64_t T = config.tokens, D = config.model_dim, E = config.num_experts, K = config.top_k, E_r = E / R;
+
+  std::optional<RunWriter> writer;
+  if (!lessons::open_lesson_run_on_ranks(comm, options, kName, "06", config, writer, ranks->devices)) return 2;
+  auto show = [&](const Table& table) {
+    if (!root) return;
+    table.print();
+    writer->append(to_event(table.event()));
+  };
+  auto say = [&](const std::string& text) { if (root) std::cout << text; };
+  say("Lesson 06 on the GPU: R=" + std::to_string(R) + " ranks over " + ranks->backend + ", " +
+      std::to_string(ranks->ranks_per_gpu) + " rank(s) per GPU; " + ranks->devices[0] + ".\n  The lesson's layer: T=" +
+      std::to_string(T) + " tokens (T_r=" + std::to_string(shard.tokens) + " a rank), D=" + std::to_string(D) +
+      ", H=" + std::to_string(config.hidden_dim) + ", E=" + std::to_string(E) + " (E_r=" + std::to_string(E_r) +
+      " a rank), K=" + std::to_string(K) + ", dropless, B=64 (the GPU kernels' block)\n");
+  if (ranks->ranks_per_gpu > 1) {
+    say("  NOTE: ranks share a GPU, so the MPI backend stages every exchange through host memory: the\n"
+        "  times below are of that staging and sharing, not of a GPU interconnect.\n");
+  }
+
+  // The CPU path's data (the same draws), rounded to bf16 so that both layers read the same values.
+  std::mt19937_64 generator(options.seed);
+  const ref::Matrix x = cuda::round_bf16(lessons::zipf_tokens(T, D, 1000, 1.1, generator));
+  (void)ref::random_matrix(T, D, generator);  // the CPU path's random tokens: keeps dy the same draw
+  const ref::Matrix dy = cuda::round_bf16(ref::random_matrix(T, D, generator));
+  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
+  weights.gate_weights = cuda::round_bf16(ref::random_matrix(D, E, generator, 3.0 / std::sqrt(static_cast<double>(D))));
+  for (auto& w : weights.w1) w = cuda::round_bf16(w);
+  for (auto& w : weights.w2) w = cuda::round_bf16(w);
+  const ref::LayerForward reference = ref::moe_forward(config, x, weights);
+  const ref::LayerGradients reference_grads = ref::moe_backward(config, x, weights, reference, dy);
+
+  constexpr int kWarmup = 3, kTimed = 10;
+  lessons::GpuLessonLayer gpu(*ranks, comm, config, x, dy, weights, shard.offset, shard.tokens);
+  const lessons::GpuLayerRun full = gpu.run({}, kWarmup, kTimed);
+  const lessons::GpuLayerRun exchange = gpu.run({.experts = dist::ExpertCompute::identity}, kWarmup, kTimed);
+
+  // ---- G1. the count exchange, as the GPU layer saw it ----
+  const std::vector<int64_t>& kept = full.step.kept_per_rank_expert;  // [R, E] on every rank
+  std::vector<int64_t> dispatch(static_cast<size_t>(R) * R, 0);      // rows rank s sends rank t
+  for (int s = 0; s < R; ++s)
+    for (int64_t e = 0; e < E; ++e) dispatch[s * R + e / E_r] += kept[s * E + e];
+  const int64_t row_bytes = D * kBf16Bytes;
+  {
+    std::vector<std::string> columns{"from \\ to"};
+    for (int t = 0; t < R; ++t) columns.push_back("rank " + std::to_string(t));
+    columns.push_back("sent");
+    Table table("Table G1: the GPU layer's dispatch, bytes rank s (row) sends rank t (column), from its count exchange",
+                columns);
+    for (int s = 0; s < R; ++s) {
+      std::vector<nlohmann::json> row{"rank " + std::to_string(s)};
+      int64_t sent = 0;
+      for (int t = 0; t < R; ++t) row.push_back(dispatch[s * R + t] * row_bytes), sent += dispatch[s * R + t];
+      row.push_back(sent * row_bytes);
+      table.add_row(row);
+    }
+    std::vector<nlohmann::json> last{"received"};
+    for (int64_t n : received(dispatch, R)) last.push_back(n * row_bytes);
+    last.push_back("");
+    table.add_row(last);
+    show(table);
+  }
+
+  // ---- G2. where the time goes ----
+  {
+    const double step_ms = full.forward_ms + full.backward_ms;
+    const double experts_ms = std::max(0.0, full.forward_ms - exchange.forward_ms);
+    Table table("Table G2: where a step's time goes, the slowest rank's median of " + std::to_string(kTimed) +
+                    " steps (CUDA events on the rank's stream)",
+                {"part", "ms", "share of the step", "host waits"});
+    table.add_row({"forward: route, count exchange, dispatch, experts, combine", full.forward_ms,
+                   full.forward_ms / step_ms, full.step.host_synchronisations});
+    table.add_row({"  the exchange alone (identity experts: route, counts, dispatch, combine)", exchange.forward_ms,
+                   exchange.forward_ms / step_ms, exchange.step.host_synchronisations});
+    table.add_row({"  the experts (forward minus the exchange alone)", experts_ms, experts_ms / step_ms, ""});
+    table.add_row({"backward: combine, rows out, experts, rows back, router", full.backward_ms,
+                   full.backward_ms / step_ms, full.step.backward_host_synchronisations});
+    show(table);
+    const double bytes = 2.0 * static_cast<double>(full.step.rows_sent * row_bytes);  // out and back
+    std::ostringstream text;
+    text << std::setprecision(3) << "  This rank sent " << full.step.rows_sent << " rows (" << bytes / 2
+         << " bytes) and got as many back; the exchange alone moves them at " << bytes / (exchange.forward_ms * 1e6)
+         << " GB/s including routing, the count exchange and the layout kernels. The one host wait of a\n"
+            "  forward over NCCL is the count read-back (FastMoE's); over MPI each exchange waits twice more.\n";
+    say(text.str());
+  }
+
+  // ---- G3. the check against the CPU reference ----
+  const std::vector<bool> same = lessons::same_routing(full.top_experts, reference.router.top_experts, shard.offset,
+                                                       shard.tokens, K);
+  std::vector<int64_t> flipped{static_cast<int64_t>(std::count(same.begin(), same.end(), false))};
+  dist::all_reduce_sum<int64_t>(comm, flipped);
+  const double y_error =
+      lessons::sharded_relative_error(comm, full.y, reference.y.middleRows(shard.offset, shard.tokens), same);
+  const double dx_error =
+      lessons::sharded_relative_error(comm, full.dx, reference_grads.x.middleRows(shard.offset, shard.tokens), same);
+  const double aux_error = std::abs(full.step.aux_loss - reference.aux_loss) / reference.aux_loss;
+  constexpr double kGpuTolerance = 2e-2;  // bf16 activations, fp32 accumulation
+  {
+    Table table("Table G3: the GPU layer against the CPU reference on all T tokens (double, the same bf16 inputs)",
+                {"tensor", "rel err", "tol"});
+    table.add_row({"y", y_error, kGpuTolerance});
+    table.add_row({"dx", dx_error, kGpuTolerance});
+    table.add_row({"aux loss", aux_error, kGpuTolerance});
+    table.add_row({"tokens routed otherwise (near-ties, left out above)", flipped[0], T / 100});
+    show(table);
+  }
+  const bool pass = y_error <= kGpuTolerance && dx_error <= kGpuTolerance && aux_error <= kGpuTolerance &&
+                    flipped[0] <= T / 100;
+  std::ostringstream message;
+  message << std::setprecision(2) << "GPU EP layer == CPU reference on R=" << R << " ranks (" << ranks->backend
+          << "): y rel_err=" << y_error << " dx rel_err=" << dx_error << " aux rel_err=" << aux_error
+          << " tol=" << kGpuTolerance << "; tokens routed otherwise: " << flipped[0];
+  if (root) {
+    lessons::finish(*writer, kName, pass, message.str());
+    std::cout << "run record: " << options.out.string() << "\n";
+  }
+  return pass ? 0 : 1;
+}
+#endif
+
+// Runs the GPU path, or says why it cannot; an error on one rank ends every rank (the others would
+// wait in the next collective).
+int gpu_path(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
+             const MoeConfig& config, const Shard& shard) {
+#ifdef MOE_LESSON_HAS_CUDA
+  try {
+    return run_on_gpu(world, options, flags, config, shard);
+  } catch (const std::exception& error) {
+    std::cerr << "[rank " << world.rank() << "] " << kName << " --gpu: " << error.what() << "\n";
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
+#else
+  (void)options, (void)flags, (void)config, (void)shard;
+  if (world.rank() == 0) {
+    std::cerr << kName << " --gpu: this build has no CUDA (CMake found no CUDA compiler, or MOE_ENABLE_CUDA=OFF); "
+                          "the CPU path runs without --gpu\n";
+  }
+  return 1;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const auto options = lessons::parse_options(argc, argv, kName, "runs/lesson06_expert_parallelism");
+  lessons::GpuFlags gpu_flags;
+  const auto options = lessons::parse_options(
+      argc, argv, kName,
+      lessons::gpu_flag_given(argc, argv) ? "runs/lesson06_expert_parallelism_gpu" : "runs/lesson06_expert_parallelism",
+      lessons::kGpuUsage,
+      [&](const std::string& argument, int& i) { return lessons::take_gpu_flag(gpu_flags, argc, argv, argument, i); });
   dist::MpiEnvironment mpi(argc, argv);
   const auto world = dist::MpiCommunicator::world();
   dist::Communicator& comm = *world;
@@ -194,6 +371,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const Shard shard{rank, R, rank * (T / R), T / R};
+  if (gpu_flags.gpu) return gpu_path(*world, options, gpu_flags, config, shard);
   const int64_t E_r = E / R;
 
   // The ranks agree first whether the run record may be written, so that they stop together.

@@ -10,6 +10,9 @@
 // Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root, and --oversubscribe
 // when there are more ranks than cores):
 //   ./moe build && mpirun -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
+//   mpirun -np 2 build/lessons/lesson07_tutel --gpu [--backend auto|nccl|mpi]
+//                    (the GPU layer's pipelining degrees, its adaptive choice of d and its 2DH
+//                    exchange, measured and checked; writes runs/lesson07_tutel_gpu)
 //
 // The layer is distributed/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
 // hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h; the layouts r are
@@ -17,6 +20,8 @@
 // record. Dimension legend: T tokens (all ranks), T_r per rank,
 // D model width, H expert hidden width, E experts, K top-k, R ranks, G ranks per node, N = R / G
 // nodes, d pipeline chunks, r Tutel's parallelism degree.
+#include <mpi.h>  // MPI_Abort: a GPU error on one rank ends every rank
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,13 +34,18 @@
 #include <tuple>
 
 #include "all_to_all_2dh.h"               // HierarchicalAllToAll
-#include "distributed_lesson_support.h"  // open_lesson_run_on_ranks
+#include "distributed_lesson_support.h"  // open_lesson_run_on_ranks, GpuFlags
 #include "expert_layouts.h"              // expert_layout_forward / backward, choose_layout, measure_layouts
 #include "expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
 #include "init.h"                        // random_weights, random_matrix
 #include "lesson_support.h"              // options, zipf_tokens, Table
 #include "moe_layer.h"                   // ref::moe_forward / moe_backward, the oracle of section 4
 #include "mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
+#ifdef MOE_LESSON_HAS_CUDA
+#include "core/reference_bridge.h"       // round_bf16
+#include "distributed_lesson_gpu.h"      // open_gpu_ranks, GpuLessonLayer
+#include "reference_cpu/moe_layer.h"     // moe_forward: the check
+#endif
 
 using namespace moe;
 using moe::lessons::Table;
@@ -210,7 +220,6 @@ bool same_exchange(dist::Communicator& comm, dist::HierarchicalAllToAll& hierarc
   return same == 1;
 }
 
-
 // ---- parallelism switching: the real run ----
 
 constexpr double kLayoutTolerance = 1e-10;  // every layout against the single-device layer, double
@@ -269,10 +278,189 @@ double error_against_reference(dist::Communicator& comm, const LayoutRun& run, c
   return std::isnan(error) ? std::numeric_limits<double>::infinity() : error;
 }
 
+// ---- the GPU path (--gpu) ----
+
+#ifdef MOE_LESSON_HAS_CUDA
+// Tutel's two mechanisms on the GPU layer (distributed/expert_parallel_gpu.h): the pipelining
+// degrees d = 1, 2, 4, 8 timed, the layer's own adaptive choice of d with its trial times, and the
+// 2DH exchange against the flat one; every variant's y bit for bit d = 1's (B = 64: the portable
+// kernels compute a row the same way whatever rows surround it), and d = 1 against the CPU
+// reference. Collective; returns the exit code.
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
+               MoeConfig config, const Shard& shard) {
+  const bool root = world.rank() == 0;
+  const auto ranks = lessons::open_gpu_ranks(world, flags.backend);
+  if (!ranks->refusal.empty()) {
+    if (root) std::cerr << kName << " --gpu: " << ranks->refusal << "\n";
+    return ranks->exit_code;
+  }
+  dist::Communicator& comm = world;  // the lesson's own collectives (tables, checks) on host values
+  const int R = comm.size();
+  // The GPU's block-sparse kernels tile by B = 64 or 128, with D and H multiples of B: the lesson's
+  // D = 32, H = 64, B = 8 become D = 64, H = 128, B = 64 (T, E, K as on the CPU ranks).
+  config.model_dim = 64;
+  config.hidden_dim = 128;
+  config.block_size = 64;
+  const int64_t T = config.tokens, D = config.model_dim, E = config.num_experts, K = config.top_k;
+
+  std::optional<RunWriter> writer;
+  if (!lessons::open_lesson_run_on_ranks(comm, options, kName, "07", config, writer, ranks->devices)) return 2;
+  auto show = [&](const Table& table) {
+    if (!root) return;
+    table.print();
+    writer->append(to_event(table.event()));
+  };
+  auto say = [&](const std::string& line) { if (root) std::cout << line; };
+  say("Lesson 07 on the GPU: R=" + std::to_string(R) + " ranks over " + ranks->backend + ", " +
+      std::to_string(ranks->ranks_per_gpu) + " rank(s) per GPU; " + ranks->devices[0] + ".\n  The layer: T=" +
+      std::to_string(T) + " (T_r=" + std::to_string(shard.tokens) + " a rank), D=" + std::to_string(D) + ", H=" +
+      std::to_string(config.hidden_dim) + ", E=" + std::to_string(E) + ", K=" + std::to_string(K) +
+      ", dropless, B=64. Times: the slowest rank's median of 10 steps (CUDA events).\n");
+  if (ranks->ranks_per_gpu > 1) {
+    say("  NOTE: ranks share a GPU, so the MPI backend stages every exchange through host memory (the host\n"
+        "  runs the exchange while the GPU runs the experts): the schedule is Tutel's, the times are not an\n"
+        "  interconnect's.\n");
+  }
+
+  std::mt19937_64 generator(options.seed);
+  const ref::Matrix x = cuda::round_bf16(lessons::zipf_tokens(T, D, 1000, 1.1, generator));
+  const ref::Matrix dy = cuda::round_bf16(ref::random_matrix(T, D, generator));
+  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
+  weights.gate_weights = cuda::round_bf16(ref::random_matrix(D, E, generator, 3.0 / std::sqrt(static_cast<double>(D))));
+  for (auto& w : weights.w1) w = cuda::round_bf16(w);
+  for (auto& w : weights.w2) w = cuda::round_bf16(w);
+
+  constexpr int kWarmup = 3, kTimed = 10;
+  lessons::GpuLessonLayer gpu(*ranks, comm, config, x, dy, weights, shard.offset, shard.tokens);
+  // True on every rank when every rank's y (and dx, when asked) has the same bits in both runs.
+  auto same_outputs = [&](const lessons::GpuLayerRun& a, const lessons::GpuLayerRun& b, bool with_dx) {
+    int32_t same = a.y_bits == b.y_bits && (!with_dx || a.dx == b.dx) ? 1 : 0;
+    for (int32_t s : dist::all_gather<int32_t>(comm, same)) same &= s;
+    return same == 1;
+  };
+
+  // ---- G1. the pipelining degrees, and the layer's own choice ----
+  bool pipelined_bitwise = true;
+  const lessons::GpuLayerRun one = gpu.run({.pipeline_chunks = 1}, kWarmup, kTimed);
+  const int trials = static_cast<int>(dist::kAdaptiveCandidates.size()) * dist::kTrialStepsPerCandidate;
+  const lessons::GpuLayerRun adaptive =
+      gpu.run({.pipeline_chunks = dist::kAdaptivePipelineChunks}, /*warmup: the trials, then the choice*/ trials + 1,
+              kTimed);
+  {
+    Table table("Table G1: forward + backward on the GPU at each pipelining degree, and the layer choosing d itself",
+                {"d", "forward (ms)", "backward (ms)", "step (ms)", "vs d=1", "y bit for bit vs d=1"});
+    const double one_ms = one.forward_ms + one.backward_ms;
+    table.add_row({1, one.forward_ms, one.backward_ms, one_ms, 1.0, "-"});
+    for (int d : {2, 4, 8}) {
+      const lessons::GpuLayerRun run = gpu.run({.pipeline_chunks = d}, kWarmup, kTimed);
+      const bool same = same_outputs(run, one, false);
+      pipelined_bitwise = pipelined_bitwise && same;
+      table.add_row({d, run.forward_ms, run.backward_ms, run.forward_ms + run.backward_ms,
+                     (run.forward_ms + run.backward_ms) / one_ms, same ? "yes" : "NO"});
+    }
+    const bool same = same_outputs(adaptive, one, false);
+    pipelined_bitwise = pipelined_bitwise && same;
+    table.add_row({"adaptive: d=" + std::to_string(adaptive.step.pipeline.chosen), adaptive.forward_ms,
+                   adaptive.backward_ms, adaptive.forward_ms + adaptive.backward_ms,
+                   (adaptive.forward_ms + adaptive.backward_ms) / one_ms, same ? "yes" : "NO"});
+    show(table);
+  }
+  const dist::PipelineChoice& choice = adaptive.step.pipeline;
+  const bool chose_a_candidate =
+      std::find(choice.candidates.begin(), choice.candidates.end(), choice.chosen) != choice.candidates.end();
+  {
+    Table table("Table G2: the layer's adaptive trials (pipeline_chunks = 0): each candidate's best of " +
+                    std::to_string(dist::kTrialStepsPerCandidate) + " forward + backward steps, the slowest rank's",
+                {"candidate d", "trial (ms)", "chosen"});
+    for (size_t i = 0; i < choice.candidates.size(); ++i) {
+      table.add_row({choice.candidates[i], choice.times_ms[i], choice.candidates[i] == choice.chosen ? "<-" : ""});
+    }
+    show(table);
+    say("  Every rank measured every candidate on its own stream; the ranks gathered the times and all kept\n"
+        "  the d whose slowest rank was fastest. d = 1 is a candidate, so the choice is never slower than\n"
+        "  d = 1 beyond the noise of two steps. A new shape (other T_r) gets trials of its own.\n");
+  }
+
+  // ---- G3. the 2DH exchange against the flat one ----
+  bool hierarchical_bitwise = true;
+  std::string node_sizes;
+  {
+    Table table("Table G3: the layer through the 2DH all-to-all (nodes of G ranks) against the flat one, d=1",
+                {"G", "nodes N", "forward (ms)", "backward (ms)", "vs flat", "y and dx bit for bit", "host waits"});
+    const double flat_ms = one.forward_ms + one.backward_ms;
+    table.add_row({"flat", "-", one.forward_ms, one.backward_ms, 1.0, "-",
+                   one.step.host_synchronisations + one.step.backward_host_synchronisations});
+    for (int G = 2; G <= R; ++G) {
+      if (R % G != 0) continue;
+      const lessons::GpuLayerRun run = gpu.run({.pipeline_chunks = 1, .hierarchical_ranks_per_node = G}, kWarmup, kTimed);
+      const bool same = same_outputs(run, one, true);
+      hierarchical_bitwise = hierarchical_bitwise && same;
+      node_sizes += (node_sizes.empty() ? "" : ",") + std::to_string(G);
+      table.add_row({G, R / G, run.forward_ms, run.backward_ms, (run.forward_ms + run.backward_ms) / flat_ms,
+                     same ? "yes" : "NO", run.step.host_synchronisations + run.step.backward_host_synchronisations});
+    }
+    show(table);
+    if (node_sizes.empty()) say("  (2DH needs nodes of G > 1 ranks: run with -np 2 or 4.)\n");
+    say("  On one host the 'nodes' share the same links: 2DH pays its second stage and its copies here\n"
+        "  without the gain it brings across real nodes (fewer, larger messages; Table 3 of the CPU path).\n");
+  }
+
+  // ---- the check of d = 1 against the CPU reference ----
+  const ref::LayerForward reference = ref::moe_forward(config, x, weights);
+  const std::vector<bool> same = lessons::same_routing(one.top_experts, reference.router.top_experts, shard.offset,
+                                                       shard.tokens, K);
+  std::vector<int64_t> flipped{static_cast<int64_t>(std::count(same.begin(), same.end(), false))};
+  dist::all_reduce_sum<int64_t>(comm, flipped);
+  const double y_error =
+      lessons::sharded_relative_error(comm, one.y, reference.y.middleRows(shard.offset, shard.tokens), same);
+  constexpr double kGpuTolerance = 2e-2;  // bf16 activations, fp32 accumulation
+
+  const bool pass = y_error <= kGpuTolerance && flipped[0] <= T / 100 && pipelined_bitwise && chose_a_candidate &&
+                    hierarchical_bitwise;
+  std::ostringstream message;
+  message << std::setprecision(2) << "GPU layer on R=" << R << " ranks (" << ranks->backend << "): d=1 vs CPU reference y rel_err="
+          << y_error << " tol=" << kGpuTolerance << " (tokens routed otherwise: " << flipped[0]
+          << "); d=2,4,8 and adaptive (chose d=" << choice.chosen << ") y bit for bit d=1: "
+          << (pipelined_bitwise ? "yes" : "NO") << "; 2DH == flat bit for bit at G="
+          << (node_sizes.empty() ? "none (R=1)" : node_sizes) << ": " << (hierarchical_bitwise ? "yes" : "NO");
+  if (root) {
+    lessons::finish(*writer, kName, pass, message.str());
+    std::cout << "run record: " << options.out.string() << "\n";
+  }
+  return pass ? 0 : 1;
+}
+#endif
+
+// Runs the GPU path, or says why it cannot; an error on one rank ends every rank (the others would
+// wait in the next collective).
+int gpu_path(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
+             const MoeConfig& config, const Shard& shard) {
+#ifdef MOE_LESSON_HAS_CUDA
+  try {
+    return run_on_gpu(world, options, flags, config, shard);
+  } catch (const std::exception& error) {
+    std::cerr << "[rank " << world.rank() << "] " << kName << " --gpu: " << error.what() << "\n";
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
+#else
+  (void)options, (void)flags, (void)config, (void)shard;
+  if (world.rank() == 0) {
+    std::cerr << kName << " --gpu: this build has no CUDA (CMake found no CUDA compiler, or MOE_ENABLE_CUDA=OFF); "
+                          "the CPU path runs without --gpu\n";
+  }
+  return 1;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const auto options = lessons::parse_options(argc, argv, kName, "runs/lesson07_tutel");
+  lessons::GpuFlags gpu_flags;
+  const auto options = lessons::parse_options(
+      argc, argv, kName, lessons::gpu_flag_given(argc, argv) ? "runs/lesson07_tutel_gpu" : "runs/lesson07_tutel",
+      lessons::kGpuUsage,
+      [&](const std::string& argument, int& i) { return lessons::take_gpu_flag(gpu_flags, argc, argv, argument, i); });
   dist::MpiEnvironment mpi(argc, argv);
   const auto world = dist::MpiCommunicator::world();
   dist::Communicator& comm = *world;
@@ -297,6 +485,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const Shard shard{rank, R, rank * (T / R), T / R};
+  if (gpu_flags.gpu) return gpu_path(*world, options, gpu_flags, config, shard);
 
   // The ranks agree first whether the run record may be written, so that they stop together.
   std::optional<RunWriter> writer;

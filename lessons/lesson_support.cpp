@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 
 #include "init.h"  // moe::ref::random_matrix
 
@@ -15,18 +16,31 @@ namespace moe::lessons {
 
 LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name,
                             const std::string& default_out) {
+  return parse_options(argc, argv, lesson_name, default_out, "", nullptr);
+}
+
+LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name, const std::string& default_out,
+                            const std::string& own_usage,
+                            const std::function<bool(const std::string& argument, int& i)>& own) {
   LessonOptions options;
   options.out = default_out;
   const std::string usage = "usage: " + lesson_name + " [--out DIR] [--overwrite] [--seed N]\n"
                             "  --out DIR     run record directory (default " + default_out + ")\n"
                             "  --overwrite   replace a run record already in DIR\n"
-                            "  --seed N      seed of the random data (default 1)\n";
+                            "  --seed N      seed of the random data (default 1)\n" + own_usage;
   auto fail = [&](const std::string& message) {
     std::cerr << lesson_name << ": " << message << "\n" << usage;
     std::exit(2);
   };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (own) {
+      try {
+        if (own(arg, i)) continue;
+      } catch (const std::invalid_argument& error) {
+        fail(error.what());
+      }
+    }
     if (arg == "--help" || arg == "-h") {
       std::cout << usage;
       std::exit(0);

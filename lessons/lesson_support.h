@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -28,6 +29,13 @@ struct LessonOptions {
 // on a bad argument (code 2, with a message saying what was wrong and what is allowed).
 LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name,
                             const std::string& default_out);
+
+// The same for a lesson with flags of its own: `own(argument, i)` sees every argument first and
+// returns true when it took it (advancing i past a value it read); it throws std::invalid_argument
+// for a bad value, which stops the program as any bad argument does. `own_usage` is added to the usage.
+LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name, const std::string& default_out,
+                            const std::string& own_usage,
+                            const std::function<bool(const std::string& argument, int& i)>& own);
 
 // Creates the lesson's run record at options.out (kind "lesson", the config, the devices, the
 // lesson number and seed). A run already there is replaced only with --overwrite; otherwise the

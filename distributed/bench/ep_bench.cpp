@@ -3,10 +3,14 @@
 // row carries size, count, type, time (us), algbw, busbw and an error from a check of the data, so a
 // wrong answer shows beside the speed. Rows: raw all-to-all (first, as in nccl-tests), the count
 // exchange (the layer's host synchronisation), dispatch + combine of the EP layer at the same bytes,
-// and the whole layer forward + backward at each pipelining degree, with the fastest degree picked
-// (Tutel's adaptive pipelining by measurement: never slower than d = 1, which is one of the choices).
+// and the whole layer forward + backward at each pipelining degree, then the layer choosing d itself
+// (Tutel's adaptive pipelining by measurement, ExpertParallelGpu's kAdaptivePipelineChunks: never
+// slower than d = 1, which is one of its candidates), with its trial times. --nodes-of G adds the
+// raw all-to-all and dispatch + combine through Tutel's 2DH all-to-all (nodes of G ranks) beside
+// the flat rows.
 //
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl --out ep_bench.json   (one GPU per rank)
+//   mpirun -np 4 build/distributed/bench/ep_bench --backend nccl --nodes-of 2          (2DH: 2 nodes of 2)
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend mpi                        (ranks may share a GPU)
 //   build/distributed/bench/ep_bench --help
 // As root, OpenMPI also wants --allow-run-as-root. The MPI backend stages every exchange through
@@ -87,6 +91,12 @@ int run(int argc, char** argv, MpiCommunicator& world) {
     say(usage());
     return 0;
   }
+  const int G = options.hierarchical_ranks_per_node;
+  if (G > 1 && R % G != 0) {  // every rank sees the same R and G: every rank returns here
+    complain("ep_bench: --nodes-of " + std::to_string(G) + ": G must divide the number of ranks R = " +
+             std::to_string(R) + " (nodes of G consecutive ranks)");
+    return 2;
+  }
 
   // ---- one GPU per rank, or ranks sharing one ----
   int devices = 0;
@@ -137,6 +147,11 @@ int run(int argc, char** argv, MpiCommunicator& world) {
     say("#       host -> device): these timings are of PCIe copies and shared memory, not of an interconnect.");
   }
   if (most_sharing > 1) say("# NOTE: ranks share a GPU: the rows check correctness; their times are not a multi-GPU system's.");
+  if (G > 1) {
+    say("# 2dh rows: Tutel's 2D hierarchical all-to-all, nodes of G=" + std::to_string(G) + " consecutive ranks (N=" +
+        std::to_string(R / G) + "); where the 'nodes' share one host, stage 2 crosses no slower link: the rows");
+    say("#       show the price of the extra stage and copies, not the gain across real nodes.");
+  }
   say("# time: the slowest rank's median of " + std::to_string(options.iterations) + " runs after " +
       std::to_string(options.warmup_runs) + " warm-up runs and " + std::to_string(int(options.warmup_ms)) +
       " ms of load; error: wrong elements summed over ranks, or the largest relative error (layer rows,");
@@ -160,10 +175,13 @@ int run(int argc, char** argv, MpiCommunicator& world) {
   if (problem) say("# layer rows: " + layer_summary(*problem).description);
   say(table_header());
   if (wanted("alltoall")) measure_all(*make_alltoall_variant(ctx));
+  if (wanted("alltoall") && G > 1) measure_all(*make_alltoall_variant(ctx, G));
   if (wanted("count")) measure_all(*make_count_exchange_variant(ctx));
   if (wanted("dispatch")) measure_all(*make_dispatch_combine_variant(ctx));
-  int adaptive = 0;
+  if (wanted("dispatch") && G > 1) measure_all(*make_dispatch_combine_variant(ctx, G));
+  int adaptive = 0;  // the table's fastest fixed degree
   double adaptive_us = 0, one_chunk_us = 0;
+  std::shared_ptr<PipelineChoice> layer_choice;  // the layer's own choice, with its trial times
   if (problem) {
     for (int d : options.pipeline_chunks) {
       measure_all(*make_layer_variant(ctx, problem, d));
@@ -175,12 +193,30 @@ int run(int argc, char** argv, MpiCommunicator& world) {
       }
     }
     char line[200];
-    std::snprintf(line, sizeof line, "# adaptive pipelining (the fastest degree measured): d = %d, %.1f us", adaptive,
-                  adaptive_us);
+    std::snprintf(line, sizeof line, "# the table's fastest pipelining degree: d = %d, %.1f us", adaptive, adaptive_us);
     say(line);
     if (one_chunk_us > 0) {
       std::snprintf(line, sizeof line, "#   against d = 1: %.1f us (%.3fx)", one_chunk_us, one_chunk_us / adaptive_us);
       say(line);
+    }
+    if (options.adaptive) {
+      layer_choice = std::make_shared<PipelineChoice>();
+      measure_all(*make_layer_variant(ctx, problem, kAdaptivePipelineChunks, layer_choice));
+      std::string trials;
+      for (size_t i = 0; i < layer_choice->candidates.size(); ++i) {
+        std::snprintf(line, sizeof line, "%sd=%d %.3f ms", i ? ", " : "", layer_choice->candidates[i],
+                      layer_choice->times_ms[i]);
+        trials += line;
+      }
+      std::snprintf(line, sizeof line, "# the layer's adaptive choice (pipeline_chunks = 0): d = %d, %.1f us",
+                    layer_choice->chosen, rows.back().time_us);
+      say(line);
+      say("#   its trials, the slowest rank's best forward + backward of " + std::to_string(kTrialStepsPerCandidate) +
+          " steps each: " + trials);
+      if (one_chunk_us > 0) {
+        std::snprintf(line, sizeof line, "#   against d = 1 in the table: %.3fx", one_chunk_us / rows.back().time_us);
+        say(line);
+      }
     }
   }
   // The verdict: no wrong element in the exact checks, the layer within bf16 tolerance of the
@@ -218,7 +254,14 @@ int run(int argc, char** argv, MpiCommunicator& world) {
                        {"top_k", layer_shape.config.top_k},
                        {"formulation", std::string(to_string(layer_shape.config.formulation))}};
       json["adaptive_pipeline_chunks"] = adaptive;
+      if (layer_choice) {
+        json["layer_adaptive_choice"] = {{"chosen", layer_choice->chosen},
+                                         {"candidates", layer_choice->candidates},
+                                         {"trial_times_ms", layer_choice->times_ms},
+                                         {"trial_steps_per_candidate", kTrialStepsPerCandidate}};
+      }
     }
+    json["hierarchical_ranks_per_node"] = G;
     json["notes"] = messages;
     json["rows"] = nlohmann::json::array();
     for (const Row& row : rows) json["rows"].push_back(row_json(row));

@@ -65,6 +65,8 @@ std::string usage() {
          "  --layer T,D,H,E,K           the layer rows' shape, T per rank (default 16384,2048,8192,32,2)\n"
          "  --block B --formulation dropless|padded|dropping --capacity-factor CF\n"
          "  --chunks 1,2,4,8            Tutel's pipelining degrees of the layer rows\n"
+         "  --no-adaptive               no row of the layer choosing d itself (pipeline_chunks = 0)\n"
+         "  --nodes-of G                Tutel's 2DH rows beside the flat ones: nodes of G ranks, G > 1 dividing R\n"
          "  --only count,alltoall,dispatch,layer   which rows\n"
          "  --out FILE.json             the rows, with device, date, R and backend\n"
          "  --seed N\n";
@@ -101,6 +103,12 @@ BenchOptions parse_options(int argc, char** argv) {
     else if (flag == "--chunks") {
       o.pipeline_chunks.clear();
       for (int64_t d : parse_list(flag, value())) o.pipeline_chunks.push_back(static_cast<int>(d));
+    } else if (flag == "--no-adaptive") {
+      o.adaptive = false;
+    } else if (flag == "--nodes-of") {
+      const int64_t G = parse_list(flag, value()).at(0);
+      if (G < 2) throw std::invalid_argument("--nodes-of " + std::to_string(G) + ": expected G >= 2 ranks per node");
+      o.hierarchical_ranks_per_node = static_cast<int>(G);
     } else if (flag == "--only") {
       o.variants.clear();
       std::stringstream stream(value());
@@ -199,7 +207,7 @@ Row measure(BenchContext& ctx, Variant& variant, int64_t size_bytes) {
 
 std::string table_header() {
   char line[256];
-  std::snprintf(line, sizeof line, "#%-22s %12s %10s %6s %11s %11s %11s %9s %6s", "variant", "size(B)", "count", "type",
+  std::snprintf(line, sizeof line, "#%-26s %12s %10s %6s %11s %11s %11s %9s %6s", "variant", "size(B)", "count", "type",
                 "time(us)", "algbw(GB/s)", "busbw(GB/s)", "error", "syncs");
   return line;
 }
@@ -210,7 +218,7 @@ std::string table_line(const Row& row) {
   else if (row.check.exact) std::snprintf(error, sizeof error, "%.0f", row.check.error);
   else std::snprintf(error, sizeof error, "%.2e", row.check.error);
   char line[256];
-  std::snprintf(line, sizeof line, " %-22s %12lld %10lld %6s %11.1f %11.2f %11.2f %9s %6d", row.variant.c_str(),
+  std::snprintf(line, sizeof line, " %-26s %12lld %10lld %6s %11.1f %11.2f %11.2f %9s %6d", row.variant.c_str(),
                 static_cast<long long>(row.size_bytes), static_cast<long long>(row.count), row.type.c_str(),
                 row.time_us, row.algbw_gbs, row.busbw_gbs, error, row.host_syncs);
   return line;

@@ -44,6 +44,8 @@ struct BenchOptions {
   int iterations = 20;         // -n
   LayerShape layer;            // --layer T,D,H,E,K and --block, --formulation, --capacity-factor
   std::vector<int> pipeline_chunks{1, 2, 4, 8};  // --chunks 1,2,4,8
+  bool adaptive = true;        // the layer's own choice of d as a row too (--no-adaptive: not)
+  int hierarchical_ranks_per_node = 0;  // --nodes-of G: 2DH rows beside the flat ones (G > 1 dividing R)
   std::vector<std::string> variants{"count", "alltoall", "dispatch", "layer"};  // --only
   std::string out;             // --out FILE.json
   uint64_t seed = 1234;

@@ -6,7 +6,10 @@
 //                      with equal counts (NCCL: grouped send / recv), the first row as in nccl-tests
 //   dispatch+combine   the EP layer with identity experts: routing, count exchange, the rows to the
 //                      experts' ranks and back, the combine; size = the bytes a rank dispatches
+//   ... 2dh G=N        the same two through Tutel's 2DH all-to-all, nodes of G ranks (--nodes-of)
 //   ep_layer d=N       the whole layer, forward + backward, at each pipelining degree
+//   ep_layer adaptive  the layer choosing d itself (pipeline_chunks = kAdaptivePipelineChunks): its
+//                      trials run before the timing; the row times its choice
 #pragma once
 
 #include <memory>
@@ -14,21 +17,25 @@
 #include <vector>
 
 #include "ep_bench_harness.h"
-#include "moe_config.h"  // MoeConfig
+#include "expert_parallel_gpu.h"  // PipelineChoice
+#include "moe_config.h"           // MoeConfig
 
 namespace moe::dist::bench {
 
 std::unique_ptr<Variant> make_count_exchange_variant(BenchContext& ctx);
-std::unique_ptr<Variant> make_alltoall_variant(BenchContext& ctx);
-std::unique_ptr<Variant> make_dispatch_combine_variant(BenchContext& ctx);
+// ranks_per_node G > 1: through the 2DH all-to-all; 0: flat.
+std::unique_ptr<Variant> make_alltoall_variant(BenchContext& ctx, int ranks_per_node = 0);
+std::unique_ptr<Variant> make_dispatch_combine_variant(BenchContext& ctx, int ranks_per_node = 0);
 
 // The layer rows share one problem: inputs, weights, and the single-GPU layer's output on all
 // ranks' tokens (the check), made once. Its shape is the options' --layer, scaled down (with a
 // line in `messages`) where ranks share a GPU or it would not fit in the GPU's memory.
 struct LayerProblem;
 std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<std::string>& messages);
+// pipeline_chunks = kAdaptivePipelineChunks: the layer's own trials run in prepare(), and `choice`
+// (when given) receives what they chose and measured.
 std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
-                                            int pipeline_chunks);
+                                            int pipeline_chunks, std::shared_ptr<PipelineChoice> choice = nullptr);
 struct LayerSummary {
   MoeConfig config;  // T = all ranks' tokens
   int64_t tokens_per_rank = 0;

@@ -3,9 +3,11 @@
 // gather the rows in send order, all-to-all-v to the experts' ranks, straight back, combine. The
 // layer shape's D, E, K; T_r = size / (K D 2 bytes), so a rank dispatches `size` bytes (dropless:
 // every slot travels) and gets as many back: bytes moved per rank = 2 size. Checked: the rows that
-// came back equal, bit for bit, the rows that went out.
+// came back equal, bit for bit, the rows that went out. With G > 1 the layer's exchanges go through
+// Tutel's 2DH all-to-all (options.hierarchical_ranks_per_node): the same bytes, the same check.
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "bench_kernels.h"        // fill_uniform, count_mismatches
 #include "core/device_buffer.h"  // DeviceBuffer
@@ -18,8 +20,10 @@ namespace {
 
 class DispatchCombine final : public Variant {
  public:
-  explicit DispatchCombine(BenchContext& ctx) : ctx_(ctx) {}
-  std::string name() const override { return "dispatch+combine"; }
+  DispatchCombine(BenchContext& ctx, int ranks_per_node) : ctx_(ctx), ranks_per_node_(ranks_per_node) {}
+  std::string name() const override {
+    return ranks_per_node_ > 1 ? "dispatch+combine 2dh G=" + std::to_string(ranks_per_node_) : "dispatch+combine";
+  }
 
   Prepared prepare(int64_t size_bytes) override {
     const LayerShape& shape = ctx_.options.layer;
@@ -36,7 +40,9 @@ class DispatchCombine final : public Variant {
     config.renormalize = true;
     layer_ = std::make_unique<ExpertParallelGpu>(
         ctx_.layer, config, tokens_,
-        ExpertParallelGpuOptions{.pipeline_chunks = 1, .experts = ExpertCompute::identity});
+        ExpertParallelGpuOptions{.pipeline_chunks = 1,
+                                 .experts = ExpertCompute::identity,
+                                 .hierarchical_ranks_per_node = ranks_per_node_});
     x_ = cuda::DeviceBuffer<bf16>(static_cast<size_t>(tokens_ * D));
     y_ = cuda::DeviceBuffer<bf16>(static_cast<size_t>(tokens_ * D));
     gate_ = cuda::DeviceBuffer<bf16>(static_cast<size_t>(D * E));
@@ -72,6 +78,7 @@ class DispatchCombine final : public Variant {
 
  private:
   BenchContext& ctx_;
+  int ranks_per_node_ = 0;
   int64_t tokens_ = 0;
   std::unique_ptr<ExpertParallelGpu> layer_;
   cuda::DeviceBuffer<bf16> x_, y_, gate_;
@@ -80,8 +87,8 @@ class DispatchCombine final : public Variant {
 
 }  // namespace
 
-std::unique_ptr<Variant> make_dispatch_combine_variant(BenchContext& ctx) {
-  return std::make_unique<DispatchCombine>(ctx);
+std::unique_ptr<Variant> make_dispatch_combine_variant(BenchContext& ctx, int ranks_per_node) {
+  return std::make_unique<DispatchCombine>(ctx, ranks_per_node);
 }
 
 }  // namespace moe::dist::bench

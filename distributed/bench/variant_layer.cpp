@@ -6,6 +6,8 @@
 // so algbw here is an effective exchange rate of the whole step, not of a collective.
 // Checked against the single-GPU layer (MoeLayerGpu) on all R T_r tokens, computed once on every
 // rank before the timing (where it fits): the largest relative error of this rank's y and dx.
+// The adaptive row (pipeline_chunks = kAdaptivePipelineChunks) runs the layer's own trials in
+// prepare(), outside the timing, so that the timed runs are of the degree the layer chose.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -52,10 +54,12 @@ MoeConfig layer_config(const LayerShape& shape, int64_t tokens_per_rank, int ran
 }
 
 // GPU memory of one rank's expert-parallel layer and inputs; the received rows counted at 2x an
-// even share (routing imbalance, the buffers' headroom, the topology's bound of B - 1 rows an expert).
-double expert_parallel_bytes(const LayerShape& s, int64_t T_r, int ranks, bool pipelined) {
+// even share (routing imbalance, the buffers' headroom, the topology's bound of B - 1 rows an expert),
+// and 2.5x that where the adaptive trials keep every candidate's chunk buffers (chunk 0 at d = 1's
+// size, chunk 1 at d = 2's half, chunks 2-3 at d = 4's quarters, chunks 4-7 at d = 8's eighths).
+double expert_parallel_bytes(const LayerShape& s, int64_t T_r, int ranks, bool pipelined, bool adaptive) {
   const double D = s.model_dim, H = s.hidden_dim, E = s.experts, K = s.top_k, E_r = E / ranks;
-  const double rows = 2.0 * T_r * K;
+  const double rows = 2.0 * T_r * K * (adaptive ? 2.5 : 1.0);
   const double home = 4.0 * T_r * K * D * 2 + T_r * E * 18.0 + T_r * D * 10.0;
   const double experts = rows * (5.0 * D * 2 + 4.0 * H * 2);
   const double weights = E_r * 2 * D * H * (2.0 + 4.0 + (pipelined ? 4.0 : 0.0));  // bf16, grads, scratch
@@ -117,14 +121,23 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& e
 
 class LayerRow final : public Variant {
  public:
-  LayerRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int chunks)
-      : ctx_(ctx), problem_(std::move(problem)), chunks_(chunks) {}
-  std::string name() const override { return "ep_layer d=" + std::to_string(chunks_); }
+  LayerRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int chunks, std::shared_ptr<PipelineChoice> choice)
+      : ctx_(ctx), problem_(std::move(problem)), chunks_(chunks), choice_(std::move(choice)) {}
+  std::string name() const override {
+    return chunks_ == kAdaptivePipelineChunks ? "ep_layer adaptive" : "ep_layer d=" + std::to_string(chunks_);
+  }
   std::vector<int64_t> sizes(const BenchOptions&) const override { return {bytes()}; }
 
   Prepared prepare(int64_t) override {
     layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, problem_->config, problem_->tokens_per_rank,
                                                  ExpertParallelGpuOptions{.pipeline_chunks = chunks_});
+    if (chunks_ == kAdaptivePipelineChunks) {
+      // Every candidate's trial steps, then one step more: its forward reads the last trial and
+      // every rank agrees on d. The same number of steps on every rank.
+      const int steps = static_cast<int>(kAdaptiveCandidates.size()) * kTrialStepsPerCandidate + 1;
+      for (int step = 0; step < steps; ++step) run(ctx_.stream);
+      CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+    }
     return {bytes(), problem_->tokens_per_rank, "bf16", 4.0 * static_cast<double>(bytes())};
   }
 
@@ -149,7 +162,10 @@ class LayerRow final : public Variant {
     return layer_ ? layer_->last_step().host_synchronisations + layer_->last_step().backward_host_synchronisations : 0;
   }
 
-  void release() override { layer_.reset(); }
+  void release() override {
+    if (choice_ && layer_) *choice_ = layer_->last_step().pipeline;
+    layer_.reset();
+  }
 
  private:
   int64_t bytes() const {
@@ -160,6 +176,7 @@ class LayerRow final : public Variant {
   BenchContext& ctx_;
   std::shared_ptr<LayerProblem> problem_;
   int chunks_;
+  std::shared_ptr<PipelineChoice> choice_;
   std::unique_ptr<ExpertParallelGpu> layer_;
 };
 
@@ -168,8 +185,9 @@ class LayerRow final : public Variant {
 std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<std::string>& messages) {
   const LayerShape& shape = ctx.options.layer;
   const int R = ctx.ranks;
-  const bool pipelined = std::any_of(ctx.options.pipeline_chunks.begin(), ctx.options.pipeline_chunks.end(),
-                                     [](int d) { return d > 1; });
+  const bool adaptive = ctx.options.adaptive;
+  const bool pipelined = adaptive || std::any_of(ctx.options.pipeline_chunks.begin(),
+                                                 ctx.options.pipeline_chunks.end(), [](int d) { return d > 1; });
   int64_t T_r = shape.tokens_per_rank;
   char line[512];
   if (ctx.ranks_per_gpu > 1) {
@@ -180,7 +198,7 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
     messages.push_back(line);
   }
   auto needed = [&](int64_t tokens) {
-    const double ep = expert_parallel_bytes(shape, tokens, R, pipelined);
+    const double ep = expert_parallel_bytes(shape, tokens, R, pipelined, adaptive);
     const double reference = reference_bytes(layer_config(shape, tokens, R));
     return ctx.ranks_per_gpu * std::max(ep, reference);  // the check runs before the layer, not beside it
   };
@@ -242,8 +260,8 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
 }
 
 std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
-                                            int pipeline_chunks) {
-  return std::make_unique<LayerRow>(ctx, std::move(problem), pipeline_chunks);
+                                            int pipeline_chunks, std::shared_ptr<PipelineChoice> choice) {
+  return std::make_unique<LayerRow>(ctx, std::move(problem), pipeline_chunks, std::move(choice));
 }
 
 LayerSummary layer_summary(const LayerProblem& p) {

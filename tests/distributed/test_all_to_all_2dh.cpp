@@ -1,11 +1,13 @@
 // test_all_to_all_2dh.cpp: Tutel's 2D hierarchical all-to-all equals the flat all-to-all-v, bit for
 // bit, for every node size G that divides R (R = 4: G = 1, 2, 4; R = 2, 3: G = 1 and G = R), on
 // fresh random data with uneven and zero counts; a G that does not divide R is an error on every
-// rank. Run by CTest at R = 1..4 ranks:
+// rank. The steps from a known count matrix (plan_hierarchical_all_to_all, the GPU layer's path)
+// equal the flat exchange too, in a packed and a gapped receive layout. Run by CTest at R = 1..4 ranks:
 //   ctest --test-dir build -R DistributedAllToAll2dh
 //   mpirun -np 4 build/tests/distributed/test_distributed_all_to_all_2dh
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <numeric>
 #include <vector>
 
@@ -98,6 +100,69 @@ TEST(HierarchicalAllToAll, RowsOfAMatrix) {
       return D * static_cast<int64_t>(mix(seed, s, d) % 4);
     });
   }
+}
+
+// ---- the steps from a known count matrix ----
+
+// Flat against all_to_all_v_known_counts, every rank passing the whole matrix; gap 0 is the packed
+// layout of the GPU layer (its last copy then moves nothing), gap 2 leaves poisoned gaps between
+// the receive blocks that must stay untouched.
+void expect_known_counts_equal_flat(HierarchicalAllToAll& hierarchical, uint64_t seed, int64_t gap,
+                                    const std::function<int64_t(int, int)>& count) {
+  Communicator& comm = world();
+  const int R = comm.size(), me = comm.rank();
+  std::vector<int64_t> matrix(static_cast<size_t>(R) * R);
+  for (int s = 0; s < R; ++s) {
+    for (int t = 0; t < R; ++t) matrix[static_cast<size_t>(s) * R + t] = count(s, t);
+  }
+  const ExchangeLayout layout = exchange_layout(R, me, count, gap);
+  std::vector<uint16_t> send(static_cast<size_t>(layout.send_offsets.back() + layout.send_counts.back()));
+  for (size_t i = 0; i < send.size(); ++i) send[i] = value_from<uint16_t>(mix(seed, me, i, 5));
+  const uint16_t poison = 0xFFFF;
+  std::vector<uint16_t> flat(static_cast<size_t>(layout.recv_end), poison), stepped(flat);
+  all_to_all_v<uint16_t>(comm, send, layout.send_counts, layout.send_offsets, flat, layout.recv_counts,
+                         layout.recv_offsets);
+  hierarchical.all_to_all_v_known_counts(send.data(), layout.send_offsets, stepped.data(), layout.recv_offsets,
+                                         matrix, DataType::bfloat16);
+  for (size_t i = 0; i < flat.size(); ++i) {
+    ASSERT_EQ(stepped[i], flat[i]) << "element " << i << " on rank " << me << " (seed " << seed << ", gap " << gap
+                                   << ")";
+  }
+}
+
+TEST(HierarchicalAllToAll, KnownCountMatrixEqualsFlat) {
+  const int R = world().size();
+  for (int G = 1; G <= R; ++G) {
+    if (R % G != 0) continue;
+    SCOPED_TRACE("R = " + std::to_string(R) + ", G = " + std::to_string(G));
+    HierarchicalAllToAll hierarchical(world(), G);
+    const uint64_t seed = shared_seed();
+    for (int64_t gap : {0, 2}) {
+      expect_known_counts_equal_flat(hierarchical, seed, gap,
+                                     [&](int s, int d) { return static_cast<int64_t>(mix(seed, s, d, 91) % 7); });
+      expect_known_counts_equal_flat(hierarchical, seed, gap, [&](int s, int d) {
+        return s == 0 || d == R - 1 ? int64_t{0} : 3 * static_cast<int64_t>(1 + mix(seed, s, d) % 5);
+      });
+      expect_known_counts_equal_flat(hierarchical, seed, gap, [](int, int) { return int64_t{0}; });
+    }
+  }
+}
+
+TEST(HierarchicalAllToAll, StepsOfKnownCountsSkipCopiesThatMoveNothing) {
+  // 4 ranks in 2 nodes of 2, 1 element per pair, packed: the gather and the align reorder, the
+  // last copy lands every block where stage 2 put it.
+  const std::vector<int64_t> ones(16, 1), packed{0, 1, 2, 3};
+  const HierarchicalSteps steps = plan_hierarchical_all_to_all(ones, 4, 2, /*rank=*/1, packed, packed);
+  EXPECT_EQ(steps.nodes, 2);
+  EXPECT_FALSE(steps.gather_is_identity);  // [0 1 2 3] -> [g'=0: 0 2][g'=1: 1 3]
+  EXPECT_FALSE(steps.align_is_identity);
+  EXPECT_TRUE(steps.place_is_identity);
+  EXPECT_EQ(steps.stage1_send_counts, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(steps.stage2_recv_counts, (std::vector<int64_t>{2, 2}));
+  // One node (G = R): stage 1 is the flat exchange, the rest moves nothing.
+  const HierarchicalSteps one_node = plan_hierarchical_all_to_all(ones, 4, 4, 1, packed, packed);
+  EXPECT_TRUE(one_node.gather_is_identity && one_node.align_is_identity && one_node.place_is_identity);
+  EXPECT_THROW(plan_hierarchical_all_to_all(ones, 4, 3, 1, packed, packed), std::invalid_argument);
 }
 
 TEST(HierarchicalAllToAll, NodeSizeThatDoesNotDivideRIsAnErrorOnEveryRank) {

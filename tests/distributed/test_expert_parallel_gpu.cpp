@@ -6,8 +6,12 @@
 // (capacity counted over all tokens), uneven shards, a rank without tokens, experts that receive
 // nothing. Tutel's pipelining: d = 2, 4, 8 give y, dx and the router gradient bit for bit equal to
 // d = 1 (B = 64: the portable kernels compute a row the same way whatever rows surround it), the
-// expert weight gradients within fp32 rounding. The exchange alone (identity experts) returns
-// every row unchanged. Bad settings and bad forward inputs are an error on every rank.
+// expert weight gradients within fp32 rounding. Adaptive pipelining: the trials run every candidate
+// d in turn, each step's y bit for bit d = 1's, then every rank keeps the same d, one of the
+// candidates, with a measured time for each. Tutel's 2DH exchange (nodes of G ranks; R = 2: G = 2,
+// R = 4: G = 2 and 4) gives every output bit for bit equal to the flat exchange's, in every
+// formulation and pipelined. The exchange alone (identity experts) returns every row unchanged. Bad
+// settings and bad forward inputs are an error on every rank.
 //
 // Built twice: test_distributed_expert_parallel_gpu runs the layer over the MPI backend (ranks may
 // share a GPU: rank r uses device r % devices, its rows staged through host memory);
@@ -26,6 +30,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -390,6 +395,156 @@ TEST_F(ExpertParallelGpuTest, PipelinedEqualsOneExchangeBitForBit) {
   }
 }
 
+// ---- adaptive pipelining ----
+
+TEST_F(ExpertParallelGpuTest, AdaptivePipeliningTriesEveryCandidateThenKeepsOneOnEveryRank) {
+  const MoeConfig c = base_config();  // B = 64: every d gives d = 1's y bit for bit
+  const uint64_t seed = shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Problem p = make_problem(c, seed);
+  Communicator& comm = layer_communicator();
+  const int R = comm.size(), rank = comm.rank();
+  const std::vector<int64_t> shards = uneven_shards(c.tokens, R);
+  const ExpertParallelRun one = run_expert_parallel(p, shards);  // d = 1
+
+  const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts, E_r = E / R;
+  const int64_t offset = offset_of(shards, rank), T_r = shards[rank];
+  DeviceBuffer<bf16> x(cuda::bf16_of(Matrix(p.x.middleRows(offset, T_r))));
+  DeviceBuffer<bf16> dy(cuda::bf16_of(Matrix(p.dy.middleRows(offset, T_r))));
+  DeviceBuffer<bf16> gate(cuda::bf16_of(p.weights.gate_weights));
+  const std::vector<Matrix> w1_local(p.weights.w1.begin() + rank * E_r, p.weights.w1.begin() + (rank + 1) * E_r);
+  const std::vector<Matrix> w2_local(p.weights.w2.begin() + rank * E_r, p.weights.w2.begin() + (rank + 1) * E_r);
+  DeviceBuffer<bf16> w1(cuda::bf16_of(w1_local)), w2(cuda::bf16_of(w2_local)), y(size_t(T_r * D));
+  auto w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), int(E_r), size_t(D * H));
+  auto w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), int(E_r), size_t(H * D));
+  DeviceBuffer<float> dx(size_t(T_r * D)), d_gate(size_t(D * E)), d_w1(size_t(E_r * D * H)), d_w2(size_t(E_r * H * D));
+  auto d_w1_table = cuda::expert_pointer_table(d_w1.data(), int(E_r), size_t(D * H));
+  auto d_w2_table = cuda::expert_pointer_table(d_w2.data(), int(E_r), size_t(H * D));
+  const ExpertParallelGpuWeights weights{gate.data(), w1_table.data(), w2_table.data()};
+
+  ExpertParallelGpu layer(comm, c, *std::max_element(shards.begin(), shards.end()),
+                          {.pipeline_chunks = kAdaptivePipelineChunks});
+  const int trial_steps = int(kAdaptiveCandidates.size()) * kTrialStepsPerCandidate;
+  for (int step = 0; step < trial_steps + 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    y.fill_bytes(0xFF);  // NaN poison
+    dx.fill_bytes(0xFF);
+    layer.forward(x.data(), T_r, weights, y.data(), nullptr);
+    layer.backward(x.data(), weights, dy.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
+                   nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const ExpertParallelGpuStep& last = layer.last_step();
+    EXPECT_TRUE(last.pipeline.adaptive);
+    if (step < trial_steps) {  // the trials: each candidate in turn, kTrialStepsPerCandidate steps each
+      EXPECT_EQ(last.pipeline_chunks, kAdaptiveCandidates[size_t(step / kTrialStepsPerCandidate)]);
+      EXPECT_EQ(last.pipeline.chosen, 0);
+    } else {  // the choice, read at the first forward after the last trial
+      EXPECT_NE(last.pipeline.chosen, 0);
+      EXPECT_EQ(last.pipeline_chunks, last.pipeline.chosen);
+    }
+    const std::vector<bf16> y_raw = y.download();
+    const std::vector<float> dx_raw = dx.download();
+    EXPECT_EQ(std::memcmp(y_raw.data(), one.y_raw.data(), one.y_raw.size() * sizeof(bf16)), 0)
+        << "y at d = " << last.pipeline_chunks;
+    EXPECT_EQ(std::memcmp(dx_raw.data(), one.dx_raw.data(), one.dx_raw.size() * sizeof(float)), 0)
+        << "dx at d = " << last.pipeline_chunks;
+  }
+  const PipelineChoice& choice = layer.last_step().pipeline;
+  ASSERT_EQ(choice.candidates, std::vector<int>(kAdaptiveCandidates.begin(), kAdaptiveCandidates.end()));
+  EXPECT_NE(std::find(choice.candidates.begin(), choice.candidates.end(), choice.chosen), choice.candidates.end())
+      << "chosen d = " << choice.chosen;
+  for (size_t i = 0; i < choice.candidates.size(); ++i) {
+    EXPECT_GT(choice.times_ms[i], 0.0) << "the time of d = " << choice.candidates[i];
+  }
+  const auto fastest = std::min_element(choice.times_ms.begin(), choice.times_ms.end()) - choice.times_ms.begin();
+  EXPECT_EQ(choice.chosen, choice.candidates[size_t(fastest)]);
+  // The same choice and the same times on every rank.
+  const std::vector<int64_t> chosen = all_gather<int64_t>(world(), int64_t{choice.chosen});
+  EXPECT_EQ(std::count(chosen.begin(), chosen.end(), chosen[0]), R) << "the ranks chose different d";
+  const std::vector<double> times = all_gather<double>(world(), std::span<const double>(choice.times_ms));
+  for (int q = 1; q < R; ++q) {
+    EXPECT_TRUE(std::equal(times.begin(), times.begin() + choice.times_ms.size(),
+                           times.begin() + q * choice.times_ms.size()))
+        << "rank " << q << " agreed on other times";
+  }
+  ASSERT_EQ(layer.pipeline_choices().size(), 1u);  // one shape seen
+}
+
+// ---- Tutel's 2DH exchange ----
+
+// Every G > 1 that divides R: R = 2 has G = 2 (one node of 2), R = 4 has G = 2 (two nodes, both
+// stages cross ranks) and G = 4.
+std::vector<int> hierarchical_node_sizes(int ranks) {
+  std::vector<int> sizes;
+  for (int G = 2; G <= ranks; ++G) {
+    if (ranks % G == 0) sizes.push_back(G);
+  }
+  return sizes;
+}
+
+void expect_bit_for_bit(const ExpertParallelRun& got, const ExpertParallelRun& flat) {
+  ASSERT_EQ(got.y_raw.size(), flat.y_raw.size());
+  EXPECT_EQ(std::memcmp(got.y_raw.data(), flat.y_raw.data(), flat.y_raw.size() * sizeof(bf16)), 0) << "y";
+  EXPECT_EQ(std::memcmp(got.dx_raw.data(), flat.dx_raw.data(), flat.dx_raw.size() * sizeof(float)), 0) << "dx";
+  EXPECT_EQ(std::memcmp(got.d_gate_raw.data(), flat.d_gate_raw.data(), flat.d_gate_raw.size() * sizeof(float)), 0)
+      << "d gate_weights";
+  for (size_t j = 0; j < flat.d_w1.size(); ++j) {
+    EXPECT_TRUE(got.d_w1[j] == flat.d_w1[j]) << "d w1 of local expert " << j;
+    EXPECT_TRUE(got.d_w2[j] == flat.d_w2[j]) << "d w2 of local expert " << j;
+  }
+  EXPECT_EQ(got.step.rows_received, flat.step.rows_received);
+}
+
+TEST_F(ExpertParallelGpuTest, HierarchicalExchangeEqualsFlatBitForBit) {
+  const int R = world().size();
+  if (R < 2) GTEST_SKIP() << "2DH needs nodes of G > 1 ranks: run with 2 or 4 ranks";
+  const uint64_t seed = shared_seed();
+  for (Formulation formulation : {Formulation::dropless, Formulation::padded, Formulation::dropping}) {
+    MoeConfig c = base_config();
+    c.formulation = formulation;
+    c.capacity_factor = formulation == Formulation::dropping ? 1.0 : 2.0;
+    const Problem p = make_problem(c, seed, formulation == Formulation::dropping ? 3.0 : 1.0);
+    const std::vector<int64_t> shards = uneven_shards(c.tokens, R);
+    for (int d : {1, 3}) {
+      const ExpertParallelRun flat = run_expert_parallel(p, shards, {.pipeline_chunks = d});
+      for (int G : hierarchical_node_sizes(R)) {
+        SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::string(to_string(formulation)) + ", d = " +
+                     std::to_string(d) + ", G = " + std::to_string(G));
+        const ExpertParallelRun nodes =
+            run_expert_parallel(p, shards, {.pipeline_chunks = d, .hierarchical_ranks_per_node = G});
+        EXPECT_EQ(nodes.step.hierarchical_ranks_per_node, G);
+        expect_bit_for_bit(nodes, flat);
+#if MOE_TEST_NCCL_BACKEND
+        // The counts come from the plan: no wait of the host beyond the count read-back.
+        EXPECT_EQ(nodes.step.host_synchronisations, flat.step.host_synchronisations);
+        EXPECT_EQ(nodes.step.backward_host_synchronisations, flat.step.backward_host_synchronisations);
+#endif
+      }
+    }
+  }
+  // A rank without tokens, and experts that receive nothing.
+  MoeConfig c = base_config();
+  c.top_k = 1;
+  c.renormalize = false;
+  const Problem p = make_problem(c, seed, 1.0, /*favoured_expert=*/3);
+  std::vector<int64_t> last_rank_only(R, 0);
+  last_rank_only[R - 1] = c.tokens;
+  const ExpertParallelRun flat = run_expert_parallel(p, last_rank_only, {.pipeline_chunks = 2});
+  for (int G : hierarchical_node_sizes(R)) {
+    SCOPED_TRACE("one rank's tokens, one expert, G = " + std::to_string(G));
+    expect_bit_for_bit(run_expert_parallel(p, last_rank_only, {.pipeline_chunks = 2, .hierarchical_ranks_per_node = G}),
+                       flat);
+  }
+}
+
+TEST_F(ExpertParallelGpuTest, HierarchicalAndAdaptiveTogetherEqualTheSingleGpuLayer) {
+  const int R = world().size();
+  const MoeConfig c = base_config();
+  const int G = R > 1 ? R : 0;  // R = 1: the flat exchange
+  check_case(c, uneven_shards(c.tokens, R),
+             {.pipeline_chunks = kAdaptivePipelineChunks, .hierarchical_ranks_per_node = G});
+}
+
 // ---- the exchange alone ----
 
 TEST_F(ExpertParallelGpuTest, IdentityExpertsReturnEveryRowUnchanged) {
@@ -458,7 +613,12 @@ TEST_F(ExpertParallelGpuSettings, BadSettingsAreAnErrorOnEveryRank) {
   c = base_config();
   c.block_size = 32;
   expect_error(c, {}, "allowed for dropless: 64 or 128");
-  expect_error(base_config(), {.pipeline_chunks = 0}, "pipeline_chunks (d) = 0");
+  expect_error(base_config(), {.pipeline_chunks = -1}, "pipeline_chunks (d) = -1");
+  // A node size that does not divide R (R + 1 never does), and a negative one.
+  const int bad_nodes = R + 1;
+  expect_error(base_config(), {.hierarchical_ranks_per_node = bad_nodes},
+               "hierarchical_ranks_per_node (G) = " + std::to_string(bad_nodes) + " with R = " + std::to_string(R));
+  expect_error(base_config(), {.hierarchical_ranks_per_node = -2}, "hierarchical_ranks_per_node (G) = -2");
 }
 
 TEST_F(ExpertParallelGpuTest, BadForwardInputIsAnErrorOnEveryRank) {

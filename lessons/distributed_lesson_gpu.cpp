@@ -1,0 +1,230 @@
+// distributed_lesson_gpu.cpp: the GPU path of lessons 06 and 07 (see distributed_lesson_gpu.h).
+#include "distributed_lesson_gpu.h"
+
+#include <mpi.h>  // MPI_Comm_split_type: the ranks of this host
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "core/cuda_check.h"        // CUDA_CHECK
+#include "core/device_buffer.h"     // DeviceBuffer
+#include "core/device_info.h"       // why_no_gpu
+#include "core/reference_bridge.h"  // bf16_of, matrix_of
+#include "moe/block_sparse.h"       // expert_pointer_table
+#if MOE_HAVE_NCCL
+#include "nccl_communicator.h"      // NcclCommunicator
+#endif
+
+namespace moe::lessons {
+
+using cuda::DeviceBuffer;
+using dist::bf16;
+
+// ---- the ranks' GPUs ----
+
+GpuRanks::~GpuRanks() {
+  if (stream != nullptr) cudaStreamDestroy(stream);
+}
+
+std::unique_ptr<GpuRanks> open_gpu_ranks(dist::MpiCommunicator& world, const std::string& backend) {
+  auto ranks = std::make_unique<GpuRanks>();
+  const int R = world.size();
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    (void)cudaGetLastError();
+    devices = 0;
+  }
+  const std::vector<int64_t> all_devices = dist::all_gather<int64_t>(world, devices);
+  std::string without;
+  for (int r = 0; r < R; ++r) {
+    if (all_devices[r] == 0) without += (without.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (!without.empty()) {  // every rank knows which ranks lack a GPU: all refuse together
+    ranks->refusal = (devices == 0 ? cuda::why_no_gpu() : std::string("no usable GPU")) + " (rank(s) " + without +
+                     "); the lesson's CPU path runs without --gpu";
+    ranks->exit_code = 1;
+    return ranks;
+  }
+
+  // This rank's GPU: its place among the ranks of its host, modulo the host's GPUs.
+  MPI_Comm local = MPI_COMM_NULL;
+  MPI_Comm_split_type(world.handle(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &local);
+  int local_rank = 0, local_ranks = 1;
+  MPI_Comm_rank(local, &local_rank);
+  MPI_Comm_size(local, &local_ranks);
+  MPI_Comm_free(&local);
+  const int device = local_rank % devices;
+  CUDA_CHECK(cudaSetDevice(device));
+  int sharing = 0;
+  for (int r = 0; r < local_ranks; ++r) sharing += r % devices == device;
+  const std::vector<int64_t> all_sharing = dist::all_gather<int64_t>(world, sharing);
+  ranks->ranks_per_gpu = static_cast<int>(*std::max_element(all_sharing.begin(), all_sharing.end()));
+
+#if MOE_HAVE_NCCL
+  constexpr bool built_with_nccl = true;
+#else
+  constexpr bool built_with_nccl = false;
+#endif
+  if (backend == "nccl" && !built_with_nccl) {
+    ranks->refusal = "--backend nccl: this build has no NCCL; use --backend mpi";
+    ranks->exit_code = 2;
+    return ranks;
+  }
+  if (backend == "nccl" && ranks->ranks_per_gpu > 1) {
+    ranks->refusal = "--backend nccl needs one GPU per rank (NCCL refuses two ranks on one GPU); " +
+                     std::to_string(ranks->ranks_per_gpu) + " ranks share a GPU here: use --backend mpi";
+    ranks->exit_code = 2;
+    return ranks;
+  }
+  ranks->backend = backend == "auto" ? (built_with_nccl && ranks->ranks_per_gpu == 1 ? "nccl" : "mpi") : backend;
+
+  cudaDeviceProp properties{};
+  CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
+  std::array<uint8_t, 64> name{};
+  std::memcpy(name.data(), properties.name, std::min(std::strlen(properties.name), name.size() - 1));
+  const std::vector<uint8_t> names = dist::all_gather<uint8_t>(world, std::span<const uint8_t>(name));
+  const std::vector<int64_t> device_of = dist::all_gather<int64_t>(world, device);
+  for (int r = 0; r < R; ++r) {
+    const char* text = reinterpret_cast<const char*>(names.data() + static_cast<size_t>(r) * name.size());
+    ranks->devices.push_back("GPU rank " + std::to_string(r) + ": " + std::string(text) + " (device " +
+                             std::to_string(device_of[r]) + ", ExpertParallelGpu, bf16, " + ranks->backend + ")");
+  }
+#if MOE_HAVE_NCCL
+  if (ranks->backend == "nccl") ranks->nccl = std::make_unique<dist::NcclCommunicator>(world, /*stream=*/nullptr);
+#endif
+  ranks->layer = ranks->nccl ? ranks->nccl.get() : static_cast<dist::Communicator*>(&world);
+  CUDA_CHECK(cudaStreamCreateWithFlags(&ranks->stream, cudaStreamNonBlocking));
+  return ranks;
+}
+
+// ---- the layer ----
+
+struct GpuLessonLayer::Buffers {
+  DeviceBuffer<bf16> x, dy, gate, w1, w2, y;  // [T_r, D] [T_r, D] [D, E] [E_r, D, H] [E_r, H, D] [T_r, D]
+  DeviceBuffer<const bf16*> w1_table, w2_table;  // [E_r]
+  DeviceBuffer<float> dx, d_gate, d_w1, d_w2;    // [T_r, D] [D, E] [E_r, D, H] [E_r, H, D]
+  DeviceBuffer<float*> d_w1_table, d_w2_table;   // [E_r]
+};
+
+GpuLessonLayer::GpuLessonLayer(GpuRanks& ranks, dist::Communicator& world, const MoeConfig& config,
+                               const ref::Matrix& x, const ref::Matrix& dy, const ref::MoeWeights& weights,
+                               int64_t offset, int64_t tokens)
+    : ranks_(ranks), world_(world), config_(config), tokens_(tokens), buffers_(std::make_unique<Buffers>()) {
+  const int R = ranks.layer->size(), rank = ranks.layer->rank();
+  const int64_t D = config.model_dim, H = config.hidden_dim, E_r = config.num_experts / R;
+  Buffers& b = *buffers_;
+  b.x = DeviceBuffer<bf16>(cuda::bf16_of(ref::Matrix(x.middleRows(offset, tokens))));
+  b.dy = DeviceBuffer<bf16>(cuda::bf16_of(ref::Matrix(dy.middleRows(offset, tokens))));
+  b.gate = DeviceBuffer<bf16>(cuda::bf16_of(weights.gate_weights));
+  const std::vector<ref::Matrix> w1(weights.w1.begin() + rank * E_r, weights.w1.begin() + (rank + 1) * E_r);
+  const std::vector<ref::Matrix> w2(weights.w2.begin() + rank * E_r, weights.w2.begin() + (rank + 1) * E_r);
+  b.w1 = DeviceBuffer<bf16>(cuda::bf16_of(w1));
+  b.w2 = DeviceBuffer<bf16>(cuda::bf16_of(w2));
+  b.w1_table = cuda::expert_pointer_table<const bf16>(b.w1.data(), static_cast<int>(E_r), static_cast<size_t>(D * H));
+  b.w2_table = cuda::expert_pointer_table<const bf16>(b.w2.data(), static_cast<int>(E_r), static_cast<size_t>(H * D));
+  b.y = DeviceBuffer<bf16>(static_cast<size_t>(tokens * D));
+  b.dx = DeviceBuffer<float>(static_cast<size_t>(tokens * D));
+  b.d_gate = DeviceBuffer<float>(static_cast<size_t>(D * config.num_experts));
+  b.d_w1 = DeviceBuffer<float>(static_cast<size_t>(E_r * D * H));
+  b.d_w2 = DeviceBuffer<float>(static_cast<size_t>(E_r * H * D));
+  b.d_w1_table = cuda::expert_pointer_table(b.d_w1.data(), static_cast<int>(E_r), static_cast<size_t>(D * H));
+  b.d_w2_table = cuda::expert_pointer_table(b.d_w2.data(), static_cast<int>(E_r), static_cast<size_t>(H * D));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+GpuLessonLayer::~GpuLessonLayer() = default;
+
+GpuLayerRun GpuLessonLayer::run(const dist::ExpertParallelGpuOptions& options, int warmup_steps, int timed_steps) {
+  Buffers& b = *buffers_;
+  const cudaStream_t stream = ranks_.stream;
+  const bool ffn = options.experts == dist::ExpertCompute::ffn;
+  dist::ExpertParallelGpu layer(*ranks_.layer, config_, tokens_, options);
+  const dist::ExpertParallelGpuWeights weights{b.gate.data(), b.w1_table.data(), b.w2_table.data()};
+  const dist::ExpertParallelGpuGradients gradients{b.dx.data(), b.d_gate.data(), b.d_w1_table.data(),
+                                                   b.d_w2_table.data()};
+  cudaEvent_t start = nullptr, forwarded = nullptr, done = nullptr;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&forwarded));
+  CUDA_CHECK(cudaEventCreate(&done));
+  auto step = [&] {
+    CUDA_CHECK(cudaEventRecord(start, stream));
+    layer.forward(b.x.data(), tokens_, weights, b.y.data(), stream);
+    CUDA_CHECK(cudaEventRecord(forwarded, stream));
+    if (ffn) layer.backward(b.x.data(), weights, b.dy.data(), gradients, stream);
+    CUDA_CHECK(cudaEventRecord(done, stream));
+    CUDA_CHECK(cudaEventSynchronize(done));
+  };
+  for (int i = 0; i < warmup_steps; ++i) step();
+  std::vector<double> forward_ms, backward_ms;
+  for (int i = 0; i < timed_steps; ++i) {
+    world_.barrier();
+    step();
+    float forward = 0, backward = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&forward, start, forwarded));
+    CUDA_CHECK(cudaEventElapsedTime(&backward, forwarded, done));
+    forward_ms.push_back(forward);
+    backward_ms.push_back(backward);
+  }
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(forwarded));
+  CUDA_CHECK(cudaEventDestroy(done));
+
+  b.y.fill_bytes(0xFF, stream);  // NaN poison: the last step must write every element
+  b.dx.fill_bytes(0xFF, stream);
+  step();
+  GpuLayerRun run;
+  const int64_t D = config_.model_dim;
+  const std::vector<bf16> y = b.y.download();
+  run.y_bits.resize(y.size());
+  std::memcpy(run.y_bits.data(), y.data(), y.size() * sizeof(bf16));
+  run.y = cuda::matrix_of(y, tokens_, D);
+  if (ffn) run.dx = cuda::matrix_of(b.dx.download(), tokens_, D);
+  const std::vector<int> top = layer.top_experts().download();
+  run.top_experts.assign(top.begin(), top.begin() + tokens_ * config_.top_k);
+  run.step = layer.last_step();
+  auto slowest_median = [&](std::vector<double> times) {
+    double median = 0;
+    if (!times.empty()) {
+      std::sort(times.begin(), times.end());
+      median = times[times.size() / 2];
+    }
+    const std::vector<double> all = dist::all_gather<double>(world_, median);
+    return *std::max_element(all.begin(), all.end());
+  };
+  run.forward_ms = slowest_median(forward_ms);
+  run.backward_ms = slowest_median(backward_ms);
+  return run;
+}
+
+// ---- checks ----
+
+double sharded_relative_error(dist::Communicator& comm, const ref::Matrix& actual, const ref::Matrix& expected,
+                              const std::vector<bool>& keep) {
+  std::vector<double> sums{0.0, 0.0};
+  for (int64_t t = 0; t < expected.rows(); ++t) {
+    if (!keep[static_cast<size_t>(t)]) continue;
+    const double difference = (actual.row(t) - expected.row(t)).squaredNorm();
+    sums[0] += std::isfinite(difference) ? difference : 1e300;
+    sums[1] += expected.row(t).squaredNorm();
+  }
+  dist::all_reduce_sum<double>(comm, sums);
+  return sums[1] > 0 ? std::sqrt(sums[0] / sums[1]) : std::sqrt(sums[0]);
+}
+
+std::vector<bool> same_routing(const std::vector<int>& gpu_top_experts, const ref::IndexMatrix& reference_top_experts,
+                               int64_t offset, int64_t tokens, int64_t top_k) {
+  std::vector<bool> same(static_cast<size_t>(tokens), true);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t k = 0; k < top_k; ++k) {
+      if (gpu_top_experts[static_cast<size_t>(t * top_k + k)] != reference_top_experts(offset + t, k)) {
+        same[static_cast<size_t>(t)] = false;
+      }
+    }
+  }
+  return same;
+}
+
+}  // namespace moe::lessons
