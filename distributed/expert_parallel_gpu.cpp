@@ -47,6 +47,33 @@ class NvtxRange {
   NvtxRange& operator=(const NvtxRange&) = delete;
 };
 
+// One phase of the layer on the timeline: an NVTX range, and with a PhaseTimer a pair of events on
+// the phase's stream (the exchanges run on the exchange stream, the rest on the caller's), so that
+// a run record shows where a step's time goes (cuda/core/phase_timer.h).
+class Phase {
+ public:
+  Phase(cuda::PhaseTimer* timer, const char* name, cudaStream_t stream) : timer_(timer), stream_(stream) {
+    if (timer_ != nullptr) {
+      timer_->begin(name, stream_);  // opens the NVTX range too
+    } else {
+      nvtxRangePushA(name);
+    }
+  }
+  ~Phase() {
+    if (timer_ != nullptr) {
+      timer_->end(stream_);
+    } else {
+      nvtxRangePop();
+    }
+  }
+  Phase(const Phase&) = delete;
+  Phase& operator=(const Phase&) = delete;
+
+ private:
+  cuda::PhaseTimer* timer_;
+  cudaStream_t stream_;
+};
+
 // The supported set (see the header), checked on the host before any GPU work.
 void check_supported(const MoeConfig& config, const ExpertParallelGpuOptions& options, int64_t max_local_tokens,
                      int ranks) {
@@ -249,7 +276,7 @@ const ExchangePlan& ExpertParallelGpu::plan() const {
 // ---- forward ----
 
 void ExpertParallelGpu::route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream) {
-  NvtxRange range("ep_route");
+  Phase phase(timer_, "ep_route", stream);
   const int T = static_cast<int>(local_tokens), D = static_cast<int>(config_.model_dim),
             E = static_cast<int>(config_.num_experts), K = static_cast<int>(config_.top_k);
   cuda::router_logits(cublas_->get(), x, gate_weights, logits_.data(), T, D, E, stream);
@@ -296,7 +323,7 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
 
   // ---- 2. the count exchange: the forward's one host synchronisation ----
   {
-    NvtxRange count_range("ep_count_exchange");
+    Phase phase(timer_, "ep_count_exchange", stream);
     exchange_->all_gather_to_host(summary_.data(), summaries_.data(), words, DataType::int32, stream);
   }
   std::vector<int64_t> tokens_per_rank(R), routed(static_cast<size_t>(R) * E);
@@ -361,7 +388,7 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
   // ---- 3. the send order, and the rows in it ----
   const int64_t T_r = plan.local_tokens();
   if (T_r > 0) {
-    NvtxRange dispatch_range("ep_permute");
+    Phase phase(timer_, "ep_permute", stream);
     build_send_order(top_experts_.data(), home_plan_->routed_slots.data(), home_plan_->routed_offsets.data(),
                      tables_->at(tables_->slot_chunk_begin), tables_->at(tables_->part_send_row),
                      static_cast<int>(T_r * K), d, send_slot_.data(), slot_send_row_.data(), stream);
@@ -374,7 +401,7 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
 
   // ---- 6. the weighted combine ----
   if (T_r > 0) {
-    NvtxRange combine_range("ep_combine");
+    Phase phase(timer_, "ep_combine", stream);
     cuda::unpermute_and_combine(home_view(T_r), combine_weights_.data(), returned_.data(), y, static_cast<int>(D),
                                 stream);
   }
@@ -599,13 +626,13 @@ void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t strea
   CUDA_CHECK(cudaEventRecord(start, stream));
   CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, start, 0));
   auto send_out = [&](int c) {
-    NvtxRange range("ep_dispatch");
+    Phase phase(timer_, "ep_dispatch", exchange_stream_);
     exchange_chunk(c, /*forward=*/true, out + plan.chunk_send_begin(c) * D, chunks_[c]->received.data(),
                    exchange_stream_);
     CUDA_CHECK(cudaEventRecord(arrived(c), exchange_stream_));
   };
   auto bring_back = [&](int c) {
-    NvtxRange range("ep_combine_exchange");
+    Phase phase(timer_, "ep_combine_exchange", exchange_stream_);
     CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, computed(c), 0));
     exchange_chunk(c, /*forward=*/false, chunk_result(c), back + plan.chunk_send_begin(c) * D, exchange_stream_);
   };
@@ -615,7 +642,7 @@ void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t strea
   for (int c = 0; c < d; ++c) {
     CUDA_CHECK(cudaStreamWaitEvent(stream, arrived(c), 0));
     {
-      NvtxRange range("ep_experts");
+      Phase phase(timer_, "ep_experts", stream);
       work(c);
     }
     CUDA_CHECK(cudaEventRecord(computed(c), stream));
@@ -803,7 +830,7 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
 
   // ---- combine: d(rows sent) = w * dy, and d(combine weights) for the router ----
   if (T_r > 0) {
-    NvtxRange combine_range("ep_combine_backward");
+    Phase phase(timer_, "ep_combine_backward", stream);
     cuda::combine_backward(home_view(T_r), combine_weights_.data(), dy, returned_.data(), d_send_.data(),
                            d_combine_weights_.data(), static_cast<int>(D), stream);
   }
@@ -831,7 +858,7 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
 
   // ---- un-gather and the router ----
   if (T_r > 0) {
-    NvtxRange router_range("ep_router_backward");
+    Phase phase(timer_, "ep_router_backward", stream);
     const int T = static_cast<int>(T_r);
     cuda::permute_backward(home_view(T_r), returned_dx_.data(), gradients.dx, static_cast<int>(D),
                            /*accumulate=*/false, stream);
@@ -856,7 +883,7 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
     CUDA_CHECK(cudaMemsetAsync(gradients.d_gate_weights, 0, static_cast<size_t>(D * E) * sizeof(float), stream));
   }
   if (options_.all_reduce_router_gradient) {
-    NvtxRange all_reduce_range("ep_router_all_reduce");
+    Phase phase(timer_, "ep_router_all_reduce", stream);
     exchange_->all_reduce_sum(gradients.d_gate_weights, gradients.d_gate_weights, D * E, DataType::float32, stream);
   }
   CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].backward_end, stream));

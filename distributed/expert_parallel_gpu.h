@@ -105,6 +105,7 @@
 #include "core/bf16.h"               // bf16
 #include "core/device_buffer.h"      // DeviceBuffer
 #include "core/gemm.h"               // CublasHandle
+#include "core/phase_timer.h"        // PhaseTimer
 #include "device_all_to_all_2dh.h"   // DeviceHierarchicalAllToAll
 #include "device_exchange.h"         // DeviceExchange
 #include "expert_parallel_plan.h"    // ExchangePlan
@@ -212,6 +213,9 @@ class ExpertParallelGpu {
   DeviceExchange& exchange() { return *exchange_; }
   const ExchangePlan& plan() const;  // of the last forward
   const ExpertParallelGpuStep& last_step() const { return step_; }
+  // Names the layer's phases (route, count exchange, dispatch, experts, combine, and the backward's)
+  // on the timeline, as MoeLayerGpu does; null stops. Phases on the exchange stream are timed there.
+  void set_phase_timer(cuda::PhaseTimer* timer) { timer_ = timer; }
   // The adaptive choices made so far, by shape (the ranks' T_r); empty when d is fixed.
   const std::map<std::vector<int64_t>, PipelineChoice>& pipeline_choices() const { return choices_; }
 
@@ -302,6 +306,7 @@ class ExpertParallelGpu {
   int trial_step_candidate_ = 0;
 
   ExpertParallelGpuStep step_;
+  cuda::PhaseTimer* timer_ = nullptr;
   bool forward_done_ = false;
 };
 

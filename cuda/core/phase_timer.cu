@@ -16,7 +16,10 @@ PhaseTimer::~PhaseTimer() {
 
 void PhaseTimer::begin(const char* name, cudaStream_t stream) {
   nvtxRangePushA(name);
-  Pending phase{name, nullptr, nullptr, int(open_.size())};
+  int stream_index = 0;
+  while (stream_index < int(streams_.size()) && streams_[size_t(stream_index)] != stream) ++stream_index;
+  if (stream_index == int(streams_.size())) streams_.push_back(stream);
+  Pending phase{name, nullptr, nullptr, int(open_.size()), stream_index};
   CUDA_CHECK(cudaEventCreate(&phase.start));
   CUDA_CHECK(cudaEventCreate(&phase.stop));
   CUDA_CHECK(cudaEventRecord(phase.start, stream));
@@ -41,13 +44,14 @@ std::vector<TimedPhase> PhaseTimer::collect() {
     float start_ms = 0, duration_ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&start_ms, pending_.front().start, phase.start));
     CUDA_CHECK(cudaEventElapsedTime(&duration_ms, phase.start, phase.stop));
-    phases.push_back({phase.name, 1000.0 * start_ms, 1000.0 * duration_ms, phase.depth});
+    phases.push_back({phase.name, 1000.0 * start_ms, 1000.0 * duration_ms, phase.depth, phase.stream});
   }
   for (auto& phase : pending_) {
     cudaEventDestroy(phase.start);
     cudaEventDestroy(phase.stop);
   }
   pending_.clear();
+  streams_.clear();
   return phases;
 }
 

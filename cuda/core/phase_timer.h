@@ -27,6 +27,7 @@ struct TimedPhase {
   double start_us = 0;     // from the first phase's start
   double duration_us = 0;
   int depth = 0;           // 0: outermost; 1: inside one open phase; ...
+  int stream = 0;          // which stream it ran on: 0 for the first phase's, 1, 2, ... for others in order seen
 };
 
 class PhaseTimer {
@@ -46,7 +47,9 @@ class PhaseTimer {
     std::string name;
     cudaEvent_t start = nullptr, stop = nullptr;
     int depth = 0;
+    int stream = 0;
   };
+  std::vector<cudaStream_t> streams_;  // in the order first seen since the last collect()
   std::vector<Pending> pending_;  // in the order they began
   std::vector<size_t> open_;      // indices into pending_ of the phases begun and not yet ended
 };

@@ -400,9 +400,14 @@ void record_spans(cuda::PhaseTimer& timer, int64_t step, double origin_us, const
   for (int q = 0; q < ranks_recorded; ++q) {
     for (size_t i = 0; i < phases.size(); ++i) {
       const float* t = &times[(size_t(q) * phases.size() + i) * 2];
-      writer->append(to_event(SpanEvent{.step = step, .rank = q, .stream = phases[i].depth,
-                                        .stream_name = phases[i].depth == 0 ? "compute" : "compute: inside the MoE layer",
-                                        .name = phases[i].name, .start_us = origin_us + t[0], .duration_us = t[1]}));
+      // Rows: the compute stream's phases by depth; a phase on another stream (the expert-parallel
+      // layer's exchanges) on a row of its own.
+      const cuda::TimedPhase& p = phases[i];
+      const int64_t row = p.stream == 0 ? p.depth : 8 + p.stream;
+      const std::string row_name = p.stream != 0 ? "exchange stream " + std::to_string(p.stream)
+                                   : p.depth == 0 ? "compute" : "compute: inside the MoE layer";
+      writer->append(to_event(SpanEvent{.step = step, .rank = q, .stream = row, .stream_name = row_name,
+                                        .name = p.name, .start_us = origin_us + t[0], .duration_us = t[1]}));
     }
   }
 }

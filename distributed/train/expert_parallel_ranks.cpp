@@ -26,9 +26,7 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
     if (router_input != nullptr) {
       throw std::invalid_argument("expert-parallel MoE block: a separate router input (pre-gating) is not supported");
     }
-    if (timer_ != nullptr) timer_->begin("expert_parallel_forward", stream);
     layer_.forward(x, local_tokens_, {weights.gate_weights, weights.w1, weights.w2}, y, stream);
-    if (timer_ != nullptr) timer_->end(stream);
     host_losses_[0] = static_cast<float>(layer_.last_step().aux_loss);
     host_losses_[1] = static_cast<float>(layer_.last_step().z_loss);
     // Pageable source: the copy is staged before the call returns, so host_losses_ may change after.
@@ -41,10 +39,8 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
     if (router_input != nullptr || d_router_input != nullptr) {
       throw std::invalid_argument("expert-parallel MoE block: a separate router input (pre-gating) is not supported");
     }
-    if (timer_ != nullptr) timer_->begin("expert_parallel_backward", stream);
     layer_.backward(x, {weights.gate_weights, weights.w1, weights.w2}, dy,
                     {gradients.dx, gradients.d_gate_weights, gradients.d_w1, gradients.d_w2}, stream);
-    if (timer_ != nullptr) timer_->end(stream);
   }
 
   const float* aux_loss() const override { return losses_.data(); }
@@ -59,7 +55,7 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
     for (int64_t e = 0; e < E; ++e) rows[static_cast<size_t>(e / E_r)] += step.kept_per_rank_expert[me * E + e];
     return rows;
   }
-  void set_phase_timer(cuda::PhaseTimer* timer) override { timer_ = timer; }
+  void set_phase_timer(cuda::PhaseTimer* timer) override { layer_.set_phase_timer(timer); }
 
  private:
   ExpertParallelGpu layer_;
@@ -67,7 +63,6 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
   int64_t local_tokens_;
   cuda::DeviceBuffer<float> losses_;  // [2] aux, z
   float host_losses_[2] = {0.0f, 0.0f};
-  cuda::PhaseTimer* timer_ = nullptr;
 };
 
 }  // namespace
