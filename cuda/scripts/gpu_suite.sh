@@ -22,6 +22,7 @@ mkdir -p "$OUT"
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"' EXIT
+trap 'exit 143' TERM  # a run ended by timeout still packs its logs (the EXIT trap above)
 
 bundle() {
   rm -rf .deps && mkdir -p .deps/include .deps/share/cmake .deps/share/eigen3 .deps/lib/x86_64-linux-gnu/cmake
@@ -207,13 +208,35 @@ distributed() {
   local rc=0 gpus mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
   if [ "$gpus" -ge 2 ]; then
-    "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend nccl --out "$OUT/ep_bench_nccl.json" \
+    "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend nccl --nodes-of 2 --out "$OUT/ep_bench_nccl.json" \
       > "$LOGS/ep_bench_nccl.log" 2>&1 || rc=1
-    tail -25 "$LOGS/ep_bench_nccl.log"
+    tail -40 "$LOGS/ep_bench_nccl.log"
+    for lesson in lesson06_expert_parallelism lesson07_tutel; do
+      "${mpirun[@]}" -np 2 build-gpu/lessons/$lesson --gpu --backend nccl --out "$OUT/runs_lessons_gpu/$lesson" \
+        --overwrite > "$LOGS/${lesson}_gpu_nccl.log" 2>&1 || rc=1
+      echo "$lesson --gpu (2 GPUs, NCCL): $(grep -E '^(PASS|FAIL)' "$LOGS/${lesson}_gpu_nccl.log" | tr '\n' ' ')"
+    done
   fi
   CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend mpi -e 16M --warmup-ms 200 -n 5 \
-    --chunks 1,2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
+    --chunks 1,2 --nodes-of 2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
   tail -4 "$LOGS/ep_bench_mpi.log"
+  # Ranks sharing one GPU over MPI: the lessons' GPU path (lesson 07 at R = 4: 2DH with two nodes
+  # of 2), the GPU layer's test at R = 4, and the multi-rank GPU tests under compute-sanitizer.
+  CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 2 build-gpu/lessons/lesson06_expert_parallelism --gpu --backend mpi \
+    --out "$OUT/runs_lessons_gpu/lesson06_mpi" --overwrite > "$LOGS/lesson06_gpu_mpi.log" 2>&1 || rc=1
+  echo "lesson06 --gpu (2 ranks, 1 GPU, MPI): $(grep -E '^(PASS|FAIL)' "$LOGS/lesson06_gpu_mpi.log" | tr '\n' ' ')"
+  CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 4 build-gpu/lessons/lesson07_tutel --gpu --backend mpi \
+    --out "$OUT/runs_lessons_gpu/lesson07_mpi" --overwrite > "$LOGS/lesson07_gpu_mpi.log" 2>&1 || rc=1
+  echo "lesson07 --gpu (4 ranks, 1 GPU, MPI): $(grep -E '^(PASS|FAIL)' "$LOGS/lesson07_gpu_mpi.log" | tr '\n' ' ')"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 "${mpirun[@]}" -np 4 build-gpu/tests/distributed/test_distributed_expert_parallel_gpu \
+    > "$LOGS/ep_gpu_test_np4.log" 2>&1 || rc=1
+  echo "test_distributed_expert_parallel_gpu at R = 4 on one GPU: $(grep -E 'PASS ranks|FAIL' "$LOGS/ep_gpu_test_np4.log" | tail -1)"
+  for test in test_distributed_expert_parallel_gpu test_distributed_training; do
+    CUDA_VISIBLE_DEVICES=0 timeout 400 "${mpirun[@]}" -np 2 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      build-gpu/tests/distributed/$test > "$LOGS/sanitize_${test}_np2.log" 2>&1
+    echo "memcheck $test (2 ranks, 1 GPU): rc=$? $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize_${test}_np2.log" | sort | uniq -c | tr '\n' ' ')"
+  done
+  (cd "$OUT" && [ -d runs_lessons_gpu ] && tar czf runs_lessons_gpu.tar.gz runs_lessons_gpu && rm -rf runs_lessons_gpu)
   return $rc
 }
 
