@@ -2,12 +2,15 @@
 // rank computes by hand for its peers (the checks of test_communicator.cpp), on fresh random data
 // with uneven and zero counts, and sub-groups. One GPU per rank: with fewer GPUs than ranks (NCCL
 // refuses two ranks on one device) or none, every test skips and says why. Built where MOE_HAVE_NCCL.
+// The suite's communicator has a watchdog (watchdog.h), so every call here also runs armed, and the
+// host's waits poll the stream and NCCL's asynchronous error (nccl_wait.h).
 //   ctest --test-dir build -R DistributedNcclCommunicator
 //   mpirun -np 2 build/tests/distributed/test_distributed_nccl_communicator
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -15,6 +18,7 @@
 #include "distributed_test_support.h"  // pair_count, pair_value, exchange_layout
 #include "mpi_test_support.h"
 #include "nccl_communicator.h"
+#include "watchdog.h"
 
 namespace moe::dist {
 namespace {
@@ -65,11 +69,15 @@ class NcclCommunicatorTest : public ::testing::Test {
       return;
     }
     cudaSetDevice(world().rank());
-    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr);
+    // Generous: a test's honest wait includes a slower peer's checks on the host.
+    watchdog_ = new CollectiveWatchdog(world().rank(), world().size(), std::chrono::milliseconds(120'000));
+    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr, watchdog_);
   }
   static void TearDownTestSuite() {
     delete nccl_;
     nccl_ = nullptr;
+    delete watchdog_;  // after the communicator, which removes its abort hook
+    watchdog_ = nullptr;
     delete skip_reason_;
     skip_reason_ = nullptr;
   }
@@ -78,9 +86,11 @@ class NcclCommunicatorTest : public ::testing::Test {
   }
   static NcclCommunicator& nccl() { return *nccl_; }
 
+  static CollectiveWatchdog* watchdog_;
   static NcclCommunicator* nccl_;
   static std::string* skip_reason_;
 };
+CollectiveWatchdog* NcclCommunicatorTest::watchdog_ = nullptr;
 NcclCommunicator* NcclCommunicatorTest::nccl_ = nullptr;
 std::string* NcclCommunicatorTest::skip_reason_ = nullptr;
 
@@ -157,6 +167,28 @@ TEST_F(NcclCommunicatorTest, SplitIntoNodes) {
     check_all_to_all_v<double>(*node, seed, [&](int s, int d) { return pair_count(seed, s, d); }, 1);
     node->barrier();
   }
+}
+
+// The host's wait on NCCL work (nccl_wait.h), on an event and on the stream: it returns once the
+// all-reduce is done, and the data is then there without another synchronisation.
+TEST_F(NcclCommunicatorTest, WaitReturnsOnceTheEnqueuedWorkIsDone) {
+  const int R = nccl().size();
+  std::vector<double> mine(1000);
+  for (size_t i = 0; i < mine.size(); ++i) mine[i] = 1.0 + nccl().rank() + static_cast<double>(i);
+  DeviceVector<double> data(mine);
+  cudaEvent_t reduced = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&reduced, cudaEventDisableTiming), cudaSuccess);
+  nccl().all_reduce_sum(data.data(), data.data(), static_cast<int64_t>(mine.size()), DataType::float64);
+  ASSERT_EQ(cudaEventRecord(reduced, nccl().stream()), cudaSuccess);
+  nccl().wait(reduced, "the test's all-reduce (event)");
+  EXPECT_EQ(cudaEventQuery(reduced), cudaSuccess);
+  nccl().wait(nccl().stream(), "the test's all-reduce (stream)");
+  EXPECT_EQ(cudaStreamQuery(nccl().stream()), cudaSuccess);
+  const std::vector<double> sum = data.to_host();
+  for (size_t i = 0; i < sum.size(); ++i) {
+    ASSERT_EQ(sum[i], R * (1.0 + static_cast<double>(i)) + R * (R - 1) / 2.0) << "element " << i;
+  }
+  cudaEventDestroy(reduced);
 }
 
 }  // namespace
