@@ -3,22 +3,26 @@
 //
 //   mpirun -np 3 build/tests/distributed/fault_rank_program --fault kill --fault-rank 1 --fault-step 5
 //   mpirun -np 3 build/tests/distributed/fault_rank_program --fault stop --collective-timeout 5
+//   mpirun -np 2 build/tests/distributed/fault_rank_program --backend nccl --fault stop   (a GPU per rank)
 //   (as root, OpenMPI also wants --allow-run-as-root; more ranks than cores, --oversubscribe)
 //
-// Each step is what a training step's communication looks like: an all-gather of per-rank counts,
-// an all-to-all-v of uneven blocks, an all-reduce of a gradient, each result checked. At step s,
-// rank k fails in one of three ways (--fault):
+// Each step is what a training step's communication looks like: over MPI, an all-gather of per-rank
+// counts, an all-to-all-v of uneven blocks, an all-reduce of a gradient; over NCCL (--backend nccl,
+// where the build has it), an all-reduce of a device buffer that the host then waits for through
+// nccl_wait.h, where a GPU-side hang shows. Each result is checked. At step s, rank k fails in one
+// of three ways (--fault):
 //   kill  raise(SIGKILL): the rank dies. OpenMPI's mpirun sees it and ends the job, naming the rank
 //         and the signal ("... rank 1 ... exited on signal 9 (Killed)").
 //   stop  raise(SIGSTOP): the rank stops without dying; nothing tells the launcher. Its peers wait
 //         in the step's first collective until the watchdog (distributed/watchdog.h) ends them, and
 //         mpirun then ends the job, the stopped rank included.
 //   skip  the rank leaves the loop without calling the step's collectives and goes on to the end of
-//         the run, a barrier, as a rank does that returned early on an error only it saw: its peers
+//         the run, a barrier over MPI, as a rank does that returned early on an error only it saw: its peers
 //         wait in the step's all-gather, it waits in the barrier, and every rank's watchdog ends it.
 //         (Not MPI_Finalize: OpenMPI 4.1.4's mpirun can hang in its own teardown, in
 //         PMIx_server_finalize, when a job aborts while a rank waits in MPI_Finalize.)
-// Without a fault every step runs and rank 0 prints "PASS ranks=R steps=N" (exit 0).
+// Without a fault every step runs and rank 0 prints "PASS ranks=R steps=N" (exit 0). Over NCCL with
+// fewer GPUs than ranks, rank 0 prints "SKIP needs one GPU per rank ..." and every rank exits 0.
 // --pid-dir DIR writes DIR/rank<r>.pid, so a test can kill a rank that the launcher left behind
 // (tests/distributed/run_fault.cmake). Tests: ctest --test-dir build -R FaultRank
 #include <mpi.h>
@@ -30,6 +34,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -38,6 +44,12 @@
 #include "mpi_communicator.h"
 #include "watchdog.h"
 
+#if MOE_FAULT_PROGRAM_NCCL
+#include <cuda_runtime.h>
+
+#include "nccl_communicator.h"  // NcclCommunicator::wait: the host's wait under the watchdog
+#endif
+
 namespace {
 
 using namespace moe::dist;
@@ -45,6 +57,7 @@ using namespace moe::dist;
 enum class Fault { none, kill, stop, skip };
 
 struct Options {
+  bool nccl = false;  // --backend nccl
   Fault fault = Fault::none;
   int fault_rank = 1;
   int fault_step = 5;
@@ -56,12 +69,13 @@ struct Options {
 };
 
 const char* usage() {
-  return "usage: fault_rank_program [--fault none|kill|stop|skip] [--fault-rank K] [--fault-step S]\n"
+  return "usage: fault_rank_program [--backend mpi|nccl] [--fault none|kill|stop|skip] [--fault-rank K] [--fault-step S]\n"
          "                          [--steps N] [--step-ms MS] [--collective-timeout SECONDS] [--pid-dir DIR]\n"
-         "  Collectives in a loop over the MPI backend; rank K fails at step S:\n"
+         "  Collectives in a loop (over MPI, or over NCCL on one GPU per rank); rank K fails at step S:\n"
          "    kill   raise(SIGKILL): the launcher ends the job and names the rank\n"
          "    stop   raise(SIGSTOP): the peers' watchdog ends them after the collective timeout\n"
          "    skip   leave the loop without calling the step's collectives, wait in the final barrier\n"
+         "  --backend             mpi (host buffers, default) or nccl (one GPU per rank)\n"
          "  --collective-timeout  the watchdog's deadline for one collective (default 30)\n"
          "  --pid-dir             write DIR/rank<r>.pid for a test to clean up after\n"
          "  Without a fault, rank 0 prints PASS ranks=R steps=N.\n";
@@ -83,8 +97,8 @@ int parse_int(const std::string& flag, const std::string& value, int lowest) {
 
 Options parse_options(int argc, char** argv) {
   Options options;
-  const std::vector<std::string> flags_with_values = {"--fault",     "--fault-rank", "--fault-step", "--steps",
-                                                      "--step-ms",   "--collective-timeout", "--pid-dir"};
+  const std::vector<std::string> flags_with_values = {"--backend", "--fault",   "--fault-rank",         "--fault-step",
+                                                      "--steps",   "--step-ms", "--collective-timeout", "--pid-dir"};
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help") {
@@ -96,7 +110,13 @@ Options parse_options(int argc, char** argv) {
     }
     if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
     const std::string value = argv[++i];
-    if (flag == "--fault") {
+    if (flag == "--backend") {
+      if (value != "mpi" && value != "nccl") throw std::invalid_argument("--backend " + value + ": expected mpi or nccl");
+      options.nccl = value == "nccl";
+#if !MOE_FAULT_PROGRAM_NCCL
+      if (options.nccl) throw std::invalid_argument("--backend nccl: this build has no NCCL");
+#endif
+    } else if (flag == "--fault") {
       if (value == "none") options.fault = Fault::none;
       else if (value == "kill") options.fault = Fault::kill;
       else if (value == "stop") options.fault = Fault::stop;
@@ -129,7 +149,7 @@ Options parse_options(int argc, char** argv) {
 int64_t block_count(int from, int to, int step) { return (from + to + step) % 3; }
 
 // Returns an empty string, or what was wrong.
-std::string run_step(Communicator& world, int step) {
+std::string run_mpi_step(Communicator& world, int step) {
   const int R = world.size(), me = world.rank();
 
   const std::vector<int64_t> counts = all_gather<int64_t>(world, static_cast<int64_t>(me + step));
@@ -161,6 +181,61 @@ std::string run_step(Communicator& world, int step) {
   if (gradient[0] != R * (R + 1) / 2.0 || gradient[1] != 0.5 * step * R) return "all_reduce_sum: wrong sum";
   return {};
 }
+
+#if MOE_FAULT_PROGRAM_NCCL
+// ---- the NCCL backend: a device all-reduce per step, then the host's wait ----
+
+class NcclSteps {
+ public:
+  static constexpr int64_t kElements = 1 << 16;
+
+  NcclSteps(Communicator& bootstrap, CollectiveWatchdog& watchdog) {
+    check(cudaSetDevice(bootstrap.rank()), "cudaSetDevice");
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    check(cudaMalloc(&device_, kElements * sizeof(float)), "cudaMalloc");
+    // Pinned: a copy from pageable memory would block the host outside the armed wait.
+    check(cudaMallocHost(&host_, kElements * sizeof(float)), "cudaMallocHost");
+    nccl_ = std::make_unique<NcclCommunicator>(bootstrap, stream_, &watchdog);
+  }
+  ~NcclSteps() {
+    nccl_.reset();
+    cudaFreeHost(host_);
+    cudaFree(device_);
+    cudaStreamDestroy(stream_);
+  }
+
+  // Every rank contributes rank + step to each element: the sum is R (R - 1) / 2 + R step.
+  std::string run(int step) {
+    const int R = nccl_->size();
+    for (int64_t i = 0; i < kElements; ++i) host_[i] = static_cast<float>(nccl_->rank() + step);
+    check(cudaMemcpyAsync(device_, host_, kElements * sizeof(float), cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+    nccl_->all_reduce_sum(device_, device_, kElements, DataType::float32);
+    check(cudaMemcpyAsync(host_, device_, kElements * sizeof(float), cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
+    nccl_->wait(stream_, "all_reduce_sum (ncclAllReduce), the host's wait for the stream");
+    const float expected = static_cast<float>(R * (R - 1) / 2 + R * step);
+    for (int64_t i = 0; i < kElements; ++i) {
+      if (host_[i] != expected) return "all_reduce_sum: element " + std::to_string(i) + " is wrong";
+    }
+    return {};
+  }
+
+ private:
+  static void check(cudaError_t result, const char* call) {
+    if (result != cudaSuccess) throw std::runtime_error(std::string(call) + " failed: " + cudaGetErrorString(result));
+  }
+
+  cudaStream_t stream_ = nullptr;
+  float* device_ = nullptr;  // [kElements]
+  float* host_ = nullptr;    // [kElements], pinned
+  std::unique_ptr<NcclCommunicator> nccl_;
+};
+
+int visible_gpus() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  return devices;
+}
+#endif
 
 void write_pid(const std::string& dir, int rank) {
   std::ofstream file(dir + "/rank" + std::to_string(rank) + ".pid");
@@ -197,6 +272,18 @@ int main(int argc, char** argv) {
   int failures = 0;
   {
     const auto world = MpiCommunicator::world(&watchdog);
+    std::function<std::string(int)> run_step = [&world](int step) { return run_mpi_step(*world, step); };
+#if MOE_FAULT_PROGRAM_NCCL
+    std::unique_ptr<NcclSteps> nccl_steps;
+    if (options.nccl) {
+      if (visible_gpus() < ranks) {  // every rank sees the same devices: every rank skips
+        if (rank == 0) std::printf("SKIP needs one GPU per rank: %d GPU(s) for %d ranks\n", visible_gpus(), ranks);
+        return 0;
+      }
+      nccl_steps = std::make_unique<NcclSteps>(*world, watchdog);
+      run_step = [&nccl_steps](int step) { return nccl_steps->run(step); };
+    }
+#endif
     for (int step = 0; step < options.steps; ++step) {
       if (options.fault != Fault::none && rank == options.fault_rank && step == options.fault_step) {
         const char* what = options.fault == Fault::kill   ? "raising SIGKILL"
@@ -207,10 +294,10 @@ int main(int argc, char** argv) {
         if (options.fault == Fault::kill) std::raise(SIGKILL);
         if (options.fault == Fault::stop) std::raise(SIGSTOP);
         skipped = true;
-        world->barrier();  // the end of the run; the peers are still in this step's all-gather
+        world->barrier();  // the end of the run (over MPI); the peers are still in this step
         break;
       }
-      const std::string wrong = run_step(*world, step);
+      const std::string wrong = run_step(step);
       if (!wrong.empty()) {
         std::fprintf(stderr, "FAIL rank %d step %d: %s\n", rank, step, wrong.c_str());
         ++failures;
