@@ -2,15 +2,14 @@
 // rank computes by hand for its peers (the checks of test_communicator.cpp), on fresh random data
 // with uneven and zero counts, and sub-groups. One GPU per rank: with fewer GPUs than ranks (NCCL
 // refuses two ranks on one device) or none, every test skips and says why. Built where MOE_HAVE_NCCL.
-// The suite's communicator has a watchdog (watchdog.h), so every call here also runs armed, and the
-// host's waits poll the stream and NCCL's asynchronous error (nccl_wait.h).
+// The suite's communicator shares the world's watchdog (watchdog.h), so every call here also runs
+// armed, and the host's waits poll the stream and NCCL's asynchronous error (nccl_wait.h).
 //   ctest --test-dir build -R DistributedNcclCommunicator
 //   mpirun -np 2 build/tests/distributed/test_distributed_nccl_communicator
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
-#include <chrono>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -18,7 +17,6 @@
 #include "distributed_test_support.h"  // pair_count, pair_value, exchange_layout
 #include "mpi_test_support.h"
 #include "nccl_communicator.h"
-#include "watchdog.h"
 
 namespace moe::dist {
 namespace {
@@ -69,15 +67,11 @@ class NcclCommunicatorTest : public ::testing::Test {
       return;
     }
     cudaSetDevice(world().rank());
-    // Generous: a test's honest wait includes a slower peer's checks on the host.
-    watchdog_ = new CollectiveWatchdog(world().rank(), world().size(), std::chrono::milliseconds(120'000));
-    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr, watchdog_);
+    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr, &testing::watchdog());
   }
   static void TearDownTestSuite() {
     delete nccl_;
     nccl_ = nullptr;
-    delete watchdog_;  // after the communicator, which removes its abort hook
-    watchdog_ = nullptr;
     delete skip_reason_;
     skip_reason_ = nullptr;
   }
@@ -86,11 +80,9 @@ class NcclCommunicatorTest : public ::testing::Test {
   }
   static NcclCommunicator& nccl() { return *nccl_; }
 
-  static CollectiveWatchdog* watchdog_;
   static NcclCommunicator* nccl_;
   static std::string* skip_reason_;
 };
-CollectiveWatchdog* NcclCommunicatorTest::watchdog_ = nullptr;
 NcclCommunicator* NcclCommunicatorTest::nccl_ = nullptr;
 std::string* NcclCommunicatorTest::skip_reason_ = nullptr;
 
