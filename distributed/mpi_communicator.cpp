@@ -84,24 +84,43 @@ MpiEnvironment::MpiEnvironment(int& argc, char**& argv) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (initialized) throw std::logic_error("MpiEnvironment: MPI is already initialised in this process");
-  check_mpi(MPI_Init(&argc, &argv), "MPI_Init");
+  // FUNNELED, not SINGLE: the watchdog's thread exists, though it never calls MPI.
+  int provided = MPI_THREAD_SINGLE;
+  check_mpi(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
 }
 
 MpiEnvironment::~MpiEnvironment() { MPI_Finalize(); }
 
-// ---- communicator ----
-
-std::unique_ptr<MpiCommunicator> MpiCommunicator::world() {
-  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD);
+int MpiEnvironment::world_rank() const {
+  int rank = 0;
+  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+  return rank;
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm communicator) {
+int MpiEnvironment::world_size() const {
+  int size = 1;
+  check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
+  return size;
+}
+
+// ---- communicator ----
+
+std::unique_ptr<MpiCommunicator> MpiCommunicator::world(CollectiveWatchdog* watchdog) {
+  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, watchdog);
+}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm communicator, CollectiveWatchdog* watchdog) : watchdog_(watchdog) {
   MPI_Comm duplicate = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_dup(communicator, &duplicate), "MPI_Comm_dup");
+  {
+    const auto armed = arm(watchdog_, "MPI_Comm_dup");  // collective: waits for every rank
+    check_mpi(MPI_Comm_dup(communicator, &duplicate), "MPI_Comm_dup");
+  }
   adopt(duplicate);
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm owned, Adopt) { adopt(owned); }
+MpiCommunicator::MpiCommunicator(MPI_Comm owned, CollectiveWatchdog* watchdog, Adopt) : watchdog_(watchdog) {
+  adopt(owned);
+}
 
 void MpiCommunicator::adopt(MPI_Comm owned) {
   communicator_ = owned;
@@ -126,6 +145,7 @@ void MpiCommunicator::all_to_all_v(const void* send, std::span<const int64_t> se
   const std::vector<int> so = as_mpi_ints(send_offsets, "all_to_all_v: send offset");
   const std::vector<int> rc = as_mpi_ints(recv_counts, "all_to_all_v: receive count");
   const std::vector<int> ro = as_mpi_ints(recv_offsets, "all_to_all_v: receive offset");
+  const auto armed = arm(watchdog_, "all_to_all_v (MPI_Alltoallv)");
   check_mpi(MPI_Alltoallv(send, sc.data(), so.data(), mpi_type(type), recv, rc.data(), ro.data(),
                           mpi_type(type), communicator_),
             "MPI_Alltoallv");
@@ -135,6 +155,7 @@ void MpiCommunicator::all_reduce_sum(const void* send, void* recv, int64_t count
   check_count("all_reduce_sum", count);
   const MPI_Op op = type == DataType::bfloat16 ? bfloat16_sum_ : type == DataType::uint8 ? uint8_sum_ : MPI_SUM;
   const void* source = send == recv ? MPI_IN_PLACE : send;
+  const auto armed = arm(watchdog_, "all_reduce_sum (MPI_Allreduce)");
   check_mpi(MPI_Allreduce(source, recv, as_mpi_int(count, "all_reduce_sum: count"), mpi_type(type), op,
                           communicator_),
             "MPI_Allreduce");
@@ -147,25 +168,33 @@ void MpiCommunicator::all_gather(const void* send, void* recv, int64_t count, Da
   // In place when this rank's block already sits where it belongs in recv (MPI wants MPI_IN_PLACE).
   const auto* own_block = static_cast<const char*>(recv) + static_cast<size_t>(rank_) * count * element_size(type);
   const void* source = send == own_block ? MPI_IN_PLACE : send;
+  const auto armed = arm(watchdog_, "all_gather (MPI_Allgather)");
   check_mpi(MPI_Allgather(source, n, mpi_type(type), recv, n, mpi_type(type), communicator_), "MPI_Allgather");
 }
 
 void MpiCommunicator::broadcast(void* buffer, int64_t count, DataType type, int root) {
   check_count("broadcast", count);
   check_root(*this, root);
+  const auto armed = arm(watchdog_, "broadcast (MPI_Bcast)");
   check_mpi(MPI_Bcast(buffer, as_mpi_int(count, "broadcast: count"), mpi_type(type), root, communicator_),
             "MPI_Bcast");
 }
 
-void MpiCommunicator::barrier() { check_mpi(MPI_Barrier(communicator_), "MPI_Barrier"); }
+void MpiCommunicator::barrier() {
+  const auto armed = arm(watchdog_, "barrier (MPI_Barrier)");
+  check_mpi(MPI_Barrier(communicator_), "MPI_Barrier");
+}
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   if (color < 0) {
     throw std::invalid_argument("split: color = " + std::to_string(color) + "; expected a color >= 0");
   }
   MPI_Comm part = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split(communicator_, color, key, &part), "MPI_Comm_split");
-  return std::unique_ptr<Communicator>(new MpiCommunicator(part, Adopt{}));
+  {
+    const auto armed = arm(watchdog_, "split (MPI_Comm_split)");
+    check_mpi(MPI_Comm_split(communicator_, color, key, &part), "MPI_Comm_split");
+  }
+  return std::unique_ptr<Communicator>(new MpiCommunicator(part, watchdog_, Adopt{}));
 }
 
 }  // namespace moe::dist

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "nccl_wait.h"  // wait_for: the host's wait on the stream, under the watchdog
+
 namespace moe::dist {
 
 namespace {
@@ -36,16 +38,22 @@ ncclDataType_t nccl_type(DataType type) {
 
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(Communicator& bootstrap, cudaStream_t stream) : stream_(stream) {
+NcclCommunicator::NcclCommunicator(Communicator& bootstrap, cudaStream_t stream, CollectiveWatchdog* watchdog)
+    : stream_(stream), watchdog_(watchdog) {
   ncclUniqueId id;
   std::memset(&id, 0, sizeof id);
   if (bootstrap.rank() == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", nullptr);
   bootstrap.broadcast(&id, static_cast<int64_t>(sizeof id), DataType::uint8, 0);  // host bytes
-  check_nccl(ncclCommInitRank(&communicator_, bootstrap.size(), id, bootstrap.rank()), "ncclCommInitRank", nullptr);
+  {
+    const auto armed = arm(watchdog_, "ncclCommInitRank");  // returns once every rank has joined
+    check_nccl(ncclCommInitRank(&communicator_, bootstrap.size(), id, bootstrap.rank()), "ncclCommInitRank",
+               nullptr);
+  }
   init_members();
 }
 
-NcclCommunicator::NcclCommunicator(ncclComm_t owned, cudaStream_t stream) : communicator_(owned), stream_(stream) {
+NcclCommunicator::NcclCommunicator(ncclComm_t owned, cudaStream_t stream, CollectiveWatchdog* watchdog)
+    : communicator_(owned), stream_(stream), watchdog_(watchdog) {
   init_members();
 }
 
@@ -54,11 +62,36 @@ void NcclCommunicator::init_members() {
   check_nccl(ncclCommCount(communicator_, &size_), "ncclCommCount", communicator_);
   check_cuda(cudaMalloc(&barrier_scratch_, sizeof(float)), "cudaMalloc");
   check_cuda(cudaMemset(barrier_scratch_, 0, sizeof(float)), "cudaMemset");
+  if (watchdog_ != nullptr) {
+    // ncclCommAbort stops this communicator's kernels and frees its resources without waiting for
+    // the peers, the one safe end for a communicator whose peer is gone.
+    const ncclComm_t communicator = communicator_;
+    abort_hook_ = watchdog_->add_abort_hook(
+        "the NCCL communicator (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")",
+        [communicator] { ncclCommAbort(communicator); });
+  }
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  if (watchdog_ != nullptr && abort_hook_ != 0) watchdog_->remove_abort_hook(abort_hook_);
   if (barrier_scratch_) cudaFree(barrier_scratch_);
-  if (communicator_) ncclCommDestroy(communicator_);
+  if (!communicator_) return;
+  // After an asynchronous error NCCL's rule is to abort: destroying would wait for peers that are gone.
+  ncclResult_t state = ncclSuccess;
+  if (ncclCommGetAsyncError(communicator_, &state) != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
+    ncclCommAbort(communicator_);
+    return;
+  }
+  const auto armed = arm(watchdog_, "ncclCommDestroy");
+  ncclCommDestroy(communicator_);
+}
+
+void NcclCommunicator::wait(cudaStream_t stream, std::string_view what) const {
+  wait_for(stream, what, communicator_, watchdog_);
+}
+
+void NcclCommunicator::wait(cudaEvent_t event, std::string_view what) const {
+  wait_for(event, what, communicator_, watchdog_);
 }
 
 void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> send_counts,
@@ -71,6 +104,8 @@ void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> s
   auto* to = static_cast<char*>(recv);
   // NCCL has no all-to-all-v: point-to-point sends and receives in one group, which NCCL schedules
   // together (nccl-tests' alltoall.cu does the same). Empty blocks post nothing.
+  // ncclGroupEnd may wait on the host, for the peers' side of a connection it sets up.
+  const auto armed = arm(watchdog_, "all_to_all_v (ncclGroupEnd of ncclSend / ncclRecv)");
   check_nccl(ncclGroupStart(), "ncclGroupStart", communicator_);
   for (int p = 0; p < size_; ++p) {
     if (send_counts[p] > 0) {
@@ -89,12 +124,14 @@ void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> s
 
 void NcclCommunicator::all_reduce_sum(const void* send, void* recv, int64_t count, DataType type) {
   check_count("all_reduce_sum", count);
+  const auto armed = arm(watchdog_, "all_reduce_sum (ncclAllReduce)");
   check_nccl(ncclAllReduce(send, recv, static_cast<size_t>(count), nccl_type(type), ncclSum, communicator_, stream_),
              "ncclAllReduce", communicator_);
 }
 
 void NcclCommunicator::all_gather(const void* send, void* recv, int64_t count, DataType type) {
   check_count("all_gather", count);
+  const auto armed = arm(watchdog_, "all_gather (ncclAllGather)");
   check_nccl(ncclAllGather(send, recv, static_cast<size_t>(count), nccl_type(type), communicator_, stream_),
              "ncclAllGather", communicator_);
 }
@@ -102,13 +139,14 @@ void NcclCommunicator::all_gather(const void* send, void* recv, int64_t count, D
 void NcclCommunicator::broadcast(void* buffer, int64_t count, DataType type, int root) {
   check_count("broadcast", count);
   check_root(*this, root);
+  const auto armed = arm(watchdog_, "broadcast (ncclBroadcast)");
   check_nccl(ncclBroadcast(buffer, buffer, static_cast<size_t>(count), nccl_type(type), root, communicator_, stream_),
              "ncclBroadcast", communicator_);
 }
 
 void NcclCommunicator::barrier() {
   all_reduce_sum(barrier_scratch_, barrier_scratch_, 1, DataType::float32);
-  check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  wait(stream_, "barrier (ncclAllReduce, then the host's wait for the stream)");
 }
 
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
@@ -116,8 +154,11 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
     throw std::invalid_argument("split: color = " + std::to_string(color) + "; expected a color >= 0");
   }
   ncclComm_t part = nullptr;
-  check_nccl(ncclCommSplit(communicator_, color, key, &part, nullptr), "ncclCommSplit", communicator_);
-  return std::unique_ptr<Communicator>(new NcclCommunicator(part, stream_));
+  {
+    const auto armed = arm(watchdog_, "split (ncclCommSplit)");  // collective: waits for every rank
+    check_nccl(ncclCommSplit(communicator_, color, key, &part, nullptr), "ncclCommSplit", communicator_);
+  }
+  return std::unique_ptr<Communicator>(new NcclCommunicator(part, stream_, watchdog_));
 }
 
 }  // namespace moe::dist

@@ -3,20 +3,28 @@
 // Every rank runs every test. Rank 0 prints GoogleTest's usual report; the other ranks print only
 // their failures, each line tagged with the rank. At the end the ranks sum their failure flags, so
 // a test that fails on any one rank makes every rank exit non-zero: mpiexec, and so CTest, report
-// it whichever rank saw it. A rank that hangs is caught by CTest's TIMEOUT.
+// it whichever rank saw it. The world communicator has a watchdog (distributed/watchdog.h): a test
+// left waiting in a collective for kTestCollectiveTimeout ends its rank with a line naming the call,
+// and mpiexec then ends the others (CTest's TIMEOUT is the last bound).
 //   mpirun -np 4 build/tests/distributed/test_distributed_communicator
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <random>
 
 #include "mpi_communicator.h"
 #include "mpi_test_support.h"
+#include "watchdog.h"
 
 namespace moe::dist::testing {
 
 namespace {
 Communicator* world_communicator = nullptr;
+CollectiveWatchdog* world_watchdog = nullptr;
+
+// Far above any honest wait of these tests (they run in seconds), far below CTest's TIMEOUT (300 s).
+constexpr std::chrono::milliseconds kTestCollectiveTimeout{120'000};
 
 // The failures of one rank other than 0, tagged with its rank.
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
@@ -39,6 +47,7 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 }  // namespace
 
 Communicator& world() { return *world_communicator; }
+CollectiveWatchdog& watchdog() { return *world_watchdog; }
 
 uint64_t shared_seed() {
   int64_t seed = 0;  // int64 on the wire: the same 64 bits
@@ -57,8 +66,11 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   int any_failed = 0;
   {
-    auto world = moe::dist::MpiCommunicator::world();
+    moe::dist::CollectiveWatchdog watchdog(mpi.world_rank(), mpi.world_size(),
+                                           moe::dist::testing::kTestCollectiveTimeout);
+    auto world = moe::dist::MpiCommunicator::world(&watchdog);
     moe::dist::testing::world_communicator = world.get();
+    moe::dist::testing::world_watchdog = &watchdog;
     const int rank = world->rank(), ranks = world->size();
     if (rank != 0) {
       ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
@@ -74,6 +86,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(failed_ranks));
     }
     moe::dist::testing::world_communicator = nullptr;
+    moe::dist::testing::world_watchdog = nullptr;
   }
   return any_failed;
 }

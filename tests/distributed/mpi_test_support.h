@@ -10,11 +10,14 @@
 #include <type_traits>
 
 #include "communicator.h"
+#include "watchdog.h"  // CollectiveWatchdog
 
 namespace moe::dist::testing {
 
-// Every process of the launch (mpi_test_main.cpp owns it).
+// Every process of the launch (mpi_test_main.cpp owns it), its collectives armed on watchdog().
 Communicator& world();
+// The world's watchdog, for the tests' other communicators (an NcclCommunicator) to share.
+CollectiveWatchdog& watchdog();
 
 // Fresh per call: rank 0 draws it from std::random_device and broadcasts it, so every rank uses the
 // same one and a failure message can name it.

@@ -1,6 +1,7 @@
 // test_communicator.cpp: every collective of the communicator (MPI backend) against what each rank
 // computes by hand for its peers, on fresh random data, with uneven counts, zero counts and
-// sub-groups. Run by CTest at R = 1..4 ranks:
+// sub-groups; settings that differ between ranks fail on every rank (rank_agreement.h). Run by CTest
+// at R = 1..4 ranks:
 //   ctest --test-dir build -R DistributedCommunicator
 //   mpirun -np 4 build/tests/distributed/test_distributed_communicator
 #include <gtest/gtest.h>
@@ -8,11 +9,13 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "communicator.h"
 #include "distributed_test_support.h"  // pair_count, pair_value, exchange_layout
 #include "mpi_test_support.h"
+#include "rank_agreement.h"  // check_same_on_every_rank
 
 namespace moe::dist {
 namespace {
@@ -279,6 +282,30 @@ TEST(Communicator, BadArgumentsThrowBeforeAnyCommunication) {
   EXPECT_THROW(comm.all_reduce_sum(buffer.data(), buffer.data(), -1, DataType::float64), std::invalid_argument);
   EXPECT_THROW(comm.broadcast(buffer.data(), 1, DataType::float64, R), std::invalid_argument);
   EXPECT_THROW(comm.split(-1), std::invalid_argument);
+  comm.barrier();  // every rank is still in step
+}
+
+// ---- settings that differ between ranks: every rank fails together, naming the ranks ----
+
+TEST(Communicator, SettingsThatDifferFailOnEveryRankNamingTheRanks) {
+  Communicator& comm = world();
+  const int R = comm.size();
+  EXPECT_NO_THROW(check_same_on_every_rank(comm, "the settings", 0x5eedull));
+  // The odd ranks pass another fingerprint (a config hash that differs: config_fingerprint).
+  const uint64_t fingerprint = comm.rank() % 2 == 1 ? 0xbadull : 0x5eedull;
+  std::string odd_ranks;
+  for (int p = 1; p < R; p += 2) odd_ranks += (odd_ranks.empty() ? "" : ", ") + std::to_string(p);
+  if (odd_ranks.empty()) {  // R = 1: nothing to differ from
+    EXPECT_NO_THROW(check_same_on_every_rank(comm, "the settings", fingerprint));
+  } else {
+    try {
+      check_same_on_every_rank(comm, "the settings", fingerprint);
+      ADD_FAILURE() << "differing fingerprints did not throw on rank " << comm.rank();
+    } catch (const std::invalid_argument& error) {
+      EXPECT_EQ(std::string(error.what()), "the settings differ between ranks: rank(s) " + odd_ranks +
+                                               " disagree with rank 0; every rank must pass the same settings");
+    }
+  }
   comm.barrier();  // every rank is still in step
 }
 

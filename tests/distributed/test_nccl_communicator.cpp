@@ -2,6 +2,8 @@
 // rank computes by hand for its peers (the checks of test_communicator.cpp), on fresh random data
 // with uneven and zero counts, and sub-groups. One GPU per rank: with fewer GPUs than ranks (NCCL
 // refuses two ranks on one device) or none, every test skips and says why. Built where MOE_HAVE_NCCL.
+// The suite's communicator shares the world's watchdog (watchdog.h), so every call here also runs
+// armed, and the host's waits poll the stream and NCCL's asynchronous error (nccl_wait.h).
 //   ctest --test-dir build -R DistributedNcclCommunicator
 //   mpirun -np 2 build/tests/distributed/test_distributed_nccl_communicator
 #include <gtest/gtest.h>
@@ -65,7 +67,7 @@ class NcclCommunicatorTest : public ::testing::Test {
       return;
     }
     cudaSetDevice(world().rank());
-    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr);
+    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr, &testing::watchdog());
   }
   static void TearDownTestSuite() {
     delete nccl_;
@@ -157,6 +159,28 @@ TEST_F(NcclCommunicatorTest, SplitIntoNodes) {
     check_all_to_all_v<double>(*node, seed, [&](int s, int d) { return pair_count(seed, s, d); }, 1);
     node->barrier();
   }
+}
+
+// The host's wait on NCCL work (nccl_wait.h), on an event and on the stream: it returns once the
+// all-reduce is done, and the data is then there without another synchronisation.
+TEST_F(NcclCommunicatorTest, WaitReturnsOnceTheEnqueuedWorkIsDone) {
+  const int R = nccl().size();
+  std::vector<double> mine(1000);
+  for (size_t i = 0; i < mine.size(); ++i) mine[i] = 1.0 + nccl().rank() + static_cast<double>(i);
+  DeviceVector<double> data(mine);
+  cudaEvent_t reduced = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&reduced, cudaEventDisableTiming), cudaSuccess);
+  nccl().all_reduce_sum(data.data(), data.data(), static_cast<int64_t>(mine.size()), DataType::float64);
+  ASSERT_EQ(cudaEventRecord(reduced, nccl().stream()), cudaSuccess);
+  nccl().wait(reduced, "the test's all-reduce (event)");
+  EXPECT_EQ(cudaEventQuery(reduced), cudaSuccess);
+  nccl().wait(nccl().stream(), "the test's all-reduce (stream)");
+  EXPECT_EQ(cudaStreamQuery(nccl().stream()), cudaSuccess);
+  const std::vector<double> sum = data.to_host();
+  for (size_t i = 0; i < sum.size(); ++i) {
+    ASSERT_EQ(sum[i], R * (1.0 + static_cast<double>(i)) + R * (R - 1) / 2.0) << "element " << i;
+  }
+  cudaEventDestroy(reduced);
 }
 
 }  // namespace
