@@ -154,7 +154,8 @@ class HostOverNccl final : public Communicator {
   void copy(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) {
     if (bytes > 0) check_cuda(cudaMemcpyAsync(to, from, bytes, kind, nccl_.stream()), "cudaMemcpyAsync");
   }
-  void finish() { check_cuda(cudaStreamSynchronize(nccl_.stream()), "cudaStreamSynchronize"); }
+  // Under the communicator's watchdog, if it has one: a peer that never joins ends the job.
+  void finish() { nccl_.wait(nccl_.stream(), "DeviceExchange::host() over NCCL"); }
 
   NcclCommunicator& nccl_;
   DeviceScratch send_scratch_, recv_scratch_;
@@ -200,9 +201,29 @@ DeviceExchange::DeviceExchange(Communicator& communicator) : communicator_(commu
   recv_stage_ = std::make_unique<PinnedBuffer>();
 }
 
+// Over NCCL the wait polls the stream and NCCL's asynchronous errors under the watchdog
+// (nccl_wait.h), so a peer that died mid-exchange ends the job instead of hanging this host.
 void DeviceExchange::wait(cudaStream_t stream) {
+#if MOE_HAVE_NCCL
+  if (nccl_ != nullptr) {
+    nccl_->wait(stream, "DeviceExchange: the host's wait for the stream (the count read-back)");
+    ++host_waits_;
+    return;
+  }
+#endif
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   ++host_waits_;
+}
+
+void DeviceExchange::wait_for_event(cudaEvent_t event, std::string_view what) {
+#if MOE_HAVE_NCCL
+  if (nccl_ != nullptr) {
+    nccl_->wait(event, what);
+    return;
+  }
+#endif
+  (void)what;
+  check_cuda(cudaEventSynchronize(event), "cudaEventSynchronize");
 }
 
 DeviceExchange::~DeviceExchange() {

@@ -71,6 +71,11 @@ class DeviceExchange {
   // host synchronisation per forward (FastMoE's count read-back).
   void all_gather_to_host(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream);
 
+  // The host waits for `event` (work of the caller's that may sit behind this exchange's NCCL
+  // calls): over NCCL under the communicator's watchdog (nccl_wait.h), else cudaEventSynchronize.
+  // Not counted in host_waits(): the caller's own wait, not one of the exchange's.
+  void wait_for_event(cudaEvent_t event, std::string_view what);
+
   // How many times the calls above made the host wait for the GPU, since construction.
   int64_t host_waits() const { return host_waits_; }
 

@@ -441,7 +441,8 @@ void ExpertParallelGpu::finish_trial_step() {
   trial_step_pending_ = false;
   // Usually complete already: the count exchange just waited on the caller's stream.
   const StepEvents& events = step_events_[trial_step_events_];
-  CUDA_CHECK(cudaEventSynchronize(trial_step_has_backward_ ? events.backward_end : events.forward_end));
+  exchange_->wait_for_event(trial_step_has_backward_ ? events.backward_end : events.forward_end,
+                            "ExpertParallelGpu: the end of a pipelining trial step");
   float forward_ms = 0.0f, backward_ms = 0.0f;
   CUDA_CHECK(cudaEventElapsedTime(&forward_ms, events.forward_start, events.forward_end));
   if (trial_step_has_backward_) {
@@ -520,7 +521,7 @@ void ExpertParallelGpu::upload_tables(cudaStream_t stream) {
     }
   }
   // The last upload may still be reading the pinned words (if the caller changed streams).
-  CUDA_CHECK(cudaEventSynchronize(tables_uploaded_));
+  exchange_->wait_for_event(tables_uploaded_, "ExpertParallelGpu: the last upload of the exchange tables");
   if (t.pinned_words < t.words.size()) {
     if (t.pinned != nullptr) CUDA_CHECK(cudaFreeHost(t.pinned));
     t.pinned = nullptr;

@@ -12,8 +12,11 @@
 //
 // Flags of its own: --backend nccl|mpi (default: nccl where every rank has its own GPU, else mpi,
 // which stages every exchange through host memory so that ranks may share a GPU: correct, but its
-// timings are not an interconnect's) and --pipeline-chunks d (Tutel's pipelining degree of the
-// expert-parallel layers, default 1). --batch is the global batch: each rank trains on batch / R.
+// timings are not an interconnect's), --pipeline-chunks d (Tutel's pipelining degree of the
+// expert-parallel layers, default 1; 0: chosen by measurement per shape) and --collective-timeout S
+// (the watchdog, distributed/watchdog.h: a collective that has not completed after S seconds, 30 by
+// default, ends the job with a line naming the rank and the call, so a rank that died or stopped
+// never leaves the others waiting). --batch is the global batch: each rank trains on batch / R.
 // A checkpoint holds the whole model as moe_train writes it, so a run resumes on any number of
 // ranks or on one GPU with moe_train.
 //
@@ -22,6 +25,7 @@
 #include <cuda_runtime.h>
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -32,6 +36,7 @@
 
 #include "core/device_info.h"      // why_no_gpu
 #include "expert_parallel_ranks.h"  // ExpertParallelRanks
+#include "watchdog.h"               // CollectiveWatchdog
 #include "mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
 #include "rank_agreement.h"         // check_on_every_rank, check_same_on_every_rank
 #include "train/train_config.h"     // parse_arguments, validate, help_text, to_json
@@ -48,6 +53,7 @@ using moe::dist::MpiCommunicator;
 struct DistributedFlags {
   std::string backend;  // "", "nccl" or "mpi"
   int pipeline_chunks = 1;
+  double collective_timeout_seconds = 30;
   std::vector<std::string> rest;  // moe_train's flags
 };
 
@@ -56,7 +62,7 @@ DistributedFlags split_flags(const std::vector<std::string>& arguments) {
   DistributedFlags flags;
   for (size_t i = 0; i < arguments.size(); ++i) {
     const std::string& a = arguments[i];
-    if (a == "--backend" || a == "--pipeline-chunks") {
+    if (a == "--backend" || a == "--pipeline-chunks" || a == "--collective-timeout") {
       if (i + 1 == arguments.size()) throw moe::train::TrainConfigError(a + " needs a value");
       const std::string value = arguments[++i];
       if (a == "--backend") {
@@ -64,6 +70,19 @@ DistributedFlags split_flags(const std::vector<std::string>& arguments) {
           throw moe::train::TrainConfigError("--backend " + value + ": allowed: nccl, mpi");
         }
         flags.backend = value;
+      } else if (a == "--collective-timeout") {
+        double seconds = 0;
+        try {
+          size_t used = 0;
+          seconds = std::stod(value, &used);
+          if (used != value.size()) seconds = 0;
+        } catch (const std::exception&) {
+          seconds = 0;
+        }
+        if (!(seconds >= 1 && seconds <= 86400)) {
+          throw moe::train::TrainConfigError("--collective-timeout " + value + ": allowed: 1 to 86400 seconds");
+        }
+        flags.collective_timeout_seconds = seconds;
       } else {
         int d = 0;
         try {
@@ -73,7 +92,9 @@ DistributedFlags split_flags(const std::vector<std::string>& arguments) {
         } catch (const std::exception&) {
           d = 0;
         }
-        if (d < 1 || d > 64) throw moe::train::TrainConfigError("--pipeline-chunks " + value + ": allowed: 1 to 64");
+        if (value != "0" && (d < 1 || d > 64)) {
+          throw moe::train::TrainConfigError("--pipeline-chunks " + value + ": allowed: 0 (chosen by measurement) or 1 to 64");
+        }
         flags.pipeline_chunks = d;
       }
     } else {
@@ -100,16 +121,20 @@ uint64_t fingerprint(const std::string& text) {  // FNV-1a
   return hash;
 }
 
-int run(const std::vector<std::string>& arguments, MpiCommunicator& world) {
+int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::dist::CollectiveWatchdog& watchdog) {
   const int rank = world.rank(), R = world.size();
   for (const std::string& argument : arguments) {
     if (argument == "--help" || argument == "-h") {
       if (rank == 0) {
         std::cout << "usage: mpirun -np R moe_train_distributed [--backend nccl|mpi] [--pipeline-chunks d] "
+                     "[--collective-timeout S] "
                      "[--preset NAME] [--config FILE.json] [--setting value ...]\n"
                      "  --backend nccl|mpi       exchanges over NCCL (one GPU per rank) or MPI staged through host\n"
                      "                           memory (ranks may share a GPU); default nccl where each rank has a GPU\n"
-                     "  --pipeline-chunks d      Tutel's pipelining degree of the expert-parallel layers (1 to 64)\n"
+                     "  --pipeline-chunks d      Tutel's pipelining degree of the expert-parallel layers (1 to 64;\n"
+                     "                           0: each layer times d = 1, 2, 4, 8 and keeps the fastest)\n"
+                     "  --collective-timeout S   end the job when a collective has not completed in S seconds\n"
+                     "                           (a rank died or stopped; default 30)\n"
                      "  --batch is the global batch (a multiple of R); every other setting is moe_train's:\n"
                   << moe::train::help_text(moe::train::preset("default"));
       }
@@ -166,7 +191,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world) {
 
   std::unique_ptr<Communicator> nccl;
 #if MOE_HAVE_NCCL
-  if (backend == "nccl") nccl = std::make_unique<moe::dist::NcclCommunicator>(world, /*stream=*/nullptr);
+  if (backend == "nccl") nccl = std::make_unique<moe::dist::NcclCommunicator>(world, /*stream=*/nullptr, &watchdog);
 #endif
   Communicator& device_communicator = nccl ? *nccl : static_cast<Communicator&>(world);
   moe::dist::ExpertParallelGpuOptions layer_options;
@@ -186,12 +211,21 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world) {
 int main(int argc, char** argv) {
   moe::dist::MpiEnvironment mpi(argc, argv);
   const std::vector<std::string> arguments(argv + 1, argv + argc);
+  // The watchdog first (every communicator's calls are armed on it); its timeout from the flags, a
+  // bad value of which run() reports on every rank.
+  double timeout_seconds = DistributedFlags{}.collective_timeout_seconds;
+  try {
+    timeout_seconds = split_flags(arguments).collective_timeout_seconds;
+  } catch (const std::exception&) {
+  }
+  moe::dist::CollectiveWatchdog watchdog(mpi.world_rank(), mpi.world_size(),
+                                         std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
   int status = 0;
   {
-    auto world = MpiCommunicator::world();
+    auto world = MpiCommunicator::world(&watchdog);
     const int rank = world->rank();
     try {
-      status = run(arguments, *world);
+      status = run(arguments, *world, watchdog);
     } catch (const std::invalid_argument& error) {
       // Bad usage or input, found the same way on every rank: the settings and GPUs (checked together,
       // rank_agreement.h), the run directory and the data (TrainConfigError). Printed once.
