@@ -354,23 +354,27 @@ TEST(CudaMoeLayer, PreGatedBackwardNeedsItsOwnGradient) {
 // forward() in two halves (route, then compute_experts), as a decoding model calls them: the same
 // routing, y and gradients as forward(), bit for bit, self-gated and with a separate router input,
 // dropless (B = 64: the mma.sync kernels, no stream-K tail whose partial sums meet in arrival order)
-// and padded. compute_experts gets no gate weights: route() has used them.
+// and padded, GeLU and SwiGLU. compute_experts gets no gate weights: route() has used them.
 TEST(CudaMoeLayer, RouteThenComputeExpertsIsForward) {
   REQUIRE_GPU();
-  struct Case { moe::Formulation formulation; Gate gate; };
+  using moe::Activation;
+  struct Case { moe::Formulation formulation; Gate gate; Activation activation = Activation::gelu; };
   for (const Case& c : {Case{moe::Formulation::dropless, Gate::self}, Case{moe::Formulation::dropless, Gate::pregated},
-                        Case{moe::Formulation::padded, Gate::self}}) {
-    MoeConfig config = base_config();
+                        Case{moe::Formulation::padded, Gate::self},
+                        Case{moe::Formulation::dropless, Gate::self, Activation::swiglu},
+                        Case{moe::Formulation::padded, Gate::pregated, Activation::swiglu}}) {
+    MoeConfig config = base_config(c.activation);
     config.formulation = c.formulation;
     config.capacity_factor = 2.0;
     const int64_t T = config.tokens, D = config.model_dim, H = config.hidden_dim, E = config.num_experts;
+    const int64_t W1 = moe::w1_columns(config);
     const moe::ref::MoeWeights weights = moe::ref::random_weights(config, 61);
     std::mt19937_64 rng(62);
     const Matrix x = moe::ref::random_matrix(T, D, rng), dy = moe::ref::random_matrix(T, D, rng);
     const Matrix router_input = moe::ref::random_matrix(T, D, rng);
     DeviceBuffer<bf16> x_gpu(bf16_of(x)), dy_gpu(bf16_of(dy)), router_input_gpu(bf16_of(router_input));
     DeviceBuffer<bf16> gate(bf16_of(weights.gate_weights)), w1(bf16_of(weights.w1)), w2(bf16_of(weights.w2));
-    auto w1_table = moe::cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * H));
+    auto w1_table = moe::cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * W1));
     auto w2_table = moe::cuda::expert_pointer_table<const bf16>(w2.data(), int(E), size_t(H * D));
     const moe::cuda::MoeLayerWeights w{gate.data(), w1_table.data(), w2_table.data()};
     const bool pregated = c.gate == Gate::pregated;
@@ -385,9 +389,9 @@ TEST(CudaMoeLayer, RouteThenComputeExpertsIsForward) {
     auto run = [&](bool split) {
       moe::cuda::MoeLayerGpu layer(config);
       DeviceBuffer<bf16> y(size_t(T * D));
-      DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
+      DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * W1)), d_w2(size_t(E * H * D));
       DeviceBuffer<float> d_router_input(size_t(T * D));
-      auto d_w1_table = moe::cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
+      auto d_w1_table = moe::cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * W1));
       auto d_w2_table = moe::cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
       for (auto* buffer : {&dx, &d_gate, &d_w1, &d_w2, &d_router_input}) buffer->fill_bytes(0xFF);  // NaN poison
       y.fill_bytes(0xFF);
@@ -406,7 +410,8 @@ TEST(CudaMoeLayer, RouteThenComputeExpertsIsForward) {
                  pregated ? d_router_input.download() : std::vector<float>{}};
     };
     const Run whole = run(false), halves = run(true);
-    const std::string name = std::string(moe::to_string(c.formulation)) + (pregated ? " pre-gated" : " self-gated");
+    const std::string name = std::string(moe::to_string(c.formulation)) + (pregated ? " pre-gated" : " self-gated") +
+                             " " + std::string(moe::to_string(c.activation));
     auto same_bytes = [](const auto& a, const auto& b) {
       return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
     };
