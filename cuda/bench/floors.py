@@ -67,6 +67,8 @@ def main():
         doc["results"], doc["device"]["name"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"floors.py: {args.result} is not a readable moe_bench result file ({error})")
+    # The floors model GeLU's two products; a file with SwiGLU rows (--activation) keeps its GeLU rows here.
+    doc["results"] = [r for r in doc["results"] if r.get("activation", "gelu") == "gelu"]
     measured = {}
     for r in doc["results"]:
         key = (json.dumps(r["shape"], sort_keys=True), r["routing"], r["formulation"])

@@ -1,15 +1,18 @@
-// moe_bench.cpp: the expert FFN of an MoE layer, y = gelu(x W1) W2 per expert in bf16, timed in every
-// formulation this project has, against dense cuBLAS doing the same useful math in the same run.
+// moe_bench.cpp: the expert FFN of an MoE layer, y = gelu(x W1) W2 per expert in bf16 (or SwiGLU:
+// y = (silu(x W1_gate) * (x W1_up)) W2, W1 = [W1_gate | W1_up] [D, 2H]), timed in every formulation
+// this project has, against dense cuBLAS doing the same useful math in the same run.
 //
 // Build: cmake -S . -B build-bench -G Ninja -DMOE_ENABLE_VIEWER=OFF && cmake --build build-bench --target moe_bench
 // Run:   build-bench/cuda/bench/moe_bench                      (the shapes of shared/BASELINES.md)
 //        build-bench/cuda/bench/moe_bench --shapes small       (a quick shape, with a CPU-oracle check)
+//        build-bench/cuda/bench/moe_bench --activation both    (SwiGLU rows beside GeLU's, same shapes)
 //        build-bench/cuda/bench/moe_bench --routing-from notebooks_data/runs/train_dropless_seed1
 //            --shapes 8192,4096,14336,8,2                      (a real run's routing, on a shape of its E)
 //        options: --shapes baselines|small|all|T,D,H,E,K  --routing both|uniform|zipf
 //                 --routing-from RUN_DIR[@STEP]  (adds "captured": the shares of the run's most
 //                 imbalanced MoE layer at STEP, default its last recorded step; shapes of its E only)
 //                 --only NAME[,NAME...]  --out FILE  --warmup 3  --warmup-ms 1000  --repeat 20  --seed 1234
+//                 --activation gelu|swiglu|both (the experts' activation; default gelu)
 //                 --rows layer|gathered|permuted (how the block-sparse SDD reads x)
 //                 --stream-k on|off (the block-sparse DSDs' stream-K tail, cuda/moe/tile_schedule.h)
 //                 --gradient-pairs on|off (the block-sparse weight gradients in clusters of two tiles)
@@ -31,10 +34,16 @@
 //   grouped_cublas           dropless, cuBLAS grouped GEMM on the exact per-expert row counts
 //   padded_max               every expert padded to C = the largest count, one batched GEMM [E, C, D]
 //   dropping_cf1.00, _cf1.25 C = ceil(cf * T*K / E), tokens past C dropped, batched GEMM [E, C, D]
-//   dense_cublas             one [T*K, D] x [D, H] GEMM, GeLU, one [T*K, H] x [H, D] GEMM: the same
+//   dense_cublas             one [T*K, D] x [D, W1] GEMM, the activation, one [T*K, H] x [H, D] GEMM: the same
 //                            useful FLOPs with no routing at all, the ceiling to compare with
-// Useful TFLOP/s counts 4*rows*D*H (forward) and 12*rows*D*H (forward + backward) for the rows that
-// are really computed for a token: padding rows and dropped tokens count as zero.
+// Useful TFLOP/s counts 2*rows*D*(W1 + H) (forward) and 3x that (forward + backward) for the rows that
+// are really computed for a token: padding rows and dropped tokens count as zero. W1 = H for GeLU
+// (4*rows*D*H, two products), 2H for SwiGLU (6*rows*D*H, three products: gate, up, down), so the two
+// activations' TFLOP/s compare directly; "vs gelu" is a SwiGLU row's TFLOP/s over the GeLU row of the
+// same shape, routing and formulation (the 5% target: vs gelu >= 0.95).
+// SwiGLU runs the same formulations: dropless as two SDDs over W1's halves with silu(gate) * up in
+// the second's epilogue (block_sparse.h); cuBLAS as one [rows, D] x [D, 2H] product per group, then
+// the fused pass swiglu_forward / swiglu_backward (moe/activation.h).
 //
 // Correctness first: before each formulation is timed, its forward output and input gradient (and,
 // where no token is dropped, two experts' weight gradients) are compared slot by slot with the
@@ -67,7 +76,7 @@
 #include <vector>
 
 #include "moe/block_sparse.h"        // block_sparse_ffn_forward / backward
-#include "moe/activation.h"          // gelu_forward, gelu_backward
+#include "moe/activation.h"          // gelu_forward / _backward, swiglu_forward / _backward
 #include "core/bench_support.h"      // utc_now
 #include "core/clock_warm_up.h"      // warm_up_clock
 #include "core/bf16.h"               // bf16
@@ -132,6 +141,7 @@ struct CapturedRouting {
 struct Options {
   std::vector<Shape> shapes = kBaselineShapes;
   std::vector<Routing> routings = {Routing::uniform, Routing::zipf};
+  std::vector<moe::Activation> activations = {moe::Activation::gelu};
   std::optional<CapturedRouting> captured;
   std::vector<std::string> only;  // formulation names to time (substrings); empty = all
   std::string out;
@@ -207,7 +217,9 @@ const char* kUsage =
     "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
     "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
     "                 [--stream-k on|off] [--gradient-pairs on|off] [--timing synced|pipelined]\n"
-    "                 [--block-row-pairs rule|everywhere] [--kernel-trace]\n"
+    "                 [--block-row-pairs rule|everywhere] [--kernel-trace] [--activation gelu|swiglu|both]\n"
+    "  --activation:  the experts' activation: gelu (default), swiglu (W1 [D, 2H]), or both, SwiGLU's\n"
+    "                rows after GeLU's for each shape and routing, with their ratio (vs gelu)\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
     "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
     "  --stream-k:    whether the block-sparse DSDs end in a stream-K tail (default on)\n"
@@ -277,6 +289,12 @@ Options parse_options(int argc, char** argv) {
       else if (v == "uniform") options.routings = {Routing::uniform};
       else if (v == "zipf") options.routings = {Routing::zipf};
       else throw std::invalid_argument("--routing: both, uniform or zipf");
+    } else if (arg == "--activation") {
+      const std::string v = value();
+      if (v == "gelu") options.activations = {moe::Activation::gelu};
+      else if (v == "swiglu") options.activations = {moe::Activation::swiglu};
+      else if (v == "both") options.activations = {moe::Activation::gelu, moe::Activation::swiglu};
+      else throw std::invalid_argument("--activation: gelu, swiglu or both");
     } else if (arg == "--routing-from") {
       options.captured = capture_routing(value());
     } else if (arg == "--only") {
@@ -509,7 +527,7 @@ struct Oracle {
   std::vector<bf16> out;  // [T*K, D]
   std::vector<bf16> dx;   // [T*K, D] gradient of the permuted input
   std::vector<int> checked_experts;              // experts whose weight gradients are kept (non-empty)
-  std::vector<std::vector<float>> dw1, dw2;      // per checked expert: [D, H], [H, D]
+  std::vector<std::vector<float>> dw1, dw2;      // per checked expert: [D, W1], [H, D]
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -558,32 +576,45 @@ DeviceBuffer<T*> pointer_table(T* base, const std::vector<size_t>& index, size_t
 enum class CublasKind { dense, batched, grouped };
 
 // The activations, gradients and per-group pointer tables of the cuBLAS expert FFN over `rows` rows.
-// d_hidden doubles as d_pre: gelu_backward is elementwise, so it can overwrite its input.
+// W1 = the columns of W1 and of pre: H for GeLU, 2H for SwiGLU ([gate | up] per row).
+// GeLU: d_hidden doubles as d_pre (gelu_backward is elementwise, so it can overwrite its input).
+// SwiGLU: d_pre [rows, 2H] is a buffer of its own ([d_gate | d_up], twice d_hidden's width).
 struct CublasFfn {
-  CublasFfn(size_t rows, int model_dim, int hidden_dim, ExpertGroups groups_in, const bf16* w1, const bf16* w2,
-            int weight_sets)
-      : rows(rows), D(model_dim), H(hidden_dim), groups(std::move(groups_in)), w1(w1), w2(w2),
-        x(rows * D), pre(rows * H), hidden(rows * H), out(rows * D), d_out(rows * D), d_hidden(rows * H),
-        dx(rows * D), dw1(size_t(weight_sets) * D * H), dw2(size_t(weight_sets) * H * D) {
+  CublasFfn(size_t rows, int model_dim, int hidden_dim, moe::Activation activation, ExpertGroups groups_in,
+            const bf16* w1, const bf16* w2, int weight_sets)
+      : rows(rows), D(model_dim), H(hidden_dim), W1(w1_width(hidden_dim, activation)), activation(activation),
+        groups(std::move(groups_in)), w1(w1), w2(w2), x(rows * D), pre(rows * W1), hidden(rows * H),
+        out(rows * D), d_out(rows * D), d_hidden(rows * H), d_pre_swiglu(swiglu() ? rows * W1 : 0), dx(rows * D),
+        dw1(size_t(weight_sets) * D * W1), dw2(size_t(weight_sets) * H * D) {
     const std::vector<size_t>& r = groups.first_row;
     std::vector<size_t> e(groups.expert.begin(), groups.expert.end());
-    const size_t DH = size_t(D) * H;
+    const size_t DW1 = size_t(D) * W1, HD = size_t(H) * D;
+    bf16* const d_pre = swiglu() ? d_pre_swiglu.data() : d_hidden.data();
     x_of = pointer_table<const bf16>(x.data(), r, D);
     hidden_of = pointer_table<const bf16>(hidden.data(), r, H);
     d_out_of = pointer_table<const bf16>(d_out.data(), r, D);
-    d_pre_of = pointer_table<const bf16>(d_hidden.data(), r, H);
-    w1_of = pointer_table<const bf16>(w1, e, DH);
-    w2_of = pointer_table<const bf16>(w2, e, DH);
-    pre_of = pointer_table<bf16>(pre.data(), r, H);
+    d_pre_of = pointer_table<const bf16>(d_pre, r, W1);
+    w1_of = pointer_table<const bf16>(w1, e, DW1);
+    w2_of = pointer_table<const bf16>(w2, e, HD);
+    pre_of = pointer_table<bf16>(pre.data(), r, W1);
     out_of = pointer_table<bf16>(out.data(), r, D);
     d_hidden_of = pointer_table<bf16>(d_hidden.data(), r, H);
     dx_of = pointer_table<bf16>(dx.data(), r, D);
-    dw1_of = pointer_table<bf16>(dw1.data(), weight_sets == 1 ? std::vector<size_t>(e.size(), 0) : e, DH);
-    dw2_of = pointer_table<bf16>(dw2.data(), weight_sets == 1 ? std::vector<size_t>(e.size(), 0) : e, DH);
+    dw1_of = pointer_table<bf16>(dw1.data(), weight_sets == 1 ? std::vector<size_t>(e.size(), 0) : e, DW1);
+    dw2_of = pointer_table<bf16>(dw2.data(), weight_sets == 1 ? std::vector<size_t>(e.size(), 0) : e, HD);
   }
-  static size_t bytes(size_t rows, int D, int H, int weight_sets) {
-    return rows * (4 * size_t(D) + 3 * size_t(H)) * sizeof(bf16) + 2 * size_t(weight_sets) * D * H * sizeof(bf16);
+  static int w1_width(int H, moe::Activation activation) {
+    return activation == moe::Activation::swiglu ? 2 * H : H;
   }
+  // GeLU: pre, hidden, d_hidden (= d_pre): 3H per row; SwiGLU: pre 2H, hidden, d_hidden, d_pre 2H: 6H.
+  static size_t bytes(size_t rows, int D, int H, moe::Activation activation, int weight_sets) {
+    const size_t W1 = size_t(w1_width(H, activation));
+    const size_t hidden_widths = activation == moe::Activation::swiglu ? 2 * W1 + 2 * size_t(H) : 3 * size_t(H);
+    return rows * (4 * size_t(D) + hidden_widths) * sizeof(bf16) +
+           size_t(weight_sets) * D * (W1 + size_t(H)) * sizeof(bf16);
+  }
+  bool swiglu() const { return activation == moe::Activation::swiglu; }
+  bf16* d_pre() { return swiglu() ? d_pre_swiglu.data() : d_hidden.data(); }  // [rows, W1]
   void poison_results() {
     out.fill_bytes(0xFF);
     dx.fill_bytes(0xFF);
@@ -592,31 +623,37 @@ struct CublasFfn {
   }
 
   size_t rows;
-  int D, H;
+  int D, H, W1;
+  moe::Activation activation;
   ExpertGroups groups;
-  const bf16* w1;  // [E, D, H]  (dense: expert 0's [D, H])
+  const bf16* w1;  // [E, D, W1]  (dense: expert 0's [D, W1])
   const bf16* w2;  // [E, H, D]
-  DeviceBuffer<bf16> x, pre, hidden, out, d_out, d_hidden, dx;  // [rows, D] or [rows, H]
-  DeviceBuffer<bf16> dw1, dw2;                                  // [weight_sets, D, H], [weight_sets, H, D]
+  DeviceBuffer<bf16> x, pre, hidden, out, d_out, d_hidden, d_pre_swiglu, dx;  // [rows, D], [rows, W1], [rows, H]
+  DeviceBuffer<bf16> dw1, dw2;  // [weight_sets, D, W1], [weight_sets, H, D]
   DeviceBuffer<const bf16*> x_of, hidden_of, d_out_of, d_pre_of, w1_of, w2_of;
   DeviceBuffer<bf16*> pre_of, out_of, d_hidden_of, dx_of, dw1_of, dw2_of;
 };
 
+// pre = x W1 [rows, W1];  hidden = act(pre) [rows, H];  out = hidden W2 [rows, D].
 void cublas_ffn_forward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cudaStream_t stream) {
-  const int D = f.D, H = f.H, groups = static_cast<int>(f.groups.rows.size());
+  const int D = f.D, H = f.H, W1 = f.W1, groups = static_cast<int>(f.groups.rows.size());
   switch (kind) {
     case CublasKind::dense:
-      moe::cuda::gemm(handle, Op::none, Op::none, int(f.rows), H, D, f.x.data(), D, f.w1, H, f.pre.data(), H);
+      moe::cuda::gemm(handle, Op::none, Op::none, int(f.rows), W1, D, f.x.data(), D, f.w1, W1, f.pre.data(), W1);
       break;
     case CublasKind::batched:
-      moe::cuda::gemm_batched(handle, Op::none, Op::none, f.groups.rows[0], H, D, f.x_of.data(), D, f.w1_of.data(), H,
-                              f.pre_of.data(), H, groups);
+      moe::cuda::gemm_batched(handle, Op::none, Op::none, f.groups.rows[0], W1, D, f.x_of.data(), D, f.w1_of.data(),
+                              W1, f.pre_of.data(), W1, groups);
       break;
     case CublasKind::grouped:
-      moe::cuda::gemm_grouped(handle, f.groups.rows, H, D, f.x_of.data(), D, f.w1_of.data(), H, f.pre_of.data(), H);
+      moe::cuda::gemm_grouped(handle, f.groups.rows, W1, D, f.x_of.data(), D, f.w1_of.data(), W1, f.pre_of.data(), W1);
       break;
   }
-  moe::cuda::gelu_forward(f.pre.data(), f.hidden.data(), f.rows * H, stream);
+  if (f.swiglu()) {
+    moe::cuda::swiglu_forward(f.pre.data(), f.hidden.data(), int64_t(f.rows), H, stream);
+  } else {
+    moe::cuda::gelu_forward(f.pre.data(), f.hidden.data(), f.rows * H, stream);
+  }
   switch (kind) {
     case CublasKind::dense:
       moe::cuda::gemm(handle, Op::none, Op::none, int(f.rows), D, H, f.hidden.data(), H, f.w2, D, f.out.data(), D);
@@ -632,9 +669,10 @@ void cublas_ffn_forward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cu
   }
 }
 
-// dh = dy W2ᵀ;  d_pre = dh * gelu'(pre);  dW2 = hᵀ dy;  dW1 = xᵀ d_pre;  dx = d_pre W1ᵀ.
+// dh = dy W2ᵀ;  d_pre = act'(dh, pre) [rows, W1];  dW2 = hᵀ dy;  dW1 = xᵀ d_pre;  dx = d_pre W1ᵀ.
 void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cudaStream_t stream) {
-  const int D = f.D, H = f.H, groups = static_cast<int>(f.groups.rows.size());
+  const int D = f.D, H = f.H, W1 = f.W1, groups = static_cast<int>(f.groups.rows.size());
+  bf16* const d_pre = f.d_pre();
   const int m = int(f.rows);
   switch (kind) {
     case CublasKind::dense:
@@ -650,31 +688,35 @@ void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, c
                            f.d_hidden_of.data(), H);
       break;
   }
-  moe::cuda::gelu_backward(f.pre.data(), f.d_hidden.data(), f.d_hidden.data(), f.rows * H, stream);
+  if (f.swiglu()) {
+    moe::cuda::swiglu_backward(f.pre.data(), f.d_hidden.data(), d_pre, int64_t(f.rows), H, stream);
+  } else {
+    moe::cuda::gelu_backward(f.pre.data(), f.d_hidden.data(), d_pre, f.rows * H, stream);
+  }
   switch (kind) {
     case CublasKind::dense:
       moe::cuda::gemm(handle, Op::transpose, Op::none, H, D, m, f.hidden.data(), H, f.d_out.data(), D, f.dw2.data(), D);
-      moe::cuda::gemm(handle, Op::transpose, Op::none, D, H, m, f.x.data(), D, f.d_hidden.data(), H, f.dw1.data(), H);
-      moe::cuda::gemm(handle, Op::none, Op::transpose, m, D, H, f.d_hidden.data(), H, f.w1, H, f.dx.data(), D);
+      moe::cuda::gemm(handle, Op::transpose, Op::none, D, W1, m, f.x.data(), D, d_pre, W1, f.dw1.data(), W1);
+      moe::cuda::gemm(handle, Op::none, Op::transpose, m, D, W1, d_pre, W1, f.w1, W1, f.dx.data(), D);
       break;
     case CublasKind::batched: {
       const int C = f.groups.rows[0];
       moe::cuda::gemm_batched(handle, Op::transpose, Op::none, H, D, C, f.hidden_of.data(), H, f.d_out_of.data(), D,
                               f.dw2_of.data(), D, groups);
-      moe::cuda::gemm_batched(handle, Op::transpose, Op::none, D, H, C, f.x_of.data(), D, f.d_pre_of.data(), H,
-                              f.dw1_of.data(), H, groups);
-      moe::cuda::gemm_batched(handle, Op::none, Op::transpose, C, D, H, f.d_pre_of.data(), H, f.w1_of.data(), H,
+      moe::cuda::gemm_batched(handle, Op::transpose, Op::none, D, W1, C, f.x_of.data(), D, f.d_pre_of.data(), W1,
+                              f.dw1_of.data(), W1, groups);
+      moe::cuda::gemm_batched(handle, Op::none, Op::transpose, C, D, W1, f.d_pre_of.data(), W1, f.w1_of.data(), W1,
                               f.dx_of.data(), D, groups);
       break;
     }
     case CublasKind::grouped: {
-      const std::vector<int> all_d(groups, D), all_h(groups, H);
+      const std::vector<int> all_d(groups, D), all_h(groups, H), all_w1(groups, W1);
       moe::cuda::gemm_grouped(handle, Op::transpose, Op::none, all_h, all_d, f.groups.rows, f.hidden_of.data(), H,
                            f.d_out_of.data(), D, f.dw2_of.data(), D);
-      moe::cuda::gemm_grouped(handle, Op::transpose, Op::none, all_d, all_h, f.groups.rows, f.x_of.data(), D,
-                           f.d_pre_of.data(), H, f.dw1_of.data(), H);
-      moe::cuda::gemm_grouped(handle, Op::none, Op::transpose, f.groups.rows, all_d, all_h, f.d_pre_of.data(), H,
-                           f.w1_of.data(), H, f.dx_of.data(), D);
+      moe::cuda::gemm_grouped(handle, Op::transpose, Op::none, all_d, all_w1, f.groups.rows, f.x_of.data(), D,
+                           f.d_pre_of.data(), W1, f.dw1_of.data(), W1);
+      moe::cuda::gemm_grouped(handle, Op::none, Op::transpose, f.groups.rows, all_d, all_w1, f.d_pre_of.data(), W1,
+                           f.w1_of.data(), W1, f.dx_of.data(), D);
       break;
     }
   }
@@ -684,7 +726,8 @@ void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, c
 // [SECTION] block-sparse expert FFN
 // ---------------------------------------------------------------------------------------------
 
-MoeConfig layer_config(const Shape& s, Formulation formulation, int block_size, double capacity_factor = 1.0) {
+MoeConfig layer_config(const Shape& s, moe::Activation activation, Formulation formulation, int block_size,
+                       double capacity_factor = 1.0) {
   MoeConfig c;
   c.tokens = s.T;
   c.model_dim = s.D;
@@ -694,35 +737,43 @@ MoeConfig layer_config(const Shape& s, Formulation formulation, int block_size, 
   c.formulation = formulation;
   c.block_size = block_size;
   c.capacity_factor = capacity_factor;
-  c.activation = moe::Activation::gelu;
+  c.activation = activation;
   return c;
 }
 
 // The dropless layer's buffers: plan and topology built on the GPU, activations in B x B blocks,
 // bf16 weight gradients, as every cuBLAS formulation here writes them (block_sparse_ffn_backward
-// writes fp32 or bf16; the trainer takes fp32 for its optimizer).
+// writes fp32 or bf16; the trainer takes fp32 for its optimizer). SwiGLU adds the up projection's
+// blocks and their gradient; dW1 is [E, D, 2H].
 struct BlockSparseFfn {
   BlockSparseFfn(const MoeConfig& config_in)
       : config(config_in), plan(config), topology(config),
         x(size_t(plan.max_rows()) * config.model_dim), out(x.size()), d_out(x.size()), dx(x.size()),
-        pre(blocks()), hidden(blocks()), d_pre(blocks()),
-        dw1(size_t(config.num_experts) * config.model_dim * config.hidden_dim), dw2(dw1.size()) {
-    const size_t DH = size_t(config.model_dim) * config.hidden_dim;
-    dw1_of = moe::cuda::expert_pointer_table(dw1.data(), int(config.num_experts), DH);
-    dw2_of = moe::cuda::expert_pointer_table(dw2.data(), int(config.num_experts), DH);
+        pre(blocks()), up(swiglu() ? blocks() : 0), hidden(blocks()), d_pre(blocks()), d_up(up.size()),
+        dw1(size_t(config.num_experts) * config.model_dim * moe::w1_columns(config)),
+        dw2(size_t(config.num_experts) * config.hidden_dim * config.model_dim) {
+    dw1_of = moe::cuda::expert_pointer_table(dw1.data(), int(config.num_experts),
+                                             size_t(config.model_dim) * moe::w1_columns(config));
+    dw2_of = moe::cuda::expert_pointer_table(dw2.data(), int(config.num_experts),
+                                             size_t(config.hidden_dim) * config.model_dim);
   }
+  bool swiglu() const { return config.activation == moe::Activation::swiglu; }
   size_t blocks() const {
     const moe::cuda::DeviceTopology t = topology.topology();
     return size_t(t.max_nnz) * t.block_size * t.block_size;
   }
-  static size_t bytes(const Shape& s, int B) {
+  static size_t bytes(const Shape& s, moe::Activation activation, int B) {
     const size_t rows = size_t(s.T) * s.K + size_t(s.E) * (B - 1);
-    return rows * (4 * size_t(s.D) + 3 * size_t(s.H)) * sizeof(bf16) + 2 * size_t(s.E) * s.D * s.H * sizeof(bf16) +
-           rows * 16;  // plan and topology int arrays, generously
+    const bool swiglu = activation == moe::Activation::swiglu;
+    const size_t hidden_widths = swiglu ? 5 : 3;  // pre, hidden, d_pre (+ up, d_up)
+    const size_t weight_widths = swiglu ? 3 : 2;  // dW1 [D, W1] + dW2 [H, D], in units of D H
+    return rows * (4 * size_t(s.D) + hidden_widths * size_t(s.H)) * sizeof(bf16) +
+           weight_widths * size_t(s.E) * s.D * s.H * sizeof(bf16) + rows * 16;  // + plan and topology, generously
   }
   moe::cuda::BlockSparseFfnOutputs outputs() {
     moe::cuda::BlockSparseFfnOutputs o;
     o.pre_activation = pre.data();
+    o.up_projection = up.data();  // nullptr for GeLU (an empty buffer)
     o.hidden = hidden.data();
     o.out = out.data();
     return o;
@@ -730,6 +781,7 @@ struct BlockSparseFfn {
   moe::cuda::BlockSparseFfnGradients gradients() {
     moe::cuda::BlockSparseFfnGradients g;
     g.d_pre_activation = d_pre.data();
+    g.d_up_projection = d_up.data();
     g.d_permuted_x = dx.data();
     g.d_w1_bf16 = dw1_of.data();
     g.d_w2_bf16 = dw2_of.data();
@@ -740,8 +792,8 @@ struct BlockSparseFfn {
   moe::cuda::DispatchPlanBuffers plan;
   moe::cuda::TopologyBuffers topology;
   DeviceBuffer<bf16> x, out, d_out, dx;  // [max_rows, D]
-  DeviceBuffer<bf16> pre, hidden, d_pre;  // [max_nnz, B, B]
-  DeviceBuffer<bf16> dw1, dw2;            // [E, D, H], [E, H, D]
+  DeviceBuffer<bf16> pre, up, hidden, d_pre, d_up;  // [max_nnz, B, B]; up, d_up SwiGLU only
+  DeviceBuffer<bf16> dw1, dw2;                      // [E, D, W1], [E, H, D]
   DeviceBuffer<bf16*> dw1_of, dw2_of;
 };
 
@@ -766,6 +818,7 @@ struct RouterBuffers {
 struct Measurement {
   Shape shape;
   Routing routing;
+  moe::Activation activation = moe::Activation::gelu;
   std::string formulation;
   int block_size = 0, capacity = 0;
   bool gathers_rows = false;  // block-sparse: x's rows gathered by the SDD and DDS (no permuted copy)
@@ -773,11 +826,14 @@ struct Measurement {
   double dropped_fraction = 0;
   Timing forward, forward_backward;
   double forward_tflops = 0, forward_backward_tflops = 0, forward_vs_dense = 0, forward_backward_vs_dense = 0;
+  // SwiGLU rows: useful TFLOP/s over the GeLU row of the same shape, routing and formulation (0: none)
+  double forward_vs_gelu = 0, forward_backward_vs_gelu = 0;
 };
 
 struct Overhead {
   Shape shape;
   Routing routing;
+  moe::Activation activation = moe::Activation::gelu;
   std::vector<std::pair<std::string, double>> step_ms;  // each step alone
   double total_ms = 0, ffn_forward_ms = 0, share = 0;
 };
@@ -786,6 +842,7 @@ struct Overhead {
 struct Trace {
   Shape shape;
   Routing routing;
+  moe::Activation activation = moe::Activation::gelu;
   std::string formulation, phase;
   double timed_median_ms = 0;  // the same work's median from time_work, for comparison with the span
   moe::bench::KernelTraceSummary summary;
@@ -813,23 +870,26 @@ bool fits(size_t bytes, const std::string& what, Report& report) {
   return false;
 }
 
-// The tensors every formulation of a shape shares.
+// The tensors every formulation of a shape and activation shares. W1 = H (GeLU) or 2H (SwiGLU).
 struct ShapeInputs {
-  ShapeInputs(const Shape& s, uint64_t seed)
-      : x(size_t(s.T) * s.D), dy(x.size()), w1(size_t(s.E) * s.D * s.H), w2(w1.size()) {
+  ShapeInputs(const Shape& s, moe::Activation activation_in, uint64_t seed)
+      : activation(activation_in), W1(CublasFfn::w1_width(s.H, activation)), x(size_t(s.T) * s.D), dy(x.size()),
+        w1(size_t(s.E) * s.D * W1), w2(size_t(s.E) * s.H * s.D) {
     fill_uniform(x, 1.0f, seed + 1);
     fill_uniform(dy, 1.0f, seed + 2);  // the gradient arriving at each token's output
     fill_uniform(w1, 1.0f / std::sqrt(float(s.D)), seed + 3);  // keeps pre-activations O(1)
     fill_uniform(w2, 1.0f / std::sqrt(float(s.H)), seed + 4);
-    const size_t DH = size_t(s.D) * s.H;
-    w1_of = moe::cuda::expert_pointer_table<const bf16>(w1.data(), s.E, DH);
-    w2_of = moe::cuda::expert_pointer_table<const bf16>(w2.data(), s.E, DH);
+    w1_of = moe::cuda::expert_pointer_table<const bf16>(w1.data(), s.E, size_t(s.D) * W1);
+    w2_of = moe::cuda::expert_pointer_table<const bf16>(w2.data(), s.E, size_t(s.H) * s.D);
   }
-  static size_t bytes(const Shape& s) {
-    return (2 * size_t(s.T) * s.D + 2 * size_t(s.E) * s.D * s.H) * sizeof(bf16);
+  static size_t bytes(const Shape& s, moe::Activation activation) {
+    const size_t W1 = size_t(CublasFfn::w1_width(s.H, activation));
+    return (2 * size_t(s.T) * s.D + size_t(s.E) * s.D * (W1 + size_t(s.H))) * sizeof(bf16);
   }
+  moe::Activation activation;
+  int W1;
   DeviceBuffer<bf16> x, dy;   // [T, D]
-  DeviceBuffer<bf16> w1, w2;  // [E, D, H], [E, H, D]
+  DeviceBuffer<bf16> w1, w2;  // [E, D, W1], [E, H, D]
   DeviceBuffer<const bf16*> w1_of, w2_of;
 };
 
@@ -843,7 +903,8 @@ class RoutingBench {
     top_experts_host_ = moe::bench::top_experts_from_counts(counts_, s_.T, s_.K);
     top_experts_ = DeviceBuffer<int>(top_experts_host_);
     max_count_ = *std::max_element(counts_.begin(), counts_.end());
-    label_ = s_.name() + " " + std::string(moe::bench::to_string(routing_));
+    label_ = s_.name() + " " + std::string(moe::bench::to_string(routing_)) + " " +
+             std::string(moe::to_string(in_.activation));
   }
 
   void run() {
@@ -858,7 +919,7 @@ class RoutingBench {
     for (double cf : {1.0, 1.25}) {
       char name[32];
       std::snprintf(name, sizeof name, "dropping_cf%.2f", cf);
-      guarded(name, [&] { capacity_path(name, int(moe::capacity(layer_config(s_, Formulation::padded, 1, cf)))); });
+      guarded(name, [&] { capacity_path(name, int(moe::capacity(config(Formulation::padded, 1, cf)))); });
     }
   }
 
@@ -875,11 +936,17 @@ class RoutingBench {
   }
 
   int64_t routed_rows() const { return int64_t(s_.T) * s_.K; }
+  MoeConfig config(Formulation formulation, int block_size, double capacity_factor = 1.0) const {
+    return layer_config(s_, in_.activation, formulation, block_size, capacity_factor);
+  }
+  size_t w1_elements() const { return size_t(s_.D) * in_.W1; }  // one expert's W1 [D, W1]
+  size_t w2_elements() const { return size_t(s_.H) * s_.D; }    // one expert's W2 [H, D]
 
   Measurement& add_measurement(const std::string& formulation, int64_t computed_rows, int64_t useful_rows) {
     Measurement m;
     m.shape = s_;
     m.routing = routing_;
+    m.activation = in_.activation;
     m.formulation = formulation;
     m.computed_rows = computed_rows;
     m.useful_rows = useful_rows;
@@ -919,7 +986,7 @@ class RoutingBench {
   // `repeat` runs of `work` back to back (the GPU is warm from the timing just done) under CUPTI.
   void trace(const Measurement& m, const char* phase, double timed_median_ms, const std::function<void()>& work) {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
-    Trace t{s_, routing_, m.formulation, phase, timed_median_ms, {}};
+    Trace t{s_, routing_, in_.activation, m.formulation, phase, timed_median_ms, {}};
     {
       moe::bench::KernelTrace tracer;
       for (int i = 0; i < options_.repeat; ++i) work();
@@ -953,15 +1020,15 @@ class RoutingBench {
   // -- grouped cuBLAS (the oracle of the other formulations) and dense cuBLAS, on exact rows --
   void exact_rows() {
     const size_t rows = size_t(routed_rows());
-    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, s_.E), label_ + " grouped_cublas", report_)) return;
+    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, in_.activation, s_.E), label_ + " grouped_cublas", report_)) return;
     // A dropless plan with B = 1 lays the rows out expert after expert with no padding.
-    moe::cuda::DispatchPlanBuffers plan(layer_config(s_, Formulation::dropless, 1));
+    moe::cuda::DispatchPlanBuffers plan(config(Formulation::dropless, 1));
     moe::cuda::build_dispatch_plan(top_experts_.data(), plan, stream_);
     check_plan("grouped_cublas", plan, 0);
     const std::vector<int> slot_row = download_ints(plan.slot_row);
     cublasHandle_t h = cublas_.get();
     {
-      CublasFfn f(rows, s_.D, s_.H, exact_groups(counts_), in_.w1.data(), in_.w2.data(), s_.E);
+      CublasFfn f(rows, s_.D, s_.H, in_.activation, exact_groups(counts_), in_.w1.data(), in_.w2.data(), s_.E);
       moe::cuda::permute_tokens(plan.plan(), in_.x.data(), f.x.data(), s_.D, stream_);
       moe::cuda::permute_tokens(plan.plan(), in_.dy.data(), f.d_out.data(), s_.D, stream_);
       f.poison_results();
@@ -970,12 +1037,11 @@ class RoutingBench {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       oracle_.out = rows_by_slot(f.out.data(), rows, s_.D, slot_row);
       oracle_.dx = rows_by_slot(f.dx.data(), rows, s_.D, slot_row);
-      const size_t DH = size_t(s_.D) * s_.H;
       for (int e : {0, s_.E - 1}) {
         if (counts_[e] == 0 || std::count(oracle_.checked_experts.begin(), oracle_.checked_experts.end(), e)) continue;
         oracle_.checked_experts.push_back(e);
-        oracle_.dw1.push_back(expert_slice(f.dw1.data(), e, DH));
-        oracle_.dw2.push_back(expert_slice(f.dw2.data(), e, DH));
+        oracle_.dw1.push_back(expert_slice(f.dw1.data(), e, w1_elements()));
+        oracle_.dw2.push_back(expert_slice(f.dw2.data(), e, w2_elements()));
       }
       // The oracle must at least be complete: every slot's row written with finite numbers.
       Difference finite;
@@ -994,9 +1060,9 @@ class RoutingBench {
       }
     }
     // Dense: expert 0's weights for every row, so its rows of expert 0 must equal the oracle's.
-    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, 1), label_ + " dense_cublas", report_)) return;
+    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, in_.activation, 1), label_ + " dense_cublas", report_)) return;
     ExpertGroups one{{0}, {int(rows)}, {0}};
-    CublasFfn f(rows, s_.D, s_.H, one, in_.w1.data(), in_.w2.data(), 1);
+    CublasFfn f(rows, s_.D, s_.H, in_.activation, one, in_.w1.data(), in_.w2.data(), 1);
     moe::cuda::permute_tokens(plan.plan(), in_.x.data(), f.x.data(), s_.D, stream_);
     moe::cuda::permute_tokens(plan.plan(), in_.dy.data(), f.d_out.data(), s_.D, stream_);
     f.poison_results();
@@ -1025,13 +1091,12 @@ class RoutingBench {
     record_check(label_ + " " + name + " dx vs grouped",
                  compare_slots(rows_by_slot(dx, max_rows, s_.D, slot_row), oracle_.dx, s_.D, slot_row));
     if (!weights) return;
-    const size_t DH = size_t(s_.D) * s_.H;
     for (size_t i = 0; i < oracle_.checked_experts.size(); ++i) {
       const int e = oracle_.checked_experts[i];
       record_check(label_ + " " + name + " dW1[" + std::to_string(e) + "] vs grouped",
-                   compare_floats(expert_slice(dw1, e, DH), oracle_.dw1[i]));
+                   compare_floats(expert_slice(dw1, e, w1_elements()), oracle_.dw1[i]));
       record_check(label_ + " " + name + " dW2[" + std::to_string(e) + "] vs grouped",
-                   compare_floats(expert_slice(dw2, e, DH), oracle_.dw2[i]));
+                   compare_floats(expert_slice(dw2, e, w2_elements()), oracle_.dw2[i]));
     }
   }
 
@@ -1039,8 +1104,8 @@ class RoutingBench {
   void block_sparse(int B) {
     const std::string name = "block_sparse_B" + std::to_string(B);
     if (!options_.selected(name)) return;
-    if (!fits(BlockSparseFfn::bytes(s_, B), label_ + " " + name, report_)) return;
-    BlockSparseFfn f(layer_config(s_, Formulation::dropless, B));
+    if (!fits(BlockSparseFfn::bytes(s_, in_.activation, B), label_ + " " + name, report_)) return;
+    BlockSparseFfn f(config(Formulation::dropless, B));
     const moe::cuda::DevicePlan plan = f.plan.plan();
     const moe::cuda::DeviceTopology topology = f.topology.topology();
     moe::cuda::build_dispatch_plan(top_experts_.data(), f.plan, stream_);
@@ -1113,6 +1178,7 @@ class RoutingBench {
     Overhead o;
     o.shape = s_;
     o.routing = routing_;
+    o.activation = in_.activation;
     for (const auto& [step, work] : steps) o.step_ms.emplace_back(step, time_work(stream_, options_, work).median_ms);
     o.total_ms = time_work(stream_, options_, [&] {
                    for (const auto& step : steps) step.second();
@@ -1127,8 +1193,7 @@ class RoutingBench {
   // An oracle independent of cuBLAS: the CPU reference on a few hundred slots (small shapes only:
   // it needs the weights in double precision on the host).
   void cpu_oracle_check(const std::string& name, const bf16* out, size_t max_rows, const std::vector<int>& slot_row) {
-    const size_t DH = size_t(s_.D) * s_.H;
-    if (size_t(s_.E) * DH > (size_t{1} << 25)) return;
+    if (size_t(s_.E) * w1_elements() > (size_t{1} << 25)) return;
     const int64_t slots = routed_rows();
     const int n = int(std::min<int64_t>(kOracleCpuRows, slots));
     std::vector<std::vector<int64_t>> chosen(s_.E);  // sampled slots, by expert
@@ -1152,15 +1217,13 @@ class RoutingBench {
       const int64_t token = order[r] / s_.K;
       for (int d = 0; d < s_.D; ++d) permuted_x(r, d) = to_float(x[size_t(token) * s_.D + d]);
     }
-    std::vector<moe::ref::Matrix> w1_ref(s_.E, moe::ref::Matrix(s_.D, s_.H)), w2_ref(s_.E, moe::ref::Matrix(s_.H, s_.D));
+    std::vector<moe::ref::Matrix> w1_ref(s_.E, moe::ref::Matrix(s_.D, in_.W1)), w2_ref(s_.E, moe::ref::Matrix(s_.H, s_.D));
     for (int e = 0; e < s_.E; ++e) {
-      for (size_t i = 0; i < DH; ++i) {
-        w1_ref[e].data()[i] = to_float(w1[e * DH + i]);
-        w2_ref[e].data()[i] = to_float(w2[e * DH + i]);
-      }
+      for (size_t i = 0; i < w1_elements(); ++i) w1_ref[e].data()[i] = to_float(w1[e * w1_elements() + i]);
+      for (size_t i = 0; i < w2_elements(); ++i) w2_ref[e].data()[i] = to_float(w2[e * w2_elements() + i]);
     }
     const moe::ref::ExpertActivations ref =
-        moe::ref::expert_ffn_forward(layer_config(s_, Formulation::dropless, 128), plan, permuted_x, w1_ref, w2_ref);
+        moe::ref::expert_ffn_forward(config(Formulation::dropless, 128), plan, permuted_x, w1_ref, w2_ref);
     const std::vector<bf16> gpu = rows_by_slot(out, max_rows, s_.D, slot_row);
     Difference d;
     for (int r = 0; r < n; ++r) {
@@ -1175,18 +1238,18 @@ class RoutingBench {
     int64_t dropped = 0;
     for (int c : counts_) dropped += std::max(0, c - C);
     const size_t rows = size_t(s_.E) * C;
-    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, s_.E) + rows * 8, label_ + " " + name, report_)) return;
+    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, in_.activation, s_.E) + rows * 8, label_ + " " + name, report_)) return;
     // The padded plan lays out E x [C, D]; its capacity comes from capacity_factor, so pick the factor
     // that gives exactly C (nudged past the rounding of ceil(cf * T*K / E)).
-    MoeConfig config = layer_config(s_, Formulation::padded, 1, double(C) * s_.E / double(routed_rows()));
-    while (moe::capacity(config) > C) config.capacity_factor = std::nextafter(config.capacity_factor, 0.0);
-    while (moe::capacity(config) < C) config.capacity_factor = std::nextafter(config.capacity_factor, 1e300);
-    moe::cuda::DispatchPlanBuffers plan(config);
+    MoeConfig padded = config(Formulation::padded, 1, double(C) * s_.E / double(routed_rows()));
+    while (moe::capacity(padded) > C) padded.capacity_factor = std::nextafter(padded.capacity_factor, 0.0);
+    while (moe::capacity(padded) < C) padded.capacity_factor = std::nextafter(padded.capacity_factor, 1e300);
+    moe::cuda::DispatchPlanBuffers plan(padded);
     moe::cuda::build_dispatch_plan(top_experts_.data(), plan, stream_);
     check_plan(name, plan, dropped);
     const std::vector<int> slot_row = download_ints(plan.slot_row);
     cublasHandle_t h = cublas_.get();
-    CublasFfn f(rows, s_.D, s_.H, capacity_groups(s_.E, C), in_.w1.data(), in_.w2.data(), s_.E);
+    CublasFfn f(rows, s_.D, s_.H, in_.activation, capacity_groups(s_.E, C), in_.w1.data(), in_.w2.data(), s_.E);
     moe::cuda::permute_tokens(plan.plan(), in_.x.data(), f.x.data(), s_.D, stream_);
     moe::cuda::permute_tokens(plan.plan(), in_.dy.data(), f.d_out.data(), s_.D, stream_);
     f.poison_results();
@@ -1223,15 +1286,26 @@ class RoutingBench {
 // TFLOP/s from the useful rows, and the ratios to dense cuBLAS of the same shape and routing.
 void finish_measurements(Report& report) {
   for (Measurement& m : report.measurements) {
-    const double useful = 4.0 * double(m.useful_rows) * m.shape.D * m.shape.H;
+    // 2 FLOPs per multiply-add over x W1 [D, W1] and hidden W2 [H, D]: W1 = H (GeLU) or 2H (SwiGLU).
+    const double w1_columns = m.activation == moe::Activation::swiglu ? 2.0 * m.shape.H : double(m.shape.H);
+    const double useful = 2.0 * double(m.useful_rows) * m.shape.D * (w1_columns + m.shape.H);
     m.forward_tflops = useful / m.forward.median_ms / 1e9;
     m.forward_backward_tflops = 3.0 * useful / m.forward_backward.median_ms / 1e9;
   }
   for (Measurement& m : report.measurements) {
     for (const Measurement& dense : report.measurements) {
-      if (dense.formulation == "dense_cublas" && dense.shape.name() == m.shape.name() && dense.routing == m.routing) {
+      if (dense.formulation == "dense_cublas" && dense.shape.name() == m.shape.name() && dense.routing == m.routing &&
+          dense.activation == m.activation) {
         m.forward_vs_dense = m.forward_tflops / dense.forward_tflops;
         m.forward_backward_vs_dense = m.forward_backward_tflops / dense.forward_backward_tflops;
+      }
+    }
+    if (m.activation == moe::Activation::gelu) continue;
+    for (const Measurement& gelu : report.measurements) {
+      if (gelu.activation == moe::Activation::gelu && gelu.formulation == m.formulation &&
+          gelu.shape.name() == m.shape.name() && gelu.routing == m.routing) {
+        m.forward_vs_gelu = m.forward_tflops / gelu.forward_tflops;
+        m.forward_backward_vs_gelu = m.forward_backward_tflops / gelu.forward_backward_tflops;
       }
     }
   }
@@ -1265,6 +1339,8 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                    {"timing", options.pipelined ? "pipelined" : "synced"},
                    {"seed", options.seed},
                    {"tolerance", kTolerance},
+                   {"useful_flops", "2 * useful_rows * D * (W1 + H) forward, 3x that forward + backward; "
+                                    "W1 = H (gelu), 2H (swiglu)"},
                    {"rows", options.rows == Options::Rows::layer      ? "layer"
                             : options.rows == Options::Rows::gathered ? "gathered"
                                                                       : "permuted"},
@@ -1274,6 +1350,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
   for (const Measurement& m : report.measurements) {
     results.push_back({{"shape", shape_json(m.shape)},
                        {"routing", moe::bench::to_string(m.routing)},
+                       {"activation", std::string(moe::to_string(m.activation))},
                        {"formulation", m.formulation},
                        {"block_size", m.block_size},
                        {"gathers_rows", m.gathers_rows},
@@ -1288,7 +1365,9 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                        {"forward_backward_ms", m.forward_backward.median_ms},
                        {"forward_backward_samples_ms", m.forward_backward.samples_ms},
                        {"forward_backward_tflops", m.forward_backward_tflops},
-                       {"forward_backward_vs_dense", m.forward_backward_vs_dense}});
+                       {"forward_backward_vs_dense", m.forward_backward_vs_dense},
+                       {"forward_vs_gelu", m.forward_vs_gelu},
+                       {"forward_backward_vs_gelu", m.forward_backward_vs_gelu}});
   }
   doc["results"] = results;
   json overheads = json::array();
@@ -1297,6 +1376,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
     for (const auto& [name, ms] : o.step_ms) steps[name] = ms;
     overheads.push_back({{"shape", shape_json(o.shape)},
                          {"routing", moe::bench::to_string(o.routing)},
+                         {"activation", std::string(moe::to_string(o.activation))},
                          {"steps_ms", steps},
                          {"total_ms", o.total_ms},
                          {"block_sparse_B128_forward_ms", o.ffn_forward_ms},
@@ -1311,6 +1391,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
     }
     traces.push_back({{"shape", shape_json(t.shape)},
                       {"routing", moe::bench::to_string(t.routing)},
+                      {"activation", std::string(moe::to_string(t.activation))},
                       {"formulation", t.formulation},
                       {"phase", t.phase},
                       {"runs", t.summary.runs},
@@ -1339,29 +1420,36 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
 }
 
 void print_table(const Report& report) {
-  std::printf("\nExpert FFN y = gelu(x W1) W2, bf16; useful TFLOP/s (padding and dropped tokens count as zero), "
-              "median of %s timed runs\n",
+  std::printf("\nExpert FFN y = act(x W1) W2 (gelu; swiglu: silu(x W1_gate) * (x W1_up)), bf16; useful TFLOP/s "
+              "(padding and dropped tokens count as zero; swiglu counts its 3 products), median of %s timed runs; "
+              "vs gelu: a swiglu row over the gelu row of its shape, routing and formulation\n",
               report.measurements.empty() ? "the" : std::to_string(report.measurements[0].forward.samples_ms.size()).c_str());
-  std::printf("%-32s %-8s %-18s %9s %8s %9s %8s %8s\n", "shape", "routing", "formulation", "fwd TF/s", "vs dense",
-              "f+b TF/s", "vs dense", "dropped");
+  std::printf("%-32s %-8s %-6s %-18s %9s %8s %9s %8s %8s %8s %8s\n", "shape", "routing", "act", "formulation",
+              "fwd TF/s", "vs dense", "f+b TF/s", "vs dense", "fwd/gelu", "f+b/gelu", "dropped");
   for (const Measurement& m : report.measurements) {
-    std::printf("%-32s %-8s %-18s %9.0f %8.2f %9.0f %8.2f %7.1f%%\n", m.shape.name().c_str(),
-                std::string(moe::bench::to_string(m.routing)).c_str(), m.formulation.c_str(), m.forward_tflops,
-                m.forward_vs_dense, m.forward_backward_tflops, m.forward_backward_vs_dense, 100.0 * m.dropped_fraction);
+    char fwd_vs_gelu[16] = "-", fb_vs_gelu[16] = "-";
+    if (m.forward_vs_gelu > 0) std::snprintf(fwd_vs_gelu, sizeof fwd_vs_gelu, "%.3f", m.forward_vs_gelu);
+    if (m.forward_backward_vs_gelu > 0) std::snprintf(fb_vs_gelu, sizeof fb_vs_gelu, "%.3f", m.forward_backward_vs_gelu);
+    std::printf("%-32s %-8s %-6s %-18s %9.0f %8.2f %9.0f %8.2f %8s %8s %7.1f%%\n", m.shape.name().c_str(),
+                std::string(moe::bench::to_string(m.routing)).c_str(), std::string(moe::to_string(m.activation)).c_str(),
+                m.formulation.c_str(), m.forward_tflops, m.forward_vs_dense, m.forward_backward_tflops,
+                m.forward_backward_vs_dense, fwd_vs_gelu, fb_vs_gelu, 100.0 * m.dropped_fraction);
   }
   if (!report.overheads.empty()) {
     std::printf("\nOutside the expert FFN (router, losses, plan, topology, permute unless the SDD gathers, "
                 "un-permute), forward:\n");
-    std::printf("%-32s %-8s %10s %14s %8s\n", "shape", "routing", "ms", "B128 FFN ms", "share");
+    std::printf("%-32s %-8s %-6s %10s %14s %8s\n", "shape", "routing", "act", "ms", "B128 FFN ms", "share");
     for (const Overhead& o : report.overheads) {
-      std::printf("%-32s %-8s %10.3f %14.3f %7.1f%%\n", o.shape.name().c_str(),
-                  std::string(moe::bench::to_string(o.routing)).c_str(), o.total_ms, o.ffn_forward_ms, 100.0 * o.share);
+      std::printf("%-32s %-8s %-6s %10.3f %14.3f %7.1f%%\n", o.shape.name().c_str(),
+                  std::string(moe::bench::to_string(o.routing)).c_str(), std::string(moe::to_string(o.activation)).c_str(),
+                  o.total_ms, o.ffn_forward_ms, 100.0 * o.share);
     }
   }
   for (const Trace& t : report.traces) {
-    std::printf("\nKernel trace, %s %s %s %s: %d runs back to back; median span %.3f ms (timed: %.3f) = kernels "
+    std::printf("\nKernel trace, %s %s %s %s %s: %d runs back to back; median span %.3f ms (timed: %.3f) = kernels "
                 "%.3f + GPU idle %.3f\n",
-                t.shape.name().c_str(), std::string(moe::bench::to_string(t.routing)).c_str(), t.formulation.c_str(),
+                t.shape.name().c_str(), std::string(moe::bench::to_string(t.routing)).c_str(),
+                std::string(moe::to_string(t.activation)).c_str(), t.formulation.c_str(),
                 t.phase.c_str(), t.summary.runs, t.summary.median_span_ms, t.timed_median_ms, t.summary.sum_kernels_ms,
                 t.summary.sum_gaps_ms);
     for (const auto& k : t.summary.kernels) {
@@ -1402,27 +1490,31 @@ int main(int argc, char** argv) {
     cublas.set_stream(stream);
     for (const Shape& shape : options.shapes) {
       std::printf("== %s\n", shape.name().c_str());
-      // Weights and token tensors for the shape, plus the smallest section (the exact-rows cuBLAS paths).
-      const size_t rows = size_t(shape.T) * shape.K;
-      if (!fits(ShapeInputs::bytes(shape) + CublasFfn::bytes(rows, shape.D, shape.H, shape.E), shape.name(), report)) {
-        continue;
-      }
-      const ShapeInputs inputs(shape, options.seed);
-      for (Routing routing : options.routings) {
-        if (routing == Routing::captured && int64_t(options.captured->tokens_per_expert.size()) != shape.E) {
-          std::printf("captured routing: E = %zu, this shape E = %d: not timed\n",
-                      options.captured->tokens_per_expert.size(), shape.E);
+      for (moe::Activation activation : options.activations) {
+        // Weights and token tensors for the shape, plus the smallest section (the exact-rows cuBLAS paths).
+        const size_t rows = size_t(shape.T) * shape.K;
+        const std::string what = shape.name() + " " + std::string(moe::to_string(activation));
+        if (!fits(ShapeInputs::bytes(shape, activation) + CublasFfn::bytes(rows, shape.D, shape.H, activation, shape.E),
+                  what, report)) {
           continue;
         }
-        try {
-          RoutingBench(shape, routing, inputs, options, cublas, stream, report).run();
-        } catch (const std::exception& error) {  // e.g. a routing that cannot give K distinct experts
-          record_fact(shape.name() + " " + std::string(moe::bench::to_string(routing)), false,
-                      std::string("threw: ") + error.what());
+        const ShapeInputs inputs(shape, activation, options.seed);
+        for (Routing routing : options.routings) {
+          if (routing == Routing::captured && int64_t(options.captured->tokens_per_expert.size()) != shape.E) {
+            std::printf("captured routing: E = %zu, this shape E = %d: not timed\n",
+                        options.captured->tokens_per_expert.size(), shape.E);
+            continue;
+          }
+          try {
+            RoutingBench(shape, routing, inputs, options, cublas, stream, report).run();
+          } catch (const std::exception& error) {  // e.g. a routing that cannot give K distinct experts
+            record_fact(what + " " + std::string(moe::bench::to_string(routing)), false,
+                        std::string("threw: ") + error.what());
+          }
         }
-      }
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-    }  // each shape's buffers are freed here, before the next shape allocates
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+      }  // each shape's and activation's buffers are freed here, before the next allocates
+    }
     finish_measurements(report);
     print_table(report);
     const json doc = report_json(report, options, cublas.get());

@@ -59,6 +59,13 @@ ModelGpuConfig normalised(const ModelGpuConfig& config) {
 // ---- [SECTION] config checks ----
 
 void validate_for_inference(const ModelGpuConfig& config) {
+  // The expert sources (resident, offloaded, their pinned stores) are built with H-column W1 by the
+  // inference programs; a SwiGLU model trains (ModelGpu) but does not decode here.
+  if (config.moe_blocks != MoeBlocks::none && config.moe.activation != Activation::gelu) {
+    reject("moe.activation = " + std::string(to_string(config.moe.activation)) +
+           "; allowed for inference: gelu (SwiGLU experts train on the GPU, but the inference expert sources hold "
+           "W1 [D, H])");
+  }
   if (config.moe_blocks != MoeBlocks::none && config.moe.hidden_dim % kInferenceBlockSize != 0) {
     reject("moe.hidden_dim (H) = " + std::to_string(config.moe.hidden_dim) + "; allowed: a multiple of " +
            std::to_string(kInferenceBlockSize) + " (inference routes dropless with B = " +

@@ -91,7 +91,8 @@ struct StepResult {
 };
 
 // Throws std::invalid_argument naming the field when `config` cannot decode on the GPU: everything
-// ModelGpu checks (with T = N * S, dropless, B = 64), and H a multiple of 64.
+// ModelGpu checks (with T = N * S, dropless, B = 64), H a multiple of 64, and GeLU experts (the
+// expert sources hold W1 [D, H]; a SwiGLU model trains but does not decode here).
 void validate_for_inference(const ModelGpuConfig& config);
 
 // Throws std::invalid_argument when the schedule cannot run on this model (pregated needs a model

@@ -81,8 +81,15 @@ void validate(const ModelGpuConfig& c) {
     throw std::invalid_argument(std::string("ModelGpu: MoE layer: ") + error.what());
   }
   // MoeLayerGpu's own limits, checked here too so that no buffer of the model is allocated first.
-  if (m.activation != Activation::gelu) {
-    reject("moe.activation", std::string(to_string(m.activation)), "gelu (the GPU experts are GeLU only)");
+  if (m.activation != Activation::gelu && m.activation != Activation::swiglu) {
+    reject("moe.activation", std::string(to_string(m.activation)), "gelu or swiglu");
+  }
+  if (m.activation == Activation::swiglu && m.hidden_dim % 2 != 0) {
+    reject("moe.hidden_dim (H)", text(m.hidden_dim), "an even H with activation = swiglu (bf16 pairs)");
+  }
+  if (m.activation == Activation::swiglu && c.ranks > 1) {
+    reject("moe.activation", "swiglu on " + text(c.ranks) + " ranks",
+           "gelu (the expert-parallel layer's experts are GeLU; SwiGLU trains on one GPU)");
   }
   if (m.jitter_eps != 0.0) reject("moe.jitter_eps", std::to_string(m.jitter_eps), "0 (the model is deterministic)");
   if (m.formulation == Formulation::dropless && m.block_size != 64 && m.block_size != 128) {

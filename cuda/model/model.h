@@ -42,9 +42,12 @@
 // and clips by the norm over all ranks' gradients before AdamW. A rank's model then holds exactly
 // what the one-GPU model holds of those parameters, step for step (tests/distributed/).
 //
-// Out of scope here: SwiGLU and jitter (MoeLayerGpu supports GeLU without jitter), and pre-gating a
-// model without MoE blocks (there is no gate to move, as the reference says). The constructor
-// rejects them, with the field named, before allocating anything.
+// The experts' activation is config.moe.activation: GeLU, or SwiGLU (each expert's W1 [D, 2H], gate
+// columns then up columns, as parameter_layout says through w1_columns); the dense FFN blocks are
+// GeLU either way, as in the reference.
+// Out of scope here: jitter (MoeLayerGpu has none), SwiGLU on several ranks (the expert-parallel
+// layer's experts are GeLU), and pre-gating a model without MoE blocks (there is no gate to move, as
+// the reference says). The constructor rejects them, with the field named, before allocating anything.
 #pragma once
 
 #include <cuda_runtime.h>

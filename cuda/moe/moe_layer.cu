@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "moe/activation.h"    // gelu_forward, gelu_backward
+#include "moe/activation.h"    // gelu_forward / _backward, swiglu_forward / _backward
 #include "moe/block_sparse.h"  // block_sparse_ffn_forward, block_sparse_ffn_backward
 #include "core/cuda_check.h"   // CUDA_CHECK
 #include "moe/router.h"        // router_logits, route_top_k, router_backward
@@ -25,8 +25,12 @@ double layer_rows(const MoeConfig& config) {
 MoeConfig checked(const MoeConfig& config) {
   validate(config);
   auto reject = [](const std::string& what) { throw std::invalid_argument("MoeLayerGpu: " + what); };
-  if (config.activation != Activation::gelu) {
-    reject("activation = " + std::string(to_string(config.activation)) + "; allowed on the GPU: gelu");
+  if (config.activation != Activation::gelu && config.activation != Activation::swiglu) {
+    reject("activation = " + std::string(to_string(config.activation)) + "; allowed on the GPU: gelu, swiglu");
+  }
+  if (config.activation == Activation::swiglu && config.hidden_dim % 2 != 0) {
+    reject("hidden_dim (H) = " + std::to_string(config.hidden_dim) +
+           " with activation = swiglu; allowed: an even H (the SwiGLU pass moves bf16 pairs)");
   }
   if (config.jitter_eps != 0.0) {
     reject("jitter_eps = " + std::to_string(config.jitter_eps) +
@@ -42,10 +46,11 @@ MoeConfig checked(const MoeConfig& config) {
   if (config.formulation == Formulation::dropless && config.block_size != 64 && config.block_size != 128) {
     reject("block_size (B) = " + std::to_string(config.block_size) + "; allowed for dropless: 64 or 128");
   }
+  // The widest activation: D (x, expert out), H (hidden) or w1_columns (pre: 2H for SwiGLU's padded layout).
   const double rows = layer_rows(config);
-  if (rows * double(std::max(config.model_dim, config.hidden_dim)) > double((int64_t{1} << 31) - 1)) {
-    reject("rows x max(D, H) = " + std::to_string(int64_t(rows)) + " x " +
-           std::to_string(std::max(config.model_dim, config.hidden_dim)) +
+  const int64_t widest = std::max(config.model_dim, w1_columns(config));
+  if (rows * double(widest) > double((int64_t{1} << 31) - 1)) {
+    reject("rows x max(D, w1_columns) = " + std::to_string(int64_t(rows)) + " x " + std::to_string(widest) +
            " is too large for the kernels' 32-bit indexing; allowed: below 2^31 (fewer tokens, a smaller "
            "capacity factor)");
   }
@@ -82,8 +87,11 @@ __global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t n) {
 
 double layer_memory_bytes(const MoeConfig& config) {
   const double rows = layer_rows(config);
-  // permuted x, pre-activation, hidden, expert out and their gradients (+ d_hidden when padded)
-  const double activation_bytes = rows * (4.0 * config.model_dim + 4.0 * config.hidden_dim) * sizeof(bf16);
+  // permuted x, pre-activation, hidden, expert out and their gradients (+ d_hidden when padded);
+  // SwiGLU adds the up projection and its gradient (H more of each: pre is 2H wide).
+  const double hidden_widths = config.activation == Activation::swiglu ? 6.0 : 4.0;
+  const double activation_bytes =
+      rows * (4.0 * config.model_dim + hidden_widths * config.hidden_dim) * sizeof(bf16);
   const double router_bytes = double(config.tokens) * (config.num_experts * 14.0 + config.top_k * 16.0) +
                               kRouterMaxBlocks * (config.num_experts * 12.0 + 8.0);  // RouterWorkspace
   const double plan_bytes = (rows + 4.0 * config.tokens * config.top_k) * sizeof(int);
@@ -113,6 +121,11 @@ MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
       router_workspace_(config.num_experts) {
   const size_t T = config_.tokens, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts,
                K = config_.top_k, rows = static_cast<size_t>(plan_.max_rows());
+  // pre_activation_ is [rows, w1_columns] padded (SwiGLU: [gate | up] per row) and the gate's
+  // [max_nnz, B, B] blocks dropless, where the up blocks have a buffer of their own.
+  const size_t W1 = static_cast<size_t>(w1_columns(config_));
+  const bool swiglu = config_.activation == Activation::swiglu;
+  const size_t pre_width = dropless_ ? H : W1;
   if (dropless_) topology_ = std::make_unique<TopologyBuffers>(config_);
   logits_ = DeviceBuffer<float>(T * E);
   probs_ = DeviceBuffer<float>(T * E);
@@ -124,11 +137,15 @@ MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
   aux_loss_ = DeviceBuffer<float>(1);
   z_loss_ = DeviceBuffer<float>(1);
   permuted_x_ = DeviceBuffer<bf16>(rows * D);
-  pre_activation_ = DeviceBuffer<bf16>(rows * H);
+  pre_activation_ = DeviceBuffer<bf16>(rows * pre_width);
   hidden_ = DeviceBuffer<bf16>(rows * H);
   expert_out_ = DeviceBuffer<bf16>(rows * D);
   d_expert_out_ = DeviceBuffer<bf16>(rows * D);
-  d_pre_activation_ = DeviceBuffer<bf16>(rows * H);
+  d_pre_activation_ = DeviceBuffer<bf16>(rows * pre_width);
+  if (dropless_ && swiglu) {
+    up_projection_ = DeviceBuffer<bf16>(rows * H);
+    d_up_projection_ = DeviceBuffer<bf16>(rows * H);
+  }
   d_permuted_x_ = DeviceBuffer<bf16>(rows * D);
   d_combine_weights_ = DeviceBuffer<float>(T * K);
   d_logits_ = DeviceBuffer<float>(T * E);
@@ -146,11 +163,11 @@ MoeLayerGpu::MoeLayerGpu(const MoeConfig& config)
       fill_strided_pointers(base.data(), C * width, static_cast<int>(E), table.data(), nullptr);
     };
     table_in(x_rows_, permuted_x_, D);
-    table_in(pre_rows_, pre_activation_, H);
+    table_in(pre_rows_, pre_activation_, W1);
     table_in(hidden_rows_, hidden_, H);
     table_in(d_out_rows_, d_expert_out_, D);
-    table_in(d_pre_rows_, d_pre_activation_, H);
-    table_out(pre_rows_out_, pre_activation_, H);
+    table_in(d_pre_rows_, d_pre_activation_, W1);
+    table_out(pre_rows_out_, pre_activation_, W1);
     table_out(out_rows_out_, expert_out_, D);
     table_out(d_hidden_rows_out_, d_hidden_, H);
     table_out(d_x_rows_out_, d_permuted_x_, D);
@@ -204,17 +221,26 @@ void MoeLayerGpu::compute_experts(const bf16* x, const MoeLayerWeights& weights,
 
 void MoeLayerGpu::experts_forward(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream) {
   if (dropless_) {
-    const BlockSparseFfnOutputs outputs{pre_activation_.data(), nullptr, hidden_.data(), expert_out_.data()};
+    // SwiGLU: the gate blocks in pre_activation_, the up blocks in up_projection_, hidden = silu(gate) * up
+    // in the second SDD's epilogue (block_sparse.h).
+    const BlockSparseFfnOutputs outputs{pre_activation_.data(), up_projection_.data(), hidden_.data(),
+                                        expert_out_.data()};
     const ExpertRows rows = gathers_rows_ ? ExpertRows::gathered(x, plan_.plan()) : ExpertRows(permuted_x_.data());
     block_sparse_ffn_forward(config_, topology_->topology(), rows, weights.w1, weights.w2, outputs, stream);
     return;
   }
-  // Padded / dropping: E products [C, D] x [D, H], GeLU, E products [C, H] x [H, D].
+  // Padded / dropping: E products [C, D] x [D, W1], the activation, E products [C, H] x [H, D],
+  // W1 = w1_columns: H for GeLU, 2H for SwiGLU (one product computes gate and up: pre = [gate | up]).
   const int C = capacity_, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts;
+  const int W1 = static_cast<int>(w1_columns(config_));
   cublas_.set_stream(stream);
-  gemm_batched(cublas_.get(), Op::none, Op::none, C, H, D, x_rows_.data(), D, weights.w1, H,
-               pre_rows_out_.data(), H, E);
-  gelu_forward(pre_activation_.data(), hidden_.data(), static_cast<size_t>(E) * C * H, stream);
+  gemm_batched(cublas_.get(), Op::none, Op::none, C, W1, D, x_rows_.data(), D, weights.w1, W1,
+               pre_rows_out_.data(), W1, E);
+  if (config_.activation == Activation::swiglu) {
+    swiglu_forward(pre_activation_.data(), hidden_.data(), int64_t{E} * C, H, stream);
+  } else {
+    gelu_forward(pre_activation_.data(), hidden_.data(), static_cast<size_t>(E) * C * H, stream);
+  }
   gemm_batched(cublas_.get(), Op::none, Op::none, C, D, H, hidden_rows_.data(), H, weights.w2, D,
                out_rows_out_.data(), D, E);
 }
@@ -281,26 +307,34 @@ void MoeLayerGpu::backward(const bf16* x, const MoeLayerWeights& weights, const 
 void MoeLayerGpu::experts_backward(const MoeLayerWeights& weights, const MoeLayerGradients& gradients,
                                    cudaStream_t stream) {
   if (dropless_) {
-    const BlockSparseFfnOutputs forward{pre_activation_.data(), nullptr, hidden_.data(), expert_out_.data()};
-    const BlockSparseFfnGradients out{d_pre_activation_.data(), nullptr, d_permuted_x_.data(), gradients.d_w1,
-                                      gradients.d_w2};
+    const BlockSparseFfnOutputs forward{pre_activation_.data(), up_projection_.data(), hidden_.data(),
+                                        expert_out_.data()};
+    const BlockSparseFfnGradients out{d_pre_activation_.data(), d_up_projection_.data(), d_permuted_x_.data(),
+                                      gradients.d_w1, gradients.d_w2};
     block_sparse_ffn_backward(config_, topology_->topology(), permuted_x_.data(), weights.w1, weights.w2, forward,
                               d_expert_out_.data(), out, stream);
     return;
   }
   // Padded / dropping, per expert e over its C rows (padding rows carry zero gradient):
-  //   dh = d_out W2ᵀ,  d_pre = dh * gelu'(pre),  dW2 = hiddenᵀ d_out,  dW1 = xᵀ d_pre,  dx = d_pre W1ᵀ
+  //   dh = d_out W2ᵀ,  d_pre = act'(dh, pre),  dW2 = hiddenᵀ d_out,  dW1 = xᵀ d_pre,  dx = d_pre W1ᵀ
+  // with d_pre [C, W1]: GeLU dh * gelu'(pre); SwiGLU [d_gate | d_up], so dW1 [D, 2H] and dx come from
+  // one product each over both halves.
   const int C = capacity_, D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts;
+  const int W1 = static_cast<int>(w1_columns(config_));
   cublas_.set_stream(stream);
   gemm_batched(cublas_.get(), Op::none, Op::transpose, C, H, D, d_out_rows_.data(), D, weights.w2, D,
                d_hidden_rows_out_.data(), H, E);
-  gelu_backward(pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(), static_cast<size_t>(E) * C * H,
-                stream);
+  if (config_.activation == Activation::swiglu) {
+    swiglu_backward(pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(), int64_t{E} * C, H, stream);
+  } else {
+    gelu_backward(pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(),
+                  static_cast<size_t>(E) * C * H, stream);
+  }
   gemm_batched(cublas_.get(), Op::transpose, Op::none, H, D, C, hidden_rows_.data(), H, d_out_rows_.data(), D,
                gradients.d_w2, D, E);
-  gemm_batched(cublas_.get(), Op::transpose, Op::none, D, H, C, x_rows_.data(), D, d_pre_rows_.data(), H,
-               gradients.d_w1, H, E);
-  gemm_batched(cublas_.get(), Op::none, Op::transpose, C, D, H, d_pre_rows_.data(), H, weights.w1, H,
+  gemm_batched(cublas_.get(), Op::transpose, Op::none, D, W1, C, x_rows_.data(), D, d_pre_rows_.data(), W1,
+               gradients.d_w1, W1, E);
+  gemm_batched(cublas_.get(), Op::none, Op::transpose, C, D, W1, d_pre_rows_.data(), W1, weights.w1, W1,
                d_x_rows_out_.data(), D, E);
 }
 

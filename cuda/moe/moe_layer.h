@@ -11,7 +11,8 @@
 //               dropless Hopper path with narrow experts the SDD gathers x's rows itself as it
 //               copies them (block_sparse.h, ExpertRows, gathering_pays), and the permute runs
 //               in the backward instead, for the weight gradient dW1
-//   experts     dropless: block-sparse SDD (+GeLU) and DSD on tensor cores (block_sparse.h)
+//   experts     dropless: block-sparse SDD (+ the activation in its epilogue) and DSD on tensor
+//               cores (block_sparse.h)
 //               padded / dropping: cuBLAS batched GEMMs over [E, C, D] (the GShard / Tutel way;
 //               dropping is padded with the capacity C = ceil(cf*T*K/E): the same kept tokens, the
 //               same output, C rows computed per expert)
@@ -26,7 +27,12 @@
 //
 // Precision: bf16 activations and weights, fp32 accumulation; router logits, probabilities and
 // combine weights in fp32; weight and input gradients in fp32.
-// Supported: GeLU, no jitter (both checked in the constructor with a clear error).
+// Activations: GeLU, and SwiGLU (W1 [D, 2H], the gate columns then the up columns, hidden =
+// silu(gate) * up, as reference_cpu/expert_ffn.h). Dropless runs SwiGLU as two SDDs over W1's halves,
+// the second with silu(gate) * up in its epilogue, and its backward as one SDD whose epilogue writes
+// d_gate and d_up, two DDS for dW1's halves and one DSD over [d_gate | d_up] for dx. Padded and
+// dropping make one [C, D] x [D, 2H] product per expert, then one fused SwiGLU pass
+// (moe/activation.h). No jitter (checked in the constructor with a clear error, as the activation).
 //
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k,
 // C capacity, B block size.
@@ -51,14 +57,14 @@ namespace moe::cuda {
 
 struct MoeLayerWeights {           // device memory, owned by the caller
   const bf16* gate_weights = nullptr;  // [D, E]
-  const bf16* const* w1 = nullptr;     // device array [E] -> [D, H] per expert
+  const bf16* const* w1 = nullptr;     // device array [E] -> [D, w1_columns] per expert (H; SwiGLU 2H)
   const bf16* const* w2 = nullptr;     // device array [E] -> [H, D] per expert
 };
 
 struct MoeLayerGradients {         // device memory, owned by the caller; overwritten, not accumulated
   float* dx = nullptr;                // [T, D]
   float* d_gate_weights = nullptr;    // [D, E]
-  float* const* d_w1 = nullptr;       // device array [E] -> [D, H]
+  float* const* d_w1 = nullptr;       // device array [E] -> [D, w1_columns]
   float* const* d_w2 = nullptr;       // device array [E] -> [H, D]
 };
 
@@ -70,7 +76,7 @@ void check_layer_fits(const MoeConfig& config, size_t free_bytes);
 
 class MoeLayerGpu {
  public:
-  // Validates the config (moe::validate, then GeLU only, no jitter, E and K within the router's
+  // Validates the config (moe::validate, then GeLU or SwiGLU (H even), no jitter, E and K within the router's
   // limits, dropless B of 64 or 128) and allocates every buffer for T tokens.
   explicit MoeLayerGpu(const MoeConfig& config);
 
@@ -151,11 +157,12 @@ class MoeLayerGpu {
   DeviceBuffer<float> expert_fraction_, mean_probs_, aux_loss_, z_loss_;  // [E] [E] [1] [1]
   RouterWorkspace router_workspace_;  // route_top_k's per-block partial sums of the statistics
   // experts: dropless stores the hidden activations as [max_nnz, B, B] blocks, padded as
-  // [E*C, H] rows; both are max_rows * H values. permuted_x_ is written by the backward when the
-  // forward gathers the rows.
-  DeviceBuffer<bf16> permuted_x_, pre_activation_, hidden_, expert_out_;
-  // backward
-  DeviceBuffer<bf16> d_expert_out_, d_hidden_, d_pre_activation_, d_permuted_x_, d_logits_bf16_;
+  // [E*C, H] rows; both are max_rows * H values. pre_activation_ is the same dropless (the gate's
+  // blocks for SwiGLU, whose up blocks are up_projection_) and [E*C, w1_columns] padded (SwiGLU:
+  // [gate | up] per row). permuted_x_ is written by the backward when the forward gathers the rows.
+  DeviceBuffer<bf16> permuted_x_, pre_activation_, up_projection_, hidden_, expert_out_;
+  // backward (d_pre_activation_ and d_up_projection_ shaped as pre_activation_ and up_projection_)
+  DeviceBuffer<bf16> d_expert_out_, d_hidden_, d_pre_activation_, d_up_projection_, d_permuted_x_, d_logits_bf16_;
   DeviceBuffer<float> d_combine_weights_, d_logits_;
   // padded / dropping: per-expert pointers into the [E, C, *] activation tensors
   DeviceBuffer<const bf16*> x_rows_, pre_rows_, hidden_rows_, d_out_rows_, d_pre_rows_;

@@ -7,8 +7,10 @@
 //
 // Build and run:  ./moe build && build/cuda/moe_layer_dump [--out runs/layer_dump] [--formulation F]
 //                 [--tokens T] [--model-dim D] [--hidden-dim H] [--experts E] [--top-k K]
-//                 [--block-size B] [--capacity-factor CF] [--seed N] [--steps N] [--no-npy]
-// Files: x, dy, gate_weights, w1 [E,D,H], w2 [E,H,D], top_experts [T,K] (int32), combine_weights,
+//                 [--block-size B] [--capacity-factor CF] [--activation gelu|swiglu] [--seed N]
+//                 [--steps N] [--no-npy]
+// Files: x, dy, gate_weights, w1 [E,D,W1] (W1 = H for GeLU, 2H for SwiGLU: gate columns, then up),
+// w2 [E,H,D], top_experts [T,K] (int32), combine_weights,
 // y, dx, d_gate_weights, d_w1, d_w2 (GPU), and ref_y, ref_dx, ref_d_gate_weights, ref_d_w1,
 // ref_d_w2 (CPU reference, double rounded to float32). All float32 unless said.
 // Ends with one verdict line, PASS when every relative error is under 2e-2 (bf16 arithmetic).
@@ -62,7 +64,7 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& r
 constexpr const char* usage_text =
     "usage: moe_layer_dump [--out DIR] [--formulation dropless|padded|dropping] [--tokens T]"
     " [--model-dim D] [--hidden-dim H] [--experts E] [--top-k K] [--block-size B]"
-    " [--capacity-factor CF] [--seed N] [--steps N] [--no-npy]\n";
+    " [--capacity-factor CF] [--activation gelu|swiglu] [--seed N] [--steps N] [--no-npy]\n";
 
 // Bad usage: one line naming the flag, the usage, exit 2.
 [[noreturn]] void usage(const std::string& message) {
@@ -136,13 +138,14 @@ int run(int argc, char** argv) {
       }
       static const char* const value_flags[] = {"--out",        "--formulation", "--tokens",     "--model-dim",
                                                 "--hidden-dim", "--experts",     "--top-k",      "--block-size",
-                                                "--capacity-factor", "--seed",   "--steps"};
+                                                "--capacity-factor", "--activation", "--seed", "--steps"};
       if (std::find(std::begin(value_flags), std::end(value_flags), arg) == std::end(value_flags))
         usage("unknown flag " + arg);
       if (i + 1 >= argc) usage(arg + " needs a value");
       const std::string value = argv[++i];
       if (arg == "--out") out = value;
       else if (arg == "--formulation") config.formulation = parse_formulation(value);
+      else if (arg == "--activation") config.activation = parse_activation(value);
       else if (arg == "--tokens") config.tokens = parse_integer(arg, value);
       else if (arg == "--model-dim") config.model_dim = parse_integer(arg, value);
       else if (arg == "--hidden-dim") config.hidden_dim = parse_integer(arg, value);
@@ -172,6 +175,7 @@ int run(int argc, char** argv) {
     return 2;
   }
   const int64_t T = config.tokens, D = config.model_dim, H = config.hidden_dim, E = config.num_experts;
+  const int64_t W1 = w1_columns(config);  // H, or 2H for SwiGLU
 
   // Inputs rounded to bf16 first, so the reference computes from exactly the values the GPU sees.
   std::mt19937_64 rng(seed);
@@ -188,10 +192,10 @@ int run(int argc, char** argv) {
   DeviceBuffer<bf16> gate_gpu = upload(floats(weights.gate_weights));
   DeviceBuffer<bf16> w1_gpu = upload(floats(weights.w1)), w2_gpu = upload(floats(weights.w2));
   DeviceBuffer<bf16> y_gpu(size_t(T * D));
-  auto w1_table = cuda::expert_pointer_table<const bf16>(w1_gpu.data(), int(E), size_t(D * H));
+  auto w1_table = cuda::expert_pointer_table<const bf16>(w1_gpu.data(), int(E), size_t(D * W1));
   auto w2_table = cuda::expert_pointer_table<const bf16>(w2_gpu.data(), int(E), size_t(H * D));
-  DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
-  auto d_w1_table = cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
+  DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * W1)), d_w2(size_t(E * H * D));
+  auto d_w1_table = cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * W1));
   auto d_w2_table = cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
 
   RunInfo info;
@@ -255,7 +259,7 @@ int run(int argc, char** argv) {
     write_npy(out / "x.npy", floats(x), {T, D});
     write_npy(out / "dy.npy", floats(dy), {T, D});
     write_npy(out / "gate_weights.npy", floats(weights.gate_weights), {D, E});
-    write_npy(out / "w1.npy", floats(weights.w1), {E, D, H});
+    write_npy(out / "w1.npy", floats(weights.w1), {E, D, W1});
     write_npy(out / "w2.npy", floats(weights.w2), {E, H, D});
     write_npy(out / "top_experts.npy", layer.top_experts().download(), {T, config.top_k});
     write_npy(out / "combine_weights.npy", layer.combine_weights().download(), {T, config.top_k});
@@ -268,7 +272,7 @@ int run(int argc, char** argv) {
         .rows_per_expert = std::vector<int64_t>(ref.plan.rows_per_expert.begin(), ref.plan.rows_per_expert.end())}));
   }
   const std::map<std::string, std::vector<int64_t>> shapes = {
-      {"y", {T, D}}, {"dx", {T, D}}, {"d_gate_weights", {D, E}}, {"d_w1", {E, D, H}}, {"d_w2", {E, H, D}}};
+      {"y", {T, D}}, {"dx", {T, D}}, {"d_gate_weights", {D, E}}, {"d_w1", {E, D, W1}}, {"d_w2", {E, H, D}}};
   bool pass = true;
   std::ostringstream verdict;
   for (const auto& [name, pair] : compared) {
@@ -280,7 +284,7 @@ int run(int argc, char** argv) {
     pass = pass && error < kTolerance;
     verdict << " " << name << "=" << std::scientific << std::setprecision(1) << error;
   }
-  std::cout << "moe_layer_dump: " << to_string(config.formulation) << " T=" << T << " D=" << D << " H=" << H
+  std::cout << "moe_layer_dump: " << to_string(config.formulation) << " " << to_string(config.activation) << " T=" << T << " D=" << D << " H=" << H
             << " E=" << E << " K=" << config.top_k << " on " << cuda::current_device().name << "\n"
             << "wrote the run record" << (write_tensors ? " and .npy files" : "") << " to " << out.string() << "\n"
             << (pass ? "PASS" : "FAIL") << " GPU vs CPU reference, relative errors:" << verdict.str()

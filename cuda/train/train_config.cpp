@@ -8,7 +8,7 @@
 #include <optional>
 #include <sstream>
 
-#include "moe_config.h"  // parse_formulation, to_string
+#include "moe_config.h"  // parse_formulation, parse_activation, to_string
 
 namespace moe::train {
 namespace {
@@ -74,6 +74,9 @@ const std::vector<Field>& fields() {
       {"formulation", Kind::text, "dropless | padded | dropping",
        [](TrainConfig& c, const json& v) { c.model.formulation = parse_formulation(v.get<std::string>()); },
        [](const TrainConfig& c) { return json(std::string(to_string(c.model.formulation))); }},
+      {"activation", Kind::text, "gelu | swiglu (W1 [D, 2H]: gate and up halves) of the experts",
+       [](TrainConfig& c, const json& v) { c.model.activation = parse_activation(v.get<std::string>()); },
+       [](const TrainConfig& c) { return json(std::string(to_string(c.model.activation))); }},
       model_number_field("capacity_factor", &M::capacity_factor, "dropping / padded: C = ceil(cf * T * K / E)"),
       model_integer_field("block_size", &M::block_size, "B of the dropless block-sparse layer (64 or 128 on the GPU)"),
       model_number_field("aux_loss_coef", &M::aux_loss_coef, "weight of each MoE layer's load-balancing loss"),
@@ -260,7 +263,7 @@ json to_json(const TrainConfig& config) {
 json model_json(const TrainConfig& config) {
   static const std::vector<std::string> model_keys = {
       "model_dim", "num_layers", "num_heads", "seq_len", "moe_layers", "dense_hidden_dim", "num_experts", "top_k",
-      "expert_hidden_dim", "formulation", "capacity_factor", "block_size", "aux_loss_coef", "z_loss_coef",
+      "expert_hidden_dim", "formulation", "activation", "capacity_factor", "block_size", "aux_loss_coef", "z_loss_coef",
       "pregated", "batch"};
   const json all = to_json(config);
   json model = json::object();
@@ -397,6 +400,11 @@ std::string help_text(const TrainConfig& defaults) {
 namespace {
 int64_t attention_parameters(const ref::ModelConfig& m) { return 4 * m.model_dim * m.model_dim; }
 int64_t layer_norm_parameters(const ref::ModelConfig& m) { return 4 * m.model_dim; }
+// One expert's W1 [D, w1_columns] and W2 [H, D]: 2 D H for GeLU, 3 D H for SwiGLU.
+int64_t expert_parameters(const ref::ModelConfig& m) {
+  const int64_t w1 = m.activation == Activation::swiglu ? 2 * m.expert_hidden_dim : m.expert_hidden_dim;
+  return m.model_dim * w1 + m.expert_hidden_dim * m.model_dim;
+}
 }  // namespace
 
 int64_t active_parameters(const ref::ModelConfig& m) {
@@ -404,7 +412,7 @@ int64_t active_parameters(const ref::ModelConfig& m) {
   int64_t active = ref::kByteVocabulary * D;  // the tied output projection
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     active += attention_parameters(m);
-    active += ref::is_moe_block(m, layer) ? D * m.num_experts + m.top_k * 2 * D * m.expert_hidden_dim
+    active += ref::is_moe_block(m, layer) ? D * m.num_experts + m.top_k * expert_parameters(m)
                                           : 2 * D * m.dense_hidden_dim;
   }
   return active;
@@ -415,7 +423,7 @@ int64_t total_parameters(const ref::ModelConfig& m) {
   int64_t total = ref::kByteVocabulary * D + m.seq_len * D + 2 * D;  // embeddings, final LayerNorm
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     total += attention_parameters(m) + layer_norm_parameters(m);
-    total += ref::is_moe_block(m, layer) ? D * m.num_experts + m.num_experts * 2 * D * m.expert_hidden_dim
+    total += ref::is_moe_block(m, layer) ? D * m.num_experts + m.num_experts * expert_parameters(m)
                                          : 2 * D * m.dense_hidden_dim;
   }
   return total;

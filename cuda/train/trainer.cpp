@@ -441,7 +441,10 @@ void cut_events_after(const fs::path& run_dir, int64_t step) {
   fs::rename(temporary, events);
 }
 
-std::string differences(const json& saved, const json& wanted) {
+std::string differences(const json& saved_config, const json& wanted) {
+  // A model config without "activation" has GeLU experts, the only ones it could describe.
+  json saved = saved_config;
+  if (saved.is_object() && !saved.contains("activation")) saved["activation"] = "gelu";
   std::string list;
   for (const auto& [key, value] : wanted.items()) {
     if (!saved.contains(key) || saved[key] != value) {

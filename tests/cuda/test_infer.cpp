@@ -599,6 +599,13 @@ TEST(CudaInferConfig, RefusedWithTheFieldNamed) {
   padded.formulation = moe::Formulation::padded;
   padded.block_size = 16;
   EXPECT_NO_THROW(moe::cuda::validate_for_inference(moe::cuda::gpu_config_of(padded, 2)));
+  // A SwiGLU model trains on the GPU (ModelGpu validates it) but does not decode here.
+  ModelConfig swiglu = self_gated;
+  swiglu.activation = moe::Activation::swiglu;
+  EXPECT_NO_THROW(moe::cuda::validate(moe::cuda::gpu_config_of(swiglu, 1)));
+  const std::string activation = error_of<std::invalid_argument>(
+      [&] { moe::cuda::validate_for_inference(moe::cuda::gpu_config_of(swiglu, 1)); });
+  EXPECT_NE(activation.find("activation = swiglu"), std::string::npos) << activation;
   EXPECT_EQ(moe::cuda::parse_expert_schedule("speculative"), ExpertSchedule::speculative);
   EXPECT_THROW(moe::cuda::parse_expert_schedule("eventually"), std::invalid_argument);
 }

@@ -1,7 +1,8 @@
 // test_model.cpp: one GPU training step of the whole transformer (cuda/model/model.h) against the
 // CPU reference model (reference_cpu/model.h, optimizer.h): the loss and every gradient within bf16
 // tolerance. Tiny configs (D=64, 2 heads, L=2, S=32, N=4, E=4, K=2, H=64, B=64), MoE
-// in every block or every other block, dropless and padded, self-gated and pre-gated (model.h).
+// in every block or every other block, dropless and padded, self-gated and pre-gated (model.h),
+// GeLU experts and SwiGLU experts (W1 [D, 2H] per expert in the flat layout).
 // The pre-gated cases take L = 3 or 4 where L = 2 would leave a single MoE block (nothing to
 // pre-gate): every other block of 4 has MoE blocks 1 and 3, and every block of 3 has a middle MoE
 // block that both receives a later gate's gradient and sends its own gate's gradient back.
@@ -35,6 +36,7 @@
 // draws another batch (at most kBatchTries); it reports how many it drew.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -141,12 +143,14 @@ struct StepCase {
   Formulation formulation;
   bool pregated = false;
   int64_t num_layers = 2;  // L
+  moe::Activation activation = moe::Activation::gelu;
 };
 
 std::string case_name(const StepCase& c) {
   std::string name =
       std::string(moe::ref::to_string(c.moe_layers)) + "_" + std::string(moe::to_string(c.formulation));
   if (c.pregated) name += "_pregated_L" + std::to_string(c.num_layers);
+  if (c.activation != moe::Activation::gelu) name += "_" + std::string(moe::to_string(c.activation));
   return name;
 }
 
@@ -158,6 +162,7 @@ TEST_P(CudaModelGpuStep, MatchesReference) {
   ModelConfig config = tiny_config(GetParam().moe_layers, GetParam().formulation);
   config.pregated = GetParam().pregated;
   config.num_layers = GetParam().num_layers;
+  config.activation = GetParam().activation;
   const int64_t S = config.seq_len, T = kBatch * S;
   const Bf16ModelWeights weights = bf16_init(config, 7);
 
@@ -279,7 +284,16 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaModelGpuStep,
                                            StepCase{MoeLayers::every_block, Formulation::dropless, true, 3},
                                            StepCase{MoeLayers::every_other_block, Formulation::dropless, true, 4},
                                            StepCase{MoeLayers::every_block, Formulation::padded, true, 2},
-                                           StepCase{MoeLayers::every_other_block, Formulation::padded, true, 4}),
+                                           StepCase{MoeLayers::every_other_block, Formulation::padded, true, 4},
+                                           // SwiGLU experts: each formulation, and pre-gated
+                                           StepCase{MoeLayers::every_block, Formulation::dropless, false, 2,
+                                                    moe::Activation::swiglu},
+                                           StepCase{MoeLayers::every_other_block, Formulation::padded, false, 2,
+                                                    moe::Activation::swiglu},
+                                           StepCase{MoeLayers::every_block, Formulation::dropping, false, 2,
+                                                    moe::Activation::swiglu},
+                                           StepCase{MoeLayers::every_block, Formulation::dropless, true, 3,
+                                                    moe::Activation::swiglu}),
                          [](const ::testing::TestParamInfo<StepCase>& info) { return case_name(info.param); });
 
 // A few steps on repeated text: the model learns it, the loss falls.
@@ -328,15 +342,56 @@ TEST(CudaModelGpu, RejectsBadConfigsBeforeAllocating) {
   ModelConfig dense_pregated = tiny_config(MoeLayers::none, Formulation::dropless);
   dense_pregated.pregated = true;
   expect_rejected(dense_pregated, "pregated");
-  ModelConfig swiglu = tiny_config(MoeLayers::every_block, Formulation::dropless);
-  swiglu.activation = moe::Activation::swiglu;
-  expect_rejected(swiglu, "activation");
+  ModelConfig swiglu_odd = tiny_config(MoeLayers::every_block, Formulation::padded);
+  swiglu_odd.activation = moe::Activation::swiglu;
+  swiglu_odd.expert_hidden_dim = 63;  // SwiGLU's pass moves bf16 pairs: H must be even
+  expect_rejected(swiglu_odd, "moe.hidden_dim (H) = 63");
   ModelConfig small_blocks = tiny_config(MoeLayers::every_block, Formulation::dropless);
   small_blocks.block_size = 32;
   expect_rejected(small_blocks, "block_size");
   ModelConfig odd_heads = tiny_config(MoeLayers::every_block, Formulation::dropless);
   odd_heads.num_heads = 3;
   expect_rejected(odd_heads, "num_heads");
+}
+
+// validate() is host code: these run without a GPU. SwiGLU experts are accepted in every formulation,
+// self-gated and pre-gated, as the reference accepts them; on several ranks they are refused (the
+// expert-parallel layer's experts are GeLU), with the field named.
+TEST(CudaModelGpuConfig, ValidateAcceptsSwiglu) {
+  for (Formulation formulation : {Formulation::dropless, Formulation::padded, Formulation::dropping}) {
+    for (bool pregated : {false, true}) {
+      ModelConfig config = tiny_config(MoeLayers::every_block, formulation);
+      config.activation = moe::Activation::swiglu;
+      config.pregated = pregated;
+      EXPECT_NO_THROW(moe::ref::validate(config));
+      const moe::cuda::ModelGpuConfig gpu = gpu_config(config, kBatch);
+      EXPECT_NO_THROW(moe::cuda::validate(gpu)) << moe::to_string(formulation) << (pregated ? " pre-gated" : "");
+      // Each expert's W1 is [D, 2H] in the flat layout, as the reference's.
+      const std::vector<moe::cuda::ParameterSpan> layout = moe::cuda::parameter_layout(gpu);
+      const std::vector<moe::ref::ParameterInfo> ref_layout = moe::ref::parameter_layout(config);
+      ASSERT_EQ(layout.size(), ref_layout.size());
+      for (size_t i = 0; i < layout.size(); ++i) {
+        EXPECT_EQ(layout[i].name, ref_layout[i].name);
+        EXPECT_EQ(layout[i].cols, ref_layout[i].cols) << layout[i].name;
+        EXPECT_EQ(layout[i].offset, ref_layout[i].offset) << layout[i].name;
+      }
+      const auto w1 = std::find_if(layout.begin(), layout.end(),
+                                   [](const moe::cuda::ParameterSpan& s) { return s.name == "blocks.0.moe.w1.0"; });
+      ASSERT_NE(w1, layout.end());
+      EXPECT_EQ(w1->cols, 2 * config.expert_hidden_dim);
+    }
+  }
+  ModelConfig config = tiny_config(MoeLayers::every_block, Formulation::dropless);
+  config.activation = moe::Activation::swiglu;
+  moe::cuda::ModelGpuConfig two_ranks = gpu_config(config, kBatch);
+  two_ranks.ranks = 2;
+  two_ranks.moe.tokens *= 2;  // all ranks' tokens
+  try {
+    moe::cuda::validate(two_ranks);
+    ADD_FAILURE() << "accepted SwiGLU on two ranks";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("moe.activation = swiglu on 2 ranks"), std::string::npos) << error.what();
+  }
 }
 
 // validate() is host code: these run without a GPU. Pre-gating is accepted wherever there are MoE
@@ -367,11 +422,6 @@ TEST(CudaModelGpuConfig, ValidateRejectsPregatedDenseModel) {
   ModelConfig dense_pregated = tiny_config(MoeLayers::none, Formulation::dropless);
   dense_pregated.pregated = true;
   expect_rejected(dense_pregated, "pregated");
-  ModelConfig swiglu = tiny_config(MoeLayers::every_block, Formulation::dropless);
-  swiglu.pregated = true;
-  swiglu.activation = moe::Activation::swiglu;
-  // The reference runs SwiGLU; only the GPU refuses it.
-  EXPECT_THROW(moe::cuda::validate(gpu_config(swiglu, kBatch)), std::invalid_argument);
   ModelConfig odd_heads = tiny_config(MoeLayers::every_block, Formulation::dropless);
   odd_heads.pregated = true;
   odd_heads.num_heads = 3;

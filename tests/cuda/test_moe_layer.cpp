@@ -2,7 +2,9 @@
 // backward in every formulation, against the CPU reference moe::ref::moe_forward / moe_backward
 // computed in double from the same bf16-rounded inputs. bf16 activations with fp32 accumulation:
 // relative errors of a few 1e-3 are expected; the tolerance is 2e-2. Pre-gated: the router reads
-// another tensor than the experts, against moe::ref::pregated_moe_forward / backward.
+// another tensor than the experts, against moe::ref::pregated_moe_forward / backward. Every case
+// runs with GeLU experts and again with SwiGLU (W1 [D, 2H]: gate columns, then up columns), whose
+// dW1 is compared over both halves.
 // Run: ctest --test-dir build -R CudaMoeLayer   (skips without a GPU)
 #include <gtest/gtest.h>
 
@@ -42,6 +44,7 @@ void check_layer(MoeConfig config, uint64_t seed, double gate_scale = 1.0, int f
                  Gate gate = Gate::self) {
   std::mt19937_64 rng(seed);
   const int64_t T = config.tokens, D = config.model_dim, H = config.hidden_dim, E = config.num_experts;
+  const int64_t W1 = moe::w1_columns(config);  // H, or 2H for SwiGLU
   moe::ref::MoeWeights weights = moe::ref::random_weights(config, seed + 1);
   weights.gate_weights *= gate_scale;
   if (favoured_expert >= 0) weights.gate_weights.col(favoured_expert).array() += 50.0;  // x > 0 below
@@ -74,10 +77,11 @@ void check_layer(MoeConfig config, uint64_t seed, double gate_scale = 1.0, int f
   DeviceBuffer<bf16> router_input_gpu(bf16_of(router_input));
   DeviceBuffer<float> d_router_input(size_t(T * D));
   DeviceBuffer<bf16> w1_gpu(bf16_of(weights.w1)), w2_gpu(bf16_of(weights.w2)), y_gpu(size_t(T * D));
-  auto w1_table = moe::cuda::expert_pointer_table<const bf16>(w1_gpu.data(), int(E), size_t(D * H));
+  ASSERT_EQ(w1_gpu.size(), size_t(E * D * W1));
+  auto w1_table = moe::cuda::expert_pointer_table<const bf16>(w1_gpu.data(), int(E), size_t(D * W1));
   auto w2_table = moe::cuda::expert_pointer_table<const bf16>(w2_gpu.data(), int(E), size_t(H * D));
-  DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
-  auto d_w1_table = moe::cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
+  DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * W1)), d_w2(size_t(E * H * D));
+  auto d_w1_table = moe::cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * W1));
   auto d_w2_table = moe::cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
   for (auto* buffer : {&dx, &d_gate, &d_w1, &d_w2, &d_router_input}) buffer->fill_bytes(0xFF);  // NaN poison
   y_gpu.fill_bytes(0xFF);
@@ -114,7 +118,7 @@ void check_layer(MoeConfig config, uint64_t seed, double gate_scale = 1.0, int f
   EXPECT_LT(relative_error(matrix_of(d_gate.download(), D, E), ref_grad.gate_weights), kTolerance) << "dWg";
   const auto d_w1_host = d_w1.download(), d_w2_host = d_w2.download();
   for (int64_t e = 0; e < E; ++e) {
-    const Matrix g1 = matrix_of(d_w1_host, D, H, size_t(e * D * H));
+    const Matrix g1 = matrix_of(d_w1_host, D, W1, size_t(e * D * W1));
     const Matrix g2 = matrix_of(d_w2_host, H, D, size_t(e * H * D));
     ASSERT_TRUE(g1.allFinite() && g2.allFinite()) << "expert " << e;
     if (ref_grad.w1[e].norm() == 0) {  // an expert with no tokens: exactly zero gradient
@@ -122,13 +126,18 @@ void check_layer(MoeConfig config, uint64_t seed, double gate_scale = 1.0, int f
       EXPECT_EQ(g2.norm(), 0.0) << "expert " << e;
     } else {
       EXPECT_LT(relative_error(g1, ref_grad.w1[e]), kTolerance) << "dW1 expert " << e;
+      if (W1 == 2 * H) {  // SwiGLU: each half on its own (a wrong half hides less in the whole's norm)
+        EXPECT_LT(relative_error(g1.leftCols(H), ref_grad.w1[e].leftCols(H)), kTolerance) << "dW1 gate, expert " << e;
+        EXPECT_LT(relative_error(g1.rightCols(H), ref_grad.w1[e].rightCols(H)), kTolerance) << "dW1 up, expert " << e;
+      }
       EXPECT_LT(relative_error(g2, ref_grad.w2[e]), kTolerance) << "dW2 expert " << e;
     }
   }
 }
 
-MoeConfig base_config() {
+MoeConfig base_config(moe::Activation activation = moe::Activation::gelu) {
   MoeConfig c;
+  c.activation = activation;
   c.tokens = 300;  // not a multiple of B
   c.model_dim = 128;
   c.hidden_dim = 256;
@@ -220,6 +229,110 @@ TEST(CudaMoeLayer, PreGatedRouterInput) {
   check_layer(c, 44, 1.0, /*favoured_expert=*/3, Gate::pregated);
 }
 
+// ---- SwiGLU experts ----
+// The cases above again with SwiGLU: dropless (two SDDs over W1's halves, the second with
+// silu(gate) * up in its epilogue; the backward's SDD writes d_gate and d_up, two DDS fill dW1's
+// halves, one DSD over [d_gate | d_up] gives dx), and padded / dropping (one [C, D] x [D, 2H]
+// product per expert, then the fused SwiGLU pass of moe/activation.h).
+struct SwigluCase {
+  std::string name;
+  MoeConfig config;
+  uint64_t seed;
+  double gate_scale = 1.0;
+  int favoured_expert = -1;
+  Gate gate = Gate::self;
+};
+
+void check_swiglu_cases(const std::vector<SwigluCase>& cases) {
+  for (const SwigluCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    ASSERT_EQ(c.config.activation, moe::Activation::swiglu);
+    check_layer(c.config, c.seed, c.gate_scale, c.favoured_expert, c.gate);
+  }
+}
+
+MoeConfig swiglu_config(moe::Formulation formulation, int64_t block_size = 64, double capacity_factor = 1.0) {
+  MoeConfig c = base_config(moe::Activation::swiglu);
+  c.formulation = formulation;
+  c.block_size = block_size;
+  c.capacity_factor = capacity_factor;
+  return c;
+}
+
+TEST(CudaMoeLayer, SwigluEveryFormulation) {
+  REQUIRE_GPU();
+  using moe::Formulation;
+  check_swiglu_cases({
+      {"dropless B=64", swiglu_config(Formulation::dropless, 64), 111},
+      {"dropless B=128", swiglu_config(Formulation::dropless, 128), 112},
+      {"padded cf=2", swiglu_config(Formulation::padded, 64, 2.0), 113},
+      // drops tokens: the dropped ones get zero MoE output and no gradient
+      {"dropping cf=1", swiglu_config(Formulation::dropping, 64, 1.0), 114, 3.0},
+  });
+}
+
+TEST(CudaMoeLayer, SwigluAwkwardShapes) {
+  REQUIRE_GPU();
+  using moe::Formulation;
+  std::vector<SwigluCase> cases;
+  for (Formulation f : {Formulation::dropless, Formulation::padded}) {
+    const std::string name = std::string(moe::to_string(f));
+    MoeConfig c = swiglu_config(f, 64, 2.0);
+    c.num_experts = 1;  // E = 1, K = 1
+    c.top_k = 1;
+    cases.push_back({name + " E=1 K=1", c, 131});
+    c = swiglu_config(f, 64, 2.0);
+    c.tokens = 1;  // T = 1: one token, many empty experts
+    cases.push_back({name + " T=1", c, 132});
+    c = swiglu_config(f, 64, 2.0);
+    c.top_k = 1;
+    c.renormalize = false;
+    c.capacity_factor = 8.0;  // padded: every token fits on the one expert
+    cases.push_back({name + " all tokens on expert 3", c, 133, 1.0, /*favoured_expert=*/3});
+    c = swiglu_config(f, 64, 2.0);
+    c.num_experts = 4;
+    c.top_k = 4;  // K = E
+    cases.push_back({name + " K=E", c, 134});
+  }
+  // Padded with H = 98: H / 2 = 49 bf16 pairs per half, so a row's up half starts mid-way through
+  // an odd number of pairs (the fused pass's indexing), and T = 77 tokens, C not a round number.
+  MoeConfig odd = swiglu_config(Formulation::padded, 64, 1.5);
+  odd.hidden_dim = 98;
+  odd.tokens = 77;
+  cases.push_back({"padded H=98 T=77", odd, 135});
+  check_swiglu_cases(cases);
+}
+
+TEST(CudaMoeLayer, SwigluPreGatedRouterInput) {
+  REQUIRE_GPU();
+  using moe::Formulation;
+  check_swiglu_cases({
+      {"dropless pre-gated", swiglu_config(Formulation::dropless, 64), 141, 1.0, -1, Gate::pregated},
+      {"padded pre-gated", swiglu_config(Formulation::padded, 64, 2.0), 142, 1.0, -1, Gate::pregated},
+      {"dropping pre-gated", swiglu_config(Formulation::dropping, 64, 1.0), 143, 3.0, -1, Gate::pregated},
+  });
+}
+
+// On Hopper at B = 128 (H = 256 here) the dropless SwiGLU layer gathers x's rows in both SDDs.
+TEST(CudaMoeLayer, SwigluDroplessGatheredRowsB128) {
+  REQUIRE_GPU();
+  MoeConfig c = swiglu_config(moe::Formulation::dropless, 128);
+  if (!moe::cuda::rows_gatherable(c)) {
+    GTEST_SKIP() << "the rows are gathered only on a compute capability 9.0 GPU with an sm_90a build";
+  }
+  MoeConfig one_token = c;
+  one_token.tokens = 1;
+  MoeConfig one_expert = c;
+  one_expert.top_k = 1;
+  one_expert.renormalize = false;
+  check_swiglu_cases({
+      {"gathered", c, 151},
+      {"gathered T=1", one_token, 152},
+      {"gathered, all tokens on expert 3", one_expert, 153, 1.0, /*favoured_expert=*/3},
+      {"gathered pre-gated", c, 154, 1.0, -1, Gate::pregated},
+  });
+}
+
 // A separate router_input without a d_router_input would drop the gate's gradient into dx, where
 // it does not belong; the layer refuses it (and d_router_input aliasing dx) before any launch.
 TEST(CudaMoeLayer, PreGatedBackwardNeedsItsOwnGradient) {
@@ -241,23 +354,27 @@ TEST(CudaMoeLayer, PreGatedBackwardNeedsItsOwnGradient) {
 // forward() in two halves (route, then compute_experts), as a decoding model calls them: the same
 // routing, y and gradients as forward(), bit for bit, self-gated and with a separate router input,
 // dropless (B = 64: the mma.sync kernels, no stream-K tail whose partial sums meet in arrival order)
-// and padded. compute_experts gets no gate weights: route() has used them.
+// and padded, GeLU and SwiGLU. compute_experts gets no gate weights: route() has used them.
 TEST(CudaMoeLayer, RouteThenComputeExpertsIsForward) {
   REQUIRE_GPU();
-  struct Case { moe::Formulation formulation; Gate gate; };
+  using moe::Activation;
+  struct Case { moe::Formulation formulation; Gate gate; Activation activation = Activation::gelu; };
   for (const Case& c : {Case{moe::Formulation::dropless, Gate::self}, Case{moe::Formulation::dropless, Gate::pregated},
-                        Case{moe::Formulation::padded, Gate::self}}) {
-    MoeConfig config = base_config();
+                        Case{moe::Formulation::padded, Gate::self},
+                        Case{moe::Formulation::dropless, Gate::self, Activation::swiglu},
+                        Case{moe::Formulation::padded, Gate::pregated, Activation::swiglu}}) {
+    MoeConfig config = base_config(c.activation);
     config.formulation = c.formulation;
     config.capacity_factor = 2.0;
     const int64_t T = config.tokens, D = config.model_dim, H = config.hidden_dim, E = config.num_experts;
+    const int64_t W1 = moe::w1_columns(config);
     const moe::ref::MoeWeights weights = moe::ref::random_weights(config, 61);
     std::mt19937_64 rng(62);
     const Matrix x = moe::ref::random_matrix(T, D, rng), dy = moe::ref::random_matrix(T, D, rng);
     const Matrix router_input = moe::ref::random_matrix(T, D, rng);
     DeviceBuffer<bf16> x_gpu(bf16_of(x)), dy_gpu(bf16_of(dy)), router_input_gpu(bf16_of(router_input));
     DeviceBuffer<bf16> gate(bf16_of(weights.gate_weights)), w1(bf16_of(weights.w1)), w2(bf16_of(weights.w2));
-    auto w1_table = moe::cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * H));
+    auto w1_table = moe::cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * W1));
     auto w2_table = moe::cuda::expert_pointer_table<const bf16>(w2.data(), int(E), size_t(H * D));
     const moe::cuda::MoeLayerWeights w{gate.data(), w1_table.data(), w2_table.data()};
     const bool pregated = c.gate == Gate::pregated;
@@ -272,9 +389,9 @@ TEST(CudaMoeLayer, RouteThenComputeExpertsIsForward) {
     auto run = [&](bool split) {
       moe::cuda::MoeLayerGpu layer(config);
       DeviceBuffer<bf16> y(size_t(T * D));
-      DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
+      DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * W1)), d_w2(size_t(E * H * D));
       DeviceBuffer<float> d_router_input(size_t(T * D));
-      auto d_w1_table = moe::cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * H));
+      auto d_w1_table = moe::cuda::expert_pointer_table(d_w1.data(), int(E), size_t(D * W1));
       auto d_w2_table = moe::cuda::expert_pointer_table(d_w2.data(), int(E), size_t(H * D));
       for (auto* buffer : {&dx, &d_gate, &d_w1, &d_w2, &d_router_input}) buffer->fill_bytes(0xFF);  // NaN poison
       y.fill_bytes(0xFF);
@@ -293,7 +410,8 @@ TEST(CudaMoeLayer, RouteThenComputeExpertsIsForward) {
                  pregated ? d_router_input.download() : std::vector<float>{}};
     };
     const Run whole = run(false), halves = run(true);
-    const std::string name = std::string(moe::to_string(c.formulation)) + (pregated ? " pre-gated" : " self-gated");
+    const std::string name = std::string(moe::to_string(c.formulation)) + (pregated ? " pre-gated" : " self-gated") +
+                             " " + std::string(moe::to_string(c.activation));
     auto same_bytes = [](const auto& a, const auto& b) {
       return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
     };
@@ -314,9 +432,14 @@ TEST(CudaMoeLayer, RouteThenComputeExpertsIsForward) {
 
 TEST(CudaMoeLayer, BadConfigurationsFailBeforeAnyLaunch) {
   REQUIRE_GPU();
-  MoeConfig c = base_config();
-  c.activation = moe::Activation::swiglu;
-  EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);
+  MoeConfig c = swiglu_config(moe::Formulation::padded, 64, 2.0);
+  c.hidden_dim = 99;  // SwiGLU's pass moves bf16 pairs: H must be even
+  try {
+    moe::cuda::MoeLayerGpu layer{c};
+    FAIL() << "SwiGLU with H = 99 was accepted";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("hidden_dim (H) = 99"), std::string::npos) << error.what();
+  }
   c = base_config();
   c.jitter_eps = 0.1;
   EXPECT_THROW(moe::cuda::MoeLayerGpu{c}, std::invalid_argument);

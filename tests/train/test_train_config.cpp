@@ -101,6 +101,7 @@ TEST(TrainConfig, BadInputNamesTheFieldAndWhatIsAllowed) {
       {{"--config", "/nonexistent/run.json"}, "cannot open the file"},
       {{"--seed", "-3"}, "seed = -3; allowed: an integer >= 0"},
       {{"--pregated", "--moe-layers", "none"}, "pregated = true with moe_layers = none"},
+      {{"--activation", "relu"}, "unknown activation 'relu'; allowed: gelu, swiglu"},
   };
   for (const Case& c : cases) {
     const std::string message = parse_error(c.arguments);
@@ -139,10 +140,32 @@ TEST(TrainConfig, FlopsPerTokenByHand) {
   EXPECT_EQ(moe::train::active_parameters(c.model) - moe::train::active_parameters(dense.model), L * D * E);
 }
 
+// SwiGLU experts: --activation swiglu reaches the model, the run record's model and a round trip;
+// each expert then holds W1 [D, 2H] and W2 [H, D], 3 D H parameters instead of 2 D H.
+TEST(TrainConfig, SwigluActivation) {
+  const TrainConfig gelu = moe::train::preset("throughput");
+  EXPECT_EQ(gelu.model.activation, moe::Activation::gelu);
+  EXPECT_EQ(moe::train::model_json(gelu)["activation"], "gelu");
+  const TrainConfig c = parse_arguments({"--preset", "throughput", "--activation", "swiglu"});
+  EXPECT_NO_THROW(moe::train::validate(c));
+  EXPECT_EQ(c.model.activation, moe::Activation::swiglu);
+  EXPECT_EQ(moe::train::model_json(c)["activation"], "swiglu");
+  TrainConfig again = moe::train::preset("throughput");
+  moe::train::apply_json(again, moe::train::to_json(c), "round trip");
+  EXPECT_EQ(again.model.activation, moe::Activation::swiglu);
+  const int64_t D = 512, L = 8, E = 16, K = 2, H = 1024, S = 256, V = 256;
+  const int64_t per_layer_active = 4 * D * D + D * E + K * 3 * D * H;
+  EXPECT_EQ(moe::train::active_parameters(c.model), V * D + L * per_layer_active);
+  const int64_t per_layer_total = 4 * D * D + 4 * D + D * E + E * 3 * D * H;
+  EXPECT_EQ(moe::train::total_parameters(c.model), V * D + S * D + 2 * D + L * per_layer_total);
+  EXPECT_DOUBLE_EQ(moe::train::flops_per_token(c.model), 6.0 * double(V * D + L * per_layer_active) + 12.0 * L * S * D);
+  EXPECT_GT(moe::train::flops_per_token(c.model), moe::train::flops_per_token(gelu.model));
+}
+
 TEST(TrainConfig, HelpListsEveryFlag) {
   const std::string help = moe::train::help_text(moe::train::preset("default"));
   for (const char* flag : {"--formulation", "--capacity-factor", "--resume", "--run-dir", "--benchmark-steps",
-                           "--pregated", "--eval-every"}) {
+                           "--pregated", "--eval-every", "--activation"}) {
     EXPECT_NE(help.find(flag), std::string::npos) << flag;
   }
 }
