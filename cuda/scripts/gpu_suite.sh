@@ -116,7 +116,8 @@ train() {
   local rc=0 program=build-gpu/cuda/train/moe_train
   [ -x "$program" ] || { echo "train: $program not built"; return 1; }
   for variant in "dropless:" "dense:--moe-layers none" "padded_cf1.0:--formulation padded --capacity-factor 1.0" \
-                 "dropping_cf1.0:--formulation dropping --capacity-factor 1.0" "dropless_pregated:--pregated"; do
+                 "dropping_cf1.0:--formulation dropping --capacity-factor 1.0" "dropless_pregated:--pregated" \
+                 "dropless_swiglu:--activation swiglu"; do
     local name=${variant%%:*} flags=${variant#*:}
     # shellcheck disable=SC2086
     $program --preset throughput $flags --benchmark-steps 30 --benchmark-json "$OUT/train_throughput_$name.json" \
