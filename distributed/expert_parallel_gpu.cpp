@@ -633,8 +633,8 @@ void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t strea
     CUDA_CHECK(cudaEventRecord(arrived(c), exchange_stream_));
   };
   auto bring_back = [&](int c) {
+    CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, computed(c), 0));  // before the phase: it times the exchange alone
     Phase phase(timer_, "ep_combine_exchange", exchange_stream_);
-    CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, computed(c), 0));
     exchange_chunk(c, /*forward=*/false, chunk_result(c), back + plan.chunk_send_begin(c) * D, exchange_stream_);
   };
   // Tutel's order: chunk c + 1 goes out before chunk c comes back, so that its exchange runs while

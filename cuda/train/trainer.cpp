@@ -293,13 +293,24 @@ struct RoutingSummary {
 // tokens events; on several ranks, every rank's routing (gathered: collective) and the rows each
 // rank sent each rank, as the dispatch and combine all-to-all byte matrices. `batch` is the global
 // batch; `writer` is null on ranks other than 0. Synchronises (through the downloads).
+// `phases`: rank 0's phases of the step (record_spans), whose k-th forward "ep_dispatch" and
+// "ep_combine_exchange" time MoE block k's two all-to-alls.
 RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, const cuda::ModelGpu& model,
-                              const ByteBatch& batch, int64_t step, const RankView& view, RunWriter* writer) {
+                              const ByteBatch& batch, int64_t step, const RankView& view, RunWriter* writer,
+                              const std::vector<cuda::TimedPhase>& phases) {
   const int64_t E = c.model.num_experts, K = c.model.top_k, S = c.model.seq_len, B = c.model.block_size;
   const int64_t H = c.model.expert_hidden_dim;
   const int64_t C = capacity_of(c);
   const bool dropless = c.model.formulation == Formulation::dropless;
   RoutingSummary summary;
+  // The k-th phase of a name, or null: the forward's exchanges come before the backward's.
+  const auto nth_phase = [&](const char* name, int64_t k) -> const cuda::TimedPhase* {
+    for (const cuda::TimedPhase& p : phases) {
+      if (p.name == name && k-- == 0) return &p;
+    }
+    return nullptr;
+  };
+  int64_t moe_block = 0;
   for (int64_t layer = 0; layer < c.model.num_layers; ++layer) {
     const cuda::MoeBlockFfn* moe = model.moe_ffn(layer);
     if (moe == nullptr) continue;
@@ -321,10 +332,18 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
             combine[size_t(to)][size_t(from)] = rows[size_t(from * R + to)] * row_bytes;  // the way back
           }
         }
-        writer->append(to_event(AllToAllEvent{.step = step, .layer = layer, .name = "dispatch", .bytes = dispatch}));
-        writer->append(to_event(AllToAllEvent{.step = step, .layer = layer, .name = "combine", .bytes = combine}));
+        // Timed on rank 0's exchange stream (its wait for the slowest peer included).
+        const cuda::TimedPhase* out = nth_phase("ep_dispatch", moe_block);
+        const cuda::TimedPhase* back = nth_phase("ep_combine_exchange", moe_block);
+        writer->append(to_event(AllToAllEvent{.step = step, .layer = layer, .name = "dispatch", .bytes = dispatch,
+                                              .duration_us = out ? out->duration_us : 0.0,
+                                              .start_us = out ? std::optional<double>(out->start_us) : std::nullopt}));
+        writer->append(to_event(AllToAllEvent{.step = step, .layer = layer, .name = "combine", .bytes = combine,
+                                              .duration_us = back ? back->duration_us : 0.0,
+                                              .start_us = back ? std::optional<double>(back->start_us) : std::nullopt}));
       }
     }
+    ++moe_block;
     if (writer == nullptr) continue;
 
     RoutingEvent routing{.step = step, .layer = layer};
@@ -380,8 +399,10 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
 // model's "moe" phases: they go on a second timeline row so the rows never overlap. On several
 // ranks, every rank's phases (gathered: collective), each on its own GPU's clock from its step's
 // first phase, placed at rank 0's host time; `writer` is null on ranks other than 0.
-void record_spans(cuda::PhaseTimer& timer, int64_t step, double origin_us, const RankView& view, RunWriter* writer) {
-  const std::vector<cuda::TimedPhase> phases = timer.collect();
+// Returns this rank's phases with their start on the run's clock (origin_us + the GPU offset).
+std::vector<cuda::TimedPhase> record_spans(cuda::PhaseTimer& timer, int64_t step, double origin_us,
+                                           const RankView& view, RunWriter* writer) {
+  std::vector<cuda::TimedPhase> phases = timer.collect();
   std::vector<float> times;  // [phases][start, duration]
   for (const cuda::TimedPhase& phase : phases) {
     times.push_back(float(phase.start_us));
@@ -396,20 +417,23 @@ void record_spans(cuda::PhaseTimer& timer, int64_t step, double origin_us, const
       ranks_recorded = view.size();
     }
   }
-  if (writer == nullptr) return;
+  for (cuda::TimedPhase& p : phases) p.start_us += origin_us;
+  if (writer == nullptr) return phases;
   for (int q = 0; q < ranks_recorded; ++q) {
     for (size_t i = 0; i < phases.size(); ++i) {
       const float* t = &times[(size_t(q) * phases.size() + i) * 2];
       // Rows: the compute stream's phases by depth; a phase on another stream (the expert-parallel
       // layer's exchanges) on a row of its own.
       const cuda::TimedPhase& p = phases[i];
-      const int64_t row = p.stream == 0 ? p.depth : 8 + p.stream;
-      const std::string row_name = p.stream != 0 ? "exchange stream " + std::to_string(p.stream)
+      // (Every MoE block's layer has an exchange stream of its own; they never overlap: one row.)
+      const int64_t row = p.stream == 0 ? p.depth : 9;
+      const std::string row_name = p.stream != 0 ? "exchange stream (the all-to-alls)"
                                    : p.depth == 0 ? "compute" : "compute: inside the MoE layer";
       writer->append(to_event(SpanEvent{.step = step, .rank = q, .stream = row, .stream_name = row_name,
                                         .name = p.name, .start_us = origin_us + t[0], .duration_us = t[1]}));
     }
   }
+  return phases;
 }
 
 // ---- [SECTION] run directory ----
@@ -736,10 +760,11 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     tokens_seen += T;
 
     if (record) {
-      const RoutingSummary summary = record_routing(c, &corpus, model, batch, step, view, writer ? &*writer : nullptr);
+      RunWriter* const out = writer ? &*writer : nullptr;
+      const std::vector<cuda::TimedPhase> phases = record_spans(timer, step, origin_us, view, out);
+      const RoutingSummary summary = record_routing(c, &corpus, model, batch, step, view, out, phases);
       routed += summary.routed;
       dropped += summary.dropped;
-      record_spans(timer, step, origin_us, view, writer ? &*writer : nullptr);
     }
     if (step - ring_first == ring_rows || evaluate_now || checkpoint_now) {
       flush(step);
