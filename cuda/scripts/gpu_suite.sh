@@ -286,6 +286,22 @@ train_distributed() {
   return $rc
 }
 
+activation() {
+  # SwiGLU experts beside GeLU: the expert layer at two BASELINES shapes (useful TFLOP/s, the ratio
+  # column "vs gelu") and the training step at the throughput preset.
+  local rc=0 day
+  day=$(date -u +%Y-%m-%d)
+  build-gpu/cuda/bench/moe_bench --shapes 16384,2048,8192,64,2 --routing uniform --activation both \
+    --only block_sparse_B128,grouped_cublas --out "$OUT/moe_bench_activation_$day.json" > "$LOGS/moe_bench_activation.log" 2>&1 || rc=1
+  grep -E "swiglu|gelu|vs gelu|ratio" "$LOGS/moe_bench_activation.log" | tail -14
+  for activation in gelu swiglu; do
+    build-gpu/cuda/train/moe_train --preset throughput --activation $activation --benchmark-steps 30 \
+      --benchmark-json "$OUT/train_throughput_$activation.json" > "$LOGS/train_throughput_$activation.log" 2>&1 || rc=1
+    echo "moe_train throughput $activation: $(grep 'median step' "$LOGS/train_throughput_$activation.log")"
+  done
+  return $rc
+}
+
 case "${1:-}" in
   bundle) bundle ;;
   run)
