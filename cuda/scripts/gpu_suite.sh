@@ -38,10 +38,22 @@ bundle() {
 
 build() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/device.txt"
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$ROOT/.deps" \
+  # -g on the host code (the same machine code, with line tables): a crash's backtrace names its line.
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS=-g -DCMAKE_PREFIX_PATH="$ROOT/.deps" \
         -DMOE_ENABLE_VIEWER=OFF > "$LOGS/configure.log" 2>&1 || { tail -30 "$LOGS/configure.log"; return 1; }
   cmake --build build-gpu -j "$(nproc)" > "$LOGS/build.log" 2>&1 || { grep -E "error|FAILED" "$LOGS/build.log" | head -40; return 1; }
   echo "build: ok"
+}
+
+# The functions and lines of a crashed program's backtrace (glibc's "program(+0xOFFSET)" frames, as
+# OpenMPI prints them) in LOG, for the program BINARY.
+symbolize() {
+  local log=$1 binary=$2 offsets
+  offsets=$(grep -oE "$(basename "$binary")\(\+0x[0-9a-f]+\)" "$log" | grep -oE "0x[0-9a-f]+" | awk '!seen[$0]++')
+  [ -n "$offsets" ] || return 0
+  echo "  backtrace of $(basename "$binary") (from $(basename "$log")):"
+  # shellcheck disable=SC2086
+  addr2line -f -C -i -e "$binary" $offsets | paste - - | sed 's/^/    /' | head -30
 }
 
 tests() {
@@ -49,6 +61,22 @@ tests() {
   local rc=$?
   grep -E "tests passed|tests failed|Failed|\*\*\*" "$LOGS/ctest.log" | tail -25
   grep -c "Skipped" "$LOGS/ctest.log" | sed 's/^/skipped lines: /'
+  return $rc
+}
+
+tests_distributed() {
+  # Only the multi-rank tests (label distributed: the layer over NCCL with one rank per GPU, over MPI
+  # with ranks sharing one, training, the rank faults, lessons 06 and 07 on CPU ranks and --gpu).
+  ctest --test-dir build-gpu --output-on-failure -L distributed > "$LOGS/ctest_distributed.log" 2>&1
+  local rc=$?
+  grep -E "tests passed|tests failed|Failed|\*\*\*|Skipped" "$LOGS/ctest_distributed.log" | tail -25
+  # The layer's GPU test with one rank per GPU over NCCL, under memcheck.
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    timeout 200 mpirun --allow-run-as-root -x NCCL_NVLS_ENABLE=0 -np 2 compute-sanitizer --tool memcheck \
+      --error-exitcode 9 build-gpu/tests/distributed/test_distributed_expert_parallel_gpu_nccl \
+      > "$LOGS/sanitize_ep_gpu_nccl_np2.log" 2>&1
+    echo "memcheck test_distributed_expert_parallel_gpu_nccl (2 GPUs): rc=$? $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize_ep_gpu_nccl_np2.log" | sort | uniq -c | tr '\n' ' ')"
+  fi
   return $rc
 }
 
@@ -212,12 +240,27 @@ distributed() {
     "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend nccl --nodes-of 2 --out "$OUT/ep_bench_nccl.json" \
       > "$LOGS/ep_bench_nccl.log" 2>&1 || rc=1
     tail -40 "$LOGS/ep_bench_nccl.log"
+    # The layer's step with capacity factor 1.0 (Tutel's other published row), every degree and adaptive.
+    "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend nccl --only layer --formulation dropping \
+      --capacity-factor 1.0 --out "$OUT/ep_bench_nccl_cf1.json" > "$LOGS/ep_bench_nccl_cf1.log" 2>&1 || rc=1
+    grep -E "^ ep_layer|^# (layer|the)|^PASS|^FAIL" "$LOGS/ep_bench_nccl_cf1.log"
     for lesson in lesson06_expert_parallelism lesson07_tutel; do
       "${mpirun[@]}" -np 2 build-gpu/lessons/$lesson --gpu --backend nccl --out "$OUT/runs_lessons_gpu/$lesson" \
         --overwrite > "$LOGS/${lesson}_gpu_nccl.log" 2>&1 || rc=1
       echo "$lesson --gpu (2 GPUs, NCCL): $(grep -E '^(PASS|FAIL)' "$LOGS/${lesson}_gpu_nccl.log" | tr '\n' ' ')"
+      symbolize "$LOGS/${lesson}_gpu_nccl.log" build-gpu/lessons/$lesson
     done
   fi
+  # (EP_SHARED_GPU=0 leaves out what follows where two GPUs are measured and the sharing was checked)
+  if [ "${EP_SHARED_GPU:-1}" != 0 ] || [ "$gpus" -lt 2 ]; then
+    distributed_shared_gpu || rc=1
+  fi
+  (cd "$OUT" && [ -d runs_lessons_gpu ] && tar czf runs_lessons_gpu.tar.gz runs_lessons_gpu && rm -rf runs_lessons_gpu)
+  return $rc
+}
+
+distributed_shared_gpu() {
+  local rc=0 mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
   CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend mpi -e 16M --warmup-ms 200 -n 5 \
     --chunks 1,2 --nodes-of 2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
   tail -4 "$LOGS/ep_bench_mpi.log"
@@ -226,6 +269,7 @@ distributed() {
   CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 2 build-gpu/lessons/lesson06_expert_parallelism --gpu --backend mpi \
     --out "$OUT/runs_lessons_gpu/lesson06_mpi" --overwrite > "$LOGS/lesson06_gpu_mpi.log" 2>&1 || rc=1
   echo "lesson06 --gpu (2 ranks, 1 GPU, MPI): $(grep -E '^(PASS|FAIL)' "$LOGS/lesson06_gpu_mpi.log" | tr '\n' ' ')"
+  symbolize "$LOGS/lesson06_gpu_mpi.log" build-gpu/lessons/lesson06_expert_parallelism
   CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 4 build-gpu/lessons/lesson07_tutel --gpu --backend mpi \
     --out "$OUT/runs_lessons_gpu/lesson07_mpi" --overwrite > "$LOGS/lesson07_gpu_mpi.log" 2>&1 || rc=1
   echo "lesson07 --gpu (4 ranks, 1 GPU, MPI): $(grep -E '^(PASS|FAIL)' "$LOGS/lesson07_gpu_mpi.log" | tr '\n' ' ')"
@@ -239,7 +283,6 @@ distributed() {
       build-gpu/tests/distributed/$test > "$LOGS/sanitize_${test%% *}_np2.log" 2>&1
     echo "memcheck $test (2 ranks, 1 GPU): rc=$? $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize_${test%% *}_np2.log" | sort | uniq -c | tr '\n' ' ')"
   done
-  (cd "$OUT" && [ -d runs_lessons_gpu ] && tar czf runs_lessons_gpu.tar.gz runs_lessons_gpu && rm -rf runs_lessons_gpu)
   return $rc
 }
 
@@ -317,5 +360,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [offload] [infer]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [offload] [infer]" >&2; exit 2 ;;
 esac

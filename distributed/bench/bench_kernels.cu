@@ -33,6 +33,12 @@ __global__ void fill_uniform_kernel(bf16* out, size_t count, uint64_t seed, uint
   }
 }
 
+__global__ void sgd_update_kernel(bf16* weights, const float* gradients, size_t count, float learning_rate) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < count; i += size_t{gridDim.x} * blockDim.x) {
+    weights[i] = __float2bfloat16(__bfloat162float(weights[i]) - learning_rate * gradients[i]);
+  }
+}
+
 __global__ void fill_pattern_kernel(uint16_t* out, size_t count, int from, int to) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < count; i += size_t{gridDim.x} * blockDim.x) {
     out[i] = pattern(from, to, i);
@@ -70,6 +76,12 @@ __global__ void count_mismatches_kernel(const uint16_t* a, const uint16_t* b, si
 void fill_uniform(bf16* out, size_t count, uint64_t seed, uint64_t first, float scale, cudaStream_t stream) {
   if (count == 0) return;
   fill_uniform_kernel<<<blocks_for(count), kThreads, 0, stream>>>(out, count, seed, first, scale);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void sgd_update(bf16* weights, const float* gradients, size_t count, float learning_rate, cudaStream_t stream) {
+  if (count == 0) return;
+  sgd_update_kernel<<<blocks_for(count), kThreads, 0, stream>>>(weights, gradients, count, learning_rate);
   CUDA_CHECK(cudaGetLastError());
 }
 

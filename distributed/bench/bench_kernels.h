@@ -27,4 +27,7 @@ void count_pattern_mismatches(const uint16_t* got, size_t count, int from, int t
 void count_mismatches(const uint16_t* a, const uint16_t* b, size_t count, unsigned long long* wrong,
                       cudaStream_t stream);
 
+// weights[i] -= learning_rate * gradients[i], rounded to bf16: plain SGD on a rank's expert weights.
+void sgd_update(bf16* weights, const float* gradients, size_t count, float learning_rate, cudaStream_t stream);
+
 }  // namespace moe::dist::bench

@@ -3,9 +3,10 @@
 // row carries size, count, type, time (us), algbw, busbw and an error from a check of the data, so a
 // wrong answer shows beside the speed. Rows: raw all-to-all (first, as in nccl-tests), the count
 // exchange (the layer's host synchronisation), dispatch + combine of the EP layer at the same bytes,
-// and the whole layer forward + backward at each pipelining degree, then the layer choosing d itself
-// (Tutel's adaptive pipelining by measurement, ExpertParallelGpu's kAdaptivePipelineChunks: never
-// slower than d = 1, which is one of its candidates), with its trial times. --nodes-of G adds the
+// and the layer's training step (forward + backward + SGD on the experts) at each pipelining
+// degree, then the layer choosing d itself (Tutel's adaptive pipelining by measurement,
+// ExpertParallelGpu's kAdaptivePipelineChunks: never slower than d = 1, which is one of its
+// candidates), with its trial times. --nodes-of G adds the
 // raw all-to-all and dispatch + combine through Tutel's 2DH all-to-all (nodes of G ranks) beside
 // the flat rows.
 //
@@ -172,7 +173,10 @@ int run(int argc, char** argv, MpiCommunicator& world) {
   std::vector<std::string> messages;
   if (wanted("layer")) problem = make_layer_problem(ctx, messages);  // first: its check needs the memory
   for (const std::string& message : messages) say("# " + message);
-  if (problem) say("# layer rows: " + layer_summary(*problem).description);
+  if (problem) {
+    say("# layer rows: forward + backward + SGD on the experts (learning rate 0: the same weights each run), " +
+        layer_summary(*problem).description);
+  }
   say(table_header());
   if (wanted("alltoall")) measure_all(*make_alltoall_variant(ctx));
   if (wanted("alltoall") && G > 1) measure_all(*make_alltoall_variant(ctx, G));

@@ -7,7 +7,7 @@
 //   dispatch+combine   the EP layer with identity experts: routing, count exchange, the rows to the
 //                      experts' ranks and back, the combine; size = the bytes a rank dispatches
 //   ... 2dh G=N        the same two through Tutel's 2DH all-to-all, nodes of G ranks (--nodes-of)
-//   ep_layer d=N       the whole layer, forward + backward, at each pipelining degree
+//   ep_layer d=N       the layer's training step (forward, backward, SGD on the experts), at each degree
 //   ep_layer adaptive  the layer choosing d itself (pipeline_chunks = kAdaptivePipelineChunks): its
 //                      trials run before the timing; the row times its choice
 #pragma once

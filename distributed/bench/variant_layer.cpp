@@ -1,5 +1,7 @@
-// variant_layer.cpp: ep_bench's layer rows: the whole expert-parallel layer, forward + backward, at
-// one pipelining degree each (Tutel's d). The shape is --layer (issue 30's by default: T_r = 16384
+// variant_layer.cpp: ep_bench's layer rows: the expert-parallel layer's training step (forward,
+// backward, SGD on this rank's experts, as Tutel's benchmark times it), at one pipelining degree
+// each (Tutel's d). The SGD runs at learning rate 0: it reads and writes every expert weight and
+// gradient as a real step does, and leaves the weights, so every timed run checks the same layer. The shape is --layer (issue 30's by default: T_r = 16384
 // tokens a rank, D = 2048, H = 8192, E = 32, K = 2, dropless, B = 128), scaled down where ranks
 // share a GPU or the memory estimate does not fit. size = the bytes a rank dispatches (T_r K D 2);
 // a step moves them four times (tokens out and back, gradients out and back): bytes moved = 4 size,
@@ -37,6 +39,9 @@ namespace {
 
 // The seeds of each tensor: the same element gets the same value on every rank (bench_kernels.h).
 enum Seed : uint64_t { kX = 21, kDy, kGate, kW1, kW2 };
+
+// The step's SGD on the experts (see the top of this file): timed, weights unchanged.
+constexpr float kLearningRate = 0.0f;
 
 MoeConfig layer_config(const LayerShape& shape, int64_t tokens_per_rank, int ranks) {
   MoeConfig c;
@@ -147,6 +152,8 @@ class LayerRow final : public Variant {
     layer_->forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), stream);
     layer_->backward(p.x.data(), weights, p.dy.data(),
                      {p.dx.data(), p.d_gate.data(), p.d_w1_table.data(), p.d_w2_table.data()}, stream);
+    sgd_update(p.w1.data(), p.d_w1.data(), p.w1.size(), kLearningRate, stream);
+    sgd_update(p.w2.data(), p.d_w2.data(), p.w2.size(), kLearningRate, stream);
   }
 
   Check check() override {
