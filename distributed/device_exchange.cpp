@@ -38,12 +38,15 @@ class DeviceScratch {
   ~DeviceScratch() {
     if (data_ != nullptr) cudaFree(data_);
   }
+  // Whole 256-byte units (cudaMalloc's alignment): under compute-sanitizer, NCCL 2.28's AllGather
+  // (LL protocol) read 4 bytes past the end of a 118-byte receive buffer of an odd byte count.
   char* reserve(size_t bytes) {
     if (bytes > capacity_) {
       if (data_ != nullptr) check_cuda(cudaFree(data_), "cudaFree");
       data_ = nullptr;
-      check_cuda(cudaMalloc(&data_, bytes), "cudaMalloc");
-      capacity_ = bytes;
+      const size_t rounded = (bytes + 255) / 256 * 256;
+      check_cuda(cudaMalloc(&data_, rounded), "cudaMalloc");
+      capacity_ = rounded;
     }
     return static_cast<char*>(data_);
   }

@@ -168,13 +168,12 @@ GpuLayerRun GpuLessonLayer::run(const dist::ExpertParallelGpuOptions& options, i
     forward_ms.push_back(forward);
     backward_ms.push_back(backward);
   }
-  CUDA_CHECK(cudaEventDestroy(start));
-  CUDA_CHECK(cudaEventDestroy(forwarded));
-  CUDA_CHECK(cudaEventDestroy(done));
-
   b.y.fill_bytes(0xFF, stream);  // NaN poison: the last step must write every element
   b.dx.fill_bytes(0xFF, stream);
   step();
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(forwarded));
+  CUDA_CHECK(cudaEventDestroy(done));
   GpuLayerRun run;
   const int64_t D = config_.model_dim;
   const std::vector<bf16> y = b.y.download();

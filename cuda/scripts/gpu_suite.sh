@@ -70,10 +70,12 @@ tests_distributed() {
   ctest --test-dir build-gpu --output-on-failure -L distributed > "$LOGS/ctest_distributed.log" 2>&1
   local rc=$?
   grep -E "tests passed|tests failed|Failed|\*\*\*|Skipped" "$LOGS/ctest_distributed.log" | tail -25
-  # The layer's GPU test with one rank per GPU over NCCL, under memcheck.
+  # The layer's GPU test with one rank per GPU over NCCL, under memcheck. NCCL's start-up asks
+  # cudaFuncGetAttributes of kernels that have no image for this GPU (error 209, 72 calls a rank on
+  # an H200): API errors of NCCL's probing, not memory errors, so they are not reported.
   if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     timeout 200 mpirun --allow-run-as-root -x NCCL_NVLS_ENABLE=0 -np 2 compute-sanitizer --tool memcheck \
-      --error-exitcode 9 build-gpu/tests/distributed/test_distributed_expert_parallel_gpu_nccl \
+      --report-api-errors no --error-exitcode 9 build-gpu/tests/distributed/test_distributed_expert_parallel_gpu_nccl \
       > "$LOGS/sanitize_ep_gpu_nccl_np2.log" 2>&1
     echo "memcheck test_distributed_expert_parallel_gpu_nccl (2 GPUs): rc=$? $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize_ep_gpu_nccl_np2.log" | sort | uniq -c | tr '\n' ' ')"
   fi
