@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "record_error.h"  // RecordError
+#include "curves_view.h"   // sample_spacing
 #include "run_record.h"    // RunReader, parse_run_record
 
 namespace moe::viewer {
@@ -160,6 +161,60 @@ const RoutingRow* LayerRouting::row_at_or_before(int64_t step) const {
   return &*(it - 1);
 }
 
+// ---- curves at bounded memory ----
+
+void halve_min_max(Series& series) {
+  const size_t n = std::min(series.steps.size(), series.values.size());
+  size_t out = 0;
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    // The lowest and the highest finite value of the group (NaN compares false both ways).
+    size_t low = i, high = i;
+    bool any = false;
+    for (size_t j = i; j < i + 4; ++j) {
+      const double v = series.values[j];
+      if (std::isnan(v)) continue;
+      if (!any || v < series.values[low]) low = j;
+      if (!any || v > series.values[high]) high = j;
+      any = true;
+    }
+    const size_t first = std::min(low, high), second = std::max(low, high);
+    series.steps[out] = series.steps[first];
+    series.values[out++] = series.values[first];
+    if (second != first) {
+      series.steps[out] = series.steps[second];
+      series.values[out++] = series.values[second];
+    }
+  }
+  for (; i < n; ++i, ++out) {
+    series.steps[out] = series.steps[i];
+    series.values[out] = series.values[i];
+  }
+  series.steps.resize(out);
+  series.values.resize(out);
+}
+
+void add_sample(Series& series, double step, double value, size_t max_points) {
+  if (series.steps.empty() || step > series.steps.back()) {
+    if (series.steps.size() >= std::max<size_t>(max_points, 8)) {
+      if (series.halvings == 0) series.spacing_before_halving = sample_spacing(series);
+      halve_min_max(series);
+      ++series.halvings;
+    }
+    series.steps.push_back(step);
+    series.values.push_back(value);
+    return;
+  }
+  auto pos = std::lower_bound(series.steps.begin(), series.steps.end(), step);
+  const auto i = pos - series.steps.begin();
+  if (pos != series.steps.end() && *pos == step) {
+    series.values[static_cast<size_t>(i)] = value;  // the same step written again: keep the last
+  } else {
+    series.steps.insert(pos, step);
+    series.values.insert(series.values.begin() + i, value);
+  }
+}
+
 // ---- construction ----
 
 RunModel::RunModel() = default;
@@ -177,11 +232,14 @@ RunModel RunModel::load(const fs::path& dir) {
     ++model.version;
     return model;
   }
+  // One streaming pass: each event is turned into the model's compact series as it is parsed,
+  // and its JSON dropped, so memory is what the model keeps, never the file or its events.
   try {
-    RunRecord record = RunReader::load(dir);
-    model.ingest_info(record.info);
-    for (const json& event : record.events) model.ingest(event);
-    for (std::string& w : record.warnings) model.warn(std::move(w));
+    RunReader reader(dir);
+    model.ingest_info(reader.info());
+    const auto take = [&model](const json& event) { model.ingest(event); };
+    do reader.poll_each(take); while (!reader.caught_up());
+    if (std::string warning = reader.finish_last_line(take); !warning.empty()) model.warn(std::move(warning));
   } catch (const RecordError& e) {
     model.error = e.what();
   } catch (const std::exception& e) {
@@ -218,7 +276,9 @@ RunModel RunModel::follow(const fs::path& dir) {
   return model;
 }
 
-int64_t RunModel::poll() {
+bool RunModel::caught_up() const { return !reader_ || reader_->caught_up(); }
+
+int64_t RunModel::poll(uint64_t max_bytes) {
   if (!error.empty()) return 0;
   if (!reader_) {
     if (waiting_for.empty()) return 0;  // a loaded run: nothing to follow
@@ -251,10 +311,9 @@ int64_t RunModel::poll() {
     return 0;
   }
   try {
-    std::vector<json> events = reader_->poll();
-    for (const json& event : events) ingest(event);
-    if (!events.empty()) ++version;
-    return static_cast<int64_t>(events.size());
+    const int64_t events = reader_->poll_each([this](const json& event) { ingest(event); }, max_bytes);
+    if (events > 0) ++version;
+    return events;
   } catch (const std::exception& e) {
     error = std::string(e.what()) + " (live following stopped; reopen the run)";
     reader_.reset();
@@ -266,6 +325,14 @@ int64_t RunModel::poll() {
 void RunModel::warn(std::string message) {
   if (warnings.size() < kMaxWarnings) warnings.push_back(std::move(message));
   else ++warnings_not_kept;
+}
+
+bool RunModel::keep_another(const std::string& type, size_t kept) {
+  if (kept < kMaxRecordsPerKind) return true;
+  if (records_not_kept[type]++ == 0)
+    warn("more than " + std::to_string(kMaxRecordsPerKind) + " " + type +
+         " events: the later ones are counted, not kept (memory stays bounded)");
+  return false;
 }
 
 void RunModel::note_step(int64_t step) {
@@ -325,26 +392,28 @@ void RunModel::ingest_or_throw(const json& event) {
   const bool has_step = event.contains("step");
   const int64_t step = get_int(event, "step", 0, -kStepLimit, kStepLimit);
 
+  // Records other than the curves' are kept up to kMaxRecordsPerKind of each kind.
+  const size_t kept = type == "routing"    ? static_cast<size_t>(routing_rows_)
+                      : type == "topology" ? topologies.size()
+                      : type == "span"     ? spans.size()
+                      : type == "alltoall" ? alltoalls.size()
+                      : type == "offload"  ? offloads.size()
+                      : type == "tokens"   ? token_samples.size()
+                      : type == "table"    ? tables.size()
+                      : type == "verdict"  ? verdicts.size()
+                                           : 0;
+  if (!keep_another(type, kept)) {
+    ++events_by_type[type];
+    if (has_step) note_step(step);
+    return;
+  }
+
   if (type == "step") {
     for (auto it = event.begin(); it != event.end(); ++it) {
       if (it.key() == "type" || it.key() == "step") continue;
       if (!it->is_number() && !it->is_null()) continue;  // a label, not a metric
       const double value = it->is_null() ? std::numeric_limits<double>::quiet_NaN() : it->get<double>();
-      Series& series = step_metrics[it.key()];
-      const double x = static_cast<double>(step);
-      if (series.steps.empty() || x > series.steps.back()) {
-        series.steps.push_back(x);
-        series.values.push_back(value);
-      } else {
-        auto pos = std::lower_bound(series.steps.begin(), series.steps.end(), x);
-        const size_t i = static_cast<size_t>(pos - series.steps.begin());
-        if (pos != series.steps.end() && *pos == x) {
-          series.values[i] = value;  // the same step written again: keep the last
-        } else {
-          series.steps.insert(pos, x);
-          series.values.insert(series.values.begin() + static_cast<std::ptrdiff_t>(i), value);
-        }
-      }
+      add_sample(step_metrics[it.key()], static_cast<double>(step), value);
     }
   } else if (type == "routing") {
     const int64_t layer = get_int(event, "layer", 0, 0, kMaxLayers - 1);
@@ -367,6 +436,7 @@ void RunModel::ingest_or_throw(const json& event) {
     LayerRouting& lr = routing[layer];
     lr.layer = layer;
     lr.num_experts = std::max<int64_t>(lr.num_experts, static_cast<int64_t>(row.tokens_per_expert.size()));
+    ++routing_rows_;
     if (lr.rows.empty() || step > lr.rows.back().step) {
       lr.rows.push_back(std::move(row));
     } else {

@@ -43,6 +43,13 @@ inline constexpr int64_t kMaxRanks = 1024;
 inline constexpr int64_t kMaxGenres = 64;
 inline constexpr size_t kMaxSampleBytes = 1 << 16;
 inline constexpr size_t kMaxWarnings = 50;  // further warnings are only counted
+// Memory stays bounded by what can be drawn, however long a run grows (a record followed while it
+// grows by gigabytes): a curve keeps at most kMaxCurvePoints points (see Series), and each other
+// kind of record (routing rows, spans, topologies, ...) at most kMaxRecordsPerKind; further ones
+// are counted in `records_not_kept` with one warning per kind. Real runs write those every few
+// steps or once per run; it is the per-step curves that reach millions.
+inline constexpr size_t kMaxCurvePoints = size_t{1} << 18;
+inline constexpr size_t kMaxRecordsPerKind = 100'000;
 
 // The imbalance statistics of one routing row (one layer, one step).
 struct RoutingStats {
@@ -132,10 +139,25 @@ struct VerdictRecord {
 };
 
 // A sampled scalar over steps: one step metric, or one routing statistic of one layer.
+// A step metric holds every sample until it reaches kMaxCurvePoints; then it is halved
+// (halve_min_max: of each four neighbouring points the lowest and the highest stay, in step
+// order), again each time it fills up. So a run of 2M steps keeps between 2^17 and 2^18 points
+// per metric, the extremes of every span of 2^(halvings+1) samples survive, and a spike at one
+// step is never lost; zoomed in below that span, the plot shows the kept extremes, not every step.
 struct Series {
   std::vector<double> steps;   // x, increasing
   std::vector<double> values;  // y; NaN where the run wrote null
+  int64_t halvings = 0;          // 0: every sample is kept
+  double spacing_before_halving = 0;  // the recording rate (sample_spacing) when first halved
 };
+
+// Adds a sample in step order (a step seen before keeps the last value; an earlier step is
+// inserted in place) and halves the series when it holds max_points. Used by RunModel::ingest.
+void add_sample(Series& series, double step, double value, size_t max_points = kMaxCurvePoints);
+// Of each four neighbouring points keeps the lowest and the highest value, in step order (one
+// point when they are the same point; a NaN is kept only where all four are NaN). A tail of fewer
+// than four points stays as it is.
+void halve_min_max(Series& series);
 
 // What run.json says, flattened for the summary panel.
 struct RunSummary {
@@ -173,9 +195,13 @@ class RunModel {
   RunModel& operator=(RunModel&&) noexcept;
   ~RunModel();
 
-  // Live mode: reads the complete lines appended since the last call. Returns the number of new
-  // events. A half-written last line waits for its newline; it is not an error.
-  int64_t poll();
+  // Live mode: reads the complete lines appended since the last call, at most about max_bytes of
+  // them (so a record that grew by gigabytes is caught up over several calls while the window
+  // keeps drawing; caught_up() says when it is). Returns the number of new events. A half-written
+  // last line waits for its newline; it is not an error. A file cut shorter or replaced ends the
+  // following with a message in `error`; what was read stays.
+  int64_t poll(uint64_t max_bytes = uint64_t{16} << 20);
+  bool caught_up() const;
   bool live() const { return reader_ != nullptr || !waiting_for.empty(); }
 
   // Takes one event (already checked by validate_event). Public for tests and fuzzing.
@@ -197,6 +223,7 @@ class RunModel {
   int64_t events_total = 0;
   int64_t events_skipped = 0;
   int64_t first_step = 0, last_step = -1;  // range of steps seen in any event
+  std::map<std::string, int64_t> records_not_kept;  // event type -> events over kMaxRecordsPerKind
 
   std::map<std::string, Series> step_metrics;  // metric name -> series
   std::map<int64_t, LayerRouting> routing;     // layer -> rows
@@ -221,6 +248,8 @@ class RunModel {
 
  private:
   void note_step(int64_t step);
+  bool keep_another(const std::string& type, size_t kept);  // false past kMaxRecordsPerKind
+  int64_t routing_rows_ = 0;
   void ingest_or_throw(const nlohmann::json& event);
   std::unique_ptr<moe::RunReader> reader_;
 };
