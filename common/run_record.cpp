@@ -518,13 +518,13 @@ int64_t RunReader::poll_each(const std::function<void(const json&)>& on_event, u
   }
   // Read blocks, parse the complete lines of each, carry a cut line over to the next block.
   // `buffer` always holds the bytes from offset_ on that are read but not yet parsed.
-  constexpr size_t kBlock = size_t{4} << 20;
+  const size_t block = static_cast<size_t>(std::max<uint64_t>(options_.read_block_bytes, 1));
   std::string buffer;
   uint64_t parsed_this_call = 0;
   int64_t events = 0;
   while (offset_ + buffer.size() < end && parsed_this_call < max_bytes) {
     const size_t carried = buffer.size();
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(kBlock, end - offset_ - carried));
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(block, end - offset_ - carried));
     buffer.resize(carried + want);
     const size_t got = std::fread(buffer.data() + carried, 1, want, file);
     buffer.resize(carried + got);
@@ -563,8 +563,11 @@ std::string RunReader::finish_last_line(const std::function<void(const json&)>& 
     std::FILE* file = std::fopen(events_file.c_str(), "rb");
     if (!file) return "";
     std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(file, &std::fclose);
-    if (fseeko(file, static_cast<off_t>(offset_), SEEK_SET) != 0) return "";
-    tail.resize(kMaxLineBytes);
+    struct stat info {};
+    if (fstat(fileno(file), &info) != 0 || static_cast<uint64_t>(info.st_size) <= offset_ ||
+        fseeko(file, static_cast<off_t>(offset_), SEEK_SET) != 0)
+      return "";
+    tail.resize(static_cast<size_t>(std::min<uint64_t>(static_cast<uint64_t>(info.st_size) - offset_, kMaxLineBytes)));
     tail.resize(std::fread(tail.data(), 1, tail.size(), file));
   }
   has_partial_line_ = false;

@@ -116,6 +116,9 @@ class RunWriter {
 
 struct ReadOptions {
   uint64_t max_file_bytes = uint64_t{1} << 30;  // 1 GiB: larger run.json / events.jsonl are refused
+                                                // by load() and poll(); poll_each() has no such limit
+  uint64_t read_block_bytes = uint64_t{4} << 20;  // poll_each() reads this much at a time (the
+                                                  // fuzz target makes it tiny to cut every line)
 };
 
 struct RunRecord {

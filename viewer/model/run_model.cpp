@@ -222,7 +222,7 @@ RunModel::RunModel(RunModel&&) noexcept = default;
 RunModel& RunModel::operator=(RunModel&&) noexcept = default;
 RunModel::~RunModel() = default;
 
-RunModel RunModel::load(const fs::path& dir) {
+RunModel RunModel::load(const fs::path& dir, uint64_t read_block_bytes) {
   RunModel model;
   model.dir = dir;
   model.label = dir.filename().string();
@@ -235,7 +235,7 @@ RunModel RunModel::load(const fs::path& dir) {
   // One streaming pass: each event is turned into the model's compact series as it is parsed,
   // and its JSON dropped, so memory is what the model keeps, never the file or its events.
   try {
-    RunReader reader(dir);
+    RunReader reader(dir, ReadOptions{.read_block_bytes = read_block_bytes});
     model.ingest_info(reader.info());
     const auto take = [&model](const json& event) { model.ingest(event); };
     do reader.poll_each(take); while (!reader.caught_up());

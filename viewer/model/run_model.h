@@ -181,8 +181,9 @@ std::string odd_run_file(const std::filesystem::path& dir);
 
 class RunModel {
  public:
-  // Loads a whole run. Never throws; see `error`.
-  static RunModel load(const std::filesystem::path& dir);
+  // Loads a whole run in one streaming pass over events.jsonl, read_block_bytes at a time (the
+  // fuzz target makes that tiny). Never throws; see `error`.
+  static RunModel load(const std::filesystem::path& dir, uint64_t read_block_bytes = uint64_t{4} << 20);
   // Starts following a run that may still be written; poll() brings in new events. run.json may
   // not exist yet: poll() keeps trying, and `waiting_for` says what it waits for.
   static RunModel follow(const std::filesystem::path& dir);
