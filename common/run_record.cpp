@@ -524,7 +524,7 @@ int64_t RunReader::poll_each(const std::function<void(const json&)>& on_event, u
   int64_t events = 0;
   while (offset_ + buffer.size() < end && parsed_this_call < max_bytes) {
     const size_t carried = buffer.size();
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(block, end - offset_ - carried));
+    const size_t want = static_cast<size_t>(std::min<uint64_t>({block, std::max<uint64_t>(max_bytes, 1), end - offset_ - carried}));
     buffer.resize(carried + want);
     const size_t got = std::fread(buffer.data() + carried, 1, want, file);
     buffer.resize(carried + got);

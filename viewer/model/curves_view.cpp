@@ -23,8 +23,8 @@ std::vector<std::string> curve_metric_order(const std::vector<const RunModel*>& 
 }
 
 double sample_spacing(const Series& series) {
-  // A halved series no longer shows its rate in its gaps; it was noted before the first halving.
-  if (series.halvings > 0) return series.spacing_before_halving;
+  // A bucketed series no longer shows its rate in its gaps; it was noted before the bucketing.
+  if (series.bucket_steps > 0) return series.recorded_spacing;
   // A program sets its recording rate at the start, so the first gaps tell it; looking at no more
   // than kGapsLooked keeps this cheap enough for every frame of a million-step run.
   constexpr size_t kGapsLooked = 1024;

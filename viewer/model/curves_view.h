@@ -24,7 +24,7 @@ namespace moe::viewer {
 std::vector<std::string> curve_metric_order(const std::vector<const RunModel*>& runs);
 
 // The most common gap between neighbouring samples (1: every step, 100: one in a hundred) among
-// the first 1024 gaps (or as noted before the series was first halved); 0 with fewer than two
+// the first 1024 gaps (or as noted before the series was cut into buckets); 0 with fewer than two
 // samples. Cheap enough to call every frame.
 double sample_spacing(const Series& series);
 

@@ -163,55 +163,93 @@ const RoutingRow* LayerRouting::row_at_or_before(int64_t step) const {
 
 // ---- curves at bounded memory ----
 
+namespace {
+
+// The bucket of width `width` that holds `step`.
+double bucket_of(double step, double width) { return std::floor(step / width); }
+
+// Of the points [first, last) of one bucket, the indices of the lowest and the highest value, in
+// step order; second == first when one point says all (a single point, or all NaN).
+std::pair<size_t, size_t> bucket_extremes(const Series& series, size_t first, size_t last) {
+  size_t low = first, high = first;
+  bool any = false;
+  for (size_t j = first; j < last; ++j) {
+    const double v = series.values[j];
+    if (std::isnan(v)) continue;  // NaN compares false both ways: never an extreme
+    if (!any || v < series.values[low]) low = j;
+    if (!any || v > series.values[high]) high = j;
+    any = true;
+  }
+  return {std::min(low, high), std::max(low, high)};
+}
+
+}  // namespace
+
 void halve_min_max(Series& series) {
+  series.bucket_steps = series.bucket_steps > 0 ? series.bucket_steps * 2 : 2;
+  const double width = series.bucket_steps;
   const size_t n = std::min(series.steps.size(), series.values.size());
   size_t out = 0;
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    // The lowest and the highest finite value of the group (NaN compares false both ways).
-    size_t low = i, high = i;
-    bool any = false;
-    for (size_t j = i; j < i + 4; ++j) {
-      const double v = series.values[j];
-      if (std::isnan(v)) continue;
-      if (!any || v < series.values[low]) low = j;
-      if (!any || v > series.values[high]) high = j;
-      any = true;
+  for (size_t first = 0; first < n;) {
+    // The run of points in the same bucket; written back in place (out never passes first).
+    const double bucket = bucket_of(series.steps[first], width);
+    size_t last = first + 1;
+    while (last < n && bucket_of(series.steps[last], width) == bucket) ++last;
+    const auto [a, b] = bucket_extremes(series, first, last);
+    const double step_a = series.steps[a], value_a = series.values[a];
+    const double step_b = series.steps[b], value_b = series.values[b];
+    series.steps[out] = step_a;
+    series.values[out++] = value_a;
+    if (b != a) {
+      series.steps[out] = step_b;
+      series.values[out++] = value_b;
     }
-    const size_t first = std::min(low, high), second = std::max(low, high);
-    series.steps[out] = series.steps[first];
-    series.values[out++] = series.values[first];
-    if (second != first) {
-      series.steps[out] = series.steps[second];
-      series.values[out++] = series.values[second];
-    }
-  }
-  for (; i < n; ++i, ++out) {
-    series.steps[out] = series.steps[i];
-    series.values[out] = series.values[i];
+    first = last;
   }
   series.steps.resize(out);
   series.values.resize(out);
 }
 
 void add_sample(Series& series, double step, double value, size_t max_points) {
-  if (series.steps.empty() || step > series.steps.back()) {
-    if (series.steps.size() >= std::max<size_t>(max_points, 8)) {
-      if (series.halvings == 0) series.spacing_before_halving = sample_spacing(series);
-      halve_min_max(series);
-      ++series.halvings;
-    }
+  const bool in_order = series.steps.empty() || step > series.steps.back();
+  if (in_order && series.bucket_steps > 0 &&
+      bucket_of(series.steps.back(), series.bucket_steps) == bucket_of(step, series.bucket_steps)) {
+    // The sample joins the last bucket, whose one or two points are the series' tail.
+    size_t first = series.steps.size() - 1;
+    if (first > 0 && bucket_of(series.steps[first - 1], series.bucket_steps) == bucket_of(step, series.bucket_steps)) --first;
     series.steps.push_back(step);
     series.values.push_back(value);
+    const auto [a, b] = bucket_extremes(series, first, series.steps.size());
+    const double step_a = series.steps[a], value_a = series.values[a];
+    const double step_b = series.steps[b], value_b = series.values[b];
+    series.steps.resize(first);
+    series.values.resize(first);
+    series.steps.push_back(step_a);
+    series.values.push_back(value_a);
+    if (b != a) {
+      series.steps.push_back(step_b);
+      series.values.push_back(value_b);
+    }
     return;
   }
-  auto pos = std::lower_bound(series.steps.begin(), series.steps.end(), step);
-  const auto i = pos - series.steps.begin();
-  if (pos != series.steps.end() && *pos == step) {
-    series.values[static_cast<size_t>(i)] = value;  // the same step written again: keep the last
+  if (in_order) {
+    series.steps.push_back(step);
+    series.values.push_back(value);
   } else {
-    series.steps.insert(pos, step);
-    series.values.insert(series.values.begin() + i, value);
+    auto pos = std::lower_bound(series.steps.begin(), series.steps.end(), step);
+    const auto i = pos - series.steps.begin();
+    if (pos != series.steps.end() && *pos == step) {
+      series.values[static_cast<size_t>(i)] = value;  // the same step written again: keep the last
+      return;
+    } else {
+      series.steps.insert(pos, step);
+      series.values.insert(series.values.begin() + i, value);
+    }
+  }
+  if (series.steps.size() > std::max<size_t>(max_points, 8)) {
+    if (series.bucket_steps == 0) series.recorded_spacing = sample_spacing(series);
+    // Down to half, so the next widening is max_points / 2 samples away (amortised O(1) a sample).
+    while (series.steps.size() > std::max<size_t>(max_points, 8) / 2) halve_min_max(series);
   }
 }
 
@@ -328,9 +366,9 @@ void RunModel::warn(std::string message) {
 }
 
 bool RunModel::keep_another(const std::string& type, size_t kept) {
-  if (kept < kMaxRecordsPerKind) return true;
+  if (kept < max_records_per_kind) return true;
   if (records_not_kept[type]++ == 0)
-    warn("more than " + std::to_string(kMaxRecordsPerKind) + " " + type +
+    warn("more than " + std::to_string(max_records_per_kind) + " " + type +
          " events: the later ones are counted, not kept (memory stays bounded)");
   return false;
 }
@@ -413,7 +451,7 @@ void RunModel::ingest_or_throw(const json& event) {
       if (it.key() == "type" || it.key() == "step") continue;
       if (!it->is_number() && !it->is_null()) continue;  // a label, not a metric
       const double value = it->is_null() ? std::numeric_limits<double>::quiet_NaN() : it->get<double>();
-      add_sample(step_metrics[it.key()], static_cast<double>(step), value);
+      add_sample(step_metrics[it.key()], static_cast<double>(step), value, max_curve_points);
     }
   } else if (type == "routing") {
     const int64_t layer = get_int(event, "layer", 0, 0, kMaxLayers - 1);

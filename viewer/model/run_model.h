@@ -139,24 +139,28 @@ struct VerdictRecord {
 };
 
 // A sampled scalar over steps: one step metric, or one routing statistic of one layer.
-// A step metric holds every sample until it reaches kMaxCurvePoints; then it is halved
-// (halve_min_max: of each four neighbouring points the lowest and the highest stay, in step
-// order), again each time it fills up. So a run of 2M steps keeps between 2^17 and 2^18 points
-// per metric, the extremes of every span of 2^(halvings+1) samples survive, and a spike at one
-// step is never lost; zoomed in below that span, the plot shows the kept extremes, not every step.
+// A step metric holds every sample until it reaches kMaxCurvePoints. Then it is cut into buckets
+// of bucket_steps steps (a power of two, [k * bucket_steps, (k + 1) * bucket_steps)) of which
+// only the lowest and the highest sample stay, in step order; the width doubles each time the
+// series fills up again, and later samples join their bucket as they come. The buckets tile the
+// steps evenly, so the whole run is drawn at one resolution, its extremes kept: a spike at one
+// step is never lost, and a plot column that covers whole buckets shows exactly the raw minimum
+// and maximum. A run of 2M steps keeps at most 2^18 points per metric (buckets of 16 steps);
+// zoomed in below a bucket, the plot shows the kept extremes, not every step.
 struct Series {
   std::vector<double> steps;   // x, increasing
   std::vector<double> values;  // y; NaN where the run wrote null
-  int64_t halvings = 0;          // 0: every sample is kept
-  double spacing_before_halving = 0;  // the recording rate (sample_spacing) when first halved
+  double bucket_steps = 0;     // 0: every sample is kept
+  double recorded_spacing = 0; // sample_spacing() of the samples before the first bucketing
 };
 
-// Adds a sample in step order (a step seen before keeps the last value; an earlier step is
-// inserted in place) and halves the series when it holds max_points. Used by RunModel::ingest.
+// Adds a sample in step order (a step seen before keeps the last value while every sample is
+// kept; an earlier step is inserted in place) and widens the buckets while the series holds more
+// than max_points. Used by RunModel::ingest.
 void add_sample(Series& series, double step, double value, size_t max_points = kMaxCurvePoints);
-// Of each four neighbouring points keeps the lowest and the highest value, in step order (one
-// point when they are the same point; a NaN is kept only where all four are NaN). A tail of fewer
-// than four points stays as it is.
+// Doubles the bucket width (the first call makes it 2) and keeps, of each bucket, the sample with
+// the lowest and the one with the highest value, in step order (one point when they are the same;
+// NaN only where a bucket holds nothing else).
 void halve_min_max(Series& series);
 
 // What run.json says, flattened for the summary panel.
@@ -224,7 +228,9 @@ class RunModel {
   int64_t events_total = 0;
   int64_t events_skipped = 0;
   int64_t first_step = 0, last_step = -1;  // range of steps seen in any event
-  std::map<std::string, int64_t> records_not_kept;  // event type -> events over kMaxRecordsPerKind
+  std::map<std::string, int64_t> records_not_kept;  // event type -> events over max_records_per_kind
+  size_t max_curve_points = kMaxCurvePoints;         // the bounds (tests make them small)
+  size_t max_records_per_kind = kMaxRecordsPerKind;
 
   std::map<std::string, Series> step_metrics;  // metric name -> series
   std::map<int64_t, LayerRouting> routing;     // layer -> rows
@@ -249,7 +255,7 @@ class RunModel {
 
  private:
   void note_step(int64_t step);
-  bool keep_another(const std::string& type, size_t kept);  // false past kMaxRecordsPerKind
+  bool keep_another(const std::string& type, size_t kept);  // false past max_records_per_kind
   int64_t routing_rows_ = 0;
   void ingest_or_throw(const nlohmann::json& event);
   std::unique_ptr<moe::RunReader> reader_;
