@@ -108,7 +108,8 @@ void CurvePlot(const char* id, ViewerState& state, const std::vector<CurveLine>&
 
   // ---- draw
   ImDrawList* draw = ImGui::GetWindowDrawList();
-  draw->AddRectFilled(plot_min, plot_max, IM_COL32(25, 25, 30, 255));
+  // A border, no fill: the window's dark background shows through, and where OpenGL is a software
+  // rasteriser (Mesa llvmpipe under Xvfb) every filled pixel of a dozen plots costs frame time.
   draw->AddRect(plot_min, plot_max, IM_COL32(90, 90, 100, 255));
   char text[64];
   // Axis labels in at most about 7 characters (4.47M, not 4.471e+06), to fit left of the plot.
