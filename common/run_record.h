@@ -4,8 +4,10 @@
 //   run.json      what ran: kind, name, model and MoE config, devices, commit, start time
 //                 (written once, atomically)
 //   events.jsonl  what happened: one JSON event per line, appended as the run goes (run_events.h)
-// Programs write with RunWriter; the viewer and tools read with RunReader, whole (load) or live
-// (poll, which returns only the complete lines that arrived since the last call).
+// Programs write with RunWriter; tools read with RunReader, whole (load) or live (poll, which
+// returns only the complete lines that arrived since the last call). The viewer streams instead
+// (poll_each: each event handed over as it is parsed, a bounded piece of the file per call), so a
+// record of millions of events costs only what the viewer keeps of it.
 //
 //   moe::RunInfo info{.kind = moe::RunKind::train, .name = "tiny-dropless", .moe_config = config};
 //   auto writer = moe::RunWriter::create("notebooks_data/runs/tiny-dropless", info);
