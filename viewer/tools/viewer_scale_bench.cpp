@@ -7,7 +7,9 @@
 //                     shared step range, sampling rates): what every frame pays
 //   reduce_ms         reducing every curve to min/max pixel columns: what a zoom, a resize or new
 //                     data costs (the panel keeps the columns until one of those happens)
-//   viewer frame_ms   with --viewer and xvfb-run: the real window's frame times on the curves panel
+//   viewer frame_ms   with --viewer and xvfb-run: the real window's frame times on the curves panel,
+//                     for each of --windows (default 1600x1000 and 1280x800); its peak memory is
+//                     the larger of the viewer's and Xvfb's (wait4 of the children)
 // and prints a table with the date and this machine, and writes the figures as JSON.
 //
 //   cmake --build build --target viewer_scale_bench moe_viewer
@@ -52,6 +54,7 @@ struct Options {
   int64_t steps = 2'000'000;
   int columns = 1500;       // the plot width in pixels of a 1600-pixel window
   int frames = 30;
+  std::vector<std::pair<int, int>> windows = {{1600, 1000}, {1280, 800}};  // --windows 1600x1000,1280x800
 };
 
 // A line of /proc/self/status in MB ("VmHWM", "VmRSS").
@@ -148,11 +151,14 @@ struct ViewerFigures {
 
 // Runs the real viewer on the record under xvfb-run for `frames` frames of the curves panel and
 // reads the frame times it prints; the child's peak resident memory comes from wait4.
-ViewerFigures time_viewer(const std::string& viewer, const fs::path& run, const fs::path& work, int frames) {
+ViewerFigures time_viewer(const std::string& viewer, const fs::path& run, const fs::path& work, int frames,
+                          int width, int height) {
   ViewerFigures figures;
   const fs::path log = work / "viewer.log";
-  const std::string command = "xvfb-run -a -s '-screen 0 1600x1000x24' '" + viewer + "' '" + run.string() +
-                              "' --panel curves --frames " + std::to_string(frames) + " --screenshot '" +
+  const std::string size = std::to_string(width) + "x" + std::to_string(height);
+  const std::string command = "xvfb-run -a -s '-screen 0 " + size + "x24' '" + viewer + "' '" + run.string() +
+                              "' --panel curves --width " + std::to_string(width) + " --height " +
+                              std::to_string(height) + " --frames " + std::to_string(frames) + " --screenshot '" +
                               (work / "curves.png").string() + "' > '" + log.string() + "' 2>&1";
   const pid_t child = fork();
   if (child == 0) {
@@ -200,7 +206,16 @@ bool parse_options(int argc, char** argv, Options& o) {
     else if (arg == "--viewer") o.viewer = value;
     else if (arg == "--columns") o.columns = std::atoi(value);
     else if (arg == "--frames") o.frames = std::atoi(value);
-    else return false;
+    else if (arg == "--windows") {
+      o.windows.clear();
+      for (const char* p = value; *p;) {
+        int w = 0, h = 0, used = 0;
+        if (std::sscanf(p, "%dx%d%n", &w, &h, &used) != 2 || w <= 0 || h <= 0) return false;
+        o.windows.emplace_back(w, h);
+        p += used;
+        if (*p == ',') ++p;
+      }
+    } else return false;
   }
   return o.steps > 0 && o.columns > 0 && o.frames > 1;
 }
@@ -211,7 +226,8 @@ int main(int argc, char** argv) {
   Options options;
   if (!parse_options(argc, argv, options)) {
     std::fprintf(stderr, "usage: viewer_scale_bench [--steps N] [--source RUN_DIR] [--work DIR] [--json OUT.json]\n"
-                         "                          [--viewer build/viewer/moe_viewer] [--columns 1500] [--frames 30]\n");
+                         "                          [--viewer build/viewer/moe_viewer] [--windows 1600x1000,1280x800]\n"
+                         "                          [--columns 1500] [--frames 30]\n");
     return 2;
   }
   const bool own_work = options.work.empty();
@@ -250,8 +266,10 @@ int main(int argc, char** argv) {
       reduce_ms.push_back(ms_since(t));
     }
 
-    ViewerFigures viewer;
-    if (!options.viewer.empty()) viewer = time_viewer(options.viewer, run_dir, options.work, options.frames);
+    std::vector<ViewerFigures> viewer_runs;
+    if (!options.viewer.empty())
+      for (const auto& [width, height] : options.windows)
+        viewer_runs.push_back(time_viewer(options.viewer, run_dir, options.work, options.frames, width, height));
 
     const std::string date = today_utc();
     const long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -264,15 +282,19 @@ int main(int argc, char** argv) {
     std::printf("%-34s %12zu %10s\n", "curve points kept", curve_points, "");
     std::printf("%-34s %12.3f %10s\n", "curves prepare per frame (ms)", median(prepare_ms), "");
     std::printf("%-34s %12.2f %10s\n", "curves reduce to columns (ms)", median(reduce_ms), "");
-    if (viewer.ran) {
-      std::printf("%-34s %12.2f %10s\n", "viewer frame, median (ms)", viewer.frame_median_ms, "<= 16");
-      std::printf("%-34s %12.2f %10s\n", "viewer frame, p90 (ms)", viewer.frame_p90_ms, "");
-      std::printf("%-34s %12.2f %10s\n", "viewer building panels (ms)", viewer.build_median_ms, "");
-      std::printf("%-34s %12.1f %10s\n", "viewer first frame (ms)", viewer.first_frame_ms, "");
-      std::printf("%-34s %12.0f %10s\n", "viewer peak resident (MB)", viewer.peak_rss_mb, "<= 600");
-    } else if (!options.viewer.empty()) {
-      std::printf("viewer run failed or printed no frame times:\n%s\n", viewer.output.c_str());
-      status = 1;
+    for (size_t w = 0; w < viewer_runs.size(); ++w) {
+      const ViewerFigures& viewer = viewer_runs[w];
+      const std::string size = std::to_string(options.windows[w].first) + "x" + std::to_string(options.windows[w].second);
+      if (!viewer.ran) {
+        std::printf("viewer run (%s) failed or printed no frame times:\n%s\n", size.c_str(), viewer.output.c_str());
+        status = 1;
+        continue;
+      }
+      std::printf("%-34s %12.2f %10s\n", ("viewer " + size + " frame median (ms)").c_str(), viewer.frame_median_ms, "<= 16");
+      std::printf("%-34s %12.2f %10s\n", ("viewer " + size + " frame p90 (ms)").c_str(), viewer.frame_p90_ms, "");
+      std::printf("%-34s %12.2f %10s\n", ("viewer " + size + " building (ms)").c_str(), viewer.build_median_ms, "");
+      std::printf("%-34s %12.1f %10s\n", ("viewer " + size + " first frame (ms)").c_str(), viewer.first_frame_ms, "");
+      std::printf("%-34s %12.0f %10s\n", ("viewer " + size + " peak RSS (MB)").c_str(), viewer.peak_rss_mb, "<= 600");
     }
     std::printf("(checksum %.6g)\n", checksum);
 
@@ -283,10 +305,16 @@ int main(int argc, char** argv) {
               {"curves_prepare_ms_median", median(prepare_ms)}, {"curves_reduce_ms_median", median(reduce_ms)},
               {"columns", options.columns}, {"frames", options.frames},
               {"targets", {{"load_s", 8}, {"frame_ms", 16}, {"peak_rss_mb", 600}}}};
-    if (viewer.ran)
-      result["viewer"] = {{"frame_median_ms", viewer.frame_median_ms}, {"frame_p90_ms", viewer.frame_p90_ms},
-                          {"build_median_ms", viewer.build_median_ms}, {"first_frame_ms", viewer.first_frame_ms},
-                          {"peak_rss_mb_of_children", viewer.peak_rss_mb}, {"window", "1600x1000, Xvfb, curves panel"}};
+    for (size_t w = 0; w < viewer_runs.size(); ++w) {
+      const ViewerFigures& viewer = viewer_runs[w];
+      if (!viewer.ran) continue;
+      result["viewer"].push_back(
+          {{"window", std::to_string(options.windows[w].first) + "x" + std::to_string(options.windows[w].second)},
+           {"panel", "curves"}, {"display", "Xvfb, Mesa llvmpipe"},
+           {"frame_median_ms", viewer.frame_median_ms}, {"frame_p90_ms", viewer.frame_p90_ms},
+           {"build_median_ms", viewer.build_median_ms}, {"first_frame_ms", viewer.first_frame_ms},
+           {"peak_rss_mb_viewer_or_xvfb", viewer.peak_rss_mb}});
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "viewer_scale_bench: %s\n", e.what());
     status = 1;
