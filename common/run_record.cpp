@@ -529,7 +529,10 @@ int64_t RunReader::poll_each(const std::function<void(const json&)>& on_event, u
     const size_t got = std::fread(buffer.data() + carried, 1, want, file);
     buffer.resize(carried + got);
     if (got == 0) break;  // the file was cut under us; the next call sees that it shrank
-    const size_t last_newline = buffer.rfind('\n');
+    // Only the new bytes can hold a newline: the carried ones had none (a long line read in
+    // many blocks is searched once, not once per block).
+    const size_t new_newline = std::string_view(buffer).substr(carried).rfind('\n');
+    const size_t last_newline = new_newline == std::string_view::npos ? std::string::npos : carried + new_newline;
     if (last_newline == std::string::npos) {
       // One long line (or a partial last one) goes on into the next block.
       if (buffer.size() > kMaxLineBytes) {
