@@ -1,6 +1,8 @@
 // run_record.cpp: RunWriter, RunReader and run.json checks (see run_record.h).
 #include "run_record.h"
 
+#include <sys/stat.h>  // fstat: size and inode of the open events.jsonl
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -77,10 +79,11 @@ bool is_blank(std::string_view line) {
                      [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; });
 }
 
-// Parses the complete lines in `text` (each ending in '\n'), appending events to `out`.
+// Parses the complete lines in `text` (each ending in '\n'), handing each event to `on_event`.
 // `first_line` is the 1-based number of the first line in the file.
-void parse_complete_lines(std::string_view text, int64_t first_line, const std::string& file,
-                          std::vector<json>& out) {
+template <class OnEvent>
+void for_each_complete_line(std::string_view text, int64_t first_line, const std::string& file,
+                            OnEvent&& on_event) {
   int64_t line_number = first_line;
   size_t begin = 0;
   while (begin < text.size()) {
@@ -95,11 +98,16 @@ void parse_complete_lines(std::string_view text, int64_t first_line, const std::
         throw RecordError(file + " line " + std::to_string(line_number) + ": " + problem +
                           "; the line starts: " + excerpt(line));
       }
-      out.push_back(std::move(event));
+      on_event(std::move(event));
     }
     begin = end + 1;
     ++line_number;
   }
+}
+
+void parse_complete_lines(std::string_view text, int64_t first_line, const std::string& file,
+                          std::vector<json>& out) {
+  for_each_complete_line(text, first_line, file, [&](json&& event) { out.push_back(std::move(event)); });
 }
 
 json parse_run_json_text(std::string_view text, const std::string& file) {
@@ -482,6 +490,102 @@ std::vector<json> RunReader::poll() {
   lines_consumed_ += std::count(fresh.begin(), fresh.begin() + static_cast<std::ptrdiff_t>(complete), '\n');
   has_partial_line_ = complete < fresh.size();
   return events;
+}
+
+int64_t RunReader::poll_each(const std::function<void(const json&)>& on_event, uint64_t max_bytes) {
+  const fs::path events_file = dir_ / kEventsFile;
+  caught_up_ = true;
+  has_partial_line_ = false;
+  std::FILE* file = std::fopen(events_file.c_str(), "rb");
+  if (!file) return 0;  // not created yet
+  // Closed on every path out, exceptions from on_event included.
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(file, &std::fclose);
+  struct stat info {};
+  if (fstat(fileno(file), &info) != 0) throw RecordError("reading " + events_file.string() + " failed");
+  const uint64_t end = static_cast<uint64_t>(info.st_size);
+  const uint64_t id = static_cast<uint64_t>(info.st_ino);
+  if (file_id_ != 0 && id != file_id_) {
+    throw RecordError(events_file.string() + " was replaced by another file after " + std::to_string(offset_) +
+                      " bytes were read: the run was rewritten; open it again");
+  }
+  if (end < offset_) {
+    throw RecordError(events_file.string() + " shrank from " + std::to_string(offset_) + " to " +
+                      std::to_string(end) + " bytes: the run was rewritten; open it again");
+  }
+  file_id_ = id;
+  if (fseeko(file, static_cast<off_t>(offset_), SEEK_SET) != 0) {
+    throw RecordError("reading " + events_file.string() + " failed");
+  }
+  // Read blocks, parse the complete lines of each, carry a cut line over to the next block.
+  // `buffer` always holds the bytes from offset_ on that are read but not yet parsed.
+  const size_t block = static_cast<size_t>(std::max<uint64_t>(options_.read_block_bytes, 1));
+  std::string buffer;
+  uint64_t parsed_this_call = 0;
+  int64_t events = 0;
+  while (offset_ + buffer.size() < end && parsed_this_call < max_bytes) {
+    const size_t carried = buffer.size();
+    const size_t want = static_cast<size_t>(std::min<uint64_t>({block, std::max<uint64_t>(max_bytes, 1), end - offset_ - carried}));
+    buffer.resize(carried + want);
+    const size_t got = std::fread(buffer.data() + carried, 1, want, file);
+    buffer.resize(carried + got);
+    if (got == 0) break;  // the file was cut under us; the next call sees that it shrank
+    // Only the new bytes can hold a newline: the carried ones had none (a long line read in
+    // many blocks is searched once, not once per block).
+    const size_t new_newline = std::string_view(buffer).substr(carried).rfind('\n');
+    const size_t last_newline = new_newline == std::string_view::npos ? std::string::npos : carried + new_newline;
+    if (last_newline == std::string::npos) {
+      // One long line (or a partial last one) goes on into the next block.
+      if (buffer.size() > kMaxLineBytes) {
+        throw RecordError(events_file.string() + " line " + std::to_string(lines_consumed_ + 1) +
+                          " is longer than " + std::to_string(kMaxLineBytes >> 20) +
+                          " MiB without a newline: not a run record's event");
+      }
+      continue;
+    }
+    const size_t complete = last_newline + 1;
+    const std::string_view lines(buffer.data(), complete);
+    for_each_complete_line(lines, lines_consumed_ + 1, events_file.string(), [&](json&& event) {
+      on_event(event);
+      ++events;
+    });
+    offset_ += complete;
+    parsed_this_call += complete;
+    lines_consumed_ += std::count(lines.begin(), lines.end(), '\n');
+    buffer.erase(0, complete);
+  }
+  caught_up_ = offset_ + buffer.size() >= end;
+  has_partial_line_ = !buffer.empty();
+  return events;
+}
+
+std::string RunReader::finish_last_line(const std::function<void(const json&)>& on_event) {
+  if (!has_partial_line_) return "";
+  const fs::path events_file = dir_ / kEventsFile;
+  std::string tail;
+  {
+    std::FILE* file = std::fopen(events_file.c_str(), "rb");
+    if (!file) return "";
+    std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(file, &std::fclose);
+    struct stat info {};
+    if (fstat(fileno(file), &info) != 0 || static_cast<uint64_t>(info.st_size) <= offset_ ||
+        fseeko(file, static_cast<off_t>(offset_), SEEK_SET) != 0)
+      return "";
+    tail.resize(static_cast<size_t>(std::min<uint64_t>(static_cast<uint64_t>(info.st_size) - offset_, kMaxLineBytes)));
+    tail.resize(std::fread(tail.data(), 1, tail.size(), file));
+  }
+  has_partial_line_ = false;
+  if (is_blank(tail)) return "";
+  const std::string where = events_file.string() + " line " + std::to_string(lines_consumed_ + 1);
+  json event;
+  std::string problem = parse_json(tail, event);
+  if (problem.empty()) problem = validate_event(event);
+  if (!problem.empty()) {
+    return where + ": half-written last line (" + std::to_string(tail.size()) +
+           " bytes) ignored; the run is still being written or was interrupted";
+  }
+  on_event(event);
+  offset_ += tail.size();
+  return where + ": the last line has no newline; read it anyway";
 }
 
 }  // namespace moe

@@ -4,8 +4,10 @@
 //   run.json      what ran: kind, name, model and MoE config, devices, commit, start time
 //                 (written once, atomically)
 //   events.jsonl  what happened: one JSON event per line, appended as the run goes (run_events.h)
-// Programs write with RunWriter; the viewer and tools read with RunReader, whole (load) or live
-// (poll, which returns only the complete lines that arrived since the last call).
+// Programs write with RunWriter; tools read with RunReader, whole (load) or live (poll, which
+// returns only the complete lines that arrived since the last call). The viewer streams instead
+// (poll_each: each event handed over as it is parsed, a bounded piece of the file per call), so a
+// record of millions of events costs only what the viewer keeps of it.
 //
 //   moe::RunInfo info{.kind = moe::RunKind::train, .name = "tiny-dropless", .moe_config = config};
 //   auto writer = moe::RunWriter::create("notebooks_data/runs/tiny-dropless", info);
@@ -22,6 +24,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -115,6 +118,9 @@ class RunWriter {
 
 struct ReadOptions {
   uint64_t max_file_bytes = uint64_t{1} << 30;  // 1 GiB: larger run.json / events.jsonl are refused
+                                                // by load() and poll(); poll_each() has no such limit
+  uint64_t read_block_bytes = uint64_t{4} << 20;  // poll_each() reads this much at a time (the
+                                                  // fuzz target makes it tiny to cut every line)
 };
 
 struct RunRecord {
@@ -139,6 +145,23 @@ class RunReader {
   // line stays pending, unread, until its newline arrives. Throws RecordError on a corrupt line,
   // or if events.jsonl shrank (the run was rewritten: open a new reader).
   std::vector<nlohmann::json> poll();
+  // The streaming form of poll(), for records of any size: hands each new complete event to
+  // on_event (which keeps what it needs; the JSON is gone afterwards) instead of collecting them,
+  // and reads at most about max_bytes per call (whole lines; a longer line is read whole up to
+  // kMaxLineBytes), so a record that grew by gigabytes is taken in bounded steps while the
+  // caller keeps drawing. No limit on the file's size: memory is one chunk plus what on_event
+  // keeps. Returns the number of events; caught_up() says whether the end was reached. Throws
+  // RecordError on a corrupt or over-long line, or when events.jsonl shrank or was replaced by
+  // another file (a different inode) since the last call.
+  int64_t poll_each(const std::function<void(const nlohmann::json&)>& on_event,
+                    uint64_t max_bytes = uint64_t{64} << 20);
+  bool caught_up() const { return caught_up_; }
+  // After the last poll_each: the trailing line that has no newline, handled as load() does (a
+  // valid event is handed over with a warning, anything else only warned about). Returns the
+  // warning, "" when there is no such line. For a finished run; a live one would finish it later.
+  std::string finish_last_line(const std::function<void(const nlohmann::json&)>& on_event);
+  static constexpr uint64_t kMaxLineBytes = uint64_t{64} << 20;  // no event is near this
+
   uint64_t offset() const { return offset_; }             // bytes of events.jsonl consumed
   int64_t lines_consumed() const { return lines_consumed_; }
   bool has_partial_line() const { return has_partial_line_; }  // after the last poll()
@@ -150,6 +173,8 @@ class RunReader {
   uint64_t offset_ = 0;
   int64_t lines_consumed_ = 0;
   bool has_partial_line_ = false;
+  bool caught_up_ = false;
+  uint64_t file_id_ = 0;  // events.jsonl's inode once it has been read from (0: not yet)
 };
 
 // The same checks as RunReader::load on text in memory (tests, fuzzing, other transports).

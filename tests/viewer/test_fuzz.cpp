@@ -2,7 +2,7 @@
 // byte by byte (flips, cuts, insertions, duplicated and swapped lines) and value by value (a
 // field set to a huge, negative, fractional, string, null, array or object value), then loads each
 // input and runs every panel's data preparation over it. Also: empty, binary, truncated, deeply
-// nested, enormous (over the size limit) and future-version files on disk.
+// nested, enormous (one line over the line limit) and future-version files on disk.
 // Prints how many inputs were survived, rejected with a message, and loaded with skipped events.
 //   ctest --test-dir build -R ViewerFuzz --output-on-failure
 #include <gtest/gtest.h>
@@ -192,7 +192,8 @@ TEST(ViewerFuzz, BadFilesOnDisk) {
     ExerciseViews(m);
     ++survived;
   }
-  // Enormous: a sparse 1.5 GB events.jsonl, over the reader's 1 GiB limit, refused before reading.
+  // Enormous: a sparse 1.5 GB events.jsonl of zero bytes, one line with no newline: refused once
+  // the line passes the reader's limit (RunReader::kMaxLineBytes), without reading the rest.
   testing::write_text(dir.path() / "enormous" / "run.json", seed.run_json);
   testing::write_text(dir.path() / "enormous" / "events.jsonl", "");
   std::filesystem::resize_file(dir.path() / "enormous" / "events.jsonl", uint64_t{3} << 29);

@@ -199,10 +199,12 @@ int main(int argc, char** argv) {
   int status = 0;
   for (int frame = 0; !glfwWindowShouldClose(window); ++frame) {
     glfwPollEvents();
-    // Live runs: read what was appended, four times a second (new steps show within a second).
+    // Live runs: read what was appended, four times a second (new steps show within a second);
+    // a run that has more to read than one poll's share (RunModel::poll reads at most 16 MiB)
+    // is read on every frame until it has caught up, so the window keeps drawing meanwhile.
     const double now = glfwGetTime();
     for (auto& run : state.runs)
-      if (run->model.live() && now - run->last_poll > 0.25) {
+      if (run->model.live() && (now - run->last_poll > 0.25 || !run->model.caught_up())) {
         run->model.poll();
         run->last_poll = now;
       }

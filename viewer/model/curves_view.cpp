@@ -23,8 +23,14 @@ std::vector<std::string> curve_metric_order(const std::vector<const RunModel*>& 
 }
 
 double sample_spacing(const Series& series) {
+  // A bucketed series no longer shows its rate in its gaps; it was noted before the bucketing.
+  if (series.bucket_steps > 0) return series.recorded_spacing;
+  // A program sets its recording rate at the start, so the first gaps tell it; looking at no more
+  // than kGapsLooked keeps this cheap enough for every frame of a million-step run.
+  constexpr size_t kGapsLooked = 1024;
   std::map<double, int> gaps;
-  for (size_t i = 1; i < series.steps.size(); ++i) ++gaps[series.steps[i] - series.steps[i - 1]];
+  const size_t n = std::min(series.steps.size(), kGapsLooked + 1);
+  for (size_t i = 1; i < n; ++i) ++gaps[series.steps[i] - series.steps[i - 1]];
   double best = 0;
   int best_count = 0;
   for (const auto& [gap, count] : gaps)

@@ -23,8 +23,9 @@ namespace moe::viewer {
 // some run records are listed.
 std::vector<std::string> curve_metric_order(const std::vector<const RunModel*>& runs);
 
-// The most common gap between neighbouring samples (1: every step, 100: one in a hundred); 0 with
-// fewer than two samples.
+// The most common gap between neighbouring samples (1: every step, 100: one in a hundred) among
+// the first 1024 gaps (or as noted before the series was cut into buckets); 0 with fewer than two
+// samples. Cheap enough to call every frame.
 double sample_spacing(const Series& series);
 
 // The steps the curves of these runs span together: [lo, hi], lo > hi when none has a metric.

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "record_error.h"  // RecordError
+#include "curves_view.h"   // sample_spacing
 #include "run_record.h"    // RunReader, parse_run_record
 
 namespace moe::viewer {
@@ -160,6 +161,98 @@ const RoutingRow* LayerRouting::row_at_or_before(int64_t step) const {
   return &*(it - 1);
 }
 
+// ---- curves at bounded memory ----
+
+namespace {
+
+// The bucket of width `width` that holds `step`.
+double bucket_of(double step, double width) { return std::floor(step / width); }
+
+// Of the points [first, last) of one bucket, the indices of the lowest and the highest value, in
+// step order; second == first when one point says all (a single point, or all NaN).
+std::pair<size_t, size_t> bucket_extremes(const Series& series, size_t first, size_t last) {
+  size_t low = first, high = first;
+  bool any = false;
+  for (size_t j = first; j < last; ++j) {
+    const double v = series.values[j];
+    if (std::isnan(v)) continue;  // NaN compares false both ways: never an extreme
+    if (!any || v < series.values[low]) low = j;
+    if (!any || v > series.values[high]) high = j;
+    any = true;
+  }
+  return {std::min(low, high), std::max(low, high)};
+}
+
+}  // namespace
+
+void halve_min_max(Series& series) {
+  series.bucket_steps = series.bucket_steps > 0 ? series.bucket_steps * 2 : 2;
+  const double width = series.bucket_steps;
+  const size_t n = std::min(series.steps.size(), series.values.size());
+  size_t out = 0;
+  for (size_t first = 0; first < n;) {
+    // The run of points in the same bucket; written back in place (out never passes first).
+    const double bucket = bucket_of(series.steps[first], width);
+    size_t last = first + 1;
+    while (last < n && bucket_of(series.steps[last], width) == bucket) ++last;
+    const auto [a, b] = bucket_extremes(series, first, last);
+    const double step_a = series.steps[a], value_a = series.values[a];
+    const double step_b = series.steps[b], value_b = series.values[b];
+    series.steps[out] = step_a;
+    series.values[out++] = value_a;
+    if (b != a) {
+      series.steps[out] = step_b;
+      series.values[out++] = value_b;
+    }
+    first = last;
+  }
+  series.steps.resize(out);
+  series.values.resize(out);
+}
+
+void add_sample(Series& series, double step, double value, size_t max_points) {
+  const bool in_order = series.steps.empty() || step > series.steps.back();
+  if (in_order && series.bucket_steps > 0 &&
+      bucket_of(series.steps.back(), series.bucket_steps) == bucket_of(step, series.bucket_steps)) {
+    // The sample joins the last bucket, whose one or two points are the series' tail.
+    size_t first = series.steps.size() - 1;
+    if (first > 0 && bucket_of(series.steps[first - 1], series.bucket_steps) == bucket_of(step, series.bucket_steps)) --first;
+    series.steps.push_back(step);
+    series.values.push_back(value);
+    const auto [a, b] = bucket_extremes(series, first, series.steps.size());
+    const double step_a = series.steps[a], value_a = series.values[a];
+    const double step_b = series.steps[b], value_b = series.values[b];
+    series.steps.resize(first);
+    series.values.resize(first);
+    series.steps.push_back(step_a);
+    series.values.push_back(value_a);
+    if (b != a) {
+      series.steps.push_back(step_b);
+      series.values.push_back(value_b);
+    }
+    return;
+  }
+  if (in_order) {
+    series.steps.push_back(step);
+    series.values.push_back(value);
+  } else {
+    auto pos = std::lower_bound(series.steps.begin(), series.steps.end(), step);
+    const auto i = pos - series.steps.begin();
+    if (pos != series.steps.end() && *pos == step) {
+      series.values[static_cast<size_t>(i)] = value;  // the same step written again: keep the last
+      return;
+    } else {
+      series.steps.insert(pos, step);
+      series.values.insert(series.values.begin() + i, value);
+    }
+  }
+  if (series.steps.size() > std::max<size_t>(max_points, 8)) {
+    if (series.bucket_steps == 0) series.recorded_spacing = sample_spacing(series);
+    // Down to half, so the next widening is max_points / 2 samples away (amortised O(1) a sample).
+    while (series.steps.size() > std::max<size_t>(max_points, 8) / 2) halve_min_max(series);
+  }
+}
+
 // ---- construction ----
 
 RunModel::RunModel() = default;
@@ -167,7 +260,7 @@ RunModel::RunModel(RunModel&&) noexcept = default;
 RunModel& RunModel::operator=(RunModel&&) noexcept = default;
 RunModel::~RunModel() = default;
 
-RunModel RunModel::load(const fs::path& dir) {
+RunModel RunModel::load(const fs::path& dir, uint64_t read_block_bytes) {
   RunModel model;
   model.dir = dir;
   model.label = dir.filename().string();
@@ -177,11 +270,14 @@ RunModel RunModel::load(const fs::path& dir) {
     ++model.version;
     return model;
   }
+  // One streaming pass: each event is turned into the model's compact series as it is parsed,
+  // and its JSON dropped, so memory is what the model keeps, never the file or its events.
   try {
-    RunRecord record = RunReader::load(dir);
-    model.ingest_info(record.info);
-    for (const json& event : record.events) model.ingest(event);
-    for (std::string& w : record.warnings) model.warn(std::move(w));
+    RunReader reader(dir, ReadOptions{.read_block_bytes = read_block_bytes});
+    model.ingest_info(reader.info());
+    const auto take = [&model](const json& event) { model.ingest(event); };
+    do reader.poll_each(take); while (!reader.caught_up());
+    if (std::string warning = reader.finish_last_line(take); !warning.empty()) model.warn(std::move(warning));
   } catch (const RecordError& e) {
     model.error = e.what();
   } catch (const std::exception& e) {
@@ -218,7 +314,9 @@ RunModel RunModel::follow(const fs::path& dir) {
   return model;
 }
 
-int64_t RunModel::poll() {
+bool RunModel::caught_up() const { return !reader_ || reader_->caught_up(); }
+
+int64_t RunModel::poll(uint64_t max_bytes) {
   if (!error.empty()) return 0;
   if (!reader_) {
     if (waiting_for.empty()) return 0;  // a loaded run: nothing to follow
@@ -251,10 +349,9 @@ int64_t RunModel::poll() {
     return 0;
   }
   try {
-    std::vector<json> events = reader_->poll();
-    for (const json& event : events) ingest(event);
-    if (!events.empty()) ++version;
-    return static_cast<int64_t>(events.size());
+    const int64_t events = reader_->poll_each([this](const json& event) { ingest(event); }, max_bytes);
+    if (events > 0) ++version;
+    return events;
   } catch (const std::exception& e) {
     error = std::string(e.what()) + " (live following stopped; reopen the run)";
     reader_.reset();
@@ -266,6 +363,14 @@ int64_t RunModel::poll() {
 void RunModel::warn(std::string message) {
   if (warnings.size() < kMaxWarnings) warnings.push_back(std::move(message));
   else ++warnings_not_kept;
+}
+
+bool RunModel::keep_another(const std::string& type, size_t kept) {
+  if (kept < max_records_per_kind) return true;
+  if (records_not_kept[type]++ == 0)
+    warn("more than " + std::to_string(max_records_per_kind) + " " + type +
+         " events: the later ones are counted, not kept (memory stays bounded)");
+  return false;
 }
 
 void RunModel::note_step(int64_t step) {
@@ -325,26 +430,28 @@ void RunModel::ingest_or_throw(const json& event) {
   const bool has_step = event.contains("step");
   const int64_t step = get_int(event, "step", 0, -kStepLimit, kStepLimit);
 
+  // Records other than the curves' are kept up to kMaxRecordsPerKind of each kind.
+  const size_t kept = type == "routing"    ? static_cast<size_t>(routing_rows_)
+                      : type == "topology" ? topologies.size()
+                      : type == "span"     ? spans.size()
+                      : type == "alltoall" ? alltoalls.size()
+                      : type == "offload"  ? offloads.size()
+                      : type == "tokens"   ? token_samples.size()
+                      : type == "table"    ? tables.size()
+                      : type == "verdict"  ? verdicts.size()
+                                           : 0;
+  if (!keep_another(type, kept)) {
+    ++events_by_type[type];
+    if (has_step) note_step(step);
+    return;
+  }
+
   if (type == "step") {
     for (auto it = event.begin(); it != event.end(); ++it) {
       if (it.key() == "type" || it.key() == "step") continue;
       if (!it->is_number() && !it->is_null()) continue;  // a label, not a metric
       const double value = it->is_null() ? std::numeric_limits<double>::quiet_NaN() : it->get<double>();
-      Series& series = step_metrics[it.key()];
-      const double x = static_cast<double>(step);
-      if (series.steps.empty() || x > series.steps.back()) {
-        series.steps.push_back(x);
-        series.values.push_back(value);
-      } else {
-        auto pos = std::lower_bound(series.steps.begin(), series.steps.end(), x);
-        const size_t i = static_cast<size_t>(pos - series.steps.begin());
-        if (pos != series.steps.end() && *pos == x) {
-          series.values[i] = value;  // the same step written again: keep the last
-        } else {
-          series.steps.insert(pos, x);
-          series.values.insert(series.values.begin() + static_cast<std::ptrdiff_t>(i), value);
-        }
-      }
+      add_sample(step_metrics[it.key()], static_cast<double>(step), value, max_curve_points);
     }
   } else if (type == "routing") {
     const int64_t layer = get_int(event, "layer", 0, 0, kMaxLayers - 1);
@@ -367,6 +474,7 @@ void RunModel::ingest_or_throw(const json& event) {
     LayerRouting& lr = routing[layer];
     lr.layer = layer;
     lr.num_experts = std::max<int64_t>(lr.num_experts, static_cast<int64_t>(row.tokens_per_expert.size()));
+    ++routing_rows_;
     if (lr.rows.empty() || step > lr.rows.back().step) {
       lr.rows.push_back(std::move(row));
     } else {

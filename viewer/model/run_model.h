@@ -43,6 +43,13 @@ inline constexpr int64_t kMaxRanks = 1024;
 inline constexpr int64_t kMaxGenres = 64;
 inline constexpr size_t kMaxSampleBytes = 1 << 16;
 inline constexpr size_t kMaxWarnings = 50;  // further warnings are only counted
+// Memory stays bounded by what can be drawn, however long a run grows (a record followed while it
+// grows by gigabytes): a curve keeps at most kMaxCurvePoints points (see Series), and each other
+// kind of record (routing rows, spans, topologies, ...) at most kMaxRecordsPerKind; further ones
+// are counted in `records_not_kept` with one warning per kind. Real runs write those every few
+// steps or once per run; it is the per-step curves that reach millions.
+inline constexpr size_t kMaxCurvePoints = size_t{1} << 18;
+inline constexpr size_t kMaxRecordsPerKind = 100'000;
 
 // The imbalance statistics of one routing row (one layer, one step).
 struct RoutingStats {
@@ -132,10 +139,29 @@ struct VerdictRecord {
 };
 
 // A sampled scalar over steps: one step metric, or one routing statistic of one layer.
+// A step metric holds every sample until it reaches kMaxCurvePoints. Then it is cut into buckets
+// of bucket_steps steps (a power of two, [k * bucket_steps, (k + 1) * bucket_steps)) of which
+// only the lowest and the highest sample stay, in step order; the width doubles each time the
+// series fills up again, and later samples join their bucket as they come. The buckets tile the
+// steps evenly, so the whole run is drawn at one resolution, its extremes kept: a spike at one
+// step is never lost, and a plot column that covers whole buckets shows exactly the raw minimum
+// and maximum. A run of 2M steps keeps at most 2^18 points per metric (buckets of 16 steps);
+// zoomed in below a bucket, the plot shows the kept extremes, not every step.
 struct Series {
   std::vector<double> steps;   // x, increasing
   std::vector<double> values;  // y; NaN where the run wrote null
+  double bucket_steps = 0;     // 0: every sample is kept
+  double recorded_spacing = 0; // sample_spacing() of the samples before the first bucketing
 };
+
+// Adds a sample in step order (a step seen before keeps the last value while every sample is
+// kept; an earlier step is inserted in place) and widens the buckets while the series holds more
+// than max_points. Used by RunModel::ingest.
+void add_sample(Series& series, double step, double value, size_t max_points = kMaxCurvePoints);
+// Doubles the bucket width (the first call makes it 2) and keeps, of each bucket, the sample with
+// the lowest and the one with the highest value, in step order (one point when they are the same;
+// NaN only where a bucket holds nothing else).
+void halve_min_max(Series& series);
 
 // What run.json says, flattened for the summary panel.
 struct RunSummary {
@@ -159,8 +185,9 @@ std::string odd_run_file(const std::filesystem::path& dir);
 
 class RunModel {
  public:
-  // Loads a whole run. Never throws; see `error`.
-  static RunModel load(const std::filesystem::path& dir);
+  // Loads a whole run in one streaming pass over events.jsonl, read_block_bytes at a time (the
+  // fuzz target makes that tiny). Never throws; see `error`.
+  static RunModel load(const std::filesystem::path& dir, uint64_t read_block_bytes = uint64_t{4} << 20);
   // Starts following a run that may still be written; poll() brings in new events. run.json may
   // not exist yet: poll() keeps trying, and `waiting_for` says what it waits for.
   static RunModel follow(const std::filesystem::path& dir);
@@ -173,9 +200,13 @@ class RunModel {
   RunModel& operator=(RunModel&&) noexcept;
   ~RunModel();
 
-  // Live mode: reads the complete lines appended since the last call. Returns the number of new
-  // events. A half-written last line waits for its newline; it is not an error.
-  int64_t poll();
+  // Live mode: reads the complete lines appended since the last call, at most about max_bytes of
+  // them (so a record that grew by gigabytes is caught up over several calls while the window
+  // keeps drawing; caught_up() says when it is). Returns the number of new events. A half-written
+  // last line waits for its newline; it is not an error. A file cut shorter or replaced ends the
+  // following with a message in `error`; what was read stays.
+  int64_t poll(uint64_t max_bytes = uint64_t{16} << 20);
+  bool caught_up() const;
   bool live() const { return reader_ != nullptr || !waiting_for.empty(); }
 
   // Takes one event (already checked by validate_event). Public for tests and fuzzing.
@@ -197,6 +228,9 @@ class RunModel {
   int64_t events_total = 0;
   int64_t events_skipped = 0;
   int64_t first_step = 0, last_step = -1;  // range of steps seen in any event
+  std::map<std::string, int64_t> records_not_kept;  // event type -> events over max_records_per_kind
+  size_t max_curve_points = kMaxCurvePoints;         // the bounds (tests make them small)
+  size_t max_records_per_kind = kMaxRecordsPerKind;
 
   std::map<std::string, Series> step_metrics;  // metric name -> series
   std::map<int64_t, LayerRouting> routing;     // layer -> rows
@@ -221,6 +255,8 @@ class RunModel {
 
  private:
   void note_step(int64_t step);
+  bool keep_another(const std::string& type, size_t kept);  // false past max_records_per_kind
+  int64_t routing_rows_ = 0;
   void ingest_or_throw(const nlohmann::json& event);
   std::unique_ptr<moe::RunReader> reader_;
 };
