@@ -309,6 +309,10 @@ train_distributed() {
     --benchmark-json "$OUT/train_throughput_2gpu_$backend.json" > "$LOGS/train_distributed_bench_2.log" 2>&1 || rc=1
   echo "2 ranks ($backend): $(grep 'median step' "$LOGS/train_distributed_bench_2.log")"
   tail -3 "$LOGS/train_distributed_bench_2.log"
+  # The same with Tutel's pipelining degree chosen by measurement per MoE block's shape.
+  "${mpirun[@]}" -np 2 $two --backend $backend --preset throughput --batch 128 --benchmark-steps 30 --pipeline-chunks 0 \
+    --benchmark-json "$OUT/train_throughput_2gpu_${backend}_adaptive.json" > "$LOGS/train_distributed_bench_2_adaptive.log" 2>&1 || rc=1
+  echo "2 ranks ($backend, --pipeline-chunks 0): $(grep 'median step' "$LOGS/train_distributed_bench_2_adaptive.log")"
   $one --preset default --steps 300 --data "$data" --run-dir "$runs/train_1gpu" --overwrite \
     > "$LOGS/train_distributed_curve_1.log" 2>&1 || rc=1
   echo "1 GPU  curve: $(tail -1 "$LOGS/train_distributed_curve_1.log")"

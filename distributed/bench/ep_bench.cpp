@@ -60,7 +60,24 @@ std::string today() {
   return text;
 }
 
+// "#   phases ...": where rank 0's run goes, the caller's stream first, then the exchange stream's.
+std::string phases_line(const std::vector<PhaseTime>& phases) {
+  std::string line = "#   phases on rank 0 (median of " + std::to_string(kPhaseRuns) + " runs, us):";
+  for (int stream : {0, 1}) {
+    if (stream == 1) line += " | exchange stream (waits for the peers included):";
+    for (const PhaseTime& phase : phases) {
+      if ((phase.stream == 0) != (stream == 0)) continue;
+      char text[96];
+      std::snprintf(text, sizeof text, " %s %.1f", phase.name.c_str(), phase.median_us);
+      line += text;
+    }
+  }
+  return line;
+}
+
 nlohmann::json row_json(const Row& row) {
+  nlohmann::json phases = nlohmann::json::object();
+  for (const PhaseTime& phase : row.phases) phases[phase.name] = {{"median_us", phase.median_us}, {"stream", phase.stream}};
   return {{"variant", row.variant},
           {"size_bytes", row.size_bytes},
           {"count", row.count},
@@ -70,7 +87,8 @@ nlohmann::json row_json(const Row& row) {
           {"busbw_gbs", row.busbw_gbs},
           {"error", row.check.available ? nlohmann::json(row.check.error) : nlohmann::json(nullptr)},
           {"error_kind", row.check.exact ? "wrong_elements" : "relative"},
-          {"host_syncs", row.host_syncs}};
+          {"host_syncs", row.host_syncs},
+          {"phases_rank0", phases}};
 }
 
 int run(int argc, char** argv, MpiCommunicator& world) {
@@ -163,6 +181,7 @@ int run(int argc, char** argv, MpiCommunicator& world) {
     for (int64_t size : variant.sizes(options)) {
       rows.push_back(measure(ctx, variant, size));
       say(table_line(rows.back()));
+      if (!rows.back().phases.empty()) say(phases_line(rows.back().phases));
       std::fflush(stdout);
     }
   };

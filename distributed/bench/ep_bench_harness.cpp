@@ -144,6 +144,30 @@ BenchOptions parse_options(int argc, char** argv) {
 
 // ---- measuring one row ----
 
+std::vector<PhaseTime> median_phases(cuda::PhaseTimer& timer, int runs, const std::function<void()>& run) {
+  std::vector<PhaseTime> phases;                // in the order first seen
+  std::vector<std::vector<double>> per_run_us;  // [phase][run]
+  for (int r = 0; r < runs; ++r) {
+    run();
+    for (const cuda::TimedPhase& timed : timer.collect()) {
+      if (timed.depth != 0) continue;  // a nested phase is inside its parent's time
+      auto it = std::find_if(phases.begin(), phases.end(), [&](const PhaseTime& p) { return p.name == timed.name; });
+      if (it == phases.end()) {
+        phases.push_back({timed.name, 0.0, timed.stream});
+        per_run_us.emplace_back(static_cast<size_t>(runs), 0.0);
+        it = phases.end() - 1;
+      }
+      per_run_us[static_cast<size_t>(it - phases.begin())][static_cast<size_t>(r)] += timed.duration_us;
+    }
+  }
+  for (size_t i = 0; i < phases.size(); ++i) {
+    std::vector<double>& times = per_run_us[i];
+    std::sort(times.begin(), times.end());
+    phases[i].median_us = times[times.size() / 2];
+  }
+  return phases;
+}
+
 Row measure(BenchContext& ctx, Variant& variant, int64_t size_bytes) {
   const Prepared prepared = variant.prepare(size_bytes);
   const cudaStream_t stream = ctx.stream;
@@ -186,6 +210,7 @@ Row measure(BenchContext& ctx, Variant& variant, int64_t size_bytes) {
   row.type = prepared.type;
   row.check = variant.check();
   row.host_syncs = variant.host_syncs();
+  row.phases = variant.phases(stream);
   variant.release();
 
   // The slowest rank's median; the errors of all ranks.

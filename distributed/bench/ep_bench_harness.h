@@ -15,10 +15,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "communicator.h"     // Communicator
+#include "core/phase_timer.h"  // PhaseTimer
 #include "device_exchange.h"  // DeviceExchange
 #include "moe_config.h"       // Formulation
 
@@ -83,6 +85,14 @@ struct Check {
   bool available = true;
 };
 
+// One phase of a row's run as the layer names it on its PhaseTimer (cuda/core/phase_timer.h): the
+// median over a few runs of its time in one run (summed where a run enters it more than once).
+struct PhaseTime {
+  std::string name;
+  double median_us = 0;
+  int stream = 0;  // 0: the caller's stream; 1: the layer's exchange stream
+};
+
 // One variant: nccl-tests' struct of functions, as an interface.
 class Variant {
  public:
@@ -93,8 +103,15 @@ class Variant {
   virtual void run(cudaStream_t stream) = 0;  // the timed call
   virtual Check check() = 0;                   // after the timed runs
   virtual int host_syncs() const { return 0; }  // waits of the host on the GPU in one run
+  // After the check: a few runs more with the layer's phases timed (none for a raw collective).
+  // Collective: every rank makes the same runs.
+  virtual std::vector<PhaseTime> phases(cudaStream_t) { return {}; }
   virtual void release() {}                    // the size's buffers
 };
+
+// `runs` calls of run() with `timer` collecting after each; each phase's median. A phase on the
+// exchange stream includes the time its collective waits for the slowest peer.
+std::vector<PhaseTime> median_phases(cuda::PhaseTimer& timer, int runs, const std::function<void()>& run);
 
 struct Row {
   std::string variant;
@@ -103,6 +120,7 @@ struct Row {
   double time_us = 0, algbw_gbs = 0, busbw_gbs = 0;
   Check check;
   int host_syncs = 0;
+  std::vector<PhaseTime> phases;  // this rank's (the table prints rank 0's)
 };
 
 // Prepares, warms up, times, checks and releases one (variant, size); collective over ctx.host.

@@ -22,6 +22,9 @@
 
 namespace moe::dist::bench {
 
+// The runs after a row's timing that time the layer's phases (Variant::phases).
+constexpr int kPhaseRuns = 5;
+
 std::unique_ptr<Variant> make_count_exchange_variant(BenchContext& ctx);
 // ranks_per_node G > 1: through the 2DH all-to-all; 0: flat.
 std::unique_ptr<Variant> make_alltoall_variant(BenchContext& ctx, int ranks_per_node = 0);

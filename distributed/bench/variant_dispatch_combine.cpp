@@ -70,6 +70,17 @@ class DispatchCombine final : public Variant {
 
   int host_syncs() const override { return layer_ ? layer_->last_step().host_synchronisations : 0; }
 
+  std::vector<PhaseTime> phases(cudaStream_t stream) override {
+    cuda::PhaseTimer timer;
+    layer_->set_phase_timer(&timer);
+    std::vector<PhaseTime> result = median_phases(timer, kPhaseRuns, [&] {
+      ctx_.host.barrier();
+      run(stream);
+    });
+    layer_->set_phase_timer(nullptr);
+    return result;
+  }
+
   void release() override {
     layer_.reset();
     x_ = {};

@@ -152,8 +152,23 @@ class LayerRow final : public Variant {
     layer_->forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), stream);
     layer_->backward(p.x.data(), weights, p.dy.data(),
                      {p.dx.data(), p.d_gate.data(), p.d_w1_table.data(), p.d_w2_table.data()}, stream);
+    if (timer_ != nullptr) timer_->begin("sgd_experts", stream);
     sgd_update(p.w1.data(), p.d_w1.data(), p.w1.size(), kLearningRate, stream);
     sgd_update(p.w2.data(), p.d_w2.data(), p.w2.size(), kLearningRate, stream);
+    if (timer_ != nullptr) timer_->end(stream);
+  }
+
+  std::vector<PhaseTime> phases(cudaStream_t stream) override {
+    cuda::PhaseTimer timer;
+    timer_ = &timer;
+    layer_->set_phase_timer(&timer);
+    std::vector<PhaseTime> result = median_phases(timer, kPhaseRuns, [&] {
+      ctx_.host.barrier();
+      run(stream);
+    });
+    layer_->set_phase_timer(nullptr);
+    timer_ = nullptr;
+    return result;
   }
 
   Check check() override {
@@ -185,6 +200,7 @@ class LayerRow final : public Variant {
   int chunks_;
   std::shared_ptr<PipelineChoice> choice_;
   std::unique_ptr<ExpertParallelGpu> layer_;
+  cuda::PhaseTimer* timer_ = nullptr;  // while phases() runs
 };
 
 }  // namespace
