@@ -48,6 +48,17 @@ class MoeBlockFfn {
   // Token rows this rank's last forward sent to each rank, [R] (the all-to-all's row of its byte
   // matrix, in rows); empty on one GPU.
   virtual std::vector<int64_t> rows_sent_per_rank() const { return {}; }
+  // Tutel's pipelining degree d of the last forward (1 on one GPU) and, where the layer chooses d by
+  // measurement, the candidates with their trial times (the slowest rank's forward + backward, ms;
+  // negative until measured) and the kept d (0 while the trials run).
+  struct PipelineDegree {
+    int last = 1;
+    bool adaptive = false;
+    std::vector<int> candidates;
+    std::vector<double> trial_ms;
+    int chosen = 1;
+  };
+  virtual PipelineDegree pipeline_degree() const { return {}; }
   // Names the layer's own phases on the timeline (inside the model's "moe" phase); null stops.
   virtual void set_phase_timer(PhaseTimer* timer) = 0;
   // The single-GPU layer, where it is one (tests and recording read its internals); else null.

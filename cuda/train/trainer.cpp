@@ -523,6 +523,41 @@ std::string fixed(double value, int digits) {
   return out.str();
 }
 
+// Tutel's pipelining degree of each MoE block on several ranks (the expert-parallel layers): one row
+// per block, [layer, d of the last step, how d is set, the trial time of each candidate d in ms].
+// Empty on one GPU.
+TableEvent pipelining_table(const cuda::ModelGpu& model, int64_t step) {
+  TableEvent table{.name = "pipelining degree per MoE block, step " + std::to_string(step),
+                   .columns = {"layer", "d", "chosen by", "trials (the slowest rank's forward + backward)"}};
+  for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
+    const cuda::MoeBlockFfn* moe = model.moe_ffn(layer);
+    if (moe == nullptr || moe->single_gpu_layer() != nullptr) continue;
+    const cuda::MoeBlockFfn::PipelineDegree d = moe->pipeline_degree();
+    std::string trials;
+    for (size_t i = 0; i < d.candidates.size() && i < d.trial_ms.size(); ++i) {
+      if (i > 0) trials += ", ";
+      trials += "d=" + std::to_string(d.candidates[i]);
+      trials += d.trial_ms[i] < 0 ? std::string(" -") : ' ' + fixed(d.trial_ms[i], 3) + " ms";
+    }
+    table.rows.push_back({layer, d.last,
+                          d.adaptive ? (d.chosen == 0 ? "measurement (trials running)" : "measurement") : "--pipeline-chunks",
+                          trials});
+  }
+  return table;
+}
+
+// One line of it: "d = 1 1 2 1 (by measurement)".
+std::string pipelining_line(const TableEvent& table) {
+  std::string line = "d =";
+  bool adaptive = false;
+  for (const auto& row : table.rows) {
+    line += ' ';
+    line += std::to_string(row[1].get<int>());
+    adaptive = adaptive || row[2].get<std::string>().starts_with("measurement");
+  }
+  return line + (adaptive ? " (chosen by measurement)" : "");
+}
+
 double median(std::vector<double> values) {
   if (values.empty()) return 0;
   std::sort(values.begin(), values.end());
@@ -680,6 +715,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
                               .plain_every_seconds = 5});
   int64_t routed = 0, dropped = 0;
   int64_t ring_first = step;  // the ring's row 0 holds step ring_first + 1
+  std::vector<std::vector<json>> recorded_pipelining;  // the last pipelining table written
   bool host_waited = true;    // the host synchronised since the last step was enqueued
   CUDA_CHECK(cudaEventRecord(step_end[0], stream));
 
@@ -765,6 +801,14 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
       const RoutingSummary summary = record_routing(c, &corpus, model, batch, step, view, out, phases);
       routed += summary.routed;
       dropped += summary.dropped;
+      // On several ranks: each MoE block's pipelining degree, when it changed (the adaptive trials).
+      if (out != nullptr) {
+        const TableEvent pipelining = pipelining_table(model, step);
+        if (!pipelining.rows.empty() && pipelining.rows != recorded_pipelining) {
+          recorded_pipelining = pipelining.rows;
+          out->append(to_event(pipelining));
+        }
+      }
     }
     if (step - ring_first == ring_rows || evaluate_now || checkpoint_now) {
       flush(step);
@@ -924,6 +968,8 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
       << "% (" << fixed(result.flops_per_token / 1e6, 1) << " MFLOP per token)\n  phases of one timed step:";
   for (const auto& [name, ms] : result.phase_ms) log << " " << name << " " << fixed(ms, 3);
   log << " ms; MoE share " << fixed(100 * result.moe_share, 1) << "%\n";
+  const TableEvent pipelining = pipelining_table(model, c.benchmark_warmup + c.benchmark_steps + 1);
+  if (!pipelining.rows.empty()) log << "  pipelining degree of the MoE blocks: " << pipelining_line(pipelining) << "\n";
 
   if (!c.benchmark_json.empty() && view.root()) {
     json out = {{"device", result.device}, {"ranks", R}, {"date", utc_now_iso8601()}, {"data", result.data},
@@ -932,6 +978,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
                 {"tokens_per_second", result.tokens_per_second}, {"mfu", result.mfu},
                 {"flops_per_token", result.flops_per_token}, {"moe_share", result.moe_share}};
     for (const auto& [name, ms] : result.phase_ms) out["phase_ms"][name] = ms;
+    if (!pipelining.rows.empty()) out["pipelining"] = {{"columns", pipelining.columns}, {"rows", pipelining.rows}};
     std::ofstream file(c.benchmark_json);
     file << out.dump(2) << "\n";
     if (!file) throw std::runtime_error("benchmark: cannot write " + c.benchmark_json);

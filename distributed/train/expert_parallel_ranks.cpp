@@ -46,6 +46,15 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
   const float* aux_loss() const override { return losses_.data(); }
   const float* z_loss() const override { return losses_.data() + 1; }
   const cuda::DeviceBuffer<int>& top_experts() const override { return layer_.top_experts(); }
+  PipelineDegree pipeline_degree() const override {
+    const ExpertParallelGpuStep& step = layer_.last_step();
+    return {.last = step.pipeline_chunks,
+            .adaptive = step.pipeline.adaptive,
+            .candidates = step.pipeline.candidates,
+            .trial_ms = step.pipeline.times_ms,
+            .chosen = step.pipeline.chosen};
+  }
+
   std::vector<int64_t> rows_sent_per_rank() const override {
     // Rows this rank sent each rank: its kept slots for that rank's experts (its row of the count matrix).
     const ExpertParallelGpuStep& step = layer_.last_step();

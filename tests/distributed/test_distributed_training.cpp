@@ -225,9 +225,18 @@ TEST_F(DistributedTrainingTest, RecordsEveryRanksSpansAndTheAllToAllMatrices) {
     EXPECT_EQ(run.info["world_size"], R);
     const int64_t T = c.batch * c.model.seq_len, K = c.model.top_k, D = c.model.model_dim;
     std::vector<bool> span_ranks(static_cast<size_t>(R), false);
-    int dispatches = 0;
+    int dispatches = 0, pipelining_tables = 0;
     for (const json& event : run.events) {
       if (event["type"] == "span") span_ranks.at(event["rank"].get<size_t>()) = true;
+      if (event["type"] == "table" && event["name"].get<std::string>().starts_with("pipelining degree")) {
+        ++pipelining_tables;
+        ASSERT_FALSE(event["rows"].empty());
+        EXPECT_LE(event["rows"].size(), static_cast<size_t>(c.model.num_layers));
+        for (const json& row : event["rows"]) {
+          EXPECT_EQ(row[1], 1) << "d of every MoE block: the layers' default, pipeline_chunks = 1";
+          EXPECT_EQ(row[2], "--pipeline-chunks");
+        }
+      }
       if (event["type"] == "alltoall" && event["name"] == "dispatch") {
         ++dispatches;
         const std::vector<std::vector<int64_t>> bytes = event["bytes"];
@@ -241,10 +250,39 @@ TEST_F(DistributedTrainingTest, RecordsEveryRanksSpansAndTheAllToAllMatrices) {
       }
     }
     for (int64_t q = 0; q < R; ++q) EXPECT_TRUE(span_ranks[static_cast<size_t>(q)]) << "spans of rank " << q;
+    EXPECT_EQ(pipelining_tables, 1) << "each block's pipelining degree, written again only when it changes";
     if (R > 1) {
       EXPECT_GT(dispatches, 0) << "the recorded steps' dispatch matrices";
     } else {
       EXPECT_EQ(dispatches, 0) << "one rank exchanges nothing";
+    }
+  }
+  world().barrier();
+}
+
+TEST_F(DistributedTrainingTest, RecordsThePipeliningDegreeEachBlockChoseByMeasurement) {
+  std::ostringstream log;
+  TrainConfig c = tiny("adaptive");
+  c.steps = 12;  // the trials: 2 steps for each of d = 1, 2, 4, 8, then the choice
+  c.record_every = 1;
+  ExpertParallelRanks adaptive(world(), *device_, {.pipeline_chunks = kAdaptivePipelineChunks});
+  moe::train::train(c, log, &adaptive);
+  if (world().rank() == 0) {
+    std::vector<json> tables;
+    for (const json& event : RunReader::load(c.run_dir).events) {
+      if (event["type"] == "table" && event["name"].get<std::string>().starts_with("pipelining degree")) {
+        tables.push_back(event);
+      }
+    }
+    ASSERT_GE(tables.size(), 2u) << "while the trials run, then the choice";
+    EXPECT_EQ(tables.front()["rows"][0][2], "measurement (trials running)");
+    for (const json& row : tables.back()["rows"]) {
+      EXPECT_EQ(row[2], "measurement");
+      const int d = row[1];
+      EXPECT_TRUE(d == 1 || d == 2 || d == 4 || d == 8) << "a candidate degree, not " << d;
+      const std::string trials = row[3];
+      EXPECT_NE(trials.find("d=8 "), std::string::npos) << "every candidate's trial time: " << trials;
+      EXPECT_EQ(trials.find(" -"), std::string::npos) << "all measured: " << trials;
     }
   }
   world().barrier();
