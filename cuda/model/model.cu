@@ -486,6 +486,48 @@ const float* ModelGpu::forward(const int32_t* tokens, const int32_t* targets) {
   return losses_.data();
 }
 
+const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32_t* targets) {
+  if (ranks_ != nullptr) {
+    throw std::invalid_argument("forward_backward_graph: on one GPU only (the expert-parallel layers wait on the host "
+                                "for their counts, which a CUDA graph cannot hold); use forward() and backward()");
+  }
+  if (stream_ == nullptr) {
+    throw std::invalid_argument("forward_backward_graph: the model runs on the legacy default stream, which cannot be "
+                                "captured; give the model a stream of its own");
+  }
+  if (timer_ != nullptr) {
+    throw std::invalid_argument("forward_backward_graph: a phase timer is set (its events would be captured); use "
+                                "forward() and backward() for timed steps");
+  }
+  const size_t n = static_cast<size_t>(config_.batch * config_.seq_len);
+  if (graph_inputs_.size() == 0) graph_inputs_ = DeviceBuffer<int32_t>(2 * n);
+  int32_t* const graph_tokens = graph_inputs_.data();
+  int32_t* const graph_targets = graph_inputs_.data() + n;
+  CUDA_CHECK(cudaMemcpyAsync(graph_tokens, tokens, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(graph_targets, targets, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream_));
+  if (graph_ == nullptr) {
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      forward(graph_tokens, graph_targets);
+      backward();
+    } catch (...) {  // end the capture so the stream is usable again, then report the first error
+      (void)cudaStreamEndCapture(stream_, &graph);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      (void)cudaGetLastError();
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    auto captured = std::make_unique<Graph>();
+    const cudaError_t instantiated = cudaGraphInstantiate(&captured->exec, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_CHECK(instantiated);
+    graph_ = std::move(captured);
+  }
+  CUDA_CHECK(cudaGraphLaunch(graph_->exec, stream_));
+  return losses_.data();
+}
+
 // x0 = token_embedding[tokens] + position_embedding[s], straight into block 0's saved input.
 void ModelGpu::embedding_forward_phase() {
   phase("embedding", [&] {

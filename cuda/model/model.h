@@ -145,6 +145,14 @@ class ModelGpu {
   const float* forward(const int32_t* tokens, const int32_t* targets);
   // Every parameter's gradient of the last forward's loss, overwritten in gradients().
   void backward();
+  // forward() then backward() of the batch in tokens, targets as one CUDA graph: captured on the
+  // first call and replayed on every later one, so the step's hundreds of kernels cost one launch.
+  // The inputs are first copied into the model's own buffers, which the graph reads. The same
+  // kernels with the same arguments in the same order: the same results as the two calls. Needs a
+  // stream of its own (not the legacy default stream), one GPU (the expert-parallel layers wait on
+  // the host for their counts, which a graph cannot hold) and no phase timer set (its events would
+  // be captured). Returns the device address of the loss [1].
+  const float* forward_backward_graph(const int32_t* tokens, const int32_t* targets);
   // Clips the gradients' global norm and takes one AdamW step with learning rate lr. On several
   // ranks, first sums the replicated parameters' gradients over the ranks; the norm is over every
   // rank's gradients (collective).
@@ -231,6 +239,18 @@ class ModelGpu {
   cudaStream_t stream_ = nullptr;
   ModelRanks* ranks_ = nullptr;  // null on one GPU
   PhaseTimer* timer_ = nullptr;
+  // forward_backward_graph's graph, instantiated on its first call, and the inputs it reads.
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    Graph() = default;
+    ~Graph() {
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+    }
+    Graph(const Graph&) = delete;
+    Graph& operator=(const Graph&) = delete;
+  };
+  std::unique_ptr<Graph> graph_;
+  DeviceBuffer<int32_t> graph_inputs_;  // [2, N, S]: tokens, then targets
   std::vector<ParameterSpan> layout_;
   int64_t parameter_count_ = 0;
   int64_t token_embedding_ = 0, position_embedding_ = 0, final_gain_ = 0, final_bias_ = 0;  // offsets

@@ -64,6 +64,14 @@ tests() {
   return $rc
 }
 
+tests_regex() {
+  # The tests whose names match $TESTS_REGEX (ctest -R), e.g. after a change to one part.
+  ctest --test-dir build-gpu --output-on-failure -R "${TESTS_REGEX:?set TESTS_REGEX}" > "$LOGS/ctest_regex.log" 2>&1
+  local rc=$?
+  grep -E "tests passed|tests failed|Failed|\*\*\*|Skipped" "$LOGS/ctest_regex.log" | tail -25
+  return $rc
+}
+
 tests_distributed() {
   # Only the multi-rank tests (label distributed: the layer over NCCL with one rank per GPU, over MPI
   # with ranks sharing one, training, the rank faults, lessons 06 and 07 on CPU ranks and --gpu).
@@ -145,14 +153,18 @@ train() {
   # in notebooks_data/brown (carried: the GPU machines have no npm), else random bytes.
   local rc=0 program=build-gpu/cuda/train/moe_train
   [ -x "$program" ] || { echo "train: $program not built"; return 1; }
+  # Each variant with its kernels launched one by one, and as one CUDA graph a step (--cuda-graph).
   for variant in "dropless:" "dense:--moe-layers none" "padded_cf1.0:--formulation padded --capacity-factor 1.0" \
                  "dropping_cf1.0:--formulation dropping --capacity-factor 1.0" "dropless_pregated:--pregated" \
                  "dropless_swiglu:--activation swiglu"; do
-    local name=${variant%%:*} flags=${variant#*:}
-    # shellcheck disable=SC2086
-    $program --preset throughput $flags --benchmark-steps 30 --benchmark-json "$OUT/train_throughput_$name.json" \
-      > "$LOGS/train_throughput_$name.log" 2>&1 || rc=1
-    echo "moe_train $name: $(grep 'median step' "$LOGS/train_throughput_$name.log")"
+    for graph in off on; do
+      local name=${variant%%:*} flags=${variant#*:}
+      [ "$graph" = on ] && name=${name}_graph
+      # shellcheck disable=SC2086
+      $program --preset throughput $flags --cuda-graph $graph --benchmark-steps 30 \
+        --benchmark-json "$OUT/train_throughput_$name.json" > "$LOGS/train_throughput_$name.log" 2>&1 || rc=1
+      echo "moe_train $name: $(grep 'median step' "$LOGS/train_throughput_$name.log")"
+    done
   done
   for variant in "moe:" "dense:--dense"; do
     local name=${variant%%:*} flags=${variant#*:}
@@ -366,5 +378,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [offload] [infer]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [offload] [infer]" >&2; exit 2 ;;
 esac

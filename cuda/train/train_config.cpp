@@ -111,6 +111,7 @@ const std::vector<Field>& fields() {
       boolean_field("resume", &TrainConfig::resume, "continue the run in run_dir from its latest checkpoint"),
       boolean_field("overwrite", &TrainConfig::overwrite, "replace an existing run in run_dir"),
       integer_field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
+      boolean_field("cuda_graph", &TrainConfig::cuda_graph, "each step's forward + backward as one CUDA graph, replayed (on | off)"),
       // benchmark mode
       integer_field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
       integer_field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first (and at least 1 s of them)"),
@@ -143,7 +144,7 @@ const char* kind_name(Kind kind) {
     case Kind::integer: return "an integer";
     case Kind::number: return "a number";
     case Kind::text: return "a string";
-    case Kind::boolean: return "true or false";
+    case Kind::boolean: return "true or false (on or off)";
   }
   return "?";
 }
@@ -190,8 +191,8 @@ json value_of_flag(const Field& field, const std::string& text, const std::strin
     }
     case Kind::text: return json(text);
     case Kind::boolean:
-      if (text == "true" || text == "1") return json(true);
-      if (text == "false" || text == "0") return json(false);
+      if (text == "true" || text == "1" || text == "on") return json(true);
+      if (text == "false" || text == "0" || text == "off") return json(false);
       throw bad();
   }
   throw bad();

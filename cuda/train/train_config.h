@@ -74,6 +74,9 @@ struct TrainConfig {
   bool resume = false;      // continue the run in run_dir from its latest checkpoint
   bool overwrite = false;   // replace an existing run in run_dir
   int64_t stop_after = 0;   // stop (with a checkpoint) after this many steps in total; 0 = at `steps`
+  // Each step's forward and backward as one CUDA graph (ModelGpu::forward_backward_graph), captured
+  // once and replayed; recorded steps run uncaptured (their phases are timed). One GPU only.
+  bool cuda_graph = false;
 
   // benchmark mode: no data, no record; time this many steps of random bytes after warm-up
   int64_t benchmark_steps = 0;

@@ -284,6 +284,25 @@ int64_t capacity_of(const TrainConfig& c) {
   return c.model.formulation == Formulation::dropless ? 0 : capacity(ref::moe_layer_config(c.model, c.batch));
 }
 
+// A step's forward and backward: one CUDA graph (--cuda-graph, on the steps that time no phases), or
+// the model's kernels launched one by one.
+void forward_backward(cuda::ModelGpu& model, bool graph, const int32_t* tokens, const int32_t* targets) {
+  if (graph) {
+    model.forward_backward_graph(tokens, targets);
+  } else {
+    model.forward(tokens, targets);
+    model.backward();
+  }
+}
+
+// --cuda-graph needs one GPU: the expert-parallel layers wait on the host for their counts.
+void check_cuda_graph(const TrainConfig& c, const cuda::ModelRanks* ranks) {
+  if (c.cuda_graph && ranks != nullptr) {
+    throw TrainConfigError("--cuda-graph on: allowed on one GPU only (the expert-parallel layers wait on the host for "
+                           "the count exchange, which a CUDA graph cannot hold)");
+  }
+}
+
 struct RoutingSummary {
   int64_t routed = 0;   // (token, expert) pairs
   int64_t dropped = 0;
@@ -578,6 +597,7 @@ double peak_bf16_flops(const std::string& device_name) {
 
 TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks) {
   validate(c);
+  check_cuda_graph(c, ranks);
   const RankView view(ranks);
   const int R = view.size();
   if (c.batch % R != 0) {
@@ -780,8 +800,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     const auto [tokens, targets] = uploader.upload(share_of(batch, first_sequence, N_r));
     const double origin_us = writer ? writer->elapsed_us() : 0.0;
     if (record) model.set_phase_timer(&timer);
-    model.forward(tokens, targets);
-    model.backward();
+    forward_backward(model, c.cuda_graph && !record, tokens, targets);
     model.step(float(lr));
     if (record) model.set_phase_timer(nullptr);
     uploader.release_current();
@@ -863,6 +882,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   c.run_dir = c.run_dir.empty() ? "unused" : c.run_dir;
   validate(c);
   if (c.benchmark_steps < 1) throw TrainConfigError("benchmark: benchmark_steps must be >= 1");
+  check_cuda_graph(c, ranks);
   const RankView view(ranks);
   const int R = view.size();
   if (c.batch % R != 0) {
@@ -898,10 +918,10 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   BatchUploader uploader(N_r, S, stream);
   const ref::ScheduleConfig lr_schedule = schedule(c);
   int64_t step = 0;
+  bool timing_phases = false;
   auto one_step = [&] {
     const auto [tokens, targets] = uploader.upload(share_of(next_batch(), first_sequence, N_r));
-    model.forward(tokens, targets);
-    model.backward();
+    forward_backward(model, c.cuda_graph && !timing_phases, tokens, targets);
     model.step(float(ref::learning_rate(lr_schedule, step++)));
     uploader.release_current();
   };
@@ -941,7 +961,9 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   // One more step with the phase timer: where the time goes (events add a little of their own).
   cuda::PhaseTimer timer;
   model.set_phase_timer(&timer);
+  timing_phases = true;
   one_step();
+  timing_phases = false;
   model.set_phase_timer(nullptr);
   // The model's own phases (depth 0) tile the step; the MoE layers' phases (router, plan,
   // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" and
