@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "moe/activation.h"       // gelu_forward, gelu_backward
+#include "moe/tensor_map.h"      // create_launch_scratch_pool
 #include "train/optimizer.h"      // gradient_norm, adamw_update, kGradientNormBlocks
 #include "model/cross_entropy.h"  // cross_entropy_forward / backward, kCrossEntropyClasses
 #include "core/cuda_check.h"      // CUDA_CHECK
@@ -506,6 +507,7 @@ const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32
   CUDA_CHECK(cudaMemcpyAsync(graph_tokens, tokens, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream_));
   CUDA_CHECK(cudaMemcpyAsync(graph_targets, targets, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream_));
   if (graph_ == nullptr) {
+    create_launch_scratch_pool();  // the block-sparse kernels' scratch: a capture cannot create the pool
     cudaGraph_t graph = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {

@@ -94,6 +94,8 @@ void* allocate_launch_scratch(size_t bytes, cudaStream_t stream) {
 
 void free_launch_scratch(void* scratch, cudaStream_t stream) { CUDA_CHECK(cudaFreeAsync(scratch, stream)); }
 
+void create_launch_scratch_pool() { (void)launch_scratch_pool(); }
+
 CUtensorMap* allocate_expert_maps(int count, cudaStream_t stream) {
   return static_cast<CUtensorMap*>(allocate_launch_scratch(sizeof(CUtensorMap) * static_cast<size_t>(count), stream));
 }

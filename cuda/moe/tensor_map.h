@@ -60,6 +60,9 @@ void free_expert_maps(CUtensorMap* maps, cudaStream_t stream);
 // block_sparse.cu), given back with free_launch_scratch on the same stream after the launch.
 void* allocate_launch_scratch(size_t bytes, cudaStream_t stream);
 void free_launch_scratch(void* scratch, cudaStream_t stream);
+// Creates the current device's pool now, if it is not there yet: a stream being captured into a CUDA
+// graph can allocate from a pool but cannot create one.
+void create_launch_scratch_pool();
 
 // Writes maps[e] = `prototype` with its global address replaced by pointers[e], for e < count, on
 // `stream`. maps: device memory, 64-byte aligned, count entries. The prototype must have been made

@@ -195,37 +195,52 @@ TEST(Trainer, ResumeContinuesTheSameCurve) {
 
 // --cuda-graph: the step's forward and backward captured once and replayed give, step for step, the
 // losses of the kernels launched one by one (the same kernels on the same inputs in the same order),
-// in each formulation and with SwiGLU experts; the recorded steps (every 7th here) run uncaptured in
-// between, so replays also follow uncaptured steps.
-TEST(Trainer, CudaGraphStepsGiveTheSameLossesBitForBit) {
+// in each formulation and with SwiGLU experts. The recorded steps (every 7th here) and an evaluation
+// run uncaptured in between, so replays also follow uncaptured work. Two launched runs first: the
+// comparison means something only where the launched kernels repeat themselves bit for bit, and a
+// variant whose launched runs differ fails on that, separately. One process per variant (CTest).
+class TrainerCudaGraph : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TrainerCudaGraph, StepsGiveTheSameLossesAsLaunchedKernels) {
   REQUIRE_GPU();
+  const std::string variant = GetParam();
   moe::testing::TempDir dir;
   moe::testing::write_sample_text(dir.path() / "text.txt");
-  for (const std::string variant : {"dropless", "padded", "dropping", "swiglu"}) {
-    TrainConfig launched = tiny(dir.path(), variant + "_launched");
-    launched.steps = 24;
-    launched.record_every = 7;
-    launched.eval_every = 12;  // an evaluation's forward between replays too
-    if (variant == "swiglu") launched.model.activation = moe::Activation::swiglu;
-    if (variant == "padded" || variant == "dropping") {
-      launched.model.formulation = moe::parse_formulation(variant);
-      launched.model.capacity_factor = 1.0;
-    }
-    TrainConfig graphed = launched;
-    graphed.run_dir = (dir.path() / (variant + "_graphed")).string();
-    graphed.cuda_graph = true;
-    std::ostringstream log;
-    moe::train::train(launched, log);
-    moe::train::train(graphed, log);
-    const std::map<int64_t, double> want = metric_by_step(moe::RunReader::load(launched.run_dir), "loss");
-    const std::map<int64_t, double> got = metric_by_step(moe::RunReader::load(graphed.run_dir), "loss");
-    ASSERT_EQ(got.size(), want.size()) << variant;
-    for (const auto& [step, loss] : want) {
-      ASSERT_TRUE(got.count(step)) << variant << ": step " << step;
-      EXPECT_EQ(got.at(step), loss) << variant << ": the loss of step " << step;
-    }
+  TrainConfig launched = tiny(dir.path(), "launched");
+  launched.steps = 24;
+  launched.record_every = 7;
+  launched.eval_every = 12;
+  if (variant == "swiglu") launched.model.activation = moe::Activation::swiglu;
+  if (variant == "padded" || variant == "dropping") {
+    launched.model.formulation = moe::parse_formulation(variant);
+    launched.model.capacity_factor = 1.0;
   }
+  TrainConfig again = launched;
+  again.run_dir = (dir.path() / "launched_again").string();
+  TrainConfig graphed = launched;
+  graphed.run_dir = (dir.path() / "graphed").string();
+  graphed.cuda_graph = true;
+  std::ostringstream log;
+  for (const TrainConfig* c : {&launched, &again, &graphed}) moe::train::train(*c, log);
+  const auto losses = [](const TrainConfig& c) { return metric_by_step(moe::RunReader::load(c.run_dir), "loss"); };
+  const std::map<int64_t, double> want = losses(launched), repeat = losses(again), got = losses(graphed);
+  ASSERT_EQ(want.size(), 24u);
+  const auto first_difference = [&](const std::map<int64_t, double>& other) -> int64_t {
+    for (const auto& [step, loss] : want) {
+      if (!other.count(step) || other.at(step) != loss) return step;
+    }
+    return 0;
+  };
+  const int64_t launched_differ = first_difference(repeat);
+  EXPECT_EQ(launched_differ, 0) << variant << ": two runs of the launched kernels differ from step " << launched_differ
+                                << " (" << want.at(launched_differ) << " against "
+                                << (repeat.count(launched_differ) ? repeat.at(launched_differ) : -1.0) << ")";
+  const int64_t graph_differ = first_difference(got);
+  EXPECT_EQ(graph_differ, 0) << variant << ": the graphed run differs from step " << graph_differ;
 }
+
+INSTANTIATE_TEST_SUITE_P(Variants, TrainerCudaGraph, ::testing::Values("dropless", "padded", "dropping", "swiglu"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 TEST(Trainer, BadResumesAndExistingRunsAreRefused) {
   REQUIRE_GPU();
