@@ -506,6 +506,15 @@ const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32
   int32_t* const graph_targets = graph_inputs_.data() + n;
   CUDA_CHECK(cudaMemcpyAsync(graph_tokens, tokens, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream_));
   CUDA_CHECK(cudaMemcpyAsync(graph_targets, targets, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream_));
+  if (!graph_warmed_up_) {
+    // The first call runs launched: whatever the kernels set up on first use (function attributes,
+    // pools, descriptors) happens outside the capture. Captured first, the dropless layer's
+    // block-sparse kernels ended in an illegal instruction on an H200 (2026-11-26).
+    forward(graph_tokens, graph_targets);
+    backward();
+    graph_warmed_up_ = true;
+    return losses_.data();
+  }
   if (graph_ == nullptr) {
     create_launch_scratch_pool();  // the block-sparse kernels' scratch: a capture cannot create the pool
     cudaGraph_t graph = nullptr;

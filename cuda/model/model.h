@@ -145,8 +145,9 @@ class ModelGpu {
   const float* forward(const int32_t* tokens, const int32_t* targets);
   // Every parameter's gradient of the last forward's loss, overwritten in gradients().
   void backward();
-  // forward() then backward() of the batch in tokens, targets as one CUDA graph: captured on the
-  // first call and replayed on every later one, so the step's hundreds of kernels cost one launch.
+  // forward() then backward() of the batch in tokens, targets as one CUDA graph: run launched on the
+  // first call (first-use setup stays out of the capture), captured on the second and replayed on
+  // every later one, so the step's hundreds of kernels cost one launch.
   // The inputs are first copied into the model's own buffers, which the graph reads. The same
   // kernels with the same arguments in the same order: the same results as the two calls. Needs a
   // stream of its own (not the legacy default stream), one GPU (the expert-parallel layers wait on
@@ -250,6 +251,7 @@ class ModelGpu {
     Graph& operator=(const Graph&) = delete;
   };
   std::unique_ptr<Graph> graph_;
+  bool graph_warmed_up_ = false;  // the first call ran launched; the second captures
   DeviceBuffer<int32_t> graph_inputs_;  // [2, N, S]: tokens, then targets
   std::vector<ParameterSpan> layout_;
   int64_t parameter_count_ = 0;

@@ -250,7 +250,8 @@ TEST_F(DistributedTrainingTest, RecordsEveryRanksSpansAndTheAllToAllMatrices) {
       }
     }
     for (int64_t q = 0; q < R; ++q) EXPECT_TRUE(span_ranks[static_cast<size_t>(q)]) << "spans of rank " << q;
-    EXPECT_EQ(pipelining_tables, 1) << "each block's pipelining degree, written again only when it changes";
+    // One rank trains the one-GPU model (MoeLayerGpu blocks): no exchange, nothing to pipeline.
+    EXPECT_EQ(pipelining_tables, R > 1 ? 1 : 0) << "each block's pipelining degree, written again only when it changes";
     if (R > 1) {
       EXPECT_GT(dispatches, 0) << "the recorded steps' dispatch matrices";
     } else {
@@ -261,6 +262,7 @@ TEST_F(DistributedTrainingTest, RecordsEveryRanksSpansAndTheAllToAllMatrices) {
 }
 
 TEST_F(DistributedTrainingTest, RecordsThePipeliningDegreeEachBlockChoseByMeasurement) {
+  if (world().size() == 1) GTEST_SKIP() << "one rank trains the one-GPU model: no exchange to pipeline";
   std::ostringstream log;
   TrainConfig c = tiny("adaptive");
   c.steps = 12;  // the trials: 2 steps for each of d = 1, 2, 4, 8, then the choice
