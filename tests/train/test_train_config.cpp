@@ -102,6 +102,8 @@ TEST(TrainConfig, BadInputNamesTheFieldAndWhatIsAllowed) {
       {{"--seed", "-3"}, "seed = -3; allowed: an integer >= 0"},
       {{"--pregated", "--moe-layers", "none"}, "pregated = true with moe_layers = none"},
       {{"--activation", "relu"}, "unknown activation 'relu'; allowed: gelu, swiglu"},
+      {{"--cuda-graph", "on"}, "cuda_graph = true with formulation = dropless; allowed: padded, dropping or a dense model"},
+      {{"--cuda-graph", "maybe"}, "flag --cuda-graph maybe: not true or false (on or off)"},
   };
   for (const Case& c : cases) {
     const std::string message = parse_error(c.arguments);
