@@ -109,13 +109,14 @@ std::vector<TimelineSpan> visible_spans(const TimelineLane& lane, double t_lo, d
   return out;
 }
 
-AllToAllView alltoall_at(const RunModel& run, int64_t step, const std::string& name) {
+AllToAllView alltoall_at(const RunModel& run, int64_t step, const std::string& name, int64_t layer) {
   AllToAllView v;
+  v.layer = layer;
   bool found = false;
   v.step = recorded_step(run.alltoalls, step, found);
   if (!found) return v;
   for (const AllToAllRecord& a : run.alltoalls) {
-    if (a.step != v.step || (!name.empty() && a.name != name)) continue;
+    if (a.step != v.step || (!name.empty() && a.name != name) || (layer >= 0 && a.layer != layer)) continue;
     if (a.ranks > v.ranks) {  // a wider matrix than seen so far: grow, keeping what was summed
       std::vector<double> grown(static_cast<size_t>(a.ranks * a.ranks), 0.0);
       for (int64_t s = 0; s < v.ranks; ++s)
