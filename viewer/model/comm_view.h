@@ -34,6 +34,10 @@ struct TimelineLane {
 struct Timeline {
   double t0 = 0, t1 = 0;  // earliest start, latest end (microseconds)
   std::vector<std::string> names;  // span names, each once
+  // A span's colour and legend entry: its name up to the first space, so that "copy m0" ..
+  // "copy m5" (one per MoE block) share one colour and the legend stays short.
+  std::vector<std::string> families;
+  std::vector<int32_t> family_of;  // [names] index into families
   std::vector<TimelineLane> lanes; // sorted by rank, then stream
   int64_t span_count = 0;
 };

@@ -70,6 +70,29 @@ double CacheOutcomes::prefetch_accuracy() const {
   return static_cast<double>(prefetched_used) / static_cast<double>(prefetch_copies);
 }
 
+Rgba cache_cell_color(CacheCell cell) {
+  switch (cell) {
+    case CacheCell::empty: return {30, 30, 36, 255};
+    case CacheCell::prefetched_used: return {70, 140, 255, 255};
+    case CacheCell::hit: return {80, 200, 110, 255};
+    case CacheCell::miss: return {235, 40, 40, 255};
+    case CacheCell::prefetched_wasted: return {245, 170, 40, 255};
+  }
+  return kNoDataColor;
+}
+
+Image cache_image(const CacheTimeline& view) {
+  Image image;
+  image.width = static_cast<int64_t>(view.steps.size());
+  image.height = static_cast<int64_t>(view.layers.size()) * view.rows_per_block;
+  image.rgba.reserve(static_cast<size_t>(image.width * image.height * 4));
+  for (const CacheCell cell : view.cells) {
+    const Rgba c = cache_cell_color(cell);
+    image.rgba.insert(image.rgba.end(), {c.r, c.g, c.b, c.a});
+  }
+  return image;
+}
+
 int64_t offloaded_expert_bytes(const RunModel& run) {
   const nlohmann::json& config = run.summary.moe_config;
   const int64_t D = int_field(config, "model_dim", 0), H = int_field(config, "hidden_dim", 0);

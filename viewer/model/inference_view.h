@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "colormap.h"   // Rgba, Image
 #include "run_model.h"  // RunModel, OffloadRecord
 
 namespace moe::viewer {
@@ -73,6 +74,11 @@ struct CacheTimeline {
 // From the run's offload events at steps >= first_step. A run without offload events gives
 // an empty view (layers empty).
 CacheTimeline build_cache_timeline(const RunModel& run, int64_t first_step);
+
+// The cells' colours: a miss is red like the stall it causes on the timeline.
+Rgba cache_cell_color(CacheCell cell);
+// One pixel per cell: image row r is the view's row r, column s its step s.
+Image cache_image(const CacheTimeline& view);
 
 // One expert's bytes as the expert cache copies them: w1 [D, W1] and w2 [H, D] in bf16, W1 = H
 // (GeLU) or 2H (SwiGLU). 0 when run.json has no moe_config with D and H.
