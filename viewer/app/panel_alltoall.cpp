@@ -236,7 +236,10 @@ void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
              "before it. Expert parallelism (FastMoE, Tutel): each rank sends its tokens to "
              "the ranks that own their experts (dispatch all-to-all), computes its local experts, and sends "
              "the results back (combine). A rank that finishes early waits at the next all-to-all for the "
-             "slowest one: look for gaps before a dispatch or combine. Grey: spans too thin to draw, merged.");
+             "slowest one: look for gaps before a dispatch or combine. Grey: spans too thin to draw, merged. "
+             "Several ranks share one time axis: moe_train_distributed places each rank's GPU times from rank 0's "
+             "host time at the step's start, so the lanes are aligned on the step's first phase (the ranks leave "
+             "the previous step's all-reduce together), not on a clock the GPUs share.");
   if (m.spans.empty() && m.alltoalls.empty()) {
     LacksData("timed spans or all-to-all events (its program timed no phases)");
     return;

@@ -46,38 +46,22 @@ std::string Percent(double fraction) {
 
 // ---- [SECTION] modes side by side ----
 
-void ModesTable(ViewerState& state) {
-  std::vector<std::pair<OpenRun*, const DecodeModeRow*>> rows;
-  for (OpenRun* run : state.panel_runs(state.current_panel))
-    if (!run->model.offloads.empty()) rows.push_back({run, &Decode(state, *run).row});
-  if (rows.empty()) return;
-  // Runs of one model together, in the order they are shown.
-  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second->model < b.second->model; });
-  ImGui::Text("modes side by side, decode steps (step 0, the prefill, left out)");
-  HelpMarker("One row per open decoding run. Runs of the same model (same program, weights, D, H, E, K) are "
-             "grouped under it: only those compare directly. hit rate: chosen experts already in GPU memory "
-             "(resident, or copied ahead and used) / all chosen. prefetch accuracy: copies made ahead that the "
-             "block then chose / all copies made ahead (the copies are the block's bytes / one expert's bytes, "
-             "less its misses). stall: time the compute stream waited for copies. step: the median decode "
-             "step's extent on the timeline, every stream. x gpu_only: the step time over the resident run's.");
-  if (!ImGui::BeginTable("decode_modes", 9, ImGuiTableFlags_Borders | ImGuiTableFlags_RowBg | ImGuiTableFlags_SizingFixedFit))
+// The rows of one model's runs.
+void ModelTable(const std::vector<std::pair<OpenRun*, const DecodeModeRow*>>& rows) {
+  // The resident run, if open: the floor every offloaded mode is measured against.
+  double resident_step_us = 0;
+  for (const auto& [run, row] : rows)
+    if (row->mode == "gpu_only") resident_step_us = row->median_step_us;
+  ImGui::PushID(rows.front().second->model.c_str());
+  if (!ImGui::BeginTable("decode_modes", 9, ImGuiTableFlags_Borders | ImGuiTableFlags_RowBg | ImGuiTableFlags_SizingFixedFit)) {
+    ImGui::PopID();
     return;
+  }
   for (const char* column : {"run", "mode", "slots", "hit rate", "prefetch accuracy", "copied ahead: used / wasted",
                              "stall per step", "median step", "x gpu_only"})
     ImGui::TableSetupColumn(column);
   ImGui::TableHeadersRow();
-  std::string model;
   for (const auto& [run, row] : rows) {
-    if (row->model != model) {
-      model = row->model;
-      ImGui::TableNextRow();
-      ImGui::TableSetColumnIndex(0);
-      ImGui::TextDisabled("model: %s", model.c_str());
-    }
-    // The resident run of the same model, if open: the floor every offloaded mode is measured against.
-    double resident_step_us = 0;
-    for (const auto& [other, other_row] : rows)
-      if (other_row->model == row->model && other_row->mode == "gpu_only") resident_step_us = other_row->median_step_us;
     const CacheOutcomes& o = row->outcomes;
     ImGui::TableNextRow();
     ImGui::TableNextColumn();
@@ -104,6 +88,33 @@ void ModesTable(ViewerState& state) {
     else ImGui::TextDisabled("-");
   }
   ImGui::EndTable();
+  ImGui::PopID();
+}
+
+void ModesTable(ViewerState& state) {
+  std::vector<std::pair<OpenRun*, const DecodeModeRow*>> rows;
+  for (OpenRun* run : state.panel_runs(state.current_panel))
+    if (!run->model.offloads.empty()) rows.push_back({run, &Decode(state, *run).row});
+  if (rows.empty()) return;
+  // Runs of one model together, in the order they are shown.
+  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second->model < b.second->model; });
+  ImGui::Text("modes side by side, decode steps (step 0, the prefill, left out)");
+  HelpMarker("One row per open decoding run. Runs of the same model (same program, weights, D, H, E, K) are "
+             "grouped under it: only those compare directly. hit rate: chosen experts already in GPU memory "
+             "(resident, or copied ahead and used) / all chosen. prefetch accuracy: copies made ahead that the "
+             "block then chose / all copies made ahead (the copies are the block's bytes / one expert's bytes, "
+             "less its misses). stall: time the compute stream waited for copies. step: the median decode "
+             "step's extent on the timeline, every stream. x gpu_only: the step time over the resident run's.");
+  // One table per model: only runs of one model compare directly.
+  for (size_t first = 0; first < rows.size();) {
+    const std::string& model = rows[first].second->model;
+    size_t last = first;
+    while (last < rows.size() && rows[last].second->model == model) ++last;
+    ImGui::TextDisabled("model: %s", model.c_str());
+    ModelTable(std::vector<std::pair<OpenRun*, const DecodeModeRow*>>(rows.begin() + static_cast<long>(first),
+                                                                       rows.begin() + static_cast<long>(last)));
+    first = last;
+  }
 }
 
 // ---- [SECTION] one run ----
