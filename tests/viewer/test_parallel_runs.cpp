@@ -10,6 +10,8 @@
 #include <memory>
 #include <numeric>
 #include <set>
+#include <string>
+#include <tuple>
 
 #include "comm_view.h"
 #include "parallel_view.h"
@@ -168,6 +170,25 @@ TEST(ViewerParallelView, RankWithoutExchangesMatchesNothing) {
   ASSERT_EQ(run.error, "");
   const ExchangeWaits w = exchange_waits_at(run, 1);
   EXPECT_EQ(w.exchanges, 0);
+}
+
+TEST(ViewerParallelView, CommStreamSpansAreExchanges) {
+  // Spans on a "comm" stream (the record format's example) are exchanges: per collective, each
+  // rank's duration minus the fastest rank's. dispatch: 10 / 25 us, combine: 8 / 5 us.
+  std::string events;
+  for (const auto& [rank, name, duration] : {std::tuple{0, "dispatch", 10}, {1, "dispatch", 25}, {0, "combine", 8}, {1, "combine", 5}})
+    events += R"({"type":"span","step":3,"rank":)" + std::to_string(rank) + R"(,"stream":2,"stream_name":"comm","name":")" +
+              name + R"(","start_us":100,"duration_us":)" + std::to_string(duration) + "}\n";
+  events += R"({"type":"span","step":3,"rank":0,"stream":0,"stream_name":"compute","name":"expert_compute","start_us":0,"duration_us":50})"
+            "\n";
+  const RunModel run = RunModel::from_text(
+      R"({"schema_version":1,"kind":"train","name":"t","start_time":"2026-11-22T00:00:00.000Z","world_size":2})", events);
+  ASSERT_EQ(run.error, "");
+  const ExchangeWaits w = exchange_waits_at(run, 3);
+  EXPECT_EQ(w.exchanges, 2);
+  EXPECT_EQ(w.names, (std::vector<std::string>{"combine", "dispatch"}));
+  EXPECT_EQ(w.idle_us, (std::vector<double>{3, 15}));
+  EXPECT_EQ(w.exchange_us, (std::vector<double>{18, 30}));
 }
 
 }  // namespace

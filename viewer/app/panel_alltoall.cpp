@@ -220,7 +220,8 @@ void IdleInExchanges(ViewerState& state, OpenRun& run) {
     ImGui::SameLine();
     ImGui::TextColored(ImGui::ColorConvertU32ToFloat4(lines[r].color), "%s", lines[r].label.c_str());
   }
-  HelpMarker("Step 1 holds NCCL's first call (its set-up): a rank that reaches it early waits long.");
+  HelpMarker("A run's first step holds its communicator's first collective (NCCL's set-up in moe_train_distributed): "
+             "a rank that reaches it early waits long there.");
   CurvePlot(("idle" + RegionName(state, run, "")).c_str(), state, lines, ImVec2(ImGui::GetContentRegionAvail().x, 70));
 }
 

@@ -27,7 +27,7 @@ constexpr int64_t kFirstDecodeStep = 1;
 
 // The run's cache view and table row, rebuilt when its data changes (a followed run grows).
 const ViewerState::CachedDecode& Decode(ViewerState& state, OpenRun& run) {
-  auto& cached = state.decode[TextureKey("decode_slot", run, 0, 0, 0)];
+  auto& cached = state.decode[RegionName(state, run, "decode")];
   const std::string key = TextureKey("decode", run, 0, 0, 0);
   if (cached.key != key) {
     cached.cache = build_cache_timeline(run.model, kFirstDecodeStep);

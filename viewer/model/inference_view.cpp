@@ -203,8 +203,8 @@ std::string decode_model_key(const RunModel& run) {
   std::string weights = text_field(extra, "scale");
   if (weights.empty()) weights = text_field(extra, "weights");
   if (weights.empty()) weights = text_field(run.summary.model, "weights");
-  if (!weights.empty()) key += " " + weights;
-  key += " D=" + text_field(config, "model_dim") + " H=" + text_field(config, "hidden_dim") +
+  if (!weights.empty()) key += (key.empty() ? "" : " ") + weights;
+  key += (key.empty() ? "" : " ") + std::string("D=") + text_field(config, "model_dim") + " H=" + text_field(config, "hidden_dim") +
          " E=" + text_field(config, "num_experts") + " K=" + text_field(config, "top_k");
   return key;
 }

@@ -59,7 +59,7 @@ Series rank_imbalance_series(const RunModel& run, int64_t layer) {
 
 bool is_exchange_span(const SpanRecord& span) {
   constexpr std::string_view kSuffix = "_exchange";
-  return span.stream_name.rfind("exchange", 0) == 0 ||
+  return span.stream_name.rfind("exchange", 0) == 0 || span.stream_name.rfind("comm", 0) == 0 ||
          (span.name.size() >= kSuffix.size() && span.name.compare(span.name.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0);
 }
 

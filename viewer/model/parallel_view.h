@@ -22,8 +22,9 @@
 // measures from each rank's own clock (no cross-rank alignment needed) the time it waited for the
 // others. It is a lower bound on the waiting (the fastest rank waits too, for the bytes) and it
 // also holds differences in what each rank sends. The exchange phases are the spans on a stream
-// named "exchange..." and those whose name ends in "_exchange" (the count exchange on the compute
-// stream is a collective too).
+// named "exchange..." (moe_train_distributed) or "comm..." (the record format's name for a
+// communication stream) and those whose name ends in "_exchange" (the count exchange on the
+// compute stream is a collective too).
 //
 //   AllToAllView a = alltoall_at(run, step, "dispatch", layer);   // comm_view.h
 //   RankLoad load = rank_load_at(run, step, layer);
