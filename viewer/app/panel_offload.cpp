@@ -156,7 +156,7 @@ void CacheView(ViewerState& state, OpenRun& run, const CacheTimeline& cache) {
   ImDrawList* draw = ImGui::GetWindowDrawList();
   const float band = height / static_cast<float>(cache.layers.size());
   for (size_t m = 0; m < cache.layers.size(); ++m) {
-    const std::string label = "L" + std::to_string(cache.layers[m]);
+    const std::string label = std::string("L").append(std::to_string(cache.layers[m]));
     draw->AddText(ImVec2(p0.x, p0.y + band * static_cast<float>(m) + (band - ImGui::GetFontSize()) / 2),
                   IM_COL32(180, 180, 180, 255), label.c_str());
   }

@@ -198,14 +198,18 @@ CacheTimeline build_cache_timeline(const RunModel& run, int64_t first_step) {
 std::string decode_model_key(const RunModel& run) {
   const nlohmann::json& extra = run.summary.extra;
   const nlohmann::json& config = run.summary.moe_config;
-  std::string key = text_field(extra, "program");
   // offload_bench names its model by scale (random weights); moe_generate by its checkpoint.
   std::string weights = text_field(extra, "scale");
   if (weights.empty()) weights = text_field(extra, "weights");
   if (weights.empty()) weights = text_field(run.summary.model, "weights");
-  if (!weights.empty()) key += (key.empty() ? "" : " ") + weights;
-  key += (key.empty() ? "" : " ") + std::string("D=") + text_field(config, "model_dim") + " H=" + text_field(config, "hidden_dim") +
-         " E=" + text_field(config, "num_experts") + " K=" + text_field(config, "top_k");
+  std::string key;
+  for (const std::string& part : {text_field(extra, "program"), weights, "D=" + text_field(config, "model_dim"),
+                                  "H=" + text_field(config, "hidden_dim"), "E=" + text_field(config, "num_experts"),
+                                  "K=" + text_field(config, "top_k")}) {
+    if (part.empty()) continue;
+    if (!key.empty()) key += ' ';
+    key += part;
+  }
   return key;
 }
 
