@@ -85,7 +85,7 @@ void ByteMatrix(ViewerState& state, OpenRun& run) {
   const RunModel& m = run.model;
   if (m.alltoalls.empty()) {
     LacksData("all-to-all byte matrices (a run on one GPU exchanges nothing; moe_train_distributed on two or more "
-              "ranks, lesson 06 under mpirun and ep_bench write them)");
+              "ranks and lesson 06 under mpirun write them)");
     return;
   }
   const AllToAllView a = alltoall_at(m, state.step, state.alltoall_name, state.alltoall_layer);

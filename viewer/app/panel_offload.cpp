@@ -240,7 +240,6 @@ void ShowRunOffload(ViewerState& state, OpenRun& run, double timeline_span_us) {
   const Timeline& timeline = OffloadTimeline(state, run);
   if (timeline.lanes.empty()) LacksData("copy or compute spans at this step");
   else TimelineView("offload_timeline", timeline, ImVec2(ImGui::GetContentRegionAvail().x, 90), timeline_span_us);
-  RecordLastItem(state, RegionName(state, run, "offload_timeline"));
 
   const ViewerState::CachedDecode& decode = Decode(state, run);
   ImGui::Spacing();
