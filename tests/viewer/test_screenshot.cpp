@@ -2,7 +2,8 @@
 // on synthetic runs with known routing and checks the pictures' colours where the viewer says its
 // heatmaps are (--regions): with every token on expert 3, expert 3's row of the step x expert
 // heatmap is the top colour of the scale and every other row the bottom one. Also: a corrupt run
-// gives a picture and a message, not a crash; two runs are drawn side by side.
+// gives a picture and a message, not a crash; two runs are drawn side by side; on the recorded runs,
+// the offload panel's expert cache and the all-to-all panel's byte matrix of one layer.
 // Skips, saying so, only where xvfb-run is missing.   ctest --test-dir build -R ViewerScreenshot
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <stb_image.h>  // stbi_load; the implementation is in Debian's libstb
 
 #include "colormap.h"
+#include "inference_view.h"  // cache_cell_color
 #include "synthetic_run.h"
 #include "viewer_test_support.h"
 
@@ -124,6 +126,54 @@ TEST_F(ViewerScreenshot, TwoRunsSideBySide) {
   EXPECT_LT(left, right);  // the second run's heatmap is to the right of the first
   const auto r = p.regions["routing_heatmap"];
   EXPECT_TRUE(Near(p.at((static_cast<float>(r[0]) + static_cast<float>(r[2])) / 2, static_cast<float>(r[1]) + 2), load_color(1.0f)));
+}
+
+// The recorded runs of notebooks_data/runs (ctest runs from the repository root).
+const std::string kRecorded = "notebooks_data/runs/";
+
+TEST_F(ViewerScreenshot, OffloadCacheOfRecordedModes) {
+  if (!std::filesystem::exists(kRecorded + "offload_switch_on_demand/events.jsonl"))
+    GTEST_SKIP() << "notebooks_data/runs/offload_switch_* are not in this checkout";
+  Picture p;
+  std::string log;
+  ASSERT_EQ(RunViewer(dir, kRecorded + "offload_switch_on_demand " + kRecorded + "offload_switch_pregated --panel offload --step 10", p, log), 0) << log;
+  ASSERT_TRUE(p.regions.contains("offload_cache") && p.regions.contains("offload_cache#1")) << p.regions.dump();
+  // The share of a region's sampled pixels that have a cell colour: 6 MoE blocks, one band each
+  // (top-1, batch 1: one cell per block and step), sampled along each band's middle.
+  auto share = [&](const char* region, CacheCell cell) {
+    const auto r = p.regions[region];
+    const float x0 = r[0], y0 = r[1], x1 = r[2], y1 = r[3];
+    int hits = 0, samples = 0;
+    for (int i = 0; i < 90; ++i)
+      for (int band = 0; band < 6; ++band, ++samples)
+        hits += Near(p.at(x0 + (static_cast<float>(i) + 0.5f) * (x1 - x0) / 90, y0 + (static_cast<float>(band) + 0.5f) * (y1 - y0) / 6),
+                     cache_cell_color(cell));
+    return static_cast<double>(hits) / samples;
+  };
+  // On demand, 88 of the 108 chosen experts are misses; pre-gated, 84 are copies made ahead and used.
+  EXPECT_GT(share("offload_cache", CacheCell::miss), 0.6);
+  EXPECT_LT(share("offload_cache", CacheCell::prefetched_used), 0.01);
+  EXPECT_GT(share("offload_cache#1", CacheCell::prefetched_used), 0.6);
+  EXPECT_LT(share("offload_cache#1", CacheCell::prefetched_wasted), 0.01);
+}
+
+TEST_F(ViewerScreenshot, ByteMatrixOfOneLayerOnTwoRanks) {
+  if (!std::filesystem::exists(kRecorded + "train_expert_parallel_2gpu/events.jsonl"))
+    GTEST_SKIP() << "notebooks_data/runs/train_expert_parallel_2gpu is not in this checkout";
+  Picture p;
+  std::string log;
+  ASSERT_EQ(RunViewer(dir, kRecorded + "train_expert_parallel_2gpu --panel alltoall --step 100 --layer 3", p, log), 0) << log;
+  ASSERT_TRUE(p.regions.contains("alltoall_bytes_dispatch") && p.regions.contains("alltoall_bytes_combine")) << p.regions.dump();
+  // Layer 3's dispatch at step 100: bytes [[1511936, 2682368], [1495552, 2698752]], coloured
+  // relative to the largest cell. Sampled near each cell's corner, away from its number.
+  const auto r = p.regions["alltoall_bytes_dispatch"];
+  const float x0 = r[0], y0 = r[1], cell = (static_cast<float>(r[2]) - x0) / 2;
+  const double bytes[2][2] = {{1511936, 2682368}, {1495552, 2698752}};
+  for (int s = 0; s < 2; ++s)
+    for (int d = 0; d < 2; ++d)
+      EXPECT_TRUE(Near(p.at(x0 + (static_cast<float>(d) + 0.1f) * cell, y0 + (static_cast<float>(s) + 0.1f) * cell),
+                       load_color(static_cast<float>(bytes[s][d] / 2698752.0))))
+          << "rank " << s << " -> rank " << d;
 }
 
 TEST_F(ViewerScreenshot, CorruptRunGivesAMessageNotACrash) {

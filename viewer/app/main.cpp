@@ -12,7 +12,8 @@
 //   --runs-dir DIR       a folder of runs for the run list (repeatable; default runs/ and notebooks_data/runs/)
 //   --open-all           open every run of the run list
 //   --panel NAME         the panel to show first: summary curves routing tokens topology alltoall offload
-//   --step N --layer N   the step and layer to show
+//   --step N --layer N   the step and layer to show (--layer also picks the all-to-all panel's
+//                        byte matrix and load across ranks, which otherwise sum the layers)
 //   --curve-steps LO:HI  the steps the training curves show (default: all; e.g. 500:2000 leaves out the
 //                        first fall of the loss, so the formulations' differences fill the plot)
 //   --screenshot FILE    render hidden, write FILE.png after --frames frames (default 3), exit
@@ -51,6 +52,7 @@ struct Options {
   long long step = -1;
   double curve_lo = 0, curve_hi = -1;  // --curve-steps; lo > hi: fit
   int layer = 0, frames = 3, width = 1600, height = 1000;
+  bool layer_given = false;
 };
 
 void Usage() {
@@ -84,7 +86,7 @@ bool ParseOptions(int argc, char** argv, Options& o) {
       const char* v = value();
       if (!v || std::sscanf(v, "%lf:%lf", &o.curve_lo, &o.curve_hi) != 2 || !(o.curve_hi > o.curve_lo)) return false;
     }
-    else if (arg == "--layer") { if (!number(0, 1023, n)) return false; o.layer = static_cast<int>(n); }
+    else if (arg == "--layer") { if (!number(0, 1023, n)) return false; o.layer = static_cast<int>(n); o.layer_given = true; }
     else if (arg == "--frames") { if (!number(1, 100000, n)) return false; o.frames = static_cast<int>(n); }
     else if (arg == "--width") { if (!number(200, 8192, n)) return false; o.width = static_cast<int>(n); }
     else if (arg == "--height") { if (!number(200, 8192, n)) return false; o.height = static_cast<int>(n); }
@@ -166,6 +168,7 @@ int main(int argc, char** argv) {
     state.follow_latest = false;
   }
   state.layer = options.layer;
+  if (options.layer_given) state.alltoall_layer = options.layer;
   if (options.curve_hi > options.curve_lo) state.plots["curves_steps"] = {options.curve_lo, options.curve_hi, false};
   state.scrub = options.scrub && state.screenshot;
   state.selected_panel = options.panel == "all" ? "" : options.panel;

@@ -1,17 +1,33 @@
 // panel_alltoall.cpp: timeline and all-to-all timing: a per-rank, per-stream timeline of the phases
 // of the scrubber's step (a training step's model phases with the MoE layer's phases nested under
-// them; dispatch, expert compute, combine and copies across ranks), the rank x rank byte matrix, and the achieved bandwidth.
+// them; dispatch, expert compute, combine and copies across ranks, on one clock), the rank x rank
+// byte matrix of one layer (or all) at that step, the achieved bandwidth, the load each rank's
+// experts carry, and the time each rank waits in the exchanges. Data: viewer/model/comm_view.h and
+// parallel_view.h.
 #include <algorithm>
+#include <cstdio>
 #include <string>
 
-#include "colormap.h"   // colorize
-#include "comm_view.h"  // build_timeline, alltoall_at, alltoall_bandwidth_series
+#include "colormap.h"       // colorize, load_color
+#include "comm_view.h"      // build_timeline, alltoall_at, alltoall_bandwidth_series
 #include "panels.h"
+#include "parallel_view.h"  // rank_load_at, exchange_waits_at, alltoall_layers
 #include "widgets.h"
 
 namespace moe::viewer {
 
 namespace {
+
+std::string Bytes(double bytes) {
+  char text[32];
+  if (bytes >= 1e9) std::snprintf(text, sizeof text, "%.2f GB", bytes / 1e9);
+  else if (bytes >= 1e6) std::snprintf(text, sizeof text, "%.2f MB", bytes / 1e6);
+  else if (bytes >= 1e3) std::snprintf(text, sizeof text, "%.1f kB", bytes / 1e3);
+  else std::snprintf(text, sizeof text, "%.0f B", bytes);
+  return text;
+}
+
+std::string LayerText(int64_t layer) { return layer < 0 ? "all layers" : "layer " + std::to_string(layer); }
 
 const Timeline& CachedStepTimeline(ViewerState& state, OpenRun& run, bool copy_and_compute_only) {
   const std::string key = TextureKey(copy_and_compute_only ? "offload_timeline" : "timeline", run, state.step, 0, 0);
@@ -26,6 +42,189 @@ const Timeline& CachedStepTimeline(ViewerState& state, OpenRun& run, bool copy_a
   return cached.timeline;
 }
 
+// One byte matrix as a heatmap under its name, each cell's bytes written on it when it is large
+// enough to hold them.
+void MatrixImage(ViewerState& state, OpenRun& run, const AllToAllView& a, const std::string& name) {
+  ImGui::BeginGroup();
+  ImGui::TextUnformatted(name.empty() ? "(unnamed)" : name.c_str());
+  Matrix bytes;
+  bytes.rows = bytes.cols = a.ranks;
+  double largest = 0;
+  for (double b : a.bytes) largest = std::max(largest, b);
+  for (double b : a.bytes) bytes.values.push_back(largest > 0 ? static_cast<float>(b / largest) : 0.0f);
+  const std::string region = RegionName(state, run, ("alltoall_bytes" + std::string(name.empty() ? "" : "_") + name).c_str());
+  HeatmapTexture& texture = state.textures[region];
+  const std::string key = TextureKey("bytes", run, a.step, a.layer, 0) + name;
+  if (texture.key != key) texture.upload(colorize(bytes, 0.0f, 1.0f), key);
+  const float side = std::clamp(static_cast<float>(a.ranks) * 80.0f, 80.0f, 260.0f);
+  const ImVec2 p0 = ImGui::GetCursorScreenPos();
+  int col = 0, row = 0;
+  if (HeatmapImage(texture, ImVec2(side, side), &col, &row))
+    ImGui::SetTooltip("rank %d -> rank %d: %.0f bytes", row, col, a.bytes[static_cast<size_t>(row * a.ranks + col)]);
+  RecordLastItem(state, region);
+  // Small matrices carry their numbers: two ranks are four cells, and the reader wants the bytes.
+  const float cell = side / static_cast<float>(std::max<int64_t>(1, a.ranks));
+  if (cell >= 60.0f) {
+    ImDrawList* draw = ImGui::GetWindowDrawList();
+    for (int64_t s = 0; s < a.ranks; ++s)
+      for (int64_t d = 0; d < a.ranks; ++d) {
+        const double b = a.bytes[static_cast<size_t>(s * a.ranks + d)];
+        const std::string text = Bytes(b);
+        const ImVec2 size = ImGui::CalcTextSize(text.c_str());
+        const bool light = largest > 0 && b / largest > 0.6;  // the top of the load colours is pale
+        draw->AddText(ImVec2(p0.x + cell * (static_cast<float>(d) + 0.5f) - size.x / 2, p0.y + cell * (static_cast<float>(s) + 0.5f) - size.y / 2),
+                      light ? IM_COL32(0, 0, 0, 255) : IM_COL32(255, 255, 255, 255), text.c_str());
+      }
+  }
+  ImGui::EndGroup();
+}
+
+// The rank x rank bytes of the chosen all-to-all (or each of them) and layer at the step, beside
+// the achieved bandwidth.
+void ByteMatrix(ViewerState& state, OpenRun& run) {
+  const RunModel& m = run.model;
+  if (m.alltoalls.empty()) {
+    LacksData("all-to-all byte matrices (a run on one GPU exchanges nothing; moe_train_distributed on two or more "
+              "ranks and lesson 06 under mpirun write them)");
+    return;
+  }
+  const AllToAllView a = alltoall_at(m, state.step, state.alltoall_name, state.alltoall_layer);
+  ImGui::Separator();
+  ImGui::Text("bytes[src][dst]: %s, step %lld (%lld all-to-all events)", LayerText(a.layer).c_str(),
+              static_cast<long long>(a.step), static_cast<long long>(a.events));
+  HelpMarker("Row: the sending rank, column: the receiving rank. The diagonal stays on its rank (no link "
+             "crossed). An unbalanced row or column is a rank that sends or receives more, because its "
+             "tokens prefer remote experts or its experts are hot. The combine sends the dispatch's rows back: "
+             "its matrix is the dispatch's transpose. Colour: bytes relative to the largest cell. Pick the "
+             "all-to-all and the layer above; the scrubber picks the step.");
+  if (a.events == 0) {
+    LacksData(("all-to-all events of " + LayerText(state.alltoall_layer) + " at this step").c_str());
+    return;
+  }
+  // Without a chosen all-to-all, each one of the step (dispatch, combine) gets its own matrix.
+  std::vector<std::string> names{state.alltoall_name};
+  if (state.alltoall_name.empty()) names = alltoall_names(m);
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) ImGui::SameLine(0, 16);
+    MatrixImage(state, run, alltoall_at(m, state.step, names[i], state.alltoall_layer), names[i]);
+  }
+  ImGui::SameLine();
+  ImGui::BeginGroup();
+  Metric("achieved bandwidth", "%.2f GB/s", a.bandwidth_gb_per_s,
+         "Bytes that crossed between ranks (the off-diagonal of the matrix) divided by the time the "
+         "all-to-alls took, summed over the events shown. Compare with the link's peak (NVLink on "
+         "H100/H200: about 450 GB/s per direction per GPU) to see how much the exchange wastes.");
+  Metric("bytes between ranks", "%.0f", a.remote_bytes, "The off-diagonal sum: what had to cross a link.");
+  Metric("time", "%.1f us", a.duration_us, "The summed duration of the all-to-all events shown (the rank that timed them).");
+  for (int64_t r = 0; r < a.ranks && r < 16; ++r)
+    ImGui::Text("rank %lld: sends %s, receives %s", static_cast<long long>(r), Bytes(a.send_bytes[static_cast<size_t>(r)]).c_str(),
+                Bytes(a.recv_bytes[static_cast<size_t>(r)]).c_str());
+  ImGui::EndGroup();
+  // The series scans every all-to-all of the run: kept until the data or the name changes.
+  auto& cached = state.series[RegionName(state, run, "bandwidth")];
+  const std::string series_key = TextureKey("bandwidth", run, 0, 0, 0) + state.alltoall_name;
+  if (cached.key != series_key) cached = {series_key, alltoall_bandwidth_series(m, state.alltoall_name)};
+  ImGui::Text("achieved bandwidth per step (GB/s), all layers");
+  HelpMarker("The same figure for every recorded step: dips are steps where the exchange waited.");
+  CurvePlot(("bandwidth" + RegionName(state, run, "")).c_str(), state, {{"GB/s", &cached.series, RunColor(run.color_index)}},
+            ImVec2(ImGui::GetContentRegionAvail().x, 70));
+}
+
+// What each rank's experts received to compute, from the dispatch matrix's columns.
+void LoadAcrossRanks(ViewerState& state, OpenRun& run) {
+  const RunModel& m = run.model;
+  const RankLoad load = rank_load_at(m, state.step, state.alltoall_layer);
+  if (load.ranks == 0) return;  // ByteMatrix said what is missing
+  ImGui::Separator();
+  ImGui::Text("load across ranks: %s, step %lld: max / mean %.3f (rank %lld the busiest)", LayerText(state.alltoall_layer).c_str(),
+              static_cast<long long>(load.step), load.max_over_mean, static_cast<long long>(load.busiest_rank));
+  HelpMarker("The bytes the dispatch all-to-all sent to each rank (the matrix's column): the token rows its experts "
+             "compute. The step waits for the busiest rank, so max / mean is the expert-parallel slowdown the "
+             "routing causes: 1 is balanced, 2 means one of two ranks does all the work. The load-balancing loss "
+             "pushes the router towards 1.");
+  double largest = 0, total = 0;
+  for (double b : load.received) {
+    largest = std::max(largest, b);
+    total += b;
+  }
+  const float width = ImGui::GetContentRegionAvail().x;
+  for (int64_t r = 0; r < load.ranks && r < 16; ++r) {
+    const double b = load.received[static_cast<size_t>(r)];
+    char overlay[80];
+    std::snprintf(overlay, sizeof overlay, "rank %lld: %s (%.1f%%)", static_cast<long long>(r), Bytes(b).c_str(),
+                  total > 0 ? 100.0 * b / total : 0.0);
+    ImGui::ProgressBar(largest > 0 ? static_cast<float>(b / largest) : 0.0f, ImVec2(std::min(width, 420.0f), 0), overlay);
+  }
+  auto& cached = state.series[RegionName(state, run, "rank_imbalance")];
+  const std::string key = TextureKey("rank_imbalance", run, state.alltoall_layer, 0, 0);
+  if (cached.key != key) cached = {key, rank_imbalance_series(m, state.alltoall_layer)};
+  ImGui::Text("max / mean load across ranks per recorded step, %s", LayerText(state.alltoall_layer).c_str());
+  HelpMarker("The same figure at every step the run recorded all-to-alls.");
+  CurvePlot(("rank_imbalance" + RegionName(state, run, "")).c_str(), state,
+            {{"max / mean", &cached.series, RunColor(run.color_index)}}, ImVec2(width, 70));
+}
+
+// The time each rank waits in the exchanges, derived from every rank's exchange spans.
+void IdleInExchanges(ViewerState& state, OpenRun& run) {
+  const RunModel& m = run.model;
+  if (m.spans.empty()) return;
+  const ExchangeWaits w = exchange_waits_at(m, state.step);
+  ImGui::Separator();
+  if (w.exchanges == 0) {
+    LacksData("exchange phases timed on two or more ranks, so no idle time in the all-to-alls (a one-GPU run waits "
+              "for no one; moe_train_distributed on two or more ranks records every rank's exchange spans)");
+    return;
+  }
+  std::string names;
+  for (const std::string& n : w.names) names += (names.empty() ? "" : ", ") + n;
+  ImGui::Text("idle time in the all-to-alls, step %lld", static_cast<long long>(w.step));
+  HelpMarker("An all-to-all returns on every rank at about the same moment, once the last rank has joined and the "
+             "bytes have moved; a rank that arrives early waits. Each rank's k-th exchange of a name is the same "
+             "collective on every rank, so its idle time is its duration minus the fastest rank's, summed over the "
+             "step. Measured on each rank's own clock: no cross-rank alignment is assumed. It is a lower bound "
+             "(the fastest rank waits for the bytes too) and it also holds differences in what each rank sends.");
+  ImGui::TextWrapped("Derived from the record: for each of the step's %lld collectives (%s), the rank's duration "
+                     "minus the fastest rank's; summed.", static_cast<long long>(w.exchanges), names.c_str());
+  if (ImGui::BeginTable("idle", 4, ImGuiTableFlags_Borders | ImGuiTableFlags_SizingFixedFit)) {
+    for (const char* column : {"rank", "in exchanges", "idle (waiting)", "idle share"}) ImGui::TableSetupColumn(column);
+    ImGui::TableHeadersRow();
+    for (int64_t r = 0; r < w.ranks && r < 16; ++r) {
+      const double in = w.exchange_us[static_cast<size_t>(r)], idle = w.idle_us[static_cast<size_t>(r)];
+      ImGui::TableNextRow();
+      ImGui::TableNextColumn();
+      ImGui::Text("%lld", static_cast<long long>(r));
+      ImGui::TableNextColumn();
+      ImGui::Text("%.1f us", in);
+      ImGui::TableNextColumn();
+      ImGui::Text("%.1f us", idle);
+      ImGui::TableNextColumn();
+      ImGui::Text("%.0f%%", in > 0 ? 100.0 * idle / in : 0.0);
+    }
+    ImGui::EndTable();
+  }
+  // One line per rank over the recorded steps; rebuilt when the data changes.
+  auto& first = state.series[RegionName(state, run, "idle_r0")];
+  const std::string key = TextureKey("idle", run, 0, 0, 0);
+  if (first.key != key) {
+    const std::vector<Series> per_rank = exchange_idle_series(m);
+    for (size_t r = 0; r < per_rank.size() && r < 16; ++r)
+      state.series[RegionName(state, run, ("idle_r" + std::to_string(r)).c_str())] = {key, per_rank[r]};
+  }
+  std::vector<CurveLine> lines;
+  for (int64_t r = 0; r < w.ranks && r < 16; ++r) {
+    const auto& entry = state.series[RegionName(state, run, ("idle_r" + std::to_string(r)).c_str())];
+    if (entry.key == key) lines.push_back({"rank " + std::to_string(r), &entry.series, ToImU32(expert_color(r))});
+  }
+  ImGui::Text("idle per rank per recorded step (us):");
+  for (size_t r = 0; r < lines.size(); ++r) {
+    ImGui::SameLine();
+    ImGui::TextColored(ImGui::ColorConvertU32ToFloat4(lines[r].color), "%s", lines[r].label.c_str());
+  }
+  HelpMarker("A run's first step holds its communicator's first collective (NCCL's set-up in moe_train_distributed): "
+             "a rank that reaches it early waits long there.");
+  CurvePlot(("idle" + RegionName(state, run, "")).c_str(), state, lines, ImVec2(ImGui::GetContentRegionAvail().x, 70));
+}
+
 void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
   const RunModel& m = run.model;
   const Timeline& timeline = CachedStepTimeline(state, run, false);
@@ -38,7 +237,10 @@ void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
              "before it. Expert parallelism (FastMoE, Tutel): each rank sends its tokens to "
              "the ranks that own their experts (dispatch all-to-all), computes its local experts, and sends "
              "the results back (combine). A rank that finishes early waits at the next all-to-all for the "
-             "slowest one: look for gaps before a dispatch or combine. Grey: spans too thin to draw, merged.");
+             "slowest one: look for gaps before a dispatch or combine. Grey: spans too thin to draw, merged. "
+             "Several ranks share one time axis: moe_train_distributed places each rank's GPU times from rank 0's "
+             "host time at the step's start, so the lanes are aligned on the step's first phase (the ranks leave "
+             "the previous step's all-reduce together), not on a clock the GPUs share.");
   if (m.spans.empty() && m.alltoalls.empty()) {
     LacksData("timed spans or all-to-all events (its program timed no phases)");
     return;
@@ -47,50 +249,9 @@ void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
   TimelineView("timeline", timeline, ImVec2(std::max(200.0f, ImGui::GetContentRegionAvail().x), 160));
   RecordLastItem(state, RegionName(state, run, "timeline"));
 
-  if (m.alltoalls.empty()) {
-    LacksData("all-to-all byte matrices");
-    return;
-  }
-  const AllToAllView a = alltoall_at(m, state.step, state.alltoall_name);
-  ImGui::Separator();
-  ImGui::Text("bytes[src][dst] at step %lld (%lld all-to-all events)", static_cast<long long>(a.step), static_cast<long long>(a.events));
-  HelpMarker("Row: the sending rank, column: the receiving rank. The diagonal stays on its rank (no link "
-             "crossed). An unbalanced row or column is a rank that sends or receives more, because its "
-             "tokens prefer remote experts or its experts are hot. Colour: bytes relative to the largest cell.");
-  Matrix bytes;
-  bytes.rows = bytes.cols = a.ranks;
-  double largest = 0;
-  for (double b : a.bytes) largest = std::max(largest, b);
-  for (double b : a.bytes) bytes.values.push_back(largest > 0 ? static_cast<float>(b / largest) : 0.0f);
-  HeatmapTexture& texture = state.textures[RegionName(state, run, "alltoall_bytes")];
-  const std::string key = TextureKey("bytes", run, a.step, 0, 0) + state.alltoall_name;
-  if (texture.key != key) texture.upload(colorize(bytes, 0.0f, 1.0f), key);
-  const float side = std::clamp(static_cast<float>(a.ranks) * 24.0f, 48.0f, 220.0f);
-  int col = 0, row = 0;
-  if (HeatmapImage(texture, ImVec2(side, side), &col, &row))
-    ImGui::SetTooltip("rank %d -> rank %d: %.0f bytes", row, col, a.bytes[static_cast<size_t>(row * a.ranks + col)]);
-  RecordLastItem(state, RegionName(state, run, "alltoall_bytes"));
-  ImGui::SameLine();
-  ImGui::BeginGroup();
-  Metric("achieved bandwidth", "%.2f GB/s", a.bandwidth_gb_per_s,
-         "Bytes that crossed between ranks (the off-diagonal of the matrix) divided by the time the "
-         "all-to-alls took, summed over the events of the step. Compare with the link's peak (NVLink on "
-         "H100/H200: about 450 GB/s per direction per GPU) to see how much the exchange wastes.");
-  Metric("bytes between ranks", "%.0f", a.remote_bytes, "The off-diagonal sum: what had to cross a link.");
-  Metric("time", "%.1f us", a.duration_us, "The summed duration of the all-to-all events of the step.");
-  for (int64_t r = 0; r < a.ranks && r < 16; ++r)
-    ImGui::Text("rank %lld: sends %.0f, receives %.0f bytes", static_cast<long long>(r), a.send_bytes[static_cast<size_t>(r)],
-                a.recv_bytes[static_cast<size_t>(r)]);
-  ImGui::EndGroup();
-  // The series scans every all-to-all of the run: kept until the data or the name changes.
-  auto& cached = state.series[RegionName(state, run, "bandwidth")];
-  const std::string series_key = TextureKey("bandwidth", run, 0, 0, 0) + state.alltoall_name;
-  if (cached.key != series_key) cached = {series_key, alltoall_bandwidth_series(m, state.alltoall_name)};
-  const Series& bandwidth = cached.series;
-  ImGui::Text("achieved bandwidth per step (GB/s)");
-  HelpMarker("The same figure for every recorded step: dips are steps where the exchange waited.");
-  CurvePlot(("bandwidth" + RegionName(state, run, "")).c_str(), state, {{"GB/s", &bandwidth, RunColor(run.color_index)}},
-            ImVec2(ImGui::GetContentRegionAvail().x, 80));
+  ByteMatrix(state, run);
+  LoadAcrossRanks(state, run);
+  IdleInExchanges(state, run);
 }
 
 }  // namespace
@@ -109,6 +270,23 @@ void ShowAllToAllPanel(ViewerState& state) {
       ImGui::EndCombo();
     }
     HelpMarker("Which all-to-all to show: dispatch (tokens to their experts' ranks) or combine (results back).");
+    std::vector<int64_t> layers;
+    for (OpenRun* run : state.shown_runs())
+      for (int64_t l : alltoall_layers(run->model))
+        if (l >= 0 && std::find(layers.begin(), layers.end(), l) == layers.end()) layers.push_back(l);
+    std::sort(layers.begin(), layers.end());
+    if (!layers.empty()) {
+      ImGui::SameLine(0, 20);
+      ImGui::SetNextItemWidth(120);
+      if (ImGui::BeginCombo("layer", LayerText(state.alltoall_layer).c_str())) {
+        if (ImGui::Selectable("all layers", state.alltoall_layer < 0)) state.alltoall_layer = -1;
+        for (int64_t l : layers)
+          if (ImGui::Selectable(LayerText(l).c_str(), l == state.alltoall_layer)) state.alltoall_layer = l;
+        ImGui::EndCombo();
+      }
+      HelpMarker("The MoE layer whose byte matrix and load across ranks to show (moe_viewer --layer N), or all "
+                 "layers summed.");
+    }
   }
   ForEachShownRun(state, "alltoall_runs", [&](OpenRun& run) { ShowRunAllToAll(state, run); });
 }

@@ -2,14 +2,32 @@
 // Spans thinner than a pixel are merged by visible_spans(), so a frame draws at most about one
 // rectangle per pixel per lane.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
-#include "colormap.h"  // expert_color, reused as a categorical palette for span names
+#include "colormap.h"        // expert_color, reused as a categorical palette for span names
+#include "inference_view.h"  // is_stall_span
 #include "widgets.h"
 
 namespace moe::viewer {
 
-void TimelineView(const char* id, const Timeline& timeline, ImVec2 size) {
+namespace {
+// A family's colour: red for the compute stream's waits for copies (a stall must stand out), the
+// categorical palette otherwise, stepping over its reds.
+ImU32 FamilyColor(const Timeline& timeline, int32_t family) {
+  if (is_stall_span(timeline.families[static_cast<size_t>(family)])) return kStallColor;
+  // The family-th palette colour whose hue (k x 137.5 degrees, expert_color) is not within 30
+  // degrees of red.
+  int64_t k = -1;
+  for (int32_t seen = -1; seen < family;) {
+    const double hue = std::fmod(static_cast<double>(++k) * 137.50776, 360.0);
+    if (hue > 30 && hue < 330) ++seen;
+  }
+  return ToImU32(expert_color(k));
+}
+}  // namespace
+
+void TimelineView(const char* id, const Timeline& timeline, ImVec2 size, double span_us) {
   ImGui::PushID(id);
   if (timeline.lanes.empty()) {
     ImGui::TextDisabled("(no spans at this step)");
@@ -24,7 +42,7 @@ void TimelineView(const char* id, const Timeline& timeline, ImVec2 size) {
   const float lane_height = std::clamp((size.y - 16) / static_cast<float>(timeline.lanes.size()), ImGui::GetFontSize() + 3, 24.0f);
   const ImVec2 p0 = ImGui::GetCursorScreenPos();
   const float width = size.x - label_width;
-  const double t_lo = timeline.t0, t_hi = std::max(timeline.t1, timeline.t0 + 1);
+  const double t_lo = timeline.t0, t_hi = span_us > 0 ? t_lo + span_us : std::max(timeline.t1, timeline.t0 + 1);
   const double us_per_pixel = (t_hi - t_lo) / std::max(1.0f, width);
   ImDrawList* draw = ImGui::GetWindowDrawList();
   const ImVec2 mouse = ImGui::GetIO().MousePos;
@@ -44,7 +62,7 @@ void TimelineView(const char* id, const Timeline& timeline, ImVec2 size) {
     for (const TimelineSpan& s : visible) {
       const float x0 = p0.x + label_width + static_cast<float>((s.start_us - t_lo) / us_per_pixel);
       const float x1 = std::max(x0 + 1, p0.x + label_width + static_cast<float>((s.end_us - t_lo) / us_per_pixel));
-      const ImU32 color = s.merged > 1 ? IM_COL32(150, 150, 150, 255) : ToImU32(expert_color(s.name));
+      const ImU32 color = s.merged > 1 ? IM_COL32(150, 150, 150, 255) : FamilyColor(timeline, timeline.family_of[static_cast<size_t>(s.name)]);
       draw->AddRectFilled(ImVec2(x0, y), ImVec2(x1, y + lane_height - 2), color);
       if (x1 - x0 > 40) {
         draw->PushClipRect(ImVec2(x0, y), ImVec2(x1, y + lane_height), true);
@@ -62,22 +80,27 @@ void TimelineView(const char* id, const Timeline& timeline, ImVec2 size) {
   std::snprintf(text, sizeof text, "%.1f us", 0.0);
   draw->AddText(ImVec2(p0.x + label_width, axis_y), IM_COL32(150, 150, 150, 255), text);
   std::snprintf(text, sizeof text, "%.1f us", t_hi - t_lo);
+  if (span_us > 0 && timeline.t1 < t_hi) {  // where this run's step ends on the shared scale
+    const float x_end = p0.x + label_width + static_cast<float>((timeline.t1 - t_lo) / us_per_pixel);
+    draw->AddLine(ImVec2(x_end, p0.y), ImVec2(x_end, axis_y), IM_COL32(220, 220, 220, 180));
+  }
   draw->AddText(ImVec2(p0.x + size.x - ImGui::CalcTextSize(text).x, axis_y), IM_COL32(150, 150, 150, 255), text);
   ImGui::Dummy(ImVec2(size.x, axis_y - p0.y + ImGui::GetFontSize() + 2));
   // The names behind the colours: most phases of a 3 ms step are too narrow to carry their name.
   const float right = p0.x + size.x;
-  for (size_t n = 0; n < timeline.names.size(); ++n) {
-    const char* name = timeline.names[n].c_str();
+  for (size_t n = 0; n < timeline.families.size(); ++n) {
+    const char* name = timeline.families[n].c_str();
     if (n > 0) {
       ImGui::SameLine(0, 10);
       if (ImGui::GetCursorScreenPos().x + 14 + ImGui::CalcTextSize(name).x > right) ImGui::NewLine();
     }
     const ImVec2 q = ImGui::GetCursorScreenPos();
     const float box = ImGui::GetFontSize() * 0.7f;
-    draw->AddRectFilled(ImVec2(q.x, q.y + 3), ImVec2(q.x + box, q.y + 3 + box), ToImU32(expert_color(static_cast<int64_t>(n))));
+    draw->AddRectFilled(ImVec2(q.x, q.y + 3), ImVec2(q.x + box, q.y + 3 + box), FamilyColor(timeline, static_cast<int32_t>(n)));
     ImGui::Dummy(ImVec2(box + 3, box));
     ImGui::SameLine(0, 0);
-    ImGui::TextDisabled("%s", name);
+    if (is_stall_span(timeline.families[n])) ImGui::TextColored(ImVec4(1.0f, 0.45f, 0.45f, 1.0f), "%s (stall)", name);
+    else ImGui::TextDisabled("%s", name);
   }
   if (hovered_lane) {
     const TimelineSpan* hovered = &hovered_span;

@@ -15,6 +15,7 @@
 #include "comm_view.h"        // Timeline
 #include "downsample.h"       // CurveColumn
 #include "heatmap_texture.h"  // HeatmapTexture
+#include "inference_view.h"   // CacheTimeline, DecodeModeRow
 #include "run_choice.h"       // choose_runs
 #include "run_list.h"         // RunEntry
 #include "run_model.h"        // RunModel
@@ -66,6 +67,13 @@ struct ViewerState {
     Series series;
   };
   std::map<std::string, CachedSeries> series;  // derived series too costly to rebuild each frame
+  struct CachedDecode {
+    std::string key;
+    CacheTimeline cache;  // the expert cache over the decode steps
+    DecodeModeRow row;    // the run's line in the modes-side-by-side table
+  };
+  std::map<std::string, CachedDecode> decode;  // the offload panel's, per run
+  int64_t alltoall_layer = -1;  // the layer of the byte matrix and the load across ranks (-1: all)
   struct CachedCurves {
     std::string key;  // the plot's step window and width, and each line's series and length
     std::vector<std::vector<CurveColumn>> columns;  // one list of pixel columns per line

@@ -135,7 +135,7 @@ void ForEachShownRun(ViewerState& state, const char* table_id, const std::functi
     ImGui::PopID();
     return;
   }
-  const int columns = static_cast<int>(std::min<size_t>(shown.size(), 4));
+  const int columns = static_cast<int>(std::min<size_t>(shown.size(), kMaxRunColumns));
   if (ImGui::BeginTable(table_id, columns, ImGuiTableFlags_BordersInnerV | ImGuiTableFlags_Resizable)) {
     for (int i = 0; i < columns; ++i) {
       ImGui::TableNextColumn();
@@ -148,9 +148,9 @@ void ForEachShownRun(ViewerState& state, const char* table_id, const std::functi
     }
     ImGui::EndTable();
   }
-  if (shown.size() > 4)
-    ImGui::TextDisabled("(%zu runs shown, %zu with %s; the first 4 are drawn side by side, those with it first)",
-                        shown.size(), with_data, panel_data_name(state.current_panel));
+  if (shown.size() > kMaxRunColumns)
+    ImGui::TextDisabled("(%zu runs shown, %zu with %s; the first %zu are drawn side by side, those with it first)",
+                        shown.size(), with_data, panel_data_name(state.current_panel), kMaxRunColumns);
 }
 
 std::string TextureKey(const char* what, const OpenRun& run, int64_t a, int64_t b, float scale) {

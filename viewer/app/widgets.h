@@ -60,8 +60,12 @@ void CurvePlot(const char* id, ViewerState& state, const std::vector<CurveLine>&
                const char* value_format = "%.4g", const SharedSteps* shared = nullptr);
 
 // [SECTION] timeline
-// Lanes of spans between t_lo and t_hi (microseconds); hover shows a span's name and times.
-void TimelineView(const char* id, const Timeline& timeline, ImVec2 size);
+// Lanes of spans from the timeline's first start (microseconds); hover shows a span's name and
+// times. span_us > 0 fixes the width of time shown, so runs side by side share one scale (a
+// shorter step ends short of the right edge); 0 fits the timeline. Spans of the compute stream
+// waiting for expert copies (is_stall_span) are drawn in kStallColor.
+void TimelineView(const char* id, const Timeline& timeline, ImVec2 size, double span_us = 0);
+inline constexpr ImU32 kStallColor = IM_COL32(235, 40, 40, 255);
 
 // [SECTION] keys and regions
 // A texture's key: what it shows and the run's data version, so it is re-uploaded only on change.
@@ -73,7 +77,9 @@ std::string RegionName(const ViewerState& state, const OpenRun& run, const char*
 void RecordLastItem(ViewerState& state, const std::string& name);
 
 // [SECTION] side by side
-// Calls draw(run) for each shown run, in a column per run when there are several.
+// Calls draw(run) for each shown run, in a column per run when there are several, at most
+// kMaxRunColumns of them (the first ones in the panel's order).
+inline constexpr size_t kMaxRunColumns = 4;
 void ForEachShownRun(ViewerState& state, const char* table_id, const std::function<void(OpenRun&)>& draw);
 
 }  // namespace moe::viewer

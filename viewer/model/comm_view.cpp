@@ -32,10 +32,16 @@ int64_t recorded_step(const Records& records, int64_t step, bool& found) {
 Timeline build_timeline(const RunModel& run, int64_t step_lo, int64_t step_hi, bool copy_and_compute_only) {
   Timeline t;
   std::map<std::pair<int64_t, int64_t>, TimelineLane> lanes;
-  std::map<std::string, int32_t> name_index;
+  std::map<std::string, int32_t> name_index, family_index;
   auto index_of = [&](const std::string& name) {
     auto [it, inserted] = name_index.try_emplace(name, static_cast<int32_t>(t.names.size()));
-    if (inserted) t.names.push_back(name);
+    if (inserted) {
+      t.names.push_back(name);
+      const std::string family = name.substr(0, name.find(' '));
+      auto [f, new_family] = family_index.try_emplace(family, static_cast<int32_t>(t.families.size()));
+      if (new_family) t.families.push_back(family);
+      t.family_of.push_back(f->second);
+    }
     return it->second;
   };
   t.t0 = std::numeric_limits<double>::infinity();
@@ -109,13 +115,14 @@ std::vector<TimelineSpan> visible_spans(const TimelineLane& lane, double t_lo, d
   return out;
 }
 
-AllToAllView alltoall_at(const RunModel& run, int64_t step, const std::string& name) {
+AllToAllView alltoall_at(const RunModel& run, int64_t step, const std::string& name, int64_t layer) {
   AllToAllView v;
+  v.layer = layer;
   bool found = false;
   v.step = recorded_step(run.alltoalls, step, found);
   if (!found) return v;
   for (const AllToAllRecord& a : run.alltoalls) {
-    if (a.step != v.step || (!name.empty() && a.name != name)) continue;
+    if (a.step != v.step || (!name.empty() && a.name != name) || (layer >= 0 && a.layer != layer)) continue;
     if (a.ranks > v.ranks) {  // a wider matrix than seen so far: grow, keeping what was summed
       std::vector<double> grown(static_cast<size_t>(a.ranks * a.ranks), 0.0);
       for (int64_t s = 0; s < v.ranks; ++s)

@@ -34,6 +34,10 @@ struct TimelineLane {
 struct Timeline {
   double t0 = 0, t1 = 0;  // earliest start, latest end (microseconds)
   std::vector<std::string> names;  // span names, each once
+  // A span's colour and legend entry: its name up to the first space, so that "copy m0" ..
+  // "copy m5" (one per MoE block) share one colour and the legend stays short.
+  std::vector<std::string> families;
+  std::vector<int32_t> family_of;  // [names] index into families
   std::vector<TimelineLane> lanes; // sorted by rank, then stream
   int64_t span_count = 0;
 };
@@ -64,9 +68,11 @@ struct AllToAllView {
   double bandwidth_gb_per_s = 0;   // remote_bytes / duration (1 GB = 1e9 bytes)
   int64_t events = 0;
   int64_t step = 0;                // the recorded step shown
+  int64_t layer = -1;              // the layer shown (-1: summed over the layers)
 };
-// The all-to-alls of the recorded step at or before `step`; name "" takes every name.
-AllToAllView alltoall_at(const RunModel& run, int64_t step, const std::string& name);
+// The all-to-alls of the recorded step at or before `step`; name "" takes every name, layer -1
+// every layer.
+AllToAllView alltoall_at(const RunModel& run, int64_t step, const std::string& name, int64_t layer = -1);
 std::vector<std::string> alltoall_names(const RunModel& run);
 Series alltoall_bandwidth_series(const RunModel& run, const std::string& name);
 

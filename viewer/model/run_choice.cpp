@@ -33,7 +33,8 @@ constexpr PanelData kPanelData[] = {
     {"topology", &RunHoldings::topology, "topology events",
      "moe_train --run-dir (dropless), lessons 02-04 (lesson 03: the block-sparse layout)"},
     {"alltoall", &RunHoldings::alltoall, "timed spans or all-to-all events",
-     "lessons 06/07 under mpirun (./moe tour), ep runs; spans also from moe_train / moe_generate --run-dir"},
+     "moe_train_distributed --run-dir on two or more ranks, lessons 06/07 under mpirun (./moe tour); spans also "
+     "from moe_train / moe_generate --run-dir"},
     {"offload", &RunHoldings::offload, "offload events",
      "moe_generate --run-dir / offload_bench --record-dir (experts offloaded to host memory)"},
 };

@@ -117,7 +117,11 @@ struct OffloadRecord {
   int64_t hits = 0;
   int64_t misses = 0;
   double stall_us = 0;
-  std::vector<int64_t> prefetched;
+  std::vector<int64_t> prefetched;  // the experts the schedule asked to copy ahead (a hint)
+  // Optional fields the decoding programs add (cuda/infer/offload_recording.cpp):
+  std::vector<int64_t> experts;          // the experts the block chose
+  std::optional<int64_t> prefetched_used;  // prefetch copies the block then chose
+  std::optional<int64_t> bytes;            // host-to-device bytes copied for the block
 };
 
 struct TokensRecord {
