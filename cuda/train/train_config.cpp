@@ -340,8 +340,9 @@ void validate(const TrainConfig& c) {
   }
   if (c.cuda_graph && moe && c.model.formulation == Formulation::dropless) {
     // Captured at the throughput preset on an H200 (2026-11-26), the block-sparse kernels ended in an
-    // illegal instruction: their per-launch tensor maps live in scratch whose addresses a graph
-    // reuses between launches. Tiny shapes replayed bit for bit; the cause is not yet pinned down.
+    // illegal instruction; tiny shapes replayed bit for bit. Suspected, not yet shown: their
+    // per-launch tensor maps live in pool scratch whose addresses a graph hands from one launch to
+    // the next.
     reject("cuda_graph", "true with formulation = dropless",
            "padded, dropping or a dense model (the dropless kernels are not yet safe to capture)");
   }
