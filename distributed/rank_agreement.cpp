@@ -24,12 +24,29 @@ void check_on_every_rank(Communicator& communicator, std::string_view what,
   std::vector<uint8_t> mine(static_cast<size_t>(longest), 0);
   std::copy(message.begin(), message.end(), mine.begin());
   const std::vector<uint8_t> all = all_gather<uint8_t>(communicator, mine);
-  std::string report(what);
-  report += ":";
+  // One entry per distinct message, with the ranks that gave it ("every rank" when all did).
+  std::vector<std::pair<std::string, std::vector<int>>> messages;
   for (int p = 0; p < communicator.size(); ++p) {
     if (lengths[p] == 0) continue;
     const auto* text = reinterpret_cast<const char*>(all.data()) + static_cast<size_t>(p) * longest;
-    report += " rank " + std::to_string(p) + ": " + std::string(text, static_cast<size_t>(lengths[p])) + ";";
+    const std::string one(text, static_cast<size_t>(lengths[p]));
+    auto same = std::find_if(messages.begin(), messages.end(), [&](const auto& entry) { return entry.first == one; });
+    if (same == messages.end()) {
+      messages.push_back({one, {p}});
+    } else {
+      same->second.push_back(p);
+    }
+  }
+  std::string report(what);
+  report += ":";
+  for (const auto& [text, ranks] : messages) {
+    if (communicator.size() > 1 && static_cast<int>(ranks.size()) == communicator.size()) {
+      report += " every rank";
+    } else {
+      report += ranks.size() == 1 ? " rank" : " ranks";
+      for (size_t i = 0; i < ranks.size(); ++i) report += (i ? ", " : " ") + std::to_string(ranks[i]);
+    }
+    report += ": " + text + ";";
   }
   report.pop_back();
   throw std::invalid_argument(report);

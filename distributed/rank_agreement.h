@@ -13,7 +13,8 @@
 namespace moe::dist {
 
 // Runs local_check here; if it threw on any rank, every rank throws std::invalid_argument
-// "<what>: rank p: <its message>; rank q: ..." (the ranks that failed, in order). Collective.
+// "<what>: rank p: <its message>; ranks q, s: <theirs>" (each distinct message once, with the ranks
+// that gave it, in order; "every rank: <message>" when all of several ranks gave the same). Collective.
 void check_on_every_rank(Communicator& communicator, std::string_view what,
                          const std::function<void()>& local_check);
 

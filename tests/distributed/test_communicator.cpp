@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -307,6 +309,35 @@ TEST(Communicator, SettingsThatDifferFailOnEveryRankNamingTheRanks) {
     }
   }
   comm.barrier();  // every rank is still in step
+}
+
+// A check that fails on several ranks: each distinct message once, with the ranks that gave it.
+TEST(Communicator, FailedChecksNameEachMessageOnceWithItsRanks) {
+  Communicator& comm = world();
+  const int R = comm.size(), rank = comm.rank();
+  const auto message_of = [&](const std::function<void()>& check) -> std::string {
+    try {
+      check_on_every_rank(comm, "the check", check);
+    } catch (const std::invalid_argument& error) {
+      return error.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_EQ(message_of([] {}), "(no error)");
+  // Every rank with the same message: said once.
+  EXPECT_EQ(message_of([] { throw std::invalid_argument("K > E"); }),
+            R == 1 ? "the check: rank 0: K > E" : "the check: every rank: K > E");
+  // The even and the odd ranks with a message each ("rank 0" / "ranks 0, 2").
+  const auto named = [&](int first) {
+    std::vector<int> ranks;
+    for (int p = first; p < R; p += 2) ranks.push_back(p);
+    std::string text = ranks.size() == 1 ? "rank" : "ranks";
+    for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : " ") + std::to_string(ranks[i]);
+    return text;
+  };
+  const std::string got = message_of([&] { throw std::invalid_argument(rank % 2 == 0 ? "even" : "odd"); });
+  EXPECT_EQ(got, "the check: " + named(0) + ": even" + (R > 1 ? "; " + named(1) + ": odd" : std::string()));
+  comm.barrier();
 }
 
 }  // namespace
