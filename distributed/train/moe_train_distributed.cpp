@@ -145,7 +145,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
   // ---- the settings: parsed and checked on every rank, the same everywhere ----
   DistributedFlags flags;
   moe::train::TrainConfig config;
-  moe::dist::check_on_every_rank(world, "moe_train_distributed: settings", [&] {
+  moe::dist::check_on_every_rank(world, "settings", [&] {
     flags = split_flags(arguments);
     config = moe::train::parse_arguments(flags.rest);
     moe::train::validate(config);
@@ -166,7 +166,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
                                                   std::to_string(flags.pipeline_chunks)));
 
   // ---- one GPU per rank, or ranks sharing one ----
-  moe::dist::check_on_every_rank(world, "moe_train_distributed: GPUs", [] {
+  moe::dist::check_on_every_rank(world, "GPUs", [] {
     if (const std::string why = moe::cuda::why_no_gpu(); !why.empty()) throw std::runtime_error("no GPU: " + why);
   });
   int devices = 0;
@@ -179,7 +179,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
   bool every_rank_own_gpu = true;
   for (int32_t o : own) every_rank_own_gpu = every_rank_own_gpu && o == 1;
   std::string backend = flags.backend.empty() ? (every_rank_own_gpu ? "nccl" : "mpi") : flags.backend;
-  moe::dist::check_on_every_rank(world, "moe_train_distributed: --backend", [&] {
+  moe::dist::check_on_every_rank(world, "--backend", [&] {
     if (backend == "nccl" && !every_rank_own_gpu) {
       throw moe::train::TrainConfigError("--backend nccl needs one GPU per rank (NCCL refuses two ranks on one GPU); "
                                          "use --backend mpi");
