@@ -9,10 +9,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <string>
 
 #include "brown_corpus.h"  // convert_brown, brown_genres
 #include "text_corpus.h"   // write_text_corpus, load_text_corpus, unigram_bits_per_byte
+#include "program_exit.h"  // check_output_path, kExitBadInput
 
 namespace {
 
@@ -59,9 +61,18 @@ int main(int argc, char** argv) {
   }
   if (out_directory.empty()) return usage_error("needs PACKAGE_DIR and OUT_DIR");
 
+  // Bad input, exit 2: a package that is not the corpus, an OUT_DIR that cannot be created.
+  std::string provenance;
+  moe::TextCorpus converted;
   try {
-    std::string provenance;
-    const moe::TextCorpus converted = moe::convert_brown(package_directory, options, provenance);
+    moe::check_output_path("OUT_DIR", std::filesystem::path(out_directory) / "index.json");
+    converted = moe::convert_brown(package_directory, options, provenance);
+  } catch (const std::exception& e) {  // UsageError, TextCorpusError: each names the path and the fault
+    std::fprintf(stderr, "moe_brown_convert: %s\n", e.what());
+    return moe::kExitBadInput;
+  }
+  // A failure while writing or reading back, exit 1.
+  try {
     moe::write_text_corpus(out_directory, converted, provenance);
     // Read back what was written, so the numbers below are those of the files a run will load.
     const moe::TextCorpus corpus = moe::load_text_corpus(out_directory);

@@ -3,6 +3,7 @@
 #include "train/train_config.h"
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -303,6 +304,9 @@ TrainConfig parse_arguments(const std::vector<std::string>& arguments) {
   for (const Flag& flag : flags) {
     if (flag.name != "--config") continue;
     const std::string& path = require_value(flag);
+    if (std::error_code error; std::filesystem::is_directory(path, error)) {
+      throw TrainConfigError("--config " + path + ": a directory, not a JSON file");
+    }
     std::ifstream in(path);
     if (!in) throw TrainConfigError("--config " + path + ": cannot open the file");
     json object;

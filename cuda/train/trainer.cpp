@@ -30,10 +30,11 @@
 #include "checkpoint.h"           // save_checkpoint, load_checkpoint, latest_checkpoint
 #include "core/cuda_check.h"      // CUDA_CHECK
 #include "core/device_buffer.h"   // DeviceBuffer
-#include "core/device_info.h"     // current_device
+#include "core/device_info.h"     // current_device, why_no_gpu
 #include "reference_cpu/model.h"  // ref::init_model, ref::parameters (the initial weights)
 #include "model/model.h"          // ModelGpu
 #include "core/phase_timer.h"     // PhaseTimer
+#include "program_exit.h"         // check_output_path
 #include "progress_line.h"        // ProgressLine
 #include "run_record.h"           // RunWriter, events
 #include "text_corpus.h"          // load_corpus, unigram_bits_per_byte
@@ -570,39 +571,61 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
   TrainResult result;
   result.unigram_bits_per_byte = unigram_bits_per_byte(corpus.train.bytes, corpus.validation.bytes);
 
-  // The model, initialised or restored. Nothing is written before the config, the data and the
-  // checkpoint have all been accepted.
-  const OwnedStream owned_stream;
-  const cudaStream_t stream = owned_stream.get();
-  cuda::ModelGpu model(gpu_config(c, R, view.rank()), optimizer_settings(c), stream, ranks);
-  int64_t step = 0, tokens_seen = 0;
-  std::optional<RunWriter> writer;  // rank 0's
+  // Everything the run reads is checked before the GPU is touched, so a bad flag, data file,
+  // checkpoint or run directory is reported the same way on a machine without one.
+  const cuda::ModelGpuConfig model_config = gpu_config(c, R, view.rank());
+  std::optional<LoadedCheckpoint> checkpoint;
+  std::optional<fs::path> latest;
   if (c.resume) {
-    const std::optional<fs::path> latest = latest_checkpoint(checkpoints_dir(c));
+    latest = latest_checkpoint(checkpoints_dir(c));
     if (!latest) {
       throw CheckpointError("--resume: no checkpoint in " + checkpoints_dir(c).string() +
                             "; start the run without --resume (or check --run-dir)");
     }
-    const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(model.config())).back();
+    const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(model_config)).back();
     const int64_t whole_parameters = last.offset + last.rows * last.cols;  // the one-GPU model's
-    const LoadedCheckpoint checkpoint = load_checkpoint(*latest, checkpoint_arrays(whole_parameters));
-    const std::string changed = differences(checkpoint.header.model_config, model_json(c));
+    checkpoint = load_checkpoint(*latest, checkpoint_arrays(whole_parameters));
+    const std::string changed = differences(checkpoint->header.model_config, model_json(c));
     if (!changed.empty()) {
       throw CheckpointError(latest->string() + " was trained with another model: " + changed +
                             "; resume with the same settings, or start a new run");
     }
     const int64_t target = c.stop_after > 0 ? c.stop_after : c.steps;
-    if (checkpoint.header.step >= target) {
-      throw CheckpointError(latest->string() + " is at step " + std::to_string(checkpoint.header.step) +
+    if (checkpoint->header.step >= target) {
+      throw CheckpointError(latest->string() + " is at step " + std::to_string(checkpoint->header.step) +
                             ": the run already reached step " + std::to_string(target) +
                             "; nothing to resume (a longer run is a new run: --steps sets its schedule)");
     }
-    model.upload_weights(local_part(checkpoint.array("weights"), model.config()));
-    model.upload_optimizer_state({checkpoint.header.optimizer_step, local_part(checkpoint.array("adam_m"), model.config()),
-                                  local_part(checkpoint.array("adam_v"), model.config())});
-    sampler.set_state(checkpoint.header.sampler_state);
-    step = checkpoint.header.step;
-    tokens_seen = checkpoint.header.tokens_seen;
+  } else {
+    // RunWriter names its C++ option; the user types the flag.
+    if (!c.overwrite && (fs::exists(fs::path(c.run_dir) / "run.json") || fs::exists(fs::path(c.run_dir) / "events.jsonl"))) {
+      throw TrainConfigError("refusing to overwrite the existing run at " + c.run_dir +
+                             "; pick a new --run-dir, pass --resume to continue it or --overwrite to replace it");
+    }
+    // A path to a run directory that is a file is a run directory itself: refuse it the same way.
+    if (fs::exists(c.run_dir) && !fs::is_directory(c.run_dir)) {
+      throw TrainConfigError("--run-dir " + c.run_dir + " is a file, not a directory");
+    }
+    check_output_path("--run-dir", fs::path(c.run_dir) / "run.json");
+  }
+  if (const std::string why = cuda::why_no_gpu(); !why.empty()) throw std::runtime_error("no GPU: " + why);
+
+  // The model, initialised or restored. Nothing is written before the config, the data and the
+  // checkpoint have all been accepted.
+  const OwnedStream owned_stream;
+  const cudaStream_t stream = owned_stream.get();
+  cuda::ModelGpu model(model_config, optimizer_settings(c), stream, ranks);
+  int64_t step = 0, tokens_seen = 0;
+  std::optional<RunWriter> writer;  // rank 0's
+  if (checkpoint) {
+    model.upload_weights(local_part(checkpoint->array("weights"), model.config()));
+    model.upload_optimizer_state({checkpoint->header.optimizer_step,
+                                  local_part(checkpoint->array("adam_m"), model.config()),
+                                  local_part(checkpoint->array("adam_v"), model.config())});
+    sampler.set_state(checkpoint->header.sampler_state);
+    step = checkpoint->header.step;
+    tokens_seen = checkpoint->header.tokens_seen;
+    checkpoint.reset();  // three copies of the parameters: free them before training
     if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has read it before rank 0 edits the run
     if (view.root()) {
       cut_events_after(c.run_dir, step);
@@ -633,12 +656,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     info.extra["parameters"] = total_parameters(c.model);
     info.extra["active_parameters"] = active_parameters(c.model);
     info.extra["flops_per_token"] = flops_per_token(c.model);
-    // RunWriter names its C++ option; the user types the flag. Every rank looks before rank 0 writes.
-    if (!c.overwrite && (fs::exists(fs::path(c.run_dir) / "run.json") || fs::exists(fs::path(c.run_dir) / "events.jsonl"))) {
-      throw TrainConfigError("refusing to overwrite the existing run at " + c.run_dir +
-                             "; pick a new --run-dir, pass --resume to continue it or --overwrite to replace it");
-    }
-    if (view.ranks() != nullptr) view.ranks()->barrier();
+    if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has looked before rank 0 writes
     std::string failure;
     if (view.root()) {
       try {

@@ -55,7 +55,8 @@ struct TrainResult {
 
 // Trains as configured, writing the run record and checkpoints; progress and the summary go to
 // `log`. Throws TrainConfigError for a bad config, TextCorpusError for missing or bad data,
-// CheckpointError for a bad checkpoint, RecordError for an existing run without --overwrite.
+// CheckpointError for a bad checkpoint or none to resume from, TrainConfigError for an existing run
+// without --overwrite or a --run-dir that cannot be created (all before the GPU is touched).
 // With `ranks`, this is one rank of a collective run: every rank calls it with the same config; only
 // rank 0 writes to `log` and to the run directory.
 TrainResult train(const TrainConfig& config, std::ostream& log, cuda::ModelRanks* ranks = nullptr);
