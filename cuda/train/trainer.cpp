@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>  // SIGTERM
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -37,6 +38,7 @@
 #include "program_exit.h"         // check_output_path
 #include "progress_line.h"        // ProgressLine
 #include "run_record.h"           // RunWriter, events
+#include "stop_signal.h"          // stop_signal
 #include "text_corpus.h"          // load_corpus, unigram_bits_per_byte
 
 namespace moe::train {
@@ -718,13 +720,17 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     return view.mean({sum / double(validation.size())})[0];
   };
 
+  bool stop_agreed = false;  // set by flush on every rank alike
   auto flush = [&](int64_t through_step) {  // steps ring_first+1 .. through_step
     CUDA_CHECK(cudaStreamSynchronize(stream));
     const int64_t rows = through_step - ring_first;
     std::vector<double> ring;  // [rows][loss, lm, aux, z], the mean over the ranks
     for (float value : loss_ring.download()) ring.push_back(value);
     ring.resize(size_t(rows * 4));
+    ring.push_back(stop_signal() != 0 ? 1.0 : 0.0);  // a stop signal on any rank stops every rank here
     ring = view.mean(std::move(ring));
+    stop_agreed = ring.back() > 0;
+    ring.pop_back();
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t s = ring_first + r + 1;
       const double* l = &ring[size_t(r * 4)];
@@ -801,11 +807,25 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
       save(c, model, step, tokens_seen, sampler, view);
       CUDA_CHECK(cudaEventRecord(step_end[0], stream));
     }
+    // One GPU stops after the step in which the signal came; several stop at an agreed flush.
+    if (step < last_step && (view.ranks() == nullptr ? stop_signal() != 0 : stop_agreed)) {
+      if (!checkpoint_now) {
+        flush(step);
+        save(c, model, step, tokens_seen, sampler, view);
+      }
+      result.stopped_by_signal = stop_signal() != 0 ? stop_signal() : SIGTERM;  // another rank's signal
+      break;
+    }
   }
   progress.finish();
   for (cudaEvent_t event : step_end) cudaEventDestroy(event);
-
   result.steps_done = step;
+  if (result.stopped_by_signal != 0) {
+    log << "stopped by " << signal_name(result.stopped_by_signal) << " after step " << step << " of " << last_step
+        << "; checkpoint " << checkpoint_path(checkpoints_dir(c), step).string() << "\n";
+    return result;  // no summary: the run is not over, a resume continues it
+  }
+
   result.median_step_ms = median(plain_step_ms);
   result.tokens_per_second = result.median_step_ms > 0 ? double(T) / (result.median_step_ms * 1e-3) : 0;
   result.mfu = peak > 0 ? model_flops * result.tokens_per_second / peak : 0;

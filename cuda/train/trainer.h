@@ -22,6 +22,12 @@
 // one-GPU layout: a run resumes on any number of ranks, one GPU included. Losses and validation
 // are averaged over the ranks; every collective happens on every rank at the same step.
 //
+// Stopping early (common/stop_signal.h): once the program has installed the stop handlers, a SIGINT
+// or SIGTERM ends the run after the step in flight, with a checkpoint of that step and the record
+// flushed, as if it were the last step (no summary). On several ranks every rank must stop after the
+// same step: the ranks decide together at each flush of the losses (the signal rides in the
+// losses' mean, a collective made anyway), so a run of R ranks stops within log_every steps.
+//
 // Resuming (config.resume): the newest checkpoint of <run_dir>/checkpoints gives the weights,
 // AdamW's moments and step, the schedule's position and the batch sampler's state, so the run
 // continues the curve it was on (tests/train/test_trainer.cpp checks it step for step). Events the
@@ -51,6 +57,7 @@ struct TrainResult {
   double mfu = 0;                     // model FLOPs utilisation; 0 when the peak is unknown
   double dropped_fraction = 0;        // routed (token, expert) pairs dropped, over the recorded steps
   double wall_seconds = 0;
+  int stopped_by_signal = 0;          // SIGINT or SIGTERM ended the run early (after a checkpoint), else 0
 };
 
 // Trains as configured, writing the run record and checkpoints; progress and the summary go to
