@@ -443,31 +443,6 @@ std::vector<cuda::TimedPhase> record_spans(cuda::PhaseTimer& timer, int64_t step
 
 fs::path checkpoints_dir(const TrainConfig& c) { return fs::path(c.run_dir) / "checkpoints"; }
 
-// Keeps the events up to and including `step` (and those without a step); the rest were written
-// by the interrupted run after its last checkpoint and will be written again.
-void cut_events_after(const fs::path& run_dir, int64_t step) {
-  const fs::path events = run_dir / "events.jsonl";
-  std::ifstream in(events);
-  if (!in) return;
-  std::ostringstream kept;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    json event = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (event.is_discarded()) continue;  // a half-written last line
-    if (event.contains("step") && event["step"].is_number_integer() && event["step"].get<int64_t>() > step) continue;
-    kept << line << '\n';
-  }
-  in.close();
-  const fs::path temporary = events.string() + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    out << kept.str();
-    if (!out) throw RecordError(temporary.string() + ": cannot write");
-  }
-  fs::rename(temporary, events);
-}
-
 std::string differences(const json& saved_config, const json& wanted) {
   // A model config without "activation" has GeLU experts, the only ones it could describe.
   json saved = saved_config;
@@ -629,10 +604,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     tokens_seen = checkpoint->header.tokens_seen;
     checkpoint.reset();  // three copies of the parameters: free them before training
     if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has read it before rank 0 edits the run
-    if (view.root()) {
-      cut_events_after(c.run_dir, step);
-      writer.emplace(RunWriter::resume(c.run_dir));
-    }
+    if (view.root()) writer.emplace(RunWriter::resume_at_step(c.run_dir, step));
     log << "resumed " << c.run_dir << " at step " << step << " from " << latest->filename().string() << "\n";
   } else {
     model.upload_weights(local_part(initial_weights(c), model.config()));
