@@ -283,6 +283,10 @@ Options parse_options(int argc, char** argv) {
         const std::vector<std::string> n = split(v, ',');
         if (n.size() != 5) throw std::invalid_argument("--shapes: baselines, small, all or T,D,H,E,K");
         options.shapes = {{int(integer(n[0])), int(integer(n[1])), int(integer(n[2])), int(integer(n[3])), int(integer(n[4]))}};
+        const Shape& s = options.shapes.front();
+        if (s.T < 1 || s.D < 1 || s.H < 1 || s.E < 1 || s.K < 1 || s.K > s.E) {
+          throw std::invalid_argument("--shapes " + v + ": allowed: T,D,H,E,K all >= 1 and K <= E");
+        }
       }
     } else if (arg == "--routing") {
       const std::string v = value();
