@@ -6,7 +6,8 @@
 //   [SECTION] ranks                     one rank of several: its share, collectives, the whole model
 //   [SECTION] batches                   pinned double-buffered uploads
 //   [SECTION] recording                 routing / topology / tokens / span events from one step
-//   [SECTION] run directory             create, resume, cut events past a checkpoint
+//   [SECTION] run directory             checkpoints: save, compare a resumed model
+//   [SECTION] inputs                    data, checkpoint and run directory, checked before the GPU
 //   [SECTION] train
 //   [SECTION] benchmark
 #include "train/trainer.h"
@@ -517,59 +518,53 @@ double peak_bf16_flops(const std::string& device_name) {
   return 0;
 }
 
-// ---- [SECTION] train ----
+// ---- [SECTION] inputs ----
 
-TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks) {
+namespace {
+
+// What a run reads, loaded and checked before the GPU is touched, so a bad flag, data file,
+// checkpoint or run directory is reported the same way on a machine without one.
+struct RunInputs {
+  TextCorpus corpus;
+  std::optional<LoadedCheckpoint> checkpoint;  // the one resumed from
+  fs::path checkpoint_file;
+};
+
+RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   validate(c);
-  const RankView view(ranks);
-  const int R = view.size();
   if (c.batch % R != 0) {
     throw TrainConfigError("batch = " + std::to_string(c.batch) + " sequences cannot be shared by " + std::to_string(R) +
                            " ranks; the global batch must be a multiple of the ranks");
   }
-  NullStream quiet;
-  std::ostream& log = view.root() ? rank_log : quiet;
-  const int N_r = int(c.batch) / R, first_sequence = view.rank() * N_r;  // this rank's share of each batch
-  const auto wall_start = std::chrono::steady_clock::now();
-  TextCorpus corpus;
+  RunInputs inputs;
   try {
-    corpus = load_corpus(c.data, {.load_tags = false});
+    inputs.corpus = load_corpus(c.data, {.load_tags = false});
   } catch (const TextCorpusError& error) {
     throw TextCorpusError(std::string(error.what()) +
                           (c.data == "notebooks_data/brown" ? " (fetch the Brown corpus with ./moe data)" : ""));
   }
-  const int64_t N = c.batch, S = c.model.seq_len, T = N * S;
-  BatchSampler sampler(corpus, Split::train, int(N), int(S), c.data_seed);
-  std::vector<ByteBatch> validation;
-  {
-    BatchSampler validation_sampler(corpus, Split::validation, int(N), int(S), kValidationSeed);
-    for (int64_t i = 0; i < c.eval_batches; ++i) validation.push_back(validation_sampler.next());
-  }
-  TrainResult result;
-  result.unigram_bits_per_byte = unigram_bits_per_byte(corpus.train.bytes, corpus.validation.bytes);
-
-  // Everything the run reads is checked before the GPU is touched, so a bad flag, data file,
-  // checkpoint or run directory is reported the same way on a machine without one.
-  const cuda::ModelGpuConfig model_config = gpu_config(c, R, view.rank());
-  std::optional<LoadedCheckpoint> checkpoint;
-  std::optional<fs::path> latest;
+  // Both splits must hold a sequence of S + 1 bytes (the samplers say which does not).
+  BatchSampler(inputs.corpus, Split::train, int(c.batch), int(c.model.seq_len), c.data_seed);
+  BatchSampler(inputs.corpus, Split::validation, int(c.batch), int(c.model.seq_len), kValidationSeed);
   if (c.resume) {
-    latest = latest_checkpoint(checkpoints_dir(c));
+    const std::optional<fs::path> latest = latest_checkpoint(checkpoints_dir(c));
     if (!latest) {
       throw CheckpointError("--resume: no checkpoint in " + checkpoints_dir(c).string() +
                             "; start the run without --resume (or check --run-dir)");
     }
-    const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(model_config)).back();
+    inputs.checkpoint_file = *latest;
+    const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(gpu_config(c, R, rank))).back();
     const int64_t whole_parameters = last.offset + last.rows * last.cols;  // the one-GPU model's
-    checkpoint = load_checkpoint(*latest, checkpoint_arrays(whole_parameters));
-    const std::string changed = differences(checkpoint->header.model_config, model_json(c));
+    const LoadedCheckpoint& checkpoint =
+        inputs.checkpoint.emplace(load_checkpoint(*latest, checkpoint_arrays(whole_parameters)));
+    const std::string changed = differences(checkpoint.header.model_config, model_json(c));
     if (!changed.empty()) {
       throw CheckpointError(latest->string() + " was trained with another model: " + changed +
                             "; resume with the same settings, or start a new run");
     }
     const int64_t target = c.stop_after > 0 ? c.stop_after : c.steps;
-    if (checkpoint->header.step >= target) {
-      throw CheckpointError(latest->string() + " is at step " + std::to_string(checkpoint->header.step) +
+    if (checkpoint.header.step >= target) {
+      throw CheckpointError(latest->string() + " is at step " + std::to_string(checkpoint.header.step) +
                             ": the run already reached step " + std::to_string(target) +
                             "; nothing to resume (a longer run is a new run: --steps sets its schedule)");
     }
@@ -585,7 +580,37 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     }
     check_output_path("--run-dir", fs::path(c.run_dir) / "run.json");
   }
+  return inputs;
+}
+
+}  // namespace
+
+void check_inputs(const TrainConfig& config, int ranks) { load_inputs(config, ranks, 0); }
+
+// ---- [SECTION] train ----
+
+TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  const RankView view(ranks);
+  const int R = view.size();
+  RunInputs inputs = load_inputs(c, R, view.rank());
+  const TextCorpus& corpus = inputs.corpus;
+  std::optional<LoadedCheckpoint>& checkpoint = inputs.checkpoint;
   if (const std::string why = cuda::why_no_gpu(); !why.empty()) throw std::runtime_error("no GPU: " + why);
+
+  NullStream quiet;
+  std::ostream& log = view.root() ? rank_log : quiet;
+  const int N_r = int(c.batch) / R, first_sequence = view.rank() * N_r;  // this rank's share of each batch
+  const int64_t N = c.batch, S = c.model.seq_len, T = N * S;
+  BatchSampler sampler(corpus, Split::train, int(N), int(S), c.data_seed);
+  std::vector<ByteBatch> validation;
+  {
+    BatchSampler validation_sampler(corpus, Split::validation, int(N), int(S), kValidationSeed);
+    for (int64_t i = 0; i < c.eval_batches; ++i) validation.push_back(validation_sampler.next());
+  }
+  TrainResult result;
+  result.unigram_bits_per_byte = unigram_bits_per_byte(corpus.train.bytes, corpus.validation.bytes);
+  const cuda::ModelGpuConfig model_config = gpu_config(c, R, view.rank());
 
   // The model, initialised or restored. Nothing is written before the config, the data and the
   // checkpoint have all been accepted.
@@ -605,7 +630,8 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     checkpoint.reset();  // three copies of the parameters: free them before training
     if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has read it before rank 0 edits the run
     if (view.root()) writer.emplace(RunWriter::resume_at_step(c.run_dir, step));
-    log << "resumed " << c.run_dir << " at step " << step << " from " << latest->filename().string() << "\n";
+    log << "resumed " << c.run_dir << " at step " << step << " from " << inputs.checkpoint_file.filename().string()
+        << "\n";
   } else {
     model.upload_weights(local_part(initial_weights(c), model.config()));
     RunInfo info;

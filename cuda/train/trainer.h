@@ -68,6 +68,13 @@ struct TrainResult {
 // rank 0 writes to `log` and to the run directory.
 TrainResult train(const TrainConfig& config, std::ostream& log, cuda::ModelRanks* ranks = nullptr);
 
+// The checks train() makes before it touches the GPU: the settings, the data (both splits hold a
+// sequence), the checkpoint a resumed run reads (whole, the same model) and the run directory (no
+// run there without --overwrite, creatable). Throws as train() does. moe_train_distributed calls it
+// on every rank before the ranks take their GPUs, so bad input is reported on any machine; it
+// costs one more read of the data and of the checkpoint.
+void check_inputs(const TrainConfig& config, int ranks);
+
 struct BenchmarkResult {
   std::string device;
   std::string data;                  // where the batches came from

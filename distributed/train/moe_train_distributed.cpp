@@ -150,7 +150,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
   // ---- the settings: parsed and checked on every rank, the same everywhere ----
   DistributedFlags flags;
   moe::train::TrainConfig config;
-  moe::dist::check_on_every_rank(world, "moe_train_distributed: settings", [&] {
+  moe::dist::check_on_every_rank(world, "settings", [&] {
     flags = split_flags(arguments);
     config = moe::train::parse_arguments(flags.rest);
     moe::train::validate(config);
@@ -165,13 +165,14 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
     if (config.model.pregated && R > 1) {
       throw moe::train::TrainConfigError("--pregated: not on several ranks (the expert-parallel layer routes its own input)");
     }
+    if (config.benchmark_steps == 0) moe::train::check_inputs(config, R);  // data, checkpoint, run directory
   });
-  moe::dist::check_same_on_every_rank(world, "moe_train_distributed: the settings of every rank",
+  moe::dist::check_same_on_every_rank(world, "the settings of every rank",
                                       fingerprint(moe::train::to_json(config).dump() + flags.backend +
                                                   std::to_string(flags.pipeline_chunks)));
 
   // ---- one GPU per rank, or ranks sharing one ----
-  moe::dist::check_on_every_rank(world, "moe_train_distributed: GPUs", [] {
+  moe::dist::check_on_every_rank(world, "GPUs", [] {
     if (const std::string why = moe::cuda::why_no_gpu(); !why.empty()) throw std::runtime_error("no GPU: " + why);
   });
   int devices = 0;
@@ -184,7 +185,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
   bool every_rank_own_gpu = true;
   for (int32_t o : own) every_rank_own_gpu = every_rank_own_gpu && o == 1;
   std::string backend = flags.backend.empty() ? (every_rank_own_gpu ? "nccl" : "mpi") : flags.backend;
-  moe::dist::check_on_every_rank(world, "moe_train_distributed: --backend", [&] {
+  moe::dist::check_on_every_rank(world, "--backend", [&] {
     if (backend == "nccl" && !every_rank_own_gpu) {
       throw moe::train::TrainConfigError("--backend nccl needs one GPU per rank (NCCL refuses two ranks on one GPU); "
                                          "use --backend mpi");
