@@ -35,12 +35,14 @@ class UsageError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// Throws UsageError unless `path` (a file or directory the program will create, named by `flag`)
-// could be created: its nearest existing ancestor must be a directory this process may write
-// into. Creates nothing, so a program can check its outputs before hours of work (or a GPU).
+// Throws UsageError unless the file `path` (named by `flag`) could be written: it must not be a
+// directory, and its nearest existing ancestor must be a directory this process may write into.
+// For an output directory, pass a file in it (run_dir / "run.json"). Creates nothing, so a program
+// can check its outputs before hours of work (or a GPU).
 inline void check_output_path(const std::string& flag, const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   std::error_code error;
+  if (fs::is_directory(path, error)) throw UsageError(flag + " " + path.string() + ": a directory, not a file");
   fs::path existing = fs::absolute(path, error).parent_path();
   while (!fs::exists(existing, error) && existing != existing.parent_path()) existing = existing.parent_path();
   if (!fs::is_directory(existing, error)) {

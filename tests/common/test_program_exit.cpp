@@ -30,7 +30,7 @@ TEST(ProgramExit, PrintsProgramColonMessage) {
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "moe_x: --steps abc: not an integer\n");
 }
 
-TEST(ProgramExit, OutputPathUnderAFileOrMissingParentsIsCheckedWithoutCreatingAnything) {
+TEST(ProgramExit, OutputPathUnderAFileOrThatIsADirectoryIsRefusedWithoutCreatingAnything) {
   moe::testing::TempDir dir;
   const std::filesystem::path file = dir.path() / "a_file";
   std::ofstream(file) << "x";
@@ -43,6 +43,12 @@ TEST(ProgramExit, OutputPathUnderAFileOrMissingParentsIsCheckedWithoutCreatingAn
     const std::string message = error.what();
     EXPECT_NE(message.find("--out " + (file / "out.json").string()), std::string::npos) << message;
     EXPECT_NE(message.find("is not a directory"), std::string::npos) << message;
+  }
+  try {
+    moe::check_output_path("--out", dir.path());
+    ADD_FAILURE() << "a directory was accepted as an output file";
+  } catch (const moe::UsageError& error) {
+    EXPECT_NE(std::string(error.what()).find("a directory, not a file"), std::string::npos) << error.what();
   }
 }
 
