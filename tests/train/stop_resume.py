@@ -19,6 +19,7 @@ import tempfile
 import shutil
 import time
 
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kill_resume import SKIP, step_losses, write_text  # noqa: E402
 
