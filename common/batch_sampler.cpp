@@ -31,7 +31,7 @@ BatchSampler::BatchSampler(const TextCorpus& corpus, Split split, int batch, int
                                                             " split (the longest has " + std::to_string(longest) +
                                                             " bytes)") +
                           " of " + corpus.source + " (" + std::to_string(part.bytes.size()) +
-                          " bytes): use a shorter --sequence or more text");
+                          " bytes): use a shorter --seq-len or more text");
   }
 }
 

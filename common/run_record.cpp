@@ -2,13 +2,15 @@
 #include "run_record.h"
 
 #include <sys/stat.h>  // fstat: size and inode of the open events.jsonl
+#include <unistd.h>    // lseek, ftruncate: cutting a line whose write failed
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <system_error>
 
-#include "file_io.h"  // write_file_atomically, read_file_capped
+#include "file_io.h"  // write_file_atomically, AtomicFileWriter, read_file_capped
 
 namespace moe {
 
@@ -262,7 +264,11 @@ std::string utc_now_iso8601() {
 // ---- writing ----
 
 RunWriter::RunWriter(fs::path dir, std::FILE* events, std::chrono::steady_clock::time_point origin)
-    : dir_(std::move(dir)), events_(events), origin_(origin), mutex_(std::make_unique<std::mutex>()) {}
+    : dir_(std::move(dir)), events_(events), origin_(origin), mutex_(std::make_unique<std::mutex>()) {
+  // Unbuffered: each line goes to the file in the write of its own append, so nothing of a line
+  // whose write failed is left in a buffer for a later flush to add after the cut (append).
+  std::setvbuf(events_, nullptr, _IONBF, 0);
+}
 
 RunWriter::RunWriter(RunWriter&& other) noexcept
     : dir_(std::move(other.dir_)),
@@ -321,10 +327,38 @@ RunWriter RunWriter::create(const fs::path& dir, RunInfo info, OnExisting on_exi
   try {
     write_file_atomically(run_file, run_json.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
   } catch (...) {
+    // No half run left behind: an events.jsonl without run.json is not a run to any reader, yet it
+    // would make the next create refuse the directory as an existing run.
     std::fclose(events);
+    fs::remove(events_file, error);
     throw;
   }
   return RunWriter(dir, events, std::chrono::steady_clock::now());
+}
+
+RunWriter RunWriter::resume_at_step(const fs::path& dir, int64_t step) {
+  const fs::path events_file = dir / kEventsFile;
+  std::ifstream in(events_file, std::ios::binary);
+  if (!in) throw RecordError("cannot open " + events_file.string() + ": " + std::strerror(errno));
+  try {
+    AtomicFileWriter out(events_file);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (in.eof()) break;  // no newline: the half-written last line of a crash
+      const json event = json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (event.is_discarded()) continue;  // not an event: the reader would stop at it
+      const auto at = event.find("step");
+      if (at != event.end() && at->is_number_integer() && at->get<int64_t>() > step) continue;
+      line += '\n';
+      out.write(line.data(), line.size());
+    }
+    if (in.bad()) throw RecordError("reading " + events_file.string() + " failed");
+    out.commit();
+  } catch (const FileWriteError& error) {
+    throw RecordError("cutting the events after step " + std::to_string(step) + ": " + error.what() +
+                      "; " + events_file.string() + " is unchanged");
+  }
+  return resume(dir);
 }
 
 RunWriter RunWriter::resume(const fs::path& dir) {
@@ -387,8 +421,16 @@ void RunWriter::append(const json& event) {
   line += '\n';
   std::lock_guard lock(*mutex_);
   if (!events_) throw RecordError("RunWriter::append on a closed writer (" + dir_.string() + ")");
+  const off_t before = ::lseek(::fileno(events_), 0, SEEK_END);
   if (std::fwrite(line.data(), 1, line.size(), events_) != line.size() || std::fflush(events_) != 0) {
-    throw RecordError("writing " + (dir_ / kEventsFile).string() + " failed: " + std::strerror(errno));
+    // A short write (a full disk, a file size limit) leaves part of the line. Cut it off, so the
+    // record ends at its last complete event, and close the writer: an event appended after a
+    // lost one would leave a gap no reader could see.
+    const std::string why = std::strerror(errno);
+    const bool cut = before >= 0 && ::ftruncate(::fileno(events_), before) == 0;
+    std::fclose(std::exchange(events_, nullptr));
+    throw RecordError("writing " + (dir_ / kEventsFile).string() + " failed: " + why +
+                      (cut ? "; the record ends at its last complete event" : "; its last line may be partial"));
   }
 }
 

@@ -87,6 +87,12 @@ class RunWriter {
   // Reopens an existing run to keep appending (a resumed training run). A half-written last line
   // left by a crash is cut off first, so the next event starts on a line of its own.
   static RunWriter resume(const std::filesystem::path& dir);
+  // resume() for a run continued from the checkpoint of `step`: first the events of later steps
+  // are cut (the interrupted run wrote them after that checkpoint and the resumed run writes them
+  // again; kept, those steps would appear twice), with events that carry no step and any
+  // half-written last line. The cut replaces events.jsonl atomically (file_io.h), so a crash or a
+  // full disk during it leaves the old file whole.
+  static RunWriter resume_at_step(const std::filesystem::path& dir, int64_t step);
 
   RunWriter(RunWriter&& other) noexcept;
   RunWriter& operator=(RunWriter&& other) noexcept;
@@ -97,6 +103,9 @@ class RunWriter {
   // Appends one event as one line and flushes it. The event must pass validate_event() (else
   // RecordError: better to fail in the program than to write a line the viewer rejects).
   // Safe to call from several threads of one process; one process writes a given run.
+  // A write that fails part-way (a full disk, a file size limit) throws RecordError naming the
+  // file and the fault; the partial line is cut off and the writer closed, so the record ends at
+  // its last complete event (RunWriter::resume continues it).
   void append(const nlohmann::json& event);
 
   // Microseconds since the run's start_time, from a steady clock: the clock of span start_us.

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "chrome_trace.h"  // export_chrome_trace
+#include "program_exit.h"  // run_program, check_output_path
 #include "run_record.h"    // RunReader, RecordError
 
 constexpr const char* usage_text =
@@ -33,20 +34,23 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe_trace_export: needs RUN_DIR and OUT.json, got %d arguments\n%s", argc - 1, usage_text);
     return 2;
   }
+  // Bad input, exit 2: an output that cannot be created, a run that cannot be read.
+  // A failure while writing the trace, exit 1.
+  moe::RunRecord run;
   try {
-    const moe::RunRecord run = moe::RunReader::load(argv[1]);
+    moe::check_output_path("OUT.json", argv[2]);
+    run = moe::RunReader::load(argv[1]);
+  } catch (const std::exception& e) {  // UsageError, RecordError: each names the path and the fault
+    std::fprintf(stderr, "moe_trace_export: %s\n", e.what());
+    return moe::kExitBadInput;
+  }
+  return moe::run_program("moe_trace_export", [&] {
     for (const std::string& warning : run.warnings) std::fprintf(stderr, "warning: %s\n", warning.c_str());
     const int64_t spans = moe::export_chrome_trace(run, argv[2]);
     std::printf("wrote %s: %lld spans from %zu events of run '%s'\n", argv[2],
                 static_cast<long long>(spans), run.events.size(),
                 run.info.value("name", std::string("?")).c_str());
     if (spans == 0) std::fprintf(stderr, "note: the run has no \"span\" events; the trace is empty\n");
-  } catch (const moe::RecordError& e) {
-    std::fprintf(stderr, "moe_trace_export: %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "moe_trace_export: unexpected error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }

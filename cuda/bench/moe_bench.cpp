@@ -85,6 +85,7 @@
 #include "core/device_buffer.h"      // DeviceBuffer
 #include "core/device_info.h"        // gpu_available, why_no_gpu
 #include "reference_cpu/dispatch.h"  // moe::ref::DispatchPlan (the CPU oracle's plan)
+#include "program_exit.h"            // check_output_path
 #include "moe/dispatch.h"            // DispatchPlanBuffers, build_dispatch_plan
 #include "expert_ffn.h"              // moe::ref::expert_ffn_forward (the CPU oracle)
 #include "core/gemm.h"               // gemm, gemm_batched, gemm_grouped, CublasHandle
@@ -282,6 +283,10 @@ Options parse_options(int argc, char** argv) {
         const std::vector<std::string> n = split(v, ',');
         if (n.size() != 5) throw std::invalid_argument("--shapes: baselines, small, all or T,D,H,E,K");
         options.shapes = {{int(integer(n[0])), int(integer(n[1])), int(integer(n[2])), int(integer(n[3])), int(integer(n[4]))}};
+        const Shape& s = options.shapes.front();
+        if (s.T < 1 || s.D < 1 || s.H < 1 || s.E < 1 || s.K < 1 || s.K > s.E) {
+          throw std::invalid_argument("--shapes " + v + ": allowed: T,D,H,E,K all >= 1 and K <= E");
+        }
       }
     } else if (arg == "--routing") {
       const std::string v = value();
@@ -308,7 +313,10 @@ Options parse_options(int argc, char** argv) {
     } else if (arg == "--repeat") {
       options.repeat = static_cast<int>(integer(value()));
     } else if (arg == "--seed") {
-      options.seed = static_cast<uint64_t>(integer(value()));
+      const std::string v = value();
+      const int64_t seed = integer(v);
+      if (seed < 0) throw std::invalid_argument("--seed " + v + ": allowed: an integer >= 0");
+      options.seed = static_cast<uint64_t>(seed);
     } else if (arg == "--rows") {
       const std::string v = value();
       if (v == "layer") options.rows = Options::Rows::layer;
@@ -342,6 +350,7 @@ Options parse_options(int argc, char** argv) {
     throw std::invalid_argument("--warmup >= 0, --warmup-ms >= 0, --repeat >= 1");
   }
   if (options.captured) options.routings.push_back(Routing::captured);
+  if (!options.out.empty()) moe::check_output_path("--out", options.out);  // before the GPU work, not after
   return options;
 }
 

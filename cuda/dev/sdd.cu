@@ -745,6 +745,9 @@ int run(int argc, char** argv) {
   } else if (!positional.empty()) {
     usage_error("takes all six sizes T D H E K B or none, got " + std::to_string(positional.size()));
   }
+  if (K > E) {  // each token picks K distinct experts
+    usage_error("K " + std::to_string(K) + ": allowed: at most E = " + std::to_string(E));
+  }
   cudaDeviceProp properties{};
   CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
   std::printf("device: %s, %d SMs\n", properties.name, properties.multiProcessorCount);

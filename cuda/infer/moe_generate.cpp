@@ -36,6 +36,7 @@
 #include "core/bench_support.h"          // parse_integer, parse_number
 #include "core/cuda_check.h"             // CudaError
 #include "core/device_info.h"            // gpu_available, why_no_gpu, current_device
+#include "program_exit.h"                // check_output_path
 #include "infer/expert_schedule.h"       // ExpertSchedule, parse_expert_schedule
 #include "infer/generate.h"              // generate
 #include "infer/inference_model.h"       // InferenceModelGpu
@@ -160,6 +161,7 @@ std::optional<Options> parse(const std::vector<std::string>& arguments) {
   if (o.prompt && o.prompt_file) throw BadInput("give --prompt or --prompt-file, not both (--help)");
   try {
     validate(o.sampling);
+    if (o.run_dir) moe::check_output_path("--run-dir", std::filesystem::path(*o.run_dir) / "run.json");
   } catch (const std::invalid_argument& error) {
     throw BadInput(error.what());
   }
@@ -209,10 +211,6 @@ int run(const std::vector<std::string>& arguments) {
   if (!parsed) return 0;
   const Options& o = *parsed;
   const std::vector<int32_t> prompt = prompt_bytes(o);
-  if (!gpu_available()) {
-    std::fprintf(stderr, "moe_generate: no GPU: %s\n", why_no_gpu().c_str());
-    return 1;
-  }
 
   InferenceWeights loaded;
   try {
@@ -234,6 +232,12 @@ int run(const std::vector<std::string>& arguments) {
                    std::to_string(o.max_new_bytes) + " it needs " + std::to_string(P + o.max_new_bytes - 1) +
                    " positions, and the model's context holds S = " + std::to_string(S) +
                    " (a shorter prompt or fewer bytes)");
+  }
+
+  // Everything the user named is checked; the rest needs the GPU (pinned memory included).
+  if (!gpu_available()) {
+    std::fprintf(stderr, "moe_generate: no GPU: %s\n", why_no_gpu().c_str());
+    return 1;
   }
 
   // The experts: resident, or in pinned host memory behind an expert cache.

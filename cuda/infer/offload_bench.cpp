@@ -76,6 +76,7 @@
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
 #include "core/device_info.h"             // gpu_available, why_no_gpu, current_device
+#include "program_exit.h"                 // check_output_path
 #include "infer/expert_schedule.h"        // ExpertSchedule
 #include "infer/inference_model.h"        // InferenceModelGpu
 #include "infer/offload_recording.h"      // RecordedExpertSource
@@ -501,7 +502,10 @@ int main(int argc, char** argv) {
   Options o;
   try {
     o = parse_options(argc, argv);
-  } catch (const BadFlag& error) {
+    // The outputs before the GPU work: a path that cannot be created fails now, not after the timings.
+    if (!o.out.empty()) moe::check_output_path("--out", o.out);
+    if (!o.record_dir.empty()) moe::check_output_path("--record-dir", std::filesystem::path(o.record_dir) / "run.json");
+  } catch (const std::invalid_argument& error) {  // BadFlag, UsageError
     std::fprintf(stderr, "offload_bench: %s (--help)\n", error.what());
     return 2;
   }

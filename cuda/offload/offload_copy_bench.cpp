@@ -45,6 +45,7 @@
 #include "core/device_info.h"             // gpu_available, why_no_gpu, current_device
 #include "offload/offloaded_experts.h"    // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h"  // PinnedExpertStore, ExpertShape
+#include "program_exit.h"                  // check_output_path
 
 namespace {
 
@@ -208,6 +209,7 @@ int main(int argc, char** argv) {
   Options options;
   try {
     options = parse_options(argc, argv);
+    if (!options.out.empty()) moe::check_output_path("--out", options.out);  // before the timings, not after
   } catch (const std::exception& error) {
     std::fprintf(stderr, "offload_copy_bench: %s\n%s", error.what(), kUsage);
     return 2;

@@ -32,6 +32,7 @@
 #include "moe/moe_layer.h"            // MoeLayerGpu
 #include "npy.h"                      // write_npy
 #include "core/phase_timer.h"         // PhaseTimer
+#include "program_exit.h"             // run_program, check_output_path
 #include "core/reference_bridge.h"    // round_bf16
 #include "run_record.h"               // RunWriter, span / routing / topology events
 
@@ -97,14 +98,10 @@ int run(int argc, char** argv);
 
 }  // namespace
 
-// Every error that reaches here is a message for the user, never an abort.
+// Every error that reaches here is a message for the user, never an abort: exit 1 for a failure
+// while running (the GPU, writing the files); bad usage ends in usage() with exit 2.
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& error) {
-    std::cerr << "moe_layer_dump: " << error.what() << "\n";
-    return 2;
-  }
+  return moe::run_program("moe_layer_dump", [&] { return run(argc, argv); });
 }
 
 namespace {
@@ -153,7 +150,11 @@ int run(int argc, char** argv) {
       else if (arg == "--top-k") config.top_k = parse_integer(arg, value);
       else if (arg == "--block-size") config.block_size = parse_integer(arg, value);
       else if (arg == "--capacity-factor") config.capacity_factor = parse_real(arg, value);
-      else if (arg == "--seed") seed = static_cast<uint64_t>(parse_integer(arg, value));
+      else if (arg == "--seed") {
+        const int64_t number = parse_integer(arg, value);
+        if (number < 0) usage(arg + " " + value + ": allowed: an integer >= 0");
+        seed = static_cast<uint64_t>(number);
+      }
       else if (arg == "--steps") steps = static_cast<int>(parse_integer(arg, value));
     }
     validate(config);
@@ -167,12 +168,13 @@ int run(int argc, char** argv) {
     if (block_sparse && config.hidden_dim % config.block_size != 0)
       usage("--hidden-dim " + std::to_string(config.hidden_dim) + ": allowed: a positive multiple of --block-size " +
             std::to_string(config.block_size));
+    check_output_path("--out", out / "run.json");  // the record and the tensors go there
   } catch (const std::exception& error) {  // std::stoll's and validate()'s messages
     usage(error.what());
   }
   if (!cuda::gpu_available()) {
     std::cerr << "moe_layer_dump: needs a GPU (" << cuda::why_no_gpu() << ")\n";
-    return 2;
+    return kExitFailure;
   }
   const int64_t T = config.tokens, D = config.model_dim, H = config.hidden_dim, E = config.num_experts;
   const int64_t W1 = w1_columns(config);  // H, or 2H for SwiGLU

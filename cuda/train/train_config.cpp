@@ -3,6 +3,7 @@
 #include "train/train_config.h"
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -198,8 +199,11 @@ json value_of_flag(const Field& field, const std::string& text, const std::strin
   throw bad();
 }
 
+// `field` starts with the setting's key ("block_size (B)"); the message ends with its flag, so the
+// user of the command line and the writer of a JSON file both find what to change.
 void reject(const std::string& field, const std::string& value, const std::string& allowed) {
-  throw TrainConfigError("invalid training config: " + field + " = " + value + "; allowed: " + allowed);
+  throw TrainConfigError("invalid training config: " + field + " = " + value + "; allowed: " + allowed + " (" +
+                         flag_of(field.substr(0, field.find(' '))) + ")");
 }
 
 }  // namespace
@@ -304,6 +308,9 @@ TrainConfig parse_arguments(const std::vector<std::string>& arguments) {
   for (const Flag& flag : flags) {
     if (flag.name != "--config") continue;
     const std::string& path = require_value(flag);
+    if (std::error_code error; std::filesystem::is_directory(path, error)) {
+      throw TrainConfigError("--config " + path + ": a directory, not a JSON file");
+    }
     std::ifstream in(path);
     if (!in) throw TrainConfigError("--config " + path + ": cannot open the file");
     json object;
@@ -332,7 +339,18 @@ void validate(const TrainConfig& c) {
   try {
     ref::validate(c.model);
   } catch (const std::invalid_argument& error) {
-    throw TrainConfigError(std::string("invalid training config: ") + error.what());
+    // The model's checks name the key ("seq_len (S) = 0"): add the flag of the first key named.
+    const std::string message = error.what();
+    size_t first = std::string::npos;
+    std::string flag;
+    for (const Field& field : fields()) {
+      for (const char* after : {" (", " ="}) {
+        const size_t at = message.find(field.key + after);
+        const bool whole_word = at != std::string::npos && (at == 0 || message[at - 1] == ' ');
+        if (whole_word && at < first) first = at, flag = flag_of(field.key);
+      }
+    }
+    throw TrainConfigError("invalid training config: " + message + (flag.empty() ? "" : " (" + flag + ")"));
   }
   const bool moe = c.model.moe_layers != ref::MoeLayers::none;
   if (moe && c.model.formulation == Formulation::dropless && c.model.block_size != 64 && c.model.block_size != 128) {

@@ -6,7 +6,8 @@
 //   [SECTION] ranks                     one rank of several: its share, collectives, the whole model
 //   [SECTION] batches                   pinned double-buffered uploads
 //   [SECTION] recording                 routing / topology / tokens / span events from one step
-//   [SECTION] run directory             create, resume, cut events past a checkpoint
+//   [SECTION] run directory             checkpoints: save, compare a resumed model
+//   [SECTION] inputs                    data, checkpoint and run directory, checked before the GPU
 //   [SECTION] train
 //   [SECTION] benchmark
 #include "train/trainer.h"
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>  // SIGTERM
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -30,12 +32,14 @@
 #include "checkpoint.h"           // save_checkpoint, load_checkpoint, latest_checkpoint
 #include "core/cuda_check.h"      // CUDA_CHECK
 #include "core/device_buffer.h"   // DeviceBuffer
-#include "core/device_info.h"     // current_device
+#include "core/device_info.h"     // current_device, why_no_gpu
 #include "reference_cpu/model.h"  // ref::init_model, ref::parameters (the initial weights)
 #include "model/model.h"          // ModelGpu
 #include "core/phase_timer.h"     // PhaseTimer
+#include "program_exit.h"         // check_output_path
 #include "progress_line.h"        // ProgressLine
 #include "run_record.h"           // RunWriter, events
+#include "stop_signal.h"          // stop_signal
 #include "text_corpus.h"          // load_corpus, unigram_bits_per_byte
 
 namespace moe::train {
@@ -459,31 +463,6 @@ std::vector<cuda::TimedPhase> record_spans(cuda::PhaseTimer& timer, int64_t step
 
 fs::path checkpoints_dir(const TrainConfig& c) { return fs::path(c.run_dir) / "checkpoints"; }
 
-// Keeps the events up to and including `step` (and those without a step); the rest were written
-// by the interrupted run after its last checkpoint and will be written again.
-void cut_events_after(const fs::path& run_dir, int64_t step) {
-  const fs::path events = run_dir / "events.jsonl";
-  std::ifstream in(events);
-  if (!in) return;
-  std::ostringstream kept;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    json event = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (event.is_discarded()) continue;  // a half-written last line
-    if (event.contains("step") && event["step"].is_number_integer() && event["step"].get<int64_t>() > step) continue;
-    kept << line << '\n';
-  }
-  in.close();
-  const fs::path temporary = events.string() + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::trunc);
-    out << kept.str();
-    if (!out) throw RecordError(temporary.string() + ": cannot write");
-  }
-  fs::rename(temporary, events);
-}
-
 std::string differences(const json& saved_config, const json& wanted) {
   // A model config without "activation" has GeLU experts, the only ones it could describe.
   json saved = saved_config;
@@ -593,54 +572,45 @@ double peak_bf16_flops(const std::string& device_name) {
   return 0;
 }
 
-// ---- [SECTION] train ----
+// ---- [SECTION] inputs ----
 
-TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks) {
+namespace {
+
+// What a run reads, loaded and checked before the GPU is touched, so a bad flag, data file,
+// checkpoint or run directory is reported the same way on a machine without one.
+struct RunInputs {
+  TextCorpus corpus;
+  std::optional<LoadedCheckpoint> checkpoint;  // the one resumed from
+  fs::path checkpoint_file;
+};
+
+RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   validate(c);
-  check_cuda_graph(c, ranks);
-  const RankView view(ranks);
-  const int R = view.size();
   if (c.batch % R != 0) {
     throw TrainConfigError("batch = " + std::to_string(c.batch) + " sequences cannot be shared by " + std::to_string(R) +
                            " ranks; the global batch must be a multiple of the ranks");
   }
-  NullStream quiet;
-  std::ostream& log = view.root() ? rank_log : quiet;
-  const int N_r = int(c.batch) / R, first_sequence = view.rank() * N_r;  // this rank's share of each batch
-  const auto wall_start = std::chrono::steady_clock::now();
-  TextCorpus corpus;
+  RunInputs inputs;
   try {
-    corpus = load_corpus(c.data, {.load_tags = false});
+    inputs.corpus = load_corpus(c.data, {.load_tags = false});
   } catch (const TextCorpusError& error) {
     throw TextCorpusError(std::string(error.what()) +
                           (c.data == "notebooks_data/brown" ? " (fetch the Brown corpus with ./moe data)" : ""));
   }
-  const int64_t N = c.batch, S = c.model.seq_len, T = N * S;
-  BatchSampler sampler(corpus, Split::train, int(N), int(S), c.data_seed);
-  std::vector<ByteBatch> validation;
-  {
-    BatchSampler validation_sampler(corpus, Split::validation, int(N), int(S), kValidationSeed);
-    for (int64_t i = 0; i < c.eval_batches; ++i) validation.push_back(validation_sampler.next());
-  }
-  TrainResult result;
-  result.unigram_bits_per_byte = unigram_bits_per_byte(corpus.train.bytes, corpus.validation.bytes);
-
-  // The model, initialised or restored. Nothing is written before the config, the data and the
-  // checkpoint have all been accepted.
-  const OwnedStream owned_stream;
-  const cudaStream_t stream = owned_stream.get();
-  cuda::ModelGpu model(gpu_config(c, R, view.rank()), optimizer_settings(c), stream, ranks);
-  int64_t step = 0, tokens_seen = 0;
-  std::optional<RunWriter> writer;  // rank 0's
+  // Both splits must hold a sequence of S + 1 bytes (the samplers say which does not).
+  BatchSampler(inputs.corpus, Split::train, int(c.batch), int(c.model.seq_len), c.data_seed);
+  BatchSampler(inputs.corpus, Split::validation, int(c.batch), int(c.model.seq_len), kValidationSeed);
   if (c.resume) {
     const std::optional<fs::path> latest = latest_checkpoint(checkpoints_dir(c));
     if (!latest) {
       throw CheckpointError("--resume: no checkpoint in " + checkpoints_dir(c).string() +
                             "; start the run without --resume (or check --run-dir)");
     }
-    const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(model.config())).back();
+    inputs.checkpoint_file = *latest;
+    const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(gpu_config(c, R, rank))).back();
     const int64_t whole_parameters = last.offset + last.rows * last.cols;  // the one-GPU model's
-    const LoadedCheckpoint checkpoint = load_checkpoint(*latest, checkpoint_arrays(whole_parameters));
+    const LoadedCheckpoint& checkpoint =
+        inputs.checkpoint.emplace(load_checkpoint(*latest, checkpoint_arrays(whole_parameters)));
     const std::string changed = differences(checkpoint.header.model_config, model_json(c));
     if (!changed.empty()) {
       throw CheckpointError(latest->string() + " was trained with another model: " + changed +
@@ -652,18 +622,71 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
                             ": the run already reached step " + std::to_string(target) +
                             "; nothing to resume (a longer run is a new run: --steps sets its schedule)");
     }
-    model.upload_weights(local_part(checkpoint.array("weights"), model.config()));
-    model.upload_optimizer_state({checkpoint.header.optimizer_step, local_part(checkpoint.array("adam_m"), model.config()),
-                                  local_part(checkpoint.array("adam_v"), model.config())});
-    sampler.set_state(checkpoint.header.sampler_state);
-    step = checkpoint.header.step;
-    tokens_seen = checkpoint.header.tokens_seen;
-    if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has read it before rank 0 edits the run
-    if (view.root()) {
-      cut_events_after(c.run_dir, step);
-      writer.emplace(RunWriter::resume(c.run_dir));
+  } else {
+    // RunWriter names its C++ option; the user types the flag.
+    if (!c.overwrite && (fs::exists(fs::path(c.run_dir) / "run.json") || fs::exists(fs::path(c.run_dir) / "events.jsonl"))) {
+      throw TrainConfigError("refusing to overwrite the existing run at " + c.run_dir +
+                             "; pick a new --run-dir, pass --resume to continue it or --overwrite to replace it");
     }
-    log << "resumed " << c.run_dir << " at step " << step << " from " << latest->filename().string() << "\n";
+    // A path to a run directory that is a file is a run directory itself: refuse it the same way.
+    if (fs::exists(c.run_dir) && !fs::is_directory(c.run_dir)) {
+      throw TrainConfigError("--run-dir " + c.run_dir + " is a file, not a directory");
+    }
+    check_output_path("--run-dir", fs::path(c.run_dir) / "run.json");
+  }
+  return inputs;
+}
+
+}  // namespace
+
+void check_inputs(const TrainConfig& config, int ranks) { load_inputs(config, ranks, 0); }
+
+// ---- [SECTION] train ----
+
+TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  check_cuda_graph(c, ranks);
+  const RankView view(ranks);
+  const int R = view.size();
+  RunInputs inputs = load_inputs(c, R, view.rank());
+  const TextCorpus& corpus = inputs.corpus;
+  std::optional<LoadedCheckpoint>& checkpoint = inputs.checkpoint;
+  if (const std::string why = cuda::why_no_gpu(); !why.empty()) throw std::runtime_error("no GPU: " + why);
+
+  NullStream quiet;
+  std::ostream& log = view.root() ? rank_log : quiet;
+  const int N_r = int(c.batch) / R, first_sequence = view.rank() * N_r;  // this rank's share of each batch
+  const int64_t N = c.batch, S = c.model.seq_len, T = N * S;
+  BatchSampler sampler(corpus, Split::train, int(N), int(S), c.data_seed);
+  std::vector<ByteBatch> validation;
+  {
+    BatchSampler validation_sampler(corpus, Split::validation, int(N), int(S), kValidationSeed);
+    for (int64_t i = 0; i < c.eval_batches; ++i) validation.push_back(validation_sampler.next());
+  }
+  TrainResult result;
+  result.unigram_bits_per_byte = unigram_bits_per_byte(corpus.train.bytes, corpus.validation.bytes);
+  const cuda::ModelGpuConfig model_config = gpu_config(c, R, view.rank());
+
+  // The model, initialised or restored. Nothing is written before the config, the data and the
+  // checkpoint have all been accepted.
+  const OwnedStream owned_stream;
+  const cudaStream_t stream = owned_stream.get();
+  cuda::ModelGpu model(model_config, optimizer_settings(c), stream, ranks);
+  int64_t step = 0, tokens_seen = 0;
+  std::optional<RunWriter> writer;  // rank 0's
+  if (checkpoint) {
+    model.upload_weights(local_part(checkpoint->array("weights"), model.config()));
+    model.upload_optimizer_state({checkpoint->header.optimizer_step,
+                                  local_part(checkpoint->array("adam_m"), model.config()),
+                                  local_part(checkpoint->array("adam_v"), model.config())});
+    sampler.set_state(checkpoint->header.sampler_state);
+    step = checkpoint->header.step;
+    tokens_seen = checkpoint->header.tokens_seen;
+    checkpoint.reset();  // three copies of the parameters: free them before training
+    if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has read it before rank 0 edits the run
+    if (view.root()) writer.emplace(RunWriter::resume_at_step(c.run_dir, step));
+    log << "resumed " << c.run_dir << " at step " << step << " from " << inputs.checkpoint_file.filename().string()
+        << "\n";
   } else {
     model.upload_weights(local_part(initial_weights(c), model.config()));
     RunInfo info;
@@ -688,12 +711,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     info.extra["parameters"] = total_parameters(c.model);
     info.extra["active_parameters"] = active_parameters(c.model);
     info.extra["flops_per_token"] = flops_per_token(c.model);
-    // RunWriter names its C++ option; the user types the flag. Every rank looks before rank 0 writes.
-    if (!c.overwrite && (fs::exists(fs::path(c.run_dir) / "run.json") || fs::exists(fs::path(c.run_dir) / "events.jsonl"))) {
-      throw TrainConfigError("refusing to overwrite the existing run at " + c.run_dir +
-                             "; pick a new --run-dir, pass --resume to continue it or --overwrite to replace it");
-    }
-    if (view.ranks() != nullptr) view.ranks()->barrier();
+    if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has looked before rank 0 writes
     std::string failure;
     if (view.root()) {
       try {
@@ -756,13 +774,17 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     return view.mean({sum / double(validation.size())})[0];
   };
 
+  bool stop_agreed = false;  // set by flush on every rank alike
   auto flush = [&](int64_t through_step) {  // steps ring_first+1 .. through_step
     CUDA_CHECK(cudaStreamSynchronize(stream));
     const int64_t rows = through_step - ring_first;
     std::vector<double> ring;  // [rows][loss, lm, aux, z], the mean over the ranks
     for (float value : loss_ring.download()) ring.push_back(value);
     ring.resize(size_t(rows * 4));
+    ring.push_back(stop_signal() != 0 ? 1.0 : 0.0);  // a stop signal on any rank stops every rank here
     ring = view.mean(std::move(ring));
+    stop_agreed = ring.back() > 0;
+    ring.pop_back();
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t s = ring_first + r + 1;
       const double* l = &ring[size_t(r * 4)];
@@ -846,11 +868,25 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
       save(c, model, step, tokens_seen, sampler, view);
       CUDA_CHECK(cudaEventRecord(step_end[0], stream));
     }
+    // One GPU stops after the step in which the signal came; several stop at an agreed flush.
+    if (step < last_step && (view.ranks() == nullptr ? stop_signal() != 0 : stop_agreed)) {
+      if (!checkpoint_now) {
+        flush(step);
+        save(c, model, step, tokens_seen, sampler, view);
+      }
+      result.stopped_by_signal = stop_signal() != 0 ? stop_signal() : SIGTERM;  // another rank's signal
+      break;
+    }
   }
   progress.finish();
   for (cudaEvent_t event : step_end) cudaEventDestroy(event);
-
   result.steps_done = step;
+  if (result.stopped_by_signal != 0) {
+    log << "stopped by " << signal_name(result.stopped_by_signal) << " after step " << step << " of " << last_step
+        << "; checkpoint " << checkpoint_path(checkpoints_dir(c), step).string() << "\n";
+    return result;  // no summary: the run is not over, a resume continues it
+  }
+
   result.median_step_ms = median(plain_step_ms);
   result.tokens_per_second = result.median_step_ms > 0 ? double(T) / (result.median_step_ms * 1e-3) : 0;
   result.mfu = peak > 0 ? model_flops * result.tokens_per_second / peak : 0;

@@ -22,6 +22,12 @@
 // one-GPU layout: a run resumes on any number of ranks, one GPU included. Losses and validation
 // are averaged over the ranks; every collective happens on every rank at the same step.
 //
+// Stopping early (common/stop_signal.h): once the program has installed the stop handlers, a SIGINT
+// or SIGTERM ends the run after the step in flight, with a checkpoint of that step and the record
+// flushed, as if it were the last step (no summary). On several ranks every rank must stop after the
+// same step: the ranks decide together at each flush of the losses (the signal rides in the
+// losses' mean, a collective made anyway), so a run of R ranks stops within log_every steps.
+//
 // Resuming (config.resume): the newest checkpoint of <run_dir>/checkpoints gives the weights,
 // AdamW's moments and step, the schedule's position and the batch sampler's state, so the run
 // continues the curve it was on (tests/train/test_trainer.cpp checks it step for step). Events the
@@ -51,14 +57,23 @@ struct TrainResult {
   double mfu = 0;                     // model FLOPs utilisation; 0 when the peak is unknown
   double dropped_fraction = 0;        // routed (token, expert) pairs dropped, over the recorded steps
   double wall_seconds = 0;
+  int stopped_by_signal = 0;          // SIGINT or SIGTERM ended the run early (after a checkpoint), else 0
 };
 
 // Trains as configured, writing the run record and checkpoints; progress and the summary go to
 // `log`. Throws TrainConfigError for a bad config, TextCorpusError for missing or bad data,
-// CheckpointError for a bad checkpoint, RecordError for an existing run without --overwrite.
+// CheckpointError for a bad checkpoint or none to resume from, TrainConfigError for an existing run
+// without --overwrite or a --run-dir that cannot be created (all before the GPU is touched).
 // With `ranks`, this is one rank of a collective run: every rank calls it with the same config; only
 // rank 0 writes to `log` and to the run directory.
 TrainResult train(const TrainConfig& config, std::ostream& log, cuda::ModelRanks* ranks = nullptr);
+
+// The checks train() makes before it touches the GPU: the settings, the data (both splits hold a
+// sequence), the checkpoint a resumed run reads (whole, the same model) and the run directory (no
+// run there without --overwrite, creatable). Throws as train() does. moe_train_distributed calls it
+// on every rank before the ranks take their GPUs, so bad input is reported on any machine; it
+// costs one more read of the data and of the checkpoint.
+void check_inputs(const TrainConfig& config, int ranks);
 
 struct BenchmarkResult {
   std::string device;

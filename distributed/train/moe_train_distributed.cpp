@@ -20,6 +20,10 @@
 // A checkpoint holds the whole model as moe_train writes it, so a run resumes on any number of
 // ranks or on one GPU with moe_train.
 //
+// SIGINT or SIGTERM to every rank (mpirun forwards them) stops the run at the next flush of the
+// losses, the same step on every rank, with a checkpoint (trainer.h); rank 0 prints the command that
+// resumes it, and the status is 130 / 143.
+//
 // Exit status: 0 done; 2 bad usage or input (the same message on every rank, printed once);
 // 1 a failure while running (the failing rank's message, then MPI_Abort ends every rank).
 #include <cuda_runtime.h>
@@ -39,6 +43,7 @@
 #include "watchdog.h"               // CollectiveWatchdog
 #include "mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
 #include "rank_agreement.h"         // check_on_every_rank, check_same_on_every_rank
+#include "stop_signal.h"            // install_stop_handlers, exit_status_for_signal
 #include "train/train_config.h"     // parse_arguments, validate, help_text, to_json
 #include "train/trainer.h"          // train, benchmark
 #if MOE_HAVE_NCCL
@@ -160,8 +165,9 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
     if (config.model.pregated && R > 1) {
       throw moe::train::TrainConfigError("--pregated: not on several ranks (the expert-parallel layer routes its own input)");
     }
+    if (config.benchmark_steps == 0) moe::train::check_inputs(config, R);  // data, checkpoint, run directory
   });
-  moe::dist::check_same_on_every_rank(world, "moe_train_distributed: the settings of every rank",
+  moe::dist::check_same_on_every_rank(world, "the settings of every rank",
                                       fingerprint(moe::train::to_json(config).dump() + flags.backend +
                                                   std::to_string(flags.pipeline_chunks)));
 
@@ -200,8 +206,21 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
 
   if (config.benchmark_steps > 0) {
     moe::train::benchmark(config, std::cout, &ranks);
-  } else {
-    moe::train::train(config, std::cout, &ranks);
+    return 0;
+  }
+  moe::install_stop_handlers();
+  const moe::train::TrainResult result = moe::train::train(config, std::cout, &ranks);
+  if (result.stopped_by_signal != 0) {  // every rank stopped after the same step (trainer.h)
+    if (rank == 0) {
+      std::string command = "mpirun -np " + std::to_string(R) + " moe_train_distributed";
+      for (const std::string& argument : arguments) {
+        if (argument != "--overwrite" && argument != "--resume") command += " " + argument;
+      }
+      std::fprintf(stderr, "moe_train_distributed: stopped by %s after step %lld; continue with: %s --resume\n",
+                   moe::signal_name(result.stopped_by_signal).c_str(), static_cast<long long>(result.steps_done),
+                   command.c_str());
+    }
+    return moe::exit_status_for_signal(result.stopped_by_signal);
   }
   return 0;
 }

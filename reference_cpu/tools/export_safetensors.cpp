@@ -20,6 +20,7 @@
 #include "checkpoint.h"         // load_checkpoint, latest_checkpoint, CheckpointError
 #include "model_config_json.h"  // model_config_from_json
 #include "model_safetensors.h"  // save_flat_weights_safetensors
+#include "program_exit.h"       // check_output_path
 
 namespace {
 
@@ -66,6 +67,7 @@ int run(const std::vector<std::string>& arguments) {
     }
   }
   if (!checkpoint) throw BadInput("--checkpoint PATH is required (--help)");
+  moe::check_output_path("--out", out);  // before reading a checkpoint of hundreds of megabytes
 
   const fs::path source = resolve_checkpoint(*checkpoint);
   const moe::LoadedCheckpoint loaded = moe::load_checkpoint(source);

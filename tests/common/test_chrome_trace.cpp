@@ -112,9 +112,10 @@ TEST(ChromeTrace, CommandLineToolExportsAndExplainsMistakes) {
   text << usage.rdbuf();
   EXPECT_NE(text.str().find("usage:"), std::string::npos) << text.str();
 
+  // A run that is not there is bad input: exit 2 (common/program_exit.h).
   EXPECT_EQ(run_command("'" + tool + "' '" + (temp.path() / "absent").string() + "' '" + out.string() +
                         "' 2> /dev/null"),
-            1);
+            2);
   EXPECT_FALSE(fs::exists(out));
   EXPECT_EQ(run_command("'" + tool + "' '" + run_dir.string() + "' '" + out.string() + "' > /dev/null"), 0);
   check_trace(read_json(out));

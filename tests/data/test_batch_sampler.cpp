@@ -128,7 +128,7 @@ TEST(BatchSampler, SequenceLongerThanTheSplitIsAnError) {
     const std::string message = e.what();
     EXPECT_NE(message.find("sequence length 11"), std::string::npos) << message;
     EXPECT_NE(message.find("validation split"), std::string::npos) << message;
-    EXPECT_NE(message.find("--sequence"), std::string::npos) << message;
+    EXPECT_NE(message.find("--seq-len"), std::string::npos) << message;  // the flag as moe_train spells it
   }
   try {
     BatchSampler sampler(corpus, Split::train, 4, 20, 1);  // 21 bytes; the longest document has 20

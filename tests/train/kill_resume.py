@@ -59,16 +59,17 @@ def main():
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
-    probe = subprocess.run([args.moe_train, "--preset", "tiny", "--steps", "1", "--warmup-steps", "0",
-                            "--data", "/nonexistent"], capture_output=True, text=True)
-    if "no GPU" in probe.stderr:
-        print(f"SKIPPED: {probe.stderr.strip()}")
-        return SKIP
-
     work = tempfile.mkdtemp(prefix="moe_kill_resume_")
     try:
         text = os.path.join(work, "text.txt")
         write_text(text)
+        # moe_train checks its data and run directory before it looks for the GPU.
+        probe = subprocess.run([args.moe_train, "--preset", "tiny", "--steps", "1", "--warmup-steps", "0",
+                                "--data", text, "--run-dir", os.path.join(work, "probe")],
+                               capture_output=True, text=True)
+        if "no GPU" in probe.stderr:
+            print(f"SKIPPED: {probe.stderr.strip()}")
+            return SKIP
         common = ["--preset", "tiny", "--steps", "1500", "--checkpoint-every", "25", "--log-every", "5",
                   "--data", text]
         whole = os.path.join(work, "whole")

@@ -112,6 +112,25 @@ TEST(TrainConfig, BadInputNamesTheFieldAndWhatIsAllowed) {
   }
 }
 
+// A value the settings reject ends with the flag that sets it, as the user types it.
+TEST(TrainConfig, RejectedValueNamesItsFlag) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--top-k", "9"}, "(--top-k)"},                       // the model's checks (reference_cpu)
+      {{"--seq-len", "0"}, "(--seq-len)"},
+      {{"--formulation", "dropping", "--capacity-factor", "0"}, "(--capacity-factor)"},
+      {{"--block-size", "32", "--expert-hidden-dim", "512"}, "(--block-size)"},  // the trainer's own
+      {{"--learning-rate", "-1"}, "(--learning-rate)"},
+      {{"--warmup-steps", "3000"}, "(--warmup-steps)"},
+      {{"--batch", "0"}, "(--batch)"},
+      {{"--pregated", "--moe-layers", "none"}, "(--pregated)"},
+  };
+  for (const auto& [arguments, flag] : cases) {
+    const std::string message = parse_error(arguments);
+    EXPECT_NE(message.find(flag), std::string::npos)
+        << "arguments: " << ::testing::PrintToString(arguments) << "\nmessage: " << message;
+  }
+}
+
 TEST(TrainConfig, BadJsonFile) {
   moe::testing::TempDir dir;
   const auto broken = dir.path() / "broken.json";

@@ -55,8 +55,8 @@ struct Options {
   bool layer_given = false;
 };
 
-void Usage() {
-  std::fprintf(stderr,
+void Usage(FILE* out) {
+  std::fprintf(out,
                "usage: moe_viewer [RUN_DIR...] [--follow RUN_DIR] [--runs-dir DIR] [--open-all] [--panel NAME]\n"
                "                  [--step N] [--layer N] [--curve-steps LO:HI] [--screenshot FILE.png [--regions FILE.json] [--frames N]]\n"
                "                  [--width W] [--height H]      (details: the top of viewer/app/main.cpp)\n");
@@ -65,13 +65,19 @@ void Usage() {
 bool ParseOptions(int argc, char** argv, Options& o) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    auto value = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
+    auto value = [&]() -> const char* {
+      if (i + 1 < argc) return argv[++i];
+      std::fprintf(stderr, "moe_viewer: %s needs a value\n", arg.c_str());
+      return nullptr;
+    };
     auto number = [&](long long lo, long long hi, long long& out) {
       const char* v = value();
       char* end = nullptr;
       if (!v) return false;
       out = std::strtoll(v, &end, 10);
-      return *end == 0 && out >= lo && out <= hi;
+      if (*v != 0 && *end == 0 && out >= lo && out <= hi) return true;
+      std::fprintf(stderr, "moe_viewer: %s %s: allowed: an integer from %lld to %lld\n", arg.c_str(), v, lo, hi);
+      return false;
     };
     long long n = 0;
     if (arg == "--follow") { const char* v = value(); if (!v) return false; o.follow.push_back(v); }
@@ -90,7 +96,6 @@ bool ParseOptions(int argc, char** argv, Options& o) {
     else if (arg == "--frames") { if (!number(1, 100000, n)) return false; o.frames = static_cast<int>(n); }
     else if (arg == "--width") { if (!number(200, 8192, n)) return false; o.width = static_cast<int>(n); }
     else if (arg == "--height") { if (!number(200, 8192, n)) return false; o.height = static_cast<int>(n); }
-    else if (arg == "-h" || arg == "--help") return false;
     else if (!arg.empty() && arg[0] == '-') { std::fprintf(stderr, "moe_viewer: unknown option %s\n", arg.c_str()); return false; }
     else o.runs.push_back(arg);
   }
@@ -146,9 +151,15 @@ void GlfwError(int code, const char* description) { std::fprintf(stderr, "moe_vi
 }  // namespace
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      Usage(stdout);
+      return 0;
+    }
+  }
   Options options;
-  if (!ParseOptions(argc, argv, options)) {
-    Usage();
+  if (!ParseOptions(argc, argv, options)) {  // it names the bad flag or value
+    Usage(stderr);
     return 2;
   }
   ViewerState state;
