@@ -3,11 +3,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <sstream>
 #include <stdexcept>
 
 #include "core/cuda_check.h"  // CUDA_CHECK
+#include "program_exit.h"     // check_output_path
 
 namespace moe::dist::bench {
 
@@ -99,7 +101,16 @@ BenchOptions parse_options(int argc, char** argv) {
       o.layer.top_k = shape[4];
     } else if (flag == "--block") o.layer.block_size = parse_list(flag, value()).at(0);
     else if (flag == "--formulation") o.layer.formulation = parse_formulation(value());
-    else if (flag == "--capacity-factor") o.layer.capacity_factor = std::stod(value());
+    else if (flag == "--capacity-factor") {
+      const std::string text = value();
+      size_t used = 0;
+      double cf = 0;
+      try { cf = std::stod(text, &used); } catch (const std::exception&) { used = 0; }
+      if (used != text.size() || !std::isfinite(cf) || cf <= 0) {
+        throw std::invalid_argument("--capacity-factor " + text + ": expected a finite number > 0");
+      }
+      o.layer.capacity_factor = cf;
+    }
     else if (flag == "--chunks") {
       o.pipeline_chunks.clear();
       for (int64_t d : parse_list(flag, value())) o.pipeline_chunks.push_back(static_cast<int>(d));
@@ -120,7 +131,11 @@ BenchOptions parse_options(int argc, char** argv) {
         o.variants.push_back(name);
       }
     } else if (flag == "--out") o.out = value();
-    else if (flag == "--seed") o.seed = static_cast<uint64_t>(parse_list(flag, value()).at(0));
+    else if (flag == "--seed") {
+      const int64_t seed = parse_list(flag, value()).at(0);
+      if (seed < 0) throw std::invalid_argument("--seed " + std::to_string(seed) + ": expected an integer >= 0");
+      o.seed = static_cast<uint64_t>(seed);
+    }
     else throw std::invalid_argument("unknown flag " + flag + " (see --help)");
   }
   if (o.backend.empty()) o.backend = "nccl";
@@ -128,6 +143,13 @@ BenchOptions parse_options(int argc, char** argv) {
     throw std::invalid_argument("--backend " + o.backend + ": expected nccl or mpi");
   }
   if (o.warmup_runs < 0 || o.iterations < 1) throw std::invalid_argument("-w must be >= 0 and -n >= 1");
+  const LayerShape& L = o.layer;
+  if (L.tokens_per_rank < 1 || L.model_dim < 1 || L.hidden_dim < 1 || L.experts < 1 || L.top_k < 1 || L.top_k > L.experts) {
+    throw std::invalid_argument("--layer " + std::to_string(L.tokens_per_rank) + "," + std::to_string(L.model_dim) + "," +
+                                std::to_string(L.hidden_dim) + "," + std::to_string(L.experts) + "," +
+                                std::to_string(L.top_k) + ": expected T, D, H, E >= 1 and 1 <= K <= E");
+  }
+  if (!o.out.empty()) check_output_path("--out", o.out);  // before any GPU work
   if (min_bytes == 0 && max_bytes == 0 && factor == 0) {
     for (int64_t mib : {1, 16, 64, 256}) o.sizes.push_back(mib << 20);
   } else {

@@ -36,9 +36,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "curves_view.h"  // curve_metric_order, curve_step_range, sample_spacing
-#include "downsample.h"   // downsample_min_max
-#include "run_model.h"    // RunModel
+#include "curves_view.h"    // curve_metric_order, curve_step_range, sample_spacing
+#include "downsample.h"     // downsample_min_max
+#include "program_exit.h"   // UsageError, check_output_path, kExitBadInput
+#include "run_model.h"      // RunModel
 
 namespace fs = std::filesystem;
 using moe::viewer::RunModel;
@@ -193,42 +194,73 @@ std::string today_utc() {
   return text;
 }
 
+constexpr const char* kUsage =
+    "usage: viewer_scale_bench [--steps N] [--source RUN_DIR] [--work DIR] [--json OUT.json]\n"
+    "                          [--viewer build/viewer/moe_viewer] [--windows 1600x1000,1280x800]\n"
+    "                          [--columns 1500] [--frames 30]\n";
+
+// The whole of `text` as an integer >= minimum, or a usage error naming the flag.
+long long integer_at_least(const std::string& flag, const std::string& text, long long minimum) {
+  size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || value < minimum) {
+    throw moe::UsageError(flag + " " + text + ": allowed: a whole number >= " + std::to_string(minimum));
+  }
+  return value;
+}
+
+// The flags into `o`; false for --help. Bad flags and values are UsageError, naming the flag.
 bool parse_options(int argc, char** argv, Options& o) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
-    if (!value) return false;
-    ++i;
-    if (arg == "--steps") o.steps = std::atoll(value);
+    if (arg == "--help" || arg == "-h") return false;
+    if (arg != "--steps" && arg != "--source" && arg != "--work" && arg != "--json" && arg != "--viewer" &&
+        arg != "--columns" && arg != "--frames" && arg != "--windows") {
+      throw moe::UsageError("unknown flag " + arg + " (see --help)");
+    }
+    if (i + 1 >= argc) throw moe::UsageError(arg + " needs a value");
+    const std::string value = argv[++i];
+    if (arg == "--steps") o.steps = integer_at_least(arg, value, 1);
     else if (arg == "--source") o.source = value;
     else if (arg == "--work") o.work = value;
     else if (arg == "--json") o.json_out = value;
     else if (arg == "--viewer") o.viewer = value;
-    else if (arg == "--columns") o.columns = std::atoi(value);
-    else if (arg == "--frames") o.frames = std::atoi(value);
-    else if (arg == "--windows") {
+    else if (arg == "--columns") o.columns = static_cast<int>(integer_at_least(arg, value, 1));
+    else if (arg == "--frames") o.frames = static_cast<int>(integer_at_least(arg, value, 2));
+    else {  // --windows WxH[,WxH...]
       o.windows.clear();
-      for (const char* p = value; *p;) {
+      for (const char* p = value.c_str(); *p;) {
         int w = 0, h = 0, used = 0;
-        if (std::sscanf(p, "%dx%d%n", &w, &h, &used) != 2 || w <= 0 || h <= 0) return false;
+        if (std::sscanf(p, "%dx%d%n", &w, &h, &used) != 2 || w <= 0 || h <= 0) {
+          throw moe::UsageError("--windows " + value + ": allowed: WIDTHxHEIGHT[,WIDTHxHEIGHT...], each > 0");
+        }
         o.windows.emplace_back(w, h);
         p += used;
         if (*p == ',') ++p;
       }
-    } else return false;
+    }
   }
-  return o.steps > 0 && o.columns > 0 && o.frames > 1;
+  if (!o.json_out.empty()) moe::check_output_path("--json", o.json_out);
+  return true;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Options options;
-  if (!parse_options(argc, argv, options)) {
-    std::fprintf(stderr, "usage: viewer_scale_bench [--steps N] [--source RUN_DIR] [--work DIR] [--json OUT.json]\n"
-                         "                          [--viewer build/viewer/moe_viewer] [--windows 1600x1000,1280x800]\n"
-                         "                          [--columns 1500] [--frames 30]\n");
-    return 2;
+  try {
+    if (!parse_options(argc, argv, options)) {
+      std::printf("%s", kUsage);
+      return 0;
+    }
+  } catch (const moe::UsageError& error) {
+    std::fprintf(stderr, "viewer_scale_bench: %s\n%s", error.what(), kUsage);
+    return moe::kExitBadInput;
   }
   const bool own_work = options.work.empty();
   if (own_work) options.work = fs::temp_directory_path() / ("viewer_scale_bench_" + std::to_string(getpid()));
