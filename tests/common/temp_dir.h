@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>  // getpid
+
 #include <chrono>
 #include <filesystem>
 #include <string>
@@ -15,8 +17,10 @@ class TempDir {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     const std::string name = std::string(info ? info->test_suite_name() : "suite") + "_" +
                              (info ? info->name() : "test");
+    // The process id too: tests of the same name may run at once in two processes (ctest -j).
     const auto stamp = std::chrono::steady_clock::now().time_since_epoch().count();
-    path_ = std::filesystem::temp_directory_path() / ("moe_common_" + name + "_" + std::to_string(stamp));
+    path_ = std::filesystem::temp_directory_path() /
+            ("moe_common_" + name + "_" + std::to_string(::getpid()) + "_" + std::to_string(stamp));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }
