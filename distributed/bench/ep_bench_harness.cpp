@@ -3,13 +3,12 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <sstream>
 #include <stdexcept>
 
 #include "core/cuda_check.h"  // CUDA_CHECK
-#include "program_exit.h"     // check_output_path
+#include "program_exit.h"     // check_output_path, finite_number
 
 namespace moe::dist::bench {
 
@@ -103,13 +102,8 @@ BenchOptions parse_options(int argc, char** argv) {
     else if (flag == "--formulation") o.layer.formulation = parse_formulation(value());
     else if (flag == "--capacity-factor") {
       const std::string text = value();
-      size_t used = 0;
-      double cf = 0;
-      try { cf = std::stod(text, &used); } catch (const std::exception&) { used = 0; }
-      if (used != text.size() || !std::isfinite(cf) || cf <= 0) {
-        throw std::invalid_argument("--capacity-factor " + text + ": expected a finite number > 0");
-      }
-      o.layer.capacity_factor = cf;
+      o.layer.capacity_factor = finite_number(flag, text);
+      if (o.layer.capacity_factor <= 0) throw std::invalid_argument(flag + " " + text + ": expected a number > 0");
     }
     else if (flag == "--chunks") {
       o.pipeline_chunks.clear();

@@ -6,7 +6,6 @@
 //   build/viewer/moe_viewer --follow /tmp/runs/live
 // Options: --out DIR (required) --overwrite --steps N --experts E --layers L --ranks R --top-k K
 //          --tokens T --capacity-factor F (0 = dropless) --hot-expert e --live-ms MS --seed S --name NAME
-#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -16,33 +15,6 @@
 #include "synthetic_run.h"
 
 namespace {
-
-// The whole of `text` as an integer, or a usage error naming the flag ("12abc" is not 12).
-long long whole_integer(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  long long value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) throw moe::UsageError(flag + " " + text + ": allowed: a whole number");
-  return value;
-}
-
-double whole_number(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size() || !std::isfinite(value)) {
-    throw moe::UsageError(flag + " " + text + ": allowed: a finite number");
-  }
-  return value;
-}
 
 int fake_run(int argc, char** argv) {
   moe::viewer::SyntheticRunOptions o;
@@ -66,16 +38,16 @@ int fake_run(int argc, char** argv) {
       return argv[++i];
     };
     if (arg == "--out") out = next();
-    else if (arg == "--steps") o.steps = whole_integer(arg, next());
-    else if (arg == "--experts") o.experts = whole_integer(arg, next());
-    else if (arg == "--layers") o.layers = whole_integer(arg, next());
-    else if (arg == "--ranks") o.ranks = whole_integer(arg, next());
-    else if (arg == "--top-k") o.top_k = whole_integer(arg, next());
-    else if (arg == "--tokens") o.tokens_per_step = whole_integer(arg, next());
-    else if (arg == "--capacity-factor") o.capacity_factor = whole_number(arg, next());
-    else if (arg == "--hot-expert") o.hot_expert = whole_integer(arg, next());
-    else if (arg == "--live-ms") o.live_delay_ms = whole_integer(arg, next());
-    else if (arg == "--seed") o.seed = static_cast<uint64_t>(whole_integer(arg, next()));
+    else if (arg == "--steps") o.steps = moe::whole_integer(arg, next());
+    else if (arg == "--experts") o.experts = moe::whole_integer(arg, next());
+    else if (arg == "--layers") o.layers = moe::whole_integer(arg, next());
+    else if (arg == "--ranks") o.ranks = moe::whole_integer(arg, next());
+    else if (arg == "--top-k") o.top_k = moe::whole_integer(arg, next());
+    else if (arg == "--tokens") o.tokens_per_step = moe::whole_integer(arg, next());
+    else if (arg == "--capacity-factor") o.capacity_factor = moe::finite_number(arg, next());
+    else if (arg == "--hot-expert") o.hot_expert = moe::whole_integer(arg, next());
+    else if (arg == "--live-ms") o.live_delay_ms = moe::whole_integer(arg, next());
+    else if (arg == "--seed") o.seed = static_cast<uint64_t>(moe::whole_integer(arg, next()));
     else if (arg == "--name") o.name = next();
     else throw moe::UsageError("unknown flag " + arg + " (see --help)");
   }

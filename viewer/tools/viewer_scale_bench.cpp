@@ -38,7 +38,7 @@
 
 #include "curves_view.h"    // curve_metric_order, curve_step_range, sample_spacing
 #include "downsample.h"     // downsample_min_max
-#include "program_exit.h"   // UsageError, check_output_path, kExitBadInput
+#include "program_exit.h"   // UsageError, whole_integer, check_output_path, kExitBadInput
 #include "run_model.h"      // RunModel
 
 namespace fs = std::filesystem;
@@ -201,16 +201,8 @@ constexpr const char* kUsage =
 
 // The whole of `text` as an integer >= minimum, or a usage error naming the flag.
 long long integer_at_least(const std::string& flag, const std::string& text, long long minimum) {
-  size_t used = 0;
-  long long value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size() || value < minimum) {
-    throw moe::UsageError(flag + " " + text + ": allowed: a whole number >= " + std::to_string(minimum));
-  }
+  const long long value = moe::whole_integer(flag, text);
+  if (value < minimum) throw moe::UsageError(flag + " " + text + ": allowed: " + std::to_string(minimum) + " or more");
   return value;
 }
 
