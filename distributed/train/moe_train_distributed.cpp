@@ -42,6 +42,7 @@
 #include "expert_parallel_ranks.h"  // ExpertParallelRanks
 #include "watchdog.h"               // CollectiveWatchdog
 #include "mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
+#include "program_exit.h"           // whole_integer, finite_number
 #include "rank_agreement.h"         // check_on_every_rank, check_same_on_every_rank
 #include "stop_signal.h"            // install_stop_handlers, exit_status_for_signal
 #include "train/train_config.h"     // parse_arguments, validate, help_text, to_json
@@ -76,31 +77,25 @@ DistributedFlags split_flags(const std::vector<std::string>& arguments) {
         }
         flags.backend = value;
       } else if (a == "--collective-timeout") {
-        double seconds = 0;
+        double seconds = 0;  // not a number: out of the range below
         try {
-          size_t used = 0;
-          seconds = std::stod(value, &used);
-          if (used != value.size()) seconds = 0;
-        } catch (const std::exception&) {
-          seconds = 0;
+          seconds = moe::finite_number(a, value);
+        } catch (const moe::UsageError&) {
         }
         if (!(seconds >= 1 && seconds <= 86400)) {
           throw moe::train::TrainConfigError("--collective-timeout " + value + ": allowed: 1 to 86400 seconds");
         }
         flags.collective_timeout_seconds = seconds;
       } else {
-        int d = 0;
+        long long d = -1;  // not a whole number: out of the range below
         try {
-          size_t used = 0;
-          d = std::stoi(value, &used);
-          if (used != value.size()) d = 0;
-        } catch (const std::exception&) {
-          d = 0;
+          d = moe::whole_integer(a, value);
+        } catch (const moe::UsageError&) {
         }
-        if (value != "0" && (d < 1 || d > 64)) {
+        if (d < 0 || d > 64) {
           throw moe::train::TrainConfigError("--pipeline-chunks " + value + ": allowed: 0 (chosen by measurement) or 1 to 64");
         }
-        flags.pipeline_chunks = d;
+        flags.pipeline_chunks = static_cast<int>(d);
       }
     } else {
       flags.rest.push_back(a);
