@@ -194,6 +194,17 @@ __device__ inline void tma_store(const CUtensorMap* map, uint32_t from, int c0, 
                 "r"(from), "r"(c0), "r"(c1), "r"(c2)
                 : "memory");
 }
+// A map that another kernel built in global memory (build_expert_maps, tensor_map.h: the experts'
+// maps for the SDD and DSD, the weight gradients' for DSᵀD and DDS) is read by the TMA unit through
+// the tensor-map proxy, which may hold an older map at the same address: the pool hands a launch's
+// maps the address of the launch before's, and a CUDA graph replays them at one address. The
+// thread that issues copies through such a map acquires it first (PTX ISA, "tensormap proxy"; the
+// writer released it). Launched one by one the kernels happened to see the new maps without it;
+// replayed in a graph at moe_train's throughput shape they read stale ones (wrong outputs, hangs,
+// illegal instructions: tests/cuda/test_moe_layer_graph.cpp). Maps in kernel parameters need none.
+__device__ inline void acquire_tensor_map(const CUtensorMap* map) {
+  MOE_SM90A_ASM("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+}
 __device__ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   MOE_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -543,6 +554,15 @@ __device__ inline void ws_tma_copy(const DsdProblem<B_LAYOUT>& p, const TmaMaps&
   const int k_in_block = (within % steps_per_block) * kBlockK;
   for (int h = 0; h < 2; ++h) tma_load(a + h * 64 * 128, &maps.a[part], bar, k_in_block, 64 * h, block);
   ws_tma_copy_b<B_LAYOUT>(maps.experts + p.expert, b, bar, step * kBlockK, p.column_offset + p.n0, halves);
+}
+
+// The SDD's and DSD's expert map for this tile, acquired by the copying thread (acquire_tensor_map);
+// the other products copy through kernel-parameter maps only.
+template <class Problem>
+__device__ inline void ws_acquire_expert_map(const Problem& p, const TmaMaps& maps) {
+  if constexpr (requires { p.expert; }) {
+    if (maps.experts != nullptr) acquire_tensor_map(maps.experts + p.expert);
+  }
 }
 
 // DSᵀD: A = the block (r, c) read M-major, two [64 k][64 m] boxes of the 3-D blocks map a[0];
@@ -936,6 +956,7 @@ __device__ inline void ws_bulk_epilogue(const Problem& problem, const CUtensorMa
   constexpr int group_columns = 128 / static_cast<int>(sizeof(Out));        // 64 bf16, 32 fp32
   constexpr int chunks = columns / 8;                                        // of the accumulator layout
   const int row = lane / 4, pair = 2 * (lane % 4);
+  if (lane == 0) acquire_tensor_map(map);  // built on the device by the launch's first kernel
 #pragma unroll
   for (int pass = 0; pass < kWsBlockN / columns; ++pass) {
     if (lane == 0) bulk_wait_read();  // the TMA unit has read what this warp staged before
@@ -1125,6 +1146,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (gather) rows.fetch(problem, thread);
         }
         const uint32_t a_step_bytes = gather ? 0 : half ? a_bytes / 2 : a_bytes;
+        if (thread == 0) ws_acquire_expert_map(problem, maps);
         for (int step = k_begin; step < k_end; ++step, ++iteration) {
           const int stage = iteration % STAGES;
           const uint32_t use = static_cast<uint32_t>(iteration / STAGES);
