@@ -108,6 +108,7 @@
 #include "core/phase_timer.h"        // PhaseTimer
 #include "device_all_to_all_2dh.h"   // DeviceHierarchicalAllToAll
 #include "device_exchange.h"         // DeviceExchange
+#include "expert_layouts.h"          // LayoutChoice, check_layout: Tutel's layouts r
 #include "expert_parallel_plan.h"    // ExchangePlan
 #include "moe/dispatch.h"            // DispatchPlanBuffers
 #include "moe/router.h"              // RouterWorkspace
@@ -178,7 +179,18 @@ struct ExpertParallelGpuStep {
   int pipeline_chunks = 1;                 // d of the last forward (a trial's while adaptive trials run)
   int hierarchical_ranks_per_node = 0;     // G of the exchanges (0: flat)
   PipelineChoice pipeline;                 // the adaptive choice for the last forward's shape
+  int layout = 1;                          // Tutel's r of the last forward (set_layout)
+  int64_t weight_elements_sent = 0;        // expert weights this rank sent for it (r = 0, r > 1)
+  LayoutChoice layout_choice;              // how r was chosen (set_layout's `why`); by = "" when set by hand
 };
+
+// The layouts r this layer can take for `config` on R ranks with `options` (ascending): those of
+// expert_layouts.h (0, 1, every r > 1 dividing R and H), and, for r != 1, only where the options
+// are d = 1, the flat exchange and the FFN experts, and for dropless with r > 1 where H / r is a
+// multiple of B (the block-sparse FFN tiles each rank's H / r columns by B).
+std::vector<int> valid_gpu_layouts(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks);
+// Throws std::invalid_argument saying why, unless r is one of valid_gpu_layouts().
+void check_gpu_layout(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks, int r);
 
 class ExpertParallelGpu {
  public:
@@ -207,6 +219,13 @@ class ExpertParallelGpu {
                 const bf16* dy,  // [T_r, D]
                 const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
 
+  // Tutel's layout r for the next forward and its backward: 0 data-parallel experts, 1 expert
+  // parallel (the default; FastMoE's layer above), r > 1 experts sharded over r ranks along H (see
+  // the file comment). The stored experts never move, so switching changes no result. Collective:
+  // every rank passes the same r, else std::invalid_argument on every rank, as for a bad r.
+  void set_layout(int r, const LayoutChoice& why = {});
+  int layout() const { return layout_; }
+
   const MoeConfig& config() const { return config_; }
   const ExpertParallelGpuOptions& options() const { return options_; }
   int64_t experts_per_rank() const { return experts_per_rank_; }
@@ -229,6 +248,7 @@ class ExpertParallelGpu {
   struct Chunk;
   struct Tables;
   struct Trial;
+  struct LayoutBuffers;
 
   void route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream);
   void upload_tables(cudaStream_t stream);
@@ -237,6 +257,12 @@ class ExpertParallelGpu {
   void experts_forward(int chunk, const ExpertParallelGpuWeights& weights, cudaStream_t stream);
   void experts_backward(int chunk, const ExpertParallelGpuWeights& weights, const ExpertParallelGpuGradients& gradients,
                         bool first_with_rows, cudaStream_t stream);
+  // r = 0 and r > 1: the experts this rank computes, gathered from their storing ranks into the
+  // layout's buffers (the forward); their gradients summed back onto the storing ranks (the backward).
+  LayoutBuffers& layout_buffers();
+  ExpertParallelGpuWeights gather_expert_weights(const ExpertParallelGpuWeights& stored, cudaStream_t stream);
+  void return_expert_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
+  void sum_partials(bf16* out, cudaStream_t stream);  // r > 1: partials_ -> one row a kept slot, in send order
   // The d-chunk pipeline shared by forward and backward: `out` rows in send order go to the experts,
   // `work(c)` runs on `stream` once chunk c arrived, its rows come back into `back` in send order.
   template <typename Work>
@@ -260,7 +286,12 @@ class ExpertParallelGpu {
   std::unique_ptr<DeviceHierarchicalAllToAll> hierarchical_;  // when G > 1
   // 2DH: [2 d][R * R] elements; [c]: rank s sends rank t in chunk c, [d + c]: the same rows back
   std::vector<std::vector<int64_t>> chunk_counts_;
-  MoeConfig local_experts_config_;  // E = E_r: what the block-sparse FFN and the topology see
+  MoeConfig local_experts_config_;  // E = E_c, H = H_c: what the block-sparse FFN and the topology see
+  int layout_ = 1;                  // Tutel's r
+  LayoutChoice layout_choice_;      // how it was chosen
+  std::map<int, std::unique_ptr<LayoutBuffers>> layout_buffers_;  // by r != 1, made at first use, kept
+  ExpertParallelGpuWeights computed_weights_;  // of the last forward: the caller's (r = 1) or the gathered
+  cuda::DeviceBuffer<bf16> partials_;          // r > 1: [r rows_sent, D] the r partial rows of each slot
   cudaStream_t exchange_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;  // [2 d + 2]: start, arrived[c], computed[c], returned
   cudaEvent_t tables_uploaded_ = nullptr;
