@@ -333,7 +333,8 @@ void check_gpu_layout(const MoeConfig& config, const ExpertParallelGpuOptions& o
 
 void ExpertParallelGpu::set_layout(int r, const LayoutChoice& why) {
   Communicator& host = exchange_->host();
-  check_same_on_every_rank(host, "expert parallel layer (GPU): the layout r", static_cast<uint64_t>(static_cast<uint32_t>(r)));
+  check_same_on_every_rank(host, "expert parallel layer (GPU): the layouts r",
+                           static_cast<uint64_t>(static_cast<uint32_t>(r)));
   check_on_every_rank(host, "expert parallel layer (GPU): bad layout",
                       [&] { check_gpu_layout(config_, options_, exchange_->size(), r); });
   layout_ = r;
