@@ -7,7 +7,9 @@
 // over all tokens), uneven shards, a rank without tokens, experts that receive nothing. Switching r
 // between calls of one layer changes no result: each call equals, bit for bit, a fresh layer's call
 // in that layout. Bad layouts (r not valid, H / r not a multiple of B, r != 1 with d > 1, adaptive
-// d or the 2DH exchange, r differing between ranks) are an error on every rank.
+// d or the 2DH exchange, r differing between ranks) are an error on every rank. The choice of r, by
+// cost model and by measurement, is one valid r, the same on every rank, set on the layer and
+// recorded in its last step.
 //
 // Built twice, as test_expert_parallel_gpu.cpp: over MPI (ranks may share a GPU, staged through
 // host memory) and over NCCL (MOE_TEST_NCCL_BACKEND, one GPU per rank). Without a GPU the GPU tests
@@ -31,6 +33,7 @@
 #include "core/device_buffer.h"       // DeviceBuffer
 #include "core/device_info.h"         // why_no_gpu
 #include "core/reference_bridge.h"    // round_bf16, bf16_of, matrix_of
+#include "expert_layout_choice_gpu.h" // choose_gpu_layout, measure_gpu_layouts
 #include "expert_parallel_gpu.h"      // ExpertParallelGpu, set_layout, check_gpu_layout
 #include "moe/block_sparse.h"         // expert_pointer_table
 #include "mpi_test_support.h"         // world, shared_seed
@@ -221,6 +224,12 @@ class LayerRig {
   }
 
   ExpertParallelGpu& layer() { return *layer_; }
+  int64_t local_tokens() const { return shards_[rank_]; }
+  ExpertParallelGpuWeights weights() const { return {gate_.data(), w1_table_.data(), w2_table_.data()}; }
+  ExpertParallelGpuGradients gradients() { return {dx_.data(), d_gate_.data(), d_w1_table_.data(), d_w2_table_.data()}; }
+  const bf16* x() const { return x_.data(); }
+  const bf16* dy() const { return dy_.data(); }
+  bf16* y() { return y_.data(); }
 
   // One forward + backward in layout r, outputs poisoned (NaN) first.
   LayerRun run(int r) {
@@ -424,6 +433,46 @@ TEST_F(ExpertLayoutsGpuTest, SwitchingLayoutsBetweenCallsChangesNoResult) {
       expect_bit_for_bit(run, fresh[i]);
     }
   }
+}
+
+// ---- the choice ----
+
+TEST_F(ExpertLayoutsGpuTest, TheChoiceIsOneValidLayoutOnEveryRankAndIsRecorded) {
+  const MoeConfig c = base_config();
+  const uint64_t seed = shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Problem problem = make_problem(c, seed);
+  const std::vector<int64_t> shards = uneven_shards(c.tokens, world().size());
+  const std::vector<int> valid = valid_gpu_layouts(c, {}, world().size());
+  LayerRig rig(problem, shards);
+  ExpertParallelGpu& layer = rig.layer();
+  auto expect_agreed = [&](const LayoutChoice& choice, const std::string& by) {
+    EXPECT_EQ(choice.by, by);
+    EXPECT_EQ(choice.candidates, valid);
+    EXPECT_NE(std::find(valid.begin(), valid.end(), choice.r), valid.end()) << "r = " << choice.r;
+    EXPECT_EQ(layer.layout(), choice.r);
+    const std::vector<int64_t> everyone = all_gather<int64_t>(world(), int64_t{choice.r});
+    EXPECT_EQ(std::count(everyone.begin(), everyone.end(), everyone[0]), world().size()) << "r differs between ranks";
+  };
+
+  const LayoutChoice modelled = choose_gpu_layout(layer);  // before any forward: uniform routing
+  expect_agreed(modelled, "cost model");
+  EXPECT_EQ(modelled.estimates.size(), valid.size());
+  const LayerRun after_model = rig.run(modelled.r);
+  EXPECT_EQ(after_model.step.layout, modelled.r);
+
+  const LayoutChoice measured = measure_gpu_layouts(layer, rig.x(), rig.local_tokens(), rig.weights(), rig.y(),
+                                                    rig.dy(), rig.gradients(), nullptr, {}, 2);
+  expect_agreed(measured, "measurement");
+  ASSERT_EQ(measured.measured_us.size(), valid.size());
+  for (double us : measured.measured_us) EXPECT_GT(us, 0.0);
+  // The next step runs in the chosen layout and says how it was chosen.
+  const ExpertParallelGpuWeights weights = rig.weights();
+  layer.forward(rig.x(), rig.local_tokens(), weights, rig.y(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(layer.last_step().layout, measured.r);
+  EXPECT_EQ(layer.last_step().layout_choice.by, "measurement");
+  EXPECT_EQ(layer.last_step().layout_choice.measured_us, measured.measured_us);
 }
 
 // ---- errors on every rank ----
