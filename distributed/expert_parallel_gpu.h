@@ -5,6 +5,7 @@
 //   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu_nccl     (one GPU per rank)
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl
 //   mpirun -np 2 build/lessons/lesson06_expert_parallelism --gpu
+//   mpirun -np 4 build/tests/distributed/test_distributed_expert_layouts_gpu    (Tutel's layouts r)
 //
 // Dimension legend: T tokens (all ranks together), T_r this rank's, D model width, H expert hidden
 // width, E experts, K top-k, C capacity, B block size, R ranks, E_r = E / R experts a rank, d chunks.
@@ -80,6 +81,41 @@
 // across nodes. The R x R counts of each chunk come from the plan every rank already computed, so
 // the 2DH needs no count exchange of its own. It only moves bytes: y, dx and every gradient are bit
 // for bit those of the flat exchange (tested). G = 0 or 1: the flat all-to-all.
+//
+// Tutel's parallelism switching, set_layout(r) before a forward (expert_layouts.h has the CPU
+// reference of the same rules; expert_layout_choice_gpu.h chooses r). The storage never changes:
+// each rank stores E_r whole experts (ExpertParallelGpuWeights, rank q experts [q E_r, (q+1) E_r)),
+// and a layout gathers what it computes from the storing ranks for one step into its own buffers,
+// kept until the backward, then sums the gradients back onto the storing ranks in fp32, so the
+// caller's gradients always have the storage's shape and switching r between calls moves no
+// parameter and changes no result (tested bit for bit against a fresh layer). Routing, the count
+// exchange, the capacity over all T tokens, the global aux and z losses, the send order, the local
+// experts' plan, the combine and the router backward are the same code in every layout: the
+// ExchangePlan takes r and says which ranks compute expert e for source rank s.
+//   r = 1  the layer above, unchanged (FastMoE; its pipelining and 2DH apply only here).
+//   r = 0  data-parallel experts: an all-gather of every rank's packed [E_r, 2 D H] bf16 experts
+//          gives every rank all E; each computes all E on its own kept slots (dropless: B-rounded
+//          per rank; padded: each expert to the most rows any expert got on this rank), its rows
+//          copied, never exchanged. Backward: the E experts' fp32 gradients all-reduced, each rank
+//          keeping its stored experts' (the Communicator has no reduce-scatter: twice its bytes).
+//   r > 1  (r divides R and H; dropless: H / r a multiple of B) groups of r consecutive ranks; rank
+//          g r + i computes columns [i H/r, (i+1) H/r) of W1 and those rows of W2 for the r E_r
+//          experts of its group, gathered by an all-to-all inside the group. Each kept slot's row
+//          goes to all r ranks of its group (they read one block of the send buffer); the r partial
+//          outputs come back into r blocks and are summed at home (sum_partial_rows) before the
+//          weighted combine; in the backward the output gradient goes to the r ranks and their
+//          partial dx rows are summed the same way; the slices' fp32 gradients go back to their
+//          storing rank by the reverse all-to-all.
+// What a rank sends a step, in elements (P_e = 2 D H; n_out, n_in token rows out and in, a row to r
+// ranks counted r times): r = 0 weights (R - 1) E_r P_e bf16 + 2 (R - 1) E_r P_e fp32 (the ring
+// all-reduce), no token; r = 1 tokens 2 (n_out + n_in) D bf16; r > 1 weights (r - 1) E_r P_e / r
+// bf16 + as many fp32, tokens 2 (n_out + n_in) D bf16. It holds for the step besides its storage:
+// r = 0 all E experts (E P_e bf16 + E P_e fp32 gradients), r > 1 its slices (r E_r P_e / r = E_r P_e
+// of each), kept per layout after first use so that switching back allocates nothing.
+// last_step().layout, weight_elements_sent and layout_choice tell the last forward's r and how it
+// was chosen. Not built for r != 1: d > 1 (and adaptive d), the 2DH exchange, identity experts; a
+// set_layout asking for them, an r that is not valid, or ranks asking for different r is a
+// std::invalid_argument on every rank (check_gpu_layout).
 //
 // Supported: GeLU, no jitter (as MoeLayerGpu), E <= 256 and K <= 8 (the router), dropless with
 // B = 64 or 128 and D, H multiples of B; padded and dropping (dropping computed as padded with C, as
