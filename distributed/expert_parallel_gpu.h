@@ -8,7 +8,9 @@
 //   mpirun -np 4 build/tests/distributed/test_distributed_expert_layouts_gpu    (Tutel's layouts r)
 //
 // Dimension legend: T tokens (all ranks together), T_r this rank's, D model width, H expert hidden
-// width, E experts, K top-k, C capacity, B block size, R ranks, E_r = E / R experts a rank, d chunks.
+// width, E experts, K top-k, C capacity, B block size, R ranks, E_r = E / R experts a rank, d chunks;
+// Tutel's layout r, E_c the experts a rank computes in it (E_r, E at r = 0, r E_r at r > 1) and
+// H_c their hidden columns (H, H / r at r > 1).
 //
 // Placement and the rules of the exchange are those of the CPU reference (expert_parallel_cpu.h,
 // expert_parallel_plan.h): tokens sharded in token order (rank r holds T_r of them, any T_r >= 0),

@@ -5,7 +5,8 @@
 //   mpirun -np 4 build/tests/distributed/test_distributed_expert_parallel_plan
 //
 // Dimension legend: T tokens (all ranks), T_r this rank's, E experts, K top-k, C capacity, B block
-// size, R ranks, E_r = E / R experts a rank (rank r owns experts [r E_r, (r + 1) E_r)), d chunks.
+// size, R ranks, E_r = E / R experts a rank (rank r owns experts [r E_r, (r + 1) E_r)), d chunks;
+// r Tutel's layout, E_c the experts a rank computes in it.
 //
 // The rules are those of the CPU reference of expert parallelism (expert_parallel_cpu.h), so both
 // layers send the same rows:
