@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "core/cuda_check.h"        // CUDA_CHECK
-#include "expert_parallel_index.h"  // send_row_of, received_row_of
+#include "expert_parallel_index.h"  // send_row_of, received_row_of, slice_element, partial_row_of
 
 namespace moe::dist {
 
@@ -96,31 +96,12 @@ __global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t count) {
   }
 }
 
-// One thread per element of the packed blocks; i = (s E_r + j) P_c + k.
-struct SliceIndex {
-  int slice, expert;
-  bool in_w1;
-  size_t offset;  // into the expert's W1 [D, H] or W2 [H, D]
-};
-__device__ SliceIndex slice_index(size_t i, int experts, int model_dim, int hidden_dim, int slices) {
-  const size_t width = static_cast<size_t>(hidden_dim / slices);  // H_c
-  const size_t w1_part = static_cast<size_t>(model_dim) * width, per_expert = 2 * w1_part;
-  const size_t k = i % per_expert, block = i / per_expert;
-  SliceIndex at{static_cast<int>(block / experts), static_cast<int>(block % experts), k < w1_part, 0};
-  if (at.in_w1) {  // W1 [D, H]: row k / H_c, column s H_c + k % H_c
-    at.offset = (k / width) * hidden_dim + at.slice * width + k % width;
-  } else {  // W2 [H, D]: row s H_c + k' / D, column k' % D
-    const size_t k2 = k - w1_part;
-    at.offset = (at.slice * width + k2 / model_dim) * model_dim + k2 % model_dim;
-  }
-  return at;
-}
-
+// One thread per element of the packed blocks (slice_element, expert_parallel_index.h).
 __global__ void pack_expert_slices_kernel(const bf16* const* w1, const bf16* const* w2, int experts, int model_dim,
                                           int hidden_dim, int slices, bf16* packed) {
   const size_t total = static_cast<size_t>(experts) * 2 * model_dim * hidden_dim;  // slices x E_r x P_c
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
-    const SliceIndex at = slice_index(i, experts, model_dim, hidden_dim, slices);
+    const SliceElement at = slice_element(i, experts, model_dim, hidden_dim, slices);
     packed[i] = (at.in_w1 ? w1 : w2)[at.expert][at.offset];
   }
 }
@@ -129,7 +110,7 @@ __global__ void unpack_expert_slices_kernel(const float* packed, float* const* d
                                             int model_dim, int hidden_dim, int slices) {
   const size_t total = static_cast<size_t>(experts) * 2 * model_dim * hidden_dim;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
-    const SliceIndex at = slice_index(i, experts, model_dim, hidden_dim, slices);
+    const SliceElement at = slice_element(i, experts, model_dim, hidden_dim, slices);
     (at.in_w1 ? d_w1 : d_w2)[at.expert][at.offset] = packed[i];
   }
 }
@@ -139,13 +120,9 @@ __global__ void sum_partial_rows_kernel(const bf16* partials, const int* group_b
   const size_t total = static_cast<size_t>(rows) * model_dim;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
     const int u = static_cast<int>(i / model_dim), column = static_cast<int>(i % model_dim);
-    int g = 0;  // groups = R / r: a few, a linear search
-    while (g + 1 < groups && u >= group_begin[g + 1]) ++g;
-    const size_t begin = group_begin[g], width = group_begin[g + 1] - begin;
-    const size_t first = copies * begin + (u - begin);  // copy 0 of row u
     float sum = 0.0f;
     for (int c = 0; c < copies; ++c) {
-      sum += __bfloat162float(partials[(first + c * width) * model_dim + column]);
+      sum += __bfloat162float(partials[partial_row_of(u, c, group_begin, groups, copies) * model_dim + column]);
     }
     out[i] = __float2bfloat16(sum);
   }

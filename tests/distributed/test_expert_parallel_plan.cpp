@@ -183,6 +183,19 @@ void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const 
       }
     }
     for (size_t i = 0; i < filled.size(); ++i) EXPECT_EQ(filled[i], 1) << "returned row " << i;
+    if (plan.copies() > 1) {  // the rule sum_partial_rows reads them by: every copy of every row
+      const int r = plan.copies(), groups = R / r;
+      std::vector<int32_t> group_begin;
+      for (int g = 0; g < groups; ++g) group_begin.push_back(static_cast<int32_t>(plan.send_row_offsets(c)[g * r]));
+      group_begin.push_back(static_cast<int32_t>(sent_here));
+      for (int64_t u = 0; u < sent_here; ++u) {
+        for (int copy = 0; copy < r; ++copy) {
+          const size_t at = partial_row_of(static_cast<int>(u), copy, group_begin.data(), groups, r);
+          ASSERT_LT(at, returned.size());
+          EXPECT_EQ(returned[at], send[plan.chunk_send_begin(c) + u]) << "copy " << copy << " of row " << u;
+        }
+      }
+    }
   }
 
   // ---- against the single-device plan of all T tokens ----
@@ -267,6 +280,37 @@ TEST(ExpertParallelPlan, EveryLayoutComputesTheSingleDevicePlansRows) {
       top1.top_k = 1;
       check_exchange(top1, ref::IndexMatrix::Constant(top1.tokens, 1, 5), even_shards(top1.tokens, R), 1, layout);
     }
+  }
+}
+
+// The packed H-slices of the experts (pack_expert_slices, unpack_expert_slices): every element of
+// every stored expert once, slice s holding W1's columns and W2's rows [s H_c, (s + 1) H_c).
+TEST(ExpertParallelPlan, LayoutSlicesHoldEveryWeightOnce) {
+  const int D = 6, H = 8, experts = 3;
+  for (int slices : {1, 2, 4}) {
+    SCOPED_TRACE("slices " + std::to_string(slices));
+    const int H_c = H / slices;
+    const size_t per_expert = size_t(2) * D * H;
+    std::vector<int> w1_uses(size_t(experts) * D * H, 0), w2_uses(size_t(experts) * H * D, 0);
+    for (size_t i = 0; i < size_t(experts) * per_expert; ++i) {
+      const SliceElement at = slice_element(i, experts, D, H, slices);
+      // Where i sits in [slices, E_r, P_c], and what that place must hold.
+      const size_t block = size_t(2) * D * H_c, k = i % block;
+      ASSERT_EQ(at.slice, int(i / block / experts));
+      ASSERT_EQ(at.expert, int(i / block % experts));
+      if (k < size_t(D) * H_c) {
+        ASSERT_TRUE(at.in_w1);
+        EXPECT_EQ(at.offset, (k / H_c) * H + at.slice * H_c + k % H_c) << "W1 [D, H_c] slice, element " << k;
+        ++w1_uses[at.expert * D * H + at.offset];
+      } else {
+        ASSERT_FALSE(at.in_w1);
+        const size_t k2 = k - size_t(D) * H_c;
+        EXPECT_EQ(at.offset, (at.slice * H_c + k2 / D) * D + k2 % D) << "W2 [H_c, D] slice, element " << k2;
+        ++w2_uses[at.expert * H * D + at.offset];
+      }
+    }
+    EXPECT_EQ(std::count(w1_uses.begin(), w1_uses.end(), 1), static_cast<long>(w1_uses.size()));
+    EXPECT_EQ(std::count(w2_uses.begin(), w2_uses.end(), 1), static_cast<long>(w2_uses.size()));
   }
 }
 
