@@ -208,7 +208,7 @@ struct ExpertParallelGpuStep {
   std::vector<int64_t> routed_per_rank_expert;  // [R, E] before dropping (the count exchange)
   std::vector<int64_t> kept_per_rank_expert;    // [R, E]
   int64_t dropped_slots = 0;                    // all ranks
-  int64_t rows_sent = 0;      // token rows this rank sent (and got back), all chunks
+  int64_t rows_sent = 0;      // token rows this rank sent (and got back), all chunks; r > 1: r per kept slot
   int64_t rows_received = 0;  // token rows this rank's experts received, all chunks
   double aux_loss = 0.0;      // global, unscaled: E sum_e f_e P_e
   double z_loss = 0.0;        // global, unscaled: mean over all T tokens of logsumexp^2
