@@ -2,9 +2,9 @@
 // adaptive pipelining degree and 2DH exchange (see expert_parallel_gpu.h). Host code: every kernel
 // is a launcher of cuda/moe/ or of expert_parallel_kernels.h.
 //
-// Sections: ---- settings ----  ---- buffers ----  ---- construction ----  ---- forward ----
-//           ---- adaptive pipelining ----  ---- the pipeline ----  ---- the local experts ----
-//           ---- backward ----
+// Sections: ---- settings ----  ---- buffers ----  ---- construction ----  ---- Tutel's layouts ----
+//           ---- forward ----  ---- adaptive pipelining ----  ---- the pipeline ----
+//           ---- the local experts ----  ---- backward ----
 #include "expert_parallel_gpu.h"
 
 #include <nvtx3/nvToolsExt.h>  // nvtxRangePushA, nvtxRangePop: the phases on Nsight's timeline
@@ -157,10 +157,23 @@ struct ExpertParallelGpu::Chunk {
   DeviceBuffer<bf16> expert_out;  // [M_c, D] their outputs; in the backward, d(outputs)
   DeviceBuffer<bf16> d_permuted_x;                                    // [M_c, D]
   DeviceBuffer<bf16> pre_activation, hidden, d_pre_activation, d_hidden;  // [M_c, H]; d_hidden padded only
-  std::unique_ptr<cuda::TopologyBuffers> topology;  // dropless: the E_r local experts' BCSR
+  std::unique_ptr<cuda::TopologyBuffers> topology;  // dropless: the E_c computed experts' BCSR
   int64_t topology_rows = 0;                        // the received rows it was sized for
+  int64_t topology_experts = 0, topology_hidden = 0;  // and the E_c, H_c (they change with the layout)
   // padded / dropping: per-expert pointers into the [E_r, C_c, *] tensors above
   DeviceBuffer<bf16*> x_rows, pre_rows, hidden_rows, out_rows, d_hidden_rows, d_pre_rows, d_x_rows;
+};
+
+// r = 0 and r > 1: the experts this rank computes, gathered for one step, and their gradients.
+// One expert is one block of P_c = 2 D H_c elements (expert_parallel_kernels.h: W1's columns of the
+// slice, then W2's rows of it); computed expert m's block is at m P_c.
+struct ExpertParallelGpu::LayoutBuffers {
+  DeviceBuffer<bf16> packed;                   // [slices, E_r, P_c] this rank's stored experts, sliced
+  DeviceBuffer<bf16> weights;                  // [E_c, P_c] the gathered experts
+  DeviceBuffer<const bf16*> w1, w2;            // [E_c] pointer tables into weights
+  DeviceBuffer<float> gradients;               // [E_c, P_c] their gradients, this rank's rows
+  DeviceBuffer<float*> d_w1, d_w2;             // [E_c] pointer tables into gradients
+  DeviceBuffer<float> returned_gradients;      // r > 1: [r, E_r, P_c] the slices of the stored experts
 };
 
 // The exchange plan's index tables, packed as int32 words, one upload a forward.
@@ -171,6 +184,7 @@ struct ExpertParallelGpu::Tables {
   DeviceBuffer<int32_t> device;
   // where each table starts, in words
   size_t slot_chunk_begin = 0, part_send_row = 0, total_sent = 0, global_fraction = 0;
+  size_t group_begin = 0;  // r > 1: [R / r + 1] where each group's rows start in the send buffer
   std::vector<size_t> row_offsets, arrived, total_rows, arrived_before, block_start;  // per chunk
 
   ~Tables() {
@@ -273,6 +287,147 @@ const ExchangePlan& ExpertParallelGpu::plan() const {
   return *plan_;
 }
 
+// ---- Tutel's layouts ----
+
+std::vector<int> valid_gpu_layouts(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks) {
+  std::vector<int> valid;
+  for (int r : valid_layouts(config, ranks)) {
+    if (r == 1) {
+      valid.push_back(r);
+      continue;
+    }
+    if (options.pipeline_chunks != 1 || options.hierarchical_ranks_per_node > 1 ||
+        options.experts != ExpertCompute::ffn) {
+      continue;
+    }
+    if (r > 1 && config.formulation == Formulation::dropless && (config.hidden_dim / r) % config.block_size != 0) {
+      continue;
+    }
+    valid.push_back(r);
+  }
+  return valid;
+}
+
+void check_gpu_layout(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks, int r) {
+  check_layout(config, ranks, r);  // 0, 1, or r > 1 dividing R and H, with expert_layouts.h's message
+  if (r == 1) return;
+  if (options.pipeline_chunks != 1 || options.hierarchical_ranks_per_node > 1) {
+    throw std::invalid_argument(
+        "expert layout " + layout_name(r) + " on the GPU with pipeline_chunks (d) = " +
+        std::to_string(options.pipeline_chunks) + " and hierarchical_ranks_per_node (G) = " +
+        std::to_string(options.hierarchical_ranks_per_node) +
+        "; the d-chunk pipeline (and its adaptive choice) and the 2DH exchange belong to the expert-parallel "
+        "layout r = 1; other layouts take d = 1 and the flat exchange");
+  }
+  if (options.experts != ExpertCompute::ffn) {
+    throw std::invalid_argument("expert layout " + layout_name(r) +
+                                " on the GPU with identity experts; the exchange alone is r = 1's");
+  }
+  if (r > 1 && config.formulation == Formulation::dropless && (config.hidden_dim / r) % config.block_size != 0) {
+    throw std::invalid_argument("expert layout " + layout_name(r) + ": each rank computes H / r = " +
+                                std::to_string(config.hidden_dim / r) + " hidden columns, not a multiple of B = " +
+                                std::to_string(config.block_size) +
+                                " (the block-sparse FFN tiles them by B); choose r with H / r a multiple of B");
+  }
+}
+
+void ExpertParallelGpu::set_layout(int r, const LayoutChoice& why) {
+  Communicator& host = exchange_->host();
+  check_same_on_every_rank(host, "expert parallel layer (GPU): the layouts r",
+                           static_cast<uint64_t>(static_cast<uint32_t>(r)));
+  check_on_every_rank(host, "expert parallel layer (GPU): bad layout",
+                      [&] { check_gpu_layout(config_, options_, exchange_->size(), r); });
+  layout_ = r;
+  layout_choice_ = why;
+  local_experts_config_.num_experts = r == 0 ? config_.num_experts : r > 1 ? r * experts_per_rank_ : experts_per_rank_;
+  local_experts_config_.hidden_dim = r > 1 ? config_.hidden_dim / r : config_.hidden_dim;
+  forward_done_ = false;  // a backward belongs to a forward of the same layout
+}
+
+ExpertParallelGpu::LayoutBuffers& ExpertParallelGpu::layout_buffers() {
+  std::unique_ptr<LayoutBuffers>& slot = layout_buffers_[layout_];
+  if (slot) return *slot;
+  slot = std::make_unique<LayoutBuffers>();
+  LayoutBuffers& b = *slot;
+  const int r = layout_, E_c = static_cast<int>(local_experts_config_.num_experts);
+  const size_t D = config_.model_dim, H_c = local_experts_config_.hidden_dim, E_r = experts_per_rank_;
+  const size_t block = 2 * D * H_c;  // P_c
+  const size_t slices = r > 1 ? r : 1;
+  b.packed = DeviceBuffer<bf16>(slices * E_r * block);
+  b.weights = DeviceBuffer<bf16>(E_c * block);
+  b.w1 = cuda::expert_pointer_table<const bf16>(b.weights.data(), E_c, block);
+  b.w2 = cuda::expert_pointer_table<const bf16>(b.weights.data() + D * H_c, E_c, block);
+  b.gradients = DeviceBuffer<float>(E_c * block);
+  b.d_w1 = cuda::expert_pointer_table(b.gradients.data(), E_c, block);
+  b.d_w2 = cuda::expert_pointer_table(b.gradients.data() + D * H_c, E_c, block);
+  if (r > 1) b.returned_gradients = DeviceBuffer<float>(slices * E_r * block);
+  return b;
+}
+
+// r = 0: every rank all-gathers every stored expert (an all-gather of [E_r, P] from each rank gives
+// [E, P], expert e at e P). r > 1: rank g r + i gets slice i of the group's r E_r experts, an
+// all-to-all inside the group: storing rank g r + i' sends its [E_r, P_c] of slice i to g r + i,
+// which puts them at computed experts i' E_r + j. The same exchanges in reverse bring the gradients
+// back (return_expert_gradients).
+ExpertParallelGpuWeights ExpertParallelGpu::gather_expert_weights(const ExpertParallelGpuWeights& stored,
+                                                                  cudaStream_t stream) {
+  if (layout_ == 1) return stored;
+  Phase phase(timer_, "ep_gather_experts", stream);
+  LayoutBuffers& b = layout_buffers();
+  const int r = layout_, R = exchange_->size(), rank = exchange_->rank();
+  const int64_t D = config_.model_dim, H = config_.hidden_dim, E_r = experts_per_rank_;
+  const int64_t stored_elements = E_r * 2 * D * H;  // = slices x E_r x P_c
+  pack_expert_slices(stored.w1, stored.w2, static_cast<int>(E_r), static_cast<int>(D), static_cast<int>(H),
+                     r > 1 ? r : 1, b.packed.data(), stream);
+  if (r == 0) {
+    exchange_->all_gather(b.packed.data(), b.weights.data(), stored_elements, DataType::bfloat16, stream);
+    step_.weight_elements_sent = (R - 1) * stored_elements;
+  } else {
+    const int64_t share = stored_elements / r;  // E_r P_c: one slice of this rank's experts
+    std::vector<int64_t> counts(R, 0), offsets(R, 0);
+    for (int i = 0; i < r; ++i) {
+      const int p = rank / r * r + i;
+      counts[p] = share;
+      offsets[p] = i * share;  // out: slice i; in: from group rank i, its experts i E_r + j
+    }
+    exchange_->all_to_all_v(b.packed.data(), counts, offsets, b.weights.data(), counts, offsets, DataType::bfloat16,
+                            stream);
+    step_.weight_elements_sent = (r - 1) * share;
+  }
+  return ExpertParallelGpuWeights{stored.gate_weights, b.w1.data(), b.w2.data()};
+}
+
+// r = 0: an all-reduce of all E experts' gradients, then each rank keeps its stored experts' rows
+// (the Communicator has no reduce-scatter; a ring all-reduce is a reduce-scatter then an all-gather,
+// so this sends twice the bytes of Tutel's reduce-scatter, and the sum is the same on every rank).
+// r > 1: the group's all-to-all of the forward in reverse; each storing rank writes every slice.
+void ExpertParallelGpu::return_expert_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
+  if (layout_ == 1) return;
+  Phase phase(timer_, "ep_return_expert_gradients", stream);
+  LayoutBuffers& b = layout_buffers();
+  const int r = layout_, R = exchange_->size(), rank = exchange_->rank();
+  const int64_t D = config_.model_dim, H = config_.hidden_dim, E_r = experts_per_rank_;
+  const int64_t stored_elements = E_r * 2 * D * H;
+  if (r == 0) {
+    const int64_t all = static_cast<int64_t>(R) * stored_elements;
+    exchange_->all_reduce_sum(b.gradients.data(), b.gradients.data(), all, DataType::float32, stream);
+    unpack_expert_slices(b.gradients.data() + rank * stored_elements, gradients.d_w1, gradients.d_w2,
+                         static_cast<int>(E_r), static_cast<int>(D), static_cast<int>(H), 1, stream);
+    return;
+  }
+  const int64_t share = stored_elements / r;
+  std::vector<int64_t> counts(R, 0), offsets(R, 0);
+  for (int i = 0; i < r; ++i) {
+    const int p = rank / r * r + i;
+    counts[p] = share;
+    offsets[p] = i * share;  // out: computed experts i E_r + j to their storing rank; in: slice i
+  }
+  exchange_->all_to_all_v(b.gradients.data(), counts, offsets, b.returned_gradients.data(), counts, offsets,
+                          DataType::float32, stream);
+  unpack_expert_slices(b.returned_gradients.data(), gradients.d_w1, gradients.d_w2, static_cast<int>(E_r),
+                       static_cast<int>(D), static_cast<int>(H), r, stream);
+}
+
 // ---- forward ----
 
 void ExpertParallelGpu::route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream) {
@@ -341,7 +496,7 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
   if (!faults.empty()) throw std::invalid_argument("expert parallel layer (GPU) forward: bad input: " + faults);
   const bool adaptive = options_.pipeline_chunks == kAdaptivePipelineChunks;
   const int d = adaptive ? choose_pipeline_chunks(tokens_per_rank) : options_.pipeline_chunks;
-  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, d, tokens_per_rank, routed);
+  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, d, tokens_per_rank, routed, layout_);
 
   // The router losses over all T tokens: f_e from the counts, P_e and the z-loss from the summaries.
   const ExchangePlan& plan = *plan_;
@@ -354,10 +509,14 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
   step_.routed_per_rank_expert = plan.routed_matrix();
   step_.kept_per_rank_expert = plan.kept_matrix();
   step_.dropped_slots = plan.dropped_slots();
-  step_.rows_sent = plan.rows_sent();
+  for (int c = 0; c < d; ++c) {  // at r > 1 each kept slot's row goes to r ranks
+    for (int64_t rows : plan.send_rows(c)) step_.rows_sent += rows;
+  }
   step_.rows_received = plan.rows_received();
   step_.pipeline_chunks = d;
   step_.hierarchical_ranks_per_node = hierarchical_ ? options_.hierarchical_ranks_per_node : 0;
+  step_.layout = layout_;
+  step_.layout_choice = layout_choice_;
   if (adaptive) {
     step_.pipeline = choices_.at(tokens_per_rank);
   } else {
@@ -394,10 +553,15 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
                      static_cast<int>(T_r * K), d, send_slot_.data(), slot_send_row_.data(), stream);
     if (plan.rows_sent() > 0) cuda::permute_tokens(home_view(T_r), x, send_x_.data(), static_cast<int>(D), stream);
   }
-  for (int c = 0; c < d; ++c) prepare_experts(c, weights, stream);
+  computed_weights_ = gather_expert_weights(weights, stream);  // r = 1: the caller's
+  for (int c = 0; c < d; ++c) prepare_experts(c, computed_weights_, stream);
 
   // ---- 4, 5: chunk after chunk, the rows out, the experts, the results back ----
-  pipeline(send_x_.data(), returned_.data(), stream, [&](int c) { experts_forward(c, weights, stream); });
+  // (r > 1: the r partial results of each row come back apart and are summed here.)
+  const bool partial = plan.copies() > 1;
+  pipeline(send_x_.data(), partial ? partials_.data() : returned_.data(), stream,
+           [&](int c) { experts_forward(c, computed_weights_, stream); });
+  if (partial) sum_partials(returned_.data(), stream);
 
   // ---- 6. the weighted combine ----
   if (T_r > 0) {
@@ -473,7 +637,7 @@ void ExpertParallelGpu::upload_tables(cudaStream_t stream) {
   const ExchangePlan& plan = *plan_;
   Tables& t = *tables_;
   const int d = plan.chunks(), R = plan.ranks();
-  const int64_t E = plan.experts(), E_r = plan.experts_per_rank();
+  const int64_t E = plan.experts();
   t.words.clear();
   auto put = [&t](int64_t value) {
     if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max()) {
@@ -499,6 +663,13 @@ void ExpertParallelGpu::upload_tables(cudaStream_t stream) {
     const float fraction = static_cast<float>(routed / (static_cast<double>(plan.tokens()) * config_.top_k));
     t.words.push_back(std::bit_cast<int32_t>(fraction));
   }
+  t.group_begin = t.words.size();
+  if (plan.copies() > 1) {  // r > 1, d = 1: group g's block starts where its first rank's does
+    const int r = plan.copies();
+    for (int g = 0; g < R / r; ++g) put(plan.send_row_offsets(0)[static_cast<size_t>(g * r)]);
+    put(plan.rows_sent());
+  }
+  const int64_t E_c = plan.computed_experts();
   t.row_offsets.assign(d, 0);
   t.arrived.assign(d, 0);
   t.total_rows.assign(d, 0);
@@ -506,18 +677,18 @@ void ExpertParallelGpu::upload_tables(cudaStream_t stream) {
   t.block_start.assign(d, 0);
   for (int c = 0; c < d; ++c) {
     t.row_offsets[c] = t.words.size();
-    for (int64_t j = 0; j <= E_r; ++j) put(plan.row_offset(c, j));
+    for (int64_t j = 0; j <= E_c; ++j) put(plan.row_offset(c, j));
     t.arrived[c] = t.words.size();
-    for (int64_t j = 0; j < E_r; ++j) put(plan.arrived(c, j));
+    for (int64_t j = 0; j < E_c; ++j) put(plan.arrived(c, j));
     t.total_rows[c] = t.words.size();
     put(plan.total_rows(c));
     t.arrived_before[c] = t.words.size();
-    for (int64_t j = 0; j < E_r; ++j) {
+    for (int64_t j = 0; j < E_c; ++j) {
       for (int s = 0; s <= R; ++s) put(plan.arrived_before(c, j, s));
     }
     t.block_start[c] = t.words.size();
     for (int s = 0; s < R; ++s) {
-      for (int64_t j = 0; j < E_r; ++j) put(plan.block_start(c, s, j));
+      for (int64_t j = 0; j < E_c; ++j) put(plan.block_start(c, s, j));
     }
   }
   // The last upload may still be reading the pinned words (if the caller changed streams).
@@ -538,9 +709,11 @@ void ExpertParallelGpu::upload_tables(cudaStream_t stream) {
 
 void ExpertParallelGpu::reserve_buffers() {
   const ExchangePlan& plan = *plan_;
-  const int64_t D = config_.model_dim, H = config_.hidden_dim, E_r = experts_per_rank_;
+  // The experts this rank computes: E_c of them, H_c = H / r hidden columns each at r > 1.
+  const int64_t D = config_.model_dim, H = local_experts_config_.hidden_dim, E_c = plan.computed_experts();
   const bool ffn = options_.experts == ExpertCompute::ffn;
   const bool dropless = config_.formulation == Formulation::dropless;
+  if (plan.copies() > 1) ensure(partials_, plan.rows_returned() * D);
   for (int c = 0; c < plan.chunks(); ++c) {
     Chunk& chunk = *chunks_[c];
     const int64_t received = plan.rows_received(c), rows = plan.total_rows(c);
@@ -550,11 +723,14 @@ void ExpertParallelGpu::reserve_buffers() {
     if (received == 0) continue;  // the experts skip this chunk
     int64_t rows_allocated = rows;
     if (dropless) {
-      if (!chunk.topology || chunk.topology_rows < received) {
+      if (!chunk.topology || chunk.topology_rows < received || chunk.topology_experts != E_c ||
+          chunk.topology_hidden != H) {
         MoeConfig sizes = local_experts_config_;
         sizes.tokens = received + received / 4;  // headroom, as ensure()
         chunk.topology = std::make_unique<cuda::TopologyBuffers>(sizes);
         chunk.topology_rows = sizes.tokens;
+        chunk.topology_experts = E_c;
+        chunk.topology_hidden = H;
       }
       // The products' grids and TMA descriptors span the topology's bound on rows: the operands
       // span it too, as MoeLayerGpu's do, so no tile of a block row past the real ones reads
@@ -574,7 +750,7 @@ void ExpertParallelGpu::reserve_buffers() {
       ensure(chunk.d_hidden, rows * H);
       for (DeviceBuffer<bf16*>* table : {&chunk.x_rows, &chunk.pre_rows, &chunk.hidden_rows, &chunk.out_rows,
                                          &chunk.d_hidden_rows, &chunk.d_pre_rows, &chunk.d_x_rows}) {
-        ensure(*table, E_r);
+        ensure(*table, E_c);
       }
     }
   }
@@ -599,7 +775,7 @@ DevicePlan ExpertParallelGpu::expert_view(int c) const {
   DevicePlan view;  // the local experts' rows over the rows received: one "token" per received row
   view.tokens = static_cast<int>(plan.rows_received(c));
   view.top_k = 1;
-  view.num_experts = static_cast<int>(experts_per_rank_);
+  view.num_experts = static_cast<int>(plan.computed_experts());
   view.capacity = static_cast<int>(plan.padded_rows(c));
   view.block_size = static_cast<int>(config_.block_size);
   view.max_rows = static_cast<int>(plan.total_rows(c));
@@ -657,9 +833,21 @@ void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t strea
 void ExpertParallelGpu::exchange_chunk(int c, bool forward, const bf16* send, bf16* recv, cudaStream_t stream) {
   const ExchangePlan& plan = *plan_;
   const int64_t D = config_.model_dim;
-  // Out: this rank's send rows to the experts' ranks; back: the received rows to their sources.
+  if (plan.layout() == 0) {  // data-parallel experts: every row stays here, a copy, no collective
+    const size_t rank = static_cast<size_t>(plan.rank());
+    const int64_t rows = plan.send_rows(c)[rank];  // = recv_rows(c)[rank]
+    const int64_t from = (forward ? plan.send_row_offsets(c) : plan.recv_row_offsets(c))[rank];
+    const int64_t to = (forward ? plan.recv_row_offsets(c) : plan.return_row_offsets(c))[rank];
+    if (rows > 0) {
+      CUDA_CHECK(cudaMemcpyAsync(recv + to * D, send + from * D, static_cast<size_t>(rows * D) * sizeof(bf16),
+                                 cudaMemcpyDeviceToDevice, stream));
+    }
+    return;
+  }
+  // Out: this rank's send rows to the experts' ranks (at r > 1 the r ranks of a group read one
+  // block); back: the received rows to their sources (at r > 1 into r blocks, one per rank).
   const std::vector<int64_t> send_offsets = times(forward ? plan.send_row_offsets(c) : plan.recv_row_offsets(c), D);
-  const std::vector<int64_t> recv_offsets = times(forward ? plan.recv_row_offsets(c) : plan.send_row_offsets(c), D);
+  const std::vector<int64_t> recv_offsets = times(forward ? plan.recv_row_offsets(c) : plan.return_row_offsets(c), D);
   if (hierarchical_) {
     hierarchical_->all_to_all_v(send, send_offsets, recv, recv_offsets,
                                 chunk_counts_[static_cast<size_t>(forward ? c : plan.chunks() + c)],
@@ -704,23 +892,30 @@ const bf16* ExpertParallelGpu::chunk_result(int c) const {
   return options_.experts == ExpertCompute::identity ? chunks_[c]->received.data() : chunks_[c]->sent_back.data();
 }
 
+void ExpertParallelGpu::sum_partials(bf16* out, cudaStream_t stream) {
+  const ExchangePlan& plan = *plan_;
+  Phase phase(timer_, "ep_sum_partials", stream);
+  sum_partial_rows(partials_.data(), tables_->at(tables_->group_begin), plan.ranks() / plan.copies(), plan.copies(),
+                   static_cast<int>(plan.rows_sent()), static_cast<int>(config_.model_dim), out, stream);
+}
+
 // ---- the local experts ----
 
 void ExpertParallelGpu::prepare_experts(int c, const ExpertParallelGpuWeights&, cudaStream_t stream) {
   const ExchangePlan& plan = *plan_;
   if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
   Chunk& chunk = *chunks_[c];
-  const int E_r = static_cast<int>(experts_per_rank_), rows = static_cast<int>(plan.total_rows(c));
+  const int E_c = static_cast<int>(plan.computed_experts()), rows = static_cast<int>(plan.total_rows(c));
   build_expert_rows(tables_->at(tables_->row_offsets[c]), tables_->at(tables_->arrived_before[c]),
-                    tables_->at(tables_->block_start[c]), E_r, plan.ranks(), rows, chunk.row_slot.data(), stream);
+                    tables_->at(tables_->block_start[c]), E_c, plan.ranks(), rows, chunk.row_slot.data(), stream);
   if (config_.formulation == Formulation::dropless) {
     cuda::build_topology(expert_view(c), *chunk.topology, stream);
     return;
   }
-  // [E_r, C_c, *] tensors: expert j's rows start at j C_c.
-  const size_t C = static_cast<size_t>(plan.padded_rows(c)), D = config_.model_dim, H = config_.hidden_dim;
+  // [E_c, C_c, *] tensors: expert j's rows start at j C_c.
+  const size_t C = static_cast<size_t>(plan.padded_rows(c)), D = config_.model_dim, H = local_experts_config_.hidden_dim;
   auto table = [&](DeviceBuffer<bf16*>& pointers, DeviceBuffer<bf16>& base, size_t width) {
-    cuda::fill_strided_pointers(base.data(), C * width, E_r, pointers.data(), stream);
+    cuda::fill_strided_pointers(base.data(), C * width, E_c, pointers.data(), stream);
   };
   table(chunk.x_rows, chunk.permuted_x, D);
   table(chunk.pre_rows, chunk.pre_activation, H);
@@ -735,8 +930,8 @@ void ExpertParallelGpu::experts_forward(int c, const ExpertParallelGpuWeights& w
   const ExchangePlan& plan = *plan_;
   if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
   Chunk& chunk = *chunks_[c];
-  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(config_.hidden_dim),
-            E_r = static_cast<int>(experts_per_rank_), rows = static_cast<int>(plan.total_rows(c));
+  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(local_experts_config_.hidden_dim),
+            E_c = static_cast<int>(plan.computed_experts()), rows = static_cast<int>(plan.total_rows(c));
   cuda::permute_tokens(expert_view(c), chunk.received.data(), chunk.permuted_x.data(), D, stream);
   if (config_.formulation == Formulation::dropless) {
     const cuda::BlockSparseFfnOutputs outputs{chunk.pre_activation.data(), nullptr, chunk.hidden.data(),
@@ -744,14 +939,14 @@ void ExpertParallelGpu::experts_forward(int c, const ExpertParallelGpuWeights& w
     cuda::block_sparse_ffn_forward(local_experts_config_, chunk.topology->topology(),
                                    cuda::ExpertRows(chunk.permuted_x.data()), weights.w1, weights.w2, outputs, stream);
   } else {
-    // E_r products [C_c, D] x [D, H], GeLU, E_r products [C_c, H] x [H, D] (MoeLayerGpu's padded path).
+    // E_c products [C_c, D] x [D, H_c], GeLU, E_c products [C_c, H_c] x [H_c, D] (MoeLayerGpu's padded path).
     const int C = static_cast<int>(plan.padded_rows(c));
     cublas_->set_stream(stream);
     cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, H, D, chunk.x_rows.data(), D, weights.w1,
-                       H, chunk.pre_rows.data(), H, E_r);
+                       H, chunk.pre_rows.data(), H, E_c);
     cuda::gelu_forward(chunk.pre_activation.data(), chunk.hidden.data(), static_cast<size_t>(rows) * H, stream);
     cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, D, H, chunk.hidden_rows.data(), H,
-                       weights.w2, D, chunk.out_rows.data(), D, E_r);
+                       weights.w2, D, chunk.out_rows.data(), D, E_c);
   }
   scatter_rows(chunk.row_slot.data(), chunk.expert_out.data(), chunk.sent_back.data(), rows, D, stream);
 }
@@ -762,8 +957,8 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
   const ExchangePlan& plan = *plan_;
   if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
   Chunk& chunk = *chunks_[c];
-  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(config_.hidden_dim),
-            E_r = static_cast<int>(experts_per_rank_), rows = static_cast<int>(plan.total_rows(c));
+  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(local_experts_config_.hidden_dim),
+            E_c = static_cast<int>(plan.computed_experts()), rows = static_cast<int>(plan.total_rows(c));
   // d(expert outputs) in expert order, padding rows zero, into expert_out (the forward's values of
   // it are no longer needed: the combine's backward used the copies that went home).
   cuda::permute_tokens(expert_view(c), chunk.received.data(), chunk.expert_out.data(), D, stream);
@@ -781,8 +976,8 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
     cuda::block_sparse_ffn_backward(local_experts_config_, chunk.topology->topology(), chunk.permuted_x.data(),
                                     weights.w1, weights.w2, forward, chunk.expert_out.data(), out, stream);
     if (!first_with_rows) {
-      add_through_tables(gradients.d_w1, scratch_w1_.data(), E_r, static_cast<size_t>(D) * H, stream);
-      add_through_tables(gradients.d_w2, scratch_w2_.data(), E_r, static_cast<size_t>(H) * D, stream);
+      add_through_tables(gradients.d_w1, scratch_w1_.data(), E_c, static_cast<size_t>(D) * H, stream);
+      add_through_tables(gradients.d_w2, scratch_w2_.data(), E_c, static_cast<size_t>(H) * D, stream);
     }
   } else {
     // Per expert over its C_c rows (padding rows carry zero gradient); cuBLAS accumulates the weight
@@ -792,15 +987,15 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
     const float beta = first_with_rows ? 0.0f : 1.0f;
     cublas_->set_stream(stream);
     cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, H, D, chunk.out_rows.data(), D,
-                       weights.w2, D, chunk.d_hidden_rows.data(), H, E_r);
+                       weights.w2, D, chunk.d_hidden_rows.data(), H, E_c);
     cuda::gelu_backward(chunk.pre_activation.data(), chunk.d_hidden.data(), chunk.d_pre_activation.data(),
                         static_cast<size_t>(rows) * H, stream);
     cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, H, D, C, chunk.hidden_rows.data(), H,
-                       chunk.out_rows.data(), D, gradients.d_w2, D, E_r, beta);
+                       chunk.out_rows.data(), D, gradients.d_w2, D, E_c, beta);
     cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, D, H, C, chunk.x_rows.data(), D,
-                       chunk.d_pre_rows.data(), H, gradients.d_w1, H, E_r, beta);
+                       chunk.d_pre_rows.data(), H, gradients.d_w1, H, E_c, beta);
     cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, D, H, chunk.d_pre_rows.data(), H,
-                       weights.w1, H, chunk.d_x_rows.data(), D, E_r);
+                       weights.w1, H, chunk.d_x_rows.data(), D, E_c);
   }
   scatter_rows(chunk.row_slot.data(), chunk.d_permuted_x.data(), chunk.sent_back.data(), rows, D, stream);
 }
@@ -816,6 +1011,15 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
   const ExchangePlan& plan = *plan_;
   const int64_t T_r = plan.local_tokens(), E = config_.num_experts, K = config_.top_k, D = config_.model_dim,
                 H = config_.hidden_dim, E_r = experts_per_rank_;
+  // The gradients the experts write: the caller's (r = 1), or those of the E_c experts this rank
+  // computes (r != 1), summed onto the storing ranks after the exchange.
+  ExpertParallelGpuGradients computed_gradients = gradients;
+  if (layout_ != 1) {
+    LayoutBuffers& b = layout_buffers();
+    computed_gradients.d_w1 = b.d_w1.data();
+    computed_gradients.d_w2 = b.d_w2.data();
+  }
+  const int64_t E_c = plan.computed_experts(), H_c = local_experts_config_.hidden_dim;
   const bool ffn = options_.experts == ExpertCompute::ffn;
   // A null pointer here is this rank's programming error; it is thrown before any collective, and
   // the peers then wait in the first exchange (unlike the forward, whose faults every rank sees).
@@ -850,12 +1054,17 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
     scratch_w1_ = cuda::expert_pointer_table(gradient_scratch_.data(), static_cast<int>(E_r), per_w1);
     scratch_w2_ = cuda::expert_pointer_table(gradient_scratch_.data() + E_r * per_w1, static_cast<int>(E_r), per_w2);
   }
-  pipeline(d_send_.data(), returned_dx_.data(), stream,
-           [&](int c) { experts_backward(c, weights, gradients, c == first_with_rows, stream); });
+  // (r = 1: the caller's weights; r != 1: those the forward gathered, still in the layout's buffers.)
+  const ExpertParallelGpuWeights& computing = layout_ == 1 ? weights : computed_weights_;
+  const bool partial = plan.copies() > 1;  // r > 1: the r partial dx rows of each slot come back apart
+  pipeline(d_send_.data(), partial ? partials_.data() : returned_dx_.data(), stream,
+           [&](int c) { experts_backward(c, computing, computed_gradients, c == first_with_rows, stream); });
+  if (partial) sum_partials(returned_dx_.data(), stream);
   if (ffn && first_with_rows < 0) {  // no row reached this rank's experts: their gradients are zero
-    zero_through_tables(gradients.d_w1, static_cast<int>(E_r), static_cast<size_t>(D) * H, stream);
-    zero_through_tables(gradients.d_w2, static_cast<int>(E_r), static_cast<size_t>(H) * D, stream);
+    zero_through_tables(computed_gradients.d_w1, static_cast<int>(E_c), static_cast<size_t>(D) * H_c, stream);
+    zero_through_tables(computed_gradients.d_w2, static_cast<int>(E_c), static_cast<size_t>(H_c) * D, stream);
   }
+  return_expert_gradients(gradients, stream);  // r != 1: onto the storing ranks
 
   // ---- un-gather and the router ----
   if (T_r > 0) {

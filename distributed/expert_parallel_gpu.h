@@ -5,9 +5,12 @@
 //   mpirun -np 2 build/tests/distributed/test_distributed_expert_parallel_gpu_nccl     (one GPU per rank)
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl
 //   mpirun -np 2 build/lessons/lesson06_expert_parallelism --gpu
+//   mpirun -np 4 build/tests/distributed/test_distributed_expert_layouts_gpu    (Tutel's layouts r)
 //
 // Dimension legend: T tokens (all ranks together), T_r this rank's, D model width, H expert hidden
-// width, E experts, K top-k, C capacity, B block size, R ranks, E_r = E / R experts a rank, d chunks.
+// width, E experts, K top-k, C capacity, B block size, R ranks, E_r = E / R experts a rank, d chunks;
+// Tutel's layout r, E_c the experts a rank computes in it (E_r, E at r = 0, r E_r at r > 1) and
+// H_c their hidden columns (H, H / r at r > 1).
 //
 // Placement and the rules of the exchange are those of the CPU reference (expert_parallel_cpu.h,
 // expert_parallel_plan.h): tokens sharded in token order (rank r holds T_r of them, any T_r >= 0),
@@ -81,6 +84,41 @@
 // the 2DH needs no count exchange of its own. It only moves bytes: y, dx and every gradient are bit
 // for bit those of the flat exchange (tested). G = 0 or 1: the flat all-to-all.
 //
+// Tutel's parallelism switching, set_layout(r) before a forward (expert_layouts.h has the CPU
+// reference of the same rules; expert_layout_choice_gpu.h chooses r). The storage never changes:
+// each rank stores E_r whole experts (ExpertParallelGpuWeights, rank q experts [q E_r, (q+1) E_r)),
+// and a layout gathers what it computes from the storing ranks for one step into its own buffers,
+// kept until the backward, then sums the gradients back onto the storing ranks in fp32, so the
+// caller's gradients always have the storage's shape and switching r between calls moves no
+// parameter and changes no result (tested bit for bit against a fresh layer). Routing, the count
+// exchange, the capacity over all T tokens, the global aux and z losses, the send order, the local
+// experts' plan, the combine and the router backward are the same code in every layout: the
+// ExchangePlan takes r and says which ranks compute expert e for source rank s.
+//   r = 1  the layer above, unchanged (FastMoE; its pipelining and 2DH apply only here).
+//   r = 0  data-parallel experts: an all-gather of every rank's packed [E_r, 2 D H] bf16 experts
+//          gives every rank all E; each computes all E on its own kept slots (dropless: B-rounded
+//          per rank; padded: each expert to the most rows any expert got on this rank), its rows
+//          copied, never exchanged. Backward: the E experts' fp32 gradients all-reduced, each rank
+//          keeping its stored experts' (the Communicator has no reduce-scatter: twice its bytes).
+//   r > 1  (r divides R and H; dropless: H / r a multiple of B) groups of r consecutive ranks; rank
+//          g r + i computes columns [i H/r, (i+1) H/r) of W1 and those rows of W2 for the r E_r
+//          experts of its group, gathered by an all-to-all inside the group. Each kept slot's row
+//          goes to all r ranks of its group (they read one block of the send buffer); the r partial
+//          outputs come back into r blocks and are summed at home (sum_partial_rows) before the
+//          weighted combine; in the backward the output gradient goes to the r ranks and their
+//          partial dx rows are summed the same way; the slices' fp32 gradients go back to their
+//          storing rank by the reverse all-to-all.
+// What a rank sends a step, in elements (P_e = 2 D H; n_out, n_in token rows out and in, a row to r
+// ranks counted r times): r = 0 weights (R - 1) E_r P_e bf16 + 2 (R - 1) E_r P_e fp32 (the ring
+// all-reduce), no token; r = 1 tokens 2 (n_out + n_in) D bf16; r > 1 weights (r - 1) E_r P_e / r
+// bf16 + as many fp32, tokens 2 (n_out + n_in) D bf16. It holds for the step besides its storage:
+// r = 0 all E experts (E P_e bf16 + E P_e fp32 gradients), r > 1 its slices (r E_r P_e / r = E_r P_e
+// of each), kept per layout after first use so that switching back allocates nothing.
+// last_step().layout, weight_elements_sent and layout_choice tell the last forward's r and how it
+// was chosen. Not built for r != 1: d > 1 (and adaptive d), the 2DH exchange, identity experts; a
+// set_layout asking for them, an r that is not valid, or ranks asking for different r is a
+// std::invalid_argument on every rank (check_gpu_layout).
+//
 // Supported: GeLU, no jitter (as MoeLayerGpu), E <= 256 and K <= 8 (the router), dropless with
 // B = 64 or 128 and D, H multiples of B; padded and dropping (dropping computed as padded with C, as
 // MoeLayerGpu does; C counted over all T tokens). Anything else is a std::invalid_argument on every
@@ -108,6 +146,7 @@
 #include "core/phase_timer.h"        // PhaseTimer
 #include "device_all_to_all_2dh.h"   // DeviceHierarchicalAllToAll
 #include "device_exchange.h"         // DeviceExchange
+#include "expert_layouts.h"          // LayoutChoice, check_layout: Tutel's layouts r
 #include "expert_parallel_plan.h"    // ExchangePlan
 #include "moe/dispatch.h"            // DispatchPlanBuffers
 #include "moe/router.h"              // RouterWorkspace
@@ -169,7 +208,7 @@ struct ExpertParallelGpuStep {
   std::vector<int64_t> routed_per_rank_expert;  // [R, E] before dropping (the count exchange)
   std::vector<int64_t> kept_per_rank_expert;    // [R, E]
   int64_t dropped_slots = 0;                    // all ranks
-  int64_t rows_sent = 0;      // token rows this rank sent (and got back), all chunks
+  int64_t rows_sent = 0;      // token rows this rank sent (and got back), all chunks; r > 1: r per kept slot
   int64_t rows_received = 0;  // token rows this rank's experts received, all chunks
   double aux_loss = 0.0;      // global, unscaled: E sum_e f_e P_e
   double z_loss = 0.0;        // global, unscaled: mean over all T tokens of logsumexp^2
@@ -178,7 +217,18 @@ struct ExpertParallelGpuStep {
   int pipeline_chunks = 1;                 // d of the last forward (a trial's while adaptive trials run)
   int hierarchical_ranks_per_node = 0;     // G of the exchanges (0: flat)
   PipelineChoice pipeline;                 // the adaptive choice for the last forward's shape
+  int layout = 1;                          // Tutel's r of the last forward (set_layout)
+  int64_t weight_elements_sent = 0;        // expert weights this rank sent for it (r = 0, r > 1)
+  LayoutChoice layout_choice;              // how r was chosen (set_layout's `why`); by = "" when set by hand
 };
+
+// The layouts r this layer can take for `config` on R ranks with `options` (ascending): those of
+// expert_layouts.h (0, 1, every r > 1 dividing R and H), and, for r != 1, only where the options
+// are d = 1, the flat exchange and the FFN experts, and for dropless with r > 1 where H / r is a
+// multiple of B (the block-sparse FFN tiles each rank's H / r columns by B).
+std::vector<int> valid_gpu_layouts(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks);
+// Throws std::invalid_argument saying why, unless r is one of valid_gpu_layouts().
+void check_gpu_layout(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks, int r);
 
 class ExpertParallelGpu {
  public:
@@ -207,6 +257,13 @@ class ExpertParallelGpu {
                 const bf16* dy,  // [T_r, D]
                 const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
 
+  // Tutel's layout r for the next forward and its backward: 0 data-parallel experts, 1 expert
+  // parallel (the default; FastMoE's layer above), r > 1 experts sharded over r ranks along H (see
+  // the file comment). The stored experts never move, so switching changes no result. Collective:
+  // every rank passes the same r, else std::invalid_argument on every rank, as for a bad r.
+  void set_layout(int r, const LayoutChoice& why = {});
+  int layout() const { return layout_; }
+
   const MoeConfig& config() const { return config_; }
   const ExpertParallelGpuOptions& options() const { return options_; }
   int64_t experts_per_rank() const { return experts_per_rank_; }
@@ -229,6 +286,7 @@ class ExpertParallelGpu {
   struct Chunk;
   struct Tables;
   struct Trial;
+  struct LayoutBuffers;
 
   void route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream);
   void upload_tables(cudaStream_t stream);
@@ -237,6 +295,12 @@ class ExpertParallelGpu {
   void experts_forward(int chunk, const ExpertParallelGpuWeights& weights, cudaStream_t stream);
   void experts_backward(int chunk, const ExpertParallelGpuWeights& weights, const ExpertParallelGpuGradients& gradients,
                         bool first_with_rows, cudaStream_t stream);
+  // r = 0 and r > 1: the experts this rank computes, gathered from their storing ranks into the
+  // layout's buffers (the forward); their gradients summed back onto the storing ranks (the backward).
+  LayoutBuffers& layout_buffers();
+  ExpertParallelGpuWeights gather_expert_weights(const ExpertParallelGpuWeights& stored, cudaStream_t stream);
+  void return_expert_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
+  void sum_partials(bf16* out, cudaStream_t stream);  // r > 1: partials_ -> one row a kept slot, in send order
   // The d-chunk pipeline shared by forward and backward: `out` rows in send order go to the experts,
   // `work(c)` runs on `stream` once chunk c arrived, its rows come back into `back` in send order.
   template <typename Work>
@@ -260,7 +324,12 @@ class ExpertParallelGpu {
   std::unique_ptr<DeviceHierarchicalAllToAll> hierarchical_;  // when G > 1
   // 2DH: [2 d][R * R] elements; [c]: rank s sends rank t in chunk c, [d + c]: the same rows back
   std::vector<std::vector<int64_t>> chunk_counts_;
-  MoeConfig local_experts_config_;  // E = E_r: what the block-sparse FFN and the topology see
+  MoeConfig local_experts_config_;  // E = E_c, H = H_c: what the block-sparse FFN and the topology see
+  int layout_ = 1;                  // Tutel's r
+  LayoutChoice layout_choice_;      // how it was chosen
+  std::map<int, std::unique_ptr<LayoutBuffers>> layout_buffers_;  // by r != 1, made at first use, kept
+  ExpertParallelGpuWeights computed_weights_;  // of the last forward: the caller's (r = 1) or the gathered
+  cuda::DeviceBuffer<bf16> partials_;          // r > 1: [r rows_sent, D] the r partial rows of each slot
   cudaStream_t exchange_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;  // [2 d + 2]: start, arrived[c], computed[c], returned
   cudaEvent_t tables_uploaded_ = nullptr;

@@ -1,11 +1,15 @@
-// expert_parallel_index.h: the two index rules of the expert-parallel layer's exchange, as plain
+// expert_parallel_index.h: the index rules of the expert-parallel layer's exchange, as plain
 // functions the same on the host and the device: the GPU kernels (expert_parallel_kernels.cu) run
 // them per row, and the CPU test of the plan (tests/distributed/test_expert_parallel_plan.cpp) runs
 // them on CPU ranks against the single-device dispatch plan. The tables are ExchangePlan's
-// (expert_parallel_plan.h), narrowed to int32.
+// (expert_parallel_plan.h), narrowed to int32. Two more for Tutel's layouts r: where an element of
+// the packed H-slices of the experts comes from, and where the r partial results of a row land.
 //
-// Dimension legend: E experts, E_r local experts, R ranks, d chunks.
+// Dimension legend: E experts, E_r local experts, R ranks, d chunks, D model width, H hidden width,
+// H_c = H / slices, P_c = 2 D H_c.
 #pragma once
+
+#include <cstddef>  // size_t
 
 #if defined(__CUDACC__)
 #define MOE_EP_HOST_DEVICE __host__ __device__
@@ -48,6 +52,42 @@ MOE_EP_HOST_DEVICE inline int received_row_of(int row, const int* row_offsets, c
   int source = 0;
   while (i >= before[source + 1]) ++source;
   return block_start[source * experts + j] + (i - before[source]);
+}
+
+// Element i of the packed experts [slices, E_r, P_c] (pack_expert_slices): slice s of stored expert
+// j is W1's columns [s H_c, (s + 1) H_c) as [D, H_c], then W2's rows [s H_c, (s + 1) H_c) as [H_c, D].
+struct SliceElement {
+  int slice = 0, expert = 0;
+  bool in_w1 = true;
+  size_t offset = 0;  // into the stored expert's W1 [D, H] or W2 [H, D], row-major
+};
+MOE_EP_HOST_DEVICE inline SliceElement slice_element(size_t i, int experts, int model_dim, int hidden_dim,
+                                                     int slices) {
+  const size_t width = static_cast<size_t>(hidden_dim / slices);  // H_c
+  const size_t w1_part = static_cast<size_t>(model_dim) * width, per_expert = 2 * w1_part;
+  const size_t k = i % per_expert, block = i / per_expert;
+  SliceElement at;
+  at.slice = static_cast<int>(block / experts);
+  at.expert = static_cast<int>(block % experts);
+  at.in_w1 = k < w1_part;
+  if (at.in_w1) {  // W1 [D, H]: row k / H_c, column s H_c + k % H_c
+    at.offset = (k / width) * hidden_dim + at.slice * width + k % width;
+  } else {  // W2 [H, D]: row s H_c + k' / D, column k' % D
+    const size_t k2 = k - w1_part;
+    at.offset = (at.slice * width + k2 / model_dim) * model_dim + k2 % model_dim;
+  }
+  return at;
+}
+
+// r > 1, the tokens' rank: the row of the returned partials that holds copy c (from rank g r + c)
+// of kept row u, u in group g's block [group_begin[g], group_begin[g + 1]) of the send buffer. The r
+// blocks of group g follow each other from r group_begin[g] (ExchangePlan::return_row_offsets).
+MOE_EP_HOST_DEVICE inline size_t partial_row_of(int u, int copy, const int* group_begin, int groups, int copies) {
+  int g = 0;  // groups = R / r: a few, a linear search
+  while (g + 1 < groups && u >= group_begin[g + 1]) ++g;
+  const size_t begin = static_cast<size_t>(group_begin[g]);
+  const size_t width = static_cast<size_t>(group_begin[g + 1]) - begin;
+  return static_cast<size_t>(copies) * begin + static_cast<size_t>(copy) * width + (static_cast<size_t>(u) - begin);
 }
 
 }  // namespace moe::dist

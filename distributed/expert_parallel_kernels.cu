@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "core/cuda_check.h"        // CUDA_CHECK
-#include "expert_parallel_index.h"  // send_row_of, received_row_of
+#include "expert_parallel_index.h"  // send_row_of, received_row_of, slice_element, partial_row_of
 
 namespace moe::dist {
 
@@ -96,6 +96,38 @@ __global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t count) {
   }
 }
 
+// One thread per element of the packed blocks (slice_element, expert_parallel_index.h).
+__global__ void pack_expert_slices_kernel(const bf16* const* w1, const bf16* const* w2, int experts, int model_dim,
+                                          int hidden_dim, int slices, bf16* packed) {
+  const size_t total = static_cast<size_t>(experts) * 2 * model_dim * hidden_dim;  // slices x E_r x P_c
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
+    const SliceElement at = slice_element(i, experts, model_dim, hidden_dim, slices);
+    packed[i] = (at.in_w1 ? w1 : w2)[at.expert][at.offset];
+  }
+}
+
+__global__ void unpack_expert_slices_kernel(const float* packed, float* const* d_w1, float* const* d_w2, int experts,
+                                            int model_dim, int hidden_dim, int slices) {
+  const size_t total = static_cast<size_t>(experts) * 2 * model_dim * hidden_dim;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
+    const SliceElement at = slice_element(i, experts, model_dim, hidden_dim, slices);
+    (at.in_w1 ? d_w1 : d_w2)[at.expert][at.offset] = packed[i];
+  }
+}
+
+__global__ void sum_partial_rows_kernel(const bf16* partials, const int* group_begin, int groups, int copies,
+                                        int rows, int model_dim, bf16* out) {
+  const size_t total = static_cast<size_t>(rows) * model_dim;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
+    const int u = static_cast<int>(i / model_dim), column = static_cast<int>(i % model_dim);
+    float sum = 0.0f;
+    for (int c = 0; c < copies; ++c) {
+      sum += __bfloat162float(partials[partial_row_of(u, c, group_begin, groups, copies) * model_dim + column]);
+    }
+    out[i] = __float2bfloat16(sum);
+  }
+}
+
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 }  // namespace
@@ -153,6 +185,32 @@ void zero_through_tables(float* const* to, int tables, size_t count, cudaStream_
 void float_to_bf16(const float* in, bf16* out, size_t count, cudaStream_t stream) {
   if (count == 0) return;
   float_to_bf16_kernel<<<blocks_for(static_cast<int64_t>(count)), kThreads, 0, stream>>>(in, out, count);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void pack_expert_slices(const bf16* const* w1, const bf16* const* w2, int experts, int model_dim, int hidden_dim,
+                        int slices, bf16* packed, cudaStream_t stream) {
+  const int64_t total = int64_t{experts} * 2 * model_dim * hidden_dim;
+  if (total == 0) return;
+  pack_expert_slices_kernel<<<blocks_for(total), kThreads, 0, stream>>>(w1, w2, experts, model_dim, hidden_dim,
+                                                                       slices, packed);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void unpack_expert_slices(const float* packed, float* const* d_w1, float* const* d_w2, int experts, int model_dim,
+                          int hidden_dim, int slices, cudaStream_t stream) {
+  const int64_t total = int64_t{experts} * 2 * model_dim * hidden_dim;
+  if (total == 0) return;
+  unpack_expert_slices_kernel<<<blocks_for(total), kThreads, 0, stream>>>(packed, d_w1, d_w2, experts, model_dim,
+                                                                         hidden_dim, slices);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void sum_partial_rows(const bf16* partials, const int* group_begin, int groups, int copies, int rows, int model_dim,
+                      bf16* out, cudaStream_t stream) {
+  if (rows == 0) return;
+  sum_partial_rows_kernel<<<blocks_for(int64_t{rows} * model_dim), kThreads, 0, stream>>>(
+      partials, group_begin, groups, copies, rows, model_dim, out);
   CUDA_CHECK(cudaGetLastError());
 }
 

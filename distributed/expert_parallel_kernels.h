@@ -2,7 +2,9 @@
 // cuda/'s router, dispatch plan, topology, permutes and block-sparse FFN: packing the routing
 // summary for the count exchange, the send order of the token rows, the local experts' row map
 // over the rows received, rows back in the order they came, and gradient tables summed over the
-// pipeline's chunks. Everything is asynchronous on `stream`; nothing reads back to the host.
+// pipeline's chunks; for Tutel's other layouts (expert_layouts.h), the expert weights packed in
+// H-slices for their all-gather or all-to-all, their gradients unpacked back, and the r partial
+// results of a sharded expert summed. Everything is asynchronous on `stream`; nothing reads back to the host.
 // Built into moe_expert_parallel_gpu; used by expert_parallel_gpu.cpp.
 //
 // Dimension legend: T_r this rank's tokens, D model width, E experts, E_r local experts, K top-k,
@@ -72,5 +74,32 @@ void add_through_tables(float* const* to,    // device [tables] -> [count]
 void zero_through_tables(float* const* to, int tables, size_t count, cudaStream_t stream);
 
 void float_to_bf16(const float* in, bf16* out, size_t count, cudaStream_t stream);
+
+// ---- Tutel's layouts r = 0 and r > 1 ----
+// An expert's parameters as one block of P_c = 2 D H_c elements, H_c = H / slices: its W1 columns
+// [s H_c, (s + 1) H_c) as [D, H_c], then its W2 rows [s H_c, (s + 1) H_c) as [H_c, D]. slices = 1
+// is the whole expert (r = 0); slices = r the H-slices of r > 1.
+//
+// packed[s][j] = slice s of stored expert j: what slice s's computing rank gathers.
+void pack_expert_slices(const bf16* const* w1,  // device [E_r] -> [D, H]
+                        const bf16* const* w2,  // device [E_r] -> [H, D]
+                        int experts, int model_dim, int hidden_dim, int slices,
+                        bf16* packed,  // [slices, E_r, P_c]
+                        cudaStream_t stream);
+// The inverse for gradients: d_w1[j][:, s H_c + i], d_w2[j][s H_c + i, :] = packed[s][j], every
+// slice s of every stored expert j written once.
+void unpack_expert_slices(const float* packed,  // [slices, E_r, P_c]
+                          float* const* d_w1,   // device [E_r] -> [D, H]
+                          float* const* d_w2,   // device [E_r] -> [H, D]
+                          int experts, int model_dim, int hidden_dim, int slices, cudaStream_t stream);
+
+// r > 1, the tokens' rank: out[u] = sum over i < r of partials[r u_g + i n_g + (u - u_g)] for each
+// row u of group g's block [u_g, u_g + n_g) (n_g = u_{g+1} - u_g): the r ranks' partial results of
+// one kept slot, summed in fp32 and rounded once.
+void sum_partial_rows(const bf16* partials,    // [r * rows, D], group after group, r blocks each
+                      const int* group_begin,  // [groups + 1] u_g; u_groups = rows
+                      int groups, int copies, int rows, int model_dim,
+                      bf16* out,  // [rows, D]
+                      cudaStream_t stream);
 
 }  // namespace moe::dist

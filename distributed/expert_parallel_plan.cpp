@@ -10,8 +10,8 @@
 namespace moe::dist {
 
 ExchangePlan::ExchangePlan(const MoeConfig& config, int ranks, int rank, int chunks,
-                           std::span<const int64_t> tokens_per_rank, std::span<const int64_t> routed)
-    : ranks_(ranks), rank_(rank), chunks_(chunks), experts_(config.num_experts), block_size_(config.block_size),
+                           std::span<const int64_t> tokens_per_rank, std::span<const int64_t> routed, int layout)
+    : ranks_(ranks), rank_(rank), chunks_(chunks), layout_(layout), experts_(config.num_experts), block_size_(config.block_size),
       dropless_(config.formulation == Formulation::dropless) {
   if (ranks < 1 || rank < 0 || rank >= ranks) {
     throw std::invalid_argument("ExchangePlan: rank " + std::to_string(rank) + " of R = " + std::to_string(ranks));
@@ -27,7 +27,17 @@ ExchangePlan::ExchangePlan(const MoeConfig& config, int ranks, int rank, int chu
     throw std::invalid_argument("ExchangePlan: expected R = " + std::to_string(ranks) + " token counts and R x E = " +
                                 std::to_string(ranks * experts_) + " routed counts");
   }
+  if (layout < 0 || (layout > 1 && (ranks % layout != 0 || config.hidden_dim % layout != 0))) {
+    throw std::invalid_argument("ExchangePlan: layout r = " + std::to_string(layout) + " with R = " +
+                                std::to_string(ranks) + ", H = " + std::to_string(config.hidden_dim) +
+                                "; expected 0, 1 or an r > 1 dividing R and H");
+  }
+  if (layout != 1 && chunks != 1) {
+    throw std::invalid_argument("ExchangePlan: layout r = " + std::to_string(layout) + " with d = " +
+                                std::to_string(chunks) + " chunks; the pipeline belongs to r = 1");
+  }
   experts_per_rank_ = experts_ / ranks;
+  computed_experts_ = layout == 0 ? experts_ : layout > 1 ? layout * experts_per_rank_ : experts_per_rank_;
   tokens_per_rank_.assign(tokens_per_rank.begin(), tokens_per_rank.end());
   routed_.assign(routed.begin(), routed.end());
   tokens_ = std::accumulate(tokens_per_rank_.begin(), tokens_per_rank_.end(), int64_t{0});
@@ -67,26 +77,43 @@ ExchangePlan::ExchangePlan(const MoeConfig& config, int ranks, int rank, int chu
   }
 
   const int d = chunks_, R = ranks_;
-  const int64_t E = experts_, E_r = experts_per_rank_;
+  const int64_t E = experts_;
 
   // ---- as the tokens' rank ----
+  // Rank p receives, expert after expert of those it computes for this rank, the part of this
+  // rank's kept slots that chunk c carries. At r > 1 the ranks of a group read one block.
+  const int64_t E_c = computed_experts_;
   send_rows_.assign(static_cast<size_t>(d) * R, 0);
   send_offsets_.assign(static_cast<size_t>(d) * R, 0);
+  return_offsets_.assign(static_cast<size_t>(d) * R, 0);
   chunk_send_begin_.assign(d + 1, 0);
   slot_chunk_begin_.assign(static_cast<size_t>(E) * (d + 1), 0);
   part_send_row_.assign(static_cast<size_t>(E) * d, 0);
   for (int c = 0; c < d; ++c) {
-    for (int64_t e = 0; e < E; ++e) send_rows_[c * R + e / E_r] += part(c, rank_, e).count;
     int64_t row = chunk_send_begin_[c];
     for (int p = 0; p < R; ++p) {
+      const int64_t first = first_expert_of(p);
+      for (int64_t j = 0; j < E_c; ++j) {
+        if (computes(p, rank_, first + j)) send_rows_[c * R + p] += part(c, rank_, first + j).count;
+      }
+      if (layout_ > 1 && p % layout_ != 0) {  // the group's block, already laid out for its first rank
+        send_offsets_[c * R + p] = send_offsets_[c * R + p - p % layout_];
+        continue;
+      }
       send_offsets_[c * R + p] = row - chunk_send_begin_[c];
-      for (int64_t j = 0; j < E_r; ++j) {
-        const int64_t e = p * E_r + j;
+      for (int64_t j = 0; j < E_c; ++j) {
+        const int64_t e = first + j;
+        if (!computes(p, rank_, e)) continue;
         part_send_row_[e * d + c] = row;
         row += part(c, rank_, e).count;
       }
     }
     chunk_send_begin_[c + 1] = row;
+    for (int p = 0; p < R; ++p) {
+      // r > 1 (d = 1): group g's block of n_g rows at u_g comes back r times, at r u_g + i n_g.
+      const int64_t offset = send_offsets_[c * R + p];
+      return_offsets_[c * R + p] = layout_ > 1 ? layout_ * offset + (p % layout_) * send_rows_[c * R + p] : offset;
+    }
   }
   for (int64_t e = 0; e < E; ++e) {
     const int64_t kept_here = kept_[index(rank_, e)];
@@ -97,33 +124,49 @@ ExchangePlan::ExchangePlan(const MoeConfig& config, int ranks, int rank, int chu
   }
 
   // ---- as the experts' rank ----
+  const int64_t first = first_expert_of(rank_);
   recv_rows_.assign(static_cast<size_t>(d) * R, 0);
   recv_offsets_.assign(static_cast<size_t>(d) * R, 0);
   rows_received_.assign(d, 0);
-  arrived_.assign(static_cast<size_t>(d) * E_r, 0);
-  row_offsets_.assign(static_cast<size_t>(d) * (E_r + 1), 0);
-  arrived_before_.assign(static_cast<size_t>(d) * E_r * (R + 1), 0);
-  block_start_.assign(static_cast<size_t>(d) * R * E_r, 0);
+  arrived_.assign(static_cast<size_t>(d) * E_c, 0);
+  row_offsets_.assign(static_cast<size_t>(d) * (E_c + 1), 0);
+  arrived_before_.assign(static_cast<size_t>(d) * E_c * (R + 1), 0);
+  block_start_.assign(static_cast<size_t>(d) * R * E_c, 0);
   for (int c = 0; c < d; ++c) {
     int64_t received = 0;
     for (int s = 0; s < R; ++s) {
       recv_offsets_[c * R + s] = received;
-      for (int64_t j = 0; j < E_r; ++j) {
-        const int64_t count = part(c, s, rank_ * E_r + j).count;
-        block_start_[(c * R + s) * E_r + j] = received;
-        arrived_before_[(c * E_r + j) * (R + 1) + s + 1] = arrived_before_[(c * E_r + j) * (R + 1) + s] + count;
-        arrived_[c * E_r + j] += count;
+      for (int64_t j = 0; j < E_c; ++j) {
+        const int64_t count = computes(rank_, s, first + j) ? part(c, s, first + j).count : 0;
+        block_start_[(c * R + s) * E_c + j] = received;
+        arrived_before_[(c * E_c + j) * (R + 1) + s + 1] = arrived_before_[(c * E_c + j) * (R + 1) + s] + count;
+        arrived_[c * E_c + j] += count;
         recv_rows_[c * R + s] += count;
         received += count;
       }
     }
     rows_received_[c] = received;
-    for (int64_t j = 0; j < E_r; ++j) {
-      const int64_t arrived_here = arrived_[c * E_r + j];
+    if (layout_ == 0) {  // d = 1: one row count for this rank's experts, the most any of them got
+      for (int64_t j = 0; j < E_c; ++j) local_padded_rows_ = std::max(local_padded_rows_, arrived_[j]);
+    }
+    for (int64_t j = 0; j < E_c; ++j) {
+      const int64_t arrived_here = arrived_[c * E_c + j];
       const int64_t rows = dropless_ ? (arrived_here + block_size_ - 1) / block_size_ * block_size_ : padded_rows(c);
-      row_offsets_[c * (E_r + 1) + j + 1] = row_offsets_[c * (E_r + 1) + j] + rows;
+      row_offsets_[c * (E_c + 1) + j + 1] = row_offsets_[c * (E_c + 1) + j] + rows;
     }
   }
+}
+
+int64_t ExchangePlan::first_expert_of(int p) const {
+  if (layout_ == 0) return 0;
+  const int group_ranks = layout_ > 1 ? layout_ : 1;
+  return static_cast<int64_t>(p / group_ranks) * group_ranks * experts_per_rank_;
+}
+
+bool ExchangePlan::computes(int p, int source, int64_t expert) const {
+  if (layout_ == 0) return p == source;
+  const int64_t first = first_expert_of(p);
+  return expert >= first && expert < first + computed_experts_;
 }
 
 ExchangePlan::Part ExchangePlan::part(int chunk, int source, int64_t expert) const {
@@ -140,6 +183,7 @@ int64_t ExchangePlan::rows_received() const {
 
 int64_t ExchangePlan::padded_rows(int chunk) const {
   if (dropless_) return 0;
+  if (layout_ == 0) return local_padded_rows_;
   return capacity_ * (chunk + 1) / chunks_ - capacity_ * chunk / chunks_;
 }
 

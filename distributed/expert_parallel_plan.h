@@ -5,7 +5,8 @@
 //   mpirun -np 4 build/tests/distributed/test_distributed_expert_parallel_plan
 //
 // Dimension legend: T tokens (all ranks), T_r this rank's, E experts, K top-k, C capacity, B block
-// size, R ranks, E_r = E / R experts a rank (rank r owns experts [r E_r, (r + 1) E_r)), d chunks.
+// size, R ranks, E_r = E / R experts a rank (rank r owns experts [r E_r, (r + 1) E_r)), d chunks;
+// r Tutel's layout, E_c the experts a rank computes in it.
 //
 // The rules are those of the CPU reference of expert parallelism (expert_parallel_cpu.h), so both
 // layers send the same rows:
@@ -26,6 +27,22 @@
 //             source-rank order (so global token order, the single-device plan's order), rounded
 //             up to B (dropless) or padded with zeros to the chunk's share of C.
 // Padding rows are made where the experts are and never travel.
+//
+// Tutel's layouts (expert_layouts.h), the plan's `layout` r; the storage is the same for every r:
+//   r = 1  the rules above: expert e is computed by its owner, rank e / E_r.
+//   r = 0  data parallel experts: every rank computes all E experts on its own kept slots. The send
+//          order is the rules above with every expert's rows addressed to this rank itself, so the
+//          layer copies them instead of exchanging them. Padded: each expert padded to the largest
+//          count of rows any expert got on this rank (the batched products need one row count;
+//          padding rows never change a result).
+//   r > 1  sharded over groups of r consecutive ranks: group g computes the r E_r experts its ranks
+//          store, [g r E_r, (g + 1) r E_r), each rank H / r columns of each. Every kept slot goes to
+//          all r ranks of its expert's group: the send buffer holds each row once (group after
+//          group) and the r ranks of a group read the same block (send_row_offsets coincide). The r
+//          partial results come back into r separate blocks (return_row_offsets), summed at home.
+//          Padded: every rank of the group pads each group expert to C rows of its slice.
+// r != 1 takes d = 1. The experts' side reads the same tables in every layout, over computed_experts()
+// experts from first_computed_expert(): r E_r for r > 1, E for r = 0, E_r for r = 1.
 #pragma once
 
 #include <cstdint>
@@ -40,15 +57,24 @@ class ExchangePlan {
  public:
   // routed: [R, E] routed slots (before dropping) of each rank; tokens_per_rank: [R] T_r.
   // Throws std::invalid_argument when the T_r do not add up to config.tokens (every rank holds the
-  // same counts, so every rank throws the same message), or R does not divide E, or d < 1.
+  // same counts, so every rank throws the same message), or R does not divide E, or d < 1, or the
+  // layout r is not 0, 1 or a divisor of R and H, or r != 1 with d > 1.
   ExchangePlan(const MoeConfig& config, int ranks, int rank, int chunks, std::span<const int64_t> tokens_per_rank,
-               std::span<const int64_t> routed);
+               std::span<const int64_t> routed, int layout = 1);
 
   int ranks() const { return ranks_; }
   int rank() const { return rank_; }
   int chunks() const { return chunks_; }  // d
   int64_t experts() const { return experts_; }
   int64_t experts_per_rank() const { return experts_per_rank_; }  // E_r
+  int layout() const { return layout_; }                          // r
+  // How many ranks compute each kept slot: r for r > 1, else 1.
+  int copies() const { return layout_ > 1 ? layout_ : 1; }
+  // The experts this rank computes, [first_computed_expert(), + computed_experts()): E_c of them.
+  int64_t computed_experts() const { return computed_experts_; }
+  int64_t first_computed_expert() const { return first_expert_of(rank_); }
+  // Whether rank p computes expert e for the kept slots of rank `source`.
+  bool computes(int p, int source, int64_t expert) const;
   int64_t tokens() const { return tokens_; }                      // T
   int64_t local_tokens() const { return tokens_per_rank_[rank_]; }
   int64_t token_offset() const { return token_offset_; }          // this rank's first global token
@@ -72,6 +98,10 @@ class ExchangePlan {
   int64_t chunk_send_begin(int chunk) const { return chunk_send_begin_[chunk]; }  // c in [0, d]
   std::span<const int64_t> send_rows(int chunk) const { return row_span(send_rows_, chunk); }           // [R]
   std::span<const int64_t> send_row_offsets(int chunk) const { return row_span(send_offsets_, chunk); }  // [R], in the chunk
+  // Where the results from rank p land in the buffer of returned rows, [copies() rows_sent()] rows;
+  // the send_row_offsets when copies() == 1. r > 1: group g's r partial blocks one after another.
+  std::span<const int64_t> return_row_offsets(int chunk) const { return row_span(return_offsets_, chunk); }  // [R]
+  int64_t rows_returned() const { return rows_sent() * copies(); }
   // Chunk c takes this rank's kept slots [slot_chunk_begin(e, c), slot_chunk_begin(e, c + 1)) of e;
   // c in [0, d], slot_chunk_begin(e, d) = kept(rank, e).
   int64_t slot_chunk_begin(int64_t expert, int chunk) const { return slot_chunk_begin_[expert * (chunks_ + 1) + chunk]; }
@@ -83,20 +113,20 @@ class ExchangePlan {
   std::span<const int64_t> recv_row_offsets(int chunk) const { return row_span(recv_offsets_, chunk); }  // [R]
   int64_t rows_received(int chunk) const { return rows_received_[chunk]; }
   int64_t rows_received() const;  // all chunks
-  // Local expert j (global id rank E_r + j):
-  int64_t arrived(int chunk, int64_t j) const { return arrived_[chunk * experts_per_rank_ + j]; }
-  // Its rows [row_offset(c, j), row_offset(c, j + 1)); j in [0, E_r]: B-rounded or the chunk's C share.
-  int64_t row_offset(int chunk, int64_t j) const { return row_offsets_[chunk * (experts_per_rank_ + 1) + j]; }
-  int64_t total_rows(int chunk) const { return row_offset(chunk, experts_per_rank_); }
+  // Computed expert j (global id first_computed_expert() + j; rank E_r + j at r = 1), j < E_c:
+  int64_t arrived(int chunk, int64_t j) const { return arrived_[chunk * computed_experts_ + j]; }
+  // Its rows [row_offset(c, j), row_offset(c, j + 1)); j in [0, E_c]: B-rounded or the chunk's C share.
+  int64_t row_offset(int chunk, int64_t j) const { return row_offsets_[chunk * (computed_experts_ + 1) + j]; }
+  int64_t total_rows(int chunk) const { return row_offset(chunk, computed_experts_); }
   // Rows per expert in chunk c when dropping or padded (the same for every expert); 0 when dropless.
   int64_t padded_rows(int chunk) const;
   // Received rows of j from sources before s: s in [0, R].
   int64_t arrived_before(int chunk, int64_t j, int source) const {
-    return arrived_before_[(chunk * experts_per_rank_ + j) * (ranks_ + 1) + source];
+    return arrived_before_[(chunk * computed_experts_ + j) * (ranks_ + 1) + source];
   }
   // Where block (source s, local expert j) starts in chunk c's receive buffer.
   int64_t block_start(int chunk, int source, int64_t j) const {
-    return block_start_[(chunk * ranks_ + source) * experts_per_rank_ + j];
+    return block_start_[(chunk * ranks_ + source) * computed_experts_ + j];
   }
 
  private:
@@ -105,8 +135,10 @@ class ExchangePlan {
     return std::span<const int64_t>(v).subspan(static_cast<size_t>(chunk) * ranks_, ranks_);
   }
   int64_t chunk_begin(int chunk, int64_t expert) const { return space_[expert] * chunk / chunks_; }
+  int64_t first_expert_of(int p) const;  // the first expert rank p computes
 
-  int ranks_ = 1, rank_ = 0, chunks_ = 1;
+  int ranks_ = 1, rank_ = 0, chunks_ = 1, layout_ = 1;
+  int64_t computed_experts_ = 0, local_padded_rows_ = 0;  // E_c; r = 0 padded: the rows of every expert
   int64_t experts_ = 0, experts_per_rank_ = 0, tokens_ = 0, token_offset_ = 0, capacity_ = 0, block_size_ = 1;
   int64_t dropped_slots_ = 0;
   bool dropless_ = true;
@@ -116,16 +148,16 @@ class ExchangePlan {
   std::vector<int64_t> space_;            // [E] n_e
   // as the tokens' rank
   std::vector<int64_t> chunk_send_begin_;  // [d + 1]
-  std::vector<int64_t> send_rows_, send_offsets_;  // [d, R]
+  std::vector<int64_t> send_rows_, send_offsets_, return_offsets_;  // [d, R]
   std::vector<int64_t> slot_chunk_begin_;  // [E, d + 1]
   std::vector<int64_t> part_send_row_;     // [E, d]
   // as the experts' rank
   std::vector<int64_t> recv_rows_, recv_offsets_;  // [d, R]
   std::vector<int64_t> rows_received_;             // [d]
-  std::vector<int64_t> arrived_;                   // [d, E_r]
-  std::vector<int64_t> row_offsets_;               // [d, E_r + 1]
-  std::vector<int64_t> arrived_before_;            // [d, E_r, R + 1]
-  std::vector<int64_t> block_start_;               // [d, R, E_r]
+  std::vector<int64_t> arrived_;                   // [d, E_c]
+  std::vector<int64_t> row_offsets_;               // [d, E_c + 1]
+  std::vector<int64_t> arrived_before_;            // [d, E_c, R + 1]
+  std::vector<int64_t> block_start_;               // [d, R, E_c]
 };
 
 }  // namespace moe::dist

@@ -137,11 +137,13 @@ GpuLessonLayer::GpuLessonLayer(GpuRanks& ranks, dist::Communicator& world, const
 
 GpuLessonLayer::~GpuLessonLayer() = default;
 
-GpuLayerRun GpuLessonLayer::run(const dist::ExpertParallelGpuOptions& options, int warmup_steps, int timed_steps) {
+GpuLayerRun GpuLessonLayer::run(const dist::ExpertParallelGpuOptions& options, int warmup_steps, int timed_steps,
+                                int layout) {
   Buffers& b = *buffers_;
   const cudaStream_t stream = ranks_.stream;
   const bool ffn = options.experts == dist::ExpertCompute::ffn;
   dist::ExpertParallelGpu layer(*ranks_.layer, config_, tokens_, options);
+  if (layout != 1) layer.set_layout(layout);
   const dist::ExpertParallelGpuWeights weights{b.gate.data(), b.w1_table.data(), b.w2_table.data()};
   const dist::ExpertParallelGpuGradients gradients{b.dx.data(), b.d_gate.data(), b.d_w1_table.data(),
                                                    b.d_w2_table.data()};

@@ -67,10 +67,10 @@ class GpuLessonLayer {
   GpuLessonLayer(const GpuLessonLayer&) = delete;
   GpuLessonLayer& operator=(const GpuLessonLayer&) = delete;
 
-  // A layer with these options: warm-up steps, then timed steps (a barrier before each), then one
-  // step more into NaN-filled outputs, which are read back. Forward and backward (forward only with
-  // identity experts). Collective.
-  GpuLayerRun run(const dist::ExpertParallelGpuOptions& options, int warmup_steps, int timed_steps);
+  // A layer with these options, in Tutel's layout r (set_layout; 1: expert parallel): warm-up
+  // steps, then timed steps (a barrier before each), then one step more into NaN-filled outputs,
+  // which are read back. Forward and backward (forward only with identity experts). Collective.
+  GpuLayerRun run(const dist::ExpertParallelGpuOptions& options, int warmup_steps, int timed_steps, int layout = 1);
 
  private:
   struct Buffers;

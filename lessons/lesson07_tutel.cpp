@@ -11,8 +11,8 @@
 // when there are more ranks than cores):
 //   ./moe build && mpirun -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
 //   mpirun -np 2 build/lessons/lesson07_tutel --gpu [--backend auto|nccl|mpi]
-//                    (the GPU layer's pipelining degrees, its adaptive choice of d and its 2DH
-//                    exchange, measured and checked; writes runs/lesson07_tutel_gpu)
+//                    (the GPU layer's pipelining degrees, its adaptive choice of d, its 2DH
+//                    exchange and its layouts r, measured and checked; writes runs/lesson07_tutel_gpu)
 //
 // The layer is distributed/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
 // hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h; the layouts r are
@@ -44,6 +44,7 @@
 #ifdef MOE_LESSON_HAS_CUDA
 #include "core/reference_bridge.h"       // round_bf16
 #include "distributed_lesson_gpu.h"      // open_gpu_ranks, GpuLessonLayer
+#include "expert_layout_choice_gpu.h"    // choose_gpu_layout: the cost model on the GPU path
 #include "reference_cpu/moe_layer.h"     // moe_forward: the check
 #endif
 
@@ -281,11 +282,13 @@ double error_against_reference(dist::Communicator& comm, const LayoutRun& run, c
 // ---- the GPU path (--gpu) ----
 
 #ifdef MOE_LESSON_HAS_CUDA
-// Tutel's two mechanisms on the GPU layer (distributed/expert_parallel_gpu.h): the pipelining
-// degrees d = 1, 2, 4, 8 timed, the layer's own adaptive choice of d with its trial times, and the
-// 2DH exchange against the flat one; every variant's y bit for bit d = 1's (B = 64: the portable
-// kernels compute a row the same way whatever rows surround it), and d = 1 against the CPU
-// reference. Collective; returns the exit code.
+// Tutel's mechanisms on the GPU layer (distributed/expert_parallel_gpu.h): the pipelining degrees
+// d = 1, 2, 4, 8 timed, the layer's own adaptive choice of d with its trial times, the 2DH exchange
+// against the flat one, and every valid layout r (set_layout) with the cost model's and the
+// measurement's choice of r; every pipelining and 2DH variant's y bit for bit d = 1's (B = 64: the
+// portable kernels compute a row the same way whatever rows surround it), every layout's y and dx
+// within bf16 tolerance of r = 1's, and d = 1 against the CPU reference. Collective; returns the
+// exit code.
 int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
                MoeConfig config, const Shard& shard) {
   const bool root = world.rank() == 0;
@@ -405,6 +408,43 @@ int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& optio
         "  without the gain it brings across real nodes (fewer, larger messages; Table 3 of the CPU path).\n");
   }
 
+  // ---- G4. Tutel's layouts r on the GPU, over the same stored experts ----
+  double layouts_error = 0;
+  std::string layouts_run;
+  int cost_model_r = 1, fastest_r = 1;
+  {
+    const std::vector<int> layouts = dist::valid_gpu_layouts(config, {}, R);
+    Table table("Table G4: the layer in each of Tutel's layouts r on the GPU (d=1, flat), over one storage of the "
+                "experts",
+                {"r", "layout", "forward (ms)", "backward (ms)", "vs r=1", "weights sent (elements)",
+                 "y, dx rel_err vs r=1"});
+    const std::vector<bool> every(static_cast<size_t>(shard.tokens), true);
+    const double one_ms = one.forward_ms + one.backward_ms;
+    double fastest_ms = one_ms;
+    for (int r : layouts) {
+      const lessons::GpuLayerRun run = r == 1 ? one : gpu.run({.pipeline_chunks = 1}, kWarmup, kTimed, r);
+      const double error = std::max(lessons::sharded_relative_error(comm, run.y, one.y, every),
+                                    lessons::sharded_relative_error(comm, run.dx, one.dx, every));
+      layouts_error = std::max(layouts_error, error);
+      layouts_run += (layouts_run.empty() ? "" : ",") + std::to_string(r);
+      const double ms = run.forward_ms + run.backward_ms;
+      if (ms < fastest_ms) {
+        fastest_ms = ms;
+        fastest_r = r;
+      }
+      table.add_row({r, dist::layout_name(r), run.forward_ms, run.backward_ms, ms / one_ms,
+                     static_cast<double>(run.step.weight_elements_sent), error});
+    }
+    show(table);
+    dist::ExpertParallelGpu chooser(*ranks->layer, config, shard.tokens);  // the cost model reads its settings
+    cost_model_r = dist::choose_gpu_layout(chooser).r;
+    say("  The table's fastest layout: r = " + std::to_string(fastest_r) + "; the cost model's (uniform routing, " +
+        "H200 figures): r = " + std::to_string(cost_model_r) + ".\n"
+        "  r = 0 moves every expert (all-gather, then an all-reduce of their gradients) and no token; r > 1\n"
+        "  moves H / r slices of its group's experts and each kept row to r ranks. At this tiny D and H the\n"
+        "  weights are cheap to move; at Tutel's sizes they decide (the cost model's table on the CPU path).\n");
+  }
+
   // ---- the check of d = 1 against the CPU reference ----
   const ref::LayerForward reference = ref::moe_forward(config, x, weights);
   const std::vector<bool> same = lessons::same_routing(one.top_experts, reference.router.top_experts, shard.offset,
@@ -416,13 +456,15 @@ int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& optio
   constexpr double kGpuTolerance = 2e-2;  // bf16 activations, fp32 accumulation
 
   const bool pass = y_error <= kGpuTolerance && flipped[0] <= T / 100 && pipelined_bitwise && chose_a_candidate &&
-                    hierarchical_bitwise;
+                    hierarchical_bitwise && layouts_error <= kGpuTolerance;
   std::ostringstream message;
   message << std::setprecision(2) << "GPU layer on R=" << R << " ranks (" << ranks->backend << "): d=1 vs CPU reference y rel_err="
           << y_error << " tol=" << kGpuTolerance << " (tokens routed otherwise: " << flipped[0]
           << "); d=2,4,8 and adaptive (chose d=" << choice.chosen << ") y bit for bit d=1: "
           << (pipelined_bitwise ? "yes" : "NO") << "; 2DH == flat bit for bit at G="
-          << (node_sizes.empty() ? "none (R=1)" : node_sizes) << ": " << (hierarchical_bitwise ? "yes" : "NO");
+          << (node_sizes.empty() ? "none (R=1)" : node_sizes) << ": " << (hierarchical_bitwise ? "yes" : "NO")
+          << "; layouts r=" << layouts_run << " y, dx vs r=1 max rel_err=" << layouts_error << " (fastest r="
+          << fastest_r << ", cost model r=" << cost_model_r << ")";
   if (root) {
     lessons::finish(*writer, kName, pass, message.str());
     std::cout << "run record: " << options.out.string() << "\n";

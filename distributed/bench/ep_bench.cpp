@@ -8,11 +8,13 @@
 // ExpertParallelGpu's kAdaptivePipelineChunks: never slower than d = 1, which is one of its
 // candidates), with its trial times. --nodes-of G adds the
 // raw all-to-all and dispatch + combine through Tutel's 2DH all-to-all (nodes of G ranks) beside
-// the flat rows.
+// the flat rows. --layouts adds the layer's step in Tutel's other layouts r (0: data-parallel
+// experts; r > 1: sharded over r ranks along H), the table's fastest r and the cost model's.
 //
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl --out ep_bench.json   (one GPU per rank)
 //   mpirun -np 4 build/distributed/bench/ep_bench --backend nccl --nodes-of 2          (2DH: 2 nodes of 2)
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend mpi                        (ranks may share a GPU)
+//   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl --only layer --layouts  (Tutel's layouts r)
 //   build/distributed/bench/ep_bench --help
 // As root, OpenMPI also wants --allow-run-as-root. The MPI backend stages every exchange through
 // host memory: its timings are of PCIe copies and shared memory between processes, not of an
@@ -33,6 +35,7 @@
 #include "device_exchange.h"  // DeviceExchange
 #include "ep_bench_harness.h"
 #include "ep_bench_variants.h"
+#include "expert_layout_choice_gpu.h"  // choose_gpu_layout: the cost model's layout
 #include "file_io.h"  // write_file_atomically
 #include "mpi_communicator.h"
 #if MOE_HAVE_NCCL
@@ -242,6 +245,32 @@ int run(int argc, char** argv, MpiCommunicator& world) {
       }
     }
   }
+  nlohmann::json layout_json;  // --layouts: each r's time, the table's fastest, the cost model's pick
+  if (problem && options.layouts) {
+    const LayerSummary shape = layer_summary(*problem);
+    const std::vector<int> layouts = valid_gpu_layouts(shape.config, {}, R);
+    std::vector<double> layout_us;
+    char line[200];
+    for (int r : layouts) {
+      measure_all(*make_layout_variant(ctx, problem, r));
+      layout_us.push_back(rows.back().time_us);
+    }
+    const size_t fastest = static_cast<size_t>(std::min_element(layout_us.begin(), layout_us.end()) - layout_us.begin());
+    std::snprintf(line, sizeof line, "# the table's fastest layout: r = %d, %.1f us", layouts[fastest],
+                  layout_us[fastest]);
+    say(line);
+    ExpertParallelGpu chooser(layer, shape.config, shape.tokens_per_rank);  // the cost model reads only its settings
+    const LayoutChoice modelled = choose_gpu_layout(chooser);
+    std::string estimates;
+    for (const LayoutEstimate& e : modelled.estimates) {
+      std::snprintf(line, sizeof line, "%sr=%d %.1f us", estimates.empty() ? "" : ", ", e.r, e.total_us);
+      estimates += line;
+    }
+    std::snprintf(line, sizeof line, "# the cost model's layout (uniform routing): r = %d; its estimates: ", modelled.r);
+    say(line + estimates);
+    layout_json = {{"candidates", layouts}, {"measured_us", layout_us}, {"fastest", layouts[fastest]},
+                   {"cost_model_choice", modelled.r}};
+  }
   // The verdict: no wrong element in the exact checks, the layer within bf16 tolerance of the
   // single-GPU layer.
   constexpr double kLayerTolerance = 2e-2;
@@ -284,6 +313,7 @@ int run(int argc, char** argv, MpiCommunicator& world) {
                                          {"trial_steps_per_candidate", kTrialStepsPerCandidate}};
       }
     }
+    if (!layout_json.is_null()) json["layouts"] = layout_json;
     json["hierarchical_ranks_per_node"] = G;
     json["notes"] = messages;
     json["rows"] = nlohmann::json::array();

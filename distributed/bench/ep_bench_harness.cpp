@@ -67,6 +67,7 @@ std::string usage() {
          "  --block B --formulation dropless|padded|dropping --capacity-factor CF\n"
          "  --chunks 1,2,4,8            Tutel's pipelining degrees of the layer rows\n"
          "  --no-adaptive               no row of the layer choosing d itself (pipeline_chunks = 0)\n"
+         "  --layouts                   rows of the layer in Tutel's other layouts: r = 0 and every valid r > 1\n"
          "  --nodes-of G                Tutel's 2DH rows beside the flat ones: nodes of G ranks, G > 1 dividing R\n"
          "  --only count,alltoall,dispatch,layer   which rows\n"
          "  --out FILE.json             the rows, with device, date, R and backend\n"
@@ -110,6 +111,8 @@ BenchOptions parse_options(int argc, char** argv) {
       for (int64_t d : parse_list(flag, value())) o.pipeline_chunks.push_back(static_cast<int>(d));
     } else if (flag == "--no-adaptive") {
       o.adaptive = false;
+    } else if (flag == "--layouts") {
+      o.layouts = true;
     } else if (flag == "--nodes-of") {
       const int64_t G = parse_list(flag, value()).at(0);
       if (G < 2) throw std::invalid_argument("--nodes-of " + std::to_string(G) + ": expected G >= 2 ranks per node");

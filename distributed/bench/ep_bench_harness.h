@@ -47,6 +47,7 @@ struct BenchOptions {
   LayerShape layer;            // --layer T,D,H,E,K and --block, --formulation, --capacity-factor
   std::vector<int> pipeline_chunks{1, 2, 4, 8};  // --chunks 1,2,4,8
   bool adaptive = true;        // the layer's own choice of d as a row too (--no-adaptive: not)
+  bool layouts = false;        // --layouts: the layer in each of Tutel's other layouts r (0, r > 1) too
   int hierarchical_ranks_per_node = 0;  // --nodes-of G: 2DH rows beside the flat ones (G > 1 dividing R)
   std::vector<std::string> variants{"count", "alltoall", "dispatch", "layer"};  // --only
   std::string out;             // --out FILE.json

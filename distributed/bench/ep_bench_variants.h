@@ -10,6 +10,8 @@
 //   ep_layer d=N       the layer's training step (forward, backward, SGD on the experts), at each degree
 //   ep_layer adaptive  the layer choosing d itself (pipeline_chunks = kAdaptivePipelineChunks): its
 //                      trials run before the timing; the row times its choice
+//   ep_layer r=N       (--layouts) the layer's step in Tutel's layout r (0: data-parallel experts,
+//                      r > 1: sharded over r ranks along H; r = 1: the d=1 step again, beside them)
 #pragma once
 
 #include <memory>
@@ -39,6 +41,8 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
 // (when given) receives what they chose and measured.
 std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
                                             int pipeline_chunks, std::shared_ptr<PipelineChoice> choice = nullptr);
+// The layer at d = 1 in Tutel's layout r (set_layout); r = 1 is the d = 1 row's step.
+std::unique_ptr<Variant> make_layout_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int layout);
 struct LayerSummary {
   MoeConfig config;  // T = all ranks' tokens
   int64_t tokens_per_rank = 0;

@@ -9,7 +9,10 @@
 // Checked against the single-GPU layer (MoeLayerGpu) on all R T_r tokens, computed once on every
 // rank before the timing (where it fits): the largest relative error of this rank's y and dx.
 // The adaptive row (pipeline_chunks = kAdaptivePipelineChunks) runs the layer's own trials in
-// prepare(), outside the timing, so that the timed runs are of the degree the layer chose.
+// prepare(), outside the timing, so that the timed runs are of the degree the layer chose. The
+// layout rows (--layouts) run the same step in Tutel's layout r, over the same stored experts; r = 0
+// moves weights instead of token rows, so bytes moved stays the token rows' 4 size as a common
+// scale, and the time is what compares.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -126,9 +129,11 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& e
 
 class LayerRow final : public Variant {
  public:
-  LayerRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int chunks, std::shared_ptr<PipelineChoice> choice)
-      : ctx_(ctx), problem_(std::move(problem)), chunks_(chunks), choice_(std::move(choice)) {}
+  LayerRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int chunks, std::shared_ptr<PipelineChoice> choice,
+           int layout = -1)
+      : ctx_(ctx), problem_(std::move(problem)), chunks_(chunks), choice_(std::move(choice)), layout_(layout) {}
   std::string name() const override {
+    if (layout_ >= 0) return "ep_layer r=" + std::to_string(layout_);
     return chunks_ == kAdaptivePipelineChunks ? "ep_layer adaptive" : "ep_layer d=" + std::to_string(chunks_);
   }
   std::vector<int64_t> sizes(const BenchOptions&) const override { return {bytes()}; }
@@ -136,6 +141,7 @@ class LayerRow final : public Variant {
   Prepared prepare(int64_t) override {
     layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, problem_->config, problem_->tokens_per_rank,
                                                  ExpertParallelGpuOptions{.pipeline_chunks = chunks_});
+    if (layout_ >= 0) layer_->set_layout(layout_);
     if (chunks_ == kAdaptivePipelineChunks) {
       // Every candidate's trial steps, then one step more: its forward reads the last trial and
       // every rank agrees on d. The same number of steps on every rank.
@@ -199,6 +205,7 @@ class LayerRow final : public Variant {
   std::shared_ptr<LayerProblem> problem_;
   int chunks_;
   std::shared_ptr<PipelineChoice> choice_;
+  int layout_ = -1;  // Tutel's r of a layout row (r = 1 included); -1 for the pipelining rows
   std::unique_ptr<ExpertParallelGpu> layer_;
   cuda::PhaseTimer* timer_ = nullptr;  // while phases() runs
 };
@@ -285,6 +292,10 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
 std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
                                             int pipeline_chunks, std::shared_ptr<PipelineChoice> choice) {
   return std::make_unique<LayerRow>(ctx, std::move(problem), pipeline_chunks, std::move(choice));
+}
+
+std::unique_ptr<Variant> make_layout_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int layout) {
+  return std::make_unique<LayerRow>(ctx, std::move(problem), 1, nullptr, layout);
 }
 
 LayerSummary layer_summary(const LayerProblem& p) {

@@ -6,7 +6,10 @@
 // rank without tokens and experts that receive nothing. The rows really travel: the test moves the
 // global slot ids through the MPI backend with the plan's counts and offsets, then applies the same
 // index functions the GPU kernels apply. And a fault every rank sees the same way (T_r that do not
-// add up to T, E % R != 0) is the same error on every rank.
+// add up to T, E % R != 0) is the same error on every rank. Tutel's layouts: r = 0 (each rank's
+// experts compute exactly its own kept slots of every expert, in token order) and r > 1 (every rank
+// of a group computes every row of its group's experts, the single-device plan's rows), with the
+// r > 1 results coming home into r disjoint blocks that match what was sent.
 //   ctest --test-dir build -R DistributedExpertParallelPlan
 //   mpirun -np 4 build/tests/distributed/test_distributed_expert_parallel_plan
 #include <gmock/gmock.h>
@@ -59,10 +62,10 @@ ref::IndexMatrix routing(const MoeConfig& config, uint64_t seed, int favoured = 
 
 // The whole exchange on this rank: global slot ids out, through the plan's rows, to the experts.
 void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const std::vector<int64_t>& shards,
-                    int chunks) {
+                    int chunks, int layout = 1) {
   Communicator& comm = world();
   const int R = comm.size(), rank = comm.rank();
-  const int64_t E = config.num_experts, K = config.top_k, E_r = E / R;
+  const int64_t E = config.num_experts, K = config.top_k;
   int64_t offset = 0;
   for (int p = 0; p < rank; ++p) offset += shards[p];
   const int64_t T_r = shards[rank];
@@ -84,7 +87,10 @@ void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const 
   // ---- the count exchange, and the plan ----
   const std::vector<int64_t> tokens_per_rank = all_gather<int64_t>(comm, T_r);
   const std::vector<int64_t> routed = all_gather<int64_t>(comm, routed_here);
-  const ExchangePlan plan(config, R, rank, chunks, tokens_per_rank, routed);
+  const ExchangePlan plan(config, R, rank, chunks, tokens_per_rank, routed, layout);
+  // The experts this rank computes (E_r of them from rank E_r at r = 1); named E_r below.
+  const int64_t E_r = plan.computed_experts(), first_expert = plan.first_computed_expert();
+  EXPECT_EQ(E_r, layout == 0 ? E : layout > 1 ? layout * E / R : E / R);
   EXPECT_EQ(plan.tokens(), config.tokens);
   EXPECT_EQ(plan.token_offset(), offset);
 
@@ -148,7 +154,7 @@ void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const 
         EXPECT_EQ(padding, 0) << "a padding row before a real row of local expert " << j;
         ++uses[source];
         const int64_t global_slot = received[source];
-        EXPECT_EQ(top(global_slot / K, global_slot % K), rank * E_r + j) << "a row of another expert";
+        EXPECT_EQ(top(global_slot / K, global_slot % K), first_expert + j) << "a row of another expert";
         expert_slots[j].push_back(global_slot);
       }
       if (config.formulation == Formulation::dropless) {
@@ -161,18 +167,48 @@ void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const 
                               block_start.data(), static_cast<int>(E_r), R),
               -1);
     for (size_t i = 0; i < uses.size(); ++i) EXPECT_EQ(uses[i], 1) << "received row " << i << " used " << uses[i];
+
+    // ---- and back: rank p's results land in their own block, the rows this rank sent p ----
+    const int64_t sent_here = plan.chunk_send_begin(c + 1) - plan.chunk_send_begin(c);
+    std::vector<int64_t> returned(static_cast<size_t>(sent_here * plan.copies()), -9);
+    all_to_all_v<int64_t>(comm, received, plan.recv_rows(c), plan.recv_row_offsets(c), returned, plan.send_rows(c),
+                          plan.return_row_offsets(c));
+    std::vector<int> filled(returned.size(), 0);
+    for (int p = 0; p < R; ++p) {
+      for (int64_t i = 0; i < plan.send_rows(c)[p]; ++i) {
+        const int64_t at = plan.return_row_offsets(c)[p] + i;
+        ASSERT_LT(at, static_cast<int64_t>(returned.size()));
+        ++filled[at];
+        EXPECT_EQ(returned[at], send[plan.chunk_send_begin(c) + plan.send_row_offsets(c)[p] + i]) << "from rank " << p;
+      }
+    }
+    for (size_t i = 0; i < filled.size(); ++i) EXPECT_EQ(filled[i], 1) << "returned row " << i;
+    if (plan.copies() > 1) {  // the rule sum_partial_rows reads them by: every copy of every row
+      const int r = plan.copies(), groups = R / r;
+      std::vector<int32_t> group_begin;
+      for (int g = 0; g < groups; ++g) group_begin.push_back(static_cast<int32_t>(plan.send_row_offsets(c)[g * r]));
+      group_begin.push_back(static_cast<int32_t>(sent_here));
+      for (int64_t u = 0; u < sent_here; ++u) {
+        for (int copy = 0; copy < r; ++copy) {
+          const size_t at = partial_row_of(static_cast<int>(u), copy, group_begin.data(), groups, r);
+          ASSERT_LT(at, returned.size());
+          EXPECT_EQ(returned[at], send[plan.chunk_send_begin(c) + u]) << "copy " << copy << " of row " << u;
+        }
+      }
+    }
   }
 
   // ---- against the single-device plan of all T tokens ----
   const ref::DispatchPlan reference = ref::plan_dispatch(config, top);
   for (int64_t j = 0; j < E_r; ++j) {
-    const int64_t e = rank * E_r + j;
-    std::vector<int64_t> expected;
+    const int64_t e = first_expert + j;
+    std::vector<int64_t> expected;  // r = 0: only this rank's own slots
     for (int64_t row = reference.row_offsets[e]; row < reference.row_offsets[e + 1]; ++row) {
-      if (reference.row_slot[row] >= 0) expected.push_back(reference.row_slot[row]);
+      const int64_t slot = reference.row_slot[row];
+      if (slot >= 0 && (layout != 0 || (slot >= offset * K && slot < (offset + T_r) * K))) expected.push_back(slot);
     }
     EXPECT_EQ(expert_slots[j], expected) << "the rows of expert " << e;
-    if (chunks == 1) {  // the GPU computes dropping as padded: C rows an expert, as MoeLayerGpu does
+    if (chunks == 1 && layout != 0) {  // the GPU computes dropping as padded: C rows an expert, as MoeLayerGpu does
       const int64_t rows = config.formulation == Formulation::dropping ? reference.capacity : reference.rows_per_expert[e];
       EXPECT_EQ(plan.row_offset(0, j + 1) - plan.row_offset(0, j), rows) << "expert " << e;
     }
@@ -221,6 +257,60 @@ TEST(ExpertParallelPlan, UnevenShardsARankWithoutTokensAndIdleExperts) {
       ref::IndexMatrix top = ref::IndexMatrix::Constant(top1.tokens, 1, 5);
       check_exchange(top1, top, even_shards(top1.tokens, R), chunks);
     }
+  }
+}
+
+TEST(ExpertParallelPlan, EveryLayoutComputesTheSingleDevicePlansRows) {
+  const int R = world().size();
+  for (Formulation formulation : kFormulations) {
+    const MoeConfig config = plan_config(formulation);
+    std::vector<int> layouts{0};
+    for (int r = 2; r <= R; ++r) {
+      if (R % r == 0 && config.hidden_dim % r == 0) layouts.push_back(r);
+    }
+    for (int layout : layouts) {
+      const uint64_t seed = shared_seed();
+      SCOPED_TRACE(std::string(to_string(formulation)) + " r=" + std::to_string(layout) + " seed " +
+                   std::to_string(seed));
+      check_exchange(config, routing(config, seed), even_shards(config.tokens, R), 1, layout);
+      std::vector<int64_t> shards(R, 0);  // every token on the last rank
+      shards[R - 1] = config.tokens;
+      check_exchange(config, routing(config, seed, /*favoured=*/5), shards, 1, layout);
+      MoeConfig top1 = config;  // top-1 onto one expert: the others receive nothing
+      top1.top_k = 1;
+      check_exchange(top1, ref::IndexMatrix::Constant(top1.tokens, 1, 5), even_shards(top1.tokens, R), 1, layout);
+    }
+  }
+}
+
+// The packed H-slices of the experts (pack_expert_slices, unpack_expert_slices): every element of
+// every stored expert once, slice s holding W1's columns and W2's rows [s H_c, (s + 1) H_c).
+TEST(ExpertParallelPlan, LayoutSlicesHoldEveryWeightOnce) {
+  const int D = 6, H = 8, experts = 3;
+  for (int slices : {1, 2, 4}) {
+    SCOPED_TRACE("slices " + std::to_string(slices));
+    const int H_c = H / slices;
+    const size_t per_expert = size_t(2) * D * H;
+    std::vector<int> w1_uses(size_t(experts) * D * H, 0), w2_uses(size_t(experts) * H * D, 0);
+    for (size_t i = 0; i < size_t(experts) * per_expert; ++i) {
+      const SliceElement at = slice_element(i, experts, D, H, slices);
+      // Where i sits in [slices, E_r, P_c], and what that place must hold.
+      const size_t block = size_t(2) * D * H_c, k = i % block;
+      ASSERT_EQ(at.slice, int(i / block / experts));
+      ASSERT_EQ(at.expert, int(i / block % experts));
+      if (k < size_t(D) * H_c) {
+        ASSERT_TRUE(at.in_w1);
+        EXPECT_EQ(at.offset, (k / H_c) * H + at.slice * H_c + k % H_c) << "W1 [D, H_c] slice, element " << k;
+        ++w1_uses[at.expert * D * H + at.offset];
+      } else {
+        ASSERT_FALSE(at.in_w1);
+        const size_t k2 = k - size_t(D) * H_c;
+        EXPECT_EQ(at.offset, (at.slice * H_c + k2 / D) * D + k2 % D) << "W2 [H_c, D] slice, element " << k2;
+        ++w2_uses[at.expert * H * D + at.offset];
+      }
+    }
+    EXPECT_EQ(std::count(w1_uses.begin(), w1_uses.end(), 1), static_cast<long>(w1_uses.size()));
+    EXPECT_EQ(std::count(w2_uses.begin(), w2_uses.end(), 1), static_cast<long>(w2_uses.size()));
   }
 }
 
