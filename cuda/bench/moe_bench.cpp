@@ -1328,8 +1328,10 @@ class RoutingBench {
 // gate weights are 8 times an E x E identity above zero rows, so the router's top-K is the rule's
 // (checked); the other features are uniform in [-1, 1). Needs D >= E. The router losses are off
 // (their coefficients change no time). Checked first: the one product's dW1, dW2 (experts 0 and
-// E-1) and dWg against the sum of the per-micro-batch backward's, dx against it micro-batch by
-// micro-batch, and layer_one_batch's dx against the micro-batches'.
+// E-1) against the sum of the per-micro-batch backward's, dWg (summed over the micro-batches, as a
+// trainer does) and dx micro-batch by micro-batch, and layer_one_batch's dx against the
+// micro-batches'. The timed step leaves each micro-batch's dWg in one buffer (no sum: a trainer's
+// addition over its parameters is not the layer's).
 class MicroBatchBench {
  public:
   MicroBatchBench(const Shape& shape, Routing routing, moe::Activation activation, const Options& options,
@@ -1447,12 +1449,16 @@ class MicroBatchBench {
     const std::vector<int> experts = E > 1 ? std::vector<int>{0, int(E) - 1} : std::vector<int>{0};
     poison();
     int64_t flips = 0;
+    std::vector<float> one_product_gate(D * E, 0.0f);  // each micro-batch's router gradient, summed
     for (int m = 0; m < M_; ++m) {
       layer.forward_micro_batch(m, x_of(m), weights(), y_of(m), stream_);
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       const std::vector<int> top = layer.top_experts().download();
       for (size_t i = 0; i < size_t(s_.T) * K; ++i) flips += top[i] != top_experts_[i];
       layer.backward_micro_batch(m, x_of(m), weights(), dy_of(m), dx_of(m), d_gate_.data(), stream_);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      const std::vector<float> gate = d_gate_.download();
+      for (size_t i = 0; i < gate.size(); ++i) one_product_gate[i] += gate[i];
     }
     layer.expert_weight_gradients(d_w1_table_.data(), d_w2_table_.data(), stream_);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -1460,7 +1466,6 @@ class MicroBatchBench {
                 std::to_string(flips) + " slots of " + std::to_string(int64_t(M_) * s_.T * s_.K) + " differ");
     if (flips != 0) return false;
     one_product_dx_ = dx_.download();
-    const std::vector<float> one_product_gate = d_gate_.download();
     std::vector<std::vector<float>> one_product_w1, one_product_w2;
     for (int e : experts) {
       one_product_w1.push_back(expert_slice(d_w1_.data(), e, w1_elements));

@@ -332,7 +332,7 @@ void MoeLayerGpu::backward(const bf16* x, const MoeLayerWeights& weights, const 
     throw std::invalid_argument("MoeLayerGpu::backward: the last forward was forward_micro_batch(" +
                                 std::to_string(slot_) + "); call backward_micro_batch for it");
   }
-  backward_pass(x, weights, dy, gradients.dx, gradients.d_gate_weights, 0.0f, gradients.d_w1, gradients.d_w2, stream,
+  backward_pass(x, weights, dy, gradients.dx, gradients.d_gate_weights, gradients.d_w1, gradients.d_w2, stream,
                 router_input, d_router_input);
 }
 
@@ -349,8 +349,7 @@ void MoeLayerGpu::backward_micro_batch(int micro_batch, const bf16* x, const Moe
                                 " but the last forward was micro-batch " + std::to_string(slot_) +
                                 "; call forward_micro_batch(" + std::to_string(micro_batch) + ", ...) first");
   }
-  backward_pass(x, weights, dy, dx, d_gate_weights, micro_batch == 0 ? 0.0f : 1.0f, nullptr, nullptr, stream,
-                router_input, d_router_input);
+  backward_pass(x, weights, dy, dx, d_gate_weights, nullptr, nullptr, stream, router_input, d_router_input);
   // Keep this micro-batch's routing for the walk over all of them; its operands stay in its slot.
   micro_batch_topology_->record(micro_batch, plan_.plan(), *topology_, stream);
   backward_done_[static_cast<size_t>(micro_batch)] = true;
@@ -387,8 +386,8 @@ void MoeLayerGpu::expert_weight_gradients(float* const* d_w1, float* const* d_w2
 }
 
 void MoeLayerGpu::backward_pass(const bf16* x, const MoeLayerWeights& weights, const bf16* dy, float* dx,
-                                float* d_gate_weights, float d_gate_beta, float* const* d_w1, float* const* d_w2,
-                                cudaStream_t stream, const bf16* router_input, float* d_router_input) {
+                                float* d_gate_weights, float* const* d_w1, float* const* d_w2, cudaStream_t stream,
+                                const bf16* router_input, float* d_router_input) {
   if (router_input != nullptr && d_router_input == nullptr) {
     throw std::invalid_argument(
         "MoeLayerGpu::backward: router_input is given but d_router_input is nullptr; the gradient through the "
@@ -433,7 +432,7 @@ void MoeLayerGpu::backward_pass(const bf16* x, const MoeLayerWeights& weights, c
     // d_gate_weights [D, E] = gate_inputᵀ [D, T] d_logits [T, E];
     // d_gate_input [T, D] (+)= d_logits [T, E] Wgᵀ [E, D]
     gemm(cublas_.get(), Op::transpose, Op::none, D, E, T, gate_input, D, d_logits_bf16_.data(), E,
-         d_gate_weights, E, 1.0f, d_gate_beta, /*c_is_float=*/true);
+         d_gate_weights, E, 1.0f, 0.0f, /*c_is_float=*/true);
     gemm(cublas_.get(), Op::none, Op::transpose, T, D, E, d_logits_bf16_.data(), E, weights.gate_weights, E,
          d_gate_input, D, 1.0f, d_gate_input_beta, /*c_is_float=*/true);
   });

@@ -151,10 +151,11 @@ class MoeLayerGpu {
   // statistics of the tokens routed together, as in any framework that accumulates); the step's
   // gradients are the sums over m. With zero loss coefficients they equal one batch of all M*T
   // tokens. forward_micro_batch is forward() writing micro-batch m's slot; backward_micro_batch is
-  // backward() without the expert weight gradients: dx is micro-batch m's [T, D] (overwritten),
-  // d_gate_weights [D, E] is overwritten by micro-batch 0 and added into by the others.
-  // expert_weight_gradients writes dW1 and dW2 (overwritten, fp32) from the M micro-batches' rows
-  // and needs each m's backward since the last call. dropless only (else std::invalid_argument).
+  // backward() without the expert weight gradients: dx [T, D] and d_gate_weights [D, E] are
+  // micro-batch m's own (overwritten), which the caller accumulates with its other parameters'.
+  // expert_weight_gradients writes dW1 and dW2 (overwritten, fp32), the sums over the M
+  // micro-batches' rows, and needs each m's backward since the last call. dropless only (else
+  // std::invalid_argument).
   void forward_micro_batch(int micro_batch, const bf16* x,  // [T, D]
                            const MoeLayerWeights& weights,
                            bf16* y,                          // [T, D]
@@ -164,7 +165,7 @@ class MoeLayerGpu {
                             const MoeLayerWeights& weights,
                             const bf16* dy,                  // [T, D]
                             float* dx,                       // [T, D]
-                            float* d_gate_weights,           // [D, E] micro-batch 0 writes, others add
+                            float* d_gate_weights,           // [D, E] this micro-batch's
                             cudaStream_t stream,
                             const bf16* router_input = nullptr,  // [T, D] as given to the forward
                             float* d_router_input = nullptr);    // [T, D] or nullptr
@@ -196,10 +197,10 @@ class MoeLayerGpu {
   void experts_forward(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream);
   // d_w1 / d_w2 null: no weight gradients (a micro-batch of an accumulated step).
   void experts_backward(const MoeLayerWeights& weights, float* const* d_w1, float* const* d_w2, cudaStream_t stream);
-  // backward() and backward_micro_batch(): d_gate_beta 0 overwrites d_gate_weights, 1 adds into it.
+  // backward() and backward_micro_batch(): d_w1 / d_w2 null leaves the weight gradients out.
   void backward_pass(const bf16* x, const MoeLayerWeights& weights, const bf16* dy, float* dx, float* d_gate_weights,
-                     float d_gate_beta, float* const* d_w1, float* const* d_w2, cudaStream_t stream,
-                     const bf16* router_input, float* d_router_input);
+                     float* const* d_w1, float* const* d_w2, cudaStream_t stream, const bf16* router_input,
+                     float* d_router_input);
   void require_micro_batch(const char* function, int micro_batch) const;
   // Micro-batch slot_'s part of the buffers the weight gradients read (slot 0 without accumulation).
   bf16* permuted_x_slot() { return permuted_x_.data() + slot_ * slot_rows_ * config_.model_dim; }

@@ -145,7 +145,9 @@ Gradients one_batch(const MoeConfig& batch, const Batch& in) {
   return g.download();
 }
 
-// The layer on M micro-batches: micro-batch m is tokens [m T/M, (m+1) T/M) of the batch.
+// The layer on M micro-batches: micro-batch m is tokens [m T/M, (m+1) T/M) of the batch. Each
+// micro-batch's router gradient is its own; the caller (here) sums them, as a trainer sums every
+// gradient but the experts'.
 Gradients micro_batches(const MoeConfig& batch, const Batch& in, int M) {
   GpuGradients g(batch);
   const MoeConfig config = moe::cuda::micro_batch_config(batch, M);
@@ -153,14 +155,20 @@ Gradients micro_batches(const MoeConfig& batch, const Batch& in, int M) {
   EXPECT_EQ(layer.micro_batches(), M);
   const moe::cuda::MoeLayerWeights w = in.gpu_weights();
   const size_t rows = size_t(config.tokens) * config.model_dim;  // one micro-batch's [T/M, D]
+  Matrix d_gate_sum = Matrix::Zero(batch.model_dim, batch.num_experts);
   for (int m = 0; m < M; ++m) {
+    g.d_gate.fill_bytes(0xFF);
     layer.forward_micro_batch(m, in.x_gpu.data() + m * rows, w, g.y.data() + m * rows, nullptr);
     layer.backward_micro_batch(m, in.x_gpu.data() + m * rows, w, in.dy_gpu.data() + m * rows, g.dx.data() + m * rows,
                                g.d_gate.data(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    d_gate_sum += matrix_of(g.d_gate.download(), batch.model_dim, batch.num_experts);
   }
   layer.expert_weight_gradients(g.d_w1_table.data(), g.d_w2_table.data(), nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
-  return g.download();
+  Gradients got = g.download();
+  got.gate_weights = d_gate_sum;
+  return got;
 }
 
 // The reference of M micro-batches with the router losses on: each micro-batch's gradients of its
