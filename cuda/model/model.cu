@@ -206,6 +206,15 @@ __global__ void start_loss_kernel(float* losses) {
   losses[3] = 0.0f;
 }
 
+// A step's losses: the mean of its M micro-batches' (micro-batch 0 starts it).
+__global__ void accumulate_step_losses_kernel(float* step_losses, const float* losses, int micro_batch,
+                                              int micro_batches) {
+  const int i = threadIdx.x;
+  if (i >= 4) return;
+  const float share = losses[i] / float(micro_batches);
+  step_losses[i] = micro_batch == 0 ? share : step_losses[i] + share;
+}
+
 // One MoE block's router losses into the total, in block order (one thread: a fixed order).
 __global__ void add_router_losses_kernel(float* losses, const float* aux, const float* z, float aux_coef,
                                          float z_coef) {
@@ -400,6 +409,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   logits_ = DeviceBuffer<float>(T * V);
   token_losses_ = DeviceBuffer<float>(T);
   losses_ = DeviceBuffer<float>(4);
+  step_losses_ = DeviceBuffer<float>(4);
   d_logits_ = DeviceBuffer<bf16>(T * V);
   d_residual_ = DeviceBuffer<float>(T * D);
   d_residual_bf16_ = DeviceBuffer<bf16>(T * D);
@@ -532,7 +542,11 @@ const float* ModelGpu::forward_micro_batch(int micro_batch, const int32_t* token
                                 text(config_.micro_batches) + ")");
   }
   micro_batch_ = micro_batch;  // the MoE blocks' forward (ffn_forward_phase) keeps its expert rows
-  return forward_phases(tokens, targets);
+  forward_phases(tokens, targets);
+  accumulate_step_losses_kernel<<<1, 32, 0, stream_>>>(step_losses_.data(), losses_.data(), micro_batch,
+                                                       int(config_.micro_batches));
+  CUDA_CHECK(cudaGetLastError());
+  return losses_.data();
 }
 
 const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32_t* targets) {

@@ -203,6 +203,9 @@ class ModelGpu {
     return ffn != nullptr ? ffn->single_gpu_layer() : nullptr;
   }
   const DeviceBuffer<float>& losses() const { return losses_; }  // {loss, lm, aux sum, z sum}
+  // The mean of losses() over the micro-batches of a step (forward_micro_batch), complete after
+  // the last one's forward: the step's losses.
+  const DeviceBuffer<float>& step_losses() const { return step_losses_; }  // [4]
 
   // Fills every activation buffer with NaN bytes (tests: nothing may be read before it is written).
   void poison_activations();
@@ -312,6 +315,7 @@ class ModelGpu {
   DeviceBuffer<float> logits_;           // [T, V]
   DeviceBuffer<float> token_losses_;     // [T]
   DeviceBuffer<float> losses_;           // [4] loss, lm loss, aux sum, z sum
+  DeviceBuffer<float> step_losses_;      // [4] their mean over a step's micro-batches
 
   // backward scratch
   DeviceBuffer<bf16> d_logits_;          // [T, V]
