@@ -231,7 +231,6 @@ void MoeLayerGpu::forward(const bf16* x, const MoeLayerWeights& weights, bf16* y
     throw std::invalid_argument("MoeLayerGpu::forward: x, y and every weight pointer must be non-null");
   }
   // The gate is the only reader of router_input: everything after the router sees x alone.
-  slot_ = 0;
   route(router_input != nullptr ? router_input : x, weights.gate_weights, stream);
   compute_experts(x, weights, y, stream);
 }
@@ -243,8 +242,8 @@ void MoeLayerGpu::forward_micro_batch(int micro_batch, const bf16* x, const MoeL
       weights.w2 == nullptr) {
     throw std::invalid_argument("MoeLayerGpu::forward_micro_batch: x, y and every weight pointer must be non-null");
   }
+  route(router_input != nullptr ? router_input : x, weights.gate_weights, stream);  // slot 0
   slot_ = micro_batch;  // compute_experts writes this micro-batch's slot of the kept operands
-  route(router_input != nullptr ? router_input : x, weights.gate_weights, stream);
   compute_experts(x, weights, y, stream);
 }
 
@@ -266,6 +265,7 @@ void MoeLayerGpu::route(const bf16* router_input, const bf16* gate_weights, cuda
   if (router_input == nullptr || gate_weights == nullptr) {
     throw std::invalid_argument("MoeLayerGpu::route: router_input and gate_weights must be non-null");
   }
+  slot_ = 0;  // a new routing: compute_experts writes slot 0 unless forward_micro_batch says otherwise
   const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
   phase(timer_, "router", stream, [&] {
     router_logits(cublas_.get(), router_input, gate_weights, logits_.data(), T, D, E, stream);

@@ -214,7 +214,8 @@ class MoeLayerGpu {
   MoeConfig config_;
   PhaseTimer* timer_ = nullptr;
   int micro_batches_ = 1;
-  int64_t slot_ = 0;         // the micro-batch of the last forward: which slot the backward reads
+  int64_t slot_ = 0;         // the slot compute_experts writes and the backward reads: route() sets 0,
+                             // forward_micro_batch(m) then m
   int64_t slot_rows_ = 0;    // dense rows between two micro-batches' slots (R * B); the blocks are H wide
   std::vector<bool> backward_done_;  // per micro-batch, since the last expert_weight_gradients
   std::unique_ptr<MicroBatchTopology> micro_batch_topology_;  // dropless
