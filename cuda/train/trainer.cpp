@@ -608,6 +608,10 @@ struct RunInputs {
 
 RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   validate(c);
+  if (R > 1 && c.micro_batches > 1) {
+    throw TrainConfigError("--micro-batches " + std::to_string(c.micro_batches) +
+                           ": allowed on one GPU only (the expert-parallel layer keeps no micro-batches)");
+  }
   if (c.batch % R != 0) {
     throw TrainConfigError("batch = " + std::to_string(c.batch) + " sequences cannot be shared by " + std::to_string(R) +
                            " ranks; the global batch must be a multiple of the ranks");
