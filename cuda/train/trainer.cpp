@@ -1039,8 +1039,9 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   timing_phases = false;
   model.set_phase_timer(nullptr);
   // The model's own phases (depth 0) tile the step; the MoE layers' phases (router, plan,
-  // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" and
-  // are listed as "moe/<name>", each summed over the layers.
+  // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" (with
+  // micro-batches also "backward_moe_weight_gradients") and are listed as "moe/<name>", each summed
+  // over the layers.
   std::map<std::string, double> by_name;
   std::vector<std::string> order;
   double total = 0, moe = 0;
@@ -1049,7 +1050,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
     if (!by_name.count(name)) order.push_back(name);
     by_name[name] += phase.duration_us * 1e-3;
     if (phase.depth == 0) total += phase.duration_us * 1e-3;
-    if (name == "moe" || name == "backward_moe") moe += phase.duration_us * 1e-3;
+    if (name == "moe" || name == "backward_moe" || name == "backward_moe_weight_gradients") moe += phase.duration_us * 1e-3;
   }
   for (const std::string& name : order) result.phase_ms.push_back({name, by_name[name]});
   result.moe_share = total > 0 ? moe / total : 0;
