@@ -6,6 +6,9 @@
 // Run:   build-bench/cuda/bench/moe_bench                      (the shapes of shared/BASELINES.md)
 //        build-bench/cuda/bench/moe_bench --shapes small       (a quick shape, with a CPU-oracle check)
 //        build-bench/cuda/bench/moe_bench --activation both    (SwiGLU rows beside GeLU's, same shapes)
+//        build-bench/cuda/bench/moe_bench --micro-batches 4 --shapes 16384,1024,4096,64,1 --routing zipf
+//                                                      (the layer over 4 micro-batches, one weight-gradient
+//                                                      product: gradient accumulation, [SECTION] micro-batches)
 //        build-bench/cuda/bench/moe_bench --routing-from notebooks_data/runs/train_dropless_seed1
 //            --shapes 8192,4096,14336,8,2                      (a real run's routing, on a shape of its E)
 //        options: --shapes baselines|small|all|T,D,H,E,K  --routing both|uniform|zipf
@@ -21,6 +24,8 @@
 //                 --timing synced|pipelined (each timed run from an idle GPU, or back to back)
 //                 --kernel-trace (after timing each formulation, `repeat` more runs back to back
 //                 under CUPTI: every kernel's time in place and the GPU's idle gaps between them)
+//                 --micro-batches M (the whole layer over M micro-batches of T tokens instead of
+//                 the formulations table; T is one micro-batch's, dense cuBLAS runs M*T*K rows)
 // The result file's fields are explained in notebooks_data/bench/README.md.
 //
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k, C capacity,
@@ -54,7 +59,8 @@
 // Index of sections:
 //   [SECTION] options             [SECTION] random inputs       [SECTION] timing
 //   [SECTION] checks              [SECTION] cuBLAS expert FFN   [SECTION] block-sparse expert FFN
-//   [SECTION] one shape, one routing                            [SECTION] report      [SECTION] main
+//   [SECTION] one shape, one routing      [SECTION] the layer over micro-batches (--micro-batches M)
+//   [SECTION] report                      [SECTION] main
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -95,6 +101,7 @@
 #include "moe/router.h"              // router_logits, route_top_k (with the router losses), RouterWorkspace
 #include "bench/routing_counts.h"    // routing_counts, top_experts_from_counts
 #include "moe/permute.h"             // permute_tokens, unpermute_and_combine
+#include "moe/moe_layer.h"           // MoeLayerGpu (--micro-batches: the whole layer, gradient accumulation)
 
 namespace {
 
@@ -155,6 +162,7 @@ struct Options {
   bool pairs_everywhere = false;  // block-sparse: set_block_row_pairs_everywhere
   bool pipelined = false;  // time_work: the timed runs back to back, not each after a synchronize
   bool kernel_trace = false;  // trace each formulation's kernels (kernel_trace.h)
+  int micro_batches = 0;  // > 0: the layer over this many micro-batches instead of the formulations table
 
   // dense_cublas is always timed: every ratio is taken against it.
   bool selected(const std::string& formulation) const {
@@ -219,6 +227,12 @@ const char* kUsage =
     "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
     "                 [--stream-k on|off] [--gradient-pairs on|off] [--timing synced|pipelined]\n"
     "                 [--block-row-pairs rule|everywhere] [--kernel-trace] [--activation gelu|swiglu|both]\n"
+    "                 [--micro-batches M]\n"
+    "  --micro-batches: instead of the formulations table, the whole dropless layer (B = 128) over M\n"
+    "                micro-batches of the shape's T tokens, its expert weight gradients as one product\n"
+    "                over all of them (gradient accumulation), beside the same micro-batches each with\n"
+    "                its own weight gradients, the layer on one batch of M*T tokens, and dense cuBLAS\n"
+    "                on M*T*K rows (the ratios' baseline); M = 1 times the layer's plain step\n"
     "  --activation:  the experts' activation: gelu (default), swiglu (W1 [D, 2H]), or both, SwiGLU's\n"
     "                rows after GeLU's for each shape and routing, with their ratio (vs gelu)\n"
     "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
@@ -339,6 +353,11 @@ Options parse_options(int argc, char** argv) {
       else throw std::invalid_argument("--block-row-pairs: rule or everywhere");
     } else if (arg == "--kernel-trace") {
       options.kernel_trace = true;
+    } else if (arg == "--micro-batches") {
+      const std::string v = value();
+      const int64_t n = integer(v);
+      if (n < 1 || n > 4096) throw std::invalid_argument("--micro-batches " + v + ": allowed: an integer from 1 to 4096");
+      options.micro_batches = static_cast<int>(n);
     } else if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -829,6 +848,7 @@ struct Measurement {
   Routing routing;
   moe::Activation activation = moe::Activation::gelu;
   std::string formulation;
+  int micro_batches = 1;  // --micro-batches: the rows cover M micro-batches of the shape's T tokens
   int block_size = 0, capacity = 0;
   bool gathers_rows = false;  // block-sparse: x's rows gathered by the SDD and DDS (no permuted copy)
   int64_t computed_rows = 0, useful_rows = 0;  // rows multiplied vs rows that belong to a kept token
@@ -1289,6 +1309,288 @@ class RoutingBench {
 };
 
 // ---------------------------------------------------------------------------------------------
+// [SECTION] the layer over micro-batches (--micro-batches M)
+// ---------------------------------------------------------------------------------------------
+// Gradient accumulation (cuda/moe/moe_layer.h): M micro-batches of T tokens, each routed, run
+// forward and backward (dx, the router) on its own, and the expert weight gradients computed once
+// over all M*T*K rows (one DSᵀD and one DDS: MicroBatchTopology). Timed as the whole dropless layer
+// (B = 128) through MoeLayerGpu: router, plan, topology, permute, experts, combine and their
+// backward, so the work outside the expert FFN is in these times (lesson 03: 8-9% of the forward
+// at D = 1024). The rows, all at M*T*K routed rows, the same useful FLOPs:
+//   layer_micro_batches    M x (forward_micro_batch + backward_micro_batch), expert_weight_gradients
+//   layer_per_micro_batch  M x (forward + backward), each micro-batch writing its own weight
+//                          gradients: accumulating without the one product (less the M-1 additions)
+//   layer_one_batch        the layer on one batch of M*T tokens (where it fits): no micro-batches
+//   dense_cublas           the dense expert FFN on M*T*K rows: the baseline of the ratios
+// "forward" is the M forwards alone. Routing: the counts rule (uniform, zipf, captured) on each
+// micro-batch's T tokens, every micro-batch routed alike, imposed on the layer's own router through
+// its input: token t's first E features are zero but at its K experts (1, 1 - 1/(4K), ...), and the
+// gate weights are 8 times an E x E identity above zero rows, so the router's top-K is the rule's
+// (checked); the other features are uniform in [-1, 1). Needs D >= E. The router losses are off
+// (their coefficients change no time). Checked first: the one product's dW1, dW2 (experts 0 and
+// E-1) against the sum of the per-micro-batch backward's, dWg (summed over the micro-batches, as a
+// trainer does) and dx micro-batch by micro-batch, and layer_one_batch's dx against the
+// micro-batches'. The timed step leaves each micro-batch's dWg in one buffer (no sum: a trainer's
+// addition over its parameters is not the layer's).
+class MicroBatchBench {
+ public:
+  MicroBatchBench(const Shape& shape, Routing routing, moe::Activation activation, const Options& options,
+                  moe::cuda::CublasHandle& cublas, cudaStream_t stream, Report& report)
+      : s_(shape), routing_(routing), activation_(activation), M_(options.micro_batches), options_(options),
+        cublas_(cublas), stream_(stream), report_(report),
+        W1_(CublasFfn::w1_width(shape.H, activation)) {
+    label_ = s_.name() + " M=" + std::to_string(M_) + " " + std::string(moe::bench::to_string(routing_)) + " " +
+             std::string(moe::to_string(activation_));
+    config_ = layer_config(s_, activation_, Formulation::dropless, 128);
+    config_.aux_loss_coef = 0.0;
+    config_.z_loss_coef = 0.0;
+  }
+
+  void run() {
+    const std::vector<int> counts = moe::bench::routing_counts(
+        int64_t(s_.T) * s_.K, s_.E, routing_,
+        options_.captured ? options_.captured->tokens_per_expert : std::vector<double>{});
+    top_experts_ = moe::bench::top_experts_from_counts(counts, s_.T, s_.K);
+    std::printf("%s: max %d rows per expert in each of %d micro-batches (mean %.0f)\n", label_.c_str(),
+                *std::max_element(counts.begin(), counts.end()), M_, double(s_.T) * s_.K / s_.E);
+    if (s_.D < s_.E) {
+      record_fact(label_ + " routing", false, "D < E: the routing cannot be imposed through the input");
+      return;
+    }
+    const size_t tokens = size_t(M_) * s_.T, D = s_.D, E = s_.E, H = s_.H;
+    const size_t inputs_bytes = tokens * D * (2 + 2 + 2 + 4) + E * D * (W1_ + H) * (2 + 4) + D * E * 6;
+    if (!fits(inputs_bytes + size_t(moe::cuda::layer_memory_bytes(config_, M_)), label_ + " layer_micro_batches",
+              report_)) {
+      return;
+    }
+    inputs();
+    moe::cuda::MoeLayerGpu layer(config_, M_);
+    gathers_rows_ = layer.gathers_rows();
+    if (!check(layer)) return;
+
+    Measurement& one_product = add_measurement("layer_micro_batches");
+    time_rows(one_product, [&] { forward_micro_batches(layer); }, [&] {
+      for (int m = 0; m < M_; ++m) {
+        layer.forward_micro_batch(m, x_of(m), weights(), y_of(m), stream_);
+        layer.backward_micro_batch(m, x_of(m), weights(), dy_of(m), dx_of(m), d_gate_.data(), stream_);
+      }
+      layer.expert_weight_gradients(d_w1_table_.data(), d_w2_table_.data(), stream_);
+    });
+    Measurement& per_micro_batch = add_measurement("layer_per_micro_batch");
+    time_rows(per_micro_batch, [&] {
+      for (int m = 0; m < M_; ++m) layer.forward(x_of(m), weights(), y_of(m), stream_);
+    }, [&] {
+      for (int m = 0; m < M_; ++m) {
+        layer.forward(x_of(m), weights(), y_of(m), stream_);
+        layer.backward(x_of(m), weights(), dy_of(m), gradients(m), stream_);
+      }
+    });
+    one_batch();
+    dense();
+  }
+
+ private:
+  moe::cuda::MoeLayerWeights weights() const { return {gate_.data(), w1_table_.data(), w2_table_.data()}; }
+  size_t rows_of(int m) const { return size_t(m) * s_.T * s_.D; }  // micro-batch m's first element of [M*T, D]
+  const bf16* x_of(int m) const { return x_.data() + rows_of(m); }
+  const bf16* dy_of(int m) const { return dy_.data() + rows_of(m); }
+  bf16* y_of(int m) { return y_.data() + rows_of(m); }
+  float* dx_of(int m) { return dx_.data() + rows_of(m); }
+  moe::cuda::MoeLayerGradients gradients(int m) {
+    return {dx_of(m), d_gate_.data(), d_w1_table_.data(), d_w2_table_.data()};
+  }
+  void forward_micro_batches(moe::cuda::MoeLayerGpu& layer) {
+    for (int m = 0; m < M_; ++m) layer.forward_micro_batch(m, x_of(m), weights(), y_of(m), stream_);
+  }
+
+  // The routing-carrying x, the gate weights that read it, random dy and expert weights.
+  void inputs() {
+    const size_t tokens = size_t(M_) * s_.T, D = s_.D, E = s_.E, H = s_.H, K = s_.K;
+    std::vector<bf16> x(tokens * D), gate(D * E, __float2bfloat16(0.0f));
+    const uint64_t key = splitmix64(options_.seed + 11);
+    for (size_t i = 0; i < tokens; ++i) {
+      const size_t t = i % size_t(s_.T);
+      for (size_t d = 0; d < D; ++d) {
+        const float unit = static_cast<float>(splitmix64(key ^ (i * D + d)) >> 40) * 0x1p-24f;
+        x[i * D + d] = __float2bfloat16(d < E ? 0.0f : 2.0f * unit - 1.0f);
+      }
+      for (size_t k = 0; k < K; ++k) {
+        x[i * D + size_t(top_experts_[t * K + k])] = __float2bfloat16(1.0f - 0.25f * float(k) / float(K));
+      }
+    }
+    for (size_t e = 0; e < E; ++e) gate[e * E + e] = __float2bfloat16(8.0f);  // Wg [D, E]: row d = e
+    x_ = DeviceBuffer<bf16>(x);
+    gate_ = DeviceBuffer<bf16>(gate);
+    dy_ = DeviceBuffer<bf16>(tokens * D);
+    w1_ = DeviceBuffer<bf16>(E * D * W1_);
+    w2_ = DeviceBuffer<bf16>(E * H * D);
+    fill_uniform(dy_, 1.0f, options_.seed + 12);
+    fill_uniform(w1_, 1.0f / std::sqrt(float(D)), options_.seed + 13);
+    fill_uniform(w2_, 1.0f / std::sqrt(float(H)), options_.seed + 14);
+    w1_table_ = moe::cuda::expert_pointer_table<const bf16>(w1_.data(), int(E), D * W1_);
+    w2_table_ = moe::cuda::expert_pointer_table<const bf16>(w2_.data(), int(E), H * D);
+    y_ = DeviceBuffer<bf16>(tokens * D);
+    dx_ = DeviceBuffer<float>(tokens * D);
+    d_gate_ = DeviceBuffer<float>(D * E);
+    d_w1_ = DeviceBuffer<float>(E * D * W1_);
+    d_w2_ = DeviceBuffer<float>(E * H * D);
+    d_w1_table_ = moe::cuda::expert_pointer_table(d_w1_.data(), int(E), D * W1_);
+    d_w2_table_ = moe::cuda::expert_pointer_table(d_w2_.data(), int(E), H * D);
+  }
+
+  void poison() {
+    for (auto* buffer : {&dx_, &d_gate_, &d_w1_, &d_w2_}) buffer->fill_bytes(0xFF, stream_);
+    y_.fill_bytes(0xFF, stream_);
+  }
+
+  // The one product against the per-micro-batch backward, summed on the host; the routing first.
+  bool check(moe::cuda::MoeLayerGpu& layer) {
+    const size_t D = s_.D, E = s_.E, K = s_.K, w1_elements = D * W1_, w2_elements = size_t(s_.H) * D;
+    const std::vector<int> experts = E > 1 ? std::vector<int>{0, int(E) - 1} : std::vector<int>{0};
+    poison();
+    int64_t flips = 0;
+    std::vector<float> one_product_gate(D * E, 0.0f);  // each micro-batch's router gradient, summed
+    for (int m = 0; m < M_; ++m) {
+      layer.forward_micro_batch(m, x_of(m), weights(), y_of(m), stream_);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      const std::vector<int> top = layer.top_experts().download();
+      for (size_t i = 0; i < size_t(s_.T) * K; ++i) flips += top[i] != top_experts_[i];
+      layer.backward_micro_batch(m, x_of(m), weights(), dy_of(m), dx_of(m), d_gate_.data(), stream_);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      const std::vector<float> gate = d_gate_.download();
+      for (size_t i = 0; i < gate.size(); ++i) one_product_gate[i] += gate[i];
+    }
+    layer.expert_weight_gradients(d_w1_table_.data(), d_w2_table_.data(), stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    record_fact(label_ + " layer routing is the counts rule", flips == 0,
+                std::to_string(flips) + " slots of " + std::to_string(int64_t(M_) * s_.T * s_.K) + " differ");
+    if (flips != 0) return false;
+    one_product_dx_ = dx_.download();
+    std::vector<std::vector<float>> one_product_w1, one_product_w2;
+    for (int e : experts) {
+      one_product_w1.push_back(expert_slice(d_w1_.data(), e, w1_elements));
+      one_product_w2.push_back(expert_slice(d_w2_.data(), e, w2_elements));
+    }
+    // The same micro-batches, each with its own weight gradients, summed here in double.
+    poison();
+    std::vector<double> gate_sum(D * E, 0.0);
+    std::vector<std::vector<double>> w1_sum(experts.size(), std::vector<double>(w1_elements, 0.0)),
+        w2_sum(experts.size(), std::vector<double>(w2_elements, 0.0));
+    for (int m = 0; m < M_; ++m) {
+      layer.forward(x_of(m), weights(), y_of(m), stream_);
+      layer.backward(x_of(m), weights(), dy_of(m), gradients(m), stream_);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      const std::vector<float> gate = d_gate_.download();
+      for (size_t i = 0; i < gate.size(); ++i) gate_sum[i] += gate[i];
+      for (size_t i = 0; i < experts.size(); ++i) {
+        const std::vector<float> w1 = expert_slice(d_w1_.data(), experts[i], w1_elements);
+        const std::vector<float> w2 = expert_slice(d_w2_.data(), experts[i], w2_elements);
+        for (size_t j = 0; j < w1_elements; ++j) w1_sum[i][j] += w1[j];
+        for (size_t j = 0; j < w2_elements; ++j) w2_sum[i][j] += w2[j];
+      }
+    }
+    auto compare = [](const std::vector<float>& candidate, const std::vector<double>& reference) {
+      Difference d;
+      for (size_t i = 0; i < reference.size(); ++i) d.add(candidate[i], reference[i]);
+      return d;
+    };
+    record_check(label_ + " dWg one product vs per micro-batch, summed", compare(one_product_gate, gate_sum));
+    for (size_t i = 0; i < experts.size(); ++i) {
+      const std::string e = std::to_string(experts[i]);
+      record_check(label_ + " dW1[" + e + "] one product vs per micro-batch, summed",
+                   compare(one_product_w1[i], w1_sum[i]));
+      record_check(label_ + " dW2[" + e + "] one product vs per micro-batch, summed",
+                   compare(one_product_w2[i], w2_sum[i]));
+    }
+    record_check(label_ + " dx micro-batches vs per micro-batch", compare_floats(one_product_dx_, dx_.download()));
+    return std::all_of(g_checks.end() - (2 + 2 * experts.size()), g_checks.end(), [](const Check& c) { return c.pass; });
+  }
+
+  Measurement& add_measurement(const std::string& formulation) {
+    Measurement m;
+    m.shape = s_;
+    m.routing = routing_;
+    m.activation = activation_;
+    m.formulation = formulation;
+    m.micro_batches = M_;
+    m.block_size = formulation == "dense_cublas" ? 0 : 128;
+    m.gathers_rows = formulation != "dense_cublas" && gathers_rows_;
+    m.useful_rows = m.computed_rows = int64_t(M_) * s_.T * s_.K;
+    m.dropped_fraction = 0;
+    report_.measurements.push_back(m);
+    return report_.measurements.back();
+  }
+
+  // As RoutingBench::time_forward_backward: each phase announced as it starts (power_trace.py).
+  void time_rows(Measurement& m, const std::function<void()>& forward, const std::function<void()>& step) {
+    auto announce = [&](const char* phase) {
+      std::printf("  timing %s %s\n", m.formulation.c_str(), phase);
+      std::fflush(stdout);
+    };
+    announce("forward");
+    m.forward = time_work(stream_, options_, forward);
+    announce("forward+backward");
+    m.forward_backward = time_work(stream_, options_, step);
+    std::printf("  time  %-22s forward %8.3f ms   forward+backward %8.3f ms   (%d micro-batches)\n",
+                m.formulation.c_str(), m.forward.median_ms, m.forward_backward.median_ms, M_);
+    std::fflush(stdout);
+  }
+
+  // The layer on one batch of all M*T tokens (routed alike: the micro-batches side by side).
+  void one_batch() {
+    MoeConfig whole = config_;
+    whole.tokens = int64_t(M_) * s_.T;
+    if (!fits(size_t(moe::cuda::layer_memory_bytes(whole)), label_ + " layer_one_batch", report_)) return;
+    moe::cuda::MoeLayerGpu layer(whole);
+    const moe::cuda::MoeLayerGradients g = gradients(0);  // [M*T, D] from row 0
+    poison();
+    layer.forward(x_.data(), weights(), y_.data(), stream_);
+    layer.backward(x_.data(), weights(), dy_.data(), g, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    record_check(label_ + " dx one batch vs micro-batches", compare_floats(dx_.download(), one_product_dx_));
+    Measurement& m = add_measurement("layer_one_batch");
+    time_rows(m, [&] { layer.forward(x_.data(), weights(), y_.data(), stream_); }, [&] {
+      layer.forward(x_.data(), weights(), y_.data(), stream_);
+      layer.backward(x_.data(), weights(), dy_.data(), g, stream_);
+    });
+  }
+
+  // Dense cuBLAS on M*T*K rows, expert 0's weights for every row (checked in the formulations table).
+  void dense() {
+    const size_t rows = size_t(M_) * s_.T * s_.K;
+    if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, activation_, 1), label_ + " dense_cublas", report_)) return;
+    CublasFfn f(rows, s_.D, s_.H, activation_, ExpertGroups{{0}, {int(rows)}, {0}}, w1_.data(), w2_.data(), 1);
+    fill_uniform(f.x, 1.0f, options_.seed + 15);
+    fill_uniform(f.d_out, 1.0f, options_.seed + 16);
+    cublasHandle_t h = cublas_.get();
+    Measurement& m = add_measurement("dense_cublas");
+    time_rows(m, [&] { cublas_ffn_forward(h, CublasKind::dense, f, stream_); }, [&] {
+      cublas_ffn_forward(h, CublasKind::dense, f, stream_);
+      cublas_ffn_backward(h, CublasKind::dense, f, stream_);
+    });
+  }
+
+  Shape s_;
+  Routing routing_;
+  moe::Activation activation_;
+  int M_;
+  const Options& options_;
+  moe::cuda::CublasHandle& cublas_;
+  cudaStream_t stream_;
+  Report& report_;
+  size_t W1_;
+  std::string label_;
+  MoeConfig config_;
+  bool gathers_rows_ = false;
+  std::vector<int32_t> top_experts_;  // [T, K] every micro-batch's routing
+  DeviceBuffer<bf16> x_, dy_, y_, gate_, w1_, w2_;  // [M*T, D] x3, [D, E], [E, D, W1], [E, H, D]
+  DeviceBuffer<const bf16*> w1_table_, w2_table_;
+  DeviceBuffer<float> dx_, d_gate_, d_w1_, d_w2_;  // [M*T, D], [D, E], [E, D, W1], [E, H, D]
+  DeviceBuffer<float*> d_w1_table_, d_w2_table_;
+  std::vector<float> one_product_dx_;  // [M*T, D] from the check
+};
+
+// ---------------------------------------------------------------------------------------------
 // [SECTION] report
 // ---------------------------------------------------------------------------------------------
 
@@ -1304,7 +1606,7 @@ void finish_measurements(Report& report) {
   for (Measurement& m : report.measurements) {
     for (const Measurement& dense : report.measurements) {
       if (dense.formulation == "dense_cublas" && dense.shape.name() == m.shape.name() && dense.routing == m.routing &&
-          dense.activation == m.activation) {
+          dense.activation == m.activation && dense.micro_batches == m.micro_batches) {
         m.forward_vs_dense = m.forward_tflops / dense.forward_tflops;
         m.forward_backward_vs_dense = m.forward_backward_tflops / dense.forward_backward_tflops;
       }
@@ -1312,7 +1614,7 @@ void finish_measurements(Report& report) {
     if (m.activation == moe::Activation::gelu) continue;
     for (const Measurement& gelu : report.measurements) {
       if (gelu.activation == moe::Activation::gelu && gelu.formulation == m.formulation &&
-          gelu.shape.name() == m.shape.name() && gelu.routing == m.routing) {
+          gelu.shape.name() == m.shape.name() && gelu.routing == m.routing && gelu.micro_batches == m.micro_batches) {
         m.forward_vs_gelu = m.forward_tflops / gelu.forward_tflops;
         m.forward_backward_vs_gelu = m.forward_backward_tflops / gelu.forward_backward_tflops;
       }
@@ -1353,6 +1655,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                    {"rows", options.rows == Options::Rows::layer      ? "layer"
                             : options.rows == Options::Rows::gathered ? "gathered"
                                                                       : "permuted"},
+                   {"micro_batches", options.micro_batches},
                    {"stream_k", options.stream_k}, {"gradient_pairs", options.gradient_pairs},
                    {"block_row_pairs", options.pairs_everywhere ? "everywhere" : "rule"}};
   json results = json::array();
@@ -1361,6 +1664,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                        {"routing", moe::bench::to_string(m.routing)},
                        {"activation", std::string(moe::to_string(m.activation))},
                        {"formulation", m.formulation},
+                       {"micro_batches", m.micro_batches},
                        {"block_size", m.block_size},
                        {"gathers_rows", m.gathers_rows},
                        {"capacity", m.capacity},
@@ -1439,7 +1743,8 @@ void print_table(const Report& report) {
     char fwd_vs_gelu[16] = "-", fb_vs_gelu[16] = "-";
     if (m.forward_vs_gelu > 0) std::snprintf(fwd_vs_gelu, sizeof fwd_vs_gelu, "%.3f", m.forward_vs_gelu);
     if (m.forward_backward_vs_gelu > 0) std::snprintf(fb_vs_gelu, sizeof fb_vs_gelu, "%.3f", m.forward_backward_vs_gelu);
-    std::printf("%-32s %-8s %-6s %-18s %9.0f %8.2f %9.0f %8.2f %8s %8s %7.1f%%\n", m.shape.name().c_str(),
+    const std::string shape = m.micro_batches > 1 ? m.shape.name() + " x" + std::to_string(m.micro_batches) : m.shape.name();
+    std::printf("%-32s %-8s %-6s %-18s %9.0f %8.2f %9.0f %8.2f %8s %8s %7.1f%%\n", shape.c_str(),
                 std::string(moe::bench::to_string(m.routing)).c_str(), std::string(moe::to_string(m.activation)).c_str(),
                 m.formulation.c_str(), m.forward_tflops, m.forward_vs_dense, m.forward_backward_tflops,
                 m.forward_backward_vs_dense, fwd_vs_gelu, fb_vs_gelu, 100.0 * m.dropped_fraction);
@@ -1500,9 +1805,22 @@ int main(int argc, char** argv) {
     for (const Shape& shape : options.shapes) {
       std::printf("== %s\n", shape.name().c_str());
       for (moe::Activation activation : options.activations) {
+        const std::string what = shape.name() + " " + std::string(moe::to_string(activation));
+        if (options.micro_batches > 0) {  // the layer over micro-batches: its own inputs, per routing
+          for (Routing routing : options.routings) {
+            if (routing == Routing::captured && int64_t(options.captured->tokens_per_expert.size()) != shape.E) continue;
+            try {
+              MicroBatchBench(shape, routing, activation, options, cublas, stream, report).run();
+            } catch (const std::exception& error) {
+              record_fact(what + " " + std::string(moe::bench::to_string(routing)) + " micro-batches", false,
+                          std::string("threw: ") + error.what());
+            }
+            CUDA_CHECK(cudaStreamSynchronize(stream));
+          }
+          continue;
+        }
         // Weights and token tensors for the shape, plus the smallest section (the exact-rows cuBLAS paths).
         const size_t rows = size_t(shape.T) * shape.K;
-        const std::string what = shape.name() + " " + std::string(moe::to_string(activation));
         if (!fits(ShapeInputs::bytes(shape, activation) + CublasFfn::bytes(rows, shape.D, shape.H, activation, shape.E),
                   what, report)) {
           continue;

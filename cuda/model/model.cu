@@ -58,6 +58,16 @@ void validate(const ModelGpuConfig& c) {
   }
   if (c.ranks < 1) reject("ranks (R)", text(c.ranks), "R >= 1");
   if (c.rank < 0 || c.rank >= c.ranks) reject("rank", text(c.rank), "0 <= rank < ranks = " + text(c.ranks));
+  if (c.micro_batches < 1) reject("micro_batches (M)", text(c.micro_batches), "M >= 1");
+  if (c.micro_batches > 1 && c.ranks > 1) {
+    reject("micro_batches (M)", text(c.micro_batches) + " on " + text(c.ranks) + " ranks",
+           "1 (the expert-parallel layer keeps no micro-batches; gradient accumulation trains on one GPU)");
+  }
+  if (c.micro_batches > 1 && c.moe_blocks != MoeBlocks::none && c.moe.formulation != Formulation::dropless) {
+    reject("micro_batches (M)", text(c.micro_batches) + " with moe.formulation = " +
+           std::string(to_string(c.moe.formulation)),
+           "1, or the dropless formulation (one expert weight-gradient product over the micro-batches)");
+  }
   if (c.pregated && c.moe_blocks == MoeBlocks::none) {
     reject("pregated", "true with moe_blocks = none", "pregated = false for a dense model (no gate to move)");
   }
@@ -196,6 +206,15 @@ __global__ void start_loss_kernel(float* losses) {
   losses[3] = 0.0f;
 }
 
+// A step's losses: the mean of its M micro-batches' (micro-batch 0 starts it).
+__global__ void accumulate_step_losses_kernel(float* step_losses, const float* losses, int micro_batch,
+                                              int micro_batches) {
+  const int i = threadIdx.x;
+  if (i >= 4) return;
+  const float share = losses[i] / float(micro_batches);
+  step_losses[i] = micro_batch == 0 ? share : step_losses[i] + share;
+}
+
 // One MoE block's router losses into the total, in block order (one thread: a fixed order).
 __global__ void add_router_losses_kernel(float* losses, const float* aux, const float* z, float aux_coef,
                                          float z_coef) {
@@ -207,7 +226,19 @@ __global__ void add_router_losses_kernel(float* losses, const float* aux, const 
 // The one-GPU MoE block: MoeLayerGpu as the model's MoeBlockFfn.
 class SingleGpuMoeFfn final : public MoeBlockFfn {
  public:
-  explicit SingleGpuMoeFfn(const MoeConfig& config) : layer_(config) {}
+  SingleGpuMoeFfn(const MoeConfig& config, int micro_batches) : layer_(config, micro_batches) {}
+  void forward_micro_batch(int micro_batch, const bf16* x, const MoeLayerWeights& weights, bf16* y,
+                           cudaStream_t stream, const bf16* router_input) override {
+    layer_.forward_micro_batch(micro_batch, x, weights, y, stream, router_input);
+  }
+  void backward_micro_batch(int micro_batch, const bf16* x, const MoeLayerWeights& weights, const bf16* dy, float* dx,
+                            float* d_gate_weights, cudaStream_t stream, const bf16* router_input,
+                            float* d_router_input) override {
+    layer_.backward_micro_batch(micro_batch, x, weights, dy, dx, d_gate_weights, stream, router_input, d_router_input);
+  }
+  void expert_weight_gradients(float* const* d_w1, float* const* d_w2, cudaStream_t stream) override {
+    layer_.expert_weight_gradients(d_w1, d_w2, stream);
+  }
   void forward(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
                const bf16* router_input) override {
     layer_.forward(x, weights, y, stream, router_input);
@@ -252,15 +283,26 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   const size_t attention_pairs = size_t(config_.batch * config_.num_heads), S = size_t(config_.seq_len);
 
   // The MoE layers first: they check that they fit in the free memory before allocating anything.
+  // Over M micro-batches each one's router losses weigh 1 / M of the step's loss (model.h); the
+  // forward's reported losses keep config_.moe's coefficients (loss_phase).
+  MoeConfig layer_config = config_.moe;
+  const int micro_batches = int(config_.micro_batches);
+  layer_config.aux_loss_coef /= micro_batches;
+  layer_config.z_loss_coef /= micro_batches;
   blocks_.resize(size_t(config_.num_layers));
   for (int64_t i = 0; i < config_.num_layers; ++i) {
     if (!is_moe_block(config_, i)) continue;
     blocks_[size_t(i)].moe = ranks_ != nullptr ? ranks_->make_moe_ffn(config_.moe, config_.batch * config_.seq_len)
-                                               : std::make_unique<SingleGpuMoeFfn>(config_.moe);
+                                               : std::make_unique<SingleGpuMoeFfn>(layer_config, micro_batches);
   }
 
   weights_ = DeviceBuffer<float>(P);
   gradients_ = DeviceBuffer<float>(P);
+  gradient_target_ = gradients_.data();
+  if (micro_batches > 1) {
+    micro_gradients_ = DeviceBuffer<float>(P);
+    micro_gradients_.fill_bytes(0);  // its expert spans are never written: they add zero
+  }
   first_moment_ = DeviceBuffer<float>(P);
   second_moment_ = DeviceBuffer<float>(P);
   weights_bf16_ = DeviceBuffer<bf16>(P);
@@ -367,6 +409,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   logits_ = DeviceBuffer<float>(T * V);
   token_losses_ = DeviceBuffer<float>(T);
   losses_ = DeviceBuffer<float>(4);
+  step_losses_ = DeviceBuffer<float>(4);
   d_logits_ = DeviceBuffer<bf16>(T * V);
   d_residual_ = DeviceBuffer<float>(T * D);
   d_residual_bf16_ = DeviceBuffer<bf16>(T * D);
@@ -475,6 +518,11 @@ void ModelGpu::phase(const char* name, Work&& work) {
 // ---- [SECTION] forward ----
 
 const float* ModelGpu::forward(const int32_t* tokens, const int32_t* targets) {
+  micro_batch_ = -1;
+  return forward_phases(tokens, targets);
+}
+
+const float* ModelGpu::forward_phases(const int32_t* tokens, const int32_t* targets) {
   tokens_ = tokens;
   targets_ = targets;
   embedding_forward_phase();
@@ -487,6 +535,20 @@ const float* ModelGpu::forward(const int32_t* tokens, const int32_t* targets) {
   return losses_.data();
 }
 
+const float* ModelGpu::forward_micro_batch(int micro_batch, const int32_t* tokens, const int32_t* targets) {
+  if (micro_batch < 0 || micro_batch >= config_.micro_batches) {
+    throw std::invalid_argument("ModelGpu::forward_micro_batch: micro_batch = " + text(micro_batch) +
+                                "; allowed: 0 .. " + text(config_.micro_batches - 1) + " (config.micro_batches = " +
+                                text(config_.micro_batches) + ")");
+  }
+  micro_batch_ = micro_batch;  // the MoE blocks' forward (ffn_forward_phase) keeps its expert rows
+  forward_phases(tokens, targets);
+  accumulate_step_losses_kernel<<<1, 32, 0, stream_>>>(step_losses_.data(), losses_.data(), micro_batch,
+                                                       int(config_.micro_batches));
+  CUDA_CHECK(cudaGetLastError());
+  return losses_.data();
+}
+
 const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32_t* targets) {
   if (ranks_ != nullptr) {
     throw std::invalid_argument("forward_backward_graph: on one GPU only (the expert-parallel layers wait on the host "
@@ -495,6 +557,10 @@ const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32
   if (stream_ == nullptr) {
     throw std::invalid_argument("forward_backward_graph: the model runs on the legacy default stream, which cannot be "
                                 "captured; give the model a stream of its own");
+  }
+  if (config_.micro_batches > 1) {
+    throw std::invalid_argument("forward_backward_graph: config.micro_batches = " + text(config_.micro_batches) +
+                                "; a step of micro-batches runs forward_micro_batch and backward_micro_batch");
   }
   if (timer_ != nullptr) {
     throw std::invalid_argument("forward_backward_graph: a phase timer is set (its events would be captured); use "
@@ -579,7 +645,11 @@ void ModelGpu::ffn_forward_phase(Block& b) {
   if (b.moe) {
     phase("moe", [&] {
       const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
-      b.moe->forward(b.ln2_y.data(), weights, block_out_.data(), stream_, gate_input(b));
+      if (micro_batch_ >= 0) {
+        b.moe->forward_micro_batch(micro_batch_, b.ln2_y.data(), weights, block_out_.data(), stream_, gate_input(b));
+      } else {
+        b.moe->forward(b.ln2_y.data(), weights, block_out_.data(), stream_, gate_input(b));
+      }
     });
   } else {
     phase("dense_ffn", [&] {
@@ -633,6 +703,15 @@ void ModelGpu::loss_phase() {
 
 void ModelGpu::backward() {
   if (tokens_ == nullptr) throw std::logic_error("ModelGpu::backward: call forward() first");
+  if (config_.micro_batches > 1 || micro_batch_ >= 0) {
+    throw std::invalid_argument("ModelGpu::backward: a model of config.micro_batches = " +
+                                text(config_.micro_batches) + " trains through forward_micro_batch and "
+                                "backward_micro_batch (its MoE layers weigh each micro-batch's router losses 1 / M)");
+  }
+  backward_phases();
+}
+
+void ModelGpu::backward_phases() {
   loss_backward_phase();
   for (auto block = blocks_.rbegin(); block != blocks_.rend(); ++block) {
     ffn_backward_phase(*block);
@@ -641,13 +720,50 @@ void ModelGpu::backward() {
   embedding_backward_phase();
 }
 
+void ModelGpu::backward_micro_batch(int micro_batch) {
+  if (tokens_ == nullptr || micro_batch_ < 0 || micro_batch != micro_batch_) {
+    throw std::invalid_argument("ModelGpu::backward_micro_batch(" + text(micro_batch) +
+                                "): the last forward was " +
+                                (micro_batch_ < 0 ? std::string("not a micro-batch's")
+                                                  : "micro-batch " + text(micro_batch_) + "'s") +
+                                "; call forward_micro_batch(" + text(micro_batch) + ", ...) first");
+  }
+  // Micro-batch 0 writes the step's gradients; the others write their own beside them and add.
+  gradient_target_ = micro_batch == 0 ? gradients_.data() : micro_gradients_.data();
+  try {
+    backward_phases();
+  } catch (...) {
+    gradient_target_ = gradients_.data();
+    throw;
+  }
+  gradient_target_ = gradients_.data();
+  if (micro_batch > 0) {
+    phase("accumulate_gradients", [&] {
+      const size_t n = size_t(parameter_count_);
+      add_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(gradients_.data(), micro_gradients_.data(), n);
+      CUDA_CHECK(cudaGetLastError());
+    });
+  }
+  if (micro_batch == config_.micro_batches - 1) {
+    // The experts' weight gradients, once over every micro-batch's rows, straight into gradients_.
+    phase("backward_moe_weight_gradients", [&] {
+      for (Block& b : blocks_) {
+        if (b.moe) b.moe->expert_weight_gradients(b.d_w1_table.data(), b.d_w2_table.data(), stream_);
+      }
+    });
+  }
+}
+
 // d_logits = (softmax - one_hot) / T; the tied projection's two products; LN_final's backward
 // starts the residual gradient (overwritten here, accumulated by every block after).
 void ModelGpu::loss_backward_phase() {
   phase("backward_lm_head", [&] {
     const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim), V = int(kVocabulary);
-    // The loss is the mean over all ranks' tokens: each rank's d_logits is its share of it.
-    cross_entropy_backward(logits_.data(), targets_, d_logits_.data(), T, stream_, int64_t{T} * config_.ranks);
+    // The loss is the mean over all ranks' tokens (and all micro-batches' of the step): each rank's,
+    // each micro-batch's d_logits is its share of it.
+    const int64_t micro_batches = micro_batch_ >= 0 ? config_.micro_batches : 1;
+    cross_entropy_backward(logits_.data(), targets_, d_logits_.data(), T, stream_,
+                           int64_t{T} * config_.ranks * micro_batches);
     cublas_.set_stream(stream_);
     // d token_embedding [V, D] = d_logitsᵀ LN_final(x): overwritten; the embedding adds its share later.
     gemm(cublas_.get(), Op::transpose, Op::none, V, D, T, d_logits_.data(), V, final_y_.data(), D,
@@ -678,8 +794,13 @@ void ModelGpu::ffn_backward_phase(Block& b) {
       // share goes back to the block whose LN2 output it read.
       float* const d_gate_input =
           b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].d_ln2_from_next_gate.data() : nullptr;
-      b.moe->backward(b.ln2_y.data(), weights, d_residual_bf16_.data(), gradients, stream_, gate_input(b),
-                      d_gate_input);
+      if (micro_batch_ >= 0) {  // no expert weight gradients: backward_micro_batch runs them at the end
+        b.moe->backward_micro_batch(micro_batch_, b.ln2_y.data(), weights, d_residual_bf16_.data(), gradients.dx,
+                                    gradients.d_gate_weights, stream_, gate_input(b), d_gate_input);
+      } else {
+        b.moe->backward(b.ln2_y.data(), weights, d_residual_bf16_.data(), gradients, stream_, gate_input(b),
+                        d_gate_input);
+      }
     });
   } else {
     phase("backward_dense_ffn", [&] {

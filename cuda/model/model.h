@@ -45,6 +45,16 @@
 // The experts' activation is config.moe.activation: GeLU, or SwiGLU (each expert's W1 [D, 2H], gate
 // columns then up columns, as parameter_layout says through w1_columns); the dense FFN blocks are
 // GeLU either way, as in the reference.
+// Gradient accumulation (micro_batches = M > 1, one GPU, dropless): a step runs M micro-batches of
+// `batch` sequences each, forward_micro_batch(m) then backward_micro_batch(m) for m = 0 .. M-1,
+// then step(). The step's loss is the mean of the micro-batches' losses, so each micro-batch's
+// cross-entropy gradient is its share of the mean over all M N S tokens and its router losses
+// weigh 1 / M (each micro-batch's are its own: the load-balancing loss is a statistic of the
+// tokens routed together). Every gradient but the experts' is added up over the micro-batches (the
+// first writes gradients(), the others a second flat buffer that is then added in); the experts'
+// weight gradients run once, in the last micro-batch's backward, over every micro-batch's rows
+// (MoeLayerGpu::expert_weight_gradients). Activations are those of one micro-batch; each MoE
+// layer keeps its M micro-batches' expert rows (MoeLayerGpu says how much).
 // Out of scope here: jitter (MoeLayerGpu has none), SwiGLU on several ranks (the expert-parallel
 // layer's experts are GeLU), and pre-gating a model without MoE blocks (there is no gate to move, as
 // the reference says). The constructor rejects them, with the field named, before allocating anything.
@@ -95,6 +105,9 @@ struct ModelGpuConfig {
   // experts [rank E / ranks, (rank + 1) E / ranks) of each MoE block.
   int64_t ranks = 1;
   int64_t rank = 0;
+  // Gradient accumulation: a step of M micro-batches of `batch` sequences (see above). moe.tokens
+  // stays one micro-batch's batch * seq_len. M > 1: one GPU and the dropless formulation.
+  int64_t micro_batches = 1;
 };
 
 // The optimizer's fixed settings (the learning rate comes with each step).
@@ -144,7 +157,14 @@ class ModelGpu {
   // until backward() is enqueued. Returns the device address of the loss [1].
   const float* forward(const int32_t* tokens, const int32_t* targets);
   // Every parameter's gradient of the last forward's loss, overwritten in gradients().
+  // config.micro_batches > 1: std::invalid_argument (train through the micro-batch calls below).
   void backward();
+  // Gradient accumulation (config.micro_batches = M): micro-batch m's forward of tokens, targets
+  // [N, S] (N = config.batch), and its backward, which adds its gradients into gradients() (m = 0
+  // overwrites) and, for m = M-1, writes the experts' weight gradients of all M micro-batches.
+  // backward_micro_batch(m) follows forward_micro_batch(m); std::invalid_argument otherwise.
+  const float* forward_micro_batch(int micro_batch, const int32_t* tokens, const int32_t* targets);
+  void backward_micro_batch(int micro_batch);
   // forward() then backward() of the batch in tokens, targets as one CUDA graph: run launched on the
   // first call (first-use setup stays out of the capture), captured on the second and replayed on
   // every later one, so the step's hundreds of kernels cost one launch.
@@ -183,6 +203,9 @@ class ModelGpu {
     return ffn != nullptr ? ffn->single_gpu_layer() : nullptr;
   }
   const DeviceBuffer<float>& losses() const { return losses_; }  // {loss, lm, aux sum, z sum}
+  // The mean of losses() over the micro-batches of a step (forward_micro_batch), complete after
+  // the last one's forward: the step's losses.
+  const DeviceBuffer<float>& step_losses() const { return step_losses_; }  // [4]
 
   // Fills every activation buffer with NaN bytes (tests: nothing may be read before it is written).
   void poison_activations();
@@ -215,6 +238,9 @@ class ModelGpu {
     DeviceBuffer<float*> d_w1_table, d_w2_table;   // [E] -> the same entries of gradients_
   };
 
+  // forward() and forward_micro_batch() after setting micro_batch_; backward()'s phases.
+  const float* forward_phases(const int32_t* tokens, const int32_t* targets);
+  void backward_phases();
   // ---- forward phases ----
   void embedding_forward_phase();
   void attention_forward_phase(Block& block);
@@ -233,7 +259,9 @@ class ModelGpu {
   const bf16* gate_input(const Block& block) const;  // [T, D] pre-gated, or nullptr: its own ln2_y
 
   const bf16* weight(int64_t offset) const { return weights_bf16_.data() + offset; }
-  float* gradient(int64_t offset) { return gradients_.data() + offset; }
+  // Where the backward writes a gradient: gradients_, or, in micro-batches after the first,
+  // micro_gradients_ (added into gradients_ at the end of that micro-batch's backward).
+  float* gradient(int64_t offset) { return gradient_target_ + offset; }
 
   ModelGpuConfig config_;
   OptimizerSettings optimizer_;
@@ -259,6 +287,8 @@ class ModelGpu {
   int64_t optimizer_steps_ = 0;
   const int32_t* tokens_ = nullptr;   // [N, S] of the last forward, device
   const int32_t* targets_ = nullptr;  // [N, S]
+  int micro_batch_ = -1;              // the last forward's micro-batch; -1: a plain forward()
+  float* gradient_target_ = nullptr;  // gradients_ or micro_gradients_ (gradient())
 
   CublasHandle cublas_;
   std::vector<Block> blocks_;  // L
@@ -266,6 +296,8 @@ class ModelGpu {
 
   // parameters and optimizer state, all [parameter_count()]
   DeviceBuffer<float> weights_, gradients_, first_moment_, second_moment_;
+  DeviceBuffer<float> micro_gradients_;  // [parameter_count()] micro_batches > 1: micro-batches 1 .. M-1
+                                         // write here (its expert spans stay zero), then add
   DeviceBuffer<bf16> weights_bf16_;
   DeviceBuffer<float> norm_partials_, grad_norm_, clip_scale_;  // [kGradientNormBlocks] [1] [1]
   // On several ranks: the runs of replicated tensors (offset, count) whose gradients are summed over
@@ -283,6 +315,7 @@ class ModelGpu {
   DeviceBuffer<float> logits_;           // [T, V]
   DeviceBuffer<float> token_losses_;     // [T]
   DeviceBuffer<float> losses_;           // [4] loss, lm loss, aux sum, z sum
+  DeviceBuffer<float> step_losses_;      // [4] their mean over a step's micro-batches
 
   // backward scratch
   DeviceBuffer<bf16> d_logits_;          // [T, V]

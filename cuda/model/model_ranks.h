@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,16 @@ class MoeBlockFfn {
   virtual void backward(const bf16* x, const MoeLayerWeights& weights, const bf16* dy,
                         const MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
                         float* d_router_input) = 0;
+  // Gradient accumulation (MoeLayerGpu's forward_micro_batch, backward_micro_batch and
+  // expert_weight_gradients): micro-batch m's forward and its backward without the experts' weight
+  // gradients (dx and d_gate_weights its own, overwritten), then those over every micro-batch at
+  // once. One GPU only: the expert-parallel layer does not keep micro-batches (these throw).
+  virtual void forward_micro_batch(int micro_batch, const bf16* x, const MoeLayerWeights& weights, bf16* y,
+                                   cudaStream_t stream, const bf16* router_input);
+  virtual void backward_micro_batch(int micro_batch, const bf16* x, const MoeLayerWeights& weights, const bf16* dy,
+                                    float* dx, float* d_gate_weights, cudaStream_t stream, const bf16* router_input,
+                                    float* d_router_input);
+  virtual void expert_weight_gradients(float* const* d_w1, float* const* d_w2, cudaStream_t stream);
   virtual const float* aux_loss() const = 0;  // [1] device, unscaled, of the last forward (global)
   virtual const float* z_loss() const = 0;    // [1] device, unscaled
   virtual const DeviceBuffer<int>& top_experts() const = 0;  // [T_r, K] of the last forward
@@ -64,6 +75,18 @@ class MoeBlockFfn {
   // The single-GPU layer, where it is one (tests and recording read its internals); else null.
   virtual const MoeLayerGpu* single_gpu_layer() const { return nullptr; }
 };
+
+inline void MoeBlockFfn::forward_micro_batch(int, const bf16*, const MoeLayerWeights&, bf16*, cudaStream_t,
+                                             const bf16*) {
+  throw std::logic_error("MoeBlockFfn::forward_micro_batch: micro-batches are for the one-GPU layer (MoeLayerGpu)");
+}
+inline void MoeBlockFfn::backward_micro_batch(int, const bf16*, const MoeLayerWeights&, const bf16*, float*, float*,
+                                              cudaStream_t, const bf16*, float*) {
+  throw std::logic_error("MoeBlockFfn::backward_micro_batch: micro-batches are for the one-GPU layer (MoeLayerGpu)");
+}
+inline void MoeBlockFfn::expert_weight_gradients(float* const*, float* const*, cudaStream_t) {
+  throw std::logic_error("MoeBlockFfn::expert_weight_gradients: micro-batches are for the one-GPU layer (MoeLayerGpu)");
+}
 
 // The other ranks, for ModelGpu (device collectives, the MoE blocks) and the trainer (host ones).
 // Every call is collective: all ranks make the same calls in the same order.

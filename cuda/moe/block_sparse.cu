@@ -722,13 +722,13 @@ void block_sparse_ffn_backward(const MoeConfig& config, const DeviceTopology& to
   require_pointer(gradients.d_permuted_x, f, "gradients.d_permuted_x");
   const bool fp32_gradients = gradients.d_w1 != nullptr || gradients.d_w2 != nullptr;
   const bool bf16_gradients = gradients.d_w1_bf16 != nullptr || gradients.d_w2_bf16 != nullptr;
-  require(fp32_gradients != bf16_gradients, f,
+  require(!(fp32_gradients && bf16_gradients), f,
           "set the weight gradients' fp32 tables (d_w1, d_w2) or their bf16 tables (d_w1_bf16, d_w2_bf16), "
-          "not both and not neither");
+          "not both (or neither, to leave them to one product over all micro-batches)");
   if (fp32_gradients) {
     require_pointer(gradients.d_w1, f, "gradients.d_w1");
     require_pointer(gradients.d_w2, f, "gradients.d_w2");
-  } else {
+  } else if (bf16_gradients) {
     require_pointer(gradients.d_w1_bf16, f, "gradients.d_w1_bf16");
     require_pointer(gradients.d_w2_bf16, f, "gradients.d_w2_bf16");
   }
@@ -759,9 +759,9 @@ void block_sparse_ffn_backward(const MoeConfig& config, const DeviceTopology& to
     launch_dds(topology, permuted_x, D, gradients.d_pre_activation, d_w1, w1_cols, 0, stream);
     if (swiglu) launch_dds(topology, permuted_x, D, gradients.d_up_projection, d_w1, w1_cols, H, stream);
   };
-  if (gradients.d_w1 != nullptr)
+  if (fp32_gradients)
     weight_gradients(gradients.d_w1, gradients.d_w2);
-  else
+  else if (bf16_gradients)
     weight_gradients(gradients.d_w1_bf16, gradients.d_w2_bf16);
   // d_permuted_x = [d_pre | d_up] W1_eᵀ: one DSD whose K runs over all w1_columns.
   launch_dsd(topology, gradients.d_pre_activation, swiglu ? gradients.d_up_projection : nullptr,

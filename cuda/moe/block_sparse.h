@@ -185,7 +185,9 @@ struct BlockSparseFfnGradients {  // device buffers the caller owns
   bf16* d_up_projection = nullptr;   // [max_nnz, B, B] SwiGLU only
   bf16* d_permuted_x = nullptr;      // [max_rows, D]
   // The weight gradients, in fp32 (what an fp32 optimizer reads) or in bf16 (what cuBLAS and
-  // PyTorch's bf16 layers write: half the bytes): set one pair, leave the other null.
+  // PyTorch's bf16 layers write: half the bytes): set one pair, leave the other null. Leave all
+  // four null to skip them: gradient accumulation computes them once over every micro-batch's rows
+  // (MicroBatchTopology, moe/topology.h, with dsd_transposed and dds).
   float* const* d_w1 = nullptr;      // device [E] -> [D, w1_columns] fp32
   float* const* d_w2 = nullptr;      // device [E] -> [H, D] fp32
   bf16* const* d_w1_bf16 = nullptr;  // device [E] -> [D, w1_columns] bf16

@@ -34,18 +34,33 @@
 // dropping make one [C, D] x [D, 2H] product per expert, then one fused SwiGLU pass
 // (moe/activation.h). No jitter (checked in the constructor with a clear error, as the activation).
 //
+// Gradient accumulation over M micro-batches (dropless only): a step's batch runs as M micro-batches
+// of T tokens, each with its own routing, forward and backward (dx and the router), while the
+// expert weight gradients dW1 = xᵀ d_pre and dW2 = hiddenᵀ d_out run once at the end, as one DSᵀD
+// and one DDS over every micro-batch's rows (MicroBatchTopology, moe/topology.h). One micro-batch
+// of T tokens gives each expert T*K/E rows on average, too few for the weight-gradient tiles to
+// amortise their writes (lesson 03, "Rows per expert"); over M micro-batches they reduce over M
+// times as many rows and write the gradients once. The price is memory: the layer keeps every
+// micro-batch's permuted x, hidden blocks, output gradients and d_pre blocks (SwiGLU: d_up too)
+// until the end of the step, about M x (2 D + 2 H, SwiGLU 3 H) x 2 bytes a routed row, which
+// layer_memory_bytes counts and the constructor checks against the free memory before allocating.
+// Padded and dropping are rejected with micro_batches > 1: their per-expert capacity rows are
+// batched GEMMs, whose weight gradients a caller accumulates by running the layer per micro-batch.
+//
 // Dimension legend: T tokens, D model width, H expert hidden width, E experts, K top-k,
-// C capacity, B block size.
+// C capacity, B block size, M micro-batches.
 #pragma once
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/bf16.h"           // bf16
 #include "moe/block_sparse.h"    // ExpertRows
-#include "moe/topology.h"        // TopologyBuffers
+#include "moe/topology.h"        // TopologyBuffers, MicroBatchTopology
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "moe/dispatch.h"        // DispatchPlanBuffers
 #include "core/gemm.h"           // CublasHandle
@@ -68,17 +83,23 @@ struct MoeLayerGradients {         // device memory, owned by the caller; overwr
   float* const* d_w2 = nullptr;       // device array [E] -> [H, D]
 };
 
-// GPU memory the layer allocates for `config`, an estimate with a 10% margin.
-double layer_memory_bytes(const MoeConfig& config);
+// GPU memory the layer allocates for `config` (and M micro-batches' weight-gradient operands), an
+// estimate with a 10% margin.
+double layer_memory_bytes(const MoeConfig& config, int micro_batches = 1);
 // Throws std::invalid_argument naming both figures when the layer needs more than free_bytes.
 // The constructor calls it with cudaMemGetInfo's free memory before allocating anything.
-void check_layer_fits(const MoeConfig& config, size_t free_bytes);
+void check_layer_fits(const MoeConfig& config, size_t free_bytes, int micro_batches = 1);
+
+// One micro-batch's config: `batch` with tokens = batch.tokens / micro_batches. Throws
+// std::invalid_argument when micro_batches < 1 or does not divide batch.tokens.
+MoeConfig micro_batch_config(const MoeConfig& batch, int micro_batches);
 
 class MoeLayerGpu {
  public:
   // Validates the config (moe::validate, then GeLU or SwiGLU (H even), no jitter, E and K within the router's
-  // limits, dropless B of 64 or 128) and allocates every buffer for T tokens.
-  explicit MoeLayerGpu(const MoeConfig& config);
+  // limits, dropless B of 64 or 128) and allocates every buffer for T tokens. micro_batches = M >= 1
+  // (M > 1: dropless only) keeps M micro-batches' weight-gradient operands for accumulation (below).
+  explicit MoeLayerGpu(const MoeConfig& config, int micro_batches = 1);
 
   // router_input: what the gate reads; nullptr (the default) routes x itself.
   // forward is route(router_input or x, weights.gate_weights) then compute_experts(x, weights, y):
@@ -119,6 +140,40 @@ class MoeLayerGpu {
                 const bf16* router_input = nullptr,  // [T, D] as given to forward
                 float* d_router_input = nullptr);    // [T, D] or nullptr
 
+  // ---- gradient accumulation: M micro-batches, one expert weight-gradient product ----
+  // A step over M micro-batches of config.tokens tokens each:
+  //   for m = 0 .. M-1:
+  //     forward_micro_batch(m, x_m, weights, y_m, stream)
+  //     backward_micro_batch(m, x_m, weights, dy_m, dx_m, d_gate_weights, stream)
+  //   expert_weight_gradients(d_w1, d_w2, stream)
+  // Each micro-batch routes on its own and its gradients are those of its own loss
+  // L_m = sum(dy_m .* y_m) + aux_loss_coef * aux_m + z_loss_coef * z_m (the router losses are
+  // statistics of the tokens routed together, as in any framework that accumulates); the step's
+  // gradients are the sums over m. With zero loss coefficients they equal one batch of all M*T
+  // tokens. forward_micro_batch is forward() writing micro-batch m's slot; backward_micro_batch is
+  // backward() without the expert weight gradients: dx [T, D] and d_gate_weights [D, E] are
+  // micro-batch m's own (overwritten), which the caller accumulates with its other parameters'.
+  // expert_weight_gradients writes dW1 and dW2 (overwritten, fp32), the sums over the M
+  // micro-batches' rows, and needs each m's backward since the last call. dropless only (else
+  // std::invalid_argument).
+  void forward_micro_batch(int micro_batch, const bf16* x,  // [T, D]
+                           const MoeLayerWeights& weights,
+                           bf16* y,                          // [T, D]
+                           cudaStream_t stream,
+                           const bf16* router_input = nullptr);  // [T, D] or nullptr
+  void backward_micro_batch(int micro_batch, const bf16* x,  // [T, D]
+                            const MoeLayerWeights& weights,
+                            const bf16* dy,                  // [T, D]
+                            float* dx,                       // [T, D]
+                            float* d_gate_weights,           // [D, E] this micro-batch's
+                            cudaStream_t stream,
+                            const bf16* router_input = nullptr,  // [T, D] as given to the forward
+                            float* d_router_input = nullptr);    // [T, D] or nullptr
+  void expert_weight_gradients(float* const* d_w1,  // device array [E] -> [D, w1_columns]
+                               float* const* d_w2,  // device array [E] -> [H, D]
+                               cudaStream_t stream);
+  int micro_batches() const { return micro_batches_; }
+
   // Times and names each phase (router, plan, topology, permute, experts, combine, and their
   // backward) on the GPU timeline; nullptr (the default) records nothing.
   void set_phase_timer(PhaseTimer* timer) { timer_ = timer; }
@@ -140,10 +195,30 @@ class MoeLayerGpu {
 
  private:
   void experts_forward(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream);
-  void experts_backward(const MoeLayerWeights& weights, const MoeLayerGradients& gradients, cudaStream_t stream);
+  // d_w1 / d_w2 null: no weight gradients (a micro-batch of an accumulated step).
+  void experts_backward(const MoeLayerWeights& weights, float* const* d_w1, float* const* d_w2, cudaStream_t stream);
+  // backward() and backward_micro_batch(): d_w1 / d_w2 null leaves the weight gradients out.
+  void backward_pass(const bf16* x, const MoeLayerWeights& weights, const bf16* dy, float* dx, float* d_gate_weights,
+                     float* const* d_w1, float* const* d_w2, cudaStream_t stream, const bf16* router_input,
+                     float* d_router_input);
+  void require_micro_batch(const char* function, int micro_batch) const;
+  // Micro-batch slot_'s part of the buffers the weight gradients read (slot 0 without accumulation).
+  bf16* permuted_x_slot() { return permuted_x_.data() + slot_ * slot_rows_ * config_.model_dim; }
+  bf16* d_expert_out_slot() { return d_expert_out_.data() + slot_ * slot_rows_ * config_.model_dim; }
+  bf16* hidden_slot() { return hidden_.data() + slot_ * slot_rows_ * config_.hidden_dim; }
+  bf16* d_pre_activation_slot() { return d_pre_activation_.data() + slot_ * slot_rows_ * config_.hidden_dim; }
+  bf16* d_up_projection_slot() {  // SwiGLU only
+    return d_up_projection_.size() == 0 ? nullptr : d_up_projection_.data() + slot_ * slot_rows_ * config_.hidden_dim;
+  }
 
   MoeConfig config_;
   PhaseTimer* timer_ = nullptr;
+  int micro_batches_ = 1;
+  int64_t slot_ = 0;         // the slot compute_experts writes and the backward reads: route() sets 0,
+                             // forward_micro_batch(m) then m
+  int64_t slot_rows_ = 0;    // dense rows between two micro-batches' slots (R * B); the blocks are H wide
+  std::vector<bool> backward_done_;  // per micro-batch, since the last expert_weight_gradients
+  std::unique_ptr<MicroBatchTopology> micro_batch_topology_;  // dropless
   bool dropless_ = true;
   int capacity_ = 0;  // C for the padded / dropping formulations
   bool gathers_rows_ = false;  // the forward writes no permuted copy of x (gathering_pays)
@@ -156,6 +231,9 @@ class MoeLayerGpu {
   DeviceBuffer<int> top_experts_;                                     // [T, K]
   DeviceBuffer<float> expert_fraction_, mean_probs_, aux_loss_, z_loss_;  // [E] [E] [1] [1]
   RouterWorkspace router_workspace_;  // route_top_k's per-block partial sums of the statistics
+  // Dropless with M micro-batches: permuted_x_, hidden_, d_expert_out_, d_pre_activation_ and
+  // d_up_projection_ hold M slots (slot_rows_ rows apart; the last one max_rows long), the
+  // operands of the expert weight gradients; the others are reused by each micro-batch.
   // experts: dropless stores the hidden activations as [max_nnz, B, B] blocks, padded as
   // [E*C, H] rows; both are max_rows * H values. pre_activation_ is the same dropless (the gate's
   // blocks for SwiGLU, whose up blocks are up_projection_) and [E*C, w1_columns] padded (SwiGLU:

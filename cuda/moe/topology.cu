@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -110,6 +111,83 @@ __global__ void __launch_bounds__(kThreads) topology_kernel(const int* __restric
 
 unsigned blocks_for(int count) { return static_cast<unsigned>((count + kThreads - 1) / kThreads); }
 
+// ---- the column walk over M micro-batches (MicroBatchTopology) ----
+// The same closed forms as topology_kernel, with expert e's block rows counted over every
+// micro-batch: N[e] = sum_m (bins_m[e+1] - bins_m[e]) / B, and first[e] = sum_{e' < e} N[e']
+// block rows before e in column-major order. Block (g = m*R + r, j) of expert e is the
+//   before_m[e] + r - bins_m[e] / B
+// -th block of its column, before_m[e] = micro-batch m's predecessors' block rows of e.
+// Each CTA recomputes N and first in shared memory (E <= kRouterMaxExperts, M small: a few
+// hundred loads of L2-resident ints), so one launch does it all, as topology_kernel does.
+__global__ void __launch_bounds__(kThreads) micro_batch_topology_kernel(
+    const int* __restrict__ row_offsets,   // [M, E+1] each micro-batch's bins
+    int* __restrict__ block_rows_out,      // [1]
+    int* __restrict__ nnz_out,             // [1]
+    int* __restrict__ column_offsets,      // [block_cols + 1]
+    int* __restrict__ row_indices,         // [M * R * H/B]
+    int* __restrict__ transpose_indices,   // [M * R * H/B]
+    int* __restrict__ block_row_expert,    // [M * R]
+    int micro_batches, int num_experts, int block_size, int blocks_per_expert, int block_rows_per_micro_batch) {
+  extern __shared__ int expert_counts[];  // [2E]: N[e], then first[e]
+  int* const expert_block_rows = expert_counts;
+  int* const first_block_row = expert_counts + num_experts;
+  const int stride = num_experts + 1;  // one micro-batch's bins
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int n = 0;
+    for (int m = 0; m < micro_batches; ++m) n += (row_offsets[m * stride + e + 1] - row_offsets[m * stride + e]) / block_size;
+    expert_block_rows[e] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int sum = 0;
+    for (int e = 0; e < num_experts; ++e) {
+      first_block_row[e] = sum;
+      sum += expert_block_rows[e];
+    }
+  }
+  __syncthreads();
+  const int R = block_rows_per_micro_batch;
+  const int all_block_rows = micro_batches * R, max_nnz = all_block_rows * blocks_per_expert;
+  const int block_cols = num_experts * blocks_per_expert;
+  const int used_blocks = (first_block_row[num_experts - 1] + expert_block_rows[num_experts - 1]) * blocks_per_expert;
+  const int index = blockIdx.x * blockDim.x + threadIdx.x;
+  if (index == 0) {
+    *block_rows_out = all_block_rows;
+    *nnz_out = max_nnz;
+  }
+
+  // ---- block columns ----
+  if (index < block_cols) {
+    const int e = index / blocks_per_expert, j = index % blocks_per_expert;
+    column_offsets[index] = first_block_row[e] * blocks_per_expert + j * expert_block_rows[e];
+  } else if (index == block_cols) {
+    column_offsets[index] = used_blocks;
+  }
+
+  // ---- block rows: micro-batch m's block row r, or -1 past its routed ones ----
+  if (index < all_block_rows) {
+    const int m = index / R, r = index % R;
+    const int* bins = row_offsets + m * stride;
+    block_row_expert[index] = r * block_size < bins[num_experts] ? expert_of_row(bins, num_experts, r * block_size) : -1;
+  }
+
+  // ---- blocks ----
+  if (index >= max_nnz) return;
+  if (index >= used_blocks) transpose_indices[index] = -1;  // no used block scatters this far: no race
+  const int g = index / blocks_per_expert, j = index % blocks_per_expert;
+  row_indices[index] = g;
+  const int m = g / R, r = g % R;
+  const int* bins = row_offsets + m * stride;
+  if (r * block_size >= bins[num_experts]) return;  // past micro-batch m's routed block rows
+  const int e = expert_of_row(bins, num_experts, r * block_size);
+  int before = 0;  // block rows of e in micro-batches 0 .. m-1
+  for (int earlier = 0; earlier < m; ++earlier) {
+    before += (row_offsets[earlier * stride + e + 1] - row_offsets[earlier * stride + e]) / block_size;
+  }
+  const int position = before + r - bins[e] / block_size;
+  transpose_indices[first_block_row[e] * blocks_per_expert + j * expert_block_rows[e] + position] = index;
+}
+
 }  // namespace
 
 TopologyBuffers::TopologyBuffers(const MoeConfig& config) {
@@ -189,6 +267,84 @@ void build_topology(const DevicePlan& plan, TopologyBuffers& buffers, cudaStream
       view.transpose_indices, plan.num_experts, view.block_size, view.blocks_per_expert, view.max_block_rows,
       view.block_cols, view.max_nnz);
   CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- MicroBatchTopology ----
+
+MicroBatchTopology::MicroBatchTopology(const MoeConfig& config, int micro_batches) {
+  validate(config);
+  constexpr const char* function = "MicroBatchTopology";
+  if (config.formulation != Formulation::dropless) {
+    throw std::invalid_argument(std::string(function) + ": formulation is " +
+                                std::string(to_string(config.formulation)) +
+                                "; the block-sparse topology exists only for the dropless formulation");
+  }
+  detail::check_range(function, "micro_batches (M)", micro_batches, 1, std::numeric_limits<int32_t>::max());
+  const int64_t T = config.tokens, K = config.top_k, E = config.num_experts, B = config.block_size;
+  const int64_t blocks_per_expert = config.hidden_dim / B;
+  const int64_t R = (T * K + E * (B - 1)) / B;  // one micro-batch's max_block_rows (TopologyBuffers)
+  detail::check_range(function, "M * max_block_rows (the block rows of all micro-batches)", micro_batches * R, 0, 65535,
+                      "65535, a grid's y dimension: fewer micro-batches or fewer tokens per micro-batch");
+  detail::check_fits_int32(function, "M * max_nnz", micro_batches * R * blocks_per_expert);
+  micro_batches_ = micro_batches;
+  num_experts_ = static_cast<int>(E);
+  block_size_ = static_cast<int>(B);
+  blocks_per_expert_ = static_cast<int>(blocks_per_expert);
+  block_rows_per_micro_batch_ = static_cast<int>(R);
+  const size_t all_block_rows = static_cast<size_t>(micro_batches) * R;
+  row_offsets_ = DeviceBuffer<int>(static_cast<size_t>(micro_batches) * (E + 1));
+  block_rows_ = DeviceBuffer<int>(1);
+  nnz_ = DeviceBuffer<int>(1);
+  column_offsets_ = DeviceBuffer<int>(static_cast<size_t>(E * blocks_per_expert) + 1);
+  transpose_indices_ = DeviceBuffer<int>(all_block_rows * blocks_per_expert);
+  row_indices_ = DeviceBuffer<int>(all_block_rows * blocks_per_expert);
+  block_row_expert_ = DeviceBuffer<int>(all_block_rows);
+  block_row_tokens_ = DeviceBuffer<int>(all_block_rows);
+}
+
+void MicroBatchTopology::record(int micro_batch, const DevicePlan& plan, const TopologyBuffers& topology,
+                                cudaStream_t stream) {
+  constexpr const char* function = "MicroBatchTopology::record";
+  detail::check_range(function, "micro_batch", micro_batch, 0, micro_batches_ - 1, "M - 1");
+  const DeviceTopology view = topology.topology();
+  detail::check_range(function, "plan.num_experts (E)", plan.num_experts, num_experts_, num_experts_,
+                      "the E the MicroBatchTopology was made for");
+  detail::check_range(function, "topology.max_block_rows", view.max_block_rows, block_rows_per_micro_batch_,
+                      block_rows_per_micro_batch_, "one micro-batch's max_block_rows, as made for");
+  detail::check_not_null(function, "plan.row_offsets", plan.row_offsets);
+  const size_t bins = static_cast<size_t>(num_experts_) + 1, R = static_cast<size_t>(block_rows_per_micro_batch_);
+  CUDA_CHECK(cudaMemcpyAsync(row_offsets_.data() + micro_batch * bins, plan.row_offsets, bins * sizeof(int),
+                             cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(block_row_tokens_.data() + micro_batch * R, view.block_row_tokens, R * sizeof(int),
+                             cudaMemcpyDeviceToDevice, stream));
+}
+
+void MicroBatchTopology::build(cudaStream_t stream) {
+  const int all_block_rows = micro_batches_ * block_rows_per_micro_batch_;
+  const int block_cols = num_experts_ * blocks_per_expert_;
+  const int threads = std::max({all_block_rows, block_cols + 1, all_block_rows * blocks_per_expert_});
+  micro_batch_topology_kernel<<<blocks_for(threads), kThreads, 2 * num_experts_ * sizeof(int), stream>>>(
+      row_offsets_.data(), block_rows_.data(), nnz_.data(), column_offsets_.data(), row_indices_.data(),
+      transpose_indices_.data(), block_row_expert_.data(), micro_batches_, num_experts_, block_size_,
+      blocks_per_expert_, block_rows_per_micro_batch_);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+DeviceTopology MicroBatchTopology::topology() const {
+  DeviceTopology view;
+  view.block_size = block_size_;
+  view.block_cols = num_experts_ * blocks_per_expert_;
+  view.blocks_per_expert = blocks_per_expert_;
+  view.max_block_rows = micro_batches_ * block_rows_per_micro_batch_;
+  view.max_nnz = view.max_block_rows * blocks_per_expert_;
+  view.block_rows = const_cast<int*>(block_rows_.data());
+  view.nnz = const_cast<int*>(nnz_.data());
+  view.row_indices = const_cast<int*>(row_indices_.data());
+  view.column_offsets = const_cast<int*>(column_offsets_.data());
+  view.transpose_indices = const_cast<int*>(transpose_indices_.data());
+  view.block_row_expert = const_cast<int*>(block_row_expert_.data());
+  view.block_row_tokens = const_cast<int*>(block_row_tokens_.data());
+  return view;  // offsets and column_indices stay null: the walk has no row side
 }
 
 }  // namespace moe::cuda

@@ -28,6 +28,8 @@
 
 #include <cuda_runtime.h>  // cudaStream_t
 
+#include <cstdint>
+
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "moe/device_plan.h"     // DevicePlan, DeviceTopology
 #include "moe_config.h"          // MoeConfig
@@ -63,5 +65,54 @@ class TopologyBuffers {
 // Throws std::invalid_argument when the plan is not dropless (capacity != 0) or its E, B or
 // max_rows do not match the sizes the buffers were made for.
 void build_topology(const DevicePlan& plan, TopologyBuffers& topology, cudaStream_t stream);
+
+// ---- one topology over the rows of M micro-batches (gradient accumulation) ----
+// A step of M micro-batches runs each one's forward and backward (dx, the router) on its own
+// topology, and the expert weight gradients once over all of them:
+//   dW2_e = sum_m hidden_{m,e}ᵀ d_out_{m,e}      dW1_e = sum_m x_{m,e}ᵀ d_pre_{m,e}
+// one DSᵀD and one DDS (block_sparse.h) whose block column walk passes through every micro-batch's
+// block rows of expert e, so each weight-gradient tile reduces over M times the rows of one
+// micro-batch (more k-steps a tile, and the gradients written once instead of M times).
+//
+// The layout it walks: the operands of micro-batch m sit in slot m of one buffer each, slot m
+// starting at block row m * R (dense rows m * R * B) and at block m * R * H/B, where R is one
+// micro-batch's max_block_rows. Block row g = m * R + r is micro-batch m's block row r, and the
+// block ids are g * H/B + j, as in one micro-batch's own BCSR order. Column e * H/B + j holds,
+// top to bottom, micro-batch 0's block rows of expert e, then micro-batch 1's, and so on.
+// Its arrays, as DeviceTopology means them, over M * R block rows:
+//   column_offsets, transpose_indices, row_indices, block_row_tokens, block_row_expert: the column
+//     walk, what DSᵀD and DDS read;
+//   block_rows = M * R and nnz = M * R * H/B (bounds: the used block rows are not a prefix);
+//   offsets and column_indices are not kept (the SDD and DSD run per micro-batch).
+// Padding: each micro-batch pads each expert's rows to B, so the walk meets padding rows inside it
+// as well as at its end. They are zero in every operand (block_sparse.h), so they add nothing; the
+// products stop early only in the last block row of a column, so the others' are multiplied:
+// at most (M-1) * E * (B-1) rows more than the routed ones.
+class MicroBatchTopology {
+ public:
+  // config.tokens is one micro-batch's T; config must be dropless. micro_batches >= 1, and
+  // M * R <= 65535 (a grid's y: the products' bound on block rows), else std::invalid_argument.
+  MicroBatchTopology(const MoeConfig& config, int micro_batches);
+
+  // Keeps micro-batch m's routing: its plan's row_offsets and its topology's block_row_tokens,
+  // copied on `stream` (device to device), so the plan and topology may be rebuilt afterwards.
+  void record(int micro_batch, const DevicePlan& plan, const TopologyBuffers& topology, cudaStream_t stream);
+  // Builds the column walk from the M recorded micro-batches, on `stream`, asynchronously.
+  void build(cudaStream_t stream);
+  DeviceTopology topology() const;  // a view, valid after build()
+
+  int micro_batches() const { return micro_batches_; }
+  int64_t slot_rows() const { return int64_t{block_rows_per_micro_batch_} * block_size_; }  // R * B
+  int64_t slot_blocks() const { return int64_t{block_rows_per_micro_batch_} * blocks_per_expert_; }  // R * H/B
+
+ private:
+  int micro_batches_ = 0, num_experts_ = 0, block_size_ = 0, blocks_per_expert_ = 0;
+  int block_rows_per_micro_batch_ = 0;  // R
+  DeviceBuffer<int> row_offsets_;       // [M, E+1] each micro-batch's padded bins
+  DeviceBuffer<int> block_rows_, nnz_;  // [1], [1]
+  DeviceBuffer<int> column_offsets_;    // [E*H/B + 1]
+  DeviceBuffer<int> transpose_indices_, row_indices_;        // [M * R * H/B]
+  DeviceBuffer<int> block_row_expert_, block_row_tokens_;    // [M * R]
+};
 
 }  // namespace moe::cuda

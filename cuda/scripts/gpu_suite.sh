@@ -380,6 +380,28 @@ activation() {
   return $rc
 }
 
+micro_batches() {
+  # Gradient accumulation: the tests, the dropless layer over M = 1, 2, 4 micro-batches of the first
+  # BASELINES shape under Zipf routing (one weight-gradient product, against dense cuBLAS on M*T*K
+  # rows), and the training step at the throughput preset with 1 and 4 micro-batches.
+  local rc=0 day m
+  day=$(date -u +%Y-%m-%d)
+  ctest --test-dir build-gpu -R 'CudaMicroBatches|CudaModelGpuMicroBatches|Trainer.MicroBatches' --output-on-failure \
+    > "$LOGS/micro_batches_tests.log" 2>&1 || rc=1
+  tail -5 "$LOGS/micro_batches_tests.log"
+  for m in 1 2 4; do
+    build-gpu/cuda/bench/moe_bench --micro-batches $m --shapes 16384,1024,4096,64,1 --routing zipf \
+      --out "$OUT/moe_bench_micro_batches_${m}_$day.json" > "$LOGS/moe_bench_micro_batches_$m.log" 2>&1 || rc=1
+    grep -E "layer_|dense_cublas|PASS|FAIL" "$LOGS/moe_bench_micro_batches_$m.log" | tail -10
+  done
+  for m in 1 4; do
+    build-gpu/cuda/train/moe_train --preset throughput --micro-batches $m --benchmark-steps 30 \
+      --benchmark-json "$OUT/train_throughput_micro_batches_$m.json" > "$LOGS/train_throughput_micro_batches_$m.log" 2>&1 || rc=1
+    echo "moe_train throughput, $m micro-batches: $(grep 'median step' "$LOGS/train_throughput_micro_batches_$m.log")"
+  done
+  return $rc
+}
+
 case "${1:-}" in
   bundle) bundle ;;
   run)
@@ -393,5 +415,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_parallel] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [offload] [infer]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_parallel] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [activation] [micro_batches]" >&2; exit 2 ;;
 esac

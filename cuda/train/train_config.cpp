@@ -86,6 +86,7 @@ const std::vector<Field>& fields() {
        [](TrainConfig& c, const json& v) { c.model.pregated = v.get<bool>(); },
        [](const TrainConfig& c) { return json(c.model.pregated); }},
       integer_field("batch", &TrainConfig::batch, "N, sequences per step (T = N * S tokens)"),
+      integer_field("micro_batches", &TrainConfig::micro_batches, "M, micro-batches of N / M sequences a step (gradient accumulation; one GPU, dropless)"),
       // the optimizer
       integer_field("steps", &TrainConfig::steps, "optimizer steps of the whole run"),
       number_field("learning_rate", &TrainConfig::learning_rate, "peak learning rate"),
@@ -365,6 +366,19 @@ void validate(const TrainConfig& c) {
            "padded, dropping or a dense model (the dropless kernels are not yet safe to capture)");
   }
   if (c.batch < 1) reject("batch (N)", std::to_string(c.batch), "N >= 1");
+  if (c.micro_batches < 1 || c.batch % c.micro_batches != 0) {
+    reject("micro_batches (M)", std::to_string(c.micro_batches),
+           "M >= 1 dividing batch (N = " + std::to_string(c.batch) + ")");
+  }
+  if (c.micro_batches > 1 && moe && c.model.formulation != Formulation::dropless) {
+    reject("micro_batches (M)", std::to_string(c.micro_batches) + " with formulation = " +
+           std::string(to_string(c.model.formulation)),
+           "1, or formulation = dropless (one expert weight-gradient product over the micro-batches)");
+  }
+  if (c.micro_batches > 1 && c.cuda_graph) {
+    reject("micro_batches (M)", std::to_string(c.micro_batches) + " with cuda_graph = true",
+           "1 with cuda_graph (the graph holds one forward + backward)");
+  }
   if (c.steps < 1) reject("steps", std::to_string(c.steps), "steps >= 1");
   if (!(c.learning_rate > 0) || !std::isfinite(c.learning_rate)) {
     reject("learning_rate", std::to_string(c.learning_rate), "a finite number > 0");

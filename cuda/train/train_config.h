@@ -40,6 +40,10 @@ struct TrainConfig {
   std::string preset = "default";
   ref::ModelConfig model;       // D, L, heads, S, MoE fields, pre-gating
   int64_t batch = 32;           // N sequences of S bytes per step
+  // Gradient accumulation: the step's N sequences run as M micro-batches of N / M, every gradient
+  // added up, the MoE blocks' expert weight gradients as one product over all M (ModelGpu,
+  // MoeLayerGpu). The activations are one micro-batch's. One GPU, dropless (or a dense model).
+  int64_t micro_batches = 1;
 
   // optimizer: AdamW (moe::ref::AdamWConfig) with warm-up + cosine decay (ref::ScheduleConfig)
   int64_t steps = 2000;

@@ -56,19 +56,21 @@ constexpr uint64_t kValidationSeed = 0x5eed'0f'7a11'da7aull;
 // ---- [SECTION] the model on the GPU ----
 
 // Rank `rank` of `ranks` trains on N / R of the N sequences; its MoE layers see all R's tokens.
+// With M micro-batches (one GPU) the model holds one micro-batch of N / M sequences.
 cuda::ModelGpuConfig gpu_config(const TrainConfig& c, int ranks = 1, int rank = 0) {
   cuda::ModelGpuConfig g;
   g.model_dim = c.model.model_dim;
   g.num_layers = c.model.num_layers;
   g.num_heads = c.model.num_heads;
   g.seq_len = c.model.seq_len;
-  g.batch = c.batch / ranks;
+  g.batch = c.batch / ranks / c.micro_batches;
+  g.micro_batches = c.micro_batches;
   g.moe_blocks = c.model.moe_layers == ref::MoeLayers::every_block         ? cuda::MoeBlocks::every_block
                  : c.model.moe_layers == ref::MoeLayers::every_other_block ? cuda::MoeBlocks::every_other_block
                                                                            : cuda::MoeBlocks::none;
   g.dense_hidden_dim = c.model.dense_hidden_dim;
   g.layer_norm_eps = c.model.layer_norm_eps;
-  g.moe = ref::moe_layer_config(c.model, c.batch);  // tokens: the global batch's
+  g.moe = ref::moe_layer_config(c.model, c.batch / c.micro_batches);  // tokens: the global (micro-)batch's
   g.pregated = c.model.pregated;
   g.ranks = ranks;
   g.rank = rank;
@@ -289,8 +291,18 @@ int64_t capacity_of(const TrainConfig& c) {
 }
 
 // A step's forward and backward: one CUDA graph (--cuda-graph, on the steps that time no phases), or
-// the model's kernels launched one by one.
+// the model's kernels launched one by one; with micro-batches, each micro-batch's forward and
+// backward in turn (tokens, targets [N_r, S]: micro-batch m is sequences [m N_r / M, (m+1) N_r / M)).
 void forward_backward(cuda::ModelGpu& model, bool graph, const int32_t* tokens, const int32_t* targets) {
+  const int micro_batches = int(model.config().micro_batches);
+  if (micro_batches > 1) {
+    const int64_t micro_tokens = model.config().batch * model.config().seq_len;
+    for (int m = 0; m < micro_batches; ++m) {
+      model.forward_micro_batch(m, tokens + m * micro_tokens, targets + m * micro_tokens);
+      model.backward_micro_batch(m);
+    }
+    return;
+  }
   if (graph) {
     model.forward_backward_graph(tokens, targets);
   } else {
@@ -299,11 +311,21 @@ void forward_backward(cuda::ModelGpu& model, bool graph, const int32_t* tokens, 
   }
 }
 
-// --cuda-graph needs one GPU: the expert-parallel layers wait on the host for their counts.
+// The step's losses {loss, lm, aux, z} on the device: with micro-batches, their mean.
+const float* step_losses(const cuda::ModelGpu& model) {
+  return model.config().micro_batches > 1 ? model.step_losses().data() : model.losses().data();
+}
+
+// --cuda-graph needs one GPU: the expert-parallel layers wait on the host for their counts; so do
+// micro-batches (the expert-parallel layer keeps none).
 void check_cuda_graph(const TrainConfig& c, const cuda::ModelRanks* ranks) {
   if (c.cuda_graph && ranks != nullptr) {
     throw TrainConfigError("--cuda-graph on: allowed on one GPU only (the expert-parallel layers wait on the host for "
                            "the count exchange, which a CUDA graph cannot hold)");
+  }
+  if (c.micro_batches > 1 && ranks != nullptr) {
+    throw TrainConfigError("--micro-batches " + std::to_string(c.micro_batches) +
+                           ": allowed on one GPU only (the expert-parallel layer keeps no micro-batches)");
   }
 }
 
@@ -586,6 +608,10 @@ struct RunInputs {
 
 RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   validate(c);
+  if (R > 1 && c.micro_batches > 1) {
+    throw TrainConfigError("--micro-batches " + std::to_string(c.micro_batches) +
+                           ": allowed on one GPU only (the expert-parallel layer keeps no micro-batches)");
+  }
   if (c.batch % R != 0) {
     throw TrainConfigError("batch = " + std::to_string(c.batch) + " sequences cannot be shared by " + std::to_string(R) +
                            " ranks; the global batch must be a multiple of the ranks");
@@ -736,6 +762,10 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     log << "; " << view.ranks()->description() << ", " << N_r << " sequences and E / R = "
         << c.model.num_experts / R << " experts of each MoE block per rank";
   }
+  if (c.micro_batches > 1) {
+    log << "; " << c.micro_batches << " micro-batches of " << model.config().batch
+        << " sequences a step, the experts' weight gradients as one product over them";
+  }
   log << "\n";
 
   BatchUploader uploader(N_r, S, stream);
@@ -758,20 +788,24 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
   CUDA_CHECK(cudaEventRecord(step_end[0], stream));
 
   // Each validation batch's losses {loss, lm, aux, z} are copied on the device; one read at the end.
-  DeviceBuffer<float> validation_losses(validation.size() * 4);
+  // With micro-batches the model holds one micro-batch: each batch is M forwards of N / M sequences.
+  const int64_t M = c.micro_batches, micro_tokens = model.config().batch * S;
+  DeviceBuffer<float> validation_losses(validation.size() * size_t(M) * 4);
   auto evaluate = [&]() {
     for (size_t i = 0; i < validation.size(); ++i) {
       const auto [tokens, targets] = uploader.upload(share_of(validation[i], first_sequence, N_r));
-      model.forward(tokens, targets);
+      for (int64_t m = 0; m < M; ++m) {
+        model.forward(tokens + m * micro_tokens, targets + m * micro_tokens);
+        CUDA_CHECK(cudaMemcpyAsync(validation_losses.data() + (i * size_t(M) + size_t(m)) * 4, model.losses().data(),
+                                   4 * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      }
       uploader.release_current();
-      CUDA_CHECK(cudaMemcpyAsync(validation_losses.data() + i * 4, model.losses().data(), 4 * sizeof(float),
-                                 cudaMemcpyDeviceToDevice, stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     const std::vector<float> losses = validation_losses.download();
     double sum = 0;
-    for (size_t i = 0; i < validation.size(); ++i) sum += losses[i * 4 + 1];  // the language-model part: nats per byte
-    return view.mean({sum / double(validation.size())})[0];
+    for (size_t i = 0; i < validation.size() * size_t(M); ++i) sum += losses[i * 4 + 1];  // the language-model part: nats per byte
+    return view.mean({sum / double(validation.size() * size_t(M))})[0];
   };
 
   bool stop_agreed = false;  // set by flush on every rank alike
@@ -826,7 +860,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     model.step(float(lr));
     if (record) model.set_phase_timer(nullptr);
     uploader.release_current();
-    CUDA_CHECK(cudaMemcpyAsync(loss_ring.data() + row * 4, model.losses().data(), 4 * sizeof(float),
+    CUDA_CHECK(cudaMemcpyAsync(loss_ring.data() + row * 4, step_losses(model), 4 * sizeof(float),
                                cudaMemcpyDeviceToDevice, stream));
     CUDA_CHECK(cudaEventRecord(step_end[size_t(row + 1)], stream));
     // A plain step: nothing but training in it, and the host did not stop to wait just before it
@@ -839,7 +873,10 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     if (record) {
       RunWriter* const out = writer ? &*writer : nullptr;
       const std::vector<cuda::TimedPhase> phases = record_spans(timer, step, origin_us, view, out);
-      const RoutingSummary summary = record_routing(c, &corpus, model, batch, step, view, out, phases);
+      // With micro-batches the layers hold the last micro-batch's routing: its sequences are recorded.
+      const int N_m = int(model.config().batch);
+      const ByteBatch recorded = c.micro_batches > 1 ? share_of(batch, int(c.micro_batches - 1) * N_m, N_m) : batch;
+      const RoutingSummary summary = record_routing(c, &corpus, model, recorded, step, view, out, phases);
       routed += summary.routed;
       dropped += summary.dropped;
       // On several ranks: each MoE block's pipelining degree, when it changed (the adaptive trials).
@@ -1002,8 +1039,9 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   timing_phases = false;
   model.set_phase_timer(nullptr);
   // The model's own phases (depth 0) tile the step; the MoE layers' phases (router, plan,
-  // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" and
-  // are listed as "moe/<name>", each summed over the layers.
+  // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" (with
+  // micro-batches also "backward_moe_weight_gradients") and are listed as "moe/<name>", each summed
+  // over the layers.
   std::map<std::string, double> by_name;
   std::vector<std::string> order;
   double total = 0, moe = 0;
@@ -1012,7 +1050,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
     if (!by_name.count(name)) order.push_back(name);
     by_name[name] += phase.duration_us * 1e-3;
     if (phase.depth == 0) total += phase.duration_us * 1e-3;
-    if (name == "moe" || name == "backward_moe") moe += phase.duration_us * 1e-3;
+    if (name == "moe" || name == "backward_moe" || name == "backward_moe_weight_gradients") moe += phase.duration_us * 1e-3;
   }
   for (const std::string& name : order) result.phase_ms.push_back({name, by_name[name]});
   result.moe_share = total > 0 ? moe / total : 0;

@@ -1,14 +1,16 @@
 // test_topology.cpp: the GPU block-sparse topology (cuda/moe/topology.h) against
 // reference_cpu/topology.h's make_topology, array by array and exactly, plus the documented values
-// past the used part (offsets = nnz, indices = -1).
+// past the used part (offsets = nnz, indices = -1); and MicroBatchTopology's column walk over
+// several micro-batches' topologies.
 // Run: ctest --test-dir build -R CudaTopology   (skips without a GPU)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "moe/topology.h"            // TopologyBuffers, build_topology (cuda/)
+#include "moe/topology.h"            // TopologyBuffers, build_topology, MicroBatchTopology (cuda/)
 #include "core/cuda_check.h"         // CUDA_CHECK
 #include "core/device_buffer.h"      // DeviceBuffer
 #include "core/device_info.h"        // gpu_available, why_no_gpu
@@ -115,6 +117,78 @@ TEST(CudaTopology, AwkwardRoutings) {
   check_topology(dropless_config(200, 8, 2, 64, 128), random_top_experts(200, 8, 2, ++seed, 1.0, {0, 5}));  // empty experts
   check_topology(dropless_config(300, 6, 1, 128, 256), moe::ref::IndexMatrix::Constant(300, 1, 5)); // one expert, last
   check_topology(dropless_config(300, 6, 1, 64, 64), moe::ref::IndexMatrix::Zero(300, 1));          // one expert, first
+}
+
+// MicroBatchTopology (topology.h): M micro-batches' topologies recorded one after another, then the
+// walk over all of them. Column c must list micro-batch 0's blocks of c, then micro-batch 1's, ...,
+// each id moved into its micro-batch's slot (+ m * max_nnz); every listed block's row index is its
+// block row among the slots (id / (H/B)); block_row_tokens are each micro-batch's, slot by slot.
+std::vector<int> download_ints(const int* device, size_t count) {
+  std::vector<int> host(count);
+  CUDA_CHECK(cudaMemcpy(host.data(), device, count * sizeof(int), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+void check_micro_batch_walk(const moe::MoeConfig& config, const std::vector<moe::ref::IndexMatrix>& routings) {
+  const int M = int(routings.size());
+  SCOPED_TRACE("M=" + std::to_string(M) + " T=" + std::to_string(config.tokens) + " E=" +
+               std::to_string(config.num_experts) + " B=" + std::to_string(config.block_size));
+  moe::cuda::DispatchPlanBuffers plan(config);
+  moe::cuda::TopologyBuffers topology(config);
+  moe::cuda::MicroBatchTopology walk(config, M);
+  const moe::cuda::DeviceTopology one = topology.topology();
+  const int R = one.max_block_rows, HB = one.blocks_per_expert, columns = one.block_cols;
+  EXPECT_EQ(walk.slot_rows(), int64_t{R} * config.block_size);
+  EXPECT_EQ(walk.slot_blocks(), int64_t{R} * HB);
+  std::vector<std::vector<int>> want(static_cast<size_t>(columns));
+  std::vector<int> want_tokens(size_t(M) * R);
+  for (int m = 0; m < M; ++m) {
+    DeviceBuffer<int> top(to_vector(routings[size_t(m)]));
+    moe::cuda::build_dispatch_plan(top.data(), plan, nullptr);
+    moe::cuda::build_topology(plan.plan(), topology, nullptr);
+    walk.record(m, plan.plan(), topology, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<int> offsets = topology.column_offsets.download(), transpose = topology.transpose_indices.download();
+    const std::vector<int> tokens = topology.block_row_tokens.download();
+    for (int c = 0; c < columns; ++c) {
+      for (int i = offsets[size_t(c)]; i < offsets[size_t(c) + 1]; ++i) want[size_t(c)].push_back(transpose[size_t(i)] + m * R * HB);
+    }
+    std::copy(tokens.begin(), tokens.end(), want_tokens.begin() + ptrdiff_t(m) * R);
+  }
+  walk.build(nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const moe::cuda::DeviceTopology view = walk.topology();
+  ASSERT_EQ(view.max_block_rows, M * R);
+  ASSERT_EQ(view.max_nnz, M * R * HB);
+  ASSERT_EQ(view.block_cols, columns);
+  const std::vector<int> offsets = download_ints(view.column_offsets, size_t(columns) + 1);
+  const std::vector<int> transpose = download_ints(view.transpose_indices, size_t(view.max_nnz));
+  const std::vector<int> rows = download_ints(view.row_indices, size_t(view.max_nnz));
+  EXPECT_EQ(download_ints(view.block_row_tokens, size_t(M) * R), want_tokens);
+  EXPECT_EQ(offsets[0], 0);
+  size_t listed = 0;
+  for (int c = 0; c < columns; ++c) {
+    const std::vector<int> got(transpose.begin() + offsets[size_t(c)], transpose.begin() + offsets[size_t(c) + 1]);
+    EXPECT_EQ(got, want[size_t(c)]) << "column " << c;
+    for (int block : got) EXPECT_EQ(rows[size_t(block)], block / HB) << "block " << block;
+    listed += got.size();
+  }
+  EXPECT_EQ(size_t(offsets[size_t(columns)]), listed);
+}
+
+TEST(CudaTopology, MicroBatchWalk) {
+  REQUIRE_GPU();
+  uint64_t seed = 700;
+  std::vector<moe::ref::IndexMatrix> routings;
+  for (int m = 0; m < 3; ++m) routings.push_back(random_top_experts(300, 6, 2, ++seed));
+  check_micro_batch_walk(dropless_config(300, 6, 2, 64, 128), routings);
+  check_micro_batch_walk(dropless_config(300, 6, 2, 64, 128), {routings[0]});  // M = 1: the topology's own walk
+  routings = {random_top_experts(200, 8, 2, ++seed, 1.0, {0, 5}), random_top_experts(200, 8, 2, ++seed, 1.0, {3}),
+              random_top_experts(200, 8, 2, ++seed, 1.0, {0, 3})};  // experts empty in some micro-batches
+  check_micro_batch_walk(dropless_config(200, 8, 2, 128, 256), routings);
+  routings = {moe::ref::IndexMatrix::Constant(1, 1, 2), moe::ref::IndexMatrix::Constant(1, 1, 0),
+              moe::ref::IndexMatrix::Constant(1, 1, 2), moe::ref::IndexMatrix::Constant(1, 1, 3)};  // T = 1
+  check_micro_batch_walk(dropless_config(1, 4, 1, 64, 64), routings);
 }
 
 TEST(CudaTopology, BadArgumentsAreRejected) {

@@ -104,6 +104,12 @@ TEST(TrainConfig, BadInputNamesTheFieldAndWhatIsAllowed) {
       {{"--activation", "relu"}, "unknown activation 'relu'; allowed: gelu, swiglu"},
       {{"--cuda-graph", "on"}, "cuda_graph = true with formulation = dropless; allowed: padded, dropping or a dense model"},
       {{"--cuda-graph", "maybe"}, "flag --cuda-graph maybe: not true or false (on or off)"},
+      {{"--micro-batches", "0"}, "micro_batches (M) = 0; allowed: M >= 1 dividing batch (N = 32)"},
+      {{"--micro-batches", "-2"}, "micro_batches (M) = -2; allowed: M >= 1 dividing batch (N = 32)"},
+      {{"--micro-batches", "5"}, "micro_batches (M) = 5; allowed: M >= 1 dividing batch (N = 32)"},
+      {{"--micro-batches", "two"}, "flag --micro-batches two: not an integer"},
+      {{"--micro-batches", "2", "--formulation", "padded"}, "micro_batches (M) = 2 with formulation = padded"},
+      {{"--micro-batches", "2", "--formulation", "padded", "--cuda-graph", "on"}, "micro_batches (M) = 2"},
   };
   for (const Case& c : cases) {
     const std::string message = parse_error(c.arguments);
@@ -123,6 +129,7 @@ TEST(TrainConfig, RejectedValueNamesItsFlag) {
       {{"--warmup-steps", "3000"}, "(--warmup-steps)"},
       {{"--batch", "0"}, "(--batch)"},
       {{"--pregated", "--moe-layers", "none"}, "(--pregated)"},
+      {{"--micro-batches", "3"}, "(--micro-batches)"},
   };
   for (const auto& [arguments, flag] : cases) {
     const std::string message = parse_error(arguments);
