@@ -58,8 +58,10 @@ __global__ void causal_softmax_kernel(const float* scores, bf16* probs, int64_t 
   float sum = 0.0f;
   for (int64_t j = lane; j <= i; j += 32) sum += expf((in[j] - row_max) * scale);
   const float inverse_sum = 1.0f / detail::warp_sum(sum);
-  for (int64_t j = lane; j < seq_len; j += 32) {
-    out[j] = __float2bfloat16(j <= i ? expf((in[j] - row_max) * scale) * inverse_sum : 0.0f);
+  for (int64_t j = lane; j < seq_len; j += 32) {  // the scores above the diagonal are never read
+    float p = 0.0f;
+    if (j <= i) p = expf((in[j] - row_max) * scale) * inverse_sum;
+    out[j] = __float2bfloat16(p);
   }
 }
 

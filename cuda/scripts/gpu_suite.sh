@@ -173,8 +173,7 @@ train() {
                  "dropless_swiglu:--activation swiglu"; do
     for graph in off on; do
       local name=${variant%%:*} flags=${variant#*:}
-      # (the dropless formulation refuses --cuda-graph for now: train_config.cpp says why)
-      [ "$graph" = on ] && { [[ "$name" == dropless* ]] && continue; name=${name}_graph; }
+      [ "$graph" = on ] && name=${name}_graph
       # shellcheck disable=SC2086
       $program --preset throughput $flags --cuda-graph $graph --benchmark-steps 30 \
         --benchmark-json "$OUT/train_throughput_$name.json" > "$LOGS/train_throughput_$name.log" 2>&1 || rc=1

@@ -113,7 +113,7 @@ const std::vector<Field>& fields() {
       boolean_field("resume", &TrainConfig::resume, "continue the run in run_dir from its latest checkpoint"),
       boolean_field("overwrite", &TrainConfig::overwrite, "replace an existing run in run_dir"),
       integer_field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
-      boolean_field("cuda_graph", &TrainConfig::cuda_graph, "each step's forward + backward as one CUDA graph, replayed (on | off; padded, dropping, dense)"),
+      boolean_field("cuda_graph", &TrainConfig::cuda_graph, "each step's forward + backward as one CUDA graph, replayed (on | off)"),
       // benchmark mode
       integer_field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
       integer_field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first (and at least 1 s of them)"),
@@ -356,14 +356,6 @@ void validate(const TrainConfig& c) {
   const bool moe = c.model.moe_layers != ref::MoeLayers::none;
   if (moe && c.model.formulation == Formulation::dropless && c.model.block_size != 64 && c.model.block_size != 128) {
     reject("block_size (B)", std::to_string(c.model.block_size), "64 or 128 (the GPU's block-sparse kernels)");
-  }
-  if (c.cuda_graph && moe && c.model.formulation == Formulation::dropless) {
-    // Captured at the throughput preset on an H200 (2026-11-26), the block-sparse kernels ended in an
-    // illegal instruction; tiny shapes replayed bit for bit. Suspected, not yet shown: their
-    // per-launch tensor maps live in pool scratch whose addresses a graph hands from one launch to
-    // the next.
-    reject("cuda_graph", "true with formulation = dropless",
-           "padded, dropping or a dense model (the dropless kernels are not yet safe to capture)");
   }
   if (c.batch < 1) reject("batch (N)", std::to_string(c.batch), "N >= 1");
   if (c.micro_batches < 1 || c.batch % c.micro_batches != 0) {

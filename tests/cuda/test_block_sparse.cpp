@@ -800,7 +800,8 @@ TEST(BlockSparseBadInput, SizesAndPointers) {
     EXPECT_NE(gathered_message(2, 299).find("tokens"), std::string::npos) << gathered_message(2, 299);
     EXPECT_EQ(gathered_message(2, 300), "no error");
   }
-  // The weight gradients in fp32 and bf16 at once, or in neither: refused with what to set.
+  // The weight gradients in fp32 and bf16 at once: refused with what to set. (Neither is allowed: the
+  // micro-batches' one weight-gradient product, tests/cuda/test_micro_batches.cpp.)
   const DeviceBuffer<bf16> d_out = upload_rows(p.d_out, p.max_rows);
   DeviceBuffer<bf16> d_pre(p.block_elements()), d_x(size_t(p.max_rows * 128));
   ExpertFloats d_w1(2, 128 * 128), d_w2(2, 128 * 128);
@@ -818,9 +819,7 @@ TEST(BlockSparseBadInput, SizesAndPointers) {
   moe::cuda::BlockSparseFfnGradients both{d_pre.data(), nullptr, d_x.data(), d_w1.table.data(), d_w2.table.data()};
   both.d_w1_bf16 = bf16_table.data();
   both.d_w2_bf16 = bf16_table.data();
-  EXPECT_NE(backward_message(both).find("not both and not neither"), std::string::npos) << backward_message(both);
-  const moe::cuda::BlockSparseFfnGradients neither{d_pre.data(), nullptr, d_x.data()};
-  EXPECT_NE(backward_message(neither).find("not both and not neither"), std::string::npos);
+  EXPECT_NE(backward_message(both).find("not both"), std::string::npos) << backward_message(both);
   // Nothing was launched: the device is still healthy.
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

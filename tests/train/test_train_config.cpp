@@ -102,7 +102,7 @@ TEST(TrainConfig, BadInputNamesTheFieldAndWhatIsAllowed) {
       {{"--seed", "-3"}, "seed = -3; allowed: an integer >= 0"},
       {{"--pregated", "--moe-layers", "none"}, "pregated = true with moe_layers = none"},
       {{"--activation", "relu"}, "unknown activation 'relu'; allowed: gelu, swiglu"},
-      {{"--cuda-graph", "on"}, "cuda_graph = true with formulation = dropless; allowed: padded, dropping or a dense model"},
+      {{"--cuda-graph", "on", "--micro-batches", "2"}, "micro_batches (M) = 2 with cuda_graph = true"},
       {{"--cuda-graph", "maybe"}, "flag --cuda-graph maybe: not true or false (on or off)"},
       {{"--micro-batches", "0"}, "micro_batches (M) = 0; allowed: M >= 1 dividing batch (N = 32)"},
       {{"--micro-batches", "-2"}, "micro_batches (M) = -2; allowed: M >= 1 dividing batch (N = 32)"},
