@@ -574,8 +574,7 @@ const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32
   CUDA_CHECK(cudaMemcpyAsync(graph_targets, targets, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream_));
   if (!graph_warmed_up_) {
     // The first call runs launched: whatever the kernels set up on first use (function attributes,
-    // pools, descriptors) happens outside the capture. Captured first, the dropless layer's
-    // block-sparse kernels ended in an illegal instruction on an H200 (2026-11-26).
+    // the occupancy of their clusters, the scratch pool) happens outside the capture.
     forward(graph_tokens, graph_targets);
     backward();
     graph_warmed_up_ = true;
