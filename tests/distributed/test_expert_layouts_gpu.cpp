@@ -36,6 +36,7 @@
 #include "expert_layout_choice_gpu.h" // choose_gpu_layout, measure_gpu_layouts
 #include "expert_parallel_gpu.h"      // ExpertParallelGpu, set_layout, check_gpu_layout
 #include "moe/block_sparse.h"         // expert_pointer_table
+#include "gpu_ranks_test_support.h"  // gpu_ranks_skip_reason
 #include "mpi_test_support.h"         // world, shared_seed
 #include "reference_cpu/init.h"       // random_matrix, random_weights
 #include "reference_cpu/moe_layer.h"  // moe_forward, moe_backward: the oracle
@@ -58,30 +59,11 @@ constexpr double kTolerance = 2e-2;  // bf16 activations, fp32 accumulation, aga
 class ExpertLayoutsGpuTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-      (void)cudaGetLastError();
-      devices = 0;
-    }
-    [[maybe_unused]] const int R = world().size();
-    const int rank = world().rank();
-    std::string reason;
-    if (devices == 0) reason = cuda::why_no_gpu();
-#if MOE_TEST_NCCL_BACKEND
-    else if (devices < R)
-      reason = "the NCCL backend needs one GPU per rank (NCCL refuses two ranks on one GPU): " +
-               std::to_string(devices) + " GPU(s) for " + std::to_string(R) + " ranks";
-#endif
-    // Every rank skips, or none: a rank that ran on while another skipped would wait forever.
-    const std::vector<int64_t> skips = all_gather<int64_t>(world(), reason.empty() ? 0 : 1);
-    if (reason.empty() && std::count(skips.begin(), skips.end(), 1) > 0) reason = "another rank has no usable GPU";
+    const std::string reason = testing::gpu_ranks_skip_reason(/*one_gpu_per_rank=*/testing::kNcclBackend);
     if (!reason.empty()) {
       skip_reason_ = new std::string(reason);
-      std::printf("[rank %d] SKIPPED the GPU tests: %s\n", rank, reason.c_str());
-      std::fflush(stdout);
       return;
     }
-    cudaSetDevice(rank % devices);
 #if MOE_TEST_NCCL_BACKEND
     nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr);
 #endif

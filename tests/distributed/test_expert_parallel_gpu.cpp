@@ -40,6 +40,7 @@
 #include "expert_parallel_gpu.h"      // ExpertParallelGpu
 #include "moe/block_sparse.h"         // expert_pointer_table
 #include "moe/moe_layer.h"            // MoeLayerGpu: the oracle
+#include "gpu_ranks_test_support.h"  // gpu_ranks_skip_reason
 #include "mpi_test_support.h"         // world, shared_seed
 #include "reference_cpu/init.h"       // random_matrix, random_weights
 #include "reference_cpu/moe_layer.h"  // MoeWeights
@@ -63,31 +64,11 @@ constexpr double kChunkSumTolerance = 1e-5;   // the same fp32 sums in another o
 class ExpertParallelGpuTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-      (void)cudaGetLastError();
-      devices = 0;
-    }
-    [[maybe_unused]] const int R = world().size();
-    const int rank = world().rank();
-    std::string reason;
-    if (devices == 0) reason = cuda::why_no_gpu();
-#if MOE_TEST_NCCL_BACKEND
-    else if (devices < R)
-      reason = "the NCCL backend needs one GPU per rank (NCCL refuses two ranks on one GPU): " +
-               std::to_string(devices) + " GPU(s) for " + std::to_string(R) + " ranks";
-#endif
-    // Every rank skips, or none: a rank that ran on while another skipped would wait forever.
-    const std::vector<int64_t> skips = all_gather<int64_t>(world(), reason.empty() ? 0 : 1);
-    if (reason.empty() && std::count(skips.begin(), skips.end(), 1) > 0) reason = "another rank has no usable GPU";
+    const std::string reason = testing::gpu_ranks_skip_reason(/*one_gpu_per_rank=*/testing::kNcclBackend);
     if (!reason.empty()) {
       skip_reason_ = new std::string(reason);
-      // On stdout, before the final "PASS ranks=" line there: CTest's skip expression asks for both.
-      std::printf("[rank %d] SKIPPED the GPU tests: %s\n", rank, reason.c_str());
-      std::fflush(stdout);
       return;
     }
-    cudaSetDevice(rank % devices);
 #if MOE_TEST_NCCL_BACKEND
     nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr);
 #endif
