@@ -1,14 +1,17 @@
 // gpu_ranks_test_support.h: whether the ranks of a multi-rank GPU test run, decided once for all of
-// them. Used by test_expert_parallel_gpu.cpp, test_expert_layouts_gpu.cpp and
-// test_distributed_training.cpp, each built for the MPI backend (ranks may share a GPU) and for NCCL
-// (one GPU per rank).
+// them, and the fixture that gives such a test its device communicator. Used by
+// test_expert_parallel_gpu.cpp, test_expert_layouts_gpu.cpp and test_distributed_training.cpp, each
+// built for the MPI backend (ranks may share a GPU) and for NCCL (one GPU per rank).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,6 +22,9 @@
 // The NCCL build of a test defines MOE_TEST_NCCL_BACKEND=1 (tests/distributed/CMakeLists.txt).
 #ifndef MOE_TEST_NCCL_BACKEND
 #define MOE_TEST_NCCL_BACKEND 0
+#endif
+#if MOE_TEST_NCCL_BACKEND
+#include "nccl_communicator.h"  // NcclCommunicator
 #endif
 
 namespace moe::dist::testing {
@@ -55,5 +61,48 @@ inline std::string gpu_ranks_skip_reason(bool one_gpu_per_rank) {
   cudaSetDevice(rank % devices);
   return reason;
 }
+
+// A test suite whose ranks run on GPUs: it skips, with the reason, on every rank unless every rank
+// has its GPU (gpu_ranks_skip_reason, once for the suite), and gives the tests the communicator of
+// the device data: NCCL over device buffers in the NCCL build, the MPI world over host buffers in
+// the MPI build. Suite: the deriving fixture, so that each suite holds its own communicator.
+template <class Suite>
+class GpuRanksTest : public ::testing::Test {
+ public:
+  static Communicator& device_communicator() { return *state().device; }
+
+ protected:
+  static void SetUpTestSuite() {
+    State& s = state();
+#if !MOE_TEST_NCCL_BACKEND
+    s.device = &world();  // host buffers: there even without a GPU, for tests that need none
+#endif
+    s.skip_reason = gpu_ranks_skip_reason(/*one_gpu_per_rank=*/kNcclBackend);
+    if (!s.skip_reason.empty()) return;
+#if MOE_TEST_NCCL_BACKEND
+    s.nccl = std::make_unique<NcclCommunicator>(world(), /*stream=*/nullptr);
+    s.device = s.nccl.get();
+#else
+    s.device = &world();
+#endif
+  }
+  static void TearDownTestSuite() { state() = State{}; }
+  void SetUp() override {
+    if (skipped()) GTEST_SKIP() << skip_reason();
+  }
+  static bool skipped() { return !state().skip_reason.empty(); }
+  static const std::string& skip_reason() { return state().skip_reason; }
+
+ private:
+  struct State {
+    std::string skip_reason;
+    std::unique_ptr<Communicator> nccl;  // the NCCL build's communicator
+    Communicator* device = nullptr;
+  };
+  static State& state() {
+    static State s;
+    return s;
+  }
+};
 
 }  // namespace moe::dist::testing

@@ -26,7 +26,7 @@
 
 #include "core/device_info.h"       // why_no_gpu
 #include "expert_parallel_ranks.h"  // ExpertParallelRanks
-#include "gpu_ranks_test_support.h"  // gpu_ranks_skip_reason
+#include "gpu_ranks_test_support.h"  // GpuRanksTest
 #include "mpi_test_support.h"       // world
 #include "run_record.h"             // RunReader
 #include "sample_text.h"            // write_sample_text
@@ -43,31 +43,11 @@ using moe::dist::testing::world;
 using moe::train::TrainConfig;
 using nlohmann::json;
 
-class DistributedTrainingTest : public ::testing::Test {
+class DistributedTrainingTest : public testing::GpuRanksTest<DistributedTrainingTest> {
  protected:
-  static void SetUpTestSuite() {
-    const std::string reason = testing::gpu_ranks_skip_reason(/*one_gpu_per_rank=*/testing::kNcclBackend);
-    if (!reason.empty()) {
-      skip_reason_ = new std::string(reason);
-      return;
-    }
-#if MOE_TEST_NCCL_BACKEND
-    device_ = new NcclCommunicator(world(), /*stream=*/nullptr);
-#else
-    device_ = &world();
-#endif
-  }
-  static void TearDownTestSuite() {
-#if MOE_TEST_NCCL_BACKEND
-    delete device_;
-#endif
-    device_ = nullptr;
-    delete skip_reason_;
-    skip_reason_ = nullptr;
-  }
-
   void SetUp() override {
-    if (skip_reason_) GTEST_SKIP() << *skip_reason_;
+    GpuRanksTest::SetUp();
+    if (IsSkipped()) return;
     // One directory for every rank: rank 0 makes it and writes the text, the others learn its name.
     std::string name;
     if (world().rank() == 0) {
@@ -84,10 +64,10 @@ class DistributedTrainingTest : public ::testing::Test {
     name.resize(static_cast<size_t>(length));
     world().broadcast(name.data(), length, DataType::uint8, 0);
     dir_ = name;
-    ranks_ = std::make_unique<ExpertParallelRanks>(world(), *device_);
+    ranks_ = std::make_unique<ExpertParallelRanks>(world(), device_communicator());
   }
   void TearDown() override {
-    if (skip_reason_) return;
+    if (skipped()) return;
     ranks_.reset();
     world().barrier();
     if (world().rank() == 0) fs::remove_all(dir_);
@@ -106,13 +86,9 @@ class DistributedTrainingTest : public ::testing::Test {
     return c;
   }
 
-  static std::string* skip_reason_;
-  static Communicator* device_;
   fs::path dir_;
   std::unique_ptr<ExpertParallelRanks> ranks_;
 };
-std::string* DistributedTrainingTest::skip_reason_ = nullptr;
-Communicator* DistributedTrainingTest::device_ = nullptr;
 
 // The "step" events' values of one metric, by step; fails the test if a step appears twice.
 std::map<int64_t, double> metric_by_step(const fs::path& run_dir, const std::string& metric) {
@@ -248,7 +224,7 @@ TEST_F(DistributedTrainingTest, RecordsThePipeliningDegreeEachBlockChoseByMeasur
   TrainConfig c = tiny("adaptive");
   c.steps = 12;  // the trials: 2 steps for each of d = 1, 2, 4, 8, then the choice
   c.record_every = 1;
-  ExpertParallelRanks adaptive(world(), *device_, {.pipeline_chunks = kAdaptivePipelineChunks});
+  ExpertParallelRanks adaptive(world(), device_communicator(), {.pipeline_chunks = kAdaptivePipelineChunks});
   moe::train::train(c, log, &adaptive);
   if (world().rank() == 0) {
     std::vector<json> tables;

@@ -36,7 +36,8 @@
 #include "expert_layout_choice_gpu.h" // choose_gpu_layout, measure_gpu_layouts
 #include "expert_parallel_gpu.h"      // ExpertParallelGpu, set_layout, check_gpu_layout
 #include "moe/block_sparse.h"         // expert_pointer_table
-#include "gpu_ranks_test_support.h"  // gpu_ranks_skip_reason
+#include "expert_problem_test_support.h"  // base_config, make_problem, shards
+#include "gpu_ranks_test_support.h"  // GpuRanksTest
 #include "mpi_test_support.h"         // world, shared_seed
 #include "reference_cpu/init.h"       // random_matrix, random_weights
 #include "reference_cpu/moe_layer.h"  // moe_forward, moe_backward: the oracle
@@ -51,119 +52,26 @@ using cuda::DeviceBuffer;
 using ref::Matrix;
 using testing::shared_seed;
 using testing::world;
+using testing::base_config;
+using testing::even_shards;
+using testing::make_problem;
+using testing::offset_of;
+using testing::Problem;
+using testing::relative_error;
+using testing::uneven_shards;
 
 constexpr double kTolerance = 2e-2;  // bf16 activations, fp32 accumulation, against double
 
 // ---- the ranks' communicator for the layer, or why there is none (as test_expert_parallel_gpu) ----
 
-class ExpertLayoutsGpuTest : public ::testing::Test {
+class ExpertLayoutsGpuTest : public testing::GpuRanksTest<ExpertLayoutsGpuTest> {
  protected:
-  static void SetUpTestSuite() {
-    const std::string reason = testing::gpu_ranks_skip_reason(/*one_gpu_per_rank=*/testing::kNcclBackend);
-    if (!reason.empty()) {
-      skip_reason_ = new std::string(reason);
-      return;
-    }
-#if MOE_TEST_NCCL_BACKEND
-    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr);
-#endif
-  }
-  static void TearDownTestSuite() {
-#if MOE_TEST_NCCL_BACKEND
-    delete nccl_;
-    nccl_ = nullptr;
-#endif
-    delete skip_reason_;
-    skip_reason_ = nullptr;
-  }
   void SetUp() override {
-    if (skip_reason_) GTEST_SKIP() << *skip_reason_;
+    GpuRanksTest::SetUp();
+    if (IsSkipped()) return;
     if (8 % world().size() != 0) GTEST_SKIP() << "the problems have E = 8 experts: R must divide 8";
   }
-
- public:
-  static Communicator& layer_communicator() {
-#if MOE_TEST_NCCL_BACKEND
-    return *nccl_;
-#else
-    return world();
-#endif
-  }
-
- protected:
-  static std::string* skip_reason_;
-#if MOE_TEST_NCCL_BACKEND
-  static NcclCommunicator* nccl_;
-#endif
 };
-std::string* ExpertLayoutsGpuTest::skip_reason_ = nullptr;
-#if MOE_TEST_NCCL_BACKEND
-NcclCommunicator* ExpertLayoutsGpuTest::nccl_ = nullptr;
-#endif
-
-// ---- problems ----
-
-double relative_error(const Matrix& got, const Matrix& expected) {
-  const double norm = expected.norm();
-  return norm > 0 ? (got - expected).norm() / norm : got.norm();
-}
-
-// E = 8 divides R = 1, 2, 4; H = 256 at B = 64: H / r = 128, 64 for r = 2, 4.
-MoeConfig base_config() {
-  MoeConfig c;
-  c.tokens = 300;
-  c.model_dim = 128;
-  c.hidden_dim = 256;
-  c.num_experts = 8;
-  c.top_k = 2;
-  c.block_size = 64;
-  c.renormalize = true;
-  c.aux_loss_coef = 0.01;
-  c.z_loss_coef = 0.001;
-  return c;
-}
-
-struct Problem {
-  MoeConfig config;
-  Matrix x, dy;  // [T, D]
-  ref::MoeWeights weights;
-};
-
-Problem make_problem(const MoeConfig& config, uint64_t seed, double gate_scale = 1.0, int favoured_expert = -1) {
-  std::mt19937_64 generator(seed);
-  Problem p{config, Matrix(), Matrix(), ref::random_weights(config, seed + 1)};
-  p.weights.gate_weights *= gate_scale;
-  if (favoured_expert >= 0) p.weights.gate_weights.col(favoured_expert).array() += 50.0;  // x > 0 below
-  p.weights.gate_weights = cuda::round_bf16(p.weights.gate_weights);
-  for (auto& w : p.weights.w1) w = cuda::round_bf16(w);
-  for (auto& w : p.weights.w2) w = cuda::round_bf16(w);
-  p.x = cuda::round_bf16(ref::random_matrix(config.tokens, config.model_dim, generator));
-  if (favoured_expert >= 0) p.x = p.x.cwiseAbs();
-  p.dy = cuda::round_bf16(ref::random_matrix(config.tokens, config.model_dim, generator));
-  return p;
-}
-
-std::vector<int64_t> even_shards(int64_t tokens, int ranks) {
-  std::vector<int64_t> shards(ranks, tokens / ranks);
-  for (int p = 0; p < tokens % ranks; ++p) ++shards[p];
-  return shards;
-}
-
-std::vector<int64_t> uneven_shards(int64_t tokens, int ranks) {  // rank p holds (p + 1) parts
-  std::vector<int64_t> shards(ranks);
-  int64_t given = 0;
-  for (int p = 0; p < ranks; ++p) {
-    shards[p] = p + 1 == ranks ? tokens - given : tokens * (p + 1) / (ranks * (ranks + 1) / 2);
-    given += shards[p];
-  }
-  return shards;
-}
-
-int64_t offset_of(const std::vector<int64_t>& shards, int rank) {
-  int64_t offset = 0;
-  for (int p = 0; p < rank; ++p) offset += shards[p];
-  return offset;
-}
 
 // ---- the layer on this rank's shard: one layer, as many calls as a test wants ----
 
@@ -179,8 +87,8 @@ struct LayerRun {
 class LayerRig {
  public:
   LayerRig(const Problem& p, const std::vector<int64_t>& shards, const ExpertParallelGpuOptions& options = {})
-      : config_(p.config), rank_(ExpertLayoutsGpuTest::layer_communicator().rank()), shards_(shards) {
-    Communicator& comm = ExpertLayoutsGpuTest::layer_communicator();
+      : config_(p.config), rank_(ExpertLayoutsGpuTest::device_communicator().rank()), shards_(shards) {
+    Communicator& comm = ExpertLayoutsGpuTest::device_communicator();
     const MoeConfig& c = p.config;
     const int R = comm.size();
     const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts, E_r = E / R;
@@ -216,7 +124,7 @@ class LayerRig {
   // One forward + backward in layout r, outputs poisoned (NaN) first.
   LayerRun run(int r) {
     const int64_t D = config_.model_dim, H = config_.hidden_dim, E = config_.num_experts, K = config_.top_k;
-    const int64_t E_r = E / ExpertLayoutsGpuTest::layer_communicator().size(), T_r = shards_[rank_];
+    const int64_t E_r = E / ExpertLayoutsGpuTest::device_communicator().size(), T_r = shards_[rank_];
     layer_->set_layout(r);
     for (auto* buffer : {&dx_, &d_gate_, &d_w1_, &d_w2_}) buffer->fill_bytes(0xFF);
     y_.fill_bytes(0xFF);
@@ -483,7 +391,7 @@ TEST(ExpertLayoutsGpuSettings, ValidLayoutsFollowTheRules) {
 }
 
 TEST_F(ExpertLayoutsGpuTest, BadLayoutsAreAnErrorOnEveryRank) {
-  Communicator& comm = layer_communicator();
+  Communicator& comm = device_communicator();
   const int R = comm.size();
   auto expect_error = [&](const MoeConfig& config, const ExpertParallelGpuOptions& options, int r,
                           const std::string& text) {

@@ -40,7 +40,8 @@
 #include "expert_parallel_gpu.h"      // ExpertParallelGpu
 #include "moe/block_sparse.h"         // expert_pointer_table
 #include "moe/moe_layer.h"            // MoeLayerGpu: the oracle
-#include "gpu_ranks_test_support.h"  // gpu_ranks_skip_reason
+#include "expert_problem_test_support.h"  // base_config, make_problem, shards
+#include "gpu_ranks_test_support.h"  // GpuRanksTest
 #include "mpi_test_support.h"         // world, shared_seed
 #include "reference_cpu/init.h"       // random_matrix, random_weights
 #include "reference_cpu/moe_layer.h"  // MoeWeights
@@ -55,123 +56,20 @@ using cuda::DeviceBuffer;
 using ref::Matrix;
 using testing::shared_seed;
 using testing::world;
+using testing::base_config;
+using testing::even_shards;
+using testing::make_problem;
+using testing::offset_of;
+using testing::Problem;
+using testing::relative_error;
+using testing::uneven_shards;
 
 constexpr double kTolerance = 2e-2;           // bf16 activations, fp32 accumulation
 constexpr double kChunkSumTolerance = 1e-5;   // the same fp32 sums in another order
 
 // ---- the ranks' communicator for the layer, or why there is none ----
 
-class ExpertParallelGpuTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    const std::string reason = testing::gpu_ranks_skip_reason(/*one_gpu_per_rank=*/testing::kNcclBackend);
-    if (!reason.empty()) {
-      skip_reason_ = new std::string(reason);
-      return;
-    }
-#if MOE_TEST_NCCL_BACKEND
-    nccl_ = new NcclCommunicator(world(), /*stream=*/nullptr);
-#endif
-  }
-  static void TearDownTestSuite() {
-#if MOE_TEST_NCCL_BACKEND
-    delete nccl_;
-    nccl_ = nullptr;
-#endif
-    delete skip_reason_;
-    skip_reason_ = nullptr;
-  }
-  void SetUp() override {
-    if (skip_reason_) GTEST_SKIP() << *skip_reason_;
-  }
-
- public:
-  // The layer's communicator: NCCL over device buffers, or the MPI world over host buffers.
-  static Communicator& layer_communicator() {
-#if MOE_TEST_NCCL_BACKEND
-    return *nccl_;
-#else
-    return world();
-#endif
-  }
-
- protected:
-  static std::string* skip_reason_;
-#if MOE_TEST_NCCL_BACKEND
-  static NcclCommunicator* nccl_;
-#endif
-};
-std::string* ExpertParallelGpuTest::skip_reason_ = nullptr;
-#if MOE_TEST_NCCL_BACKEND
-NcclCommunicator* ExpertParallelGpuTest::nccl_ = nullptr;
-#endif
-
-// ---- problems ----
-
-// ||got - expected|| / ||expected||, or ||got|| when the expected tensor is zero or empty.
-double relative_error(const Matrix& got, const Matrix& expected) {
-  const double norm = expected.norm();
-  return norm > 0 ? (got - expected).norm() / norm : got.norm();
-}
-
-MoeConfig base_config() {  // E = 8 divides R = 1, 2; T = 300 is not a multiple of B
-  MoeConfig c;
-  c.tokens = 300;
-  c.model_dim = 128;
-  c.hidden_dim = 256;
-  c.num_experts = 8;
-  c.top_k = 2;
-  c.block_size = 64;
-  c.renormalize = true;
-  c.aux_loss_coef = 0.01;
-  c.z_loss_coef = 0.001;
-  return c;
-}
-
-// All ranks' tokens and the whole layer, the same on every rank (from a shared seed), rounded to
-// bf16 so that both layers read the same values.
-struct Problem {
-  MoeConfig config;
-  Matrix x, dy;  // [T, D]
-  ref::MoeWeights weights;
-};
-
-Problem make_problem(const MoeConfig& config, uint64_t seed, double gate_scale = 1.0, int favoured_expert = -1) {
-  std::mt19937_64 generator(seed);
-  Problem p{config, Matrix(), Matrix(), ref::random_weights(config, seed + 1)};
-  p.weights.gate_weights *= gate_scale;
-  if (favoured_expert >= 0) p.weights.gate_weights.col(favoured_expert).array() += 50.0;  // x > 0 below
-  p.weights.gate_weights = cuda::round_bf16(p.weights.gate_weights);
-  for (auto& w : p.weights.w1) w = cuda::round_bf16(w);
-  for (auto& w : p.weights.w2) w = cuda::round_bf16(w);
-  p.x = cuda::round_bf16(ref::random_matrix(config.tokens, config.model_dim, generator));
-  if (favoured_expert >= 0) p.x = p.x.cwiseAbs();
-  p.dy = cuda::round_bf16(ref::random_matrix(config.tokens, config.model_dim, generator));
-  return p;
-}
-
-std::vector<int64_t> even_shards(int64_t tokens, int ranks) {
-  std::vector<int64_t> shards(ranks, tokens / ranks);
-  for (int p = 0; p < tokens % ranks; ++p) ++shards[p];
-  return shards;
-}
-
-// Rank p holds (p + 1) parts: uneven, the last rank the most.
-std::vector<int64_t> uneven_shards(int64_t tokens, int ranks) {
-  std::vector<int64_t> shards(ranks);
-  int64_t given = 0;
-  for (int p = 0; p < ranks; ++p) {
-    shards[p] = p + 1 == ranks ? tokens - given : tokens * (p + 1) / (ranks * (ranks + 1) / 2);
-    given += shards[p];
-  }
-  return shards;
-}
-
-int64_t offset_of(const std::vector<int64_t>& shards, int rank) {
-  int64_t offset = 0;
-  for (int p = 0; p < rank; ++p) offset += shards[p];
-  return offset;
-}
+class ExpertParallelGpuTest : public testing::GpuRanksTest<ExpertParallelGpuTest> {};
 
 // ---- the single-GPU layer on all tokens (every rank runs it) ----
 
@@ -226,7 +124,7 @@ struct ExpertParallelRun {
 
 ExpertParallelRun run_expert_parallel(const Problem& p, const std::vector<int64_t>& shards,
                                       const ExpertParallelGpuOptions& options = {}) {
-  Communicator& comm = ExpertParallelGpuTest::layer_communicator();
+  Communicator& comm = ExpertParallelGpuTest::device_communicator();
   const MoeConfig& c = p.config;
   const int R = comm.size(), rank = comm.rank();
   const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts, K = c.top_k, E_r = E / R;
@@ -385,7 +283,7 @@ TEST_F(ExpertParallelGpuTest, AdaptivePipeliningTriesEveryCandidateThenKeepsOneO
   const uint64_t seed = shared_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const Problem p = make_problem(c, seed);
-  Communicator& comm = layer_communicator();
+  Communicator& comm = device_communicator();
   const int R = comm.size(), rank = comm.rank();
   const std::vector<int64_t> shards = uneven_shards(c.tokens, R);
   const ExpertParallelRun one = run_expert_parallel(p, shards);  // d = 1
@@ -535,7 +433,7 @@ TEST_F(ExpertParallelGpuTest, IdentityExpertsReturnEveryRowUnchanged) {
   const std::vector<int64_t> shards = uneven_shards(c.tokens, world().size());
   const uint64_t seed = shared_seed();
   const Problem p = make_problem(c, seed);
-  Communicator& comm = layer_communicator();
+  Communicator& comm = device_communicator();
   const int64_t D = c.model_dim, K = c.top_k, T_r = shards[comm.rank()], offset = offset_of(shards, comm.rank());
   const Matrix x_local = p.x.middleRows(offset, T_r);
   DeviceBuffer<bf16> x(cuda::bf16_of(x_local)), gate(cuda::bf16_of(p.weights.gate_weights)), y(size_t(T_r * D));
@@ -566,14 +464,14 @@ class ExpertParallelGpuSettings : public ExpertParallelGpuTest {
  protected:
   void SetUp() override {
 #if MOE_TEST_NCCL_BACKEND
-    if (skip_reason_) GTEST_SKIP() << *skip_reason_;
+    if (skipped()) GTEST_SKIP() << skip_reason();
 #endif
   }
 };
 
 TEST_F(ExpertParallelGpuSettings, BadSettingsAreAnErrorOnEveryRank) {
   const int R = world().size();
-  Communicator& comm = layer_communicator();
+  Communicator& comm = device_communicator();
   auto expect_error = [&](const MoeConfig& config, const ExpertParallelGpuOptions& options, const std::string& text) {
     try {
       ExpertParallelGpu layer(comm, config, 10, options);
@@ -606,7 +504,7 @@ TEST_F(ExpertParallelGpuSettings, BadSettingsAreAnErrorOnEveryRank) {
 
 TEST_F(ExpertParallelGpuTest, BadForwardInputIsAnErrorOnEveryRank) {
   const MoeConfig c = base_config();
-  Communicator& comm = layer_communicator();
+  Communicator& comm = device_communicator();
   const int R = comm.size(), rank = comm.rank();
   const std::vector<int64_t> shards = even_shards(c.tokens, R);
   const Problem p = make_problem(c, shared_seed());
