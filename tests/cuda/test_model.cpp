@@ -48,6 +48,7 @@
 #include "core/cuda_check.h"          // CUDA_CHECK
 #include "core/device_buffer.h"       // DeviceBuffer
 #include "gpu_test_support.h"         // REQUIRE_GPU, bf16_init, matrix_of, relative_error
+#include "infer/weights_file.h"       // gpu_config_of
 #include "reference_cpu/model.h"      // moe::ref::init_model, model_forward, model_backward, parameters
 #include "model/model.h"              // moe::cuda::ModelGpu
 #include "reference_cpu/optimizer.h"  // moe::ref::adamw_step, clip_gradient_norm
@@ -87,23 +88,9 @@ ModelConfig tiny_config(MoeLayers moe_layers, Formulation formulation) {
   return c;
 }
 
-// The plain fields the cuda library takes (it does not link the Eigen reference).
-moe::cuda::ModelGpuConfig gpu_config(const ModelConfig& c, int64_t batch) {
-  moe::cuda::ModelGpuConfig g;
-  g.model_dim = c.model_dim;
-  g.num_layers = c.num_layers;
-  g.num_heads = c.num_heads;
-  g.seq_len = c.seq_len;
-  g.batch = batch;
-  g.moe_blocks = c.moe_layers == MoeLayers::every_block         ? moe::cuda::MoeBlocks::every_block
-                 : c.moe_layers == MoeLayers::every_other_block ? moe::cuda::MoeBlocks::every_other_block
-                                                                : moe::cuda::MoeBlocks::none;
-  g.dense_hidden_dim = c.dense_hidden_dim;
-  g.layer_norm_eps = c.layer_norm_eps;
-  g.moe = moe::ref::moe_layer_config(c, batch);
-  g.pregated = c.pregated;
-  return g;
-}
+// The plain fields the cuda library takes (it does not link the Eigen reference): infer/weights_file.h's
+// conversion.
+moe::cuda::ModelGpuConfig gpu_config(const ModelConfig& c, int64_t batch) { return moe::cuda::gpu_config_of(c, batch); }
 
 // N windows of S + 1 bytes of `text` from the given starts: inputs [0, S), targets [1, S + 1).
 void windows(const std::string& text, const std::vector<size_t>& starts, int64_t S, IndexMatrix& inputs,

@@ -24,6 +24,7 @@
 #include "core/cuda_check.h"      // CUDA_CHECK
 #include "core/device_buffer.h"   // DeviceBuffer
 #include "gpu_test_support.h"     // REQUIRE_GPU, bf16_init
+#include "infer/weights_file.h"   // gpu_config_of
 #include "model/model.h"          // moe::cuda::ModelGpu
 #include "reference_cpu/model.h"  // moe::ref::ModelConfig, moe_layer_config
 
@@ -62,19 +63,7 @@ ModelConfig tiny_config(MoeLayers moe_layers) {
 }
 
 moe::cuda::ModelGpuConfig gpu_config(const ModelConfig& c, int64_t batch, int64_t micro_batches) {
-  moe::cuda::ModelGpuConfig g;
-  g.model_dim = c.model_dim;
-  g.num_layers = c.num_layers;
-  g.num_heads = c.num_heads;
-  g.seq_len = c.seq_len;
-  g.batch = batch;
-  g.moe_blocks = c.moe_layers == MoeLayers::every_block         ? moe::cuda::MoeBlocks::every_block
-                 : c.moe_layers == MoeLayers::every_other_block ? moe::cuda::MoeBlocks::every_other_block
-                                                                : moe::cuda::MoeBlocks::none;
-  g.dense_hidden_dim = c.dense_hidden_dim;
-  g.layer_norm_eps = c.layer_norm_eps;
-  g.moe = moe::ref::moe_layer_config(c, batch);
-  g.pregated = c.pregated;
+  moe::cuda::ModelGpuConfig g = moe::cuda::gpu_config_of(c, batch);  // batch: one micro-batch's sequences
   g.micro_batches = micro_batches;
   return g;
 }
