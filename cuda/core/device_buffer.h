@@ -2,7 +2,9 @@
 // to and from host vectors. Every GPU program and test of the project holds its tensors in these.
 // device_buffer_allocations() counts the buffers this process has allocated, so that a test of
 // "rejected before allocating anything" counts its own process's allocations (the device's free
-// memory, cudaMemGetInfo, changes with whatever else runs on the GPU).
+// memory, cudaMemGetInfo, changes with whatever else runs on the GPU). set_device_buffer_fill() lets
+// a test give every new buffer a known content, so that a result which changes with it shows a read
+// of memory that was never written.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,10 +21,16 @@ namespace moe::cuda {
 
 namespace detail {
 inline std::atomic<int64_t> device_buffer_allocations{0};
+inline std::atomic<int> device_buffer_fill{-1};
 }  // namespace detail
 
 // How many DeviceBuffer allocations (cudaMalloc calls) this process has made so far.
 inline int64_t device_buffer_allocations() { return detail::device_buffer_allocations.load(); }
+
+// For tests: every DeviceBuffer allocated from now on starts with each byte equal to `byte` (0..255),
+// or, with -1 (the default), with whatever cudaMalloc's memory held: zeros in a fresh process, the
+// last owner's data after a free. Process-wide.
+inline void set_device_buffer_fill(int byte) { detail::device_buffer_fill = byte; }
 
 template <typename T>
 class DeviceBuffer {
@@ -32,6 +40,9 @@ class DeviceBuffer {
     if (count_ > 0) {
       CUDA_CHECK(cudaMalloc(&data_, count_ * sizeof(T)));
       ++detail::device_buffer_allocations;
+      if (const int fill = detail::device_buffer_fill.load(); fill >= 0) {
+        CUDA_CHECK(cudaMemset(data_, fill, count_ * sizeof(T)));
+      }
     }
   }
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "checkpoint.h"        // CheckpointError, latest_checkpoint
+#include "core/device_buffer.h"  // set_device_buffer_fill
 #include "core/device_info.h"  // gpu_available, why_no_gpu
 #include "run_record.h"        // RunReader
 #include "sample_text.h"       // moe::testing::write_sample_text
@@ -199,6 +200,31 @@ TEST(Trainer, ResumeContinuesTheSameCurve) {
 // run uncaptured in between, so replays also follow uncaptured work. Two launched runs first: the
 // comparison means something only where the launched kernels repeat themselves bit for bit, and a
 // variant whose launched runs differ fails on that, separately. One process per variant (CTest).
+// The tiny model in one of the test variants: "dense", "dropless", "padded", "dropping" (capacity
+// factor 1.0), "padded_swiglu"; 24 steps, every 7th recorded, an evaluation at 12.
+TrainConfig variant_config(const fs::path& dir, const std::string& run, const std::string& variant) {
+  TrainConfig c = tiny(dir, run);
+  c.steps = 24;
+  c.record_every = 7;
+  c.eval_every = 12;
+  if (variant == "dense") c.model.moe_layers = moe::ref::MoeLayers::none;
+  if (variant == "padded_swiglu") c.model.activation = moe::Activation::swiglu;
+  if (variant == "dropless") c.model.formulation = moe::Formulation::dropless;
+  if (variant != "dense" && variant != "dropless") {
+    c.model.formulation = moe::parse_formulation(variant == "dropping" ? "dropping" : "padded");
+    c.model.capacity_factor = 1.0;
+  }
+  return c;
+}
+
+// The first step from which two runs' losses differ, 0 when every step of `want` is in `got`, equal.
+int64_t first_difference(const std::map<int64_t, double>& want, const std::map<int64_t, double>& got) {
+  for (const auto& [step, loss] : want) {
+    if (!got.count(step) || got.at(step) != loss) return step;
+  }
+  return 0;
+}
+
 class TrainerCudaGraph : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TrainerCudaGraph, StepsGiveTheSameLossesAsLaunchedKernels) {
@@ -206,17 +232,7 @@ TEST_P(TrainerCudaGraph, StepsGiveTheSameLossesAsLaunchedKernels) {
   const std::string variant = GetParam();
   moe::testing::TempDir dir;
   moe::testing::write_sample_text(dir.path() / "text.txt");
-  TrainConfig launched = tiny(dir.path(), "launched");
-  launched.steps = 24;
-  launched.record_every = 7;
-  launched.eval_every = 12;
-  if (variant == "dense") launched.model.moe_layers = moe::ref::MoeLayers::none;
-  if (variant == "padded_swiglu") launched.model.activation = moe::Activation::swiglu;
-  if (variant == "dropless") launched.model.formulation = moe::Formulation::dropless;
-  if (variant != "dense" && variant != "dropless") {
-    launched.model.formulation = moe::parse_formulation(variant == "dropping" ? "dropping" : "padded");
-    launched.model.capacity_factor = 1.0;
-  }
+  TrainConfig launched = variant_config(dir.path(), "launched", variant);
   TrainConfig again = launched;
   again.run_dir = (dir.path() / "launched_again").string();
   TrainConfig graphed = launched;
@@ -227,17 +243,11 @@ TEST_P(TrainerCudaGraph, StepsGiveTheSameLossesAsLaunchedKernels) {
   const auto losses = [](const TrainConfig& c) { return metric_by_step(moe::RunReader::load(c.run_dir), "loss"); };
   const std::map<int64_t, double> want = losses(launched), repeat = losses(again), got = losses(graphed);
   ASSERT_EQ(want.size(), 24u);
-  const auto first_difference = [&](const std::map<int64_t, double>& other) -> int64_t {
-    for (const auto& [step, loss] : want) {
-      if (!other.count(step) || other.at(step) != loss) return step;
-    }
-    return 0;
-  };
-  const int64_t launched_differ = first_difference(repeat);
+  const int64_t launched_differ = first_difference(want, repeat);
   EXPECT_EQ(launched_differ, 0) << variant << ": two runs of the launched kernels differ from step " << launched_differ
                                 << " (" << want.at(launched_differ) << " against "
                                 << (repeat.count(launched_differ) ? repeat.at(launched_differ) : -1.0) << ")";
-  const int64_t graph_differ = first_difference(got);
+  const int64_t graph_differ = first_difference(want, got);
   EXPECT_EQ(graph_differ, 0) << variant << ": the graphed run differs from step " << graph_differ;
 }
 
@@ -247,6 +257,42 @@ INSTANTIATE_TEST_SUITE_P(Variants, TrainerCudaGraph, ::testing::Values("dropless
 // two launched runs once differed from the first step (5.5640 against 5.5694), and of ten later runs
 // of this test one failed, on the graphed run; the other formulations passed every time.
 INSTANTIATE_TEST_SUITE_P(DISABLED_LaunchedRunsDiffer, TrainerCudaGraph, ::testing::Values("padded_swiglu"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// No step may read GPU memory it did not write first: a run whose every new buffer starts as zeros
+// and a run whose every new buffer starts as 0x3F bytes (0.75 in fp32 and bf16, a large int) give
+// the same losses bit for bit. A read before a write shows as the first step where they differ
+// (fresh memory in a new process is zeros; a second model in the same process gets the first
+// one's leftovers, so such a read makes runs disagree only sometimes).
+class TrainerFreshMemory : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TrainerFreshMemory, LossesDoNotDependOnWhatNewBuffersHold) {
+  REQUIRE_GPU();
+  const std::string variant = GetParam();
+  moe::testing::TempDir dir;
+  moe::testing::write_sample_text(dir.path() / "text.txt");
+  std::ostringstream log;
+  std::map<int, std::map<int64_t, double>> losses;
+  for (const int fill : {0x00, 0x3F}) {
+    const TrainConfig c = variant_config(dir.path(), "fill_" + std::to_string(fill), variant);
+    moe::cuda::set_device_buffer_fill(fill);
+    try {
+      moe::train::train(c, log);
+    } catch (...) {
+      moe::cuda::set_device_buffer_fill(-1);
+      throw;
+    }
+    moe::cuda::set_device_buffer_fill(-1);
+    losses[fill] = metric_by_step(moe::RunReader::load(c.run_dir), "loss");
+  }
+  ASSERT_EQ(losses[0x00].size(), 24u);
+  const int64_t differ = first_difference(losses[0x00], losses[0x3F]);
+  EXPECT_EQ(differ, 0) << variant << ": new buffers of zeros and of 0x3F bytes give different losses from step "
+                       << differ << " (" << losses[0x00][differ] << " against " << losses[0x3F][differ] << ")";
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, TrainerFreshMemory,
+                         ::testing::Values("dropless", "padded", "dropping", "padded_swiglu", "dense"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // --micro-batches: the tiny preset's 8 sequences a step as 2 micro-batches of 4 train the same curve
