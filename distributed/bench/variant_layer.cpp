@@ -65,13 +65,17 @@ MoeConfig layer_config(const LayerShape& shape, int64_t tokens_per_rank, int ran
 // even share (routing imbalance, the buffers' headroom, the topology's bound of B - 1 rows an expert),
 // and 2.5x that where the adaptive trials keep every candidate's chunk buffers (chunk 0 at d = 1's
 // size, chunk 1 at d = 2's half, chunks 2-3 at d = 4's quarters, chunks 4-7 at d = 8's eighths).
-double expert_parallel_bytes(const LayerShape& s, int64_t T_r, int ranks, bool pipelined, bool adaptive) {
+// With the layout rows, r = 0's buffers on top: every expert gathered (bf16) and the gradients of
+// all E experts (fp32) for their all-reduce, kept for the next call in that layout; r > 1 holds less.
+double expert_parallel_bytes(const LayerShape& s, int64_t T_r, int ranks, bool pipelined, bool adaptive,
+                             bool layouts) {
   const double D = s.model_dim, H = s.hidden_dim, E = s.experts, K = s.top_k, E_r = E / ranks;
   const double rows = 2.0 * T_r * K * (adaptive ? 2.5 : 1.0);
   const double home = 4.0 * T_r * K * D * 2 + T_r * E * 18.0 + T_r * D * 10.0;
   const double experts = rows * (5.0 * D * 2 + 4.0 * H * 2);
   const double weights = E_r * 2 * D * H * (2.0 + 4.0 + (pipelined ? 4.0 : 0.0));  // bf16, grads, scratch
-  return home + experts + weights;
+  const double gathered = layouts ? E * 2 * D * H * (2.0 + 4.0) : 0.0;             // r = 0: bf16, fp32 grads
+  return home + experts + weights + gathered;
 }
 
 // GPU memory of the single-GPU check on all R T_r tokens.
@@ -228,7 +232,7 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
     messages.push_back(line);
   }
   auto needed = [&](int64_t tokens) {
-    const double ep = expert_parallel_bytes(shape, tokens, R, pipelined, adaptive);
+    const double ep = expert_parallel_bytes(shape, tokens, R, pipelined, adaptive, ctx.options.layouts);
     const double reference = reference_bytes(layer_config(shape, tokens, R));
     return ctx.ranks_per_gpu * std::max(ep, reference);  // the check runs before the layer, not beside it
   };
