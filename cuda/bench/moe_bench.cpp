@@ -409,6 +409,7 @@ void fill_uniform(DeviceBuffer<bf16>& buffer, float scale, uint64_t seed) {
     for (std::thread& worker : workers) worker.join();
     CUDA_CHECK(cudaMemcpy(buffer.data() + first, host.data(), count * sizeof(bf16), cudaMemcpyHostToDevice));
   }
+  CUDA_CHECK(cudaStreamSynchronize(nullptr));  // on the GPU before any stream reads it (device_buffer.h)
 }
 
 // ---------------------------------------------------------------------------------------------

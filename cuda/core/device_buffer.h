@@ -40,9 +40,7 @@ class DeviceBuffer {
     if (count_ > 0) {
       CUDA_CHECK(cudaMalloc(&data_, count_ * sizeof(T)));
       ++detail::device_buffer_allocations;
-      if (const int fill = detail::device_buffer_fill.load(); fill >= 0) {
-        CUDA_CHECK(cudaMemset(data_, fill, count_ * sizeof(T)));
-      }
+      if (const int fill = detail::device_buffer_fill.load(); fill >= 0) fill_bytes(fill);
     }
   }
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
@@ -65,17 +63,33 @@ class DeviceBuffer {
   size_t size() const { return count_; }
   size_t bytes() const { return count_ * sizeof(T); }
 
+  // upload, download and fill_bytes without a stream have completed when they return, so work on
+  // any stream enqueued afterwards sees their bytes. This has to be explicit: the streams the
+  // programs compute on are non-blocking (they never wait for the default stream), a cudaMemcpy
+  // from pageable memory returns once the bytes are staged, before they reach the GPU, and a
+  // cudaMemset of device memory returns before it runs. A kernel on another stream could read
+  // some of the old bytes: a model's first step would then sometimes see part of its initial
+  // weights missing. Download reads what the stream that wrote the buffer has finished: the caller
+  // synchronises that stream first.
   void upload(const std::vector<T>& host) {
     if (host.size() != count_) throw CudaError("DeviceBuffer::upload: size mismatch");
-    if (count_ > 0) CUDA_CHECK(cudaMemcpy(data_, host.data(), bytes(), cudaMemcpyHostToDevice));
+    if (count_ == 0) return;
+    CUDA_CHECK(cudaMemcpy(data_, host.data(), bytes(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaStreamSynchronize(nullptr));
   }
   std::vector<T> download() const {
     std::vector<T> host(count_);
     if (count_ > 0) CUDA_CHECK(cudaMemcpy(host.data(), data_, bytes(), cudaMemcpyDeviceToHost));
     return host;
   }
-  // Fills every byte with `byte` (0xFF poisons floats with NaN and ints with -1 before a test).
-  void fill_bytes(int byte, cudaStream_t stream = nullptr) {
+  // Fills every byte with `byte` (0xFF poisons floats with NaN and ints with -1 before a test):
+  // done when it returns, or, given a stream, ordered in that stream.
+  void fill_bytes(int byte) {
+    if (count_ == 0) return;
+    CUDA_CHECK(cudaMemset(data_, byte, bytes()));
+    CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
+  void fill_bytes(int byte, cudaStream_t stream) {
     if (count_ > 0) CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream));
   }
 

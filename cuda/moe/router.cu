@@ -568,7 +568,7 @@ RouterWorkspace::RouterWorkspace(int experts)
       block_counts(size_t(kRouterMaxBlocks) * experts),
       block_z_sums(kRouterMaxBlocks),
       ticket(1) {
-  CUDA_CHECK(cudaMemset(ticket.data(), 0, ticket.bytes()));
+  ticket.fill_bytes(0);  // done before any stream's route_top_k reads it
 }
 
 void route_top_k(const float* logits, float* probs, int* top_experts, float* combine_weights, float* logsumexp,
