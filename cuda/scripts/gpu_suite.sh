@@ -401,6 +401,50 @@ micro_batches() {
   return $rc
 }
 
+scaling() {
+  # Expert parallelism over every GPU of the machine (4 or 8; NCCL, one rank per GPU):
+  # - the layer's weak scaling: forward + backward + the experts' SGD at T = 16384 tokens and 8
+  #   experts per GPU (D=2048, H=8192, K=2, dropless), at R = 1, 2, 4 (, 8);
+  # - the exchanges at R = all GPUs, flat beside 2DH with nodes of 2 (and of 4 where R = 8);
+  # - Tutel's layouts at R = all GPUs on a small batch (T = 1024 a GPU) and the large one;
+  # - the language model trained on all GPUs (throughput, and 300 recorded steps on Brown).
+  local rc=0 gpus r runs="$OUT/runs_distributed" data=notebooks_data/brown
+  local mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
+  local ep=build-gpu/distributed/bench/ep_bench two=build-gpu/distributed/train/moe_train_distributed
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [ "$gpus" -ge 4 ] || { echo "scaling: needs 4 or more GPUs, found $gpus"; return 1; }
+  for r in 1 2 4 8; do
+    [ "$r" -le "$gpus" ] || break
+    "${mpirun[@]}" -np $r $ep --backend nccl --only layer --layer 16384,2048,8192,$((8 * r)),2 --chunks 1,2,4 \
+      --out "$OUT/ep_bench_scaling_r$r.json" > "$LOGS/ep_bench_scaling_r$r.log" 2>&1 || rc=1
+    echo "R = $r:"; grep -E "^ ep_layer|^# the|^#   against|^(PASS|FAIL)" "$LOGS/ep_bench_scaling_r$r.log"
+  done
+  local nodes="--nodes-of 2"
+  "${mpirun[@]}" -np $gpus $ep --backend nccl --only alltoall,dispatch $nodes --out "$OUT/ep_bench_exchange_r$gpus.json" \
+    > "$LOGS/ep_bench_exchange_r$gpus.log" 2>&1 || rc=1
+  tail -30 "$LOGS/ep_bench_exchange_r$gpus.log"
+  if [ "$gpus" -ge 8 ]; then
+    "${mpirun[@]}" -np $gpus $ep --backend nccl --only alltoall,dispatch --nodes-of 4 --out "$OUT/ep_bench_exchange_r${gpus}_nodes4.json" \
+      > "$LOGS/ep_bench_exchange_r${gpus}_nodes4.log" 2>&1 || rc=1
+    tail -20 "$LOGS/ep_bench_exchange_r${gpus}_nodes4.log"
+  fi
+  for t in 1024 16384; do
+    "${mpirun[@]}" -np $gpus $ep --backend nccl --only layer --layouts --chunks 1 --layer $t,2048,8192,$((8 * gpus)),2 \
+      --out "$OUT/ep_bench_layouts_t${t}_r$gpus.json" > "$LOGS/ep_bench_layouts_t${t}_r$gpus.log" 2>&1 || rc=1
+    echo "layouts, T = $t a GPU:"; grep -E "^ ep_layer|^# the|^#   (against|its)|^(PASS|FAIL)" "$LOGS/ep_bench_layouts_t${t}_r$gpus.log"
+  done
+  [ -f "$data/train.txt" ] || data=README.md
+  mkdir -p "$runs"
+  "${mpirun[@]}" -np $gpus $two --backend nccl --preset throughput --batch $((64 * gpus)) --benchmark-steps 30 \
+    --benchmark-json "$OUT/train_throughput_${gpus}gpu_nccl.json" > "$LOGS/train_scaling_bench.log" 2>&1 || rc=1
+  echo "$gpus ranks, throughput preset: $(grep 'median step' "$LOGS/train_scaling_bench.log")"
+  "${mpirun[@]}" -np $gpus $two --backend nccl --preset default --steps 300 --data "$data" \
+    --run-dir "$runs/train_expert_parallel_${gpus}gpu" --overwrite > "$LOGS/train_scaling_curve.log" 2>&1 || rc=1
+  echo "$gpus ranks, default preset, 300 steps: $(tail -1 "$LOGS/train_scaling_curve.log")"
+  (cd "$OUT" && tar czf runs_distributed.tar.gz runs_distributed && rm -rf runs_distributed)
+  return $rc
+}
+
 case "${1:-}" in
   bundle) bundle ;;
   run)
@@ -414,5 +458,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_parallel] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [activation] [micro_batches]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_parallel] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [activation] [micro_batches] [scaling]" >&2; exit 2 ;;
 esac
