@@ -98,7 +98,7 @@
 #include "bench/kernel_trace.h"      // KernelTrace, summarize_runs (--kernel-trace)
 #include "moe_config.h"              // MoeConfig
 #include "run_record.h"              // RunReader (--routing-from: a recorded run's routing)
-#include "moe/router.h"              // router_logits, route_top_k (with the router losses), RouterWorkspace
+#include "moe/router.h"              // router_logits, route_top_k (with the router losses), route_fused, RouterWorkspace
 #include "bench/routing_counts.h"    // routing_counts, top_experts_from_counts
 #include "moe/permute.h"             // permute_tokens, unpermute_and_combine
 #include "moe/moe_layer.h"           // MoeLayerGpu (--micro-batches: the whole layer, gradient accumulation)
@@ -866,6 +866,7 @@ struct Overhead {
   moe::Activation activation = moe::Activation::gelu;
   std::vector<std::pair<std::string, double>> step_ms;  // each step alone
   double total_ms = 0, ffn_forward_ms = 0, share = 0;
+  double fused_router_ms = 0;  // route_fused beside router_logits + route_top_k (not in the total)
 };
 
 // One formulation's forward (or forward + backward), `repeat` runs back to back under CUPTI.
@@ -1215,6 +1216,13 @@ class RoutingBench {
                  }).median_ms;
     o.ffn_forward_ms = ffn_forward_ms;
     o.share = o.total_ms / (o.total_ms + ffn_forward_ms);
+    // Beside it, the router as one kernel (route_fused: the logits on the tensor cores, in shared
+    // memory), which the layer does not run: router.h gives the measurements.
+    o.fused_router_ms = time_work(stream_, options_, [&] {
+                          moe::cuda::route_fused(in_.x.data(), r.gate_weights.data(), s_.D, r.probs.data(), r.top_experts.data(), r.combine_weights.data(), r.logsumexp.data(), r.expert_fraction.data(), r.mean_probs.data(), r.aux_loss.data(), r.z_loss.data(), r.workspace, s_.T, s_.E, s_.K, false, stream_);
+                        }).median_ms;
+    std::printf("  time  %-20s %8.3f ms (router_logits + route_top_k, the layer's: %.3f ms)\n", "route_fused",
+                o.fused_router_ms, o.step_ms[0].second + o.step_ms[1].second);
     std::printf("  time  %-20s %8.3f ms outside the expert FFN: %.1f%% of the dropless forward layer\n",
                 "routing overhead", o.total_ms, 100.0 * o.share);
     report_.overheads.push_back(o);
@@ -1694,6 +1702,7 @@ json report_json(const Report& report, const Options& options, cublasHandle_t cu
                          {"steps_ms", steps},
                          {"total_ms", o.total_ms},
                          {"block_sparse_B128_forward_ms", o.ffn_forward_ms},
+                         {"fused_router_ms", o.fused_router_ms},
                          {"share_of_forward_layer", o.share}});
   }
   doc["routing_overhead"] = overheads;

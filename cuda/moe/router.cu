@@ -1,5 +1,6 @@
-// moe/router.cu: the router kernels of moe/router.h: logits by cuBLAS, the fused softmax + top-K + router
-// statistics kernel, and the router backward. Build: cmake --build build-gpu --target moe_cuda.
+// moe/router.cu: the router kernels of moe/router.h: the fused router (logits on the tensor cores, or
+// given; softmax, top-K, router statistics), cuBLAS's logits, and the router backward.
+// Build: cmake --build build-gpu --target moe_cuda.
 //
 // Why a group of lanes per token: a token's E logits (E <= 256) fit in the registers of at most 32
 // lanes, so the softmax (max, exp, sum) and the top-K selection are shuffles inside one warp: no
@@ -219,12 +220,141 @@ __device__ __forceinline__ int reduce_scatter_slots(double (&sum)[kValuesPerLane
   return first_slot;
 }
 
+// ---- the logits from x (route_fused) ----
+// A pass's logits [tokens of the pass, E] = x Wg, computed by the block's warps on the tensor cores
+// (mma.sync m16n8k16: bf16 in, fp32 accumulate, as cuBLAS computes router_logits) into shared memory,
+// where the groups of lanes then read them as they would read them from global memory. A warp owns
+// a tile of 16 tokens x kLogitTilesPerWarp * 8 experts over all of D: it loads x's 16 rows once per
+// step of 16 columns (four 32-bit loads a lane, straight from global memory: x is read once when
+// E <= 32) and Wg's columns through the L1 cache (Wg is small and every warp of the grid reads it).
+// Fragment layout of mma.m16n8k16 (PTX ISA, "matrix fragments for mma.m16n8k16"): lane = 4 g + t
+// holds A rows g and g + 8, columns 2t, 2t+1 and 2t+8, 2t+9; B columns g, rows 2t, 2t+1 and
+// 2t+8, 2t+9; C rows g and g + 8, columns 2t and 2t+1. Each 32-bit register holds two bf16, the
+// lower column (A) or row (B) in the low half.
+constexpr int kLogitTilesPerWarp = 4;  // 16 fp32 accumulators a lane (the kernel is held to 64 registers)
+
+__device__ __forceinline__ uint32_t bf16_bits(const bf16* p) { return __bfloat16_as_ushort(*p); }
+__device__ __forceinline__ uint32_t pack_bf16(uint32_t low, uint32_t high) { return low | (high << 16); }
+
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The inputs of route_fused's logits. pair_loads: D even and x 4-byte aligned, so two neighbouring
+// bf16 of a row are one 32-bit load.
+struct LogitInputs {
+  const bf16* x;             // [T, D]
+  const bf16* gate_weights;  // [D, E]
+  int model_dim;
+  bool pair_loads;
+  int tokens_per_pass;       // a multiple of 16, <= kRouteThreads / G
+  int splits;                // S: D is cut into S ranges, one warp each, when the tiles leave warps idle
+};
+
+// Columns k .. k+15 of A (rows row0, row1) and of B (expert n): zeros past D and past E.
+__device__ __forceinline__ void load_fragments(const LogitInputs& in, const bf16* row0, const bf16* row1, int k,
+                                               int t, bool full_step, uint32_t (&a)[4]) {
+  const int c = k + 2 * t;
+  if (full_step && in.pair_loads) {
+    a[0] = *reinterpret_cast<const uint32_t*>(row0 + c);
+    a[1] = *reinterpret_cast<const uint32_t*>(row1 + c);
+    a[2] = *reinterpret_cast<const uint32_t*>(row0 + c + 8);
+    a[3] = *reinterpret_cast<const uint32_t*>(row1 + c + 8);
+    return;
+  }
+  const int D = in.model_dim;
+  const auto element = [&](const bf16* row, int column) { return column < D ? bf16_bits(row + column) : 0u; };
+  a[0] = pack_bf16(element(row0, c), element(row0, c + 1));
+  a[1] = pack_bf16(element(row1, c), element(row1, c + 1));
+  a[2] = pack_bf16(element(row0, c + 8), element(row0, c + 9));
+  a[3] = pack_bf16(element(row1, c + 8), element(row1, c + 9));
+}
+
+__device__ __forceinline__ void load_weight_fragment(const LogitInputs& in, int num_experts, int k, int t, int n,
+                                                     uint32_t (&b)[2]) {
+  const int r = k + 2 * t, D = in.model_dim;
+  const auto element = [&](int row) {
+    return row < D && n < num_experts ? uint32_t{__bfloat16_as_ushort(__ldg(in.gate_weights + size_t(row) * num_experts + n))}
+                                      : 0u;
+  };
+  b[0] = pack_bf16(element(r), element(r + 1));
+  b[1] = pack_bf16(element(r + 8), element(r + 9));
+}
+
+// pass_logits[q, i, e] = x[first_token + i, range q of D] . Wg[range q of D, e] for the pass's
+// tokens_per_pass tokens (rows past T use row T - 1, as the groups do) and the S ranges of D; the
+// groups add the S partial logits in range order. A warp computes one tile of one range.
+__device__ void logits_of_pass(const LogitInputs& in, int tokens, int num_experts, int first_token,
+                               float* __restrict__ pass_logits) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize, warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int row_tiles = in.tokens_per_pass / 16, expert_tiles = (num_experts + 7) / 8;
+  const int tiles = row_tiles * ((expert_tiles + kLogitTilesPerWarp - 1) / kLogitTilesPerWarp);
+  const int steps = (in.model_dim + 15) / 16, steps_per_split = (steps + in.splits - 1) / in.splits;
+  for (int work = warp; work < tiles * in.splits; work += kRouteWarps) {
+    const int tile = work % tiles, split = work / tiles;
+    const int row_tile = tile % row_tiles, first_tile = tile / row_tiles * kLogitTilesPerWarp;
+    const int row = row_tile * 16 + g;
+    const bf16* row0 = in.x + static_cast<size_t>(min(first_token + row, tokens - 1)) * in.model_dim;
+    const bf16* row1 = in.x + static_cast<size_t>(min(first_token + row + 8, tokens - 1)) * in.model_dim;
+    const int k_end = min(in.model_dim, (split + 1) * steps_per_split * 16);
+    float acc[kLogitTilesPerWarp][4] = {};
+#pragma unroll 2
+    for (int k = split * steps_per_split * 16; k < k_end; k += 16) {
+      uint32_t a[4];
+      load_fragments(in, row0, row1, k, t, k + 16 <= in.model_dim, a);
+#pragma unroll
+      for (int j = 0; j < kLogitTilesPerWarp; ++j) {
+        if (first_tile + j >= expert_tiles) break;  // the same for the whole warp
+        uint32_t b[2];
+        load_weight_fragment(in, num_experts, k, t, (first_tile + j) * 8 + g, b);
+        mma_m16n8k16(acc[j], a, b);
+      }
+    }
+    float* const out = pass_logits + static_cast<size_t>(split) * in.tokens_per_pass * num_experts;
+#pragma unroll
+    for (int j = 0; j < kLogitTilesPerWarp; ++j) {
+      const int n = (first_tile + j) * 8 + 2 * t;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int expert = n + i % 2, r = row + (i / 2) * 8;
+        if (expert < num_experts) out[r * num_experts + expert] = acc[j][i];
+      }
+    }
+  }
+}
+
+// A lane's 8 logits of pass token `token_in_pass`: the S partial logits added in range order.
+template <int kGroupLanes>
+__device__ void load_pass_logits(const float* __restrict__ pass_logits, const LogitInputs& in, int token_in_pass,
+                                 int group_lane, int num_experts, float (&value)[kValuesPerLane]) {
+  const size_t split_stride = static_cast<size_t>(in.tokens_per_pass) * num_experts;
+  const float* row = pass_logits + static_cast<size_t>(token_in_pass) * num_experts;
+#pragma unroll
+  for (int slot = 0; slot < kValuesPerLane; ++slot) {
+    const int expert = slot_expert<kGroupLanes>(slot, group_lane);
+    float sum = -INFINITY;  // experts past E
+    if (expert < num_experts) {
+      sum = row[expert];
+      for (int q = 1; q < in.splits; ++q) sum += row[q * split_stride + expert];
+    }
+    value[slot] = sum;
+  }
+}
+
 // Block b handles the passes b, b + gridDim.x, ...; one pass is kRouteThreads / G consecutive tokens,
 // a token per group. With 32 warps a block there is no prefetch of the next pass (it would cost
 // the 8 registers that keep the kernel under 64): up to T = 128 * 1024 / G there is one pass.
-template <int kGroupLanes>
+// kFromX: the logits are computed here from x and Wg (route_fused), a pass at a time into shared
+// memory; otherwise they are read from `logits` (route_top_k).
+template <int kGroupLanes, bool kFromX>
 __global__ void __launch_bounds__(kRouteThreads, 1)
-route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
+route_top_k_kernel(const float* __restrict__ logits,       // [T, E], or nullptr with kFromX
+                   LogitInputs from_x,                      // with kFromX
                    float* __restrict__ probs,              // [T, E]
                    int* __restrict__ top_experts,          // [T, K]
                    float* __restrict__ combine_weights,    // [T, K]
@@ -235,7 +365,9 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
                    float* __restrict__ z_loss,             // [1]
                    BlockPartials partials, int tokens, int num_experts, int top_k, bool renormalize,
                    bool vector_rows) {
-  constexpr int kTokensPerPass = kRouteThreads / kGroupLanes;
+  // A pass: kRouteThreads / G tokens, a group each; with kFromX fewer when T is small, so that the
+  // logits' tiles spread over up to kRouterMaxBlocks blocks (the groups past the pass's tokens idle).
+  const int tokens_per_pass = kFromX ? from_x.tokens_per_pass : kRouteThreads / kGroupLanes;
   // warp_prob_sums [kRouteWarps, E] (dynamic: 32 E doubles, 16 KB at E = 64), reused by the last
   // block as [slices, E]; slice_counts likewise.
   wait_for_previous_grid();  // dependent_launch.h: read nothing before the logits are complete
@@ -254,26 +386,36 @@ route_top_k_kernel(const float* __restrict__ logits,       // [T, E]
   double prob_sum[kValuesPerLane] = {};
   double z_sum = 0.0;
 
-  const int passes = (tokens + kTokensPerPass - 1) / kTokensPerPass;
-  const int token_in_pass = static_cast<int>(threadIdx.x) / kGroupLanes;
+  const int passes = (tokens + tokens_per_pass - 1) / tokens_per_pass;
+  const int token_in_pass = min(static_cast<int>(threadIdx.x) / kGroupLanes, tokens_per_pass - 1);
+  const bool group_in_pass = static_cast<int>(threadIdx.x) / kGroupLanes < tokens_per_pass;
   // Loads clamp the token to T - 1, so a group past the end computes on a real row and every
   // shuffle has its full warp; it just stores and counts nothing.
   auto logit_row = [&](int pass) {
-    const int token = min(pass * kTokensPerPass + token_in_pass, tokens - 1);
+    const int token = min(pass * tokens_per_pass + token_in_pass, tokens - 1);
     return logits + static_cast<size_t>(token) * num_experts;
   };
+  // kFromX: the pass's partial logits [S, tokens_per_pass, E] after the warp rows of partial sums.
+  float* const pass_logits = reinterpret_cast<float*>(warp_prob_sums + kRouteWarps * num_experts);
   // The first pass's logits are requested before the barrier, so their trip to memory overlaps it.
   float value[kValuesPerLane];
-  load_logits<kGroupLanes>(logit_row(static_cast<int>(blockIdx.x)), group_lane, num_experts, vector_rows, value);
+  if constexpr (!kFromX) {
+    load_logits<kGroupLanes>(logit_row(static_cast<int>(blockIdx.x)), group_lane, num_experts, vector_rows, value);
+  }
   for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) block_counts[e] = 0;
   __syncthreads();  // zeroed before any group adds its choices below
 
   for (int pass = blockIdx.x; pass < passes; pass += gridDim.x) {
-    if (pass != static_cast<int>(blockIdx.x)) {
+    if constexpr (kFromX) {
+      if (pass != static_cast<int>(blockIdx.x)) __syncthreads();  // every group has read the last pass's
+      logits_of_pass(from_x, tokens, num_experts, pass * tokens_per_pass, pass_logits);
+      __syncthreads();
+      load_pass_logits<kGroupLanes>(pass_logits, from_x, token_in_pass, group_lane, num_experts, value);
+    } else if (pass != static_cast<int>(blockIdx.x)) {
       load_logits<kGroupLanes>(logit_row(pass), group_lane, num_experts, vector_rows, value);
     }
-    const int token = pass * kTokensPerPass + token_in_pass;
-    const bool active = token < tokens;
+    const int token = pass * tokens_per_pass + token_in_pass;
+    const bool active = token < tokens && group_in_pass;
 
     // Softmax after subtracting the row max, so exp never overflows (as the reference does).
     float row_max = -INFINITY;
@@ -571,56 +713,115 @@ RouterWorkspace::RouterWorkspace(int experts)
   ticket.fill_bytes(0);  // done before any stream's route_top_k reads it
 }
 
-void route_top_k(const float* logits, float* probs, int* top_experts, float* combine_weights, float* logsumexp,
-                 float* expert_fraction, float* mean_probs, float* aux_loss, float* z_loss,
-                 RouterWorkspace& workspace, int tokens, int num_experts, int top_k, bool renormalize,
-                 cudaStream_t stream) {
-  constexpr const char* function = "route_top_k";
+namespace {
+
+// The outputs shared by route_top_k and route_fused, checked.
+struct RouteOutputs {
+  float* probs;
+  int* top_experts;
+  float* combine_weights;
+  float* logsumexp;
+  float* expert_fraction;
+  float* mean_probs;
+  float* aux_loss;
+  float* z_loss;
+};
+
+void check_route(const char* function, const RouteOutputs& out, const RouterWorkspace& workspace, int tokens,
+                 int num_experts, int top_k) {
   check_router_sizes(function, tokens, num_experts, top_k);
   detail::check_range(function, "num_experts (E)", num_experts, 1, workspace.num_experts,
                       "the RouterWorkspace was sized for that many experts");
-  detail::check_not_null(function, "logits", logits);
-  detail::check_not_null(function, "probs", probs);
-  detail::check_not_null(function, "top_experts", top_experts);
-  detail::check_not_null(function, "combine_weights", combine_weights);
-  detail::check_not_null(function, "logsumexp", logsumexp);
-  detail::check_not_null(function, "expert_fraction", expert_fraction);
-  detail::check_not_null(function, "mean_probs", mean_probs);
-  detail::check_not_null(function, "aux_loss", aux_loss);
-  detail::check_not_null(function, "z_loss", z_loss);
+  detail::check_not_null(function, "probs", out.probs);
+  detail::check_not_null(function, "top_experts", out.top_experts);
+  detail::check_not_null(function, "combine_weights", out.combine_weights);
+  detail::check_not_null(function, "logsumexp", out.logsumexp);
+  detail::check_not_null(function, "expert_fraction", out.expert_fraction);
+  detail::check_not_null(function, "mean_probs", out.mean_probs);
+  detail::check_not_null(function, "aux_loss", out.aux_loss);
+  detail::check_not_null(function, "z_loss", out.z_loss);
+}
 
+bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+// One launch of route_top_k_kernel<G, kFromX>: logits from `logits`, or (kFromX) from `from_x`.
+template <bool kFromX>
+void launch_route(const float* logits, const LogitInputs& from_x, const RouteOutputs& out, RouterWorkspace& workspace,
+                  int tokens, int num_experts, int top_k, bool renormalize, cudaStream_t stream) {
   // Lanes per token: the smallest power of two G with 8 G >= E.
   int group_lanes = 1;
   while (group_lanes * kValuesPerLane < num_experts) group_lanes *= 2;
   // The grid depends on T and E only, never on the device, so the order of the sums (and so every
   // bit of the statistics) is the same on any GPU.
-  const int tokens_per_pass = kRouteThreads / group_lanes;
+  // kFromX: passes of at least 16 tokens and as many as the blocks can take, so that a small T still
+  // spreads its logits over up to kRouterMaxBlocks blocks; the warps the tiles leave idle each take
+  // one of S ranges of D (S <= 32 / tiles), whose partial logits the groups add in range order.
+  LogitInputs in = from_x;
+  int tokens_per_pass = kRouteThreads / group_lanes;
+  if (kFromX) {
+    const int per_block = (tokens + kRouterMaxBlocks - 1) / kRouterMaxBlocks;
+    tokens_per_pass = std::min(tokens_per_pass, std::max(16, (per_block + 15) / 16 * 16));
+    const int expert_tiles = (num_experts + 7) / 8;
+    const int tiles = tokens_per_pass / 16 * ((expert_tiles + kLogitTilesPerWarp - 1) / kLogitTilesPerWarp);
+    in.tokens_per_pass = tokens_per_pass;
+    in.splits = std::max(1, std::min(kRouteWarps / tiles, (from_x.model_dim + 15) / 16));
+  }
   const int passes = (tokens + tokens_per_pass - 1) / tokens_per_pass;
   const unsigned blocks = static_cast<unsigned>(std::min(passes, kRouterMaxBlocks));
-  const auto aligned = [](const float* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; };
-  const bool vector_rows = num_experts % 4 == 0 && aligned(logits) && aligned(probs);
+  // Float4 rows: E % 4 == 0 and 16-byte aligned rows (the shared pass logits always are).
+  const bool vector_rows = num_experts % 4 == 0 && (kFromX || aligned16(logits)) && aligned16(out.probs);
   const BlockPartials partials{workspace.block_prob_sums.data(), workspace.block_counts.data(),
                                workspace.block_z_sums.data(), workspace.ticket.data()};
-  // The warp rows of partial sums: 32 E doubles, past the default 48 KB from E = 193 on.
-  const size_t shared_bytes = size_t(kRouteWarps) * num_experts * sizeof(double);
+  // The warp rows of partial sums (32 E doubles), and with kFromX a pass's partial logits (S
+  // tokens_per_pass E floats, <= 64 KB). Beside them about 5.3 KB of static shared memory: past 40 KB
+  // of dynamic the kernel needs the opt-in to more than the default 48 KB.
+  const size_t shared_bytes = size_t(kRouteWarps) * num_experts * sizeof(double) +
+                              (kFromX ? size_t(in.splits) * tokens_per_pass * num_experts * sizeof(float) : 0);
   const auto launch = [&](auto kernel) {
-    if (shared_bytes > 48 * 1024) {
+    if (shared_bytes > 40 * 1024) {
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(shared_bytes)));
     }
-    launch_dependent(kernel, blocks, kRouteThreads, shared_bytes, stream, logits, probs, top_experts, combine_weights,
-                     logsumexp, expert_fraction, mean_probs, aux_loss, z_loss, partials, tokens, num_experts, top_k,
-                     renormalize, vector_rows);
+    launch_dependent(kernel, blocks, kRouteThreads, shared_bytes, stream, logits, in, out.probs, out.top_experts,
+                     out.combine_weights, out.logsumexp, out.expert_fraction, out.mean_probs, out.aux_loss,
+                     out.z_loss, partials, tokens, num_experts, top_k, renormalize, vector_rows);
   };
   switch (group_lanes) {
-    case 1: launch(route_top_k_kernel<1>); break;
-    case 2: launch(route_top_k_kernel<2>); break;
-    case 4: launch(route_top_k_kernel<4>); break;
-    case 8: launch(route_top_k_kernel<8>); break;
-    case 16: launch(route_top_k_kernel<16>); break;
-    default: launch(route_top_k_kernel<32>); break;
+    case 1: launch(route_top_k_kernel<1, kFromX>); break;
+    case 2: launch(route_top_k_kernel<2, kFromX>); break;
+    case 4: launch(route_top_k_kernel<4, kFromX>); break;
+    case 8: launch(route_top_k_kernel<8, kFromX>); break;
+    case 16: launch(route_top_k_kernel<16, kFromX>); break;
+    default: launch(route_top_k_kernel<32, kFromX>); break;
   }
   CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void route_top_k(const float* logits, float* probs, int* top_experts, float* combine_weights, float* logsumexp,
+                 float* expert_fraction, float* mean_probs, float* aux_loss, float* z_loss,
+                 RouterWorkspace& workspace, int tokens, int num_experts, int top_k, bool renormalize,
+                 cudaStream_t stream) {
+  const RouteOutputs out{probs, top_experts, combine_weights, logsumexp, expert_fraction, mean_probs, aux_loss, z_loss};
+  check_route("route_top_k", out, workspace, tokens, num_experts, top_k);
+  detail::check_not_null("route_top_k", "logits", logits);
+  launch_route<false>(logits, LogitInputs{}, out, workspace, tokens, num_experts, top_k, renormalize, stream);
+}
+
+void route_fused(const bf16* x, const bf16* gate_weights, int model_dim, float* probs, int* top_experts,
+                 float* combine_weights, float* logsumexp, float* expert_fraction, float* mean_probs,
+                 float* aux_loss, float* z_loss, RouterWorkspace& workspace, int tokens, int num_experts, int top_k,
+                 bool renormalize, cudaStream_t stream) {
+  constexpr const char* function = "route_fused";
+  const RouteOutputs out{probs, top_experts, combine_weights, logsumexp, expert_fraction, mean_probs, aux_loss, z_loss};
+  check_route(function, out, workspace, tokens, num_experts, top_k);
+  detail::check_not_null(function, "x", x);
+  detail::check_not_null(function, "gate_weights", gate_weights);
+  detail::check_range(function, "model_dim (D)", model_dim, 1, INT32_MAX / kRouterMaxExperts, "D * E indexes Wg");
+  const LogitInputs from_x{x, gate_weights, model_dim,
+                           model_dim % 2 == 0 && reinterpret_cast<uintptr_t>(x) % 4 == 0};
+  launch_route<true>(nullptr, from_x, out, workspace, tokens, num_experts, top_k, renormalize, stream);
 }
 
 void router_backward(const float* probs, const float* logsumexp, const int* top_experts,

@@ -1,6 +1,7 @@
 // moe/router.h: the gate of an MoE layer on the GPU: router logits (a cuBLAS GEMM), the fused softmax +
-// top-K + combine weights + logsumexp + router losses kernel (Switch load balancing, ST-MoE z-loss)
-// and the router backward (d_logits). The CPU oracle is reference_cpu/router.h; the chain
+// top-K + combine weights + logsumexp + router losses kernel (Switch load balancing, ST-MoE z-loss),
+// the same kernel computing the logits itself (route_fused, measured slower, below) and the router
+// backward (d_logits). The CPU oracle is reference_cpu/router.h; the chain
 // of derivatives is the one of moe::ref::moe_backward (reference_cpu/moe_layer.cpp).
 // Built into moe_cuda (cmake --build build-gpu --target moe_cuda); tested by
 // tests/cuda/test_router.cpp (ctest --test-dir build -R CudaRouting).
@@ -17,7 +18,7 @@
 //   aux_loss = E * sum_e f_e P_e,  z_loss = mean_t logsumexp_t^2
 //
 // Jitter (Switch's multiplicative noise on the router input) is the caller's: multiply x by the
-// noise before router_logits, and the noise into dx afterwards, as reference_cpu/moe_layer.cpp does.
+// noise before routing, and the noise into dx afterwards, as reference_cpu/moe_layer.cpp does.
 //
 // Every launcher is asynchronous on `stream`: no host synchronisation, no device->host copy.
 // Arguments are checked on the host before anything is launched (std::invalid_argument).
@@ -76,6 +77,39 @@ void route_top_k(const float* logits,        // [T, E]
                  float* mean_probs,          // [E]
                  float* aux_loss,            // [1]  E * sum_e f_e P_e (unscaled)
                  float* z_loss,              // [1]  mean_t logsumexp_t^2 (unscaled)
+                 RouterWorkspace& workspace,
+                 int tokens, int num_experts, int top_k, bool renormalize, cudaStream_t stream);
+
+// The router in one kernel: logits = x Wg on the tensor cores (bf16 in, fp32 accumulate, as
+// router_logits), a pass of tokens at a time in shared memory, then everything route_top_k does.
+// x is read once (E <= 32; E / 32 times from L2 above that), the logits never reach global memory,
+// and a small T still spreads over up to kRouterMaxBlocks blocks (shorter passes, and D cut into
+// ranges for the warps the tiles leave idle): one launch where router_logits + route_top_k take two
+// and write and read T * E floats between them. The same outputs and checks as route_top_k; any D >= 1.
+//
+// The layers do not use it: it is slower. Measured on an H200 (moe_bench, Zipf routing, 2026-11-26,
+// notebooks_data/bench/router_fused_h200_2026-11-26.txt), route_fused against router_logits +
+// route_top_k back to back: T=16384 D=512 E=16 K=2 0.029 / 0.023 ms; T=16384 D=1024 E=64 K=1
+// 0.081 / 0.025 ms; T=16384 D=2048 E=64 K=2 0.138 / 0.039 ms. What the fusion saves is small: the
+// logits' round trip (T * E * 8 bytes, 1-4 MB here, about 1 us of memory time) and one launch gap.
+// What it loses is the GEMM's main loop: each warp loads its fragments of x with 32-bit loads and
+// of Wg with 16-bit ones straight from global memory, and each mma waits for them, while cuBLAS
+// stages both through shared memory in a pipeline that keeps the loads in flight. Winning would take
+// that pipeline (cp.async or TMA copies of x's rows into shared memory, ldmatrix into fragments)
+// inside the router kernel, whose 1024 threads are held to 64 registers by the softmax and top-K
+// part; as it stands the kernel is kept as the tested reference of the fused formulation, and
+// moe_bench times it beside the layer's pair.
+void route_fused(const bf16* x,             // [T, D] row-major
+                 const bf16* gate_weights,  // [D, E] row-major
+                 int model_dim,
+                 float* probs,              // [T, E]
+                 int* top_experts,          // [T, K]
+                 float* combine_weights,    // [T, K]
+                 float* logsumexp,          // [T]
+                 float* expert_fraction,    // [E]
+                 float* mean_probs,         // [E]
+                 float* aux_loss,           // [1]
+                 float* z_loss,             // [1]
                  RouterWorkspace& workspace,
                  int tokens, int num_experts, int top_k, bool renormalize, cudaStream_t stream);
 

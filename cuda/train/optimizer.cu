@@ -1,7 +1,9 @@
 // train/optimizer.cu: global gradient norm, clip scale and the AdamW update (see train/optimizer.h).
 #include "train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -15,19 +17,37 @@ namespace {
 constexpr int kNormThreads = 256;
 constexpr int kUpdateThreads = 256;
 
-// Pass 1: block b, thread i sums the squares of entries b * threads + i, + blocks * threads, ...
-// then the block adds its threads' sums in a fixed tree.
+// Pass 1: block b, thread i sums the squares of float4 b * threads + i, + blocks * threads, ...
+// (kNormUnroll of them loaded before any is added: the loads in flight are what bounds a read of
+// the whole gradient), the scalars past the last whole float4 going to the threads of block 0; then
+// the block adds its threads' sums in a fixed tree. The partition depends on the count only, so the
+// norm has the same bits on every run. gradients must be 16-byte aligned (the launcher checks).
+constexpr int kNormUnroll = 4;
 __global__ void squares_partials_kernel(const float* gradients, int64_t count, float* partials) {
   __shared__ float sums[kNormThreads];
+  const float4* quads = reinterpret_cast<const float4*>(gradients);
+  const int64_t quad_count = count / 4, stride = int64_t{kGradientNormBlocks} * kNormThreads;
   float sum = 0.0f;
-  for (int64_t i = int64_t{blockIdx.x} * kNormThreads + threadIdx.x; i < count;
-       i += int64_t{kGradientNormBlocks} * kNormThreads) {
-    sum += gradients[i] * gradients[i];
+  int64_t i = int64_t{blockIdx.x} * kNormThreads + threadIdx.x;
+  for (; i + (kNormUnroll - 1) * stride < quad_count; i += kNormUnroll * stride) {
+    float4 q[kNormUnroll];
+#pragma unroll
+    for (int u = 0; u < kNormUnroll; ++u) q[u] = quads[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < kNormUnroll; ++u) sum += q[u].x * q[u].x + q[u].y * q[u].y + q[u].z * q[u].z + q[u].w * q[u].w;
+  }
+  for (; i < quad_count; i += stride) {
+    const float4 q = quads[i];
+    sum += q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w;
+  }
+  if (blockIdx.x == 0 && threadIdx.x < count % 4) {
+    const float g = gradients[quad_count * 4 + threadIdx.x];
+    sum += g * g;
   }
   sums[threadIdx.x] = sum;
   __syncthreads();
-  for (int stride = kNormThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+  for (int stride_ = kNormThreads / 2; stride_ > 0; stride_ /= 2) {
+    if (threadIdx.x < stride_) sums[threadIdx.x] += sums[threadIdx.x + stride_];
     __syncthreads();
   }
   if (threadIdx.x == 0) partials[blockIdx.x] = sums[0];
@@ -95,20 +115,56 @@ struct UpdateConstants {  // per step, from the host
   float inverse_correction1, inverse_correction2;  // 1 / (1 - beta^t)
 };
 
+// One element's update (AdamW, the bias corrections folded into the constants).
+struct AdamWElement {
+  const UpdateConstants& c;
+  float scale;
+  __device__ __forceinline__ float operator()(float weight, float gradient, float& m, float& v) const {
+    const float g = gradient * scale;
+    m = c.beta1 * m + (1.0f - c.beta1) * g;
+    v = c.beta2 * v + (1.0f - c.beta2) * g * g;
+    const float m_hat = m * c.inverse_correction1;
+    const float v_hat = v * c.inverse_correction2;
+    return weight * c.decay_factor - c.lr * m_hat / (sqrtf(v_hat) + c.eps);
+  }
+};
+
+// The update reads weight, gradient, m and v and writes weight, m, v and the bf16 copy: 30 bytes an
+// element, so the kernel is a stream through memory. The elements before the first 16-byte boundary
+// of `weights` (the arrays share their offset) and after the last whole float4 go one by one, the
+// rest four at a time (float4 loads and stores; the bf16 copy's 4 values as one 8-byte store).
 __global__ void adamw_update_kernel(UpdateConstants c, float* weights, const float* gradients, float* m, float* v,
-                                    bf16* weights_bf16, const float* gradient_scale, int64_t count) {
-  const float scale = gradient_scale != nullptr ? *gradient_scale : 1.0f;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
-    const float g = gradients[i] * scale;
-    const float m_new = c.beta1 * m[i] + (1.0f - c.beta1) * g;
-    const float v_new = c.beta2 * v[i] + (1.0f - c.beta2) * g * g;
-    const float m_hat = m_new * c.inverse_correction1;
-    const float v_hat = v_new * c.inverse_correction2;
-    const float theta = weights[i] * c.decay_factor - c.lr * m_hat / (sqrtf(v_hat) + c.eps);
-    m[i] = m_new;
-    v[i] = v_new;
+                                    bf16* weights_bf16, const float* gradient_scale, int64_t count, int64_t head) {
+  const AdamWElement update{c, gradient_scale != nullptr ? *gradient_scale : 1.0f};
+  const int64_t thread = int64_t{blockIdx.x} * blockDim.x + threadIdx.x, threads = int64_t{gridDim.x} * blockDim.x;
+  const int64_t quads = (count - head) / 4, tail = head + quads * 4;
+  const auto scalar = [&](int64_t i) {
+    const float theta = update(weights[i], gradients[i], m[i], v[i]);
     weights[i] = theta;
     if (weights_bf16 != nullptr) weights_bf16[i] = __float2bfloat16(theta);
+  };
+  for (int64_t i = thread; i < head; i += threads) scalar(i);  // (all of them when the arrays are not aligned alike)
+  for (int64_t i = tail + thread; i < count; i += threads) scalar(i);
+  for (int64_t q = thread; q < quads; q += threads) {
+    const int64_t i = head + 4 * q;
+    float4 w = *reinterpret_cast<const float4*>(weights + i);
+    const float4 g = *reinterpret_cast<const float4*>(gradients + i);
+    float4 mq = *reinterpret_cast<const float4*>(m + i);
+    float4 vq = *reinterpret_cast<const float4*>(v + i);
+    w.x = update(w.x, g.x, mq.x, vq.x);
+    w.y = update(w.y, g.y, mq.y, vq.y);
+    w.z = update(w.z, g.z, mq.z, vq.z);
+    w.w = update(w.w, g.w, mq.w, vq.w);
+    *reinterpret_cast<float4*>(weights + i) = w;
+    *reinterpret_cast<float4*>(m + i) = mq;
+    *reinterpret_cast<float4*>(v + i) = vq;
+    if (weights_bf16 != nullptr) {
+      const __nv_bfloat162 low = __floats2bfloat162_rn(w.x, w.y), high = __floats2bfloat162_rn(w.z, w.w);
+      uint2 packed;
+      packed.x = *reinterpret_cast<const uint32_t*>(&low);
+      packed.y = *reinterpret_cast<const uint32_t*>(&high);
+      *reinterpret_cast<uint2*>(weights_bf16 + i) = packed;
+    }
   }
 }
 
@@ -130,6 +186,10 @@ void gradient_norm(const float* gradients, int64_t count, float* partials, float
   detail::check_not_null(kFunction, "partials", partials);
   detail::check_not_null(kFunction, "norm", norm);
   detail::check_not_null(kFunction, "clip_scale", clip_scale);
+  if (reinterpret_cast<uintptr_t>(gradients) % 16 != 0) {
+    throw std::invalid_argument("gradient_norm: gradients must be 16-byte aligned (float4 loads); a cudaMalloc'd "
+                                "buffer is, and so is any offset that is a multiple of 4 floats");
+  }
   squares_partials_kernel<<<kGradientNormBlocks, kNormThreads, 0, stream>>>(gradients, count, partials);
   CUDA_CHECK(cudaGetLastError());
   norm_finish_kernel<<<1, kGradientNormBlocks, 0, stream>>>(partials, norm, clip_scale, max_norm);
@@ -186,9 +246,18 @@ void adamw_update(const AdamWStep& step, float* weights, const float* gradients,
   c.decay_factor = static_cast<float>(1.0 - double(step.lr) * double(step.weight_decay));
   c.inverse_correction1 = static_cast<float>(1.0 / (1.0 - std::pow(double(step.beta1), t)));
   c.inverse_correction2 = static_cast<float>(1.0 / (1.0 - std::pow(double(step.beta2), t)));
-  const int64_t blocks = (count + kUpdateThreads - 1) / kUpdateThreads;
-  adamw_update_kernel<<<static_cast<unsigned>(blocks < 8192 ? blocks : 8192), kUpdateThreads, 0, stream>>>(
-      c, weights, gradients, first_moment, second_moment, weights_bf16, gradient_scale, count);
+  // The float4 part needs the four float arrays at one offset from 16-byte boundaries and the bf16
+  // copy 8-byte aligned there (true of the model's flat buffers at any offset); else element by element.
+  const auto misalignment = [](const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes; };
+  const uintptr_t offset = misalignment(weights, 16);
+  const bool same_offset = misalignment(gradients, 16) == offset && misalignment(first_moment, 16) == offset &&
+                           misalignment(second_moment, 16) == offset && offset % sizeof(float) == 0;
+  int64_t head = same_offset ? std::min<int64_t>(count, int64_t((16 - offset) % 16 / sizeof(float))) : count;
+  if (weights_bf16 != nullptr && head < count && misalignment(weights_bf16 + head, 8) != 0) head = count;
+  const int64_t work = std::max<int64_t>((count - head) / 4, std::max<int64_t>(head, 3));  // threads needed
+  const int64_t blocks = (work + kUpdateThreads - 1) / kUpdateThreads;
+  adamw_update_kernel<<<static_cast<unsigned>(std::min<int64_t>(blocks, 8192)), kUpdateThreads, 0, stream>>>(
+      c, weights, gradients, first_moment, second_moment, weights_bf16, gradient_scale, count, head);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -136,6 +136,37 @@ TEST(CudaAdamW, MatchesReferenceWithoutClipping) {
   check_adamw({{1, 1, true}, {3, 7, false}, {50, 3, true}}, 0.0, false, 2);  // tiny spans, one entry
 }
 
+// Over 4 * kGradientNormBlocks * 256 float4s: the norm's unrolled loop runs, not only its remainder.
+TEST(CudaAdamW, MatchesReferenceOnALargeBuffer) {
+  REQUIRE_GPU();
+  check_adamw({{1100, 1024, true}, {3, 3, false}}, 20.0, true, 3);
+}
+
+// Arrays at different offsets from a 16-byte boundary: no float4 can cover them alike, so every
+// element goes alone; the result is the same update.
+TEST(CudaAdamW, ArraysAlignedDifferentlyGoElementByElement) {
+  REQUIRE_GPU();
+  constexpr int64_t kCount = 1001;
+  std::mt19937_64 rng(4);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> w(kCount + 1), g(kCount + 2), m(kCount + 1, 0.0f), v(kCount + 1, 0.0f);
+  for (float& x : w) x = uniform(rng);
+  for (float& x : g) x = uniform(rng);
+  DeviceBuffer<float> dw(w), dg(g), dm(m), dv(v);
+  DeviceBuffer<bf16> copy(kCount + 1);
+  const moe::cuda::AdamWStep s{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
+  moe::cuda::adamw_update(s, dw.data() + 1, dg.data() + 2, dm.data() + 1, dv.data() + 1, copy.data() + 1, nullptr,
+                          kCount, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> got = dw.download();
+  EXPECT_EQ(got[0], w[0]) << "the element before the span is untouched";
+  for (int64_t i = 0; i < kCount; ++i) {
+    // Step 1: m_hat = g, v_hat = g^2, so the update is lr * g / (|g| + eps) plus the decay.
+    const double gi = g[size_t(i) + 2], want = w[size_t(i) + 1] * (1.0 - 1e-2 * 0.1) - 1e-2 * gi / (std::abs(gi) + 1e-8);
+    ASSERT_NEAR(got[size_t(i) + 1], want, 1e-5 * (1.0 + std::abs(want))) << "element " << i;
+  }
+}
+
 TEST(CudaAdamW, RejectsBadArguments) {
   REQUIRE_GPU();
   DeviceBuffer<float> buffer(static_cast<size_t>(moe::cuda::kGradientNormBlocks));
@@ -144,6 +175,7 @@ TEST(CudaAdamW, RejectsBadArguments) {
   EXPECT_THROW(moe::cuda::gradient_norm(p, 0, p, p, p, 1.0f, nullptr), std::invalid_argument);
   EXPECT_THROW(moe::cuda::gradient_norm(p, 4, nullptr, p, p, 1.0f, nullptr), std::invalid_argument);
   EXPECT_THROW(moe::cuda::gradient_norm(p, 4, p, p, p, NAN, nullptr), std::invalid_argument);
+  EXPECT_THROW(moe::cuda::gradient_norm(p + 1, 4, p, p, p, 1.0f, nullptr), std::invalid_argument);  // not 16-byte aligned
   moe::cuda::AdamWStep bad = good;
   bad.step = 0;
   EXPECT_THROW(moe::cuda::adamw_update(bad, p, p, p, p, nullptr, nullptr, 4, nullptr), std::invalid_argument);

@@ -73,6 +73,11 @@ struct GpuRouter {
                            expert_fraction.data(), mean_probs.data(), aux_loss.data(), z_loss.data(), workspace,
                            tokens, num_experts, top_k, renormalize, stream);
   }
+  void run_fused(const bf16* x, const bf16* gate_weights, int model_dim, bool renormalize, cudaStream_t stream) {
+    moe::cuda::route_fused(x, gate_weights, model_dim, probs.data(), top_experts.data(), combine_weights.data(),
+                           logsumexp.data(), expert_fraction.data(), mean_probs.data(), aux_loss.data(), z_loss.data(),
+                           workspace, tokens, num_experts, top_k, renormalize, stream);
+  }
   // Every output's bytes, in one vector, to compare two runs bit for bit.
   std::vector<unsigned char> output_bytes() const {
     std::vector<unsigned char> bytes;
@@ -320,6 +325,42 @@ TEST(CudaRouting, RouteFromTokensWithCublasLogits) {
   }
 }
 
+// route_fused: the logits computed inside the kernel on the tensor cores, against the reference on the
+// same bf16 values in double. Every group width G (E = 1 .. 256), D a multiple of 16, with a tail
+// (D = 40, 100) and odd (D = 1, 17: the scalar loads), T from one token to several passes a block
+// (E = 256 routes 32 tokens a pass: T = 5000 is 157 passes over 128 blocks; E = 64, T = 20000 the same).
+TEST(CudaRouting, RouteFusedMatchesReference) {
+  REQUIRE_GPU();
+  for (auto [T, D, E, K] : {std::tuple{257, 96, 32, 2}, {1, 8, 1, 1}, {1000, 256, 64, 4}, {5000, 40, 256, 8},
+                            {3000, 17, 5, 2}, {20000, 64, 64, 2}, {333, 512, 16, 2}, {100, 1, 3, 1},
+                            {600, 100, 128, 3}, {4000, 48, 8, 2}}) {
+    SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D) + " E=" + std::to_string(E) +
+                 " K=" + std::to_string(K));
+    std::mt19937_64 generator(50 + T + D);
+    const std::vector<bf16> x = moe::cuda::to_bf16(moe::ref::random_matrix(T, D, generator).data(), size_t(T) * D);
+    const std::vector<bf16> wg = moe::cuda::to_bf16(
+        moe::ref::random_matrix(D, E, generator, 1.0 / std::sqrt(double(D))).data(), size_t(D) * E);
+    Matrix x_ref(T, D), wg_ref(D, E);
+    for (int64_t i = 0; i < x_ref.size(); ++i) x_ref.data()[i] = __bfloat162float(x[size_t(i)]);
+    for (int64_t i = 0; i < wg_ref.size(); ++i) wg_ref.data()[i] = __bfloat162float(wg[size_t(i)]);
+    const bool renormalize = K > 1;
+    const moe::ref::RouterOutput ref = moe::ref::route(router_config(T, D, E, K, renormalize), x_ref, wg_ref);
+
+    Stream stream;
+    DeviceBuffer<bf16> device_x(x), device_wg(wg);
+    GpuRouter gpu(T, E, K);
+    gpu.run_fused(device_x.data(), device_wg.data(), D, renormalize, stream.stream);
+    stream.sync();
+    compare_router(ref, gpu, 1e-5, 1e-5);  // fp32 vs double accumulation over D, as with cuBLAS's logits
+    // A second run on the same workspace gives the same bits.
+    const std::vector<unsigned char> first = gpu.output_bytes();
+    gpu.poison();
+    gpu.run_fused(device_x.data(), device_wg.data(), D, renormalize, stream.stream);
+    stream.sync();
+    EXPECT_TRUE(first == gpu.output_bytes()) << "two runs of route_fused differ";
+  }
+}
+
 // d_logits against the reference's whole chain: moe_backward's gate-weight gradient is
 // x^T d_logits, so the test feeds the GPU the reference's forward state and d_combine_weights and
 // checks x^T d_logits_gpu against it. With T <= D, x^T has no null space, so no error can hide.
@@ -422,6 +463,17 @@ TEST(CudaRouting, BadArgumentsAreRejectedBeforeLaunch) {
                                           std::nan(""), 0.0, nullptr),
                std::invalid_argument);
   EXPECT_THROW(moe::cuda::router_logits(nullptr, nullptr, nullptr, f.data(), 4, 4, 4, nullptr), std::invalid_argument);
+  DeviceBuffer<bf16> b(4096);
+  auto route_fused = [&](const bf16* x, const bf16* wg, int D, int T, int E, int K) {
+    moe::cuda::route_fused(x, wg, D, f.data(), i.data(), f.data(), f.data(), f.data(), f.data(), f.data(), f.data(),
+                           workspace, T, E, K, false, nullptr);
+  };
+  EXPECT_THROW(route_fused(nullptr, b.data(), 4, 4, 4, 1), std::invalid_argument);  // x
+  EXPECT_THROW(route_fused(b.data(), nullptr, 4, 4, 4, 1), std::invalid_argument);  // gate_weights
+  EXPECT_THROW(route_fused(b.data(), b.data(), 0, 4, 4, 1), std::invalid_argument);  // D = 0
+  EXPECT_THROW(route_fused(b.data(), b.data(), 4, 4, 257, 1), std::invalid_argument);  // E > kRouterMaxExperts
+  EXPECT_THROW(route_fused(b.data(), b.data(), 4, 4, 4, 5), std::invalid_argument);  // K > E
+  CUDA_CHECK(cudaDeviceSynchronize());  // nothing was launched: no error is pending
 }
 
 }  // namespace
