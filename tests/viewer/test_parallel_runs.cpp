@@ -159,6 +159,42 @@ TEST_F(ViewerParallelRuns, IdleTimeInTheExchanges) {
   EXPECT_TRUE(exchange_idle_series(*one_).empty());
 }
 
+// The same model trained on four H200s (notebooks_data/runs/train_expert_parallel_4gpu, 2026-11-26):
+// four ranks' lanes, 4 x 4 byte matrices whose every column is the rows the routing sent to that
+// rank's two experts, at every recorded step and layer.
+TEST(ViewerParallelRunFourGpus, LanesMatricesAndLoadAgreeWithRouting) {
+  const std::filesystem::path dir = kRuns / "train_expert_parallel_4gpu";
+  if (!std::filesystem::exists(dir / "events.jsonl")) GTEST_SKIP() << dir.string() << " is not in this checkout";
+  const RunModel four = RunModel::load(dir);
+  ASSERT_EQ(four.error, "");
+  const int64_t E = 8, R = 4, row_bytes = 256 * 2;
+  std::set<int64_t> ranks;
+  for (const TimelineLane& lane : build_timeline(four, 100, 100).lanes) ranks.insert(lane.rank);
+  EXPECT_EQ(ranks, (std::set<int64_t>{0, 1, 2, 3}));
+  int64_t checked = 0;
+  for (const auto& [layer, routing] : four.routing) {
+    for (const RoutingRow& row : routing.rows) {
+      const RankLoad load = rank_load_at(four, row.step, layer);
+      ASSERT_EQ(load.ranks, R);
+      const AllToAllView dispatch = alltoall_at(four, row.step, "dispatch", layer);
+      ASSERT_EQ(dispatch.ranks, R);
+      const int64_t routed = std::accumulate(row.tokens_per_expert.begin(), row.tokens_per_expert.end(), int64_t{0});
+      EXPECT_DOUBLE_EQ(dispatch.total_bytes, static_cast<double>(routed * row_bytes)) << "step " << row.step;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t tokens = std::accumulate(row.tokens_per_expert.begin() + r * E / R,
+                                               row.tokens_per_expert.begin() + (r + 1) * E / R, int64_t{0});
+        EXPECT_DOUBLE_EQ(load.received[static_cast<size_t>(r)], static_cast<double>(tokens * row_bytes))
+            << "step " << row.step << " layer " << layer << " rank " << r;
+        double column = 0;
+        for (int64_t src = 0; src < R; ++src) column += dispatch.bytes[static_cast<size_t>(src * R + r)];
+        EXPECT_DOUBLE_EQ(column, static_cast<double>(tokens * row_bytes)) << "step " << row.step << " rank " << r;
+      }
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 28);  // 7 recorded steps x 4 layers
+}
+
 TEST(ViewerParallelView, RankWithoutExchangesMatchesNothing) {
   // Two ranks, but rank 1 recorded no exchange: nothing can be matched, nothing is called idle.
   const RunModel run = RunModel::from_text(
