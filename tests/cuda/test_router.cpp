@@ -295,24 +295,37 @@ TEST(CudaRouting, AllTokensOnOneExpert) {
   EXPECT_EQ(fraction[9], 1.0f);
 }
 
+// Random tokens x [T, D] and gate weights Wg [D, E] in bf16, on the device, and the reference's
+// routing of the very same bf16 values in double.
+struct TokensAndGate {
+  DeviceBuffer<bf16> x, wg;
+  moe::ref::RouterOutput ref;
+  TokensAndGate(int T, int D, int E, int K, bool renormalize, uint64_t seed) {
+    std::mt19937_64 generator(seed);
+    const std::vector<bf16> x_host = moe::cuda::to_bf16(moe::ref::random_matrix(T, D, generator).data(), size_t(T) * D);
+    const std::vector<bf16> wg_host = moe::cuda::to_bf16(
+        moe::ref::random_matrix(D, E, generator, 1.0 / std::sqrt(double(D))).data(), size_t(D) * E);
+    Matrix x_ref(T, D), wg_ref(D, E);
+    for (int64_t i = 0; i < x_ref.size(); ++i) x_ref.data()[i] = __bfloat162float(x_host[size_t(i)]);
+    for (int64_t i = 0; i < wg_ref.size(); ++i) wg_ref.data()[i] = __bfloat162float(wg_host[size_t(i)]);
+    ref = moe::ref::route(router_config(T, D, E, K, renormalize), x_ref, wg_ref);
+    x = DeviceBuffer<bf16>(x_host);
+    wg = DeviceBuffer<bf16>(wg_host);
+  }
+};
+
 // From x and Wg: cuBLAS logits (bf16 in, fp32 out), then the fused kernel. The reference routes the
 // same bf16-rounded values in double.
 TEST(CudaRouting, RouteFromTokensWithCublasLogits) {
   REQUIRE_GPU();
   for (auto [T, D, E, K] : {std::tuple{257, 96, 32, 2}, {1, 8, 1, 1}, {1000, 256, 64, 4}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D) + " E=" + std::to_string(E));
-    std::mt19937_64 generator(30 + T);
-    const std::vector<bf16> x = moe::cuda::to_bf16(moe::ref::random_matrix(T, D, generator).data(), size_t(T) * D);
-    const std::vector<bf16> wg = moe::cuda::to_bf16(
-        moe::ref::random_matrix(D, E, generator, 1.0 / std::sqrt(double(D))).data(), size_t(D) * E);
-    Matrix x_ref(T, D), wg_ref(D, E);
-    for (int64_t i = 0; i < x_ref.size(); ++i) x_ref.data()[i] = __bfloat162float(x[size_t(i)]);
-    for (int64_t i = 0; i < wg_ref.size(); ++i) wg_ref.data()[i] = __bfloat162float(wg[size_t(i)]);
-    const moe::ref::RouterOutput ref = moe::ref::route(router_config(T, D, E, K, true), x_ref, wg_ref);
-
+    const TokensAndGate problem(T, D, E, K, true, 30 + T);
+    const moe::ref::RouterOutput& ref = problem.ref;
+    const DeviceBuffer<bf16>& device_x = problem.x;
+    const DeviceBuffer<bf16>& device_wg = problem.wg;
     Stream stream;
     Cublas cublas;
-    DeviceBuffer<bf16> device_x(x), device_wg(wg);
     DeviceBuffer<float> logits(size_t(T) * E);
     logits.fill_bytes(kFloatPoisonByte);
     moe::cuda::router_logits(cublas.handle, device_x.data(), device_wg.data(), logits.data(), T, D, E, stream.stream);
@@ -336,18 +349,12 @@ TEST(CudaRouting, RouteFusedMatchesReference) {
                             {600, 100, 128, 3}, {4000, 48, 8, 2}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D) + " E=" + std::to_string(E) +
                  " K=" + std::to_string(K));
-    std::mt19937_64 generator(50 + T + D);
-    const std::vector<bf16> x = moe::cuda::to_bf16(moe::ref::random_matrix(T, D, generator).data(), size_t(T) * D);
-    const std::vector<bf16> wg = moe::cuda::to_bf16(
-        moe::ref::random_matrix(D, E, generator, 1.0 / std::sqrt(double(D))).data(), size_t(D) * E);
-    Matrix x_ref(T, D), wg_ref(D, E);
-    for (int64_t i = 0; i < x_ref.size(); ++i) x_ref.data()[i] = __bfloat162float(x[size_t(i)]);
-    for (int64_t i = 0; i < wg_ref.size(); ++i) wg_ref.data()[i] = __bfloat162float(wg[size_t(i)]);
     const bool renormalize = K > 1;
-    const moe::ref::RouterOutput ref = moe::ref::route(router_config(T, D, E, K, renormalize), x_ref, wg_ref);
-
+    const TokensAndGate problem(T, D, E, K, renormalize, 50 + T + D);
+    const moe::ref::RouterOutput& ref = problem.ref;
+    const DeviceBuffer<bf16>& device_x = problem.x;
+    const DeviceBuffer<bf16>& device_wg = problem.wg;
     Stream stream;
-    DeviceBuffer<bf16> device_x(x), device_wg(wg);
     GpuRouter gpu(T, E, K);
     gpu.run_fused(device_x.data(), device_wg.data(), D, renormalize, stream.stream);
     stream.sync();
