@@ -98,16 +98,6 @@ nlohmann::json header_to_json(const CheckpointHeader& header,
 
 }  // namespace
 
-uint64_t fnv1a_64(const void* bytes, size_t size, uint64_t hash) {
-  constexpr uint64_t kPrime = 1099511628211ull;
-  const unsigned char* data = static_cast<const unsigned char*>(bytes);
-  for (size_t i = 0; i < size; ++i) {
-    hash ^= data[i];
-    hash *= kPrime;
-  }
-  return hash;
-}
-
 const std::vector<float>& LoadedCheckpoint::array(const std::string& name) const {
   for (size_t i = 0; i < names.size(); ++i) {
     if (names[i] == name) return arrays[i];

@@ -38,6 +38,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fnv1a.h"  // fnv1a_64: the checksum of the file format
+
 namespace moe {
 
 // The one error type of checkpoint reading and writing; the message names the file and the fault.
@@ -122,8 +124,5 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 // removed. Files that do not match the checkpoint name pattern are never touched.
 std::vector<std::filesystem::path> prune_checkpoints(const std::filesystem::path& directory, int keep);
 
-// 64-bit FNV-1a (Fowler, Noll, Vo), continued from `hash`: the checksum of the file format.
-inline constexpr uint64_t kFnv1aOffsetBasis = 14695981039346656037ull;
-uint64_t fnv1a_64(const void* bytes, size_t size, uint64_t hash = kFnv1aOffsetBasis);
 
 }  // namespace moe

@@ -15,7 +15,7 @@
 #include "core/reference_bridge.h"  // bf16_of, matrix_of
 #include "moe/block_sparse.h"       // expert_pointer_table
 #if MOE_HAVE_NCCL
-#include "nccl_communicator.h"      // NcclCommunicator
+#include "comm/nccl_communicator.h"      // NcclCommunicator
 #endif
 
 namespace moe::lessons {
@@ -50,12 +50,7 @@ std::unique_ptr<GpuRanks> open_gpu_ranks(dist::MpiCommunicator& world, const std
   }
 
   // This rank's GPU: its place among the ranks of its host, modulo the host's GPUs.
-  MPI_Comm local = MPI_COMM_NULL;
-  MPI_Comm_split_type(world.handle(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &local);
-  int local_rank = 0, local_ranks = 1;
-  MPI_Comm_rank(local, &local_rank);
-  MPI_Comm_size(local, &local_ranks);
-  MPI_Comm_free(&local);
+  const auto [local_rank, local_ranks] = world.host_rank();
   const int device = local_rank % devices;
   CUDA_CHECK(cudaSetDevice(device));
   int sharing = 0;

@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "communicator.h"             // Communicator
-#include "expert_parallel_gpu.h"      // ExpertParallelGpu, ExpertParallelGpuOptions, ExpertParallelGpuStep
-#include "mpi_communicator.h"         // MpiCommunicator
+#include "comm/communicator.h"             // Communicator
+#include "ep/expert_parallel_gpu.h"      // ExpertParallelGpu, ExpertParallelGpuOptions, ExpertParallelGpuStep
+#include "comm/mpi_communicator.h"         // MpiCommunicator
 #include "reference_cpu/moe_layer.h"  // MoeWeights
 
 namespace moe::lessons {

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "communicator.h"    // Communicator, broadcast
+#include "comm/communicator.h"    // Communicator, broadcast
 #include "lesson_support.h"  // LessonOptions, lesson_run_refused, create_lesson_run
 
 namespace moe::lessons {

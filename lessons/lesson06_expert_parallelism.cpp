@@ -30,10 +30,10 @@
 #include <tuple>
 
 #include "distributed_lesson_support.h"  // open_lesson_run_on_ranks, GpuFlags
-#include "expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
+#include "ep/expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
 #include "init.h"                        // random_weights, random_matrix
 #include "lesson_support.h"              // options, zipf_tokens, Table, load_stats
-#include "mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
+#include "comm/mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
 #include "reference_cpu/moe_layer.h"     // moe_forward, moe_backward: the oracle
 #ifdef MOE_LESSON_HAS_CUDA
 #include "core/reference_bridge.h"       // round_bf16

@@ -33,18 +33,18 @@
 #include <sstream>
 #include <tuple>
 
-#include "all_to_all_2dh.h"               // HierarchicalAllToAll
+#include "comm/all_to_all_2dh.h"               // HierarchicalAllToAll
 #include "distributed_lesson_support.h"  // open_lesson_run_on_ranks, GpuFlags
-#include "expert_layouts.h"              // expert_layout_forward / backward, choose_layout, measure_layouts
-#include "expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
+#include "ep/expert_layouts.h"              // expert_layout_forward / backward, choose_layout, measure_layouts
+#include "ep/expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
 #include "init.h"                        // random_weights, random_matrix
 #include "lesson_support.h"              // options, zipf_tokens, Table
 #include "moe_layer.h"                   // ref::moe_forward / moe_backward, the oracle of section 4
-#include "mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
+#include "comm/mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
 #ifdef MOE_LESSON_HAS_CUDA
 #include "core/reference_bridge.h"       // round_bf16
 #include "distributed_lesson_gpu.h"      // open_gpu_ranks, GpuLessonLayer
-#include "expert_layout_choice_gpu.h"    // choose_gpu_layout: the cost model on the GPU path
+#include "ep/expert_layout_choice_gpu.h"    // choose_gpu_layout: the cost model on the GPU path
 #include "reference_cpu/moe_layer.h"     // moe_forward: the check
 #endif
 

@@ -32,29 +32,18 @@
 #include <vector>
 
 #include "core/cuda_check.h"  // CUDA_CHECK
-#include "device_exchange.h"  // DeviceExchange
+#include "comm/device_exchange.h"  // DeviceExchange
 #include "ep_bench_harness.h"
 #include "ep_bench_variants.h"
-#include "expert_layout_choice_gpu.h"  // choose_gpu_layout: the cost model's layout
+#include "ep/expert_layout_choice_gpu.h"  // choose_gpu_layout: the cost model's layout
 #include "file_io.h"  // write_file_atomically
-#include "mpi_communicator.h"
+#include "comm/mpi_communicator.h"
 #if MOE_HAVE_NCCL
-#include "nccl_communicator.h"
+#include "comm/nccl_communicator.h"
 #endif
 
 namespace moe::dist::bench {
 namespace {
-
-// This rank's place among the ranks of its host: (local rank, local ranks).
-std::pair<int, int> host_rank(const MpiCommunicator& world) {
-  MPI_Comm local = MPI_COMM_NULL;
-  MPI_Comm_split_type(world.handle(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &local);
-  int rank = 0, size = 1;
-  MPI_Comm_rank(local, &rank);
-  MPI_Comm_size(local, &size);
-  MPI_Comm_free(&local);
-  return {rank, size};
-}
 
 std::string today() {
   char text[16];
@@ -129,7 +118,7 @@ int run(int argc, char** argv, MpiCommunicator& world) {
         "test_distributed_expert_parallel_cpu)");
     return 1;
   }
-  const auto [local_rank, local_ranks] = host_rank(world);
+  const auto [local_rank, local_ranks] = world.host_rank();
   const int device = local_rank % devices;
   CUDA_CHECK(cudaSetDevice(device));
   int ranks_per_gpu = 0;  // the ranks of this host whose local rank maps to this device

@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "communicator.h"     // Communicator
+#include "comm/communicator.h"     // Communicator
 #include "core/phase_timer.h"  // PhaseTimer
-#include "device_exchange.h"  // DeviceExchange
+#include "comm/device_exchange.h"  // DeviceExchange
 #include "moe_config.h"       // Formulation
 
 namespace moe::dist::bench {

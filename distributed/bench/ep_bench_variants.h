@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "ep_bench_harness.h"
-#include "expert_parallel_gpu.h"  // PipelineChoice
+#include "ep/expert_parallel_gpu.h"  // PipelineChoice
 #include "moe_config.h"           // MoeConfig
 
 namespace moe::dist::bench {

@@ -9,7 +9,7 @@
 
 #include "bench_kernels.h"        // fill_exchange_pattern, count_pattern_mismatches
 #include "core/device_buffer.h"  // DeviceBuffer
-#include "device_all_to_all_2dh.h"  // DeviceHierarchicalAllToAll
+#include "comm/device_all_to_all_2dh.h"  // DeviceHierarchicalAllToAll
 #include "ep_bench_variants.h"
 
 namespace moe::dist::bench {

@@ -6,7 +6,7 @@
 
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "ep_bench_variants.h"
-#include "expert_parallel_kernels.h"  // routing_summary_words
+#include "ep/expert_parallel_kernels.h"  // routing_summary_words
 
 namespace moe::dist::bench {
 

@@ -12,7 +12,7 @@
 #include "bench_kernels.h"        // fill_uniform, count_mismatches
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "ep_bench_variants.h"
-#include "expert_parallel_gpu.h"  // ExpertParallelGpu
+#include "ep/expert_parallel_gpu.h"  // ExpertParallelGpu
 
 namespace moe::dist::bench {
 

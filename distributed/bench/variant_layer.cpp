@@ -20,7 +20,7 @@
 #include "bench_kernels.h"        // fill_uniform
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "ep_bench_variants.h"
-#include "expert_parallel_gpu.h"  // ExpertParallelGpu
+#include "ep/expert_parallel_gpu.h"  // ExpertParallelGpu
 #include "moe/block_sparse.h"     // expert_pointer_table
 #include "moe/moe_layer.h"        // MoeLayerGpu, layer_memory_bytes: the check
 

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "communicator.h"         // Communicator
-#include "device_exchange.h"      // DeviceExchange
-#include "expert_parallel_gpu.h"  // ExpertParallelGpuOptions
+#include "comm/communicator.h"         // Communicator
+#include "comm/device_exchange.h"      // DeviceExchange
+#include "ep/expert_parallel_gpu.h"  // ExpertParallelGpuOptions
 #include "model/model_ranks.h"    // ModelRanks, MoeBlockFfn
 
 namespace moe::dist {

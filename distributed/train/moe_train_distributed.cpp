@@ -40,15 +40,16 @@
 
 #include "core/device_info.h"      // why_no_gpu
 #include "expert_parallel_ranks.h"  // ExpertParallelRanks
-#include "watchdog.h"               // CollectiveWatchdog
-#include "mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
+#include "comm/watchdog.h"               // CollectiveWatchdog
+#include "fnv1a.h"                  // fnv1a_64: the configs' fingerprint
+#include "comm/mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
 #include "program_exit.h"           // whole_integer, finite_number
-#include "rank_agreement.h"         // check_on_every_rank, check_same_on_every_rank
+#include "comm/rank_agreement.h"         // check_on_every_rank, check_same_on_every_rank
 #include "stop_signal.h"            // install_stop_handlers, exit_status_for_signal
 #include "train/train_config.h"     // parse_arguments, validate, help_text, to_json
 #include "train/trainer.h"          // train, benchmark
 #if MOE_HAVE_NCCL
-#include "nccl_communicator.h"
+#include "comm/nccl_communicator.h"
 #endif
 
 namespace {
@@ -104,23 +105,6 @@ DistributedFlags split_flags(const std::vector<std::string>& arguments) {
   return flags;
 }
 
-// This rank's place among the ranks of its host: (local rank, local ranks).
-std::pair<int, int> host_rank(const MpiCommunicator& world) {
-  MPI_Comm local = MPI_COMM_NULL;
-  MPI_Comm_split_type(world.handle(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &local);
-  int rank = 0, size = 1;
-  MPI_Comm_rank(local, &rank);
-  MPI_Comm_size(local, &size);
-  MPI_Comm_free(&local);
-  return {rank, size};
-}
-
-uint64_t fingerprint(const std::string& text) {  // FNV-1a
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : text) hash = (hash ^ c) * 1099511628211ull;
-  return hash;
-}
-
 int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::dist::CollectiveWatchdog& watchdog) {
   const int rank = world.rank(), R = world.size();
   for (const std::string& argument : arguments) {
@@ -163,7 +147,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
     if (config.benchmark_steps == 0) moe::train::check_inputs(config, R);  // data, checkpoint, run directory
   });
   moe::dist::check_same_on_every_rank(world, "the settings of every rank",
-                                      fingerprint(moe::train::to_json(config).dump() + flags.backend +
+                                      moe::fnv1a_64(moe::train::to_json(config).dump() + flags.backend +
                                                   std::to_string(flags.pipeline_chunks)));
 
   // ---- one GPU per rank, or ranks sharing one ----
@@ -172,7 +156,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
   });
   int devices = 0;
   cudaGetDeviceCount(&devices);
-  const auto [local_rank, local_ranks] = host_rank(world);
+  const auto [local_rank, local_ranks] = world.host_rank();
   const int device = local_rank % devices;
   if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice(" + std::to_string(device) + ") failed");
   const bool own_gpu = local_ranks <= devices;

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "communicator.h"  // exclusive_prefix_sum
+#include "comm/communicator.h"  // exclusive_prefix_sum
 #include "mpi_test_support.h"
 
 namespace moe::dist::testing {

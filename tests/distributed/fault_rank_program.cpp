@@ -41,13 +41,13 @@
 #include <thread>
 #include <vector>
 
-#include "mpi_communicator.h"
-#include "watchdog.h"
+#include "comm/mpi_communicator.h"
+#include "comm/watchdog.h"
 
 #if MOE_FAULT_PROGRAM_NCCL
 #include <cuda_runtime.h>
 
-#include "nccl_communicator.h"  // NcclCommunicator::wait: the host's wait under the watchdog
+#include "comm/nccl_communicator.h"  // NcclCommunicator::wait: the host's wait under the watchdog
 #endif
 
 namespace {

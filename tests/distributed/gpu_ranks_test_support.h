@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "communicator.h"       // all_gather
+#include "comm/communicator.h"       // all_gather
 #include "core/device_info.h"   // why_no_gpu
 #include "mpi_test_support.h"   // world
 
@@ -24,7 +24,7 @@
 #define MOE_TEST_NCCL_BACKEND 0
 #endif
 #if MOE_TEST_NCCL_BACKEND
-#include "nccl_communicator.h"  // NcclCommunicator
+#include "comm/nccl_communicator.h"  // NcclCommunicator
 #endif
 
 namespace moe::dist::testing {

@@ -13,9 +13,9 @@
 #include <cstdio>
 #include <random>
 
-#include "mpi_communicator.h"
+#include "comm/mpi_communicator.h"
 #include "mpi_test_support.h"
-#include "watchdog.h"
+#include "comm/watchdog.h"
 
 namespace moe::dist::testing {
 

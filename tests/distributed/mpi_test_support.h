@@ -9,8 +9,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "communicator.h"
-#include "watchdog.h"  // CollectiveWatchdog
+#include "comm/communicator.h"
+#include "comm/watchdog.h"  // CollectiveWatchdog
 
 namespace moe::dist::testing {
 

@@ -11,8 +11,8 @@
 #include <numeric>
 #include <vector>
 
-#include "all_to_all_2dh.h"
-#include "communicator.h"
+#include "comm/all_to_all_2dh.h"
+#include "comm/communicator.h"
 #include "distributed_test_support.h"  // exchange_layout
 #include "mpi_test_support.h"
 

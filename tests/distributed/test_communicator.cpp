@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "communicator.h"
+#include "comm/communicator.h"
 #include "distributed_test_support.h"  // pair_count, pair_value, exchange_layout
 #include "mpi_test_support.h"
-#include "rank_agreement.h"  // check_same_on_every_rank
+#include "comm/rank_agreement.h"  // check_same_on_every_rank
 
 namespace moe::dist {
 namespace {

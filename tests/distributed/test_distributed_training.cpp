@@ -32,7 +32,7 @@
 #include "sample_text.h"            // write_sample_text
 #include "train/trainer.h"          // train
 #if MOE_TEST_NCCL_BACKEND
-#include "nccl_communicator.h"
+#include "comm/nccl_communicator.h"
 #endif
 
 namespace moe::dist {

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "expert_layouts.h"
+#include "ep/expert_layouts.h"
 #include "mpi_test_support.h"
 #include "reference_cpu/init.h"
 #include "reference_cpu/moe_layer.h"

@@ -33,8 +33,8 @@
 #include "core/device_buffer.h"       // DeviceBuffer
 #include "core/device_info.h"         // why_no_gpu
 #include "core/reference_bridge.h"    // round_bf16, bf16_of, matrix_of
-#include "expert_layout_choice_gpu.h" // choose_gpu_layout, measure_gpu_layouts
-#include "expert_parallel_gpu.h"      // ExpertParallelGpu, set_layout, check_gpu_layout
+#include "ep/expert_layout_choice_gpu.h" // choose_gpu_layout, measure_gpu_layouts
+#include "ep/expert_parallel_gpu.h"      // ExpertParallelGpu, set_layout, check_gpu_layout
 #include "moe/block_sparse.h"         // expert_pointer_table
 #include "expert_problem_test_support.h"  // base_config, make_problem, shards
 #include "gpu_ranks_test_support.h"  // GpuRanksTest
@@ -42,7 +42,7 @@
 #include "reference_cpu/init.h"       // random_matrix, random_weights
 #include "reference_cpu/moe_layer.h"  // moe_forward, moe_backward: the oracle
 #if MOE_TEST_NCCL_BACKEND
-#include "nccl_communicator.h"
+#include "comm/nccl_communicator.h"
 #endif
 
 namespace moe::dist {

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "all_to_all_2dh.h"
-#include "expert_parallel_cpu.h"
+#include "comm/all_to_all_2dh.h"
+#include "ep/expert_parallel_cpu.h"
 #include "mpi_test_support.h"
 #include "reference_cpu/init.h"
 #include "reference_cpu/moe_layer.h"

@@ -37,7 +37,7 @@
 #include "core/device_buffer.h"       // DeviceBuffer
 #include "core/device_info.h"         // why_no_gpu
 #include "core/reference_bridge.h"    // round_bf16, bf16_of, matrix_of
-#include "expert_parallel_gpu.h"      // ExpertParallelGpu
+#include "ep/expert_parallel_gpu.h"      // ExpertParallelGpu
 #include "moe/block_sparse.h"         // expert_pointer_table
 #include "moe/moe_layer.h"            // MoeLayerGpu: the oracle
 #include "expert_problem_test_support.h"  // base_config, make_problem, shards
@@ -46,7 +46,7 @@
 #include "reference_cpu/init.h"       // random_matrix, random_weights
 #include "reference_cpu/moe_layer.h"  // MoeWeights
 #if MOE_TEST_NCCL_BACKEND
-#include "nccl_communicator.h"
+#include "comm/nccl_communicator.h"
 #endif
 
 namespace moe::dist {

@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "expert_parallel_index.h"
-#include "expert_parallel_plan.h"
+#include "ep/expert_parallel_index.h"
+#include "ep/expert_parallel_plan.h"
 #include "mpi_test_support.h"
 #include "reference_cpu/dispatch.h"
 

@@ -16,7 +16,7 @@
 
 #include "distributed_test_support.h"  // pair_count, pair_value, exchange_layout
 #include "mpi_test_support.h"
-#include "nccl_communicator.h"
+#include "comm/nccl_communicator.h"
 
 namespace moe::dist {
 namespace {

@@ -13,7 +13,7 @@
 #include <thread>
 #include <unistd.h>  // _exit
 
-#include "watchdog.h"
+#include "comm/watchdog.h"
 
 namespace moe::dist {
 namespace {

@@ -23,7 +23,7 @@
 
 #include <string_view>
 
-#include "watchdog.h"  // CollectiveWatchdog
+#include "comm/watchdog.h"  // CollectiveWatchdog
 
 namespace moe::dist {
 

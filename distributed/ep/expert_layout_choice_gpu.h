@@ -25,8 +25,8 @@
 #include <cstdint>
 #include <span>
 
-#include "expert_layouts.h"       // LayoutChoice, LayoutCostModel, choose_layout
-#include "expert_parallel_gpu.h"  // ExpertParallelGpu, its weights and gradients
+#include "ep/layout_choice.h"     // LayoutChoice, LayoutCostModel, check_layout, choose_layout: Tutel's layouts r
+#include "ep/expert_parallel_gpu.h"  // ExpertParallelGpu, its weights and gradients
 
 namespace moe::dist {
 

@@ -1,5 +1,5 @@
 // rank_agreement.cpp: checks that end on every rank together (see rank_agreement.h).
-#include "rank_agreement.h"
+#include "comm/rank_agreement.h"
 
 #include <algorithm>
 #include <exception>

@@ -1,6 +1,6 @@
 // expert_layout_choice_gpu.cpp: the layout r of the GPU expert-parallel layer, by cost model or by
 // measurement (see expert_layout_choice_gpu.h).
-#include "expert_layout_choice_gpu.h"
+#include "ep/expert_layout_choice_gpu.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -8,7 +8,8 @@
 #include <vector>
 
 #include "core/cuda_check.h"  // CUDA_CHECK
-#include "rank_agreement.h"   // check_same_on_every_rank
+#include "comm/rank_agreement.h"   // check_same_on_every_rank
+#include "fnv1a.h"                // fnv1a_64_words: the candidates' fingerprint
 
 namespace moe::dist {
 
@@ -67,9 +68,8 @@ LayoutChoice measure_gpu_layouts(ExpertParallelGpu& layer, const bf16* x, int64_
     choice.candidates.assign(candidates.begin(), candidates.end());
     std::sort(choice.candidates.begin(), choice.candidates.end());
   }
-  uint64_t fingerprint = 0xcbf29ce484222325ull;  // FNV-1a over the candidates and the call count
-  for (int r : choice.candidates) fingerprint = (fingerprint ^ static_cast<uint64_t>(r)) * 0x100000001b3ull;
-  fingerprint = (fingerprint ^ static_cast<uint64_t>(timed_calls)) * 0x100000001b3ull;
+  uint64_t fingerprint = fnv1a_64_words({static_cast<uint64_t>(timed_calls)});  // the call count, then the candidates
+  for (int r : choice.candidates) fingerprint = fnv1a_64_words({static_cast<uint64_t>(r)}, fingerprint);
   check_same_on_every_rank(host, "measure_gpu_layouts: the candidates and timed_calls", fingerprint);
   if (choice.candidates.empty() || timed_calls < 1) {
     throw std::invalid_argument("measure_gpu_layouts: " + std::to_string(choice.candidates.size()) +

@@ -68,8 +68,9 @@
 #include <string>
 #include <vector>
 
-#include "communicator.h"          // Communicator
-#include "expert_parallel_cpu.h"   // ExpertParallelWeights (the storage), the r = 1 layer, RoutingOnRanks
+#include "comm/communicator.h"          // Communicator
+#include "ep/expert_parallel_cpu.h"   // ExpertParallelWeights (the storage), the r = 1 layer, RoutingOnRanks
+#include "ep/layout_choice.h"       // valid_layouts, check_layout, LayoutChoice, choose_layout
 #include "moe_config.h"            // MoeConfig
 #include "reference_cpu/dispatch.h"  // DispatchPlan
 #include "reference_cpu/types.h"   // Matrix, IndexVector
@@ -133,16 +134,6 @@ struct ExpertLayoutGradients {
   LayoutTraffic traffic;        // this rank's backward
 };
 
-// The r that are valid for this config on R ranks, ascending: 0, 1, then every r > 1 that divides
-// R and H. Throws as experts_per_rank does unless R divides E.
-std::vector<int> valid_layouts(const MoeConfig& config, int ranks);
-
-// Throws std::invalid_argument saying what is allowed unless r is one of valid_layouts().
-void check_layout(const MoeConfig& config, int ranks, int r);
-
-// "r=0 data parallel", "r=1 expert parallel", "r=2 sharded over 2 ranks along H".
-std::string layout_name(int r);
-
 ExpertLayoutForward expert_layout_forward(Communicator& communicator, const MoeConfig& config,
                                           const ref::Matrix& x,  // [T_r, D]
                                           const ExpertParallelWeights& stored,
@@ -156,45 +147,7 @@ ExpertLayoutGradients expert_layout_backward(Communicator& communicator, const M
                                              const ExpertLayoutForward& forward,
                                              const ref::Matrix& dy);  // [T_r, D]
 
-// ---- the choice ----
-
-// The inputs of the cost model. A step's time on the busiest rank is
-//   collectives * latency_us + bytes sent / bytes_per_us + expert FLOPs / expert_flops_per_us,
-// the bytes and FLOPs those of one training step (forward + backward = 3 forward products).
-struct LayoutCostModel {
-  double latency_us = 10.0;             // the fixed cost of one collective
-  double bytes_per_us = 10e3;           // what one rank sends per microsecond (10 GB/s)
-  double expert_flops_per_us = 10e6;    // the expert products' rate (10 TFLOP/s)
-  double bytes_per_element = 8.0;       // 8: double, the CPU ranks; 2: bf16 on GPUs
-};
-
-struct LayoutEstimate {
-  int r = 1;
-  double weight_bytes = 0;   // the busiest rank's, one step
-  double token_bytes = 0;
-  int collectives = 0;       // the layout's collectives a step (weights and token exchanges)
-  double expert_flops = 0;   // the busiest rank's, one step
-  double communication_us = 0;
-  double compute_us = 0;
-  double total_us = 0;
-};
-
-struct LayoutChoice {
-  int r = 1;
-  std::string by;                          // "cost model" or "measurement"
-  std::vector<int> candidates;             // the r considered, ascending
-  std::vector<LayoutEstimate> estimates;   // cost model: one per candidate
-  std::vector<double> measured_us;         // measurement: one per candidate, the median over the timed
-                                           // calls of the slowest rank's forward + backward
-};
-
-// The cheapest valid layout by the cost model, from the kept counts of a step (kept_per_rank_expert
-// [R, E], e.g. from the previous call's forward; empty: uniform routing, T K / (R E) a rank and
-// expert, at most C / R when capacity applies). Padded rows up to C count as computed rows; the
-// dropless rounding up to B is left out. Pure arithmetic: every rank that passes the same inputs
-// gets the same choice. Ties keep the smaller r.
-LayoutChoice choose_layout(const MoeConfig& config, int ranks, std::span<const int64_t> kept_per_rank_expert,
-                           const LayoutCostModel& model);
+// ---- the choice by measurement (the cost model: layout_choice.h) ----
 
 // Times a forward and backward in each candidate layout (one untimed call each first, then
 // timed_calls calls); a call's time is the slowest rank's, agreed by an all-gather, so every rank

@@ -30,7 +30,7 @@
 #include <span>
 #include <vector>
 
-#include "communicator.h"
+#include "comm/communicator.h"
 
 namespace moe::dist {
 

@@ -1,7 +1,7 @@
 // device_exchange.cpp: collectives over device buffers on either backend (see device_exchange.h).
 //
 // Sections: ---- helpers ----  ---- host collectives over NCCL ----  ---- DeviceExchange ----
-#include "device_exchange.h"
+#include "comm/device_exchange.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -9,7 +9,7 @@
 #include <vector>
 
 #if MOE_HAVE_NCCL
-#include "nccl_communicator.h"  // NcclCommunicator: set_stream, stream
+#include "comm/nccl_communicator.h"  // NcclCommunicator: set_stream, stream
 #endif
 
 namespace moe::dist {

@@ -5,7 +5,7 @@
 // Sections: ---- settings ----  ---- buffers ----  ---- construction ----  ---- Tutel's layouts ----
 //           ---- forward ----  ---- adaptive pipelining ----  ---- the pipeline ----
 //           ---- the local experts ----  ---- backward ----
-#include "expert_parallel_gpu.h"
+#include "ep/expert_parallel_gpu.h"
 
 #include <nvtx3/nvToolsExt.h>  // nvtxRangePushA, nvtxRangePop: the phases on Nsight's timeline
 
@@ -18,12 +18,12 @@
 #include <string>
 
 #include "core/cuda_check.h"          // CUDA_CHECK
-#include "expert_parallel_cpu.h"      // experts_per_rank, config_fingerprint: the CPU layer's rules
-#include "expert_parallel_kernels.h"  // pack_routing_summary, build_send_order, build_expert_rows, ...
+#include "ep/placement.h"  // experts_per_rank, config_fingerprint: the rules every layer shares
+#include "ep/expert_parallel_kernels.h"  // pack_routing_summary, build_send_order, build_expert_rows, ...
 #include "moe/activation.h"           // gelu_forward, gelu_backward (padded experts)
 #include "moe/block_sparse.h"         // block_sparse_ffn_forward / backward, expert_pointer_table
 #include "moe/permute.h"              // permute_tokens, unpermute_and_combine, combine_backward, permute_backward
-#include "rank_agreement.h"           // check_on_every_rank, check_same_on_every_rank
+#include "comm/rank_agreement.h"           // check_on_every_rank, check_same_on_every_rank
 
 namespace moe::dist {
 

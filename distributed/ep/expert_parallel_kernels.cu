@@ -1,12 +1,12 @@
 // expert_parallel_kernels.cu: the expert-parallel layer's own kernels (see expert_parallel_kernels.h).
 // Each is a short index pass or a copy; none needs atomics, because every index map here is one to one.
-#include "expert_parallel_kernels.h"
+#include "ep/expert_parallel_kernels.h"
 
 #include <algorithm>
 #include <cstring>
 
 #include "core/cuda_check.h"        // CUDA_CHECK
-#include "expert_parallel_index.h"  // send_row_of, received_row_of, slice_element, partial_row_of
+#include "ep/expert_parallel_index.h"  // send_row_of, received_row_of, slice_element, partial_row_of
 
 namespace moe::dist {
 

@@ -1,11 +1,11 @@
 // nccl_communicator.cpp: the NCCL backend over device buffers (see nccl_communicator.h).
-#include "nccl_communicator.h"
+#include "comm/nccl_communicator.h"
 
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "nccl_wait.h"  // wait_for: the host's wait on the stream, under the watchdog
+#include "comm/nccl_wait.h"  // wait_for: the host's wait on the stream, under the watchdog
 
 namespace moe::dist {
 

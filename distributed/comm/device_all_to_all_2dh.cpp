@@ -1,12 +1,12 @@
 // device_all_to_all_2dh.cpp: Tutel's 2DH all-to-all over GPU buffers (see device_all_to_all_2dh.h).
-#include "device_all_to_all_2dh.h"
+#include "comm/device_all_to_all_2dh.h"
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "rank_agreement.h"  // check_same_on_every_rank
+#include "comm/rank_agreement.h"  // check_same_on_every_rank
 
 namespace moe::dist {
 

@@ -32,9 +32,9 @@
 #include <memory>
 #include <span>
 
-#include "all_to_all_2dh.h"   // plan_hierarchical_all_to_all, HierarchicalSteps
-#include "communicator.h"     // Communicator, DataType
-#include "device_exchange.h"  // DeviceExchange
+#include "comm/all_to_all_2dh.h"   // plan_hierarchical_all_to_all, HierarchicalSteps
+#include "comm/communicator.h"     // Communicator, DataType
+#include "comm/device_exchange.h"  // DeviceExchange
 
 namespace moe::dist {
 

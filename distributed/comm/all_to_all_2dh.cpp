@@ -1,12 +1,12 @@
 // all_to_all_2dh.cpp: Tutel's two-dimensional hierarchical all-to-all (see all_to_all_2dh.h).
-#include "all_to_all_2dh.h"
+#include "comm/all_to_all_2dh.h"
 
 #include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
 
-#include "rank_agreement.h"  // check_same_on_every_rank
+#include "comm/rank_agreement.h"  // check_same_on_every_rank
 
 namespace moe::dist {
 

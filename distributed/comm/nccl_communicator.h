@@ -25,8 +25,8 @@
 #include <cuda_runtime.h>  // cudaStream_t
 #include <nccl.h>
 
-#include "communicator.h"
-#include "watchdog.h"  // CollectiveWatchdog
+#include "comm/communicator.h"
+#include "comm/watchdog.h"  // CollectiveWatchdog
 
 namespace moe::dist {
 

@@ -1,6 +1,6 @@
 // expert_parallel_plan.cpp: the exchange of one forward of the expert-parallel layer on the GPU,
 // from the R x E count matrix (see expert_parallel_plan.h).
-#include "expert_parallel_plan.h"
+#include "ep/expert_parallel_plan.h"
 
 #include <algorithm>
 #include <numeric>

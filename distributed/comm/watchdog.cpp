@@ -1,6 +1,6 @@
 // watchdog.cpp: the collective watchdog's thread, its guards and the way it ends a process (see
 // watchdog.h).
-#include "watchdog.h"
+#include "comm/watchdog.h"
 
 #include <unistd.h>  // write, _exit
 

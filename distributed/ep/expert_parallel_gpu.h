@@ -139,15 +139,15 @@
 #include <memory>
 #include <vector>
 
-#include "communicator.h"            // Communicator
+#include "comm/communicator.h"            // Communicator
 #include "core/bf16.h"               // bf16
 #include "core/device_buffer.h"      // DeviceBuffer
 #include "core/gemm.h"               // CublasHandle
 #include "core/phase_timer.h"        // PhaseTimer
-#include "device_all_to_all_2dh.h"   // DeviceHierarchicalAllToAll
-#include "device_exchange.h"         // DeviceExchange
-#include "expert_layouts.h"          // LayoutChoice, check_layout: Tutel's layouts r
-#include "expert_parallel_plan.h"    // ExchangePlan
+#include "comm/device_all_to_all_2dh.h"   // DeviceHierarchicalAllToAll
+#include "comm/device_exchange.h"         // DeviceExchange
+#include "ep/layout_choice.h"     // LayoutChoice, LayoutCostModel, check_layout, choose_layout: Tutel's layouts r
+#include "ep/expert_parallel_plan.h"    // ExchangePlan
 #include "moe/dispatch.h"            // DispatchPlanBuffers
 #include "moe/router.h"              // RouterWorkspace
 #include "moe/topology.h"            // TopologyBuffers

@@ -8,7 +8,7 @@
 #include <functional>
 #include <string_view>
 
-#include "communicator.h"
+#include "comm/communicator.h"
 
 namespace moe::dist {
 

@@ -1,6 +1,6 @@
 // nccl_wait.cpp: the host's wait for NCCL work, polling the stream and NCCL's asynchronous error
 // under the watchdog (see nccl_wait.h).
-#include "nccl_wait.h"
+#include "comm/nccl_wait.h"
 
 #include <chrono>
 #include <stdexcept>

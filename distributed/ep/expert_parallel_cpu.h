@@ -52,7 +52,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "communicator.h"               // Communicator
+#include "comm/communicator.h"           // Communicator
+#include "ep/placement.h"               // experts_per_rank, config_fingerprint
 #include "moe_config.h"                 // MoeConfig
 #include "reference_cpu/dispatch.h"     // DispatchPlan
 #include "reference_cpu/moe_layer.h"    // MoeWeights
@@ -77,15 +78,9 @@ struct ExpertParallelOptions {
   HierarchicalAllToAll* hierarchical = nullptr;
 };
 
-// E_r = E / R; throws std::invalid_argument unless R divides E.
-int64_t experts_per_rank(const MoeConfig& config, int ranks);
-
 // The weights rank `rank` of `ranks` holds: the router, and its E_r experts (tests and lessons
 // slice the single-device weights with it).
 ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeights& all, int rank, int ranks);
-
-// A hash of every field of the config: ranks compare it before any work.
-uint64_t config_fingerprint(const MoeConfig& config);
 
 // The forward's checks, collective: the configs and options agree between ranks, the config is
 // valid, R divides E, and each rank's x and weights have their shapes; otherwise

@@ -1,5 +1,5 @@
 // communicator.cpp: element types and the argument checks every backend shares (see communicator.h).
-#include "communicator.h"
+#include "comm/communicator.h"
 
 namespace moe::dist {
 

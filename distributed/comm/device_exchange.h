@@ -33,7 +33,7 @@
 #include <span>
 #include <string_view>
 
-#include "communicator.h"  // Communicator, DataType
+#include "comm/communicator.h"  // Communicator, DataType
 
 namespace moe::dist {
 

@@ -16,8 +16,8 @@
 
 #include <mpi.h>
 
-#include "communicator.h"
-#include "watchdog.h"  // CollectiveWatchdog
+#include "comm/communicator.h"
+#include "comm/watchdog.h"  // CollectiveWatchdog
 
 namespace moe::dist {
 
@@ -51,6 +51,14 @@ class MpiCommunicator final : public Communicator {
   std::string_view backend() const override { return "mpi"; }
   MPI_Comm handle() const { return communicator_; }
   CollectiveWatchdog* watchdog() const { return watchdog_; }
+
+  // This rank's place among the ranks of its host (MPI_COMM_TYPE_SHARED): a program picks its GPU
+  // as host_rank().rank modulo the host's GPUs. Collective.
+  struct HostRank {
+    int rank = 0;   // among the ranks of this host
+    int ranks = 1;  // ranks on this host
+  };
+  HostRank host_rank() const;
 
   void all_to_all_v(const void* send, std::span<const int64_t> send_counts,
                     std::span<const int64_t> send_offsets, void* recv,

@@ -3,7 +3,7 @@
 //
 // Sections: ---- placement and settings ----  ---- the token exchange ----  ---- chunks ----
 //           ---- forward ----  ---- backward ----
-#include "expert_parallel_cpu.h"
+#include "ep/expert_parallel_cpu.h"
 
 #include <algorithm>
 #include <bit>
@@ -11,8 +11,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "all_to_all_2dh.h"            // HierarchicalAllToAll
-#include "rank_agreement.h"            // check_on_every_rank, check_same_on_every_rank
+#include "comm/all_to_all_2dh.h"            // HierarchicalAllToAll
+#include "comm/rank_agreement.h"            // check_on_every_rank, check_same_on_every_rank
 #include "reference_cpu/checks.h"      // check_shape, check_finite, check_expert_matrices
 #include "reference_cpu/expert_ffn.h"  // expert_ffn_forward / backward, ExpertActivations
 
@@ -22,15 +22,6 @@ using ref::IndexVector;
 using ref::Matrix;
 
 // ---- placement and settings ----
-
-int64_t experts_per_rank(const MoeConfig& config, int ranks) {
-  if (ranks < 1 || config.num_experts % ranks != 0) {
-    throw std::invalid_argument("expert parallelism places E / R experts on every rank: E = " +
-                                std::to_string(config.num_experts) + " is not divisible by R = " +
-                                std::to_string(ranks) + " ranks; choose E a multiple of R");
-  }
-  return config.num_experts / ranks;
-}
 
 ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeights& all, int rank, int ranks) {
   const int64_t per_rank = experts_per_rank(config, ranks);
@@ -53,26 +44,6 @@ ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeigh
   return mine;
 }
 
-uint64_t config_fingerprint(const MoeConfig& c) {
-  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a over each field's 64-bit value
-  auto add = [&hash](uint64_t value) {
-    for (int byte = 0; byte < 8; ++byte) {
-      hash ^= (value >> (8 * byte)) & 0xff;
-      hash *= 0x100000001b3ull;
-    }
-  };
-  for (int64_t field : {c.tokens, c.model_dim, c.hidden_dim, c.num_experts, c.top_k, c.block_size}) {
-    add(static_cast<uint64_t>(field));
-  }
-  add(static_cast<uint64_t>(c.formulation));
-  add(static_cast<uint64_t>(c.activation));
-  add(c.renormalize ? 1 : 0);
-  add(c.seed);
-  for (double field : {c.capacity_factor, c.jitter_eps, c.aux_loss_coef, c.z_loss_coef}) {
-    add(std::bit_cast<uint64_t>(field));
-  }
-  return hash;
-}
 
 // Settings first (the same on every rank, so the same outcome everywhere), then this rank's own
 // inputs, whose failure every rank reports together.

@@ -1,5 +1,5 @@
 // mpi_communicator.cpp: the MPI backend over host buffers (see mpi_communicator.h).
-#include "mpi_communicator.h"
+#include "comm/mpi_communicator.h"
 
 #include <climits>
 #include <cstring>
@@ -183,6 +183,16 @@ void MpiCommunicator::broadcast(void* buffer, int64_t count, DataType type, int 
 void MpiCommunicator::barrier() {
   const auto armed = arm(watchdog_, "barrier (MPI_Barrier)");
   check_mpi(MPI_Barrier(communicator_), "MPI_Barrier");
+}
+
+MpiCommunicator::HostRank MpiCommunicator::host_rank() const {
+  MPI_Comm local = MPI_COMM_NULL;
+  MPI_Comm_split_type(communicator_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
+  HostRank place;
+  MPI_Comm_rank(local, &place.rank);
+  MPI_Comm_size(local, &place.ranks);
+  MPI_Comm_free(&local);
+  return place;
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
