@@ -5,6 +5,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "enum_names.h"  // EnumNames, name_of, parse_name
+
 namespace moe {
 
 namespace {
@@ -65,35 +67,17 @@ int64_t w1_columns(const MoeConfig& c) {
   return c.activation == Activation::swiglu ? 2 * c.hidden_dim : c.hidden_dim;
 }
 
-std::string_view to_string(Formulation f) {
-  switch (f) {
-    case Formulation::dropping: return "dropping";
-    case Formulation::padded: return "padded";
-    case Formulation::dropless: return "dropless";
-  }
-  return "unknown";
-}
+namespace {
 
-std::string_view to_string(Activation a) {
-  switch (a) {
-    case Activation::gelu: return "gelu";
-    case Activation::swiglu: return "swiglu";
-  }
-  return "unknown";
-}
+constexpr EnumNames<Formulation, 3> kFormulations{{
+    {Formulation::dropping, "dropping"}, {Formulation::padded, "padded"}, {Formulation::dropless, "dropless"}}};
+constexpr EnumNames<Activation, 2> kActivations{{{Activation::gelu, "gelu"}, {Activation::swiglu, "swiglu"}}};
 
-Formulation parse_formulation(std::string_view text) {
-  if (text == "dropping") return Formulation::dropping;
-  if (text == "padded") return Formulation::padded;
-  if (text == "dropless") return Formulation::dropless;
-  throw std::invalid_argument("unknown formulation '" + std::string(text) +
-                              "'; allowed: dropping, padded, dropless");
-}
+}  // namespace
 
-Activation parse_activation(std::string_view text) {
-  if (text == "gelu") return Activation::gelu;
-  if (text == "swiglu") return Activation::swiglu;
-  throw std::invalid_argument("unknown activation '" + std::string(text) + "'; allowed: gelu, swiglu");
-}
+std::string_view to_string(Formulation f) { return name_of(kFormulations, f); }
+std::string_view to_string(Activation a) { return name_of(kActivations, a); }
+Formulation parse_formulation(std::string_view text) { return parse_name(kFormulations, text, "formulation"); }
+Activation parse_activation(std::string_view text) { return parse_name(kActivations, text, "activation"); }
 
 }  // namespace moe

@@ -35,7 +35,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moe_config.h"       // MoeConfig
-#include "moe_config_json.h"  // MoeConfig <-> JSON
+#include "config_json.h"  // MoeConfig <-> JSON
 #include "record_error.h"     // RecordError
 #include "run_events.h"       // event types and helpers
 

@@ -12,7 +12,7 @@
 #include "core/cuda_check.h"        // CUDA_CHECK
 #include "core/device_buffer.h"     // DeviceBuffer
 #include "core/device_info.h"       // why_no_gpu
-#include "core/reference_bridge.h"  // bf16_of, matrix_of
+#include "bridge/reference_bridge.h"  // bf16_of, matrix_of
 #include "moe/block_sparse.h"       // expert_pointer_table
 #if MOE_HAVE_NCCL
 #include "comm/nccl_communicator.h"      // NcclCommunicator

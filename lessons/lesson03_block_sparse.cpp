@@ -29,7 +29,7 @@
 #ifdef MOE_LESSON_HAS_CUDA
 #include "moe/block_sparse.h"       // moe::cuda::block_sparse_ffn_forward
 #include "core/bf16.h"              // bf16, to_bf16
-#include "moe/block_sparse_host.h"  // upload_topology
+#include "bridge/reference_topology.h"  // upload_topology
 #include "core/cuda_check.h"        // CUDA_CHECK
 #include "core/device_buffer.h"     // DeviceBuffer
 #include "core/device_info.h"       // gpu_available, why_no_gpu, current_device

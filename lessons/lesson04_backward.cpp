@@ -29,7 +29,7 @@
 #include "core/device_buffer.h"     // DeviceBuffer
 #include "core/device_info.h"       // gpu_available, why_no_gpu, current_device
 #include "moe/moe_layer.h"          // MoeLayerGpu
-#include "core/reference_bridge.h"  // round_bf16, bf16_of, matrix_of
+#include "bridge/reference_bridge.h"  // round_bf16, bf16_of, matrix_of
 #endif
 
 using namespace moe;

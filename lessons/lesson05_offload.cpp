@@ -216,12 +216,12 @@ int main(int argc, char** argv) {
   const auto options = lessons::parse_options(int(rest.size()), rest.data(), "lesson05_offload", "runs/lesson05_offload");
 
   // ---- 1. the PCIe arithmetic ----
-  ref::ModelConfig small;
+  ModelConfig small;
   small.model_dim = 32, small.num_layers = 4, small.num_heads = 2, small.seq_len = 32;
-  small.moe_layers = ref::MoeLayers::every_block;
+  small.moe_layers = MoeLayers::every_block;
   small.num_experts = 8, small.top_k = 2, small.expert_hidden_dim = 32, small.block_size = 16;
   small.pregated = true;
-  auto writer = lessons::create_lesson_run(options, "lesson05_offload", "05", ref::moe_layer_config(small, 1));
+  auto writer = lessons::create_lesson_run(options, "lesson05_offload", "05", moe_layer_config(small, 1));
   std::cout << "Lesson 05: offloaded experts and Pre-gated MoE\n\n";
 
   Table arithmetic("Table 1: the PCIe arithmetic at 54.9 GB/s (pinned, H100, 2026-11-25), batch 1, every chosen expert a miss",

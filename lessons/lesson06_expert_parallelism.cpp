@@ -36,7 +36,7 @@
 #include "comm/mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
 #include "reference_cpu/moe_layer.h"     // moe_forward, moe_backward: the oracle
 #ifdef MOE_LESSON_HAS_CUDA
-#include "core/reference_bridge.h"       // round_bf16
+#include "bridge/reference_bridge.h"       // round_bf16
 #include "distributed_lesson_gpu.h"      // open_gpu_ranks, GpuLessonLayer
 #endif
 

@@ -42,7 +42,7 @@
 #include "moe_layer.h"                   // ref::moe_forward / moe_backward, the oracle of section 4
 #include "comm/mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
 #ifdef MOE_LESSON_HAS_CUDA
-#include "core/reference_bridge.h"       // round_bf16
+#include "bridge/reference_bridge.h"       // round_bf16
 #include "distributed_lesson_gpu.h"      // open_gpu_ranks, GpuLessonLayer
 #include "ep/expert_layout_choice_gpu.h"    // choose_gpu_layout: the cost model on the GPU path
 #include "reference_cpu/moe_layer.h"     // moe_forward: the check

@@ -183,7 +183,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   moe::RunWriter writer = moe::lessons::create_lesson_run(
-      options, "lesson08_quality", "08", moe::ref::moe_layer_config(trained.model, trained.batch),
+      options, "lesson08_quality", "08", moe::moe_layer_config(trained.model, trained.batch),
       {"reads GPU training runs from " + runs_directory.string()});
 
   // Group by variant; compare at the last step every run of the group evaluated.

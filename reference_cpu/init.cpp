@@ -3,14 +3,15 @@
 
 #include <cmath>
 
+#include "uniform.h"  // uniform_symmetric
+
 namespace moe::ref {
 
 Matrix random_matrix(int64_t rows, int64_t cols, std::mt19937_64& generator, double scale) {
   Matrix m(rows, cols);
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t j = 0; j < cols; ++j) {
-      const double u = static_cast<double>(generator() >> 11) * 0x1.0p-53;
-      m(i, j) = scale * (2.0 * u - 1.0);
+      m(i, j) = uniform_symmetric(generator, scale);
     }
   }
   return m;

@@ -1,9 +1,8 @@
 // init.h: reproducible random tensors and layer weights for tests, lessons and GPU comparisons.
 // Part of the CPU reference (moe::ref).
 //
-// Values come from std::mt19937_64(seed) with our own uniform (word >> 11) * 2^-53, not from
-// <random>'s distributions, whose algorithms differ between standard libraries: the same seed gives
-// the same tensor on every platform, so a GPU program can regenerate an input instead of loading it.
+// Values come from std::mt19937_64(seed) through common/uniform.h's draw: the same seed gives the
+// same tensor on every platform, so a GPU program can regenerate an input instead of loading it.
 #pragma once
 
 #include <cstdint>

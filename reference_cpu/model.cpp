@@ -3,12 +3,10 @@
 
 #include <algorithm>  // lower_bound, upper_bound over the MoE blocks
 #include <cmath>
-#include <random>
 #include <sstream>
 #include <stdexcept>
 
 #include "checks.h"          // check_shape, check_finite
-#include "init.h"            // random_matrix
 #include "pregated_layer.h"  // pregated_moe_forward / backward
 
 namespace moe::ref {
@@ -17,42 +15,41 @@ namespace {
 
 // ---- the one walk over the parameters ----
 
-// What a parameter is, for the initialisation and for the weight decay.
-enum class ParameterKind { matrix, residual_projection, gain, bias };
-
-// Calls visit(name, matrix, kind) for every parameter of w in the fixed order of model.h.
+// Calls visit(matrix) for every parameter of w in parameter_layout's order (common/parameter_layout.h).
 // Weights is ModelWeights or const ModelWeights.
 template <typename Weights, typename Visit>
-void for_each_parameter(const ModelConfig& config, Weights& w, Visit&& visit) {
-  visit("token_embedding", w.token_embedding, ParameterKind::matrix);
-  visit("position_embedding", w.position_embedding, ParameterKind::matrix);
+void for_each_matrix(const ModelConfig& config, Weights& w, Visit&& visit) {
+  visit(w.token_embedding);
+  visit(w.position_embedding);
   for (int64_t i = 0; i < config.num_layers; ++i) {
     auto& block = w.blocks[i];
-    const std::string prefix = "blocks." + std::to_string(i) + ".";
-    visit(prefix + "ln1.gain", block.ln1.gain, ParameterKind::gain);
-    visit(prefix + "ln1.bias", block.ln1.bias, ParameterKind::bias);
-    visit(prefix + "attention.qkv", block.qkv_weights, ParameterKind::matrix);
-    visit(prefix + "attention.out", block.out_weights, ParameterKind::residual_projection);
-    visit(prefix + "ln2.gain", block.ln2.gain, ParameterKind::gain);
-    visit(prefix + "ln2.bias", block.ln2.bias, ParameterKind::bias);
+    visit(block.ln1.gain);
+    visit(block.ln1.bias);
+    visit(block.qkv_weights);
+    visit(block.out_weights);
+    visit(block.ln2.gain);
+    visit(block.ln2.bias);
     if (is_moe_block(config, i)) {
-      visit(prefix + "moe.gate", block.moe.gate_weights, ParameterKind::matrix);
-      for (int64_t e = 0; e < config.num_experts; ++e) {
-        visit(prefix + "moe.w1." + std::to_string(e), block.moe.w1[e], ParameterKind::matrix);
-      }
-      for (int64_t e = 0; e < config.num_experts; ++e) {
-        visit(prefix + "moe.w2." + std::to_string(e), block.moe.w2[e], ParameterKind::residual_projection);
-      }
+      visit(block.moe.gate_weights);
+      for (int64_t e = 0; e < config.num_experts; ++e) visit(block.moe.w1[e]);
+      for (int64_t e = 0; e < config.num_experts; ++e) visit(block.moe.w2[e]);
     } else {
-      visit(prefix + "ffn.w1", block.ffn_w1, ParameterKind::matrix);
-      visit(prefix + "ffn.w2", block.ffn_w2, ParameterKind::residual_projection);
+      visit(block.ffn_w1);
+      visit(block.ffn_w2);
     }
   }
-  visit("final_ln.gain", w.final_ln.gain, ParameterKind::gain);
-  visit("final_ln.bias", w.final_ln.bias, ParameterKind::bias);
+  visit(w.final_ln.gain);
+  visit(w.final_ln.bias);
 }
 
-bool decays(ParameterKind kind) { return kind == ParameterKind::matrix || kind == ParameterKind::residual_projection; }
+// Calls visit(info, matrix) for every parameter of w: each entry of parameter_layout beside the
+// matrix of this reference that holds it.
+template <typename Weights, typename Visit>
+void for_each_parameter(const ModelConfig& config, Weights& w, Visit&& visit) {
+  const std::vector<ParameterInfo> layout = parameter_layout(config);
+  size_t index = 0;
+  for_each_matrix(config, w, [&](auto& m) { visit(layout[index++], m); });
+}
 
 LayerNormWeights zero_layer_norm(int64_t D) { return {Matrix::Zero(1, D), Matrix::Zero(1, D)}; }
 
@@ -106,52 +103,40 @@ ModelWeights zero_weights(const ModelConfig& config) {
 }
 
 ModelWeights init_model(const ModelConfig& config, uint64_t seed) {
+  return from_flat(config, initial_parameters(config, seed));
+}
+
+std::vector<double> to_flat(const ModelConfig& config, const ModelWeights& weights) {
+  std::vector<double> flat(static_cast<size_t>(parameter_count(config)));
+  for_each_parameter(config, weights, [&](const ParameterInfo& p, const Matrix& m) {
+    check_shape(p.name, m, p.rows, p.cols, "the shape in parameter_layout");
+    std::copy(m.data(), m.data() + m.size(), flat.begin() + p.offset);  // row-major, as the list stores it
+  });
+  return flat;
+}
+
+ModelWeights from_flat(const ModelConfig& config, std::span<const double> flat) {
+  if (static_cast<int64_t>(flat.size()) != parameter_count(config)) {
+    throw std::invalid_argument("from_flat: " + std::to_string(flat.size()) + " values; the model has " +
+                                std::to_string(parameter_count(config)) + " parameters");
+  }
   ModelWeights w = zero_weights(config);
-  std::mt19937_64 generator(seed);
-  const double uniform_to_std = std::sqrt(3.0);  // U(-a, a) has standard deviation a / sqrt(3)
-  const double matrix_std = 0.02;
-  const double residual_std = matrix_std / std::sqrt(2.0 * static_cast<double>(config.num_layers));
-  for_each_parameter(config, w, [&](const std::string&, Matrix& m, ParameterKind kind) {
-    switch (kind) {
-      case ParameterKind::matrix:
-        m = random_matrix(m.rows(), m.cols(), generator, uniform_to_std * matrix_std);
-        break;
-      case ParameterKind::residual_projection:
-        m = random_matrix(m.rows(), m.cols(), generator, uniform_to_std * residual_std);
-        break;
-      case ParameterKind::gain: m.setOnes(); break;
-      case ParameterKind::bias: m.setZero(); break;
-    }
+  for_each_parameter(config, w, [&](const ParameterInfo& p, Matrix& m) {
+    m = Eigen::Map<const Matrix>(flat.data() + p.offset, p.rows, p.cols);
   });
   return w;
 }
 
-std::vector<ParameterInfo> parameter_layout(const ModelConfig& config) {
-  const ModelWeights shapes = zero_weights(config);
-  std::vector<ParameterInfo> layout;
-  int64_t offset = 0;
-  for_each_parameter(config, shapes, [&](const std::string& name, const Matrix& m, ParameterKind kind) {
-    layout.push_back({name, m.rows(), m.cols(), offset, decays(kind)});
-    offset += m.size();
-  });
-  return layout;
-}
-
-int64_t parameter_count(const ModelConfig& config) {
-  const std::vector<ParameterInfo> layout = parameter_layout(config);
-  return layout.back().offset + layout.back().rows * layout.back().cols;
-}
-
 std::vector<Parameter> parameters(const ModelConfig& config, ModelWeights& values, ModelGradients& gradients) {
   std::vector<Parameter> list;
-  for_each_parameter(config, values, [&](const std::string& name, Matrix& m, ParameterKind kind) {
-    list.push_back({name, decays(kind), &m, nullptr});
+  for_each_parameter(config, values, [&](const ParameterInfo& p, Matrix& m) {
+    list.push_back({p.name, p.weight_decay, &m, nullptr});
   });
   size_t index = 0;
-  for_each_parameter(config, gradients, [&](const std::string& name, Matrix& m, ParameterKind) {
+  for_each_parameter(config, gradients, [&](const ParameterInfo& p, Matrix& m) {
     if (m.rows() != list[index].value->rows() || m.cols() != list[index].value->cols()) {
       std::ostringstream message;
-      message << "gradient " << name << " has shape [" << m.rows() << ", " << m.cols() << "]; expected its value's ["
+      message << "gradient " << p.name << " has shape [" << m.rows() << ", " << m.cols() << "]; expected its value's ["
               << list[index].value->rows() << ", " << list[index].value->cols() << "]";
       throw std::invalid_argument(message.str());
     }
@@ -168,12 +153,9 @@ void check_model_weights(const ModelConfig& config, const ModelWeights& weights)
     throw std::invalid_argument("weights have " + std::to_string(weights.blocks.size()) +
                                 " blocks; expected num_layers (L) = " + std::to_string(config.num_layers));
   }
-  const std::vector<ParameterInfo> layout = parameter_layout(config);
-  size_t index = 0;
-  for_each_parameter(config, weights, [&](const std::string& name, const Matrix& m, ParameterKind) {
-    const ParameterInfo& info = layout[index++];
-    check_shape(name, m, info.rows, info.cols, "the shape in parameter_layout");
-    check_finite(name, m);
+  for_each_parameter(config, weights, [&](const ParameterInfo& p, const Matrix& m) {
+    check_shape(p.name, m, p.rows, p.cols, "the shape in parameter_layout");
+    check_finite(p.name, m);
   });
 }
 

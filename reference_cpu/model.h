@@ -32,19 +32,13 @@
 // read block m_j's own LN2(x). The gate is trained with the model: its gradient flows into block
 // m_{j-1}'s LN2 and everything before it. The last MoE block's input feeds no later gate.
 //
-// Parameters, in the one fixed order of the flat list (parameters(), parameter_layout()):
-//   token_embedding [V, D], position_embedding [S, D],
-//   per block i: blocks.i.ln1.gain [1, D], blocks.i.ln1.bias [1, D],
-//                blocks.i.attention.qkv [D, 3D], blocks.i.attention.out [D, D],
-//                blocks.i.ln2.gain [1, D], blocks.i.ln2.bias [1, D],
-//                dense block: blocks.i.ffn.w1 [D, H_dense], blocks.i.ffn.w2 [H_dense, D]
-//                MoE block:   blocks.i.moe.gate [D, E], blocks.i.moe.w1.e [D, w1_columns] for e < E,
-//                             blocks.i.moe.w2.e [H, D] for e < E
-//   final_ln.gain [1, D], final_ln.bias [1, D]
+// Parameters: the flat list of common/parameter_layout.h (names, shapes, order, initialisation);
+// parameters() hands out this reference's matrices in that order.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -52,6 +46,7 @@
 #include "dense_ffn.h"       // DenseFfnForward
 #include "layer_norm.h"      // LayerNormForward
 #include "model_config.h"    // ModelConfig
+#include "parameter_layout.h"  // ParameterInfo, parameter_layout, initial_parameters
 #include "moe_layer.h"       // MoeWeights, LayerForward
 #include "pregate.h"         // PreGateOutput
 #include "types.h"
@@ -88,21 +83,15 @@ using ModelGradients = ModelWeights;
 // Every parameter with its shape, and zeros as values.
 ModelWeights zero_weights(const ModelConfig& config);
 
-// GPT-2's initialisation with init.h's reproducible uniform draws: every matrix uniform with
-// standard deviation 0.02, the projections that write into the residual stream (attention.out,
-// ffn.w2, moe.w2.e) 0.02 / sqrt(2 L); LayerNorm gains 1, biases 0 (they draw nothing). Drawn from one
-// std::mt19937_64(seed) in the flat list's order, each matrix row-major.
+// GPT-2's initialisation: initial_parameters (parameter_layout.h) in this reference's matrices.
 ModelWeights init_model(const ModelConfig& config, uint64_t seed);
 
-// ---- the flat parameter list ----
+// The weights as one flat buffer in parameter_layout's order, and back (flat.size() must be
+// parameter_count(config)): how the reference meets checkpoints, weights files and the GPU.
+std::vector<double> to_flat(const ModelConfig& config, const ModelWeights& weights);
+ModelWeights from_flat(const ModelConfig& config, std::span<const double> flat);
 
-struct ParameterInfo {
-  std::string name;     // "blocks.1.moe.w1.3"
-  int64_t rows = 0;
-  int64_t cols = 0;
-  int64_t offset = 0;   // first entry in a flat buffer holding every parameter in list order
-  bool weight_decay = false;  // true for the matrices, false for LayerNorm gains and biases
-};
+// ---- the flat parameter list ----
 
 struct Parameter {
   std::string name;
@@ -110,9 +99,6 @@ struct Parameter {
   Matrix* value = nullptr;     // a matrix of `values`
   Matrix* gradient = nullptr;  // the same parameter's matrix of `gradients`
 };
-
-std::vector<ParameterInfo> parameter_layout(const ModelConfig& config);
-int64_t parameter_count(const ModelConfig& config);  // total entries, the flat buffer's size
 
 // Pointers into values and gradients (both shaped for config), in the fixed order.
 std::vector<Parameter> parameters(const ModelConfig& config, ModelWeights& values, ModelGradients& gradients);

@@ -1,193 +1,36 @@
-// model_safetensors.cpp: the model's weights in and out of a safetensors file (see
+// model_safetensors.cpp: the reference's matrices in and out of the weights file (see
 // model_safetensors.h).
 #include "model_safetensors.h"
 
-#include <algorithm>  // copy
-#include <cmath>
-#include <set>
-#include <stdexcept>
-
-#include "model_config_json.h"  // model_config_to_json, model_config_from_json, inference_differences
+#include <vector>
 
 namespace moe::ref {
 
 namespace {
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
-}
-
-[[noreturn]] void fail(const std::filesystem::path& path, const std::string& message) {
-  throw SafetensorsError(path.string() + ": " + message);
-}
-
-std::map<std::string, std::string> metadata_for(const ModelConfig& config,
-                                                const std::map<std::string, std::string>& extra) {
-  std::map<std::string, std::string> metadata = extra;
-  metadata["layout"] = kWeightsLayout;
-  metadata["model_config"] = model_config_to_json(config).dump();
-  return metadata;
-}
-
-// Views of a flat buffer in parameter_layout's order, one per tensor of weight_tensors.
-template <typename T>
-std::vector<TensorView> flat_views(const ModelConfig& config, std::span<const T> flat) {
-  std::vector<TensorView> views;
-  for (const WeightTensor& tensor : weight_tensors(config)) {
-    views.push_back(tensor_view(tensor.name, tensor.shape, flat.subspan(tensor.offset, tensor.elements)));
-  }
-  return views;
-}
-
-template <typename T>
-std::vector<T> flatten(const ModelConfig& config, const ModelWeights& weights) {
-  ModelWeights values = weights;  // parameters() hands out mutable pointers
-  ModelWeights unused = zero_weights(config);
-  std::vector<T> flat;
-  flat.reserve(static_cast<size_t>(parameter_count(config)));
-  for (const Parameter& p : parameters(config, values, unused)) {
-    flat.insert(flat.end(), p.value->data(), p.value->data() + p.value->size());
-  }
-  return flat;
-}
-
-LoadedModel read_weights(const std::filesystem::path& path, const SafetensorsFile& file, const ModelConfig& config) {
+LoadedModel in_matrices(LoadedWeights&& loaded) {
   LoadedModel model;
-  model.config = config;
-  model.metadata = file.metadata();
-  const std::vector<WeightTensor> tensors = weight_tensors(config);
-  std::set<std::string> expected;
-  for (const WeightTensor& tensor : tensors) expected.insert(tensor.name);
-  for (const TensorInfo& info : file.tensors()) {
-    if (!expected.contains(info.name)) fail(path, "has a tensor '" + info.name + "' that the model has no parameter for");
-  }
-
-  std::vector<double> flat(static_cast<size_t>(parameter_count(config)));
-  for (const WeightTensor& tensor : tensors) {
-    if (!file.contains(tensor.name)) fail(path, "has no tensor named '" + tensor.name + "'; the model needs it");
-    const TensorInfo& info = file.info(tensor.name);
-    if (info.shape != tensor.shape) {
-      fail(path, "tensor '" + tensor.name + "' has shape " + shape_text(info.shape) + "; the model needs " +
-                     shape_text(tensor.shape));
-    }
-    if (info.dtype != Dtype::f32 && info.dtype != Dtype::f64 && info.dtype != Dtype::bf16 && info.dtype != Dtype::f16) {
-      fail(path, "tensor '" + tensor.name + "' is " + std::string(to_string(info.dtype)) +
-                     "; weights are F32, F64, BF16 or F16");
-    }
-    const std::vector<double> values = file.to_double(tensor.name);
-    for (size_t i = 0; i < values.size(); ++i) {
-      if (!std::isfinite(values[i])) {
-        fail(path, "tensor '" + tensor.name + "' entry " + std::to_string(i) + " is " + std::to_string(values[i]) +
-                       "; weights must be finite");
-      }
-    }
-    std::copy(values.begin(), values.end(), flat.begin() + tensor.offset);
-  }
-
-  model.weights = zero_weights(config);
-  ModelWeights unused = zero_weights(config);
-  int64_t offset = 0;
-  for (Parameter& p : parameters(config, model.weights, unused)) {
-    std::copy(flat.begin() + offset, flat.begin() + offset + p.value->size(), p.value->data());
-    offset += p.value->size();
-  }
+  model.config = loaded.config;
+  model.metadata = std::move(loaded.metadata);
+  model.weights = from_flat(loaded.config, loaded.flat);
   return model;
-}
-
-ModelConfig config_of(const std::filesystem::path& path, const SafetensorsFile& file) {
-  const auto layout = file.metadata().find("layout");
-  if (layout == file.metadata().end() || layout->second != kWeightsLayout) {
-    fail(path, std::string("is not a weights file of the reference model: __metadata__ has layout ") +
-                   (layout == file.metadata().end() ? "(none)" : "'" + layout->second + "'") + ", expected '" +
-                   kWeightsLayout + "'");
-  }
-  const auto text = file.metadata().find("model_config");
-  if (text == file.metadata().end()) fail(path, "__metadata__ has no model_config");
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(text->second);
-  } catch (const nlohmann::json::exception& error) {
-    fail(path, std::string("__metadata__'s model_config is not JSON: ") + error.what());
-  }
-  try {
-    return model_config_from_json(json);
-  } catch (const std::invalid_argument& error) {
-    fail(path, std::string("__metadata__'s ") + error.what());
-  }
 }
 
 }  // namespace
 
-std::vector<WeightTensor> weight_tensors(const ModelConfig& config) {
-  std::vector<WeightTensor> tensors;
-  for (const ParameterInfo& p : parameter_layout(config)) {
-    // An expert matrix "blocks.i.moe.w1.e": expert 0 opens the stacked tensor, the others extend it.
-    const size_t moe = p.name.find(".moe.w");
-    if (moe != std::string::npos) {
-      const std::string which = p.name.substr(moe + 5, 2);  // "w1" or "w2"
-      if (p.name.substr(moe + 8) == "0") {
-        tensors.push_back({p.name.substr(0, moe) + ".moe.experts." + which, {0, p.rows, p.cols}, p.offset, 0});
-      }
-      tensors.back().shape[0] += 1;
-      tensors.back().elements += p.rows * p.cols;
-      continue;
-    }
-    const bool vector = p.name.ends_with(".gain") || p.name.ends_with(".bias");
-    tensors.push_back({p.name, vector ? std::vector<int64_t>{p.cols} : std::vector<int64_t>{p.rows, p.cols}, p.offset,
-                       p.rows * p.cols});
-  }
-  return tensors;
-}
-
 void save_model_safetensors(const std::filesystem::path& path, const ModelConfig& config, const ModelWeights& weights,
                             Dtype dtype, const std::map<std::string, std::string>& extra_metadata) {
   check_model_weights(config, weights);
-  if (dtype == Dtype::f64) {
-    const std::vector<double> flat = flatten<double>(config, weights);
-    save_safetensors(path, flat_views(config, std::span<const double>(flat)), metadata_for(config, extra_metadata));
-  } else if (dtype == Dtype::f32) {
-    const std::vector<float> flat = flatten<float>(config, weights);
-    save_safetensors(path, flat_views(config, std::span<const float>(flat)), metadata_for(config, extra_metadata));
-  } else {
-    fail(path, "weights are saved as F32 or F64, not " + std::string(to_string(dtype)));
-  }
-}
-
-void save_flat_weights_safetensors(const std::filesystem::path& path, const ModelConfig& config,
-                                   std::span<const float> flat_weights,
-                                   const std::map<std::string, std::string>& extra_metadata) {
-  validate(config);
-  const int64_t count = parameter_count(config);
-  if (static_cast<int64_t>(flat_weights.size()) != count) {
-    fail(path, "the flat weights have " + std::to_string(flat_weights.size()) + " values; the model has " +
-                   std::to_string(count) + " parameters");
-  }
-  for (size_t i = 0; i < flat_weights.size(); ++i) {
-    if (!std::isfinite(flat_weights[i])) {
-      fail(path, "flat weight " + std::to_string(i) + " is " + std::to_string(flat_weights[i]) + "; weights must be finite");
-    }
-  }
-  save_safetensors(path, flat_views(config, flat_weights), metadata_for(config, extra_metadata));
+  const std::vector<double> flat = to_flat(config, weights);
+  save_flat_weights_safetensors(path, config, std::span<const double>(flat), dtype, extra_metadata);
 }
 
 LoadedModel load_model_safetensors(const std::filesystem::path& path) {
-  const SafetensorsFile file = SafetensorsFile::load(path);
-  return read_weights(path, file, config_of(path, file));
+  return in_matrices(load_flat_weights_safetensors(path));
 }
 
 LoadedModel load_model_safetensors(const std::filesystem::path& path, const ModelConfig& expected) {
-  validate(expected);
-  const SafetensorsFile file = SafetensorsFile::load(path);
-  const ModelConfig config = config_of(path, file);
-  const std::vector<std::string> differences = inference_differences(config, "the file", expected, "the model being built");
-  if (!differences.empty()) {
-    std::string list;
-    for (const std::string& difference : differences) list += (list.empty() ? "" : "; ") + difference;
-    fail(path, "the weights belong to another model: " + list);
-  }
-  return read_weights(path, file, config);
+  return in_matrices(load_flat_weights_safetensors(path, expected));
 }
 
 }  // namespace moe::ref

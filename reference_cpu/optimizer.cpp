@@ -1,10 +1,8 @@
-// optimizer.cpp: AdamW, gradient clipping and the learning-rate schedule (see optimizer.h).
+// optimizer.cpp: AdamW and gradient clipping (see optimizer.h).
 #include "optimizer.h"
 
 #include <algorithm>
 #include <cmath>
-#include <numbers>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -50,34 +48,6 @@ double clip_gradient_norm(std::vector<Parameter>& params, double max_norm) {
     for (Parameter& p : params) *p.gradient *= max_norm / norm;
   }
   return norm;
-}
-
-void validate(const ScheduleConfig& c) {
-  auto reject = [](std::string_view field, const std::string& value, std::string_view allowed) {
-    std::ostringstream message;
-    message << "invalid schedule: " << field << " = " << value << "; allowed: " << allowed;
-    throw std::invalid_argument(message.str());
-  };
-  if (!std::isfinite(c.peak_lr) || c.peak_lr <= 0.0) reject("peak_lr", std::to_string(c.peak_lr), "a finite number > 0");
-  if (c.warmup_steps < 0) reject("warmup_steps", std::to_string(c.warmup_steps), "warmup_steps >= 0");
-  if (c.total_steps <= c.warmup_steps) {
-    reject("total_steps", std::to_string(c.total_steps),
-           "total_steps > warmup_steps = " + std::to_string(c.warmup_steps));
-  }
-  if (!(c.min_lr_ratio >= 0.0 && c.min_lr_ratio <= 1.0)) {
-    reject("min_lr_ratio", std::to_string(c.min_lr_ratio), "0 <= min_lr_ratio <= 1");
-  }
-}
-
-double learning_rate(const ScheduleConfig& c, int64_t step) {
-  validate(c);
-  if (step < c.warmup_steps) {
-    return c.peak_lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
-  }
-  const double progress = std::min(
-      1.0, static_cast<double>(step - c.warmup_steps) / static_cast<double>(c.total_steps - c.warmup_steps));
-  const double min_lr = c.min_lr_ratio * c.peak_lr;
-  return min_lr + (c.peak_lr - min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
 }
 
 }  // namespace moe::ref

@@ -211,7 +211,7 @@
 #include "moe/block_sparse_wgmma.cuh"     // the wgmma tile kernel (versions 6-10, 12-14)
 #include "moe/tensor_map.h"               // make_matrix_map, build_expert_maps (version 18)
 #include "moe/block_sparse_wgmma_ws.cuh"  // the warp-specialized wgmma kernel (versions 15-18)
-#include "moe/block_sparse_host.h"        // upload_topology
+#include "bridge/reference_topology.h"        // upload_topology
 #include "core/clock_warm_up.h"           // warm_up_clock
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer

@@ -3,7 +3,7 @@
 //
 // Index:
 //   [SECTION] config checks
-//   [SECTION] small kernels
+//   [SECTION] helpers
 //   [SECTION] weights and construction
 //   [SECTION] steps: prefill and decode
 //   [SECTION] the phases of a step
@@ -20,6 +20,7 @@
 #include <string>
 #include <utility>
 
+#include "core/elementwise.h"  // fill_nan, bf16_to_float, residual_add
 #include "core/cuda_check.h"      // CUDA_CHECK
 #include "model/attention.h"      // attention_forward, AttentionWorkspace
 #include "model/embedding.h"      // embedding_forward, kEmbeddingVocabulary
@@ -61,12 +62,12 @@ ModelGpuConfig normalised(const ModelGpuConfig& config) {
 void validate_for_inference(const ModelGpuConfig& config) {
   // The expert sources (resident, offloaded, their pinned stores) are built with H-column W1 by the
   // inference programs; a SwiGLU model trains (ModelGpu) but does not decode here.
-  if (config.moe_blocks != MoeBlocks::none && config.moe.activation != Activation::gelu) {
+  if (config.moe_layers != MoeLayers::none && config.moe.activation != Activation::gelu) {
     reject("moe.activation = " + std::string(to_string(config.moe.activation)) +
            "; allowed for inference: gelu (SwiGLU experts train on the GPU, but the inference expert sources hold "
            "W1 [D, H])");
   }
-  if (config.moe_blocks != MoeBlocks::none && config.moe.hidden_dim % kInferenceBlockSize != 0) {
+  if (config.moe_layers != MoeLayers::none && config.moe.hidden_dim % kInferenceBlockSize != 0) {
     reject("moe.hidden_dim (H) = " + std::to_string(config.moe.hidden_dim) + "; allowed: a multiple of " +
            std::to_string(kInferenceBlockSize) + " (inference routes dropless with B = " +
            std::to_string(kInferenceBlockSize) + ")");
@@ -86,40 +87,9 @@ void check_schedule(const ModelGpuConfig& config, ExpertSchedule schedule) {
   }
 }
 
-// ---- [SECTION] small kernels ----
+// ---- [SECTION] helpers ----
 
 namespace {
-
-// Grid-stride passes over [T, D]: memory-bound, 256 threads and at most 1024 blocks keep every SM busy.
-constexpr int kThreads = 256;
-unsigned blocks_for(size_t n) { return static_cast<unsigned>(std::min<size_t>((n + kThreads - 1) / kThreads, 1024)); }
-
-// The embedding writes bf16 x0; the residual stream starts as its fp32 value.
-__global__ void bf16_to_float_kernel(const bf16* in, float* out, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    out[i] = __bfloat162float(in[i]);
-  }
-}
-
-// residual += delta in fp32, and the bf16 copy that the next LayerNorm reads.
-__global__ void residual_add_kernel(float* residual, const bf16* delta, bf16* residual_bf16, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    const float value = residual[i] + __bfloat162float(delta[i]);
-    residual[i] = value;
-    residual_bf16[i] = __float2bfloat16(value);
-  }
-}
-
-__global__ void fill_nan_kernel(bf16* data, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    data[i] = __float2bfloat16(NAN);
-  }
-}
-
-void residual_add(float* residual, const bf16* delta, bf16* residual_bf16, size_t n, cudaStream_t stream) {
-  residual_add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(residual, delta, residual_bf16, n);
-  CUDA_CHECK(cudaGetLastError());
-}
 
 bool is_expert_matrix(const std::string& name) {
   return name.find(".moe.w1.") != std::string::npos || name.find(".moe.w2.") != std::string::npos;
@@ -254,7 +224,7 @@ std::unique_ptr<InferenceModelGpu::Pass> InferenceModelGpu::make_pass(int64_t ne
     pass->attention = std::make_unique<AttentionWorkspace>(shape);
     pass->probs = DeviceBuffer<bf16>(size_t(N * config_.num_heads) * size_t(new_per_sequence * new_per_sequence));
   }
-  if (config_.moe_blocks != MoeBlocks::every_block) {
+  if (config_.moe_layers != MoeLayers::every_block) {
     pass->pre_activation = DeviceBuffer<bf16>(t * size_t(config_.dense_hidden_dim));
     pass->hidden = DeviceBuffer<bf16>(t * size_t(config_.dense_hidden_dim));
   }
@@ -285,8 +255,7 @@ void InferenceModelGpu::poison() {
   for (DeviceBuffer<bf16>* buffer : {&p.x, &p.normed, &p.qkv, &p.context, &p.block_out, &p.pre_activation, &p.hidden,
                                      &p.last_x, &p.last_normed}) {
     if (buffer->size() > 0) {
-      fill_nan_kernel<<<blocks_for(buffer->size()), kThreads, 0, stream_>>>(buffer->data(), buffer->size());
-      CUDA_CHECK(cudaGetLastError());
+      fill_nan(buffer->data(), buffer->size(), stream_);
     }
   }
   for (DeviceBuffer<float>* buffer : {&p.residual, &p.mean, &p.rstd, &p.last_mean, &p.last_rstd, &p.logits}) {
@@ -396,9 +365,7 @@ void InferenceModelGpu::embedding_phase(Pass& pass, int64_t first_position) {
     const int64_t D = config_.model_dim;
     embedding_forward(pass.bytes.data(), token_embedding_, position_embedding_ + first_position * D, pass.x.data(),
                       config_.batch, pass.count, D, stream_);
-    bf16_to_float_kernel<<<blocks_for(pass.x.size()), kThreads, 0, stream_>>>(pass.x.data(), pass.residual.data(),
-                                                                             pass.x.size());
-    CUDA_CHECK(cudaGetLastError());
+    bf16_to_float(pass.x.data(), pass.residual.data(), pass.x.size(), stream_);
   });
 }
 

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/elementwise.h"  // fill_nan
 #include "core/cuda_check.h"    // CUDA_CHECK
 #include "core/warp_reduce.cuh"  // warp_sum, warp_max
 
@@ -34,12 +35,6 @@ __global__ void kv_cache_append_kernel(const bf16* qkv, bf16* keys, bf16* values
     const size_t at = ((static_cast<size_t>(n) * heads + h) * capacity + position) * head_dim + j;
     keys[at] = qkv[row * 3 * D + D + column];
     values[at] = qkv[row * 3 * D + 2 * D + column];
-  }
-}
-
-__global__ void fill_nan_kernel(bf16* data, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    data[i] = __float2bfloat16(NAN);
   }
 }
 
@@ -125,9 +120,7 @@ KvCacheGpu::KvCacheGpu(const KvCacheShape& shape) : shape_(shape) {
 
 void KvCacheGpu::poison(cudaStream_t stream) {
   for (DeviceBuffer<bf16>* buffer : {&keys_, &values_}) {
-    const size_t n = buffer->size();
-    fill_nan_kernel<<<static_cast<unsigned>(std::min<size_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(buffer->data(), n);
-    CUDA_CHECK(cudaGetLastError());
+    fill_nan(buffer->data(), buffer->size(), stream);
   }
 }
 

@@ -1,9 +1,7 @@
 // infer/weights_file.h: a trained model's config and weights for the decoding model, read from a
-// model.safetensors file (reference_cpu/model_safetensors.h: written by save_model_safetensors or
-// moe_export_weights) or from a moe_train run's latest checkpoint (common/checkpoint.h).
-// Header only, like core/reference_bridge.h, and for the same reason: the files' model config is
-// the reference's (ModelConfig and its JSON), and moe_cuda does not link the Eigen reference. Include
-// it only in targets that link moe_reference_cpu too (moe_generate, tests/cuda).
+// model.safetensors file (common/model_weights_file.h: written by moe_export_weights or by the CPU
+// reference's save_model_safetensors) or from a moe_train run's latest checkpoint
+// (common/checkpoint.h). Header only, over moe_common's readers.
 //
 //   moe::cuda::InferenceWeights w = moe::cuda::load_weights_safetensors("model.safetensors");
 //   w.config.batch = 4;                                   // the sequences to decode together
@@ -24,11 +22,10 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint.h"                      // load_checkpoint, latest_checkpoint
-#include "model/model.h"                     // ModelGpuConfig, MoeBlocks
-#include "reference_cpu/model.h"             // parameters, zero_weights
-#include "reference_cpu/model_config_json.h"  // model_config_from_json
-#include "reference_cpu/model_safetensors.h"  // load_model_safetensors
+#include "checkpoint.h"          // load_checkpoint, latest_checkpoint
+#include "config_json.h"         // model_config_from_json
+#include "model/model.h"         // ModelGpuConfig, gpu_config_of, model_config_of
+#include "model_weights_file.h"  // load_flat_weights_safetensors
 
 namespace moe::cuda {
 
@@ -39,61 +36,14 @@ struct InferenceWeights {
   std::filesystem::path source;                 // the file read
 };
 
-// ModelGpuConfig <-> the reference's ModelConfig (the same fields; batch is the GPU's own).
-inline ModelGpuConfig gpu_config_of(const ref::ModelConfig& c, int64_t batch) {
-  ModelGpuConfig g;
-  g.model_dim = c.model_dim;
-  g.num_layers = c.num_layers;
-  g.num_heads = c.num_heads;
-  g.seq_len = c.seq_len;
-  g.batch = batch;
-  g.moe_blocks = c.moe_layers == ref::MoeLayers::every_block         ? MoeBlocks::every_block
-                 : c.moe_layers == ref::MoeLayers::every_other_block ? MoeBlocks::every_other_block
-                                                                     : MoeBlocks::none;
-  g.dense_hidden_dim = c.dense_hidden_dim;
-  g.layer_norm_eps = c.layer_norm_eps;
-  g.moe = ref::moe_layer_config(c, batch);
-  g.pregated = c.pregated;
-  return g;
-}
-
-inline ref::ModelConfig reference_config_of(const ModelGpuConfig& g) {
-  ref::ModelConfig c;
-  c.model_dim = g.model_dim;
-  c.num_layers = g.num_layers;
-  c.num_heads = g.num_heads;
-  c.seq_len = g.seq_len;
-  c.moe_layers = g.moe_blocks == MoeBlocks::every_block         ? ref::MoeLayers::every_block
-                 : g.moe_blocks == MoeBlocks::every_other_block ? ref::MoeLayers::every_other_block
-                                                                : ref::MoeLayers::none;
-  c.dense_hidden_dim = g.dense_hidden_dim;
-  c.layer_norm_eps = g.layer_norm_eps;
-  c.num_experts = g.moe.num_experts;
-  c.top_k = g.moe.top_k;
-  c.expert_hidden_dim = g.moe.hidden_dim;
-  c.formulation = g.moe.formulation;
-  c.capacity_factor = g.moe.capacity_factor;
-  c.block_size = g.moe.block_size;
-  c.activation = g.moe.activation;
-  c.renormalize = g.moe.renormalize;
-  c.aux_loss_coef = g.moe.aux_loss_coef;
-  c.z_loss_coef = g.moe.z_loss_coef;
-  c.pregated = g.pregated;
-  return c;
-}
-
 namespace detail {
 
-inline InferenceWeights weights_of(const ref::LoadedModel& loaded, const std::filesystem::path& path) {
+inline InferenceWeights weights_of(LoadedWeights&& loaded, const std::filesystem::path& path) {
   InferenceWeights out;
   out.config = gpu_config_of(loaded.config, 1);
-  out.metadata = loaded.metadata;
+  out.metadata = std::move(loaded.metadata);
   out.source = path;
-  ref::ModelWeights values = loaded.weights;  // parameters() hands out mutable pointers
-  ref::ModelWeights unused = ref::zero_weights(loaded.config);
-  for (const ref::Parameter& p : ref::parameters(loaded.config, values, unused)) {
-    for (int64_t i = 0; i < p.value->size(); ++i) out.weights.push_back(static_cast<float>(p.value->data()[i]));
-  }
+  out.weights.assign(loaded.flat.begin(), loaded.flat.end());  // fp32, parameter_layout's order
   return out;
 }
 
@@ -101,15 +51,15 @@ inline InferenceWeights weights_of(const ref::LoadedModel& loaded, const std::fi
 
 // The model the file's metadata describes, and its weights.
 inline InferenceWeights load_weights_safetensors(const std::filesystem::path& path) {
-  return detail::weights_of(ref::load_model_safetensors(path), path);
+  return detail::weights_of(load_flat_weights_safetensors(path), path);
 }
 
 // As above, after checking that the file's model is `expected` in every field that decides what it
 // computes at inference (the error names each field that differs).
 inline InferenceWeights load_weights_safetensors(const std::filesystem::path& path, const ModelGpuConfig& expected) {
-  InferenceWeights out = detail::weights_of(ref::load_model_safetensors(path, reference_config_of(expected)), path);
+  InferenceWeights out = detail::weights_of(load_flat_weights_safetensors(path, model_config_of(expected)), path);
   out.config.batch = expected.batch;
-  out.config.moe = ref::moe_layer_config(reference_config_of(out.config), expected.batch);
+  out.config.moe = moe_layer_config(model_config_of(out.config), expected.batch);
   return out;
 }
 
@@ -134,9 +84,9 @@ inline InferenceWeights load_weights_checkpoint(const std::filesystem::path& pat
     file = *latest;
   }
   const LoadedCheckpoint loaded = load_checkpoint(file);
-  ref::ModelConfig config;
+  ModelConfig config;
   try {
-    config = ref::model_config_from_json(loaded.header.model_config);
+    config = model_config_from_json(loaded.header.model_config);
   } catch (const std::invalid_argument& bad) {
     throw CheckpointError(file.string() + ": its model config: " + bad.what());
   }
@@ -144,7 +94,7 @@ inline InferenceWeights load_weights_checkpoint(const std::filesystem::path& pat
   out.config = gpu_config_of(config, 1);
   out.weights = loaded.array("weights");
   out.source = file;
-  const int64_t expected = ref::parameter_count(config);
+  const int64_t expected = parameter_count(config);
   if (static_cast<int64_t>(out.weights.size()) != expected) {
     throw CheckpointError(file.string() + ": its weights hold " + std::to_string(out.weights.size()) +
                           " values; its model config has " + std::to_string(expected) + " parameters");

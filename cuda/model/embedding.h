@@ -10,7 +10,7 @@
 //             d_position_embedding[s]  = sum over n of dx[n * S + s]
 //
 // Precision: tokens int32 (the reference's IndexMatrix), the tables bf16 (the forward copies of the
-// fp32 master weights, train/optimizer.h), x bf16 (the residual stream); dx and both gradients fp32.
+// fp32 master weights, model/optimizer.h), x bf16 (the residual stream); dx and both gradients fp32.
 //
 // A byte outside 0..255 cannot be caught on the host without a synchronisation, so the forward
 // writes a NaN row for it: the loss turns NaN at once, at the step that read the bad byte, instead

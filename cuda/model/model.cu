@@ -4,7 +4,7 @@
 //
 // Index:
 //   [SECTION] config and layout
-//   [SECTION] residual kernels
+//   [SECTION] loss kernels
 //   [SECTION] construction and weights
 //   [SECTION] forward
 //   [SECTION] backward
@@ -19,9 +19,11 @@
 
 #include "moe/activation.h"       // gelu_forward, gelu_backward
 #include "moe/tensor_map.h"      // create_launch_scratch_pool
-#include "train/optimizer.h"      // gradient_norm, adamw_update, kGradientNormBlocks
+#include "model/optimizer.h"      // gradient_norm, adamw_update, kGradientNormBlocks
+#include "parameter_layout.h"     // moe::parameter_layout: the one order of the parameters
 #include "model/cross_entropy.h"  // cross_entropy_forward / backward, kCrossEntropyClasses
 #include "core/cuda_check.h"      // CUDA_CHECK
+#include "core/elementwise.h"     // float_to_bf16, bf16_to_float, residual_add, add_in_place
 #include "model/embedding.h"      // embedding_forward / backward
 #include "model/layer_norm.h"     // layer_norm_forward / backward
 
@@ -50,10 +52,10 @@ void validate(const ModelGpuConfig& c) {
   if (c.seq_len < 1) reject("seq_len (S)", text(c.seq_len), "S >= 1");
   if (c.batch < 1) reject("batch (N)", text(c.batch), "N >= 1");
   if (!(c.layer_norm_eps > 0.0)) reject("layer_norm_eps", std::to_string(c.layer_norm_eps), "a number > 0");
-  if (c.moe_blocks == MoeBlocks::every_other_block && c.num_layers < 2) {
+  if (c.moe_layers == MoeLayers::every_other_block && c.num_layers < 2) {
     reject("moe_blocks", "every_other_block with L = " + text(c.num_layers), "L >= 2");
   }
-  if (c.moe_blocks != MoeBlocks::every_block && c.dense_hidden_dim < 1) {
+  if (c.moe_layers != MoeLayers::every_block && c.dense_hidden_dim < 1) {
     reject("dense_hidden_dim (H_dense)", text(c.dense_hidden_dim), "H_dense >= 1 when some blocks are dense");
   }
   if (c.ranks < 1) reject("ranks (R)", text(c.ranks), "R >= 1");
@@ -63,15 +65,15 @@ void validate(const ModelGpuConfig& c) {
     reject("micro_batches (M)", text(c.micro_batches) + " on " + text(c.ranks) + " ranks",
            "1 (the expert-parallel layer keeps no micro-batches; gradient accumulation trains on one GPU)");
   }
-  if (c.micro_batches > 1 && c.moe_blocks != MoeBlocks::none && c.moe.formulation != Formulation::dropless) {
+  if (c.micro_batches > 1 && c.moe_layers != MoeLayers::none && c.moe.formulation != Formulation::dropless) {
     reject("micro_batches (M)", text(c.micro_batches) + " with moe.formulation = " +
            std::string(to_string(c.moe.formulation)),
            "1, or the dropless formulation (one expert weight-gradient product over the micro-batches)");
   }
-  if (c.pregated && c.moe_blocks == MoeBlocks::none) {
+  if (c.pregated && c.moe_layers == MoeLayers::none) {
     reject("pregated", "true with moe_blocks = none", "pregated = false for a dense model (no gate to move)");
   }
-  if (c.moe_blocks == MoeBlocks::none) return;
+  if (c.moe_layers == MoeLayers::none) return;
   const MoeConfig& m = c.moe;
   if (m.tokens != c.ranks * c.batch * c.seq_len) {
     reject("moe.tokens (T)", text(m.tokens),
@@ -109,12 +111,45 @@ void validate(const ModelGpuConfig& c) {
 }
 
 bool is_moe_block(const ModelGpuConfig& config, int64_t layer) {
-  switch (config.moe_blocks) {
-    case MoeBlocks::every_block: return true;
-    case MoeBlocks::every_other_block: return layer % 2 == 1;
-    case MoeBlocks::none: return false;
-  }
-  return false;
+  return moe::is_moe_block(model_config_of(config), layer);
+}
+
+ModelGpuConfig gpu_config_of(const ModelConfig& c, int64_t batch) {
+  ModelGpuConfig g;
+  g.model_dim = c.model_dim;
+  g.num_layers = c.num_layers;
+  g.num_heads = c.num_heads;
+  g.seq_len = c.seq_len;
+  g.batch = batch;
+  g.moe_layers = c.moe_layers;
+  g.dense_hidden_dim = c.dense_hidden_dim;
+  g.layer_norm_eps = c.layer_norm_eps;
+  g.moe = moe_layer_config(c, batch);
+  g.pregated = c.pregated;
+  return g;
+}
+
+ModelConfig model_config_of(const ModelGpuConfig& g) {
+  ModelConfig c;
+  c.model_dim = g.model_dim;
+  c.num_layers = g.num_layers;
+  c.num_heads = g.num_heads;
+  c.seq_len = g.seq_len;
+  c.moe_layers = g.moe_layers;
+  c.dense_hidden_dim = g.dense_hidden_dim;
+  c.layer_norm_eps = g.layer_norm_eps;
+  c.num_experts = g.moe.num_experts;
+  c.top_k = g.moe.top_k;
+  c.expert_hidden_dim = g.moe.hidden_dim;
+  c.formulation = g.moe.formulation;
+  c.capacity_factor = g.moe.capacity_factor;
+  c.block_size = g.moe.block_size;
+  c.activation = g.moe.activation;
+  c.renormalize = g.moe.renormalize;
+  c.aux_loss_coef = g.moe.aux_loss_coef;
+  c.z_loss_coef = g.moe.z_loss_coef;
+  c.pregated = g.pregated;
+  return c;
 }
 
 std::pair<int64_t, int64_t> local_experts(const ModelGpuConfig& c) {
@@ -123,81 +158,21 @@ std::pair<int64_t, int64_t> local_experts(const ModelGpuConfig& c) {
 }
 
 std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& c) {
+  const auto [first_expert, expert_count] = local_experts(c);
   std::vector<ParameterSpan> layout;
   int64_t offset = 0;
-  // Matrices decay, LayerNorm gains and biases do not (reference_cpu/optimizer.h says why).
-  const auto add = [&](std::string name, int64_t rows, int64_t cols, bool decays, bool expert = false) {
-    layout.push_back({std::move(name), rows, cols, offset, decays, expert});
-    offset += rows * cols;
-  };
-  const auto [first_expert, expert_count] = local_experts(c);
-  const int64_t D = c.model_dim;
-  add("token_embedding", kVocabulary, D, true);
-  add("position_embedding", c.seq_len, D, true);
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string prefix = "blocks." + std::to_string(i) + ".";
-    add(prefix + "ln1.gain", 1, D, false);
-    add(prefix + "ln1.bias", 1, D, false);
-    add(prefix + "attention.qkv", D, 3 * D, true);
-    add(prefix + "attention.out", D, D, true);
-    add(prefix + "ln2.gain", 1, D, false);
-    add(prefix + "ln2.bias", 1, D, false);
-    if (is_moe_block(c, i)) {
-      add(prefix + "moe.gate", D, c.moe.num_experts, true);
-      const int64_t end = first_expert + expert_count;
-      for (int64_t e = first_expert; e < end; ++e) {
-        add(prefix + "moe.w1." + std::to_string(e), D, w1_columns(c.moe), true, true);
-      }
-      for (int64_t e = first_expert; e < end; ++e) {
-        add(prefix + "moe.w2." + std::to_string(e), c.moe.hidden_dim, D, true, true);
-      }
-    } else {
-      add(prefix + "ffn.w1", D, c.dense_hidden_dim, true);
-      add(prefix + "ffn.w2", c.dense_hidden_dim, D, true);
-    }
+  for (const ParameterInfo& p : moe::parameter_layout(model_config_of(c))) {
+    const bool expert = p.expert >= 0;
+    if (expert && (p.expert < first_expert || p.expert >= first_expert + expert_count)) continue;  // another rank's
+    layout.push_back({p.name, p.rows, p.cols, offset, p.weight_decay, expert});
+    offset += p.rows * p.cols;
   }
-  add("final_ln.gain", 1, D, false);
-  add("final_ln.bias", 1, D, false);
   return layout;
 }
 
-// ---- [SECTION] residual kernels ----
+// ---- [SECTION] loss kernels ----
 
 namespace {
-
-// Grid-stride launches of 256 threads, at most 1024 blocks: these are memory-bound passes over
-// [T, D], and any size that keeps every SM busy reads them at full bandwidth.
-constexpr int kThreads = 256;
-int blocks_for(size_t n) { return static_cast<int>(std::min<size_t>((n + kThreads - 1) / kThreads, 1024)); }
-
-// The embedding writes bf16 x0; the residual stream starts as its fp32 value.
-__global__ void bf16_to_float_kernel(const bf16* in, float* out, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    out[i] = __bfloat162float(in[i]);
-  }
-}
-
-__global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    out[i] = __float2bfloat16(in[i]);
-  }
-}
-
-// residual += delta in fp32, and the bf16 copy that the next LayerNorm reads (and the backward keeps).
-__global__ void residual_add_kernel(float* residual, const bf16* delta, bf16* residual_bf16, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    const float value = residual[i] + __bfloat162float(delta[i]);
-    residual[i] = value;
-    residual_bf16[i] = __float2bfloat16(value);
-  }
-}
-
-// into += from, fp32: a second gradient arriving at the same tensor (pre-gating's LN2 output).
-__global__ void add_kernel(float* into, const float* from, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    into[i] += from[i];
-  }
-}
 
 // losses = {loss, lm, aux sum, z sum}: starts from the mean cross-entropy (already in losses[1]).
 __global__ void start_loss_kernel(float* losses) {
@@ -393,7 +368,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
       previous_moe = i;
     }
   }
-  if (config_.moe_blocks != MoeBlocks::every_block) {
+  if (config_.moe_layers != MoeLayers::every_block) {
     d_hidden_ = DeviceBuffer<bf16>(T * Hd);
     d_pre_activation_ = DeviceBuffer<bf16>(T * Hd);
   }
@@ -425,9 +400,7 @@ void ModelGpu::upload_weights(const std::vector<float>& weights) {
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   weights_.upload(weights);
-  float_to_bf16_kernel<<<blocks_for(weights.size()), kThreads, 0, stream_>>>(weights_.data(), weights_bf16_.data(),
-                                                                             weights.size());
-  CUDA_CHECK(cudaGetLastError());
+  float_to_bf16(weights_.data(), weights_bf16_.data(), weights.size(), stream_);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -610,8 +583,7 @@ void ModelGpu::embedding_forward_phase() {
     const size_t n = blocks_[0].x.size();
     embedding_forward(tokens_, weight(token_embedding_), weight(position_embedding_), blocks_[0].x.data(),
                       config_.batch, config_.seq_len, config_.model_dim, stream_);
-    bf16_to_float_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(blocks_[0].x.data(), residual_.data(), n);
-    CUDA_CHECK(cudaGetLastError());
+    bf16_to_float(blocks_[0].x.data(), residual_.data(), n, stream_);
   });
 }
 
@@ -624,9 +596,7 @@ void ModelGpu::attention_forward_phase(Block& b) {
     attention_forward(cublas_.get(), attention_workspace_->shape, b.ln1_y.data(), weight(b.qkv), weight(b.out),
                       b.qkv_out.data(), b.probs.data(), b.context.data(), block_out_.data(), *attention_workspace_,
                       stream_);
-    residual_add_kernel<<<blocks_for(size_t(T * D)), kThreads, 0, stream_>>>(residual_.data(), block_out_.data(),
-                                                                            b.x_mid.data(), size_t(T * D));
-    CUDA_CHECK(cudaGetLastError());
+    residual_add(residual_.data(), block_out_.data(), b.x_mid.data(), size_t(T * D), stream_);
   });
 }
 
@@ -664,9 +634,7 @@ void ModelGpu::ffn_forward_phase(Block& b) {
   }
   Block* const next = &b == &blocks_.back() ? nullptr : &b + 1;
   bf16* const x_out = next != nullptr ? next->x.data() : final_x_.data();
-  residual_add_kernel<<<blocks_for(size_t(T * D)), kThreads, 0, stream_>>>(residual_.data(), block_out_.data(),
-                                                                          x_out, size_t(T * D));
-  CUDA_CHECK(cudaGetLastError());
+  residual_add(residual_.data(), block_out_.data(), x_out, size_t(T * D), stream_);
 }
 
 // logits = LN_final(x) token_embedding^T [T, V], fp32 (the tied output projection).
@@ -739,8 +707,7 @@ void ModelGpu::backward_micro_batch(int micro_batch) {
   if (micro_batch > 0) {
     phase("accumulate_gradients", [&] {
       const size_t n = size_t(parameter_count_);
-      add_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(gradients_.data(), micro_gradients_.data(), n);
-      CUDA_CHECK(cudaGetLastError());
+      add_in_place(gradients_.data(), micro_gradients_.data(), n, stream_);
     });
   }
   if (micro_batch == config_.micro_batches - 1) {
@@ -782,8 +749,7 @@ void ModelGpu::loss_backward_phase() {
 void ModelGpu::ffn_backward_phase(Block& b) {
   const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim);
   const size_t n = size_t(T) * size_t(D);
-  float_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(d_residual_.data(), d_residual_bf16_.data(), n);
-  CUDA_CHECK(cudaGetLastError());
+  float_to_bf16(d_residual_.data(), d_residual_bf16_.data(), n, stream_);
   if (b.moe) {
     phase("backward_moe", [&] {
       const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
@@ -821,8 +787,7 @@ void ModelGpu::ffn_backward_phase(Block& b) {
   }
   phase("backward_layer_norm", [&] {
     if (b.d_ln2_from_next_gate.size() > 0) {
-      add_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(d_norm_input_.data(), b.d_ln2_from_next_gate.data(), n);
-      CUDA_CHECK(cudaGetLastError());
+      add_in_place(d_norm_input_.data(), b.d_ln2_from_next_gate.data(), n, stream_);
     }
     layer_norm_backward(d_norm_input_.data(), b.x_mid.data(), b.ln2_mean.data(), b.ln2_rstd.data(),
                         weight(b.ln2_gain), d_residual_.data(), gradient(b.ln2_gain), gradient(b.ln2_bias),
@@ -835,8 +800,7 @@ void ModelGpu::attention_backward_phase(Block& b) {
   phase("backward_attention", [&] {
     const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim);
     const size_t n = size_t(T) * size_t(D);
-    float_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream_>>>(d_residual_.data(), d_residual_bf16_.data(), n);
-    CUDA_CHECK(cudaGetLastError());
+    float_to_bf16(d_residual_.data(), d_residual_bf16_.data(), n, stream_);
     attention_backward(cublas_.get(), attention_workspace_->shape, b.ln1_y.data(), weight(b.qkv), weight(b.out),
                        b.qkv_out.data(), b.probs.data(), b.context.data(), d_residual_bf16_.data(), gradient(b.qkv),
                        gradient(b.out), d_norm_input_.data(), *attention_workspace_, stream_);

@@ -20,7 +20,7 @@
 // LN2 output: the same numbers as the reference, which evaluates it one MoE block earlier so that
 // an offload engine knows m_j's experts in advance.
 //
-// Parameters: ONE flat fp32 buffer of master weights in exactly moe::ref::parameter_layout's order
+// Parameters: ONE flat fp32 buffer of master weights in exactly moe::parameter_layout's order
 // (layout() below repeats it without Eigen), a bf16 copy of it that the forward reads, and a
 // parallel flat fp32 gradient buffer, so a test uploads ref::init_model's values in list order and
 // compares the gradients tensor by tensor, and the optimizer's norm is one pass over one buffer.
@@ -72,30 +72,26 @@
 #include "core/bf16.h"           // bf16
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "core/gemm.h"           // CublasHandle
+#include "model_config.h"        // ModelConfig, MoeLayers
 #include "moe_config.h"          // MoeConfig
 #include "moe/moe_layer.h"       // MoeLayerGpu
 #include "model/model_ranks.h"   // MoeBlockFfn, ModelRanks
 #include "core/phase_timer.h"    // PhaseTimer
-#include "train/optimizer.h"     // NormSpan
+#include "model/optimizer.h"     // NormSpan
 
 namespace moe::cuda {
 
-// Which blocks have an MoE FFN: the same three choices as moe::ref::MoeLayers.
-enum class MoeBlocks {
-  every_block,        // every block
-  every_other_block,  // blocks 1, 3, 5, ... (block 0 dense, as GShard and Switch alternate)
-  none,               // a dense transformer
-};
-
-// The plain fields of moe::ref::ModelConfig plus the batch: the cuda library does not link the
-// (Eigen) reference, so the test and the trainer fill this from a ref::ModelConfig.
+// The GPU's view of a ModelConfig (common/model_config.h, the one description of the model that the
+// CPU reference shares): its shape, flat for the kernels' launches, and what a GPU run adds: the
+// batch, the ranks, the micro-batches, and every MoE block's layer for that many tokens.
+// gpu_config_of builds it from a ModelConfig; model_config_of gives the ModelConfig back.
 struct ModelGpuConfig {
   int64_t model_dim = 64;   // D
   int64_t num_layers = 2;   // L
   int64_t num_heads = 4;    // D % num_heads == 0
   int64_t seq_len = 64;     // S
   int64_t batch = 4;        // N sequences per step
-  MoeBlocks moe_blocks = MoeBlocks::every_block;
+  MoeLayers moe_layers = MoeLayers::every_block;  // which blocks have an MoE FFN
   int64_t dense_hidden_dim = 256;  // H_dense
   double layer_norm_eps = 1e-5;
   MoeConfig moe;  // every MoE block's layer: tokens = N * S, model_dim = D, H, E, K, B, coefficients
@@ -119,7 +115,8 @@ struct OptimizerSettings {
   float max_grad_norm = 1.0f;  // clip the global norm to this; <= 0 only measures
 };
 
-// One tensor of the flat parameter list, as moe::ref::ParameterInfo.
+// One tensor of the flat parameter list (common/parameter_layout.h's ParameterInfo), at its offset
+// in this rank's flat buffers.
 struct ParameterSpan {
   std::string name;  // "blocks.1.moe.w1.3"
   int64_t rows = 0;
@@ -129,11 +126,16 @@ struct ParameterSpan {
   bool expert = false;  // an expert's W1 or W2: lives on one rank when the model spans several
 };
 
+// The GPU run of `model` with N = batch sequences a step on one GPU; a trainer on several ranks or
+// with micro-batches sets those fields after (and moe.tokens with them).
+ModelGpuConfig gpu_config_of(const ModelConfig& model, int64_t batch);
+ModelConfig model_config_of(const ModelGpuConfig& config);
+
 // Throws std::invalid_argument naming the field, its value and what is allowed.
 void validate(const ModelGpuConfig& config);
 bool is_moe_block(const ModelGpuConfig& config, int64_t layer);
-// The flat list in moe::ref::parameter_layout's order and names; on several ranks, the subsequence
-// this rank holds (the replicated tensors and its own experts).
+// parameter_layout(model_config_of(config)) (common/parameter_layout.h); on several ranks, the
+// subsequence this rank holds (the replicated tensors and its own experts), at offsets in its buffers.
 std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& config);
 // The first of this rank's experts and how many: [rank E / ranks, + E / ranks); {0, E} on one GPU.
 std::pair<int64_t, int64_t> local_experts(const ModelGpuConfig& config);
@@ -301,7 +303,7 @@ class ModelGpu {
   DeviceBuffer<bf16> weights_bf16_;
   DeviceBuffer<float> norm_partials_, grad_norm_, clip_scale_;  // [kGradientNormBlocks] [1] [1]
   // On several ranks: the runs of replicated tensors (offset, count) whose gradients are summed over
-  // the ranks, the norm's weighted spans (train/optimizer.h) and its sum of squares.
+  // the ranks, the norm's weighted spans (model/optimizer.h) and its sum of squares.
   std::vector<std::pair<int64_t, int64_t>> replicated_runs_;
   DeviceBuffer<NormSpan> norm_spans_;
   DeviceBuffer<double> squared_norm_;  // [1]

@@ -8,6 +8,7 @@
 
 #include "moe/activation.h"    // gelu_forward / _backward, swiglu_forward / _backward
 #include "moe/block_sparse.h"  // block_sparse_ffn_forward / _backward, dsd_transposed, dds
+#include "core/elementwise.h"  // float_to_bf16
 #include "core/cuda_check.h"   // CUDA_CHECK
 #include "moe/router.h"        // router_logits, route_top_k, router_backward
 #include "moe/permute.h"       // permute_tokens, unpermute_and_combine, combine_backward, permute_backward
@@ -94,12 +95,6 @@ void phase(PhaseTimer* timer, const char* name, cudaStream_t stream, Work&& work
   if (timer != nullptr) timer->begin(name, stream);
   work();
   if (timer != nullptr) timer->end(stream);
-}
-
-__global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    out[i] = __float2bfloat16(in[i]);
-  }
 }
 
 }  // namespace
@@ -425,9 +420,7 @@ void MoeLayerGpu::backward_pass(const bf16* x, const MoeLayerWeights& weights, c
                     expert_fraction_.data(), d_logits_.data(), T, E, K, config_.renormalize,
                     config_.aux_loss_coef, config_.z_loss_coef, stream);
     const size_t n = static_cast<size_t>(T) * E;
-    float_to_bf16_kernel<<<static_cast<unsigned>(std::min<size_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(
-        d_logits_.data(), d_logits_bf16_.data(), n);
-    CUDA_CHECK(cudaGetLastError());
+    float_to_bf16(d_logits_.data(), d_logits_bf16_.data(), n, stream);
     cublas_.set_stream(stream);
     // d_gate_weights [D, E] = gate_inputᵀ [D, T] d_logits [T, E];
     // d_gate_input [T, D] (+)= d_logits [T, E] Wgᵀ [E, D]

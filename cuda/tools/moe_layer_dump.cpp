@@ -33,7 +33,7 @@
 #include "npy.h"                      // write_npy
 #include "core/phase_timer.h"         // PhaseTimer
 #include "program_exit.h"             // run_program, check_output_path
-#include "core/reference_bridge.h"    // round_bf16
+#include "bridge/reference_bridge.h"    // round_bf16
 #include "run_record.h"               // RunWriter, span / routing / topology events
 
 using namespace moe;

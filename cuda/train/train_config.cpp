@@ -36,7 +36,7 @@ Field integer_field(std::string key, T TrainConfig::*member, std::string help) {
           [member](const TrainConfig& c) { return json(c.*member); }};
 }
 template <typename T>
-Field model_integer_field(std::string key, T ref::ModelConfig::*member, std::string help) {
+Field model_integer_field(std::string key, T ModelConfig::*member, std::string help) {
   return {key, Kind::integer, help, [member](TrainConfig& c, const json& v) { c.model.*member = v.get<T>(); },
           [member](const TrainConfig& c) { return json(c.model.*member); }};
 }
@@ -44,7 +44,7 @@ Field number_field(std::string key, double TrainConfig::*member, std::string hel
   return {key, Kind::number, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<double>(); },
           [member](const TrainConfig& c) { return json(c.*member); }};
 }
-Field model_number_field(std::string key, double ref::ModelConfig::*member, std::string help) {
+Field model_number_field(std::string key, double ModelConfig::*member, std::string help) {
   return {key, Kind::number, help, [member](TrainConfig& c, const json& v) { c.model.*member = v.get<double>(); },
           [member](const TrainConfig& c) { return json(c.model.*member); }};
 }
@@ -58,7 +58,7 @@ Field boolean_field(std::string key, bool TrainConfig::*member, std::string help
 }
 
 const std::vector<Field>& fields() {
-  using M = ref::ModelConfig;
+  using M = ModelConfig;
   static const std::vector<Field> table = {
       // the model
       model_integer_field("model_dim", &M::model_dim, "D, the model width"),
@@ -66,8 +66,8 @@ const std::vector<Field>& fields() {
       model_integer_field("num_heads", &M::num_heads, "attention heads (D % heads == 0)"),
       model_integer_field("seq_len", &M::seq_len, "S, bytes of context per sequence"),
       {"moe_layers", Kind::text, "every_block | every_other_block | none (a dense model)",
-       [](TrainConfig& c, const json& v) { c.model.moe_layers = ref::parse_moe_layers(v.get<std::string>()); },
-       [](const TrainConfig& c) { return json(std::string(ref::to_string(c.model.moe_layers))); }},
+       [](TrainConfig& c, const json& v) { c.model.moe_layers = parse_moe_layers(v.get<std::string>()); },
+       [](const TrainConfig& c) { return json(std::string(to_string(c.model.moe_layers))); }},
       model_integer_field("dense_hidden_dim", &M::dense_hidden_dim, "H_dense of the dense FFN blocks (K*H: equal active FLOPs)"),
       model_integer_field("num_experts", &M::num_experts, "E, experts per MoE layer"),
       model_integer_field("top_k", &M::top_k, "K, experts per token"),
@@ -214,9 +214,9 @@ void reject(const std::string& field, const std::string& value, const std::strin
 TrainConfig preset(std::string_view name) {
   TrainConfig c;
   c.preset = std::string(name);
-  ref::ModelConfig& m = c.model;
+  ModelConfig& m = c.model;
   m.formulation = Formulation::dropless;
-  m.moe_layers = ref::MoeLayers::every_block;
+  m.moe_layers = MoeLayers::every_block;
   m.top_k = 2;
   m.capacity_factor = 1.0;
   m.aux_loss_coef = 0.01;
@@ -274,7 +274,7 @@ json model_json(const TrainConfig& config) {
   const json all = to_json(config);
   json model = json::object();
   for (const std::string& key : model_keys) model[key] = all[key];
-  model["vocabulary"] = ref::kByteVocabulary;
+  model["vocabulary"] = kByteVocabulary;
   return model;
 }
 
@@ -338,7 +338,7 @@ TrainConfig parse_arguments(const std::vector<std::string>& arguments) {
 
 void validate(const TrainConfig& c) {
   try {
-    ref::validate(c.model);
+    validate(c.model);
   } catch (const std::invalid_argument& error) {
     // The model's checks name the key ("seq_len (S) = 0"): add the flag of the first key named.
     const std::string message = error.what();
@@ -353,7 +353,7 @@ void validate(const TrainConfig& c) {
     }
     throw TrainConfigError("invalid training config: " + message + (flag.empty() ? "" : " (" + flag + ")"));
   }
-  const bool moe = c.model.moe_layers != ref::MoeLayers::none;
+  const bool moe = c.model.moe_layers != MoeLayers::none;
   if (moe && c.model.formulation == Formulation::dropless && c.model.block_size != 64 && c.model.block_size != 128) {
     reject("block_size (B)", std::to_string(c.model.block_size), "64 or 128 (the GPU's block-sparse kernels)");
   }
@@ -402,8 +402,8 @@ void validate(const TrainConfig& c) {
   if (c.benchmark_steps == 0 && c.data.empty()) reject("data", "\"\"", "a corpus directory or a text file");
 }
 
-ref::ScheduleConfig schedule(const TrainConfig& c) {
-  ref::ScheduleConfig s;
+ScheduleConfig schedule(const TrainConfig& c) {
+  ScheduleConfig s;
   s.peak_lr = c.learning_rate;
   s.warmup_steps = c.warmup_steps;
   s.total_steps = c.steps;
@@ -431,38 +431,38 @@ std::string help_text(const TrainConfig& defaults) {
 // ---- [SECTION] FLOP accounting ----
 
 namespace {
-int64_t attention_parameters(const ref::ModelConfig& m) { return 4 * m.model_dim * m.model_dim; }
-int64_t layer_norm_parameters(const ref::ModelConfig& m) { return 4 * m.model_dim; }
+int64_t attention_parameters(const ModelConfig& m) { return 4 * m.model_dim * m.model_dim; }
+int64_t layer_norm_parameters(const ModelConfig& m) { return 4 * m.model_dim; }
 // One expert's W1 [D, w1_columns] and W2 [H, D]: 2 D H for GeLU, 3 D H for SwiGLU.
-int64_t expert_parameters(const ref::ModelConfig& m) {
+int64_t expert_parameters(const ModelConfig& m) {
   const int64_t w1 = m.activation == Activation::swiglu ? 2 * m.expert_hidden_dim : m.expert_hidden_dim;
   return m.model_dim * w1 + m.expert_hidden_dim * m.model_dim;
 }
 }  // namespace
 
-int64_t active_parameters(const ref::ModelConfig& m) {
+int64_t active_parameters(const ModelConfig& m) {
   const int64_t D = m.model_dim;
-  int64_t active = ref::kByteVocabulary * D;  // the tied output projection
+  int64_t active = kByteVocabulary * D;  // the tied output projection
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     active += attention_parameters(m);
-    active += ref::is_moe_block(m, layer) ? D * m.num_experts + m.top_k * expert_parameters(m)
+    active += is_moe_block(m, layer) ? D * m.num_experts + m.top_k * expert_parameters(m)
                                           : 2 * D * m.dense_hidden_dim;
   }
   return active;
 }
 
-int64_t total_parameters(const ref::ModelConfig& m) {
+int64_t total_parameters(const ModelConfig& m) {
   const int64_t D = m.model_dim;
-  int64_t total = ref::kByteVocabulary * D + m.seq_len * D + 2 * D;  // embeddings, final LayerNorm
+  int64_t total = kByteVocabulary * D + m.seq_len * D + 2 * D;  // embeddings, final LayerNorm
   for (int64_t layer = 0; layer < m.num_layers; ++layer) {
     total += attention_parameters(m) + layer_norm_parameters(m);
-    total += ref::is_moe_block(m, layer) ? D * m.num_experts + m.num_experts * expert_parameters(m)
+    total += is_moe_block(m, layer) ? D * m.num_experts + m.num_experts * expert_parameters(m)
                                          : 2 * D * m.dense_hidden_dim;
   }
   return total;
 }
 
-double flops_per_token(const ref::ModelConfig& m) {
+double flops_per_token(const ModelConfig& m) {
   return 6.0 * double(active_parameters(m)) + 12.0 * double(m.num_layers * m.seq_len * m.model_dim);
 }
 

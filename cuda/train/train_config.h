@@ -1,5 +1,5 @@
 // train_config.h: everything a training run of the tiny byte-level MoE language model is told:
-// the model (moe::ref::ModelConfig), the batch, the optimizer and its schedule, evaluation,
+// the model (moe::ModelConfig), the batch, the optimizer and its schedule, evaluation,
 // recording, checkpoints, the data and where the run goes. Plain C++ (no CUDA), so its parsing and
 // its errors are tested on machines without a GPU.
 // Built into moe_train_config; used by moe_train (moe_train.cpp); tests: ctest -R train_config.
@@ -25,8 +25,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model_config.h"             // moe::ref::ModelConfig
-#include "reference_cpu/optimizer.h"  // moe::ref::ScheduleConfig
+#include "model_config.h"             // moe::ModelConfig
+#include "optimizer_config.h"         // moe::ScheduleConfig
 
 namespace moe::train {
 
@@ -38,14 +38,14 @@ class TrainConfigError : public std::invalid_argument {
 
 struct TrainConfig {
   std::string preset = "default";
-  ref::ModelConfig model;       // D, L, heads, S, MoE fields, pre-gating
+  ModelConfig model;       // D, L, heads, S, MoE fields, pre-gating
   int64_t batch = 32;           // N sequences of S bytes per step
   // Gradient accumulation: the step's N sequences run as M micro-batches of N / M, every gradient
   // added up, the MoE blocks' expert weight gradients as one product over all M (ModelGpu,
   // MoeLayerGpu). The activations are one micro-batch's. One GPU, dropless (or a dense model).
   int64_t micro_batches = 1;
 
-  // optimizer: AdamW (moe::ref::AdamWConfig) with warm-up + cosine decay (ref::ScheduleConfig)
+  // optimizer: AdamW (moe::AdamWConfig) with warm-up + cosine decay (ScheduleConfig)
   int64_t steps = 2000;
   double learning_rate = 2e-3;  // the peak
   int64_t warmup_steps = 100;
@@ -108,10 +108,10 @@ nlohmann::json to_json(const TrainConfig& config);
 // resumed run refuses a checkpoint whose model differs.
 nlohmann::json model_json(const TrainConfig& config);
 
-// Throws TrainConfigError naming the first bad field (the model through ref::validate).
+// Throws TrainConfigError naming the first bad field (the model through validate).
 void validate(const TrainConfig& config);
 
-ref::ScheduleConfig schedule(const TrainConfig& config);
+ScheduleConfig schedule(const TrainConfig& config);
 
 // One line per field: flag, default of the given config, meaning.
 std::string help_text(const TrainConfig& defaults);
@@ -122,10 +122,10 @@ std::string help_text(const TrainConfig& defaults);
 // appendix B): 6 x the parameters a token passes through (attention, the K active experts or the
 // dense FFN, gates, the tied output projection; not the embedding lookups) + 12 L S D for the
 // attention scores and their use (causal halving not taken).
-double flops_per_token(const ref::ModelConfig& model);
+double flops_per_token(const ModelConfig& model);
 
 // The parameters a token passes through (active) and all of them (total).
-int64_t active_parameters(const ref::ModelConfig& model);
-int64_t total_parameters(const ref::ModelConfig& model);
+int64_t active_parameters(const ModelConfig& model);
+int64_t total_parameters(const ModelConfig& model);
 
 }  // namespace moe::train

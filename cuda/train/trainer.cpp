@@ -33,7 +33,7 @@
 #include "core/cuda_check.h"      // CUDA_CHECK
 #include "core/device_buffer.h"   // DeviceBuffer
 #include "core/device_info.h"     // current_device, why_no_gpu
-#include "reference_cpu/model.h"  // ref::init_model, ref::parameters (the initial weights)
+#include "parameter_layout.h"     // initial_parameters
 #include "model/model.h"          // ModelGpu
 #include "core/phase_timer.h"     // PhaseTimer
 #include "program_exit.h"         // check_output_path
@@ -58,20 +58,9 @@ constexpr uint64_t kValidationSeed = 0x5eed'0f'7a11'da7aull;
 // Rank `rank` of `ranks` trains on N / R of the N sequences; its MoE layers see all R's tokens.
 // With M micro-batches (one GPU) the model holds one micro-batch of N / M sequences.
 cuda::ModelGpuConfig gpu_config(const TrainConfig& c, int ranks = 1, int rank = 0) {
-  cuda::ModelGpuConfig g;
-  g.model_dim = c.model.model_dim;
-  g.num_layers = c.model.num_layers;
-  g.num_heads = c.model.num_heads;
-  g.seq_len = c.model.seq_len;
-  g.batch = c.batch / ranks / c.micro_batches;
+  cuda::ModelGpuConfig g = cuda::gpu_config_of(c.model, c.batch / ranks / c.micro_batches);
+  g.moe = moe_layer_config(c.model, c.batch / c.micro_batches);  // tokens: the global (micro-)batch's
   g.micro_batches = c.micro_batches;
-  g.moe_blocks = c.model.moe_layers == ref::MoeLayers::every_block         ? cuda::MoeBlocks::every_block
-                 : c.model.moe_layers == ref::MoeLayers::every_other_block ? cuda::MoeBlocks::every_other_block
-                                                                           : cuda::MoeBlocks::none;
-  g.dense_hidden_dim = c.model.dense_hidden_dim;
-  g.layer_norm_eps = c.model.layer_norm_eps;
-  g.moe = ref::moe_layer_config(c.model, c.batch / c.micro_batches);  // tokens: the global (micro-)batch's
-  g.pregated = c.model.pregated;
   g.ranks = ranks;
   g.rank = rank;
   return g;
@@ -86,16 +75,11 @@ cuda::OptimizerSettings optimizer_settings(const TrainConfig& c) {
   return o;
 }
 
-// The reference model's initialisation (GPT-2's), flattened in the one parameter order.
+// GPT-2's initialisation in the one parameter order (common/parameter_layout.h), as the CPU
+// reference draws it.
 std::vector<float> initial_weights(const TrainConfig& c) {
-  ref::ModelWeights values = ref::init_model(c.model, c.seed);
-  ref::ModelWeights unused = ref::zero_weights(c.model);
-  std::vector<float> flat;
-  for (ref::Parameter& p : ref::parameters(c.model, values, unused)) {
-    const double* data = p.value->data();
-    for (int64_t i = 0; i < p.value->size(); ++i) flat.push_back(float(data[i]));
-  }
-  return flat;
+  const std::vector<double> values = initial_parameters(c.model, c.seed);
+  return std::vector<float>(values.begin(), values.end());
 }
 
 std::string device_name() { return cuda::current_device().name; }
@@ -287,7 +271,7 @@ ByteBatch random_batch(int64_t batch, int64_t seq_len, std::mt19937_64& generato
 // ---- [SECTION] recording ----
 
 int64_t capacity_of(const TrainConfig& c) {
-  return c.model.formulation == Formulation::dropless ? 0 : capacity(ref::moe_layer_config(c.model, c.batch));
+  return c.model.formulation == Formulation::dropless ? 0 : capacity(moe_layer_config(c.model, c.batch));
 }
 
 // A step's forward and backward: one CUDA graph (--cuda-graph, on the steps that time no phases), or
@@ -718,10 +702,10 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     RunInfo info;
     info.kind = RunKind::train;
     info.name = c.name.empty() ? fs::path(c.run_dir).filename().string() : c.name;
-    if (c.model.moe_layers != ref::MoeLayers::none) info.moe_config = ref::moe_layer_config(c.model, c.batch);
+    if (c.model.moe_layers != MoeLayers::none) info.moe_config = moe_layer_config(c.model, c.batch);
     info.model = model_json(c);
     info.model["layers"] = c.model.num_layers;
-    info.formulation = c.model.moe_layers == ref::MoeLayers::none ? "dense" : std::string(to_string(c.model.formulation));
+    info.formulation = c.model.moe_layers == MoeLayers::none ? "dense" : std::string(to_string(c.model.formulation));
     info.devices = {device_name()};
     if (view.ranks() != nullptr) {
       info.world_size = R;
@@ -751,7 +735,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
   }
   result.first_step = step;
   const int64_t last_step = c.stop_after > 0 ? c.stop_after : c.steps;
-  const ref::ScheduleConfig lr_schedule = schedule(c);
+  const ScheduleConfig lr_schedule = schedule(c);
   const double peak = peak_bf16_flops(device_name()) * R;  // all ranks' GPUs together
   const double model_flops = flops_per_token(c.model);
 
@@ -849,7 +833,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
     const bool evaluate_now = (step + 1) % c.eval_every == 0 || step + 1 == last_step;
     const bool checkpoint_now = (step + 1) % c.checkpoint_every == 0 || step + 1 == last_step;
     const int64_t row = step - ring_first;
-    const double lr = ref::learning_rate(lr_schedule, step);
+    const double lr = learning_rate(lr_schedule, step);
     ring_lr[size_t(row)] = lr;
 
     const ByteBatch batch = sampler.next();  // the global batch: every rank draws the same
@@ -941,7 +925,7 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
       << fixed(result.unigram_bits_per_byte, 3) << "), median step " << fixed(result.median_step_ms, 2) << " ms, "
       << format_rate(result.tokens_per_second) << " tokens/s";
   if (peak > 0) log << ", MFU " << fixed(100 * result.mfu, 1) << "%";
-  if (c.model.formulation != Formulation::dropless && c.model.moe_layers != ref::MoeLayers::none) {
+  if (c.model.formulation != Formulation::dropless && c.model.moe_layers != MoeLayers::none) {
     log << ", dropped " << fixed(100 * result.dropped_fraction, 2) << "% of routed tokens (recorded steps)";
   }
   log << "; run record " << c.run_dir << "\n";
@@ -989,13 +973,13 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   cuda::ModelGpu model(gpu_config(c, R, view.rank()), optimizer_settings(c), stream, ranks);
   model.upload_weights(local_part(initial_weights(c), model.config()));
   BatchUploader uploader(N_r, S, stream);
-  const ref::ScheduleConfig lr_schedule = schedule(c);
+  const ScheduleConfig lr_schedule = schedule(c);
   int64_t step = 0;
   bool timing_phases = false;
   auto one_step = [&] {
     const auto [tokens, targets] = uploader.upload(share_of(next_batch(), first_sequence, N_r));
     forward_backward(model, c.cuda_graph && !timing_phases, tokens, targets);
-    model.step(float(ref::learning_rate(lr_schedule, step++)));
+    model.step(float(learning_rate(lr_schedule, step++)));
     uploader.release_current();
   };
 

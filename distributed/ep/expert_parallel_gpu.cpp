@@ -18,6 +18,7 @@
 #include <string>
 
 #include "core/cuda_check.h"          // CUDA_CHECK
+#include "core/elementwise.h"         // float_to_bf16
 #include "ep/placement.h"  // experts_per_rank, config_fingerprint: the rules every layer shares
 #include "ep/expert_parallel_kernels.h"  // pack_routing_summary, build_send_order, build_expert_rows, ...
 #include "moe/activation.h"           // gelu_forward, gelu_backward (padded experts)
@@ -1080,7 +1081,7 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
                           global_fraction, d_logits_.data(), T, static_cast<int>(E), static_cast<int>(K),
                           config_.renormalize, config_.aux_loss_coef * share, config_.z_loss_coef * share, stream);
     // d_logits in bf16 for the tensor-core GEMMs, as MoeLayerGpu does.
-    float_to_bf16(d_logits_.data(), d_logits_bf16_.data(), static_cast<size_t>(T_r * E), stream);
+    cuda::float_to_bf16(d_logits_.data(), d_logits_bf16_.data(), static_cast<size_t>(T_r * E), stream);
     cublas_->set_stream(stream);
     // d_gate_weights [D, E] = xᵀ [D, T_r] d_logits [T_r, E];  dx [T_r, D] += d_logits Wgᵀ
     cuda::gemm(cublas_->get(), cuda::Op::transpose, cuda::Op::none, static_cast<int>(D), static_cast<int>(E), T, x,

@@ -6,18 +6,17 @@
 #include <cstring>
 
 #include "core/cuda_check.h"        // CUDA_CHECK
+#include "core/elementwise.h"       // grid_stride_blocks, kElementwiseThreads
 #include "ep/expert_parallel_index.h"  // send_row_of, received_row_of, slice_element, partial_row_of
 
 namespace moe::dist {
 
 namespace {
 
-constexpr int kThreads = 256;  // a plain 1D launch: eight warps a block
+constexpr unsigned kThreads = cuda::kElementwiseThreads;  // a plain 1D launch: eight warps a block
 
-unsigned blocks_for(int64_t threads) {
-  // Grid-stride loops below: 4096 blocks of 256 cover a million items a sweep, enough to fill an H200.
-  return static_cast<unsigned>(std::clamp<int64_t>((threads + kThreads - 1) / kThreads, 1, 4096));
-}
+// Grid-stride loops below (core/elementwise.h's rule).
+unsigned blocks_for(int64_t threads) { return cuda::grid_stride_blocks(static_cast<size_t>(std::max<int64_t>(threads, 0))); }
 
 __global__ void pack_routing_summary_kernel(const int* tokens_per_expert, const float* mean_probs,
                                             const float* z_loss, int local_tokens, int experts, int32_t* summary) {
@@ -87,12 +86,6 @@ __global__ void zero_through_tables_kernel(float* const* to, int tables, size_t 
   const size_t total = static_cast<size_t>(tables) * count;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
     to[i / count][i % count] = 0.0f;
-  }
-}
-
-__global__ void float_to_bf16_kernel(const float* in, bf16* out, size_t count) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < count; i += size_t{gridDim.x} * blockDim.x) {
-    out[i] = __float2bfloat16(in[i]);
   }
 }
 
@@ -179,12 +172,6 @@ void zero_through_tables(float* const* to, int tables, size_t count, cudaStream_
   if (tables == 0 || count == 0) return;
   zero_through_tables_kernel<<<blocks_for(static_cast<int64_t>(tables * count)), kThreads, 0, stream>>>(
       to, tables, count);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-void float_to_bf16(const float* in, bf16* out, size_t count, cudaStream_t stream) {
-  if (count == 0) return;
-  float_to_bf16_kernel<<<blocks_for(static_cast<int64_t>(count)), kThreads, 0, stream>>>(in, out, count);
   CUDA_CHECK(cudaGetLastError());
 }
 

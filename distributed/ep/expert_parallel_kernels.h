@@ -73,8 +73,6 @@ void add_through_tables(float* const* to,    // device [tables] -> [count]
 // to[e][i] = 0: the weight gradients of a rank whose experts received no row.
 void zero_through_tables(float* const* to, int tables, size_t count, cudaStream_t stream);
 
-void float_to_bf16(const float* in, bf16* out, size_t count, cudaStream_t stream);
-
 // ---- Tutel's layouts r = 0 and r > 1 ----
 // An expert's parameters as one block of P_c = 2 D H_c elements, H_c = H / slices: its W1 columns
 // [s H_c, (s + 1) H_c) as [D, H_c], then its W2 rows [s H_c, (s + 1) H_c) as [H_c, D]. slices = 1

@@ -137,7 +137,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
       throw moe::train::TrainConfigError("--batch " + std::to_string(config.batch) + " is the global batch: it must be a "
                                          "multiple of the " + std::to_string(R) + " ranks");
     }
-    if (config.model.moe_layers != moe::ref::MoeLayers::none && config.model.num_experts % R != 0) {
+    if (config.model.moe_layers != moe::MoeLayers::none && config.model.num_experts % R != 0) {
       throw moe::train::TrainConfigError("--num-experts " + std::to_string(config.model.num_experts) +
                                          " cannot be placed on " + std::to_string(R) + " ranks: E must be a multiple of R");
     }

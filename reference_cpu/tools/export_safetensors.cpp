@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "checkpoint.h"         // load_checkpoint, latest_checkpoint, CheckpointError
-#include "model_config_json.h"  // model_config_from_json
+#include "config_json.h"  // model_config_from_json
 #include "model_safetensors.h"  // save_flat_weights_safetensors
 #include "program_exit.h"       // check_output_path
 
@@ -71,14 +71,14 @@ int run(const std::vector<std::string>& arguments) {
 
   const fs::path source = resolve_checkpoint(*checkpoint);
   const moe::LoadedCheckpoint loaded = moe::load_checkpoint(source);
-  moe::ref::ModelConfig config;
+  moe::ModelConfig config;
   try {
-    config = moe::ref::model_config_from_json(loaded.header.model_config);
+    config = moe::model_config_from_json(loaded.header.model_config);
   } catch (const std::invalid_argument& error) {
     throw BadInput(source.string() + ": its " + error.what());
   }
   const std::vector<float>& weights = loaded.array("weights");
-  moe::ref::save_flat_weights_safetensors(out, config, weights,
+  moe::save_flat_weights_safetensors(out, config, weights,
                                           {{"source_checkpoint", source.string()},
                                            {"step", std::to_string(loaded.header.step)},
                                            {"tokens_seen", std::to_string(loaded.header.tokens_seen)}});

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "moe_config.h"
-#include "moe_config_json.h"
+#include "config_json.h"
 
 namespace moe {
 namespace {

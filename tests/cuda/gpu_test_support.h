@@ -1,5 +1,5 @@
 // gpu_test_support.h: what the GPU tests share: skipping without a GPU, the reference <-> bf16
-// conversions of cuda/core/reference_bridge.h, the relative error every comparison uses, and a
+// conversions of cuda/bridge/reference_bridge.h, the relative error every comparison uses, and a
 // reference model's weights rounded to bf16 (test_model.cpp, test_infer.cpp).
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/reference_bridge.h"  // round_bf16, bf16_of, matrix_of
+#include "bridge/reference_bridge.h"  // round_bf16, bf16_of, matrix_of
 #include "core/device_info.h"       // gpu_available, why_no_gpu
 #include "reference_cpu/model.h"    // moe::ref::init_model, parameters (bf16_init)
 #include "types.h"                  // moe::ref::Matrix
@@ -44,7 +44,7 @@ struct Bf16ModelWeights {
   std::vector<float> flat;
 };
 
-inline Bf16ModelWeights bf16_init(const ref::ModelConfig& config, uint64_t seed) {
+inline Bf16ModelWeights bf16_init(const ModelConfig& config, uint64_t seed) {
   Bf16ModelWeights w{ref::init_model(config, seed), {}};
   ref::ModelGradients unused = ref::zero_weights(config);
   for (ref::Parameter& p : ref::parameters(config, w.values, unused)) {

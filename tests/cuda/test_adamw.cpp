@@ -1,7 +1,7 @@
-// test_adamw.cpp: the optimizer step on the GPU (cuda/train/optimizer.h): the global gradient norm, clipping
+// test_adamw.cpp: the optimizer step on the GPU (cuda/model/optimizer.h): the global gradient norm, clipping
 // and AdamW over fp32 master weights, against moe::ref::clip_gradient_norm and moe::ref::adamw_step
 // (reference_cpu/optimizer.h) over the same parameters, for several steps, with the learning rate
-// of moe::ref::learning_rate (warm-up then cosine). All fp32: tolerance 1e-5.
+// of moe::learning_rate (warm-up then cosine). All fp32: tolerance 1e-5.
 // Run: ctest --test-dir build -R CudaAdamW   (skips without a GPU)
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "train/optimizer.h"          // gradient_norm, adamw_update, AdamWStep
+#include "model/optimizer.h"          // gradient_norm, adamw_update, AdamWStep
 #include "core/device_buffer.h"       // DeviceBuffer
 #include "gpu_test_support.h"         // REQUIRE_GPU, matrix_of, relative_error
 #include "init.h"                     // moe::ref::random_matrix
@@ -38,8 +38,8 @@ struct Tensor {
 void check_adamw(const std::vector<Tensor>& tensors, double max_norm, bool use_clip_scale, uint64_t seed) {
   SCOPED_TRACE("max_norm=" + std::to_string(max_norm) + " use_clip_scale=" + std::to_string(use_clip_scale));
   std::mt19937_64 rng(seed);
-  const moe::ref::AdamWConfig config{0.9, 0.95, 1e-8, 0.1};
-  const moe::ref::ScheduleConfig schedule{1e-2, 2, 6, 0.1};
+  const moe::AdamWConfig config{0.9, 0.95, 1e-8, 0.1};
+  const moe::ScheduleConfig schedule{1e-2, 2, 6, 0.1};
   std::vector<Matrix> values, gradients;
   std::vector<int64_t> offsets;
   int64_t count = 0;
@@ -76,7 +76,7 @@ void check_adamw(const std::vector<Tensor>& tensors, double max_norm, bool use_c
     grads.upload(flat(gradients));
     norm.fill_bytes(0xFF);
     clip_scale.fill_bytes(0xFF);
-    const double lr = moe::ref::learning_rate(schedule, step);
+    const double lr = moe::learning_rate(schedule, step);
 
     const double norm_ref = moe::ref::clip_gradient_norm(params, use_clip_scale ? max_norm : 0.0);
     moe::ref::adamw_step(config, lr, params, state);

@@ -22,7 +22,7 @@
 #include "reference_cpu/block_sparse.h"  // moe::ref::sdd, dsd, dds
 #include "moe/block_sparse.h"            // moe::cuda: the kernels under test
 #include "block_sparse_ffn.h"            // moe::ref::block_sparse_ffn_forward / backward
-#include "moe/block_sparse_host.h"       // upload_topology
+#include "bridge/reference_topology.h"       // upload_topology
 #include "core/device_info.h"            // gpu_available, current_device
 #include "init.h"                        // moe::ref::random_matrix
 #include "moe/tile_schedule.h"           // moe::cuda::TileSchedule

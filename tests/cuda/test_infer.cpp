@@ -43,7 +43,7 @@
 #include "offload/expert_source.h"            // ExpertSource
 #include "reference_cpu/generate.h"           // moe::ref::prefill, decode_step
 #include "reference_cpu/model.h"              // moe::ref::init_model, parameters
-#include "reference_cpu/model_config_json.h"  // model_config_to_json
+#include "config_json.h"  // model_config_to_json
 #include "reference_cpu/model_safetensors.h"  // save_model_safetensors
 #include "reference_cpu/sampling.h"           // moe::ref::ByteSampler
 
@@ -58,8 +58,8 @@ using moe::cuda::InferenceModelGpu;
 using moe::cuda::ModelGpuConfig;
 using moe::cuda::StepResult;
 using moe::ref::Matrix;
-using moe::ref::ModelConfig;
-using moe::ref::MoeLayers;
+using moe::ModelConfig;
+using moe::MoeLayers;
 using namespace moe::test;
 
 constexpr double kTolerance = 2e-2;
@@ -539,7 +539,7 @@ TEST(CudaInferWeights, SafetensorsFileChecked) {
   EXPECT_EQ(loaded.weights, weights.flat);
   EXPECT_EQ(loaded.config.batch, 3);
   EXPECT_TRUE(loaded.config.pregated);
-  EXPECT_EQ(loaded.config.moe_blocks, moe::cuda::MoeBlocks::every_other_block);
+  EXPECT_EQ(loaded.config.moe_layers, moe::MoeLayers::every_other_block);
   EXPECT_EQ(loaded.config.moe.top_k, 2);
 
   ModelConfig other = config;
@@ -565,7 +565,7 @@ TEST(CudaInferWeights, CheckpointRunDirectory) {
   const Bf16ModelWeights weights = bf16_init(config, 53);
   const fs::path run = temporary_directory("checkpoint");
   moe::CheckpointHeader header;
-  header.model_config = moe::ref::model_config_to_json(config);
+  header.model_config = moe::model_config_to_json(config);
   header.model_config["batch"] = 16;  // moe_train writes its batch too
   header.step = 100;
   fs::create_directories(run / "checkpoints");

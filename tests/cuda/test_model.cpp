@@ -61,8 +61,8 @@ using moe::cuda::DeviceBuffer;
 using moe::cuda::ModelGpu;
 using moe::ref::IndexMatrix;
 using moe::ref::Matrix;
-using moe::ref::ModelConfig;
-using moe::ref::MoeLayers;
+using moe::ModelConfig;
+using moe::MoeLayers;
 using namespace moe::test;
 
 constexpr int64_t kBatch = 4;  // N
@@ -135,7 +135,7 @@ struct StepCase {
 
 std::string case_name(const StepCase& c) {
   std::string name =
-      std::string(moe::ref::to_string(c.moe_layers)) + "_" + std::string(moe::to_string(c.formulation));
+      std::string(moe::to_string(c.moe_layers)) + "_" + std::string(moe::to_string(c.formulation));
   if (c.pregated) name += "_pregated_L" + std::to_string(c.num_layers);
   if (c.activation != moe::Activation::gelu) name += "_" + std::string(moe::to_string(c.activation));
   return name;
@@ -155,18 +155,18 @@ TEST_P(CudaModelGpuStep, MatchesReference) {
 
   ModelGpu model(gpu_config(config, kBatch));
   // The layout is the reference's, entry by entry.
-  const std::vector<moe::ref::ParameterInfo> ref_layout = moe::ref::parameter_layout(config);
+  const std::vector<moe::ParameterInfo> ref_layout = moe::parameter_layout(config);
   ASSERT_EQ(model.layout().size(), ref_layout.size());
   for (size_t i = 0; i < ref_layout.size(); ++i) {
     const moe::cuda::ParameterSpan& got = model.layout()[i];
-    const moe::ref::ParameterInfo& want = ref_layout[i];
+    const moe::ParameterInfo& want = ref_layout[i];
     ASSERT_EQ(got.name, want.name);
     ASSERT_EQ(got.rows, want.rows) << want.name;
     ASSERT_EQ(got.cols, want.cols) << want.name;
     ASSERT_EQ(got.offset, want.offset) << want.name;
     ASSERT_EQ(got.weight_decay, want.weight_decay) << want.name;
   }
-  ASSERT_EQ(model.parameter_count(), moe::ref::parameter_count(config));
+  ASSERT_EQ(model.parameter_count(), moe::parameter_count(config));
   model.upload_weights(weights.flat);
 
   // Random bytes (all 256 values appear), redrawn while a near tie routes a token differently.
@@ -227,7 +227,7 @@ TEST_P(CudaModelGpuStep, MatchesReference) {
 
   // ---- one AdamW step, from the GPU's own gradients on both sides ----
   const moe::cuda::OptimizerSettings settings;  // the model's defaults
-  const moe::ref::AdamWConfig adamw{settings.beta1, settings.beta2, settings.eps, settings.weight_decay};
+  const moe::AdamWConfig adamw{settings.beta1, settings.beta2, settings.eps, settings.weight_decay};
   const float lr = 3e-3f;
   std::vector<moe::ref::Parameter> params = moe::ref::parameters(config, ref_values, ref_gradients);
   for (size_t i = 0; i < params.size(); ++i) {
@@ -350,12 +350,12 @@ TEST(CudaModelGpuConfig, ValidateAcceptsSwiglu) {
       ModelConfig config = tiny_config(MoeLayers::every_block, formulation);
       config.activation = moe::Activation::swiglu;
       config.pregated = pregated;
-      EXPECT_NO_THROW(moe::ref::validate(config));
+      EXPECT_NO_THROW(moe::validate(config));
       const moe::cuda::ModelGpuConfig gpu = gpu_config(config, kBatch);
       EXPECT_NO_THROW(moe::cuda::validate(gpu)) << moe::to_string(formulation) << (pregated ? " pre-gated" : "");
       // Each expert's W1 is [D, 2H] in the flat layout, as the reference's.
       const std::vector<moe::cuda::ParameterSpan> layout = moe::cuda::parameter_layout(gpu);
-      const std::vector<moe::ref::ParameterInfo> ref_layout = moe::ref::parameter_layout(config);
+      const std::vector<moe::ParameterInfo> ref_layout = moe::parameter_layout(config);
       ASSERT_EQ(layout.size(), ref_layout.size());
       for (size_t i = 0; i < layout.size(); ++i) {
         EXPECT_EQ(layout[i].name, ref_layout[i].name);
@@ -388,16 +388,16 @@ TEST(CudaModelGpuConfig, ValidateAcceptsPregatedWithMoeBlocks) {
     for (Formulation formulation : {Formulation::dropless, Formulation::padded}) {
       ModelConfig config = tiny_config(moe_layers, formulation);
       config.pregated = true;
-      EXPECT_NO_THROW(moe::ref::validate(config));
+      EXPECT_NO_THROW(moe::validate(config));
       EXPECT_NO_THROW(moe::cuda::validate(gpu_config(config, kBatch)))
-          << moe::ref::to_string(moe_layers) << " " << moe::to_string(formulation);
+          << moe::to_string(moe_layers) << " " << moe::to_string(formulation);
     }
   }
 }
 
 TEST(CudaModelGpuConfig, ValidateRejectsPregatedDenseModel) {
   const auto expect_rejected = [](const ModelConfig& config, const std::string& field) {
-    EXPECT_THROW(moe::ref::validate(config), std::invalid_argument) << field << " (the reference)";
+    EXPECT_THROW(moe::validate(config), std::invalid_argument) << field << " (the reference)";
     try {
       moe::cuda::validate(gpu_config(config, kBatch));
       ADD_FAILURE() << "accepted a config with a bad " << field;

@@ -26,15 +26,15 @@
 #include "gpu_test_support.h"     // REQUIRE_GPU, bf16_init
 #include "infer/weights_file.h"   // gpu_config_of
 #include "model/model.h"          // moe::cuda::ModelGpu
-#include "reference_cpu/model.h"  // moe::ref::ModelConfig, moe_layer_config
+#include "reference_cpu/model.h"  // moe::ModelConfig, moe_layer_config
 
 namespace {
 
 using moe::Formulation;
 using moe::cuda::DeviceBuffer;
 using moe::cuda::ModelGpu;
-using moe::ref::ModelConfig;
-using moe::ref::MoeLayers;
+using moe::ModelConfig;
+using moe::MoeLayers;
 using namespace moe::test;
 
 constexpr int64_t kBatch = 4;         // N of the step

@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "core/reference_bridge.h"  // round_bf16
+#include "bridge/reference_bridge.h"  // round_bf16
 #include "moe_config.h"             // MoeConfig
 #include "reference_cpu/init.h"     // random_matrix, random_weights
 #include "reference_cpu/types.h"    // Matrix

@@ -32,7 +32,7 @@
 #include "core/cuda_check.h"          // CUDA_CHECK
 #include "core/device_buffer.h"       // DeviceBuffer
 #include "core/device_info.h"         // why_no_gpu
-#include "core/reference_bridge.h"    // round_bf16, bf16_of, matrix_of
+#include "bridge/reference_bridge.h"    // round_bf16, bf16_of, matrix_of
 #include "ep/expert_layout_choice_gpu.h" // choose_gpu_layout, measure_gpu_layouts
 #include "ep/expert_parallel_gpu.h"      // ExpertParallelGpu, set_layout, check_gpu_layout
 #include "moe/block_sparse.h"         // expert_pointer_table

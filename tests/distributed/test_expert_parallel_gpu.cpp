@@ -36,7 +36,7 @@
 
 #include "core/device_buffer.h"       // DeviceBuffer
 #include "core/device_info.h"         // why_no_gpu
-#include "core/reference_bridge.h"    // round_bf16, bf16_of, matrix_of
+#include "bridge/reference_bridge.h"    // round_bf16, bf16_of, matrix_of
 #include "ep/expert_parallel_gpu.h"      // ExpertParallelGpu
 #include "moe/block_sparse.h"         // expert_pointer_table
 #include "moe/moe_layer.h"            // MoeLayerGpu: the oracle

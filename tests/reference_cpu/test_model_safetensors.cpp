@@ -1,5 +1,5 @@
 // test_model_safetensors.cpp: the reference model's weights as safetensors
-// (reference_cpu/model_safetensors.h, model_config_json.h) and the export tool moe_export_weights:
+// (reference_cpu/model_safetensors.h, config_json.h) and the export tool moe_export_weights:
 // the names, shapes and offsets of the layout, round trips in F64 (exact) and F32 (the data section
 // is the flat parameter buffer), the config check, every bad file, and the tool on a checkpoint
 // written as the trainer writes one.
@@ -19,7 +19,7 @@
 
 #include "checkpoint.h"  // save_checkpoint: a checkpoint as moe_train writes it
 #include "model.h"
-#include "model_config_json.h"
+#include "config_json.h"
 #include "model_safetensors.h"
 #include "safetensors.h"
 #include "temp_dir.h"    // TempDir (tests/common)

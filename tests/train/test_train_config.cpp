@@ -71,7 +71,7 @@ TEST(TrainConfig, JsonRoundTrip) {
   TrainConfig again = moe::train::preset("tiny");
   moe::train::apply_json(again, moe::train::to_json(config), "round trip");
   EXPECT_EQ(moe::train::to_json(again), moe::train::to_json(config));
-  EXPECT_EQ(again.model.moe_layers, moe::ref::MoeLayers::every_other_block);
+  EXPECT_EQ(again.model.moe_layers, moe::MoeLayers::every_other_block);
   EXPECT_EQ(moe::train::model_json(config)["top_k"], 1);
 }
 
@@ -164,7 +164,7 @@ TEST(TrainConfig, FlopsPerTokenByHand) {
   // A dense model of the same active FLOPs: H_dense = K * H gives the same FFN work per token,
   // less only the gate.
   TrainConfig dense = c;
-  dense.model.moe_layers = moe::ref::MoeLayers::none;
+  dense.model.moe_layers = moe::MoeLayers::none;
   EXPECT_EQ(moe::train::active_parameters(c.model) - moe::train::active_parameters(dense.model), L * D * E);
 }
 

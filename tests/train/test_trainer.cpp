@@ -132,7 +132,7 @@ TEST(Trainer, DroppingRecordsWhatCapacityDropped) {
   std::ostringstream log;
   moe::train::train(c, log);
   const moe::RunRecord run = moe::RunReader::load(c.run_dir);
-  const int64_t C = moe::capacity(moe::ref::moe_layer_config(c.model, c.batch));
+  const int64_t C = moe::capacity(moe::moe_layer_config(c.model, c.batch));
   int checked = 0;
   for (const json& event : run.events) {
     if (event["type"] != "routing") continue;
@@ -207,7 +207,7 @@ TrainConfig variant_config(const fs::path& dir, const std::string& run, const st
   c.steps = 24;
   c.record_every = 7;
   c.eval_every = 12;
-  if (variant == "dense") c.model.moe_layers = moe::ref::MoeLayers::none;
+  if (variant == "dense") c.model.moe_layers = moe::MoeLayers::none;
   if (variant == "padded_swiglu") c.model.activation = moe::Activation::swiglu;
   if (variant == "dropless") c.model.formulation = moe::Formulation::dropless;
   if (variant != "dense" && variant != "dropless") {

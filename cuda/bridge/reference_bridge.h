@@ -1,4 +1,4 @@
-// reference_bridge.h: moving tensors between the CPU reference (Eigen, double) and the GPU (bf16),
+// bridge/reference_bridge.h: moving tensors between the CPU reference (Eigen, double) and the GPU (bf16),
 // for the programs that run both: tests, lessons, moe_layer_dump. Header-only; include it only in
 // targets that link moe_reference_cpu as well as moe_cuda (the library itself never uses Eigen).
 //

@@ -1,8 +1,8 @@
-// block_sparse_host.h: puts a CPU reference topology (moe::ref::make_topology) on the GPU as a
-// DeviceTopology, for the tests and lessons of the block-sparse kernels (block_sparse.h) that must
-// feed the GPU exactly the topology the oracle used. Header-only host code; include it only from
-// targets that link moe_reference_cpu. (The GPU's own builder, with no host round trip, is
-// build_topology in topology.h.)
+// bridge/reference_topology.h: puts a CPU reference topology (moe::ref::make_topology) on the GPU as
+// a DeviceTopology, for the tests, lessons and tools of the block-sparse kernels (block_sparse.h) that
+// must feed the GPU exactly the topology the oracle used. Part of the bridge between the CPU
+// reference and the GPU (this folder): include it only from targets that link moe_reference_cpu.
+// (The GPU's own builder, with no host round trip, is build_topology in moe/topology.h.)
 #pragma once
 
 #include <algorithm>

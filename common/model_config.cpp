@@ -6,7 +6,9 @@
 #include <stdexcept>
 #include <string>
 
-namespace moe::ref {
+#include "enum_names.h"  // EnumNames, name_of, parse_name
+
+namespace moe {
 
 namespace {
 
@@ -87,21 +89,15 @@ MoeConfig moe_layer_config(const ModelConfig& c, int64_t batch) {
   return layer;
 }
 
-std::string_view to_string(MoeLayers moe_layers) {
-  switch (moe_layers) {
-    case MoeLayers::every_block: return "every_block";
-    case MoeLayers::every_other_block: return "every_other_block";
-    case MoeLayers::none: return "none";
-  }
-  return "unknown";
-}
+namespace {
 
-MoeLayers parse_moe_layers(std::string_view text) {
-  if (text == "every_block") return MoeLayers::every_block;
-  if (text == "every_other_block") return MoeLayers::every_other_block;
-  if (text == "none") return MoeLayers::none;
-  throw std::invalid_argument("unknown moe_layers '" + std::string(text) +
-                              "'; allowed: every_block, every_other_block, none");
-}
+constexpr EnumNames<MoeLayers, 3> kMoeLayers{{{MoeLayers::every_block, "every_block"},
+                                             {MoeLayers::every_other_block, "every_other_block"},
+                                             {MoeLayers::none, "none"}}};
 
-}  // namespace moe::ref
+}  // namespace
+
+std::string_view to_string(MoeLayers moe_layers) { return name_of(kMoeLayers, moe_layers); }
+MoeLayers parse_moe_layers(std::string_view text) { return parse_name(kMoeLayers, text, "moe_layers"); }
+
+}  // namespace moe

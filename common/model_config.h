@@ -1,7 +1,8 @@
-// model_config.h: the configuration of the tiny byte-level MoE transformer language model, the one
-// that the CPU reference model (model.h) defines and that the GPU trainer must reproduce.
-// Part of the CPU reference (moe::ref); built into moe_reference_cpu, tested by
-// tests/reference_cpu/test_model.cpp (ctest --test-dir build -R ReferenceModel).
+// model_config.h: the configuration of the tiny byte-level MoE transformer language model: one
+// description that the CPU reference (reference_cpu/model.h), the GPU model and trainer
+// (cuda/model, cuda/train) and inference (cuda/infer) all build from. Plain C++; its JSON form is
+// config_json.h, its parameters parameter_layout.h. Tested by tests/reference_cpu/test_model.cpp
+// (ctest --test-dir build -R ReferenceModel) and tests/train/test_train_config.cpp.
 //
 // Dimension legend (README.md): V = 256 byte values, D model width, L layers (blocks),
 // S sequence length, N batch (sequences), T = N * S tokens, heads with head width D / heads,
@@ -13,7 +14,7 @@
 //                      alternate them, starting with a dense one)
 //   none               a dense transformer: the baseline of the same active FLOPs
 // The MoE blocks are numbered in order m_0 < m_1 < ...; pre-gating (model.h) routes MoE block m_j
-// from the LayerNorm output of block m_{j-1}.
+// from the LayerNorm output of block m_{j-1} (reference_cpu/model.h).
 #pragma once
 
 #include <cstdint>
@@ -22,7 +23,7 @@
 
 #include "moe_config.h"  // MoeConfig, Formulation, Activation
 
-namespace moe::ref {
+namespace moe {
 
 // Bytes: nothing to download, nothing to tokenise.
 inline constexpr int64_t kByteVocabulary = 256;  // V
@@ -74,4 +75,4 @@ std::string_view to_string(MoeLayers moe_layers);
 // Throws std::invalid_argument listing the allowed names when the text matches none.
 MoeLayers parse_moe_layers(std::string_view text);
 
-}  // namespace moe::ref
+}  // namespace moe

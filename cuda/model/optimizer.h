@@ -1,4 +1,4 @@
-// train/optimizer.h: the optimizer step on the GPU: the global gradient norm (deterministic, two passes),
+// model/optimizer.h: the optimizer step on the GPU: the global gradient norm (deterministic, two passes),
 // clipping folded into AdamW as a scale read on the device, and AdamW with decoupled weight decay
 // over fp32 master weights that also refreshes their bf16 copies for the next forward. The CPU
 // oracle is moe::ref::clip_gradient_norm and moe::ref::adamw_step (reference_cpu/optimizer.h), whose
@@ -6,14 +6,14 @@
 // (ctest --test-dir build -R CudaAdamW; skips without a GPU).
 //
 // The learning-rate schedule (warm-up + cosine) is host arithmetic, one number per step:
-// moe::ref::learning_rate gives it, and the host passes lr and the step count here; the bias
+// moe::learning_rate gives it, and the host passes lr and the step count here; the bias
 // corrections 1 - beta^t are computed on the host in double, once per step.
 //
 // Precision: everything fp32 (master weights, gradients, both moments, the norm); the bf16 copies
 // are rounded from the updated fp32 weights.
 //
 // Layout: the gradients of all parameters live in one flat fp32 buffer in the order of
-// moe::ref::parameter_layout, so the norm is one pass over one buffer. The update runs per
+// moe::parameter_layout, so the norm is one pass over one buffer. The update runs per
 // parameter span (a run of the flat buffers with one weight-decay setting), e.g. once per tensor.
 //
 // No host synchronisation: the norm and the clip scale stay in device memory and the update reads

@@ -1,5 +1,5 @@
-// train/optimizer.cu: global gradient norm, clip scale and the AdamW update (see train/optimizer.h).
-#include "train/optimizer.h"
+// model/optimizer.cu: global gradient norm, clip scale and the AdamW update (see model/optimizer.h).
+#include "model/optimizer.h"
 
 #include <algorithm>
 #include <cmath>
