@@ -653,283 +653,377 @@ void check_inputs(const TrainConfig& config, int ranks) { load_inputs(config, ra
 
 // ---- [SECTION] train ----
 
-TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks) {
-  const auto wall_start = std::chrono::steady_clock::now();
-  check_cuda_graph(c, ranks);
-  const RankView view(ranks);
-  const int R = view.size();
-  RunInputs inputs = load_inputs(c, R, view.rank());
-  const TextCorpus& corpus = inputs.corpus;
-  std::optional<LoadedCheckpoint>& checkpoint = inputs.checkpoint;
-  if (const std::string why = cuda::why_no_gpu(); !why.empty()) throw std::runtime_error("no GPU: " + why);
+namespace {
 
-  NullStream quiet;
-  std::ostream& log = view.root() ? rank_log : quiet;
-  const int N_r = int(c.batch) / R, first_sequence = view.rank() * N_r;  // this rank's share of each batch
-  const int64_t N = c.batch, S = c.model.seq_len, T = N * S;
-  BatchSampler sampler(corpus, Split::train, int(N), int(S), c.data_seed);
-  std::vector<ByteBatch> validation;
-  {
-    BatchSampler validation_sampler(corpus, Split::validation, int(N), int(S), kValidationSeed);
-    for (int64_t i = 0; i < c.eval_batches; ++i) validation.push_back(validation_sampler.next());
+std::vector<ByteBatch> validation_batches(const TextCorpus& corpus, const TrainConfig& c) {
+  BatchSampler sampler(corpus, Split::validation, int(c.batch), int(c.model.seq_len), kValidationSeed);
+  std::vector<ByteBatch> batches;
+  for (int64_t i = 0; i < c.eval_batches; ++i) batches.push_back(sampler.next());
+  return batches;
+}
+
+// One training run between the steps of train(): the model, the data, the run record, and the ring
+// of per-step losses and step times that the host reads only every log_every steps (a read is a
+// host synchronisation; between two, the GPU runs ahead). Each member function is one named step.
+class TrainingRun {
+ public:
+  TrainingRun(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks, RunInputs inputs,
+              cudaStream_t stream)
+      : c_(c),
+        view_(ranks),
+        R_(view_.size()),
+        inputs_(std::move(inputs)),
+        log_(view_.root() ? rank_log : quiet_),
+        N_r_(int(c.batch) / R_),
+        first_sequence_(view_.rank() * N_r_),
+        T_(c.batch * c.model.seq_len),
+        sampler_(inputs_.corpus, Split::train, int(c.batch), int(c.model.seq_len), c.data_seed),
+        validation_(validation_batches(inputs_.corpus, c)),
+        stream_(stream),
+        model_(gpu_config(c, R_, view_.rank()), optimizer_settings(c), stream, ranks),
+        last_step_(c.stop_after > 0 ? c.stop_after : c.steps),
+        lr_schedule_(schedule(c)),
+        peak_(peak_bf16_flops(device_name()) * R_),  // all ranks' GPUs together
+        model_flops_(flops_per_token(c.model)),
+        uploader_(N_r_, c.model.seq_len, stream),
+        ring_rows_(c.log_every),
+        loss_ring_(size_t(ring_rows_ * 4)),
+        ring_lr_(size_t(ring_rows_)),
+        step_end_(size_t(ring_rows_ + 1)),
+        plain_step_(size_t(ring_rows_ + 1), false),
+        progress_(log_, {.total_steps = last_step_, .terminal = &log_ == &std::cout && stdout_is_terminal(),
+                         .plain_every_seconds = 5}),
+        micro_tokens_(model_.config().batch * c.model.seq_len),
+        validation_losses_(validation_.size() * size_t(c.micro_batches) * 4) {
+    result_.unigram_bits_per_byte = unigram_bits_per_byte(inputs_.corpus.train.bytes, inputs_.corpus.validation.bytes);
+    for (cudaEvent_t& event : step_end_) CUDA_CHECK(cudaEventCreate(&event));
   }
-  TrainResult result;
-  result.unigram_bits_per_byte = unigram_bits_per_byte(corpus.train.bytes, corpus.validation.bytes);
-  const cuda::ModelGpuConfig model_config = gpu_config(c, R, view.rank());
+  ~TrainingRun() {
+    for (cudaEvent_t event : step_end_) cudaEventDestroy(event);
+  }
+  TrainingRun(const TrainingRun&) = delete;
+  TrainingRun& operator=(const TrainingRun&) = delete;
 
-  // The model, initialised or restored. Nothing is written before the config, the data and the
-  // checkpoint have all been accepted.
-  const OwnedStream owned_stream;
-  const cudaStream_t stream = owned_stream.get();
-  cuda::ModelGpu model(model_config, optimizer_settings(c), stream, ranks);
-  int64_t step = 0, tokens_seen = 0;
-  std::optional<RunWriter> writer;  // rank 0's
-  if (checkpoint) {
-    model.upload_weights(local_part(checkpoint->array("weights"), model.config()));
-    model.upload_optimizer_state({checkpoint->header.optimizer_step,
-                                  local_part(checkpoint->array("adam_m"), model.config()),
-                                  local_part(checkpoint->array("adam_v"), model.config())});
-    sampler.set_state(checkpoint->header.sampler_state);
-    step = checkpoint->header.step;
-    tokens_seen = checkpoint->header.tokens_seen;
-    checkpoint.reset();  // three copies of the parameters: free them before training
-    if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has read it before rank 0 edits the run
-    if (view.root()) writer.emplace(RunWriter::resume_at_step(c.run_dir, step));
-    log << "resumed " << c.run_dir << " at step " << step << " from " << inputs.checkpoint_file.filename().string()
-        << "\n";
-  } else {
-    model.upload_weights(local_part(initial_weights(c), model.config()));
-    RunInfo info;
-    info.kind = RunKind::train;
-    info.name = c.name.empty() ? fs::path(c.run_dir).filename().string() : c.name;
-    if (c.model.moe_layers != MoeLayers::none) info.moe_config = moe_layer_config(c.model, c.batch);
-    info.model = model_json(c);
-    info.model["layers"] = c.model.num_layers;
-    info.formulation = c.model.moe_layers == MoeLayers::none ? "dense" : std::string(to_string(c.model.formulation));
-    info.devices = {device_name()};
-    if (view.ranks() != nullptr) {
-      info.world_size = R;
-      info.devices.assign(size_t(R), device_name());
-      info.extra["ranks"] = view.ranks()->description();
+  int64_t step() const { return step_; }
+  int64_t last_step() const { return last_step_; }
+
+  // The model initialised and a new run record, or both restored from the checkpoint. Nothing is
+  // written before the config, the data and the checkpoint have all been accepted.
+  void start_or_resume() {
+    if (inputs_.checkpoint) {
+      resume(*inputs_.checkpoint);
+      inputs_.checkpoint.reset();  // three copies of the parameters: free them before training
+    } else {
+      start();
     }
-    info.extra["train_config"] = to_json(c);
-    info.extra["data"] = corpus.source;
-    json genres = json::array();
-    for (const Genre& g : corpus.genres) genres.push_back(g.name);
-    info.extra["genres"] = genres;
-    info.extra["unigram_bits_per_byte"] = result.unigram_bits_per_byte;
-    info.extra["parameters"] = total_parameters(c.model);
-    info.extra["active_parameters"] = active_parameters(c.model);
-    info.extra["flops_per_token"] = flops_per_token(c.model);
-    if (view.ranks() != nullptr) view.ranks()->barrier();  // every rank has looked before rank 0 writes
+    result_.first_step = step_;
+    ring_first_ = step_;
+    log_start();
+    CUDA_CHECK(cudaEventRecord(step_end_[0], stream_));
+  }
+
+  // One step: forward, backward and the optimizer on this rank's share of the global batch, the
+  // losses into the ring, and, every record_every steps, the phases and the routing into the record.
+  void train_step() {
+    const bool record = (step_ + 1) % c_.record_every == 0 || step_ == 0;
+    evaluate_now_ = (step_ + 1) % c_.eval_every == 0 || step_ + 1 == last_step_;
+    checkpoint_now_ = (step_ + 1) % c_.checkpoint_every == 0 || step_ + 1 == last_step_;
+    const int64_t row = step_ - ring_first_;
+    const double lr = learning_rate(lr_schedule_, step_);
+    ring_lr_[size_t(row)] = lr;
+
+    const ByteBatch batch = sampler_.next();  // the global batch: every rank draws the same
+    const auto [tokens, targets] = uploader_.upload(share_of(batch, first_sequence_, N_r_));
+    const double origin_us = writer_ ? writer_->elapsed_us() : 0.0;
+    if (record) model_.set_phase_timer(&timer_);
+    forward_backward(model_, c_.cuda_graph && !record, tokens, targets);
+    model_.step(float(lr));
+    if (record) model_.set_phase_timer(nullptr);
+    uploader_.release_current();
+    CUDA_CHECK(cudaMemcpyAsync(loss_ring_.data() + row * 4, step_losses(model_), 4 * sizeof(float),
+                               cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaEventRecord(step_end_[size_t(row + 1)], stream_));
+    // A plain step: nothing but training in it, and the host did not stop to wait just before it
+    // (then the GPU would have idled while the host enqueued the step's first kernels).
+    plain_step_[size_t(row + 1)] = !record && !evaluate_now_ && !checkpoint_now_ && !host_waited_;
+    host_waited_ = record || evaluate_now_ || checkpoint_now_;
+    ++step_;
+    tokens_seen_ += T_;
+    if (record) record_step(batch, origin_us);
+  }
+
+  // After a step: read the ring when it is full or a validation or checkpoint follows, evaluate,
+  // save. Returns false when a stop signal ends the run here (after a checkpoint).
+  bool after_step() {
+    if (step_ - ring_first_ == ring_rows_ || evaluate_now_ || checkpoint_now_) {
+      flush(step_);
+      host_waited_ = true;
+    }
+    if (evaluate_now_) {
+      result_.validation_loss = evaluate();
+      result_.validation_bits_per_byte = result_.validation_loss / kLn2;
+      if (writer_) {
+        writer_->append(step_event(step_, {{"val_loss", result_.validation_loss},
+                                           {"val_bits_per_byte", result_.validation_bits_per_byte}}));
+      }
+      CUDA_CHECK(cudaEventRecord(step_end_[0], stream_));  // the next step's time starts after evaluation
+    }
+    if (checkpoint_now_) {
+      save(c_, model_, step_, tokens_seen_, sampler_, view_);
+      CUDA_CHECK(cudaEventRecord(step_end_[0], stream_));
+    }
+    // One GPU stops after the step in which the signal came; several stop at an agreed flush.
+    if (step_ < last_step_ && (view_.ranks() == nullptr ? stop_signal() != 0 : stop_agreed_)) {
+      if (!checkpoint_now_) {
+        flush(step_);
+        save(c_, model_, step_, tokens_seen_, sampler_, view_);
+      }
+      result_.stopped_by_signal = stop_signal() != 0 ? stop_signal() : SIGTERM;  // another rank's signal
+      return false;
+    }
+    return true;
+  }
+
+  // The summary: the figures of the run into the result, the record and the log.
+  TrainResult finish(std::chrono::steady_clock::time_point wall_start) {
+    progress_.finish();
+    result_.steps_done = step_;
+    if (result_.stopped_by_signal != 0) {
+      log_ << "stopped by " << signal_name(result_.stopped_by_signal) << " after step " << step_ << " of "
+           << last_step_ << "; checkpoint " << checkpoint_path(checkpoints_dir(c_), step_).string() << "\n";
+      return result_;  // no summary: the run is not over, a resume continues it
+    }
+    result_.median_step_ms = median(plain_step_ms_);
+    result_.tokens_per_second = result_.median_step_ms > 0 ? double(T_) / (result_.median_step_ms * 1e-3) : 0;
+    result_.mfu = peak_ > 0 ? model_flops_ * result_.tokens_per_second / peak_ : 0;
+    result_.dropped_fraction = routed_ > 0 ? double(dropped_) / double(routed_) : 0;
+    result_.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+
+    if (writer_) writer_->append(to_event(TableEvent{
+        .name = "summary",
+        .columns = {"steps", "val_loss", "val_bits_per_byte", "unigram_bits_per_byte", "median_step_ms",
+                    "tokens_per_s", "mfu", "dropped_fraction"},
+        .rows = {{step_, result_.validation_loss, result_.validation_bits_per_byte, result_.unigram_bits_per_byte,
+                  result_.median_step_ms, result_.tokens_per_second, result_.mfu, result_.dropped_fraction}}}));
+    log_ << "done at step " << step_ << ": validation " << fixed(result_.validation_loss, 4) << " nats/byte = "
+         << fixed(result_.validation_bits_per_byte, 3) << " bits/byte (unigram baseline "
+         << fixed(result_.unigram_bits_per_byte, 3) << "), median step " << fixed(result_.median_step_ms, 2)
+         << " ms, " << format_rate(result_.tokens_per_second) << " tokens/s";
+    if (peak_ > 0) log_ << ", MFU " << fixed(100 * result_.mfu, 1) << "%";
+    if (c_.model.formulation != Formulation::dropless && c_.model.moe_layers != MoeLayers::none) {
+      log_ << ", dropped " << fixed(100 * result_.dropped_fraction, 2) << "% of routed tokens (recorded steps)";
+    }
+    log_ << "; run record " << c_.run_dir << "\n";
+    return result_;
+  }
+
+ private:
+  void resume(const LoadedCheckpoint& checkpoint) {
+    model_.upload_weights(local_part(checkpoint.array("weights"), model_.config()));
+    model_.upload_optimizer_state({checkpoint.header.optimizer_step,
+                                   local_part(checkpoint.array("adam_m"), model_.config()),
+                                   local_part(checkpoint.array("adam_v"), model_.config())});
+    sampler_.set_state(checkpoint.header.sampler_state);
+    step_ = checkpoint.header.step;
+    tokens_seen_ = checkpoint.header.tokens_seen;
+    if (view_.ranks() != nullptr) view_.ranks()->barrier();  // every rank has read it before rank 0 edits the run
+    if (view_.root()) writer_.emplace(RunWriter::resume_at_step(c_.run_dir, step_));
+    log_ << "resumed " << c_.run_dir << " at step " << step_ << " from "
+         << inputs_.checkpoint_file.filename().string() << "\n";
+  }
+
+  void start() {
+    model_.upload_weights(local_part(initial_weights(c_), model_.config()));
+    const RunInfo info = run_info();
+    if (view_.ranks() != nullptr) view_.ranks()->barrier();  // every rank has looked before rank 0 writes
     std::string failure;
-    if (view.root()) {
+    if (view_.root()) {
       try {
-        if (c.overwrite) fs::remove_all(checkpoints_dir(c));
-        writer.emplace(RunWriter::create(c.run_dir, info, c.overwrite ? OnExisting::overwrite : OnExisting::refuse));
+        if (c_.overwrite) fs::remove_all(checkpoints_dir(c_));
+        writer_.emplace(RunWriter::create(c_.run_dir, info, c_.overwrite ? OnExisting::overwrite : OnExisting::refuse));
       } catch (const std::exception& error) {
         failure = error.what();
       }
     }
-    view.agree("creating the run directory", failure);
+    view_.agree("creating the run directory", failure);
   }
-  result.first_step = step;
-  const int64_t last_step = c.stop_after > 0 ? c.stop_after : c.steps;
-  const ScheduleConfig lr_schedule = schedule(c);
-  const double peak = peak_bf16_flops(device_name()) * R;  // all ranks' GPUs together
-  const double model_flops = flops_per_token(c.model);
 
-  log << "training " << (c.name.empty() ? c.run_dir : c.name) << ": " << total_parameters(c.model) / 1e6
-      << "M parameters (" << active_parameters(c.model) / 1e6 << "M active per byte), T = " << T
-      << " bytes per step, steps " << step << " -> " << last_step << ", data " << corpus.source;
-  if (view.ranks() != nullptr) {
-    log << "; " << view.ranks()->description() << ", " << N_r << " sequences and E / R = "
-        << c.model.num_experts / R << " experts of each MoE block per rank";
-  }
-  if (c.micro_batches > 1) {
-    log << "; " << c.micro_batches << " micro-batches of " << model.config().batch
-        << " sequences a step, the experts' weight gradients as one product over them";
-  }
-  log << "\n";
-
-  BatchUploader uploader(N_r, S, stream);
-  // The ring of per-step losses {loss, lm, aux, z}: one device copy per step, read every log_every.
-  const int64_t ring_rows = c.log_every;
-  DeviceBuffer<float> loss_ring(size_t(ring_rows * 4));
-  std::vector<double> ring_lr(static_cast<size_t>(ring_rows));
-  // Step-end events: the GPU time between two consecutive ends is one step's time.
-  std::vector<cudaEvent_t> step_end(size_t(ring_rows + 1));
-  for (cudaEvent_t& event : step_end) CUDA_CHECK(cudaEventCreate(&event));
-  std::vector<bool> plain_step(size_t(ring_rows + 1), false);  // no evaluation / recording in it
-  std::vector<double> plain_step_ms;
-  cuda::PhaseTimer timer;
-  ProgressLine progress(log, {.total_steps = last_step, .terminal = &log == &std::cout && stdout_is_terminal(),
-                              .plain_every_seconds = 5});
-  int64_t routed = 0, dropped = 0;
-  int64_t ring_first = step;  // the ring's row 0 holds step ring_first + 1
-  std::vector<std::vector<json>> recorded_pipelining;  // the last pipelining table written
-  bool host_waited = true;    // the host synchronised since the last step was enqueued
-  CUDA_CHECK(cudaEventRecord(step_end[0], stream));
-
-  // Each validation batch's losses {loss, lm, aux, z} are copied on the device; one read at the end.
-  // With micro-batches the model holds one micro-batch: each batch is M forwards of N / M sequences.
-  const int64_t M = c.micro_batches, micro_tokens = model.config().batch * S;
-  DeviceBuffer<float> validation_losses(validation.size() * size_t(M) * 4);
-  auto evaluate = [&]() {
-    for (size_t i = 0; i < validation.size(); ++i) {
-      const auto [tokens, targets] = uploader.upload(share_of(validation[i], first_sequence, N_r));
-      for (int64_t m = 0; m < M; ++m) {
-        model.forward(tokens + m * micro_tokens, targets + m * micro_tokens);
-        CUDA_CHECK(cudaMemcpyAsync(validation_losses.data() + (i * size_t(M) + size_t(m)) * 4, model.losses().data(),
-                                   4 * sizeof(float), cudaMemcpyDeviceToDevice, stream));
-      }
-      uploader.release_current();
+  // run.json of a new run: the model, the config, the data and the devices.
+  RunInfo run_info() const {
+    RunInfo info;
+    info.kind = RunKind::train;
+    info.name = c_.name.empty() ? fs::path(c_.run_dir).filename().string() : c_.name;
+    if (c_.model.moe_layers != MoeLayers::none) info.moe_config = moe_layer_config(c_.model, c_.batch);
+    info.model = model_json(c_);
+    info.model["layers"] = c_.model.num_layers;
+    info.formulation = c_.model.moe_layers == MoeLayers::none ? "dense" : std::string(to_string(c_.model.formulation));
+    info.devices = {device_name()};
+    if (view_.ranks() != nullptr) {
+      info.world_size = R_;
+      info.devices.assign(size_t(R_), device_name());
+      info.extra["ranks"] = view_.ranks()->description();
     }
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    const std::vector<float> losses = validation_losses.download();
-    double sum = 0;
-    for (size_t i = 0; i < validation.size() * size_t(M); ++i) sum += losses[i * 4 + 1];  // the language-model part: nats per byte
-    return view.mean({sum / double(validation.size() * size_t(M))})[0];
-  };
+    info.extra["train_config"] = to_json(c_);
+    info.extra["data"] = inputs_.corpus.source;
+    json genres = json::array();
+    for (const Genre& g : inputs_.corpus.genres) genres.push_back(g.name);
+    info.extra["genres"] = genres;
+    info.extra["unigram_bits_per_byte"] = result_.unigram_bits_per_byte;
+    info.extra["parameters"] = total_parameters(c_.model);
+    info.extra["active_parameters"] = active_parameters(c_.model);
+    info.extra["flops_per_token"] = flops_per_token(c_.model);
+    return info;
+  }
 
-  bool stop_agreed = false;  // set by flush on every rank alike
-  auto flush = [&](int64_t through_step) {  // steps ring_first+1 .. through_step
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    const int64_t rows = through_step - ring_first;
+  void log_start() {
+    log_ << "training " << (c_.name.empty() ? c_.run_dir : c_.name) << ": " << total_parameters(c_.model) / 1e6
+         << "M parameters (" << active_parameters(c_.model) / 1e6 << "M active per byte), T = " << T_
+         << " bytes per step, steps " << step_ << " -> " << last_step_ << ", data " << inputs_.corpus.source;
+    if (view_.ranks() != nullptr) {
+      log_ << "; " << view_.ranks()->description() << ", " << N_r_ << " sequences and E / R = "
+           << c_.model.num_experts / R_ << " experts of each MoE block per rank";
+    }
+    if (c_.micro_batches > 1) {
+      log_ << "; " << c_.micro_batches << " micro-batches of " << model_.config().batch
+           << " sequences a step, the experts' weight gradients as one product over them";
+    }
+    log_ << "\n";
+  }
+
+  // The phases' spans, the routing and, on several ranks, the pipelining degrees of a recorded step.
+  void record_step(const ByteBatch& batch, double origin_us) {
+    RunWriter* const out = writer_ ? &*writer_ : nullptr;
+    const std::vector<cuda::TimedPhase> phases = record_spans(timer_, step_, origin_us, view_, out);
+    // With micro-batches the layers hold the last micro-batch's routing: its sequences are recorded.
+    const int N_m = int(model_.config().batch);
+    const ByteBatch recorded = c_.micro_batches > 1 ? share_of(batch, int(c_.micro_batches - 1) * N_m, N_m) : batch;
+    const RoutingSummary summary = record_routing(c_, &inputs_.corpus, model_, recorded, step_, view_, out, phases);
+    routed_ += summary.routed;
+    dropped_ += summary.dropped;
+    // On several ranks: each MoE block's pipelining degree, when it changed (the adaptive trials).
+    if (out != nullptr) {
+      const TableEvent pipelining = pipelining_table(model_, step_);
+      if (!pipelining.rows.empty() && pipelining.rows != recorded_pipelining_) {
+        recorded_pipelining_ = pipelining.rows;
+        out->append(to_event(pipelining));
+      }
+    }
+  }
+
+  // Steps ring_first + 1 .. through_step: their losses (the mean over the ranks), times and rates
+  // into the record and the progress line. A stop signal on any rank is agreed on here.
+  void flush(int64_t through_step) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const int64_t rows = through_step - ring_first_;
     std::vector<double> ring;  // [rows][loss, lm, aux, z], the mean over the ranks
-    for (float value : loss_ring.download()) ring.push_back(value);
+    for (float value : loss_ring_.download()) ring.push_back(value);
     ring.resize(size_t(rows * 4));
     ring.push_back(stop_signal() != 0 ? 1.0 : 0.0);  // a stop signal on any rank stops every rank here
-    ring = view.mean(std::move(ring));
-    stop_agreed = ring.back() > 0;
+    ring = view_.mean(std::move(ring));
+    stop_agreed_ = ring.back() > 0;
     ring.pop_back();
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t s = ring_first + r + 1;
+      const int64_t s = ring_first_ + r + 1;
       const double* l = &ring[size_t(r * 4)];
-      result.losses.push_back(l[0]);
+      result_.losses.push_back(l[0]);
       std::vector<std::pair<std::string, double>> metrics = {
-          {"loss", l[0]}, {"lm_loss", l[1]}, {"aux_loss", l[2]}, {"z_loss", l[3]}, {"lr", ring_lr[size_t(r)]}};
+          {"loss", l[0]}, {"lm_loss", l[1]}, {"aux_loss", l[2]}, {"z_loss", l[3]}, {"lr", ring_lr_[size_t(r)]}};
       float ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, step_end[size_t(r)], step_end[size_t(r + 1)]));
-      if (plain_step[size_t(r + 1)]) plain_step_ms.push_back(ms);
+      CUDA_CHECK(cudaEventElapsedTime(&ms, step_end_[size_t(r)], step_end_[size_t(r + 1)]));
+      if (plain_step_[size_t(r + 1)]) plain_step_ms_.push_back(ms);
       metrics.push_back({"step_ms", ms});
       if (r + 1 == rows) {  // the rates once per flush: a step event stays short (~150 bytes)
-        metrics.push_back({"tokens_per_s", double(T) / (ms * 1e-3)});
-        if (peak > 0) metrics.push_back({"mfu", model_flops * double(T) / (ms * 1e-3) / peak});
-        metrics.push_back({"grad_norm", model.read_grad_norm()});
+        metrics.push_back({"tokens_per_s", double(T_) / (ms * 1e-3)});
+        if (peak_ > 0) metrics.push_back({"mfu", model_flops_ * double(T_) / (ms * 1e-3) / peak_});
+        metrics.push_back({"grad_norm", model_.read_grad_norm()});
       }
-      if (writer) writer->append(step_event(s, metrics));
+      if (writer_) writer_->append(step_event(s, metrics));
     }
     if (rows > 0) {
-      progress.update(through_step, tokens_seen, ring[size_t((rows - 1) * 4)],
-                      {{"lr", fixed(ring_lr[size_t(rows - 1)] * 1e3, 3) + "e-3"}});
+      progress_.update(through_step, tokens_seen_, ring[size_t((rows - 1) * 4)],
+                       {{"lr", fixed(ring_lr_[size_t(rows - 1)] * 1e3, 3) + "e-3"}});
     }
-    std::swap(step_end[0], step_end[size_t(rows)]);
-    ring_first = through_step;
-  };
-
-  while (step < last_step) {
-    const bool record = (step + 1) % c.record_every == 0 || step == 0;
-    const bool evaluate_now = (step + 1) % c.eval_every == 0 || step + 1 == last_step;
-    const bool checkpoint_now = (step + 1) % c.checkpoint_every == 0 || step + 1 == last_step;
-    const int64_t row = step - ring_first;
-    const double lr = learning_rate(lr_schedule, step);
-    ring_lr[size_t(row)] = lr;
-
-    const ByteBatch batch = sampler.next();  // the global batch: every rank draws the same
-    const auto [tokens, targets] = uploader.upload(share_of(batch, first_sequence, N_r));
-    const double origin_us = writer ? writer->elapsed_us() : 0.0;
-    if (record) model.set_phase_timer(&timer);
-    forward_backward(model, c.cuda_graph && !record, tokens, targets);
-    model.step(float(lr));
-    if (record) model.set_phase_timer(nullptr);
-    uploader.release_current();
-    CUDA_CHECK(cudaMemcpyAsync(loss_ring.data() + row * 4, step_losses(model), 4 * sizeof(float),
-                               cudaMemcpyDeviceToDevice, stream));
-    CUDA_CHECK(cudaEventRecord(step_end[size_t(row + 1)], stream));
-    // A plain step: nothing but training in it, and the host did not stop to wait just before it
-    // (then the GPU would have idled while the host enqueued the step's first kernels).
-    plain_step[size_t(row + 1)] = !record && !evaluate_now && !checkpoint_now && !host_waited;
-    host_waited = record || evaluate_now || checkpoint_now;
-    ++step;
-    tokens_seen += T;
-
-    if (record) {
-      RunWriter* const out = writer ? &*writer : nullptr;
-      const std::vector<cuda::TimedPhase> phases = record_spans(timer, step, origin_us, view, out);
-      // With micro-batches the layers hold the last micro-batch's routing: its sequences are recorded.
-      const int N_m = int(model.config().batch);
-      const ByteBatch recorded = c.micro_batches > 1 ? share_of(batch, int(c.micro_batches - 1) * N_m, N_m) : batch;
-      const RoutingSummary summary = record_routing(c, &corpus, model, recorded, step, view, out, phases);
-      routed += summary.routed;
-      dropped += summary.dropped;
-      // On several ranks: each MoE block's pipelining degree, when it changed (the adaptive trials).
-      if (out != nullptr) {
-        const TableEvent pipelining = pipelining_table(model, step);
-        if (!pipelining.rows.empty() && pipelining.rows != recorded_pipelining) {
-          recorded_pipelining = pipelining.rows;
-          out->append(to_event(pipelining));
-        }
-      }
-    }
-    if (step - ring_first == ring_rows || evaluate_now || checkpoint_now) {
-      flush(step);
-      host_waited = true;
-    }
-    if (evaluate_now) {
-      result.validation_loss = evaluate();
-      result.validation_bits_per_byte = result.validation_loss / kLn2;
-      if (writer) {
-        writer->append(step_event(step, {{"val_loss", result.validation_loss},
-                                         {"val_bits_per_byte", result.validation_bits_per_byte}}));
-      }
-      CUDA_CHECK(cudaEventRecord(step_end[0], stream));  // the next step's time starts after evaluation
-    }
-    if (checkpoint_now) {
-      save(c, model, step, tokens_seen, sampler, view);
-      CUDA_CHECK(cudaEventRecord(step_end[0], stream));
-    }
-    // One GPU stops after the step in which the signal came; several stop at an agreed flush.
-    if (step < last_step && (view.ranks() == nullptr ? stop_signal() != 0 : stop_agreed)) {
-      if (!checkpoint_now) {
-        flush(step);
-        save(c, model, step, tokens_seen, sampler, view);
-      }
-      result.stopped_by_signal = stop_signal() != 0 ? stop_signal() : SIGTERM;  // another rank's signal
-      break;
-    }
-  }
-  progress.finish();
-  for (cudaEvent_t event : step_end) cudaEventDestroy(event);
-  result.steps_done = step;
-  if (result.stopped_by_signal != 0) {
-    log << "stopped by " << signal_name(result.stopped_by_signal) << " after step " << step << " of " << last_step
-        << "; checkpoint " << checkpoint_path(checkpoints_dir(c), step).string() << "\n";
-    return result;  // no summary: the run is not over, a resume continues it
+    std::swap(step_end_[0], step_end_[size_t(rows)]);
+    ring_first_ = through_step;
   }
 
-  result.median_step_ms = median(plain_step_ms);
-  result.tokens_per_second = result.median_step_ms > 0 ? double(T) / (result.median_step_ms * 1e-3) : 0;
-  result.mfu = peak > 0 ? model_flops * result.tokens_per_second / peak : 0;
-  result.dropped_fraction = routed > 0 ? double(dropped) / double(routed) : 0;
-  result.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
-
-  if (writer) writer->append(to_event(TableEvent{
-      .name = "summary",
-      .columns = {"steps", "val_loss", "val_bits_per_byte", "unigram_bits_per_byte", "median_step_ms",
-                  "tokens_per_s", "mfu", "dropped_fraction"},
-      .rows = {{step, result.validation_loss, result.validation_bits_per_byte, result.unigram_bits_per_byte,
-                result.median_step_ms, result.tokens_per_second, result.mfu, result.dropped_fraction}}}));
-  log << "done at step " << step << ": validation " << fixed(result.validation_loss, 4) << " nats/byte = "
-      << fixed(result.validation_bits_per_byte, 3) << " bits/byte (unigram baseline "
-      << fixed(result.unigram_bits_per_byte, 3) << "), median step " << fixed(result.median_step_ms, 2) << " ms, "
-      << format_rate(result.tokens_per_second) << " tokens/s";
-  if (peak > 0) log << ", MFU " << fixed(100 * result.mfu, 1) << "%";
-  if (c.model.formulation != Formulation::dropless && c.model.moe_layers != MoeLayers::none) {
-    log << ", dropped " << fixed(100 * result.dropped_fraction, 2) << "% of routed tokens (recorded steps)";
+  // The validation loss, nats per byte: each batch's losses are copied on the device, one read at
+  // the end. With micro-batches the model holds one micro-batch: each batch is M forwards of N / M.
+  double evaluate() {
+    const int64_t M = c_.micro_batches;
+    for (size_t i = 0; i < validation_.size(); ++i) {
+      const auto [tokens, targets] = uploader_.upload(share_of(validation_[i], first_sequence_, N_r_));
+      for (int64_t m = 0; m < M; ++m) {
+        model_.forward(tokens + m * micro_tokens_, targets + m * micro_tokens_);
+        CUDA_CHECK(cudaMemcpyAsync(validation_losses_.data() + (i * size_t(M) + size_t(m)) * 4, model_.losses().data(),
+                                   4 * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      }
+      uploader_.release_current();
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const std::vector<float> losses = validation_losses_.download();
+    double sum = 0;
+    for (size_t i = 0; i < validation_.size() * size_t(M); ++i) sum += losses[i * 4 + 1];  // the language-model part
+    return view_.mean({sum / double(validation_.size() * size_t(M))})[0];
   }
-  log << "; run record " << c.run_dir << "\n";
-  return result;
+
+  const TrainConfig& c_;
+  const RankView view_;
+  const int R_;
+  RunInputs inputs_;
+  NullStream quiet_;
+  std::ostream& log_;  // rank 0's log; quiet on the others
+  const int N_r_, first_sequence_;  // this rank's share of each batch
+  const int64_t T_;                 // bytes a step, all ranks
+  BatchSampler sampler_;
+  const std::vector<ByteBatch> validation_;
+  const cudaStream_t stream_;
+  cuda::ModelGpu model_;
+  TrainResult result_;
+  int64_t step_ = 0, tokens_seen_ = 0;
+  std::optional<RunWriter> writer_;  // rank 0's
+  const int64_t last_step_;
+  const ScheduleConfig lr_schedule_;
+  const double peak_;
+  const double model_flops_;
+  BatchUploader uploader_;
+  // The ring of per-step losses {loss, lm, aux, z}: one device copy per step, read every log_every.
+  const int64_t ring_rows_;
+  DeviceBuffer<float> loss_ring_;
+  std::vector<double> ring_lr_;
+  int64_t ring_first_ = 0;  // the ring's row 0 holds step ring_first_ + 1
+  // Step-end events: the GPU time between two consecutive ends is one step's time.
+  std::vector<cudaEvent_t> step_end_;
+  std::vector<bool> plain_step_;  // no evaluation / recording in it
+  std::vector<double> plain_step_ms_;
+  bool host_waited_ = true;  // the host synchronised since the last step was enqueued
+  bool evaluate_now_ = false, checkpoint_now_ = false;  // the current step's
+  bool stop_agreed_ = false;  // set by flush on every rank alike
+  cuda::PhaseTimer timer_;
+  ProgressLine progress_;
+  int64_t routed_ = 0, dropped_ = 0;
+  std::vector<std::vector<json>> recorded_pipelining_;  // the last pipelining table written
+  const int64_t micro_tokens_;
+  DeviceBuffer<float> validation_losses_;
+};
+
+}  // namespace
+
+TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks* ranks) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  check_cuda_graph(c, ranks);
+  const RankView view(ranks);
+  RunInputs inputs = load_inputs(c, view.size(), view.rank());
+  if (const std::string why = cuda::why_no_gpu(); !why.empty()) throw std::runtime_error("no GPU: " + why);
+
+  const OwnedStream stream;
+  TrainingRun run(c, rank_log, ranks, std::move(inputs), stream.get());
+  run.start_or_resume();
+  while (run.step() < run.last_step()) {
+    run.train_step();
+    if (!run.after_step()) break;
+  }
+  return run.finish(wall_start);
 }
 
 // ---- [SECTION] benchmark ----
