@@ -241,7 +241,7 @@ int run(const std::vector<std::string>& arguments) {
   }
 
   // The experts: resident, or in pinned host memory behind an expert cache.
-  const bool has_experts = config.moe_layers != MoeLayers::none;
+  const bool has_experts = config.moe_layers != moe::MoeLayers::none;
   std::optional<PinnedExpertStore> store;
   std::unique_ptr<ExpertSource> source;
   OffloadedExperts* offloaded = nullptr;
@@ -283,8 +283,8 @@ int run(const std::vector<std::string>& arguments) {
     if (has_experts) info.moe_config = config.moe;
     info.model = {{"layers", config.num_layers}, {"model_dim", config.model_dim}, {"heads", config.num_heads},
                   {"seq_len", S}, {"pregated", config.pregated},
-                  {"moe_blocks", config.moe_layers == MoeLayers::none ? "none"
-                                 : config.moe_layers == MoeLayers::every_block ? "every_block" : "every_other_block"}};
+                  {"moe_blocks", config.moe_layers == moe::MoeLayers::none ? "none"
+                                 : config.moe_layers == moe::MoeLayers::every_block ? "every_block" : "every_other_block"}};
     info.devices = {current_device().name};
     info.extra = {{"program", "moe_generate"}, {"weights", loaded.source.string()}, {"mode", std::string(to_string(o.mode))},
                   {"batch", o.batch}, {"prompt_bytes", P}, {"max_new_bytes", o.max_new_bytes},
@@ -307,7 +307,7 @@ int run(const std::vector<std::string>& arguments) {
                "temperature %g, top-k %lld, seed %llu\n",
                loaded.source.string().c_str(), current_device().name.c_str(), (long long)config.model_dim,
                (long long)config.num_layers, (long long)S,
-               config.moe_layers == MoeLayers::none ? "none" : config.moe_layers == MoeLayers::every_block ? "every block" : "every other block",
+               config.moe_layers == moe::MoeLayers::none ? "none" : config.moe_layers == moe::MoeLayers::every_block ? "every block" : "every other block",
                (long long)config.moe.num_experts, (long long)config.moe.top_k, config.pregated ? ", pre-gated" : "",
                std::string(to_string(o.mode)).c_str(), (long long)o.batch, o.sampling.temperature,
                (long long)o.sampling.top_k, (unsigned long long)o.sampling.seed);

@@ -224,11 +224,11 @@ Scale make_scale(const std::string& name, const Options& o) {
   Scale scale{name, {}};
   ModelGpuConfig& c = scale.config;
   if (name == "switch") {
-    c.model_dim = 768, c.num_layers = 12, c.num_heads = 12, c.moe_layers = MoeLayers::every_other_block;
+    c.model_dim = 768, c.num_layers = 12, c.num_heads = 12, c.moe_layers = moe::MoeLayers::every_other_block;
     c.dense_hidden_dim = 3072;
     c.moe.hidden_dim = 3072, c.moe.num_experts = o.switch_experts, c.moe.top_k = 1;
   } else {
-    c.model_dim = 4096, c.num_layers = 4, c.num_heads = 32, c.moe_layers = MoeLayers::every_block;
+    c.model_dim = 4096, c.num_layers = 4, c.num_heads = 32, c.moe_layers = moe::MoeLayers::every_block;
     c.dense_hidden_dim = 14336;
     c.moe.hidden_dim = 14336, c.moe.num_experts = 8, c.moe.top_k = 2;
   }
