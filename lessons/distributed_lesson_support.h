@@ -1,20 +1,34 @@
 // distributed_lesson_support.h: what the lessons on MPI ranks share (06 expert parallelism, 07 Tutel):
-// opening the run record on rank 0 once every rank agrees that it may be written, and the flags of
-// their GPU path (--gpu, --backend; the path itself is distributed_lesson_gpu.h, built with CUDA).
-// Header-only and apart from lesson_support.h, because only the lessons built with MPI have a
-// communicator.
+// each rank's shard of the tokens, the data every rank draws alike, the run record opened on rank 0
+// once every rank agrees that it may be written, rank 0's output (tables, text, the verdict), and
+// the flags and entry of their GPU path (--gpu, --backend; the path itself is
+// distributed_lesson_gpu.h, built with CUDA). Header-only and apart from lesson_support.h, because
+// only the lessons built with MPI have a communicator; it is compiled into each lesson, so
+// MOE_LESSON_HAS_CUDA is the lesson's own.
+//   mpirun --allow-run-as-root --oversubscribe -np 4 build/lessons/lesson06_expert_parallelism
+//   mpirun --allow-run-as-root --oversubscribe -np 4 build/lessons/lesson07_tutel
 #pragma once
 
+#include <mpi.h>  // MPI_Abort: a GPU error on one rank ends every rank
+
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <iostream>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "comm/communicator.h"    // Communicator, broadcast
-#include "lesson_support.h"  // LessonOptions, lesson_run_refused, create_lesson_run
+#include "comm/communicator.h"  // Communicator, broadcast
+#include "init.h"               // random_weights, random_matrix
+#include "lesson_support.h"     // LessonOptions, lesson_run_refused, create_lesson_run, zipf_tokens, Table
 
 namespace moe::lessons {
 
@@ -77,6 +91,133 @@ inline bool open_lesson_run_on_ranks(dist::Communicator& comm, const LessonOptio
     writer.emplace(create_lesson_run(options, lesson_name, lesson_number, config, devices, R));
   }
   return true;
+}
+
+// ---- the ranks' shards and data ----
+
+// This rank's tokens: equal shards in token order.
+struct Shard {
+  int rank = 0, ranks = 1;
+  int64_t offset = 0, tokens = 0;  // first global token, T_r
+};
+
+// The comm's shard of the lesson's T tokens. The lessons give each rank E / R whole experts and
+// T / R tokens, so R must divide both: otherwise rank 0 says which rank counts do, on stderr, and
+// the result is empty (every rank returns exit code 2).
+inline std::optional<Shard> shard_tokens(const dist::Communicator& comm, const MoeConfig& config,
+                                         const std::string& lesson_name) {
+  const int R = comm.size(), rank = comm.rank();
+  const int64_t T = config.tokens, E = config.num_experts;
+  if (E % R == 0 && T % R == 0) return Shard{rank, R, rank * (T / R), T / R};
+  if (rank == 0) {
+    std::vector<int64_t> fitting;
+    for (int64_t r = 1; r <= std::gcd(E, T); ++r) {
+      if (E % r == 0 && T % r == 0) fitting.push_back(r);
+    }
+    std::string counts;
+    for (size_t i = 0; i < fitting.size(); ++i) {
+      counts += (i == 0 ? "" : i + 1 == fitting.size() ? " or " : ", ") + std::to_string(fitting[i]);
+    }
+    std::cerr << lesson_name << ": R = " << R << " ranks must divide E = " << E << " and T = " << T
+              << "; run with -np " << counts << "\n";
+  }
+  return std::nullopt;
+}
+
+// The tokens and weights of lessons 06 and 07. Every rank draws the same and keeps its shard, so
+// the single-device layer on all of them is the oracle. The gate is sharper than random_weights'
+// so that routing is decisive.
+struct LessonData {
+  ref::Matrix text_x;    // [T, D] zipf_tokens: text-like, skewed routing
+  ref::Matrix random_x;  // [T, D] plain random tokens; drawn only when asked (lesson 06's contrast)
+  ref::Matrix dy;        // [T, D] the gradient the backward starts from
+  ref::MoeWeights weights;
+};
+
+// The draws in a fixed order (text_x, random_x, dy, the gate), so one seed gives the same data on
+// the CPU path and on the GPU path.
+inline LessonData draw_lesson_data(const MoeConfig& config, uint64_t seed, bool with_random_tokens) {
+  const int64_t T = config.tokens, D = config.model_dim;
+  std::mt19937_64 generator(seed);
+  LessonData data;
+  data.text_x = zipf_tokens(T, D, 1000, 1.1, generator);
+  if (with_random_tokens) data.random_x = ref::random_matrix(T, D, generator);
+  data.dy = ref::random_matrix(T, D, generator);
+  data.weights = ref::random_weights(config, seed + 1);
+  data.weights.gate_weights =
+      ref::random_matrix(D, config.num_experts, generator, 3.0 / std::sqrt(static_cast<double>(D)));
+  return data;
+}
+
+// ---- rank 0's output ----
+
+// What rank 0 prints and records: the other ranks take part in every collective and stay silent.
+class RankOutput {
+ public:
+  // Collective (open_lesson_run_on_ranks): empty when the run record may not be written, and then
+  // every rank returns exit code 2.
+  static std::optional<RankOutput> open(dist::Communicator& comm, const LessonOptions& options,
+                                        const std::string& lesson_name, const std::string& lesson_number,
+                                        const MoeConfig& config, std::vector<std::string> devices = {}) {
+    RankOutput output(comm.rank() == 0, lesson_name, options.out.string());
+    if (!open_lesson_run_on_ranks(comm, options, lesson_name, lesson_number, config, output.writer_,
+                                  std::move(devices))) {
+      return std::nullopt;
+    }
+    return output;
+  }
+
+  bool root() const { return root_; }
+  RunWriter* writer() { return writer_ ? &*writer_ : nullptr; }  // rank 0's; null on the others
+
+  void show(const Table& table) {
+    if (!root_) return;
+    table.print();
+    writer_->append(to_event(table.event()));
+  }
+  void say(const std::string& text) const {
+    if (root_) std::cout << text;
+  }
+  // Rank 0 prints the verdict line and where the run record is; every rank returns the exit code.
+  int finish(bool pass, const std::string& message) {
+    if (root_) {
+      lessons::finish(*writer_, lesson_name_, pass, message);
+      std::cout << "run record: " << out_ << "\n";
+    }
+    return pass ? 0 : 1;
+  }
+
+ private:
+  RankOutput(bool root, std::string lesson_name, std::string out)
+      : root_(root), lesson_name_(std::move(lesson_name)), out_(std::move(out)) {}
+  bool root_ = false;
+  std::string lesson_name_, out_;
+  std::optional<RunWriter> writer_;
+};
+
+// ---- the GPU path's entry ----
+
+// Runs the lesson's GPU path (`run_on_gpu`, given only where the lesson is built with CUDA) and
+// returns its exit code, or says why it cannot run. An error on one rank ends every rank: the
+// others would wait in the next collective.
+inline int run_gpu_path(const dist::Communicator& world, const std::string& lesson_name,
+                        const std::function<int()>& run_on_gpu) {
+#ifdef MOE_LESSON_HAS_CUDA
+  try {
+    return run_on_gpu();
+  } catch (const std::exception& error) {
+    std::cerr << "[rank " << world.rank() << "] " << lesson_name << " --gpu: " << error.what() << "\n";
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
+#else
+  (void)run_on_gpu;
+  if (world.rank() == 0) {
+    std::cerr << lesson_name << " --gpu: this build has no CUDA (CMake found no CUDA compiler, or "
+                                "MOE_ENABLE_CUDA=OFF); the CPU path runs without --gpu\n";
+  }
+  return 1;
+#endif
 }
 
 }  // namespace moe::lessons
