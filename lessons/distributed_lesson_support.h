@@ -3,8 +3,7 @@
 // once every rank agrees that it may be written, rank 0's output (tables, text, the verdict), and
 // the flags and entry of their GPU path (--gpu, --backend; the path itself is
 // distributed_lesson_gpu.h, built with CUDA). Header-only and apart from lesson_support.h, because
-// only the lessons built with MPI have a communicator; it is compiled into each lesson, so
-// MOE_LESSON_HAS_CUDA is the lesson's own.
+// only the lessons built with MPI have a communicator.
 //   mpirun --allow-run-as-root --oversubscribe -np 4 build/lessons/lesson06_expert_parallelism
 //   mpirun --allow-run-as-root --oversubscribe -np 4 build/lessons/lesson07_tutel
 #pragma once
@@ -26,7 +25,8 @@
 #include <utility>
 #include <vector>
 
-#include "comm/communicator.h"  // Communicator, broadcast
+#include "comm/communicator.h"      // Communicator, broadcast
+#include "comm/mpi_communicator.h"  // MpiEnvironment, MpiCommunicator
 #include "init.h"               // random_weights, random_matrix
 #include "lesson_support.h"     // LessonOptions, lesson_run_refused, create_lesson_run, zipf_tokens, Table
 
@@ -195,29 +195,46 @@ class RankOutput {
   std::optional<RunWriter> writer_;
 };
 
-// ---- the GPU path's entry ----
+// ---- the lesson's entry ----
 
-// Runs the lesson's GPU path (`run_on_gpu`, given only where the lesson is built with CUDA) and
-// returns its exit code, or says why it cannot run. An error on one rank ends every rank: the
-// others would wait in the next collective.
-inline int run_gpu_path(const dist::Communicator& world, const std::string& lesson_name,
-                        const std::function<int()>& run_on_gpu) {
-#ifdef MOE_LESSON_HAS_CUDA
-  try {
-    return run_on_gpu();
-  } catch (const std::exception& error) {
-    std::cerr << "[rank " << world.rank() << "] " << lesson_name << " --gpu: " << error.what() << "\n";
-    MPI_Abort(MPI_COMM_WORLD, 1);
-    return 1;
-  }
-#else
-  (void)run_on_gpu;
+// The lesson's GPU path: given the world, its shard and the lesson's config, returns the exit code.
+// Each lesson defines one; without CUDA it is no_gpu_path.
+using GpuPath = std::function<int(dist::MpiCommunicator& world, const Shard& shard)>;
+// The lesson's CPU path: its tables and verdict on CPU ranks, with rank 0's output open.
+using CpuPath = std::function<int(dist::Communicator& comm, RankOutput& out, const Shard& shard)>;
+
+// What a build without CUDA does on --gpu: rank 0 says why, and every rank returns 1.
+inline int no_gpu_path(const dist::Communicator& world, const std::string& lesson_name) {
   if (world.rank() == 0) {
     std::cerr << lesson_name << " --gpu: this build has no CUDA (CMake found no CUDA compiler, or "
                                 "MOE_ENABLE_CUDA=OFF); the CPU path runs without --gpu\n";
   }
   return 1;
-#endif
+}
+
+// Everything a lesson on MPI ranks does after reading its command line: MPI up, this rank's shard
+// (shard_tokens), then the GPU path on --gpu, else the CPU path with the run record open. An error
+// on one rank of the GPU path ends every rank: the others would wait in the next collective.
+// Returns the exit code.
+inline int run_on_ranks(int argc, char** argv, const LessonOptions& options, const GpuFlags& flags,
+                        const std::string& lesson_name, const std::string& lesson_number, const MoeConfig& config,
+                        const GpuPath& gpu_path, const CpuPath& cpu_path) {
+  dist::MpiEnvironment mpi(argc, argv);
+  const auto world = dist::MpiCommunicator::world();
+  const std::optional<Shard> shard = shard_tokens(*world, config, lesson_name);
+  if (!shard) return 2;
+  if (flags.gpu) {
+    try {
+      return gpu_path(*world, *shard);
+    } catch (const std::exception& error) {
+      std::cerr << "[rank " << world->rank() << "] " << lesson_name << " --gpu: " << error.what() << "\n";
+      MPI_Abort(MPI_COMM_WORLD, 1);
+      return 1;
+    }
+  }
+  std::optional<RankOutput> out = RankOutput::open(*world, options, lesson_name, lesson_number, config);
+  if (!out) return 2;
+  return cpu_path(*world, *out, *shard);
 }
 
 }  // namespace moe::lessons

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <optional>
@@ -309,6 +308,11 @@ int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& optio
           << " tol=" << lessons::kGpuTolerance << "; tokens routed otherwise: " << check.routed_otherwise;
   return out.finish(pass, message.str());
 }
+#else
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, const lessons::GpuFlags&, MoeConfig,
+               const Shard&) {
+  return lessons::no_gpu_path(world, kName);
+}
 #endif
 
 // ---- the CPU path ----
@@ -580,6 +584,27 @@ int verdict(lessons::RankOutput& out, int R, const ForwardChecks& checks, double
   return out.finish(pass, message.str());
 }
 
+// The CPU path: the lesson's sections in order, then the verdict. Collective; returns the exit code.
+int run_on_cpu(dist::Communicator& comm, lessons::RankOutput& out, const lessons::LessonOptions& options,
+               const MoeConfig& config, const Shard& shard) {
+  const int R = comm.size();
+  introduce(out, config, R);
+  const lessons::LessonData data = lessons::draw_lesson_data(config, options.seed, /*with_random_tokens=*/true);
+
+  ForwardChecks checks;
+  const LayerRun main_run = run_layer(comm, config, data.text_x, data.weights, shard);
+  checks.add(main_run, config);
+  show_count_exchange(out, main_run.forward.routed_per_rank_expert, R, config.num_experts);
+  show_dispatch(out, main_run.dispatch_rows, R, config);
+  show_rows_per_expert(comm, out, main_run, config);
+  const double backward = backward_error(comm, config, data, main_run, shard);
+  const bool replays_intact = replay_exchanges(comm, out, main_run, config);
+  const double zipf_skew = show_routing_skew(comm, out, checks, config, data, main_run, shard);
+  show_capacity_rule(comm, out, checks, config, data, shard);
+  show_realistic_shapes(out, zipf_skew);
+  return verdict(out, R, checks, backward, replays_intact);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -589,35 +614,11 @@ int main(int argc, char** argv) {
       lessons::gpu_flag_given(argc, argv) ? "runs/lesson06_expert_parallelism_gpu" : "runs/lesson06_expert_parallelism",
       lessons::kGpuUsage,
       [&](const std::string& argument, int& i) { return lessons::take_gpu_flag(gpu_flags, argc, argv, argument, i); });
-  dist::MpiEnvironment mpi(argc, argv);
-  const auto world = dist::MpiCommunicator::world();
-  dist::Communicator& comm = *world;
   const MoeConfig config = lesson_config();
-  const std::optional<Shard> shard = lessons::shard_tokens(comm, config, kName);
-  if (!shard) return 2;
-#ifdef MOE_LESSON_HAS_CUDA
-  const std::function<int()> on_gpu = [&] { return run_on_gpu(*world, options, gpu_flags, config, *shard); };
-#else
-  const std::function<int()> on_gpu;  // this build has no GPU path
-#endif
-  if (gpu_flags.gpu) return lessons::run_gpu_path(comm, kName, on_gpu);
-
-  std::optional<lessons::RankOutput> out = lessons::RankOutput::open(comm, options, kName, "06", config);
-  if (!out) return 2;
-  const int R = comm.size();
-  introduce(*out, config, R);
-  const lessons::LessonData data = lessons::draw_lesson_data(config, options.seed, /*with_random_tokens=*/true);
-
-  ForwardChecks checks;
-  const LayerRun main_run = run_layer(comm, config, data.text_x, data.weights, *shard);
-  checks.add(main_run, config);
-  show_count_exchange(*out, main_run.forward.routed_per_rank_expert, R, config.num_experts);
-  show_dispatch(*out, main_run.dispatch_rows, R, config);
-  show_rows_per_expert(comm, *out, main_run, config);
-  const double backward = backward_error(comm, config, data, main_run, *shard);
-  const bool replays_intact = replay_exchanges(comm, *out, main_run, config);
-  const double zipf_skew = show_routing_skew(comm, *out, checks, config, data, main_run, *shard);
-  show_capacity_rule(comm, *out, checks, config, data, *shard);
-  show_realistic_shapes(*out, zipf_skew);
-  return verdict(*out, R, checks, backward, replays_intact);
+  return lessons::run_on_ranks(
+      argc, argv, options, gpu_flags, kName, "06", config,
+      [&](dist::MpiCommunicator& world, const Shard& shard) { return run_on_gpu(world, options, gpu_flags, config, shard); },
+      [&](dist::Communicator& comm, lessons::RankOutput& out, const Shard& shard) {
+        return run_on_cpu(comm, out, options, config, shard);
+      });
 }

@@ -26,7 +26,6 @@
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <limits>
@@ -487,6 +486,11 @@ int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& optio
           << ", cost model r=" << layouts.cost_model_r << ")";
   return out.finish(pass, message.str());
 }
+#else
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, const lessons::GpuFlags&, MoeConfig,
+               const Shard&) {
+  return lessons::no_gpu_path(world, kName);
+}
 #endif
 
 // ---- the lesson's opening ----
@@ -903,6 +907,28 @@ int verdict(lessons::RankOutput& out, int R, const ChunkCheck& chunks, const Hie
   return out.finish(pass, message.str());
 }
 
+// The CPU path: the lesson's sections in order, then the verdict. Collective; returns the exit code.
+int run_on_cpu(dist::Communicator& comm, lessons::RankOutput& out, const lessons::LessonOptions& options,
+               const MoeConfig& config, const Shard& shard) {
+  introduce(out, config, comm.size());
+  const Link link = measured_link();
+  const std::vector<ModelledShape> modelled = model_pipelining(link);
+  show_pipelining_model(out, link, modelled);
+  show_timelines(out, modelled.front().schedules);
+
+  const lessons::LessonData data = lessons::draw_lesson_data(config, options.seed, /*with_random_tokens=*/false);
+  const ChunkCheck chunks = run_pipelining(comm, out, config, data, shard);
+  const LayerResult& flat = *chunks.flat_dropless;
+  show_message_arithmetic(out);
+  show_real_messages(out, dist::all_gather<int64_t>(comm, flat.forward.chunks[0].send_rows), comm.size(),
+                     config.model_dim);
+  const HierarchicalCheck hierarchical = check_hierarchical(comm, out, config, data, shard, flat);
+
+  show_switching_model(out);
+  const LayoutCheck layouts = switch_layouts(comm, out, config, data, shard, link);
+  return verdict(out, comm.size(), chunks, hierarchical, layouts);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -911,36 +937,11 @@ int main(int argc, char** argv) {
       argc, argv, kName, lessons::gpu_flag_given(argc, argv) ? "runs/lesson07_tutel_gpu" : "runs/lesson07_tutel",
       lessons::kGpuUsage,
       [&](const std::string& argument, int& i) { return lessons::take_gpu_flag(gpu_flags, argc, argv, argument, i); });
-  dist::MpiEnvironment mpi(argc, argv);
-  const auto world = dist::MpiCommunicator::world();
-  dist::Communicator& comm = *world;
   const MoeConfig config = lesson_config();
-  const std::optional<lessons::Shard> shard = lessons::shard_tokens(comm, config, kName);
-  if (!shard) return 2;
-#ifdef MOE_LESSON_HAS_CUDA
-  const std::function<int()> on_gpu = [&] { return run_on_gpu(*world, options, gpu_flags, config, *shard); };
-#else
-  const std::function<int()> on_gpu;  // this build has no GPU path
-#endif
-  if (gpu_flags.gpu) return lessons::run_gpu_path(comm, kName, on_gpu);
-
-  std::optional<lessons::RankOutput> out = lessons::RankOutput::open(comm, options, kName, "07", config);
-  if (!out) return 2;
-  introduce(*out, config, comm.size());
-  const Link link = measured_link();
-  const std::vector<ModelledShape> modelled = model_pipelining(link);
-  show_pipelining_model(*out, link, modelled);
-  show_timelines(*out, modelled.front().schedules);
-
-  const lessons::LessonData data = lessons::draw_lesson_data(config, options.seed, /*with_random_tokens=*/false);
-  const ChunkCheck chunks = run_pipelining(comm, *out, config, data, *shard);
-  const LayerResult& flat = *chunks.flat_dropless;
-  show_message_arithmetic(*out);
-  show_real_messages(*out, dist::all_gather<int64_t>(comm, flat.forward.chunks[0].send_rows), comm.size(),
-                     config.model_dim);
-  const HierarchicalCheck hierarchical = check_hierarchical(comm, *out, config, data, *shard, flat);
-
-  show_switching_model(*out);
-  const LayoutCheck layouts = switch_layouts(comm, *out, config, data, *shard, link);
-  return verdict(*out, comm.size(), chunks, hierarchical, layouts);
+  return lessons::run_on_ranks(
+      argc, argv, options, gpu_flags, kName, "07", config,
+      [&](dist::MpiCommunicator& world, const Shard& shard) { return run_on_gpu(world, options, gpu_flags, config, shard); },
+      [&](dist::Communicator& comm, lessons::RankOutput& out, const Shard& shard) {
+        return run_on_cpu(comm, out, options, config, shard);
+      });
 }
