@@ -129,13 +129,7 @@ std::pair<double, int64_t> compare(const std::vector<cuda::bf16>& gpu, const Mat
   return {std::sqrt(diff / norm), not_finite};
 }
 
-struct GpuResult {
-  bool pass = false;
-  std::string message;
-  std::string device;
-};
-
-GpuResult gpu_forward_check(RunWriter& writer, uint64_t seed) {
+lessons::GpuPart gpu_forward_check(RunWriter& writer, uint64_t seed) {
   MoeConfig config;
   config.tokens = 2048;     // T
   config.model_dim = 256;   // D
@@ -208,7 +202,7 @@ GpuResult gpu_forward_check(RunWriter& writer, uint64_t seed) {
   writer.append(to_event(table.event()));
   std::cout << "  For the kernel versions (naive, shared-memory tiles, mma.sync tensor cores) and their\n"
                "  % of cuBLAS, build and run: cmake --build build --target dev_sdd && build/cuda/dev/dev_sdd\n";
-  return {pass, "GPU FFN forward rel_err" + message.str() + " tol=1e-2", device};
+  return {pass, "GPU FFN forward rel_err" + message.str() + " tol=1e-2"};
 }
 #endif
 
@@ -340,7 +334,7 @@ int main(int argc, char** argv) {
             << " times the useful work. The blocks\n  keep " << 100.0 * double(sparse_madds) / double(dense_madds)
             << "% of it, and pay only for the padding rows inside them.\n";
 
-  bool pass = sdd_error < 1e-12 && dsd_error < 1e-12 && per_expert_error < 1e-12 &&
+  const bool pass = sdd_error < 1e-12 && dsd_error < 1e-12 && per_expert_error < 1e-12 &&
               relative_error(dropping.y, padded.y) < 1e-12;
   std::ostringstream message;
   message << std::setprecision(2) << "CPU SDD rel_err=" << sdd_error << " DSD rel_err=" << dsd_error
@@ -348,21 +342,10 @@ int main(int argc, char** argv) {
 
   // ---- 4. the GPU ----
 #ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) {
-    const GpuResult gpu = gpu_forward_check(writer, options.seed);
-    pass = pass && gpu.pass;
-    message << "; " << gpu.message;
-  } else {
-    std::cout << "\nGPU part skipped (" << cuda::why_no_gpu() << ").\n";
-    message << "; GPU part skipped (no GPU)";
-  }
+  const lessons::GpuPart gpu =
+      cuda::gpu_available() ? gpu_forward_check(writer, options.seed) : lessons::skip_gpu_part(cuda::why_no_gpu());
 #else
-  std::cout << "\nGPU part skipped: this build has no CUDA (CMake found no CUDA compiler, or "
-               "MOE_ENABLE_CUDA=OFF).\n";
-  message << "; GPU part skipped (built without CUDA)";
+  const lessons::GpuPart gpu = lessons::skip_gpu_part_not_built();
 #endif
-
-  lessons::finish(writer, "lesson03_block_sparse", pass, message.str());
-  std::cout << "run record: " << options.out.string() << "\n";
-  return pass ? 0 : 1;
+  return lessons::finish_with_gpu_part(writer, "lesson03_block_sparse", options, pass, message.str(), gpu);
 }

@@ -102,12 +102,7 @@ std::vector<Matrix> experts_of(const std::vector<float>& v, int64_t experts, int
   return out;
 }
 
-struct GpuResult {
-  bool pass = false;
-  std::string message;
-};
-
-GpuResult gpu_gradient_check(RunWriter& writer, uint64_t seed) {
+lessons::GpuPart gpu_gradient_check(RunWriter& writer, uint64_t seed) {
   MoeConfig config;
   config.tokens = 1000;     // T: not a multiple of B
   config.model_dim = 256;   // D
@@ -404,7 +399,7 @@ int main(int argc, char** argv) {
   split.print();
   writer.append(to_event(split.event()));
 
-  bool pass = walks_ok && products_error < 1e-12 && paths_error < 1e-12 && fd_error < 1e-6 && split_error < 1e-12;
+  const bool pass = walks_ok && products_error < 1e-12 && paths_error < 1e-12 && fd_error < 1e-6 && split_error < 1e-12;
   std::ostringstream message;
   message << std::setprecision(2) << "transpose walks top to bottom: " << (walks_ok ? "yes" : "NO")
           << "; backward products vs dense rel_err=" << products_error << " block-sparse vs per-expert rel_err="
@@ -412,21 +407,10 @@ int main(int argc, char** argv) {
 
   // ---- 5. the GPU ----
 #ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) {
-    const GpuResult gpu = gpu_gradient_check(writer, options.seed);
-    pass = pass && gpu.pass;
-    message << "; " << gpu.message;
-  } else {
-    std::cout << "\nGPU part skipped (" << cuda::why_no_gpu() << ").\n";
-    message << "; GPU part skipped (no GPU)";
-  }
+  const lessons::GpuPart gpu =
+      cuda::gpu_available() ? gpu_gradient_check(writer, options.seed) : lessons::skip_gpu_part(cuda::why_no_gpu());
 #else
-  std::cout << "\nGPU part skipped: this build has no CUDA (CMake found no CUDA compiler, or "
-               "MOE_ENABLE_CUDA=OFF).\n";
-  message << "; GPU part skipped (built without CUDA)";
+  const lessons::GpuPart gpu = lessons::skip_gpu_part_not_built();
 #endif
-
-  lessons::finish(writer, "lesson04_backward", pass, message.str());
-  std::cout << "run record: " << options.out.string() << "\n";
-  return pass ? 0 : 1;
+  return lessons::finish_with_gpu_part(writer, "lesson04_backward", options, pass, message.str(), gpu);
 }

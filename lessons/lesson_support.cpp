@@ -197,4 +197,23 @@ void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const 
   writer.append(to_event(VerdictEvent{.pass = pass, .message = message, .step = std::nullopt}));
 }
 
+GpuPart skip_gpu_part(const std::string& why_no_gpu) {
+  std::cout << "\nGPU part skipped (" << why_no_gpu << ").\n";
+  return {true, "GPU part skipped (no GPU)"};
+}
+
+GpuPart skip_gpu_part_not_built() {
+  std::cout << "\nGPU part skipped: this build has no CUDA (CMake found no CUDA compiler, or "
+               "MOE_ENABLE_CUDA=OFF).\n";
+  return {true, "GPU part skipped (built without CUDA)"};
+}
+
+int finish_with_gpu_part(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                         const std::string& message, const GpuPart& gpu) {
+  pass = pass && gpu.pass;
+  finish(writer, lesson_name, pass, message + "; " + gpu.message);
+  std::cout << "run record: " << options.out.string() << "\n";
+  return pass ? 0 : 1;
+}
+
 }  // namespace moe::lessons

@@ -98,4 +98,23 @@ std::string bar(double value, double max_value, int width);
 // Prints the one verdict line ("PASS lesson01: ..." / "FAIL ...") and records it.
 void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const std::string& message);
 
+// ---- the GPU part of a single-process lesson (03, 04) ----
+
+// What a lesson's GPU part adds to the verdict: whether it passed, and its words on the verdict line.
+struct GpuPart {
+  bool pass = true;
+  std::string message;
+};
+
+// The GPU part, skipped where this machine has no GPU: prints why (`why_no_gpu`), and the verdict
+// line says so.
+GpuPart skip_gpu_part(const std::string& why_no_gpu);
+// The same where the lesson was built without CUDA.
+GpuPart skip_gpu_part_not_built();
+
+// The lesson's verdict line from its CPU part (`pass`, `message`) and its GPU part, then where the
+// run record is. Returns the exit code.
+int finish_with_gpu_part(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                         const std::string& message, const GpuPart& gpu);
+
 }  // namespace moe::lessons
