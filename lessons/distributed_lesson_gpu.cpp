@@ -1,4 +1,5 @@
-// distributed_lesson_gpu.cpp: the GPU path of lessons 06 and 07 (see distributed_lesson_gpu.h).
+// distributed_lesson_gpu.cpp: the GPU path of lessons 06 and 07 (see distributed_lesson_gpu.h), run
+// by `mpirun --oversubscribe -np 2 build/lessons/lesson06_expert_parallelism --gpu` (or lesson07_tutel).
 #include "distributed_lesson_gpu.h"
 
 #include <mpi.h>  // MPI_Comm_split_type: the ranks of this host

@@ -1,10 +1,10 @@
 // distributed_lesson_gpu.h: the GPU path of lessons 06 and 07 (their --gpu flag): the lesson's layer
-// through the expert-parallel layer on the GPU (distributed/expert_parallel_gpu.h), one process per
+// through the expert-parallel layer on the GPU (distributed/ep/expert_parallel_gpu.h), one process per
 // rank, over NCCL where every rank has a GPU of its own and over MPI where ranks share one (staged
 // through host memory; NCCL refuses two ranks on one GPU). Built only where CMake found CUDA
 // (MOE_LESSON_HAS_CUDA); the lessons' CPU path is their default and needs none of this.
-//   mpirun -np 2 build/lessons/lesson06_expert_parallelism --gpu
-//   mpirun -np 2 build/lessons/lesson07_tutel --gpu --backend nccl
+//   mpirun --oversubscribe -np 2 build/lessons/lesson06_expert_parallelism --gpu
+//   mpirun --oversubscribe -np 2 build/lessons/lesson07_tutel --gpu --backend nccl
 //
 // What it measures: each step's forward and backward on the caller's stream between CUDA events,
 // the median of the timed steps on each rank, then the slowest rank's (every rank waits for it).

@@ -4,8 +4,9 @@
 // the flags and entry of their GPU path (--gpu, --backend; the path itself is
 // distributed_lesson_gpu.h, built with CUDA). Header-only and apart from lesson_support.h, because
 // only the lessons built with MPI have a communicator.
-//   mpirun --allow-run-as-root --oversubscribe -np 4 build/lessons/lesson06_expert_parallelism
-//   mpirun --allow-run-as-root --oversubscribe -np 4 build/lessons/lesson07_tutel
+// Written once here so that both lessons read as their sections alone. Used by:
+//   mpirun --oversubscribe -np 4 build/lessons/lesson06_expert_parallelism
+//   mpirun --oversubscribe -np 4 build/lessons/lesson07_tutel
 #pragma once
 
 #include <mpi.h>  // MPI_Abort: a GPU error on one rank ends every rank

@@ -1,5 +1,6 @@
 // lesson01_routing.cpp: Lesson 01, routing. How a router picks experts (softmax, top-K), what
-// routing imbalance looks like on text-like data, and how the load-balancing loss fixes it.
+// routing imbalance looks like on text-like data, and how the load-balancing loss fixes it. The
+// router decides what every later lesson computes and how unevenly, so it comes first.
 // Read lessons/01_routing.md beside it.
 //
 // Build and run:  ./moe build && build/lessons/lesson01_routing [--out runs/lesson01_routing]

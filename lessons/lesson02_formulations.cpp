@@ -1,6 +1,7 @@
 // lesson02_formulations.cpp: Lesson 02, dropping vs padded vs dropless. The same routed tokens
 // computed three ways: how many tokens a capacity factor drops, how much padding each formulation
-// computes, and what block size costs the dropless formulation. Read lessons/02_formulations.md.
+// computes, and what block size costs the dropless formulation: the trade MegaBlocks removes, seen
+// on one routing before any kernel. Read lessons/02_formulations.md.
 //
 // Build and run:  ./moe build && build/lessons/lesson02_formulations [--out runs/lesson02_formulations]
 //

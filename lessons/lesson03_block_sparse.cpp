@@ -1,7 +1,8 @@
 // lesson03_block_sparse.cpp: Lesson 03, block-sparse matrix products (MegaBlocks, Gale et al.,
 // MLSys 2023). The dropless expert computation drawn for a small case: the hidden matrix in B x B
 // blocks, its BCSR arrays and their transpose, the same tokens as the padded and dropping
-// formulations would compute them, then SDD and DSD shown equal to the masked dense products.
+// formulations would compute them, then SDD and DSD shown equal to the masked dense products,
+// small enough that every index a kernel reads can be followed by hand.
 // Where a GPU is present, the GPU's block-sparse FFN forward is checked against the CPU reference.
 // Read lessons/03_block_sparse.md.
 //

@@ -1,18 +1,18 @@
 // lesson06_expert_parallelism.cpp: Lesson 06, expert parallelism (FastMoE). Different ranks hold
 // different experts: each rank routes its own tokens, the ranks exchange the R x E counts, send the
 // token rows to the experts' ranks (all-to-all-v), compute their local experts, send the results
-// back and combine. This program runs that protocol on CPU ranks and prints what moves where.
-// Read lessons/06_expert_parallelism.md beside it.
+// back and combine. This program runs that protocol on CPU ranks and prints what moves where, so
+// that the exchange a GPU layer hides in one call can be read table by table and checked against
+// the single-device layer. Read lessons/06_expert_parallelism.md beside it.
 //
-// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root, and --oversubscribe
-// when there are more ranks than cores):
-//   ./moe build && mpirun -np 4 build/lessons/lesson06_expert_parallelism [--out runs/lesson06_expert_parallelism]
+// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root):
+//   ./moe build && mpirun --oversubscribe -np 4 build/lessons/lesson06_expert_parallelism [--out runs/lesson06_expert_parallelism]
 //   build/lessons/lesson06_expert_parallelism        (one rank: the same protocol, nothing travels)
-//   mpirun -np 2 build/lessons/lesson06_expert_parallelism --gpu [--backend auto|nccl|mpi]
-//                    (the same layer on GPU ranks, distributed/expert_parallel_gpu.h, checked against
+//   mpirun --oversubscribe -np 2 build/lessons/lesson06_expert_parallelism --gpu [--backend auto|nccl|mpi]
+//                    (the same layer on GPU ranks, distributed/ep/expert_parallel_gpu.h, checked against
 //                    the CPU reference; writes runs/lesson06_expert_parallelism_gpu)
 //
-// The layer is distributed/expert_parallel_cpu.h (Eigen, double), checked against the
+// The layer is distributed/ep/expert_parallel_cpu.h (Eigen, double), checked against the
 // single-device layer reference_cpu/moe_layer.h on all tokens. Rank 0 prints the tables and the
 // verdict and writes the run record. Dimension legend: T tokens (all ranks), T_r per rank,
 // D model width, H expert hidden width, E experts, E_r = E / R per rank, K top-k, C capacity,
@@ -46,9 +46,9 @@ constexpr const char* kName = "lesson06_expert_parallelism";
 constexpr double kTolerance = 1e-10;  // double precision: only the order of sums differs
 constexpr int64_t kBf16Bytes = 2;     // what a GPU layer sends per element
 
-// Figures measured on the GPU machines (shared BASELINES, copied into the lesson's README):
-// all-to-all on two H200s over NVLink (PyTorch + NCCL 2.28), 2026-11-24: busbw 176 GB/s at 64 MiB
-// per rank, 249 GB/s at 256 MiB (2026-11-21: 196 and 256 GB/s).
+// Figures measured on the GPU machines (notebooks_data/bench/README.md, "Anchor figures and
+// ceilings"): all-to-all on two H200s over NVLink (PyTorch + NCCL 2.28), 2026-11-24: busbw
+// 176 GB/s at 64 MiB per rank, 249 GB/s at 256 MiB.
 constexpr double kBusbw64MiB = 176e9, kBusbw256MiB = 249e9;  // bytes/s
 
 // Sums of squares on this rank; relative() gives the Frobenius relative error of a tensor sharded
@@ -255,7 +255,7 @@ void show_gpu_check(lessons::RankOutput& out, const lessons::ReferenceCheck& che
   out.show(table);
 }
 
-// The lesson's layer on GPU ranks (distributed/expert_parallel_gpu.h, bf16), checked against the CPU
+// The lesson's layer on GPU ranks (distributed/ep/expert_parallel_gpu.h, bf16), checked against the CPU
 // reference on all tokens (double, from the same bf16 values), then what the GPU run measured: the
 // count exchange's matrix, the bytes each rank moves, and where the time goes. Collective; returns
 // the exit code.

@@ -5,18 +5,19 @@
 // figures measured on the GPU machines; the real run on CPU ranks checks that neither the chunking
 // nor the 2DH exchange changes a result, and computes the layer in every valid layout r over one
 // stored placement of the experts, each against the single-device layer, with the cost model's and
-// the measured choice of r. Read lessons/07_tutel.md beside it.
+// the measured choice of r. Each mechanism is a trade (overlap against smaller messages, fewer
+// messages against a second stage, memory against bytes moved): the cost models say when it pays,
+// the real run that it never changes the layer. Read lessons/07_tutel.md beside it.
 //
-// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root, and --oversubscribe
-// when there are more ranks than cores):
-//   ./moe build && mpirun -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
-//   mpirun -np 2 build/lessons/lesson07_tutel --gpu [--backend auto|nccl|mpi]
+// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root):
+//   ./moe build && mpirun --oversubscribe -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
+//   mpirun --oversubscribe -np 2 build/lessons/lesson07_tutel --gpu [--backend auto|nccl|mpi]
 //                    (the GPU layer's pipelining degrees, its adaptive choice of d, its 2DH
 //                    exchange and its layouts r, measured and checked; writes runs/lesson07_tutel_gpu)
 //
-// The layer is distributed/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
-// hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h; the layouts r are
-// distributed/expert_layouts.h. Rank 0 prints the tables and the verdict and writes the run
+// The layer is distributed/ep/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
+// hierarchical options; the 2DH exchange is distributed/comm/all_to_all_2dh.h; the layouts r are
+// distributed/ep/expert_layouts.h. Rank 0 prints the tables and the verdict and writes the run
 // record. Dimension legend: T tokens (all ranks), T_r per rank,
 // D model width, H expert hidden width, E experts, K top-k, R ranks, G ranks per node, N = R / G
 // nodes, d pipeline chunks, r Tutel's parallelism degree.
@@ -65,7 +66,8 @@ std::string text(double value, int decimals) {
 // ---- the cost model ----
 
 // An exchange of b bytes per rank takes latency + b / bandwidth, the line through two points of the
-// all-to-all sweep on two H200s over NVLink (PyTorch + NCCL 2.28, 2026-11-24, shared BASELINES):
+// all-to-all sweep on two H200s over NVLink (PyTorch + NCCL 2.28, 2026-11-24; the anchor figures of
+// notebooks_data/bench/README.md, "Anchor figures and ceilings"):
 // busbw 58 GB/s at 8 MiB per rank and 249 GB/s at 256 MiB. time = bytes / algbw, algbw = busbw *
 // R / (R - 1) = 2 busbw at R = 2.
 struct Link {
@@ -84,7 +86,7 @@ Link measured_link() {
 }
 
 // Expert FLOPs / rate: torch._grouped_mm, bf16 forward, D=2048 H=8192 K=2 uniform routing, one H200,
-// 2026-11-21 (shared BASELINES): 623 TFLOP/s.
+// 2026-11-21 (notebooks_data/bench/README.md, "Anchor figures and ceilings"): 623 TFLOP/s.
 constexpr double kExpertFlopsPerUs = 623e12 / 1e6;
 
 struct Span {
@@ -419,7 +421,7 @@ GpuLayouts gpu_layouts(const GpuSection& s, const lessons::GpuRanks& ranks, cons
   return result;
 }
 
-// Tutel's mechanisms on the GPU layer (distributed/expert_parallel_gpu.h): the pipelining degrees
+// Tutel's mechanisms on the GPU layer (distributed/ep/expert_parallel_gpu.h): the pipelining degrees
 // d = 1, 2, 4, 8 timed, the layer's own adaptive choice of d with its trial times, the 2DH exchange
 // against the flat one, and every valid layout r (set_layout) with the cost model's and the
 // measurement's choice of r; every pipelining and 2DH variant's y bit for bit d = 1's (B = 64: the

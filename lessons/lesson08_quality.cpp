@@ -2,9 +2,10 @@
 // (MegaBlocks' Figure 2, small). Reads the training runs that lessons/08_experiment.sh recorded on
 // a GPU (shipped in notebooks_data/runs/train_*), groups them by formulation, and prints the
 // validation loss at equal steps, the time per step and the tokens dropped, with the spread over
-// seeds. Runs on any machine: it reads run records, it trains nothing.
+// seeds. Runs on any machine: it reads run records, it trains nothing, so that the quality claim
+// behind dropless computation can be checked without a GPU.
 //
-//   build/lessons/lesson08_quality                       the shipped runs
+//   build/lessons/lesson08_quality --out runs/lesson08_quality --overwrite   the shipped runs
 //   build/lessons/lesson08_quality --runs runs/lesson08  runs of your own (08_experiment.sh --out)
 // Lesson text: lessons/08_quality.md.
 #include <algorithm>

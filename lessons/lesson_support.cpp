@@ -1,4 +1,5 @@
-// lesson_support.cpp: see lesson_support.h.
+// lesson_support.cpp: what every lesson program shares (see lesson_support.h), linked into each of
+// build/lessons/lesson01_routing ... lesson08_quality.
 #include "lesson_support.h"
 
 #include <algorithm>

@@ -2,7 +2,9 @@
 // a realistic skew, and tables printed to the terminal and kept in the run record.
 //
 // Lessons are teaching programs, not benchmarks: they run the CPU reference (moe::ref) on small
-// sizes, print tables, print one verdict line, and write a run record the viewer opens.
+// sizes, print tables, print one verdict line, and write a run record the viewer opens. What they
+// share lives here once, so that each lesson reads as its sections alone; every lesson links it:
+//   build/lessons/lesson01_routing --out runs/lesson01_routing --overwrite
 #pragma once
 
 #include <cstdint>
