@@ -161,6 +161,13 @@ int main(int argc, char** argv) {
   }
   const moe::lessons::LessonOptions options =
       moe::lessons::parse_options(int(rest.size()), rest.data(), "lesson08_quality", "runs/lesson08_quality");
+  // The lesson draws nothing: it reads runs recorded with their own seeds (08_experiment.sh
+  // --seeds), so --seed only lands in the run record. Saying so beats a flag that silently does nothing.
+  if (options.seed != moe::lessons::LessonOptions{}.seed) {
+    std::cerr << "lesson08_quality: --seed " << options.seed
+              << " changes nothing here: the lesson draws no random numbers, it reads recorded training runs "
+                 "(their seeds are 08_experiment.sh --seeds); the value is kept in the run record only\n";
+  }
 
   std::vector<Run> runs;
   try {
