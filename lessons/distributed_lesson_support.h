@@ -172,9 +172,7 @@ class RankOutput {
   RunWriter* writer() { return writer_ ? &*writer_ : nullptr; }  // rank 0's; null on the others
 
   void show(const Table& table) {
-    if (!root_) return;
-    table.print();
-    writer_->append(to_event(table.event()));
+    if (root_) lessons::show(*writer_, table);
   }
   void say(const std::string& text) const {
     if (root_) std::cout << text;

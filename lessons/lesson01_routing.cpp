@@ -92,8 +92,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  routing_table.print();
-  writer.append(to_event(routing_table.event()));
+  lessons::show(writer, routing_table);
   std::cout << "  aux loss = E * sum_e f_e * P_e: f_e = share of routed slots on expert e, P_e = mean\n"
                "  router probability of e. Uniform routing gives exactly 1; skew pushes it up.\n";
 
@@ -149,8 +148,7 @@ int main(int argc, char** argv) {
         ref::moe_backward(train_config, text_x, weights, forward, no_gradient);
     weights.gate_weights -= learning_rate * gradients.gate_weights;
   }
-  balance_table.print();
-  writer.append(to_event(balance_table.event()));
+  lessons::show(writer, balance_table);
 
   // ---- verdict ----
   const bool skew_seen = aux_text > aux_random;

@@ -113,8 +113,7 @@ int main(int argc, char** argv) {
                                         .dropped_per_expert = dropped, .capacity = dropping.plan.capacity,
                                         .tokens_per_expert_by_genre = {}}));
   }
-  capacity_table.print();
-  writer.append(to_event(capacity_table.event()));
+  lessons::show(writer, capacity_table);
   std::cout << "  (routing events in the run record use step = 100 * cf, one per capacity factor)\n";
 
   // ---- 2. block sizes ----
@@ -141,8 +140,7 @@ int main(int argc, char** argv) {
                                          .padding_rows = forward.plan.padding_rows,
                                          .rows_per_expert = rows}));
   }
-  block_table.print();
-  writer.append(to_event(block_table.event()));
+  lessons::show(writer, block_table);
   std::cout << "  useful FLOPs = 4*D*H per routed row (x W1 and h W2), " << useful_flops_per_row
             << " here; padding rows cost the same but do nothing.\n"
                "  (topology events in the run record use step = B)\n";

@@ -199,8 +199,7 @@ lessons::GpuPart gpu_forward_check(RunWriter& writer, uint64_t seed) {
   std::cout << "\nGPU part on " << device << ": T=" << config.tokens << " D=" << D << " H=" << config.hidden_dim
             << " E=" << E << " K=" << config.top_k << " B=" << B << ", rows=" << rows << ", nnz=" << topology.nnz
             << " blocks\n";
-  table.print();
-  writer.append(to_event(table.event()));
+  lessons::show(writer, table);
   std::cout << "  For the kernel versions (naive, shared-memory tiles, mma.sync tensor cores) and their\n"
                "  % of cuBLAS, build and run: cmake --build build --target dev_sdd && build/cuda/dev/dev_sdd\n";
   return {pass, "GPU FFN forward rel_err" + message.str() + " tol=1e-2"};
@@ -246,8 +245,7 @@ int main(int argc, char** argv) {
   // ---- 1. the topology, drawn ----
   draw_hidden_matrix(config, plan, topology);
   const Table grid = block_id_grid(topology);
-  grid.print();
-  writer.append(to_event(grid.event()));
+  lessons::show(writer, grid);
 
   Table arrays("Table 1: the BCSR arrays of this topology (MegaBlocks 5.1.4)", {"array", "length", "values"});
   arrays.add_row({"offsets", int64_t(topology.offsets.size()), join(topology.offsets)});
@@ -257,8 +255,7 @@ int main(int argc, char** argv) {
   arrays.add_row({"block_row_tokens", int64_t(topology.block_row_tokens.size()), join(topology.block_row_tokens)});
   arrays.add_row({"column_offsets", int64_t(topology.column_offsets.size()), join(topology.column_offsets)});
   arrays.add_row({"transpose_indices", int64_t(topology.transpose_indices.size()), join(topology.transpose_indices)});
-  arrays.print();
-  writer.append(to_event(arrays.event()));
+  lessons::show(writer, arrays);
   std::cout << "  offsets[r]..offsets[r+1]-1 are the ids of block row r's blocks; row_indices and\n"
                "  column_indices say where block i sits. column_offsets and transpose_indices list the\n"
                "  same ids column by column: column c's blocks, top to bottom, are\n"
@@ -296,8 +293,7 @@ int main(int argc, char** argv) {
   formulations.add_row({"dropped", 0, int64_t(0), dropping.plan.dropped_slots, padded.plan.dropped_slots});
   formulations.add_row({"rel err of y vs dropless", "", 0.0, relative_error(dropping.y, forward.y),
                         relative_error(padded.y, forward.y)});
-  formulations.print();
-  writer.append(to_event(formulations.event()));
+  lessons::show(writer, formulations);
   std::cout << "  Dropless computes every token and pads each expert to a multiple of B; dropping computes\n"
                "  at most C rows per expert and loses the rest; padded computes exactly C rows per expert.\n";
 
@@ -329,8 +325,7 @@ int main(int argc, char** argv) {
                     "dense(hidden) W2cat"});
   products.add_row({"DSD", "out = gelu(pre) W2cat", sparse_madds, sparse_madds, per_expert_error,
                     "one dense GEMM per expert (expert_ffn)"});
-  products.print();
-  writer.append(to_event(products.event()));
+  lessons::show(writer, products);
   std::cout << "  The dense product computes every row against every expert: E = " << E
             << " times the useful work. The blocks\n  keep " << 100.0 * double(sparse_madds) / double(dense_madds)
             << "% of it, and pay only for the padding rows inside them.\n";

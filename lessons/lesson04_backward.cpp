@@ -175,8 +175,7 @@ lessons::GpuPart gpu_gradient_check(RunWriter& writer, uint64_t seed) {
             << " E=" << E << " K=" << config.top_k << " B=" << config.block_size
             << ", renormalised top-K, aux 0.01, z 0.001; slots routed differently from the reference: " << flips
             << "\n";
-  table.print();
-  writer.append(to_event(table.event()));
+  lessons::show(writer, table);
   return {pass, "GPU rel_err" + message.str() + " tol=2e-2, routing flips=" + std::to_string(flips)};
 }
 #endif
@@ -221,8 +220,7 @@ int main(int argc, char** argv) {
   map.add_row({"d_x (rows)", "d_pre W1^T", "DSD", "S: blocks by row", "[rows, D]"});
   map.add_row({"dx", "un-permute d_x rows + d_logits Wg^T", "(scatter, dense)", "-", "[T, D]"});
   map.add_row({"dWg", "x^T d_logits", "(dense)", "-", "[D, E]"});
-  map.print();
-  writer.append(to_event(map.event()));
+  lessons::show(writer, map);
 
   // ---- 2. the transpose indices walk a block column top to bottom ----
   std::cout << "\nBlock ids of the small case (row-major, as in lesson 03); '.' = no block:\n";
@@ -255,8 +253,7 @@ int main(int argc, char** argv) {
     const std::string range = last > first ? std::to_string(first) + ".." + std::to_string(last - 1) : "(empty)";
     walk.add_row({c, c / (H / B), range, ids.str(), rows.str(), ordered ? "yes" : "NO"});
   }
-  walk.print();
-  writer.append(to_event(walk.event()));
+  lessons::show(writer, walk);
   std::cout << "  Row-major, the blocks of one column are H/B = " << H / B
             << " ids apart; transpose_indices lists them in order, so a DSᵀD\n"
                "  kernel reads S's blocks in place as Sᵀ and never builds a transposed copy.\n";
@@ -298,8 +295,7 @@ int main(int argc, char** argv) {
   products.add_row({"d_pre blocks", "sdd(d_out, W2cat^T) . gelu'", "mask . (d_out W2cat^T) . gelu'(x W1cat)", d_pre_error});
   products.add_row({"dW1cat [D, E*H]", "dds(x^T, d_pre)", "x^T dense(d_pre)", dw1_error});
   products.add_row({"d_x rows [rows, D]", "dsd(d_pre, W1cat^T)", "dense(d_pre) W1cat^T", dx_error});
-  products.print();
-  writer.append(to_event(products.event()));
+  lessons::show(writer, products);
   const double products_error = std::max({dw2_error, d_pre_error, dw1_error, dx_error});
 
   // ---- 3. block-sparse backward == per-expert backward, and finite differences ----
@@ -333,8 +329,7 @@ int main(int argc, char** argv) {
     name << "T=" << c.tokens << " E=" << c.num_experts << " K=" << c.top_k << " B=" << c.block_size;
     paths.add_row({name.str(), errors[0], errors[1], errors[2], errors[3], 1e-12});
   }
-  paths.print();
-  writer.append(to_event(paths.event()));
+  lessons::show(writer, paths);
 
   // Finite differences of L = sum(dy . y) + 0.01 aux + 0.001 z, each at the entry of the largest
   // gradient, on the medium case (renormalised top-2, both router losses on).
@@ -369,8 +364,7 @@ int main(int argc, char** argv) {
     entry << "(" << index / cols << ", " << index % cols << ")";
     differences.add_row({probe.name, entry.str(), analytic, numeric, error, 1e-6});
   }
-  differences.print();
-  writer.append(to_event(differences.event()));
+  lessons::show(writer, differences);
 
   // ---- 4. the router's gradient, term by term ----
   // With the routing fixed, L is linear in dy and in the two loss weights, so the router gradient
@@ -396,8 +390,7 @@ int main(int argc, char** argv) {
                    s << std::scientific << std::setprecision(1) << split_error;
                    return s.str();
                  }(), gq.gate_weights.norm()});
-  split.print();
-  writer.append(to_event(split.event()));
+  lessons::show(writer, split);
 
   const bool pass = walks_ok && products_error < 1e-12 && paths_error < 1e-12 && fd_error < 1e-6 && split_error < 1e-12;
   std::ostringstream message;

@@ -233,8 +233,7 @@ int main(int argc, char** argv) {
                         s.moe_blocks * s.E * expert_bytes(s) / 1e9, s.moe_blocks * s.E * expert_bytes(s) / 1e9,
                         2 * s.K * expert_bytes(s) / 1e9});
   }
-  arithmetic.print();
-  writer.append(to_event(arithmetic.event()));
+  lessons::show(writer, arithmetic);
 
   // ---- 2. which experts each block needs, and when each mode knows them ----
   // A small random pre-gated model decoded by the reference: m_j's choice is made in block
@@ -262,8 +261,7 @@ int main(int argc, char** argv) {
                      j == 0 ? "after its own gate" : "during block " + std::to_string(r.known_in_block)});
     }
   }
-  needs.print();
-  writer.append(to_event(needs.event()));
+  lessons::show(writer, needs);
 
   // ---- 3. the schedule, simulated ----
   std::cout << "\nThe schedule of one batch-1 decode step, simulated (copy = 4*D*H / 54.9 GB/s; compute = weights "
@@ -283,8 +281,7 @@ int main(int argc, char** argv) {
     }
     order_ok = order_ok && gpu_only <= pregated && pregated <= on_demand;
   }
-  timeline.print();
-  writer.append(to_event(timeline.event()));
+  lessons::show(writer, timeline);
 
   // ---- 4. the quality cost of pre-gating (lesson 08's runs) ----
   Table quality("Table 4: final validation bits per byte, lesson 08's runs (H200, notebooks_data/runs/)",
@@ -294,8 +291,7 @@ int main(int argc, char** argv) {
     const double bits = final_val_bits(std::filesystem::path("notebooks_data/runs") / name);
     quality.add_row({name, std::isnan(bits) ? nlohmann::json("not found") : nlohmann::json(bits)});
   }
-  quality.print();
-  writer.append(to_event(quality.event()));
+  lessons::show(writer, quality);
 
   // ---- 5. the pre-gate against the speculative guess (GPU, trained run) ----
   Table guess("Table 5: experts known one MoE block ahead (m_1..), measured", {"predictor", "fraction known", "where"});
@@ -313,8 +309,7 @@ int main(int argc, char** argv) {
 #else
   std::cout << "\nGPU part: skipped (built without CUDA)\n";
 #endif
-  guess.print();
-  writer.append(to_event(guess.event()));
+  lessons::show(writer, guess);
 
   std::cout << "\nMeasured on a GPU: offload_bench writes notebooks_data/bench/offload_bench_<device>_<date>.json "
                "(see 05_offload.md).\n";

@@ -239,8 +239,7 @@ int main(int argc, char** argv) {
     row.push_back(format(spread(dropped), 2) + "%");
     table.add_row(row);
   }
-  table.print();
-  writer.append(moe::to_event(table.event()));
+  moe::lessons::show(writer, table);
 
   // The claim of MegaBlocks' Figure 2: at equal steps, dropless beats token dropping at cf 1.0.
   if (!final_bits.count(0) || !final_bits.count(1)) {

@@ -188,6 +188,11 @@ void Table::print() const {
 
 TableEvent Table::event() const { return TableEvent{name_, columns_, rows_}; }
 
+void show(RunWriter& writer, const Table& table) {
+  table.print();
+  writer.append(to_event(table.event()));
+}
+
 std::string bar(double value, double max_value, int width) {
   const int filled = max_value > 0 ? static_cast<int>(std::lround(width * value / max_value)) : 0;
   return std::string(static_cast<size_t>(std::clamp(filled, 0, width)), '#');

@@ -94,6 +94,9 @@ class Table {
   std::vector<std::vector<nlohmann::json>> rows_;
 };
 
+// Prints the table and appends it to the run record.
+void show(RunWriter& writer, const Table& table);
+
 // A horizontal bar of `width` characters for value / max_value, for per-expert load pictures.
 std::string bar(double value, double max_value, int width);
 
