@@ -206,6 +206,128 @@ lessons::GpuPart gpu_forward_check(RunWriter& writer, uint64_t seed) {
 }
 #endif
 
+// ---- 1. the topology, drawn ----
+
+void show_topology(RunWriter& writer, const MoeConfig& config, const ref::LayerForward& forward) {
+  const ref::DispatchPlan& plan = forward.plan;
+  const ref::BlockSparseTopology& topology = *forward.topology;
+  const int64_t B = config.block_size;
+  draw_hidden_matrix(config, plan, topology);
+  const Table grid = block_id_grid(topology);
+  lessons::show(writer, grid);
+
+  Table arrays("Table 1: the BCSR arrays of this topology (MegaBlocks 5.1.4)", {"array", "length", "values"});
+  arrays.add_row({"offsets", int64_t(topology.offsets.size()), join(topology.offsets)});
+  arrays.add_row({"row_indices", int64_t(topology.row_indices.size()), join(topology.row_indices)});
+  arrays.add_row({"column_indices", int64_t(topology.column_indices.size()), join(topology.column_indices)});
+  arrays.add_row({"block_row_expert", int64_t(topology.block_row_expert.size()), join(topology.block_row_expert)});
+  arrays.add_row({"block_row_tokens", int64_t(topology.block_row_tokens.size()), join(topology.block_row_tokens)});
+  arrays.add_row({"column_offsets", int64_t(topology.column_offsets.size()), join(topology.column_offsets)});
+  arrays.add_row({"transpose_indices", int64_t(topology.transpose_indices.size()), join(topology.transpose_indices)});
+  lessons::show(writer, arrays);
+  std::cout << "  offsets[r]..offsets[r+1]-1 are the ids of block row r's blocks; row_indices and\n"
+               "  column_indices say where block i sits. column_offsets and transpose_indices list the\n"
+               "  same ids column by column: column c's blocks, top to bottom, are\n"
+               "  transpose_indices[column_offsets[c] .. column_offsets[c+1]-1] (lesson 04 walks them).\n";
+
+  std::vector<int64_t> rows_per_expert(plan.rows_per_expert.begin(), plan.rows_per_expert.end());
+  writer.append(to_event(TopologyEvent{.step = 0, .layer = 0, .block_size = B,
+                                       .block_rows = topology.block_rows, .block_cols = topology.block_cols,
+                                       .nnz = topology.nnz, .padding_rows = plan.padding_rows,
+                                       .rows_per_expert = rows_per_expert}));
+  writer.append(to_event(RoutingEvent{.step = 0, .layer = 0,
+                                      .tokens_per_expert = {plan.tokens_per_expert.begin(), plan.tokens_per_expert.end()},
+                                      .dropped_per_expert = {}, .capacity = std::nullopt,
+                                      .tokens_per_expert_by_genre = {}}));
+}
+
+// ---- 2. the same tokens in the other formulations ----
+
+struct OtherFormulations {
+  ref::LayerForward dropping, padded;
+};
+
+OtherFormulations run_other_formulations(const MoeConfig& config, const Matrix& x, const ref::MoeWeights& weights) {
+  MoeConfig dropping_config = config;
+  dropping_config.formulation = Formulation::dropping;
+  OtherFormulations other;
+  other.dropping = ref::moe_forward(dropping_config, x, weights);
+  MoeConfig padded_config = config;
+  padded_config.formulation = Formulation::padded;
+  other.padded = ref::moe_forward(padded_config, x, weights);
+  return other;
+}
+
+void show_formulations(RunWriter& writer, const MoeConfig& config, const ref::LayerForward& forward,
+                       const OtherFormulations& other) {
+  const ref::DispatchPlan& plan = forward.plan;
+  const ref::LayerForward& dropping = other.dropping;
+  const ref::LayerForward& padded = other.padded;
+  const int64_t E = config.num_experts, B = config.block_size;
+  const int64_t C = dropping.plan.capacity;
+
+  Table formulations("Table 2: the same routed tokens, per expert ('#' token computed, 'o' padding row "
+                     "computed, 'x' token dropped); capacity factor 1.0, C = " + std::to_string(C),
+                     {"expert", "tokens", "dropless (B=" + std::to_string(B) + ")", "dropping", "padded"});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = plan.tokens_per_expert[e], kept = dropping.plan.kept_per_expert[e];
+    formulations.add_row({e, n, rows_picture(n, plan.rows_per_expert[e] - n, 0),
+                          rows_picture(kept, 0, n - kept), rows_picture(kept, C - kept, n - kept)});
+  }
+  const int64_t routed = config.tokens * config.top_k;
+  formulations.add_row({"rows", routed, plan.total_rows, dropping.plan.total_rows, padded.plan.total_rows});
+  formulations.add_row({"dropped", 0, int64_t(0), dropping.plan.dropped_slots, padded.plan.dropped_slots});
+  formulations.add_row({"rel err of y vs dropless", "", 0.0, relative_error(dropping.y, forward.y),
+                        relative_error(padded.y, forward.y)});
+  lessons::show(writer, formulations);
+  std::cout << "  Dropless computes every token and pads each expert to a multiple of B; dropping computes\n"
+               "  at most C rows per expert and loses the rest; padded computes exactly C rows per expert.\n";
+}
+
+// ---- 3. SDD and DSD against the masked dense products ----
+
+struct ProductErrors {
+  double sdd = 0, dsd = 0, per_expert = 0;  // relative, against the masked dense products and expert_ffn
+};
+
+// The block-diagonal structure is the whole trick: W1cat = [w1[0] | w1[1] | ...] makes x W1cat the
+// product of every row with every expert; the topology keeps only the blocks of the row's own
+// expert, and SDD computes those blocks alone.
+ProductErrors show_block_products(RunWriter& writer, const MoeConfig& config, const ref::MoeWeights& weights,
+                                  const ref::LayerForward& forward) {
+  const ref::BlockSparseTopology& topology = *forward.topology;
+  const int64_t E = config.num_experts, B = config.block_size;
+  const int64_t H = config.hidden_dim;
+  const Matrix w1_cat = ref::concat_expert_columns(weights.w1, 0, H);  // [D, E*H]
+  const Matrix w2_cat = ref::concat_expert_rows(weights.w2);           // [E*H, D]
+  const Matrix dense_pre = forward.permuted_x * w1_cat;                // [rows, E*H], all of it
+  const Matrix masked_pre = ref::sparse_to_dense(topology, ref::dense_to_sparse(topology, dense_pre));
+  const Matrix pre_blocks = ref::sdd(forward.permuted_x, w1_cat, topology);  // [nnz*B, B]
+  const double sdd_error = relative_error(ref::sparse_to_dense(topology, pre_blocks), masked_pre);
+
+  const Matrix hidden_blocks = pre_blocks.unaryExpr([](double a) { return ref::gelu(a); });
+  const Matrix out = ref::dsd(topology, hidden_blocks, /*transpose_s=*/false, w2_cat);  // [rows, D]
+  const Matrix dense_out = ref::sparse_to_dense(topology, hidden_blocks) * w2_cat;
+  const double dsd_error = relative_error(out, dense_out);
+  const double per_expert_error = relative_error(out, forward.expert_out);  // expert_ffn: one GEMM per expert
+
+  const int64_t dense_madds = topology.rows() * topology.cols() * config.model_dim;
+  const int64_t sparse_madds = topology.nnz * B * B * config.model_dim;
+  Table products("Table 3: the block-sparse products on the CPU reference vs the masked dense products",
+                 {"product", "computes", "multiply-adds (blocks)", "multiply-adds (dense)", "rel err", "against"});
+  products.add_row({"SDD", "pre = x W1cat at the blocks", sparse_madds, dense_madds, sdd_error,
+                    "mask(x W1cat), dense [rows, E*H]"});
+  products.add_row({"DSD", "out = gelu(pre) W2cat", sparse_madds, dense_madds, dsd_error,
+                    "dense(hidden) W2cat"});
+  products.add_row({"DSD", "out = gelu(pre) W2cat", sparse_madds, sparse_madds, per_expert_error,
+                    "one dense GEMM per expert (expert_ffn)"});
+  lessons::show(writer, products);
+  std::cout << "  The dense product computes every row against every expert: E = " << E
+            << " times the useful work. The blocks\n  keep " << 100.0 * double(sparse_madds) / double(dense_madds)
+            << "% of it, and pay only for the padding rows inside them.\n";
+  return {sdd_error, dsd_error, per_expert_error};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -238,103 +360,17 @@ int main(int argc, char** argv) {
   ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
   weights.gate_weights *= 3.0;  // a confident router: real skew, as in lesson 02
   const ref::LayerForward forward = ref::moe_forward(config, x, weights);
-  const ref::DispatchPlan& plan = forward.plan;
-  const ref::BlockSparseTopology& topology = *forward.topology;
-  const int64_t E = config.num_experts, B = config.block_size;
 
-  // ---- 1. the topology, drawn ----
-  draw_hidden_matrix(config, plan, topology);
-  const Table grid = block_id_grid(topology);
-  lessons::show(writer, grid);
+  show_topology(writer, config, forward);
+  const OtherFormulations other = run_other_formulations(config, x, weights);
+  show_formulations(writer, config, forward, other);
+  const ProductErrors errors = show_block_products(writer, config, weights, forward);
 
-  Table arrays("Table 1: the BCSR arrays of this topology (MegaBlocks 5.1.4)", {"array", "length", "values"});
-  arrays.add_row({"offsets", int64_t(topology.offsets.size()), join(topology.offsets)});
-  arrays.add_row({"row_indices", int64_t(topology.row_indices.size()), join(topology.row_indices)});
-  arrays.add_row({"column_indices", int64_t(topology.column_indices.size()), join(topology.column_indices)});
-  arrays.add_row({"block_row_expert", int64_t(topology.block_row_expert.size()), join(topology.block_row_expert)});
-  arrays.add_row({"block_row_tokens", int64_t(topology.block_row_tokens.size()), join(topology.block_row_tokens)});
-  arrays.add_row({"column_offsets", int64_t(topology.column_offsets.size()), join(topology.column_offsets)});
-  arrays.add_row({"transpose_indices", int64_t(topology.transpose_indices.size()), join(topology.transpose_indices)});
-  lessons::show(writer, arrays);
-  std::cout << "  offsets[r]..offsets[r+1]-1 are the ids of block row r's blocks; row_indices and\n"
-               "  column_indices say where block i sits. column_offsets and transpose_indices list the\n"
-               "  same ids column by column: column c's blocks, top to bottom, are\n"
-               "  transpose_indices[column_offsets[c] .. column_offsets[c+1]-1] (lesson 04 walks them).\n";
-
-  std::vector<int64_t> rows_per_expert(plan.rows_per_expert.begin(), plan.rows_per_expert.end());
-  writer.append(to_event(TopologyEvent{.step = 0, .layer = 0, .block_size = B,
-                                       .block_rows = topology.block_rows, .block_cols = topology.block_cols,
-                                       .nnz = topology.nnz, .padding_rows = plan.padding_rows,
-                                       .rows_per_expert = rows_per_expert}));
-  writer.append(to_event(RoutingEvent{.step = 0, .layer = 0,
-                                      .tokens_per_expert = {plan.tokens_per_expert.begin(), plan.tokens_per_expert.end()},
-                                      .dropped_per_expert = {}, .capacity = std::nullopt,
-                                      .tokens_per_expert_by_genre = {}}));
-
-  // ---- 2. the same tokens in the other formulations ----
-  MoeConfig dropping_config = config;
-  dropping_config.formulation = Formulation::dropping;
-  const ref::LayerForward dropping = ref::moe_forward(dropping_config, x, weights);
-  MoeConfig padded_config = config;
-  padded_config.formulation = Formulation::padded;
-  const ref::LayerForward padded = ref::moe_forward(padded_config, x, weights);
-  const int64_t C = dropping.plan.capacity;
-
-  Table formulations("Table 2: the same routed tokens, per expert ('#' token computed, 'o' padding row "
-                     "computed, 'x' token dropped); capacity factor 1.0, C = " + std::to_string(C),
-                     {"expert", "tokens", "dropless (B=" + std::to_string(B) + ")", "dropping", "padded"});
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = plan.tokens_per_expert[e], kept = dropping.plan.kept_per_expert[e];
-    formulations.add_row({e, n, rows_picture(n, plan.rows_per_expert[e] - n, 0),
-                          rows_picture(kept, 0, n - kept), rows_picture(kept, C - kept, n - kept)});
-  }
-  const int64_t routed = config.tokens * config.top_k;
-  formulations.add_row({"rows", routed, plan.total_rows, dropping.plan.total_rows, padded.plan.total_rows});
-  formulations.add_row({"dropped", 0, int64_t(0), dropping.plan.dropped_slots, padded.plan.dropped_slots});
-  formulations.add_row({"rel err of y vs dropless", "", 0.0, relative_error(dropping.y, forward.y),
-                        relative_error(padded.y, forward.y)});
-  lessons::show(writer, formulations);
-  std::cout << "  Dropless computes every token and pads each expert to a multiple of B; dropping computes\n"
-               "  at most C rows per expert and loses the rest; padded computes exactly C rows per expert.\n";
-
-  // ---- 3. SDD and DSD against the masked dense products ----
-  // The block-diagonal structure is the whole trick: W1cat = [w1[0] | w1[1] | ...] makes x W1cat the
-  // product of every row with every expert; the topology keeps only the blocks of the row's own
-  // expert, and SDD computes those blocks alone.
-  const int64_t H = config.hidden_dim;
-  const Matrix w1_cat = ref::concat_expert_columns(weights.w1, 0, H);  // [D, E*H]
-  const Matrix w2_cat = ref::concat_expert_rows(weights.w2);           // [E*H, D]
-  const Matrix dense_pre = forward.permuted_x * w1_cat;                // [rows, E*H], all of it
-  const Matrix masked_pre = ref::sparse_to_dense(topology, ref::dense_to_sparse(topology, dense_pre));
-  const Matrix pre_blocks = ref::sdd(forward.permuted_x, w1_cat, topology);  // [nnz*B, B]
-  const double sdd_error = relative_error(ref::sparse_to_dense(topology, pre_blocks), masked_pre);
-
-  const Matrix hidden_blocks = pre_blocks.unaryExpr([](double a) { return ref::gelu(a); });
-  const Matrix out = ref::dsd(topology, hidden_blocks, /*transpose_s=*/false, w2_cat);  // [rows, D]
-  const Matrix dense_out = ref::sparse_to_dense(topology, hidden_blocks) * w2_cat;
-  const double dsd_error = relative_error(out, dense_out);
-  const double per_expert_error = relative_error(out, forward.expert_out);  // expert_ffn: one GEMM per expert
-
-  const int64_t dense_madds = topology.rows() * topology.cols() * config.model_dim;
-  const int64_t sparse_madds = topology.nnz * B * B * config.model_dim;
-  Table products("Table 3: the block-sparse products on the CPU reference vs the masked dense products",
-                 {"product", "computes", "multiply-adds (blocks)", "multiply-adds (dense)", "rel err", "against"});
-  products.add_row({"SDD", "pre = x W1cat at the blocks", sparse_madds, dense_madds, sdd_error,
-                    "mask(x W1cat), dense [rows, E*H]"});
-  products.add_row({"DSD", "out = gelu(pre) W2cat", sparse_madds, dense_madds, dsd_error,
-                    "dense(hidden) W2cat"});
-  products.add_row({"DSD", "out = gelu(pre) W2cat", sparse_madds, sparse_madds, per_expert_error,
-                    "one dense GEMM per expert (expert_ffn)"});
-  lessons::show(writer, products);
-  std::cout << "  The dense product computes every row against every expert: E = " << E
-            << " times the useful work. The blocks\n  keep " << 100.0 * double(sparse_madds) / double(dense_madds)
-            << "% of it, and pay only for the padding rows inside them.\n";
-
-  const bool pass = sdd_error < 1e-12 && dsd_error < 1e-12 && per_expert_error < 1e-12 &&
-              relative_error(dropping.y, padded.y) < 1e-12;
+  const bool pass = errors.sdd < 1e-12 && errors.dsd < 1e-12 && errors.per_expert < 1e-12 &&
+                    relative_error(other.dropping.y, other.padded.y) < 1e-12;
   std::ostringstream message;
-  message << std::setprecision(2) << "CPU SDD rel_err=" << sdd_error << " DSD rel_err=" << dsd_error
-          << " vs per-expert=" << per_expert_error << " tol=1e-12";
+  message << std::setprecision(2) << "CPU SDD rel_err=" << errors.sdd << " DSD rel_err=" << errors.dsd
+          << " vs per-expert=" << errors.per_expert << " tol=1e-12";
 
   // ---- 4. the GPU ----
 #ifdef MOE_LESSON_HAS_CUDA
