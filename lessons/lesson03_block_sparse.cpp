@@ -131,6 +131,7 @@ std::pair<double, int64_t> compare(const std::vector<cuda::bf16>& gpu, const Mat
 }
 
 lessons::GpuPart gpu_forward_check(RunWriter& writer, uint64_t seed) {
+  if (!cuda::gpu_available()) return lessons::skip_gpu_part(cuda::why_no_gpu());
   MoeConfig config;
   config.tokens = 2048;     // T
   config.model_dim = 256;   // D
@@ -204,6 +205,12 @@ lessons::GpuPart gpu_forward_check(RunWriter& writer, uint64_t seed) {
                "  % of cuBLAS, build and run: cmake --build build --target dev_sdd && build/cuda/dev/dev_sdd\n";
   return {pass, "GPU FFN forward rel_err" + message.str() + " tol=1e-2"};
 }
+
+// The run record's GPU, where one is present.
+std::string gpu_name() { return cuda::gpu_available() ? cuda::current_device().name : ""; }
+#else
+lessons::GpuPart gpu_forward_check(RunWriter&, uint64_t) { return lessons::skip_gpu_part_not_built(); }
+std::string gpu_name() { return ""; }
 #endif
 
 // ---- 1. the topology, drawn ----
@@ -336,21 +343,9 @@ int main(int argc, char** argv) {
   std::mt19937_64 generator(options.seed);
 
   // A case small enough to draw: 24 text-like tokens, 4 experts of hidden width 8, 4 x 4 blocks.
-  MoeConfig config;
-  config.tokens = 24;      // T
-  config.model_dim = 8;    // D
-  config.hidden_dim = 8;   // H: H/B = 2 block columns per expert
-  config.num_experts = 4;  // E
-  config.top_k = 1;        // K
-  config.block_size = 4;   // B
-  config.capacity_factor = 1.0;
-  config.formulation = Formulation::dropless;
+  const MoeConfig config = lessons::small_block_case();
 
-  std::vector<std::string> devices = {"CPU (moe::ref, double)"};
-#ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) devices.push_back(cuda::current_device().name);
-#endif
-  auto writer = lessons::create_lesson_run(options, "lesson03_block_sparse", "03", config, devices);
+  auto writer = lessons::create_lesson_run(options, "lesson03_block_sparse", "03", config, lessons::cpu_and_gpu_devices(gpu_name()));
 
   std::cout << "Lesson 03: block-sparse matrix products. T=" << config.tokens << " text-like tokens, D="
             << config.model_dim << ", H=" << config.hidden_dim << ", E=" << config.num_experts
@@ -373,11 +368,6 @@ int main(int argc, char** argv) {
           << " vs per-expert=" << errors.per_expert << " tol=1e-12";
 
   // ---- 4. the GPU ----
-#ifdef MOE_LESSON_HAS_CUDA
-  const lessons::GpuPart gpu =
-      cuda::gpu_available() ? gpu_forward_check(writer, options.seed) : lessons::skip_gpu_part(cuda::why_no_gpu());
-#else
-  const lessons::GpuPart gpu = lessons::skip_gpu_part_not_built();
-#endif
+  const lessons::GpuPart gpu = gpu_forward_check(writer, options.seed);
   return lessons::finish_with_gpu_part(writer, "lesson03_block_sparse", options, pass, message.str(), gpu);
 }

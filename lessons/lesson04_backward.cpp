@@ -103,6 +103,7 @@ std::vector<Matrix> experts_of(const std::vector<float>& v, int64_t experts, int
 }
 
 lessons::GpuPart gpu_gradient_check(RunWriter& writer, uint64_t seed) {
+  if (!cuda::gpu_available()) return lessons::skip_gpu_part(cuda::why_no_gpu());
   MoeConfig config;
   config.tokens = 1000;     // T: not a multiple of B
   config.model_dim = 256;   // D
@@ -178,6 +179,12 @@ lessons::GpuPart gpu_gradient_check(RunWriter& writer, uint64_t seed) {
   lessons::show(writer, table);
   return {pass, "GPU rel_err" + message.str() + " tol=2e-2, routing flips=" + std::to_string(flips)};
 }
+
+// The run record's GPU, where one is present.
+std::string gpu_name() { return cuda::gpu_available() ? cuda::current_device().name : ""; }
+#else
+lessons::GpuPart gpu_gradient_check(RunWriter&, uint64_t) { return lessons::skip_gpu_part_not_built(); }
+std::string gpu_name() { return ""; }
 #endif
 
 // ---- 1. which product computes which gradient ----
@@ -401,20 +408,9 @@ int main(int argc, char** argv) {
   const auto options = lessons::parse_options(argc, argv, "lesson04_backward", "runs/lesson04_backward");
 
   // The small case of lesson 03: 24 text-like tokens, 4 experts of hidden width 8, 4 x 4 blocks.
-  MoeConfig small;
-  small.tokens = 24;      // T
-  small.model_dim = 8;    // D
-  small.hidden_dim = 8;   // H: H/B = 2 block columns per expert
-  small.num_experts = 4;  // E
-  small.top_k = 1;        // K
-  small.block_size = 4;   // B
-  small.formulation = Formulation::dropless;
+  const MoeConfig small = lessons::small_block_case();
 
-  std::vector<std::string> devices = {"CPU (moe::ref, double)"};
-#ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) devices.push_back(cuda::current_device().name);
-#endif
-  auto writer = lessons::create_lesson_run(options, "lesson04_backward", "04", small, devices);
+  auto writer = lessons::create_lesson_run(options, "lesson04_backward", "04", small, lessons::cpu_and_gpu_devices(gpu_name()));
 
   std::cout << "Lesson 04: the backward pass. Small case: T=" << small.tokens << ", D=" << small.model_dim
             << ", H=" << small.hidden_dim << ", E=" << small.num_experts << ", K=" << small.top_k
@@ -442,11 +438,6 @@ int main(int argc, char** argv) {
           << paths_error << " tol=1e-12; finite differences rel_err=" << fd_error << " tol=1e-6";
 
   // ---- 5. the GPU ----
-#ifdef MOE_LESSON_HAS_CUDA
-  const lessons::GpuPart gpu =
-      cuda::gpu_available() ? gpu_gradient_check(writer, options.seed) : lessons::skip_gpu_part(cuda::why_no_gpu());
-#else
-  const lessons::GpuPart gpu = lessons::skip_gpu_part_not_built();
-#endif
+  const lessons::GpuPart gpu = gpu_gradient_check(writer, options.seed);
   return lessons::finish_with_gpu_part(writer, "lesson04_backward", options, pass, message.str(), gpu);
 }

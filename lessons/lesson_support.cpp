@@ -203,6 +203,25 @@ void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const 
   writer.append(to_event(VerdictEvent{.pass = pass, .message = message, .step = std::nullopt}));
 }
 
+MoeConfig small_block_case() {
+  MoeConfig config;
+  config.tokens = 24;      // T
+  config.model_dim = 8;    // D
+  config.hidden_dim = 8;   // H: H/B = 2 block columns per expert
+  config.num_experts = 4;  // E
+  config.top_k = 1;        // K
+  config.block_size = 4;   // B
+  config.capacity_factor = 1.0;
+  config.formulation = Formulation::dropless;
+  return config;
+}
+
+std::vector<std::string> cpu_and_gpu_devices(const std::string& gpu_name) {
+  std::vector<std::string> devices = {"CPU (moe::ref, double)"};
+  if (!gpu_name.empty()) devices.push_back(gpu_name);
+  return devices;
+}
+
 GpuPart skip_gpu_part(const std::string& why_no_gpu) {
   std::cout << "\nGPU part skipped (" << why_no_gpu << ").\n";
   return {true, "GPU part skipped (no GPU)"};

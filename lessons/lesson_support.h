@@ -60,6 +60,12 @@ bool lesson_run_refused(const LessonOptions& options, const std::string& lesson_
 // ||a - reference|| / ||reference|| (Frobenius), or ||a|| when the reference is zero.
 double relative_error(const ref::Matrix& a, const ref::Matrix& reference);
 
+// ---- the lessons' cases ----
+
+// The case of lessons 03 and 04, small enough to draw: 24 text-like tokens, 4 experts of hidden
+// width 8, 4 x 4 blocks (H/B = 2 block columns per expert), top-1, dropless.
+MoeConfig small_block_case();
+
 // ---- data ----
 
 // Tokens that look like text to a router: a vocabulary of `vocabulary` token types, each with its
@@ -104,6 +110,10 @@ std::string bar(double value, double max_value, int width);
 void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const std::string& message);
 
 // ---- the GPU part of a single-process lesson (03, 04) ----
+
+// The run record's devices: the CPU reference, and the GPU where one is present (`gpu_name` empty:
+// none).
+std::vector<std::string> cpu_and_gpu_devices(const std::string& gpu_name);
 
 // What a lesson's GPU part adds to the verdict: whether it passed, and its words on the verdict line.
 struct GpuPart {
