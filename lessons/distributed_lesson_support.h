@@ -160,7 +160,7 @@ class RankOutput {
   static std::optional<RankOutput> open(dist::Communicator& comm, const LessonOptions& options,
                                         const std::string& lesson_name, const std::string& lesson_number,
                                         const MoeConfig& config, std::vector<std::string> devices = {}) {
-    RankOutput output(comm.rank() == 0, lesson_name, options.out.string());
+    RankOutput output(comm.rank() == 0, lesson_name, options);
     if (!open_lesson_run_on_ranks(comm, options, lesson_name, lesson_number, config, output.writer_,
                                   std::move(devices))) {
       return std::nullopt;
@@ -179,18 +179,16 @@ class RankOutput {
   }
   // Rank 0 prints the verdict line and where the run record is; every rank returns the exit code.
   int finish(bool pass, const std::string& message) {
-    if (root_) {
-      lessons::finish(*writer_, lesson_name_, pass, message);
-      std::cout << "run record: " << out_ << "\n";
-    }
+    if (root_) finish_lesson(*writer_, lesson_name_, options_, pass, message);
     return pass ? 0 : 1;
   }
 
  private:
-  RankOutput(bool root, std::string lesson_name, std::string out)
-      : root_(root), lesson_name_(std::move(lesson_name)), out_(std::move(out)) {}
+  RankOutput(bool root, std::string lesson_name, LessonOptions options)
+      : root_(root), lesson_name_(std::move(lesson_name)), options_(std::move(options)) {}
   bool root_ = false;
-  std::string lesson_name_, out_;
+  std::string lesson_name_;
+  LessonOptions options_;
   std::optional<RunWriter> writer_;
 };
 

@@ -35,8 +35,6 @@ double routing_entropy(const ref::Matrix& probs) {  // [T, E]
   return total / static_cast<double>(probs.rows()) / std::log(static_cast<double>(probs.cols()));
 }
 
-std::vector<int64_t> as_int64(const std::vector<int32_t>& v) { return {v.begin(), v.end()}; }
-
 // ---- 1. the router on two kinds of input ----
 
 struct RouterOnInputs {
@@ -120,7 +118,7 @@ Balancing train_on_balancing_loss(RunWriter& writer, const MoeConfig& config, co
     const ref::LayerForward forward = ref::moe_forward(train_config, text_x, weights);
     const auto stats = lessons::load_stats(forward.plan.tokens_per_expert);
     writer.append(to_event(RoutingEvent{.step = step, .layer = 0,
-                                        .tokens_per_expert = as_int64(forward.plan.tokens_per_expert),
+                                        .tokens_per_expert = lessons::as_int64(forward.plan.tokens_per_expert),
                                         .dropped_per_expert = {}, .capacity = std::nullopt,
                                         .tokens_per_expert_by_genre = {}}));
     writer.append(step_event(step, {{"aux_loss", forward.aux_loss}, {"z_loss", forward.z_loss},
@@ -182,7 +180,5 @@ int main(int argc, char** argv) {
           << "; aux loss random=" << inputs.aux_random << " < zipf=" << inputs.aux_text
           << "; balancing: max/mean load " << b.first_max_over_mean << " -> " << b.last_max_over_mean
           << ", aux " << b.first_aux << " -> " << b.last_aux;
-  lessons::finish(writer, "lesson01_routing", pass, message.str());
-  std::cout << "run record: " << options.out.string() << "\n";
-  return pass ? 0 : 1;
+  return lessons::finish_lesson(writer, "lesson01_routing", options, pass, message.str());
 }

@@ -120,6 +120,8 @@ ref::Matrix zipf_tokens(int64_t tokens, int64_t model_dim, int64_t vocabulary, d
   return x;
 }
 
+std::vector<int64_t> as_int64(const std::vector<int32_t>& counts) { return {counts.begin(), counts.end()}; }
+
 LoadStats load_stats(const std::vector<int32_t>& tokens_per_expert) {
   LoadStats stats;
   const double experts = static_cast<double>(tokens_per_expert.size());
@@ -233,12 +235,16 @@ GpuPart skip_gpu_part_not_built() {
   return {true, "GPU part skipped (built without CUDA)"};
 }
 
-int finish_with_gpu_part(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
-                         const std::string& message, const GpuPart& gpu) {
-  pass = pass && gpu.pass;
-  finish(writer, lesson_name, pass, message + "; " + gpu.message);
+int finish_lesson(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                  const std::string& message) {
+  finish(writer, lesson_name, pass, message);
   std::cout << "run record: " << options.out.string() << "\n";
   return pass ? 0 : 1;
+}
+
+int finish_with_gpu_part(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                         const std::string& message, const GpuPart& gpu) {
+  return finish_lesson(writer, lesson_name, options, pass && gpu.pass, message + "; " + gpu.message);
 }
 
 }  // namespace moe::lessons

@@ -75,6 +75,9 @@ MoeConfig small_block_case();
 ref::Matrix zipf_tokens(int64_t tokens, int64_t model_dim, int64_t vocabulary, double zipf_exponent,
                         std::mt19937_64& generator);  // [T, D]
 
+// Per-expert counts as the run record's events take them.
+std::vector<int64_t> as_int64(const std::vector<int32_t>& counts);
+
 // ---- load statistics ----
 
 struct LoadStats {
@@ -108,6 +111,10 @@ std::string bar(double value, double max_value, int width);
 
 // Prints the one verdict line ("PASS lesson01: ..." / "FAIL ...") and records it.
 void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const std::string& message);
+
+// finish, then where the run record is. Returns the exit code.
+int finish_lesson(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                  const std::string& message);
 
 // ---- the GPU part of a single-process lesson (03, 04) ----
 
