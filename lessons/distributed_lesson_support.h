@@ -28,8 +28,8 @@
 
 #include "comm/communicator.h"      // Communicator, broadcast
 #include "comm/mpi_communicator.h"  // MpiEnvironment, MpiCommunicator
-#include "init.h"               // random_weights, random_matrix
-#include "lesson_support.h"     // LessonOptions, lesson_run_refused, create_lesson_run, zipf_tokens, Table
+#include "init.h"                  // random_weights, random_matrix
+#include "lesson_support.h"        // LessonOptions, lesson_run_refused, create_lesson_run, zipf_tokens, Table
 
 namespace moe::lessons {
 
