@@ -1,4 +1,5 @@
-// distributed_lesson_gpu.cpp: the GPU path of lessons 06 and 07 (see distributed_lesson_gpu.h).
+// distributed_lesson_gpu.cpp: the GPU path of lessons 06 and 07 (see distributed_lesson_gpu.h), run
+// by `mpirun --oversubscribe -np 2 build/lessons/lesson06_expert_parallelism --gpu` (or lesson07_tutel).
 #include "distributed_lesson_gpu.h"
 
 #include <mpi.h>  // MPI_Comm_split_type: the ranks of this host
@@ -7,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <iostream>
 #include <stdexcept>
 
 #include "core/cuda_check.h"        // CUDA_CHECK
@@ -93,6 +95,28 @@ std::unique_ptr<GpuRanks> open_gpu_ranks(dist::MpiCommunicator& world, const std
   ranks->layer = ranks->nccl ? ranks->nccl.get() : static_cast<dist::Communicator*>(&world);
   CUDA_CHECK(cudaStreamCreateWithFlags(&ranks->stream, cudaStreamNonBlocking));
   return ranks;
+}
+
+GpuLessonStart start_gpu_lesson(dist::MpiCommunicator& world, const std::string& backend,
+                                const LessonOptions& options, const std::string& lesson_name,
+                                const std::string& lesson_number, const MoeConfig& config) {
+  GpuLessonStart start;
+  start.ranks = open_gpu_ranks(world, backend);
+  if (!start.ranks->refusal.empty()) {
+    if (world.rank() == 0) std::cerr << lesson_name << " --gpu: " << start.ranks->refusal << "\n";
+    start.exit_code = start.ranks->exit_code;
+    return start;
+  }
+  start.output = RankOutput::open(world, options, lesson_name, lesson_number, config, start.ranks->devices);
+  if (!start.output) start.exit_code = 2;
+  return start;
+}
+
+LessonData rounded_to_bf16(LessonData data) {
+  for (ref::Matrix* m : {&data.text_x, &data.random_x, &data.dy, &data.weights.gate_weights}) *m = cuda::round_bf16(*m);
+  for (auto& w : data.weights.w1) w = cuda::round_bf16(w);
+  for (auto& w : data.weights.w2) w = cuda::round_bf16(w);
+  return data;
 }
 
 // ---- the layer ----
@@ -196,6 +220,21 @@ GpuLayerRun GpuLessonLayer::run(const dist::ExpertParallelGpuOptions& options, i
 }
 
 // ---- checks ----
+
+ReferenceCheck check_against_reference(dist::Communicator& comm, const GpuLayerRun& run,
+                                       const ref::LayerForward& reference, const ref::LayerGradients* reference_grads,
+                                       int64_t offset, int64_t tokens, int64_t top_k) {
+  const std::vector<bool> same = same_routing(run.top_experts, reference.router.top_experts, offset, tokens, top_k);
+  std::vector<int64_t> flipped{static_cast<int64_t>(std::count(same.begin(), same.end(), false))};
+  dist::all_reduce_sum<int64_t>(comm, flipped);
+  ReferenceCheck check;
+  check.routed_otherwise = flipped[0];
+  check.y_error = sharded_relative_error(comm, run.y, reference.y.middleRows(offset, tokens), same);
+  if (reference_grads != nullptr) {
+    check.dx_error = sharded_relative_error(comm, run.dx, reference_grads->x.middleRows(offset, tokens), same);
+  }
+  return check;
+}
 
 double sharded_relative_error(dist::Communicator& comm, const ref::Matrix& actual, const ref::Matrix& expected,
                               const std::vector<bool>& keep) {

@@ -1,10 +1,10 @@
 // distributed_lesson_gpu.h: the GPU path of lessons 06 and 07 (their --gpu flag): the lesson's layer
-// through the expert-parallel layer on the GPU (distributed/expert_parallel_gpu.h), one process per
+// through the expert-parallel layer on the GPU (distributed/ep/expert_parallel_gpu.h), one process per
 // rank, over NCCL where every rank has a GPU of its own and over MPI where ranks share one (staged
 // through host memory; NCCL refuses two ranks on one GPU). Built only where CMake found CUDA
 // (MOE_LESSON_HAS_CUDA); the lessons' CPU path is their default and needs none of this.
-//   mpirun -np 2 build/lessons/lesson06_expert_parallelism --gpu
-//   mpirun -np 2 build/lessons/lesson07_tutel --gpu --backend nccl
+//   mpirun --oversubscribe -np 2 build/lessons/lesson06_expert_parallelism --gpu
+//   mpirun --oversubscribe -np 2 build/lessons/lesson07_tutel --gpu --backend nccl
 //
 // What it measures: each step's forward and backward on the caller's stream between CUDA events,
 // the median of the timed steps on each rank, then the slowest rank's (every rank waits for it).
@@ -20,9 +20,10 @@
 #include <vector>
 
 #include "comm/communicator.h"             // Communicator
-#include "ep/expert_parallel_gpu.h"      // ExpertParallelGpu, ExpertParallelGpuOptions, ExpertParallelGpuStep
 #include "comm/mpi_communicator.h"         // MpiCommunicator
-#include "reference_cpu/moe_layer.h"  // MoeWeights
+#include "distributed_lesson_support.h"    // RankOutput, LessonData, LessonOptions
+#include "ep/expert_parallel_gpu.h"        // ExpertParallelGpu, ExpertParallelGpuOptions, ExpertParallelGpuStep
+#include "reference_cpu/moe_layer.h"       // MoeWeights, LayerForward, LayerGradients
 
 namespace moe::lessons {
 
@@ -44,6 +45,21 @@ struct GpuRanks {
 };
 // backend "auto": NCCL where the build has it and no two ranks share a GPU, else MPI.
 std::unique_ptr<GpuRanks> open_gpu_ranks(dist::MpiCommunicator& world, const std::string& backend);
+
+// The GPU path's start: the ranks' GPUs (open_gpu_ranks), then the run record with one device name
+// per rank (RankOutput::open). Collective.
+struct GpuLessonStart {
+  std::unique_ptr<GpuRanks> ranks;
+  std::optional<RankOutput> output;  // empty when the ranks refused or the record may not be written
+  int exit_code = 0;                 // what every rank returns when `output` is empty
+};
+GpuLessonStart start_gpu_lesson(dist::MpiCommunicator& world, const std::string& backend,
+                                const LessonOptions& options, const std::string& lesson_name,
+                                const std::string& lesson_number, const MoeConfig& config);
+
+// The lesson's data with x, dy and the weights rounded to bf16, so that the GPU layer and the CPU
+// reference read the same numbers.
+LessonData rounded_to_bf16(LessonData data);
 
 // One configuration of the layer, run for a few steps on this rank's shard.
 struct GpuLayerRun {
@@ -80,6 +96,25 @@ class GpuLessonLayer {
   int64_t tokens_ = 0;  // T_r
   std::unique_ptr<Buffers> buffers_;
 };
+
+// ---- checks ----
+
+inline constexpr double kGpuTolerance = 2e-2;  // against the CPU reference: bf16 activations, fp32 accumulation
+
+// A GPU run against the CPU reference on all T tokens (double, from the same bf16 values).
+struct ReferenceCheck {
+  int64_t routed_otherwise = 0;   // tokens (all ranks) whose K experts differ: near-ties, left out below
+  double y_error = 0;             // relative, over the other tokens
+  double dx_error = 0;            // the same for dx, when the reference's gradients were given
+  // y (and dx) within kGpuTolerance, and at most 1% of the tokens routed otherwise.
+  bool pass(int64_t tokens) const {
+    return y_error <= kGpuTolerance && dx_error <= kGpuTolerance && routed_otherwise <= tokens / 100;
+  }
+};
+// Collective. `reference_grads` null: y alone.
+ReferenceCheck check_against_reference(dist::Communicator& comm, const GpuLayerRun& run,
+                                       const ref::LayerForward& reference, const ref::LayerGradients* reference_grads,
+                                       int64_t offset, int64_t tokens, int64_t top_k);
 
 // sqrt(sum over ranks of ||actual - expected||^2 / sum of ||expected||^2) over the rows where `keep`
 // is true: the relative error of a tensor sharded over the ranks. Collective.

@@ -1,7 +1,8 @@
 // lesson03_block_sparse.cpp: Lesson 03, block-sparse matrix products (MegaBlocks, Gale et al.,
 // MLSys 2023). The dropless expert computation drawn for a small case: the hidden matrix in B x B
 // blocks, its BCSR arrays and their transpose, the same tokens as the padded and dropping
-// formulations would compute them, then SDD and DSD shown equal to the masked dense products.
+// formulations would compute them, then SDD and DSD shown equal to the masked dense products,
+// small enough that every index a kernel reads can be followed by hand.
 // Where a GPU is present, the GPU's block-sparse FFN forward is checked against the CPU reference.
 // Read lessons/03_block_sparse.md.
 //
@@ -129,13 +130,8 @@ std::pair<double, int64_t> compare(const std::vector<cuda::bf16>& gpu, const Mat
   return {std::sqrt(diff / norm), not_finite};
 }
 
-struct GpuResult {
-  bool pass = false;
-  std::string message;
-  std::string device;
-};
-
-GpuResult gpu_forward_check(RunWriter& writer, uint64_t seed) {
+lessons::GpuPart gpu_forward_check(RunWriter& writer, uint64_t seed) {
+  if (!cuda::gpu_available()) return lessons::skip_gpu_part(cuda::why_no_gpu());
   MoeConfig config;
   config.tokens = 2048;     // T
   config.model_dim = 256;   // D
@@ -204,55 +200,28 @@ GpuResult gpu_forward_check(RunWriter& writer, uint64_t seed) {
   std::cout << "\nGPU part on " << device << ": T=" << config.tokens << " D=" << D << " H=" << config.hidden_dim
             << " E=" << E << " K=" << config.top_k << " B=" << B << ", rows=" << rows << ", nnz=" << topology.nnz
             << " blocks\n";
-  table.print();
-  writer.append(to_event(table.event()));
+  lessons::show(writer, table);
   std::cout << "  For the kernel versions (naive, shared-memory tiles, mma.sync tensor cores) and their\n"
                "  % of cuBLAS, build and run: cmake --build build --target dev_sdd && build/cuda/dev/dev_sdd\n";
-  return {pass, "GPU FFN forward rel_err" + message.str() + " tol=1e-2", device};
+  return {pass, "GPU FFN forward rel_err" + message.str() + " tol=1e-2"};
 }
+
+// The run record's GPU, where one is present.
+std::string gpu_name() { return cuda::gpu_available() ? cuda::current_device().name : ""; }
+#else
+lessons::GpuPart gpu_forward_check(RunWriter&, uint64_t) { return lessons::skip_gpu_part_not_built(); }
+std::string gpu_name() { return ""; }
 #endif
 
-}  // namespace
+// ---- 1. the topology, drawn ----
 
-int main(int argc, char** argv) {
-  const auto options =
-      lessons::parse_options(argc, argv, "lesson03_block_sparse", "runs/lesson03_block_sparse");
-  std::mt19937_64 generator(options.seed);
-
-  // A case small enough to draw: 24 text-like tokens, 4 experts of hidden width 8, 4 x 4 blocks.
-  MoeConfig config;
-  config.tokens = 24;      // T
-  config.model_dim = 8;    // D
-  config.hidden_dim = 8;   // H: H/B = 2 block columns per expert
-  config.num_experts = 4;  // E
-  config.top_k = 1;        // K
-  config.block_size = 4;   // B
-  config.capacity_factor = 1.0;
-  config.formulation = Formulation::dropless;
-
-  std::vector<std::string> devices = {"CPU (moe::ref, double)"};
-#ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) devices.push_back(cuda::current_device().name);
-#endif
-  auto writer = lessons::create_lesson_run(options, "lesson03_block_sparse", "03", config, devices);
-
-  std::cout << "Lesson 03: block-sparse matrix products. T=" << config.tokens << " text-like tokens, D="
-            << config.model_dim << ", H=" << config.hidden_dim << ", E=" << config.num_experts
-            << ", K=" << config.top_k << ", B=" << config.block_size << "\n";
-
-  const Matrix x = lessons::zipf_tokens(config.tokens, config.model_dim, 12, 1.1, generator);  // [T, D]
-  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
-  weights.gate_weights *= 3.0;  // a confident router: real skew, as in lesson 02
-  const ref::LayerForward forward = ref::moe_forward(config, x, weights);
+void show_topology(RunWriter& writer, const MoeConfig& config, const ref::LayerForward& forward) {
   const ref::DispatchPlan& plan = forward.plan;
   const ref::BlockSparseTopology& topology = *forward.topology;
-  const int64_t E = config.num_experts, B = config.block_size;
-
-  // ---- 1. the topology, drawn ----
+  const int64_t B = config.block_size;
   draw_hidden_matrix(config, plan, topology);
   const Table grid = block_id_grid(topology);
-  grid.print();
-  writer.append(to_event(grid.event()));
+  lessons::show(writer, grid);
 
   Table arrays("Table 1: the BCSR arrays of this topology (MegaBlocks 5.1.4)", {"array", "length", "values"});
   arrays.add_row({"offsets", int64_t(topology.offsets.size()), join(topology.offsets)});
@@ -262,8 +231,7 @@ int main(int argc, char** argv) {
   arrays.add_row({"block_row_tokens", int64_t(topology.block_row_tokens.size()), join(topology.block_row_tokens)});
   arrays.add_row({"column_offsets", int64_t(topology.column_offsets.size()), join(topology.column_offsets)});
   arrays.add_row({"transpose_indices", int64_t(topology.transpose_indices.size()), join(topology.transpose_indices)});
-  arrays.print();
-  writer.append(to_event(arrays.event()));
+  lessons::show(writer, arrays);
   std::cout << "  offsets[r]..offsets[r+1]-1 are the ids of block row r's blocks; row_indices and\n"
                "  column_indices say where block i sits. column_offsets and transpose_indices list the\n"
                "  same ids column by column: column c's blocks, top to bottom, are\n"
@@ -278,14 +246,31 @@ int main(int argc, char** argv) {
                                       .tokens_per_expert = {plan.tokens_per_expert.begin(), plan.tokens_per_expert.end()},
                                       .dropped_per_expert = {}, .capacity = std::nullopt,
                                       .tokens_per_expert_by_genre = {}}));
+}
 
-  // ---- 2. the same tokens in the other formulations ----
+// ---- 2. the same tokens in the other formulations ----
+
+struct OtherFormulations {
+  ref::LayerForward dropping, padded;
+};
+
+OtherFormulations run_other_formulations(const MoeConfig& config, const Matrix& x, const ref::MoeWeights& weights) {
   MoeConfig dropping_config = config;
   dropping_config.formulation = Formulation::dropping;
-  const ref::LayerForward dropping = ref::moe_forward(dropping_config, x, weights);
+  OtherFormulations other;
+  other.dropping = ref::moe_forward(dropping_config, x, weights);
   MoeConfig padded_config = config;
   padded_config.formulation = Formulation::padded;
-  const ref::LayerForward padded = ref::moe_forward(padded_config, x, weights);
+  other.padded = ref::moe_forward(padded_config, x, weights);
+  return other;
+}
+
+void show_formulations(RunWriter& writer, const MoeConfig& config, const ref::LayerForward& forward,
+                       const OtherFormulations& other) {
+  const ref::DispatchPlan& plan = forward.plan;
+  const ref::LayerForward& dropping = other.dropping;
+  const ref::LayerForward& padded = other.padded;
+  const int64_t E = config.num_experts, B = config.block_size;
   const int64_t C = dropping.plan.capacity;
 
   Table formulations("Table 2: the same routed tokens, per expert ('#' token computed, 'o' padding row "
@@ -301,15 +286,24 @@ int main(int argc, char** argv) {
   formulations.add_row({"dropped", 0, int64_t(0), dropping.plan.dropped_slots, padded.plan.dropped_slots});
   formulations.add_row({"rel err of y vs dropless", "", 0.0, relative_error(dropping.y, forward.y),
                         relative_error(padded.y, forward.y)});
-  formulations.print();
-  writer.append(to_event(formulations.event()));
+  lessons::show(writer, formulations);
   std::cout << "  Dropless computes every token and pads each expert to a multiple of B; dropping computes\n"
                "  at most C rows per expert and loses the rest; padded computes exactly C rows per expert.\n";
+}
 
-  // ---- 3. SDD and DSD against the masked dense products ----
-  // The block-diagonal structure is the whole trick: W1cat = [w1[0] | w1[1] | ...] makes x W1cat the
-  // product of every row with every expert; the topology keeps only the blocks of the row's own
-  // expert, and SDD computes those blocks alone.
+// ---- 3. SDD and DSD against the masked dense products ----
+
+struct ProductErrors {
+  double sdd = 0, dsd = 0, per_expert = 0;  // relative, against the masked dense products and expert_ffn
+};
+
+// The block-diagonal structure is the whole trick: W1cat = [w1[0] | w1[1] | ...] makes x W1cat the
+// product of every row with every expert; the topology keeps only the blocks of the row's own
+// expert, and SDD computes those blocks alone.
+ProductErrors show_block_products(RunWriter& writer, const MoeConfig& config, const ref::MoeWeights& weights,
+                                  const ref::LayerForward& forward) {
+  const ref::BlockSparseTopology& topology = *forward.topology;
+  const int64_t E = config.num_experts, B = config.block_size;
   const int64_t H = config.hidden_dim;
   const Matrix w1_cat = ref::concat_expert_columns(weights.w1, 0, H);  // [D, E*H]
   const Matrix w2_cat = ref::concat_expert_rows(weights.w2);           // [E*H, D]
@@ -334,35 +328,46 @@ int main(int argc, char** argv) {
                     "dense(hidden) W2cat"});
   products.add_row({"DSD", "out = gelu(pre) W2cat", sparse_madds, sparse_madds, per_expert_error,
                     "one dense GEMM per expert (expert_ffn)"});
-  products.print();
-  writer.append(to_event(products.event()));
+  lessons::show(writer, products);
   std::cout << "  The dense product computes every row against every expert: E = " << E
             << " times the useful work. The blocks\n  keep " << 100.0 * double(sparse_madds) / double(dense_madds)
             << "% of it, and pay only for the padding rows inside them.\n";
+  return {sdd_error, dsd_error, per_expert_error};
+}
 
-  bool pass = sdd_error < 1e-12 && dsd_error < 1e-12 && per_expert_error < 1e-12 &&
-              relative_error(dropping.y, padded.y) < 1e-12;
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto options =
+      lessons::parse_options(argc, argv, "lesson03_block_sparse", "runs/lesson03_block_sparse");
+  std::mt19937_64 generator(options.seed);
+
+  // A case small enough to draw: 24 text-like tokens, 4 experts of hidden width 8, 4 x 4 blocks.
+  const MoeConfig config = lessons::small_block_case();
+
+  auto writer = lessons::create_lesson_run(options, "lesson03_block_sparse", "03", config, lessons::cpu_and_gpu_devices(gpu_name()));
+
+  std::cout << "Lesson 03: block-sparse matrix products. T=" << config.tokens << " text-like tokens, D="
+            << config.model_dim << ", H=" << config.hidden_dim << ", E=" << config.num_experts
+            << ", K=" << config.top_k << ", B=" << config.block_size << "\n";
+
+  const Matrix x = lessons::zipf_tokens(config.tokens, config.model_dim, 12, 1.1, generator);  // [T, D]
+  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
+  weights.gate_weights *= 3.0;  // a confident router: real skew, as in lesson 02
+  const ref::LayerForward forward = ref::moe_forward(config, x, weights);
+
+  show_topology(writer, config, forward);
+  const OtherFormulations other = run_other_formulations(config, x, weights);
+  show_formulations(writer, config, forward, other);
+  const ProductErrors errors = show_block_products(writer, config, weights, forward);
+
+  const bool pass = errors.sdd < 1e-12 && errors.dsd < 1e-12 && errors.per_expert < 1e-12 &&
+                    relative_error(other.dropping.y, other.padded.y) < 1e-12;
   std::ostringstream message;
-  message << std::setprecision(2) << "CPU SDD rel_err=" << sdd_error << " DSD rel_err=" << dsd_error
-          << " vs per-expert=" << per_expert_error << " tol=1e-12";
+  message << std::setprecision(2) << "CPU SDD rel_err=" << errors.sdd << " DSD rel_err=" << errors.dsd
+          << " vs per-expert=" << errors.per_expert << " tol=1e-12";
 
   // ---- 4. the GPU ----
-#ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) {
-    const GpuResult gpu = gpu_forward_check(writer, options.seed);
-    pass = pass && gpu.pass;
-    message << "; " << gpu.message;
-  } else {
-    std::cout << "\nGPU part skipped (" << cuda::why_no_gpu() << ").\n";
-    message << "; GPU part skipped (no GPU)";
-  }
-#else
-  std::cout << "\nGPU part skipped: this build has no CUDA (CMake found no CUDA compiler, or "
-               "MOE_ENABLE_CUDA=OFF).\n";
-  message << "; GPU part skipped (built without CUDA)";
-#endif
-
-  lessons::finish(writer, "lesson03_block_sparse", pass, message.str());
-  std::cout << "run record: " << options.out.string() << "\n";
-  return pass ? 0 : 1;
+  const lessons::GpuPart gpu = gpu_forward_check(writer, options.seed);
+  return lessons::finish_with_gpu_part(writer, "lesson03_block_sparse", options, pass, message.str(), gpu);
 }

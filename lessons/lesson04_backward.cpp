@@ -102,12 +102,8 @@ std::vector<Matrix> experts_of(const std::vector<float>& v, int64_t experts, int
   return out;
 }
 
-struct GpuResult {
-  bool pass = false;
-  std::string message;
-};
-
-GpuResult gpu_gradient_check(RunWriter& writer, uint64_t seed) {
+lessons::GpuPart gpu_gradient_check(RunWriter& writer, uint64_t seed) {
+  if (!cuda::gpu_available()) return lessons::skip_gpu_part(cuda::why_no_gpu());
   MoeConfig config;
   config.tokens = 1000;     // T: not a multiple of B
   config.model_dim = 256;   // D
@@ -180,43 +176,20 @@ GpuResult gpu_gradient_check(RunWriter& writer, uint64_t seed) {
             << " E=" << E << " K=" << config.top_k << " B=" << config.block_size
             << ", renormalised top-K, aux 0.01, z 0.001; slots routed differently from the reference: " << flips
             << "\n";
-  table.print();
-  writer.append(to_event(table.event()));
+  lessons::show(writer, table);
   return {pass, "GPU rel_err" + message.str() + " tol=2e-2, routing flips=" + std::to_string(flips)};
 }
+
+// The run record's GPU, where one is present.
+std::string gpu_name() { return cuda::gpu_available() ? cuda::current_device().name : ""; }
+#else
+lessons::GpuPart gpu_gradient_check(RunWriter&, uint64_t) { return lessons::skip_gpu_part_not_built(); }
+std::string gpu_name() { return ""; }
 #endif
 
-}  // namespace
+// ---- 1. which product computes which gradient ----
 
-int main(int argc, char** argv) {
-  const auto options = lessons::parse_options(argc, argv, "lesson04_backward", "runs/lesson04_backward");
-
-  // The small case of lesson 03: 24 text-like tokens, 4 experts of hidden width 8, 4 x 4 blocks.
-  MoeConfig small;
-  small.tokens = 24;      // T
-  small.model_dim = 8;    // D
-  small.hidden_dim = 8;   // H: H/B = 2 block columns per expert
-  small.num_experts = 4;  // E
-  small.top_k = 1;        // K
-  small.block_size = 4;   // B
-  small.formulation = Formulation::dropless;
-
-  std::vector<std::string> devices = {"CPU (moe::ref, double)"};
-#ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) devices.push_back(cuda::current_device().name);
-#endif
-  auto writer = lessons::create_lesson_run(options, "lesson04_backward", "04", small, devices);
-
-  std::cout << "Lesson 04: the backward pass. Small case: T=" << small.tokens << ", D=" << small.model_dim
-            << ", H=" << small.hidden_dim << ", E=" << small.num_experts << ", K=" << small.top_k
-            << ", B=" << small.block_size << "\n";
-
-  Problem p = make_problem(small, 12, options.seed);
-  const ref::LayerForward forward = ref::moe_forward(small, p.x, p.weights);
-  const ref::BlockSparseTopology& topology = *forward.topology;
-  const int64_t B = small.block_size, H = small.hidden_dim;
-
-  // ---- 1. which product computes which gradient ----
+void show_gradient_products(RunWriter& writer) {
   Table map("Table 1: the gradients of the expert FFN and the product that computes each (MegaBlocks 5.1)",
             {"gradient", "formula", "product", "sparse operand read as", "shape"});
   map.add_row({"d_out", "w_tk dy_t at row(t, k)", "(combine backward)", "-", "[rows, D]"});
@@ -226,10 +199,15 @@ int main(int argc, char** argv) {
   map.add_row({"d_x (rows)", "d_pre W1^T", "DSD", "S: blocks by row", "[rows, D]"});
   map.add_row({"dx", "un-permute d_x rows + d_logits Wg^T", "(scatter, dense)", "-", "[T, D]"});
   map.add_row({"dWg", "x^T d_logits", "(dense)", "-", "[D, E]"});
-  map.print();
-  writer.append(to_event(map.event()));
+  lessons::show(writer, map);
+}
 
-  // ---- 2. the transpose indices walk a block column top to bottom ----
+// ---- 2. the transpose indices walk a block column top to bottom ----
+
+// Returns whether every block column's walk goes top to bottom.
+bool show_transpose_walk(RunWriter& writer, const MoeConfig& small, const ref::LayerForward& forward) {
+  const ref::BlockSparseTopology& topology = *forward.topology;
+  const int64_t B = small.block_size, H = small.hidden_dim;
   std::cout << "\nBlock ids of the small case (row-major, as in lesson 03); '.' = no block:\n";
   for (int64_t r = 0; r < topology.block_rows; ++r) {
     std::vector<std::string> cells(topology.block_cols, " .");
@@ -260,8 +238,7 @@ int main(int argc, char** argv) {
     const std::string range = last > first ? std::to_string(first) + ".." + std::to_string(last - 1) : "(empty)";
     walk.add_row({c, c / (H / B), range, ids.str(), rows.str(), ordered ? "yes" : "NO"});
   }
-  walk.print();
-  writer.append(to_event(walk.event()));
+  lessons::show(writer, walk);
   std::cout << "  Row-major, the blocks of one column are H/B = " << H / B
             << " ids apart; transpose_indices lists them in order, so a DSᵀD\n"
                "  kernel reads S's blocks in place as Sᵀ and never builds a transposed copy.\n";
@@ -270,8 +247,15 @@ int main(int argc, char** argv) {
                                        .block_rows = topology.block_rows, .block_cols = topology.block_cols,
                                        .nnz = topology.nnz, .padding_rows = forward.plan.padding_rows,
                                        .rows_per_expert = rows_per_expert}));
+  return walks_ok;
+}
 
-  // The four backward products on the small case, each against its dense, masked equivalent.
+// The four backward products on the small case, each against its dense, masked equivalent; returns
+// the largest relative error.
+double show_backward_products(RunWriter& writer, const MoeConfig& small, const Problem& p,
+                              const ref::LayerForward& forward) {
+  const ref::BlockSparseTopology& topology = *forward.topology;
+  const int64_t B = small.block_size, H = small.hidden_dim;
   Matrix d_out = Matrix::Zero(forward.plan.total_rows, small.model_dim);  // [rows, D]
   for (int64_t t = 0; t < small.tokens; ++t) {
     for (int64_t k = 0; k < small.top_k; ++k) {
@@ -303,11 +287,14 @@ int main(int argc, char** argv) {
   products.add_row({"d_pre blocks", "sdd(d_out, W2cat^T) . gelu'", "mask . (d_out W2cat^T) . gelu'(x W1cat)", d_pre_error});
   products.add_row({"dW1cat [D, E*H]", "dds(x^T, d_pre)", "x^T dense(d_pre)", dw1_error});
   products.add_row({"d_x rows [rows, D]", "dsd(d_pre, W1cat^T)", "dense(d_pre) W1cat^T", dx_error});
-  products.print();
-  writer.append(to_event(products.event()));
-  const double products_error = std::max({dw2_error, d_pre_error, dw1_error, dx_error});
+  lessons::show(writer, products);
+  return std::max({dw2_error, d_pre_error, dw1_error, dx_error});
+}
 
-  // ---- 3. block-sparse backward == per-expert backward, and finite differences ----
+// ---- 3. block-sparse backward == per-expert backward, and finite differences ----
+
+// The medium case: renormalised top-2 with both router losses on.
+MoeConfig medium_config() {
   MoeConfig medium;
   medium.tokens = 512;
   medium.model_dim = 32;
@@ -319,8 +306,11 @@ int main(int argc, char** argv) {
   medium.renormalize = true;
   medium.aux_loss_coef = 0.01;
   medium.z_loss_coef = 0.001;
-  Problem q = make_problem(medium, 200, options.seed + 10);
+  return medium;
+}
 
+// Returns the largest relative error between the two expert paths over both cases.
+double compare_expert_paths(RunWriter& writer, Problem& p, Problem& q) {
   Table paths("Table 4: moe_backward, ExpertPath::block_sparse vs ExpertPath::per_expert",
               {"case", "dx", "dWg", "dW1", "dW2", "tol"});
   double paths_error = 0;
@@ -338,13 +328,15 @@ int main(int argc, char** argv) {
     name << "T=" << c.tokens << " E=" << c.num_experts << " K=" << c.top_k << " B=" << c.block_size;
     paths.add_row({name.str(), errors[0], errors[1], errors[2], errors[3], 1e-12});
   }
-  paths.print();
-  writer.append(to_event(paths.event()));
+  lessons::show(writer, paths);
+  return paths_error;
+}
 
-  // Finite differences of L = sum(dy . y) + 0.01 aux + 0.001 z, each at the entry of the largest
-  // gradient, on the medium case (renormalised top-2, both router losses on).
-  const ref::LayerForward fq = ref::moe_forward(medium, q.x, q.weights);
-  const ref::LayerGradients gq = ref::moe_backward(medium, q.x, q.weights, fq, q.dy, ref::ExpertPath::block_sparse);
+// Finite differences of L = sum(dy . y) + 0.01 aux + 0.001 z, each at the entry of the largest
+// gradient, on the medium case (renormalised top-2, both router losses on).
+// Returns the largest relative error.
+double show_finite_differences(RunWriter& writer, const MoeConfig& medium, Problem& q, const ref::LayerForward& fq,
+                               const ref::LayerGradients& gq) {
   int64_t busiest = 0;
   for (int64_t e = 0; e < medium.num_experts; ++e) {
     if (fq.plan.tokens_per_expert[e] > fq.plan.tokens_per_expert[busiest]) busiest = e;
@@ -374,10 +366,15 @@ int main(int argc, char** argv) {
     entry << "(" << index / cols << ", " << index % cols << ")";
     differences.add_row({probe.name, entry.str(), analytic, numeric, error, 1e-6});
   }
-  differences.print();
-  writer.append(to_event(differences.event()));
+  lessons::show(writer, differences);
+  return fd_error;
+}
 
-  // ---- 4. the router's gradient, term by term ----
+// ---- 4. the router's gradient, term by term ----
+
+// Returns the relative error of the three terms' sum against the whole.
+double show_router_terms(RunWriter& writer, const MoeConfig& medium, const Problem& q, const ref::LayerForward& fq,
+                         const ref::LayerGradients& gq) {
   // With the routing fixed, L is linear in dy and in the two loss weights, so the router gradient
   // is the sum of three parts: through the combine weights (dy), through P_e (aux), through the
   // logsumexp (z). f_e and the top-K choice carry none.
@@ -401,32 +398,46 @@ int main(int argc, char** argv) {
                    s << std::scientific << std::setprecision(1) << split_error;
                    return s.str();
                  }(), gq.gate_weights.norm()});
-  split.print();
-  writer.append(to_event(split.event()));
+  lessons::show(writer, split);
+  return split_error;
+}
 
-  bool pass = walks_ok && products_error < 1e-12 && paths_error < 1e-12 && fd_error < 1e-6 && split_error < 1e-12;
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto options = lessons::parse_options(argc, argv, "lesson04_backward", "runs/lesson04_backward");
+
+  // The small case of lesson 03: 24 text-like tokens, 4 experts of hidden width 8, 4 x 4 blocks.
+  const MoeConfig small = lessons::small_block_case();
+
+  auto writer = lessons::create_lesson_run(options, "lesson04_backward", "04", small, lessons::cpu_and_gpu_devices(gpu_name()));
+
+  std::cout << "Lesson 04: the backward pass. Small case: T=" << small.tokens << ", D=" << small.model_dim
+            << ", H=" << small.hidden_dim << ", E=" << small.num_experts << ", K=" << small.top_k
+            << ", B=" << small.block_size << "\n";
+
+  Problem p = make_problem(small, 12, options.seed);
+  const ref::LayerForward forward = ref::moe_forward(small, p.x, p.weights);
+
+  show_gradient_products(writer);
+  const bool walks_ok = show_transpose_walk(writer, small, forward);
+  const double products_error = show_backward_products(writer, small, p, forward);
+
+  const MoeConfig medium = medium_config();
+  Problem q = make_problem(medium, 200, options.seed + 10);
+  const double paths_error = compare_expert_paths(writer, p, q);
+  const ref::LayerForward fq = ref::moe_forward(medium, q.x, q.weights);
+  const ref::LayerGradients gq = ref::moe_backward(medium, q.x, q.weights, fq, q.dy, ref::ExpertPath::block_sparse);
+  const double fd_error = show_finite_differences(writer, medium, q, fq, gq);
+  const double split_error = show_router_terms(writer, medium, q, fq, gq);
+
+  const bool pass = walks_ok && products_error < 1e-12 && paths_error < 1e-12 && fd_error < 1e-6 && split_error < 1e-12;
   std::ostringstream message;
   message << std::setprecision(2) << "transpose walks top to bottom: " << (walks_ok ? "yes" : "NO")
           << "; backward products vs dense rel_err=" << products_error << " block-sparse vs per-expert rel_err="
           << paths_error << " tol=1e-12; finite differences rel_err=" << fd_error << " tol=1e-6";
 
   // ---- 5. the GPU ----
-#ifdef MOE_LESSON_HAS_CUDA
-  if (cuda::gpu_available()) {
-    const GpuResult gpu = gpu_gradient_check(writer, options.seed);
-    pass = pass && gpu.pass;
-    message << "; " << gpu.message;
-  } else {
-    std::cout << "\nGPU part skipped (" << cuda::why_no_gpu() << ").\n";
-    message << "; GPU part skipped (no GPU)";
-  }
-#else
-  std::cout << "\nGPU part skipped: this build has no CUDA (CMake found no CUDA compiler, or "
-               "MOE_ENABLE_CUDA=OFF).\n";
-  message << "; GPU part skipped (built without CUDA)";
-#endif
-
-  lessons::finish(writer, "lesson04_backward", pass, message.str());
-  std::cout << "run record: " << options.out.string() << "\n";
-  return pass ? 0 : 1;
+  const lessons::GpuPart gpu = gpu_gradient_check(writer, options.seed);
+  return lessons::finish_with_gpu_part(writer, "lesson04_backward", options, pass, message.str(), gpu);
 }

@@ -203,27 +203,9 @@ void gpu_part(const std::string& checkpoint, Table& table) {
 }
 #endif
 
-}  // namespace
+// ---- 1. the PCIe arithmetic ----
 
-int main(int argc, char** argv) {
-  // --checkpoint RUN is this lesson's own flag; the rest are every lesson's.
-  std::string checkpoint;
-  std::vector<char*> rest = {argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--checkpoint" && i + 1 < argc) checkpoint = argv[++i];
-    else rest.push_back(argv[i]);
-  }
-  const auto options = lessons::parse_options(int(rest.size()), rest.data(), "lesson05_offload", "runs/lesson05_offload");
-
-  // ---- 1. the PCIe arithmetic ----
-  ModelConfig small;
-  small.model_dim = 32, small.num_layers = 4, small.num_heads = 2, small.seq_len = 32;
-  small.moe_layers = MoeLayers::every_block;
-  small.num_experts = 8, small.top_k = 2, small.expert_hidden_dim = 32, small.block_size = 16;
-  small.pregated = true;
-  auto writer = lessons::create_lesson_run(options, "lesson05_offload", "05", moe_layer_config(small, 1));
-  std::cout << "Lesson 05: offloaded experts and Pre-gated MoE\n\n";
-
+void show_pcie_arithmetic(RunWriter& writer) {
   Table arithmetic("Table 1: the PCIe arithmetic at 54.9 GB/s (pinned, H100, 2026-11-25), batch 1, every chosen expert a miss",
                    {"scale", "expert MB (4*D*H)", "copy ms", "experts/token", "floor ms/token", "all experts GB (pinned)",
                     "gpu_only expert GB", "cache of 2 blocks' needs GB"});
@@ -233,13 +215,16 @@ int main(int argc, char** argv) {
                         s.moe_blocks * s.E * expert_bytes(s) / 1e9, s.moe_blocks * s.E * expert_bytes(s) / 1e9,
                         2 * s.K * expert_bytes(s) / 1e9});
   }
-  arithmetic.print();
-  writer.append(to_event(arithmetic.event()));
+  lessons::show(writer, arithmetic);
+}
 
-  // ---- 2. which experts each block needs, and when each mode knows them ----
-  // A small random pre-gated model decoded by the reference: m_j's choice is made in block
-  // known_in_block (m_{j-1}'s for j >= 1), one MoE block before the experts run.
-  const ref::ModelWeights weights = ref::init_model(small, options.seed);
+// ---- 2. which experts each block needs, and when each mode knows them ----
+
+// A small random pre-gated model decoded by the reference: m_j's choice is made in block
+// known_in_block (m_{j-1}'s for j >= 1), one MoE block before the experts run.
+// Returns whether every block after the first knew its experts one MoE block early.
+bool show_block_needs(RunWriter& writer, const ModelConfig& small, uint64_t seed) {
+  const ref::ModelWeights weights = ref::init_model(small, seed);
   ref::KvCache cache = ref::make_kv_cache(small, 1);
   ref::StepOutput step = ref::prefill(small, weights, {{'T', 'h', 'e', ' '}}, cache);
   Table needs("Table 2: a small pre-gated model (reference, D=32, E=8, K=2, 4 MoE blocks): what each block needs and "
@@ -262,10 +247,14 @@ int main(int argc, char** argv) {
                      j == 0 ? "after its own gate" : "during block " + std::to_string(r.known_in_block)});
     }
   }
-  needs.print();
-  writer.append(to_event(needs.event()));
+  lessons::show(writer, needs);
+  return known_early;
+}
 
-  // ---- 3. the schedule, simulated ----
+// ---- 3. the schedule, simulated ----
+
+// Returns whether gpu_only <= pregated <= on_demand at every scale.
+bool simulate_schedules(RunWriter& writer) {
   std::cout << "\nThe schedule of one batch-1 decode step, simulated (copy = 4*D*H / 54.9 GB/s; compute = weights "
                "read / 3.35 TB/s + launches; every needed expert a miss; speculative guesses 1/2 right):\n";
   Table timeline("Table 3: simulated decode step per mode (ms, batch 1)",
@@ -283,10 +272,13 @@ int main(int argc, char** argv) {
     }
     order_ok = order_ok && gpu_only <= pregated && pregated <= on_demand;
   }
-  timeline.print();
-  writer.append(to_event(timeline.event()));
+  lessons::show(writer, timeline);
+  return order_ok;
+}
 
-  // ---- 4. the quality cost of pre-gating (lesson 08's runs) ----
+// ---- 4. the quality cost of pre-gating (lesson 08's runs) ----
+
+void show_pregating_quality(RunWriter& writer) {
   Table quality("Table 4: final validation bits per byte, lesson 08's runs (H200, notebooks_data/runs/)",
                 {"run", "val bits/byte"});
   for (const std::string name : {"train_dropless_seed1", "train_dropless_seed2", "train_dropless_seed3",
@@ -294,10 +286,12 @@ int main(int argc, char** argv) {
     const double bits = final_val_bits(std::filesystem::path("notebooks_data/runs") / name);
     quality.add_row({name, std::isnan(bits) ? nlohmann::json("not found") : nlohmann::json(bits)});
   }
-  quality.print();
-  writer.append(to_event(quality.event()));
+  lessons::show(writer, quality);
+}
 
-  // ---- 5. the pre-gate against the speculative guess (GPU, trained run) ----
+// ---- 5. the pre-gate against the speculative guess (GPU, trained run) ----
+
+void show_pregate_against_guess(RunWriter& writer, const std::string& checkpoint) {
   Table guess("Table 5: experts known one MoE block ahead (m_1..), measured", {"predictor", "fraction known", "where"});
   guess.add_row({"pre-gate (any pre-gated model)", 1.0, "by construction: m_j's gate runs in m_{j-1} (Table 2)"});
 #ifdef MOE_LESSON_HAS_CUDA
@@ -311,10 +305,38 @@ int main(int argc, char** argv) {
     }
   }
 #else
+  (void)checkpoint;  // read by the GPU part only
   std::cout << "\nGPU part: skipped (built without CUDA)\n";
 #endif
-  guess.print();
-  writer.append(to_event(guess.event()));
+  lessons::show(writer, guess);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // --checkpoint RUN is this lesson's own flag; the rest are every lesson's.
+  std::string checkpoint;
+  std::vector<char*> rest = {argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--checkpoint" && i + 1 < argc) checkpoint = argv[++i];
+    else rest.push_back(argv[i]);
+  }
+  const auto options = lessons::parse_options(int(rest.size()), rest.data(), "lesson05_offload", "runs/lesson05_offload");
+
+  // The small random pre-gated model that section 2 decodes; its MoE layer is the run record's.
+  ModelConfig small;
+  small.model_dim = 32, small.num_layers = 4, small.num_heads = 2, small.seq_len = 32;
+  small.moe_layers = MoeLayers::every_block;
+  small.num_experts = 8, small.top_k = 2, small.expert_hidden_dim = 32, small.block_size = 16;
+  small.pregated = true;
+  auto writer = lessons::create_lesson_run(options, "lesson05_offload", "05", moe_layer_config(small, 1));
+  std::cout << "Lesson 05: offloaded experts and Pre-gated MoE\n\n";
+
+  show_pcie_arithmetic(writer);
+  const bool known_early = show_block_needs(writer, small, options.seed);
+  const bool order_ok = simulate_schedules(writer);
+  show_pregating_quality(writer);
+  show_pregate_against_guess(writer, checkpoint);
 
   std::cout << "\nMeasured on a GPU: offload_bench writes notebooks_data/bench/offload_bench_<device>_<date>.json "
                "(see 05_offload.md).\n";

@@ -1,24 +1,22 @@
 // lesson06_expert_parallelism.cpp: Lesson 06, expert parallelism (FastMoE). Different ranks hold
 // different experts: each rank routes its own tokens, the ranks exchange the R x E counts, send the
 // token rows to the experts' ranks (all-to-all-v), compute their local experts, send the results
-// back and combine. This program runs that protocol on CPU ranks and prints what moves where.
-// Read lessons/06_expert_parallelism.md beside it.
+// back and combine. This program runs that protocol on CPU ranks and prints what moves where, so
+// that the exchange a GPU layer hides in one call can be read table by table and checked against
+// the single-device layer. Read lessons/06_expert_parallelism.md beside it.
 //
-// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root, and --oversubscribe
-// when there are more ranks than cores):
-//   ./moe build && mpirun -np 4 build/lessons/lesson06_expert_parallelism [--out runs/lesson06_expert_parallelism]
+// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root):
+//   ./moe build && mpirun --oversubscribe -np 4 build/lessons/lesson06_expert_parallelism [--out runs/lesson06_expert_parallelism]
 //   build/lessons/lesson06_expert_parallelism        (one rank: the same protocol, nothing travels)
-//   mpirun -np 2 build/lessons/lesson06_expert_parallelism --gpu [--backend auto|nccl|mpi]
-//                    (the same layer on GPU ranks, distributed/expert_parallel_gpu.h, checked against
+//   mpirun --oversubscribe -np 2 build/lessons/lesson06_expert_parallelism --gpu [--backend auto|nccl|mpi]
+//                    (the same layer on GPU ranks, distributed/ep/expert_parallel_gpu.h, checked against
 //                    the CPU reference; writes runs/lesson06_expert_parallelism_gpu)
 //
-// The layer is distributed/expert_parallel_cpu.h (Eigen, double), checked against the
+// The layer is distributed/ep/expert_parallel_cpu.h (Eigen, double), checked against the
 // single-device layer reference_cpu/moe_layer.h on all tokens. Rank 0 prints the tables and the
 // verdict and writes the run record. Dimension legend: T tokens (all ranks), T_r per rank,
 // D model width, H expert hidden width, E experts, E_r = E / R per rank, K top-k, C capacity,
 // B block size, R ranks.
-#include <mpi.h>  // MPI_Abort: a GPU error on one rank ends every rank
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -29,18 +27,17 @@
 #include <sstream>
 #include <tuple>
 
-#include "distributed_lesson_support.h"  // open_lesson_run_on_ranks, GpuFlags
-#include "ep/expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
-#include "init.h"                        // random_weights, random_matrix
-#include "lesson_support.h"              // options, zipf_tokens, Table, load_stats
-#include "comm/mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
+#include "comm/mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
+#include "distributed_lesson_support.h"  // Shard, LessonData, RankOutput, GpuFlags, run_gpu_path
+#include "ep/expert_parallel_cpu.h"      // expert_parallel_forward / backward, local_weights
+#include "lesson_support.h"              // options, Table, load_stats
 #include "reference_cpu/moe_layer.h"     // moe_forward, moe_backward: the oracle
 #ifdef MOE_LESSON_HAS_CUDA
-#include "bridge/reference_bridge.h"       // round_bf16
-#include "distributed_lesson_gpu.h"      // open_gpu_ranks, GpuLessonLayer
+#include "distributed_lesson_gpu.h"  // start_gpu_lesson, GpuLessonLayer, check_against_reference
 #endif
 
 using namespace moe;
+using moe::lessons::Shard;
 using moe::lessons::Table;
 
 namespace {
@@ -49,16 +46,10 @@ constexpr const char* kName = "lesson06_expert_parallelism";
 constexpr double kTolerance = 1e-10;  // double precision: only the order of sums differs
 constexpr int64_t kBf16Bytes = 2;     // what a GPU layer sends per element
 
-// Figures measured on the GPU machines (shared BASELINES, copied into the lesson's README):
-// all-to-all on two H200s over NVLink (PyTorch + NCCL 2.28), 2026-11-24: busbw 176 GB/s at 64 MiB
-// per rank, 249 GB/s at 256 MiB (2026-11-21: 196 and 256 GB/s).
+// Figures measured on the GPU machines (notebooks_data/bench/README.md, "Anchor figures and
+// ceilings"): all-to-all on two H200s over NVLink (PyTorch + NCCL 2.28), 2026-11-24: busbw
+// 176 GB/s at 64 MiB per rank, 249 GB/s at 256 MiB.
 constexpr double kBusbw64MiB = 176e9, kBusbw256MiB = 249e9;  // bytes/s
-
-// This rank's tokens: equal shards in token order.
-struct Shard {
-  int rank = 0, ranks = 1;
-  int64_t offset = 0, tokens = 0;  // first global token, T_r
-};
 
 // Sums of squares on this rank; relative() gives the Frobenius relative error of a tensor sharded
 // over the ranks (collective).
@@ -176,167 +167,442 @@ std::vector<std::vector<int64_t>> square(const std::vector<int64_t>& matrix, int
   return rows;
 }
 
+// The dispatch [R, R] (rows rank s sends rank t) in bytes: a row a rank, what each sent, and last
+// what each received.
+Table dispatch_table(const std::string& title, const std::vector<int64_t>& dispatch, int R, int64_t row_bytes) {
+  std::vector<std::string> columns{"from \\ to"};
+  for (int t = 0; t < R; ++t) columns.push_back("rank " + std::to_string(t));
+  columns.push_back("sent");
+  Table table(title, columns);
+  for (int s = 0; s < R; ++s) {
+    std::vector<nlohmann::json> row{"rank " + std::to_string(s)};
+    int64_t sent = 0;
+    for (int t = 0; t < R; ++t) row.push_back(dispatch[s * R + t] * row_bytes), sent += dispatch[s * R + t];
+    row.push_back(sent * row_bytes);
+    table.add_row(row);
+  }
+  std::vector<nlohmann::json> last{"received"};
+  for (int64_t n : received(dispatch, R)) last.push_back(n * row_bytes);
+  last.push_back("");
+  table.add_row(last);
+  return table;
+}
+
+// ---- the lesson's layer ----
+
+MoeConfig lesson_config() {
+  return MoeConfig{.tokens = 4096,     // T, all ranks together
+                   .model_dim = 64,    // D
+                   .hidden_dim = 128,  // H
+                   .num_experts = 16,  // E
+                   .top_k = 2,         // K
+                   .formulation = Formulation::dropless,
+                   .block_size = 16,  // B
+                   .aux_loss_coef = 0.01,
+                   .z_loss_coef = 1e-3};
+}
+
 // ---- the GPU path (--gpu) ----
 
 #ifdef MOE_LESSON_HAS_CUDA
-// The lesson's layer on GPU ranks (distributed/expert_parallel_gpu.h, bf16), checked against the CPU
+constexpr int kWarmup = 3, kTimed = 10;  // steps of each GPU run
+
+// ---- G1. the count exchange, as the GPU layer saw it ----
+void show_gpu_dispatch(lessons::RankOutput& out, const lessons::GpuLayerRun& full, int R, const MoeConfig& config) {
+  const int64_t E = config.num_experts, E_r = E / R;
+  const std::vector<int64_t>& kept = full.step.kept_per_rank_expert;  // [R, E] on every rank
+  std::vector<int64_t> dispatch(static_cast<size_t>(R) * R, 0);      // rows rank s sends rank t
+  for (int s = 0; s < R; ++s)
+    for (int64_t e = 0; e < E; ++e) dispatch[s * R + e / E_r] += kept[s * E + e];
+  out.show(dispatch_table(
+      "Table G1: the GPU layer's dispatch, bytes rank s (row) sends rank t (column), from its count exchange",
+      dispatch, R, config.model_dim * kBf16Bytes));
+}
+
+// ---- G2. where the time goes ----
+void show_gpu_time(lessons::RankOutput& out, const lessons::GpuLayerRun& full, const lessons::GpuLayerRun& exchange,
+                   int64_t row_bytes) {
+  const double step_ms = full.forward_ms + full.backward_ms;
+  const double experts_ms = std::max(0.0, full.forward_ms - exchange.forward_ms);
+  Table table("Table G2: where a step's time goes, the slowest rank's median of " + std::to_string(kTimed) +
+                  " steps (CUDA events on the rank's stream)",
+              {"part", "ms", "share of the step", "host waits"});
+  table.add_row({"forward: route, count exchange, dispatch, experts, combine", full.forward_ms,
+                 full.forward_ms / step_ms, full.step.host_synchronisations});
+  table.add_row({"  the exchange alone (identity experts: route, counts, dispatch, combine)", exchange.forward_ms,
+                 exchange.forward_ms / step_ms, exchange.step.host_synchronisations});
+  table.add_row({"  the experts (forward minus the exchange alone)", experts_ms, experts_ms / step_ms, ""});
+  table.add_row({"backward: combine, rows out, experts, rows back, router", full.backward_ms,
+                 full.backward_ms / step_ms, full.step.backward_host_synchronisations});
+  out.show(table);
+  const double bytes = 2.0 * static_cast<double>(full.step.rows_sent * row_bytes);  // out and back
+  std::ostringstream text;
+  text << std::setprecision(3) << "  This rank sent " << full.step.rows_sent << " rows (" << bytes / 2
+       << " bytes) and got as many back; the exchange alone moves them at " << bytes / (exchange.forward_ms * 1e6)
+       << " GB/s including routing, the count exchange and the layout kernels. The one host wait of a\n"
+          "  forward over NCCL is the count read-back (FastMoE's); over MPI each exchange waits twice more.\n";
+  out.say(text.str());
+}
+
+// ---- G3. the check against the CPU reference ----
+void show_gpu_check(lessons::RankOutput& out, const lessons::ReferenceCheck& check, double aux_error, int64_t T) {
+  Table table("Table G3: the GPU layer against the CPU reference on all T tokens (double, the same bf16 inputs)",
+              {"tensor", "rel err", "tol"});
+  table.add_row({"y", check.y_error, lessons::kGpuTolerance});
+  table.add_row({"dx", check.dx_error, lessons::kGpuTolerance});
+  table.add_row({"aux loss", aux_error, lessons::kGpuTolerance});
+  table.add_row({"tokens routed otherwise (near-ties, left out above)", check.routed_otherwise, T / 100});
+  out.show(table);
+}
+
+// The lesson's layer on GPU ranks (distributed/ep/expert_parallel_gpu.h, bf16), checked against the CPU
 // reference on all tokens (double, from the same bf16 values), then what the GPU run measured: the
 // count exchange's matrix, the bytes each rank moves, and where the time goes. Collective; returns
 // the exit code.
 int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
                MoeConfig config, const Shard& shard) {
-  const bool root = world.rank() == 0;
-  const auto ranks = lessons::open_gpu_ranks(world, flags.backend);
-  if (!ranks->refusal.empty()) {
-    if (root) std::cerr << kName << " --gpu: " << ranks->refusal << "\n";
-    return ranks->exit_code;
-  }
-  dist::Communicator& comm = world;  // the lesson's own collectives (tables, checks) on host values
-  const int R = comm.size();
   // The GPU's block-sparse kernels tile by B = 64 or 128 (D, H multiples of B): the lesson's B = 16
   // becomes 64. Dropless, B only sets the padding rows: y and every gradient are the same.
   config.block_size = 64;
-  const int64_t T = config.tokens, D = config.model_dim, E = config.num_experts, K = config.top_k, E_r = E / R;
-
-  std::optional<RunWriter> writer;
-  if (!lessons::open_lesson_run_on_ranks(comm, options, kName, "06", config, writer, ranks->devices)) return 2;
-  auto show = [&](const Table& table) {
-    if (!root) return;
-    table.print();
-    writer->append(to_event(table.event()));
-  };
-  auto say = [&](const std::string& text) { if (root) std::cout << text; };
-  say("Lesson 06 on the GPU: R=" + std::to_string(R) + " ranks over " + ranks->backend + ", " +
-      std::to_string(ranks->ranks_per_gpu) + " rank(s) per GPU; " + ranks->devices[0] + ".\n  The lesson's layer: T=" +
-      std::to_string(T) + " tokens (T_r=" + std::to_string(shard.tokens) + " a rank), D=" + std::to_string(D) +
-      ", H=" + std::to_string(config.hidden_dim) + ", E=" + std::to_string(E) + " (E_r=" + std::to_string(E_r) +
-      " a rank), K=" + std::to_string(K) + ", dropless, B=64 (the GPU kernels' block)\n");
-  if (ranks->ranks_per_gpu > 1) {
-    say("  NOTE: ranks share a GPU, so the MPI backend stages every exchange through host memory: the\n"
-        "  times below are of that staging and sharing, not of a GPU interconnect.\n");
+  auto start = lessons::start_gpu_lesson(world, flags.backend, options, kName, "06", config);
+  if (!start.output) return start.exit_code;
+  const lessons::GpuRanks& ranks = *start.ranks;
+  lessons::RankOutput& out = *start.output;
+  dist::Communicator& comm = world;  // the lesson's own collectives (tables, checks) on host values
+  const int R = comm.size();
+  const int64_t T = config.tokens, E = config.num_experts;
+  out.say("Lesson 06 on the GPU: R=" + std::to_string(R) + " ranks over " + ranks.backend + ", " +
+          std::to_string(ranks.ranks_per_gpu) + " rank(s) per GPU; " + ranks.devices[0] +
+          ".\n  The lesson's layer: T=" + std::to_string(T) + " tokens (T_r=" + std::to_string(shard.tokens) +
+          " a rank), D=" + std::to_string(config.model_dim) + ", H=" + std::to_string(config.hidden_dim) +
+          ", E=" + std::to_string(E) + " (E_r=" + std::to_string(E / R) + " a rank), K=" +
+          std::to_string(config.top_k) + ", dropless, B=64 (the GPU kernels' block)\n");
+  if (ranks.ranks_per_gpu > 1) {
+    out.say("  NOTE: ranks share a GPU, so the MPI backend stages every exchange through host memory: the\n"
+            "  times below are of that staging and sharing, not of a GPU interconnect.\n");
   }
 
   // The CPU path's data (the same draws), rounded to bf16 so that both layers read the same values.
-  std::mt19937_64 generator(options.seed);
-  const ref::Matrix x = cuda::round_bf16(lessons::zipf_tokens(T, D, 1000, 1.1, generator));
-  (void)ref::random_matrix(T, D, generator);  // the CPU path's random tokens: keeps dy the same draw
-  const ref::Matrix dy = cuda::round_bf16(ref::random_matrix(T, D, generator));
-  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
-  weights.gate_weights = cuda::round_bf16(ref::random_matrix(D, E, generator, 3.0 / std::sqrt(static_cast<double>(D))));
-  for (auto& w : weights.w1) w = cuda::round_bf16(w);
-  for (auto& w : weights.w2) w = cuda::round_bf16(w);
-  const ref::LayerForward reference = ref::moe_forward(config, x, weights);
-  const ref::LayerGradients reference_grads = ref::moe_backward(config, x, weights, reference, dy);
+  const lessons::LessonData data =
+      lessons::rounded_to_bf16(lessons::draw_lesson_data(config, options.seed, /*with_random_tokens=*/true));
+  const ref::LayerForward reference = ref::moe_forward(config, data.text_x, data.weights);
+  const ref::LayerGradients reference_grads = ref::moe_backward(config, data.text_x, data.weights, reference, data.dy);
 
-  constexpr int kWarmup = 3, kTimed = 10;
-  lessons::GpuLessonLayer gpu(*ranks, comm, config, x, dy, weights, shard.offset, shard.tokens);
+  lessons::GpuLessonLayer gpu(*start.ranks, comm, config, data.text_x, data.dy, data.weights, shard.offset,
+                              shard.tokens);
   const lessons::GpuLayerRun full = gpu.run({}, kWarmup, kTimed);
   const lessons::GpuLayerRun exchange = gpu.run({.experts = dist::ExpertCompute::identity}, kWarmup, kTimed);
+  show_gpu_dispatch(out, full, R, config);
+  show_gpu_time(out, full, exchange, config.model_dim * kBf16Bytes);
 
-  // ---- G1. the count exchange, as the GPU layer saw it ----
-  const std::vector<int64_t>& kept = full.step.kept_per_rank_expert;  // [R, E] on every rank
-  std::vector<int64_t> dispatch(static_cast<size_t>(R) * R, 0);      // rows rank s sends rank t
-  for (int s = 0; s < R; ++s)
-    for (int64_t e = 0; e < E; ++e) dispatch[s * R + e / E_r] += kept[s * E + e];
-  const int64_t row_bytes = D * kBf16Bytes;
-  {
-    std::vector<std::string> columns{"from \\ to"};
-    for (int t = 0; t < R; ++t) columns.push_back("rank " + std::to_string(t));
-    columns.push_back("sent");
-    Table table("Table G1: the GPU layer's dispatch, bytes rank s (row) sends rank t (column), from its count exchange",
-                columns);
-    for (int s = 0; s < R; ++s) {
-      std::vector<nlohmann::json> row{"rank " + std::to_string(s)};
-      int64_t sent = 0;
-      for (int t = 0; t < R; ++t) row.push_back(dispatch[s * R + t] * row_bytes), sent += dispatch[s * R + t];
-      row.push_back(sent * row_bytes);
-      table.add_row(row);
-    }
-    std::vector<nlohmann::json> last{"received"};
-    for (int64_t n : received(dispatch, R)) last.push_back(n * row_bytes);
-    last.push_back("");
-    table.add_row(last);
-    show(table);
-  }
-
-  // ---- G2. where the time goes ----
-  {
-    const double step_ms = full.forward_ms + full.backward_ms;
-    const double experts_ms = std::max(0.0, full.forward_ms - exchange.forward_ms);
-    Table table("Table G2: where a step's time goes, the slowest rank's median of " + std::to_string(kTimed) +
-                    " steps (CUDA events on the rank's stream)",
-                {"part", "ms", "share of the step", "host waits"});
-    table.add_row({"forward: route, count exchange, dispatch, experts, combine", full.forward_ms,
-                   full.forward_ms / step_ms, full.step.host_synchronisations});
-    table.add_row({"  the exchange alone (identity experts: route, counts, dispatch, combine)", exchange.forward_ms,
-                   exchange.forward_ms / step_ms, exchange.step.host_synchronisations});
-    table.add_row({"  the experts (forward minus the exchange alone)", experts_ms, experts_ms / step_ms, ""});
-    table.add_row({"backward: combine, rows out, experts, rows back, router", full.backward_ms,
-                   full.backward_ms / step_ms, full.step.backward_host_synchronisations});
-    show(table);
-    const double bytes = 2.0 * static_cast<double>(full.step.rows_sent * row_bytes);  // out and back
-    std::ostringstream text;
-    text << std::setprecision(3) << "  This rank sent " << full.step.rows_sent << " rows (" << bytes / 2
-         << " bytes) and got as many back; the exchange alone moves them at " << bytes / (exchange.forward_ms * 1e6)
-         << " GB/s including routing, the count exchange and the layout kernels. The one host wait of a\n"
-            "  forward over NCCL is the count read-back (FastMoE's); over MPI each exchange waits twice more.\n";
-    say(text.str());
-  }
-
-  // ---- G3. the check against the CPU reference ----
-  const std::vector<bool> same = lessons::same_routing(full.top_experts, reference.router.top_experts, shard.offset,
-                                                       shard.tokens, K);
-  std::vector<int64_t> flipped{static_cast<int64_t>(std::count(same.begin(), same.end(), false))};
-  dist::all_reduce_sum<int64_t>(comm, flipped);
-  const double y_error =
-      lessons::sharded_relative_error(comm, full.y, reference.y.middleRows(shard.offset, shard.tokens), same);
-  const double dx_error =
-      lessons::sharded_relative_error(comm, full.dx, reference_grads.x.middleRows(shard.offset, shard.tokens), same);
+  const lessons::ReferenceCheck check = lessons::check_against_reference(
+      comm, full, reference, &reference_grads, shard.offset, shard.tokens, config.top_k);
   const double aux_error = std::abs(full.step.aux_loss - reference.aux_loss) / reference.aux_loss;
-  constexpr double kGpuTolerance = 2e-2;  // bf16 activations, fp32 accumulation
-  {
-    Table table("Table G3: the GPU layer against the CPU reference on all T tokens (double, the same bf16 inputs)",
-                {"tensor", "rel err", "tol"});
-    table.add_row({"y", y_error, kGpuTolerance});
-    table.add_row({"dx", dx_error, kGpuTolerance});
-    table.add_row({"aux loss", aux_error, kGpuTolerance});
-    table.add_row({"tokens routed otherwise (near-ties, left out above)", flipped[0], T / 100});
-    show(table);
-  }
-  const bool pass = y_error <= kGpuTolerance && dx_error <= kGpuTolerance && aux_error <= kGpuTolerance &&
-                    flipped[0] <= T / 100;
+  show_gpu_check(out, check, aux_error, T);
+
+  // ---- verdict ----
+  const bool pass = check.pass(T) && aux_error <= lessons::kGpuTolerance;
   std::ostringstream message;
-  message << std::setprecision(2) << "GPU EP layer == CPU reference on R=" << R << " ranks (" << ranks->backend
-          << "): y rel_err=" << y_error << " dx rel_err=" << dx_error << " aux rel_err=" << aux_error
-          << " tol=" << kGpuTolerance << "; tokens routed otherwise: " << flipped[0];
-  if (root) {
-    lessons::finish(*writer, kName, pass, message.str());
-    std::cout << "run record: " << options.out.string() << "\n";
-  }
-  return pass ? 0 : 1;
+  message << std::setprecision(2) << "GPU EP layer == CPU reference on R=" << R << " ranks (" << ranks.backend
+          << "): y rel_err=" << check.y_error << " dx rel_err=" << check.dx_error << " aux rel_err=" << aux_error
+          << " tol=" << lessons::kGpuTolerance << "; tokens routed otherwise: " << check.routed_otherwise;
+  return out.finish(pass, message.str());
+}
+#else
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, const lessons::GpuFlags&, MoeConfig,
+               const Shard&) {
+  return lessons::no_gpu_path(world, kName);
 }
 #endif
 
-// Runs the GPU path, or says why it cannot; an error on one rank ends every rank (the others would
-// wait in the next collective).
-int gpu_path(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
-             const MoeConfig& config, const Shard& shard) {
-#ifdef MOE_LESSON_HAS_CUDA
-  try {
-    return run_on_gpu(world, options, flags, config, shard);
-  } catch (const std::exception& error) {
-    std::cerr << "[rank " << world.rank() << "] " << kName << " --gpu: " << error.what() << "\n";
-    MPI_Abort(MPI_COMM_WORLD, 1);
-    return 1;
+// ---- the CPU path ----
+
+// What every forward run of the CPU path adds to the verdict.
+struct ForwardChecks {
+  double worst_error = 0;  // y and aux against the single-device layer
+  bool counts_ok = true;   // the count matrix sums to T * K
+
+  void add(const LayerRun& run, const MoeConfig& c) {
+    worst_error = std::max(worst_error, run.error);
+    int64_t routed = 0;
+    for (int64_t n : run.forward.routed_per_rank_expert) routed += n;
+    counts_ok = counts_ok && routed == c.tokens * c.top_k;
   }
-#else
-  (void)options, (void)flags, (void)config, (void)shard;
-  if (world.rank() == 0) {
-    std::cerr << kName << " --gpu: this build has no CUDA (CMake found no CUDA compiler, or MOE_ENABLE_CUDA=OFF); "
-                          "the CPU path runs without --gpu\n";
+};
+
+void introduce(lessons::RankOutput& out, const MoeConfig& config, int R) {
+  const int64_t T = config.tokens, E = config.num_experts;
+  out.say("Lesson 06: expert parallelism on R=" + std::to_string(R) + " CPU ranks. T=" + std::to_string(T) +
+          " tokens (T_r=" + std::to_string(T / R) + " a rank), D=" + std::to_string(config.model_dim) + ", H=" +
+          std::to_string(config.hidden_dim) + ", E=" + std::to_string(E) + " experts (E_r=" + std::to_string(E / R) +
+          " a rank), K=" + std::to_string(config.top_k) + "\n");
+}
+
+// ---- 1. the protocol on text-like tokens, dropless ----
+
+void show_count_exchange(lessons::RankOutput& out, const std::vector<int64_t>& routed, int R, int64_t E) {
+  std::vector<std::string> columns{"rank \\ expert"};
+  for (int64_t e = 0; e < E; ++e) columns.push_back((std::ostringstream() << "e" << e).str());
+  columns.push_back("sum");
+  Table table("Table 1: the count exchange: slots each rank (row) routes to each expert (column), zipf text", columns);
+  for (int r = 0; r < R; ++r) {
+    std::vector<nlohmann::json> row{"rank " + std::to_string(r)};
+    int64_t sum = 0;
+    for (int64_t e = 0; e < E; ++e) row.push_back(routed[r * E + e]), sum += routed[r * E + e];
+    row.push_back(sum);
+    table.add_row(row);
   }
-  return 1;
-#endif
+  std::vector<nlohmann::json> owner{"on rank"};
+  for (int64_t e = 0; e < E; ++e) owner.push_back(e / (E / R));
+  owner.push_back("");
+  table.add_row(owner);
+  out.show(table);
+  out.say("  One all-gather of E counts a rank gives every rank this matrix: each learns how many rows\n"
+          "  it will receive from whom before any row moves, so it can size its buffers.\n");
+}
+
+void show_dispatch(lessons::RankOutput& out, const std::vector<int64_t>& dispatch, int R, const MoeConfig& config) {
+  const int64_t row_bytes = config.model_dim * kBf16Bytes;
+  out.show(dispatch_table("Table 2: the dispatch all-to-all-v, bytes rank s (row) sends rank t (column), bf16 rows of D=" +
+                              std::to_string(config.model_dim),
+                          dispatch, R, row_bytes));
+  out.say("  Each rank sends T_r*K*D*2 = " + std::to_string(config.tokens / R * config.top_k * row_bytes) +
+          " bytes (the diagonal stays on the rank);\n"
+          "  the combine sends the same matrix transposed.\n"
+          "  This CPU run moves doubles (4x these bytes); the table counts what a bf16 GPU layer sends.\n");
+}
+
+void show_rows_per_expert(dist::Communicator& comm, lessons::RankOutput& out, const LayerRun& run,
+                          const MoeConfig& config) {
+  const int R = comm.size();
+  const int64_t E_r = config.num_experts / R;
+  const auto arrived = dist::all_gather<int32_t>(comm, run.forward.chunks[0].expert_plan.tokens_per_expert);
+  const auto computed = dist::all_gather<int32_t>(comm, run.forward.chunks[0].expert_plan.rows_per_expert);
+  Table table("Table 3: on each rank, rows per local expert (dropless: each expert's rows rounded up to B=" +
+                  std::to_string(config.block_size) + ")",
+              {"rank", "experts", "rows from each rank", "rows per local expert", "rows computed", "padding rows"});
+  for (int r = 0; r < R; ++r) {
+    std::vector<int64_t> from(R), per_expert(E_r);
+    int64_t rows = 0, padding = 0;
+    for (int s = 0; s < R; ++s) from[s] = run.dispatch_rows[s * R + r];
+    for (int64_t j = 0; j < E_r; ++j) {
+      per_expert[j] = arrived[r * E_r + j];
+      rows += computed[r * E_r + j];
+      padding += computed[r * E_r + j] - arrived[r * E_r + j];
+    }
+    table.add_row({r, "e" + std::to_string(r * E_r) + "-e" + std::to_string((r + 1) * E_r - 1), joined(from),
+                   joined(per_expert), rows, padding});
+  }
+  out.show(table);
+}
+
+// ---- 2. the backward of the same layer: expert gradients stay home, the router's is summed ----
+
+// The largest relative error of dx, dWg, dW1 and dW2 against the single-device layer. Collective.
+double backward_error(dist::Communicator& comm, const MoeConfig& config, const lessons::LessonData& data,
+                      const LayerRun& run, const Shard& shard) {
+  const int rank = comm.rank();
+  const int64_t E_r = config.num_experts / comm.size();
+  const ref::Matrix x_r = data.text_x.middleRows(shard.offset, shard.tokens);
+  const auto local = dist::local_weights(config, data.weights, rank, comm.size());
+  const auto grads = dist::expert_parallel_backward(comm, config, x_r, local, run.forward,
+                                                    data.dy.middleRows(shard.offset, shard.tokens));
+  const ref::LayerForward forward = ref::moe_forward(config, data.text_x, data.weights);
+  const ref::LayerGradients reference = ref::moe_backward(config, data.text_x, data.weights, forward, data.dy);
+  ErrorSum dx, gate, w1, w2;
+  dx.add(grads.x, reference.x.middleRows(shard.offset, shard.tokens));
+  if (rank == 0) gate.add(grads.gate_weights, reference.gate_weights);  // the same on every rank
+  for (int64_t j = 0; j < E_r; ++j) {
+    w1.add(grads.w1[j], reference.w1[rank * E_r + j]);
+    w2.add(grads.w2[j], reference.w2[rank * E_r + j]);
+  }
+  double error = 0;
+  for (const ErrorSum* sum : {&dx, &gate, &w1, &w2}) error = std::max(error, sum->relative(comm));
+  return error;
+}
+
+// ---- 3. the dispatch and combine replayed as bf16, for the run record's all-to-all panel ----
+
+// Returns whether both replays arrived intact on every rank.
+bool replay_exchanges(dist::Communicator& comm, lessons::RankOutput& out, const LayerRun& run,
+                      const MoeConfig& config) {
+  const int R = comm.size();
+  const int64_t D = config.model_dim, row_bytes = D * kBf16Bytes;
+  const auto& chunk = run.forward.chunks[0];
+  // Rank 0's clock is the run's (start_us of the all-to-all events, so a trace export shows them).
+  RunWriter* writer = out.writer();
+  const double dispatch_called_us = writer ? writer->elapsed_us() : 0;
+  const Replay dispatch = replay_bf16(comm, chunk.send_rows, chunk.recv_rows, D);
+  const double combine_called_us = writer ? writer->elapsed_us() : 0;
+  const Replay combine = replay_bf16(comm, chunk.recv_rows, chunk.send_rows, D);
+  if (writer) {
+    writer->append(to_event(RoutingEvent{.step = 0, .layer = 0,
+                                         .tokens_per_expert = expert_loads(run.forward.routed_per_rank_expert, R,
+                                                                           config.num_experts),
+                                         .dropped_per_expert = {}, .capacity = std::nullopt,
+                                         .tokens_per_expert_by_genre = {}}));
+    writer->append(to_event(AllToAllEvent{.step = 0, .layer = 0, .name = "dispatch",
+                                          .bytes = square(run.dispatch_rows, R, row_bytes),
+                                          .duration_us = dispatch.duration_us,
+                                          .start_us = dispatch_called_us + dispatch.started_us,
+                                          .rank = 0}));
+    writer->append(to_event(AllToAllEvent{.step = 0, .layer = 0, .name = "combine",
+                                          .bytes = square(run.dispatch_rows, R, row_bytes, true),
+                                          .duration_us = combine.duration_us,
+                                          .start_us = combine_called_us + combine.started_us,
+                                          .rank = 0}));
+    std::cout << std::setprecision(3) << "  The dispatch replayed alone as bf16 took " << dispatch.duration_us
+              << " us, the combine " << combine.duration_us
+              << " us (MPI over shared memory on this machine, one run: not an interconnect's figure).\n";
+  }
+  return dispatch.intact && combine.intact;
+}
+
+// ---- 4. uneven routing: some ranks receive far more than others ----
+
+// Returns the max/mean of the rows the ranks receive on the zipf text at the lesson's K.
+double show_routing_skew(dist::Communicator& comm, lessons::RankOutput& out, ForwardChecks& checks,
+                         const MoeConfig& config, const lessons::LessonData& data, const LayerRun& main_run,
+                         const Shard& shard) {
+  const int R = comm.size();
+  const int64_t row_bytes = config.model_dim * kBf16Bytes;
+  double zipf_skew = 1;
+  Table table("Table 4: what routing skew does to the ranks (dropless; received = rows for its experts, own included)",
+              {"input", "K", "max/mean expert load", "KiB received per rank (bf16)", "max/mean received",
+               "rel err vs 1 device"});
+  for (const auto& [name, x, k] : {std::tuple<std::string, const ref::Matrix*, int64_t>{"random", &data.random_x, 2},
+                                   {"zipf text", &data.text_x, 2}, {"zipf text", &data.text_x, 1}}) {
+    MoeConfig c = config;
+    c.top_k = k;
+    const bool main = k == config.top_k && x == &data.text_x;
+    const LayerRun run = main ? main_run : run_layer(comm, c, *x, data.weights, shard);
+    checks.add(run, c);
+    const auto in = received(run.dispatch_rows, R);
+    const double skew = max_over_mean(in);
+    if (main) zipf_skew = skew;
+    table.add_row({name, k,
+                   lessons::load_stats(as_int32(expert_loads(run.forward.routed_per_rank_expert, R, c.num_experts)))
+                       .max_over_mean,
+                   joined(in, static_cast<double>(row_bytes) / 1024.0), skew, run.error});
+  }
+  out.show(table);
+  out.say("  Every rank waits for the busiest one: its exchange and its experts take max/mean times the\n"
+          "  balanced time. Frequent token types send identical rows to the same experts, so their ranks fill.\n");
+  return zipf_skew;
+}
+
+// ---- 5. the capacity rule across ranks (dropping) ----
+
+void show_capacity_rule(dist::Communicator& comm, lessons::RankOutput& out, ForwardChecks& checks,
+                        const MoeConfig& config, const lessons::LessonData& data, const Shard& shard) {
+  const int R = comm.size();
+  const int64_t T = config.tokens, E = config.num_experts;
+  Table table("Table 5: dropping with capacity C counted over all T tokens in token order (zipf text, K=2)",
+              {"cf", "C", "dropped %", "dropped slots by source rank", "max/mean received",
+               "dropped % (per-rank rule)", "rel err vs 1 device"});
+  for (double cf : {1.0, 1.25, 2.0}) {
+    MoeConfig c = config;
+    c.formulation = Formulation::dropping;
+    c.capacity_factor = cf;
+    const LayerRun run = run_layer(comm, c, data.text_x, data.weights, shard);
+    checks.add(run, c);
+    const auto& r_e = run.forward.routed_per_rank_expert;
+    const auto& kept = run.forward.kept_per_rank_expert;
+    std::vector<int64_t> dropped_by_rank(R, 0), dropped_by_expert(E, 0);
+    // The per-rank rule (GShard, Tutel): each rank keeps at most ceil(cf * T_r * K / E) slots an expert.
+    const auto local_capacity = static_cast<int64_t>(std::ceil(cf * static_cast<double>(T / R * c.top_k) / E));
+    int64_t dropped_local = 0;
+    for (int r = 0; r < R; ++r) {
+      for (int64_t e = 0; e < E; ++e) {
+        dropped_by_rank[r] += r_e[r * E + e] - kept[r * E + e];
+        dropped_by_expert[e] += r_e[r * E + e] - kept[r * E + e];
+        dropped_local += std::max<int64_t>(0, r_e[r * E + e] - local_capacity);
+      }
+    }
+    const double slots = static_cast<double>(T * c.top_k);
+    table.add_row({cf, run.forward.capacity, 100.0 * static_cast<double>(run.forward.dropped_slots) / slots,
+                   joined(dropped_by_rank), max_over_mean(received(run.dispatch_rows, R)),
+                   100.0 * static_cast<double>(dropped_local) / slots, run.error});
+    if (RunWriter* writer = out.writer()) {
+      writer->append(to_event(RoutingEvent{.step = static_cast<int64_t>(std::lround(100 * cf)), .layer = 0,
+                                           .tokens_per_expert = expert_loads(r_e, R, E),
+                                           .dropped_per_expert = dropped_by_expert, .capacity = run.forward.capacity,
+                                           .tokens_per_expert_by_genre = {}}));
+    }
+  }
+  out.show(table);
+  out.say("  kept[r][e] = min(routed[r][e], C - slots of e kept by ranks before r): the count matrix is\n"
+          "  enough, no further message. Later ranks' tokens come later in token order, so they drop first.\n");
+}
+
+// ---- 6. the arithmetic at a realistic shape (cost model; no run) ----
+
+void show_realistic_shapes(lessons::RankOutput& out, double zipf_skew) {
+  struct Shape {
+    std::string name;
+    int64_t tokens_per_rank, D, H, E, K;
+    double expert_flops_per_s;  // torch._grouped_mm, bf16 forward, one H200, uniform routing, 2026-11-21
+  };
+  const std::vector<Shape> shapes{
+      {"D=2048 H=8192 E=32 K=2 (Tutel's layer)", 16384, 2048, 8192, 32, 2, 623e12},
+      {"D=1024 H=4096 E=64 K=1 (small experts)", 32768, 1024, 4096, 64, 1, 424e12},  // rate at T=16384
+      {"D=4096 H=14336 E=8 K=2 (large experts)", 8192, 4096, 14336, 8, 2, 654e12}};
+  const int pair = 2;  // the measured machine: two H200s over NVLink
+  Table table("Table 6: forward bytes and time per rank on two H200s (cost model from measured figures, bf16)",
+              {"shape", "T_r", "MiB each way", "exchange ms at 249 | 176 GB/s", "expert TFLOP",
+               "experts ms", "2 exchanges / experts"});
+  for (const Shape& s : shapes) {
+    const double bytes = static_cast<double>(s.tokens_per_rank * s.K * s.D * kBf16Bytes);  // T_r*K*D*2
+    const double crossing = bytes * (pair - 1) / pair;  // busbw = algbw * (R-1)/R
+    const double fast_ms = 1e3 * crossing / kBusbw256MiB, slow_ms = 1e3 * crossing / kBusbw64MiB;
+    const double flops = 4.0 * static_cast<double>(s.tokens_per_rank * s.K) * s.D * s.H;  // two GEMMs
+    const double expert_ms = 1e3 * flops / s.expert_flops_per_s;
+    std::ostringstream exchange, ratio;
+    exchange << std::fixed << std::setprecision(2) << fast_ms << " | " << slow_ms;
+    ratio << std::fixed << std::setprecision(2) << 2 * fast_ms / expert_ms << " - " << 2 * slow_ms / expert_ms;
+    table.add_row({s.name, s.tokens_per_rank, bytes / (1 << 20), exchange.str(), flops / 1e12, expert_ms, ratio.str()});
+  }
+  out.show(table);
+  std::ostringstream text;
+  text << std::setprecision(3)
+       << "  exchange / experts = F (R-1) / (2 R H busbw) per direction: only H, the FLOP rate F and the\n"
+          "  link set it. Under the skew of Table 4 the busiest rank takes "
+       << zipf_skew << "x the balanced time for both.\n";
+  out.say(text.str());
+}
+
+// ---- verdict ----
+
+int verdict(lessons::RankOutput& out, int R, const ForwardChecks& checks, double backward, bool replays_intact) {
+  const double error = std::max(checks.worst_error, backward);
+  const bool pass = checks.counts_ok && replays_intact && error <= kTolerance;
+  std::ostringstream message;
+  message << std::setprecision(2) << "EP layer == single-device reference on R=" << R
+          << " ranks: max_rel_err=" << error << " tol=" << kTolerance
+          << " (y and aux of 7 forward runs; dx, dWg, dW1, dW2 of the dropless run); counts sum to T*K: "
+          << (checks.counts_ok ? "yes" : "NO") << "; bf16 replays intact: " << (replays_intact ? "yes" : "NO");
+  return out.finish(pass, message.str());
+}
+
+// The CPU path: the lesson's sections in order, then the verdict. Collective; returns the exit code.
+int run_on_cpu(dist::Communicator& comm, lessons::RankOutput& out, const lessons::LessonOptions& options,
+               const MoeConfig& config, const Shard& shard) {
+  const int R = comm.size();
+  introduce(out, config, R);
+  const lessons::LessonData data = lessons::draw_lesson_data(config, options.seed, /*with_random_tokens=*/true);
+
+  ForwardChecks checks;
+  const LayerRun main_run = run_layer(comm, config, data.text_x, data.weights, shard);
+  checks.add(main_run, config);
+  show_count_exchange(out, main_run.forward.routed_per_rank_expert, R, config.num_experts);
+  show_dispatch(out, main_run.dispatch_rows, R, config);
+  show_rows_per_expert(comm, out, main_run, config);
+  const double backward = backward_error(comm, config, data, main_run, shard);
+  const bool replays_intact = replay_exchanges(comm, out, main_run, config);
+  const double zipf_skew = show_routing_skew(comm, out, checks, config, data, main_run, shard);
+  show_capacity_rule(comm, out, checks, config, data, shard);
+  show_realistic_shapes(out, zipf_skew);
+  return verdict(out, R, checks, backward, replays_intact);
 }
 
 }  // namespace
@@ -348,295 +614,11 @@ int main(int argc, char** argv) {
       lessons::gpu_flag_given(argc, argv) ? "runs/lesson06_expert_parallelism_gpu" : "runs/lesson06_expert_parallelism",
       lessons::kGpuUsage,
       [&](const std::string& argument, int& i) { return lessons::take_gpu_flag(gpu_flags, argc, argv, argument, i); });
-  dist::MpiEnvironment mpi(argc, argv);
-  const auto world = dist::MpiCommunicator::world();
-  dist::Communicator& comm = *world;
-  const int R = comm.size(), rank = comm.rank();
-  const bool root = rank == 0;
-
-  MoeConfig config;
-  config.tokens = 4096;     // T, all ranks together
-  config.model_dim = 64;    // D
-  config.hidden_dim = 128;  // H
-  config.num_experts = 16;  // E
-  config.top_k = 2;         // K
-  config.block_size = 16;   // B
-  config.formulation = Formulation::dropless;
-  config.aux_loss_coef = 0.01;
-  config.z_loss_coef = 1e-3;
-  const int64_t T = config.tokens, D = config.model_dim, E = config.num_experts;
-  if (E % R != 0 || T % R != 0) {
-    if (root) std::cerr << kName << ": R = " << R << " ranks must divide E = " << E << " and T = " << T
-                        << "; run with -np 1, 2, 4, 8 or 16\n";
-    return 2;
-  }
-  const Shard shard{rank, R, rank * (T / R), T / R};
-  if (gpu_flags.gpu) return gpu_path(*world, options, gpu_flags, config, shard);
-  const int64_t E_r = E / R;
-
-  // The ranks agree first whether the run record may be written, so that they stop together.
-  std::optional<RunWriter> writer;
-  if (!lessons::open_lesson_run_on_ranks(comm, options, kName, "06", config, writer)) return 2;
-  auto show = [&](const Table& table) {
-    if (!root) return;
-    table.print();
-    writer->append(to_event(table.event()));
-  };
-  auto say = [&](const std::string& text) { if (root) std::cout << text; };
-
-  say("Lesson 06: expert parallelism on R=" + std::to_string(R) + " CPU ranks. T=" + std::to_string(T) +
-      " tokens (T_r=" + std::to_string(T / R) + " a rank), D=" + std::to_string(D) + ", H=" +
-      std::to_string(config.hidden_dim) + ", E=" + std::to_string(E) + " experts (E_r=" + std::to_string(E_r) +
-      " a rank), K=" + std::to_string(config.top_k) + "\n");
-
-  // Every rank draws the same tokens and weights and keeps its shard: the single-device layer on
-  // all of them is the oracle. The gate is sharper than random_weights' so routing is decisive.
-  std::mt19937_64 generator(options.seed);
-  const ref::Matrix text_x = lessons::zipf_tokens(T, D, 1000, 1.1, generator);
-  const ref::Matrix random_x = ref::random_matrix(T, D, generator);
-  const ref::Matrix dy = ref::random_matrix(T, D, generator);
-  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
-  weights.gate_weights = ref::random_matrix(D, E, generator, 3.0 / std::sqrt(static_cast<double>(D)));
-
-  double worst_error = 0;
-  bool counts_ok = true;
-  auto check = [&](const LayerRun& run, const MoeConfig& c) {
-    worst_error = std::max(worst_error, run.error);
-    int64_t routed = 0;
-    for (int64_t n : run.forward.routed_per_rank_expert) routed += n;
-    counts_ok = counts_ok && routed == c.tokens * c.top_k;
-  };
-
-  // ---- 1. the protocol on text-like tokens, dropless ----
-  const LayerRun main_run = run_layer(comm, config, text_x, weights, shard);
-  check(main_run, config);
-  const auto& routed = main_run.forward.routed_per_rank_expert;  // [R, E] on every rank
-  {
-    std::vector<std::string> columns{"rank \\ expert"};
-    for (int64_t e = 0; e < E; ++e) columns.push_back((std::ostringstream() << "e" << e).str());
-    columns.push_back("sum");
-    Table table("Table 1: the count exchange: slots each rank (row) routes to each expert (column), zipf text", columns);
-    for (int r = 0; r < R; ++r) {
-      std::vector<nlohmann::json> row{"rank " + std::to_string(r)};
-      int64_t sum = 0;
-      for (int64_t e = 0; e < E; ++e) row.push_back(routed[r * E + e]), sum += routed[r * E + e];
-      row.push_back(sum);
-      table.add_row(row);
-    }
-    std::vector<nlohmann::json> owner{"on rank"};
-    for (int64_t e = 0; e < E; ++e) owner.push_back(e / E_r);
-    owner.push_back("");
-    table.add_row(owner);
-    show(table);
-    say("  One all-gather of E counts a rank gives every rank this matrix: each learns how many rows\n"
-        "  it will receive from whom before any row moves, so it can size its buffers.\n");
-  }
-
-  const std::vector<int64_t>& dispatch = main_run.dispatch_rows;  // [R, R] rows
-  const int64_t row_bytes = D * kBf16Bytes;
-  {
-    std::vector<std::string> columns{"from \\ to"};
-    for (int t = 0; t < R; ++t) columns.push_back("rank " + std::to_string(t));
-    columns.push_back("sent");
-    Table table("Table 2: the dispatch all-to-all-v, bytes rank s (row) sends rank t (column), bf16 rows of D=" +
-                    std::to_string(D),
-                columns);
-    for (int s = 0; s < R; ++s) {
-      std::vector<nlohmann::json> row{"rank " + std::to_string(s)};
-      int64_t sent = 0;
-      for (int t = 0; t < R; ++t) row.push_back(dispatch[s * R + t] * row_bytes), sent += dispatch[s * R + t];
-      row.push_back(sent * row_bytes);
-      table.add_row(row);
-    }
-    std::vector<nlohmann::json> last{"received"};
-    for (int64_t n : received(dispatch, R)) last.push_back(n * row_bytes);
-    last.push_back("");
-    table.add_row(last);
-    show(table);
-    say("  Each rank sends T_r*K*D*2 = " + std::to_string(T / R * config.top_k * row_bytes) +
-        " bytes (the diagonal stays on the rank);\n"
-        "  the combine sends the same matrix transposed.\n"
-        "  This CPU run moves doubles (4x these bytes); the table counts what a bf16 GPU layer sends.\n");
-  }
-  {
-    const auto arrived = dist::all_gather<int32_t>(comm, main_run.forward.chunks[0].expert_plan.tokens_per_expert);
-    const auto computed = dist::all_gather<int32_t>(comm, main_run.forward.chunks[0].expert_plan.rows_per_expert);
-    Table table("Table 3: on each rank, rows per local expert (dropless: each expert's rows rounded up to B=" +
-                    std::to_string(config.block_size) + ")",
-                {"rank", "experts", "rows from each rank", "rows per local expert", "rows computed", "padding rows"});
-    for (int r = 0; r < R; ++r) {
-      std::vector<int64_t> from(R), per_expert(E_r);
-      int64_t rows = 0, padding = 0;
-      for (int s = 0; s < R; ++s) from[s] = dispatch[s * R + r];
-      for (int64_t j = 0; j < E_r; ++j) {
-        per_expert[j] = arrived[r * E_r + j];
-        rows += computed[r * E_r + j];
-        padding += computed[r * E_r + j] - arrived[r * E_r + j];
-      }
-      table.add_row({r, "e" + std::to_string(r * E_r) + "-e" + std::to_string((r + 1) * E_r - 1), joined(from),
-                     joined(per_expert), rows, padding});
-    }
-    show(table);
-  }
-
-  // ---- 2. the backward of the same layer: expert gradients stay home, the router's is summed ----
-  double backward_error = 0;
-  {
-    const MoeConfig& c = config;
-    const ref::Matrix x_r = text_x.middleRows(shard.offset, shard.tokens);
-    const auto local = dist::local_weights(c, weights, rank, R);
-    const auto grads = dist::expert_parallel_backward(comm, c, x_r, local, main_run.forward,
-                                                      dy.middleRows(shard.offset, shard.tokens));
-    const ref::LayerForward forward = ref::moe_forward(c, text_x, weights);
-    const ref::LayerGradients reference = ref::moe_backward(c, text_x, weights, forward, dy);
-    ErrorSum dx, gate, w1, w2;
-    dx.add(grads.x, reference.x.middleRows(shard.offset, shard.tokens));
-    if (root) gate.add(grads.gate_weights, reference.gate_weights);  // the same on every rank
-    for (int64_t j = 0; j < E_r; ++j) {
-      w1.add(grads.w1[j], reference.w1[rank * E_r + j]);
-      w2.add(grads.w2[j], reference.w2[rank * E_r + j]);
-    }
-    for (const ErrorSum* sum : {&dx, &gate, &w1, &w2}) backward_error = std::max(backward_error, sum->relative(comm));
-  }
-
-  // ---- 3. the dispatch and combine replayed as bf16, for the run record's all-to-all panel ----
-  // Rank 0's clock is the run's (start_us of the all-to-all events, so a trace export shows them).
-  const double dispatch_called_us = root ? writer->elapsed_us() : 0;
-  const Replay dispatch_replay =
-      replay_bf16(comm, main_run.forward.chunks[0].send_rows, main_run.forward.chunks[0].recv_rows, D);
-  const double combine_called_us = root ? writer->elapsed_us() : 0;
-  const Replay combine_replay =
-      replay_bf16(comm, main_run.forward.chunks[0].recv_rows, main_run.forward.chunks[0].send_rows, D);
-  if (root) {
-    writer->append(to_event(RoutingEvent{.step = 0, .layer = 0,
-                                         .tokens_per_expert = expert_loads(routed, R, E),
-                                         .dropped_per_expert = {}, .capacity = std::nullopt,
-                                         .tokens_per_expert_by_genre = {}}));
-    writer->append(to_event(AllToAllEvent{.step = 0, .layer = 0, .name = "dispatch",
-                                          .bytes = square(dispatch, R, row_bytes),
-                                          .duration_us = dispatch_replay.duration_us,
-                                          .start_us = dispatch_called_us + dispatch_replay.started_us,
-                                          .rank = 0}));
-    writer->append(to_event(AllToAllEvent{.step = 0, .layer = 0, .name = "combine",
-                                          .bytes = square(dispatch, R, row_bytes, true),
-                                          .duration_us = combine_replay.duration_us,
-                                          .start_us = combine_called_us + combine_replay.started_us,
-                                          .rank = 0}));
-    std::cout << std::setprecision(3) << "  The dispatch replayed alone as bf16 took " << dispatch_replay.duration_us
-              << " us, the combine " << combine_replay.duration_us
-              << " us (MPI over shared memory on this machine, one run: not an interconnect's figure).\n";
-  }
-
-  // ---- 4. uneven routing: some ranks receive far more than others ----
-  double zipf_received_max_over_mean = 1;
-  {
-    Table table("Table 4: what routing skew does to the ranks (dropless; received = rows for its experts, own included)",
-                {"input", "K", "max/mean expert load", "KiB received per rank (bf16)", "max/mean received",
-                 "rel err vs 1 device"});
-    for (const auto& [name, x, k] : {std::tuple<std::string, const ref::Matrix*, int64_t>{"random", &random_x, 2},
-                                     {"zipf text", &text_x, 2}, {"zipf text", &text_x, 1}}) {
-      MoeConfig c = config;
-      c.top_k = k;
-      const LayerRun run = (k == config.top_k && x == &text_x) ? main_run : run_layer(comm, c, *x, weights, shard);
-      check(run, c);
-      const auto in = received(run.dispatch_rows, R);
-      const double skew = max_over_mean(in);
-      if (x == &text_x && k == config.top_k) zipf_received_max_over_mean = skew;
-      table.add_row({name, k, lessons::load_stats(as_int32(expert_loads(run.forward.routed_per_rank_expert, R, E))).max_over_mean,
-                     joined(in, static_cast<double>(row_bytes) / 1024.0), skew, run.error});
-    }
-    show(table);
-    say("  Every rank waits for the busiest one: its exchange and its experts take max/mean times the\n"
-        "  balanced time. Frequent token types send identical rows to the same experts, so their ranks fill.\n");
-  }
-
-  // ---- 5. the capacity rule across ranks (dropping) ----
-  {
-    Table table("Table 5: dropping with capacity C counted over all T tokens in token order (zipf text, K=2)",
-                {"cf", "C", "dropped %", "dropped slots by source rank", "max/mean received",
-                 "dropped % (per-rank rule)", "rel err vs 1 device"});
-    for (double cf : {1.0, 1.25, 2.0}) {
-      MoeConfig c = config;
-      c.formulation = Formulation::dropping;
-      c.capacity_factor = cf;
-      const LayerRun run = run_layer(comm, c, text_x, weights, shard);
-      check(run, c);
-      const auto& r_e = run.forward.routed_per_rank_expert;
-      const auto& kept = run.forward.kept_per_rank_expert;
-      std::vector<int64_t> dropped_by_rank(R, 0), dropped_by_expert(E, 0);
-      // The per-rank rule (GShard, Tutel): each rank keeps at most ceil(cf * T_r * K / E) slots an expert.
-      const auto local_capacity = static_cast<int64_t>(std::ceil(cf * static_cast<double>(T / R * c.top_k) / E));
-      int64_t dropped_local = 0;
-      for (int r = 0; r < R; ++r) {
-        for (int64_t e = 0; e < E; ++e) {
-          dropped_by_rank[r] += r_e[r * E + e] - kept[r * E + e];
-          dropped_by_expert[e] += r_e[r * E + e] - kept[r * E + e];
-          dropped_local += std::max<int64_t>(0, r_e[r * E + e] - local_capacity);
-        }
-      }
-      const double slots = static_cast<double>(T * c.top_k);
-      table.add_row({cf, run.forward.capacity, 100.0 * static_cast<double>(run.forward.dropped_slots) / slots,
-                     joined(dropped_by_rank), max_over_mean(received(run.dispatch_rows, R)),
-                     100.0 * static_cast<double>(dropped_local) / slots, run.error});
-      if (root) {
-        writer->append(to_event(RoutingEvent{.step = static_cast<int64_t>(std::lround(100 * cf)), .layer = 0,
-                                             .tokens_per_expert = expert_loads(r_e, R, E),
-                                             .dropped_per_expert = dropped_by_expert, .capacity = run.forward.capacity,
-                                             .tokens_per_expert_by_genre = {}}));
-      }
-    }
-    show(table);
-    say("  kept[r][e] = min(routed[r][e], C - slots of e kept by ranks before r): the count matrix is\n"
-        "  enough, no further message. Later ranks' tokens come later in token order, so they drop first.\n");
-  }
-
-  // ---- 6. the arithmetic at a realistic shape (cost model; no run) ----
-  {
-    struct Shape {
-      std::string name;
-      int64_t tokens_per_rank, D, H, E, K;
-      double expert_flops_per_s;  // torch._grouped_mm, bf16 forward, one H200, uniform routing, 2026-11-21
-    };
-    const std::vector<Shape> shapes{
-        {"D=2048 H=8192 E=32 K=2 (Tutel's layer)", 16384, 2048, 8192, 32, 2, 623e12},
-        {"D=1024 H=4096 E=64 K=1 (small experts)", 32768, 1024, 4096, 64, 1, 424e12},  // rate at T=16384
-        {"D=4096 H=14336 E=8 K=2 (large experts)", 8192, 4096, 14336, 8, 2, 654e12}};
-    const int pair = 2;  // the measured machine: two H200s over NVLink
-    Table table("Table 6: forward bytes and time per rank on two H200s (cost model from measured figures, bf16)",
-                {"shape", "T_r", "MiB each way", "exchange ms at 249 | 176 GB/s", "expert TFLOP",
-                 "experts ms", "2 exchanges / experts"});
-    for (const Shape& s : shapes) {
-      const double bytes = static_cast<double>(s.tokens_per_rank * s.K * s.D * kBf16Bytes);  // T_r*K*D*2
-      const double crossing = bytes * (pair - 1) / pair;  // busbw = algbw * (R-1)/R
-      const double fast_ms = 1e3 * crossing / kBusbw256MiB, slow_ms = 1e3 * crossing / kBusbw64MiB;
-      const double flops = 4.0 * static_cast<double>(s.tokens_per_rank * s.K) * s.D * s.H;  // two GEMMs
-      const double expert_ms = 1e3 * flops / s.expert_flops_per_s;
-      std::ostringstream exchange, ratio;
-      exchange << std::fixed << std::setprecision(2) << fast_ms << " | " << slow_ms;
-      ratio << std::fixed << std::setprecision(2) << 2 * fast_ms / expert_ms << " - " << 2 * slow_ms / expert_ms;
-      table.add_row({s.name, s.tokens_per_rank, bytes / (1 << 20), exchange.str(), flops / 1e12, expert_ms, ratio.str()});
-    }
-    show(table);
-    std::ostringstream text;
-    text << std::setprecision(3)
-         << "  exchange / experts = F (R-1) / (2 R H busbw) per direction: only H, the FLOP rate F and the\n"
-            "  link set it. Under the skew of Table 4 the busiest rank takes "
-         << zipf_received_max_over_mean << "x the balanced time for both.\n";
-    say(text.str());
-  }
-
-  // ---- verdict ----
-  const double error = std::max(worst_error, backward_error);
-  const bool pass = counts_ok && dispatch_replay.intact && combine_replay.intact && error <= kTolerance;
-  std::ostringstream message;
-  message << std::setprecision(2) << "EP layer == single-device reference on R=" << R
-          << " ranks: max_rel_err=" << error << " tol=" << kTolerance
-          << " (y and aux of 7 forward runs; dx, dWg, dW1, dW2 of the dropless run); counts sum to T*K: "
-          << (counts_ok ? "yes" : "NO") << "; bf16 replays intact: "
-          << (dispatch_replay.intact && combine_replay.intact ? "yes" : "NO");
-  if (root) {
-    lessons::finish(*writer, kName, pass, message.str());
-    std::cout << "run record: " << options.out.string() << "\n";
-  }
-  return pass ? 0 : 1;
+  const MoeConfig config = lesson_config();
+  return lessons::run_on_ranks(
+      argc, argv, options, gpu_flags, kName, "06", config,
+      [&](dist::MpiCommunicator& world, const Shard& shard) { return run_on_gpu(world, options, gpu_flags, config, shard); },
+      [&](dist::Communicator& comm, lessons::RankOutput& out, const Shard& shard) {
+        return run_on_cpu(comm, out, options, config, shard);
+      });
 }

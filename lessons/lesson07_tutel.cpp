@@ -5,24 +5,26 @@
 // figures measured on the GPU machines; the real run on CPU ranks checks that neither the chunking
 // nor the 2DH exchange changes a result, and computes the layer in every valid layout r over one
 // stored placement of the experts, each against the single-device layer, with the cost model's and
-// the measured choice of r. Read lessons/07_tutel.md beside it.
+// the measured choice of r. Each mechanism is a trade (overlap against smaller messages, fewer
+// messages against a second stage, memory against bytes moved): the cost models say when it pays,
+// the real run that it never changes the layer. Read lessons/07_tutel.md beside it.
 //
-// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root, and --oversubscribe
-// when there are more ranks than cores):
-//   ./moe build && mpirun -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
-//   mpirun -np 2 build/lessons/lesson07_tutel --gpu [--backend auto|nccl|mpi]
+// Build and run (needs MPI; as root OpenMPI also wants --allow-run-as-root):
+//   ./moe build && mpirun --oversubscribe -np 4 build/lessons/lesson07_tutel [--out runs/lesson07_tutel]
+//   mpirun --oversubscribe -np 2 build/lessons/lesson07_tutel --gpu [--backend auto|nccl|mpi]
 //                    (the GPU layer's pipelining degrees, its adaptive choice of d, its 2DH
 //                    exchange and its layouts r, measured and checked; writes runs/lesson07_tutel_gpu)
 //
-// The layer is distributed/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
-// hierarchical options; the 2DH exchange is distributed/all_to_all_2dh.h; the layouts r are
-// distributed/expert_layouts.h. Rank 0 prints the tables and the verdict and writes the run
+// The layer is distributed/ep/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
+// hierarchical options; the 2DH exchange is distributed/comm/all_to_all_2dh.h; the layouts r are
+// distributed/ep/expert_layouts.h. Rank 0 prints the tables and the verdict and writes the run
 // record. Dimension legend: T tokens (all ranks), T_r per rank,
 // D model width, H expert hidden width, E experts, K top-k, R ranks, G ranks per node, N = R / G
 // nodes, d pipeline chunks, r Tutel's parallelism degree.
 #include <mpi.h>  // MPI_Abort: a GPU error on one rank ends every rank
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <iomanip>
@@ -33,22 +35,20 @@
 #include <sstream>
 #include <tuple>
 
-#include "comm/all_to_all_2dh.h"               // HierarchicalAllToAll
-#include "distributed_lesson_support.h"  // open_lesson_run_on_ranks, GpuFlags
-#include "ep/expert_layouts.h"              // expert_layout_forward / backward, choose_layout, measure_layouts
-#include "ep/expert_parallel_cpu.h"         // expert_parallel_forward / backward, local_weights
-#include "init.h"                        // random_weights, random_matrix
-#include "lesson_support.h"              // options, zipf_tokens, Table
+#include "comm/all_to_all_2dh.h"         // HierarchicalAllToAll
+#include "comm/mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
+#include "distributed_lesson_support.h"  // Shard, LessonData, RankOutput, GpuFlags, run_gpu_path
+#include "ep/expert_layouts.h"           // expert_layout_forward / backward, choose_layout, measure_layouts
+#include "ep/expert_parallel_cpu.h"      // expert_parallel_forward / backward, local_weights
+#include "lesson_support.h"              // options, Table
 #include "moe_layer.h"                   // ref::moe_forward / moe_backward, the oracle of section 4
-#include "comm/mpi_communicator.h"            // MpiEnvironment, MpiCommunicator
 #ifdef MOE_LESSON_HAS_CUDA
-#include "bridge/reference_bridge.h"       // round_bf16
-#include "distributed_lesson_gpu.h"      // open_gpu_ranks, GpuLessonLayer
-#include "ep/expert_layout_choice_gpu.h"    // choose_gpu_layout: the cost model on the GPU path
-#include "reference_cpu/moe_layer.h"     // moe_forward: the check
+#include "distributed_lesson_gpu.h"       // start_gpu_lesson, GpuLessonLayer, check_against_reference
+#include "ep/expert_layout_choice_gpu.h"  // choose_gpu_layout: the cost model on the GPU path
 #endif
 
 using namespace moe;
+using moe::lessons::Shard;
 using moe::lessons::Table;
 
 namespace {
@@ -66,7 +66,8 @@ std::string text(double value, int decimals) {
 // ---- the cost model ----
 
 // An exchange of b bytes per rank takes latency + b / bandwidth, the line through two points of the
-// all-to-all sweep on two H200s over NVLink (PyTorch + NCCL 2.28, 2026-11-24, shared BASELINES):
+// all-to-all sweep on two H200s over NVLink (PyTorch + NCCL 2.28, 2026-11-24; the anchor figures of
+// notebooks_data/bench/README.md, "Anchor figures and ceilings"):
 // busbw 58 GB/s at 8 MiB per rank and 249 GB/s at 256 MiB. time = bytes / algbw, algbw = busbw *
 // R / (R - 1) = 2 busbw at R = 2.
 struct Link {
@@ -85,7 +86,7 @@ Link measured_link() {
 }
 
 // Expert FLOPs / rate: torch._grouped_mm, bf16 forward, D=2048 H=8192 K=2 uniform routing, one H200,
-// 2026-11-21 (shared BASELINES): 623 TFLOP/s.
+// 2026-11-21 (notebooks_data/bench/README.md, "Anchor figures and ceilings"): 623 TFLOP/s.
 constexpr double kExpertFlopsPerUs = 623e12 / 1e6;
 
 struct Span {
@@ -133,11 +134,6 @@ std::string lane(const std::vector<Span>& spans, double us_per_column, int colum
 }
 
 // ---- the real run ----
-
-struct Shard {
-  int rank = 0, ranks = 1;
-  int64_t offset = 0, tokens = 0;
-};
 
 struct LayerResult {
   dist::ExpertParallelForward forward;
@@ -279,10 +275,153 @@ double error_against_reference(dist::Communicator& comm, const LayoutRun& run, c
   return std::isnan(error) ? std::numeric_limits<double>::infinity() : error;
 }
 
+// ---- the lesson's layer ----
+
+MoeConfig lesson_config() {
+  return MoeConfig{.tokens = 2048,    // T, all ranks together
+                   .model_dim = 32,   // D
+                   .hidden_dim = 64,  // H
+                   .num_experts = 8,  // E
+                   .top_k = 2,        // K
+                   .formulation = Formulation::dropless,
+                   .capacity_factor = 1.25,
+                   .block_size = 8,  // B
+                   .aux_loss_coef = 0.01,
+                   .z_loss_coef = 1e-3};
+}
+
 // ---- the GPU path (--gpu) ----
 
 #ifdef MOE_LESSON_HAS_CUDA
-// Tutel's mechanisms on the GPU layer (distributed/expert_parallel_gpu.h): the pipelining degrees
+constexpr int kWarmup = 3, kTimed = 10;  // steps of each GPU run
+
+// What every GPU section reads: the communicator of the lesson's own collectives (tables, checks on
+// host values), rank 0's output, the layer, and its run at d = 1 (flat, r = 1) that the others
+// compare with.
+struct GpuSection {
+  dist::Communicator& comm;
+  lessons::RankOutput& out;
+  lessons::GpuLessonLayer& gpu;
+  const lessons::GpuLayerRun& one;
+};
+
+// True on every rank when every rank's y (and dx, when asked) has the same bits in both runs.
+bool same_outputs(dist::Communicator& comm, const lessons::GpuLayerRun& a, const lessons::GpuLayerRun& b,
+                  bool with_dx) {
+  int32_t same = a.y_bits == b.y_bits && (!with_dx || a.dx == b.dx) ? 1 : 0;
+  for (int32_t s : dist::all_gather<int32_t>(comm, same)) same &= s;
+  return same == 1;
+}
+
+double step_ms(const lessons::GpuLayerRun& run) { return run.forward_ms + run.backward_ms; }
+
+// ---- G1. the pipelining degrees, and the layer's own choice ----
+// Returns whether every degree and the adaptive choice give y bit for bit d = 1's.
+bool gpu_pipelining(const GpuSection& s, const lessons::GpuLayerRun& adaptive) {
+  bool bitwise = true;
+  Table table("Table G1: forward + backward on the GPU at each pipelining degree, and the layer choosing d itself",
+              {"d", "forward (ms)", "backward (ms)", "step (ms)", "vs d=1", "y bit for bit vs d=1"});
+  table.add_row({1, s.one.forward_ms, s.one.backward_ms, step_ms(s.one), 1.0, "-"});
+  for (int d : {2, 4, 8}) {
+    const lessons::GpuLayerRun run = s.gpu.run({.pipeline_chunks = d}, kWarmup, kTimed);
+    const bool same = same_outputs(s.comm, run, s.one, false);
+    bitwise = bitwise && same;
+    table.add_row({d, run.forward_ms, run.backward_ms, step_ms(run), step_ms(run) / step_ms(s.one), same ? "yes" : "NO"});
+  }
+  const bool same = same_outputs(s.comm, adaptive, s.one, false);
+  bitwise = bitwise && same;
+  table.add_row({"adaptive: d=" + std::to_string(adaptive.step.pipeline.chosen), adaptive.forward_ms,
+                 adaptive.backward_ms, step_ms(adaptive), step_ms(adaptive) / step_ms(s.one), same ? "yes" : "NO"});
+  s.out.show(table);
+  return bitwise;
+}
+
+// ---- G2. the layer's adaptive trials ----
+void show_gpu_trials(lessons::RankOutput& out, const dist::PipelineChoice& choice) {
+  Table table("Table G2: the layer's adaptive trials (pipeline_chunks = 0): each candidate's best of " +
+                  std::to_string(dist::kTrialStepsPerCandidate) + " forward + backward steps, the slowest rank's",
+              {"candidate d", "trial (ms)", "chosen"});
+  for (size_t i = 0; i < choice.candidates.size(); ++i) {
+    table.add_row({choice.candidates[i], choice.times_ms[i], choice.candidates[i] == choice.chosen ? "<-" : ""});
+  }
+  out.show(table);
+  out.say("  Every rank measured every candidate on its own stream; the ranks gathered the times and all kept\n"
+          "  the d whose slowest rank was fastest. d = 1 is a candidate, so the choice is never slower than\n"
+          "  d = 1 beyond the noise of two steps. A new shape (other T_r) gets trials of its own.\n");
+}
+
+// ---- G3. the 2DH exchange against the flat one ----
+struct GpuHierarchical {
+  bool bitwise = true;     // y and dx at every G
+  std::string node_sizes;  // the G checked, "2,4"
+};
+
+GpuHierarchical gpu_hierarchical(const GpuSection& s) {
+  const int R = s.comm.size();
+  GpuHierarchical result;
+  Table table("Table G3: the layer through the 2DH all-to-all (nodes of G ranks) against the flat one, d=1",
+              {"G", "nodes N", "forward (ms)", "backward (ms)", "vs flat", "y and dx bit for bit", "host waits"});
+  table.add_row({"flat", "-", s.one.forward_ms, s.one.backward_ms, 1.0, "-",
+                 s.one.step.host_synchronisations + s.one.step.backward_host_synchronisations});
+  for (int G = 2; G <= R; ++G) {
+    if (R % G != 0) continue;
+    const lessons::GpuLayerRun run = s.gpu.run({.pipeline_chunks = 1, .hierarchical_ranks_per_node = G}, kWarmup, kTimed);
+    const bool same = same_outputs(s.comm, run, s.one, true);
+    result.bitwise = result.bitwise && same;
+    result.node_sizes += (result.node_sizes.empty() ? "" : ",") + std::to_string(G);
+    table.add_row({G, R / G, run.forward_ms, run.backward_ms, step_ms(run) / step_ms(s.one), same ? "yes" : "NO",
+                   run.step.host_synchronisations + run.step.backward_host_synchronisations});
+  }
+  s.out.show(table);
+  if (result.node_sizes.empty()) s.out.say("  (2DH needs nodes of G > 1 ranks: run with -np 2 or 4.)\n");
+  s.out.say("  On one host the 'nodes' share the same links: 2DH pays its second stage and its copies here\n"
+            "  without the gain it brings across real nodes (fewer, larger messages; Table 3 of the CPU path).\n");
+  return result;
+}
+
+// ---- G4. Tutel's layouts r on the GPU, over the same stored experts ----
+struct GpuLayouts {
+  double error = 0;  // the largest y, dx rel_err against r = 1
+  std::string run;   // the r run, "0,1,2"
+  int fastest_r = 1, cost_model_r = 1;
+};
+
+GpuLayouts gpu_layouts(const GpuSection& s, const lessons::GpuRanks& ranks, const MoeConfig& config,
+                       const Shard& shard) {
+  GpuLayouts result;
+  const std::vector<int> layouts = dist::valid_gpu_layouts(config, {}, s.comm.size());
+  Table table("Table G4: the layer in each of Tutel's layouts r on the GPU (d=1, flat), over one storage of the "
+              "experts",
+              {"r", "layout", "forward (ms)", "backward (ms)", "vs r=1", "weights sent (elements)",
+               "y, dx rel_err vs r=1"});
+  const std::vector<bool> every(static_cast<size_t>(shard.tokens), true);
+  double fastest_ms = step_ms(s.one);
+  for (int r : layouts) {
+    const lessons::GpuLayerRun run = r == 1 ? s.one : s.gpu.run({.pipeline_chunks = 1}, kWarmup, kTimed, r);
+    const double error = std::max(lessons::sharded_relative_error(s.comm, run.y, s.one.y, every),
+                                  lessons::sharded_relative_error(s.comm, run.dx, s.one.dx, every));
+    result.error = std::max(result.error, error);
+    result.run += (result.run.empty() ? "" : ",") + std::to_string(r);
+    if (step_ms(run) < fastest_ms) {
+      fastest_ms = step_ms(run);
+      result.fastest_r = r;
+    }
+    table.add_row({r, dist::layout_name(r), run.forward_ms, run.backward_ms, step_ms(run) / step_ms(s.one),
+                   static_cast<double>(run.step.weight_elements_sent), error});
+  }
+  s.out.show(table);
+  dist::ExpertParallelGpu chooser(*ranks.layer, config, shard.tokens);  // the cost model reads its settings
+  result.cost_model_r = dist::choose_gpu_layout(chooser).r;
+  s.out.say("  The table's fastest layout: r = " + std::to_string(result.fastest_r) +
+            "; the cost model's (uniform routing, " + "H200 figures): r = " + std::to_string(result.cost_model_r) +
+            ".\n"
+            "  r = 0 moves every expert (all-gather, then an all-reduce of their gradients) and no token; r > 1\n"
+            "  moves H / r slices of its group's experts and each kept row to r ranks. At this tiny D and H the\n"
+            "  weights are cheap to move; at Tutel's sizes they decide (the cost model's table on the CPU path).\n");
+  return result;
+}
+
+// Tutel's mechanisms on the GPU layer (distributed/ep/expert_parallel_gpu.h): the pipelining degrees
 // d = 1, 2, 4, 8 timed, the layer's own adaptive choice of d with its trial times, the 2DH exchange
 // against the flat one, and every valid layout r (set_layout) with the cost model's and the
 // measurement's choice of r; every pipelining and 2DH variant's y bit for bit d = 1's (B = 64: the
@@ -291,208 +430,505 @@ double error_against_reference(dist::Communicator& comm, const LayoutRun& run, c
 // exit code.
 int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
                MoeConfig config, const Shard& shard) {
-  const bool root = world.rank() == 0;
-  const auto ranks = lessons::open_gpu_ranks(world, flags.backend);
-  if (!ranks->refusal.empty()) {
-    if (root) std::cerr << kName << " --gpu: " << ranks->refusal << "\n";
-    return ranks->exit_code;
-  }
-  dist::Communicator& comm = world;  // the lesson's own collectives (tables, checks) on host values
-  const int R = comm.size();
   // The GPU's block-sparse kernels tile by B = 64 or 128, with D and H multiples of B: the lesson's
   // D = 32, H = 64, B = 8 become D = 64, H = 128, B = 64 (T, E, K as on the CPU ranks).
   config.model_dim = 64;
   config.hidden_dim = 128;
   config.block_size = 64;
-  const int64_t T = config.tokens, D = config.model_dim, E = config.num_experts, K = config.top_k;
-
-  std::optional<RunWriter> writer;
-  if (!lessons::open_lesson_run_on_ranks(comm, options, kName, "07", config, writer, ranks->devices)) return 2;
-  auto show = [&](const Table& table) {
-    if (!root) return;
-    table.print();
-    writer->append(to_event(table.event()));
-  };
-  auto say = [&](const std::string& line) { if (root) std::cout << line; };
-  say("Lesson 07 on the GPU: R=" + std::to_string(R) + " ranks over " + ranks->backend + ", " +
-      std::to_string(ranks->ranks_per_gpu) + " rank(s) per GPU; " + ranks->devices[0] + ".\n  The layer: T=" +
-      std::to_string(T) + " (T_r=" + std::to_string(shard.tokens) + " a rank), D=" + std::to_string(D) + ", H=" +
-      std::to_string(config.hidden_dim) + ", E=" + std::to_string(E) + ", K=" + std::to_string(K) +
-      ", dropless, B=64. Times: the slowest rank's median of 10 steps (CUDA events).\n");
-  if (ranks->ranks_per_gpu > 1) {
-    say("  NOTE: ranks share a GPU, so the MPI backend stages every exchange through host memory (the host\n"
-        "  runs the exchange while the GPU runs the experts): the schedule is Tutel's, the times are not an\n"
-        "  interconnect's.\n");
+  auto start = lessons::start_gpu_lesson(world, flags.backend, options, kName, "07", config);
+  if (!start.output) return start.exit_code;
+  const lessons::GpuRanks& ranks = *start.ranks;
+  lessons::RankOutput& out = *start.output;
+  dist::Communicator& comm = world;
+  const int R = comm.size();
+  out.say("Lesson 07 on the GPU: R=" + std::to_string(R) + " ranks over " + ranks.backend + ", " +
+          std::to_string(ranks.ranks_per_gpu) + " rank(s) per GPU; " + ranks.devices[0] + ".\n  The layer: T=" +
+          std::to_string(config.tokens) + " (T_r=" + std::to_string(shard.tokens) + " a rank), D=" +
+          std::to_string(config.model_dim) + ", H=" + std::to_string(config.hidden_dim) + ", E=" +
+          std::to_string(config.num_experts) + ", K=" + std::to_string(config.top_k) +
+          ", dropless, B=64. Times: the slowest rank's median of 10 steps (CUDA events).\n");
+  if (ranks.ranks_per_gpu > 1) {
+    out.say("  NOTE: ranks share a GPU, so the MPI backend stages every exchange through host memory (the host\n"
+            "  runs the exchange while the GPU runs the experts): the schedule is Tutel's, the times are not an\n"
+            "  interconnect's.\n");
   }
 
-  std::mt19937_64 generator(options.seed);
-  const ref::Matrix x = cuda::round_bf16(lessons::zipf_tokens(T, D, 1000, 1.1, generator));
-  const ref::Matrix dy = cuda::round_bf16(ref::random_matrix(T, D, generator));
-  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
-  weights.gate_weights = cuda::round_bf16(ref::random_matrix(D, E, generator, 3.0 / std::sqrt(static_cast<double>(D))));
-  for (auto& w : weights.w1) w = cuda::round_bf16(w);
-  for (auto& w : weights.w2) w = cuda::round_bf16(w);
-
-  constexpr int kWarmup = 3, kTimed = 10;
-  lessons::GpuLessonLayer gpu(*ranks, comm, config, x, dy, weights, shard.offset, shard.tokens);
-  // True on every rank when every rank's y (and dx, when asked) has the same bits in both runs.
-  auto same_outputs = [&](const lessons::GpuLayerRun& a, const lessons::GpuLayerRun& b, bool with_dx) {
-    int32_t same = a.y_bits == b.y_bits && (!with_dx || a.dx == b.dx) ? 1 : 0;
-    for (int32_t s : dist::all_gather<int32_t>(comm, same)) same &= s;
-    return same == 1;
-  };
-
-  // ---- G1. the pipelining degrees, and the layer's own choice ----
-  bool pipelined_bitwise = true;
+  const lessons::LessonData data =
+      lessons::rounded_to_bf16(lessons::draw_lesson_data(config, options.seed, /*with_random_tokens=*/false));
+  lessons::GpuLessonLayer gpu(*start.ranks, comm, config, data.text_x, data.dy, data.weights, shard.offset,
+                              shard.tokens);
   const lessons::GpuLayerRun one = gpu.run({.pipeline_chunks = 1}, kWarmup, kTimed);
   const int trials = static_cast<int>(dist::kAdaptiveCandidates.size()) * dist::kTrialStepsPerCandidate;
   const lessons::GpuLayerRun adaptive =
       gpu.run({.pipeline_chunks = dist::kAdaptivePipelineChunks}, /*warmup: the trials, then the choice*/ trials + 1,
               kTimed);
-  {
-    Table table("Table G1: forward + backward on the GPU at each pipelining degree, and the layer choosing d itself",
-                {"d", "forward (ms)", "backward (ms)", "step (ms)", "vs d=1", "y bit for bit vs d=1"});
-    const double one_ms = one.forward_ms + one.backward_ms;
-    table.add_row({1, one.forward_ms, one.backward_ms, one_ms, 1.0, "-"});
-    for (int d : {2, 4, 8}) {
-      const lessons::GpuLayerRun run = gpu.run({.pipeline_chunks = d}, kWarmup, kTimed);
-      const bool same = same_outputs(run, one, false);
-      pipelined_bitwise = pipelined_bitwise && same;
-      table.add_row({d, run.forward_ms, run.backward_ms, run.forward_ms + run.backward_ms,
-                     (run.forward_ms + run.backward_ms) / one_ms, same ? "yes" : "NO"});
-    }
-    const bool same = same_outputs(adaptive, one, false);
-    pipelined_bitwise = pipelined_bitwise && same;
-    table.add_row({"adaptive: d=" + std::to_string(adaptive.step.pipeline.chosen), adaptive.forward_ms,
-                   adaptive.backward_ms, adaptive.forward_ms + adaptive.backward_ms,
-                   (adaptive.forward_ms + adaptive.backward_ms) / one_ms, same ? "yes" : "NO"});
-    show(table);
-  }
+  const GpuSection section{comm, out, gpu, one};
+  const bool pipelined_bitwise = gpu_pipelining(section, adaptive);
   const dist::PipelineChoice& choice = adaptive.step.pipeline;
   const bool chose_a_candidate =
       std::find(choice.candidates.begin(), choice.candidates.end(), choice.chosen) != choice.candidates.end();
-  {
-    Table table("Table G2: the layer's adaptive trials (pipeline_chunks = 0): each candidate's best of " +
-                    std::to_string(dist::kTrialStepsPerCandidate) + " forward + backward steps, the slowest rank's",
-                {"candidate d", "trial (ms)", "chosen"});
-    for (size_t i = 0; i < choice.candidates.size(); ++i) {
-      table.add_row({choice.candidates[i], choice.times_ms[i], choice.candidates[i] == choice.chosen ? "<-" : ""});
-    }
-    show(table);
-    say("  Every rank measured every candidate on its own stream; the ranks gathered the times and all kept\n"
-        "  the d whose slowest rank was fastest. d = 1 is a candidate, so the choice is never slower than\n"
-        "  d = 1 beyond the noise of two steps. A new shape (other T_r) gets trials of its own.\n");
-  }
+  show_gpu_trials(out, choice);
+  const GpuHierarchical hierarchical = gpu_hierarchical(section);
+  const GpuLayouts layouts = gpu_layouts(section, ranks, config, shard);
 
-  // ---- G3. the 2DH exchange against the flat one ----
-  bool hierarchical_bitwise = true;
-  std::string node_sizes;
-  {
-    Table table("Table G3: the layer through the 2DH all-to-all (nodes of G ranks) against the flat one, d=1",
-                {"G", "nodes N", "forward (ms)", "backward (ms)", "vs flat", "y and dx bit for bit", "host waits"});
-    const double flat_ms = one.forward_ms + one.backward_ms;
-    table.add_row({"flat", "-", one.forward_ms, one.backward_ms, 1.0, "-",
-                   one.step.host_synchronisations + one.step.backward_host_synchronisations});
-    for (int G = 2; G <= R; ++G) {
-      if (R % G != 0) continue;
-      const lessons::GpuLayerRun run = gpu.run({.pipeline_chunks = 1, .hierarchical_ranks_per_node = G}, kWarmup, kTimed);
-      const bool same = same_outputs(run, one, true);
-      hierarchical_bitwise = hierarchical_bitwise && same;
-      node_sizes += (node_sizes.empty() ? "" : ",") + std::to_string(G);
-      table.add_row({G, R / G, run.forward_ms, run.backward_ms, (run.forward_ms + run.backward_ms) / flat_ms,
-                     same ? "yes" : "NO", run.step.host_synchronisations + run.step.backward_host_synchronisations});
-    }
-    show(table);
-    if (node_sizes.empty()) say("  (2DH needs nodes of G > 1 ranks: run with -np 2 or 4.)\n");
-    say("  On one host the 'nodes' share the same links: 2DH pays its second stage and its copies here\n"
-        "  without the gain it brings across real nodes (fewer, larger messages; Table 3 of the CPU path).\n");
-  }
-
-  // ---- G4. Tutel's layouts r on the GPU, over the same stored experts ----
-  double layouts_error = 0;
-  std::string layouts_run;
-  int cost_model_r = 1, fastest_r = 1;
-  {
-    const std::vector<int> layouts = dist::valid_gpu_layouts(config, {}, R);
-    Table table("Table G4: the layer in each of Tutel's layouts r on the GPU (d=1, flat), over one storage of the "
-                "experts",
-                {"r", "layout", "forward (ms)", "backward (ms)", "vs r=1", "weights sent (elements)",
-                 "y, dx rel_err vs r=1"});
-    const std::vector<bool> every(static_cast<size_t>(shard.tokens), true);
-    const double one_ms = one.forward_ms + one.backward_ms;
-    double fastest_ms = one_ms;
-    for (int r : layouts) {
-      const lessons::GpuLayerRun run = r == 1 ? one : gpu.run({.pipeline_chunks = 1}, kWarmup, kTimed, r);
-      const double error = std::max(lessons::sharded_relative_error(comm, run.y, one.y, every),
-                                    lessons::sharded_relative_error(comm, run.dx, one.dx, every));
-      layouts_error = std::max(layouts_error, error);
-      layouts_run += (layouts_run.empty() ? "" : ",") + std::to_string(r);
-      const double ms = run.forward_ms + run.backward_ms;
-      if (ms < fastest_ms) {
-        fastest_ms = ms;
-        fastest_r = r;
-      }
-      table.add_row({r, dist::layout_name(r), run.forward_ms, run.backward_ms, ms / one_ms,
-                     static_cast<double>(run.step.weight_elements_sent), error});
-    }
-    show(table);
-    dist::ExpertParallelGpu chooser(*ranks->layer, config, shard.tokens);  // the cost model reads its settings
-    cost_model_r = dist::choose_gpu_layout(chooser).r;
-    say("  The table's fastest layout: r = " + std::to_string(fastest_r) + "; the cost model's (uniform routing, " +
-        "H200 figures): r = " + std::to_string(cost_model_r) + ".\n"
-        "  r = 0 moves every expert (all-gather, then an all-reduce of their gradients) and no token; r > 1\n"
-        "  moves H / r slices of its group's experts and each kept row to r ranks. At this tiny D and H the\n"
-        "  weights are cheap to move; at Tutel's sizes they decide (the cost model's table on the CPU path).\n");
-  }
-
-  // ---- the check of d = 1 against the CPU reference ----
-  const ref::LayerForward reference = ref::moe_forward(config, x, weights);
-  const std::vector<bool> same = lessons::same_routing(one.top_experts, reference.router.top_experts, shard.offset,
-                                                       shard.tokens, K);
-  std::vector<int64_t> flipped{static_cast<int64_t>(std::count(same.begin(), same.end(), false))};
-  dist::all_reduce_sum<int64_t>(comm, flipped);
-  const double y_error =
-      lessons::sharded_relative_error(comm, one.y, reference.y.middleRows(shard.offset, shard.tokens), same);
-  constexpr double kGpuTolerance = 2e-2;  // bf16 activations, fp32 accumulation
-
-  const bool pass = y_error <= kGpuTolerance && flipped[0] <= T / 100 && pipelined_bitwise && chose_a_candidate &&
-                    hierarchical_bitwise && layouts_error <= kGpuTolerance;
+  // ---- the verdict: d = 1 against the CPU reference, and the checks above ----
+  const ref::LayerForward reference = ref::moe_forward(config, data.text_x, data.weights);
+  const lessons::ReferenceCheck check =
+      lessons::check_against_reference(comm, one, reference, nullptr, shard.offset, shard.tokens, config.top_k);
+  const bool pass = check.pass(config.tokens) && pipelined_bitwise && chose_a_candidate && hierarchical.bitwise &&
+                    layouts.error <= lessons::kGpuTolerance;
   std::ostringstream message;
-  message << std::setprecision(2) << "GPU layer on R=" << R << " ranks (" << ranks->backend << "): d=1 vs CPU reference y rel_err="
-          << y_error << " tol=" << kGpuTolerance << " (tokens routed otherwise: " << flipped[0]
-          << "); d=2,4,8 and adaptive (chose d=" << choice.chosen << ") y bit for bit d=1: "
-          << (pipelined_bitwise ? "yes" : "NO") << "; 2DH == flat bit for bit at G="
-          << (node_sizes.empty() ? "none (R=1)" : node_sizes) << ": " << (hierarchical_bitwise ? "yes" : "NO")
-          << "; layouts r=" << layouts_run << " y, dx vs r=1 max rel_err=" << layouts_error << " (fastest r="
-          << fastest_r << ", cost model r=" << cost_model_r << ")";
-  if (root) {
-    lessons::finish(*writer, kName, pass, message.str());
-    std::cout << "run record: " << options.out.string() << "\n";
-  }
-  return pass ? 0 : 1;
+  message << std::setprecision(2) << "GPU layer on R=" << R << " ranks (" << ranks.backend
+          << "): d=1 vs CPU reference y rel_err=" << check.y_error << " tol=" << lessons::kGpuTolerance
+          << " (tokens routed otherwise: " << check.routed_otherwise << "); d=2,4,8 and adaptive (chose d="
+          << choice.chosen << ") y bit for bit d=1: " << (pipelined_bitwise ? "yes" : "NO")
+          << "; 2DH == flat bit for bit at G=" << (hierarchical.node_sizes.empty() ? "none (R=1)" : hierarchical.node_sizes)
+          << ": " << (hierarchical.bitwise ? "yes" : "NO") << "; layouts r=" << layouts.run
+          << " y, dx vs r=1 max rel_err=" << layouts.error << " (fastest r=" << layouts.fastest_r
+          << ", cost model r=" << layouts.cost_model_r << ")";
+  return out.finish(pass, message.str());
+}
+#else
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, const lessons::GpuFlags&, MoeConfig,
+               const Shard&) {
+  return lessons::no_gpu_path(world, kName);
 }
 #endif
 
-// Runs the GPU path, or says why it cannot; an error on one rank ends every rank (the others would
-// wait in the next collective).
-int gpu_path(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
-             const MoeConfig& config, const Shard& shard) {
-#ifdef MOE_LESSON_HAS_CUDA
-  try {
-    return run_on_gpu(world, options, flags, config, shard);
-  } catch (const std::exception& error) {
-    std::cerr << "[rank " << world.rank() << "] " << kName << " --gpu: " << error.what() << "\n";
-    MPI_Abort(MPI_COMM_WORLD, 1);
-    return 1;
+// ---- the lesson's opening ----
+
+void introduce(lessons::RankOutput& out, const MoeConfig& config, int R) {
+  out.say("Lesson 07: Tutel on R=" + std::to_string(R) + " CPU ranks (real run: T=" + std::to_string(config.tokens) +
+          ", D=" + std::to_string(config.model_dim) + ", H=" + std::to_string(config.hidden_dim) + ", E=" +
+          std::to_string(config.num_experts) + ", K=" + std::to_string(config.top_k) + "; cost models at GPU sizes)\n");
+}
+
+// ---- 1. adaptive pipelining: the cost model ----
+
+struct PipelineShape {
+  std::string name;
+  int64_t tokens_per_rank, D, H, K;
+  double link_speed;  // 1 = the measured NVLink pair
+};
+
+const std::vector<int> kDegrees{1, 2, 4, 8};  // the pipelining degrees d of sections 1 and 2
+
+// One shape at every degree d: the exchange and the experts per chunk, and the schedule.
+struct ModelledShape {
+  PipelineShape shape;
+  std::vector<double> exchange_us, experts_us;  // per chunk, [degree]
+  std::vector<Schedule> schedules;              // [degree]
+  size_t best = 0;  // the fastest; d = 1 unless another is strictly faster
+};
+
+std::vector<ModelledShape> model_pipelining(const Link& link) {
+  const std::vector<PipelineShape> shapes{
+      {"Tutel's layer, NVLink", 16384, 2048, 8192, 2, 1.0},
+      {"Tutel's layer, link 8x slower (hypothetical)", 16384, 2048, 8192, 2, 0.125},
+      {"T_r=1024 (small batch), NVLink", 1024, 2048, 8192, 2, 1.0}};
+  std::vector<ModelledShape> modelled;
+  for (const PipelineShape& s : shapes) {
+    const double bytes = static_cast<double>(s.tokens_per_rank * s.K * s.D) * kBf16Bytes;  // T_r*K*D*2 each way
+    const double flops = 4.0 * static_cast<double>(s.tokens_per_rank * s.K) * s.D * s.H;
+    ModelledShape m;
+    m.shape = s;
+    for (int d : kDegrees) {
+      m.exchange_us.push_back(link.latency_us + bytes / d / (link.bytes_per_us * s.link_speed));
+      m.experts_us.push_back(flops / d / kExpertFlopsPerUs);
+      m.schedules.push_back(simulate(d, m.exchange_us.back(), m.experts_us.back()));
+    }
+    for (size_t i = 1; i < m.schedules.size(); ++i) {
+      if (m.schedules[i].total_us < m.schedules[m.best].total_us) m.best = i;
+    }
+    modelled.push_back(std::move(m));
   }
-#else
-  (void)options, (void)flags, (void)config, (void)shard;
-  if (world.rank() == 0) {
-    std::cerr << kName << " --gpu: this build has no CUDA (CMake found no CUDA compiler, or MOE_ENABLE_CUDA=OFF); "
-                          "the CPU path runs without --gpu\n";
+  return modelled;
+}
+
+void show_pipelining_model(lessons::RankOutput& out, const Link& link, const std::vector<ModelledShape>& modelled) {
+  out.say("\nThe cost model: exchange = " + text(link.latency_us, 1) + " us + bytes / " +
+          text(link.bytes_per_us / 1e3, 0) + " GB/s (fit of the 2 x H200 all-to-all sweep, 2026-11-24);\n"
+          "experts = FLOPs / 623 TFLOP/s (grouped GEMM, one H200, 2026-11-21). Forward of one layer, per rank.\n");
+  Table table("Table 1: d chunks, forward time from the cost model (bf16 rows; the comm stream carries both exchanges)",
+              {"shape", "d", "exchange a chunk (us)", "experts a chunk (us)", "forward (us)", "vs d=1",
+               "model's choice"});
+  for (const ModelledShape& m : modelled) {
+    for (size_t i = 0; i < m.schedules.size(); ++i) {
+      table.add_row({i == 0 ? m.shape.name : "", kDegrees[i], m.exchange_us[i], m.experts_us[i],
+                     m.schedules[i].total_us, m.schedules[i].total_us / m.schedules[0].total_us,
+                     i == m.best ? "<- best" : ""});
+    }
   }
-  return 1;
-#endif
+  out.show(table);
+}
+
+// The schedules of one shape as text lanes, and as spans in the run record (step = d), so that the
+// viewer's timeline draws them.
+void show_timelines(lessons::RankOutput& out, const std::vector<Schedule>& schedules) {
+  const int columns = 72;
+  double longest = 0;
+  for (const Schedule& s : schedules) longest = std::max(longest, s.total_us);
+  const double us_per_column = longest / columns;
+  std::ostringstream lanes;
+  lanes << "\nTimelines of Tutel's layer on NVLink (one column = " << text(us_per_column, 0)
+        << " us; digits are chunk numbers, '.' a stream waiting):\n";
+  for (size_t i = 0; i < schedules.size(); ++i) {
+    const Schedule& s = schedules[i];
+    lanes << "  d=" << kDegrees[i] << "  " << text(s.total_us, 0) << " us\n"
+          << "    dispatch |" << lane(s.dispatch, us_per_column, columns) << "\n"
+          << "    experts  |" << lane(s.experts, us_per_column, columns) << "\n"
+          << "    combine  |" << lane(s.combine, us_per_column, columns) << "\n";
+    if (RunWriter* writer = out.writer()) {
+      for (const auto& [spans, stream, stream_name, name] :
+           {std::tuple{&s.dispatch, 1, "comm (cost model)", "dispatch"},
+            std::tuple{&s.experts, 0, "compute (cost model)", "expert_compute"},
+            std::tuple{&s.combine, 1, "comm (cost model)", "combine"}}) {
+        for (const Span& span : *spans) {
+          writer->append(to_event(SpanEvent{.step = kDegrees[i], .rank = 0, .stream = stream,
+                                            .stream_name = stream_name, .name = name, .start_us = span.start,
+                                            .duration_us = span.end - span.start}));
+        }
+      }
+    }
+  }
+  out.say(lanes.str());
+}
+
+// ---- 2. adaptive pipelining: the real run, d = 1, 2, 4, 8 on CPU ranks ----
+
+struct ChunkCheck {
+  double error = 0;                          // the largest max_rel_err against d = 1
+  bool y_bitwise = true;                     // every d's y bit for bit d = 1's
+  std::optional<LayerResult> flat_dropless;  // d = 1, flat: the 2DH runs compare with it
+};
+
+// "a b c": the rows each chunk computed, summed over the ranks. Collective.
+std::string rows_per_chunk(dist::Communicator& comm, const LayerResult& result, int d) {
+  std::vector<int64_t> rows;
+  for (const auto& chunk : result.forward.chunks) rows.push_back(chunk.expert_plan.total_rows);
+  rows = dist::all_gather<int64_t>(comm, rows);  // [R, d]
+  std::string rows_text;
+  for (int ch = 0; ch < d; ++ch) {
+    int64_t sum = 0;
+    for (int r = 0; r < comm.size(); ++r) sum += rows[r * d + ch];
+    if (ch) rows_text += ' ';
+    rows_text += std::to_string(sum);
+  }
+  return rows_text;
+}
+
+ChunkCheck run_pipelining(dist::Communicator& comm, lessons::RankOutput& out, const MoeConfig& config,
+                          const lessons::LessonData& data, const Shard& shard) {
+  ChunkCheck check;
+  Table table("Table 2: the real run in d chunks on " + std::to_string(comm.size()) +
+                  " CPU ranks (zipf text), forward and backward, against d=1",
+              {"formulation", "d", "rows computed per chunk (all ranks)", "max_rel_err vs d=1", "y bit for bit",
+               "all bit for bit"});
+  for (Formulation formulation : {Formulation::dropless, Formulation::padded}) {
+    MoeConfig c = config;
+    c.formulation = formulation;
+    std::optional<LayerResult> one;
+    for (int d : kDegrees) {
+      LayerResult result = run_layer(comm, c, data.text_x, data.dy, data.weights, shard,
+                                     {.pipeline_chunks = d, .hierarchical = nullptr});
+      Comparison cmp;
+      if (one) {
+        cmp = compare(comm, result, *one);
+        check.error = std::max(check.error, cmp.max_rel_err);
+        check.y_bitwise = check.y_bitwise && cmp.y_bitwise;
+      }
+      table.add_row({std::string(to_string(formulation)), d, rows_per_chunk(comm, result, d), cmp.max_rel_err,
+                     d == 1 ? "-" : (cmp.y_bitwise ? "yes" : "no"), d == 1 ? "-" : (cmp.bitwise ? "yes" : "no")});
+      if (!one) one = std::move(result);
+    }
+    if (formulation == Formulation::dropless) check.flat_dropless = std::move(one);
+  }
+  out.show(table);
+  out.say("  The chunks split each expert's row space (its kept rows, or C when padded): every row is\n"
+          "  computed once, y bit for bit. Dropless rounds each chunk's rows up to B: more padding. The\n"
+          "  gradients (weights, and dx over a token's K slots) add up chunk by chunk: another order.\n");
+  return check;
+}
+
+// ---- 3. the 2D hierarchical all-to-all ----
+
+// The message arithmetic per rank for b bytes per rank each way (Tutel's layer: 128 MiB).
+void show_message_arithmetic(lessons::RankOutput& out) {
+  const double b = 16384.0 * 2 * 2048 * kBf16Bytes;
+  Table table("Table 3: messages a rank sends in one all-to-all of b = 128 MiB per rank (uniform routing)",
+              {"R", "G", "exchange", "messages within node", "KiB each", "messages across nodes", "KiB each"});
+  auto kib = [](double bytes) { return static_cast<int64_t>(std::llround(bytes / 1024)); };
+  for (const auto& [ranks, per_node] : {std::pair{4, 2}, std::pair{64, 8}, std::pair{256, 8}}) {
+    const int nodes = ranks / per_node;
+    table.add_row({ranks, per_node, "flat", per_node - 1, kib(b / ranks), ranks - per_node, kib(b / ranks)});
+    table.add_row({"", "", "2DH stage 1", per_node - 1, kib(b / per_node), 0, "-"});
+    table.add_row({"", "", "2DH stage 2", 0, "-", nodes - 1, kib(b / nodes)});
+  }
+  out.show(table);
+  out.say("  Flat: R - G messages of b/R cross nodes. 2DH: N - 1 messages of b/N, each G times larger;\n"
+          "  the bytes that cross nodes are the same, the messages G times fewer. The price: stage 1\n"
+          "  moves (G-1)/G of b once more inside the node, and two local copies reorder the blocks.\n");
+}
+
+// The messages of one exchange stage, within and across nodes.
+struct StageMessages {
+  int64_t within = 0, across = 0, within_bytes = 0, across_bytes = 0;
+  void add(bool same_node, int64_t bytes) {
+    if (bytes <= 0) return;
+    if (same_node) ++within, within_bytes += bytes;
+    else ++across, across_bytes += bytes;
+  }
+};
+
+// The flat exchange and the two 2DH stages of the dispatch [R, R] (bytes rank s sends rank t) in
+// nodes of G ranks.
+std::array<StageMessages, 3> count_messages(const std::vector<int64_t>& dispatch_bytes, int R, int G) {
+  const int N = R / G;
+  StageMessages flat, stage1, stage2;
+  for (int s = 0; s < R; ++s)
+    for (int t = 0; t < R; ++t)
+      if (s != t) flat.add(s / G == t / G, dispatch_bytes[s * R + t]);
+  for (int n = 0; n < N; ++n) {
+    for (int g = 0; g < G; ++g) {
+      for (int g2 = 0; g2 < G; ++g2) {  // stage 1: (n, g) -> (n, g2), all it has for ranks (*, g2)
+        int64_t bytes = 0;
+        for (int n2 = 0; n2 < N; ++n2) bytes += dispatch_bytes[(n * G + g) * R + n2 * G + g2];
+        if (g2 != g) stage1.add(true, bytes);
+      }
+      for (int n2 = 0; n2 < N; ++n2) {  // stage 2: (n, g) -> (n2, g), node n's blocks for (n2, g)
+        int64_t bytes = 0;
+        for (int g_source = 0; g_source < G; ++g_source) bytes += dispatch_bytes[(n * G + g_source) * R + n2 * G + g];
+        if (n2 != n) stage2.add(false, bytes);
+      }
+    }
+  }
+  return {flat, stage1, stage2};
+}
+
+// The real dispatch of section 2 (dropless, d = 1), flat and 2DH, at every node size 1 < G < R.
+void show_real_messages(lessons::RankOutput& out, const std::vector<int64_t>& dispatch_rows, int R, int64_t D) {
+  std::vector<int> node_sizes;
+  for (int g = 2; g < R; ++g) if (R % g == 0) node_sizes.push_back(g);
+  if (node_sizes.empty()) {
+    out.say("\n(Table 4 needs R with a node size 1 < G < R, e.g. -np 4; skipped at R=" + std::to_string(R) + ")\n");
+    return;
+  }
+  std::vector<int64_t> dispatch_bytes;
+  for (int64_t rows : dispatch_rows) dispatch_bytes.push_back(rows * D * static_cast<int64_t>(kBf16Bytes));
+  Table table("Table 4: the real dispatch of Table 2 (dropless, d=1), flat and 2DH, bytes as bf16 rows",
+              {"G", "exchange", "messages within node", "bytes within node", "messages across nodes",
+               "bytes across nodes", "mean message across (bytes)"});
+  for (int G : node_sizes) {
+    const auto stages = count_messages(dispatch_bytes, R, G);
+    const char* names[] = {"flat", "2DH stage 1", "2DH stage 2"};
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const StageMessages& s = stages[i];
+      table.add_row({G, names[i], s.within, s.within_bytes, s.across, s.across_bytes,
+                     s.across > 0 ? s.across_bytes / s.across : int64_t{0}});
+    }
+  }
+  out.show(table);
+}
+
+struct HierarchicalCheck {
+  bool bitwise = true;     // the layer and the bf16 dispatch at every G
+  std::string node_sizes;  // the G checked, "1,2,4"
+};
+
+HierarchicalCheck check_hierarchical(dist::Communicator& comm, lessons::RankOutput& out, const MoeConfig& config,
+                                     const lessons::LessonData& data, const Shard& shard, const LayerResult& flat) {
+  const int R = comm.size();
+  HierarchicalCheck check;
+  Table table("Table 5: the layer through the 2DH all-to-all against the flat one (dropless, d=1, forward and backward)",
+              {"G", "nodes N", "y, dx, dWg, dW1, dW2 bit for bit", "bf16 dispatch bit for bit"});
+  for (int G = 1; G <= R; ++G) {
+    if (R % G != 0) continue;
+    dist::HierarchicalAllToAll hierarchical(comm, G);
+    const LayerResult result = run_layer(comm, config, data.text_x, data.dy, data.weights, shard,
+                                         {.pipeline_chunks = 1, .hierarchical = &hierarchical});
+    const bool layer_same = compare(comm, result, flat).bitwise;
+    const bool exchange_same = same_exchange(comm, hierarchical, flat.forward.chunks[0].send_rows,
+                                             flat.forward.chunks[0].recv_rows, config.model_dim);
+    check.bitwise = check.bitwise && layer_same && exchange_same;
+    if (!check.node_sizes.empty()) check.node_sizes += ',';
+    check.node_sizes += std::to_string(G);
+    table.add_row({G, R / G, layer_same ? "yes" : "NO", exchange_same ? "yes" : "NO"});
+  }
+  out.show(table);
+  return check;
+}
+
+// ---- 4. parallelism switching (Tutel's r): the cost model ----
+
+void show_switching_model(lessons::RankOutput& out) {
+  struct SwitchShape {
+    std::string name;
+    int ranks;
+    int64_t E, D, H, K, tokens_per_rank;
+  };
+  const std::vector<SwitchShape> shapes{
+      {"Tutel's layer: R=2 E=32 D=2048 H=8192 T_r=16384", 2, 32, 2048, 8192, 2, 16384},
+      {"small experts: R=8 E=4 D=1024 H=1024 T_r=16384", 8, 4, 1024, 1024, 2, 16384},
+      {"large experts: R=8 E=4 D=4096 H=14336 T_r=8192", 8, 4, 4096, 14336, 2, 8192}};
+  const double busbw = 249e9;  // 2 x H200 all-to-all at 256 MiB, 2026-11-24; a stand-in for every collective
+  Table table("Table 6: one training step of the layer per rank under Tutel's r (cost model, bf16, K=2)",
+              {"shape", "r", "layout", "expert weights held (MiB)", "weight bytes a step (MiB)",
+               "token bytes a step (MiB)", "ms at 249 GB/s", "least"});
+  const double MiB = 1 << 20;
+  for (const SwitchShape& s : shapes) {
+    const double P = static_cast<double>(s.E) * 2 * s.D * s.H * kBf16Bytes;  // every expert's W1 and W2
+    const double stored = P / s.ranks;                                          // each rank's slice, every r
+    const double b = static_cast<double>(s.tokens_per_rank * s.K * s.D) * kBf16Bytes;  // one exchange
+    const double crossing = static_cast<double>(s.ranks - 1) / s.ranks;
+    std::vector<std::vector<nlohmann::json>> rows;
+    double least = 1e300;
+    size_t least_row = 0;
+    for (int r : {0, 1, 2}) {
+      const double held = r == 0 ? P : P / std::min<double>(s.ranks, static_cast<double>(s.E * r));
+      const double weight_bytes = 2 * (held - stored);                        // all-gather + reduce-scatter
+      const double token_bytes = r == 0 ? 0 : 4 * b * r * crossing;           // 2 exchanges fwd, 2 bwd
+      const double ms = 1e3 * (weight_bytes + token_bytes) / busbw;
+      const std::string layout = r == 0 ? "data parallel: every expert on every rank"
+                                 : r == 1 ? "expert parallel"
+                                          : "each expert sharded over 2 ranks along H";
+      if (ms < least) least = ms, least_row = rows.size();
+      rows.push_back({rows.empty() ? s.name : "", r, layout, held / MiB, weight_bytes / MiB, token_bytes / MiB, ms, ""});
+    }
+    rows[least_row].back() = "<-";
+    for (auto& row : rows) table.add_row(row);
+  }
+  out.show(table);
+  out.say("  Expert FLOPs are the same in every layout; r trades the memory a rank holds against the bytes\n"
+          "  it moves. Tutel stores 1/R of the expert parameters on each rank for every r and gathers what\n"
+          "  r needs, so r can change between steps with no parameter moved (the real run follows).\n");
+}
+
+// ---- 4. parallelism switching: the real run on CPU ranks, every valid r over one storage ----
+
+struct LayoutCheck {
+  double error = 0;     // the largest against the single-device layer
+  std::string checked;  // the r run, "0,1,2"
+};
+
+// Every valid layout r in every formulation against the single-device layer, and the traffic of
+// each layout's dropless step. Collective.
+struct LayoutRuns {
+  std::vector<int> layouts;
+  std::vector<std::vector<double>> errors;      // [layout][formulation]
+  std::vector<dist::LayoutTraffic> traffic;     // [layout] dropless, this rank, forward + backward
+  std::vector<int64_t> kept_dropless;           // [R, E] of the dropless step
+};
+
+LayoutRuns run_layouts(dist::Communicator& comm, const MoeConfig& config, const lessons::LessonData& data,
+                       const dist::ExpertParallelWeights& stored, const Shard& shard) {
+  LayoutRuns runs;
+  runs.layouts = dist::valid_layouts(config, comm.size());
+  runs.errors.resize(runs.layouts.size());
+  runs.traffic.resize(runs.layouts.size());
+  for (Formulation formulation : {Formulation::dropless, Formulation::padded, Formulation::dropping}) {
+    MoeConfig c = config;
+    c.formulation = formulation;
+    const ref::LayerForward reference = ref::moe_forward(c, data.text_x, data.weights);
+    const ref::LayerGradients reference_grads = ref::moe_backward(c, data.text_x, data.weights, reference, data.dy);
+    for (size_t i = 0; i < runs.layouts.size(); ++i) {
+      const LayoutRun run = run_layout(comm, c, data.text_x, data.dy, stored, shard, runs.layouts[i]);
+      runs.errors[i].push_back(error_against_reference(comm, run, reference, reference_grads, shard));
+      if (formulation == Formulation::dropless) {
+        runs.traffic[i] = run.forward.traffic;
+        runs.traffic[i] += run.grads.traffic;
+        runs.kept_dropless = run.forward.kept_per_rank_expert;
+      }
+    }
+  }
+  return runs;
+}
+
+LayoutCheck switch_layouts(dist::Communicator& comm, lessons::RankOutput& out, const MoeConfig& config,
+                           const lessons::LessonData& data, const Shard& shard, const Link& link) {
+  const int R = comm.size();
+  // The stored placement of every layout: rank q keeps experts [q E_r, (q+1) E_r) whole.
+  const dist::ExpertParallelWeights stored = dist::local_weights(config, data.weights, shard.rank, R);
+  const LayoutRuns runs = run_layouts(comm, config, data, stored, shard);
+  LayoutCheck check;
+  for (const auto& errors : runs.errors)
+    for (double e : errors) check.error = std::max(check.error, e);
+  for (int r : runs.layouts) check.checked += (check.checked.empty() ? "" : ",") + std::to_string(r);
+
+  // The choice: the cost model on this step's counts (section 1's H200 figures, bf16 elements),
+  // and the measurement of every layout on these CPU ranks (host MPI and Eigen).
+  dist::LayoutCostModel model;
+  model.latency_us = link.latency_us;
+  model.bytes_per_us = link.bytes_per_us;
+  model.expert_flops_per_us = kExpertFlopsPerUs;
+  model.bytes_per_element = kBf16Bytes;
+  const dist::LayoutChoice modelled = dist::choose_layout(config, R, runs.kept_dropless, model);
+  const dist::LayoutChoice measured =
+      dist::measure_layouts(comm, config, data.text_x.middleRows(shard.offset, shard.tokens),
+                            data.dy.middleRows(shard.offset, shard.tokens), stored, runs.layouts, 5);
+
+  Table table("Table 7: the real run in every layout on " + std::to_string(R) +
+                  " CPU ranks (T=2048 D=32 H=64 E=8 K=2, zipf text), forward and backward, against the "
+                  "single-device layer",
+              {"layout", "max_rel_err dropless", "padded", "dropping", "weight KiB sent a step (all ranks)",
+               "token KiB sent a step (all ranks)", "messages", "model (us, H200 figures, bf16)",
+               "measured (us, host MPI)"});
+  for (size_t i = 0; i < runs.layouts.size(); ++i) {
+    // Bytes as run here: double, 8 bytes an element, summed over the ranks (dropless step).
+    const std::vector<int64_t> all = dist::all_gather<int64_t>(
+        comm, std::vector<int64_t>{runs.traffic[i].weight_elements, runs.traffic[i].token_elements,
+                                   runs.traffic[i].messages});
+    int64_t weight_elements = 0, token_elements = 0, messages = 0;
+    for (int p = 0; p < R; ++p) weight_elements += all[3 * p], token_elements += all[3 * p + 1], messages += all[3 * p + 2];
+    table.add_row({dist::layout_name(runs.layouts[i]), runs.errors[i][0], runs.errors[i][1], runs.errors[i][2],
+                   weight_elements * 8.0 / 1024, token_elements * 8.0 / 1024, messages,
+                   modelled.estimates[i].total_us, measured.measured_us[i]});
+  }
+  out.show(table);
+  out.say("  Every layout computes the same layer from the same stored experts: r = 0 gathers the experts\n"
+          "  and moves no token, r = 1 moves tokens and no weight, r > 1 gathers H / r slices inside groups\n"
+          "  of r ranks and sends each token to all r of them. The model's choice: " +
+          dist::layout_name(modelled.r) + "; the measured choice (median of 5 calls, slowest rank): " +
+          dist::layout_name(measured.r) + ".\n"
+          "  The measured times are host MPI and Eigen on CPU ranks, not a GPU interconnect.\n");
+  return check;
+}
+
+// ---- verdict ----
+
+int verdict(lessons::RankOutput& out, int R, const ChunkCheck& chunks, const HierarchicalCheck& hierarchical,
+            const LayoutCheck& layouts) {
+  const bool pass = hierarchical.bitwise && chunks.error <= kTolerance && layouts.error <= kLayoutTolerance;
+  std::ostringstream message;
+  message << std::setprecision(2) << "on R=" << R << " ranks: 2DH == flat bit for bit at G=" << hierarchical.node_sizes
+          << " (y, dx, dWg, dW1, dW2 and the bf16 dispatch): " << (hierarchical.bitwise ? "yes" : "NO")
+          << "; d=2,4,8 == d=1 (dropless and padded, forward and backward): max_rel_err=" << chunks.error
+          << " tol=" << kTolerance << ", y bit for bit: " << (chunks.y_bitwise ? "yes" : "no")
+          << "; layouts r=" << layouts.checked << " == single device (3 formulations, forward and backward): "
+          << (layouts.error <= kLayoutTolerance ? "PASS" : "FAIL") << " max_rel_err=" << layouts.error
+          << " tol=" << kLayoutTolerance;
+  return out.finish(pass, message.str());
+}
+
+// The CPU path: the lesson's sections in order, then the verdict. Collective; returns the exit code.
+int run_on_cpu(dist::Communicator& comm, lessons::RankOutput& out, const lessons::LessonOptions& options,
+               const MoeConfig& config, const Shard& shard) {
+  introduce(out, config, comm.size());
+  const Link link = measured_link();
+  const std::vector<ModelledShape> modelled = model_pipelining(link);
+  show_pipelining_model(out, link, modelled);
+  show_timelines(out, modelled.front().schedules);
+
+  const lessons::LessonData data = lessons::draw_lesson_data(config, options.seed, /*with_random_tokens=*/false);
+  const ChunkCheck chunks = run_pipelining(comm, out, config, data, shard);
+  const LayerResult& flat = *chunks.flat_dropless;
+  show_message_arithmetic(out);
+  show_real_messages(out, dist::all_gather<int64_t>(comm, flat.forward.chunks[0].send_rows), comm.size(),
+                     config.model_dim);
+  const HierarchicalCheck hierarchical = check_hierarchical(comm, out, config, data, shard, flat);
+
+  show_switching_model(out);
+  const LayoutCheck layouts = switch_layouts(comm, out, config, data, shard, link);
+  return verdict(out, comm.size(), chunks, hierarchical, layouts);
 }
 
 }  // namespace
@@ -503,376 +939,11 @@ int main(int argc, char** argv) {
       argc, argv, kName, lessons::gpu_flag_given(argc, argv) ? "runs/lesson07_tutel_gpu" : "runs/lesson07_tutel",
       lessons::kGpuUsage,
       [&](const std::string& argument, int& i) { return lessons::take_gpu_flag(gpu_flags, argc, argv, argument, i); });
-  dist::MpiEnvironment mpi(argc, argv);
-  const auto world = dist::MpiCommunicator::world();
-  dist::Communicator& comm = *world;
-  const int R = comm.size(), rank = comm.rank();
-  const bool root = rank == 0;
-
-  MoeConfig config;
-  config.tokens = 2048;    // T, all ranks together
-  config.model_dim = 32;   // D
-  config.hidden_dim = 64;  // H
-  config.num_experts = 8;  // E
-  config.top_k = 2;        // K
-  config.block_size = 8;   // B
-  config.capacity_factor = 1.25;
-  config.formulation = Formulation::dropless;
-  config.aux_loss_coef = 0.01;
-  config.z_loss_coef = 1e-3;
-  const int64_t T = config.tokens, D = config.model_dim, E = config.num_experts;
-  if (E % R != 0 || T % R != 0) {
-    if (root) std::cerr << kName << ": R = " << R << " ranks must divide E = " << E << " and T = " << T
-                        << "; run with -np 1, 2, 4 or 8\n";
-    return 2;
-  }
-  const Shard shard{rank, R, rank * (T / R), T / R};
-  if (gpu_flags.gpu) return gpu_path(*world, options, gpu_flags, config, shard);
-
-  // The ranks agree first whether the run record may be written, so that they stop together.
-  std::optional<RunWriter> writer;
-  if (!lessons::open_lesson_run_on_ranks(comm, options, kName, "07", config, writer)) return 2;
-  auto show = [&](const Table& table) {
-    if (!root) return;
-    table.print();
-    writer->append(to_event(table.event()));
-  };
-  auto say = [&](const std::string& line) { if (root) std::cout << line; };
-
-  say("Lesson 07: Tutel on R=" + std::to_string(R) + " CPU ranks (real run: T=" + std::to_string(T) +
-      ", D=" + std::to_string(D) + ", H=" + std::to_string(config.hidden_dim) + ", E=" + std::to_string(E) +
-      ", K=" + std::to_string(config.top_k) + "; cost models at GPU sizes)\n");
-
-  // ---- 1. adaptive pipelining: the cost model ----
-  const Link link = measured_link();
-  say("\nThe cost model: exchange = " + text(link.latency_us, 1) + " us + bytes / " +
-      text(link.bytes_per_us / 1e3, 0) + " GB/s (fit of the 2 x H200 all-to-all sweep, 2026-11-24);\n"
-      "experts = FLOPs / 623 TFLOP/s (grouped GEMM, one H200, 2026-11-21). Forward of one layer, per rank.\n");
-  struct PipelineShape {
-    std::string name;
-    int64_t tokens_per_rank, D, H, K;
-    double link_speed;  // 1 = the measured NVLink pair
-  };
-  const std::vector<PipelineShape> shapes{
-      {"Tutel's layer, NVLink", 16384, 2048, 8192, 2, 1.0},
-      {"Tutel's layer, link 8x slower (hypothetical)", 16384, 2048, 8192, 2, 0.125},
-      {"T_r=1024 (small batch), NVLink", 1024, 2048, 8192, 2, 1.0}};
-  const std::vector<int> degrees{1, 2, 4, 8};
-  Table pipeline_table("Table 1: d chunks, forward time from the cost model (bf16 rows; the comm stream carries both exchanges)",
-                       {"shape", "d", "exchange a chunk (us)", "experts a chunk (us)", "forward (us)", "vs d=1",
-                        "model's choice"});
-  std::vector<Schedule> first_shape_schedules;
-  for (const PipelineShape& s : shapes) {
-    const double bytes = static_cast<double>(s.tokens_per_rank * s.K * s.D) * kBf16Bytes;  // T_r*K*D*2 each way
-    const double flops = 4.0 * static_cast<double>(s.tokens_per_rank * s.K) * s.D * s.H;
-    std::vector<Schedule> schedules;
-    std::vector<double> exchange_us;
-    for (int d : degrees) {
-      exchange_us.push_back(link.latency_us + bytes / d / (link.bytes_per_us * s.link_speed));
-      schedules.push_back(simulate(d, exchange_us.back(), flops / d / kExpertFlopsPerUs));
-    }
-    size_t best = 0;  // the fastest; d = 1 unless another is strictly faster
-    for (size_t i = 1; i < schedules.size(); ++i) {
-      if (schedules[i].total_us < schedules[best].total_us) best = i;
-    }
-    for (size_t i = 0; i < schedules.size(); ++i) {
-      pipeline_table.add_row({i == 0 ? s.name : "", degrees[i], exchange_us[i], flops / degrees[i] / kExpertFlopsPerUs,
-                              schedules[i].total_us, schedules[i].total_us / schedules[0].total_us,
-                              i == best ? "<- best" : ""});
-    }
-    if (first_shape_schedules.empty()) first_shape_schedules = schedules;
-  }
-  show(pipeline_table);
-
-  {
-    const int columns = 72;
-    double longest = 0;
-    for (const Schedule& s : first_shape_schedules) longest = std::max(longest, s.total_us);
-    const double us_per_column = longest / columns;
-    std::ostringstream out;
-    out << "\nTimelines of Tutel's layer on NVLink (one column = " << text(us_per_column, 0)
-        << " us; digits are chunk numbers, '.' a stream waiting):\n";
-    for (size_t i = 0; i < first_shape_schedules.size(); ++i) {
-      const Schedule& s = first_shape_schedules[i];
-      out << "  d=" << degrees[i] << "  " << text(s.total_us, 0) << " us\n"
-          << "    dispatch |" << lane(s.dispatch, us_per_column, columns) << "\n"
-          << "    experts  |" << lane(s.experts, us_per_column, columns) << "\n"
-          << "    combine  |" << lane(s.combine, us_per_column, columns) << "\n";
-      if (root) {  // the same timelines as spans (step = d), so the viewer's timeline draws them
-        for (const auto& [spans, stream, stream_name, name] :
-             {std::tuple{&s.dispatch, 1, "comm (cost model)", "dispatch"},
-              std::tuple{&s.experts, 0, "compute (cost model)", "expert_compute"},
-              std::tuple{&s.combine, 1, "comm (cost model)", "combine"}}) {
-          for (const Span& span : *spans) {
-            writer->append(to_event(SpanEvent{.step = degrees[i], .rank = 0, .stream = stream,
-                                              .stream_name = stream_name, .name = name, .start_us = span.start,
-                                              .duration_us = span.end - span.start}));
-          }
-        }
-      }
-    }
-    say(out.str());
-  }
-
-  // ---- 2. adaptive pipelining: the real run, d = 1, 2, 4, 8 on CPU ranks ----
-  std::mt19937_64 generator(options.seed);
-  const ref::Matrix x = lessons::zipf_tokens(T, D, 1000, 1.1, generator);
-  const ref::Matrix dy = ref::random_matrix(T, D, generator);
-  ref::MoeWeights weights = ref::random_weights(config, options.seed + 1);
-  weights.gate_weights = ref::random_matrix(D, E, generator, 3.0 / std::sqrt(static_cast<double>(D)));
-
-  double chunk_error = 0;
-  bool chunks_y_bitwise = true;
-  std::optional<LayerResult> flat_dropless;  // d = 1, flat: the 2DH runs compare with it
-  {
-    Table table("Table 2: the real run in d chunks on " + std::to_string(R) +
-                    " CPU ranks (zipf text), forward and backward, against d=1",
-                {"formulation", "d", "rows computed per chunk (all ranks)", "max_rel_err vs d=1", "y bit for bit",
-                 "all bit for bit"});
-    for (Formulation formulation : {Formulation::dropless, Formulation::padded}) {
-      MoeConfig c = config;
-      c.formulation = formulation;
-      std::optional<LayerResult> one;
-      for (int d : degrees) {
-        LayerResult result = run_layer(comm, c, x, dy, weights, shard, {.pipeline_chunks = d, .hierarchical = nullptr});
-        std::vector<int64_t> rows;
-        for (const auto& chunk : result.forward.chunks) rows.push_back(chunk.expert_plan.total_rows);
-        rows = dist::all_gather<int64_t>(comm, rows);  // [R, d]
-        std::string rows_text;
-        for (int ch = 0; ch < d; ++ch) {
-          int64_t sum = 0;
-          for (int r = 0; r < R; ++r) sum += rows[r * d + ch];
-          if (ch) rows_text += ' ';
-          rows_text += std::to_string(sum);
-        }
-        Comparison cmp;
-        if (one) {
-          cmp = compare(comm, result, *one);
-          chunk_error = std::max(chunk_error, cmp.max_rel_err);
-          chunks_y_bitwise = chunks_y_bitwise && cmp.y_bitwise;
-        }
-        table.add_row({std::string(to_string(formulation)), d, rows_text, cmp.max_rel_err,
-                       d == 1 ? "-" : (cmp.y_bitwise ? "yes" : "no"), d == 1 ? "-" : (cmp.bitwise ? "yes" : "no")});
-        if (!one) one = std::move(result);
-      }
-      if (formulation == Formulation::dropless) flat_dropless = std::move(one);
-    }
-    show(table);
-    say("  The chunks split each expert's row space (its kept rows, or C when padded): every row is\n"
-        "  computed once, y bit for bit. Dropless rounds each chunk's rows up to B: more padding. The\n"
-        "  gradients (weights, and dx over a token's K slots) add up chunk by chunk: another order.\n");
-  }
-
-  // ---- 3. the 2D hierarchical all-to-all ----
-  {
-    // The message arithmetic per rank for b bytes per rank each way (Tutel's layer: 128 MiB).
-    const double b = 16384.0 * 2 * 2048 * kBf16Bytes;
-    Table table("Table 3: messages a rank sends in one all-to-all of b = 128 MiB per rank (uniform routing)",
-                {"R", "G", "exchange", "messages within node", "KiB each", "messages across nodes", "KiB each"});
-    for (const auto& [ranks, per_node] : {std::pair{4, 2}, std::pair{64, 8}, std::pair{256, 8}}) {
-      const int nodes = ranks / per_node;
-      auto kib = [](double bytes) { return static_cast<int64_t>(std::llround(bytes / 1024)); };
-      table.add_row({ranks, per_node, "flat", per_node - 1, kib(b / ranks), ranks - per_node, kib(b / ranks)});
-      table.add_row({"", "", "2DH stage 1", per_node - 1, kib(b / per_node), 0, "-"});
-      table.add_row({"", "", "2DH stage 2", 0, "-", nodes - 1, kib(b / nodes)});
-    }
-    show(table);
-    say("  Flat: R - G messages of b/R cross nodes. 2DH: N - 1 messages of b/N, each G times larger;\n"
-        "  the bytes that cross nodes are the same, the messages G times fewer. The price: stage 1\n"
-        "  moves (G-1)/G of b once more inside the node, and two local copies reorder the blocks.\n");
-  }
-
-  const std::vector<int64_t> dispatch_rows = dist::all_gather<int64_t>(comm, flat_dropless->forward.chunks[0].send_rows);
-  {
-    std::vector<int> node_sizes;
-    for (int g = 2; g < R; ++g) if (R % g == 0) node_sizes.push_back(g);
-    if (node_sizes.empty()) {
-      say("\n(Table 4 needs R with a node size 1 < G < R, e.g. -np 4; skipped at R=" + std::to_string(R) + ")\n");
-    } else {
-      Table table("Table 4: the real dispatch of Table 2 (dropless, d=1), flat and 2DH, bytes as bf16 rows",
-                  {"G", "exchange", "messages within node", "bytes within node", "messages across nodes",
-                   "bytes across nodes", "mean message across (bytes)"});
-      const int64_t row_bytes = D * static_cast<int64_t>(kBf16Bytes);
-      for (int G : node_sizes) {
-        const int N = R / G;
-        struct Stage { int64_t within = 0, across = 0, within_bytes = 0, across_bytes = 0; };
-        Stage flat, stage1, stage2;
-        auto add = [](Stage& s, bool same_node, int64_t bytes) {
-          if (bytes <= 0) return;
-          if (same_node) ++s.within, s.within_bytes += bytes;
-          else ++s.across, s.across_bytes += bytes;
-        };
-        for (int s = 0; s < R; ++s)
-          for (int t = 0; t < R; ++t)
-            if (s != t) add(flat, s / G == t / G, dispatch_rows[s * R + t] * row_bytes);
-        for (int n = 0; n < N; ++n) {
-          for (int g = 0; g < G; ++g) {
-            for (int g2 = 0; g2 < G; ++g2) {  // stage 1: (n, g) -> (n, g2), all it has for ranks (*, g2)
-              int64_t bytes = 0;
-              for (int n2 = 0; n2 < N; ++n2) bytes += dispatch_rows[(n * G + g) * R + n2 * G + g2] * row_bytes;
-              if (g2 != g) add(stage1, true, bytes);
-            }
-            for (int n2 = 0; n2 < N; ++n2) {  // stage 2: (n, g) -> (n2, g), node n's blocks for (n2, g)
-              int64_t bytes = 0;
-              for (int g_source = 0; g_source < G; ++g_source) bytes += dispatch_rows[(n * G + g_source) * R + n2 * G + g] * row_bytes;
-              if (n2 != n) add(stage2, false, bytes);
-            }
-          }
-        }
-        for (const auto& [name, s] : {std::pair<std::string, Stage>{"flat", flat}, {"2DH stage 1", stage1}, {"2DH stage 2", stage2}}) {
-          table.add_row({G, name, s.within, s.within_bytes, s.across, s.across_bytes,
-                         s.across > 0 ? s.across_bytes / s.across : int64_t{0}});
-        }
-      }
-      show(table);
-    }
-  }
-
-  bool hierarchical_bitwise = true;
-  std::string node_sizes_checked;
-  {
-    Table table("Table 5: the layer through the 2DH all-to-all against the flat one (dropless, d=1, forward and backward)",
-                {"G", "nodes N", "y, dx, dWg, dW1, dW2 bit for bit", "bf16 dispatch bit for bit"});
-    for (int G = 1; G <= R; ++G) {
-      if (R % G != 0) continue;
-      dist::HierarchicalAllToAll hierarchical(comm, G);
-      const LayerResult result =
-          run_layer(comm, config, x, dy, weights, shard, {.pipeline_chunks = 1, .hierarchical = &hierarchical});
-      const bool layer_same = compare(comm, result, *flat_dropless).bitwise;
-      const bool exchange_same = same_exchange(comm, hierarchical, flat_dropless->forward.chunks[0].send_rows,
-                                               flat_dropless->forward.chunks[0].recv_rows, D);
-      hierarchical_bitwise = hierarchical_bitwise && layer_same && exchange_same;
-      if (!node_sizes_checked.empty()) node_sizes_checked += ',';
-      node_sizes_checked += std::to_string(G);
-      table.add_row({G, R / G, layer_same ? "yes" : "NO", exchange_same ? "yes" : "NO"});
-    }
-    show(table);
-  }
-
-  // ---- 4. parallelism switching (Tutel's r): the cost model ----
-  {
-    struct SwitchShape {
-      std::string name;
-      int ranks;
-      int64_t E, D, H, K, tokens_per_rank;
-    };
-    const std::vector<SwitchShape> shapes{
-        {"Tutel's layer: R=2 E=32 D=2048 H=8192 T_r=16384", 2, 32, 2048, 8192, 2, 16384},
-        {"small experts: R=8 E=4 D=1024 H=1024 T_r=16384", 8, 4, 1024, 1024, 2, 16384},
-        {"large experts: R=8 E=4 D=4096 H=14336 T_r=8192", 8, 4, 4096, 14336, 2, 8192}};
-    const double busbw = 249e9;  // 2 x H200 all-to-all at 256 MiB, 2026-11-24; a stand-in for every collective
-    Table table("Table 6: one training step of the layer per rank under Tutel's r (cost model, bf16, K=2)",
-                {"shape", "r", "layout", "expert weights held (MiB)", "weight bytes a step (MiB)",
-                 "token bytes a step (MiB)", "ms at 249 GB/s", "least"});
-    const double MiB = 1 << 20;
-    for (const SwitchShape& s : shapes) {
-      const double P = static_cast<double>(s.E) * 2 * s.D * s.H * kBf16Bytes;  // every expert's W1 and W2
-      const double stored = P / s.ranks;                                          // each rank's slice, every r
-      const double b = static_cast<double>(s.tokens_per_rank * s.K * s.D) * kBf16Bytes;  // one exchange
-      const double crossing = static_cast<double>(s.ranks - 1) / s.ranks;
-      std::vector<std::vector<nlohmann::json>> rows;
-      double least = 1e300;
-      size_t least_row = 0;
-      for (int r : {0, 1, 2}) {
-        const double held = r == 0 ? P : P / std::min<double>(s.ranks, static_cast<double>(s.E * r));
-        const double weight_bytes = 2 * (held - stored);                        // all-gather + reduce-scatter
-        const double token_bytes = r == 0 ? 0 : 4 * b * r * crossing;           // 2 exchanges fwd, 2 bwd
-        const double ms = 1e3 * (weight_bytes + token_bytes) / busbw;
-        const std::string layout = r == 0 ? "data parallel: every expert on every rank"
-                                   : r == 1 ? "expert parallel"
-                                            : "each expert sharded over 2 ranks along H";
-        if (ms < least) least = ms, least_row = rows.size();
-        rows.push_back({rows.empty() ? s.name : "", r, layout, held / MiB, weight_bytes / MiB, token_bytes / MiB, ms, ""});
-      }
-      rows[least_row].back() = "<-";
-      for (auto& row : rows) table.add_row(row);
-    }
-    show(table);
-    say("  Expert FLOPs are the same in every layout; r trades the memory a rank holds against the bytes\n"
-        "  it moves. Tutel stores 1/R of the expert parameters on each rank for every r and gathers what\n"
-        "  r needs, so r can change between steps with no parameter moved (the real run follows).\n");
-  }
-
-  // ---- 4. parallelism switching: the real run on CPU ranks, every valid r over one storage ----
-  double layout_error = 0;
-  std::string layouts_checked;
-  {
-    const std::vector<int> layouts = dist::valid_layouts(config, R);
-    const std::vector<Formulation> formulations{Formulation::dropless, Formulation::padded, Formulation::dropping};
-    // The stored placement of every layout: rank q keeps experts [q E_r, (q+1) E_r) whole.
-    const dist::ExpertParallelWeights stored = dist::local_weights(config, weights, rank, R);
-    std::vector<std::vector<double>> errors(layouts.size());       // [layout][formulation]
-    std::vector<dist::LayoutTraffic> step_traffic(layouts.size());  // dropless, this rank, forward + backward
-    std::vector<int64_t> kept_dropless;                             // [R, E] of the dropless step
-    for (Formulation formulation : formulations) {
-      MoeConfig c = config;
-      c.formulation = formulation;
-      const ref::LayerForward reference = ref::moe_forward(c, x, weights);
-      const ref::LayerGradients reference_grads = ref::moe_backward(c, x, weights, reference, dy);
-      for (size_t i = 0; i < layouts.size(); ++i) {
-        const LayoutRun run = run_layout(comm, c, x, dy, stored, shard, layouts[i]);
-        errors[i].push_back(error_against_reference(comm, run, reference, reference_grads, shard));
-        layout_error = std::max(layout_error, errors[i].back());
-        if (formulation == Formulation::dropless) {
-          step_traffic[i] = run.forward.traffic;
-          step_traffic[i] += run.grads.traffic;
-          kept_dropless = run.forward.kept_per_rank_expert;
-        }
-      }
-    }
-    for (int r : layouts) layouts_checked += (layouts_checked.empty() ? "" : ",") + std::to_string(r);
-
-    // The choice: the cost model on this step's counts (section 1's H200 figures, bf16 elements),
-    // and the measurement of every layout on these CPU ranks (host MPI and Eigen).
-    dist::LayoutCostModel model;
-    model.latency_us = link.latency_us;
-    model.bytes_per_us = link.bytes_per_us;
-    model.expert_flops_per_us = kExpertFlopsPerUs;
-    model.bytes_per_element = kBf16Bytes;
-    const dist::LayoutChoice modelled = dist::choose_layout(config, R, kept_dropless, model);
-    const dist::LayoutChoice measured =
-        dist::measure_layouts(comm, config, x.middleRows(shard.offset, shard.tokens),
-                              dy.middleRows(shard.offset, shard.tokens), stored, layouts, 5);
-
-    Table table("Table 7: the real run in every layout on " + std::to_string(R) +
-                    " CPU ranks (T=2048 D=32 H=64 E=8 K=2, zipf text), forward and backward, against the "
-                    "single-device layer",
-                {"layout", "max_rel_err dropless", "padded", "dropping", "weight KiB sent a step (all ranks)",
-                 "token KiB sent a step (all ranks)", "messages", "model (us, H200 figures, bf16)",
-                 "measured (us, host MPI)"});
-    for (size_t i = 0; i < layouts.size(); ++i) {
-      // Bytes as run here: double, 8 bytes an element, summed over the ranks (dropless step).
-      const std::vector<int64_t> all = dist::all_gather<int64_t>(
-          comm, std::vector<int64_t>{step_traffic[i].weight_elements, step_traffic[i].token_elements,
-                                     step_traffic[i].messages});
-      int64_t weight_elements = 0, token_elements = 0, messages = 0;
-      for (int p = 0; p < R; ++p) weight_elements += all[3 * p], token_elements += all[3 * p + 1], messages += all[3 * p + 2];
-      table.add_row({dist::layout_name(layouts[i]), errors[i][0], errors[i][1], errors[i][2],
-                     weight_elements * 8.0 / 1024, token_elements * 8.0 / 1024, messages,
-                     modelled.estimates[i].total_us, measured.measured_us[i]});
-    }
-    show(table);
-    say("  Every layout computes the same layer from the same stored experts: r = 0 gathers the experts\n"
-        "  and moves no token, r = 1 moves tokens and no weight, r > 1 gathers H / r slices inside groups\n"
-        "  of r ranks and sends each token to all r of them. The model's choice: " +
-        dist::layout_name(modelled.r) + "; the measured choice (median of 5 calls, slowest rank): " +
-        dist::layout_name(measured.r) + ".\n"
-        "  The measured times are host MPI and Eigen on CPU ranks, not a GPU interconnect.\n");
-  }
-
-  // ---- verdict ----
-  const bool pass = hierarchical_bitwise && chunk_error <= kTolerance && layout_error <= kLayoutTolerance;
-  std::ostringstream message;
-  message << std::setprecision(2) << "on R=" << R << " ranks: 2DH == flat bit for bit at G=" << node_sizes_checked
-          << " (y, dx, dWg, dW1, dW2 and the bf16 dispatch): " << (hierarchical_bitwise ? "yes" : "NO")
-          << "; d=2,4,8 == d=1 (dropless and padded, forward and backward): max_rel_err=" << chunk_error
-          << " tol=" << kTolerance << ", y bit for bit: " << (chunks_y_bitwise ? "yes" : "no")
-          << "; layouts r=" << layouts_checked << " == single device (3 formulations, forward and backward): "
-          << (layout_error <= kLayoutTolerance ? "PASS" : "FAIL") << " max_rel_err=" << layout_error
-          << " tol=" << kLayoutTolerance;
-  if (root) {
-    lessons::finish(*writer, kName, pass, message.str());
-    std::cout << "run record: " << options.out.string() << "\n";
-  }
-  return pass ? 0 : 1;
+  const MoeConfig config = lesson_config();
+  return lessons::run_on_ranks(
+      argc, argv, options, gpu_flags, kName, "07", config,
+      [&](dist::MpiCommunicator& world, const Shard& shard) { return run_on_gpu(world, options, gpu_flags, config, shard); },
+      [&](dist::Communicator& comm, lessons::RankOutput& out, const Shard& shard) {
+        return run_on_cpu(comm, out, options, config, shard);
+      });
 }

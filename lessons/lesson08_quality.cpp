@@ -2,9 +2,10 @@
 // (MegaBlocks' Figure 2, small). Reads the training runs that lessons/08_experiment.sh recorded on
 // a GPU (shipped in notebooks_data/runs/train_*), groups them by formulation, and prints the
 // validation loss at equal steps, the time per step and the tokens dropped, with the spread over
-// seeds. Runs on any machine: it reads run records, it trains nothing.
+// seeds. Runs on any machine: it reads run records, it trains nothing, so that the quality claim
+// behind dropless computation can be checked without a GPU.
 //
-//   build/lessons/lesson08_quality                       the shipped runs
+//   build/lessons/lesson08_quality --out runs/lesson08_quality --overwrite   the shipped runs
 //   build/lessons/lesson08_quality --runs runs/lesson08  runs of your own (08_experiment.sh --out)
 // Lesson text: lessons/08_quality.md.
 #include <algorithm>
@@ -141,6 +142,90 @@ std::string format(const Spread& s, int digits) {
   return text;
 }
 
+// ---- the runs ----
+
+// The runs in `directory`, or empty after saying why on stderr (a record that cannot be read, or
+// no training run at all).
+std::vector<Run> load_or_explain(const fs::path& runs_directory) {
+  std::vector<Run> runs;
+  try {
+    runs = load_runs(runs_directory);
+  } catch (const std::exception& error) {
+    std::cerr << "lesson08_quality: " << error.what() << "\n";
+    return {};
+  }
+  if (runs.empty()) {
+    std::cerr << "lesson08_quality: no training runs (train_*) in " << runs_directory
+              << "; the shipped ones are in notebooks_data/runs, or record your own with "
+                 "lessons/08_experiment.sh on a GPU\n";
+    return {};
+  }
+  return runs;
+}
+
+// The steps at which the lesson compares the runs: 250, 500, 1000 and the last step every run
+// evaluated, those that the runs have.
+struct Checkpoints {
+  std::vector<int64_t> steps;
+  int64_t last_common = INT64_MAX;
+};
+
+Checkpoints checkpoints_of(const std::vector<Run>& runs) {
+  Checkpoints c;
+  for (const Run& run : runs) c.last_common = std::min(c.last_common, run.val_bits.rbegin()->first);
+  for (int64_t step : {int64_t{250}, int64_t{500}, int64_t{1000}, c.last_common}) {
+    if (step <= c.last_common && std::find(c.steps.begin(), c.steps.end(), step) == c.steps.end() &&
+        runs.front().val_bits.count(step)) {
+      c.steps.push_back(step);
+    }
+  }
+  return c;
+}
+
+// ---- the table ----
+
+// Prints the validation bits per byte of each variant at the checkpoints; returns each variant's
+// spread over seeds at the last common step, by table order.
+std::map<int, Spread> show_variants(moe::RunWriter& writer, const std::vector<Run>& runs, const Checkpoints& at) {
+  // Group by variant; compare at the last step every run of the group evaluated.
+  std::map<int, std::vector<const Run*>> groups;
+  for (const Run& run : runs) groups[run.order].push_back(&run);
+  const json& model = runs.front().train;
+  std::printf("Lesson 08: the same byte-level transformer (D=%lld, L=%lld, E=%lld experts of H=%lld, top-%lld) "
+              "trained for the same %lld steps,\nonce per formulation and seed. Validation bits per byte (lower is "
+              "better; mean [min, max] over seeds):\n\n",
+              (long long)model.value("model_dim", 0), (long long)model.value("num_layers", 0),
+              (long long)model.value("num_experts", 0), (long long)model.value("expert_hidden_dim", 0),
+              (long long)model.value("top_k", 0), (long long)model.value("steps", 0));
+  std::vector<std::string> columns = {"formulation", "seeds"};
+  for (int64_t step : at.steps) columns.push_back("val bits/byte @" + std::to_string(step));
+  columns.insert(columns.end(), {"step ms", "tokens dropped"});
+  moe::lessons::Table table("lesson08: validation bits per byte at equal steps", columns);
+
+  std::map<int, Spread> final_bits;
+  for (const auto& [order, members] : groups) {
+    std::vector<json> row = {members.front()->variant, int64_t(members.size())};
+    for (int64_t step : at.steps) {
+      std::vector<double> values;
+      for (const Run* run : members) {
+        if (run->val_bits.count(step)) values.push_back(run->val_bits.at(step));
+      }
+      row.push_back(format(spread(values), 3));
+      if (step == at.last_common) final_bits[order] = spread(values);
+    }
+    std::vector<double> ms, dropped;
+    for (const Run* run : members) {
+      ms.push_back(run->median_step_ms);
+      dropped.push_back(100 * run->dropped_fraction);
+    }
+    row.push_back(format(spread(ms), 2));
+    row.push_back(format(spread(dropped), 2) + "%");
+    table.add_row(row);
+  }
+  moe::lessons::show(writer, table);
+  return final_bits;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -160,20 +245,16 @@ int main(int argc, char** argv) {
   }
   const moe::lessons::LessonOptions options =
       moe::lessons::parse_options(int(rest.size()), rest.data(), "lesson08_quality", "runs/lesson08_quality");
+  // The lesson draws nothing: it reads runs recorded with their own seeds (08_experiment.sh
+  // --seeds), so --seed only lands in the run record. Saying so beats a flag that silently does nothing.
+  if (options.seed != moe::lessons::LessonOptions{}.seed) {
+    std::cerr << "lesson08_quality: --seed " << options.seed
+              << " changes nothing here: the lesson draws no random numbers, it reads recorded training runs "
+                 "(their seeds are 08_experiment.sh --seeds); the value is kept in the run record only\n";
+  }
 
-  std::vector<Run> runs;
-  try {
-    runs = load_runs(runs_directory);
-  } catch (const std::exception& error) {
-    std::cerr << "lesson08_quality: " << error.what() << "\n";
-    return 2;
-  }
-  if (runs.empty()) {
-    std::cerr << "lesson08_quality: no training runs (train_*) in " << runs_directory
-              << "; the shipped ones are in notebooks_data/runs, or record your own with "
-                 "lessons/08_experiment.sh on a GPU\n";
-    return 2;
-  }
+  const std::vector<Run> runs = load_or_explain(runs_directory);
+  if (runs.empty()) return 2;
   // The MoE layer of the compared runs, for the lesson's own run record.
   moe::train::TrainConfig trained = moe::train::preset("default");
   try {
@@ -186,53 +267,8 @@ int main(int argc, char** argv) {
       options, "lesson08_quality", "08", moe::moe_layer_config(trained.model, trained.batch),
       {"reads GPU training runs from " + runs_directory.string()});
 
-  // Group by variant; compare at the last step every run of the group evaluated.
-  std::map<int, std::vector<const Run*>> groups;
-  for (const Run& run : runs) groups[run.order].push_back(&run);
-  int64_t last_common = INT64_MAX;
-  for (const Run& run : runs) last_common = std::min(last_common, run.val_bits.rbegin()->first);
-  std::vector<int64_t> checkpoints;
-  for (int64_t step : {int64_t{250}, int64_t{500}, int64_t{1000}, last_common}) {
-    if (step <= last_common && std::find(checkpoints.begin(), checkpoints.end(), step) == checkpoints.end() &&
-        runs.front().val_bits.count(step)) {
-      checkpoints.push_back(step);
-    }
-  }
-
-  const json& model = runs.front().train;
-  std::printf("Lesson 08: the same byte-level transformer (D=%lld, L=%lld, E=%lld experts of H=%lld, top-%lld) "
-              "trained for the same %lld steps,\nonce per formulation and seed. Validation bits per byte (lower is "
-              "better; mean [min, max] over seeds):\n\n",
-              (long long)model.value("model_dim", 0), (long long)model.value("num_layers", 0),
-              (long long)model.value("num_experts", 0), (long long)model.value("expert_hidden_dim", 0),
-              (long long)model.value("top_k", 0), (long long)model.value("steps", 0));
-  std::vector<std::string> columns = {"formulation", "seeds"};
-  for (int64_t step : checkpoints) columns.push_back("val bits/byte @" + std::to_string(step));
-  columns.insert(columns.end(), {"step ms", "tokens dropped"});
-  moe::lessons::Table table("lesson08: validation bits per byte at equal steps", columns);
-
-  std::map<int, Spread> final_bits;
-  for (const auto& [order, members] : groups) {
-    std::vector<json> row = {members.front()->variant, int64_t(members.size())};
-    for (int64_t step : checkpoints) {
-      std::vector<double> values;
-      for (const Run* run : members) {
-        if (run->val_bits.count(step)) values.push_back(run->val_bits.at(step));
-      }
-      row.push_back(format(spread(values), 3));
-      if (step == last_common) final_bits[order] = spread(values);
-    }
-    std::vector<double> ms, dropped;
-    for (const Run* run : members) {
-      ms.push_back(run->median_step_ms);
-      dropped.push_back(100 * run->dropped_fraction);
-    }
-    row.push_back(format(spread(ms), 2));
-    row.push_back(format(spread(dropped), 2) + "%");
-    table.add_row(row);
-  }
-  table.print();
-  writer.append(moe::to_event(table.event()));
+  const Checkpoints at = checkpoints_of(runs);
+  std::map<int, Spread> final_bits = show_variants(writer, runs, at);
 
   // The claim of MegaBlocks' Figure 2: at equal steps, dropless beats token dropping at cf 1.0.
   if (!final_bits.count(0) || !final_bits.count(1)) {
@@ -246,7 +282,7 @@ int main(int argc, char** argv) {
   char message[256];
   std::snprintf(message, sizeof(message),
                 "dropless %.3f vs dropping cf 1.0 %.3f bits/byte at step %lld (%d vs %d seeds%s)", dropless.mean,
-                dropping.mean, (long long)last_common, dropless.count, dropping.count,
+                dropping.mean, (long long)at.last_common, dropless.count, dropping.count,
                 separated ? ", no overlap between seeds" : ", the seeds' ranges overlap");
   std::printf("\n");
   moe::lessons::finish(writer, "lesson08", dropless.mean < dropping.mean, message);

@@ -1,4 +1,5 @@
-// lesson_support.cpp: see lesson_support.h.
+// lesson_support.cpp: what every lesson program shares (see lesson_support.h), linked into each of
+// build/lessons/lesson01_routing ... lesson08_quality.
 #include "lesson_support.h"
 
 #include <algorithm>
@@ -119,6 +120,8 @@ ref::Matrix zipf_tokens(int64_t tokens, int64_t model_dim, int64_t vocabulary, d
   return x;
 }
 
+std::vector<int64_t> as_int64(const std::vector<int32_t>& counts) { return {counts.begin(), counts.end()}; }
+
 LoadStats load_stats(const std::vector<int32_t>& tokens_per_expert) {
   LoadStats stats;
   const double experts = static_cast<double>(tokens_per_expert.size());
@@ -187,6 +190,11 @@ void Table::print() const {
 
 TableEvent Table::event() const { return TableEvent{name_, columns_, rows_}; }
 
+void show(RunWriter& writer, const Table& table) {
+  table.print();
+  writer.append(to_event(table.event()));
+}
+
 std::string bar(double value, double max_value, int width) {
   const int filled = max_value > 0 ? static_cast<int>(std::lround(width * value / max_value)) : 0;
   return std::string(static_cast<size_t>(std::clamp(filled, 0, width)), '#');
@@ -195,6 +203,48 @@ std::string bar(double value, double max_value, int width) {
 void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const std::string& message) {
   std::cout << "\n" << (pass ? "PASS " : "FAIL ") << lesson_name << ": " << message << "\n";
   writer.append(to_event(VerdictEvent{.pass = pass, .message = message, .step = std::nullopt}));
+}
+
+MoeConfig small_block_case() {
+  MoeConfig config;
+  config.tokens = 24;      // T
+  config.model_dim = 8;    // D
+  config.hidden_dim = 8;   // H: H/B = 2 block columns per expert
+  config.num_experts = 4;  // E
+  config.top_k = 1;        // K
+  config.block_size = 4;   // B
+  config.capacity_factor = 1.0;
+  config.formulation = Formulation::dropless;
+  return config;
+}
+
+std::vector<std::string> cpu_and_gpu_devices(const std::string& gpu_name) {
+  std::vector<std::string> devices = {"CPU (moe::ref, double)"};
+  if (!gpu_name.empty()) devices.push_back(gpu_name);
+  return devices;
+}
+
+GpuPart skip_gpu_part(const std::string& why_no_gpu) {
+  std::cout << "\nGPU part skipped (" << why_no_gpu << ").\n";
+  return {true, "GPU part skipped (no GPU)"};
+}
+
+GpuPart skip_gpu_part_not_built() {
+  std::cout << "\nGPU part skipped: this build has no CUDA (CMake found no CUDA compiler, or "
+               "MOE_ENABLE_CUDA=OFF).\n";
+  return {true, "GPU part skipped (built without CUDA)"};
+}
+
+int finish_lesson(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                  const std::string& message) {
+  finish(writer, lesson_name, pass, message);
+  std::cout << "run record: " << options.out.string() << "\n";
+  return pass ? 0 : 1;
+}
+
+int finish_with_gpu_part(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                         const std::string& message, const GpuPart& gpu) {
+  return finish_lesson(writer, lesson_name, options, pass && gpu.pass, message + "; " + gpu.message);
 }
 
 }  // namespace moe::lessons

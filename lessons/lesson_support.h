@@ -2,7 +2,9 @@
 // a realistic skew, and tables printed to the terminal and kept in the run record.
 //
 // Lessons are teaching programs, not benchmarks: they run the CPU reference (moe::ref) on small
-// sizes, print tables, print one verdict line, and write a run record the viewer opens.
+// sizes, print tables, print one verdict line, and write a run record the viewer opens. What they
+// share lives here once, so that each lesson reads as its sections alone; every lesson links it:
+//   build/lessons/lesson01_routing --out runs/lesson01_routing --overwrite
 #pragma once
 
 #include <cstdint>
@@ -58,6 +60,12 @@ bool lesson_run_refused(const LessonOptions& options, const std::string& lesson_
 // ||a - reference|| / ||reference|| (Frobenius), or ||a|| when the reference is zero.
 double relative_error(const ref::Matrix& a, const ref::Matrix& reference);
 
+// ---- the lessons' cases ----
+
+// The case of lessons 03 and 04, small enough to draw: 24 text-like tokens, 4 experts of hidden
+// width 8, 4 x 4 blocks (H/B = 2 block columns per expert), top-1, dropless.
+MoeConfig small_block_case();
+
 // ---- data ----
 
 // Tokens that look like text to a router: a vocabulary of `vocabulary` token types, each with its
@@ -66,6 +74,9 @@ double relative_error(const ref::Matrix& a, const ref::Matrix& reference);
 // Frequent token types send many identical rows to the same experts: realistic routing skew.
 ref::Matrix zipf_tokens(int64_t tokens, int64_t model_dim, int64_t vocabulary, double zipf_exponent,
                         std::mt19937_64& generator);  // [T, D]
+
+// Per-expert counts as the run record's events take them.
+std::vector<int64_t> as_int64(const std::vector<int32_t>& counts);
 
 // ---- load statistics ----
 
@@ -92,10 +103,40 @@ class Table {
   std::vector<std::vector<nlohmann::json>> rows_;
 };
 
+// Prints the table and appends it to the run record.
+void show(RunWriter& writer, const Table& table);
+
 // A horizontal bar of `width` characters for value / max_value, for per-expert load pictures.
 std::string bar(double value, double max_value, int width);
 
 // Prints the one verdict line ("PASS lesson01: ..." / "FAIL ...") and records it.
 void finish(RunWriter& writer, const std::string& lesson_name, bool pass, const std::string& message);
+
+// finish, then where the run record is. Returns the exit code.
+int finish_lesson(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                  const std::string& message);
+
+// ---- the GPU part of a single-process lesson (03, 04) ----
+
+// The run record's devices: the CPU reference, and the GPU where one is present (`gpu_name` empty:
+// none).
+std::vector<std::string> cpu_and_gpu_devices(const std::string& gpu_name);
+
+// What a lesson's GPU part adds to the verdict: whether it passed, and its words on the verdict line.
+struct GpuPart {
+  bool pass = true;
+  std::string message;
+};
+
+// The GPU part, skipped where this machine has no GPU: prints why (`why_no_gpu`), and the verdict
+// line says so.
+GpuPart skip_gpu_part(const std::string& why_no_gpu);
+// The same where the lesson was built without CUDA.
+GpuPart skip_gpu_part_not_built();
+
+// The lesson's verdict line from its CPU part (`pass`, `message`) and its GPU part, then where the
+// run record is. Returns the exit code.
+int finish_with_gpu_part(RunWriter& writer, const std::string& lesson_name, const LessonOptions& options, bool pass,
+                         const std::string& message, const GpuPart& gpu);
 
 }  // namespace moe::lessons
