@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -109,6 +110,58 @@ Matrix exchange_rows(Communicator& comm, HierarchicalAllToAll* hierarchical,
 
 namespace {
 
+ref::DispatchPlan plan_received_rows(const MoeConfig& config, int64_t capacity, int ranks, int64_t experts,
+                                     const std::function<int64_t(int source, int64_t expert)>& received_rows,
+                                     const std::function<int64_t(int64_t expert, int64_t arrived)>& padded_rows) {
+  ref::DispatchPlan plan;
+  plan.formulation = config.formulation;
+  plan.num_experts = experts;
+  plan.top_k = config.top_k;
+  plan.block_size = config.block_size;
+  plan.capacity = capacity;
+
+  // Where each (source, local expert) block sits among the received rows: [source][local expert].
+  std::vector<int64_t> block_start(static_cast<size_t>(ranks) * experts, 0);
+  int64_t received = 0;
+  for (int q = 0; q < ranks; ++q) {
+    for (int64_t j = 0; j < experts; ++j) {
+      block_start[q * experts + j] = received;
+      received += received_rows(q, j);
+    }
+  }
+  plan.tokens_per_expert.assign(experts, 0);
+  plan.kept_per_expert.assign(experts, 0);
+  plan.rows_per_expert.assign(experts, 0);
+  plan.row_offsets.assign(experts + 1, 0);
+  for (int64_t j = 0; j < experts; ++j) {
+    int64_t arrived = 0;
+    for (int q = 0; q < ranks; ++q) arrived += received_rows(q, j);
+    int64_t rows = arrived;
+    if (config.formulation == Formulation::padded) rows = padded_rows(j, arrived);
+    if (config.formulation == Formulation::dropless) {
+      rows = (arrived + config.block_size - 1) / config.block_size * config.block_size;  // up to B
+    }
+    plan.tokens_per_expert[j] = static_cast<int32_t>(arrived);
+    plan.kept_per_expert[j] = static_cast<int32_t>(arrived);
+    plan.rows_per_expert[j] = static_cast<int32_t>(rows);
+    plan.row_offsets[j + 1] = static_cast<int32_t>(plan.row_offsets[j] + rows);
+    plan.padding_rows += rows - arrived;
+  }
+  plan.total_rows = plan.row_offsets[experts];
+  plan.tokens = received;
+  plan.row_slot.assign(plan.total_rows, -1);
+  for (int64_t j = 0; j < experts; ++j) {
+    int64_t row = plan.row_offsets[j];
+    for (int q = 0; q < ranks; ++q) {
+      const int64_t count = received_rows(q, j);
+      for (int64_t i = 0; i < count; ++i) {
+        plan.row_slot[row++] = static_cast<int32_t>(block_start[q * experts + j] + i);
+      }
+    }
+  }
+  return plan;
+}
+
 // ---- chunks ----
 
 // Which rows of which (source rank, expert) block each chunk carries. Expert e's rows, over all
@@ -191,54 +244,10 @@ ref::RouterOutput route_shard(const MoeConfig& config, const Matrix& x, const Ma
 // rows received, ordered [local expert][source rank][token].
 ref::DispatchPlan plan_local_experts(const MoeConfig& config, const ChunkLayout& layout, int chunk, int rank,
                                      int ranks, int64_t per_rank) {
-  ref::DispatchPlan plan;
-  plan.formulation = config.formulation;
-  plan.num_experts = per_rank;
-  plan.top_k = config.top_k;
-  plan.block_size = config.block_size;
-  plan.capacity = config.formulation == Formulation::dropless ? 0 : capacity(config);
-
-  // Where each (source, local expert) block sits among the received rows: [source][local expert].
-  std::vector<int64_t> block_start(static_cast<size_t>(ranks) * per_rank);
-  int64_t received = 0;
-  for (int s = 0; s < ranks; ++s) {
-    for (int64_t j = 0; j < per_rank; ++j) {
-      block_start[s * per_rank + j] = received;
-      received += layout.part(chunk, s, rank * per_rank + j).count;
-    }
-  }
-  plan.tokens_per_expert.assign(per_rank, 0);
-  plan.kept_per_expert.assign(per_rank, 0);
-  plan.rows_per_expert.assign(per_rank, 0);
-  plan.row_offsets.assign(per_rank + 1, 0);
-  for (int64_t j = 0; j < per_rank; ++j) {
-    const int64_t e = rank * per_rank + j;
-    int64_t arrived = 0;
-    for (int s = 0; s < ranks; ++s) arrived += layout.part(chunk, s, e).count;
-    int64_t rows = arrived;
-    if (config.formulation == Formulation::padded) rows = layout.chunk_rows(chunk, e);  // zeros up to C
-    if (config.formulation == Formulation::dropless) {
-      rows = (arrived + config.block_size - 1) / config.block_size * config.block_size;  // up to B
-    }
-    plan.tokens_per_expert[j] = static_cast<int32_t>(arrived);
-    plan.kept_per_expert[j] = static_cast<int32_t>(arrived);
-    plan.rows_per_expert[j] = static_cast<int32_t>(rows);
-    plan.row_offsets[j + 1] = static_cast<int32_t>(plan.row_offsets[j] + rows);
-    plan.padding_rows += rows - arrived;
-  }
-  plan.total_rows = plan.row_offsets[per_rank];
-  plan.tokens = received;
-  plan.row_slot.assign(plan.total_rows, -1);
-  for (int64_t j = 0; j < per_rank; ++j) {
-    int64_t row = plan.row_offsets[j];
-    for (int s = 0; s < ranks; ++s) {
-      const int64_t count = layout.part(chunk, s, rank * per_rank + j).count;
-      for (int64_t i = 0; i < count; ++i) {
-        plan.row_slot[row++] = static_cast<int32_t>(block_start[s * per_rank + j] + i);
-      }
-    }
-  }
-  return plan;
+  return plan_received_rows(
+      config, config.formulation == Formulation::dropless ? 0 : capacity(config), ranks, per_rank,
+      [&](int source, int64_t j) { return layout.part(chunk, source, rank * per_rank + j).count; },
+      [&](int64_t j, int64_t) { return layout.chunk_rows(chunk, rank * per_rank + j); });  // zeros up to C
 }
 
 }  // namespace
