@@ -108,7 +108,7 @@ Matrix exchange_rows(Communicator& comm, HierarchicalAllToAll* hierarchical,
   return recv;
 }
 
-namespace {
+// ---- chunks ----
 
 ref::DispatchPlan plan_received_rows(const MoeConfig& config, int64_t capacity, int ranks, int64_t experts,
                                      const std::function<int64_t(int source, int64_t expert)>& received_rows,
@@ -162,7 +162,7 @@ ref::DispatchPlan plan_received_rows(const MoeConfig& config, int64_t capacity, 
   return plan;
 }
 
-// ---- chunks ----
+namespace {
 
 // Which rows of which (source rank, expert) block each chunk carries. Expert e's rows, over all
 // ranks, form its row space: its kept slots in global token order (source rank r's block is
