@@ -190,6 +190,18 @@ void DeviceExchange::wait_for_event(cudaEvent_t event, std::string_view what) {
 
 DeviceExchange::~DeviceExchange() = default;
 
+char* DeviceExchange::stage_to_host(GrownBuffer& stage, const void* from, size_t bytes, cudaStream_t stream) {
+  char* host = stage.reserve(bytes);
+  if (bytes > 0) check_cuda(cudaMemcpyAsync(host, from, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  wait(stream);
+  return host;
+}
+
+void DeviceExchange::stage_to_device(void* to, const char* from, size_t bytes, cudaStream_t stream) {
+  if (bytes > 0) check_cuda(cudaMemcpyAsync(to, from, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  wait(stream);
+}
+
 Communicator& DeviceExchange::host() {
   if (!device_pointers_) return communicator_;
 #if MOE_HAVE_NCCL
@@ -211,12 +223,8 @@ void DeviceExchange::all_to_all_v(const void* send, std::span<const int64_t> sen
   const size_t width = element_size(type);
   const size_t send_bytes = static_cast<size_t>(extent(send_counts, send_offsets)) * width;
   const size_t recv_bytes = static_cast<size_t>(extent(recv_counts, recv_offsets)) * width;
-  char* send_host = send_stage_.reserve(send_bytes);
+  char* send_host = stage_to_host(send_stage_, send, send_bytes, stream);
   char* recv_host = recv_stage_.reserve(recv_bytes);
-  if (send_bytes > 0) {
-    check_cuda(cudaMemcpyAsync(send_host, send, send_bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  }
-  wait(stream);
   communicator_.all_to_all_v(send_host, send_counts, send_offsets, recv_host, recv_counts, recv_offsets, type);
   for (size_t p = 0; p < recv_counts.size(); ++p) {  // block by block: gaps of recv stay as they were
     if (recv_counts[p] == 0) continue;
@@ -237,12 +245,9 @@ void DeviceExchange::all_reduce_sum(const void* send, void* recv, int64_t count,
     return;
   }
   const size_t bytes = static_cast<size_t>(count) * element_size(type);
-  char* host_buffer = send_stage_.reserve(bytes);
-  if (bytes > 0) check_cuda(cudaMemcpyAsync(host_buffer, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  wait(stream);
+  char* host_buffer = stage_to_host(send_stage_, send, bytes, stream);
   communicator_.all_reduce_sum(host_buffer, host_buffer, count, type);
-  if (bytes > 0) check_cuda(cudaMemcpyAsync(recv, host_buffer, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
-  wait(stream);
+  stage_to_device(recv, host_buffer, bytes, stream);
 }
 
 void DeviceExchange::all_gather(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream) {
@@ -254,15 +259,10 @@ void DeviceExchange::all_gather(const void* send, void* recv, int64_t count, Dat
   }
   const size_t bytes = static_cast<size_t>(count) * element_size(type);
   const size_t all_bytes = bytes * static_cast<size_t>(size());
-  char* send_host = send_stage_.reserve(bytes);
+  char* send_host = stage_to_host(send_stage_, send, bytes, stream);
   char* recv_host = recv_stage_.reserve(all_bytes);
-  if (bytes > 0) check_cuda(cudaMemcpyAsync(send_host, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  wait(stream);
   communicator_.all_gather(send_host, recv_host, count, type);
-  if (all_bytes > 0) {
-    check_cuda(cudaMemcpyAsync(recv, recv_host, all_bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
-  }
-  wait(stream);
+  stage_to_device(recv, recv_host, all_bytes, stream);
 }
 
 void DeviceExchange::all_gather_to_host(const void* send, void* recv, int64_t count, DataType type,
@@ -285,9 +285,7 @@ void DeviceExchange::all_gather_to_host(const void* send, void* recv, int64_t co
     std::copy(gathered, gathered + all_bytes, static_cast<char*>(recv));
     return;
   }
-  char* send_host = send_stage_.reserve(bytes);
-  if (bytes > 0) check_cuda(cudaMemcpyAsync(send_host, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  wait(stream);
+  char* send_host = stage_to_host(send_stage_, send, bytes, stream);
   communicator_.all_gather(send_host, recv, count, type);
 }
 

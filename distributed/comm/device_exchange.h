@@ -83,6 +83,10 @@ class DeviceExchange {
  private:
   class StreamScope;
   void wait(cudaStream_t stream);  // cudaStreamSynchronize, counted
+  // The MPI staging: device `from` [bytes] into the pinned `stage`, then the host waits for it.
+  char* stage_to_host(GrownBuffer& stage, const void* from, size_t bytes, cudaStream_t stream);
+  // Back: pinned `from` [bytes] to device `to`, then the host waits (the staging is free again).
+  void stage_to_device(void* to, const char* from, size_t bytes, cudaStream_t stream);
 
   Communicator& communicator_;
   NcclCommunicator* nccl_ = nullptr;  // the same communicator, when its backend is NCCL
