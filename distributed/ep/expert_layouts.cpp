@@ -302,10 +302,7 @@ ExpertLayoutForward expert_layout_forward(Communicator& comm, const MoeConfig& c
   // ---- the computed experts (or their H slices) over the rows received ----
   f.expert_plan = plan_computed_experts(config, place, routing, me);
   const ref::DispatchPlan& plan = f.expert_plan;
-  f.permuted_x = Matrix::Zero(plan.total_rows, D);
-  for (int64_t row = 0; row < plan.total_rows; ++row) {
-    if (plan.row_slot[row] >= 0) f.permuted_x.row(row) = received.row(plan.row_slot[row]);
-  }
+  f.permuted_x = rows_in_plan_order(plan, received);
   ref::ExpertActivations experts = ref::expert_ffn_forward(slice_config(config, f.experts.hidden_width), plan,
                                                            f.permuted_x, f.experts.w1, f.experts.w2);
   f.pre_activation = std::move(experts.pre_activation);
@@ -313,10 +310,7 @@ ExpertLayoutForward expert_layout_forward(Communicator& comm, const MoeConfig& c
   f.expert_out = std::move(experts.out);
 
   // ---- the way back: each computing rank's (partial) output, summed at the token's rank ----
-  Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
-  for (int64_t row = 0; row < plan.total_rows; ++row) {
-    if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = f.expert_out.row(row);
-  }
+  const Matrix back = rows_in_received_order(plan, f.expert_out, received.rows());
   const Matrix returned = move_rows(comm, f.r, back, f.recv_rows, f.send_rows, D, f.traffic);
   f.slot_expert_out = Matrix::Zero(T_r * K, D);
   for (size_t i = 0; i < f.sent_slots.size(); ++i) f.slot_expert_out.row(f.sent_slots[i]) += returned.row(i);
@@ -383,10 +377,7 @@ ExpertLayoutGradients expert_layout_backward(Communicator& comm, const MoeConfig
   for (size_t i = 0; i < forward.sent_slots.size(); ++i) send.row(i) = d_slot_out.row(forward.sent_slots[i]);
   const Matrix received = move_rows(comm, forward.r, send, forward.send_rows, forward.recv_rows, D, grads.traffic);
   const ref::DispatchPlan& plan = forward.expert_plan;
-  Matrix d_expert_out = Matrix::Zero(plan.total_rows, D);  // padding rows get no gradient
-  for (int64_t row = 0; row < plan.total_rows; ++row) {
-    if (plan.row_slot[row] >= 0) d_expert_out.row(row) = received.row(plan.row_slot[row]);
-  }
+  Matrix d_expert_out = rows_in_plan_order(plan, received);  // padding rows get no gradient
   const ref::ExpertActivations activations{forward.pre_activation, forward.hidden, forward.expert_out};
   const ref::ExpertGradients experts =
       ref::expert_ffn_backward(slice_config(config, forward.experts.hidden_width), plan, forward.permuted_x,
@@ -400,10 +391,7 @@ ExpertLayoutGradients expert_layout_backward(Communicator& comm, const MoeConfig
   return_expert_gradients(comm, config, place, experts.w1, experts.w2, grads, grads.traffic);
 
   // ---- the (partial) input gradients back home, summed over the slices ----
-  Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
-  for (int64_t row = 0; row < plan.total_rows; ++row) {
-    if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = experts.permuted_x.row(row);
-  }
+  const Matrix back = rows_in_received_order(plan, experts.permuted_x, received.rows());
   const Matrix returned = move_rows(comm, forward.r, back, forward.recv_rows, forward.send_rows, D, grads.traffic);
   grads.x = Matrix::Zero(T_r, D);
   for (size_t i = 0; i < forward.sent_slots.size(); ++i) grads.x.row(forward.sent_slots[i] / K) += returned.row(i);

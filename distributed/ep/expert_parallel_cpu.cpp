@@ -162,6 +162,22 @@ ref::DispatchPlan plan_received_rows(const MoeConfig& config, int64_t capacity, 
   return plan;
 }
 
+Matrix rows_in_plan_order(const ref::DispatchPlan& plan, const Matrix& received) {
+  Matrix rows = Matrix::Zero(plan.total_rows, received.cols());
+  for (int64_t row = 0; row < plan.total_rows; ++row) {
+    if (plan.row_slot[row] >= 0) rows.row(row) = received.row(plan.row_slot[row]);
+  }
+  return rows;
+}
+
+Matrix rows_in_received_order(const ref::DispatchPlan& plan, const Matrix& rows, int64_t received_rows) {
+  Matrix received = Matrix::Constant(received_rows, rows.cols(), std::numeric_limits<double>::quiet_NaN());
+  for (int64_t row = 0; row < plan.total_rows; ++row) {
+    if (plan.row_slot[row] >= 0) received.row(plan.row_slot[row]) = rows.row(row);
+  }
+  return received;
+}
+
 namespace {
 
 // Which rows of which (source rank, expert) block each chunk carries. Expert e's rows, over all
@@ -384,20 +400,14 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
     // ---- 4. the local experts over exactly the rows received ----
     chunk.expert_plan = plan_local_experts(config, layout, c, rank, R, per_rank);
     const ref::DispatchPlan& plan = chunk.expert_plan;
-    chunk.permuted_x = Matrix::Zero(plan.total_rows, D);
-    for (int64_t row = 0; row < plan.total_rows; ++row) {
-      if (plan.row_slot[row] >= 0) chunk.permuted_x.row(row) = received.row(plan.row_slot[row]);
-    }
+    chunk.permuted_x = rows_in_plan_order(plan, received);
     ref::ExpertActivations experts = ref::expert_ffn_forward(config, plan, chunk.permuted_x, weights.w1, weights.w2);
     chunk.pre_activation = std::move(experts.pre_activation);
     chunk.hidden = std::move(experts.hidden);
     chunk.expert_out = std::move(experts.out);
 
     // ---- 5. all-to-all-v of the expert outputs, back in the order they came ----
-    Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
-    for (int64_t row = 0; row < plan.total_rows; ++row) {
-      if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = chunk.expert_out.row(row);
-    }
+    const Matrix back = rows_in_received_order(plan, chunk.expert_out, received.rows());
     const Matrix returned = exchange_rows(comm, options.hierarchical, back, chunk.recv_rows, chunk.send_rows, D);
     for (size_t i = 0; i < chunk.sent_slots.size(); ++i) f.slot_expert_out.row(chunk.sent_slots[i]) = returned.row(i);
   }
@@ -457,10 +467,7 @@ ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeCo
         exchange_rows(comm, forward.options.hierarchical, send, chunk.send_rows, chunk.recv_rows, D);
 
     const ref::DispatchPlan& plan = chunk.expert_plan;
-    Matrix d_expert_out = Matrix::Zero(plan.total_rows, D);  // padding rows get no gradient
-    for (int64_t row = 0; row < plan.total_rows; ++row) {
-      if (plan.row_slot[row] >= 0) d_expert_out.row(row) = received.row(plan.row_slot[row]);
-    }
+    Matrix d_expert_out = rows_in_plan_order(plan, received);  // padding rows get no gradient
     const ref::ExpertActivations activations{chunk.pre_activation, chunk.hidden, chunk.expert_out};
     const ref::ExpertGradients experts = ref::expert_ffn_backward(config, plan, chunk.permuted_x, weights.w1,
                                                                   weights.w2, activations, d_expert_out);
@@ -469,10 +476,7 @@ ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeCo
       grads.w2[j] += experts.w2[j];
     }
 
-    Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
-    for (int64_t row = 0; row < plan.total_rows; ++row) {
-      if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = experts.permuted_x.row(row);
-    }
+    const Matrix back = rows_in_received_order(plan, experts.permuted_x, received.rows());
     const Matrix returned =
         exchange_rows(comm, forward.options.hierarchical, back, chunk.recv_rows, chunk.send_rows, D);
     for (size_t i = 0; i < chunk.sent_slots.size(); ++i) grads.x.row(chunk.sent_slots[i] / K) += returned.row(i);

@@ -108,6 +108,12 @@ ref::DispatchPlan plan_received_rows(const MoeConfig& config, int64_t capacity, 
                                      const std::function<int64_t(int source, int64_t expert)>& received_rows,
                                      const std::function<int64_t(int64_t expert, int64_t arrived)>& padded_rows);
 
+// The received rows in such a plan's order: row r is received row row_slot[r]; padding rows zero.
+ref::Matrix rows_in_plan_order(const ref::DispatchPlan& plan, const ref::Matrix& received);
+// The plan's rows back in received order: received row row_slot[r] is row r of `rows`, in a matrix
+// of `received_rows` rows that starts as NaN, so a row that no plan row fills cannot pass for a result.
+ref::Matrix rows_in_received_order(const ref::DispatchPlan& plan, const ref::Matrix& rows, int64_t received_rows);
+
 // Steps 1 and 2 of the forward and the dropping rule: what every expert layout (expert_layouts.h)
 // shares before a token row moves. Collective; every rank gets the same count matrices.
 struct RoutingOnRanks {
