@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "config_rejection.h"  // ConfigRejection, number_text
+
 namespace moe {
 
 namespace {
@@ -28,14 +30,12 @@ void check_logits(std::span<const double> logits) {
 }  // namespace
 
 void validate(const SamplingSettings& s) {
+  constexpr ConfigRejection reject{"sampling"};
   if (!std::isfinite(s.temperature) || s.temperature < 0.0) {
-    std::ostringstream message;
-    message << "invalid sampling: temperature = " << s.temperature << "; allowed: a finite number >= 0 (0 = greedy)";
-    throw std::invalid_argument(message.str());
+    reject("temperature", number_text(s.temperature), "a finite number >= 0 (0 = greedy)");
   }
   if (s.top_k < 0 || s.top_k > kSampledByteValues) {
-    throw std::invalid_argument("invalid sampling: top_k = " + std::to_string(s.top_k) +
-                                "; allowed: 0 (every byte) to V = " + std::to_string(kSampledByteValues));
+    reject("top_k", std::to_string(s.top_k), "0 (every byte) to V = " + std::to_string(kSampledByteValues));
   }
 }
 

@@ -19,6 +19,20 @@ int64_t integer_or(const json& event, const char* field, int64_t fallback) {
   return it != event.end() && it->is_number_integer() ? it->get<int64_t>() : fallback;
 }
 
+// A "complete" trace event (ph "X"): one bar on row (pid = rank, tid = thread) over the event's
+// start_us and duration_us.
+json complete_event(const json& event, const json& name, const char* category, int64_t rank, int64_t thread,
+                    json args) {
+  return {{"name", name},
+          {"cat", category},
+          {"ph", "X"},
+          {"pid", rank},
+          {"tid", thread},
+          {"ts", event["start_us"]},
+          {"dur", event["duration_us"]},
+          {"args", std::move(args)}};
+}
+
 }  // namespace
 
 json chrome_trace_from_events(const std::vector<json>& events, const json& run_info) {
@@ -35,14 +49,7 @@ json chrome_trace_from_events(const std::vector<json>& events, const json& run_i
       const int64_t rank = event["rank"].get<int64_t>();
       const int64_t stream = event["stream"].get<int64_t>();
       json args = {{"step", integer_or(event, "step", -1)}};
-      trace_events.push_back({{"name", event["name"]},
-                              {"cat", "span"},
-                              {"ph", "X"},
-                              {"pid", rank},
-                              {"tid", stream},
-                              {"ts", event["start_us"]},
-                              {"dur", event["duration_us"]},
-                              {"args", args}});
+      trace_events.push_back(complete_event(event, event["name"], "span", rank, stream, std::move(args)));
       ranks.insert(rank);
       auto& name = thread_names[{rank, stream}];
       if (auto label = event.find("stream_name"); label != event.end() && label->is_string()) {
@@ -64,14 +71,7 @@ json chrome_trace_from_events(const std::vector<json>& events, const json& run_i
       if (auto label = event.find("name"); label != event.end() && label->is_string()) name = *label;
       json args = {{"step", integer_or(event, "step", -1)}, {"bytes_total", total}, {"bytes_sent", sent}};
       if (event.contains("layer")) args["layer"] = event["layer"];
-      trace_events.push_back({{"name", name},
-                              {"cat", "alltoall"},
-                              {"ph", "X"},
-                              {"pid", rank},
-                              {"tid", kAllToAllThread},
-                              {"ts", event["start_us"]},
-                              {"dur", event["duration_us"]},
-                              {"args", args}});
+      trace_events.push_back(complete_event(event, name, "alltoall", rank, kAllToAllThread, std::move(args)));
       ranks.insert(rank);
       thread_names[{rank, kAllToAllThread}] = "all-to-all";
     }

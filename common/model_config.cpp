@@ -2,21 +2,17 @@
 #include "model_config.h"
 
 #include <cmath>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
-#include "enum_names.h"  // EnumNames, name_of, parse_name
+#include "config_rejection.h"  // ConfigRejection, number_text
+#include "enum_names.h"        // EnumNames, name_of, parse_name
 
 namespace moe {
 
 namespace {
 
-[[noreturn]] void reject(std::string_view field, const std::string& value, std::string_view allowed) {
-  std::ostringstream message;
-  message << "invalid model config: " << field << " = " << value << "; allowed: " << allowed;
-  throw std::invalid_argument(message.str());
-}
+constexpr ConfigRejection reject{"model config"};
 
 }  // namespace
 
@@ -31,9 +27,7 @@ void validate(const ModelConfig& c) {
   }
   if (c.seq_len < 1) reject("seq_len (S)", std::to_string(c.seq_len), "S >= 1");
   if (!std::isfinite(c.layer_norm_eps) || c.layer_norm_eps <= 0.0) {
-    std::ostringstream value;
-    value << c.layer_norm_eps;
-    reject("layer_norm_eps", value.str(), "a finite number > 0");
+    reject("layer_norm_eps", number_text(c.layer_norm_eps), "a finite number > 0");
   }
   if (c.moe_layers == MoeLayers::every_other_block && c.num_layers < 2) {
     reject("moe_layers", "every_other_block with num_layers (L) = " + std::to_string(c.num_layers),

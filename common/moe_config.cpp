@@ -2,26 +2,16 @@
 #include "moe_config.h"
 
 #include <cmath>
-#include <sstream>
 #include <stdexcept>
 
-#include "enum_names.h"  // EnumNames, name_of, parse_name
+#include "config_rejection.h"  // ConfigRejection, number_text
+#include "enum_names.h"        // EnumNames, name_of, parse_name
 
 namespace moe {
 
 namespace {
 
-[[noreturn]] void reject(std::string_view field, const std::string& value, std::string_view allowed) {
-  std::ostringstream message;
-  message << "invalid MoE config: " << field << " = " << value << "; allowed: " << allowed;
-  throw std::invalid_argument(message.str());
-}
-
-std::string text_of(double value) {
-  std::ostringstream out;
-  out << value;
-  return out.str();
-}
+constexpr ConfigRejection reject{"MoE config"};
 
 }  // namespace
 
@@ -36,7 +26,7 @@ void validate(const MoeConfig& c) {
   }
   if (c.formulation != Formulation::dropless) {
     if (!std::isfinite(c.capacity_factor) || c.capacity_factor <= 0.0) {
-      reject("capacity_factor", text_of(c.capacity_factor),
+      reject("capacity_factor", number_text(c.capacity_factor),
              "a finite number > 0 for the dropping and padded formulations");
     }
   }
@@ -47,13 +37,13 @@ void validate(const MoeConfig& c) {
                " in the dropless formulation (the hidden dimension is tiled by B x B blocks)");
   }
   if (!std::isfinite(c.jitter_eps) || c.jitter_eps < 0.0 || c.jitter_eps >= 1.0) {
-    reject("jitter_eps", text_of(c.jitter_eps), "0 <= eps < 1 (0 turns jitter off)");
+    reject("jitter_eps", number_text(c.jitter_eps), "0 <= eps < 1 (0 turns jitter off)");
   }
   if (!std::isfinite(c.aux_loss_coef) || c.aux_loss_coef < 0.0) {
-    reject("aux_loss_coef", text_of(c.aux_loss_coef), "a finite number >= 0");
+    reject("aux_loss_coef", number_text(c.aux_loss_coef), "a finite number >= 0");
   }
   if (!std::isfinite(c.z_loss_coef) || c.z_loss_coef < 0.0) {
-    reject("z_loss_coef", text_of(c.z_loss_coef), "a finite number >= 0");
+    reject("z_loss_coef", number_text(c.z_loss_coef), "a finite number >= 0");
   }
 }
 

@@ -4,18 +4,15 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+
+#include "config_rejection.h"  // ConfigRejection
 
 namespace moe {
 
 void validate(const ScheduleConfig& c) {
-  auto reject = [](std::string_view field, const std::string& value, std::string_view allowed) {
-    std::ostringstream message;
-    message << "invalid schedule: " << field << " = " << value << "; allowed: " << allowed;
-    throw std::invalid_argument(message.str());
-  };
+  constexpr ConfigRejection reject{"schedule"};
   if (!std::isfinite(c.peak_lr) || c.peak_lr <= 0.0) reject("peak_lr", std::to_string(c.peak_lr), "a finite number > 0");
   if (c.warmup_steps < 0) reject("warmup_steps", std::to_string(c.warmup_steps), "warmup_steps >= 0");
   if (c.total_steps <= c.warmup_steps) {

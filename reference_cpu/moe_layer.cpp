@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "block_sparse_ffn.h"  // block_sparse_ffn_forward / backward
 #include "checks.h"
@@ -24,9 +25,16 @@ void check_layer_inputs(const MoeConfig& config, const Matrix& x, const MoeWeigh
 
 LayerForward moe_forward(const MoeConfig& config, const Matrix& x, const MoeWeights& weights) {
   check_layer_inputs(config, x, weights);
+  RouterOutput router = route(config, x, weights.gate_weights);
+  DispatchPlan plan = plan_dispatch(config, router.top_experts);
+  return moe_forward_routed(config, x, weights, std::move(router), std::move(plan));
+}
+
+LayerForward moe_forward_routed(const MoeConfig& config, const Matrix& x, const MoeWeights& weights,
+                                RouterOutput router, DispatchPlan plan) {
   LayerForward forward;
-  forward.router = route(config, x, weights.gate_weights);
-  forward.plan = plan_dispatch(config, forward.router.top_experts);
+  forward.router = std::move(router);
+  forward.plan = std::move(plan);
   if (config.formulation == Formulation::dropless) forward.topology = make_topology(config, forward.plan);
 
   forward.permuted_x = permute_tokens(forward.plan, x);

@@ -59,6 +59,14 @@ LayerForward moe_forward(const MoeConfig& config,
                          const Matrix& x,  // [T, D]
                          const MoeWeights& weights);
 
+// The forward after routing: permute x by the plan, run the experts, un-permute and combine with
+// the router's weights. moe_forward routes x itself; pregated_moe_forward brings a routing made
+// one MoE block earlier. Checks nothing: its callers check the inputs first.
+LayerForward moe_forward_routed(const MoeConfig& config,
+                                const Matrix& x,  // [T, D] the experts' input
+                                const MoeWeights& weights, RouterOutput router,
+                                DispatchPlan plan);  // made from router.top_experts
+
 LayerGradients moe_backward(const MoeConfig& config,
                             const Matrix& x,  // [T, D]
                             const MoeWeights& weights, const LayerForward& forward,

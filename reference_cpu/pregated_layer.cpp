@@ -1,9 +1,7 @@
 // pregated_layer.cpp: the MoE layer with a separately routed gate (see pregated_layer.h).
 #include "pregated_layer.h"
 
-#include "checks.h"      // check_shape
-#include "expert_ffn.h"  // expert_ffn_forward
-#include "permute.h"     // permute_tokens, unpermute_and_combine
+#include "checks.h"  // check_shape
 
 namespace moe::ref {
 
@@ -11,19 +9,7 @@ LayerForward pregated_moe_forward(const MoeConfig& config, const Matrix& x, cons
                                   const PreGateOutput& routing) {
   check_layer_inputs(config, x, weights);
   check_shape("routing.router.logits", routing.router.logits, config.tokens, config.num_experts, "[T, E]");
-  LayerForward forward;
-  forward.router = routing.router;
-  forward.plan = routing.plan;
-  if (config.formulation == Formulation::dropless) forward.topology = make_topology(config, forward.plan);
-  forward.permuted_x = permute_tokens(forward.plan, x);
-  ExpertActivations experts = expert_ffn_forward(config, forward.plan, forward.permuted_x, weights.w1, weights.w2);
-  forward.pre_activation = std::move(experts.pre_activation);
-  forward.hidden = std::move(experts.hidden);
-  forward.expert_out = std::move(experts.out);
-  forward.y = unpermute_and_combine(forward.plan, forward.router.combine_weights, forward.expert_out);
-  forward.aux_loss = forward.router.aux_loss;
-  forward.z_loss = forward.router.z_loss;
-  return forward;
+  return moe_forward_routed(config, x, weights, routing.router, routing.plan);
 }
 
 PreGatedGradients pregated_moe_backward(const MoeConfig& config, const Matrix& x, const Matrix& router_input,

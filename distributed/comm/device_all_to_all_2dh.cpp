@@ -1,7 +1,6 @@
 // device_all_to_all_2dh.cpp: Tutel's 2DH all-to-all over GPU buffers (see device_all_to_all_2dh.h).
 #include "comm/device_all_to_all_2dh.h"
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -19,28 +18,6 @@ void check_cuda(cudaError_t result, const char* call) {
 
 }  // namespace
 
-// Device memory grown on demand, never shrunk.
-class DeviceHierarchicalAllToAll::Scratch {
- public:
-  ~Scratch() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  char* reserve(size_t bytes) {
-    bytes = std::max<size_t>(bytes, 1);  // never a null pointer, even for an empty stage
-    if (bytes > capacity_) {
-      if (data_ != nullptr) check_cuda(cudaFree(data_), "cudaFree");
-      data_ = nullptr;
-      check_cuda(cudaMalloc(&data_, bytes), "cudaMalloc");
-      capacity_ = bytes;
-    }
-    return static_cast<char*>(data_);
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t capacity_ = 0;
-};
-
 DeviceHierarchicalAllToAll::DeviceHierarchicalAllToAll(DeviceExchange& world, int ranks_per_node)
     : world_(world), ranks_per_node_(ranks_per_node) {
   check_same_on_every_rank(world.host(), "DeviceHierarchicalAllToAll: ranks_per_node (G)",
@@ -57,10 +34,6 @@ DeviceHierarchicalAllToAll::DeviceHierarchicalAllToAll(DeviceExchange& world, in
   across_communicator_ = world.communicator().split(/*color=*/world.rank() % G);
   node_ = std::make_unique<DeviceExchange>(*node_communicator_);
   across_ = std::make_unique<DeviceExchange>(*across_communicator_);
-  stage1_send_ = std::make_unique<Scratch>();
-  stage1_recv_ = std::make_unique<Scratch>();
-  stage2_send_ = std::make_unique<Scratch>();
-  stage2_recv_ = std::make_unique<Scratch>();
 }
 
 DeviceHierarchicalAllToAll::~DeviceHierarchicalAllToAll() = default;
@@ -72,10 +45,10 @@ void DeviceHierarchicalAllToAll::reserve(std::span<const int64_t> counts, DataTy
   const HierarchicalSteps steps =
       plan_hierarchical_all_to_all(counts, world_.size(), ranks_per_node_, world_.rank(), no_offsets, no_offsets);
   const size_t width = element_size(type);
-  stage1_send_->reserve(static_cast<size_t>(steps.stage1_send_elements) * width);
-  stage1_recv_->reserve(static_cast<size_t>(steps.stage1_recv_elements) * width);
-  stage2_send_->reserve(static_cast<size_t>(steps.stage1_recv_elements) * width);
-  stage2_recv_->reserve(static_cast<size_t>(steps.stage2_recv_elements) * width);
+  stage1_send_.reserve(static_cast<size_t>(steps.stage1_send_elements) * width);
+  stage1_recv_.reserve(static_cast<size_t>(steps.stage1_recv_elements) * width);
+  stage2_send_.reserve(static_cast<size_t>(steps.stage1_recv_elements) * width);
+  stage2_recv_.reserve(static_cast<size_t>(steps.stage2_recv_elements) * width);
 }
 
 void DeviceHierarchicalAllToAll::all_to_all_v(const void* send, std::span<const int64_t> send_offsets, void* recv,
@@ -95,21 +68,21 @@ void DeviceHierarchicalAllToAll::all_to_all_v(const void* send, std::span<const 
   // A step that moves nothing is skipped, its input serving as its output.
   const void* stage1_in = send;
   if (!steps.gather_is_identity) {
-    char* gathered = stage1_send_->reserve(static_cast<size_t>(steps.stage1_send_elements) * width);
+    char* gathered = stage1_send_.reserve(static_cast<size_t>(steps.stage1_send_elements) * width);
     run(steps.gather, send, gathered);
     stage1_in = gathered;
   }
-  char* stage1_out = stage1_recv_->reserve(static_cast<size_t>(steps.stage1_recv_elements) * width);
+  char* stage1_out = stage1_recv_.reserve(static_cast<size_t>(steps.stage1_recv_elements) * width);
   node_->all_to_all_v(stage1_in, steps.stage1_send_counts, steps.stage1_send_offsets, stage1_out,
                       steps.stage1_recv_counts, steps.stage1_recv_offsets, type, stream);
   const void* stage2_in = stage1_out;
   if (!steps.align_is_identity) {
-    char* aligned = stage2_send_->reserve(static_cast<size_t>(steps.stage1_recv_elements) * width);
+    char* aligned = stage2_send_.reserve(static_cast<size_t>(steps.stage1_recv_elements) * width);
     run(steps.align, stage1_out, aligned);
     stage2_in = aligned;
   }
   void* stage2_out = recv;
-  if (!steps.place_is_identity) stage2_out = stage2_recv_->reserve(static_cast<size_t>(steps.stage2_recv_elements) * width);
+  if (!steps.place_is_identity) stage2_out = stage2_recv_.reserve(static_cast<size_t>(steps.stage2_recv_elements) * width);
   across_->all_to_all_v(stage2_in, steps.stage2_send_counts, steps.stage2_send_offsets, stage2_out,
                         steps.stage2_recv_counts, steps.stage2_recv_offsets, type, stream);
   if (!steps.place_is_identity) run(steps.place, stage2_out, recv);

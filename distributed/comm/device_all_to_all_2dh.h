@@ -35,6 +35,7 @@
 #include "comm/all_to_all_2dh.h"   // plan_hierarchical_all_to_all, HierarchicalSteps
 #include "comm/communicator.h"     // Communicator, DataType
 #include "comm/device_exchange.h"  // DeviceExchange
+#include "comm/grown_buffer.h"     // GrownBuffer
 
 namespace moe::dist {
 
@@ -66,14 +67,16 @@ class DeviceHierarchicalAllToAll {
   int64_t host_waits() const;
 
  private:
-  class Scratch;
-
   DeviceExchange& world_;
   int ranks_per_node_ = 1;
   int nodes_ = 1;
   std::unique_ptr<Communicator> node_communicator_, across_communicator_;
   std::unique_ptr<DeviceExchange> node_, across_;  // device collectives over them
-  std::unique_ptr<Scratch> stage1_send_, stage1_recv_, stage2_send_, stage2_recv_;
+  // The stages' device scratch (a step that moves nothing uses none).
+  GrownBuffer stage1_send_{GrownBuffer::Memory::device, "DeviceHierarchicalAllToAll"};
+  GrownBuffer stage1_recv_{GrownBuffer::Memory::device, "DeviceHierarchicalAllToAll"};
+  GrownBuffer stage2_send_{GrownBuffer::Memory::device, "DeviceHierarchicalAllToAll"};
+  GrownBuffer stage2_recv_{GrownBuffer::Memory::device, "DeviceHierarchicalAllToAll"};
 };
 
 }  // namespace moe::dist

@@ -32,51 +32,7 @@ int64_t extent(std::span<const int64_t> counts, std::span<const int64_t> offsets
   return end;
 }
 
-// Device memory grown on demand (never shrunk): the NCCL host adapter's scratch.
-class DeviceScratch {
- public:
-  ~DeviceScratch() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  // Whole 256-byte units (cudaMalloc's alignment): under compute-sanitizer, NCCL 2.28's AllGather
-  // (LL protocol) read 4 bytes past the end of a 118-byte receive buffer of an odd byte count.
-  char* reserve(size_t bytes) {
-    if (bytes > capacity_) {
-      if (data_ != nullptr) check_cuda(cudaFree(data_), "cudaFree");
-      data_ = nullptr;
-      const size_t rounded = (bytes + 255) / 256 * 256;
-      check_cuda(cudaMalloc(&data_, rounded), "cudaMalloc");
-      capacity_ = rounded;
-    }
-    return static_cast<char*>(data_);
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t capacity_ = 0;
-};
-
 }  // namespace
-
-class DeviceExchange::PinnedBuffer {
- public:
-  ~PinnedBuffer() {
-    if (data_ != nullptr) cudaFreeHost(data_);
-  }
-  char* reserve(size_t bytes) {
-    if (bytes > capacity_) {
-      if (data_ != nullptr) check_cuda(cudaFreeHost(data_), "cudaFreeHost");
-      data_ = nullptr;
-      check_cuda(cudaHostAlloc(&data_, bytes, cudaHostAllocDefault), "cudaHostAlloc");
-      capacity_ = bytes;
-    }
-    return static_cast<char*>(data_);
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t capacity_ = 0;
-};
 
 // ---- host collectives over NCCL ----
 
@@ -101,8 +57,8 @@ class HostOverNccl final : public Communicator {
     const size_t width = element_size(type);
     const size_t send_bytes = static_cast<size_t>(extent(send_counts, send_offsets)) * width;
     const size_t recv_bytes = static_cast<size_t>(extent(recv_counts, recv_offsets)) * width;
-    char* device_send = send_scratch_.reserve(std::max<size_t>(send_bytes, 1));
-    char* device_recv = recv_scratch_.reserve(std::max<size_t>(recv_bytes, 1));
+    char* device_send = send_scratch_.reserve(send_bytes);
+    char* device_recv = recv_scratch_.reserve(recv_bytes);
     copy(device_send, send, send_bytes, cudaMemcpyHostToDevice);
     nccl_.all_to_all_v(device_send, send_counts, send_offsets, device_recv, recv_counts, recv_offsets, type);
     for (size_t p = 0; p < recv_counts.size(); ++p) {  // block by block: gaps of recv stay as they were
@@ -117,7 +73,7 @@ class HostOverNccl final : public Communicator {
   void all_reduce_sum(const void* send, void* recv, int64_t count, DataType type) override {
     check_count("all_reduce_sum", count);
     const size_t bytes = static_cast<size_t>(count) * element_size(type);
-    char* device = send_scratch_.reserve(std::max<size_t>(bytes, 1));
+    char* device = send_scratch_.reserve(bytes);
     copy(device, send, bytes, cudaMemcpyHostToDevice);
     nccl_.all_reduce_sum(device, device, count, type);
     copy(recv, device, bytes, cudaMemcpyDeviceToHost);
@@ -127,8 +83,8 @@ class HostOverNccl final : public Communicator {
   void all_gather(const void* send, void* recv, int64_t count, DataType type) override {
     check_count("all_gather", count);
     const size_t bytes = static_cast<size_t>(count) * element_size(type);
-    char* device_send = send_scratch_.reserve(std::max<size_t>(bytes, 1));
-    char* device_recv = recv_scratch_.reserve(std::max<size_t>(bytes * static_cast<size_t>(size()), 1));
+    char* device_send = send_scratch_.reserve(bytes);
+    char* device_recv = recv_scratch_.reserve(bytes * static_cast<size_t>(size()));
     copy(device_send, send, bytes, cudaMemcpyHostToDevice);
     nccl_.all_gather(device_send, device_recv, count, type);
     copy(recv, device_recv, bytes * static_cast<size_t>(size()), cudaMemcpyDeviceToHost);
@@ -139,7 +95,7 @@ class HostOverNccl final : public Communicator {
     check_count("broadcast", count);
     check_root(*this, root);
     const size_t bytes = static_cast<size_t>(count) * element_size(type);
-    char* device = send_scratch_.reserve(std::max<size_t>(bytes, 1));
+    char* device = send_scratch_.reserve(bytes);
     copy(device, buffer, bytes, cudaMemcpyHostToDevice);
     nccl_.broadcast(device, count, type, root);
     copy(buffer, device, bytes, cudaMemcpyDeviceToHost);
@@ -160,8 +116,13 @@ class HostOverNccl final : public Communicator {
   // Under the communicator's watchdog, if it has one: a peer that never joins ends the job.
   void finish() { nccl_.wait(nccl_.stream(), "DeviceExchange::host() over NCCL"); }
 
+  // Whole 256-byte units (cudaMalloc's alignment): under compute-sanitizer, NCCL 2.28's AllGather
+  // (LL protocol) read 4 bytes past the end of a 118-byte receive buffer of an odd byte count.
+  static constexpr size_t kScratchUnit = 256;
+
   NcclCommunicator& nccl_;
-  DeviceScratch send_scratch_, recv_scratch_;
+  GrownBuffer send_scratch_{GrownBuffer::Memory::device, "DeviceExchange", kScratchUnit};
+  GrownBuffer recv_scratch_{GrownBuffer::Memory::device, "DeviceExchange", kScratchUnit};
 };
 
 }  // namespace
@@ -200,8 +161,6 @@ DeviceExchange::DeviceExchange(Communicator& communicator) : communicator_(commu
     throw std::invalid_argument("DeviceExchange: backend \"" + std::string(communicator.backend()) +
                                 "\"; expected \"nccl\" (device buffers) or \"mpi\" (host buffers, staged)");
   }
-  send_stage_ = std::make_unique<PinnedBuffer>();
-  recv_stage_ = std::make_unique<PinnedBuffer>();
 }
 
 // Over NCCL the wait polls the stream and NCCL's asynchronous errors under the watchdog
@@ -229,8 +188,18 @@ void DeviceExchange::wait_for_event(cudaEvent_t event, std::string_view what) {
   check_cuda(cudaEventSynchronize(event), "cudaEventSynchronize");
 }
 
-DeviceExchange::~DeviceExchange() {
-  if (gather_device_ != nullptr) cudaFree(gather_device_);
+DeviceExchange::~DeviceExchange() = default;
+
+char* DeviceExchange::stage_to_host(GrownBuffer& stage, const void* from, size_t bytes, cudaStream_t stream) {
+  char* host = stage.reserve(bytes);
+  if (bytes > 0) check_cuda(cudaMemcpyAsync(host, from, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  wait(stream);
+  return host;
+}
+
+void DeviceExchange::stage_to_device(void* to, const char* from, size_t bytes, cudaStream_t stream) {
+  if (bytes > 0) check_cuda(cudaMemcpyAsync(to, from, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  wait(stream);
 }
 
 Communicator& DeviceExchange::host() {
@@ -254,12 +223,8 @@ void DeviceExchange::all_to_all_v(const void* send, std::span<const int64_t> sen
   const size_t width = element_size(type);
   const size_t send_bytes = static_cast<size_t>(extent(send_counts, send_offsets)) * width;
   const size_t recv_bytes = static_cast<size_t>(extent(recv_counts, recv_offsets)) * width;
-  char* send_host = send_stage_->reserve(std::max<size_t>(send_bytes, 1));
-  char* recv_host = recv_stage_->reserve(std::max<size_t>(recv_bytes, 1));
-  if (send_bytes > 0) {
-    check_cuda(cudaMemcpyAsync(send_host, send, send_bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  }
-  wait(stream);
+  char* send_host = stage_to_host(send_stage_, send, send_bytes, stream);
+  char* recv_host = recv_stage_.reserve(recv_bytes);
   communicator_.all_to_all_v(send_host, send_counts, send_offsets, recv_host, recv_counts, recv_offsets, type);
   for (size_t p = 0; p < recv_counts.size(); ++p) {  // block by block: gaps of recv stay as they were
     if (recv_counts[p] == 0) continue;
@@ -280,12 +245,9 @@ void DeviceExchange::all_reduce_sum(const void* send, void* recv, int64_t count,
     return;
   }
   const size_t bytes = static_cast<size_t>(count) * element_size(type);
-  char* host_buffer = send_stage_->reserve(std::max<size_t>(bytes, 1));
-  if (bytes > 0) check_cuda(cudaMemcpyAsync(host_buffer, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  wait(stream);
+  char* host_buffer = stage_to_host(send_stage_, send, bytes, stream);
   communicator_.all_reduce_sum(host_buffer, host_buffer, count, type);
-  if (bytes > 0) check_cuda(cudaMemcpyAsync(recv, host_buffer, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
-  wait(stream);
+  stage_to_device(recv, host_buffer, bytes, stream);
 }
 
 void DeviceExchange::all_gather(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream) {
@@ -297,15 +259,10 @@ void DeviceExchange::all_gather(const void* send, void* recv, int64_t count, Dat
   }
   const size_t bytes = static_cast<size_t>(count) * element_size(type);
   const size_t all_bytes = bytes * static_cast<size_t>(size());
-  char* send_host = send_stage_->reserve(std::max<size_t>(bytes, 1));
-  char* recv_host = recv_stage_->reserve(std::max<size_t>(all_bytes, 1));
-  if (bytes > 0) check_cuda(cudaMemcpyAsync(send_host, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  wait(stream);
+  char* send_host = stage_to_host(send_stage_, send, bytes, stream);
+  char* recv_host = recv_stage_.reserve(all_bytes);
   communicator_.all_gather(send_host, recv_host, count, type);
-  if (all_bytes > 0) {
-    check_cuda(cudaMemcpyAsync(recv, recv_host, all_bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
-  }
-  wait(stream);
+  stage_to_device(recv, recv_host, all_bytes, stream);
 }
 
 void DeviceExchange::all_gather_to_host(const void* send, void* recv, int64_t count, DataType type,
@@ -314,28 +271,21 @@ void DeviceExchange::all_gather_to_host(const void* send, void* recv, int64_t co
   const size_t bytes = static_cast<size_t>(count) * element_size(type);
   const size_t all_bytes = bytes * static_cast<size_t>(size());
   if (device_pointers_) {
-    char* gathered = recv_stage_->reserve(std::max<size_t>(all_bytes, 1));  // pinned, for the copy back
-    if (all_bytes > gather_device_bytes_) {
-      if (gather_device_ != nullptr) check_cuda(cudaFree(gather_device_), "cudaFree");
-      gather_device_ = nullptr;
-      check_cuda(cudaMalloc(&gather_device_, all_bytes), "cudaMalloc");
-      gather_device_bytes_ = all_bytes;
-    }
+    char* gathered = recv_stage_.reserve(all_bytes);  // pinned, for the copy back
+    char* gathered_device = gather_device_.reserve(all_bytes);
     {
       StreamScope scope(nccl_, stream);
-      communicator_.all_gather(send, gather_device_, count, type);
+      communicator_.all_gather(send, gathered_device, count, type);
     }
     if (all_bytes > 0) {
-      check_cuda(cudaMemcpyAsync(gathered, gather_device_, all_bytes, cudaMemcpyDeviceToHost, stream),
+      check_cuda(cudaMemcpyAsync(gathered, gathered_device, all_bytes, cudaMemcpyDeviceToHost, stream),
                  "cudaMemcpyAsync");
     }
     wait(stream);
     std::copy(gathered, gathered + all_bytes, static_cast<char*>(recv));
     return;
   }
-  char* send_host = send_stage_->reserve(std::max<size_t>(bytes, 1));
-  if (bytes > 0) check_cuda(cudaMemcpyAsync(send_host, send, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  wait(stream);
+  char* send_host = stage_to_host(send_stage_, send, bytes, stream);
   communicator_.all_gather(send_host, recv, count, type);
 }
 

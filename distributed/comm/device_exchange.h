@@ -34,6 +34,7 @@
 #include <string_view>
 
 #include "comm/communicator.h"  // Communicator, DataType
+#include "comm/grown_buffer.h"  // GrownBuffer
 
 namespace moe::dist {
 
@@ -80,17 +81,21 @@ class DeviceExchange {
   int64_t host_waits() const { return host_waits_; }
 
  private:
-  class PinnedBuffer;
   class StreamScope;
   void wait(cudaStream_t stream);  // cudaStreamSynchronize, counted
+  // The MPI staging: device `from` [bytes] into the pinned `stage`, then the host waits for it.
+  char* stage_to_host(GrownBuffer& stage, const void* from, size_t bytes, cudaStream_t stream);
+  // Back: pinned `from` [bytes] to device `to`, then the host waits (the staging is free again).
+  void stage_to_device(void* to, const char* from, size_t bytes, cudaStream_t stream);
 
   Communicator& communicator_;
   NcclCommunicator* nccl_ = nullptr;  // the same communicator, when its backend is NCCL
   bool device_pointers_ = false;
-  std::unique_ptr<PinnedBuffer> send_stage_, recv_stage_;  // MPI: the pinned staging buffers, grown on demand
-  std::unique_ptr<Communicator> host_adapter_;             // NCCL: host collectives through device memory
-  void* gather_device_ = nullptr;                          // NCCL: all_gather_to_host's device scratch
-  size_t gather_device_bytes_ = 0;
+  // MPI: the pinned staging buffers (NCCL: recv_stage_ holds all_gather_to_host's copy back).
+  GrownBuffer send_stage_{GrownBuffer::Memory::pinned_host, "DeviceExchange"};
+  GrownBuffer recv_stage_{GrownBuffer::Memory::pinned_host, "DeviceExchange"};
+  GrownBuffer gather_device_{GrownBuffer::Memory::device, "DeviceExchange"};  // NCCL: all_gather_to_host's device scratch
+  std::unique_ptr<Communicator> host_adapter_;  // NCCL: host collectives through device memory
   int64_t host_waits_ = 0;
 };
 

@@ -104,6 +104,19 @@ void count_sent(LayoutTraffic& traffic, int64_t LayoutTraffic::*field, const std
   }
 }
 
+// One all-to-all-v of packed weight elements (send_counts[p] of `send` to rank p, recv_counts[q]
+// from rank q, packed in rank order), counted in traffic.weight_elements.
+std::vector<double> exchange_weights(Communicator& comm, const std::vector<double>& send,
+                                     const std::vector<int64_t>& send_counts, const std::vector<int64_t>& recv_counts,
+                                     LayoutTraffic& traffic) {
+  std::vector<double> received(static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})),
+                               std::numeric_limits<double>::quiet_NaN());
+  comm.all_to_all_v(send.data(), send_counts, exclusive_prefix_sum(send_counts), received.data(), recv_counts,
+                    exclusive_prefix_sum(recv_counts), DataType::float64);
+  count_sent(traffic, &LayoutTraffic::weight_elements, send_counts, comm.rank(), 1);
+  return received;
+}
+
 // Forward: each rank receives the slices it computes from the ranks that store them, in one
 // all-to-all-v (its own slices included, copied by the backend). The stored copies are only read.
 GatheredExperts gather_experts(Communicator& comm, const MoeConfig& config, const Placement& place,
@@ -126,11 +139,7 @@ GatheredExperts gather_experts(Communicator& comm, const MoeConfig& config, cons
   for (int q = 0; q < R; ++q) {
     for (int64_t j = 0; j < E_r; ++j) recv_counts[q] += place.computes(me, q * E_r + j) ? per_expert : 0;
   }
-  std::vector<double> received(static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})),
-                               std::numeric_limits<double>::quiet_NaN());
-  comm.all_to_all_v(send.data(), send_counts, exclusive_prefix_sum(send_counts), received.data(), recv_counts,
-                    exclusive_prefix_sum(recv_counts), DataType::float64);
-  count_sent(traffic, &LayoutTraffic::weight_elements, send_counts, me, 1);
+  const std::vector<double> received = exchange_weights(comm, send, send_counts, recv_counts, traffic);
 
   GatheredExperts gathered;
   gathered.first_expert = place.first_expert(me);
@@ -177,11 +186,7 @@ void return_expert_gradients(Communicator& comm, const MoeConfig& config, const 
   for (int p = 0; p < R; ++p) {
     for (int64_t j = 0; j < E_r; ++j) recv_counts[p] += place.computes(p, me * E_r + j) ? per_expert : 0;
   }
-  std::vector<double> received(static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})),
-                               std::numeric_limits<double>::quiet_NaN());
-  comm.all_to_all_v(send.data(), send_counts, exclusive_prefix_sum(send_counts), received.data(), recv_counts,
-                    exclusive_prefix_sum(recv_counts), DataType::float64);
-  count_sent(traffic, &LayoutTraffic::weight_elements, send_counts, me, 1);
+  const std::vector<double> received = exchange_weights(comm, send, send_counts, recv_counts, traffic);
 
   int64_t offset = 0;
   for (int p = 0; p < R; ++p) {
@@ -199,63 +204,21 @@ void return_expert_gradients(Communicator& comm, const MoeConfig& config, const 
 ref::DispatchPlan plan_computed_experts(const MoeConfig& config, const Placement& place,
                                         const RoutingOnRanks& routing, int me) {
   const int R = place.ranks;
-  const int64_t E = config.num_experts, n = place.computed_experts(), first = place.first_expert(me);
+  const int64_t E = config.num_experts, first = place.first_expert(me);
   const std::vector<int64_t>& kept = routing.kept_per_rank_expert;
-  ref::DispatchPlan plan;
-  plan.formulation = config.formulation;
-  plan.num_experts = n;
-  plan.top_k = config.top_k;
-  plan.block_size = config.block_size;
-  plan.capacity = routing.capacity;
-
-  std::vector<int64_t> block_start(static_cast<size_t>(R) * n, 0);  // [source][expert] among the received rows
-  int64_t received = 0;
-  for (int q = 0; q < R; ++q) {
-    for (int64_t j = 0; j < n; ++j) {
-      block_start[q * n + j] = received;
-      if (place.receives(me, q, first + j)) received += kept[q * E + first + j];
-    }
-  }
-  plan.tokens_per_expert.assign(n, 0);
-  plan.kept_per_expert.assign(n, 0);
-  plan.rows_per_expert.assign(n, 0);
-  plan.row_offsets.assign(n + 1, 0);
-  for (int64_t j = 0; j < n; ++j) {
+  const auto received_rows = [&](int q, int64_t j) {
+    return place.receives(me, q, first + j) ? kept[q * E + first + j] : int64_t{0};
+  };
+  // r > 1: every slice of the expert computes its C rows. r = 0: the expert's rows are spread over
+  // the ranks; its storing rank adds the padding up to C, once.
+  const auto padded_rows = [&](int64_t j, int64_t arrived) {
     const int64_t e = first + j;
-    int64_t arrived = 0, kept_everywhere = 0;
-    for (int q = 0; q < R; ++q) {
-      kept_everywhere += kept[q * E + e];
-      if (place.receives(me, q, e)) arrived += kept[q * E + e];
-    }
-    int64_t rows = arrived;
-    if (config.formulation == Formulation::padded) {
-      // r > 1: every slice of the expert computes its C rows. r = 0: the expert's rows are spread
-      // over the ranks; its storing rank adds the padding up to C, once.
-      rows = place.r == 0 ? arrived + (place.owner(e) == me ? routing.capacity - kept_everywhere : 0)
-                          : routing.capacity;
-    }
-    if (config.formulation == Formulation::dropless) {
-      rows = (arrived + config.block_size - 1) / config.block_size * config.block_size;
-    }
-    plan.tokens_per_expert[j] = static_cast<int32_t>(arrived);
-    plan.kept_per_expert[j] = static_cast<int32_t>(arrived);
-    plan.rows_per_expert[j] = static_cast<int32_t>(rows);
-    plan.row_offsets[j + 1] = static_cast<int32_t>(plan.row_offsets[j] + rows);
-    plan.padding_rows += rows - arrived;
-  }
-  plan.total_rows = plan.row_offsets[n];
-  plan.tokens = received;
-  plan.row_slot.assign(plan.total_rows, -1);
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t row = plan.row_offsets[j];
-    for (int q = 0; q < R; ++q) {
-      if (!place.receives(me, q, first + j)) continue;
-      for (int64_t i = 0; i < kept[q * E + first + j]; ++i) {
-        plan.row_slot[row++] = static_cast<int32_t>(block_start[q * n + j] + i);
-      }
-    }
-  }
-  return plan;
+    if (place.r != 0) return routing.capacity;
+    int64_t kept_everywhere = 0;
+    for (int q = 0; q < R; ++q) kept_everywhere += kept[q * E + e];
+    return arrived + (place.owner(e) == me ? routing.capacity - kept_everywhere : 0);
+  };
+  return plan_received_rows(config, routing.capacity, R, place.computed_experts(), received_rows, padded_rows);
 }
 
 // Rows out and back: r = 0 keeps every row at home (no exchange); r > 1 exchanges flat.
@@ -339,10 +302,7 @@ ExpertLayoutForward expert_layout_forward(Communicator& comm, const MoeConfig& c
   // ---- the computed experts (or their H slices) over the rows received ----
   f.expert_plan = plan_computed_experts(config, place, routing, me);
   const ref::DispatchPlan& plan = f.expert_plan;
-  f.permuted_x = Matrix::Zero(plan.total_rows, D);
-  for (int64_t row = 0; row < plan.total_rows; ++row) {
-    if (plan.row_slot[row] >= 0) f.permuted_x.row(row) = received.row(plan.row_slot[row]);
-  }
+  f.permuted_x = rows_in_plan_order(plan, received);
   ref::ExpertActivations experts = ref::expert_ffn_forward(slice_config(config, f.experts.hidden_width), plan,
                                                            f.permuted_x, f.experts.w1, f.experts.w2);
   f.pre_activation = std::move(experts.pre_activation);
@@ -350,10 +310,7 @@ ExpertLayoutForward expert_layout_forward(Communicator& comm, const MoeConfig& c
   f.expert_out = std::move(experts.out);
 
   // ---- the way back: each computing rank's (partial) output, summed at the token's rank ----
-  Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
-  for (int64_t row = 0; row < plan.total_rows; ++row) {
-    if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = f.expert_out.row(row);
-  }
+  const Matrix back = rows_in_received_order(plan, f.expert_out, received.rows());
   const Matrix returned = move_rows(comm, f.r, back, f.recv_rows, f.send_rows, D, f.traffic);
   f.slot_expert_out = Matrix::Zero(T_r * K, D);
   for (size_t i = 0; i < f.sent_slots.size(); ++i) f.slot_expert_out.row(f.sent_slots[i]) += returned.row(i);
@@ -420,10 +377,7 @@ ExpertLayoutGradients expert_layout_backward(Communicator& comm, const MoeConfig
   for (size_t i = 0; i < forward.sent_slots.size(); ++i) send.row(i) = d_slot_out.row(forward.sent_slots[i]);
   const Matrix received = move_rows(comm, forward.r, send, forward.send_rows, forward.recv_rows, D, grads.traffic);
   const ref::DispatchPlan& plan = forward.expert_plan;
-  Matrix d_expert_out = Matrix::Zero(plan.total_rows, D);  // padding rows get no gradient
-  for (int64_t row = 0; row < plan.total_rows; ++row) {
-    if (plan.row_slot[row] >= 0) d_expert_out.row(row) = received.row(plan.row_slot[row]);
-  }
+  Matrix d_expert_out = rows_in_plan_order(plan, received);  // padding rows get no gradient
   const ref::ExpertActivations activations{forward.pre_activation, forward.hidden, forward.expert_out};
   const ref::ExpertGradients experts =
       ref::expert_ffn_backward(slice_config(config, forward.experts.hidden_width), plan, forward.permuted_x,
@@ -437,10 +391,7 @@ ExpertLayoutGradients expert_layout_backward(Communicator& comm, const MoeConfig
   return_expert_gradients(comm, config, place, experts.w1, experts.w2, grads, grads.traffic);
 
   // ---- the (partial) input gradients back home, summed over the slices ----
-  Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
-  for (int64_t row = 0; row < plan.total_rows; ++row) {
-    if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = experts.permuted_x.row(row);
-  }
+  const Matrix back = rows_in_received_order(plan, experts.permuted_x, received.rows());
   const Matrix returned = move_rows(comm, forward.r, back, forward.recv_rows, forward.send_rows, D, grads.traffic);
   grads.x = Matrix::Zero(T_r, D);
   for (size_t i = 0; i < forward.sent_slots.size(); ++i) grads.x.row(forward.sent_slots[i] / K) += returned.row(i);

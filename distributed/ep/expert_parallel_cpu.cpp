@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -107,9 +108,77 @@ Matrix exchange_rows(Communicator& comm, HierarchicalAllToAll* hierarchical,
   return recv;
 }
 
-namespace {
-
 // ---- chunks ----
+
+ref::DispatchPlan plan_received_rows(const MoeConfig& config, int64_t capacity, int ranks, int64_t experts,
+                                     const std::function<int64_t(int source, int64_t expert)>& received_rows,
+                                     const std::function<int64_t(int64_t expert, int64_t arrived)>& padded_rows) {
+  ref::DispatchPlan plan;
+  plan.formulation = config.formulation;
+  plan.num_experts = experts;
+  plan.top_k = config.top_k;
+  plan.block_size = config.block_size;
+  plan.capacity = capacity;
+
+  // Where each (source, local expert) block sits among the received rows: [source][local expert].
+  std::vector<int64_t> block_start(static_cast<size_t>(ranks) * experts, 0);
+  int64_t received = 0;
+  for (int q = 0; q < ranks; ++q) {
+    for (int64_t j = 0; j < experts; ++j) {
+      block_start[q * experts + j] = received;
+      received += received_rows(q, j);
+    }
+  }
+  plan.tokens_per_expert.assign(experts, 0);
+  plan.kept_per_expert.assign(experts, 0);
+  plan.rows_per_expert.assign(experts, 0);
+  plan.row_offsets.assign(experts + 1, 0);
+  for (int64_t j = 0; j < experts; ++j) {
+    int64_t arrived = 0;
+    for (int q = 0; q < ranks; ++q) arrived += received_rows(q, j);
+    int64_t rows = arrived;
+    if (config.formulation == Formulation::padded) rows = padded_rows(j, arrived);
+    if (config.formulation == Formulation::dropless) {
+      rows = (arrived + config.block_size - 1) / config.block_size * config.block_size;  // up to B
+    }
+    plan.tokens_per_expert[j] = static_cast<int32_t>(arrived);
+    plan.kept_per_expert[j] = static_cast<int32_t>(arrived);
+    plan.rows_per_expert[j] = static_cast<int32_t>(rows);
+    plan.row_offsets[j + 1] = static_cast<int32_t>(plan.row_offsets[j] + rows);
+    plan.padding_rows += rows - arrived;
+  }
+  plan.total_rows = plan.row_offsets[experts];
+  plan.tokens = received;
+  plan.row_slot.assign(plan.total_rows, -1);
+  for (int64_t j = 0; j < experts; ++j) {
+    int64_t row = plan.row_offsets[j];
+    for (int q = 0; q < ranks; ++q) {
+      const int64_t count = received_rows(q, j);
+      for (int64_t i = 0; i < count; ++i) {
+        plan.row_slot[row++] = static_cast<int32_t>(block_start[q * experts + j] + i);
+      }
+    }
+  }
+  return plan;
+}
+
+Matrix rows_in_plan_order(const ref::DispatchPlan& plan, const Matrix& received) {
+  Matrix rows = Matrix::Zero(plan.total_rows, received.cols());
+  for (int64_t row = 0; row < plan.total_rows; ++row) {
+    if (plan.row_slot[row] >= 0) rows.row(row) = received.row(plan.row_slot[row]);
+  }
+  return rows;
+}
+
+Matrix rows_in_received_order(const ref::DispatchPlan& plan, const Matrix& rows, int64_t received_rows) {
+  Matrix received = Matrix::Constant(received_rows, rows.cols(), std::numeric_limits<double>::quiet_NaN());
+  for (int64_t row = 0; row < plan.total_rows; ++row) {
+    if (plan.row_slot[row] >= 0) received.row(plan.row_slot[row]) = rows.row(row);
+  }
+  return received;
+}
+
+namespace {
 
 // Which rows of which (source rank, expert) block each chunk carries. Expert e's rows, over all
 // ranks, form its row space: its kept slots in global token order (source rank r's block is
@@ -191,54 +260,10 @@ ref::RouterOutput route_shard(const MoeConfig& config, const Matrix& x, const Ma
 // rows received, ordered [local expert][source rank][token].
 ref::DispatchPlan plan_local_experts(const MoeConfig& config, const ChunkLayout& layout, int chunk, int rank,
                                      int ranks, int64_t per_rank) {
-  ref::DispatchPlan plan;
-  plan.formulation = config.formulation;
-  plan.num_experts = per_rank;
-  plan.top_k = config.top_k;
-  plan.block_size = config.block_size;
-  plan.capacity = config.formulation == Formulation::dropless ? 0 : capacity(config);
-
-  // Where each (source, local expert) block sits among the received rows: [source][local expert].
-  std::vector<int64_t> block_start(static_cast<size_t>(ranks) * per_rank);
-  int64_t received = 0;
-  for (int s = 0; s < ranks; ++s) {
-    for (int64_t j = 0; j < per_rank; ++j) {
-      block_start[s * per_rank + j] = received;
-      received += layout.part(chunk, s, rank * per_rank + j).count;
-    }
-  }
-  plan.tokens_per_expert.assign(per_rank, 0);
-  plan.kept_per_expert.assign(per_rank, 0);
-  plan.rows_per_expert.assign(per_rank, 0);
-  plan.row_offsets.assign(per_rank + 1, 0);
-  for (int64_t j = 0; j < per_rank; ++j) {
-    const int64_t e = rank * per_rank + j;
-    int64_t arrived = 0;
-    for (int s = 0; s < ranks; ++s) arrived += layout.part(chunk, s, e).count;
-    int64_t rows = arrived;
-    if (config.formulation == Formulation::padded) rows = layout.chunk_rows(chunk, e);  // zeros up to C
-    if (config.formulation == Formulation::dropless) {
-      rows = (arrived + config.block_size - 1) / config.block_size * config.block_size;  // up to B
-    }
-    plan.tokens_per_expert[j] = static_cast<int32_t>(arrived);
-    plan.kept_per_expert[j] = static_cast<int32_t>(arrived);
-    plan.rows_per_expert[j] = static_cast<int32_t>(rows);
-    plan.row_offsets[j + 1] = static_cast<int32_t>(plan.row_offsets[j] + rows);
-    plan.padding_rows += rows - arrived;
-  }
-  plan.total_rows = plan.row_offsets[per_rank];
-  plan.tokens = received;
-  plan.row_slot.assign(plan.total_rows, -1);
-  for (int64_t j = 0; j < per_rank; ++j) {
-    int64_t row = plan.row_offsets[j];
-    for (int s = 0; s < ranks; ++s) {
-      const int64_t count = layout.part(chunk, s, rank * per_rank + j).count;
-      for (int64_t i = 0; i < count; ++i) {
-        plan.row_slot[row++] = static_cast<int32_t>(block_start[s * per_rank + j] + i);
-      }
-    }
-  }
-  return plan;
+  return plan_received_rows(
+      config, config.formulation == Formulation::dropless ? 0 : capacity(config), ranks, per_rank,
+      [&](int source, int64_t j) { return layout.part(chunk, source, rank * per_rank + j).count; },
+      [&](int64_t j, int64_t) { return layout.chunk_rows(chunk, rank * per_rank + j); });  // zeros up to C
 }
 
 }  // namespace
@@ -375,20 +400,14 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
     // ---- 4. the local experts over exactly the rows received ----
     chunk.expert_plan = plan_local_experts(config, layout, c, rank, R, per_rank);
     const ref::DispatchPlan& plan = chunk.expert_plan;
-    chunk.permuted_x = Matrix::Zero(plan.total_rows, D);
-    for (int64_t row = 0; row < plan.total_rows; ++row) {
-      if (plan.row_slot[row] >= 0) chunk.permuted_x.row(row) = received.row(plan.row_slot[row]);
-    }
+    chunk.permuted_x = rows_in_plan_order(plan, received);
     ref::ExpertActivations experts = ref::expert_ffn_forward(config, plan, chunk.permuted_x, weights.w1, weights.w2);
     chunk.pre_activation = std::move(experts.pre_activation);
     chunk.hidden = std::move(experts.hidden);
     chunk.expert_out = std::move(experts.out);
 
     // ---- 5. all-to-all-v of the expert outputs, back in the order they came ----
-    Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
-    for (int64_t row = 0; row < plan.total_rows; ++row) {
-      if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = chunk.expert_out.row(row);
-    }
+    const Matrix back = rows_in_received_order(plan, chunk.expert_out, received.rows());
     const Matrix returned = exchange_rows(comm, options.hierarchical, back, chunk.recv_rows, chunk.send_rows, D);
     for (size_t i = 0; i < chunk.sent_slots.size(); ++i) f.slot_expert_out.row(chunk.sent_slots[i]) = returned.row(i);
   }
@@ -448,10 +467,7 @@ ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeCo
         exchange_rows(comm, forward.options.hierarchical, send, chunk.send_rows, chunk.recv_rows, D);
 
     const ref::DispatchPlan& plan = chunk.expert_plan;
-    Matrix d_expert_out = Matrix::Zero(plan.total_rows, D);  // padding rows get no gradient
-    for (int64_t row = 0; row < plan.total_rows; ++row) {
-      if (plan.row_slot[row] >= 0) d_expert_out.row(row) = received.row(plan.row_slot[row]);
-    }
+    Matrix d_expert_out = rows_in_plan_order(plan, received);  // padding rows get no gradient
     const ref::ExpertActivations activations{chunk.pre_activation, chunk.hidden, chunk.expert_out};
     const ref::ExpertGradients experts = ref::expert_ffn_backward(config, plan, chunk.permuted_x, weights.w1,
                                                                   weights.w2, activations, d_expert_out);
@@ -460,10 +476,7 @@ ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeCo
       grads.w2[j] += experts.w2[j];
     }
 
-    Matrix back = Matrix::Constant(received.rows(), D, std::numeric_limits<double>::quiet_NaN());
-    for (int64_t row = 0; row < plan.total_rows; ++row) {
-      if (plan.row_slot[row] >= 0) back.row(plan.row_slot[row]) = experts.permuted_x.row(row);
-    }
+    const Matrix back = rows_in_received_order(plan, experts.permuted_x, received.rows());
     const Matrix returned =
         exchange_rows(comm, forward.options.hierarchical, back, chunk.recv_rows, chunk.send_rows, D);
     for (size_t i = 0; i < chunk.sent_slots.size(); ++i) grads.x.row(chunk.sent_slots[i] / K) += returned.row(i);

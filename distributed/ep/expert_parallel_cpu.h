@@ -50,6 +50,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "comm/communicator.h"           // Communicator
@@ -96,6 +97,22 @@ ref::Matrix exchange_rows(Communicator& communicator, HierarchicalAllToAll* hier
                          const ref::Matrix& send,  // [sum send_rows, cols]
                          const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
                          int64_t cols);
+
+// The plan by which a rank's `experts` local experts compute the rows it received (a chunk's
+// expert_plan in FastMoE's layer, the computed experts of a Tutel layout): received_rows(q, j)
+// rows of local expert j arrived from rank q as one block, the blocks packed [source][local expert].
+// The plan orders them [local expert][source rank][row], global token order, and gives expert j its
+// arrived rows: padded_rows(j, arrived) when padded (zeros up to C), rounded up to B when dropless.
+// row_slot is the index of the received row feeding each row, -1 for padding.
+ref::DispatchPlan plan_received_rows(const MoeConfig& config, int64_t capacity, int ranks, int64_t experts,
+                                     const std::function<int64_t(int source, int64_t expert)>& received_rows,
+                                     const std::function<int64_t(int64_t expert, int64_t arrived)>& padded_rows);
+
+// The received rows in such a plan's order: row r is received row row_slot[r]; padding rows zero.
+ref::Matrix rows_in_plan_order(const ref::DispatchPlan& plan, const ref::Matrix& received);
+// The plan's rows back in received order: received row row_slot[r] is row r of `rows`, in a matrix
+// of `received_rows` rows that starts as NaN, so a row that no plan row fills cannot pass for a result.
+ref::Matrix rows_in_received_order(const ref::DispatchPlan& plan, const ref::Matrix& rows, int64_t received_rows);
 
 // Steps 1 and 2 of the forward and the dropping rule: what every expert layout (expert_layouts.h)
 // shares before a token row moves. Collective; every rank gets the same count matrices.

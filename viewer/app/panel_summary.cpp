@@ -29,6 +29,18 @@ void ShowJsonFields(const nlohmann::json& object) {
   }
 }
 
+// The rows of an open table, one cell per column: a row shorter than the table leaves its last
+// cells empty, a longer one is cut at the table's `columns`.
+void ShowTableRows(const std::vector<std::vector<std::string>>& rows, int columns) {
+  for (const auto& row : rows) {
+    ImGui::TableNextRow();
+    for (int c = 0; c < columns && c < static_cast<int>(row.size()); ++c) {
+      ImGui::TableSetColumnIndex(c);
+      ImGui::TextUnformatted(row[static_cast<size_t>(c)].c_str());
+    }
+  }
+}
+
 void ShowRunSummary(OpenRun& run) {
   const RunModel& m = run.model;
   if (!m.error.empty()) {
@@ -103,13 +115,7 @@ void ShowRunSummary(OpenRun& run) {
         for (int c = 0; c < columns; ++c)
           ImGui::TableSetupColumn(c < static_cast<int>(table.columns.size()) ? table.columns[static_cast<size_t>(c)].c_str() : "");
         ImGui::TableHeadersRow();
-        for (const auto& row : table.rows) {
-          ImGui::TableNextRow();
-          for (int c = 0; c < columns && c < static_cast<int>(row.size()); ++c) {
-            ImGui::TableSetColumnIndex(c);
-            ImGui::TextUnformatted(row[static_cast<size_t>(c)].c_str());
-          }
-        }
+        ShowTableRows(table.rows, columns);
         ImGui::EndTable();
       }
     }
@@ -138,13 +144,7 @@ void ShowComparison(ViewerState& state, const std::vector<const RunModel*>& runs
     }
     if (state.summary_sort.table == name)
       sort_rows(table, static_cast<size_t>(state.summary_sort.column), state.summary_sort.ascending);
-    for (const auto& row : table.rows) {
-      ImGui::TableNextRow();
-      for (int c = 0; c < columns && c < static_cast<int>(row.size()); ++c) {
-        ImGui::TableSetColumnIndex(c);
-        ImGui::TextUnformatted(row[static_cast<size_t>(c)].c_str());
-      }
-    }
+    ShowTableRows(table.rows, columns);
     ImGui::EndTable();
   }
   ImGui::PopID();

@@ -18,6 +18,13 @@ void fill_load(const std::vector<int64_t>& tokens, int64_t E, float* out, int64_
                       : mean > 0 ? static_cast<float>(static_cast<double>(tokens[e]) / mean) : 0.0f;
   }
 }
+
+// The routing row of `layer` recorded at or before `step`; null where the run has no such layer or
+// no row that early.
+const RoutingRow* row_at_or_before(const RunModel& run, int64_t layer, int64_t step) {
+  auto it = run.routing.find(layer);
+  return it == run.routing.end() ? nullptr : it->second.row_at_or_before(step);
+}
 }  // namespace
 
 Matrix step_expert_load(const LayerRouting& layer, int64_t max_columns) {
@@ -66,9 +73,7 @@ Matrix layer_expert_load(const RunModel& run, int64_t step, std::vector<int64_t>
 
 ExpertBars expert_bars(const RunModel& run, int64_t layer, int64_t step) {
   ExpertBars bars;
-  auto it = run.routing.find(layer);
-  if (it == run.routing.end()) return bars;
-  const RoutingRow* row = it->second.row_at_or_before(step);
+  const RoutingRow* row = row_at_or_before(run, layer, step);
   if (!row) return bars;
   bars.valid = true;
   bars.step = row->step;
@@ -83,9 +88,7 @@ ExpertBars expert_bars(const RunModel& run, int64_t layer, int64_t step) {
 
 std::map<std::string, std::vector<double>> genre_load(const RunModel& run, int64_t layer, int64_t step) {
   std::map<std::string, std::vector<double>> out;
-  auto it = run.routing.find(layer);
-  if (it == run.routing.end()) return out;
-  const RoutingRow* row = it->second.row_at_or_before(step);
+  const RoutingRow* row = row_at_or_before(run, layer, step);
   if (!row) return out;
   for (const auto& [genre, counts] : row->tokens_per_expert_by_genre) {
     double total = 0;
@@ -98,9 +101,7 @@ std::map<std::string, std::vector<double>> genre_load(const RunModel& run, int64
 
 GenreTable genre_table(const RunModel& run, int64_t layer, int64_t step) {
   GenreTable table;
-  auto it = run.routing.find(layer);
-  if (it == run.routing.end()) return table;
-  const RoutingRow* row = it->second.row_at_or_before(step);
+  const RoutingRow* row = row_at_or_before(run, layer, step);
   if (!row || row->tokens_per_expert_by_genre.empty()) return table;
   table.valid = true;
   table.step = row->step;

@@ -1,0 +1,33 @@
+// config_rejection.h: the one form in which every config's validate() reports a bad field
+// (moe_config.cpp, model_config.cpp, optimizer_config.cpp, byte_sampling.cpp), so that their
+// messages read alike.
+// Header-only.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace moe {
+
+// reject(field, value, allowed) throws std::invalid_argument
+// "invalid <config>: <field> = <value>; allowed: <allowed>".
+struct ConfigRejection {
+  std::string_view config;  // "MoE config", "model config", "schedule", "sampling"
+
+  [[noreturn]] void operator()(std::string_view field, const std::string& value, std::string_view allowed) const {
+    std::ostringstream message;
+    message << "invalid " << config << ": " << field << " = " << value << "; allowed: " << allowed;
+    throw std::invalid_argument(message.str());
+  }
+};
+
+// A double as a stream prints it (1e-05, nan), for the value in a rejection.
+inline std::string number_text(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+}  // namespace moe
