@@ -11,19 +11,34 @@ namespace moe::cuda {
 
 // ---- statistics ----
 
+namespace {
+
+// Applies op(counter of into, the same counter of from) to every counter: the one list of the
+// fields, which add and subtract both walk.
+template <class Op>
+void for_each_counter(BlockOffloadStatistics& into, const BlockOffloadStatistics& from, Op op) {
+  op(into.acquires, from.acquires);
+  op(into.hits, from.hits);
+  op(into.misses, from.misses);
+  op(into.prefetched, from.prefetched);
+  op(into.prefetched_used, from.prefetched_used);
+  op(into.prefetch_dropped, from.prefetch_dropped);
+  op(into.bytes_copied, from.bytes_copied);
+  op(into.copies_timed, from.copies_timed);
+  op(into.copy_ms, from.copy_ms);
+  op(into.stall_ms, from.stall_ms);
+  op(into.acquire_host_ms, from.acquire_host_ms);
+  op(into.host_wait_ms, from.host_wait_ms);
+}
+
+}  // namespace
+
 void BlockOffloadStatistics::add(const BlockOffloadStatistics& other) {
-  acquires += other.acquires;
-  hits += other.hits;
-  misses += other.misses;
-  prefetched += other.prefetched;
-  prefetched_used += other.prefetched_used;
-  prefetch_dropped += other.prefetch_dropped;
-  bytes_copied += other.bytes_copied;
-  copies_timed += other.copies_timed;
-  copy_ms += other.copy_ms;
-  stall_ms += other.stall_ms;
-  acquire_host_ms += other.acquire_host_ms;
-  host_wait_ms += other.host_wait_ms;
+  for_each_counter(*this, other, [](auto& into, auto from) { into += from; });
+}
+
+void BlockOffloadStatistics::subtract(const BlockOffloadStatistics& other) {
+  for_each_counter(*this, other, [](auto& into, auto from) { into -= from; });
 }
 
 double BlockOffloadStatistics::hit_rate() const {
