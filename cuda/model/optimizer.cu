@@ -182,10 +182,8 @@ void gradient_norm(const float* gradients, int64_t count, float* partials, float
   constexpr const char* kFunction = "gradient_norm";
   detail::check_range(kFunction, "count", count, 1, int64_t{1} << 40);
   if (std::isnan(max_norm)) throw std::invalid_argument("gradient_norm: max_norm = nan; expected a number");
-  detail::check_not_null(kFunction, "gradients", gradients);
-  detail::check_not_null(kFunction, "partials", partials);
-  detail::check_not_null(kFunction, "norm", norm);
-  detail::check_not_null(kFunction, "clip_scale", clip_scale);
+  detail::check_not_null(kFunction, {{"gradients", gradients}, {"partials", partials}, {"norm", norm},
+                                     {"clip_scale", clip_scale}});
   if (reinterpret_cast<uintptr_t>(gradients) % 16 != 0) {
     throw std::invalid_argument("gradient_norm: gradients must be 16-byte aligned (float4 loads); a cudaMalloc'd "
                                 "buffer is, and so is any offset that is a multiple of 4 floats");
@@ -215,9 +213,7 @@ void clip_scale_from_squared_norm(const double* squared, float* norm, float* cli
                                   cudaStream_t stream) {
   constexpr const char* kFunction = "clip_scale_from_squared_norm";
   if (std::isnan(max_norm)) throw std::invalid_argument("clip_scale_from_squared_norm: max_norm = nan; expected a number");
-  detail::check_not_null(kFunction, "squared", squared);
-  detail::check_not_null(kFunction, "norm", norm);
-  detail::check_not_null(kFunction, "clip_scale", clip_scale);
+  detail::check_not_null(kFunction, {{"squared", squared}, {"norm", norm}, {"clip_scale", clip_scale}});
   clip_from_squared_kernel<<<1, 1, 0, stream>>>(squared, norm, clip_scale, max_norm);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -233,10 +229,8 @@ void adamw_update(const AdamWStep& step, float* weights, const float* gradients,
   check_finite_range(kFunction, "beta2", step.beta2, 0.0f, 0.999999f, "0 <= beta2 < 1");
   check_finite_range(kFunction, "eps", step.eps, 1e-30f, 1.0f, "0 < eps <= 1");
   check_finite_range(kFunction, "weight_decay", step.weight_decay, 0.0f, 1e3f, "a finite weight_decay >= 0");
-  detail::check_not_null(kFunction, "weights", weights);
-  detail::check_not_null(kFunction, "gradients", gradients);
-  detail::check_not_null(kFunction, "first_moment", first_moment);
-  detail::check_not_null(kFunction, "second_moment", second_moment);
+  detail::check_not_null(kFunction, {{"weights", weights}, {"gradients", gradients}, {"first_moment", first_moment},
+                                     {"second_moment", second_moment}});
   const double t = static_cast<double>(step.step);
   UpdateConstants c{};
   c.lr = step.lr;
