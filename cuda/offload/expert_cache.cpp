@@ -2,6 +2,7 @@
 #include "offload/expert_cache.h"
 
 #include <algorithm>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -13,22 +14,22 @@ namespace moe::cuda {
 
 namespace {
 
-// Applies op(counter of into, the same counter of from) to every counter: the one list of the
-// fields, which add and subtract both walk.
+using Statistics = BlockOffloadStatistics;
+// Every counter of BlockOffloadStatistics, the one list that add and subtract walk: the counts, then the times.
+constexpr int64_t Statistics::* kCounts[] = {&Statistics::acquires,         &Statistics::hits,
+                                             &Statistics::misses,           &Statistics::prefetched,
+                                             &Statistics::prefetched_used,  &Statistics::prefetch_dropped,
+                                             &Statistics::bytes_copied,     &Statistics::copies_timed};
+constexpr double Statistics::* kTimes[] = {&Statistics::copy_ms, &Statistics::stall_ms, &Statistics::acquire_host_ms,
+                                           &Statistics::host_wait_ms};
+static_assert(sizeof(Statistics) == std::size(kCounts) * sizeof(int64_t) + std::size(kTimes) * sizeof(double),
+              "a counter of BlockOffloadStatistics is missing from kCounts or kTimes");
+
+// Applies op(counter of into, the same counter of from) to every counter.
 template <class Op>
-void for_each_counter(BlockOffloadStatistics& into, const BlockOffloadStatistics& from, Op op) {
-  op(into.acquires, from.acquires);
-  op(into.hits, from.hits);
-  op(into.misses, from.misses);
-  op(into.prefetched, from.prefetched);
-  op(into.prefetched_used, from.prefetched_used);
-  op(into.prefetch_dropped, from.prefetch_dropped);
-  op(into.bytes_copied, from.bytes_copied);
-  op(into.copies_timed, from.copies_timed);
-  op(into.copy_ms, from.copy_ms);
-  op(into.stall_ms, from.stall_ms);
-  op(into.acquire_host_ms, from.acquire_host_ms);
-  op(into.host_wait_ms, from.host_wait_ms);
+void for_each_counter(Statistics& into, const Statistics& from, Op op) {
+  for (auto counter : kCounts) op(into.*counter, from.*counter);
+  for (auto counter : kTimes) op(into.*counter, from.*counter);
 }
 
 }  // namespace
