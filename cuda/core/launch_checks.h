@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -16,6 +17,17 @@ inline void check_not_null(const char* function, const char* name, const void* p
   if (pointer == nullptr) {
     throw std::invalid_argument(std::string(function) + ": " + name + " is a null pointer");
   }
+}
+
+// A pointer argument and the name its message gives it.
+struct NamedPointer {
+  const char* name;
+  const void* pointer;
+};
+
+// Every pointer of the list, in order: the first null one is the one named.
+inline void check_not_null(const char* function, std::initializer_list<NamedPointer> pointers) {
+  for (const NamedPointer& p : pointers) check_not_null(function, p.name, p.pointer);
 }
 
 // lo <= value <= hi, with `what` saying where the bound comes from (e.g. "kRouterMaxExperts").

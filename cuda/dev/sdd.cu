@@ -330,16 +330,11 @@ void launch_tensor_core_shape(const moe::cuda::block_sparse_detail::SddProblem<
 using LessonSdd = moe::cuda::block_sparse_detail::SddProblem<moe::cuda::block_sparse_detail::Layout::row_major_km,
                                                              moe::cuda::block_sparse_detail::SddEpilogue::store>;
 LessonSdd lesson_sdd_problem(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out) {
-  LessonSdd problem{};
-  problem.block_rows = t.block_rows;
-  problem.offsets = t.offsets;
-  problem.block_row_expert = t.block_row_expert;
-  problem.block_row_tokens = t.block_row_tokens;
+  LessonSdd problem = moe::cuda::block_sparse_detail::with_row_walk(LessonSdd{}, t);
   problem.a = x;
   problem.inner = D;
   problem.b = w1;
   problem.ldb = H;
-  problem.block_size = t.block_size;
   problem.out0 = out;
   return problem;
 }
@@ -457,14 +452,9 @@ void launch_wgmma_dsd(const DeviceTopology& t, const bf16* hidden, const bf16* c
                       cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
   using Dsd = DsdProblem<Layout::row_major_km>;
-  Dsd problem{};
-  problem.block_rows = t.block_rows;
-  problem.offsets = t.offsets;
-  problem.block_row_expert = t.block_row_expert;
+  Dsd problem = with_row_walk(Dsd{}, t);
   problem.s0 = hidden;
   problem.parts = 1;
-  problem.blocks_per_expert = t.blocks_per_expert;
-  problem.block_size = t.block_size;
   problem.b = w2;
   problem.ldb = D;
   problem.out = out;

@@ -1,12 +1,11 @@
 // infer/kv_cache.cu: the KV cache on the GPU, its append, and decode attention (see infer/kv_cache.h).
 #include "infer/kv_cache.h"
 
-#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-#include "core/elementwise.h"  // fill_nan
+#include "core/elementwise.h"  // fill_nan, grid_stride_blocks
 #include "core/cuda_check.h"    // CUDA_CHECK
 #include "core/warp_reduce.cuh"  // warp_sum, warp_max
 
@@ -133,9 +132,9 @@ void kv_cache_append(const bf16* qkv, bf16* keys, bf16* values, const KvCacheSha
                                 std::to_string(shape.capacity));
   }
   const size_t total = static_cast<size_t>(shape.batch * count * shape.heads * shape.head_dim);
-  const unsigned blocks = static_cast<unsigned>(std::min<size_t>((total + 255) / 256, 4096));
-  kv_cache_append_kernel<<<blocks, 256, 0, stream>>>(qkv, keys, values, int(shape.heads), int(shape.head_dim),
-                                                     int(shape.capacity), int(count), int(first_position), total);
+  kv_cache_append_kernel<<<grid_stride_blocks(total), kElementwiseThreads, 0, stream>>>(
+      qkv, keys, values, int(shape.heads), int(shape.head_dim), int(shape.capacity), int(count), int(first_position),
+      total);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -93,20 +93,7 @@ void RecordedExpertSource::end_step() {
     const OffloadStatistics now = offloaded_->statistics();  // waits for the step's copies
     step.blocks = now.blocks;
     for (size_t j = 0; j < now.blocks.size() && j < previous_.blocks.size(); ++j) {
-      BlockOffloadStatistics& b = step.blocks[j];
-      const BlockOffloadStatistics& p = previous_.blocks[j];
-      b.acquires -= p.acquires;
-      b.hits -= p.hits;
-      b.misses -= p.misses;
-      b.prefetched -= p.prefetched;
-      b.prefetched_used -= p.prefetched_used;
-      b.prefetch_dropped -= p.prefetch_dropped;
-      b.bytes_copied -= p.bytes_copied;
-      b.copies_timed -= p.copies_timed;
-      b.copy_ms -= p.copy_ms;
-      b.stall_ms -= p.stall_ms;
-      b.acquire_host_ms -= p.acquire_host_ms;
-      b.host_wait_ms -= p.host_wait_ms;
+      step.blocks[j].subtract(previous_.blocks[j]);
     }
     previous_ = now;
   }

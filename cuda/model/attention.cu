@@ -172,14 +172,9 @@ void attention_forward(cublasHandle_t handle, const AttentionShape& shape, const
   constexpr const char* kFunction = "attention_forward";
   check_attention_shape(kFunction, shape);
   check_workspace(kFunction, shape, workspace);
-  detail::check_not_null(kFunction, "handle", handle);
-  detail::check_not_null(kFunction, "x", x);
-  detail::check_not_null(kFunction, "qkv_weights", qkv_weights);
-  detail::check_not_null(kFunction, "out_weights", out_weights);
-  detail::check_not_null(kFunction, "qkv", qkv);
-  detail::check_not_null(kFunction, "probs", probs);
-  detail::check_not_null(kFunction, "context", context);
-  detail::check_not_null(kFunction, "out", out);
+  detail::check_not_null(kFunction, {{"handle", handle}, {"x", x}, {"qkv_weights", qkv_weights},
+                                     {"out_weights", out_weights}, {"qkv", qkv}, {"probs", probs}, {"context", context},
+                                     {"out", out}});
   const Sizes z = sizes_of(shape);
   const int D = z.model_dim, S = z.seq_len, d = z.head_dim;
   const int64_t qkv_sequence = int64_t{S} * 3 * D, sequence = int64_t{S} * D, square = int64_t{S} * S;
@@ -217,17 +212,10 @@ void attention_backward(cublasHandle_t handle, const AttentionShape& shape, cons
   constexpr const char* kFunction = "attention_backward";
   check_attention_shape(kFunction, shape);
   check_workspace(kFunction, shape, workspace);
-  detail::check_not_null(kFunction, "handle", handle);
-  detail::check_not_null(kFunction, "x", x);
-  detail::check_not_null(kFunction, "qkv_weights", qkv_weights);
-  detail::check_not_null(kFunction, "out_weights", out_weights);
-  detail::check_not_null(kFunction, "qkv", qkv);
-  detail::check_not_null(kFunction, "probs", probs);
-  detail::check_not_null(kFunction, "context", context);
-  detail::check_not_null(kFunction, "d_out", d_out);
-  detail::check_not_null(kFunction, "d_qkv_weights", d_qkv_weights);
-  detail::check_not_null(kFunction, "d_out_weights", d_out_weights);
-  detail::check_not_null(kFunction, "dx", dx);
+  detail::check_not_null(kFunction, {{"handle", handle}, {"x", x}, {"qkv_weights", qkv_weights},
+                                     {"out_weights", out_weights}, {"qkv", qkv}, {"probs", probs}, {"context", context},
+                                     {"d_out", d_out}, {"d_qkv_weights", d_qkv_weights},
+                                     {"d_out_weights", d_out_weights}, {"dx", dx}});
   const Sizes z = sizes_of(shape);
   const int D = z.model_dim, S = z.seq_len, d = z.head_dim;
   const int64_t qkv_sequence = int64_t{S} * 3 * D, sequence = int64_t{S} * D, square = int64_t{S} * S;

@@ -95,10 +95,8 @@ void cross_entropy_forward(const float* logits, const int32_t* targets, float* l
                            int64_t positions, cudaStream_t stream) {
   constexpr const char* kFunction = "cross_entropy_forward";
   check_positions(kFunction, positions);
-  detail::check_not_null(kFunction, "logits", logits);
-  detail::check_not_null(kFunction, "targets", targets);
-  detail::check_not_null(kFunction, "losses", losses);
-  detail::check_not_null(kFunction, "mean_loss", mean_loss);
+  detail::check_not_null(kFunction, {{"logits", logits}, {"targets", targets}, {"losses", losses},
+                                     {"mean_loss", mean_loss}});
   cross_entropy_losses_kernel<<<row_blocks(positions), kWarpsPerBlock * 32, 0, stream>>>(logits, targets, losses,
                                                                                           positions);
   CUDA_CHECK(cudaGetLastError());
@@ -113,9 +111,7 @@ void cross_entropy_backward(const float* logits, const int32_t* targets, bf16* d
   if (mean_over == 0) mean_over = positions;
   detail::check_range(kFunction, "mean_over", mean_over, positions, int64_t{1} << 40,
                       "at least positions: the mean is over these positions and maybe other ranks'");
-  detail::check_not_null(kFunction, "logits", logits);
-  detail::check_not_null(kFunction, "targets", targets);
-  detail::check_not_null(kFunction, "d_logits", d_logits);
+  detail::check_not_null(kFunction, {{"logits", logits}, {"targets", targets}, {"d_logits", d_logits}});
   cross_entropy_backward_kernel<<<row_blocks(positions), kWarpsPerBlock * 32, 0, stream>>>(logits, targets, d_logits,
                                                                                             positions, 1.0f / static_cast<float>(mean_over));  // d mean / d loss[t]
   CUDA_CHECK(cudaGetLastError());

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/cuda_check.h"     // CUDA_CHECK
+#include "core/elementwise.h"     // grid_stride_blocks
 #include "core/launch_checks.h"  // check_not_null, check_range
 
 namespace moe::cuda {
@@ -82,10 +83,6 @@ void check_sizes(const char* function, int64_t batch, int64_t seq_len, int64_t m
   detail::check_range(function, "batch * seq_len", batch * seq_len, 1, int64_t{1} << 31, "tokens");
 }
 
-unsigned blocks_for(int64_t count) {  // enough to fill the GPU; the grid-stride loop covers the rest
-  const int64_t blocks = (count + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(blocks < 8192 ? blocks : 8192);
-}
 
 }  // namespace
 
@@ -93,12 +90,12 @@ void embedding_forward(const int32_t* tokens, const bf16* token_embedding, const
                        int64_t batch, int64_t seq_len, int64_t model_dim, cudaStream_t stream) {
   constexpr const char* kFunction = "embedding_forward";
   check_sizes(kFunction, batch, seq_len, model_dim);
-  detail::check_not_null(kFunction, "tokens", tokens);
-  detail::check_not_null(kFunction, "token_embedding", token_embedding);
-  detail::check_not_null(kFunction, "position_embedding", position_embedding);
-  detail::check_not_null(kFunction, "x", x);
+  detail::check_not_null(kFunction, {{"tokens", tokens}, {"token_embedding", token_embedding},
+                                     {"position_embedding", position_embedding}, {"x", x}});
   const int64_t tokens_total = batch * seq_len;
-  embedding_forward_kernel<<<blocks_for(tokens_total * model_dim), kThreads, 0, stream>>>(
+  // Up to 8192 blocks: the grid-stride loop covers the rest.
+  const unsigned blocks = grid_stride_blocks(static_cast<size_t>(tokens_total * model_dim), kThreads, 8192);
+  embedding_forward_kernel<<<blocks, kThreads, 0, stream>>>(
       tokens, token_embedding, position_embedding, x, tokens_total, seq_len, model_dim);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -108,10 +105,8 @@ void embedding_backward(const int32_t* tokens, const float* dx, float* d_token_e
                         bool accumulate_token_gradient, cudaStream_t stream) {
   constexpr const char* kFunction = "embedding_backward";
   check_sizes(kFunction, batch, seq_len, model_dim);
-  detail::check_not_null(kFunction, "tokens", tokens);
-  detail::check_not_null(kFunction, "dx", dx);
-  detail::check_not_null(kFunction, "d_token_embedding", d_token_embedding);
-  detail::check_not_null(kFunction, "d_position_embedding", d_position_embedding);
+  detail::check_not_null(kFunction, {{"tokens", tokens}, {"dx", dx}, {"d_token_embedding", d_token_embedding},
+                                     {"d_position_embedding", d_position_embedding}});
   const unsigned column_slices = static_cast<unsigned>((model_dim + kThreads - 1) / kThreads);
   embedding_token_backward_kernel<<<dim3(kEmbeddingVocabulary, column_slices), kThreads, 0, stream>>>(
       tokens, dx, d_token_embedding, batch * seq_len, model_dim, accumulate_token_gradient);

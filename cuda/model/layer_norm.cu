@@ -148,12 +148,8 @@ void layer_norm_forward(const bf16* x, const bf16* gain, const bf16* bias, bf16*
     throw std::invalid_argument(std::string(kFunction) + ": eps = " + std::to_string(eps) +
                                 "; expected a finite eps > 0");
   }
-  detail::check_not_null(kFunction, "x", x);
-  detail::check_not_null(kFunction, "gain", gain);
-  detail::check_not_null(kFunction, "bias", bias);
-  detail::check_not_null(kFunction, "y", y);
-  detail::check_not_null(kFunction, "mean", mean);
-  detail::check_not_null(kFunction, "rstd", rstd);
+  detail::check_not_null(kFunction, {{"x", x}, {"gain", gain}, {"bias", bias}, {"y", y}, {"mean", mean},
+                                     {"rstd", rstd}});
   layer_norm_forward_kernel<<<row_blocks(rows), kWarpsPerBlock * 32, 0, stream>>>(x, gain, bias, y, mean, rstd, rows,
                                                                                   model_dim, eps);
   CUDA_CHECK(cudaGetLastError());
@@ -164,15 +160,8 @@ void layer_norm_backward(const float* dy, const bf16* x, const float* mean, cons
                          bool accumulate_dx, cudaStream_t stream) {
   constexpr const char* kFunction = "layer_norm_backward";
   check_sizes(kFunction, rows, model_dim);
-  detail::check_not_null(kFunction, "dy", dy);
-  detail::check_not_null(kFunction, "x", x);
-  detail::check_not_null(kFunction, "mean", mean);
-  detail::check_not_null(kFunction, "rstd", rstd);
-  detail::check_not_null(kFunction, "gain", gain);
-  detail::check_not_null(kFunction, "dx", dx);
-  detail::check_not_null(kFunction, "d_gain", d_gain);
-  detail::check_not_null(kFunction, "d_bias", d_bias);
-  detail::check_not_null(kFunction, "scratch", scratch);
+  detail::check_not_null(kFunction, {{"dy", dy}, {"x", x}, {"mean", mean}, {"rstd", rstd}, {"gain", gain}, {"dx", dx},
+                                     {"d_gain", d_gain}, {"d_bias", d_bias}, {"scratch", scratch}});
   layer_norm_dx_kernel<<<row_blocks(rows), kWarpsPerBlock * 32, 0, stream>>>(dy, x, mean, rstd, gain, dx, rows,
                                                                              model_dim, accumulate_dx);
   CUDA_CHECK(cudaGetLastError());

@@ -114,30 +114,35 @@ bool is_moe_block(const ModelGpuConfig& config, int64_t layer) {
   return moe::is_moe_block(model_config_of(config), layer);
 }
 
+namespace {
+
+// The fields ModelConfig and ModelGpuConfig share by name, copied from `from` to `to`: the one list
+// that both conversions below use.
+template <class From, class To>
+void copy_shared_model_fields(const From& from, To& to) {
+  to.model_dim = from.model_dim;
+  to.num_layers = from.num_layers;
+  to.num_heads = from.num_heads;
+  to.seq_len = from.seq_len;
+  to.moe_layers = from.moe_layers;
+  to.dense_hidden_dim = from.dense_hidden_dim;
+  to.layer_norm_eps = from.layer_norm_eps;
+  to.pregated = from.pregated;
+}
+
+}  // namespace
+
 ModelGpuConfig gpu_config_of(const ModelConfig& c, int64_t batch) {
   ModelGpuConfig g;
-  g.model_dim = c.model_dim;
-  g.num_layers = c.num_layers;
-  g.num_heads = c.num_heads;
-  g.seq_len = c.seq_len;
+  copy_shared_model_fields(c, g);
   g.batch = batch;
-  g.moe_layers = c.moe_layers;
-  g.dense_hidden_dim = c.dense_hidden_dim;
-  g.layer_norm_eps = c.layer_norm_eps;
   g.moe = moe_layer_config(c, batch);
-  g.pregated = c.pregated;
   return g;
 }
 
 ModelConfig model_config_of(const ModelGpuConfig& g) {
   ModelConfig c;
-  c.model_dim = g.model_dim;
-  c.num_layers = g.num_layers;
-  c.num_heads = g.num_heads;
-  c.seq_len = g.seq_len;
-  c.moe_layers = g.moe_layers;
-  c.dense_hidden_dim = g.dense_hidden_dim;
-  c.layer_norm_eps = g.layer_norm_eps;
+  copy_shared_model_fields(g, c);
   c.num_experts = g.moe.num_experts;
   c.top_k = g.moe.top_k;
   c.expert_hidden_dim = g.moe.hidden_dim;
@@ -148,7 +153,6 @@ ModelConfig model_config_of(const ModelGpuConfig& g) {
   c.renormalize = g.moe.renormalize;
   c.aux_loss_coef = g.moe.aux_loss_coef;
   c.z_loss_coef = g.moe.z_loss_coef;
-  c.pregated = g.pregated;
   return c;
 }
 

@@ -23,6 +23,25 @@ constexpr int kUpdateThreads = 256;
 // the block adds its threads' sums in a fixed tree. The partition depends on the count only, so the
 // norm has the same bits on every run. gradients must be 16-byte aligned (the launcher checks).
 constexpr int kNormUnroll = 4;
+
+// sums[0] becomes the sum of sums[0 .. N) by a fixed tree, so the same bits on every run; every
+// thread of the N-thread block calls it once it has written its own sums[threadIdx.x].
+template <int N, typename T>
+__device__ __forceinline__ void block_tree_sum(T* sums) {
+  __syncthreads();
+  for (int stride = N / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+}
+
+// The norm from the sum of squares, and the clip scale that brings it down to max_norm (1 when it
+// is at most max_norm, or when max_norm <= 0 turns clipping off).
+__device__ __forceinline__ void write_norm_and_clip(double squared, float* norm, float* clip_scale, float max_norm) {
+  const double value = sqrt(squared);
+  *norm = static_cast<float>(value);
+  *clip_scale = (max_norm > 0.0f && value > max_norm) ? static_cast<float>(max_norm / value) : 1.0f;
+}
 __global__ void squares_partials_kernel(const float* gradients, int64_t count, float* partials) {
   __shared__ float sums[kNormThreads];
   const float4* quads = reinterpret_cast<const float4*>(gradients);
@@ -45,11 +64,7 @@ __global__ void squares_partials_kernel(const float* gradients, int64_t count, f
     sum += g * g;
   }
   sums[threadIdx.x] = sum;
-  __syncthreads();
-  for (int stride_ = kNormThreads / 2; stride_ > 0; stride_ /= 2) {
-    if (threadIdx.x < stride_) sums[threadIdx.x] += sums[threadIdx.x + stride_];
-    __syncthreads();
-  }
+  block_tree_sum<kNormThreads>(sums);
   if (threadIdx.x == 0) partials[blockIdx.x] = sums[0];
 }
 
@@ -57,16 +72,8 @@ __global__ void squares_partials_kernel(const float* gradients, int64_t count, f
 __global__ void norm_finish_kernel(const float* partials, float* norm, float* clip_scale, float max_norm) {
   __shared__ double sums[kGradientNormBlocks];
   sums[threadIdx.x] = partials[threadIdx.x];
-  __syncthreads();
-  for (int stride = kGradientNormBlocks / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    const double value = sqrt(sums[0]);
-    *norm = static_cast<float>(value);
-    *clip_scale = (max_norm > 0.0f && value > max_norm) ? static_cast<float>(max_norm / value) : 1.0f;
-  }
+  block_tree_sum<kGradientNormBlocks>(sums);
+  if (threadIdx.x == 0) write_norm_and_clip(sums[0], norm, clip_scale, max_norm);
 }
 
 // gradient_squared_norm's pass 1: squares_partials_kernel's partition applied to every span in turn.
@@ -84,11 +91,7 @@ __global__ void span_squares_partials_kernel(const float* gradients, const NormS
     sum += spans[s].weight * span_sum;
   }
   sums[threadIdx.x] = sum;
-  __syncthreads();
-  for (int stride = kNormThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
-    __syncthreads();
-  }
+  block_tree_sum<kNormThreads>(sums);
   if (threadIdx.x == 0) partials[blockIdx.x] = sums[0];
 }
 
@@ -96,18 +99,12 @@ __global__ void span_squares_partials_kernel(const float* gradients, const NormS
 __global__ void squared_finish_kernel(const float* partials, double* squared) {
   __shared__ double sums[kGradientNormBlocks];
   sums[threadIdx.x] = partials[threadIdx.x];
-  __syncthreads();
-  for (int stride = kGradientNormBlocks / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
-    __syncthreads();
-  }
+  block_tree_sum<kGradientNormBlocks>(sums);
   if (threadIdx.x == 0) *squared = sums[0];
 }
 
 __global__ void clip_from_squared_kernel(const double* squared, float* norm, float* clip_scale, float max_norm) {
-  const double value = sqrt(*squared);
-  *norm = static_cast<float>(value);
-  *clip_scale = (max_norm > 0.0f && value > max_norm) ? static_cast<float>(max_norm / value) : 1.0f;
+  write_norm_and_clip(*squared, norm, clip_scale, max_norm);
 }
 
 struct UpdateConstants {  // per step, from the host
@@ -182,10 +179,8 @@ void gradient_norm(const float* gradients, int64_t count, float* partials, float
   constexpr const char* kFunction = "gradient_norm";
   detail::check_range(kFunction, "count", count, 1, int64_t{1} << 40);
   if (std::isnan(max_norm)) throw std::invalid_argument("gradient_norm: max_norm = nan; expected a number");
-  detail::check_not_null(kFunction, "gradients", gradients);
-  detail::check_not_null(kFunction, "partials", partials);
-  detail::check_not_null(kFunction, "norm", norm);
-  detail::check_not_null(kFunction, "clip_scale", clip_scale);
+  detail::check_not_null(kFunction, {{"gradients", gradients}, {"partials", partials}, {"norm", norm},
+                                     {"clip_scale", clip_scale}});
   if (reinterpret_cast<uintptr_t>(gradients) % 16 != 0) {
     throw std::invalid_argument("gradient_norm: gradients must be 16-byte aligned (float4 loads); a cudaMalloc'd "
                                 "buffer is, and so is any offset that is a multiple of 4 floats");
@@ -215,9 +210,7 @@ void clip_scale_from_squared_norm(const double* squared, float* norm, float* cli
                                   cudaStream_t stream) {
   constexpr const char* kFunction = "clip_scale_from_squared_norm";
   if (std::isnan(max_norm)) throw std::invalid_argument("clip_scale_from_squared_norm: max_norm = nan; expected a number");
-  detail::check_not_null(kFunction, "squared", squared);
-  detail::check_not_null(kFunction, "norm", norm);
-  detail::check_not_null(kFunction, "clip_scale", clip_scale);
+  detail::check_not_null(kFunction, {{"squared", squared}, {"norm", norm}, {"clip_scale", clip_scale}});
   clip_from_squared_kernel<<<1, 1, 0, stream>>>(squared, norm, clip_scale, max_norm);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -233,10 +226,8 @@ void adamw_update(const AdamWStep& step, float* weights, const float* gradients,
   check_finite_range(kFunction, "beta2", step.beta2, 0.0f, 0.999999f, "0 <= beta2 < 1");
   check_finite_range(kFunction, "eps", step.eps, 1e-30f, 1.0f, "0 < eps <= 1");
   check_finite_range(kFunction, "weight_decay", step.weight_decay, 0.0f, 1e3f, "a finite weight_decay >= 0");
-  detail::check_not_null(kFunction, "weights", weights);
-  detail::check_not_null(kFunction, "gradients", gradients);
-  detail::check_not_null(kFunction, "first_moment", first_moment);
-  detail::check_not_null(kFunction, "second_moment", second_moment);
+  detail::check_not_null(kFunction, {{"weights", weights}, {"gradients", gradients}, {"first_moment", first_moment},
+                                     {"second_moment", second_moment}});
   const double t = static_cast<double>(step.step);
   UpdateConstants c{};
   c.lr = step.lr;

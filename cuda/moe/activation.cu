@@ -7,6 +7,7 @@
 
 #include "moe/activation_math.cuh"  // gelu, gelu_derivative, silu, silu_derivative
 #include "core/cuda_check.h"        // CUDA_CHECK
+#include "core/elementwise.h"       // grid_stride_blocks
 
 namespace moe::cuda {
 
@@ -56,12 +57,6 @@ __global__ void swiglu_backward_kernel(const __nv_bfloat162* pre, const __nv_bfl
   }
 }
 
-// Enough blocks of 256 threads to fill the GPU several times over; the loops cover the rest.
-unsigned grid_for(size_t pairs) {
-  const size_t blocks = (pairs + 255) / 256;
-  return static_cast<unsigned>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
-}
-
 void check_even(size_t n) {
   if (n % 2 != 0) throw std::invalid_argument("gelu: element count must be even (bf16 pairs), got " + std::to_string(n));
 }
@@ -84,7 +79,7 @@ void check_swiglu_shape(const char* function, int64_t rows, int64_t hidden_dim) 
 void gelu_forward(const bf16* pre, bf16* hidden, size_t n, cudaStream_t stream) {
   check_even(n);
   const size_t pairs = n / 2;
-  gelu_forward_kernel<<<grid_for(pairs), 256, 0, stream>>>(
+  gelu_forward_kernel<<<grid_stride_blocks(pairs), kElementwiseThreads, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat162*>(pre), reinterpret_cast<__nv_bfloat162*>(hidden), pairs);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -92,7 +87,7 @@ void gelu_forward(const bf16* pre, bf16* hidden, size_t n, cudaStream_t stream) 
 void gelu_backward(const bf16* pre, const bf16* d_hidden, bf16* d_pre, size_t n, cudaStream_t stream) {
   check_even(n);
   const size_t pairs = n / 2;
-  gelu_backward_kernel<<<grid_for(pairs), 256, 0, stream>>>(
+  gelu_backward_kernel<<<grid_stride_blocks(pairs), kElementwiseThreads, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat162*>(pre), reinterpret_cast<const __nv_bfloat162*>(d_hidden),
       reinterpret_cast<__nv_bfloat162*>(d_pre), pairs);
   CUDA_CHECK(cudaGetLastError());
@@ -102,10 +97,9 @@ void swiglu_forward(const bf16* pre, bf16* hidden, int64_t rows, int64_t hidden_
   check_swiglu_shape("swiglu_forward", rows, hidden_dim);
   const size_t pairs = static_cast<size_t>(rows * hidden_dim / 2);
   if (pairs == 0) return;
-  swiglu_forward_kernel<<<grid_for(pairs), 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat162*>(pre),
-                                                             reinterpret_cast<__nv_bfloat162*>(hidden),
-                                                             static_cast<unsigned>(pairs),
-                                                             static_cast<unsigned>(hidden_dim / 2));
+  swiglu_forward_kernel<<<grid_stride_blocks(pairs), kElementwiseThreads, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat162*>(pre), reinterpret_cast<__nv_bfloat162*>(hidden),
+      static_cast<unsigned>(pairs), static_cast<unsigned>(hidden_dim / 2));
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -114,7 +108,7 @@ void swiglu_backward(const bf16* pre, const bf16* d_hidden, bf16* d_pre, int64_t
   check_swiglu_shape("swiglu_backward", rows, hidden_dim);
   const size_t pairs = static_cast<size_t>(rows * hidden_dim / 2);
   if (pairs == 0) return;
-  swiglu_backward_kernel<<<grid_for(pairs), 256, 0, stream>>>(
+  swiglu_backward_kernel<<<grid_stride_blocks(pairs), kElementwiseThreads, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat162*>(pre), reinterpret_cast<const __nv_bfloat162*>(d_hidden),
       reinterpret_cast<__nv_bfloat162*>(d_pre), static_cast<unsigned>(pairs), static_cast<unsigned>(hidden_dim / 2));
   CUDA_CHECK(cudaGetLastError());

@@ -338,18 +338,14 @@ struct SddArguments {
 
 void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t stream) {
   const int hidden = t.blocks_per_expert * t.block_size;  // H
-  auto fill = [&](auto problem) {
-    problem.block_rows = t.block_rows;
-    problem.offsets = t.offsets;
-    problem.block_row_expert = t.block_row_expert;
-    problem.block_row_tokens = t.block_row_tokens;
+  auto fill = [&](auto empty) {
+    auto problem = with_row_walk(empty, t);
     problem.a = args.a;
     problem.inner = args.inner;
     problem.gather = args.gather;
     problem.b = args.b.pointers;
     problem.ldb = args.b.ld;
     problem.column_offset = args.b.column_offset;
-    problem.block_size = t.block_size;
     problem.in0 = args.in0;
     problem.in1 = args.in1;
     problem.out0 = args.out0;
@@ -398,15 +394,11 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
 
 void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const ExpertOperand& b,
                 int out_cols, bf16* out, cudaStream_t stream) {
-  auto fill = [&](auto problem) {
-    problem.block_rows = t.block_rows;
-    problem.offsets = t.offsets;
-    problem.block_row_expert = t.block_row_expert;
+  auto fill = [&](auto empty) {
+    auto problem = with_row_walk(empty, t);
     problem.s0 = s0;
     problem.s1 = s1;
     problem.parts = s1 != nullptr ? 2 : 1;
-    problem.blocks_per_expert = t.blocks_per_expert;
-    problem.block_size = t.block_size;
     problem.b = b.pointers;
     problem.ldb = b.ld;
     problem.column_offset = b.column_offset;
@@ -433,18 +425,6 @@ void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const E
     launch(fill(DsdProblem<Layout::row_major_km>{}), t.block_size, out_cols, t.max_block_rows, stream, tma_or_null);
 }
 
-// The fields of the weight-gradient products (DSᵀD, DDS) that walk a block column of the topology.
-template <class Problem>
-Problem with_column_walk(Problem problem, const DeviceTopology& t) {
-  problem.column_offsets = t.column_offsets;
-  problem.transpose_indices = t.transpose_indices;
-  problem.row_indices = t.row_indices;
-  problem.block_row_tokens = t.block_row_tokens;
-  problem.blocks_per_expert = t.blocks_per_expert;
-  problem.block_size = t.block_size;
-  return problem;
-}
-
 // The weight gradients' output maps (ws_bulk_epilogue's TMA stores): every expert's [rows, ldo]
 // matrix of OUT as its 128-byte column groups, in boxes of 16 rows x kWsBulkGroups groups. The
 // prototype's own address is any aligned one (`aligned`); the launch swaps in each expert's. A map
@@ -468,15 +448,24 @@ bool gradient_pairs_taken(const DeviceTopology& t, int columns_per_tile) {
          block_row_pairs_taken(t.max_block_rows, t.block_cols / t.blocks_per_expert);
 }
 
+// A weight-gradient problem (DSᵀD, DDS): the column walk, the blocks `s`, the dense operand with
+// its row stride ldd, and the experts' outputs with theirs.
+template <class Problem, typename OUT>
+Problem weight_gradient_problem(Problem empty, const DeviceTopology& t, const bf16* s, const bf16* dense, int ldd,
+                                OUT* const* out, int ldo) {
+  Problem problem = with_column_walk(empty, t);
+  problem.s = s;
+  problem.dense = dense;
+  problem.ldd = ldd;
+  problem.out = out;
+  problem.ldo = ldo;
+  return problem;
+}
+
 template <typename OUT>
 void launch_dsd_transposed(const DeviceTopology& t, const bf16* s, const bf16* dense, int cols,
                            OUT* const* out, int ldo, cudaStream_t stream) {
-  DsdTransposedProblem<OUT> problem = with_column_walk(DsdTransposedProblem<OUT>{}, t);
-  problem.s = s;
-  problem.dense = dense;
-  problem.ldd = cols;
-  problem.out = out;
-  problem.ldo = ldo;
+  const auto problem = weight_gradient_problem(DsdTransposedProblem<OUT>{}, t, s, dense, cols, out, ldo);
   // TMA on the warp-specialized kernel: the blocks in [64 k][64 m] boxes, the rows of `dense` in
   // [64 k][64 n] boxes; no expert operand (the output is per expert, the inputs are not).
   TmaOperands tma;
@@ -495,12 +484,7 @@ template <typename OUT>
 void launch_dds(const DeviceTopology& t, const bf16* dense, int cols, const bf16* s, OUT* const* out,
                 int ldo, int column_offset, cudaStream_t stream) {
   auto fill = [&](auto empty) {
-    auto problem = with_column_walk(empty, t);
-    problem.dense = dense;
-    problem.ldd = cols;
-    problem.s = s;
-    problem.out = out;
-    problem.ldo = ldo;
+    auto problem = weight_gradient_problem(empty, t, s, dense, cols, out, ldo);
     problem.column_offset = column_offset;
     return problem;
   };

@@ -652,4 +652,31 @@ struct DdsProblem {
   __device__ void store_chunk(int m, int n, const float (&v)[8]) const { store8(out_at(m, n), v); }
 };
 
+
+// ---- the problems' topology fields, filled on the host from a DeviceTopology ----
+// The fields of the products that walk block rows (SDD, DSD): the block rows, where their blocks
+// start, their experts, B; and the block rows' token counts and H / B where the problem has them.
+template <class Problem, class Topology>
+Problem with_row_walk(Problem problem, const Topology& t) {
+  problem.block_rows = t.block_rows;
+  problem.offsets = t.offsets;
+  problem.block_row_expert = t.block_row_expert;
+  if constexpr (requires { problem.block_row_tokens; }) problem.block_row_tokens = t.block_row_tokens;
+  if constexpr (requires { problem.blocks_per_expert; }) problem.blocks_per_expert = t.blocks_per_expert;
+  problem.block_size = t.block_size;
+  return problem;
+}
+
+// The fields of the weight-gradient products (DSᵀD, DDS) that walk a block column of the topology.
+template <class Problem, class Topology>
+Problem with_column_walk(Problem problem, const Topology& t) {
+  problem.column_offsets = t.column_offsets;
+  problem.transpose_indices = t.transpose_indices;
+  problem.row_indices = t.row_indices;
+  problem.block_row_tokens = t.block_row_tokens;
+  problem.blocks_per_expert = t.blocks_per_expert;
+  problem.block_size = t.block_size;
+  return problem;
+}
+
 }  // namespace moe::cuda::block_sparse_detail

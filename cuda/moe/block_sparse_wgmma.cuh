@@ -167,6 +167,28 @@ __device__ inline void wgmma_m64n256k16(float (&d)[128], uint64_t a, uint64_t b)
       : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
 }
 
+// One k-step's wgmma group on a 64-row slice of A by N columns of B (N = 128 or 256): a fence, the
+// kBlockK / 16 MMAs, the commit. a and b are the operands' shared addresses; A_M_MAJOR and
+// B_N_MAJOR say how the tiles there are stored, which is how the descriptors read them.
+template <int N, bool A_M_MAJOR, bool B_N_MAJOR>
+__device__ __forceinline__ void wgmma_k_step(float (&acc)[N / 2], uint32_t a, uint32_t b) {
+  static_assert(N == 128 || N == 256, "m64n128k16 or m64n256k16");
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockK / 16; ++kk) {
+    // The kk-th 16 of K: 32 bytes along a K-major row, or 16 rows of 128 bytes down an MN-major tile.
+    const uint64_t a_descriptor = A_M_MAJOR ? matrix_descriptor(a + kk * 16 * 128, kBlockK * 128, 1024)
+                                            : matrix_descriptor(a + kk * 32, 16, 1024);
+    const uint64_t b_descriptor = B_N_MAJOR ? matrix_descriptor(b + kk * 16 * 128, kBlockK * 128, 1024)
+                                            : matrix_descriptor(b + kk * 32, 16, 1024);
+    if constexpr (N == 256)
+      wgmma_m64n256k16<A_M_MAJOR ? 1 : 0, B_N_MAJOR ? 1 : 0>(acc, a_descriptor, b_descriptor);
+    else
+      wgmma_m64n128k16<A_M_MAJOR ? 1 : 0, B_N_MAJOR ? 1 : 0>(acc, a_descriptor, b_descriptor);
+  }
+  wgmma_commit();
+}
+
 // ---- copies into the swizzled layout ----
 // K-major tile [ROWS][64] bf16: chunk c of row r at byte r * 128 + (c ^ (r % 8)) * 16.
 template <int ROWS>
@@ -277,20 +299,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, MIN_BLOCKS) block_sparse_wgmma_
     // group (M-major: kBlockK = 64 rows of 128 bytes): 8 KB further either way.
     const uint32_t a = stage_a(step) + warpgroup * 64 * 128;
     const uint32_t b = stage_b(step);
-    wgmma_fence();  // the accumulators were last written by wgmma (or the zero fill above)
-#pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      // The kk-th 16 of K: 32 bytes along a K-major row, or 16 rows of 128 bytes down an MN-major tile.
-      const uint64_t a_descriptor = a_m_major ? matrix_descriptor(a + kk * 16 * 128, kBlockK * 128, 1024)
-                                              : matrix_descriptor(a + kk * 32, 16, 1024);
-      const uint64_t b_descriptor = b_n_major ? matrix_descriptor(b + kk * 16 * 128, kBlockK * 128, 1024)
-                                              : matrix_descriptor(b + kk * 32, 16, 1024);
-      if constexpr (BN == 256)
-        wgmma_m64n256k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
-      else
-        wgmma_m64n128k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
-    }
-    wgmma_commit();
+    // Its fence orders this group after the accumulators' last writes (wgmma, or the zero fill above).
+    wgmma_k_step<BN, a_m_major, b_n_major>(acc, a, b);
 
     if (step + kAhead < k_steps) load_stage(step + kAhead);  // into the stage of step - 1 - IN_FLIGHT
     cp_async_commit();

@@ -1256,20 +1256,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       fence_proxy_async();  // ... and are visible to the tensor cores (async proxy)
       const uint32_t a = stage_a(stage) + (kHalf ? 0u : static_cast<uint32_t>(consumer) * 64 * 128);
       const uint32_t b = stage_a(stage) + a_bytes + (kHalf ? static_cast<uint32_t>(consumer) * 16 * 1024 : 0u);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        const uint64_t a_descriptor = a_m_major ? matrix_descriptor(a + kk * 16 * 128, kBlockK * 128, 1024)
-                                                : matrix_descriptor(a + kk * 32, 16, 1024);
-        const uint64_t b_descriptor = b_n_major ? matrix_descriptor(b + kk * 16 * 128, kBlockK * 128, 1024)
-                                                : matrix_descriptor(b + kk * 32, 16, 1024);
-        if constexpr (kHalf)
-          wgmma_m64n128k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(*reinterpret_cast<float(*)[kAccumulators / 2]>(acc),
-                                                                  a_descriptor, b_descriptor);
-        else
-          wgmma_m64n256k16<a_m_major ? 1 : 0, b_n_major ? 1 : 0>(acc, a_descriptor, b_descriptor);
-      }
-      wgmma_commit();
+      if constexpr (kHalf)
+        wgmma_k_step<128, a_m_major, b_n_major>(*reinterpret_cast<float(*)[kAccumulators / 2]>(acc), a, b);
+      else
+        wgmma_k_step<256, a_m_major, b_n_major>(acc, a, b);
       // Keep this step's group running; once the previous step's has retired, its stage goes back.
       wgmma_wait<1>();
       if (step > 0 && lane == 0) release(previous_stage);

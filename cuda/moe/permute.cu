@@ -259,10 +259,8 @@ void permute_tokens(const DevicePlan& plan, const bf16* x, bf16* permuted_x, int
                     cudaStream_t stream) {
   constexpr const char* function = "permute_tokens";
   check_plan(function, plan, model_dim);
-  detail::check_not_null(function, "plan.row_slot", plan.row_slot);
-  detail::check_not_null(function, "plan.total_rows", plan.total_rows);
-  detail::check_not_null(function, "x", x);
-  detail::check_not_null(function, "permuted_x", permuted_x);
+  detail::check_not_null(function, {{"plan.row_slot", plan.row_slot}, {"plan.total_rows", plan.total_rows}, {"x", x},
+                                    {"permuted_x", permuted_x}});
   if (plan.max_rows == 0) return;
   const unsigned grid = warp_blocks(plan.max_rows);
   if (use_wide_packs(model_dim, {x, permuted_x})) {
@@ -279,10 +277,8 @@ void unpermute_and_combine(const DevicePlan& plan, const float* combine_weights,
                            bf16* y, int model_dim, cudaStream_t stream) {
   constexpr const char* function = "unpermute_and_combine";
   check_plan(function, plan, model_dim);
-  detail::check_not_null(function, "plan.slot_row", plan.slot_row);
-  detail::check_not_null(function, "combine_weights", combine_weights);
-  detail::check_not_null(function, "expert_out", expert_out);
-  detail::check_not_null(function, "y", y);
+  detail::check_not_null(function, {{"plan.slot_row", plan.slot_row}, {"combine_weights", combine_weights},
+                                    {"expert_out", expert_out}, {"y", y}});
   const unsigned grid = warp_blocks(plan.tokens);
   if (use_wide_packs(model_dim, {expert_out, y})) {
     launch_dependent(unpermute_and_combine_kernel<8>, grid, kThreadsPerBlock, 0, stream, plan.slot_row,
@@ -299,13 +295,9 @@ void combine_backward(const DevicePlan& plan, const float* combine_weights, cons
                       cudaStream_t stream) {
   constexpr const char* function = "combine_backward";
   check_plan(function, plan, model_dim);
-  detail::check_not_null(function, "plan.row_slot", plan.row_slot);
-  detail::check_not_null(function, "plan.total_rows", plan.total_rows);
-  detail::check_not_null(function, "combine_weights", combine_weights);
-  detail::check_not_null(function, "dy", dy);
-  detail::check_not_null(function, "expert_out", expert_out);
-  detail::check_not_null(function, "d_expert_out", d_expert_out);
-  detail::check_not_null(function, "d_combine_weights", d_combine_weights);
+  detail::check_not_null(function, {{"plan.row_slot", plan.row_slot}, {"plan.total_rows", plan.total_rows},
+                                    {"combine_weights", combine_weights}, {"dy", dy}, {"expert_out", expert_out},
+                                    {"d_expert_out", d_expert_out}, {"d_combine_weights", d_combine_weights}});
   // Dropped slots own no row, so no warp writes them: they start at zero.
   CUDA_CHECK(cudaMemsetAsync(d_combine_weights, 0,
                              static_cast<size_t>(plan.tokens) * plan.top_k * sizeof(float), stream));
@@ -327,9 +319,7 @@ void permute_backward(const DevicePlan& plan, const bf16* d_permuted_x, float* d
                       bool accumulate, cudaStream_t stream) {
   constexpr const char* function = "permute_backward";
   check_plan(function, plan, model_dim);
-  detail::check_not_null(function, "plan.slot_row", plan.slot_row);
-  detail::check_not_null(function, "d_permuted_x", d_permuted_x);
-  detail::check_not_null(function, "dx", dx);
+  detail::check_not_null(function, {{"plan.slot_row", plan.slot_row}, {"d_permuted_x", d_permuted_x}, {"dx", dx}});
   const unsigned grid = warp_blocks(plan.tokens);
   if (use_wide_packs(model_dim, {d_permuted_x})) {
     permute_backward_kernel<8><<<grid, kThreadsPerBlock, 0, stream>>>(

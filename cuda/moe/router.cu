@@ -679,10 +679,7 @@ unsigned token_blocks(int tokens) { return static_cast<unsigned>((tokens + kWarp
 void router_logits(cublasHandle_t handle, const bf16* x, const bf16* gate_weights, float* logits,
                    int tokens, int model_dim, int num_experts, cudaStream_t stream) {
   constexpr const char* function = "router_logits";
-  detail::check_not_null(function, "handle", handle);
-  detail::check_not_null(function, "x", x);
-  detail::check_not_null(function, "gate_weights", gate_weights);
-  detail::check_not_null(function, "logits", logits);
+  detail::check_not_null(function, {{"handle", handle}, {"x", x}, {"gate_weights", gate_weights}, {"logits", logits}});
   detail::check_range(function, "tokens (T)", tokens, 1, INT32_MAX);
   detail::check_range(function, "model_dim (D)", model_dim, 1, INT32_MAX);
   detail::check_range(function, "num_experts (E)", num_experts, 1, INT32_MAX);
@@ -732,14 +729,10 @@ void check_route(const char* function, const RouteOutputs& out, const RouterWork
   check_router_sizes(function, tokens, num_experts, top_k);
   detail::check_range(function, "num_experts (E)", num_experts, 1, workspace.num_experts,
                       "the RouterWorkspace was sized for that many experts");
-  detail::check_not_null(function, "probs", out.probs);
-  detail::check_not_null(function, "top_experts", out.top_experts);
-  detail::check_not_null(function, "combine_weights", out.combine_weights);
-  detail::check_not_null(function, "logsumexp", out.logsumexp);
-  detail::check_not_null(function, "expert_fraction", out.expert_fraction);
-  detail::check_not_null(function, "mean_probs", out.mean_probs);
-  detail::check_not_null(function, "aux_loss", out.aux_loss);
-  detail::check_not_null(function, "z_loss", out.z_loss);
+  detail::check_not_null(function, {{"probs", out.probs}, {"top_experts", out.top_experts},
+                                    {"combine_weights", out.combine_weights}, {"logsumexp", out.logsumexp},
+                                    {"expert_fraction", out.expert_fraction}, {"mean_probs", out.mean_probs},
+                                    {"aux_loss", out.aux_loss}, {"z_loss", out.z_loss}});
 }
 
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
@@ -830,12 +823,9 @@ void router_backward(const float* probs, const float* logsumexp, const int* top_
                      double z_loss_coef, cudaStream_t stream) {
   constexpr const char* function = "router_backward";
   check_router_sizes(function, tokens, num_experts, top_k);
-  detail::check_not_null(function, "probs", probs);
-  detail::check_not_null(function, "logsumexp", logsumexp);
-  detail::check_not_null(function, "top_experts", top_experts);
-  detail::check_not_null(function, "d_combine_weights", d_combine_weights);
-  detail::check_not_null(function, "expert_fraction", expert_fraction);
-  detail::check_not_null(function, "d_logits", d_logits);
+  detail::check_not_null(function, {{"probs", probs}, {"logsumexp", logsumexp}, {"top_experts", top_experts},
+                                    {"d_combine_weights", d_combine_weights}, {"expert_fraction", expert_fraction},
+                                    {"d_logits", d_logits}});
   if (!std::isfinite(aux_loss_coef) || !std::isfinite(z_loss_coef)) {
     throw std::invalid_argument(std::string(function) + ": aux_loss_coef = " + std::to_string(aux_loss_coef) +
                                 ", z_loss_coef = " + std::to_string(z_loss_coef) + "; expected finite numbers");

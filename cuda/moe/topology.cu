@@ -256,9 +256,8 @@ void build_topology(const DevicePlan& plan, TopologyBuffers& buffers, cudaStream
   detail::check_range(function, "plan.max_rows", plan.max_rows, 0,
                       static_cast<int64_t>(view.max_block_rows) * view.block_size + view.block_size - 1,
                       "the TopologyBuffers' max_block_rows * B (+ B-1)");
-  detail::check_not_null(function, "plan.row_offsets", plan.row_offsets);
-  detail::check_not_null(function, "plan.total_rows", plan.total_rows);
-  detail::check_not_null(function, "plan.kept_per_expert", plan.kept_per_expert);
+  detail::check_not_null(function, {{"plan.row_offsets", plan.row_offsets}, {"plan.total_rows", plan.total_rows},
+                                    {"plan.kept_per_expert", plan.kept_per_expert}});
 
   const int threads = std::max({view.max_block_rows + 1, view.block_cols + 1, view.max_nnz});
   launch_dependent(

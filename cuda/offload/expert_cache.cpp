@@ -2,6 +2,7 @@
 #include "offload/expert_cache.h"
 
 #include <algorithm>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -11,19 +12,34 @@ namespace moe::cuda {
 
 // ---- statistics ----
 
+namespace {
+
+using Statistics = BlockOffloadStatistics;
+// Every counter of BlockOffloadStatistics, the one list that add and subtract walk: the counts, then the times.
+constexpr int64_t Statistics::* kCounts[] = {&Statistics::acquires,         &Statistics::hits,
+                                             &Statistics::misses,           &Statistics::prefetched,
+                                             &Statistics::prefetched_used,  &Statistics::prefetch_dropped,
+                                             &Statistics::bytes_copied,     &Statistics::copies_timed};
+constexpr double Statistics::* kTimes[] = {&Statistics::copy_ms, &Statistics::stall_ms, &Statistics::acquire_host_ms,
+                                           &Statistics::host_wait_ms};
+static_assert(sizeof(Statistics) == std::size(kCounts) * sizeof(int64_t) + std::size(kTimes) * sizeof(double),
+              "a counter of BlockOffloadStatistics is missing from kCounts or kTimes");
+
+// Applies op(counter of into, the same counter of from) to every counter.
+template <class Op>
+void for_each_counter(Statistics& into, const Statistics& from, Op op) {
+  for (auto counter : kCounts) op(into.*counter, from.*counter);
+  for (auto counter : kTimes) op(into.*counter, from.*counter);
+}
+
+}  // namespace
+
 void BlockOffloadStatistics::add(const BlockOffloadStatistics& other) {
-  acquires += other.acquires;
-  hits += other.hits;
-  misses += other.misses;
-  prefetched += other.prefetched;
-  prefetched_used += other.prefetched_used;
-  prefetch_dropped += other.prefetch_dropped;
-  bytes_copied += other.bytes_copied;
-  copies_timed += other.copies_timed;
-  copy_ms += other.copy_ms;
-  stall_ms += other.stall_ms;
-  acquire_host_ms += other.acquire_host_ms;
-  host_wait_ms += other.host_wait_ms;
+  for_each_counter(*this, other, [](auto& into, auto from) { into += from; });
+}
+
+void BlockOffloadStatistics::subtract(const BlockOffloadStatistics& other) {
+  for_each_counter(*this, other, [](auto& into, auto from) { into -= from; });
 }
 
 double BlockOffloadStatistics::hit_rate() const {

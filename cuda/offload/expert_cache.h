@@ -73,6 +73,7 @@ struct BlockOffloadStatistics {
   double host_wait_ms = 0;
 
   void add(const BlockOffloadStatistics& other);
+  void subtract(const BlockOffloadStatistics& other);  // every counter minus other's: the counts since `other`
   double hit_rate() const;           // hits / (hits + misses); 0 when nothing was acquired
   double prefetch_accuracy() const;  // prefetched_used / prefetched; 0 when nothing was prefetched
   double copy_gb_per_s() const;      // bytes_copied / copy_ms; 0 when nothing was timed
