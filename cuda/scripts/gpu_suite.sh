@@ -290,7 +290,7 @@ distributed() {
 distributed_shared_gpu() {
   local rc=0 mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
   CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend mpi -e 16M --warmup-ms 200 -n 5 \
-    --chunks 1,2 --nodes-of 2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
+    --pipeline-chunks 1,2 --nodes-of 2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
   tail -4 "$LOGS/ep_bench_mpi.log"
   # Ranks sharing one GPU over MPI: the lessons' GPU path (lesson 07 at R = 4: 2DH with two nodes
   # of 2), the GPU layer's test at R = 4, and the multi-rank GPU tests under compute-sanitizer.
@@ -415,7 +415,7 @@ scaling() {
   [ "$gpus" -ge 4 ] || { echo "scaling: needs 4 or more GPUs, found $gpus"; return 1; }
   for r in 1 2 4 8; do
     [ "$r" -le "$gpus" ] || break
-    "${mpirun[@]}" -np $r $ep --backend nccl --only layer --layer 16384,2048,8192,$((8 * r)),2 --chunks 1,2,4 \
+    "${mpirun[@]}" -np $r $ep --backend nccl --only layer --layer 16384,2048,8192,$((8 * r)),2 --pipeline-chunks 1,2,4 \
       --out "$OUT/ep_bench_scaling_r$r.json" > "$LOGS/ep_bench_scaling_r$r.log" 2>&1 || rc=1
     echo "R = $r:"; grep -E "^ ep_layer|^# the|^#   against|^(PASS|FAIL)" "$LOGS/ep_bench_scaling_r$r.log"
   done
@@ -429,7 +429,7 @@ scaling() {
     tail -20 "$LOGS/ep_bench_exchange_r${gpus}_nodes4.log"
   fi
   for t in 1024 16384; do
-    "${mpirun[@]}" -np $gpus $ep --backend nccl --only layer --layouts --chunks 1 --layer $t,2048,8192,$((8 * gpus)),2 \
+    "${mpirun[@]}" -np $gpus $ep --backend nccl --only layer --layouts --pipeline-chunks 1 --layer $t,2048,8192,$((8 * gpus)),2 \
       --out "$OUT/ep_bench_layouts_t${t}_r$gpus.json" > "$LOGS/ep_bench_layouts_t${t}_r$gpus.log" 2>&1 || rc=1
     echo "layouts, T = $t a GPU:"; grep -E "^ ep_layer|^# the|^#   (against|its)|^(PASS|FAIL)" "$LOGS/ep_bench_layouts_t${t}_r$gpus.log"
   done
