@@ -5,7 +5,7 @@
 //   any bad flag     one line on stderr, `program: <message naming the flag as typed>`, exit 2:
 //                      --seed needs a value
 //                      --seed -1: allowed: an integer >= 0
-//                      The following argument was not expected: --no-such-flag
+//                      unknown argument '--no-such-flag'
 // The validators below read numbers whole (parse_number.h): "12abc", "nan" and "inf" are refused
 // with the flag in the message, as are values outside the allowed range.
 //
@@ -24,6 +24,7 @@
 #include <iostream>
 #include <limits>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -134,6 +135,14 @@ inline std::string command_line_message(const CLI::ParseError& error) {
   // CLI11: "--seed: -1: allowed: ..." (a validator's message after the flag's name).
   if (dynamic_cast<const CLI::ValidationError*>(&error) != nullptr && colon != std::string::npos) {
     return what.substr(0, colon) + " " + what.substr(colon + 2);
+  }
+  // CLI11: "The following arguments were not expected: --steps 3".
+  if (dynamic_cast<const CLI::ExtrasError*>(&error) != nullptr && colon != std::string::npos) {
+    std::istringstream extras(what.substr(colon + 2));
+    std::string first, rest, word;
+    extras >> first;
+    while (extras >> word) rest += (rest.empty() ? "" : " ") + word;
+    return "unknown argument '" + first + "'" + (rest.empty() ? "" : " (also not expected: " + rest + ")");
   }
   return what;
 }

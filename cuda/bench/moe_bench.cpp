@@ -83,7 +83,9 @@
 
 #include "moe/block_sparse.h"        // block_sparse_ffn_forward / backward
 #include "moe/activation.h"          // gelu_forward / _backward, swiglu_forward / _backward
+#include "command_line.h"           // CLI::App, parse_command_line, whole_number, finite_number, one_of
 #include "core/bench_support.h"      // utc_now
+#include "parse_number.h"            // parse_integer, parse_integer_list
 #include "core/clock_warm_up.h"      // warm_up_clock
 #include "core/bf16.h"               // bf16
 #include "moe/topology.h"            // TopologyBuffers, build_topology
@@ -189,14 +191,15 @@ CapturedRouting capture_routing(const std::string& argument) {
   const size_t at = argument.rfind('@');
   captured.run = at == std::string::npos ? argument : argument.substr(0, at);
   const bool step_given = at != std::string::npos;
-  const int64_t wanted_step = step_given ? std::stoll(argument.substr(at + 1)) : 0;
+  const std::optional<int64_t> wanted_step = step_given ? moe::parse_integer(argument.substr(at + 1)) : 0;
+  if (!wanted_step) throw std::invalid_argument("--routing-from " + argument + ": allowed: RUN_DIR or RUN_DIR@STEP");
   const moe::RunRecord record = moe::RunReader::load(captured.run);
   std::vector<const json*> routing;
   for (const json& event : record.events) {
     if (event["type"] == "routing") routing.push_back(&event);
   }
   if (routing.empty()) throw std::invalid_argument("--routing-from " + captured.run + ": the run has no routing events");
-  captured.step = step_given ? wanted_step : (*routing.back())["step"].get<int64_t>();
+  captured.step = step_given ? *wanted_step : (*routing.back())["step"].get<int64_t>();
   bool found = false;
   for (const json* event : routing) {
     if ((*event)["step"].get<int64_t>() != captured.step) continue;
@@ -221,153 +224,99 @@ CapturedRouting capture_routing(const std::string& argument) {
   return captured;
 }
 
-const char* kUsage =
-    "usage: moe_bench [--shapes baselines|small|all|T,D,H,E,K] [--routing both|uniform|zipf]\n"
-    "                 [--routing-from RUN_DIR[@STEP]] [--only NAME[,NAME...]] [--out FILE]\n"
-    "                 [--warmup N] [--warmup-ms MS] [--repeat N] [--seed N] [--rows layer|gathered|permuted]\n"
-    "                 [--stream-k on|off] [--gradient-pairs on|off] [--timing synced|pipelined]\n"
-    "                 [--block-row-pairs rule|everywhere] [--kernel-trace] [--activation gelu|swiglu|both]\n"
-    "                 [--micro-batches M]\n"
-    "  --micro-batches: instead of the formulations table, the whole dropless layer (B = 128) over M\n"
-    "                micro-batches of the shape's T tokens, its expert weight gradients as one product\n"
-    "                over all of them (gradient accumulation), beside the same micro-batches each with\n"
-    "                its own weight gradients, the layer on one batch of M*T tokens, and dense cuBLAS\n"
-    "                on M*T*K rows (the ratios' baseline); M = 1 times the layer's plain step\n"
-    "  --activation:  the experts' activation: gelu (default), swiglu (W1 [D, 2H]), or both, SwiGLU's\n"
-    "                rows after GeLU's for each shape and routing, with their ratio (vs gelu)\n"
-    "  --rows:        how the block-sparse SDD reads x: as the layer does (default: gathered where\n"
-    "                gathering_pays), gathered wherever the kernels can, or from a permuted copy\n"
-    "  --stream-k:    whether the block-sparse DSDs end in a stream-K tail (default on)\n"
-    "  --gradient-pairs: whether the block-sparse weight gradients run in clusters of two tiles that\n"
-    "                share an operand's copies (default on)\n"
-    "  --timing:      synced (default): each timed run starts on an idle GPU, after a synchronize, so\n"
-    "                it includes the host's time to its first launch; pipelined: the runs enqueued\n"
-    "                back to back, an event between each two, so each is timed on the GPU alone\n"
-    "  --block-row-pairs: pairs of block rows (and of weight-gradient tiles) where the measured rule\n"
-    "                takes them (default), or at every shape, for an experiment\n"
-    "  --kernel-trace: after timing each formulation, run its forward and its forward + backward\n"
-    "                `repeat` more times back to back under CUPTI and report each kernel's median\n"
-    "                time in place and the GPU's idle gaps between kernels (JSON: kernel_traces)\n"
-    "  --routing-from: also time \"captured\": a recorded training run's routing (its most imbalanced\n"
-    "                layer at STEP, default the last recorded), on the shapes with the run's E\n"
+const char* kDescription =
+    "moe_bench: the expert FFN in every formulation, timed against dense cuBLAS in the same run.\n"
     "  formulations: block_sparse_B128 block_sparse_B64 grouped_cublas padded_max dropping_cf1.00\n"
-    "                dropping_cf1.25 dense_cublas (always timed: the baseline of every ratio)\n";
+    "                dropping_cf1.25 dense_cublas (always timed: the baseline of every ratio)";
 
+// The flags; a value that is more than a number (a shape, a choice) is read as text and turned into
+// Options after the parse, so each flag's check and its help line stay together here.
 Options parse_options(int argc, char** argv) {
   Options options;
   options.out = "notebooks_data/bench/moe_bench_" + utc_now("%Y-%m-%dT%H%M%SZ") + ".json";
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++i];
-    };
-    auto integer = [&](const std::string& v) -> int64_t {  // the whole text, or an error naming the flag
-      try {
-        size_t used = 0;
-        const long long n = std::stoll(v, &used);
-        if (used == v.size()) return n;
-      } catch (const std::logic_error&) {  // std::stoll: not a number, or out of range
-      }
-      throw std::invalid_argument(arg + " " + v + ": allowed: an integer");
-    };
-    auto real = [&](const std::string& v) -> double {
-      try {
-        size_t used = 0;
-        const double x = std::stod(v, &used);
-        if (used == v.size() && std::isfinite(x)) return x;
-      } catch (const std::logic_error&) {
-      }
-      throw std::invalid_argument(arg + " " + v + ": allowed: a finite number");
-    };
-    auto on_off = [&]() {  // a switch's value: on or off
-      const std::string v = value();
-      if (v == "on") return true;
-      if (v == "off") return false;
-      throw std::invalid_argument(arg + ": on or off");
-    };
-    if (arg == "--shapes") {
-      const std::string v = value();
-      if (v == "baselines") options.shapes = kBaselineShapes;
-      else if (v == "small") options.shapes = {kSmallShape};
-      else if (v == "all") {
-        options.shapes = {kSmallShape};
-        options.shapes.insert(options.shapes.end(), kBaselineShapes.begin(), kBaselineShapes.end());
-      } else {
-        const std::vector<std::string> n = split(v, ',');
-        if (n.size() != 5) throw std::invalid_argument("--shapes: baselines, small, all or T,D,H,E,K");
-        options.shapes = {{int(integer(n[0])), int(integer(n[1])), int(integer(n[2])), int(integer(n[3])), int(integer(n[4]))}};
-        const Shape& s = options.shapes.front();
-        if (s.T < 1 || s.D < 1 || s.H < 1 || s.E < 1 || s.K < 1 || s.K > s.E) {
-          throw std::invalid_argument("--shapes " + v + ": allowed: T,D,H,E,K all >= 1 and K <= E");
-        }
-      }
-    } else if (arg == "--routing") {
-      const std::string v = value();
-      if (v == "both") options.routings = {Routing::uniform, Routing::zipf};
-      else if (v == "uniform") options.routings = {Routing::uniform};
-      else if (v == "zipf") options.routings = {Routing::zipf};
-      else throw std::invalid_argument("--routing: both, uniform or zipf");
-    } else if (arg == "--activation") {
-      const std::string v = value();
-      if (v == "gelu") options.activations = {moe::Activation::gelu};
-      else if (v == "swiglu") options.activations = {moe::Activation::swiglu};
-      else if (v == "both") options.activations = {moe::Activation::gelu, moe::Activation::swiglu};
-      else throw std::invalid_argument("--activation: gelu, swiglu or both");
-    } else if (arg == "--routing-from") {
-      options.captured = capture_routing(value());
-    } else if (arg == "--only") {
-      options.only = split(value(), ',');
-    } else if (arg == "--out") {
-      options.out = value();
-    } else if (arg == "--warmup") {
-      options.warmup = static_cast<int>(integer(value()));
-    } else if (arg == "--warmup-ms") {
-      options.warmup_ms = real(value());
-    } else if (arg == "--repeat") {
-      options.repeat = static_cast<int>(integer(value()));
-    } else if (arg == "--seed") {
-      const std::string v = value();
-      const int64_t seed = integer(v);
-      if (seed < 0) throw std::invalid_argument("--seed " + v + ": allowed: an integer >= 0");
-      options.seed = static_cast<uint64_t>(seed);
-    } else if (arg == "--rows") {
-      const std::string v = value();
-      if (v == "layer") options.rows = Options::Rows::layer;
-      else if (v == "gathered") options.rows = Options::Rows::gathered;
-      else if (v == "permuted") options.rows = Options::Rows::permuted;
-      else throw std::invalid_argument("--rows: layer, gathered or permuted");
-    } else if (arg == "--stream-k") {
-      options.stream_k = on_off();
-    } else if (arg == "--gradient-pairs") {
-      options.gradient_pairs = on_off();
-    } else if (arg == "--timing") {
-      const std::string v = value();
-      if (v == "synced") options.pipelined = false;
-      else if (v == "pipelined") options.pipelined = true;
-      else throw std::invalid_argument("--timing: synced or pipelined");
-    } else if (arg == "--block-row-pairs") {
-      const std::string v = value();
-      if (v == "rule") options.pairs_everywhere = false;
-      else if (v == "everywhere") options.pairs_everywhere = true;
-      else throw std::invalid_argument("--block-row-pairs: rule or everywhere");
-    } else if (arg == "--kernel-trace") {
-      options.kernel_trace = true;
-    } else if (arg == "--micro-batches") {
-      const std::string v = value();
-      const int64_t n = integer(v);
-      if (n < 1 || n > 4096) throw std::invalid_argument("--micro-batches " + v + ": allowed: an integer from 1 to 4096");
-      options.micro_batches = static_cast<int>(n);
-    } else if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else {
-      throw std::invalid_argument("unknown option " + arg);
+  std::string shapes, routing, activation, routing_from, only, rows, stream_k, gradient_pairs, timing, block_row_pairs;
+  CLI::App app{kDescription, "moe_bench"};
+  app.add_option("--shapes", shapes, "baselines (default), small, all, or one shape T,D,H,E,K")
+      ->check(CLI::Validator(
+          [](const std::string& v) {
+            const std::optional<std::vector<int64_t>> n = moe::parse_integer_list(v);
+            const bool ok = v == "baselines" || v == "small" || v == "all" || (n && n->size() == 5);
+            return ok ? std::string() : v + ": allowed: baselines, small, all or T,D,H,E,K";
+          },
+          ""));
+  app.add_option("--routing", routing, "both (default), uniform or zipf")->check(moe::one_of({"both", "uniform", "zipf"}));
+  app.add_option("--routing-from", routing_from,
+                 "RUN_DIR[@STEP]: also time \"captured\": a recorded training run's routing (its most imbalanced layer "
+                 "at STEP, default the last recorded), on the shapes with the run's E");
+  app.add_option("--only", only, "NAME[,NAME...]: the formulations to time (substrings of their names)");
+  app.add_option("--out", options.out, "the results file (JSON)");
+  app.add_option("--warmup", options.warmup, "untimed runs first")->capture_default_str()->check(moe::whole_number(0));
+  app.add_option("--warmup-ms", options.warmup_ms, "and keep warming up until the GPU has been busy this long")
+      ->capture_default_str()
+      ->check(moe::finite_number(0));
+  app.add_option("--repeat", options.repeat, "timed runs (the median is reported)")->capture_default_str()
+      ->check(moe::whole_number(1));
+  app.add_option("--seed", options.seed, "seed of the inputs")->capture_default_str()->check(moe::whole_number(0));
+  app.add_option("--rows", rows,
+                 "how the block-sparse SDD reads x: as the layer does (layer, default: gathered where gathering_pays), "
+                 "gathered wherever the kernels can, or from a permuted copy")
+      ->check(moe::one_of({"layer", "gathered", "permuted"}));
+  app.add_option("--stream-k", stream_k, "whether the block-sparse DSDs end in a stream-K tail (default on)")
+      ->check(moe::one_of({"on", "off"}));
+  app.add_option("--gradient-pairs", gradient_pairs,
+                 "whether the block-sparse weight gradients run in clusters of two tiles that share an operand's "
+                 "copies (default on)")
+      ->check(moe::one_of({"on", "off"}));
+  app.add_option("--timing", timing,
+                 "synced (default): each timed run starts on an idle GPU, after a synchronize, so it includes the "
+                 "host's time to its first launch; pipelined: the runs enqueued back to back, an event between each "
+                 "two, so each is timed on the GPU alone")
+      ->check(moe::one_of({"synced", "pipelined"}));
+  app.add_option("--block-row-pairs", block_row_pairs,
+                 "pairs of block rows (and of weight-gradient tiles) where the measured rule takes them (rule, "
+                 "default), or at every shape, for an experiment (everywhere)")
+      ->check(moe::one_of({"rule", "everywhere"}));
+  app.add_flag("--kernel-trace", options.kernel_trace,
+               "after timing each formulation, run its forward and its forward + backward `repeat` more times back "
+               "to back under CUPTI and report each kernel's median time in place and the GPU's idle gaps between "
+               "kernels (JSON: kernel_traces)");
+  app.add_option("--activation", activation,
+                 "the experts' activation: gelu (default), swiglu (W1 [D, 2H]), or both, SwiGLU's rows after GeLU's "
+                 "for each shape and routing, with their ratio (vs gelu)")
+      ->check(moe::one_of({"gelu", "swiglu", "both"}));
+  app.add_option("--micro-batches", options.micro_batches,
+                 "M: instead of the formulations table, the whole dropless layer (B = 128) over M micro-batches of the "
+                 "shape's T tokens, its expert weight gradients as one product over all of them (gradient "
+                 "accumulation), beside the same micro-batches each with its own weight gradients, the layer on one "
+                 "batch of M*T tokens, and dense cuBLAS on M*T*K rows (the ratios' baseline); M = 1 times the "
+                 "layer's plain step")
+      ->check(moe::whole_number(1, 4096));
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) std::exit(*exit_status);
+
+  if (shapes == "small") options.shapes = {kSmallShape};
+  else if (shapes == "all") {
+    options.shapes = {kSmallShape};
+    options.shapes.insert(options.shapes.end(), kBaselineShapes.begin(), kBaselineShapes.end());
+  } else if (!shapes.empty() && shapes != "baselines") {
+    const std::vector<int64_t> n = *moe::parse_integer_list(shapes);
+    options.shapes = {{int(n[0]), int(n[1]), int(n[2]), int(n[3]), int(n[4])}};
+    const Shape& s = options.shapes.front();
+    if (s.T < 1 || s.D < 1 || s.H < 1 || s.E < 1 || s.K < 1 || s.K > s.E) {
+      throw std::invalid_argument("--shapes " + shapes + ": allowed: T,D,H,E,K all >= 1 and K <= E");
     }
   }
-  if (options.warmup < 0 || options.repeat < 1 || !(options.warmup_ms >= 0)) {
-    throw std::invalid_argument("--warmup >= 0, --warmup-ms >= 0, --repeat >= 1");
-  }
+  if (routing == "uniform") options.routings = {Routing::uniform};
+  else if (routing == "zipf") options.routings = {Routing::zipf};
+  if (activation == "swiglu") options.activations = {moe::Activation::swiglu};
+  else if (activation == "both") options.activations = {moe::Activation::gelu, moe::Activation::swiglu};
+  if (!routing_from.empty()) options.captured = capture_routing(routing_from);
+  if (!only.empty()) options.only = split(only, ',');
+  if (rows == "gathered") options.rows = Options::Rows::gathered;
+  else if (rows == "permuted") options.rows = Options::Rows::permuted;
+  options.stream_k = stream_k != "off";
+  options.gradient_pairs = gradient_pairs != "off";
+  options.pipelined = timing == "pipelined";
+  options.pairs_everywhere = block_row_pairs == "everywhere";
   if (options.captured) options.routings.push_back(Routing::captured);
   if (!options.out.empty()) moe::check_output_path("--out", options.out);  // before the GPU work, not after
   return options;
@@ -1797,7 +1746,7 @@ int main(int argc, char** argv) {
     moe::cuda::set_weight_gradient_pairs(options.gradient_pairs);
     moe::cuda::set_block_row_pairs_everywhere(options.pairs_everywhere);
   } catch (const std::exception& error) {
-    std::fprintf(stderr, "moe_bench: %s\n%s", error.what(), kUsage);
+    std::fprintf(stderr, "moe_bench: %s\n", error.what());
     return 2;
   }
   if (!moe::cuda::gpu_available()) {

@@ -67,7 +67,7 @@ TEST(CommandLine, BadValuesNameTheFlag) {
       {{"--warmup-ms", "nan"}, "prog: --warmup-ms nan: allowed: a finite number >= 0"},
       {{"--warmup-ms", "inf"}, "prog: --warmup-ms inf: allowed"},
       {{"--routing", "zzz"}, "prog: --routing zzz: allowed: both, uniform or zipf"},
-      {{"--no-such-flag"}, "--no-such-flag"},
+      {{"--no-such-flag"}, "prog: unknown argument '--no-such-flag'"},
   };
   for (const auto& [arguments, message] : cases) {
     const Parsed parsed = parse(arguments);
