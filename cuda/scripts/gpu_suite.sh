@@ -212,13 +212,13 @@ offload() {
   local rc=0 runs="$OUT/runs_offload" day
   day=$(date -u +%Y-%m-%d)
   mkdir -p "$runs"
-  build-gpu/cuda/offload/offload_copy_bench --out "$OUT/offload_copy_bench_$day.json" \
+  build-gpu/cuda/bench/offload_copy_bench --out "$OUT/offload_copy_bench_$day.json" \
     > "$LOGS/offload_copy_bench.log" 2>&1 || rc=1
   tail -8 "$LOGS/offload_copy_bench.log"
-  build-gpu/cuda/infer/offload_bench --out "$OUT/offload_bench_$day.json" > "$LOGS/offload_bench.log" 2>&1 || rc=1
+  build-gpu/cuda/bench/offload_bench --out "$OUT/offload_bench_$day.json" > "$LOGS/offload_bench.log" 2>&1 || rc=1
   sed -n '/==== summary/,$p' "$LOGS/offload_bench.log"
   for mode in gpu_only on_demand prefetch_all pregated speculative; do
-    build-gpu/cuda/infer/offload_bench --scales switch --batches 1 --modes "$mode" --warmup 2 --steps 16 \
+    build-gpu/cuda/bench/offload_bench --scales switch --batches 1 --modes "$mode" --warmup 2 --steps 16 \
       --record-dir "$runs/offload_$mode" > "$LOGS/offload_record_$mode.log" 2>&1 || rc=1
     echo "offload record $mode: $(tail -1 "$LOGS/offload_record_$mode.log")"
   done

@@ -18,7 +18,7 @@
 // each is compared byte for byte with the store (the verdict line).
 //
 // Build: cmake -S . -B build-offload -G Ninja -DMOE_ENABLE_VIEWER=OFF && cmake --build build-offload --target offload_copy_bench
-// Run:   build-offload/cuda/offload/offload_copy_bench [--rounds 4] [--repeat 5] [--warmup 3] [--big-mib 1024] [--out FILE.json]
+// Run:   build-offload/cuda/bench/offload_copy_bench [--rounds 4] [--repeat 5] [--warmup 3] [--big-mib 1024] [--out FILE.json]
 // Pinned host memory: --big-mib MiB + 32 experts of 9.4 MB + 8 of 235 MB (about 3.2 GB by default).
 //
 // Dimension legend: D model width, H expert hidden width, E experts per MoE block.

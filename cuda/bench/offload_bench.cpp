@@ -42,7 +42,7 @@
 // 1 GiB copy; printed first, and refused (exit 2) beyond 75% of MemAvailable.
 //
 // Build: cmake --build build --target offload_bench
-// Run:   build/cuda/infer/offload_bench [--scales switch,large] [--batches 1,8] [--modes all]
+// Run:   build/cuda/bench/offload_bench [--scales switch,large] [--batches 1,8] [--modes all]
 //            [--switch-experts 64] [--prompt-bytes 8] [--warmup 4] [--steps 32] [--cache-factor 2]
 //            [--cache-experts C] [--policy lru] [--seed 1] [--out FILE.json] [--record-dir DIR]
 // --record-dir DIR writes a run record per (scale, batch, mode) (infer/offload_recording.h): DIR itself
