@@ -10,15 +10,14 @@
 //   int main(int argc, char** argv) {
 //     return moe::run_program<moe::TextCorpusError>("moe_train", [&] { ...; return 0; });
 //   }
-// check_output_path: the check of an output path before the work starts, with the flag in its message;
-// whole_integer, finite_number: a flag's value read whole, or a UsageError naming the flag.
+// check_output_path: the check of an output path before the work starts, with the flag in its message.
+// A program's flags are read by command_line.h, which ends bad usage the same way.
 // Tests: ctest -R ProgramExit; tests/programs/ holds every program to the convention.
 #pragma once
 
 #include <unistd.h>  // access
 
 #include <cerrno>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -36,33 +35,6 @@ class UsageError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
-
-// A flag's value read whole: "12abc" is not 12, "nan" and "inf" are not numbers. UsageError names
-// the flag and the text as typed.
-inline long long whole_integer(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  long long value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) throw UsageError(flag + " " + text + ": allowed: a whole number");
-  return value;
-}
-inline double finite_number(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size() || !std::isfinite(value)) {
-    throw UsageError(flag + " " + text + ": allowed: a finite number");
-  }
-  return value;
-}
 
 // Throws UsageError unless the file `path` (named by `flag`) could be written: it must not be a
 // directory, and its nearest existing ancestor must be a directory this process may write into.

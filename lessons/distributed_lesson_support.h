@@ -26,39 +26,29 @@
 #include <utility>
 #include <vector>
 
+#include "command_line.h"           // CLI::App, one_of
 #include "comm/communicator.h"      // Communicator, broadcast
 #include "comm/mpi_communicator.h"  // MpiEnvironment, MpiCommunicator
-#include "init.h"                  // random_weights, random_matrix
-#include "lesson_support.h"        // LessonOptions, lesson_run_refused, create_lesson_run, zipf_tokens, Table
+#include "init.h"                   // random_weights, random_matrix
+#include "lesson_support.h"         // LessonOptions, lesson_run_refused, create_lesson_run, zipf_tokens, Table
 
 namespace moe::lessons {
 
-// ---- the GPU path's flags, for parse_options' `own` (lesson_support.h) ----
+// ---- the GPU path's flags, for parse_options' `own_flags` (lesson_support.h) ----
 
 struct GpuFlags {
   bool gpu = false;              // --gpu
   std::string backend = "auto";  // --backend auto|nccl|mpi
 };
 
-inline constexpr const char* kGpuUsage =
-    "  --gpu         run the lesson's layer on GPU ranks (distributed/expert_parallel_gpu.h) and\n"
-    "                check it against the CPU reference, instead of the CPU ranks' tables\n"
-    "  --backend B   with --gpu: auto (NCCL where each rank has its own GPU, else MPI), nccl, mpi\n";
-
-// True when argv[i] is --gpu or --backend (then i is past its value); throws std::invalid_argument
-// for a bad --backend.
-inline bool take_gpu_flag(GpuFlags& flags, int argc, char** argv, const std::string& argument, int& i) {
-  if (argument == "--gpu") {
-    flags.gpu = true;
-    return true;
-  }
-  if (argument != "--backend") return false;
-  if (i + 1 >= argc) throw std::invalid_argument("--backend needs a value: auto, nccl or mpi");
-  flags.backend = argv[++i];
-  if (flags.backend != "auto" && flags.backend != "nccl" && flags.backend != "mpi") {
-    throw std::invalid_argument("--backend " + flags.backend + ": expected auto, nccl or mpi");
-  }
-  return true;
+// Declares --gpu and --backend on a lesson's command line (parse_options' `own_flags`).
+inline void add_gpu_flags(CLI::App& app, GpuFlags& flags) {
+  app.add_flag("--gpu", flags.gpu,
+               "run the lesson's layer on GPU ranks (distributed/expert_parallel_gpu.h) and check it against the CPU "
+               "reference, instead of the CPU ranks' tables");
+  app.add_option("--backend", flags.backend, "with --gpu: auto (NCCL where each rank has its own GPU, else MPI), nccl, mpi")
+      ->capture_default_str()
+      ->check(one_of({"auto", "nccl", "mpi"}));
 }
 
 // --gpu anywhere in argv: the lessons' GPU path keeps its run record in a directory of its own.

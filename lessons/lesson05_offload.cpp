@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "command_line.h"            // CLI::App: the lesson's own flag
 #include "lesson_support.h"          // options, Table, finish
 #include "reference_cpu/generate.h"  // prefill, decode_step, make_kv_cache
 #include "reference_cpu/model.h"     // init_model
@@ -316,12 +317,10 @@ void show_pregate_against_guess(RunWriter& writer, const std::string& checkpoint
 int main(int argc, char** argv) {
   // --checkpoint RUN is this lesson's own flag; the rest are every lesson's.
   std::string checkpoint;
-  std::vector<char*> rest = {argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--checkpoint" && i + 1 < argc) checkpoint = argv[++i];
-    else rest.push_back(argv[i]);
-  }
-  const auto options = lessons::parse_options(int(rest.size()), rest.data(), "lesson05_offload", "runs/lesson05_offload");
+  const auto options = lessons::parse_options(argc, argv, "lesson05_offload", "runs/lesson05_offload", [&](CLI::App& app) {
+    app.add_option("--checkpoint", checkpoint, "GPU part: a moe_train run (pre-gated for the pregated row)")
+        ->type_name("RUN");
+  });
 
   // The small random pre-gated model that section 2 decodes; its MoE layer is the run record's.
   ModelConfig small;

@@ -612,8 +612,7 @@ int main(int argc, char** argv) {
   const auto options = lessons::parse_options(
       argc, argv, kName,
       lessons::gpu_flag_given(argc, argv) ? "runs/lesson06_expert_parallelism_gpu" : "runs/lesson06_expert_parallelism",
-      lessons::kGpuUsage,
-      [&](const std::string& argument, int& i) { return lessons::take_gpu_flag(gpu_flags, argc, argv, argument, i); });
+      [&](CLI::App& app) { lessons::add_gpu_flags(app, gpu_flags); });
   const MoeConfig config = lesson_config();
   return lessons::run_on_ranks(
       argc, argv, options, gpu_flags, kName, "06", config,

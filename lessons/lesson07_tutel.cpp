@@ -937,8 +937,7 @@ int main(int argc, char** argv) {
   lessons::GpuFlags gpu_flags;
   const auto options = lessons::parse_options(
       argc, argv, kName, lessons::gpu_flag_given(argc, argv) ? "runs/lesson07_tutel_gpu" : "runs/lesson07_tutel",
-      lessons::kGpuUsage,
-      [&](const std::string& argument, int& i) { return lessons::take_gpu_flag(gpu_flags, argc, argv, argument, i); });
+      [&](CLI::App& app) { lessons::add_gpu_flags(app, gpu_flags); });
   const MoeConfig config = lesson_config();
   return lessons::run_on_ranks(
       argc, argv, options, gpu_flags, kName, "07", config,

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "command_line.h"        // CLI::App: the lesson's own flag
 #include "lesson_support.h"      // parse_options, create_lesson_run, Table, finish
 #include "run_record.h"          // RunReader
 #include "train/train_config.h"  // TrainConfig, apply_json: the settings the runs were trained with
@@ -231,20 +232,11 @@ std::map<int, Spread> show_variants(moe::RunWriter& writer, const std::vector<Ru
 int main(int argc, char** argv) {
   // --runs DIR is this lesson's own option; the rest are every lesson's (lesson_support.h).
   fs::path runs_directory = "notebooks_data/runs";
-  std::vector<char*> rest = {argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--runs") {
-      if (i + 1 >= argc) {
-        std::cerr << "lesson08_quality: --runs needs a directory\n";
-        return 2;
-      }
-      runs_directory = argv[++i];
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  const moe::lessons::LessonOptions options =
-      moe::lessons::parse_options(int(rest.size()), rest.data(), "lesson08_quality", "runs/lesson08_quality");
+  const moe::lessons::LessonOptions options = moe::lessons::parse_options(
+      argc, argv, "lesson08_quality", "runs/lesson08_quality",
+      [&](CLI::App& app) {
+        app.add_option("--runs", runs_directory, "the training runs to compare")->type_name("DIR")->capture_default_str();
+      });
   // The lesson draws nothing: it reads runs recorded with their own seeds (08_experiment.sh
   // --seeds), so --seed only lands in the run record. Saying so beats a flag that silently does nothing.
   if (options.seed != moe::lessons::LessonOptions{}.seed) {

@@ -11,59 +11,26 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "init.h"  // moe::ref::random_matrix
+#include "command_line.h"  // parse_command_line, whole_number
+#include "init.h"          // moe::ref::random_matrix
 
 namespace moe::lessons {
 
 LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name,
                             const std::string& default_out) {
-  return parse_options(argc, argv, lesson_name, default_out, "", nullptr);
+  return parse_options(argc, argv, lesson_name, default_out, nullptr);
 }
 
 LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name, const std::string& default_out,
-                            const std::string& own_usage,
-                            const std::function<bool(const std::string& argument, int& i)>& own) {
+                            const std::function<void(CLI::App& app)>& own_flags) {
   LessonOptions options;
   options.out = default_out;
-  const std::string usage = "usage: " + lesson_name + " [--out DIR] [--overwrite] [--seed N]\n"
-                            "  --out DIR     run record directory (default " + default_out + ")\n"
-                            "  --overwrite   replace a run record already in DIR\n"
-                            "  --seed N      seed of the random data (default 1)\n" + own_usage;
-  auto fail = [&](const std::string& message) {
-    std::cerr << lesson_name << ": " << message << "\n" << usage;
-    std::exit(2);
-  };
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (own) {
-      try {
-        if (own(arg, i)) continue;
-      } catch (const std::invalid_argument& error) {
-        fail(error.what());
-      }
-    }
-    if (arg == "--help" || arg == "-h") {
-      std::cout << usage;
-      std::exit(0);
-    } else if (arg == "--overwrite") {
-      options.overwrite = true;
-    } else if (arg == "--out" || arg == "--seed") {
-      if (i + 1 >= argc) fail(arg + " needs a value");
-      const std::string value = argv[++i];
-      if (arg == "--out") {
-        options.out = value;
-      } else {
-        char* end = nullptr;
-        const unsigned long long seed = std::strtoull(value.c_str(), &end, 10);
-        if (value.empty() || *end != '\0' || value[0] == '-') {
-          fail("--seed " + value + " is not a non-negative integer");
-        }
-        options.seed = seed;
-      }
-    } else {
-      fail("unknown argument '" + arg + "'");
-    }
-  }
+  CLI::App app{"A lesson: it runs, prints its tables and one verdict line, and writes a run record.", lesson_name};
+  app.add_option("--out", options.out, "run record directory")->type_name("DIR")->capture_default_str();
+  app.add_flag("--overwrite", options.overwrite, "replace a run record already in DIR");
+  app.add_option("--seed", options.seed, "seed of the random data")->type_name("N")->capture_default_str()->check(whole_number(0));
+  if (own_flags) own_flags(app);
+  if (const std::optional<int> exit_status = parse_command_line(app, argc, argv)) std::exit(*exit_status);
   return options;
 }
 

@@ -17,6 +17,10 @@
 #include "run_record.h"  // RunWriter, TableEvent, VerdictEvent
 #include "types.h"       // moe::ref::Matrix
 
+namespace CLI {
+class App;  // CLI11 (common/command_line.h): a lesson's own flags are declared on it
+}
+
 namespace moe::lessons {
 
 // ---- command line ----
@@ -27,17 +31,15 @@ struct LessonOptions {
   uint64_t seed = 1;
 };
 
-// Parses --out DIR, --overwrite, --seed N, --help. Prints usage and exits on --help (code 0) or
-// on a bad argument (code 2, with a message saying what was wrong and what is allowed).
+// Parses --out DIR, --overwrite, --seed N, --help (common/command_line.h). Prints the usage and
+// exits 0 on --help; prints one line naming the flag and exits 2 on a bad argument.
 LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name,
                             const std::string& default_out);
 
-// The same for a lesson with flags of its own: `own(argument, i)` sees every argument first and
-// returns true when it took it (advancing i past a value it read); it throws std::invalid_argument
-// for a bad value, which stops the program as any bad argument does. `own_usage` is added to the usage.
+// The same for a lesson with flags of its own: `own_flags` declares them on the app (values
+// go straight into the lesson's variables), so --help lists them beside every lesson's.
 LessonOptions parse_options(int argc, char** argv, const std::string& lesson_name, const std::string& default_out,
-                            const std::string& own_usage,
-                            const std::function<bool(const std::string& argument, int& i)>& own);
+                            const std::function<void(CLI::App& app)>& own_flags);
 
 // Creates the lesson's run record at options.out (kind "lesson", the config, the devices, the
 // lesson number and seed). A run already there is replaced only with --overwrite; otherwise the

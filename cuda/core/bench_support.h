@@ -1,15 +1,12 @@
 // bench_support.h: the small host-side pieces the benchmark programs share (moe_bench,
-// offload_copy_bench, offload_bench, moe_generate): the median of timed samples, the UTC date a
-// results file carries, and a flag's value read as a number, all of its text or nothing. Each
-// program keeps its own flags, messages and exit codes; only these pieces are common.
+// offload_copy_bench, offload_bench): the median of timed samples and the UTC date a results file
+// carries. Their flags are read by common/command_line.h.
 // Header-only and free of CUDA, so a program includes it without linking anything more.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <ctime>
-#include <exception>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,33 +28,6 @@ inline std::string utc_now(const char* format) {
   char text[64];
   std::strftime(text, sizeof text, format, &tm);
   return text;
-}
-
-// The integer that the whole of `text` spells ("12", "-3"), or nothing: empty text, text that is
-// not an integer, trailing characters ("12x") or a value beyond int64_t.
-inline std::optional<int64_t> parse_integer(const std::string& text) {
-  size_t used = 0;
-  int64_t value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-  if (used != text.size()) return std::nullopt;
-  return value;
-}
-
-// The same for a floating-point number ("0.8", "1e-3").
-inline std::optional<double> parse_number(const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-  if (used != text.size()) return std::nullopt;
-  return value;
 }
 
 }  // namespace moe::cuda

@@ -201,10 +201,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "command_line.h"                 // CLI::App, parse_command_line, whole_number_list
 #include "reference_cpu/block_sparse.h"   // moe::ref::sdd
 #include "moe/block_sparse.h"             // moe::cuda::sdd, dsd, block_sparse_ffn_forward (version 11)
 #include "moe/block_sparse.cuh"           // the mma.sync tile kernel (versions 3-5)
@@ -670,26 +672,17 @@ void gemm_row_major(cublasHandle_t handle, int M, int N, int Kd, const bf16* a, 
                             CUBLAS_GEMM_DEFAULT));
 }
 
-constexpr const char* usage_text =
-    "usage: dev_sdd [T D H E K B] [--versions LIST]\n"
-    "  T D H E K B      the timed problem, all six or none (default 16384 1024 4096 64 1 128)\n"
-    "  --versions LIST  kernel versions to check and time, comma-separated, 1-22 (default: every\n"
-    "                   version this GPU runs; 6-10 and 12-22 need an sm_90 GPU and B = 128)\n";
-
-// Bad usage: one line naming what is wrong and what is allowed, exit 2.
+// Bad usage found after the parse (the sizes' rules): one line naming what is wrong, exit 2.
 [[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr, "dev_sdd: %s\n%s", message.c_str(), usage_text);
+  std::fprintf(stderr, "dev_sdd: %s\n", message.c_str());
   std::exit(2);
 }
 
 // A whole positive integer in [low, high], or a usage error naming `what`.
 int parse_int(const std::string& what, const std::string& text, int low, int high) {
-  char* end = nullptr;
-  const long value = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || value < low || value > high)
-    usage_error(what + " " + text + ": allowed: an integer from " + std::to_string(low) + " to " +
-                std::to_string(high));
-  return static_cast<int>(value);
+  const std::optional<int64_t> value = moe::parse_integer(text);
+  if (!value || *value < low || *value > high) usage_error(what + " " + text + ": allowed: " + moe::whole_number_range(low, high));
+  return static_cast<int>(*value);
 }
 
 int run(int argc, char** argv);
@@ -708,25 +701,19 @@ int run(int argc, char** argv) {
   int T = 16384, D = 1024, H = 4096, E = 64, K = 1, B = 128;
   std::vector<int> only_versions;  // empty: every version this GPU runs
   std::vector<std::string> positional;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(usage_text, stdout);
-      return 0;
-    }
-    if (arg == "--versions") {
-      if (i + 1 >= argc) usage_error("--versions needs a value");
-      const std::string list = argv[++i];
-      for (size_t start = 0; start <= list.size();) {
-        const size_t comma = std::min(list.find(',', start), list.size());
-        only_versions.push_back(parse_int("--versions", list.substr(start, comma - start), 1, 22));
-        start = comma + 1;
-      }
-    } else if (arg.size() > 1 && arg[0] == '-') {
-      usage_error("unknown flag " + arg);
-    } else {
-      positional.push_back(arg);
-    }
+  std::string versions_text;
+  CLI::App app{"usage: dev_sdd [T D H E K B] [--versions LIST]\n"
+               "  the block-sparse SDD of MegaBlocks, every kernel version checked against the CPU reference, then timed",
+               "dev_sdd"};
+  app.add_option("sizes", positional, "the timed problem, all six or none (default 16384 1024 4096 64 1 128)")
+      ->type_name("T D H E K B");
+  app.add_option("--versions", versions_text,
+                 "kernel versions to check and time, comma-separated, 1-22 (default: every version this GPU runs; "
+                 "6-10 and 12-22 need an sm_90 GPU and B = 128)")
+      ->check(moe::whole_number_list(1, 22));
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
+  if (!versions_text.empty()) {
+    for (int64_t version : *moe::parse_integer_list(versions_text)) only_versions.push_back(static_cast<int>(version));
   }
   if (positional.size() == 6) {
     const char* names[] = {"T", "D", "H", "E", "K", "B"};

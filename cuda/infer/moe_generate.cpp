@@ -33,7 +33,7 @@
 #include <string>
 #include <vector>
 
-#include "core/bench_support.h"          // parse_integer, parse_number
+#include "command_line.h"                // CLI::App, parse_command_line, whole_number, finite_number
 #include "core/cuda_check.h"             // CudaError
 #include "core/device_info.h"            // gpu_available, why_no_gpu, current_device
 #include "program_exit.h"                // check_output_path
@@ -50,33 +50,10 @@ namespace {
 
 using namespace moe::cuda;
 
-constexpr const char* kUsage =
+constexpr const char* kDescription =
     "usage: moe_generate (--checkpoint PATH | --weights FILE) [--prompt TEXT | --prompt-file FILE] [options]\n"
     "  Writes text with a trained byte-level MoE model on the GPU: prefill, then one byte per sequence per\n"
-    "  step with a KV cache. Sequence 0 is printed as it is produced, the others at the end.\n"
-    "  --checkpoint PATH      a moe_train run directory (its latest checkpoint), its checkpoints/ folder,\n"
-    "                         or one checkpoint file\n"
-    "  --weights FILE         a model.safetensors (moe_export_weights --checkpoint RUN --out FILE)\n"
-    "  --prompt TEXT          the prompt's bytes (default: \"The \")\n"
-    "  --prompt-file FILE     the prompt: every byte of FILE\n"
-    "  --max-new-bytes N      bytes to generate per sequence (default 200; prompt + N - 1 <= the context)\n"
-    "  --batch N              sequences decoded together: the same prompt, seeds seed, seed+1, ... (default 1)\n"
-    "  --temperature T        0 = greedy; > 0 samples from softmax(logits / T) (default 0.8)\n"
-    "  --top-k K              sample among the K most likely bytes; 0 = all 256 (default 0)\n"
-    "  --seed S               sequence n draws from mt19937_64(S + n) (default 1)\n"
-    "  --mode M               where the experts live and when they are fetched (default gpu_only):\n"
-    "                           gpu_only      every expert resident on the GPU\n"
-    "                           on_demand     pinned host memory; a block's chosen experts copied after its gate\n"
-    "                           prefetch_all  ... and every expert of the next MoE block copied during this one\n"
-    "                           pregated      ... the experts this block's pre-gate chose for the next (a model\n"
-    "                                         trained with moe_train --pregated)\n"
-    "                           speculative   ... the next block's gate applied to this block's hidden state\n"
-    "  --cache-experts N      expert cache slots for the modes other than gpu_only (default: two MoE\n"
-    "                         blocks' worth, 2E, or all experts if fewer)\n"
-    "  --cache-policy P       lru | lfu (default lru)\n"
-    "  --run-dir DIR          also write a run record there (kind infer: offload events and copy / compute\n"
-    "                         spans per step, for the viewer); an existing record in DIR is replaced\n"
-    "  --help                 this text\n";
+    "  step with a KV cache. Sequence 0 is printed as it is produced, the others at the end.";
 
 struct BadInput : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -93,66 +70,52 @@ struct Options {
   std::optional<std::string> run_dir;
 };
 
-int64_t integer_of(const std::string& flag, const std::string& text, int64_t least) {
-  const std::optional<int64_t> value = parse_integer(text);
-  if (!value || *value < least) throw BadInput(flag + " " + text + ": expected an integer >= " + std::to_string(least));
-  return *value;
-}
-
-double number_of(const std::string& flag, const std::string& text) {
-  const std::optional<double> value = parse_number(text);
-  if (!value) throw BadInput(flag + " " + text + ": expected a number");
-  return *value;
-}
-
-// Flags take their value as the next argument or after '=' (--batch=4).
-std::optional<Options> parse(const std::vector<std::string>& arguments) {
-  Options o;
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    std::string flag = arguments[i];
-    std::optional<std::string> value;
-    if (const size_t equals = flag.find('='); flag.rfind("--", 0) == 0 && equals != std::string::npos) {
-      value = flag.substr(equals + 1);
-      flag = flag.substr(0, equals);
+// The flags into `o`; the exit status when the program should stop here (--help, a bad flag).
+std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) {
+  std::string mode, cache_policy;
+  CLI::App app{kDescription, "moe_generate"};
+  app.add_option("--checkpoint", o.checkpoint,
+                 "a moe_train run directory (its latest checkpoint), its checkpoints/ folder, or one checkpoint file");
+  app.add_option("--weights", o.weights, "a model.safetensors (moe_export_weights --checkpoint RUN --out FILE)");
+  app.add_option("--prompt", o.prompt, "the prompt's bytes (default: \"The \")");
+  app.add_option("--prompt-file", o.prompt_file, "the prompt: every byte of FILE");
+  app.add_option("--max-new-bytes", o.max_new_bytes, "bytes to generate per sequence (prompt + N - 1 <= the context)")
+      ->capture_default_str()->check(moe::whole_number(1));
+  app.add_option("--batch", o.batch, "sequences decoded together: the same prompt, seeds seed, seed+1, ...")
+      ->capture_default_str()->check(moe::whole_number(1));
+  app.add_option("--temperature", o.sampling.temperature, "0 = greedy; > 0 samples from softmax(logits / T)")
+      ->capture_default_str()->check(moe::finite_number());
+  app.add_option("--top-k", o.sampling.top_k, "sample among the K most likely bytes; 0 = all 256")
+      ->capture_default_str()->check(moe::whole_number(0));
+  app.add_option("--seed", o.sampling.seed, "sequence n draws from mt19937_64(S + n)")->capture_default_str()
+      ->check(moe::whole_number(0));
+  app.add_option("--mode", mode,
+                 "where the experts live and when they are fetched (default gpu_only): gpu_only, every expert resident "
+                 "on the GPU; on_demand, pinned host memory, a block's chosen experts copied after its gate; "
+                 "prefetch_all, ... and every expert of the next MoE block copied during this one; pregated, ... the "
+                 "experts this block's pre-gate chose for the next (a model trained with moe_train --pregated); "
+                 "speculative, ... the next block's gate applied to this block's hidden state");
+  app.add_option("--cache-experts", o.cache_experts,
+                 "expert cache slots for the modes other than gpu_only (default: two MoE blocks' worth, 2E, or all "
+                 "experts if fewer)")
+      ->check(moe::whole_number(1));
+  app.add_option("--cache-policy", cache_policy, "lru | lfu (default lru)");
+  app.add_option("--run-dir", o.run_dir,
+                 "also write a run record there (kind infer: offload events and copy / compute spans per step, for "
+                 "the viewer); an existing record in DIR is replaced");
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, arguments)) return exit_status;
+  if (!cache_policy.empty()) {
+    try {
+      o.cache_policy = cache_policy_from_string(cache_policy);
+    } catch (const std::invalid_argument& error) {
+      throw BadInput(std::string("--cache-policy: ") + error.what());
     }
-    if (flag == "--help" || flag == "-h") {
-      std::fputs(kUsage, stdout);
-      return std::nullopt;
-    }
-    static const std::vector<std::string> known = {
-        "--checkpoint", "--weights", "--prompt", "--prompt-file", "--max-new-bytes", "--batch", "--temperature",
-        "--top-k", "--seed", "--mode", "--cache-experts", "--cache-policy", "--run-dir"};
-    if (std::find(known.begin(), known.end(), flag) == known.end()) {
-      throw BadInput("unknown argument '" + arguments[i] + "' (--help)");
-    }
-    if (!value) {
-      if (i + 1 == arguments.size()) throw BadInput(flag + " needs a value (--help)");
-      value = arguments[++i];
-    }
-    const std::string& v = *value;
-    if (flag == "--checkpoint") o.checkpoint = v;
-    else if (flag == "--weights") o.weights = v;
-    else if (flag == "--prompt") o.prompt = v;
-    else if (flag == "--prompt-file") o.prompt_file = v;
-    else if (flag == "--max-new-bytes") o.max_new_bytes = integer_of(flag, v, 1);
-    else if (flag == "--batch") o.batch = integer_of(flag, v, 1);
-    else if (flag == "--temperature") o.sampling.temperature = number_of(flag, v);
-    else if (flag == "--top-k") o.sampling.top_k = integer_of(flag, v, 0);
-    else if (flag == "--seed") o.sampling.seed = static_cast<uint64_t>(integer_of(flag, v, 0));
-    else if (flag == "--cache-experts") o.cache_experts = integer_of(flag, v, 1);
-    else if (flag == "--run-dir") o.run_dir = v;
-    else if (flag == "--cache-policy") {
-      try {
-        o.cache_policy = cache_policy_from_string(v);
-      } catch (const std::invalid_argument& error) {
-        throw BadInput(std::string("--cache-policy: ") + error.what());
-      }
-    } else if (flag == "--mode") {
-      try {
-        o.mode = parse_expert_schedule(v);
-      } catch (const std::invalid_argument& error) {
-        throw BadInput(std::string("--mode: ") + error.what());
-      }
+  }
+  if (!mode.empty()) {
+    try {
+      o.mode = parse_expert_schedule(mode);
+    } catch (const std::invalid_argument& error) {
+      throw BadInput(std::string("--mode: ") + error.what());
     }
   }
   if (o.checkpoint.has_value() == o.weights.has_value()) {
@@ -165,7 +128,7 @@ std::optional<Options> parse(const std::vector<std::string>& arguments) {
   } catch (const std::invalid_argument& error) {
     throw BadInput(error.what());
   }
-  return o;
+  return std::nullopt;
 }
 
 std::vector<int32_t> prompt_bytes(const Options& o) {
@@ -207,9 +170,8 @@ PinnedExpertStore expert_store(const ModelGpuConfig& config, const std::vector<f
 }
 
 int run(const std::vector<std::string>& arguments) {
-  const std::optional<Options> parsed = parse(arguments);
-  if (!parsed) return 0;
-  const Options& o = *parsed;
+  Options o;
+  if (const std::optional<int> exit_status = parse(arguments, o)) return *exit_status;
   const std::vector<int32_t> prompt = prompt_bytes(o);
 
   InferenceWeights loaded;

@@ -1,7 +1,7 @@
 // infer/offload_recording.h: a run record of offloaded decoding, step by step, for the viewer's
 // offload panel: per MoE block an `offload` event (hits, misses, stall_us, prefetched, and
 // prefetched_used, bytes), and `span` events on the compute stream and the expert cache's copy
-// stream. Used by moe_generate --run-dir and offload_bench --record-dir (both in this folder).
+// stream. Used by moe_generate --run-dir and offload_bench --record-dir (cuda/bench/).
 //
 //   RecordedExpertSource recorded(inner, offloaded, writer);    // wraps the mode's ExpertSource
 //   InferenceModelGpu model(config, weights, recorded, mode, stream);

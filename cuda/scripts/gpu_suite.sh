@@ -3,7 +3,7 @@
 #
 #   cuda/scripts/gpu_suite.sh bundle        on a development machine: copy the header-only and
 #                                           test dependencies the GPU machines lack (nlohmann-json,
-#                                           Eigen, GoogleTest) into .deps/ (ignored by git)
+#                                           CLI11, Eigen, GoogleTest) into .deps/ (ignored by git)
 #   cuda/scripts/gpu_suite.sh run [STEPS]   on the GPU machine: build with .deps, then run STEPS
 #                                           (default: tests sanitize lessons dev bench record; train
 #                                           times the training step beside PyTorch; offload measures
@@ -28,6 +28,8 @@ bundle() {
   rm -rf .deps && mkdir -p .deps/include .deps/share/cmake .deps/share/eigen3 .deps/lib/x86_64-linux-gnu/cmake
   cp -r /usr/include/nlohmann .deps/include/
   cp -r /usr/share/cmake/nlohmann_json .deps/share/cmake/
+  cp -r /usr/include/CLI .deps/include/
+  cp -r /usr/share/cmake/CLI11 .deps/share/cmake/
   cp -r /usr/include/eigen3 .deps/include/
   cp -r /usr/share/eigen3/cmake .deps/share/eigen3/
   cp -r /usr/include/gtest /usr/include/gmock .deps/include/
@@ -212,13 +214,13 @@ offload() {
   local rc=0 runs="$OUT/runs_offload" day
   day=$(date -u +%Y-%m-%d)
   mkdir -p "$runs"
-  build-gpu/cuda/offload/offload_copy_bench --out "$OUT/offload_copy_bench_$day.json" \
+  build-gpu/cuda/bench/offload_copy_bench --out "$OUT/offload_copy_bench_$day.json" \
     > "$LOGS/offload_copy_bench.log" 2>&1 || rc=1
   tail -8 "$LOGS/offload_copy_bench.log"
-  build-gpu/cuda/infer/offload_bench --out "$OUT/offload_bench_$day.json" > "$LOGS/offload_bench.log" 2>&1 || rc=1
+  build-gpu/cuda/bench/offload_bench --out "$OUT/offload_bench_$day.json" > "$LOGS/offload_bench.log" 2>&1 || rc=1
   sed -n '/==== summary/,$p' "$LOGS/offload_bench.log"
   for mode in gpu_only on_demand prefetch_all pregated speculative; do
-    build-gpu/cuda/infer/offload_bench --scales switch --batches 1 --modes "$mode" --warmup 2 --steps 16 \
+    build-gpu/cuda/bench/offload_bench --scales switch --batches 1 --modes "$mode" --warmup 2 --steps 16 \
       --record-dir "$runs/offload_$mode" > "$LOGS/offload_record_$mode.log" 2>&1 || rc=1
     echo "offload record $mode: $(tail -1 "$LOGS/offload_record_$mode.log")"
   done
@@ -290,7 +292,7 @@ distributed() {
 distributed_shared_gpu() {
   local rc=0 mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
   CUDA_VISIBLE_DEVICES=0 "${mpirun[@]}" -np 2 build-gpu/distributed/bench/ep_bench --backend mpi -e 16M --warmup-ms 200 -n 5 \
-    --chunks 1,2 --nodes-of 2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
+    --pipeline-chunks 1,2 --nodes-of 2 --out "$OUT/ep_bench_mpi_one_gpu.json" > "$LOGS/ep_bench_mpi.log" 2>&1 || rc=1
   tail -4 "$LOGS/ep_bench_mpi.log"
   # Ranks sharing one GPU over MPI: the lessons' GPU path (lesson 07 at R = 4: 2DH with two nodes
   # of 2), the GPU layer's test at R = 4, and the multi-rank GPU tests under compute-sanitizer.
@@ -415,7 +417,7 @@ scaling() {
   [ "$gpus" -ge 4 ] || { echo "scaling: needs 4 or more GPUs, found $gpus"; return 1; }
   for r in 1 2 4 8; do
     [ "$r" -le "$gpus" ] || break
-    "${mpirun[@]}" -np $r $ep --backend nccl --only layer --layer 16384,2048,8192,$((8 * r)),2 --chunks 1,2,4 \
+    "${mpirun[@]}" -np $r $ep --backend nccl --only layer --layer 16384,2048,8192,$((8 * r)),2 --pipeline-chunks 1,2,4 \
       --out "$OUT/ep_bench_scaling_r$r.json" > "$LOGS/ep_bench_scaling_r$r.log" 2>&1 || rc=1
     echo "R = $r:"; grep -E "^ ep_layer|^# the|^#   against|^(PASS|FAIL)" "$LOGS/ep_bench_scaling_r$r.log"
   done
@@ -429,7 +431,7 @@ scaling() {
     tail -20 "$LOGS/ep_bench_exchange_r${gpus}_nodes4.log"
   fi
   for t in 1024 16384; do
-    "${mpirun[@]}" -np $gpus $ep --backend nccl --only layer --layouts --chunks 1 --layer $t,2048,8192,$((8 * gpus)),2 \
+    "${mpirun[@]}" -np $gpus $ep --backend nccl --only layer --layouts --pipeline-chunks 1 --layer $t,2048,8192,$((8 * gpus)),2 \
       --out "$OUT/ep_bench_layouts_t${t}_r$gpus.json" > "$LOGS/ep_bench_layouts_t${t}_r$gpus.log" 2>&1 || rc=1
     echo "layouts, T = $t a GPU:"; grep -E "^ ep_layer|^# the|^#   (against|its)|^(PASS|FAIL)" "$LOGS/ep_bench_layouts_t${t}_r$gpus.log"
   done

@@ -23,6 +23,7 @@
 #include <sstream>
 #include <string>
 
+#include "command_line.h"              // CLI::App, parse_command_line, whole_number, finite_number
 #include "core/bf16.h"                // to_bf16
 #include "moe/block_sparse.h"         // expert_pointer_table
 #include "core/device_buffer.h"       // DeviceBuffer
@@ -62,36 +63,10 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& r
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
-constexpr const char* usage_text =
-    "usage: moe_layer_dump [--out DIR] [--formulation dropless|padded|dropping] [--tokens T]"
-    " [--model-dim D] [--hidden-dim H] [--experts E] [--top-k K] [--block-size B]"
-    " [--capacity-factor CF] [--activation gelu|swiglu] [--seed N] [--steps N] [--no-npy]\n";
-
-// Bad usage: one line naming the flag, the usage, exit 2.
+// Bad usage found after the parse (the shape's rules): one line naming the flag, exit 2.
 [[noreturn]] void usage(const std::string& message) {
-  std::cerr << "moe_layer_dump: " << message << "\n" << usage_text;
+  std::cerr << "moe_layer_dump: " << message << "\n";
   std::exit(2);
-}
-
-// The whole value must be a number: "--tokens 12x" is an error, not 12.
-int64_t parse_integer(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const long long number = std::stoll(value, &used);
-    if (used == value.size()) return number;
-  } catch (const std::logic_error&) {  // std::stoll: not a number, or out of range
-  }
-  usage(flag + " " + value + ": allowed: an integer");
-}
-
-double parse_real(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const double number = std::stod(value, &used);
-    if (used == value.size() && std::isfinite(number)) return number;
-  } catch (const std::logic_error&) {
-  }
-  usage(flag + " " + value + ": allowed: a finite number");
 }
 
 int run(int argc, char** argv);
@@ -122,43 +97,27 @@ int run(int argc, char** argv) {
   uint64_t seed = 1;
   int steps = 3;
   bool write_tensors = true;
+  std::string formulation, activation;
+  CLI::App app{"moe_layer_dump: dumps one GPU MoE layer and its CPU reference as .npy", "moe_layer_dump"};
+  app.add_option("--out", out, "run record and tensors directory")->capture_default_str();
+  app.add_option("--formulation", formulation, "dropless (default), padded or dropping");
+  app.add_option("--tokens", config.tokens, "T")->capture_default_str()->check(whole_number(1));
+  app.add_option("--model-dim", config.model_dim, "D")->capture_default_str()->check(whole_number(1));
+  app.add_option("--hidden-dim", config.hidden_dim, "H")->capture_default_str()->check(whole_number(1));
+  app.add_option("--experts", config.num_experts, "E")->capture_default_str()->check(whole_number(1));
+  app.add_option("--top-k", config.top_k, "K")->capture_default_str()->check(whole_number(1));
+  app.add_option("--block-size", config.block_size, "B")->capture_default_str()->check(whole_number(1));
+  app.add_option("--capacity-factor", config.capacity_factor, "CF of padded and dropping")->capture_default_str()
+      ->check(finite_number());
+  app.add_option("--activation", activation, "gelu (default) or swiglu");
+  app.add_option("--seed", seed, "seed of the inputs and weights")->capture_default_str()->check(whole_number(0));
+  app.add_option("--steps", steps, "training steps recorded")->capture_default_str()->check(whole_number(1));
+  app.add_flag_callback("--no-npy", [&] { write_tensors = false; }, "write the run record only, no tensors");
+  if (const std::optional<int> exit_status = parse_command_line(app, argc, argv)) return *exit_status;
   try {
-    for (int i = 1; i < argc; ++i) {
-      const std::string arg = argv[i];
-      if (arg == "--help" || arg == "-h") {
-        std::cout << "moe_layer_dump: dumps one GPU MoE layer and its CPU reference as .npy\n" << usage_text;
-        return 0;
-      }
-      if (arg == "--no-npy") {
-        write_tensors = false;
-        continue;
-      }
-      static const char* const value_flags[] = {"--out",        "--formulation", "--tokens",     "--model-dim",
-                                                "--hidden-dim", "--experts",     "--top-k",      "--block-size",
-                                                "--capacity-factor", "--activation", "--seed", "--steps"};
-      if (std::find(std::begin(value_flags), std::end(value_flags), arg) == std::end(value_flags))
-        usage("unknown flag " + arg);
-      if (i + 1 >= argc) usage(arg + " needs a value");
-      const std::string value = argv[++i];
-      if (arg == "--out") out = value;
-      else if (arg == "--formulation") config.formulation = parse_formulation(value);
-      else if (arg == "--activation") config.activation = parse_activation(value);
-      else if (arg == "--tokens") config.tokens = parse_integer(arg, value);
-      else if (arg == "--model-dim") config.model_dim = parse_integer(arg, value);
-      else if (arg == "--hidden-dim") config.hidden_dim = parse_integer(arg, value);
-      else if (arg == "--experts") config.num_experts = parse_integer(arg, value);
-      else if (arg == "--top-k") config.top_k = parse_integer(arg, value);
-      else if (arg == "--block-size") config.block_size = parse_integer(arg, value);
-      else if (arg == "--capacity-factor") config.capacity_factor = parse_real(arg, value);
-      else if (arg == "--seed") {
-        const int64_t number = parse_integer(arg, value);
-        if (number < 0) usage(arg + " " + value + ": allowed: an integer >= 0");
-        seed = static_cast<uint64_t>(number);
-      }
-      else if (arg == "--steps") steps = static_cast<int>(parse_integer(arg, value));
-    }
+    if (!formulation.empty()) config.formulation = parse_formulation(formulation);
+    if (!activation.empty()) config.activation = parse_activation(activation);
     validate(config);
-    if (steps < 1) usage("--steps " + std::to_string(steps) + ": allowed: 1 or more");
     // The dropless layer is block-sparse over whole B x B blocks of D and H (cuda/moe/block_sparse.cu);
     // say so here, before any GPU work, with the flags the user typed.
     const bool block_sparse = config.formulation == Formulation::dropless;
@@ -169,7 +128,7 @@ int run(int argc, char** argv) {
       usage("--hidden-dim " + std::to_string(config.hidden_dim) + ": allowed: a positive multiple of --block-size " +
             std::to_string(config.block_size));
     check_output_path("--out", out / "run.json");  // the record and the tensors go there
-  } catch (const std::exception& error) {  // std::stoll's and validate()'s messages
+  } catch (const std::exception& error) {  // validate()'s and the enum parsers' messages
     usage(error.what());
   }
   if (!cuda::gpu_available()) {

@@ -9,7 +9,8 @@
 #include <optional>
 #include <sstream>
 
-#include "moe_config.h"  // parse_formulation, parse_activation, to_string
+#include "moe_config.h"    // parse_formulation, parse_activation, to_string
+#include "parse_number.h"  // parse_integer, parse_real: a flag's text read whole
 
 namespace moe::train {
 namespace {
@@ -178,18 +179,14 @@ json value_of_flag(const Field& field, const std::string& text, const std::strin
   };
   switch (field.kind) {
     case Kind::integer: {
-      size_t used = 0;
-      long long value = 0;
-      try { value = std::stoll(text, &used); } catch (const std::exception&) { throw bad(); }
-      if (used != text.size()) throw bad();
-      return json(int64_t(value));
+      const std::optional<int64_t> value = parse_integer(text);
+      if (!value) throw bad();
+      return json(*value);
     }
-    case Kind::number: {
-      size_t used = 0;
-      double value = 0;
-      try { value = std::stod(text, &used); } catch (const std::exception&) { throw bad(); }
-      if (used != text.size()) throw bad();
-      return json(value);
+    case Kind::number: {  // NaN and infinities too: validate() names the setting and its range
+      const std::optional<double> value = parse_real(text);
+      if (!value) throw bad();
+      return json(*value);
     }
     case Kind::text: return json(text);
     case Kind::boolean:

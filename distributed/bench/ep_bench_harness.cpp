@@ -7,8 +7,11 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "command_line.h"     // CLI::App, whole_number, finite_number, one_of, command_line_message
 #include "core/cuda_check.h"  // CUDA_CHECK
-#include "program_exit.h"     // check_output_path, finite_number
+#include "ep/expert_parallel_gpu.h"  // kMaxPipelineChunks
+#include "parse_number.h"     // parse_real, parse_integer_list
+#include "program_exit.h"     // check_output_path
 
 namespace moe::dist::bench {
 
@@ -16,129 +19,133 @@ namespace moe::dist::bench {
 
 namespace {
 
-// "8", "512K", "16M", "1G" (powers of 1024, as nccl-tests reads them).
-int64_t parse_size(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string unit = text.substr(used);
+// "8", "512K", "16M", "1G" (powers of 1024, as nccl-tests reads them); 0 when the text is none.
+int64_t size_in_bytes(const std::string& text) {
+  const size_t number_end = text.find_first_not_of("0123456789.eE+-");
+  const std::optional<double> value = parse_real(text.substr(0, number_end));
+  const std::string unit = number_end == std::string::npos ? "" : text.substr(number_end);
   double scale = 1;
   if (unit == "K" || unit == "k") scale = 1024.0;
   else if (unit == "M" || unit == "m") scale = 1024.0 * 1024;
   else if (unit == "G" || unit == "g") scale = 1024.0 * 1024 * 1024;
-  else if (!unit.empty()) used = 0;
-  if (used == 0 || value <= 0) {
-    throw std::invalid_argument(flag + " " + text + ": expected a size such as 8, 512K, 16M or 1G");
-  }
-  return static_cast<int64_t>(value * scale);
+  else if (!unit.empty()) return 0;
+  if (!value || !(*value > 0) || !(*value * scale < 9e18)) return 0;
+  return static_cast<int64_t>(*value * scale);
 }
 
-std::vector<int64_t> parse_list(const std::string& flag, const std::string& text) {
-  std::vector<int64_t> values;
-  std::stringstream stream(text);
-  std::string item;
-  while (std::getline(stream, item, ',')) {
-    try {
-      size_t used = 0;
-      values.push_back(std::stoll(item, &used));
-      if (used != item.size()) throw std::invalid_argument(item);
-    } catch (const std::exception&) {
-      throw std::invalid_argument(flag + " " + text + ": expected integers separated by commas");
-    }
-  }
-  if (values.empty()) throw std::invalid_argument(flag + ": expected at least one value");
-  return values;
+const CLI::Validator kSize(
+    [](const std::string& text) {
+      return size_in_bytes(text) > 0 ? std::string() : text + ": allowed: a size such as 8, 512K, 16M or 1G";
+    },
+    "");
+
+const std::vector<std::string> kVariants{"count", "alltoall", "dispatch", "layer"};
+
+// The texts of the flags that parse_options turns into more than one field.
+struct FlagTexts {
+  std::string min_bytes, max_bytes;
+  int64_t factor = 0;
+  std::string layer, pipeline_chunks, only, formulation;
+};
+
+// Every flag of ep_bench, declared once: parse_options reads them, usage() prints them.
+void declare_flags(CLI::App& app, BenchOptions& o, FlagTexts& texts) {
+  app.add_option("-b", texts.min_bytes, "bytes per rank, the smallest size (8, 512K, 16M, 1G; default: 1M, 16M, 64M, 256M)")
+      ->check(kSize);
+  app.add_option("-e", texts.max_bytes, "bytes per rank, the largest size")->check(kSize);
+  app.add_option("-f", texts.factor, "the factor from one size to the next (default 2)")->check(whole_number());
+  app.add_option("-w", o.warmup_runs, "warm-up runs, then at least --warmup-ms of load")->capture_default_str()
+      ->check(whole_number());
+  app.add_option("--warmup-ms", o.warmup_ms, "milliseconds of load before the timed runs (the clock's ramp)")
+      ->capture_default_str()->check(finite_number(0));
+  app.add_option("-n", o.iterations, "timed runs; the table shows the slowest rank's median")->capture_default_str()
+      ->check(whole_number());
+  app.add_option("--backend", o.backend, "NCCL on device buffers, or MPI staged through host memory (default nccl)")
+      ->check(one_of({"nccl", "mpi"}));
+  app.add_option("--layer", texts.layer, "the layer rows' shape T,D,H,E,K, T per rank (default 16384,2048,8192,32,2)")
+      ->check(whole_number_list());
+  app.add_option("--block", o.layer.block_size, "B of the layer rows")->capture_default_str()->check(whole_number(1));
+  app.add_option("--formulation", texts.formulation, "the layer rows' formulation: dropless, padded or dropping");
+  app.add_option("--capacity-factor", o.layer.capacity_factor, "CF of padded and dropping (> 0)")->capture_default_str()
+      ->check(finite_number());
+  app.add_option("--pipeline-chunks", texts.pipeline_chunks,
+                 "Tutel's pipelining degrees d of the layer rows (default 1,2,4,8; each " +
+                     whole_number_range(1, kMaxPipelineChunks).substr(std::string("an integer ").size()) + ")")
+      ->check(whole_number_list(1, kMaxPipelineChunks));
+  app.add_flag_callback("--no-adaptive", [&o] { o.adaptive = false; },
+                        "no row of the layer choosing d itself (pipeline_chunks = 0)");
+  app.add_flag("--layouts", o.layouts, "rows of the layer in Tutel's other layouts: r = 0 and every valid r > 1");
+  app.add_option("--nodes-of", o.hierarchical_ranks_per_node,
+                 "Tutel's 2DH rows beside the flat ones: nodes of G ranks, G > 1 dividing R")->check(whole_number(2));
+  app.add_option("--only", texts.only, "which rows: count,alltoall,dispatch,layer")
+      ->check(CLI::Validator(
+          [](const std::string& text) {
+            std::stringstream stream(text);
+            for (std::string name; std::getline(stream, name, ',');) {
+              if (std::find(kVariants.begin(), kVariants.end(), name) == kVariants.end()) {
+                return text + ": allowed: count, alltoall, dispatch or layer, separated by commas";
+              }
+            }
+            return std::string();
+          },
+          ""));
+  app.add_option("--out", o.out, "the rows as JSON, with device, date, R and backend");
+  app.add_option("--seed", o.seed, "seed of the tokens and weights")->capture_default_str()->check(whole_number(0));
 }
+
+constexpr const char* kDescription =
+    "ep_bench: expert-parallel exchange and layer, in nccl-tests' table shape.\n"
+    "  mpirun -np R ep_bench [flags]   (one rank per GPU with NCCL; ranks may share a GPU with MPI)";
 
 }  // namespace
 
 std::string usage() {
-  return "ep_bench: expert-parallel exchange and layer, in nccl-tests' table shape\n"
-         "  mpirun -np R ep_bench [flags]      (one rank per GPU with NCCL; ranks may share a GPU with MPI)\n"
-         "  -b SIZE -e SIZE -f FACTOR   bytes per rank, min to max by a factor (default: 1M, 16M, 64M, 256M)\n"
-         "  -w RUNS                     warm-up runs (default 5), then at least --warmup-ms of load (1000)\n"
-         "  -n ITERATIONS               timed runs; the table shows the slowest rank's median (default 20)\n"
-         "  --backend nccl|mpi          NCCL on device buffers, or MPI staged through host memory\n"
-         "  --layer T,D,H,E,K           the layer rows' shape, T per rank (default 16384,2048,8192,32,2)\n"
-         "  --block B --formulation dropless|padded|dropping --capacity-factor CF\n"
-         "  --chunks 1,2,4,8            Tutel's pipelining degrees of the layer rows\n"
-         "  --no-adaptive               no row of the layer choosing d itself (pipeline_chunks = 0)\n"
-         "  --layouts                   rows of the layer in Tutel's other layouts: r = 0 and every valid r > 1\n"
-         "  --nodes-of G                Tutel's 2DH rows beside the flat ones: nodes of G ranks, G > 1 dividing R\n"
-         "  --only count,alltoall,dispatch,layer   which rows\n"
-         "  --out FILE.json             the rows, with device, date, R and backend\n"
-         "  --seed N\n";
+  BenchOptions o;
+  FlagTexts texts;
+  CLI::App app{kDescription, "ep_bench"};
+  declare_flags(app, o, texts);
+  return app.help();
 }
 
 BenchOptions parse_options(int argc, char** argv) {
   BenchOptions o;
-  int64_t min_bytes = 0, max_bytes = 0, factor = 0;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
-      return argv[++i];
-    };
-    if (flag == "--help" || flag == "-h") o.help = true;
-    else if (flag == "-b") min_bytes = parse_size(flag, value());
-    else if (flag == "-e") max_bytes = parse_size(flag, value());
-    else if (flag == "-f") factor = parse_list(flag, value()).at(0);
-    else if (flag == "-w") o.warmup_runs = static_cast<int>(parse_list(flag, value()).at(0));
-    else if (flag == "-n") o.iterations = static_cast<int>(parse_list(flag, value()).at(0));
-    else if (flag == "--warmup-ms") o.warmup_ms = std::stod(value());
-    else if (flag == "--backend") o.backend = value();
-    else if (flag == "--layer") {
-      const std::vector<int64_t> shape = parse_list(flag, value());
-      if (shape.size() != 5) throw std::invalid_argument("--layer: expected T,D,H,E,K (T per rank)");
-      o.layer.tokens_per_rank = shape[0];
-      o.layer.model_dim = shape[1];
-      o.layer.hidden_dim = shape[2];
-      o.layer.experts = shape[3];
-      o.layer.top_k = shape[4];
-    } else if (flag == "--block") o.layer.block_size = parse_list(flag, value()).at(0);
-    else if (flag == "--formulation") o.layer.formulation = parse_formulation(value());
-    else if (flag == "--capacity-factor") {
-      const std::string text = value();
-      o.layer.capacity_factor = finite_number(flag, text);
-      if (o.layer.capacity_factor <= 0) throw std::invalid_argument(flag + " " + text + ": expected a number > 0");
-    }
-    else if (flag == "--chunks") {
-      o.pipeline_chunks.clear();
-      for (int64_t d : parse_list(flag, value())) o.pipeline_chunks.push_back(static_cast<int>(d));
-    } else if (flag == "--no-adaptive") {
-      o.adaptive = false;
-    } else if (flag == "--layouts") {
-      o.layouts = true;
-    } else if (flag == "--nodes-of") {
-      const int64_t G = parse_list(flag, value()).at(0);
-      if (G < 2) throw std::invalid_argument("--nodes-of " + std::to_string(G) + ": expected G >= 2 ranks per node");
-      o.hierarchical_ranks_per_node = static_cast<int>(G);
-    } else if (flag == "--only") {
-      o.variants.clear();
-      std::stringstream stream(value());
-      std::string name;
-      while (std::getline(stream, name, ',')) {
-        if (name != "count" && name != "alltoall" && name != "dispatch" && name != "layer") {
-          throw std::invalid_argument("--only " + name + ": expected count, alltoall, dispatch or layer");
-        }
-        o.variants.push_back(name);
-      }
-    } else if (flag == "--out") o.out = value();
-    else if (flag == "--seed") {
-      const int64_t seed = parse_list(flag, value()).at(0);
-      if (seed < 0) throw std::invalid_argument("--seed " + std::to_string(seed) + ": expected an integer >= 0");
-      o.seed = static_cast<uint64_t>(seed);
-    }
-    else throw std::invalid_argument("unknown flag " + flag + " (see --help)");
+  FlagTexts texts;
+  CLI::App app{kDescription, "ep_bench"};
+  declare_flags(app, o, texts);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    o.help = true;
+    return o;
+  } catch (const CLI::ParseError& error) {
+    throw std::invalid_argument(command_line_message(error));
+  }
+  int64_t min_bytes = texts.min_bytes.empty() ? 0 : size_in_bytes(texts.min_bytes);
+  int64_t max_bytes = texts.max_bytes.empty() ? 0 : size_in_bytes(texts.max_bytes);
+  int64_t factor = texts.factor;
+  if (!texts.layer.empty()) {
+    const std::vector<int64_t> shape = *parse_integer_list(texts.layer);
+    if (shape.size() != 5) throw std::invalid_argument("--layer: expected T,D,H,E,K (T per rank)");
+    o.layer.tokens_per_rank = shape[0];
+    o.layer.model_dim = shape[1];
+    o.layer.hidden_dim = shape[2];
+    o.layer.experts = shape[3];
+    o.layer.top_k = shape[4];
+  }
+  if (!texts.formulation.empty()) o.layer.formulation = parse_formulation(texts.formulation);
+  if (o.layer.capacity_factor <= 0) {
+    throw std::invalid_argument("--capacity-factor " + std::to_string(o.layer.capacity_factor) + ": expected a number > 0");
+  }
+  if (!texts.pipeline_chunks.empty()) {
+    o.pipeline_chunks.clear();
+    for (int64_t d : *parse_integer_list(texts.pipeline_chunks)) o.pipeline_chunks.push_back(static_cast<int>(d));
+  }
+  if (!texts.only.empty()) {
+    o.variants.clear();
+    std::stringstream stream(texts.only);
+    for (std::string name; std::getline(stream, name, ',');) o.variants.push_back(name);
   }
   if (o.backend.empty()) o.backend = "nccl";
-  if (o.backend != "nccl" && o.backend != "mpi") {
-    throw std::invalid_argument("--backend " + o.backend + ": expected nccl or mpi");
-  }
   if (o.warmup_runs < 0 || o.iterations < 1) throw std::invalid_argument("-w must be >= 0 and -n >= 1");
   const LayerShape& L = o.layer;
   if (L.tokens_per_rank < 1 || L.model_dim < 1 || L.hidden_dim < 1 || L.experts < 1 || L.top_k < 1 || L.top_k > L.experts) {

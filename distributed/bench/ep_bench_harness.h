@@ -45,7 +45,7 @@ struct BenchOptions {
   double warmup_ms = 1000.0;   // --warmup-ms: and at least this much load (the clock's ramp)
   int iterations = 20;         // -n
   LayerShape layer;            // --layer T,D,H,E,K and --block, --formulation, --capacity-factor
-  std::vector<int> pipeline_chunks{1, 2, 4, 8};  // --chunks 1,2,4,8
+  std::vector<int> pipeline_chunks{1, 2, 4, 8};  // --pipeline-chunks 1,2,4,8
   bool adaptive = true;        // the layer's own choice of d as a row too (--no-adaptive: not)
   bool layouts = false;        // --layouts: the layer in each of Tutel's other layouts r (0, r > 1) too
   int hierarchical_ranks_per_node = 0;  // --nodes-of G: 2DH rows beside the flat ones (G > 1 dividing R)
@@ -55,7 +55,7 @@ struct BenchOptions {
   bool help = false;
 };
 
-// Throws std::invalid_argument naming the flag; --help sets help.
+// Throws std::invalid_argument naming the flag (common/command_line.h's wording); --help sets help.
 BenchOptions parse_options(int argc, char** argv);
 std::string usage();
 

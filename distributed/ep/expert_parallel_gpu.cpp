@@ -38,7 +38,6 @@ namespace {
 // What a rank reports in word 0 of its routing summary when its own forward inputs are wrong.
 constexpr int32_t kBadTokenCount = -1;
 constexpr int32_t kNullPointer = -2;
-constexpr int kMaxPipelineChunks = 64;
 
 class NvtxRange {
  public:

@@ -183,9 +183,13 @@ constexpr int kAdaptivePipelineChunks = 0;
 constexpr std::array<int, 4> kAdaptiveCandidates{1, 2, 4, 8};
 constexpr int kTrialStepsPerCandidate = 2;
 
+// The most chunks d a layer splits its rows into: the bound every check of d and every flag that sets
+// it (moe_train_distributed --pipeline-chunks, ep_bench --pipeline-chunks) holds to.
+constexpr int kMaxPipelineChunks = 64;
+
 struct ExpertParallelGpuOptions {
-  int pipeline_chunks = 1;                 // d in [1, 64]: Tutel's pipelining degree; 1 is FastMoE's;
-                                           // kAdaptivePipelineChunks (0): chosen by measurement
+  int pipeline_chunks = 1;                 // d in [1, kMaxPipelineChunks]: Tutel's pipelining degree; 1 is
+                                           // FastMoE's; kAdaptivePipelineChunks (0): chosen by measurement
   bool all_reduce_router_gradient = true;  // sum d_gate_weights over ranks (data-parallel router)
   ExpertCompute experts = ExpertCompute::ffn;
   int hierarchical_ranks_per_node = 0;     // G: 0 or 1 the flat exchange; G > 1 dividing R: Tutel's 2DH

@@ -43,7 +43,8 @@
 #include "comm/watchdog.h"               // CollectiveWatchdog
 #include "fnv1a.h"                  // fnv1a_64: the configs' fingerprint
 #include "comm/mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
-#include "program_exit.h"           // whole_integer, finite_number
+#include "command_line.h"           // CLI::App, whole_number, finite_number, one_of
+#include "ep/expert_parallel_gpu.h"  // kMaxPipelineChunks, kAdaptivePipelineChunks
 #include "comm/rank_agreement.h"         // check_on_every_rank, check_same_on_every_rank
 #include "stop_signal.h"            // install_stop_handlers, exit_status_for_signal
 #include "train/train_config.h"     // parse_arguments, validate, help_text, to_json
@@ -64,44 +65,41 @@ struct DistributedFlags {
   std::vector<std::string> rest;  // moe_train's flags
 };
 
-// Takes this program's own flags out of the arguments; throws TrainConfigError naming a bad one.
+// This program's own flags, declared once: split_flags reads them, --help prints them.
+void declare_flags(CLI::App& app, DistributedFlags& flags) {
+  app.add_option("--backend", flags.backend,
+                 "exchanges over NCCL (one GPU per rank) or MPI staged through host memory (ranks may share a GPU); "
+                 "default nccl where each rank has a GPU")
+      ->check(moe::one_of({"nccl", "mpi"}));
+  app.add_option("--pipeline-chunks", flags.pipeline_chunks,
+                 "Tutel's pipelining degree d of the expert-parallel layers, 1 to " +
+                     std::to_string(moe::dist::kMaxPipelineChunks) +
+                     "; 0: each layer times d = 1, 2, 4, 8 and keeps the fastest")
+      ->capture_default_str()
+      ->check(moe::whole_number(moe::dist::kAdaptivePipelineChunks, moe::dist::kMaxPipelineChunks));
+  app.add_option("--collective-timeout", flags.collective_timeout_seconds,
+                 "end the job when a collective has not completed in S seconds (a rank died or stopped)")
+      ->capture_default_str()
+      ->check(moe::finite_number(1, 86400));
+}
+
+constexpr const char* kDescription =
+    "usage: mpirun -np R moe_train_distributed [flags] [--preset NAME] [--config FILE.json] [--setting value ...]";
+
+// Takes this program's own flags out of the arguments, the rest (moe_train's settings) in their
+// order; throws TrainConfigError naming a bad one.
 DistributedFlags split_flags(const std::vector<std::string>& arguments) {
   DistributedFlags flags;
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    const std::string& a = arguments[i];
-    if (a == "--backend" || a == "--pipeline-chunks" || a == "--collective-timeout") {
-      if (i + 1 == arguments.size()) throw moe::train::TrainConfigError(a + " needs a value");
-      const std::string value = arguments[++i];
-      if (a == "--backend") {
-        if (value != "nccl" && value != "mpi") {
-          throw moe::train::TrainConfigError("--backend " + value + ": allowed: nccl, mpi");
-        }
-        flags.backend = value;
-      } else if (a == "--collective-timeout") {
-        double seconds = 0;  // not a number: out of the range below
-        try {
-          seconds = moe::finite_number(a, value);
-        } catch (const moe::UsageError&) {
-        }
-        if (!(seconds >= 1 && seconds <= 86400)) {
-          throw moe::train::TrainConfigError("--collective-timeout " + value + ": allowed: 1 to 86400 seconds");
-        }
-        flags.collective_timeout_seconds = seconds;
-      } else {
-        long long d = -1;  // not a whole number: out of the range below
-        try {
-          d = moe::whole_integer(a, value);
-        } catch (const moe::UsageError&) {
-        }
-        if (d < 0 || d > 64) {
-          throw moe::train::TrainConfigError("--pipeline-chunks " + value + ": allowed: 0 (chosen by measurement) or 1 to 64");
-        }
-        flags.pipeline_chunks = static_cast<int>(d);
-      }
-    } else {
-      flags.rest.push_back(a);
-    }
+  CLI::App app{kDescription, "moe_train_distributed"};
+  app.set_help_flag();  // run() answers --help on rank 0 alone
+  app.allow_extras();   // moe_train's settings, for parse_arguments
+  declare_flags(app, flags);
+  try {
+    app.parse(std::vector<std::string>(arguments.rbegin(), arguments.rend()));  // CLI11 takes them last first
+  } catch (const CLI::ParseError& error) {
+    throw moe::train::TrainConfigError(moe::command_line_message(error));
   }
+  flags.rest = app.remaining();
   return flags;
 }
 
@@ -110,16 +108,10 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
   for (const std::string& argument : arguments) {
     if (argument == "--help" || argument == "-h") {
       if (rank == 0) {
-        std::cout << "usage: mpirun -np R moe_train_distributed [--backend nccl|mpi] [--pipeline-chunks d] "
-                     "[--collective-timeout S] "
-                     "[--preset NAME] [--config FILE.json] [--setting value ...]\n"
-                     "  --backend nccl|mpi       exchanges over NCCL (one GPU per rank) or MPI staged through host\n"
-                     "                           memory (ranks may share a GPU); default nccl where each rank has a GPU\n"
-                     "  --pipeline-chunks d      Tutel's pipelining degree of the expert-parallel layers (1 to 64;\n"
-                     "                           0: each layer times d = 1, 2, 4, 8 and keeps the fastest)\n"
-                     "  --collective-timeout S   end the job when a collective has not completed in S seconds\n"
-                     "                           (a rank died or stopped; default 30)\n"
-                     "  --batch is the global batch (a multiple of R); every other setting is moe_train's:\n"
+        DistributedFlags flags;
+        CLI::App app{kDescription, "moe_train_distributed"};
+        declare_flags(app, flags);
+        std::cout << app.help() << "--batch is the global batch (a multiple of R); every other setting is moe_train's:\n"
                   << moe::train::help_text(moe::train::preset("default"));
       }
       return 0;

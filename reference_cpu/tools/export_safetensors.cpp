@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "command_line.h"       // CLI::App, parse_command_line
 #include "checkpoint.h"         // load_checkpoint, latest_checkpoint, CheckpointError
 #include "config_json.h"  // model_config_from_json
 #include "model_safetensors.h"  // save_flat_weights_safetensors
@@ -25,14 +26,6 @@
 namespace {
 
 namespace fs = std::filesystem;
-
-constexpr const char* kUsage =
-    "usage: moe_export_weights --checkpoint PATH [--out FILE]\n"
-    "  Writes a training checkpoint's weights as a safetensors file for inference.\n"
-    "  --checkpoint PATH  a checkpoint file (checkpoint_00001000.ckpt), or a run directory or its\n"
-    "                     checkpoints/ directory, whose latest checkpoint is taken\n"
-    "  --out FILE         the file to write (default: model.safetensors); written atomically\n"
-    "  --help             this text\n";
 
 struct BadInput : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -52,20 +45,15 @@ fs::path resolve_checkpoint(const fs::path& path) {
 int run(const std::vector<std::string>& arguments) {
   std::optional<std::string> checkpoint;
   std::string out = "model.safetensors";
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    const std::string& argument = arguments[i];
-    if (argument == "--help" || argument == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (argument != "--checkpoint" && argument != "--out") throw BadInput("unknown argument '" + argument + "' (--help)");
-    if (i + 1 == arguments.size()) throw BadInput(argument + " needs a value (--help)");
-    if (argument == "--checkpoint") {
-      checkpoint = arguments[++i];
-    } else {
-      out = arguments[++i];
-    }
-  }
+  CLI::App app{"usage: moe_export_weights --checkpoint PATH [--out FILE]\n"
+               "  Writes a training checkpoint's weights as a safetensors file for inference.",
+               "moe_export_weights"};
+  app.add_option("--checkpoint", checkpoint,
+                 "a checkpoint file (checkpoint_00001000.ckpt), or a run directory or its checkpoints/ directory, "
+                 "whose latest checkpoint is taken (required)")
+      ->type_name("PATH");
+  app.add_option("--out", out, "the file to write; written atomically")->type_name("FILE")->capture_default_str();
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, arguments)) return *exit_status;
   if (!checkpoint) throw BadInput("--checkpoint PATH is required (--help)");
   moe::check_output_path("--out", out);  // before reading a checkpoint of hundreds of megabytes
 

@@ -37,6 +37,7 @@
 #include <imgui_impl_opengl3.h>
 #include <GLFW/glfw3.h>  // includes the system OpenGL header
 
+#include "command_line.h"  // CLI::App, parse_command_line, whole_number
 #include "panels.h"
 #include "screenshot.h"
 #include "viewer_state.h"
@@ -55,58 +56,54 @@ struct Options {
   bool layer_given = false;
 };
 
-void Usage(FILE* out) {
-  std::fprintf(out,
-               "usage: moe_viewer [RUN_DIR...] [--follow RUN_DIR] [--runs-dir DIR] [--open-all] [--panel NAME]\n"
-               "                  [--step N] [--layer N] [--curve-steps LO:HI] [--screenshot FILE.png [--regions FILE.json] [--frames N]]\n"
-               "                  [--width W] [--height H]      (details: the top of viewer/app/main.cpp)\n");
-}
-
-bool ParseOptions(int argc, char** argv, Options& o) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> const char* {
-      if (i + 1 < argc) return argv[++i];
-      std::fprintf(stderr, "moe_viewer: %s needs a value\n", arg.c_str());
-      return nullptr;
-    };
-    auto number = [&](long long lo, long long hi, long long& out) {
-      const char* v = value();
-      char* end = nullptr;
-      if (!v) return false;
-      out = std::strtoll(v, &end, 10);
-      if (*v != 0 && *end == 0 && out >= lo && out <= hi) return true;
-      std::fprintf(stderr, "moe_viewer: %s %s: allowed: an integer from %lld to %lld\n", arg.c_str(), v, lo, hi);
-      return false;
-    };
-    long long n = 0;
-    if (arg == "--follow") { const char* v = value(); if (!v) return false; o.follow.push_back(v); }
-    else if (arg == "--runs-dir") { const char* v = value(); if (!v) return false; o.run_folders.push_back(v); }
-    else if (arg == "--open-all") o.open_all = true;
-    else if (arg == "--scrub") o.scrub = true;
-    else if (arg == "--panel") { const char* v = value(); if (!v) return false; o.panel = v; }
-    else if (arg == "--screenshot") { const char* v = value(); if (!v) return false; o.screenshot = v; }
-    else if (arg == "--regions") { const char* v = value(); if (!v) return false; o.regions = v; }
-    else if (arg == "--step") { if (!number(0, (1LL << 53), o.step)) return false; }
-    else if (arg == "--curve-steps") {
-      const char* v = value();
-      if (!v || std::sscanf(v, "%lf:%lf", &o.curve_lo, &o.curve_hi) != 2 || !(o.curve_hi > o.curve_lo)) return false;
-    }
-    else if (arg == "--layer") { if (!number(0, 1023, n)) return false; o.layer = static_cast<int>(n); o.layer_given = true; }
-    else if (arg == "--frames") { if (!number(1, 100000, n)) return false; o.frames = static_cast<int>(n); }
-    else if (arg == "--width") { if (!number(200, 8192, n)) return false; o.width = static_cast<int>(n); }
-    else if (arg == "--height") { if (!number(200, 8192, n)) return false; o.height = static_cast<int>(n); }
-    else if (!arg.empty() && arg[0] == '-') { std::fprintf(stderr, "moe_viewer: unknown option %s\n", arg.c_str()); return false; }
-    else o.runs.push_back(arg);
-  }
+// The flags into `o`; the exit status when the viewer should stop here (--help, a bad flag or value).
+std::optional<int> ParseOptions(int argc, char** argv, Options& o) {
+  std::string curve_steps;
+  CLI::App app{"moe_viewer: training, lesson and inference runs, live or finished (details: the top of viewer/app/main.cpp)",
+               "moe_viewer"};
+  // allow_extra_args(false): one value per --follow / --runs-dir, so RUN_DIRs after them stay runs to open.
+  app.add_option("RUN_DIR", o.runs, "runs to open (loaded whole)");
+  app.add_option("--follow", o.follow, "a run to follow live (new steps appear within a second)")->allow_extra_args(false);
+  app.add_option("--runs-dir", o.run_folders,
+                 "a folder of runs for the run list (repeatable; default runs/ and notebooks_data/runs/)")
+      ->allow_extra_args(false);
+  app.add_flag("--open-all", o.open_all, "open every run of the run list");
+  app.add_option("--panel", o.panel, "the panel to show first: summary curves routing tokens topology alltoall offload");
+  app.add_option("--step", o.step, "the step to show")->check(moe::whole_number(0, 1LL << 53));
+  auto* layer = app.add_option("--layer", o.layer,
+                               "the layer to show (also picks the all-to-all panel's byte matrix and load across ranks, "
+                               "which otherwise sum the layers)")
+                    ->check(moe::whole_number(0, 1023));
+  app.add_option("--curve-steps", curve_steps,
+                 "LO:HI, the steps the training curves show (default: all; e.g. 500:2000 leaves out the first fall of "
+                 "the loss, so the formulations' differences fill the plot)")
+      ->check(CLI::Validator(
+          [](const std::string& text) {
+            double lo = 0, hi = 0;
+            const bool ok = std::sscanf(text.c_str(), "%lf:%lf", &lo, &hi) == 2 && hi > lo;
+            return ok ? std::string() : text + ": allowed: LO:HI with LO < HI";
+          },
+          ""));
+  app.add_option("--screenshot", o.screenshot, "render hidden, write FILE.png after --frames frames, exit");
+  app.add_option("--regions", o.regions, "with --screenshot: the named regions' rectangles as JSON (for tests)");
+  app.add_option("--frames", o.frames, "frames to render in screenshot mode; prints frame-time figures")
+      ->capture_default_str()->check(moe::whole_number(1, 100000));
+  app.add_option("--width", o.width, "the window's width")->capture_default_str()->check(moe::whole_number(200, 8192));
+  app.add_option("--height", o.height, "the window's height")->capture_default_str()->check(moe::whole_number(200, 8192));
+  app.add_flag("--scrub", o.scrub,
+               "with --screenshot: move the step across the run, one position per frame, so the frame times include "
+               "re-preparing the per-step views");
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return exit_status;
+  o.layer_given = layer->count() > 0;
+  if (!curve_steps.empty()) std::sscanf(curve_steps.c_str(), "%lf:%lf", &o.curve_lo, &o.curve_hi);
   if (!o.panel.empty() && o.panel != "all" &&
       std::none_of(std::begin(kPanels), std::end(kPanels), [&](const PanelEntry& p) { return o.panel == p.name; })) {
     std::fprintf(stderr, "moe_viewer: unknown panel '%s'; panels: all", o.panel.c_str());
     for (const PanelEntry& p : kPanels) std::fprintf(stderr, " %s", p.name);
     std::fprintf(stderr, "\n");
-    return false;
+    return moe::kExitBadInput;
   }
-  return true;
+  return std::nullopt;
 }
 
 // One frame of the whole window: the runs panel on the left, the panels as tabs on the right.
@@ -151,17 +148,8 @@ void GlfwError(int code, const char* description) { std::fprintf(stderr, "moe_vi
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      Usage(stdout);
-      return 0;
-    }
-  }
   Options options;
-  if (!ParseOptions(argc, argv, options)) {  // it names the bad flag or value
-    Usage(stderr);
-    return 2;
-  }
+  if (const std::optional<int> exit_status = ParseOptions(argc, argv, options)) return *exit_status;
   ViewerState state;
   state.screenshot = !options.screenshot.empty();
   for (const std::string& f : options.run_folders) state.run_folders.emplace_back(f);

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <string>
 
+#include "command_line.h"  // CLI::App, parse_command_line, whole_number, finite_number
 #include "program_exit.h"  // run_program, UsageError, check_output_path
 #include "synthetic_run.h"
 
@@ -20,37 +21,27 @@ int fake_run(int argc, char** argv) {
   moe::viewer::SyntheticRunOptions o;
   std::string out;
   bool overwrite = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::printf("usage: moe_fake_run --out DIR [--overwrite] [--steps N] [--experts E (1..4096)] [--layers L]\n"
-                  "         [--ranks R] [--top-k K (1..E)] [--tokens T] [--capacity-factor F (0 = dropless)]\n"
-                  "         [--hot-expert e] [--live-ms MS] [--seed S] [--name NAME]\n"
-                  "  writes a SYNTHETIC run record (made-up numbers) for the viewer's tests and demos\n");
-      return 0;
-    }
-    if (arg == "--overwrite") {
-      overwrite = true;
-      continue;
-    }
-    const auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw moe::UsageError(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--out") out = next();
-    else if (arg == "--steps") o.steps = moe::whole_integer(arg, next());
-    else if (arg == "--experts") o.experts = moe::whole_integer(arg, next());
-    else if (arg == "--layers") o.layers = moe::whole_integer(arg, next());
-    else if (arg == "--ranks") o.ranks = moe::whole_integer(arg, next());
-    else if (arg == "--top-k") o.top_k = moe::whole_integer(arg, next());
-    else if (arg == "--tokens") o.tokens_per_step = moe::whole_integer(arg, next());
-    else if (arg == "--capacity-factor") o.capacity_factor = moe::finite_number(arg, next());
-    else if (arg == "--hot-expert") o.hot_expert = moe::whole_integer(arg, next());
-    else if (arg == "--live-ms") o.live_delay_ms = moe::whole_integer(arg, next());
-    else if (arg == "--seed") o.seed = static_cast<uint64_t>(moe::whole_integer(arg, next()));
-    else if (arg == "--name") o.name = next();
-    else throw moe::UsageError("unknown flag " + arg + " (see --help)");
-  }
+  CLI::App app{"moe_fake_run: writes a SYNTHETIC run record (made-up numbers) for the viewer's tests and demos",
+               "moe_fake_run"};
+  app.add_option("--out", out, "the run record's directory (required)")->type_name("DIR");
+  app.add_flag("--overwrite", overwrite, "replace a run record already in DIR");
+  // Numbers are read whole here; their ranges, some of which depend on each other (K <= E), are
+  // checked below with the flag in the message.
+  app.add_option("--steps", o.steps, "steps (0 or more)")->capture_default_str()->check(moe::whole_number());
+  app.add_option("--experts", o.experts, "E (1..4096)")->capture_default_str()->check(moe::whole_number());
+  app.add_option("--layers", o.layers, "L")->capture_default_str()->check(moe::whole_number());
+  app.add_option("--ranks", o.ranks, "R")->capture_default_str()->check(moe::whole_number());
+  app.add_option("--top-k", o.top_k, "K (1..E)")->capture_default_str()->check(moe::whole_number());
+  app.add_option("--tokens", o.tokens_per_step, "T per step")->capture_default_str()->check(moe::whole_number());
+  app.add_option("--capacity-factor", o.capacity_factor, "F (0 = dropless)")->capture_default_str()
+      ->check(moe::finite_number());
+  app.add_option("--hot-expert", o.hot_expert, "e: the expert that gets most tokens")->capture_default_str()
+      ->check(moe::whole_number());
+  app.add_option("--live-ms", o.live_delay_ms, "MS between steps, as a live run writes them")->capture_default_str()
+      ->check(moe::whole_number());
+  app.add_option("--seed", o.seed, "S")->capture_default_str()->check(moe::whole_number(0));
+  app.add_option("--name", o.name, "the run's name");
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
   // One line naming the flag and what it allows, as the user typed it.
   const std::string top_k_allowed = "--top-k: allowed: 1 to E (E = " + std::to_string(o.experts) + ")";
   const char* bad = out.empty()                           ? "--out DIR is required"

@@ -38,7 +38,8 @@
 
 #include "curves_view.h"    // curve_metric_order, curve_step_range, sample_spacing
 #include "downsample.h"     // downsample_min_max
-#include "program_exit.h"   // UsageError, whole_integer, check_output_path, kExitBadInput
+#include "command_line.h"   // CLI::App, parse_command_line, whole_number
+#include "program_exit.h"   // UsageError, check_output_path, kExitBadInput
 #include "run_model.h"      // RunModel
 
 namespace fs = std::filesystem;
@@ -194,51 +195,41 @@ std::string today_utc() {
   return text;
 }
 
-constexpr const char* kUsage =
-    "usage: viewer_scale_bench [--steps N] [--source RUN_DIR] [--work DIR] [--json OUT.json]\n"
-    "                          [--viewer build/viewer/moe_viewer] [--windows 1600x1000,1280x800]\n"
-    "                          [--columns 1500] [--frames 30]\n";
-
-// The whole of `text` as an integer >= minimum, or a usage error naming the flag.
-long long integer_at_least(const std::string& flag, const std::string& text, long long minimum) {
-  const long long value = moe::whole_integer(flag, text);
-  if (value < minimum) throw moe::UsageError(flag + " " + text + ": allowed: " + std::to_string(minimum) + " or more");
-  return value;
+// WIDTHxHEIGHT[,WIDTHxHEIGHT...], each > 0; nothing when the text is not that.
+std::optional<std::vector<std::pair<int, int>>> parse_windows(const std::string& text) {
+  std::vector<std::pair<int, int>> windows;
+  for (const char* p = text.c_str(); *p;) {
+    int w = 0, h = 0, used = 0;
+    if (std::sscanf(p, "%dx%d%n", &w, &h, &used) != 2 || w <= 0 || h <= 0) return std::nullopt;
+    windows.emplace_back(w, h);
+    p += used;
+    if (*p == ',') ++p;
+  }
+  return windows;
 }
 
-// The flags into `o`; false for --help. Bad flags and values are UsageError, naming the flag.
-bool parse_options(int argc, char** argv, Options& o) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") return false;
-    if (arg != "--steps" && arg != "--source" && arg != "--work" && arg != "--json" && arg != "--viewer" &&
-        arg != "--columns" && arg != "--frames" && arg != "--windows") {
-      throw moe::UsageError("unknown flag " + arg + " (see --help)");
-    }
-    if (i + 1 >= argc) throw moe::UsageError(arg + " needs a value");
-    const std::string value = argv[++i];
-    if (arg == "--steps") o.steps = integer_at_least(arg, value, 1);
-    else if (arg == "--source") o.source = value;
-    else if (arg == "--work") o.work = value;
-    else if (arg == "--json") o.json_out = value;
-    else if (arg == "--viewer") o.viewer = value;
-    else if (arg == "--columns") o.columns = static_cast<int>(integer_at_least(arg, value, 1));
-    else if (arg == "--frames") o.frames = static_cast<int>(integer_at_least(arg, value, 2));
-    else {  // --windows WxH[,WxH...]
-      o.windows.clear();
-      for (const char* p = value.c_str(); *p;) {
-        int w = 0, h = 0, used = 0;
-        if (std::sscanf(p, "%dx%d%n", &w, &h, &used) != 2 || w <= 0 || h <= 0) {
-          throw moe::UsageError("--windows " + value + ": allowed: WIDTHxHEIGHT[,WIDTHxHEIGHT...], each > 0");
-        }
-        o.windows.emplace_back(w, h);
-        p += used;
-        if (*p == ',') ++p;
-      }
-    }
-  }
+// The flags into `o`; the exit status when the program should stop here (--help, a bad flag).
+std::optional<int> parse_options(int argc, char** argv, Options& o) {
+  std::string windows;
+  CLI::App app{"viewer_scale_bench: how the viewer copes with a run of millions of steps", "viewer_scale_bench"};
+  app.add_option("--steps", o.steps, "step events of the record (a real run's, repeated)")->capture_default_str()
+      ->check(moe::whole_number(1));
+  app.add_option("--source", o.source, "RUN_DIR whose step events are repeated")->capture_default_str();
+  app.add_option("--work", o.work, "DIR for the record (default: a temporary folder, removed afterwards)");
+  app.add_option("--json", o.json_out, "OUT.json: the figures as JSON");
+  app.add_option("--viewer", o.viewer, "build/viewer/moe_viewer: also the real window's frame times (under xvfb-run)");
+  app.add_option("--windows", windows, "WIDTHxHEIGHT[,WIDTHxHEIGHT...] (default 1600x1000,1280x800)")
+      ->check(CLI::Validator(
+          [](const std::string& text) {
+            return parse_windows(text) ? std::string() : text + ": allowed: WIDTHxHEIGHT[,WIDTHxHEIGHT...], each > 0";
+          },
+          ""));
+  app.add_option("--columns", o.columns, "step columns drawn")->capture_default_str()->check(moe::whole_number(1));
+  app.add_option("--frames", o.frames, "frames timed per window")->capture_default_str()->check(moe::whole_number(2));
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return exit_status;
+  if (!windows.empty()) o.windows = *parse_windows(windows);
   if (!o.json_out.empty()) moe::check_output_path("--json", o.json_out);
-  return true;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -246,12 +237,9 @@ bool parse_options(int argc, char** argv, Options& o) {
 int main(int argc, char** argv) {
   Options options;
   try {
-    if (!parse_options(argc, argv, options)) {
-      std::printf("%s", kUsage);
-      return 0;
-    }
+    if (const std::optional<int> exit_status = parse_options(argc, argv, options)) return *exit_status;
   } catch (const moe::UsageError& error) {
-    std::fprintf(stderr, "viewer_scale_bench: %s\n%s", error.what(), kUsage);
+    std::fprintf(stderr, "viewer_scale_bench: %s\n", error.what());
     return moe::kExitBadInput;
   }
   const bool own_work = options.work.empty();

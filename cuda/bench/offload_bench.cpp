@@ -42,7 +42,7 @@
 // 1 GiB copy; printed first, and refused (exit 2) beyond 75% of MemAvailable.
 //
 // Build: cmake --build build --target offload_bench
-// Run:   build/cuda/infer/offload_bench [--scales switch,large] [--batches 1,8] [--modes all]
+// Run:   build/cuda/bench/offload_bench [--scales switch,large] [--batches 1,8] [--modes all]
 //            [--switch-experts 64] [--prompt-bytes 8] [--warmup 4] [--steps 32] [--cache-factor 2]
 //            [--cache-experts C] [--policy lru] [--seed 1] [--out FILE.json] [--record-dir DIR]
 // --record-dir DIR writes a run record per (scale, batch, mode) (infer/offload_recording.h): DIR itself
@@ -72,7 +72,8 @@
 #include <string>
 #include <vector>
 
-#include "core/bench_support.h"           // median, utc_now, parse_integer, parse_number
+#include "command_line.h"                 // CLI::App, parse_command_line, whole_number, finite_number, one_of
+#include "core/bench_support.h"           // median, utc_now
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
 #include "core/device_info.h"             // gpu_available, why_no_gpu, current_device
@@ -91,25 +92,11 @@ namespace {
 using namespace moe::cuda;
 using nlohmann::json;
 
-const char* kUsage =
+const char* kDescription =
     "usage: offload_bench [options]\n"
     "  Every expert mode (gpu_only, on_demand, prefetch_all, pregated, speculative) on random models at two\n"
     "  scales: decode time per step, prefill tokens/s, peak GPU memory, bytes copied, H2D GB/s beside the\n"
-    "  pinned copy, stalls, cache hit rate, prefetch accuracy, the PCIe floor; bytes checked against gpu_only.\n"
-    "  --scales LIST        switch,large (default both)\n"
-    "  --switch-experts E   E of the Switch-Base-like scale: 64 or 128 (default 64)\n"
-    "  --batches LIST       sequences decoded together (default 1,8)\n"
-    "  --modes LIST         all, or some of gpu_only,on_demand,prefetch_all,pregated,speculative (default all)\n"
-    "  --prompt-bytes P     the prefill's prompt length (default 8)\n"
-    "  --warmup N           untimed decode steps after the prefill (default 4)\n"
-    "  --steps N            timed decode steps; medians over them (default 32)\n"
-    "  --cache-factor F     cache slots = max(F x a decode step's need, the prefill's need) (default 2)\n"
-    "  --cache-experts C    cache slots, directly (at least the prefill's need)\n"
-    "  --policy P           lru | lfu (default lru)\n"
-    "  --seed S             weights, prompts and sampling (default 1)\n"
-    "  --out FILE           also write every row as JSON, with the device and the date\n"
-    "  --record-dir DIR     also write a run record per run (kind infer) for the viewer's offload panel\n"
-    "  --help               this text\n";
+    "  pinned copy, stalls, cache hit rate, prefetch accuracy, the PCIe floor; bytes checked against gpu_only.";
 
 struct BadFlag : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
@@ -141,76 +128,60 @@ std::vector<std::string> split(const std::string& text) {
   return parts;
 }
 
-int64_t integer_at_least(const std::string& flag, const std::string& text, int64_t least) {
-  const std::optional<int64_t> value = parse_integer(text);
-  if (!value || *value < least) throw BadFlag(flag + " " + text + ": expected an integer >= " + std::to_string(least));
-  return *value;
-}
+// The flags into `o`; the exit status when the program should stop here (--help, a bad flag).
+std::optional<int> parse_options(int argc, char** argv, Options& o) {
+  std::string scales, batches, modes, policy;
+  CLI::App app{kDescription, "offload_bench"};
+  app.add_option("--scales", scales, "switch,large (default both)")
+      ->check(CLI::Validator(
+          [](const std::string& text) {
+            const std::vector<std::string> names = split(text);
+            bool ok = !names.empty();
+            for (const std::string& name : names) ok = ok && (name == "switch" || name == "large");
+            return ok ? std::string() : text + ": allowed: switch, large or switch,large";
+          },
+          ""));
+  app.add_option("--switch-experts", o.switch_experts, "E of the Switch-Base-like scale: 64 or 128")
+      ->capture_default_str()->check(moe::one_of({"64", "128"}));
+  app.add_option("--batches", batches, "sequences decoded together (default 1,8)")->check(moe::whole_number_list(1));
+  app.add_option("--modes", modes, "all, or some of gpu_only,on_demand,prefetch_all,pregated,speculative (default all)");
+  app.add_option("--prompt-bytes", o.prompt_bytes, "the prefill's prompt length")->capture_default_str()
+      ->check(moe::whole_number(1));
+  app.add_option("--warmup", o.warmup, "untimed decode steps after the prefill")->capture_default_str()
+      ->check(moe::whole_number(0));
+  app.add_option("--steps", o.steps, "timed decode steps; medians over them")->capture_default_str()
+      ->check(moe::whole_number(1));
+  app.add_option("--cache-factor", o.cache_factor, "cache slots = max(F x a decode step's need, the prefill's need)")
+      ->capture_default_str()->check(moe::finite_number(1));
+  app.add_option("--cache-experts", o.cache_experts, "cache slots, directly (at least the prefill's need)")
+      ->check(moe::whole_number(1));
+  app.add_option("--policy", policy, "lru | lfu (default lru)");
+  app.add_option("--seed", o.seed, "weights, prompts and sampling")->capture_default_str()->check(moe::whole_number(0));
+  app.add_option("--out", o.out, "also write every row as JSON, with the device and the date");
+  app.add_option("--record-dir", o.record_dir, "also write a run record per run (kind infer) for the viewer's offload panel");
+  if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return exit_status;
 
-Options parse_options(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw BadFlag(flag + " needs a value");
-      return argv[++i];
-    };
-    if (flag == "--scales") {
-      o.scales = split(value());
-      for (const std::string& s : o.scales) {
-        if (s != "switch" && s != "large") throw BadFlag("--scales: unknown scale '" + s + "' (switch, large)");
-      }
-      if (o.scales.empty()) throw BadFlag("--scales: give at least one scale");
-    } else if (flag == "--switch-experts") {
-      o.switch_experts = integer_at_least(flag, value(), 1);
-      if (o.switch_experts != 64 && o.switch_experts != 128) throw BadFlag("--switch-experts: 64 or 128");
-    } else if (flag == "--batches") {
-      o.batches.clear();
-      for (const std::string& b : split(value())) o.batches.push_back(integer_at_least(flag, b, 1));
-      if (o.batches.empty()) throw BadFlag("--batches: give at least one batch");
-    } else if (flag == "--modes") {
-      const std::string v = value();
-      if (v != "all") {
-        o.modes.clear();
-        for (const std::string& m : split(v)) {
-          try {
-            o.modes.push_back(parse_expert_schedule(m));
-          } catch (const std::invalid_argument& error) {
-            throw BadFlag(std::string("--modes: ") + error.what());
-          }
-        }
-        if (o.modes.empty()) throw BadFlag("--modes: give at least one mode");
-      }
-    } else if (flag == "--prompt-bytes") {
-      o.prompt_bytes = integer_at_least(flag, value(), 1);
-    } else if (flag == "--warmup") {
-      o.warmup = integer_at_least(flag, value(), 0);
-    } else if (flag == "--steps") {
-      o.steps = integer_at_least(flag, value(), 1);
-    } else if (flag == "--cache-factor") {
-      const std::string v = value();
-      const std::optional<double> factor = parse_number(v);
-      if (!factor || !(*factor >= 1)) throw BadFlag("--cache-factor " + v + ": a number >= 1");
-      o.cache_factor = *factor;
-    } else if (flag == "--cache-experts") {
-      o.cache_experts = integer_at_least(flag, value(), 1);
-    } else if (flag == "--policy") {
+  if (!scales.empty()) o.scales = split(scales);
+  if (!batches.empty()) o.batches = *moe::parse_integer_list(batches);
+  if (!modes.empty() && modes != "all") {
+    o.modes.clear();
+    for (const std::string& m : split(modes)) {
       try {
-        o.policy = cache_policy_from_string(value());
+        o.modes.push_back(parse_expert_schedule(m));
       } catch (const std::invalid_argument& error) {
-        throw BadFlag(std::string("--policy: ") + error.what());
+        throw BadFlag(std::string("--modes: ") + error.what());
       }
-    } else if (flag == "--seed") {
-      o.seed = static_cast<uint64_t>(integer_at_least(flag, value(), 0));
-    } else if (flag == "--out") {
-      o.out = value();
-    } else if (flag == "--record-dir") {
-      o.record_dir = value();
-    } else {
-      throw BadFlag("unknown option '" + flag + "'");
+    }
+    if (o.modes.empty()) throw BadFlag("--modes: give at least one mode");
+  }
+  if (!policy.empty()) {
+    try {
+      o.policy = cache_policy_from_string(policy);
+    } catch (const std::invalid_argument& error) {
+      throw BadFlag(std::string("--policy: ") + error.what());
     }
   }
-  return o;
+  return std::nullopt;
 }
 
 // ---- [SECTION] the two scales and their random weights ----
@@ -493,15 +464,9 @@ json run_json(const Run& r) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-  }
   Options o;
   try {
-    o = parse_options(argc, argv);
+    if (const std::optional<int> exit_status = parse_options(argc, argv, o)) return *exit_status;
     // The outputs before the GPU work: a path that cannot be created fails now, not after the timings.
     if (!o.out.empty()) moe::check_output_path("--out", o.out);
     if (!o.record_dir.empty()) moe::check_output_path("--record-dir", std::filesystem::path(o.record_dir) / "run.json");

@@ -18,7 +18,7 @@
 // each is compared byte for byte with the store (the verdict line).
 //
 // Build: cmake -S . -B build-offload -G Ninja -DMOE_ENABLE_VIEWER=OFF && cmake --build build-offload --target offload_copy_bench
-// Run:   build-offload/cuda/offload/offload_copy_bench [--rounds 4] [--repeat 5] [--warmup 3] [--big-mib 1024] [--out FILE.json]
+// Run:   build-offload/cuda/bench/offload_copy_bench [--rounds 4] [--repeat 5] [--warmup 3] [--big-mib 1024] [--out FILE.json]
 // Pinned host memory: --big-mib MiB + 32 experts of 9.4 MB + 8 of 235 MB (about 3.2 GB by default).
 //
 // Dimension legend: D model width, H expert hidden width, E experts per MoE block.
@@ -39,7 +39,8 @@
 #include <string>
 #include <vector>
 
-#include "core/bench_support.h"           // median, utc_now, parse_integer
+#include "command_line.h"                 // CLI::App, parse_command_line, whole_number
+#include "core/bench_support.h"           // median, utc_now
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
 #include "core/device_info.h"             // gpu_available, why_no_gpu, current_device
@@ -51,20 +52,10 @@ namespace {
 
 using moe::cuda::bf16;
 using moe::cuda::median;
-using moe::cuda::parse_integer;
 using moe::cuda::utc_now;
 using nlohmann::json;
 
 constexpr double kTargetRatio = 0.90;
-
-const char* kUsage =
-    "usage: offload_copy_bench [--rounds N] [--repeat N] [--warmup N] [--big-mib N] [--out FILE.json]\n"
-    "  --rounds N     rounds over all rows, interleaved (default 4)\n"
-    "  --repeat N     timed runs per row and round; the median of rounds x repeat is reported (default 5)\n"
-    "  --warmup N     untimed runs of a row before its timed runs in each round (default 3)\n"
-    "  --big-mib N    the size of the one big pinned copy, the ceiling (default 1024)\n"
-    "  --out FILE     also write the results as JSON, with the device and the date\n"
-    "  --help         this text\n";
 
 struct Options {
   int rounds = 4;
@@ -74,37 +65,21 @@ struct Options {
   std::string out;
 };
 
-int count_at_least(const std::string& flag, const std::string& text, int minimum) {
-  const std::optional<int64_t> value = parse_integer(text);
-  if (!value || *value < minimum || *value > std::numeric_limits<int>::max()) {
-    throw std::invalid_argument(flag + " wants an integer >= " + std::to_string(minimum) + ", got '" + text + "'");
-  }
-  return static_cast<int>(*value);
-}
-
-Options parse_options(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--rounds") {
-      options.rounds = count_at_least(arg, value(), 1);
-    } else if (arg == "--repeat") {
-      options.repeat = count_at_least(arg, value(), 1);
-    } else if (arg == "--warmup") {
-      options.warmup = count_at_least(arg, value(), 0);
-    } else if (arg == "--big-mib") {
-      options.big_mib = count_at_least(arg, value(), 1);
-    } else if (arg == "--out") {
-      options.out = value();
-    } else {
-      throw std::invalid_argument("unknown option '" + arg + "'");
-    }
-  }
-  return options;
+// The flags into `options`; the exit status when the program should stop here (--help, a bad flag).
+std::optional<int> parse_options(int argc, char** argv, Options& options) {
+  CLI::App app{"offload_copy_bench: expert copies through the expert cache beside the pinned host-to-device bandwidth",
+               "offload_copy_bench"};
+  const int most = std::numeric_limits<int>::max();
+  app.add_option("--rounds", options.rounds, "rounds over all rows, interleaved")->capture_default_str()
+      ->check(moe::whole_number(1, most));
+  app.add_option("--repeat", options.repeat, "timed runs per row and round; the median of rounds x repeat is reported")
+      ->capture_default_str()->check(moe::whole_number(1, most));
+  app.add_option("--warmup", options.warmup, "untimed runs of a row before its timed runs in each round")
+      ->capture_default_str()->check(moe::whole_number(0, most));
+  app.add_option("--big-mib", options.big_mib, "the size of the one big pinned copy, the ceiling")->capture_default_str()
+      ->check(moe::whole_number(1, most));
+  app.add_option("--out", options.out, "also write the results as JSON, with the device and the date");
+  return moe::parse_command_line(app, argc, argv);
 }
 
 // A row of the table: one kind of run, enqueued on the compute stream and timed in every round.
@@ -200,18 +175,12 @@ void print_row(const Row& row, double pinned_gb_per_s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      std::printf("%s", kUsage);
-      return 0;
-    }
-  }
   Options options;
   try {
-    options = parse_options(argc, argv);
+    if (const std::optional<int> exit_status = parse_options(argc, argv, options)) return *exit_status;
     if (!options.out.empty()) moe::check_output_path("--out", options.out);  // before the timings, not after
   } catch (const std::exception& error) {
-    std::fprintf(stderr, "offload_copy_bench: %s\n%s", error.what(), kUsage);
+    std::fprintf(stderr, "offload_copy_bench: %s\n", error.what());
     return 2;
   }
   if (!moe::cuda::gpu_available()) {
