@@ -1,6 +1,6 @@
 // generate.h: incremental decoding of the reference model with a KV cache: prefill a batch of
 // prompts, then one byte per sequence per step, reporting which experts every MoE block chose.
-// The oracle of GPU generation and of the offload engine (issue 24). Part of the CPU reference
+// The oracle of GPU generation and of the offload engine. Part of the CPU reference
 // (moe::ref); tested by tests/reference_cpu/test_generate.cpp:
 //   cmake --build build --target test_reference_cpu_generate && ctest --test-dir build -R ReferenceGenerate
 //

@@ -1,5 +1,5 @@
 // model.h: the tiny byte-level MoE transformer language model, forward and backward, in double
-// precision: the oracle that one GPU training step is compared with (issue 4). Part of the CPU
+// precision: the oracle that one GPU training step is compared with. Part of the CPU
 // reference (moe::ref); built into moe_reference_cpu, tested by tests/reference_cpu/test_model.cpp:
 //   cmake --build build --target test_reference_cpu_model && ctest --test-dir build -R ReferenceModel
 //

@@ -5,7 +5,7 @@ them, the measured times, so that one reads how far each side is from its own fl
 floor binds.
 
 Run:  python3 cuda/bench/floors.py notebooks_data/bench/moe_bench_h200_2026-11-22.json
-      (--tflops and --gbps: the ceilings; defaults are shared/BASELINES.md's H200 figures,
+      (--tflops and --gbps: the ceilings; defaults are the H200 figures of notebooks_data/bench/README.md's anchor table,
       796 TFLOP/s bf16 from cuBLAS and 4183 GB/s device-to-device)
 
 What is counted, forward only, bf16 (2 bytes), rows = T*K routed rows, counts by moe_bench's rule

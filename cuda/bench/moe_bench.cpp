@@ -3,7 +3,7 @@
 // this project has, against dense cuBLAS doing the same useful math in the same run.
 //
 // Build: cmake -S . -B build-bench -G Ninja -DMOE_ENABLE_VIEWER=OFF && cmake --build build-bench --target moe_bench
-// Run:   build-bench/cuda/bench/moe_bench                      (the shapes of shared/BASELINES.md)
+// Run:   build-bench/cuda/bench/moe_bench                      (the reference shapes)
 //        build-bench/cuda/bench/moe_bench --shapes small       (a quick shape, with a CPU-oracle check)
 //        build-bench/cuda/bench/moe_bench --activation both    (SwiGLU rows beside GeLU's, same shapes)
 //        build-bench/cuda/bench/moe_bench --micro-batches 4 --shapes 16384,1024,4096,64,1 --routing zipf

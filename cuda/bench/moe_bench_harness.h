@@ -61,7 +61,7 @@ struct Shape {
   }
 };
 
-inline const std::vector<Shape> kBaselineShapes = {  // shared/BASELINES.md
+inline const std::vector<Shape> kBaselineShapes = {  // the reference shapes: notebooks_data/bench/README.md, "Anchor figures and ceilings"
     {16384, 1024, 4096, 64, 1},
     {16384, 2048, 8192, 64, 2},
     {8192, 4096, 14336, 8, 2},

@@ -1,7 +1,7 @@
 // offload_bench.cpp: every expert mode of Pre-gated MoE (gpu_only, on_demand, prefetch_all, pregated,
 // speculative) on the decoding model InferenceModelGpu, at system scale, in one run: decode time per
 // step beside GPU-only and beside the PCIe floor, GPU memory, bytes copied, the expert cache's hits,
-// stalls and prefetch accuracy (issue 24's targets, evaluated in the last table).
+// stalls and prefetch accuracy (the offload targets, evaluated in the last table).
 //
 // Two scales, random weights (the figures do not depend on the values, only on the routing):
 //   switch   Switch-Base-like: D=768, H=3072, E=64 (--switch-experts 128), 12 blocks, MoE in every other
@@ -597,14 +597,14 @@ int main(int argc, char** argv) {
       }
     }
 
-    // ---- the targets of issue 24 ----
+    // ---- the offload targets ----
     auto find = [&](const std::string& scale, int64_t N, ExpertSchedule mode, const std::string& model) -> const Run* {
       for (const Run& r : all_runs) {
         if (r.scale == scale && r.batch == N && r.mode == mode && r.model == model) return &r;
       }
       return nullptr;
     };
-    std::printf("\n==== summary: issue 24's targets (pregated against the pre-gated model's gpu_only) ====\n");
+    std::printf("\n==== summary: the offload targets (pregated against the pre-gated model's gpu_only) ====\n");
     std::printf("%-7s %5s %14s %14s %14s %12s %12s %12s %12s\n", "scale", "batch", "pg/od >= 1.5", "pg/gpu <= 1.25",
                 "mem pg/gpu<=.33", "od/floor", "pfa/floor", "pg/floor", "spec/floor");
     json summary = json::array();
@@ -637,7 +637,7 @@ int main(int argc, char** argv) {
         summary.push_back(s);
       }
     }
-    std::printf("targets (issue 24): switch pg/od >= 1.5, pg/gpu <= 1.25, memory <= 1/3; large: every mode / floor <= 1.15\n");
+    std::printf("targets: switch pg/od >= 1.5, pg/gpu <= 1.25, memory <= 1/3; large: every mode / floor <= 1.15\n");
 
     if (!o.out.empty()) {
       const json document = {{"program", "offload_bench"}, {"device", device.name}, {"date", date},

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from routing_counts import routing_counts  # beside this script
 
-SHAPES = [  # T, D, H, E, K  (shared/BASELINES.md)
+SHAPES = [  # T, D, H, E, K  (the reference shapes, as moe_bench --shapes baselines)
     (16384, 1024, 4096, 64, 1),
     (16384, 2048, 8192, 64, 2),
     (8192, 4096, 14336, 8, 2),
@@ -138,7 +138,7 @@ def main():
     parser.add_argument("--timing", choices=("synced", "pipelined"), default="synced",
                         help="as moe_bench --timing: each run after a synchronize, or back to back")
     parser.add_argument("--shapes", default="baselines",
-                        help="baselines (shared/BASELINES.md) or one shape T,D,H,E,K, as moe_bench --shapes")
+                        help="baselines (moe_bench's reference shapes) or one shape T,D,H,E,K, as moe_bench --shapes")
     parser.add_argument("--routing", choices=("both", "uniform", "zipf"), default="both")
     args = parser.parse_args()
     shapes = SHAPES if args.shapes == "baselines" else [parse_shape(args.shapes)]

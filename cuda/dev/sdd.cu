@@ -101,7 +101,7 @@
 //      Also tried, and left out: clusters of 2 CTAs on the two tiles of a block row side by side,
 //      each copying half of the shared A tile and multicasting it to both (the "empty" barriers
 //      then wait for both CTAs' consumers). Half the L2 reads of A, but no gain: the FFN forward
-//      measured 2-5% slower at the three BASELINES shapes, the DSD alone 0.32 -> 0.31 ms at D = 1024
+//      measured 2-5% slower at the three reference shapes (moe_bench --shapes baselines), the DSD alone 0.32 -> 0.31 ms at D = 1024
 //      but 2.14 -> 2.35 ms at D = 2048 (H200, 2026-11-22).
 //      The figures of version 18 above (not those of 15-17) come from a build with ptxas serialising
 //      the wgmma (each waits for the one before it). An `if` around the consumers' wgmma (to skip a

@@ -141,7 +141,7 @@ bool block_row_pairs_share_weights(int max_block_rows, int experts);
 
 // For tests and lessons: caps the persistent warp-specialized kernel at `workers` CTAs, or clusters
 // of two where block rows pair up (0, the default: one per SM or resident cluster). A small problem
-// then runs several rounds of tiles and a stream-K tail, as the BASELINES shapes do on the whole GPU
+// then runs several rounds of tiles and a stream-K tail, as the reference shapes (moe_bench --shapes baselines) do on the whole GPU
 // (tile_schedule.h). Process-wide; not for use while another thread launches products.
 void set_persistent_worker_cap(int workers);
 // For lessons and benchmarks: whether the DSDs end in a stream-K tail (tile_schedule.h; the

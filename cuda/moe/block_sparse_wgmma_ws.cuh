@@ -49,7 +49,7 @@
 // async proxy. The mbarrier wait (acquire) makes the copies visible to the consumer thread; its
 // fence.proxy.async then orders them before the wgmma it issues next. (TMA writes through the async
 // proxy, so its stages would need no fence; leaving it out there changed no kernel's time beyond 1%:
-// ncu, H200, 2026-11-22, the three BASELINES shapes.)
+// ncu, H200, 2026-11-22, the three reference shapes.)
 //
 // CTAs past the true counts (the grid is sized by host bounds): begin() returns false, the same in
 // every warp (it reads only the tile index and the device count), so every warp skips the tile and
@@ -762,7 +762,7 @@ __device__ inline bool ws_half_row(const Problem& problem, int y) {
 // Left out: starting consumer 1 one or two k-steps after consumer 0 (a named barrier at the start;
 // the shared stages keep them that far apart), so that one's epilogue would overlap the other's
 // last k-steps. moe_bench, two runs each on an H200 (2026-11-22): no change beyond the run-to-run
-// noise of 2-5% at any BASELINES shape, forward or forward + backward.
+// noise of 2-5% at any reference shape, forward or forward + backward.
 // Left out (ncu at locked base clocks, H200, 2026-11-22,
 // notebooks_data/bench/ncu_sdd_epilogue_experiments_h200_2026-11-22.txt; D = 1024 is T=16384 D=1024 E=64 K=1 Zipf, D = 2048
 // T=16384 D=2048 E=64 K=2 Zipf, D = 4096 T=8192 D=4096 E=8 K=2 uniform):

@@ -4,7 +4,7 @@
 // Pre-gated MoE (Hwang et al., ISCA 2024) keeps the experts, most of an MoE model's parameters, in
 // CPU memory and copies the ones a block needs over PCIe. Pinned memory is what lets such a copy run
 // asynchronously at the link's full rate (55 GB/s host-to-device on an H200, against 14 GB/s from
-// pageable memory: shared/BASELINES.md): the copy engine reads it directly, with no staging through
+// pageable memory: notebooks_data/bench/README.md, "Anchor figures and ceilings"): the copy engine reads it directly, with no staging through
 // a driver buffer and no host thread involved.
 //
 // Layout: block-major, then expert, and one expert's w1 [D, W1] then w2 [H, D] back to back, so one

@@ -135,7 +135,7 @@ dev() {
     "$program" > "$LOGS/$(basename "$program").log" 2>&1 || rc=1
     tail -12 "$LOGS/$(basename "$program").log"
   done
-  # The SDD's versions on the two larger BASELINES shapes too: TMA pays more where tiles run longer.
+  # The SDD's versions on the two larger reference shapes (moe_bench --shapes baselines) too: TMA pays more where tiles run longer.
   if [ -x build-gpu/cuda/dev/dev_sdd ]; then
     for shape in "16384 2048 8192 64 2 128" "8192 4096 14336 8 2 128"; do
       # shellcheck disable=SC2086
@@ -366,7 +366,7 @@ train_distributed() {
 }
 
 activation() {
-  # SwiGLU experts beside GeLU: the expert layer at two BASELINES shapes (useful TFLOP/s, the ratio
+  # SwiGLU experts beside GeLU: the expert layer at two reference shapes (useful TFLOP/s, the ratio
   # column "vs gelu") and the training step at the throughput preset.
   local rc=0 day
   day=$(date -u +%Y-%m-%d)
@@ -383,7 +383,7 @@ activation() {
 
 micro_batches() {
   # Gradient accumulation: the tests, the dropless layer over M = 1, 2, 4 micro-batches of the first
-  # BASELINES shape under Zipf routing (one weight-gradient product, against dense cuBLAS on M*T*K
+  # reference shape under Zipf routing (one weight-gradient product, against dense cuBLAS on M*T*K
   # rows), and the training step at the throughput preset with 1 and 4 micro-batches.
   local rc=0 day m
   day=$(date -u +%Y-%m-%d)

@@ -138,7 +138,9 @@ BenchOptions parse_options(int argc, char** argv) {
   }
   if (!texts.pipeline_chunks.empty()) {
     o.pipeline_chunks.clear();
-    for (int64_t d : *parse_integer_list(texts.pipeline_chunks)) o.pipeline_chunks.push_back(static_cast<int>(d));
+    // The flag's validator accepted the list, so it parses; hold it while the loop reads it.
+    const std::vector<int64_t> degrees = parse_integer_list(texts.pipeline_chunks).value();
+    for (int64_t d : degrees) o.pipeline_chunks.push_back(static_cast<int>(d));
   }
   if (!texts.only.empty()) {
     o.variants.clear();

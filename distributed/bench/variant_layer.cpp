@@ -1,7 +1,7 @@
 // variant_layer.cpp: ep_bench's layer rows: the expert-parallel layer's training step (forward,
 // backward, SGD on this rank's experts, as Tutel's benchmark times it), at one pipelining degree
 // each (Tutel's d). The SGD runs at learning rate 0: it reads and writes every expert weight and
-// gradient as a real step does, and leaves the weights, so every timed run checks the same layer. The shape is --layer (issue 30's by default: T_r = 16384
+// gradient as a real step does, and leaves the weights, so every timed run checks the same layer. The shape is --layer (by default: T_r = 16384
 // tokens a rank, D = 2048, H = 8192, E = 32, K = 2, dropless, B = 128), scaled down where ranks
 // share a GPU or the memory estimate does not fit. size = the bytes a rank dispatches (T_r K D 2);
 // a step moves them four times (tokens out and back, gradients out and back): bytes moved = 4 size,

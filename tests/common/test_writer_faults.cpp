@@ -1,5 +1,5 @@
-// test_writer_faults.cpp: the checkpoint and run-record writers under the faults of a real disk
-// (issue 29): a full disk, a rename that does not happen, a short write, and the cut of a resumed
+// test_writer_faults.cpp: the checkpoint and run-record writers under the faults of a real disk:
+// a full disk, a rename that does not happen, a short write, and the cut of a resumed
 // run's events. After each, the last complete checkpoint must still load, the record must read as
 // whole events only, and the message must name the file and the fault.
 //
