@@ -129,20 +129,23 @@ inline std::string command_line_message(const CLI::ParseError& error) {
   const size_t colon = what.find(": ");
   // CLI11: "--seed: 1 required INT missing" (the value is missing).
   if (dynamic_cast<const CLI::ArgumentMismatch*>(&error) != nullptr && colon != std::string::npos &&
-      what.find(" required ") != std::string::npos) {
+      what.size() > 8 && what.compare(what.size() - 8, 8, " missing") == 0) {
     return what.substr(0, colon) + " needs a value";
   }
   // CLI11: "--seed: -1: allowed: ..." (a validator's message after the flag's name).
   if (dynamic_cast<const CLI::ValidationError*>(&error) != nullptr && colon != std::string::npos) {
     return what.substr(0, colon) + " " + what.substr(colon + 2);
   }
-  // CLI11: "The following arguments were not expected: --steps 3".
+  // CLI11 2.1: "The following arguments were not expected: 3 --steps" for `--steps 3`, the
+  // arguments last first.
   if (dynamic_cast<const CLI::ExtrasError*>(&error) != nullptr && colon != std::string::npos) {
-    std::istringstream extras(what.substr(colon + 2));
-    std::string first, rest, word;
-    extras >> first;
-    while (extras >> word) rest += (rest.empty() ? "" : " ") + word;
-    return "unknown argument '" + first + "'" + (rest.empty() ? "" : " (also not expected: " + rest + ")");
+    std::istringstream listed(what.substr(colon + 2));
+    std::vector<std::string> extras;
+    for (std::string word; listed >> word;) extras.insert(extras.begin(), word);
+    std::string rest;
+    for (size_t i = 1; i < extras.size(); ++i) rest += (i == 1 ? "" : " ") + extras[i];
+    return "unknown argument '" + (extras.empty() ? std::string() : extras.front()) + "'" +
+           (rest.empty() ? "" : " (also not expected: " + rest + ")");
   }
   return what;
 }

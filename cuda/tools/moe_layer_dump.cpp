@@ -63,9 +63,10 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& r
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
-// Bad usage found after the parse (the shape's rules): one line naming the flag, exit 2.
-[[noreturn]] void usage(const std::string& message) {
-  std::cerr << "moe_layer_dump: " << message << "\n";
+// Bad usage found after the parse (the shape's rules): the message, then the flags (the config's
+// checks name its fields, top_k (K); the usage beside them names the flag to change), exit 2.
+[[noreturn]] void usage(const std::string& message, const CLI::App& app) {
+  std::cerr << "moe_layer_dump: " << message << "\n" << app.help();
   std::exit(2);
 }
 
@@ -122,14 +123,14 @@ int run(int argc, char** argv) {
     // say so here, before any GPU work, with the flags the user typed.
     const bool block_sparse = config.formulation == Formulation::dropless;
     if (block_sparse && config.model_dim % config.block_size != 0)
-      usage("--model-dim " + std::to_string(config.model_dim) + ": allowed: a positive multiple of --block-size " +
-            std::to_string(config.block_size));
+      throw UsageError("--model-dim " + std::to_string(config.model_dim) +
+                       ": allowed: a positive multiple of --block-size " + std::to_string(config.block_size));
     if (block_sparse && config.hidden_dim % config.block_size != 0)
-      usage("--hidden-dim " + std::to_string(config.hidden_dim) + ": allowed: a positive multiple of --block-size " +
-            std::to_string(config.block_size));
+      throw UsageError("--hidden-dim " + std::to_string(config.hidden_dim) +
+                       ": allowed: a positive multiple of --block-size " + std::to_string(config.block_size));
     check_output_path("--out", out / "run.json");  // the record and the tensors go there
-  } catch (const std::exception& error) {  // validate()'s and the enum parsers' messages
-    usage(error.what());
+  } catch (const std::exception& error) {  // validate()'s, the enum parsers' and the shape's messages
+    usage(error.what(), app);
   }
   if (!cuda::gpu_available()) {
     std::cerr << "moe_layer_dump: needs a GPU (" << cuda::why_no_gpu() << ")\n";

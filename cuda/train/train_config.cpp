@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 
+#include "command_line.h"  // CLI::App, command_line_message
 #include "moe_config.h"    // parse_formulation, parse_activation, to_string
 #include "parse_number.h"  // parse_integer, parse_real: a flag's text read whole
 
@@ -276,23 +277,47 @@ json model_json(const TrainConfig& config) {
 }
 
 TrainConfig parse_arguments(const std::vector<std::string>& arguments) {
-  // A flag's value is the next argument, or after '=' ("--steps=100"); boolean flags need none.
+  // CLI11 reads the command line (common/command_line.h), its flags declared from the table of
+  // fields. Each flag's text is kept in the order given and applied after --preset and --config.
+  // A flag's value is the next argument or follows '=' ("--steps=100"); a boolean may have none.
   struct Flag { std::string name; std::optional<std::string> value; };
   std::vector<Flag> flags;
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    const std::string& argument = arguments[i];
-    if (argument.rfind("--", 0) != 0) {
-      throw TrainConfigError("unexpected argument '" + argument + "'; settings are flags such as --steps 100 (--help)");
+  CLI::App app{"moe_train's settings", "moe_train"};
+  app.set_help_flag();  // --help is the program's (help_text)
+  app.allow_extras();   // an unknown setting is named below, with the settings that exist
+  auto keep = [&flags](const std::string& name) {
+    return [&flags, name](const std::vector<std::string>& values) {
+      const bool given = !values.empty() && !values.front().empty();
+      flags.push_back({name, given ? std::optional<std::string>(values.front()) : std::nullopt});
+    };
+  };
+  for (const char* flag : {"--preset", "--config"}) {
+    app.add_option_function<std::vector<std::string>>(flag, keep(flag))
+        ->trigger_on_parse()
+        ->expected(1)
+        ->allow_extra_args(false);
+  }
+  for (const Field& field : fields()) {
+    const std::string flag = flag_of(field.key);
+    // One value at most: what follows is the next flag, or an argument named below as unexpected.
+    CLI::Option* option =
+        app.add_option_function<std::vector<std::string>>(flag, keep(flag))->trigger_on_parse()->allow_extra_args(false);
+    if (field.kind == Kind::boolean) option->expected(0, 1);
+    else option->expected(1);
+  }
+  try {
+    app.parse(std::vector<std::string>(arguments.rbegin(), arguments.rend()));  // CLI11 takes them last first
+  } catch (const CLI::ParseError& error) {
+    throw TrainConfigError("flag " + command_line_message(error));
+  }
+  for (const std::string& extra : app.remaining()) {
+    if (extra.rfind("--", 0) != 0) {
+      throw TrainConfigError("unexpected argument '" + extra + "'; settings are flags such as --steps 100 (--help)");
     }
-    Flag flag;
-    const size_t equals = argument.find('=');
-    flag.name = argument.substr(0, equals);
-    if (equals != std::string::npos) flag.value = argument.substr(equals + 1);
-    flags.push_back(flag);
-    // Peek: a following argument that is not a flag is this flag's value.
-    if (!flag.value && i + 1 < arguments.size() && arguments[i + 1].rfind("--", 0) != 0) {
-      flags.back().value = arguments[++i];
-    }
+    const std::string name = extra.substr(0, extra.find('='));
+    std::string key = name.substr(2);
+    for (char& c : key) if (c == '-') c = '_';
+    find_field(key, "flag " + name);  // throws: no such setting
   }
   auto require_value = [](const Flag& flag) -> const std::string& {
     if (!flag.value) throw TrainConfigError("flag " + flag.name + " needs a value");

@@ -96,7 +96,8 @@ TrainConfig preset(std::string_view name);
 std::vector<std::string> preset_names();
 
 // Builds a config from command-line arguments (argv without the program name): a --preset first
-// if given, then --config FILE, then every other flag in order. Throws TrainConfigError.
+// if given, then --config FILE, then every other flag in order. The flags are CLI11's
+// (common/command_line.h), declared from the table of fields. Throws TrainConfigError.
 // `--help` is not handled here (help_text() is).
 TrainConfig parse_arguments(const std::vector<std::string>& arguments);
 

@@ -68,6 +68,7 @@ TEST(CommandLine, BadValuesNameTheFlag) {
       {{"--warmup-ms", "inf"}, "prog: --warmup-ms inf: allowed"},
       {{"--routing", "zzz"}, "prog: --routing zzz: allowed: both, uniform or zipf"},
       {{"--no-such-flag"}, "prog: unknown argument '--no-such-flag'"},
+      {{"--steps", "3"}, "prog: unknown argument '--steps' (also not expected: 3)"},
   };
   for (const auto& [arguments, message] : cases) {
     const Parsed parsed = parse(arguments);
