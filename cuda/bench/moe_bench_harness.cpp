@@ -199,6 +199,11 @@ void fill_uniform(DeviceBuffer<bf16>& buffer, float scale, uint64_t seed) {
   CUDA_CHECK(cudaStreamSynchronize(nullptr));  // on the GPU before any stream reads it (device_buffer.h)
 }
 
+void announce_timing(const std::string& formulation, const char* phase) {
+  std::printf("  timing %s %s\n", formulation.c_str(), phase);
+  std::fflush(stdout);
+}
+
 Timing time_work(cudaStream_t stream, const Options& options, const std::function<void()>& work) {
   moe::cuda::warm_up_clock(stream, options.warmup, options.warmup_ms, work);
   std::vector<cudaEvent_t> events(options.repeat + 1);  // pipelined: one between each two runs

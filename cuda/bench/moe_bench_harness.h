@@ -142,6 +142,10 @@ struct Timing {
 // host enqueues the next, as in a training loop: each time is the GPU's alone.
 Timing time_work(cudaStream_t stream, const Options& options, const std::function<void()>& work);
 
+// "  timing NAME PHASE", flushed at once: a tool reading the output as it comes knows what the GPU
+// is running (cuda/bench/power_trace.py samples the clock and power beside it).
+void announce_timing(const std::string& formulation, const char* phase);
+
 // ---------------------------------------------------------------------------------------------
 // [SECTION] checks
 // ---------------------------------------------------------------------------------------------

@@ -97,13 +97,9 @@ class RoutingBench {
   // knows what the GPU is running (cuda/bench/power_trace.py samples the clock and power beside it).
   void time_forward_backward(Measurement& m, const std::function<void()>& forward,
                              const std::function<void()>& backward) {
-    auto announce = [&](const char* phase) {
-      std::printf("  timing %s %s\n", m.formulation.c_str(), phase);
-      std::fflush(stdout);
-    };
-    announce("forward");
+    announce_timing(m.formulation, "forward");
     m.forward = time_work(stream_, options_, forward);
-    announce("forward+backward");
+    announce_timing(m.formulation, "forward+backward");
     m.forward_backward = time_work(stream_, options_, [&] {
       forward();
       backward();

@@ -239,13 +239,9 @@ class MicroBatchBench {
 
   // As RoutingBench::time_forward_backward: each phase announced as it starts (power_trace.py).
   void time_rows(Measurement& m, const std::function<void()>& forward, const std::function<void()>& step) {
-    auto announce = [&](const char* phase) {
-      std::printf("  timing %s %s\n", m.formulation.c_str(), phase);
-      std::fflush(stdout);
-    };
-    announce("forward");
+    announce_timing(m.formulation, "forward");
     m.forward = time_work(stream_, options_, forward);
-    announce("forward+backward");
+    announce_timing(m.formulation, "forward+backward");
     m.forward_backward = time_work(stream_, options_, step);
     std::printf("  time  %-22s forward %8.3f ms   forward+backward %8.3f ms   (%d micro-batches)\n",
                 m.formulation.c_str(), m.forward.median_ms, m.forward_backward.median_ms, M_);
