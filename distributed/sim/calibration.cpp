@@ -1,0 +1,271 @@
+// sim/calibration.cpp: the calibration file and `moe_sim calibrate` (calibration.h).
+#include "sim/calibration.h"
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+#include <stdexcept>
+
+#include "parse_number.h"  // parse_integer
+
+namespace moe::sim {
+
+namespace {
+
+constexpr const char* kFormat = "moe_sim calibration";
+
+nlohmann::json curve_json(const Curve& curve) {
+  return {{"bytes_per_rank", curve.bytes_per_rank}, {"time_us", curve.time_us}};
+}
+
+[[noreturn]] void refuse(const std::string& source, const std::string& what) {
+  throw std::invalid_argument(source + ": " + what);
+}
+
+Curve curve_from(const nlohmann::json& json, const std::string& source, const std::string& field) {
+  Curve curve;
+  try {
+    curve.bytes_per_rank = json.at("bytes_per_rank").get<std::vector<double>>();
+    curve.time_us = json.at("time_us").get<std::vector<double>>();
+  } catch (const nlohmann::json::exception&) {
+    refuse(source, field + " needs bytes_per_rank and time_us, two lists of numbers");
+  }
+  if (curve.bytes_per_rank.size() != curve.time_us.size()) refuse(source, field + ": bytes_per_rank and time_us differ in length");
+  for (size_t i = 0; i < curve.time_us.size(); ++i) {
+    if (!(curve.bytes_per_rank[i] > 0) || !(curve.time_us[i] > 0)) refuse(source, field + ": sizes and times must be > 0");
+    if (i > 0 && !(curve.bytes_per_rank[i] > curve.bytes_per_rank[i - 1])) refuse(source, field + ": sizes must ascend");
+  }
+  return curve;
+}
+
+// Sorts a curve's points by size (ep_bench writes them in its sweep's order).
+Curve sorted(Curve curve) {
+  std::vector<std::pair<double, double>> points;
+  for (size_t i = 0; i < curve.time_us.size(); ++i) points.emplace_back(curve.bytes_per_rank[i], curve.time_us[i]);
+  std::sort(points.begin(), points.end());
+  Curve out;
+  for (const auto& [bytes, us] : points) {
+    out.bytes_per_rank.push_back(bytes);
+    out.time_us.push_back(us);
+  }
+  return out;
+}
+
+}  // namespace
+
+double Curve::at(double bytes) const {
+  if (time_us.empty()) throw std::logic_error("Curve::at: an empty curve");
+  if (time_us.size() == 1 || bytes <= bytes_per_rank.front()) {
+    // One point, or below the first: latency-bound (a single point scales as bandwidth above it).
+    if (time_us.size() == 1 && bytes > bytes_per_rank.front()) return time_us.front() * bytes / bytes_per_rank.front();
+    return time_us.front();
+  }
+  size_t i = 1;
+  while (i + 1 < time_us.size() && bytes > bytes_per_rank[i]) ++i;
+  const double x0 = bytes_per_rank[i - 1], x1 = bytes_per_rank[i], y0 = time_us[i - 1], y1 = time_us[i];
+  return y0 + (y1 - y0) * (bytes - x0) / (x1 - x0);  // beyond the last point: the last segment's rate
+}
+
+Calibration Calibration::limited_to(int64_t max_ranks) const {
+  Calibration out = *this;
+  out.all_to_all.clear();
+  for (const AllToAllCurve& c : all_to_all) {
+    if (c.ranks <= max_ranks) out.all_to_all.push_back(c);
+  }
+  out.count_exchange_us.clear();
+  for (const auto& [ranks, us] : count_exchange_us) {
+    if (ranks <= max_ranks) out.count_exchange_us[ranks] = us;
+  }
+  out.gpus_measured = std::min(gpus_measured, max_ranks);
+  return out;
+}
+
+nlohmann::json to_json(const Calibration& c) {
+  nlohmann::json json;
+  json["format"] = kFormat;
+  json["version"] = kCalibrationVersion;
+  json["device"] = c.device;
+  json["date"] = c.date;
+  json["gpus_measured"] = c.gpus_measured;
+  json["made_by"] = c.made_by;
+  json["sources"] = c.sources;
+  json["layer"] = {{"tokens_per_rank", c.layer.tokens_per_rank}, {"model_dim", c.layer.model_dim},
+                   {"hidden_dim", c.layer.hidden_dim},           {"experts", c.layer.experts},
+                   {"top_k", c.layer.top_k},                     {"block_size", c.layer.block_size}};
+  nlohmann::json steps = nlohmann::json::object(), phases = nlohmann::json::object();
+  for (const auto& [d, us] : c.layer_step_us) steps[std::to_string(d)] = us;
+  for (const auto& [d, by_name] : c.layer_phases_us) phases[std::to_string(d)] = by_name;
+  json["layer_step_us"] = steps;
+  json["layer_phases_us"] = phases;
+  json["all_to_all"] = nlohmann::json::array();
+  for (const AllToAllCurve& a : c.all_to_all) {
+    nlohmann::json entry = curve_json(a.curve);
+    entry["ranks"] = a.ranks;
+    json["all_to_all"].push_back(entry);
+  }
+  nlohmann::json counts = nlohmann::json::object();
+  for (const auto& [ranks, us] : c.count_exchange_us) counts[std::to_string(ranks)] = us;
+  json["count_exchange_us"] = counts;
+  if (!c.dispatch_combine_one_gpu.time_us.empty()) json["dispatch_combine_one_gpu"] = curve_json(c.dispatch_combine_one_gpu);
+  json["device_copy_gbs"] = c.device_copy_gbs;
+  json["host_to_device_gbs"] = c.host_to_device_gbs;
+  json["intra_node_per_peer_us"] = c.intra_node_per_peer_us;
+  json["inter_node"] = {{"nic_gbs", c.inter_node.nic_gbs},         {"efficiency", c.inter_node.efficiency},
+                        {"latency_us", c.inter_node.latency_us},   {"per_peer_us", c.inter_node.per_peer_us},
+                        {"source", c.inter_node.source}};
+  return json;
+}
+
+Calibration calibration_from_json(const nlohmann::json& json, const std::string& source) {
+  if (!json.is_object() || json.value("format", "") != kFormat) refuse(source, "not a moe_sim calibration (its \"format\" is not \"moe_sim calibration\")");
+  if (!json.contains("version") || !json["version"].is_number_integer() || json["version"].get<int64_t>() != kCalibrationVersion) {
+    refuse(source, "calibration version " + (json.contains("version") ? json["version"].dump() : std::string("missing")) +
+                       "; this moe_sim reads version " + std::to_string(kCalibrationVersion));
+  }
+  Calibration c;
+  try {
+    c.device = json.at("device").get<std::string>();
+    c.date = json.at("date").get<std::string>();
+    c.gpus_measured = json.at("gpus_measured").get<int64_t>();
+    c.made_by = json.value("made_by", "");
+    c.sources = json.value("sources", std::vector<std::string>{});
+    const nlohmann::json& layer = json.at("layer");
+    c.layer = {layer.at("tokens_per_rank").get<int64_t>(), layer.at("model_dim").get<int64_t>(),
+               layer.at("hidden_dim").get<int64_t>(),      layer.at("experts").get<int64_t>(),
+               layer.at("top_k").get<int64_t>(),           layer.value("block_size", int64_t{128})};
+    for (const auto& [d, us] : json.at("layer_step_us").items()) c.layer_step_us[parse_integer(d).value_or(0)] = us.get<double>();
+    for (const auto& [d, by_name] : json.at("layer_phases_us").items()) {
+      c.layer_phases_us[parse_integer(d).value_or(0)] = by_name.get<std::map<std::string, double>>();
+    }
+    for (const nlohmann::json& entry : json.at("all_to_all")) {
+      c.all_to_all.push_back({entry.at("ranks").get<int64_t>(), curve_from(entry, source, "all_to_all")});
+    }
+    const nlohmann::json counts = json.value("count_exchange_us", nlohmann::json::object());
+    for (const auto& [ranks, us] : counts.items()) {
+      c.count_exchange_us[parse_integer(ranks).value_or(0)] = us.get<double>();
+    }
+    if (json.contains("dispatch_combine_one_gpu")) c.dispatch_combine_one_gpu = curve_from(json["dispatch_combine_one_gpu"], source, "dispatch_combine_one_gpu");
+    c.device_copy_gbs = json.value("device_copy_gbs", 0.0);
+    c.host_to_device_gbs = json.value("host_to_device_gbs", 0.0);
+    c.intra_node_per_peer_us = json.value("intra_node_per_peer_us", 1.0);
+    const nlohmann::json& inter = json.at("inter_node");
+    c.inter_node = {inter.at("nic_gbs").get<double>(), inter.at("efficiency").get<double>(),
+                    inter.at("latency_us").get<double>(), inter.at("per_peer_us").get<double>(),
+                    inter.value("source", "")};
+  } catch (const nlohmann::json::exception& error) {
+    refuse(source, std::string("a field is missing or of the wrong type: ") + error.what());
+  }
+  if (c.layer.tokens_per_rank < 1 || c.layer.model_dim < 1 || c.layer.hidden_dim < 1 || c.layer.experts < 1 ||
+      c.layer.top_k < 1 || c.layer.block_size < 1) {
+    refuse(source, "layer: T, D, H, E, K and B must be >= 1");
+  }
+  if (!c.layer_step_us.count(1) || !c.layer_phases_us.count(1)) refuse(source, "needs the layer's step on one GPU at d = 1 (layer_step_us[\"1\"], layer_phases_us[\"1\"])");
+  if (c.all_to_all.empty()) refuse(source, "needs at least one all-to-all curve (R >= 2)");
+  for (const AllToAllCurve& a : c.all_to_all) {
+    if (a.ranks < 2 || a.curve.time_us.empty()) refuse(source, "all_to_all: each curve needs ranks >= 2 and at least one point");
+  }
+  if (!(c.inter_node.nic_gbs > 0) || !(c.inter_node.efficiency > 0) || c.inter_node.efficiency > 1 || c.inter_node.latency_us < 0 ||
+      c.inter_node.per_peer_us < 0) {
+    refuse(source, "inter_node: nic_gbs > 0, 0 < efficiency <= 1, latency_us and per_peer_us >= 0");
+  }
+  std::sort(c.all_to_all.begin(), c.all_to_all.end(), [](const AllToAllCurve& a, const AllToAllCurve& b) { return a.ranks < b.ranks; });
+  return c;
+}
+
+Calibration load_calibration(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument(path.string() + ": cannot be read");
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& error) {
+    refuse(path.string(), std::string("not JSON: ") + error.what());
+  }
+  return calibration_from_json(json, path.string());
+}
+
+Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& files, const std::string& made_by) {
+  Calibration c;
+  c.made_by = made_by;
+  std::map<int64_t, Curve> curves;  // [R]
+  Curve dispatch_combine;
+  for (const std::filesystem::path& path : files) {
+    const std::string source = path.string();
+    std::ifstream in(path);
+    if (!in) throw std::invalid_argument(source + ": cannot be read");
+    nlohmann::json json;
+    try {
+      json = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& error) {
+      refuse(source, std::string("not JSON: ") + error.what());
+    }
+    std::vector<nlohmann::json> runs;
+    if (json.contains("runs") && json["runs"].is_array()) {
+      for (const nlohmann::json& run : json["runs"]) runs.push_back(run);
+    } else {
+      runs.push_back(json);
+    }
+    bool used = false;
+    for (const nlohmann::json& run : runs) {
+      bool run_used = false;
+      if (run.value("benchmark", "") != "ep_bench" || !run.contains("rows")) continue;
+      const int64_t R = run.value("ranks", int64_t{0});
+      const std::string device = run.value("device", "");
+      if (c.device.empty()) c.device = device;
+      if (device != c.device) refuse(source, "measured on " + device + ", the other files on " + c.device + ": one calibration is one machine kind");
+      c.date = std::max(c.date, run.value("date", std::string{}));
+      for (const nlohmann::json& row : run["rows"]) {
+        const std::string variant = row.value("variant", "");
+        const double bytes = row.value("size_bytes", 0.0), us = row.value("time_us", 0.0);
+        if (R == 1 && variant.rfind("ep_layer d=", 0) == 0) {
+          const int64_t d = parse_integer(variant.substr(11)).value_or(0);
+          if (d < 1) continue;
+          const nlohmann::json& layer = run.at("layer");
+          c.layer = {layer.at("tokens_per_rank").get<int64_t>(), layer.at("model_dim").get<int64_t>(),
+                     layer.at("hidden_dim").get<int64_t>(),      layer.at("experts").get<int64_t>(),
+                     layer.at("top_k").get<int64_t>(),           layer.value("block_size", int64_t{128})};
+          c.layer_step_us[d] = us;
+          std::map<std::string, double>& phases = c.layer_phases_us[d];
+          phases.clear();
+          const nlohmann::json timed = row.value("phases_rank0", nlohmann::json::object());
+          for (const auto& [name, phase] : timed.items()) phases[name] = phase.value("median_us", 0.0);
+          run_used = true;
+        } else if (R == 1 && variant == "dispatch+combine") {
+          dispatch_combine.bytes_per_rank.push_back(bytes);
+          dispatch_combine.time_us.push_back(us);
+          run_used = true;
+        } else if (R >= 2 && variant == "alltoall") {
+          curves[R].bytes_per_rank.push_back(bytes);
+          curves[R].time_us.push_back(us);
+          run_used = true;
+        } else if (R >= 2 && variant == "count_exchange") {
+          c.count_exchange_us[R] = us;
+          run_used = true;
+        }
+      }
+      if (run_used) c.gpus_measured = std::max(c.gpus_measured, R);
+      used = used || run_used;
+    }
+    if (!used) refuse(source, "no ep_bench row moe_sim calibrates from (the layer's d rows at R = 1, alltoall or count_exchange at R >= 2, dispatch+combine at R = 1)");
+    c.sources.push_back(path.filename().string());
+  }
+  for (auto& [R, curve] : curves) c.all_to_all.push_back({R, sorted(curve)});
+  if (!dispatch_combine.time_us.empty()) c.dispatch_combine_one_gpu = sorted(dispatch_combine);
+  // What each further NVLink peer adds to a small all-to-all: the smallest sizes of the two
+  // largest host sizes measured, when there are two.
+  if (c.all_to_all.size() >= 2) {
+    const AllToAllCurve& a = c.all_to_all[c.all_to_all.size() - 2];
+    const AllToAllCurve& b = c.all_to_all.back();
+    const double extra = (b.curve.time_us.front() - a.curve.time_us.front()) / static_cast<double>(b.ranks - a.ranks);
+    if (extra > 0) c.intra_node_per_peer_us = extra;
+  }
+  c.inter_node.source =
+      "published, not measured here: 400 Gb/s NDR InfiniBand, one NIC a GPU (50 GB/s each way); DeepEP reports "
+      "43-58 GB/s a GPU for its inter-node dispatch and combine over CX7 (efficiency 0.9 of the link); latency and "
+      "per-peer cost are the model's assumptions, not measurements";
+  if (c.layer_step_us.empty()) throw std::invalid_argument("moe_sim calibrate: no file holds the layer's step on one GPU (ep_bench at R = 1 with --only layer)");
+  if (c.all_to_all.empty()) throw std::invalid_argument("moe_sim calibrate: no file holds the raw all-to-all at R >= 2 (ep_bench --only alltoall)");
+  return c;
+}
+
+}  // namespace moe::sim

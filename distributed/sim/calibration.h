@@ -1,0 +1,99 @@
+// sim/calibration.h: what moe_sim knows of a machine, measured on it: one JSON file per machine
+// kind (notebooks_data/sim/calibration_<device>_<date>.json), made by `moe_sim calibrate` from
+// ep_bench's JSON output, so that every number in it traces back to a benchmark run.
+//
+// What is measured (ep_bench, one NVLink host):
+//   - the expert-parallel layer's step on ONE GPU (R = 1) at pipelining degrees d = 1, 2, 4, with
+//     every phase's median: the cost of routing, permuting, combining, the experts' products at
+//     T K / (E d) rows an expert, the router's backward, the experts' SGD, and what no phase names;
+//   - the raw NCCL all-to-all's time against bytes a rank at R = 2 (and 4 where measured), and the
+//     count exchange (a few hundred bytes: the latency of one small all-to-all);
+//   - optionally dispatch + combine with identity experts on one GPU (the layer's passes around
+//     the exchange, without a network) at a few sizes.
+// What cannot be measured on one host is published, and says where it comes from (inter_node).
+//
+// Tests: ctest -R SimCalibration. Format version 1; an unknown version is refused.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace moe::sim {
+
+inline constexpr int64_t kCalibrationVersion = 1;
+
+// time_us against bytes_per_rank, sizes ascending.
+struct Curve {
+  std::vector<double> bytes_per_rank;
+  std::vector<double> time_us;
+  // Linear between points; beyond the last, at the last segment's rate (bandwidth); below the
+  // first, the first point's time (latency-bound).
+  double at(double bytes) const;
+};
+
+struct AllToAllCurve {
+  int64_t ranks = 2;  // measured at R ranks of one host
+  Curve curve;
+};
+
+// The layer shape ep_bench measured on one GPU.
+struct LayerShape {
+  int64_t tokens_per_rank = 0;  // T
+  int64_t model_dim = 0;        // D
+  int64_t hidden_dim = 0;       // H
+  int64_t experts = 0;          // E (on the one GPU)
+  int64_t top_k = 0;            // K
+  int64_t block_size = 128;     // B
+};
+
+// What one GPU's NIC gives an all-to-all between nodes, from published figures.
+struct InterNode {
+  double nic_gbs = 50.0;         // GB/s a GPU, each way: 400 Gb/s NDR InfiniBand, one NIC a GPU
+  double efficiency = 0.9;       // of nic_gbs that an all-to-all reaches
+  double latency_us = 10.0;      // one inter-node exchange, start to first byte
+  double per_peer_us = 1.0;      // each further peer a rank sends to (message set-up, small messages)
+  std::string source;
+};
+
+struct Calibration {
+  std::string device;      // "NVIDIA H200"
+  std::string date;        // of the measurements
+  int64_t gpus_measured = 0;  // the most ranks any measurement used
+  std::string made_by;     // the command that wrote the file
+  std::vector<std::string> sources;  // the benchmark files
+
+  LayerShape layer;
+  std::map<int64_t, double> layer_step_us;                          // [d] -> the step on one GPU
+  std::map<int64_t, std::map<std::string, double>> layer_phases_us;  // [d][phase] -> median
+  std::vector<AllToAllCurve> all_to_all;                            // one host, R = 2, 4, ...
+  std::map<int64_t, double> count_exchange_us;                      // [R] -> the small all-to-all
+  Curve dispatch_combine_one_gpu;  // identity experts at R = 1 (empty: not measured)
+  double device_copy_gbs = 0;      // HBM copy, read + write counted once (0: not measured)
+  double host_to_device_gbs = 0;   // pinned (0: not measured)
+  double intra_node_per_peer_us = 1.0;  // what each further NVLink peer adds to a small all-to-all
+  InterNode inter_node;
+
+  // Drops every all-to-all and count-exchange figure measured at more than max_ranks: the
+  // hold-out of the validation (calibrate on two GPUs, predict four).
+  Calibration limited_to(int64_t max_ranks) const;
+};
+
+nlohmann::json to_json(const Calibration& calibration);
+// Throws std::invalid_argument naming `source` and the field: a file that is not a calibration,
+// of another version, or without the layer step on one GPU or any all-to-all curve.
+Calibration calibration_from_json(const nlohmann::json& json, const std::string& source);
+Calibration load_calibration(const std::filesystem::path& path);
+
+// `moe_sim calibrate`: a calibration from ep_bench's --out files. Each file holds one ep_bench run
+// ({"rows": ...}) or several ({"runs": [...]}); runs at R = 1 give the layer (and dispatch +
+// combine), runs at R > 1 the all-to-all curve and count exchange. Throws std::invalid_argument
+// naming the file when nothing usable is in it or when devices differ.
+Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& files, const std::string& made_by);
+
+}  // namespace moe::sim

@@ -1,0 +1,223 @@
+// sim/cost_model.cpp: the cost of each piece of the layer on the simulated cluster (cost_model.h).
+#include "sim/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+namespace moe::sim {
+
+namespace {
+
+constexpr double kBytesPerUsPerGBs = 1e3;  // 1 GB/s moves 1000 bytes a microsecond
+
+double padded(double rows, int64_t block) {
+  const double B = static_cast<double>(block);
+  return std::ceil(rows / B - 1e-9) * B;
+}
+
+}  // namespace
+
+double LayerSpec::capacity_rows(int64_t ranks) const {
+  if (capacity_factor <= 0) return 0;
+  return std::ceil(capacity_factor * static_cast<double>(tokens_per_rank * ranks * top_k) / static_cast<double>(experts));
+}
+
+CostModel::CostModel(const Calibration& calibration, const Cluster& cluster, const LayerSpec& layer)
+    : calibration_(calibration), cluster_(cluster), layer_(layer) {
+  if (layer.chunks < 1) throw std::invalid_argument("the pipelining degree d must be >= 1");
+  check_placement(layer.experts, cluster.ranks());
+  // The NVLink curve: the largest host size measured that fits in a node (else the smallest).
+  for (const AllToAllCurve& curve : calibration_.all_to_all) {
+    if (curve.ranks <= std::max<int64_t>(cluster.gpus_per_node, 2)) intra_curve_ = &curve;
+  }
+  if (intra_curve_ == nullptr) intra_curve_ = &calibration_.all_to_all.front();
+  // The experts' time on one GPU at d = 1, 2, 4 fits t(d) = A + d B: A is the products' FLOPs at
+  // the GPU's rate, B what every launch costs again for its experts (reading each expert's
+  // weights, writing its gradients, the last partial wave of its tiles); least squares over the d
+  // measured (one d: B = 0).
+  const LayerShape& c = calibration_.layer;
+  std::vector<std::pair<double, double>> points;  // (d, the experts' time)
+  for (const auto& [d, phases] : calibration_.layer_phases_us) {
+    const auto experts = phases.find("ep_experts");
+    if (experts != phases.end() && experts->second > 0) points.emplace_back(static_cast<double>(d), experts->second);
+  }
+  if (points.empty()) throw std::invalid_argument("the calibration has no ep_experts phase for the layer on one GPU");
+  double per_launch = 0, fixed = points.front().second;
+  if (points.size() >= 2) {
+    double mean_d = 0, mean_t = 0;
+    for (const auto& [d, t] : points) {
+      mean_d += d / static_cast<double>(points.size());
+      mean_t += t / static_cast<double>(points.size());
+    }
+    double covariance = 0, variance = 0;
+    for (const auto& [d, t] : points) {
+      covariance += (d - mean_d) * (t - mean_t);
+      variance += (d - mean_d) * (d - mean_d);
+    }
+    per_launch = std::max(0.0, covariance / variance);
+    fixed = mean_t - per_launch * mean_d;
+  }
+  const double rows = static_cast<double>(c.tokens_per_rank * c.top_k) / static_cast<double>(c.experts);
+  const double flops = 12.0 * static_cast<double>(c.model_dim * c.hidden_dim) * padded(rows, c.block_size) * static_cast<double>(c.experts);
+  products_flops_per_us_ = flops / fixed;
+  launch_us_per_expert_ = per_launch / static_cast<double>(c.experts);
+}
+
+double CostModel::phase_d1(const char* name) const {
+  const std::map<std::string, double>& phases = calibration_.layer_phases_us.at(1);
+  const auto it = phases.find(name);
+  return it == phases.end() ? 0.0 : it->second;
+}
+
+double CostModel::per_token_width(double tokens) const {
+  const LayerShape& c = calibration_.layer;
+  return tokens * static_cast<double>(layer_.model_dim) / static_cast<double>(c.tokens_per_rank * c.model_dim);
+}
+
+double CostModel::route_us(double tokens) const { return phase_d1("ep_route") * per_token_width(tokens); }
+double CostModel::permute_us(double tokens) const { return phase_d1("ep_permute") * per_token_width(tokens); }
+double CostModel::combine_us(double tokens) const { return phase_d1("ep_combine") * per_token_width(tokens); }
+double CostModel::combine_backward_us(double tokens) const { return phase_d1("ep_combine_backward") * per_token_width(tokens); }
+double CostModel::router_backward_us(double tokens) const { return phase_d1("ep_router_backward") * per_token_width(tokens); }
+
+double CostModel::unnamed_us(double tokens) const {
+  double named = 0;
+  for (const auto& [name, us] : calibration_.layer_phases_us.at(1)) named += us;
+  return std::max(0.0, calibration_.layer_step_us.at(1) - named) * per_token_width(tokens);
+}
+
+double CostModel::sgd_us() const {
+  const LayerShape& c = calibration_.layer;
+  const double here = static_cast<double>(layer_.experts / cluster_.ranks()) * static_cast<double>(layer_.model_dim * layer_.hidden_dim);
+  return phase_d1("sgd_experts") * here / static_cast<double>(c.experts * c.model_dim * c.hidden_dim);
+}
+
+double CostModel::experts_us(const std::vector<double>& rows_of_experts, int64_t chunks, bool backward) const {
+  if (rows_of_experts.empty()) return 0;
+  double computed = 0;
+  for (double rows : rows_of_experts) computed += padded(rows / static_cast<double>(chunks), layer_.block_size);
+  const LayerShape& c = calibration_.layer;
+  const double width = static_cast<double>(layer_.model_dim * layer_.hidden_dim);
+  // Forward: two products of 2 D H FLOPs a row; backward twice that (the input's and the weights'
+  // gradients). The launch cost splits the same way: the weights read forward; read again and a
+  // gradient written backward.
+  const double share = backward ? 2.0 / 3.0 : 1.0 / 3.0;
+  const double products = share * 12.0 * width * computed / products_flops_per_us_;
+  const double launch = share * launch_us_per_expert_ * static_cast<double>(rows_of_experts.size()) * width /
+                        static_cast<double>(c.model_dim * c.hidden_dim);
+  return products + launch;
+}
+
+double CostModel::intra_node_us(double egress_bytes, int64_t peers) const {
+  if (peers <= 0 || egress_bytes <= 0) return 0;
+  const double Rc = static_cast<double>(intra_curve_->ranks);
+  const double bytes_per_rank = egress_bytes * Rc / (Rc - 1);  // the curve's x: a rank's bytes, self share included
+  const double extra_peers = std::max<double>(0.0, static_cast<double>(peers) - (Rc - 1));
+  return intra_curve_->curve.at(bytes_per_rank) + calibration_.intra_node_per_peer_us * extra_peers;
+}
+
+double CostModel::inter_node_us(double egress_bytes, int64_t peers) const {
+  if (peers <= 0 || egress_bytes <= 0) return 0;
+  const InterNode& n = calibration_.inter_node;
+  return n.latency_us + egress_bytes / (n.nic_gbs * n.efficiency * kBytesPerUsPerGBs) + n.per_peer_us * static_cast<double>(peers);
+}
+
+double CostModel::flat_us(const StepLoad& load, double fraction, bool back) const {
+  const int64_t R = load.ranks, G = std::min(cluster_.gpus_per_node, R);
+  const double bytes = fraction * layer_.bytes_per_row();
+  double slowest = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    double near_out = 0, near_in = 0, far_out = 0, far_in = 0;
+    for (int64_t t = 0; t < R; ++t) {
+      if (t == r) continue;
+      const double out = back ? load.sent(t, r) : load.sent(r, t);
+      const double in = back ? load.sent(r, t) : load.sent(t, r);
+      (cluster_.same_node(r, t) ? near_out : far_out) += out;
+      (cluster_.same_node(r, t) ? near_in : far_in) += in;
+    }
+    const double near = intra_node_us(std::max(near_out, near_in) * bytes, G - 1);
+    const double far = inter_node_us(std::max(far_out, far_in) * bytes, R - G);
+    slowest = std::max(slowest, std::max(near, far));
+  }
+  return slowest;
+}
+
+double CostModel::hierarchical_us(const StepLoad& load, double fraction, bool back) const {
+  const int64_t R = load.ranks, G = cluster_.gpus_per_node, N = cluster_.nodes;
+  if (N == 1 || G == 1) return flat_us(load, fraction, back);
+  const double bytes = fraction * layer_.bytes_per_row();
+  auto sent = [&](int64_t s, int64_t t) { return back ? load.sent(t, s) : load.sent(s, t); };
+  // Phase 1, inside the node: rank (n, i) hands local peer (n, j) every row bound for local index j.
+  // Phase 2, between nodes: (n, j) sends node m's share, gathered from its whole node, to (m, j).
+  std::vector<double> node_to_rank(static_cast<size_t>(N * R), 0.0);  // [n][t]: rows node n sends to rank t
+  double phase1 = 0, copies = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    double out = 0, in = 0, total = 0;
+    for (int64_t t = 0; t < R; ++t) {
+      const double rows = sent(r, t);
+      total += rows;
+      node_to_rank[static_cast<size_t>(cluster_.node_of(r) * R + t)] += rows;
+      if (cluster_.local_index(t) != cluster_.local_index(r)) out += rows;
+    }
+    // What (n, j) receives in phase 1: from each local peer (n, i), i != j, its rows for index j.
+    const int64_t n = cluster_.node_of(r), j = cluster_.local_index(r);
+    for (int64_t i = 0; i < G; ++i) {
+      if (i == j) continue;
+      for (int64_t m = 0; m < N; ++m) in += sent(n * G + i, m * G + j);
+    }
+    phase1 = std::max(phase1, intra_node_us(std::max(out, in) * bytes, G - 1));
+    if (calibration_.device_copy_gbs > 0) copies = std::max(copies, 2.0 * total * bytes / (calibration_.device_copy_gbs * kBytesPerUsPerGBs));
+  }
+  double phase2 = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = cluster_.node_of(r), j = cluster_.local_index(r);
+    double out = 0, in = 0;
+    for (int64_t m = 0; m < N; ++m) {
+      if (m == n) continue;
+      out += node_to_rank[static_cast<size_t>(n * R + m * G + j)];
+      in += node_to_rank[static_cast<size_t>(m * R + r)];
+    }
+    phase2 = std::max(phase2, inter_node_us(std::max(out, in) * bytes, N - 1));
+  }
+  return phase1 + phase2 + copies;
+}
+
+double CostModel::all_to_all_us(const StepLoad& load, double fraction, bool back) const {
+  if (load.ranks == 1) {
+    // One GPU: the exchange is a local copy; the one-GPU layer timed its four of them (the
+    // forward's two and their backward twins) as ep_dispatch + ep_combine_exchange.
+    const LayerShape& c = calibration_.layer;
+    const double copy_us = (phase_d1("ep_dispatch") + phase_d1("ep_combine_exchange")) / 4.0;
+    const double rows = load.sent(0, 0) * fraction;
+    return copy_us * rows * static_cast<double>(layer_.model_dim) / static_cast<double>(c.tokens_per_rank * c.top_k * c.model_dim);
+  }
+  return layer_.all_to_all == AllToAllKind::hierarchical ? hierarchical_us(load, fraction, back) : flat_us(load, fraction, back);
+}
+
+double CostModel::uniform_all_to_all_us(double bytes_per_rank) const {
+  const int64_t R = cluster_.ranks();
+  const StepLoad load = step_load_from_shares(std::vector<double>(static_cast<size_t>(R), 1.0 / static_cast<double>(R)), R,
+                                              bytes_per_rank / layer_.bytes_per_row());
+  return all_to_all_us(load, 1.0, false);
+}
+
+double CostModel::count_exchange_us() const {
+  const int64_t R = cluster_.ranks(), G = std::min(cluster_.gpus_per_node, R);
+  if (R == 1) return phase_d1("ep_count_exchange");
+  const std::map<int64_t, double>& measured = calibration_.count_exchange_us;
+  if (measured.empty()) throw std::invalid_argument("the calibration has no count exchange at R >= 2");
+  auto it = measured.upper_bound(G);  // the largest host size measured <= G, else the smallest
+  if (it != measured.begin()) --it;
+  const double intra = it->second + calibration_.intra_node_per_peer_us * std::max<double>(0.0, static_cast<double>(G - it->first));
+  const double inter = cluster_.nodes > 1 ? inter_node_us(1.0, R - G) : 0.0;
+  return std::max(intra, inter);
+}
+
+double CostModel::small_all_reduce_us() const {
+  return cluster_.ranks() == 1 ? phase_d1("ep_router_all_reduce") : count_exchange_us();
+}
+
+}  // namespace moe::sim

@@ -1,0 +1,85 @@
+// sim/layer_step.cpp: the layer's step as timeline operations (layer_step.h).
+#include "sim/layer_step.h"
+
+#include <string>
+#include <vector>
+
+namespace moe::sim {
+
+namespace {
+
+// One micro-batch's share of the step: its load, its tokens, and the durations its operations take.
+struct MicroBatch {
+  std::string suffix;       // "" alone, ".0" / ".1" with overlap
+  double tokens = 0;        // a rank's tokens
+  std::vector<double> experts_forward_us, experts_backward_us;  // [R] one launch of d
+  double out_us = 0, back_us = 0;  // one exchange of one chunk
+  Op last;                  // the last operation issued for it
+};
+
+MicroBatch micro_batch(const CostModel& model, const StepLoad& load, int parts, int index) {
+  const LayerSpec& layer = model.layer();
+  const StepLoad part = parts == 1 ? load : scaled(load, 1.0 / parts);
+  MicroBatch m;
+  if (parts > 1) m.suffix = '.' + std::to_string(index);
+  m.tokens = static_cast<double>(layer.tokens_per_rank) / parts;
+  const int64_t per_rank = part.experts_per_rank();
+  for (int64_t r = 0; r < part.ranks; ++r) {
+    const std::vector<double> rows(part.rows_per_expert.begin() + r * per_rank, part.rows_per_expert.begin() + (r + 1) * per_rank);
+    m.experts_forward_us.push_back(model.experts_us(rows, layer.chunks, false));
+    m.experts_backward_us.push_back(model.experts_us(rows, layer.chunks, true));
+  }
+  const double fraction = 1.0 / static_cast<double>(layer.chunks);
+  m.out_us = model.all_to_all_us(part, fraction, false);
+  m.back_us = model.all_to_all_us(part, fraction, true);
+  return m;
+}
+
+// The pipeline of d chunks: out c, experts c, back c, in Tutel's order. Returns the last back.
+Op pipeline(Timeline& timeline, MicroBatch& m, int64_t chunks, bool backward, Op after) {
+  const std::string out_name = backward ? "gradient_out" : "dispatch";
+  const std::string back_name = backward ? "gradient_back" : "combine_exchange";
+  const std::string experts_name = backward ? "experts_backward" : "experts_forward";
+  const std::vector<double>& experts_us = backward ? m.experts_backward_us : m.experts_forward_us;
+  std::vector<Op> out;
+  out.push_back(timeline.collective(out_name + m.suffix, kExchange, m.out_us, {after}));
+  Op back;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Op experts = timeline.local(experts_name + m.suffix, kCompute, experts_us, {out.back()});
+    if (c + 1 < chunks) out.push_back(timeline.collective(out_name + m.suffix, kExchange, m.out_us, {after}));
+    back = timeline.collective(back_name + m.suffix, kExchange, m.back_us, {experts});
+  }
+  return back;
+}
+
+}  // namespace
+
+void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad& load) {
+  const LayerSpec& layer = model.layer();
+  const int parts = layer.overlap ? 2 : 1;
+  std::vector<MicroBatch> batches;
+  for (int i = 0; i < parts; ++i) batches.push_back(micro_batch(model, load, parts, i));
+  const double count_us = model.count_exchange_us();
+
+  // Forward, up to the rows going out: each micro-batch's routing, counts and permute, then its
+  // exchange starts while the next micro-batch routes.
+  for (MicroBatch& m : batches) {
+    const Op route = timeline.local("route" + m.suffix, kCompute, model.route_us(m.tokens));
+    const Op count = timeline.collective("count_exchange" + m.suffix, kCompute, count_us, {route});
+    m.last = timeline.local("permute" + m.suffix, kCompute, model.permute_us(m.tokens), {count});
+  }
+  for (MicroBatch& m : batches) m.last = pipeline(timeline, m, layer.chunks, false, m.last);
+  // The combine and the start of the backward, then the gradients' pipeline.
+  for (MicroBatch& m : batches) {
+    const Op combine = timeline.local("combine" + m.suffix, kCompute, model.combine_us(m.tokens), {m.last});
+    m.last = timeline.local("combine_backward" + m.suffix, kCompute, model.combine_backward_us(m.tokens), {combine});
+  }
+  for (MicroBatch& m : batches) m.last = pipeline(timeline, m, layer.chunks, true, m.last);
+  std::vector<Op> router;
+  for (MicroBatch& m : batches) router.push_back(timeline.local("router_backward" + m.suffix, kCompute, model.router_backward_us(m.tokens), {m.last}));
+  const Op all_reduce = timeline.collective("router_all_reduce", kCompute, model.small_all_reduce_us(), router);
+  const Op sgd = timeline.local("sgd_experts", kCompute, model.sgd_us(), {all_reduce});
+  timeline.local("unnamed", kCompute, model.unnamed_us(static_cast<double>(layer.tokens_per_rank)), {sgd});
+}
+
+}  // namespace moe::sim

@@ -1,0 +1,264 @@
+// moe_sim: replays a run's routing through a calibrated model of GPUs, NVLink and InfiniBand, to
+// predict the expert-parallel layer's training step at 1 to 65536 GPUs, and checks itself against
+// the runs that were measured. Plain C++: no GPU, runs anywhere (CI included).
+//
+//   # simulate: 100 steps of the layer on 128 nodes of 8 GPUs, Zipf routing, as a run record
+//   build/distributed/sim/moe_sim --calibration notebooks_data/sim/calibration_h200x2_2026-11-28.json
+//       --cluster nodes=128,gpus-per-node=8 --routing zipf:1.2 --steps 100 --out runs/sim_1024
+//   # replay a recorded run's routing
+//   build/distributed/sim/moe_sim --calibration FILE --cluster nodes=2,gpus-per-node=8
+//       --trace notebooks_data/runs/train_throughput_preset_300steps --out runs/sim_trace
+//   # make a calibration from ep_bench's JSON (cuda/scripts/gpu_suite.sh run calibrate does it)
+//   build/distributed/sim/moe_sim --calibrate-from r1.json,r2.json --calibration-out calibration.json
+//   # predict measured runs from the calibration alone (lesson 09's validation table)
+//   build/distributed/sim/moe_sim --calibration FILE --validate notebooks_data/bench/ep_bench_scaling_nccl_h200x4_2026-11-26.json
+//
+// The model: distributed/sim/cost_model.h. The lesson: lessons/09_simulator.md.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "command_line.h"   // CLI11 glue: parse_command_line, validators
+#include "moe_config.h"     // MoeConfig
+#include "parse_number.h"   // parse_integer_list
+#include "program_exit.h"   // run_program, check_output_path
+#include "run_record.h"     // RunWriter
+#include "sim/calibration.h"
+#include "sim/cluster.h"
+#include "sim/routing_trace.h"
+#include "sim/simulate.h"
+#include "sim/validation.h"
+
+namespace {
+
+struct Options {
+  std::string calibration, cluster = "ranks=2", trace, routing, layer = "16384,2048,8192,0,2", all_to_all = "flat";
+  int64_t experts_per_rank = 8, chunks = 1, steps = 20, blocks = 1, span_ranks = 8, seed = 1;
+  double capacity_factor = 0;
+  bool overlap = false, overwrite = false;
+  std::string out, json;
+  std::string calibrate_from, calibration_out, validate;
+  int64_t hold_out_above = 0;
+  double device_copy_gbs = 4183, host_to_device_gbs = 55.1;
+};
+
+std::vector<std::filesystem::path> paths_of(const std::string& list) {
+  std::vector<std::filesystem::path> out;
+  std::stringstream stream(list);
+  for (std::string item; std::getline(stream, item, ',');) {
+    if (!item.empty()) out.emplace_back(item);
+  }
+  return out;
+}
+
+moe::sim::LayerSpec layer_of(const Options& o, int64_t ranks) {
+  const std::vector<int64_t> shape = moe::parse_integer_list(o.layer).value();
+  if (shape.size() != 5) throw std::invalid_argument("--layer " + o.layer + ": expected T,D,H,E,K (T a rank; E = 0: --experts-per-rank x R)");
+  moe::sim::LayerSpec layer;
+  layer.tokens_per_rank = shape[0];
+  layer.model_dim = shape[1];
+  layer.hidden_dim = shape[2];
+  layer.experts = shape[3] == 0 ? o.experts_per_rank * ranks : shape[3];
+  layer.top_k = shape[4];
+  if (layer.tokens_per_rank < 1 || layer.model_dim < 1 || layer.hidden_dim < 1 || layer.experts < 1 || layer.top_k < 1 ||
+      layer.top_k > layer.experts) {
+    throw std::invalid_argument("--layer " + o.layer + ": expected T, D, H >= 1, E >= 0 and 1 <= K <= E");
+  }
+  layer.chunks = o.chunks;
+  layer.capacity_factor = o.capacity_factor;
+  layer.overlap = o.overlap;
+  layer.all_to_all = o.all_to_all == "2dh" ? moe::sim::AllToAllKind::hierarchical : moe::sim::AllToAllKind::flat;
+  return layer;
+}
+
+int calibrate(const Options& o, const std::string& command) {
+  moe::check_output_path("--calibration-out", o.calibration_out);
+  moe::sim::Calibration calibration = moe::sim::calibrate_from_ep_bench(paths_of(o.calibrate_from), command);
+  calibration.device_copy_gbs = o.device_copy_gbs;
+  calibration.host_to_device_gbs = o.host_to_device_gbs;
+  std::ofstream out(o.calibration_out);
+  out << moe::sim::to_json(calibration).dump(1) << "\n";
+  if (!out) throw std::runtime_error("--calibration-out " + o.calibration_out + ": could not be written");
+  std::printf("moe_sim: calibration of %s (%s, up to %lld GPUs) written to %s\n", calibration.device.c_str(),
+              calibration.date.c_str(), static_cast<long long>(calibration.gpus_measured), o.calibration_out.c_str());
+  return 0;
+}
+
+int validate(const Options& o) {
+  moe::sim::Calibration calibration = moe::sim::load_calibration(o.calibration);
+  if (o.hold_out_above > 0) calibration = calibration.limited_to(o.hold_out_above);
+  const std::vector<moe::sim::ValidationRow> rows = moe::sim::validate_against_ep_bench(calibration, paths_of(o.validate));
+  std::printf("# moe_sim validation: calibration %s (%s, %s, from up to %lld GPUs)\n", o.calibration.c_str(),
+              calibration.device.c_str(), calibration.date.c_str(), static_cast<long long>(calibration.gpus_measured));
+  std::printf("%-28s %3s %12s %12s %8s  %-10s %s\n", "#what", "R", "measured_us", "predicted_us", "error", "role", "measured in");
+  nlohmann::json json_rows = nlohmann::json::array();
+  for (const moe::sim::ValidationRow& row : rows) {
+    const char* role = row.calibration ? "calibrated" : row.held_out ? "hold-out" : "predicted";
+    std::printf(" %-27s %3lld %12.1f %12.1f %+7.1f%%  %-10s %s (%s)\n", row.what.c_str(), static_cast<long long>(row.ranks),
+                row.measured_us, row.predicted_us, 100 * row.error(), role, row.file.c_str(), row.device_date.c_str());
+    json_rows.push_back({{"what", row.what}, {"ranks", row.ranks}, {"measured_us", row.measured_us},
+                         {"predicted_us", row.predicted_us}, {"error", row.error()}, {"role", role},
+                         {"file", row.file}, {"measured_on", row.device_date}});
+  }
+  const moe::sim::ValidationSummary s = moe::sim::summarize(rows);
+  std::printf("# %lld predicted rows: median |error| %.1f%%, max %.1f%%; %lld hold-out rows, max %.1f%%\n",
+              static_cast<long long>(s.rows), 100 * s.median_abs_error, 100 * s.max_abs_error,
+              static_cast<long long>(s.held_out_rows), 100 * s.held_out_max_abs_error);
+  if (!o.json.empty()) {
+    std::ofstream out(o.json);
+    out << nlohmann::json{{"calibration", o.calibration}, {"rows", json_rows},
+                          {"median_abs_error", s.median_abs_error}, {"max_abs_error", s.max_abs_error},
+                          {"hold_out_max_abs_error", s.held_out_max_abs_error}}.dump(1) << "\n";
+  }
+  return 0;
+}
+
+int simulate(const Options& o, const std::string& command) {
+  const moe::sim::Calibration calibration = moe::sim::load_calibration(o.calibration);
+  moe::sim::SimulationSpec spec;
+  spec.cluster = moe::sim::parse_cluster(o.cluster);
+  spec.layer = layer_of(o, spec.cluster.ranks());
+  moe::sim::check_placement(spec.layer.experts, spec.cluster.ranks());
+  spec.steps = o.steps;
+  spec.blocks = o.blocks;
+  spec.span_ranks = o.span_ranks;
+  std::string routing_text;
+  if (!o.trace.empty()) {
+    spec.trace = moe::sim::read_routing_trace(o.trace);
+    routing_text = "trace " + o.trace;
+  } else {
+    spec.synthetic = moe::sim::parse_synthetic(o.routing.empty() ? "uniform" : o.routing);
+    spec.synthetic.seed = static_cast<uint64_t>(o.seed);
+    routing_text = moe::sim::describe(spec.synthetic);
+  }
+  std::optional<moe::RunWriter> writer;
+  if (!o.out.empty()) {
+    moe::check_output_path("--out", o.out);
+    moe::RunInfo info;
+    info.kind = moe::RunKind::train;
+    info.name = std::filesystem::path(o.out).filename().string();
+    moe::MoeConfig config;
+    config.tokens = spec.layer.tokens_per_rank;
+    config.model_dim = spec.layer.model_dim;
+    config.hidden_dim = spec.layer.hidden_dim;
+    config.num_experts = spec.layer.experts;
+    config.top_k = spec.layer.top_k;
+    config.block_size = spec.layer.block_size;
+    config.formulation = spec.layer.capacity_factor > 0 ? moe::Formulation::dropping : moe::Formulation::dropless;
+    if (spec.layer.capacity_factor > 0) config.capacity_factor = spec.layer.capacity_factor;
+    info.moe_config = config;
+    info.world_size = spec.cluster.ranks();
+    info.devices.assign(1, "simulated: " + calibration.device + " x " + std::to_string(spec.cluster.ranks()));
+    info.extra = {{"simulated", true},
+                  {"program", "moe_sim"},
+                  {"command", command},
+                  {"cluster", {{"nodes", spec.cluster.nodes}, {"gpus_per_node", spec.cluster.gpus_per_node}}},
+                  {"calibration", o.calibration},
+                  {"calibration_device", calibration.device},
+                  {"calibration_date", calibration.date},
+                  {"routing", routing_text},
+                  {"pipeline_chunks", spec.layer.chunks},
+                  {"all_to_all", o.all_to_all},
+                  {"overlap", spec.layer.overlap},
+                  {"spans_of_ranks", "ranks 0.." + std::to_string(std::min(spec.span_ranks, spec.cluster.ranks()) - 1) +
+                                         " and each step's busiest rank"}};
+    writer = moe::RunWriter::create(o.out, info, o.overwrite ? moe::OnExisting::overwrite : moe::OnExisting::refuse);
+  }
+  auto record = [&](const moe::sim::SimulatedStep& step) {
+    if (!writer) return;
+    for (size_t b = 0; b < step.rows_per_expert.size(); ++b) {
+      moe::RoutingEvent routing{.step = step.step, .layer = static_cast<int64_t>(b)};
+      for (double rows : step.rows_per_expert[b]) routing.tokens_per_expert.push_back(static_cast<int64_t>(std::llround(rows)));
+      writer->append(moe::to_event(routing));
+    }
+    for (const moe::sim::SimSpan& span : step.spans) {
+      writer->append(moe::to_event(moe::SpanEvent{.step = step.step, .rank = span.rank, .stream = span.stream,
+                                                  .stream_name = moe::sim::stream_name(span.stream), .name = span.name,
+                                                  .start_us = span.start_us, .duration_us = span.duration_us}));
+    }
+    writer->append(moe::step_event(step.step, {{"step_time_ms", step.step_us / 1e3},
+                                               {"compute_ms", step.compute_us / 1e3},
+                                               {"exposed_communication_ms", step.exposed_us / 1e3},
+                                               {"exposed_communication_share", step.exposed_share},
+                                               {"straggler", step.straggler}}));
+  };
+  const moe::sim::Simulation result = moe::sim::simulate(spec, calibration, record);
+  double straggler = 0;
+  for (const moe::sim::SimulatedStep& s : result.steps) straggler = std::max(straggler, s.straggler);
+  std::printf("moe_sim: %s, layer T=%lld a rank D=%lld H=%lld E=%lld K=%lld d=%lld, %s all-to-all%s%s, routing %s\n",
+              moe::sim::describe(spec.cluster).c_str(), static_cast<long long>(spec.layer.tokens_per_rank),
+              static_cast<long long>(spec.layer.model_dim), static_cast<long long>(spec.layer.hidden_dim),
+              static_cast<long long>(spec.layer.experts), static_cast<long long>(spec.layer.top_k),
+              static_cast<long long>(spec.layer.chunks), o.all_to_all.c_str(), spec.layer.overlap ? ", two micro-batches overlapped" : "",
+              spec.layer.capacity_factor > 0 ? (", capacity factor " + std::to_string(spec.layer.capacity_factor)).c_str() : ", dropless",
+              routing_text.c_str());
+  std::printf("moe_sim: %lld steps: median step %.3f ms, exposed communication %.1f%% of it, worst straggler %.2fx the mean rows (calibration: %s, %s)\n",
+              static_cast<long long>(result.steps.size()), result.median_step_us() / 1e3, 100 * result.median_exposed_share(),
+              straggler, calibration.device.c_str(), calibration.date.c_str());
+  if (writer) std::printf("moe_sim: run record in %s (simulated)\n", o.out.c_str());
+  if (!o.json.empty()) {
+    std::ofstream out(o.json);
+    out << nlohmann::json{{"ranks", spec.cluster.ranks()}, {"nodes", spec.cluster.nodes}, {"gpus_per_node", spec.cluster.gpus_per_node},
+                          {"median_step_us", result.median_step_us()}, {"median_exposed_share", result.median_exposed_share()},
+                          {"worst_straggler", straggler}, {"routing", routing_text}}.dump(1) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return moe::run_program("moe_sim", [&] {
+    Options o;
+    CLI::App app{"moe_sim: the expert-parallel layer's training step at 1 to 65536 GPUs, from a calibration measured on a few "
+                 "(distributed/sim/cost_model.h; lessons/09_simulator.md)",
+                 "moe_sim"};
+    app.add_option("--calibration", o.calibration, "the machine's calibration JSON (moe_sim --calibrate-from)");
+    app.add_option("--cluster", o.cluster, "nodes=N,gpus-per-node=G, or ranks=R for one node")->capture_default_str();
+    app.add_option("--trace", o.trace, "a run record whose routing is replayed (its expert_load or routing events)");
+    app.add_option("--routing", o.routing, "synthetic routing: uniform, zipf:S or drift:S:STEPS (default uniform)");
+    app.add_option("--seed", o.seed, "which experts synthetic routing makes hot")->capture_default_str()->check(moe::whole_number(0));
+    app.add_option("--layer", o.layer, "T,D,H,E,K: T tokens a rank; E = 0 means --experts-per-rank x R")
+        ->capture_default_str()->check(moe::whole_number_list(0));
+    app.add_option("--experts-per-rank", o.experts_per_rank, "experts a rank when --layer's E is 0")
+        ->capture_default_str()->check(moe::whole_number(1, 1 << 20));
+    app.add_option("--pipeline-chunks", o.chunks, "Tutel's pipelining degree d")->capture_default_str()->check(moe::whole_number(1, 64));
+    app.add_option("--all-to-all", o.all_to_all, "flat or 2dh (Tutel's 2D hierarchical)")->capture_default_str()->check(moe::one_of({"flat", "2dh"}));
+    app.add_flag("--overlap", o.overlap, "two micro-batches, one's exchanges under the other's compute");
+    app.add_option("--capacity-factor", o.capacity_factor, "0: dropless; else each expert keeps C = f T R K / E rows")
+        ->capture_default_str()->check(moe::finite_number(0, 1e6));
+    app.add_option("--steps", o.steps, "steps to simulate")->capture_default_str()->check(moe::whole_number(1, 1000000));
+    app.add_option("--blocks", o.blocks, "MoE blocks a step (synthetic routing)")->capture_default_str()->check(moe::whole_number(1, 1024));
+    app.add_option("--span-ranks", o.span_ranks, "ranks whose timelines the record keeps (and the busiest)")
+        ->capture_default_str()->check(moe::whole_number(0, 1024));
+    app.add_option("--out", o.out, "write the simulated run as a run record here (the viewer opens it)");
+    app.add_flag("--overwrite", o.overwrite, "replace a run already in --out");
+    app.add_option("--json", o.json, "also write the summary (or the validation table) as JSON here");
+    app.add_option("--calibrate-from", o.calibrate_from, "ep_bench JSON files, comma-separated: write a calibration from them");
+    app.add_option("--calibration-out", o.calibration_out, "where --calibrate-from writes the calibration");
+    app.add_option("--device-copy-gbs", o.device_copy_gbs, "HBM copy bandwidth for the calibration (2DH's reorders)")
+        ->capture_default_str()->check(moe::finite_number(1, 1e6));
+    app.add_option("--host-to-device-gbs", o.host_to_device_gbs, "pinned host-to-device bandwidth for the calibration")
+        ->capture_default_str()->check(moe::finite_number(1, 1e6));
+    app.add_option("--validate", o.validate, "ep_bench JSON files, comma-separated: predict their rows and print the errors");
+    app.add_option("--hold-out-above", o.hold_out_above, "with --validate: forget the calibration's figures above R ranks")
+        ->check(moe::whole_number(1, 1 << 20));
+    if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
+    std::string command = "moe_sim";
+    for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+    if (!o.calibrate_from.empty()) {
+      if (o.calibration_out.empty()) throw std::invalid_argument("--calibrate-from needs --calibration-out FILE");
+      return calibrate(o, command);
+    }
+    if (o.calibration.empty()) throw std::invalid_argument("--calibration FILE is needed (or --calibrate-from to make one)");
+    if (!o.trace.empty() && !o.routing.empty()) throw std::invalid_argument("--trace and --routing: give one routing, not both");
+    if (!o.validate.empty()) return validate(o);
+    return simulate(o, command);
+  });
+}

@@ -1,0 +1,149 @@
+// sim/validation.cpp: predictions of measured ep_bench rows (validation.h).
+#include "sim/validation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+#include "parse_number.h"    // parse_integer
+#include "sim/cost_model.h"  // CostModel
+#include "sim/simulate.h"    // simulate
+#include "sim/timeline.h"    // Timeline
+
+namespace moe::sim {
+
+namespace {
+
+std::string size_text(double bytes) {
+  const double mib = bytes / (1 << 20);
+  return std::to_string(static_cast<int64_t>(std::llround(mib))) + " MiB";
+}
+
+// ep_bench's dispatch + combine: the layer's forward with identity experts, T_r = size / (K D 2).
+double dispatch_combine_us(const CostModel& model, double tokens) {
+  const LayerSpec& layer = model.layer();
+  const int64_t R = model.cluster().ranks();
+  const std::vector<double> uniform(static_cast<size_t>(layer.experts), 1.0 / static_cast<double>(layer.experts));
+  const StepLoad load = step_load_from_shares(uniform, R, tokens * static_cast<double>(layer.top_k));
+  Timeline timeline(R);
+  const Op route = timeline.local("route", kCompute, model.route_us(tokens));
+  const Op count = timeline.collective("count_exchange", kCompute, model.count_exchange_us(), {route});
+  const Op permute = timeline.local("permute", kCompute, model.permute_us(tokens), {count});
+  const Op out = timeline.collective("dispatch", kExchange, model.all_to_all_us(load, 1.0, false), {permute});
+  const Op back = timeline.collective("combine_exchange", kExchange, model.all_to_all_us(load, 1.0, true), {out});
+  timeline.local("combine", kCompute, model.combine_us(tokens), {back});
+  return timeline.finish_step();
+}
+
+// The run's layer shape; files without one (older ep_bench output) ran ep_bench's default,
+// T=16384 D=2048 H=8192 E=32 K=2 B=128, which is LayerSpec's default too.
+LayerSpec layer_of(const nlohmann::json& run) {
+  LayerSpec spec;
+  if (!run.contains("layer")) return spec;
+  const nlohmann::json& layer = run.at("layer");
+  spec.tokens_per_rank = layer.at("tokens_per_rank").get<int64_t>();
+  spec.model_dim = layer.at("model_dim").get<int64_t>();
+  spec.hidden_dim = layer.at("hidden_dim").get<int64_t>();
+  spec.experts = layer.at("experts").get<int64_t>();
+  spec.top_k = layer.at("top_k").get<int64_t>();
+  spec.block_size = layer.value("block_size", int64_t{128});
+  return spec;
+}
+
+}  // namespace
+
+std::vector<ValidationRow> validate_against_ep_bench(const Calibration& calibration,
+                                                     const std::vector<std::filesystem::path>& files) {
+  std::vector<ValidationRow> rows;
+  for (const std::filesystem::path& path : files) {
+    std::ifstream in(path);
+    if (!in) throw std::invalid_argument("--validate " + path.string() + ": cannot be read");
+    nlohmann::json json;
+    try {
+      json = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& error) {
+      throw std::invalid_argument("--validate " + path.string() + ": not JSON: " + error.what());
+    }
+    std::vector<nlohmann::json> runs;
+    if (json.contains("runs") && json["runs"].is_array()) {
+      for (const nlohmann::json& run : json["runs"]) runs.push_back(run);
+    } else {
+      runs.push_back(json);
+    }
+    bool any = false;
+    for (const nlohmann::json& run : runs) {
+      if (run.value("benchmark", "") != "ep_bench" || !run.contains("rows")) continue;
+      const int64_t R = run.value("ranks", int64_t{1});
+      if (run.value("ranks_per_gpu", int64_t{1}) != 1) continue;  // ranks sharing a GPU: not a machine the model describes
+      const std::string device_date = run.value("device", "") + ", " + run.value("date", "");
+      Cluster cluster{1, R};
+      for (const nlohmann::json& row : run["rows"]) {
+        const std::string variant = row.value("variant", "");
+        ValidationRow out;
+        out.ranks = R;
+        out.file = path.filename().string();
+        out.device_date = device_date;
+        out.measured_us = row.value("time_us", 0.0);
+        out.held_out = R > calibration.gpus_measured;
+        const double size = row.value("size_bytes", 0.0);
+        LayerSpec layer = layer_of(run);
+        if (variant.rfind("ep_layer d=", 0) == 0) {
+          const std::optional<int64_t> d = parse_integer(variant.substr(11));
+          if (!d) continue;
+          layer.chunks = *d;
+          SimulationSpec spec;
+          spec.cluster = cluster;
+          spec.layer = layer;
+          spec.steps = 1;
+          spec.span_ranks = 0;
+          out.what = variant;
+          out.predicted_us = simulate(spec, calibration).median_step_us();
+          out.calibration = R == 1;
+        } else if (variant == "alltoall" && R > 1) {
+          layer.experts = R;  // the raw all-to-all: equal bytes to every rank
+          const CostModel model(calibration, cluster, layer);
+          out.what = "alltoall " + size_text(size);
+          out.predicted_us = model.uniform_all_to_all_us(size);
+          out.calibration = std::any_of(calibration.all_to_all.begin(), calibration.all_to_all.end(),
+                                        [&](const AllToAllCurve& c) { return c.ranks == R; });
+        } else if (variant == "dispatch+combine") {
+          const CostModel model(calibration, cluster, layer);
+          out.what = "dispatch+combine " + size_text(size);
+          out.predicted_us = dispatch_combine_us(model, std::max(1.0, std::floor(size / static_cast<double>(layer.top_k * layer.model_dim * 2))));
+        } else {
+          continue;
+        }
+        if (out.measured_us > 0) rows.push_back(out);
+        any = true;
+      }
+    }
+    if (!any) throw std::invalid_argument("--validate " + path.string() + ": no ep_bench row to predict (ep_layer d=N, alltoall, dispatch+combine)");
+  }
+  return rows;
+}
+
+ValidationSummary summarize(const std::vector<ValidationRow>& rows) {
+  ValidationSummary summary;
+  std::vector<double> errors;
+  for (const ValidationRow& row : rows) {
+    if (row.calibration) continue;
+    const double e = std::abs(row.error());
+    errors.push_back(e);
+    summary.max_abs_error = std::max(summary.max_abs_error, e);
+    if (row.held_out) {
+      ++summary.held_out_rows;
+      summary.held_out_max_abs_error = std::max(summary.held_out_max_abs_error, e);
+    }
+  }
+  summary.rows = static_cast<int64_t>(errors.size());
+  if (!errors.empty()) {
+    std::sort(errors.begin(), errors.end());
+    summary.median_abs_error = errors[errors.size() / 2];
+  }
+  return summary;
+}
+
+}  // namespace moe::sim
