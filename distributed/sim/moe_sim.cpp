@@ -82,6 +82,10 @@ int calibrate(const Options& o, const std::string& command) {
   moe::sim::Calibration calibration = moe::sim::calibrate_from_ep_bench(paths_of(o.calibrate_from), command);
   calibration.device_copy_gbs = o.device_copy_gbs;
   calibration.host_to_device_gbs = o.host_to_device_gbs;
+  calibration.sources.push_back("device_copy_gbs " + std::to_string(o.device_copy_gbs) + ", host_to_device_gbs " +
+                                std::to_string(o.host_to_device_gbs) +
+                                ": --device-copy-gbs and --host-to-device-gbs (their defaults: H200, 2026-11-21, the anchor "
+                                "table of notebooks_data/bench/README.md)");
   std::ofstream out(o.calibration_out);
   out << moe::sim::to_json(calibration).dump(1) << "\n";
   if (!out) throw std::runtime_error("--calibration-out " + o.calibration_out + ": could not be written");
@@ -139,7 +143,10 @@ int simulate(const Options& o, const std::string& command) {
   }
   std::optional<moe::RunWriter> writer;
   if (!o.out.empty()) {
-    moe::check_output_path("--out", o.out);
+    moe::check_output_path("--out", std::filesystem::path(o.out) / "run.json");
+    if (std::filesystem::exists(std::filesystem::path(o.out) / "run.json") && !o.overwrite) {
+      throw std::invalid_argument("--out " + o.out + " holds a run already; add --overwrite to replace it");
+    }
     moe::RunInfo info;
     info.kind = moe::RunKind::train;
     info.name = std::filesystem::path(o.out).filename().string();

@@ -1,0 +1,423 @@
+// tests/sim/test_sim_model.cpp: the simulator's pieces against cases worked out by hand.
+//
+// The calibration below is made of round numbers so every expected time can be added up on paper:
+// a layer of T = 1000 tokens, D = 100, H = 200, E = 2, K = 1 and B = 1 (no padding) on one GPU,
+// whose phases at d = 1 sum to 546 us of a 1000 us step (454 us unnamed), whose experts take 300 us
+// at d = 1 and 400 us at d = 2 (A = 200 us of products, B = 100 us a launch for 2 experts); an
+// NVLink all-to-all of 10 us a MB (bytes a rank), a count exchange of 7 us; a NIC of 10 GB/s with
+// 5 us latency and 1 us a peer; HBM copies at 100 GB/s.
+//   ctest --test-dir build -R Sim
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "run_record.h"
+#include "sim/calibration.h"
+#include "sim/cluster.h"
+#include "sim/cost_model.h"
+#include "sim/layer_step.h"
+#include "sim/routing_trace.h"
+#include "sim/simulate.h"
+#include "sim/step_load.h"
+#include "sim/timeline.h"
+#include "sim/validation.h"
+
+namespace moe::sim {
+namespace {
+
+Calibration hand_calibration() {
+  Calibration c;
+  c.device = "Test GPU";
+  c.date = "2026-11-28";
+  c.gpus_measured = 2;
+  c.layer = {1000, 100, 200, 2, 1, 1};
+  c.layer_step_us = {{1, 1000.0}, {2, 1100.0}};
+  c.layer_phases_us[1] = {{"ep_route", 10},           {"ep_count_exchange", 15},  {"ep_permute", 20},
+                          {"ep_dispatch", 8},         {"ep_experts", 300},        {"ep_combine_exchange", 8},
+                          {"ep_combine", 30},         {"ep_combine_backward", 40}, {"ep_router_backward", 50},
+                          {"ep_router_all_reduce", 5}, {"sgd_experts", 60}};
+  c.layer_phases_us[2] = c.layer_phases_us[1];
+  c.layer_phases_us[2]["ep_experts"] = 400;
+  c.all_to_all.push_back({2, Curve{{1e6, 2e6}, {10, 20}}});
+  c.count_exchange_us[2] = 7;
+  c.device_copy_gbs = 100;
+  c.inter_node = {10.0, 1.0, 5.0, 1.0, "test"};
+  return c;
+}
+
+LayerSpec hand_layer(int64_t experts) {
+  LayerSpec layer;
+  layer.tokens_per_rank = 1000;
+  layer.model_dim = 100;
+  layer.hidden_dim = 200;
+  layer.experts = experts;
+  layer.top_k = 1;
+  layer.block_size = 1;
+  return layer;
+}
+
+std::filesystem::path temp_dir(const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moe_sim_test_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// ---- the cluster ----
+
+TEST(SimCluster, ParsesNodesAndGpusOrRanks) {
+  const Cluster a = parse_cluster("nodes=128,gpus-per-node=8");
+  EXPECT_EQ(a.ranks(), 1024);
+  EXPECT_EQ(a.node_of(17), 2);
+  EXPECT_EQ(a.local_index(17), 1);
+  EXPECT_TRUE(a.same_node(8, 15));
+  EXPECT_FALSE(a.same_node(7, 8));
+  const Cluster b = parse_cluster("ranks=4");
+  EXPECT_EQ(b.nodes, 1);
+  EXPECT_EQ(b.gpus_per_node, 4);
+}
+
+TEST(SimCluster, RefusesWhatIsNotAMachine) {
+  for (const char* text : {"", "nodes=0", "nodes=2,gpus=8", "nodes=x", "ranks=4,nodes=2", "nodes=100000,gpus-per-node=8"}) {
+    EXPECT_THROW(parse_cluster(text), std::invalid_argument) << text;
+  }
+  try {
+    parse_cluster("nodes=0");
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("allowed"), std::string::npos);
+  }
+}
+
+// ---- the timeline ----
+
+TEST(SimTimeline, StreamsRunInIssueOrderAndWaitForWhatTheyName) {
+  Timeline t(1);
+  const Op a = t.local("a", kCompute, 10.0);
+  const Op b = t.local("b", kExchange, 5.0, {a});  // starts when a ends
+  const Op c = t.local("c", kCompute, 3.0);        // the compute stream is free at 10
+  const Op d = t.local("d", kCompute, 1.0, {b});   // waits for b (ends at 15)
+  EXPECT_DOUBLE_EQ(t.end_us(a, 0), 10);
+  EXPECT_DOUBLE_EQ(t.end_us(b, 0), 15);
+  EXPECT_DOUBLE_EQ(t.end_us(c, 0), 13);
+  EXPECT_DOUBLE_EQ(t.end_us(d, 0), 16);
+  EXPECT_DOUBLE_EQ(t.finish_step(), 16);
+  EXPECT_DOUBLE_EQ(t.compute_busy_us()[0], 14);
+  EXPECT_DOUBLE_EQ(t.exposed_communication_us()[0], 2);  // 13 -> 15, waiting for b
+}
+
+TEST(SimTimeline, ACollectiveWaitsForTheSlowestRank) {
+  Timeline t(3);
+  const Op work = t.local("work", kCompute, std::vector<double>{10, 30, 20});
+  const Op exchange = t.collective("exchange", kExchange, 4.0, {work});
+  for (int64_t r = 0; r < 3; ++r) EXPECT_DOUBLE_EQ(t.end_us(exchange, r), 34);
+  t.local("after", kCompute, 1.0, {exchange});
+  EXPECT_DOUBLE_EQ(t.finish_step(), 35);
+  // Rank 0 computed 11 us and waited 24 (for rank 1 and the exchange).
+  EXPECT_DOUBLE_EQ(t.compute_busy_us()[0], 11);
+  EXPECT_DOUBLE_EQ(t.exposed_communication_us()[0], 24);
+  EXPECT_DOUBLE_EQ(t.exposed_communication_us()[1], 4);
+}
+
+TEST(SimTimeline, StepsFollowEachOtherAndSpansAreKeptForTheRanksAsked) {
+  Timeline t(4);
+  t.keep_spans_of({2});
+  t.local("a", kCompute, 5.0);
+  EXPECT_DOUBLE_EQ(t.finish_step(), 5);
+  const Op b = t.local("b", kCompute, 2.0);
+  EXPECT_DOUBLE_EQ(t.end_us(b, 3), 7);
+  EXPECT_DOUBLE_EQ(t.finish_step(), 2);
+  const std::vector<SimSpan> spans = t.take_spans();
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_EQ(spans[0].rank, 2);
+  EXPECT_DOUBLE_EQ(spans[1].start_us, 5);
+  EXPECT_THROW(t.local("bad", kCompute, std::vector<double>{1.0}), std::invalid_argument);
+}
+
+// ---- loads ----
+
+TEST(SimStepLoad, TokensPlaceExpertsContiguously) {
+  BlockLoad block;
+  block.sources = 2;
+  block.experts = 4;
+  block.tokens = {1, 2, 3, 4,   // from rank 0
+                  5, 6, 7, 8};  // from rank 1
+  const StepLoad load = step_load_from_tokens(block, 2);
+  EXPECT_DOUBLE_EQ(load.sent(0, 0), 3);   // experts 0, 1 live on rank 0
+  EXPECT_DOUBLE_EQ(load.sent(0, 1), 7);
+  EXPECT_DOUBLE_EQ(load.sent(1, 0), 11);
+  EXPECT_DOUBLE_EQ(load.sent(1, 1), 15);
+  EXPECT_EQ(load.rows_per_rank(), (std::vector<double>{14, 22}));
+  EXPECT_THROW(step_load_from_tokens(block, 4), std::invalid_argument);  // 2 sources replayed on 4 ranks
+  EXPECT_THROW(check_placement(6, 4), std::invalid_argument);
+}
+
+TEST(SimStepLoad, CapacityDropsRowsAndWhatWouldHaveBeenSent) {
+  StepLoad load = step_load_from_shares({0.75, 0.25}, 2, 1000);
+  EXPECT_DOUBLE_EQ(load.rows_per_expert[0], 1500);
+  apply_capacity(load, 1000);
+  EXPECT_DOUBLE_EQ(load.rows_per_expert[0], 1000);
+  EXPECT_DOUBLE_EQ(load.rows_per_expert[1], 500);
+  EXPECT_DOUBLE_EQ(load.sent(1, 0), 750 * 1000.0 / 1500.0);
+  EXPECT_DOUBLE_EQ(load.sent(1, 1), 250);
+}
+
+// ---- the cost model, by hand ----
+
+TEST(SimCostModel, TheExpertsFitAPlusDTimesB) {
+  const CostModel model(hand_calibration(), Cluster{1, 1}, hand_layer(2));
+  // A = 200 us for 2 experts x 500 rows; B = 100 us a launch for 2 experts.
+  EXPECT_NEAR(model.launch_us_per_expert(), 50, 1e-9);
+  const std::vector<double> rows{500, 500};
+  EXPECT_NEAR(model.experts_us(rows, 1, false) + model.experts_us(rows, 1, true), 300, 1e-9);
+  EXPECT_NEAR(2 * (model.experts_us(rows, 2, false) + model.experts_us(rows, 2, true)), 400, 1e-9);
+}
+
+TEST(SimCostModel, AllToAllInsideANodeFollowsTheMeasuredCurve) {
+  const CostModel model(hand_calibration(), Cluster{1, 2}, hand_layer(2));
+  // 1.5 MB a rank: between the curve's points (10 us a MB).
+  EXPECT_NEAR(model.uniform_all_to_all_us(1.5e6), 15, 1e-9);
+  // Beyond the last point, at the last segment's rate.
+  EXPECT_NEAR(model.uniform_all_to_all_us(4e6), 40, 1e-9);
+  // Below the first point: latency-bound.
+  EXPECT_NEAR(model.uniform_all_to_all_us(1e3), 10, 1e-9);
+  // More peers than the curve was measured with: 1 us each further peer.
+  EXPECT_NEAR(model.intra_node_us(1e3, 5), 10 + 4 * 1.0, 1e-9);
+}
+
+TEST(SimCostModel, FlatAndHierarchicalAcrossTwoNodesByHand) {
+  const Calibration calibration = hand_calibration();
+  // Two nodes of one GPU: 500 rows of 200 bytes leave each rank over its NIC.
+  {
+    const CostModel model(calibration, Cluster{2, 1}, hand_layer(2));
+    const StepLoad load = step_load_from_shares({0.5, 0.5}, 2, 1000);
+    EXPECT_NEAR(model.all_to_all_us(load, 1.0, false), 5 + 100000 / 10e3 + 1, 1e-9);
+  }
+  // Two nodes of two GPUs, 250 rows from every rank to every rank.
+  LayerSpec layer = hand_layer(4);
+  const StepLoad load = step_load_from_shares({0.25, 0.25, 0.25, 0.25}, 4, 1000);
+  layer.all_to_all = AllToAllKind::flat;
+  const CostModel flat(calibration, Cluster{2, 2}, layer);
+  // NVLink: 250 rows (50 kB) to the local peer -> below the curve: 10 us; NIC: 500 rows
+  // (100 kB) to 2 peers: 5 + 10 + 2 = 17 us; both at once.
+  EXPECT_NEAR(flat.all_to_all_us(load, 1.0, false), 17, 1e-9);
+  layer.all_to_all = AllToAllKind::hierarchical;
+  const CostModel two_d(calibration, Cluster{2, 2}, layer);
+  // 2DH: inside the node 500 rows (10 us), between nodes 500 rows to 1 peer (5 + 10 + 1),
+  // and two reorders of the rank's 1000 rows at 100 GB/s (2 x 200 kB / 100 GB/s = 4 us).
+  EXPECT_NEAR(two_d.all_to_all_us(load, 1.0, false), 10 + 16 + 4, 1e-9);
+}
+
+TEST(SimLayerStep, TwoRanksOneStepAddUpByHand) {
+  const Calibration calibration = hand_calibration();
+  SimulationSpec spec;
+  spec.cluster = Cluster{1, 2};
+  spec.layer = hand_layer(2);
+  spec.steps = 1;
+  // Uniform: each rank's expert computes 1000 rows; 500 rows (100 kB) cross each way: 10 us an
+  // exchange. route 10, counts 7, permute 20, out 10, experts 83.33, back 10, combine 30,
+  // combine's backward 40, out 10, experts 166.67, back 10, router 50, all-reduce 7, SGD 30
+  // (one of the calibration's two experts), unnamed 454.
+  const Simulation uniform = simulate(spec, calibration);
+  EXPECT_NEAR(uniform.steps[0].step_us, 938, 1e-6);
+  EXPECT_NEAR(uniform.steps[0].exposed_us, 54, 1e-6);
+  EXPECT_NEAR(uniform.steps[0].compute_us, 884, 1e-6);
+  // A trace with a hot expert: rank 0 computes 1500 rows, rank 1 500, and every collective after
+  // rank 0's experts waits for it: +33.33 forward, +66.67 backward.
+  BlockLoad hot;
+  hot.sources = 2;
+  hot.experts = 2;
+  hot.tokens = {750, 250, 750, 250};
+  RoutingTrace trace;
+  trace.loads.push_back(hot);
+  spec.trace = trace;
+  const Simulation skewed = simulate(spec, calibration);
+  EXPECT_NEAR(skewed.steps[0].step_us, 1038, 1e-6);
+  EXPECT_NEAR(skewed.steps[0].straggler, 1.5, 1e-9);
+}
+
+TEST(SimLayerStep, OverlapHidesExchangesAndPipeliningSplitsThem) {
+  Calibration calibration = hand_calibration();
+  calibration.all_to_all[0].curve = Curve{{1e3, 2e6}, {1, 200}};  // exchanges worth hiding
+  SimulationSpec spec;
+  spec.cluster = Cluster{1, 4};
+  spec.layer = hand_layer(4);
+  spec.steps = 2;
+  const double plain = simulate(spec, calibration).median_step_us();
+  spec.layer.overlap = true;
+  const Simulation overlapped = simulate(spec, calibration);
+  EXPECT_LT(overlapped.median_step_us(), plain);
+  spec.layer.overlap = false;
+  spec.layer.chunks = 2;
+  EXPECT_NE(simulate(spec, calibration).median_step_us(), plain);
+}
+
+// ---- routing ----
+
+TEST(SimRouting, SyntheticSharesSumToOneAndFollowZipf) {
+  const std::vector<double> uniform = synthetic_shares(parse_synthetic("uniform"), 8, 0);
+  EXPECT_NEAR(std::accumulate(uniform.begin(), uniform.end(), 0.0), 1, 1e-12);
+  EXPECT_DOUBLE_EQ(uniform[3], 0.125);
+  const std::vector<double> zipf = synthetic_shares(parse_synthetic("zipf:1"), 8, 0);
+  EXPECT_NEAR(std::accumulate(zipf.begin(), zipf.end(), 0.0), 1, 1e-12);
+  const double hottest = *std::max_element(zipf.begin(), zipf.end());
+  const double coldest = *std::min_element(zipf.begin(), zipf.end());
+  EXPECT_NEAR(hottest / coldest, 8.0, 1e-9);  // 1 / 1^1 against 1 / 8^1
+  // Drift: the hot expert moves one place every 3 steps.
+  const SyntheticRouting drift = parse_synthetic("drift:1:3");
+  const auto hot = [&](int64_t step) {
+    const std::vector<double> p = synthetic_shares(drift, 8, step);
+    return std::max_element(p.begin(), p.end()) - p.begin();
+  };
+  EXPECT_EQ(hot(0), hot(2));
+  EXPECT_NE(hot(0), hot(3));
+}
+
+TEST(SimRouting, RefusesUnknownRouting) {
+  for (const char* text : {"", "zipf", "zipf:-1", "zipf:nan", "drift:1", "drift:1:0", "normal"}) {
+    EXPECT_THROW(parse_synthetic(text), std::invalid_argument) << text;
+  }
+}
+
+TEST(SimRouting, StretchSplitsAndMergesNeighbours) {
+  const std::vector<double> split = stretch_shares({0.5, 0.25, 0.25}, 6);
+  EXPECT_EQ(split, (std::vector<double>{0.25, 0.25, 0.125, 0.125, 0.125, 0.125}));
+  const std::vector<double> merged = stretch_shares({0.4, 0.1, 0.3, 0.2}, 2);
+  EXPECT_NEAR(merged[0], 0.5, 1e-12);
+  EXPECT_NEAR(merged[1], 0.5, 1e-12);
+}
+
+TEST(SimRouting, ReadsRoutingAndExpertLoadEventsAndRefusesARunWithout) {
+  const std::filesystem::path dir = temp_dir("trace");
+  {
+    RunInfo info;
+    info.kind = RunKind::train;
+    info.name = "trace";
+    RunWriter writer = RunWriter::create(dir / "one_gpu", info);
+    writer.append(to_event(RoutingEvent{.step = 1, .layer = 0, .tokens_per_expert = {3, 1}}));
+    writer.append(to_event(RoutingEvent{.step = 0, .layer = 0, .tokens_per_expert = {2, 2}}));
+    RunWriter two = RunWriter::create(dir / "two_ranks", info);
+    BlockLoad block;
+    block.step = 4;
+    block.sources = 2;
+    block.experts = 2;
+    block.tokens = {1, 2, 3, 4};
+    two.append(expert_load_event(block));
+    RunWriter none = RunWriter::create(dir / "no_counts", info);
+    none.append(step_event(0, {{"loss", 1.0}}));
+  }
+  const RoutingTrace one = read_routing_trace(dir / "one_gpu");
+  ASSERT_EQ(one.loads.size(), 2u);
+  EXPECT_EQ(one.loads[0].step, 0);  // sorted by step
+  EXPECT_EQ(one.loads[1].tokens, (std::vector<int64_t>{3, 1}));
+  const RoutingTrace two = read_routing_trace(dir / "two_ranks");
+  ASSERT_EQ(two.loads.size(), 1u);
+  EXPECT_EQ(two.loads[0].sources, 2);
+  EXPECT_EQ(two.loads[0].tokens, (std::vector<int64_t>{1, 2, 3, 4}));
+  try {
+    read_routing_trace(dir / "no_counts");
+    FAIL() << "a run without counts was read";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("a trace without counts"), std::string::npos);
+  }
+  EXPECT_THROW(read_routing_trace(dir / "nonexistent"), std::invalid_argument);
+  std::filesystem::remove_all(dir);
+}
+
+// ---- calibration files ----
+
+TEST(SimCalibration, RoundTripsAndRefusesOtherFiles) {
+  const Calibration c = hand_calibration();
+  const Calibration back = calibration_from_json(to_json(c), "test");
+  EXPECT_EQ(back.device, c.device);
+  EXPECT_EQ(back.layer_phases_us, c.layer_phases_us);
+  EXPECT_EQ(back.all_to_all[0].curve.time_us, c.all_to_all[0].curve.time_us);
+  EXPECT_EQ(back.count_exchange_us, c.count_exchange_us);
+  nlohmann::json json = to_json(c);
+  json["version"] = 99;
+  EXPECT_THROW(calibration_from_json(json, "test"), std::invalid_argument);
+  json = to_json(c);
+  json.erase("layer_step_us");
+  EXPECT_THROW(calibration_from_json(json, "test"), std::invalid_argument);
+  json = to_json(c);
+  json["all_to_all"] = nlohmann::json::array();
+  EXPECT_THROW(calibration_from_json(json, "test"), std::invalid_argument);
+  EXPECT_THROW(calibration_from_json(nlohmann::json{{"rows", 1}}, "test"), std::invalid_argument);
+  EXPECT_TRUE(c.limited_to(1).all_to_all.empty());
+}
+
+// An ep_bench file as the benchmark writes it, reduced to what moe_sim reads.
+nlohmann::json ep_bench_run(int64_t ranks, nlohmann::json rows) {
+  return {{"benchmark", "ep_bench"}, {"device", "Test GPU"}, {"date", "2026-11-28"}, {"ranks", ranks},
+          {"ranks_per_gpu", 1},      {"layer", {{"tokens_per_rank", 1000}, {"model_dim", 100}, {"hidden_dim", 200},
+                                                 {"experts", std::max<int64_t>(2, ranks)}, {"top_k", 1}, {"block_size", 1}}},
+          {"rows", rows}};
+}
+
+TEST(SimCalibration, CalibratesFromEpBenchAndValidatesAgainstIt) {
+  const std::filesystem::path dir = temp_dir("calibrate");
+  const Calibration hand = hand_calibration();
+  nlohmann::json phases1 = nlohmann::json::object(), phases2 = nlohmann::json::object();
+  for (const auto& [name, us] : hand.layer_phases_us.at(1)) phases1[name] = {{"median_us", us}};
+  for (const auto& [name, us] : hand.layer_phases_us.at(2)) phases2[name] = {{"median_us", us}};
+  const nlohmann::json one = ep_bench_run(1, {{{"variant", "ep_layer d=1"}, {"size_bytes", 1}, {"time_us", 1000}, {"phases_rank0", phases1}},
+                                              {{"variant", "ep_layer d=2"}, {"size_bytes", 1}, {"time_us", 1100}, {"phases_rank0", phases2}}});
+  const nlohmann::json two = ep_bench_run(2, {{{"variant", "alltoall"}, {"size_bytes", 2e6}, {"time_us", 20}},
+                                              {{"variant", "alltoall"}, {"size_bytes", 1e6}, {"time_us", 10}},
+                                              {{"variant", "count_exchange"}, {"size_bytes", 16}, {"time_us", 7}},
+                                              {{"variant", "ep_layer d=1"}, {"size_bytes", 1}, {"time_us", 940}}});
+  const nlohmann::json four = ep_bench_run(4, {{{"variant", "alltoall"}, {"size_bytes", 1.5e6}, {"time_us", 20}}});
+  std::ofstream(dir / "one.json") << one.dump();
+  std::ofstream(dir / "runs.json") << nlohmann::json{{"runs", {two, four}}}.dump();
+  std::ofstream(dir / "other.json") << nlohmann::json{{"benchmark", "moe_bench"}}.dump();
+  const Calibration c = calibrate_from_ep_bench({dir / "one.json", dir / "runs.json"}, "test");
+  EXPECT_EQ(c.gpus_measured, 4);
+  ASSERT_EQ(c.all_to_all.size(), 2u);
+  EXPECT_EQ(c.all_to_all[0].curve.bytes_per_rank, (std::vector<double>{1e6, 2e6}));  // sorted
+  EXPECT_DOUBLE_EQ(c.count_exchange_us.at(2), 7);
+  EXPECT_DOUBLE_EQ(c.layer_step_us.at(2), 1100);
+  EXPECT_THROW(calibrate_from_ep_bench({dir / "other.json"}, "test"), std::invalid_argument);
+
+  // Calibrated on R <= 2: the R = 2 layer row is predicted (938 us by hand, against 940), the
+  // R = 2 all-to-all rows are the calibration's own, the R = 4 row is a hold-out.
+  const std::vector<ValidationRow> rows = validate_against_ep_bench(c.limited_to(2), {dir / "one.json", dir / "runs.json"});
+  ASSERT_EQ(rows.size(), 6u);
+  const ValidationRow& layer = rows[4];
+  EXPECT_EQ(layer.what, "ep_layer d=1");
+  EXPECT_EQ(layer.ranks, 2);
+  EXPECT_FALSE(layer.calibration);
+  EXPECT_NEAR(layer.predicted_us, 938, 1e-6);
+  EXPECT_TRUE(rows[0].calibration);  // the one-GPU layer
+  EXPECT_TRUE(rows[2].calibration);  // an all-to-all point of the curve
+  EXPECT_TRUE(rows[5].held_out);
+  const ValidationSummary summary = summarize(rows);
+  EXPECT_EQ(summary.rows, 2);
+  EXPECT_EQ(summary.held_out_rows, 1);
+  EXPECT_THROW(validate_against_ep_bench(c, {dir / "other.json"}), std::invalid_argument);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(SimSimulate, AThousandRanksAHundredStepsStayCheap) {
+  // The scale the lesson uses: 128 nodes of 8 GPUs. Bounded work, no timing asserted: the steps
+  // are all there and the busiest rank of a Zipf routing straggles.
+  SimulationSpec spec;
+  spec.cluster = Cluster{128, 8};
+  spec.layer = hand_layer(2048);
+  spec.steps = 3;
+  spec.synthetic = parse_synthetic("zipf:0.8");
+  spec.span_ranks = 2;
+  int64_t spans = 0;
+  const Simulation run = simulate(spec, hand_calibration(), [&](const SimulatedStep& step) { spans += static_cast<int64_t>(step.spans.size()); });
+  ASSERT_EQ(run.steps.size(), 3u);
+  EXPECT_GT(run.steps[0].straggler, 1.5);
+  EXPECT_GT(spans, 0);
+  for (const SimulatedStep& step : run.steps) EXPECT_GT(step.step_us, 0);
+}
+
+}  // namespace
+}  // namespace moe::sim
