@@ -49,6 +49,25 @@ TEST(ViewerRunChoice, GpuRunSortsBeforeLessonRun) {
   EXPECT_EQ(c.with_data, 2u);
 }
 
+TEST(ViewerRunChoice, SimulatedRunIsMarkedAndSortsAfterMeasuredRuns) {
+  // moe_sim's run names the calibration's GPU among its devices, but nothing ran on one: it is
+  // marked simulated, is not a GPU run, and comes after the measured GPU and lesson runs.
+  const std::string info = R"({"schema_version":1,"kind":"train","name":"sim","start_time":"2026-11-28T00:00:00.000Z",)"
+                           R"("devices":["simulated: NVIDIA H200 x 1024"],"extra":{"simulated":true}})";
+  const RunModel simulated = RunModel::from_text(info, kRouting);
+  ASSERT_EQ(simulated.error, "");
+  EXPECT_TRUE(simulated.summary.simulated);
+  EXPECT_FALSE(simulated.summary.synthetic);
+  EXPECT_FALSE(is_gpu_run(simulated.summary));
+  const RunModel lesson = MakeRun("lesson", "CPU", kRouting);
+  const RunModel gpu = MakeRun("train", "NVIDIA H200", kRouting);
+  const PanelChoice c = choose_runs("routing", {run_holdings(simulated), run_holdings(lesson), run_holdings(gpu)});
+  ASSERT_EQ(c.order.size(), 3u);
+  EXPECT_EQ(c.order[0], 2u);
+  EXPECT_EQ(c.order[1], 1u);
+  EXPECT_EQ(c.order[2], 0u);
+}
+
 TEST(ViewerRunChoice, RunWithoutThePanelsDataIsNotAmongTheFirst) {
   // Four GPU runs without offload events ahead of one lesson run... and one offload run last in
   // the list: the offload panel shows the offload run first, even before the GPU runs.

@@ -59,6 +59,10 @@ void ShowOpenRuns(ViewerState& state) {
       ImGui::SameLine();
       ImGui::TextColored(ImVec4(1.0f, 0.85f, 0.2f, 1.0f), "SYNTHETIC");
     }
+    if (run.model.summary.simulated) {
+      ImGui::SameLine();
+      ImGui::TextColored(ImVec4(0.45f, 0.85f, 1.0f, 1.0f), "SIMULATED");
+    }
     if (!run.model.error.empty()) ImGui::TextColored(ImVec4(1.0f, 0.4f, 0.4f, 1.0f), "error: see Run summary");
     else if (!run.model.waiting_for.empty()) ImGui::TextDisabled("waiting for %s", run.model.waiting_for.c_str());
     else ImGui::TextDisabled("  %lld events, steps %lld..%lld", static_cast<long long>(run.model.events_total),

@@ -56,6 +56,12 @@ void ShowRunSummary(OpenRun& run) {
     ImGui::TextWrapped("SYNTHETIC RUN: made-up numbers written by moe_fake_run for the viewer's tests; not a measurement.");
     ImGui::PopStyleColor();
   }
+  if (s.simulated) {
+    ImGui::PushStyleColor(ImGuiCol_Text, ImVec4(0.45f, 0.85f, 1.0f, 1.0f));
+    ImGui::TextWrapped("SIMULATED RUN: predicted by moe_sim (distributed/sim/) from a calibration measured on a few GPUs "
+                       "(see extra: calibration, its device and date); its times are a model's, not measurements.");
+    ImGui::PopStyleColor();
+  }
   ImGui::Text("name: %s", s.name.c_str());
   ImGui::Text("kind: %s", s.kind.c_str());
   HelpMarker("train, infer, bench or lesson: which kind of program wrote the run.");

@@ -63,6 +63,8 @@ OpenRun& open_run(ViewerState& state, const std::filesystem::path& dir, bool fol
   for (const std::string& w : m.warnings) std::fprintf(stderr, "moe_viewer: %s: warning: %s\n", m.label.c_str(), w.c_str());
   if (m.summary.synthetic)
     std::fprintf(stderr, "moe_viewer: %s is a SYNTHETIC run (made-up numbers from moe_fake_run)\n", m.label.c_str());
+  if (m.summary.simulated)
+    std::fprintf(stderr, "moe_viewer: %s is a SIMULATED run (predicted by moe_sim, not measured)\n", m.label.c_str());
   state.runs.push_back(std::move(run));
   return *state.runs.back();
 }

@@ -48,6 +48,7 @@ const PanelData* find_panel(std::string_view panel) {
 }  // namespace
 
 bool is_gpu_run(const RunSummary& summary) {
+  if (summary.simulated) return false;  // its devices name the calibration's GPU, but nothing ran on one
   if (summary.kind == "train" || summary.kind == "infer" || summary.kind == "bench") return true;
   // A lesson runs on the CPU even where its devices line mentions GPUs (lesson 08 "reads GPU
   // training runs"); device names are matched by vendor and model, not by the word "GPU".
@@ -64,6 +65,7 @@ RunHoldings run_holdings(const RunModel& run) {
   RunHoldings h;
   h.gpu = run.has_info && is_gpu_run(run.summary);
   h.synthetic = run.summary.synthetic;
+  h.simulated = run.summary.simulated;
   h.summary = run.has_info;
   h.curves = !run.step_metrics.empty();
   h.routing = !run.routing.empty();
@@ -85,12 +87,12 @@ PanelChoice choose_runs(std::string_view panel, const std::vector<RunHoldings>& 
   for (size_t i = 0; i < runs.size(); ++i) choice.order.push_back(i);
   // Lower ranks first: with the data before without; then, in the timeline / all-to-all panel,
   // all-to-all matrices (both halves of the panel), spans, decoding runs' spans; then GPU, lesson,
-  // synthetic.
+  // simulated, synthetic.
   auto rank = [&](size_t i) {
     const RunHoldings& h = runs[i];
-    const int origin = h.synthetic ? 2 : h.gpu ? 0 : 1;
+    const int origin = h.synthetic ? 3 : h.simulated ? 2 : h.gpu ? 0 : 1;
     const int detail = panel != "alltoall" ? 0 : h.alltoall_bytes ? 0 : h.offload ? 2 : 1;
-    return (holds_panel_data(h, panel) ? 0 : 9) + detail * 3 + origin;
+    return (holds_panel_data(h, panel) ? 0 : 16) + detail * 4 + origin;
   };
   std::stable_sort(choice.order.begin(), choice.order.end(), [&](size_t a, size_t b) { return rank(a) < rank(b); });
   choice.with_data = static_cast<size_t>(std::count_if(runs.begin(), runs.end(),

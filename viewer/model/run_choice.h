@@ -1,6 +1,7 @@
 // run_choice.h: which runs each panel shows first. A panel opens on the runs that hold its data,
 // recorded GPU runs (devices naming a GPU, or kind train / infer / bench) before the lessons' CPU
-// runs, synthetic runs last; a panel that no open run feeds says which program writes such a run.
+// runs, then simulated runs (moe_sim), synthetic runs last; a panel that no open run feeds says
+// which program writes such a run.
 //
 //   std::vector<RunHoldings> held;
 //   for (const RunModel* m : runs) held.push_back(run_holdings(*m));
@@ -23,6 +24,7 @@ namespace moe::viewer {
 struct RunHoldings {
   bool gpu = false;        // recorded on a GPU (is_gpu_run)
   bool synthetic = false;  // moe_fake_run's made-up numbers
+  bool simulated = false;  // moe_sim's predictions
   bool summary = false;    // run.json was read
   bool curves = false;     // "step" metrics
   bool routing = false;    // "routing" events
@@ -49,7 +51,7 @@ struct PanelChoice {
 // The runs in the order the panel shows them: with its data before without; in the timeline /
 // all-to-all panel, runs with all-to-all matrices (lesson 06 under mpirun) first, then runs with
 // spans only, decoding runs (whose spans the offload panel shows) last; then real GPU runs, other
-// real runs (the lessons), synthetic ones; otherwise as given (stable).
+// real runs (the lessons), simulated ones (moe_sim), synthetic ones; otherwise as given (stable).
 PanelChoice choose_runs(std::string_view panel, const std::vector<RunHoldings>& runs);
 
 // What the panel's data is ("offload events") and which programs write it, for the notice a panel

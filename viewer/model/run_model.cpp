@@ -405,8 +405,12 @@ void RunModel::ingest_info(const json& info) {
   if (auto it = info.find("extra"); it != info.end()) {
     s.extra = *it;
     if (it->is_object()) {
-      auto syn = it->find("synthetic");
-      s.synthetic = syn != it->end() && syn->is_boolean() && syn->get<bool>();
+      auto flag = [&](const char* name) {
+        auto found = it->find(name);
+        return found != it->end() && found->is_boolean() && found->get<bool>();
+      };
+      s.synthetic = flag("synthetic");
+      s.simulated = flag("simulated");
     }
   }
   if (!s.name.empty()) label = s.name;

@@ -180,6 +180,7 @@ struct RunSummary {
   nlohmann::json model;
   nlohmann::json extra;
   bool synthetic = false;     // extra.synthetic: written by moe_fake_run, not a measurement
+  bool simulated = false;     // extra.simulated: predicted by moe_sim from a calibration, not measured
 };
 
 // "" when the run's run.json and events.jsonl are regular files (or absent); otherwise what is
