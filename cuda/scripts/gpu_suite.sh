@@ -10,7 +10,8 @@
 #                                           the expert modes and records a run per mode; infer trains
 #                                           briefly and generates in every mode; distributed runs
 #                                           ep_bench over NCCL and over MPI; train_distributed trains
-#                                           on two GPUs against one and kills a rank), logs in $OUT
+#                                           on two GPUs against one and kills a rank; calibrate
+#                                           measures moe_sim's calibration and validates it), logs in $OUT
 # The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -447,6 +448,42 @@ scaling() {
   return $rc
 }
 
+calibrate() {
+  # moe_sim's calibration of this machine kind (distributed/sim/calibration.h), and its validation:
+  # - R = 1: the layer (T = 16384, D = 2048, H = 8192, E = 8, K = 2) at d = 1, 2, 4 with every phase,
+  #   and dispatch + combine (identity experts) at 1, 16, 64, 256 MiB: the costs without a network;
+  # - R = 2: the raw all-to-all and the count exchange (the calibration's network), and the layer
+  #   at 8 experts a GPU and dispatch + combine, which the simulator then predicts;
+  # - R = 4 where four GPUs exist: the same rows, predicted from the two-GPU calibration (hold-out).
+  # The calibration and the validation table land in $OUT/sim/.
+  local rc=0 gpus r files="" held=""
+  local mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
+  local ep=build-gpu/distributed/bench/ep_bench sim=build-gpu/distributed/sim/moe_sim
+  local kind device
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [ "$gpus" -ge 2 ] || { echo "calibrate: needs 2 or more GPUs, found $gpus"; return 1; }
+  mkdir -p "$OUT/sim"
+  "${mpirun[@]}" -np 1 $ep --backend nccl --only layer,dispatch --layer 16384,2048,8192,8,2 --pipeline-chunks 1,2,4 \
+    --out "$OUT/sim/ep_bench_r1.json" > "$LOGS/calibrate_r1.log" 2>&1 || rc=1
+  grep -E "^ (ep_layer|dispatch)|^(PASS|FAIL)" "$LOGS/calibrate_r1.log"
+  for r in 2 4; do
+    [ "$r" -le "$gpus" ] || break
+    "${mpirun[@]}" -np $r $ep --backend nccl --only alltoall,count,dispatch,layer --layer 16384,2048,8192,$((8 * r)),2 \
+      --pipeline-chunks 1,2,4 --out "$OUT/sim/ep_bench_r$r.json" > "$LOGS/calibrate_r$r.log" 2>&1 || rc=1
+    grep -E "^ (ep_layer|dispatch|alltoall|count)|^(PASS|FAIL)" "$LOGS/calibrate_r$r.log"
+    files="$files,$OUT/sim/ep_bench_r$r.json"
+  done
+  device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | grep -oE 'h100|h200|a100|b200' || echo gpu)
+  kind="${device}x2_$(date -u +%F)"
+  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json" \
+    --calibration-out "$OUT/sim/calibration_$kind.json" || rc=1
+  # Four-GPU runs: this machine's when it has four, else the kept ones of the same machine kind.
+  [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_scaling_nccl_h200x4_2026-11-26.json,notebooks_data/bench/ep_bench_exchange_nccl_h200x4_2026-11-26.json"
+  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json$files$held" \
+    --json "$OUT/sim/validation_$kind.json" | tee "$LOGS/calibrate_validation.log" || rc=1
+  return $rc
+}
+
 case "${1:-}" in
   bundle) bundle ;;
   run)
@@ -460,5 +497,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_parallel] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [activation] [micro_batches] [scaling]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_parallel] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [activation] [micro_batches] [scaling] [calibrate]" >&2; exit 2 ;;
 esac

@@ -11,7 +11,6 @@
 #include "parse_number.h"    // parse_integer
 #include "sim/cost_model.h"  // CostModel
 #include "sim/simulate.h"    // simulate
-#include "sim/timeline.h"    // Timeline
 
 namespace moe::sim {
 
@@ -23,19 +22,23 @@ std::string size_text(double bytes) {
 }
 
 // ep_bench's dispatch + combine: the layer's forward with identity experts, T_r = size / (K D 2).
-double dispatch_combine_us(const CostModel& model, double tokens) {
+// With the one-GPU row of the same size in the calibration, that row holds every pass but the
+// network: the prediction swaps its two local exchanges and its count exchange for the cluster's.
+// Without it, the passes come from the one-GPU layer's phases, scaled by tokens.
+double dispatch_combine_us(const CostModel& model, const Calibration& calibration, double size_bytes) {
   const LayerSpec& layer = model.layer();
   const int64_t R = model.cluster().ranks();
+  const double tokens = std::max(1.0, std::floor(size_bytes / static_cast<double>(layer.top_k * layer.model_dim * 2)));
   const std::vector<double> uniform(static_cast<size_t>(layer.experts), 1.0 / static_cast<double>(layer.experts));
   const StepLoad load = step_load_from_shares(uniform, R, tokens * static_cast<double>(layer.top_k));
-  Timeline timeline(R);
-  const Op route = timeline.local("route", kCompute, model.route_us(tokens));
-  const Op count = timeline.collective("count_exchange", kCompute, model.count_exchange_us(), {route});
-  const Op permute = timeline.local("permute", kCompute, model.permute_us(tokens), {count});
-  const Op out = timeline.collective("dispatch", kExchange, model.all_to_all_us(load, 1.0, false), {permute});
-  const Op back = timeline.collective("combine_exchange", kExchange, model.all_to_all_us(load, 1.0, true), {out});
-  timeline.local("combine", kCompute, model.combine_us(tokens), {back});
-  return timeline.finish_step();
+  const double network = model.count_exchange_us() + model.all_to_all_us(load, 1.0, false) + model.all_to_all_us(load, 1.0, true);
+  if (!calibration.dispatch_combine_one_gpu.time_us.empty()) {
+    const CostModel one_gpu(calibration, Cluster{1, 1}, layer);
+    const StepLoad local = step_load_from_shares(uniform, 1, tokens * static_cast<double>(layer.top_k));
+    const double local_network = one_gpu.count_exchange_us() + 2 * one_gpu.all_to_all_us(local, 1.0, false);
+    return calibration.dispatch_combine_one_gpu.at(size_bytes) - local_network + network;
+  }
+  return model.route_us(tokens) + model.permute_us(tokens) + model.combine_us(tokens) + network;
 }
 
 // The run's layer shape; files without one (older ep_bench output) ran ep_bench's default,
@@ -112,7 +115,7 @@ std::vector<ValidationRow> validate_against_ep_bench(const Calibration& calibrat
         } else if (variant == "dispatch+combine") {
           const CostModel model(calibration, cluster, layer);
           out.what = "dispatch+combine " + size_text(size);
-          out.predicted_us = dispatch_combine_us(model, std::max(1.0, std::floor(size / static_cast<double>(layer.top_k * layer.model_dim * 2))));
+          out.predicted_us = dispatch_combine_us(model, calibration, size);
         } else {
           continue;
         }
