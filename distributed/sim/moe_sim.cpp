@@ -86,6 +86,8 @@ int calibrate(const Options& o, const std::string& command) {
                                 std::to_string(o.host_to_device_gbs) +
                                 ": --device-copy-gbs and --host-to-device-gbs (their defaults: H200, 2026-11-21, the anchor "
                                 "table of notebooks_data/bench/README.md)");
+  const std::filesystem::path parent = std::filesystem::path(o.calibration_out).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
   std::ofstream out(o.calibration_out);
   out << moe::sim::to_json(calibration).dump(1) << "\n";
   if (!out) throw std::runtime_error("--calibration-out " + o.calibration_out + ": could not be written");

@@ -116,6 +116,7 @@ std::vector<ValidationRow> validate_against_ep_bench(const Calibration& calibrat
           const CostModel model(calibration, cluster, layer);
           out.what = "dispatch+combine " + size_text(size);
           out.predicted_us = dispatch_combine_us(model, calibration, size);
+          out.calibration = R == 1 && !calibration.dispatch_combine_one_gpu.time_us.empty();
         } else {
           continue;
         }
