@@ -25,13 +25,12 @@
 #include <nlohmann/json.hpp>
 
 #include "command_line.h"   // CLI11 glue: parse_command_line, validators
-#include "moe_config.h"     // MoeConfig
 #include "parse_number.h"   // parse_integer_list
 #include "program_exit.h"   // run_program, check_output_path
-#include "run_record.h"     // RunWriter
 #include "sim/calibration.h"
 #include "sim/cluster.h"
 #include "sim/routing_trace.h"
+#include "sim/sim_record.h"
 #include "sim/simulate.h"
 #include "sim/validation.h"
 
@@ -134,70 +133,18 @@ int simulate(const Options& o, const std::string& command) {
   spec.steps = o.steps;
   spec.blocks = o.blocks;
   spec.span_ranks = o.span_ranks;
-  std::string routing_text;
   if (!o.trace.empty()) {
     spec.trace = moe::sim::read_routing_trace(o.trace);
-    routing_text = "trace " + o.trace;
   } else {
     spec.synthetic = moe::sim::parse_synthetic(o.routing.empty() ? "uniform" : o.routing);
     spec.synthetic.seed = static_cast<uint64_t>(o.seed);
-    routing_text = moe::sim::describe(spec.synthetic);
   }
-  std::optional<moe::RunWriter> writer;
-  if (!o.out.empty()) {
-    moe::check_output_path("--out", std::filesystem::path(o.out) / "run.json");
-    if (std::filesystem::exists(std::filesystem::path(o.out) / "run.json") && !o.overwrite) {
-      throw std::invalid_argument("--out " + o.out + " holds a run already; add --overwrite to replace it");
-    }
-    moe::RunInfo info;
-    info.kind = moe::RunKind::train;
-    info.name = std::filesystem::path(o.out).filename().string();
-    moe::MoeConfig config;
-    config.tokens = spec.layer.tokens_per_rank;
-    config.model_dim = spec.layer.model_dim;
-    config.hidden_dim = spec.layer.hidden_dim;
-    config.num_experts = spec.layer.experts;
-    config.top_k = spec.layer.top_k;
-    config.block_size = spec.layer.block_size;
-    config.formulation = spec.layer.capacity_factor > 0 ? moe::Formulation::dropping : moe::Formulation::dropless;
-    if (spec.layer.capacity_factor > 0) config.capacity_factor = spec.layer.capacity_factor;
-    info.moe_config = config;
-    info.world_size = spec.cluster.ranks();
-    info.devices.assign(1, "simulated: " + calibration.device + " x " + std::to_string(spec.cluster.ranks()));
-    info.extra = {{"simulated", true},
-                  {"program", "moe_sim"},
-                  {"command", command},
-                  {"cluster", {{"nodes", spec.cluster.nodes}, {"gpus_per_node", spec.cluster.gpus_per_node}}},
-                  {"calibration", o.calibration},
-                  {"calibration_device", calibration.device},
-                  {"calibration_date", calibration.date},
-                  {"routing", routing_text},
-                  {"pipeline_chunks", spec.layer.chunks},
-                  {"all_to_all", o.all_to_all},
-                  {"overlap", spec.layer.overlap},
-                  {"spans_of_ranks", "ranks 0.." + std::to_string(std::min(spec.span_ranks, spec.cluster.ranks()) - 1) +
-                                         " and each step's busiest rank"}};
-    writer = moe::RunWriter::create(o.out, info, o.overwrite ? moe::OnExisting::overwrite : moe::OnExisting::refuse);
-  }
-  auto record = [&](const moe::sim::SimulatedStep& step) {
-    if (!writer) return;
-    for (size_t b = 0; b < step.rows_per_expert.size(); ++b) {
-      moe::RoutingEvent routing{.step = step.step, .layer = static_cast<int64_t>(b)};
-      for (double rows : step.rows_per_expert[b]) routing.tokens_per_expert.push_back(static_cast<int64_t>(std::llround(rows)));
-      writer->append(moe::to_event(routing));
-    }
-    for (const moe::sim::SimSpan& span : step.spans) {
-      writer->append(moe::to_event(moe::SpanEvent{.step = step.step, .rank = span.rank, .stream = span.stream,
-                                                  .stream_name = moe::sim::stream_name(span.stream), .name = span.name,
-                                                  .start_us = span.start_us, .duration_us = span.duration_us}));
-    }
-    writer->append(moe::step_event(step.step, {{"step_time_ms", step.step_us / 1e3},
-                                               {"compute_ms", step.compute_us / 1e3},
-                                               {"exposed_communication_ms", step.exposed_us / 1e3},
-                                               {"exposed_communication_share", step.exposed_share},
-                                               {"straggler", step.straggler}}));
-  };
-  const moe::sim::Simulation result = moe::sim::simulate(spec, calibration, record);
+  const std::string routing_text = moe::sim::describe_routing(spec);
+  std::optional<moe::sim::SimulatedRunRecord> record;
+  if (!o.out.empty()) record.emplace(o.out, spec, o.calibration, calibration, command, o.overwrite);
+  const moe::sim::Simulation result = moe::sim::simulate(spec, calibration, [&](const moe::sim::SimulatedStep& step) {
+    if (record) record->append(step);
+  });
   double straggler = 0;
   for (const moe::sim::SimulatedStep& s : result.steps) straggler = std::max(straggler, s.straggler);
   std::printf("moe_sim: %s, layer T=%lld a rank D=%lld H=%lld E=%lld K=%lld d=%lld, %s all-to-all%s%s, routing %s\n",
@@ -210,7 +157,7 @@ int simulate(const Options& o, const std::string& command) {
   std::printf("moe_sim: %lld steps: median step %.3f ms, exposed communication %.1f%% of it, worst straggler %.2fx the mean rows (calibration: %s, %s)\n",
               static_cast<long long>(result.steps.size()), result.median_step_us() / 1e3, 100 * result.median_exposed_share(),
               straggler, calibration.device.c_str(), calibration.date.c_str());
-  if (writer) std::printf("moe_sim: run record in %s (simulated)\n", o.out.c_str());
+  if (record) std::printf("moe_sim: run record in %s (simulated)\n", o.out.c_str());
   if (!o.json.empty()) {
     std::ofstream out(o.json);
     out << nlohmann::json{{"ranks", spec.cluster.ranks()}, {"nodes", spec.cluster.nodes}, {"gpus_per_node", spec.cluster.gpus_per_node},

@@ -1,11 +1,7 @@
 // tests/sim/test_sim_model.cpp: the simulator's pieces against cases worked out by hand.
 //
-// The calibration below is made of round numbers so every expected time can be added up on paper:
-// a layer of T = 1000 tokens, D = 100, H = 200, E = 2, K = 1 and B = 1 (no padding) on one GPU,
-// whose phases at d = 1 sum to 546 us of a 1000 us step (454 us unnamed), whose experts take 300 us
-// at d = 1 and 400 us at d = 2 (A = 200 us of products, B = 100 us a launch for 2 experts); an
-// NVLink all-to-all of 10 us a MB (bytes a rank), a count exchange of 7 us; a NIC of 10 GB/s with
-// 5 us latency and 1 us a peer; HBM copies at 100 GB/s.
+// The calibration is sim/worked_example.h's round numbers, so every expected time can be added up
+// on paper (the sums are written beside each expectation).
 //   ctest --test-dir build -R Sim
 #include <gtest/gtest.h>
 
@@ -27,40 +23,13 @@
 #include "sim/step_load.h"
 #include "sim/timeline.h"
 #include "sim/validation.h"
+#include "sim/worked_example.h"
 
 namespace moe::sim {
 namespace {
 
-Calibration hand_calibration() {
-  Calibration c;
-  c.device = "Test GPU";
-  c.date = "2026-11-28";
-  c.gpus_measured = 2;
-  c.layer = {1000, 100, 200, 2, 1, 1};
-  c.layer_step_us = {{1, 1000.0}, {2, 1100.0}};
-  c.layer_phases_us[1] = {{"ep_route", 10},           {"ep_count_exchange", 15},  {"ep_permute", 20},
-                          {"ep_dispatch", 8},         {"ep_experts", 300},        {"ep_combine_exchange", 8},
-                          {"ep_combine", 30},         {"ep_combine_backward", 40}, {"ep_router_backward", 50},
-                          {"ep_router_all_reduce", 5}, {"sgd_experts", 60}};
-  c.layer_phases_us[2] = c.layer_phases_us[1];
-  c.layer_phases_us[2]["ep_experts"] = 400;
-  c.all_to_all.push_back({2, Curve{{1e6, 2e6}, {10, 20}}});
-  c.count_exchange_us[2] = 7;
-  c.device_copy_gbs = 100;
-  c.inter_node = {10.0, 1.0, 5.0, 1.0, "test"};
-  return c;
-}
-
-LayerSpec hand_layer(int64_t experts) {
-  LayerSpec layer;
-  layer.tokens_per_rank = 1000;
-  layer.model_dim = 100;
-  layer.hidden_dim = 200;
-  layer.experts = experts;
-  layer.top_k = 1;
-  layer.block_size = 1;
-  return layer;
-}
+Calibration hand_calibration() { return worked_example_calibration(); }
+LayerSpec hand_layer(int64_t experts) { return worked_example_layer(experts); }
 
 std::filesystem::path temp_dir(const std::string& name) {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moe_sim_test_" + name + "_" + std::to_string(::getpid()));
@@ -353,7 +322,7 @@ TEST(SimCalibration, RoundTripsAndRefusesOtherFiles) {
 
 // An ep_bench file as the benchmark writes it, reduced to what moe_sim reads.
 nlohmann::json ep_bench_run(int64_t ranks, nlohmann::json rows) {
-  return {{"benchmark", "ep_bench"}, {"device", "Test GPU"}, {"date", "2026-11-28"}, {"ranks", ranks},
+  return {{"benchmark", "ep_bench"}, {"device", "worked example (round numbers)"}, {"date", "2026-11-28"}, {"ranks", ranks},
           {"ranks_per_gpu", 1},      {"layer", {{"tokens_per_rank", 1000}, {"model_dim", 100}, {"hidden_dim", 200},
                                                  {"experts", std::max<int64_t>(2, ranks)}, {"top_k", 1}, {"block_size", 1}}},
           {"rows", rows}};
