@@ -1,9 +1,10 @@
 // offload/cache_policy.h: the expert cache's bookkeeping on the host: which (block, expert) each GPU
 // slot holds, which slots a block is using right now, and which slot to fill next (LRU or LFU).
 //
-// Plain C++ with no CUDA call, so the eviction rules are tested on any machine
-// (tests/cuda/test_offload.cpp, CudaOffloadPolicy.*). expert_cache.h moves the bytes; this file only
-// decides where they go.
+// Plain C++ with no CUDA call, built as its own library (moe_cache_policy) on every machine: the
+// eviction rules are tested without a GPU (tests/offload/test_cache_policy.cpp, CudaOffloadPolicy.*),
+// and moe_sim replays recorded runs through them (distributed/sim/cache_replay.h). expert_cache.h
+// moves the bytes; this file only decides where they go.
 //
 // Pre-gated MoE (Hwang et al., ISCA 2024) keeps a few expert slots on the GPU and streams the rest
 // from host memory; which experts stay resident between tokens is the cache policy:

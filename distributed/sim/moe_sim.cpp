@@ -12,6 +12,11 @@
 //   build/distributed/sim/moe_sim --calibrate-from r1.json,r2.json --calibration-out calibration.json
 //   # predict measured runs from the calibration alone (lesson 09's validation table)
 //   build/distributed/sim/moe_sim --calibration FILE --validate notebooks_data/bench/ep_bench_scaling_nccl_h200x4_2026-11-26.json
+//   # inference: replay a recorded offloaded-decoding run through the expert cache (cache_replay.h):
+//   # recorded vs replayed hits and misses, predicted vs measured decode step; then the hit rate
+//   # against cache size for its routing under LRU, LFU and Belady's optimal policy
+//   build/distributed/sim/moe_sim --offload-trace notebooks_data/runs/offload_switch_pregated
+//   build/distributed/sim/moe_sim --offload-trace notebooks_data/runs/offload_switch_on_demand --cache-slots 8,16,32 --policy belady
 //
 // The model: distributed/sim/cost_model.h. The lesson: lessons/09_simulator.md.
 #include <algorithm>
@@ -27,6 +32,7 @@
 #include "command_line.h"   // CLI11 glue: parse_command_line, validators
 #include "parse_number.h"   // parse_integer_list
 #include "program_exit.h"   // run_program, check_output_path
+#include "sim/cache_replay.h"
 #include "sim/calibration.h"
 #include "sim/cluster.h"
 #include "sim/routing_trace.h"
@@ -45,6 +51,8 @@ struct Options {
   std::string calibrate_from, calibration_out, validate;
   int64_t hold_out_above = 0;
   double device_copy_gbs = 4183, host_to_device_gbs = 55.1;
+  // --offload-trace: inference, the expert cache's replay (run_offload_trace)
+  std::string offload_trace, cache_slots, policy;
 };
 
 std::vector<std::filesystem::path> paths_of(const std::string& list) {
@@ -167,6 +175,93 @@ int simulate(const Options& o, const std::string& command) {
   return 0;
 }
 
+// ---- inference: a recorded offloaded-decoding run through the expert cache (cache_replay.h) ----
+
+// "8,16,32" as slot counts of at least the trace's minimum; empty: the recorded run's own.
+std::vector<int64_t> cache_sizes_of(const Options& o, const moe::sim::OffloadTrace& trace) {
+  if (o.cache_slots.empty()) return {trace.cache_slots};
+  const std::vector<int64_t> sizes = moe::parse_integer_list(o.cache_slots).value();
+  for (const int64_t slots : sizes) {
+    if (slots < trace.minimum_slots()) {
+      throw std::invalid_argument("--cache-slots " + std::to_string(slots) + ": below the minimum of " +
+                                  std::to_string(trace.minimum_slots()) + " slots for " + trace.source +
+                                  " (one acquire there asks for that many experts at once)");
+    }
+  }
+  return sizes;
+}
+
+int run_offload_trace(const Options& o) {
+  const moe::sim::OffloadTrace trace = moe::sim::read_offload_trace(o.offload_trace);
+  std::vector<moe::sim::ReplayPolicy> policies = {moe::sim::ReplayPolicy::lru, moe::sim::ReplayPolicy::lfu,
+                                                  moe::sim::ReplayPolicy::belady};
+  if (!o.policy.empty()) {
+    try {
+      policies = {moe::sim::replay_policy_from_string(o.policy)};
+    } catch (const std::invalid_argument& error) {
+      throw std::invalid_argument(std::string("--policy: ") + error.what());
+    }
+  }
+  const std::vector<int64_t> sizes = cache_sizes_of(o, trace);
+
+  // The recorded cache, replayed: the counts must agree, block by block.
+  const moe::sim::CacheReplay exact = moe::sim::replay_recorded(trace);
+  const std::string difference = moe::sim::first_difference(trace, exact);
+  int64_t recorded_hits = 0, recorded_misses = 0, replayed_hits = 0, replayed_misses = 0;
+  for (size_t s = 0; s < trace.steps.size(); ++s) {
+    for (size_t j = 0; j < trace.steps[s].size(); ++j) {
+      recorded_hits += trace.steps[s][j].hits, recorded_misses += trace.steps[s][j].misses;
+      replayed_hits += exact.steps[s].blocks[j].hits, replayed_misses += exact.steps[s].blocks[j].misses;
+    }
+  }
+  std::printf("moe_sim: %s: mode %s, %lld slots (%s), E=%lld, %lld MoE blocks, %lld steps (0 the prefill), %.1f MB an expert\n",
+              trace.source.c_str(), trace.mode.c_str(), static_cast<long long>(trace.cache_slots), trace.policy.c_str(),
+              static_cast<long long>(trace.experts), static_cast<long long>(trace.blocks()),
+              static_cast<long long>(trace.steps.size()), static_cast<double>(trace.expert_bytes) / 1e6);
+  std::printf("replay of the recorded cache: hits %lld recorded, %lld replayed; misses %lld recorded, %lld replayed: %s\n",
+              static_cast<long long>(recorded_hits), static_cast<long long>(replayed_hits),
+              static_cast<long long>(recorded_misses), static_cast<long long>(replayed_misses),
+              difference.empty() ? "equal in every step and block" : ("DIFFERENT at " + difference).c_str());
+
+  // The decode step: the copies priced at the record's own rate, then at the pinned bandwidth of
+  // --calibration (or --host-to-device-gbs): what the copy engine reached here, and what it could.
+  std::vector<std::pair<double, std::string>> rates;
+  if (const double measured = moe::sim::measured_copy_gbs(trace); measured > 0) rates.emplace_back(measured, "the record's copies");
+  if (!o.calibration.empty()) {
+    rates.emplace_back(moe::sim::load_calibration(o.calibration).host_to_device_gbs, "--calibration's host_to_device_gbs");
+  } else {
+    rates.emplace_back(o.host_to_device_gbs, "--host-to-device-gbs");
+  }
+  for (const auto& [copy_gbs, rate_from] : rates) {
+    const moe::sim::StepTimePrediction time = moe::sim::predict_step_times(trace, exact, copy_gbs);
+    std::printf("decode step (median of %zu): measured %.3f ms, predicted %.3f ms (%+.1f%%), copies at %.1f GB/s (%s)\n",
+                time.steps.size(), time.median_measured_us / 1e3, time.median_predicted_us / 1e3, 100 * time.error(),
+                copy_gbs, rate_from.c_str());
+  }
+
+  // Hit rate against cache size, demand fetching only (no prefetch), over the decode steps.
+  std::printf("hit rate over the decode steps (the prefill fills the cache), demand fetching only:\n%8s", "slots");
+  for (const moe::sim::ReplayPolicy policy : policies) std::printf(" %15s", moe::sim::to_string(policy).c_str());
+  std::printf("\n");
+  nlohmann::json rows = nlohmann::json::array();
+  for (const int64_t slots : sizes) {
+    std::printf("%8lld", static_cast<long long>(slots));
+    for (const moe::sim::ReplayPolicy policy : policies) {
+      const moe::sim::CacheReplay run = moe::sim::replay(trace, slots, policy, /*prefetch=*/false);
+      std::printf(" %6.1f%% %4lld miss", 100 * run.hit_rate(), static_cast<long long>(run.misses()));
+      rows.push_back({{"slots", slots}, {"policy", moe::sim::to_string(policy)}, {"hit_rate", run.hit_rate()},
+                      {"misses", run.misses()}});
+    }
+    std::printf("\n");
+  }
+  if (!o.json.empty()) {
+    std::ofstream out(o.json);
+    out << nlohmann::json{{"offload_trace", trace.source}, {"replay_equal", difference.empty()},
+                          {"hit_rates", rows}}.dump(1) << "\n";
+  }
+  return difference.empty() ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -205,7 +300,17 @@ int main(int argc, char** argv) {
     app.add_option("--validate", o.validate, "ep_bench JSON files, comma-separated: predict their rows and print the errors");
     app.add_option("--hold-out-above", o.hold_out_above, "with --validate: forget the calibration's figures above R ranks")
         ->check(moe::whole_number(1, 1 << 20));
+    // Inference: the expert cache of offloaded decoding (cache_replay.h).
+    app.add_option("--offload-trace", o.offload_trace,
+                   "replay a recorded offloaded-decoding run (moe_generate --run-dir, offload_bench --record-dir): "
+                   "recorded vs replayed hits and misses, predicted vs measured decode step (copies at the record's rate "
+                   "and at --calibration's or --host-to-device-gbs's), hit rate against cache size");
+    app.add_option("--cache-slots", o.cache_slots, "with --offload-trace: cache sizes N[,N...] for the hit-rate table "
+                   "(default the recorded run's)")->check(moe::whole_number_list(1));
+    app.add_option("--policy", o.policy, "with --offload-trace: lru, lfu or belady (default all three)");
     if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
+    if (!o.offload_trace.empty()) return run_offload_trace(o);
+    if (!o.cache_slots.empty() || !o.policy.empty()) throw std::invalid_argument("--cache-slots and --policy need --offload-trace RUN_DIR");
     std::string command = "moe_sim";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
     if (!o.calibrate_from.empty()) {

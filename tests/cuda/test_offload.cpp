@@ -1,5 +1,5 @@
-// test_offload.cpp: the offload engine of Pre-gated MoE (cuda/offload/): the expert cache's
-// eviction rules (LRU, LFU, pinned slots never evicted) and its size checks on the CPU; on the GPU,
+// test_offload.cpp: the offload engine of Pre-gated MoE (cuda/offload/): the cache's size in slots
+// or MB on the CPU (its eviction rules, plain C++, are tests/offload/test_cache_policy.cpp); on the GPU,
 // that the pointer tables a block gets from acquire() point at exactly the pinned store's bytes under
 // random sequences of acquire / prefetch / release with a cache smaller than all experts, that
 // unchosen experts point at the NaN poison, that a copy never overwrites a slot still being read,
@@ -25,7 +25,7 @@
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
 #include "gpu_test_support.h"             // REQUIRE_GPU
-#include "offload/cache_policy.h"         // ExpertSlotMap, CachePolicy, minimum_cache_slots
+#include "offload/cache_policy.h"         // CachePolicy
 #include "offload/expert_cache.h"         // BlockOffloadStatistics
 #include "offload/offloaded_experts.h"    // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h"  // PinnedExpertStore, ExpertShape
@@ -36,7 +36,6 @@ namespace {
 using moe::cuda::bf16;
 using moe::cuda::CachePolicy;
 using moe::cuda::ExpertShape;
-using moe::cuda::ExpertSlotMap;
 using moe::cuda::ExpertTables;
 using moe::cuda::OffloadedExperts;
 using moe::cuda::OffloadOptions;
@@ -56,134 +55,10 @@ void expect_error(Call call, const std::vector<std::string>& fragments) {
   }
 }
 
-// Fills slots 0, 1, 2 with experts 0, 1, 2 of block 0, in that order (recency 0 < 1 < 2).
-void fill_three(ExpertSlotMap& map) {
-  for (int32_t e = 0; e < 3; ++e) {
-    ASSERT_EQ(map.choose_victim(), e);  // empty slots first, lowest first
-    map.assign(e, 0, e);
-  }
-}
+// ---- the cache size, in slots or MB (the eviction rules: tests/offload/test_cache_policy.cpp) ----
 
-// ---- the policy, on the CPU ----
-
-TEST(CudaOffloadPolicy, LruEvictsTheLeastRecentlyUsedSlot) {
-  ExpertSlotMap map(3, 1, 8, CachePolicy::lru);
-  fill_three(map);
-  map.record_use(0);                 // recency now 1 < 2 < 0
-  EXPECT_EQ(map.choose_victim(), 1);
-  map.assign(1, 0, 5);               // expert 1 out, 5 in
-  EXPECT_FALSE(map.find(0, 1).has_value());
-  EXPECT_EQ(map.find(0, 5), 1);
-  EXPECT_EQ(map.holder(1).expert, 5);
-  EXPECT_EQ(map.choose_victim(), 2);
-  map.record_use(2);                 // recency 0 < 1(5) < 2
-  EXPECT_EQ(map.choose_victim(), 0);
-  map.touch(0);                      // a prefetch hint counts as recent too
-  EXPECT_EQ(map.choose_victim(), 1);
-}
-
-TEST(CudaOffloadPolicy, LfuEvictsTheLeastChosenExpertTiesToTheLeastRecent) {
-  ExpertSlotMap map(3, 1, 8, CachePolicy::lfu);
-  fill_three(map);
-  for (int i = 0; i < 3; ++i) map.record_use(0);  // counts: e0 3, e1 1, e2 2
-  map.record_use(1);
-  map.record_use(2);
-  map.record_use(2);
-  EXPECT_EQ(map.choose_victim(), 1);
-  map.assign(1, 0, 3);  // e3 in (count 0)
-  EXPECT_EQ(map.choose_victim(), 1);
-  map.record_use(1);    // e3: 1, e2: 2, e0: 3
-  EXPECT_EQ(map.choose_victim(), 1);
-  map.assign(1, 0, 1);  // e1 back: its count (1) survived the eviction
-  EXPECT_EQ(map.use_count(0, 1), 1u);
-  map.record_use(1);    // e1: 2 = e2's count; e2 was used longer ago, so e2 goes first
-  EXPECT_EQ(map.choose_victim(), 2);
-  map.record_use(2);    // e2: 3 = e0's, e1 now lowest
-  EXPECT_EQ(map.choose_victim(), 1);
-}
-
-TEST(CudaOffloadPolicy, PinnedSlotsAreNeverEvicted) {
-  for (const CachePolicy policy : {CachePolicy::lru, CachePolicy::lfu}) {
-    SCOPED_TRACE(moe::cuda::to_string(policy));
-    ExpertSlotMap map(3, 2, 4, policy);
-    fill_three(map);
-    EXPECT_EQ(map.choose_victim(), 0);
-    map.pin(0);
-    EXPECT_EQ(map.choose_victim(), 1);
-    map.pin(1);
-    map.pin(2);
-    EXPECT_EQ(map.pinned_slots(), 3);
-    EXPECT_FALSE(map.choose_victim().has_value());  // every slot in use: nothing to evict
-    EXPECT_THROW(map.assign(1, 1, 0), std::logic_error);
-    map.pin(1);    // pins count: two holders
-    map.unpin(1);
-    EXPECT_FALSE(map.choose_victim().has_value());
-    map.unpin(1);
-    EXPECT_EQ(map.choose_victim(), 1);
-    EXPECT_THROW(map.unpin(1), std::logic_error);  // unpinned twice
-  }
-}
-
-TEST(CudaOffloadPolicy, RandomSequencesKeepTheMapConsistentAndNeverEvictPinnedSlots) {
-  for (const CachePolicy policy : {CachePolicy::lru, CachePolicy::lfu}) {
-    SCOPED_TRACE(moe::cuda::to_string(policy));
-    const int64_t slots = 5, blocks = 3, experts = 6;
-    ExpertSlotMap map(slots, blocks, experts, policy);
-    std::mt19937_64 generator(7);
-    std::vector<int> pins(slots, 0);
-    for (int step = 0; step < 5000; ++step) {
-      const int64_t block = static_cast<int64_t>(generator() % blocks);
-      const auto expert = static_cast<int32_t>(generator() % experts);
-      const int op = static_cast<int>(generator() % 4);
-      if (op == 0) {  // a use: a hit, or a miss into the victim
-        std::optional<int64_t> slot = map.find(block, expert);
-        if (!slot) {
-          slot = map.choose_victim();
-          if (!slot) continue;
-          ASSERT_EQ(pins[static_cast<size_t>(*slot)], 0) << "a pinned slot was chosen to evict";
-          map.assign(*slot, block, expert);
-        }
-        map.record_use(*slot);
-      } else if (op == 1) {
-        const auto slot = static_cast<int64_t>(generator() % slots);
-        if (map.holder(slot).block >= 0 && pins[static_cast<size_t>(slot)] < 2) {
-          map.pin(slot);
-          ++pins[static_cast<size_t>(slot)];
-        }
-      } else if (op == 2) {
-        const auto slot = static_cast<int64_t>(generator() % slots);
-        if (pins[static_cast<size_t>(slot)] > 0) {
-          map.unpin(slot);
-          --pins[static_cast<size_t>(slot)];
-        }
-      }
-      for (int64_t slot = 0; slot < slots; ++slot) {  // holder and find agree
-        const moe::cuda::ExpertKey key = map.holder(slot);
-        if (key.block >= 0) {
-          ASSERT_EQ(map.find(key.block, key.expert), slot);
-        }
-        ASSERT_EQ(map.pinned(slot), pins[static_cast<size_t>(slot)] > 0);
-      }
-    }
-  }
-}
-
-TEST(CudaOffloadPolicy, CacheSmallerThanOneStepIsAClearError) {
-  EXPECT_EQ(moe::cuda::minimum_cache_slots(64, 1, 1), 1);
-  EXPECT_EQ(moe::cuda::minimum_cache_slots(64, 8, 2), 16);
-  EXPECT_EQ(moe::cuda::minimum_cache_slots(8, 3, 2), 6);
-  EXPECT_EQ(moe::cuda::minimum_cache_slots(8, 1000, 2), 8);
-  EXPECT_THROW(moe::cuda::minimum_cache_slots(8, 0, 2), std::invalid_argument);
-  EXPECT_THROW(moe::cuda::minimum_cache_slots(8, 1, 9), std::invalid_argument);
-
+TEST(CudaOffload, CacheSizeInSlotsOrMegabytesExactlyOne) {
   const size_t expert_bytes = 4 * 768 * 3072;  // 9.4 MB
-  EXPECT_NO_THROW(moe::cuda::check_cache_size(16, 16, 64, 8, 2, expert_bytes));
-  expect_error<std::invalid_argument>([&] { moe::cuda::check_cache_size(15, 16, 64, 8, 2, expert_bytes); },
-                                      {"15 slots", "minimum_cache_slots", "E=64", "8*2", "16 slots", "151.0 MB"});
-
-  EXPECT_EQ(moe::cuda::cache_slots_in_megabytes(100, expert_bytes), 10);  // 100 MB / 9.44 MB, rounded down
-  EXPECT_EQ(moe::cuda::cache_slots_in_megabytes(5, expert_bytes), 0);
-  EXPECT_THROW(moe::cuda::cache_slots_in_megabytes(0, expert_bytes), std::invalid_argument);
   OffloadOptions options;
   expect_error<std::invalid_argument>([&] { moe::cuda::cache_slots_of(options, expert_bytes); }, {"exactly one"});
   options.cache_slots = 4;
@@ -194,9 +69,6 @@ TEST(CudaOffloadPolicy, CacheSmallerThanOneStepIsAClearError) {
   options.cache_slots = 0;
   options.cache_megabytes = 40;
   EXPECT_EQ(moe::cuda::cache_slots_of(options, expert_bytes), 4);
-
-  EXPECT_EQ(moe::cuda::cache_policy_from_string("lfu"), CachePolicy::lfu);
-  expect_error<std::invalid_argument>([] { moe::cuda::cache_policy_from_string("fifo"); }, {"fifo", "lru, lfu"});
 }
 
 TEST(CudaOffloadStore, ShapesAndTheHostMemoryCheck) {
