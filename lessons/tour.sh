@@ -45,6 +45,12 @@ echo
 echo "==================== lesson08_quality ===================="
 "$build_dir/lessons/lesson08_quality" --out runs/lesson08_quality --overwrite || failed=1
 
+# Lesson 09 runs moe_sim's model on the calibration and measured runs in notebooks_data/sim and
+# notebooks_data/bench; it also writes a simulated run, runs/lesson09_simulated_64gpus_zipf.
+echo
+echo "==================== lesson09_simulator ===================="
+"$build_dir/lessons/lesson09_simulator" --out runs/lesson09_simulator --overwrite || failed=1
+
 # The GPU path, where there is a GPU: one MoE layer on the GPU beside the CPU reference, forward
 # and backward, dropless (block-sparse kernels) and padded (cuBLAS), with every tensor as .npy.
 dump="$build_dir/cuda/tools/moe_layer_dump"
