@@ -44,6 +44,10 @@ json to_event(const TopologyEvent& e) {
           {"rows_per_expert", e.rows_per_expert}};
 }
 
+json to_event(const ExpertLoadEvent& e) {
+  return {{"type", event_type::expert_load}, {"step", e.step}, {"layer", e.layer}, {"tokens", e.tokens}};
+}
+
 json to_event(const SpanEvent& e) {
   json event = {{"type", event_type::span}, {"step", e.step},          {"rank", e.rank},
                 {"stream", e.stream},       {"name", e.name},          {"start_us", e.start_us},
@@ -149,6 +153,7 @@ const TypeRule kRules[] = {
       {"tokens_per_expert", Kind::integer_array, true},
       {"dropped_per_expert", Kind::integer_array, false},
       {"capacity", Kind::integer, false}}},
+    {event_type::expert_load, {{"layer", Kind::integer, true}, {"tokens", Kind::integer_matrix, true}}},
     {event_type::topology,
      {{"layer", Kind::integer, true},
       {"block_size", Kind::integer, true},

@@ -29,6 +29,7 @@ namespace moe {
 namespace event_type {
 inline constexpr std::string_view step = "step";
 inline constexpr std::string_view routing = "routing";
+inline constexpr std::string_view expert_load = "expert_load";
 inline constexpr std::string_view topology = "topology";
 inline constexpr std::string_view span = "span";
 inline constexpr std::string_view alltoall = "alltoall";
@@ -53,6 +54,15 @@ struct RoutingEvent {
   std::optional<int64_t> capacity{};          // C rows per expert; absent for dropless
   // Optional [genre] -> [E] counts, for data sets whose tokens carry a genre (code, prose, ...).
   std::map<std::string, std::vector<int64_t>> tokens_per_expert_by_genre{};
+};
+
+// "expert_load": where one layer's tokens went in one step of a run of R ranks, per source rank:
+// the routing trace moe_sim replays exactly (distributed/sim/routing_trace.h). A one-GPU run's
+// "routing" event is the same trace with one source.
+struct ExpertLoadEvent {
+  int64_t step = 0;
+  int64_t layer = 0;
+  std::vector<std::vector<int64_t>> tokens{};  // [R source ranks][E] routed (before any dropping)
 };
 
 // "topology": a summary of one layer's block-sparse (BCSR) topology in the dropless formulation.
@@ -124,6 +134,7 @@ struct VerdictEvent {
 };
 
 nlohmann::json to_event(const RoutingEvent& event);
+nlohmann::json to_event(const ExpertLoadEvent& event);
 nlohmann::json to_event(const TopologyEvent& event);
 nlohmann::json to_event(const SpanEvent& event);
 nlohmann::json to_event(const AllToAllEvent& event);

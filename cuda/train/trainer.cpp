@@ -348,6 +348,12 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
     top.resize(size_t(local_slots));
     if (view.size() > 1) {
       top = view.ranks()->host_all_gather(top);  // [T, K]: the ranks' tokens in token order
+      if (writer != nullptr) {  // the routing trace per source rank: rank r's tokens are the r-th T_r
+        ExpertLoadEvent load{.step = step, .layer = layer};
+        load.tokens.assign(size_t(view.size()), std::vector<int64_t>(size_t(E), 0));
+        for (size_t slot = 0; slot < top.size(); ++slot) ++load.tokens[slot / size_t(local_slots)][size_t(top[slot])];
+        writer->append(to_event(load));
+      }
       std::vector<int32_t> sent;
       for (int64_t rows : moe->rows_sent_per_rank()) sent.push_back(int32_t(rows));
       const std::vector<int32_t> rows = view.ranks()->host_all_gather(sent);  // [R source][R destination]

@@ -35,11 +35,11 @@ std::vector<int64_t> RoutingTrace::steps() const {
 }
 
 nlohmann::json expert_load_event(const BlockLoad& load) {
-  nlohmann::json rows = nlohmann::json::array();
+  ExpertLoadEvent event{.step = load.step, .layer = load.layer};
   for (int64_t s = 0; s < load.sources; ++s) {
-    rows.push_back(std::vector<int64_t>(load.tokens.begin() + s * load.experts, load.tokens.begin() + (s + 1) * load.experts));
+    event.tokens.emplace_back(load.tokens.begin() + s * load.experts, load.tokens.begin() + (s + 1) * load.experts);
   }
-  return {{"type", "expert_load"}, {"step", load.step}, {"layer", load.layer}, {"tokens", rows}};
+  return to_event(event);
 }
 
 RoutingTrace read_routing_trace(const std::filesystem::path& run_dir) {

@@ -43,8 +43,7 @@ struct RoutingTrace {
   std::vector<int64_t> steps() const;  // the distinct steps, ascending
 };
 
-// The "expert_load" event of a multi-rank run: {"type":"expert_load","step":s,"layer":l,
-// "tokens":[[...E], ... S rows]}.
+// A block's load as the "expert_load" event of a multi-rank run (common/run_events.h).
 nlohmann::json expert_load_event(const BlockLoad& load);
 
 // The trace in a run record: its expert_load events, or else its routing events. Throws

@@ -58,6 +58,7 @@ std::vector<json> sample_events() {
   events.push_back(to_event(RoutingEvent{.step = 1, .layer = 0, .tokens_per_expert = {10, 20, 30, 4},
                                          .dropped_per_expert = {0, 0, 5, 0}, .capacity = 25,
                                          .tokens_per_expert_by_genre = {{"code", {1, 2, 3, 4}}}}));
+  events.push_back(to_event(ExpertLoadEvent{.step = 1, .layer = 0, .tokens = {{6, 14, 20, 0}, {4, 6, 10, 4}}}));
   events.push_back(to_event(TopologyEvent{.step = 1, .layer = 0, .block_size = 64, .block_rows = 3,
                                           .block_cols = 2, .nnz = 6, .padding_rows = 64,
                                           .rows_per_expert = {64, 64, 64, 0}}));
@@ -237,6 +238,8 @@ TEST(RunRecord, WriterRefusesEventsTheReaderWouldReject) {
   RunWriter writer = RunWriter::create(temp.path(), sample_info());
   EXPECT_CONTAINS(error_of([&] { writer.append({{"step", 1}}); }), "no \"type\"");
   EXPECT_CONTAINS(error_of([&] { writer.append({{"type", "routing"}, {"layer", 0}}); }), "tokens_per_expert");
+  EXPECT_CONTAINS(error_of([&] { writer.append({{"type", "expert_load"}, {"layer", 0}, {"tokens", {1, 2}}}); }),
+                  "\"tokens\" must be");
   EXPECT_CONTAINS(error_of([&] { writer.append(json::array()); }), "object");
 }
 
