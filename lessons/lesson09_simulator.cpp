@@ -26,7 +26,7 @@
 #include "sim/routing_trace.h"    // read_routing_trace, parse_synthetic
 #include "sim/sim_record.h"       // SimulatedRunRecord
 #include "sim/simulate.h"         // simulate
-#include "sim/validation.h"       // validate_against_ep_bench
+#include "sim/validation.h"       // validate_against_measurements
 #include "sim/worked_example.h"   // worked_example_calibration
 
 using namespace moe;
@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
                                "ep_bench_scaling_nccl_h200x4_2026-11-26.json", "ep_bench_exchange_nccl_h200x4_2026-11-26.json"}) {
         files.push_back(std::filesystem::path(bench_dir) / name);
       }
-      const std::vector<sim::ValidationRow> rows = sim::validate_against_ep_bench(calibration, files);
+      const std::vector<sim::ValidationRow> rows = sim::validate_against_measurements(calibration, files);
       Table table("predicted against measured (ep_bench, H200s)", {"what", "R", "measured_us", "predicted_us", "error_%", "role"});
       for (const sim::ValidationRow& row : rows) {
         if (row.calibration) continue;

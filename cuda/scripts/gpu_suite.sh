@@ -454,11 +454,14 @@ calibrate() {
   #   and dispatch + combine (identity experts) at 1, 16, 64, 256 MiB: the costs without a network;
   # - R = 2: the raw all-to-all and the count exchange (the calibration's network), and the layer
   #   at 8 experts a GPU and dispatch + combine, which the simulator then predicts;
-  # - R = 4 where four GPUs exist: the same rows, predicted from the two-GPU calibration (hold-out).
+  # - R = 4 where four GPUs exist: the same rows, predicted from the two-GPU calibration (hold-out);
+  # - the language model's training step (throughput preset, 64 sequences a GPU) at R = 1 (into the
+  #   calibration), 2 and 4 (predicted).
   # The calibration and the validation table land in $OUT/sim/.
   local rc=0 gpus r files="" held=""
   local mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
   local ep=build-gpu/distributed/bench/ep_bench sim=build-gpu/distributed/sim/moe_sim
+  local two=build-gpu/distributed/train/moe_train_distributed
   local kind device
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
   [ "$gpus" -ge 2 ] || { echo "calibrate: needs 2 or more GPUs, found $gpus"; return 1; }
@@ -473,13 +476,20 @@ calibrate() {
     grep -E "^ (ep_layer|dispatch|alltoall|count)|^(PASS|FAIL)" "$LOGS/calibrate_r$r.log"
     files="$files,$OUT/sim/ep_bench_r$r.json"
   done
+  for r in 1 2 4; do
+    [ "$r" -le "$gpus" ] || break
+    "${mpirun[@]}" -np $r $two --backend nccl --preset throughput --batch $((64 * r)) --benchmark-steps 30 \
+      --benchmark-json "$OUT/sim/train_r$r.json" > "$LOGS/calibrate_train_r$r.log" 2>&1 || rc=1
+    echo "language model, R = $r: $(grep 'median step' "$LOGS/calibrate_train_r$r.log")"
+    [ "$r" -eq 1 ] || files="$files,$OUT/sim/train_r$r.json"
+  done
   device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | grep -oE 'h100|h200|a100|b200' || echo gpu)
   kind="${device}x2_$(date -u +%F)"
-  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json" \
+  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json,$OUT/sim/train_r1.json" \
     --calibration-out "$OUT/sim/calibration_$kind.json" || rc=1
   # Four-GPU runs: this machine's when it has four, else the kept ones of the same machine kind.
-  [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_scaling_nccl_h200x4_2026-11-26.json,notebooks_data/bench/ep_bench_exchange_nccl_h200x4_2026-11-26.json"
-  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json$files$held" \
+  [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_scaling_nccl_h200x4_2026-11-26.json,notebooks_data/bench/ep_bench_exchange_nccl_h200x4_2026-11-26.json,notebooks_data/bench/train_throughput_distributed_h200x4_2026-11-26.json"
+  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json$files$held" \
     --json "$OUT/sim/validation_$kind.json" | tee "$LOGS/calibrate_validation.log" || rc=1
   return $rc
 }

@@ -110,6 +110,10 @@ nlohmann::json to_json(const Calibration& c) {
   json["device_copy_gbs"] = c.device_copy_gbs;
   json["host_to_device_gbs"] = c.host_to_device_gbs;
   json["intra_node_per_peer_us"] = c.intra_node_per_peer_us;
+  if (c.language_model.measured()) {
+    json["language_model"] = {{"config", c.language_model.config}, {"step_ms", c.language_model.step_ms},
+                              {"phase_ms", c.language_model.phase_ms}, {"tokens_per_rank", c.language_model.tokens_per_rank}};
+  }
   json["inter_node"] = {{"nic_gbs", c.inter_node.nic_gbs},         {"efficiency", c.inter_node.efficiency},
                         {"latency_us", c.inter_node.latency_us},   {"per_peer_us", c.inter_node.per_peer_us},
                         {"source", c.inter_node.source}};
@@ -148,6 +152,11 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
     c.device_copy_gbs = json.value("device_copy_gbs", 0.0);
     c.host_to_device_gbs = json.value("host_to_device_gbs", 0.0);
     c.intra_node_per_peer_us = json.value("intra_node_per_peer_us", 1.0);
+    if (json.contains("language_model")) {
+      const nlohmann::json& lm = json["language_model"];
+      c.language_model = {lm.at("config"), lm.at("step_ms").get<double>(), lm.at("phase_ms").get<std::map<std::string, double>>(),
+                          lm.at("tokens_per_rank").get<int64_t>()};
+    }
     const nlohmann::json& inter = json.at("inter_node");
     c.inter_node = {inter.at("nic_gbs").get<double>(), inter.at("efficiency").get<double>(),
                     inter.at("latency_us").get<double>(), inter.at("per_peer_us").get<double>(),
@@ -184,6 +193,21 @@ Calibration load_calibration(const std::filesystem::path& path) {
   return calibration_from_json(json, path.string());
 }
 
+std::vector<std::pair<std::string, nlohmann::json>> training_benchmarks(const nlohmann::json& json) {
+  std::vector<std::pair<std::string, nlohmann::json>> out;
+  auto is_benchmark = [](const nlohmann::json& j) {
+    return j.is_object() && j.contains("phase_ms") && j["phase_ms"].is_object() && j.contains("config") && j.contains("median_step_ms");
+  };
+  if (is_benchmark(json)) {
+    out.emplace_back("", json);
+  } else if (json.is_object()) {
+    for (const auto& [name, member] : json.items()) {
+      if (is_benchmark(member)) out.emplace_back(name, member);
+    }
+  }
+  return out;
+}
+
 Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& files, const std::string& made_by) {
   Calibration c;
   c.made_by = made_by;
@@ -206,6 +230,13 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
       runs.push_back(json);
     }
     bool used = false;
+    for (const auto& [name, run] : training_benchmarks(json)) {  // the language model on one GPU
+      if (run.value("ranks", int64_t{0}) != 1) continue;
+      const nlohmann::json& config = run.at("config");
+      c.language_model = {config, run.value("median_step_ms", 0.0), run.at("phase_ms").get<std::map<std::string, double>>(),
+                          config.value("batch", int64_t{0}) * config.value("seq_len", int64_t{0})};
+      used = true;
+    }
     for (const nlohmann::json& run : runs) {
       bool run_used = false;
       if (run.value("benchmark", "") != "ep_bench" || !run.contains("rows")) continue;
@@ -246,7 +277,10 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
       if (run_used) c.gpus_measured = std::max(c.gpus_measured, R);
       used = used || run_used;
     }
-    if (!used) refuse(source, "no ep_bench row moe_sim calibrates from (the layer's d rows at R = 1, alltoall or count_exchange at R >= 2, dispatch+combine at R = 1)");
+    if (!used) {
+      refuse(source, "no ep_bench row moe_sim calibrates from (the layer's d rows at R = 1, alltoall or count_exchange at R >= 2, "
+                     "dispatch+combine at R = 1) and no training benchmark of one rank");
+    }
     c.sources.push_back(path.filename().string());
   }
   for (auto& [R, curve] : curves) c.all_to_all.push_back({R, sorted(curve)});

@@ -52,6 +52,16 @@ struct LayerShape {
   int64_t block_size = 128;     // B
 };
 
+// The language model's training step on one GPU (moe_train_distributed --benchmark-json at R = 1):
+// its phases, from which lm_step.h predicts the step on R GPUs.
+struct LanguageModelStep {
+  nlohmann::json config;                 // the run's settings (model_dim, num_layers, num_experts, ...)
+  double step_ms = 0;                    // median
+  std::map<std::string, double> phase_ms;
+  int64_t tokens_per_rank = 0;           // batch x seq_len
+  bool measured() const { return step_ms > 0; }
+};
+
 // What one GPU's NIC gives an all-to-all between nodes, from published figures.
 struct InterNode {
   double nic_gbs = 50.0;         // GB/s a GPU, each way: 400 Gb/s NDR InfiniBand, one NIC a GPU
@@ -78,6 +88,7 @@ struct Calibration {
   double host_to_device_gbs = 0;   // pinned (0: not measured)
   double intra_node_per_peer_us = 1.0;  // what each further NVLink peer adds to a small all-to-all
   InterNode inter_node;
+  LanguageModelStep language_model;     // not measured: step_ms = 0
 
   // Drops every all-to-all and count-exchange figure measured at more than max_ranks: the
   // hold-out of the validation (calibrate on two GPUs, predict four).
@@ -92,8 +103,13 @@ Calibration load_calibration(const std::filesystem::path& path);
 
 // `moe_sim calibrate`: a calibration from ep_bench's --out files. Each file holds one ep_bench run
 // ({"rows": ...}) or several ({"runs": [...]}); runs at R = 1 give the layer (and dispatch +
-// combine), runs at R > 1 the all-to-all curve and count exchange. Throws std::invalid_argument
+// combine), runs at R > 1 the all-to-all curve and count exchange. A moe_train_distributed
+// --benchmark-json file of one rank gives the language model's step. Throws std::invalid_argument
 // naming the file when nothing usable is in it or when devices differ.
 Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& files, const std::string& made_by);
+
+// The training benchmarks in a file: a moe_train(_distributed) --benchmark-json object, or an object
+// whose members are such objects (several runs of one call). Each has "phase_ms" and "config".
+std::vector<std::pair<std::string, nlohmann::json>> training_benchmarks(const nlohmann::json& json);
 
 }  // namespace moe::sim

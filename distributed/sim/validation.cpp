@@ -10,6 +10,7 @@
 
 #include "parse_number.h"    // parse_integer
 #include "sim/cost_model.h"  // CostModel
+#include "sim/lm_step.h"     // predict_language_model_step
 #include "sim/simulate.h"    // simulate
 
 namespace moe::sim {
@@ -58,7 +59,7 @@ LayerSpec layer_of(const nlohmann::json& run) {
 
 }  // namespace
 
-std::vector<ValidationRow> validate_against_ep_bench(const Calibration& calibration,
+std::vector<ValidationRow> validate_against_measurements(const Calibration& calibration,
                                                      const std::vector<std::filesystem::path>& files) {
   std::vector<ValidationRow> rows;
   for (const std::filesystem::path& path : files) {
@@ -77,6 +78,24 @@ std::vector<ValidationRow> validate_against_ep_bench(const Calibration& calibrat
       runs.push_back(json);
     }
     bool any = false;
+    for (const auto& [name, run] : training_benchmarks(json)) {
+      // The language model's step: predicted where the calibration holds the same model on one GPU
+      // with as many tokens a GPU.
+      const int64_t R = run.value("ranks", int64_t{1});
+      const LanguageModelStep& one = calibration.language_model;
+      if (!one.measured() || R < 1 || run.value("tokens_per_step", int64_t{0}) != one.tokens_per_rank * R) continue;
+      ValidationRow out;
+      out.what = "language model step";
+      out.ranks = R;
+      out.file = path.filename().string();
+      out.device_date = run.value("device", "") + ", " + run.value("date", "").substr(0, 10);
+      out.measured_us = 1e3 * run.value("median_step_ms", 0.0);
+      out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}).step_ms;
+      out.calibration = R == 1;
+      out.held_out = R > calibration.gpus_measured;
+      if (out.measured_us > 0) rows.push_back(out);
+      any = true;
+    }
     for (const nlohmann::json& run : runs) {
       if (run.value("benchmark", "") != "ep_bench" || !run.contains("rows")) continue;
       const int64_t R = run.value("ranks", int64_t{1});
@@ -124,7 +143,10 @@ std::vector<ValidationRow> validate_against_ep_bench(const Calibration& calibrat
         any = true;
       }
     }
-    if (!any) throw std::invalid_argument("--validate " + path.string() + ": no ep_bench row to predict (ep_layer d=N, alltoall, dispatch+combine)");
+    if (!any) {
+      throw std::invalid_argument("--validate " + path.string() + ": nothing to predict (ep_bench's ep_layer d=N, alltoall, dispatch+combine "
+                                  "rows, or a training benchmark of the model the calibration holds)");
+    }
   }
   return rows;
 }

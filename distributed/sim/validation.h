@@ -1,6 +1,7 @@
 // sim/validation.h: the simulator against what was measured. Each row of an ep_bench file (the
-// layer's step at pipelining degree d, the raw all-to-all, dispatch + combine) is predicted from
-// the calibration alone and set beside the measurement.
+// layer's step at pipelining degree d, the raw all-to-all, dispatch + combine) and each training
+// benchmark of the language model (moe_train_distributed --benchmark-json, lm_step.h) is predicted
+// from the calibration alone and set beside the measurement.
 //
 // A row the calibration was made from is marked "calibration" (the one-GPU layer, the all-to-all
 // curve's own points) and left out of the error summary. A row at more ranks than the calibration
@@ -30,8 +31,9 @@ struct ValidationRow {
   double error() const { return (predicted_us - measured_us) / measured_us; }
 };
 
-// Throws std::invalid_argument naming a file that is not ep_bench output.
-std::vector<ValidationRow> validate_against_ep_bench(const Calibration& calibration,
+// Throws std::invalid_argument naming a file that holds neither ep_bench rows nor a training
+// benchmark.
+std::vector<ValidationRow> validate_against_measurements(const Calibration& calibration,
                                                      const std::vector<std::filesystem::path>& files);
 
 struct ValidationSummary {

@@ -18,6 +18,7 @@
 #include "sim/cluster.h"
 #include "sim/cost_model.h"
 #include "sim/layer_step.h"
+#include "sim/lm_step.h"
 #include "sim/routing_trace.h"
 #include "sim/simulate.h"
 #include "sim/step_load.h"
@@ -354,7 +355,7 @@ TEST(SimCalibration, CalibratesFromEpBenchAndValidatesAgainstIt) {
 
   // Calibrated on R <= 2: the R = 2 layer row is predicted (938 us by hand, against 940), the
   // R = 2 all-to-all rows are the calibration's own, the R = 4 row is a hold-out.
-  const std::vector<ValidationRow> rows = validate_against_ep_bench(c.limited_to(2), {dir / "one.json", dir / "runs.json"});
+  const std::vector<ValidationRow> rows = validate_against_measurements(c.limited_to(2), {dir / "one.json", dir / "runs.json"});
   ASSERT_EQ(rows.size(), 6u);
   const ValidationRow& layer = rows[4];
   EXPECT_EQ(layer.what, "ep_layer d=1");
@@ -367,8 +368,32 @@ TEST(SimCalibration, CalibratesFromEpBenchAndValidatesAgainstIt) {
   const ValidationSummary summary = summarize(rows);
   EXPECT_EQ(summary.rows, 2);
   EXPECT_EQ(summary.held_out_rows, 1);
-  EXPECT_THROW(validate_against_ep_bench(c, {dir / "other.json"}), std::invalid_argument);
+  EXPECT_THROW(validate_against_measurements(c, {dir / "other.json"}), std::invalid_argument);
   std::filesystem::remove_all(dir);
+}
+
+TEST(SimLanguageModel, TheStepOnTwoGpusSwapsTheLocalExchangesForTheClusters) {
+  // One MoE block of the worked example's layer (D = 100, H = 200, E = 2, K = 1, 1000 tokens a
+  // GPU): on two GPUs its count exchange (7 us) and four all-to-alls of 500 rows (10 us each) add
+  // 47 us; the one-GPU run's local exchanges (0.3 ms) and optimizer go; the optimizer comes back for
+  // the rank's parameters (one of the two experts) and the dense gradients are all-reduced (below
+  // the curve's first point: 10 us).
+  Calibration c = hand_calibration();
+  c.language_model.config = {{"model_dim", 100}, {"num_layers", 1},       {"num_heads", 4}, {"seq_len", 10},
+                             {"num_experts", 2}, {"top_k", 1},            {"expert_hidden_dim", 200},
+                             {"block_size", 1},  {"dense_hidden_dim", 64}, {"batch", 100}};
+  c.language_model.step_ms = 10;
+  c.language_model.phase_ms = {{"attention", 2}, {"moe/ep_dispatch", 0.1}, {"moe/ep_combine_exchange", 0.1},
+                               {"moe/ep_count_exchange", 0.1}, {"optimizer", 1.0}};
+  c.language_model.tokens_per_rank = 1000;
+  const LanguageModelPrediction two = predict_language_model_step(c, Cluster{1, 2});
+  EXPECT_NEAR(two.exchanges_ms, 0.047, 1e-12);
+  EXPECT_NEAR(two.all_reduce_ms, 0.010, 1e-12);
+  EXPECT_GT(two.optimizer_ms, 0.5);  // the two experts are most of the parameters
+  EXPECT_LT(two.optimizer_ms, 1.0);
+  EXPECT_NEAR(two.step_ms, 10 - 0.3 - 1.0 + two.exchanges_ms + two.optimizer_ms + two.all_reduce_ms, 1e-12);
+  c.language_model = {};
+  EXPECT_THROW(predict_language_model_step(c, Cluster{1, 2}), std::invalid_argument);
 }
 
 TEST(SimSimulate, AThousandRanksAHundredStepsStayCheap) {

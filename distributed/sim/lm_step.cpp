@@ -1,0 +1,84 @@
+// sim/lm_step.cpp: the language model's step on R GPUs from its step on one (lm_step.h).
+#include "sim/lm_step.h"
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "model_config.h"      // ModelConfig, is_moe_block
+#include "parameter_layout.h"  // parameter_layout
+#include "sim/cost_model.h"    // CostModel
+#include "sim/step_load.h"     // step_load_from_shares
+
+namespace moe::sim {
+
+namespace {
+
+// The settings a benchmark JSON records, as the model they describe.
+ModelConfig model_of(const nlohmann::json& config) {
+  ModelConfig m;
+  m.model_dim = config.at("model_dim").get<int64_t>();
+  m.num_layers = config.at("num_layers").get<int64_t>();
+  m.num_heads = config.at("num_heads").get<int64_t>();
+  m.seq_len = config.at("seq_len").get<int64_t>();
+  m.dense_hidden_dim = config.value("dense_hidden_dim", m.dense_hidden_dim);
+  m.num_experts = config.at("num_experts").get<int64_t>();
+  m.top_k = config.at("top_k").get<int64_t>();
+  m.expert_hidden_dim = config.at("expert_hidden_dim").get<int64_t>();
+  m.block_size = config.value("block_size", m.block_size);
+  m.activation = parse_activation(config.value("activation", std::string("gelu")));
+  m.moe_layers = parse_moe_layers(config.value("moe_layers", std::string("every_block")));
+  return m;
+}
+
+bool is_local_exchange(const std::string& phase) {
+  for (const char* name : {"ep_dispatch", "ep_combine_exchange", "ep_count_exchange", "gradient_all_reduce"}) {
+    if (phase.find(name) != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+LanguageModelPrediction predict_language_model_step(const Calibration& calibration, const Cluster& cluster) {
+  const LanguageModelStep& one = calibration.language_model;
+  if (!one.measured()) throw std::invalid_argument("the calibration holds no language model step (calibrate from moe_train_distributed --benchmark-json at one rank)");
+  const ModelConfig model = model_of(one.config);
+  const int64_t R = cluster.ranks();
+  int64_t moe_blocks = 0;
+  for (int64_t layer = 0; layer < model.num_layers; ++layer) moe_blocks += is_moe_block(model, layer) ? 1 : 0;
+  double expert_parameters = 0, other_parameters = 0;
+  for (const ParameterInfo& p : parameter_layout(model)) (p.expert >= 0 ? expert_parameters : other_parameters) += static_cast<double>(p.rows * p.cols);
+
+  // The one-GPU step without what the cluster replaces.
+  double local = 0, optimizer_one = 0;
+  for (const auto& [phase, ms] : one.phase_ms) {
+    if (is_local_exchange(phase)) local += ms;
+    if (phase == "optimizer") optimizer_one = ms;
+  }
+  LanguageModelPrediction out;
+  const double rest = one.step_ms - local - optimizer_one;
+
+  LayerSpec layer;
+  layer.tokens_per_rank = one.tokens_per_rank;
+  layer.model_dim = model.model_dim;
+  layer.hidden_dim = model.expert_hidden_dim;
+  layer.experts = model.num_experts;
+  layer.top_k = model.top_k;
+  layer.block_size = model.block_size;
+  const CostModel cost(calibration, cluster, layer);
+  const std::vector<double> uniform(static_cast<size_t>(layer.experts), 1.0 / static_cast<double>(layer.experts));
+  const StepLoad load = step_load_from_shares(uniform, R, static_cast<double>(layer.tokens_per_rank * layer.top_k));
+  const double block_us = cost.count_exchange_us() + 2 * (cost.all_to_all_us(load, 1.0, false) + cost.all_to_all_us(load, 1.0, true));
+  out.exchanges_ms = static_cast<double>(moe_blocks) * block_us / 1e3;
+  out.optimizer_ms = optimizer_one * (other_parameters + expert_parameters / static_cast<double>(R)) / (other_parameters + expert_parameters);
+  if (R > 1) {
+    const double bytes = 2.0 * static_cast<double>(R - 1) / static_cast<double>(R) * other_parameters * 4;  // fp32 gradients
+    const int64_t G = std::min(cluster.gpus_per_node, R);
+    out.all_reduce_ms = std::max(cost.intra_node_us(bytes, G - 1), cost.inter_node_us(cluster.nodes > 1 ? bytes : 0, cluster.nodes - 1)) / 1e3;
+  }
+  out.step_ms = rest + out.exchanges_ms + out.optimizer_ms + out.all_reduce_ms;
+  return out;
+}
+
+}  // namespace moe::sim
