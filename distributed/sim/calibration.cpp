@@ -181,16 +181,24 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
   return c;
 }
 
-Calibration load_calibration(const std::filesystem::path& path) {
+nlohmann::json read_json_file(const std::filesystem::path& path, const std::string& flag) {
+  const std::string where = flag.empty() ? path.string() : flag + " " + path.string();
   std::ifstream in(path);
-  if (!in) throw std::invalid_argument(path.string() + ": cannot be read");
-  nlohmann::json json;
+  if (!in) throw std::invalid_argument(where + ": cannot be read");
   try {
-    json = nlohmann::json::parse(in);
+    return nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& error) {
-    refuse(path.string(), std::string("not JSON: ") + error.what());
+    refuse(where, std::string("not JSON: ") + error.what());
   }
-  return calibration_from_json(json, path.string());
+}
+
+std::vector<nlohmann::json> ep_bench_runs(const nlohmann::json& json) {
+  if (json.contains("runs") && json["runs"].is_array()) return json["runs"].get<std::vector<nlohmann::json>>();
+  return {json};
+}
+
+Calibration load_calibration(const std::filesystem::path& path) {
+  return calibration_from_json(read_json_file(path, ""), path.string());
 }
 
 std::vector<std::pair<std::string, nlohmann::json>> training_benchmarks(const nlohmann::json& json) {
@@ -215,20 +223,8 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
   Curve dispatch_combine;
   for (const std::filesystem::path& path : files) {
     const std::string source = path.string();
-    std::ifstream in(path);
-    if (!in) throw std::invalid_argument(source + ": cannot be read");
-    nlohmann::json json;
-    try {
-      json = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception& error) {
-      refuse(source, std::string("not JSON: ") + error.what());
-    }
-    std::vector<nlohmann::json> runs;
-    if (json.contains("runs") && json["runs"].is_array()) {
-      for (const nlohmann::json& run : json["runs"]) runs.push_back(run);
-    } else {
-      runs.push_back(json);
-    }
+    const nlohmann::json json = read_json_file(path, "");
+    const std::vector<nlohmann::json> runs = ep_bench_runs(json);
     bool used = false;
     for (const auto& [name, run] : training_benchmarks(json)) {  // the language model on one GPU
       if (run.value("ranks", int64_t{0}) != 1) continue;

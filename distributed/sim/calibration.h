@@ -108,6 +108,13 @@ Calibration load_calibration(const std::filesystem::path& path);
 // naming the file when nothing usable is in it or when devices differ.
 Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& files, const std::string& made_by);
 
+// A JSON file whole; std::invalid_argument "WHERE: cannot be read" / "WHERE: not JSON: ..." where
+// WHERE is `flag path` (or the path alone when flag is empty).
+nlohmann::json read_json_file(const std::filesystem::path& path, const std::string& flag);
+
+// The ep_bench runs in a file: {"runs": [...]} holds several, any other object is one.
+std::vector<nlohmann::json> ep_bench_runs(const nlohmann::json& json);
+
 // The training benchmarks in a file: a moe_train(_distributed) --benchmark-json object, or an object
 // whose members are such objects (several runs of one call). Each has "phase_ms" and "config".
 std::vector<std::pair<std::string, nlohmann::json>> training_benchmarks(const nlohmann::json& json);

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <stdexcept>
 
 #include <nlohmann/json.hpp>
@@ -63,20 +62,8 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
                                                      const std::vector<std::filesystem::path>& files) {
   std::vector<ValidationRow> rows;
   for (const std::filesystem::path& path : files) {
-    std::ifstream in(path);
-    if (!in) throw std::invalid_argument("--validate " + path.string() + ": cannot be read");
-    nlohmann::json json;
-    try {
-      json = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception& error) {
-      throw std::invalid_argument("--validate " + path.string() + ": not JSON: " + error.what());
-    }
-    std::vector<nlohmann::json> runs;
-    if (json.contains("runs") && json["runs"].is_array()) {
-      for (const nlohmann::json& run : json["runs"]) runs.push_back(run);
-    } else {
-      runs.push_back(json);
-    }
+    const nlohmann::json json = read_json_file(path, "--validate");
+    const std::vector<nlohmann::json> runs = ep_bench_runs(json);
     bool any = false;
     for (const auto& [name, run] : training_benchmarks(json)) {
       // The language model's step: predicted where the calibration holds the same model on one GPU
