@@ -469,6 +469,13 @@ calibrate() {
   "${mpirun[@]}" -np 1 $ep --backend nccl --only layer,dispatch --layer 16384,2048,8192,8,2 --pipeline-chunks 1,2,4 \
     --out "$OUT/sim/ep_bench_r1.json" > "$LOGS/calibrate_r1.log" 2>&1 || rc=1
   grep -E "^ (ep_layer|dispatch)|^(PASS|FAIL)" "$LOGS/calibrate_r1.log"
+  # The layer at the language model's MoE shape (throughput preset: D=512 H=1024 E=16 K=2), on one
+  # GPU (into the calibration) and on two (predicted).
+  for r in 1 2; do
+    "${mpirun[@]}" -np $r $ep --backend nccl --only layer --layer 16384,512,1024,16,2 --pipeline-chunks 1,2 \
+      --out "$OUT/sim/ep_bench_lm_layer_r$r.json" > "$LOGS/calibrate_lm_layer_r$r.log" 2>&1 || rc=1
+    grep -E "^ ep_layer|^(PASS|FAIL)" "$LOGS/calibrate_lm_layer_r$r.log"
+  done
   for r in 2 4; do
     [ "$r" -le "$gpus" ] || break
     "${mpirun[@]}" -np $r $ep --backend nccl --only alltoall,count,dispatch,layer --layer 16384,2048,8192,$((8 * r)),2 \
@@ -485,11 +492,11 @@ calibrate() {
   done
   device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | grep -oE 'h100|h200|a100|b200' || echo gpu)
   kind="${device}x2_$(date -u +%F)"
-  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json,$OUT/sim/train_r1.json" \
+  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json" \
     --calibration-out "$OUT/sim/calibration_$kind.json" || rc=1
   # Four-GPU runs: this machine's when it has four, else the kept ones of the same machine kind.
   [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_scaling_nccl_h200x4_2026-11-26.json,notebooks_data/bench/ep_bench_exchange_nccl_h200x4_2026-11-26.json,notebooks_data/bench/train_throughput_distributed_h200x4_2026-11-26.json"
-  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json$files$held" \
+  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json,$OUT/sim/ep_bench_lm_layer_r2.json$files$held" \
     --json "$OUT/sim/validation_$kind.json" | tee "$LOGS/calibrate_validation.log" || rc=1
   return $rc
 }

@@ -51,6 +51,30 @@ Curve sorted(Curve curve) {
   return out;
 }
 
+nlohmann::json shape_json(const LayerShape& s) {
+  return {{"tokens_per_rank", s.tokens_per_rank}, {"model_dim", s.model_dim}, {"hidden_dim", s.hidden_dim},
+          {"experts", s.experts},                 {"top_k", s.top_k},         {"block_size", s.block_size}};
+}
+
+LayerShape shape_from(const nlohmann::json& j) {
+  return {j.at("tokens_per_rank").get<int64_t>(), j.at("model_dim").get<int64_t>(), j.at("hidden_dim").get<int64_t>(),
+          j.at("experts").get<int64_t>(),         j.at("top_k").get<int64_t>(),     j.value("block_size", int64_t{128})};
+}
+
+nlohmann::json layer_json(const LayerCalibration& layer) {
+  nlohmann::json steps = nlohmann::json::object(), phases = nlohmann::json::object();
+  for (const auto& [d, us] : layer.step_us) steps[std::to_string(d)] = us;
+  for (const auto& [d, by_name] : layer.phases_us) phases[std::to_string(d)] = by_name;
+  return {{"shape", shape_json(layer.shape)}, {"step_us", steps}, {"phases_us", phases}};
+}
+
+LayerCalibration layer_from(const nlohmann::json& shape, const nlohmann::json& steps, const nlohmann::json& phases) {
+  LayerCalibration layer{shape_from(shape), {}, {}};
+  for (const auto& [d, us] : steps.items()) layer.step_us[parse_integer(d).value_or(0)] = us.get<double>();
+  for (const auto& [d, by_name] : phases.items()) layer.phases_us[parse_integer(d).value_or(0)] = by_name.get<std::map<std::string, double>>();
+  return layer;
+}
+
 }  // namespace
 
 double Curve::at(double bytes) const {
@@ -64,6 +88,15 @@ double Curve::at(double bytes) const {
   while (i + 1 < time_us.size() && bytes > bytes_per_rank[i]) ++i;
   const double x0 = bytes_per_rank[i - 1], x1 = bytes_per_rank[i], y0 = time_us[i - 1], y1 = time_us[i];
   return y0 + (y1 - y0) * (bytes - x0) / (x1 - x0);  // beyond the last point: the last segment's rate
+}
+
+Calibration Calibration::at_language_model_layer() const {
+  if (!language_model.layer.measured()) throw std::invalid_argument("the calibration has no expert-parallel layer at the language model's shape");
+  Calibration out = *this;
+  out.layer = language_model.layer.shape;
+  out.layer_step_us = language_model.layer.step_us;
+  out.layer_phases_us = language_model.layer.phases_us;
+  return out;
 }
 
 Calibration Calibration::limited_to(int64_t max_ranks) const {
@@ -89,14 +122,10 @@ nlohmann::json to_json(const Calibration& c) {
   json["gpus_measured"] = c.gpus_measured;
   json["made_by"] = c.made_by;
   json["sources"] = c.sources;
-  json["layer"] = {{"tokens_per_rank", c.layer.tokens_per_rank}, {"model_dim", c.layer.model_dim},
-                   {"hidden_dim", c.layer.hidden_dim},           {"experts", c.layer.experts},
-                   {"top_k", c.layer.top_k},                     {"block_size", c.layer.block_size}};
-  nlohmann::json steps = nlohmann::json::object(), phases = nlohmann::json::object();
-  for (const auto& [d, us] : c.layer_step_us) steps[std::to_string(d)] = us;
-  for (const auto& [d, by_name] : c.layer_phases_us) phases[std::to_string(d)] = by_name;
-  json["layer_step_us"] = steps;
-  json["layer_phases_us"] = phases;
+  const nlohmann::json layer = layer_json({c.layer, c.layer_step_us, c.layer_phases_us});
+  json["layer"] = layer["shape"];
+  json["layer_step_us"] = layer["step_us"];
+  json["layer_phases_us"] = layer["phases_us"];
   json["all_to_all"] = nlohmann::json::array();
   for (const AllToAllCurve& a : c.all_to_all) {
     nlohmann::json entry = curve_json(a.curve);
@@ -113,6 +142,7 @@ nlohmann::json to_json(const Calibration& c) {
   if (c.language_model.measured()) {
     json["language_model"] = {{"config", c.language_model.config}, {"step_ms", c.language_model.step_ms},
                               {"phase_ms", c.language_model.phase_ms}, {"tokens_per_rank", c.language_model.tokens_per_rank}};
+    if (c.language_model.layer.measured()) json["language_model"]["layer"] = layer_json(c.language_model.layer);
   }
   json["inter_node"] = {{"nic_gbs", c.inter_node.nic_gbs},         {"efficiency", c.inter_node.efficiency},
                         {"latency_us", c.inter_node.latency_us},   {"per_peer_us", c.inter_node.per_peer_us},
@@ -133,14 +163,10 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
     c.gpus_measured = json.at("gpus_measured").get<int64_t>();
     c.made_by = json.value("made_by", "");
     c.sources = json.value("sources", std::vector<std::string>{});
-    const nlohmann::json& layer = json.at("layer");
-    c.layer = {layer.at("tokens_per_rank").get<int64_t>(), layer.at("model_dim").get<int64_t>(),
-               layer.at("hidden_dim").get<int64_t>(),      layer.at("experts").get<int64_t>(),
-               layer.at("top_k").get<int64_t>(),           layer.value("block_size", int64_t{128})};
-    for (const auto& [d, us] : json.at("layer_step_us").items()) c.layer_step_us[parse_integer(d).value_or(0)] = us.get<double>();
-    for (const auto& [d, by_name] : json.at("layer_phases_us").items()) {
-      c.layer_phases_us[parse_integer(d).value_or(0)] = by_name.get<std::map<std::string, double>>();
-    }
+    const LayerCalibration layer = layer_from(json.at("layer"), json.at("layer_step_us"), json.at("layer_phases_us"));
+    c.layer = layer.shape;
+    c.layer_step_us = layer.step_us;
+    c.layer_phases_us = layer.phases_us;
     for (const nlohmann::json& entry : json.at("all_to_all")) {
       c.all_to_all.push_back({entry.at("ranks").get<int64_t>(), curve_from(entry, source, "all_to_all")});
     }
@@ -155,7 +181,11 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
     if (json.contains("language_model")) {
       const nlohmann::json& lm = json["language_model"];
       c.language_model = {lm.at("config"), lm.at("step_ms").get<double>(), lm.at("phase_ms").get<std::map<std::string, double>>(),
-                          lm.at("tokens_per_rank").get<int64_t>()};
+                          lm.at("tokens_per_rank").get<int64_t>(), {}};
+      if (lm.contains("layer")) {
+        const nlohmann::json& l = lm["layer"];
+        c.language_model.layer = layer_from(l.at("shape"), l.at("step_us"), l.at("phases_us"));
+      }
     }
     const nlohmann::json& inter = json.at("inter_node");
     c.inter_node = {inter.at("nic_gbs").get<double>(), inter.at("efficiency").get<double>(),
@@ -221,6 +251,7 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
   c.made_by = made_by;
   std::map<int64_t, Curve> curves;  // [R]
   Curve dispatch_combine;
+  std::vector<LayerCalibration> one_gpu_layers;  // each R = 1 layer run
   for (const std::filesystem::path& path : files) {
     const std::string source = path.string();
     const nlohmann::json json = read_json_file(path, "");
@@ -230,11 +261,11 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
       if (run.value("ranks", int64_t{0}) != 1) continue;
       const nlohmann::json& config = run.at("config");
       c.language_model = {config, run.value("median_step_ms", 0.0), run.at("phase_ms").get<std::map<std::string, double>>(),
-                          config.value("batch", int64_t{0}) * config.value("seq_len", int64_t{0})};
+                          config.value("batch", int64_t{0}) * config.value("seq_len", int64_t{0}), {}};
       used = true;
     }
     for (const nlohmann::json& run : runs) {
-      bool run_used = false;
+      bool run_used = false, layer_started = false;
       if (run.value("benchmark", "") != "ep_bench" || !run.contains("rows")) continue;
       const int64_t R = run.value("ranks", int64_t{0});
       const std::string device = run.value("device", "");
@@ -247,12 +278,11 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
         if (R == 1 && variant.rfind("ep_layer d=", 0) == 0) {
           const int64_t d = parse_integer(variant.substr(11)).value_or(0);
           if (d < 1) continue;
-          const nlohmann::json& layer = run.at("layer");
-          c.layer = {layer.at("tokens_per_rank").get<int64_t>(), layer.at("model_dim").get<int64_t>(),
-                     layer.at("hidden_dim").get<int64_t>(),      layer.at("experts").get<int64_t>(),
-                     layer.at("top_k").get<int64_t>(),           layer.value("block_size", int64_t{128})};
-          c.layer_step_us[d] = us;
-          std::map<std::string, double>& phases = c.layer_phases_us[d];
+          if (!layer_started) one_gpu_layers.push_back({shape_from(run.at("layer")), {}, {}});
+          layer_started = true;
+          LayerCalibration& layer = one_gpu_layers.back();
+          layer.step_us[d] = us;
+          std::map<std::string, double>& phases = layer.phases_us[d];
           phases.clear();
           const nlohmann::json timed = row.value("phases_rank0", nlohmann::json::object());
           for (const auto& [name, phase] : timed.items()) phases[name] = phase.value("median_us", 0.0);
@@ -278,6 +308,20 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
                      "dispatch+combine at R = 1) and no training benchmark of one rank");
     }
     c.sources.push_back(path.filename().string());
+  }
+  // The R = 1 layers: the one at the language model's D and H (when there is a model) is its layer;
+  // the first other one is the calibration's layer.
+  for (const LayerCalibration& layer : one_gpu_layers) {
+    const nlohmann::json& model = c.language_model.config;
+    const bool of_model = c.language_model.measured() && layer.shape.model_dim == model.value("model_dim", int64_t{0}) &&
+                          layer.shape.hidden_dim == model.value("expert_hidden_dim", int64_t{0});
+    if (of_model) {
+      c.language_model.layer = layer;
+    } else if (c.layer_step_us.empty()) {
+      c.layer = layer.shape;
+      c.layer_step_us = layer.step_us;
+      c.layer_phases_us = layer.phases_us;
+    }
   }
   for (auto& [R, curve] : curves) c.all_to_all.push_back({R, sorted(curve)});
   if (!dispatch_combine.time_us.empty()) c.dispatch_combine_one_gpu = sorted(dispatch_combine);

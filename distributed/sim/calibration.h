@@ -52,13 +52,24 @@ struct LayerShape {
   int64_t block_size = 128;     // B
 };
 
+// The expert-parallel layer's step on one GPU at one shape (ep_bench --only layer at R = 1).
+struct LayerCalibration {
+  LayerShape shape;
+  std::map<int64_t, double> step_us;                          // [d]
+  std::map<int64_t, std::map<std::string, double>> phases_us;  // [d][phase]
+  bool measured() const { return !step_us.empty(); }
+};
+
 // The language model's training step on one GPU (moe_train_distributed --benchmark-json at R = 1):
-// its phases, from which lm_step.h predicts the step on R GPUs.
+// its phases, from which lm_step.h predicts the step on R GPUs; and, when measured, the
+// expert-parallel layer on one GPU at the model's MoE shape (on one rank the trainer runs the
+// single-GPU MoE path instead, whose kernels differ).
 struct LanguageModelStep {
   nlohmann::json config;                 // the run's settings (model_dim, num_layers, num_experts, ...)
   double step_ms = 0;                    // median
   std::map<std::string, double> phase_ms;
   int64_t tokens_per_rank = 0;           // batch x seq_len
+  LayerCalibration layer;                // the expert-parallel layer at D, H, E, K of the model
   bool measured() const { return step_ms > 0; }
 };
 
@@ -93,6 +104,8 @@ struct Calibration {
   // Drops every all-to-all and count-exchange figure measured at more than max_ranks: the
   // hold-out of the validation (calibrate on two GPUs, predict four).
   Calibration limited_to(int64_t max_ranks) const;
+  // The same calibration with the language model's layer as the layer (lm_step.h).
+  Calibration at_language_model_layer() const;
 };
 
 nlohmann::json to_json(const Calibration& calibration);

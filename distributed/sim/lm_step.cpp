@@ -8,7 +8,9 @@
 #include "model_config.h"      // ModelConfig, is_moe_block
 #include "parameter_layout.h"  // parameter_layout
 #include "sim/cost_model.h"    // CostModel
+#include "sim/layer_step.h"    // issue_layer_step
 #include "sim/step_load.h"     // step_load_from_shares
+#include "sim/timeline.h"      // Timeline
 
 namespace moe::sim {
 
@@ -50,15 +52,6 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
   double expert_parameters = 0, other_parameters = 0;
   for (const ParameterInfo& p : parameter_layout(model)) (p.expert >= 0 ? expert_parameters : other_parameters) += static_cast<double>(p.rows * p.cols);
 
-  // The one-GPU step without what the cluster replaces.
-  double local = 0, optimizer_one = 0;
-  for (const auto& [phase, ms] : one.phase_ms) {
-    if (is_local_exchange(phase)) local += ms;
-    if (phase == "optimizer") optimizer_one = ms;
-  }
-  LanguageModelPrediction out;
-  const double rest = one.step_ms - local - optimizer_one;
-
   LayerSpec layer;
   layer.tokens_per_rank = one.tokens_per_rank;
   layer.model_dim = model.model_dim;
@@ -66,18 +59,42 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
   layer.experts = model.num_experts;
   layer.top_k = model.top_k;
   layer.block_size = model.block_size;
-  const CostModel cost(calibration, cluster, layer);
   const std::vector<double> uniform(static_cast<size_t>(layer.experts), 1.0 / static_cast<double>(layer.experts));
   const StepLoad load = step_load_from_shares(uniform, R, static_cast<double>(layer.tokens_per_rank * layer.top_k));
-  const double block_us = cost.count_exchange_us() + 2 * (cost.all_to_all_us(load, 1.0, false) + cost.all_to_all_us(load, 1.0, true));
-  out.exchanges_ms = static_cast<double>(moe_blocks) * block_us / 1e3;
+  double optimizer_one = 0, moe_one = 0, local = 0;
+  for (const auto& [phase, ms] : one.phase_ms) {
+    if (phase == "optimizer") optimizer_one = ms;
+    if (phase == "moe" || phase == "backward_moe") moe_one += ms;
+    if (is_local_exchange(phase)) local += ms;
+  }
+  LanguageModelPrediction out;
+  double rest = 0;
+  if (one.layer.measured()) {
+    // The expert-parallel layer at the model's shape, measured on one GPU: each MoE block is that
+    // layer's step on the cluster (its SGD left to the model's optimizer) in place of the one-GPU
+    // run's MoE path.
+    const Calibration at_layer = calibration.at_language_model_layer();
+    const CostModel cost(at_layer, cluster, layer);
+    Timeline timeline(R);
+    issue_layer_step(timeline, cost, load);
+    const double block_ms = (timeline.finish_step() - cost.sgd_us()) / 1e3;
+    rest = one.step_ms - moe_one - optimizer_one;
+    out.moe_ms = static_cast<double>(moe_blocks) * block_ms;
+  } else {
+    // Without it: the one-GPU run's MoE path stays, its local exchanges swapped for the cluster's.
+    const CostModel cost(calibration, cluster, layer);
+    const double block_us = cost.count_exchange_us() + 2 * (cost.all_to_all_us(load, 1.0, false) + cost.all_to_all_us(load, 1.0, true));
+    rest = one.step_ms - local - optimizer_one;
+    out.moe_ms = static_cast<double>(moe_blocks) * block_us / 1e3;
+  }
   out.optimizer_ms = optimizer_one * (other_parameters + expert_parameters / static_cast<double>(R)) / (other_parameters + expert_parameters);
   if (R > 1) {
+    const CostModel cost(calibration, cluster, layer);
     const double bytes = 2.0 * static_cast<double>(R - 1) / static_cast<double>(R) * other_parameters * 4;  // fp32 gradients
     const int64_t G = std::min(cluster.gpus_per_node, R);
     out.all_reduce_ms = std::max(cost.intra_node_us(bytes, G - 1), cost.inter_node_us(cluster.nodes > 1 ? bytes : 0, cluster.nodes - 1)) / 1e3;
   }
-  out.step_ms = rest + out.exchanges_ms + out.optimizer_ms + out.all_reduce_ms;
+  out.step_ms = rest + out.moe_ms + out.optimizer_ms + out.all_reduce_ms;
   return out;
 }
 

@@ -1,16 +1,19 @@
 // sim/lm_step.h: the language model's training step on R GPUs (moe_train_distributed: attention and
 // dense parameters data-parallel, every MoE block expert-parallel), predicted from its step on one
-// GPU. One GPU's step holds every cost but the network; the prediction swaps its local exchanges
-// for the cluster's:
+// GPU. One GPU's step holds every cost but the network. Where the calibration also holds the
+// expert-parallel layer at the model's MoE shape on one GPU, every MoE block becomes that layer's
+// step on the cluster (layer_step.h):
 //
-//   step(R) = step(1) - the local exchanges and count exchanges of its MoE blocks - its optimizer
-//           + per MoE block: the count exchange, and four all-to-alls (dispatch and combine forward,
-//             their gradients backward) of T K rows a rank at the cluster's cost (cost_model.h)
+//   step(R) = step(1) - its MoE blocks (forward and backward) - its optimizer
+//           + per MoE block: the expert-parallel layer's step on R GPUs, its SGD left out
 //           + the optimizer on this rank's parameters (the experts split R ways, the rest whole)
 //           + the all-reduce of the data-parallel gradients (ring: 2 (R - 1) / R of their bytes)
 //
-// Uniform routing (the benchmark's router is near-uniform); the blocks run one after another, and no
-// exchange hides behind compute (as the trainer runs today). Tests: ctest -R SimLanguageModel.
+// Without that layer, the one-GPU run's MoE path stays and only its local exchanges and count
+// exchanges are swapped for the cluster's (four all-to-alls of T K rows and a count exchange a
+// block). Uniform routing (the benchmark's router is near-uniform); the blocks run one after
+// another, and no exchange hides behind compute, as the trainer runs today.
+// Tests: ctest -R SimLanguageModel.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +26,7 @@ namespace moe::sim {
 
 struct LanguageModelPrediction {
   double step_ms = 0;
-  double exchanges_ms = 0;   // the MoE blocks' count exchanges and all-to-alls
+  double moe_ms = 0;         // the MoE blocks on the cluster (or their exchanges alone, see above)
   double all_reduce_ms = 0;  // the data-parallel gradients
   double optimizer_ms = 0;
 };

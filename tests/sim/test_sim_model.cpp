@@ -387,11 +387,20 @@ TEST(SimLanguageModel, TheStepOnTwoGpusSwapsTheLocalExchangesForTheClusters) {
                                {"moe/ep_count_exchange", 0.1}, {"optimizer", 1.0}};
   c.language_model.tokens_per_rank = 1000;
   const LanguageModelPrediction two = predict_language_model_step(c, Cluster{1, 2});
-  EXPECT_NEAR(two.exchanges_ms, 0.047, 1e-12);
+  EXPECT_NEAR(two.moe_ms, 0.047, 1e-12);
   EXPECT_NEAR(two.all_reduce_ms, 0.010, 1e-12);
   EXPECT_GT(two.optimizer_ms, 0.5);  // the two experts are most of the parameters
   EXPECT_LT(two.optimizer_ms, 1.0);
-  EXPECT_NEAR(two.step_ms, 10 - 0.3 - 1.0 + two.exchanges_ms + two.optimizer_ms + two.all_reduce_ms, 1e-12);
+  EXPECT_NEAR(two.step_ms, 10 - 0.3 - 1.0 + two.moe_ms + two.optimizer_ms + two.all_reduce_ms, 1e-12);
+  // With the expert-parallel layer measured at the model's shape on one GPU (the worked example's
+  // layer itself), the MoE block is that layer's two-GPU step, 938 us, without its SGD (30 us),
+  // in place of the one-GPU run's MoE path (moe + backward_moe = 3 ms).
+  c.language_model.phase_ms["moe"] = 1.0;
+  c.language_model.phase_ms["backward_moe"] = 2.0;
+  c.language_model.layer = {c.layer, c.layer_step_us, c.layer_phases_us};
+  const LanguageModelPrediction layer = predict_language_model_step(c, Cluster{1, 2});
+  EXPECT_NEAR(layer.moe_ms, 0.908, 1e-9);
+  EXPECT_NEAR(layer.step_ms, 10 - 3.0 - 1.0 + 0.908 + layer.optimizer_ms + layer.all_reduce_ms, 1e-9);
   c.language_model = {};
   EXPECT_THROW(predict_language_model_step(c, Cluster{1, 2}), std::invalid_argument);
 }
