@@ -111,12 +111,15 @@ int main(int argc, char** argv) {
     {
       std::vector<std::filesystem::path> files;
       for (const char* name : {"ep_bench_calibrate_r1_h200x2_2026-11-28.json", "train_calibrate_r1_h200x2_2026-11-28.json",
+                               "ep_bench_calibrate_lm_layer_r2_h200x2_2026-11-28.json",
                                "ep_bench_calibrate_r2_h200x2_2026-11-28.json", "train_calibrate_r2_h200x2_2026-11-28.json",
                                "ep_bench_scaling_nccl_h200x4_2026-11-26.json", "ep_bench_exchange_nccl_h200x4_2026-11-26.json",
                                "train_throughput_distributed_h200x4_2026-11-26.json"}) {
         files.push_back(std::filesystem::path(bench_dir) / name);
       }
-      const std::vector<sim::ValidationRow> rows = sim::validate_against_measurements(calibration, files);
+      // The language model's rows take its own routing: the throughput preset recorded from step 1.
+      const sim::RoutingTrace model_routing = sim::read_routing_trace("notebooks_data/runs/train_throughput_preset_300steps");
+      const std::vector<sim::ValidationRow> rows = sim::validate_against_measurements(calibration, files, &model_routing);
       Table table("predicted against measured (ep_bench, moe_train_distributed, H200s)", {"what", "R", "measured_us", "predicted_us", "error_%", "role"});
       for (const sim::ValidationRow& row : rows) {
         if (row.calibration) continue;

@@ -496,7 +496,7 @@ calibrate() {
     --calibration-out "$OUT/sim/calibration_$kind.json" || rc=1
   # Four-GPU runs: this machine's when it has four, else the kept ones of the same machine kind.
   [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_scaling_nccl_h200x4_2026-11-26.json,notebooks_data/bench/ep_bench_exchange_nccl_h200x4_2026-11-26.json,notebooks_data/bench/train_throughput_distributed_h200x4_2026-11-26.json"
-  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json,$OUT/sim/ep_bench_lm_layer_r2.json$files$held" \
+  $sim --calibration "$OUT/sim/calibration_$kind.json" --trace notebooks_data/runs/train_throughput_preset_300steps --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json,$OUT/sim/ep_bench_lm_layer_r2.json$files$held" \
     --json "$OUT/sim/validation_$kind.json" | tee "$LOGS/calibrate_validation.log" || rc=1
   return $rc
 }

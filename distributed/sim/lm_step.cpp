@@ -42,7 +42,8 @@ bool is_local_exchange(const std::string& phase) {
 
 }  // namespace
 
-LanguageModelPrediction predict_language_model_step(const Calibration& calibration, const Cluster& cluster) {
+LanguageModelPrediction predict_language_model_step(const Calibration& calibration, const Cluster& cluster,
+                                                    const RoutingTrace* routing) {
   const LanguageModelStep& one = calibration.language_model;
   if (!one.measured()) throw std::invalid_argument("the calibration holds no language model step (calibrate from moe_train_distributed --benchmark-json at one rank)");
   const ModelConfig model = model_of(one.config);
@@ -59,8 +60,19 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
   layer.experts = model.num_experts;
   layer.top_k = model.top_k;
   layer.block_size = model.block_size;
-  const std::vector<double> uniform(static_cast<size_t>(layer.experts), 1.0 / static_cast<double>(layer.experts));
-  const StepLoad load = step_load_from_shares(uniform, R, static_cast<double>(layer.tokens_per_rank * layer.top_k));
+  // Each MoE block's load: the recorded routing's first step, block by block, or uniform.
+  const double rows_per_rank = static_cast<double>(layer.tokens_per_rank * layer.top_k);
+  std::vector<StepLoad> loads;
+  for (int64_t b = 0; b < moe_blocks; ++b) {
+    std::vector<double> shares(static_cast<size_t>(layer.experts), 1.0 / static_cast<double>(layer.experts));
+    if (routing != nullptr && !routing->loads.empty()) {
+      const int64_t first = routing->loads.front().step;
+      for (const BlockLoad& block : routing->loads) {
+        if (block.step == first && block.layer == b) shares = stretch_shares(block.shares(), layer.experts);
+      }
+    }
+    loads.push_back(step_load_from_shares(shares, R, rows_per_rank));
+  }
   double optimizer_one = 0, moe_one = 0, local = 0;
   for (const auto& [phase, ms] : one.phase_ms) {
     if (phase == "optimizer") optimizer_one = ms;
@@ -76,16 +88,18 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
     const Calibration at_layer = calibration.at_language_model_layer();
     const CostModel cost(at_layer, cluster, layer);
     Timeline timeline(R);
-    issue_layer_step(timeline, cost, load);
-    const double block_ms = (timeline.finish_step() - cost.sgd_us()) / 1e3;
+    for (const StepLoad& load : loads) {
+      issue_layer_step(timeline, cost, load);
+      out.moe_ms += (timeline.finish_step() - cost.sgd_us()) / 1e3;
+    }
     rest = one.step_ms - moe_one - optimizer_one;
-    out.moe_ms = static_cast<double>(moe_blocks) * block_ms;
   } else {
     // Without it: the one-GPU run's MoE path stays, its local exchanges swapped for the cluster's.
     const CostModel cost(calibration, cluster, layer);
-    const double block_us = cost.count_exchange_us() + 2 * (cost.all_to_all_us(load, 1.0, false) + cost.all_to_all_us(load, 1.0, true));
+    for (const StepLoad& load : loads) {
+      out.moe_ms += (cost.count_exchange_us() + 2 * (cost.all_to_all_us(load, 1.0, false) + cost.all_to_all_us(load, 1.0, true))) / 1e3;
+    }
     rest = one.step_ms - local - optimizer_one;
-    out.moe_ms = static_cast<double>(moe_blocks) * block_us / 1e3;
   }
   out.optimizer_ms = optimizer_one * (other_parameters + expert_parameters / static_cast<double>(R)) / (other_parameters + expert_parameters);
   if (R > 1) {

@@ -11,8 +11,10 @@
 //
 // Without that layer, the one-GPU run's MoE path stays and only its local exchanges and count
 // exchanges are swapped for the cluster's (four all-to-alls of T K rows and a count exchange a
-// block). Uniform routing (the benchmark's router is near-uniform); the blocks run one after
-// another, and no exchange hides behind compute, as the trainer runs today.
+// block). The routing matters: a benchmark of a model fresh from initialisation routes far from
+// uniformly (the busiest GPU gets several times the mean rows), so each block's load comes from a
+// recorded run of the same model when one is given. The blocks run one after another, and no
+// exchange hides behind compute, as the trainer runs today.
 // Tests: ctest -R SimLanguageModel.
 #pragma once
 
@@ -21,6 +23,7 @@
 
 #include "sim/calibration.h"  // Calibration, LanguageModelStep
 #include "sim/cluster.h"      // Cluster
+#include "sim/routing_trace.h"  // RoutingTrace
 
 namespace moe::sim {
 
@@ -31,7 +34,10 @@ struct LanguageModelPrediction {
   double optimizer_ms = 0;
 };
 
-// Throws std::invalid_argument when the calibration holds no language model step.
-LanguageModelPrediction predict_language_model_step(const Calibration& calibration, const Cluster& cluster);
+// Throws std::invalid_argument when the calibration holds no language model step. `routing`: the
+// model's own routing, one block's loads per MoE block from the trace's first step (a run record
+// of the same model); without it, uniform routing.
+LanguageModelPrediction predict_language_model_step(const Calibration& calibration, const Cluster& cluster,
+                                                    const RoutingTrace* routing = nullptr);
 
 }  // namespace moe::sim

@@ -106,7 +106,11 @@ int calibrate(const Options& o, const std::string& command) {
 int validate(const Options& o) {
   moe::sim::Calibration calibration = moe::sim::load_calibration(o.calibration);
   if (o.hold_out_above > 0) calibration = calibration.limited_to(o.hold_out_above);
-  const std::vector<moe::sim::ValidationRow> rows = moe::sim::validate_against_measurements(calibration, paths_of(o.validate));
+  // With --trace, the language model's rows take that run's routing (a record of the same model).
+  std::optional<moe::sim::RoutingTrace> routing;
+  if (!o.trace.empty()) routing = moe::sim::read_routing_trace(o.trace);
+  const std::vector<moe::sim::ValidationRow> rows =
+      moe::sim::validate_against_measurements(calibration, paths_of(o.validate), routing ? &*routing : nullptr);
   std::printf("# moe_sim validation: calibration %s (%s, %s, from up to %lld GPUs)\n", o.calibration.c_str(),
               calibration.device.c_str(), calibration.date.c_str(), static_cast<long long>(calibration.gpus_measured));
   std::printf("%-28s %3s %12s %12s %8s  %-10s %s\n", "#what", "R", "measured_us", "predicted_us", "error", "role", "measured in");

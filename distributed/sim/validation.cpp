@@ -59,7 +59,8 @@ LayerSpec layer_of(const nlohmann::json& run) {
 }  // namespace
 
 std::vector<ValidationRow> validate_against_measurements(const Calibration& calibration,
-                                                     const std::vector<std::filesystem::path>& files) {
+                                                         const std::vector<std::filesystem::path>& files,
+                                                         const RoutingTrace* model_routing) {
   std::vector<ValidationRow> rows;
   for (const std::filesystem::path& path : files) {
     const nlohmann::json json = read_json_file(path, "--validate");
@@ -77,7 +78,8 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
       out.file = path.filename().string();
       out.device_date = run.value("device", "") + ", " + run.value("date", "").substr(0, 10);
       out.measured_us = 1e3 * run.value("median_step_ms", 0.0);
-      out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}).step_ms;
+      out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}, model_routing).step_ms;
+      if (model_routing != nullptr) out.what += " (recorded routing)";
       out.calibration = R == 1;
       out.held_out = R > calibration.gpus_measured;
       if (out.measured_us > 0) rows.push_back(out);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "sim/calibration.h"  // Calibration
+#include "sim/routing_trace.h"  // RoutingTrace
 
 namespace moe::sim {
 
@@ -33,8 +34,10 @@ struct ValidationRow {
 
 // Throws std::invalid_argument naming a file that holds neither ep_bench rows nor a training
 // benchmark.
+// `model_routing`: the language model's own recorded routing for its rows (lm_step.h); else uniform.
 std::vector<ValidationRow> validate_against_measurements(const Calibration& calibration,
-                                                     const std::vector<std::filesystem::path>& files);
+                                                         const std::vector<std::filesystem::path>& files,
+                                                         const RoutingTrace* model_routing = nullptr);
 
 struct ValidationSummary {
   int64_t rows = 0;  // rows that count (not calibration)
