@@ -25,6 +25,19 @@ double LayerSpec::capacity_rows(int64_t ranks) const {
   return std::ceil(capacity_factor * static_cast<double>(tokens_per_rank * ranks * top_k) / static_cast<double>(experts));
 }
 
+LayerSpec layer_spec_of(const MoeConfig& c) {
+  return {.tokens_per_rank = c.tokens, .model_dim = c.model_dim, .hidden_dim = c.hidden_dim, .experts = c.num_experts,
+          .top_k = c.top_k, .block_size = c.block_size,
+          .capacity_factor = c.formulation == Formulation::dropless ? 0.0 : c.capacity_factor};
+}
+
+MoeConfig moe_config_of(const LayerSpec& layer) {
+  return {.tokens = layer.tokens_per_rank, .model_dim = layer.model_dim, .hidden_dim = layer.hidden_dim,
+          .num_experts = layer.experts, .top_k = layer.top_k,
+          .formulation = layer.capacity_factor > 0 ? Formulation::dropping : Formulation::dropless,
+          .capacity_factor = layer.capacity_factor > 0 ? layer.capacity_factor : 1.0, .block_size = layer.block_size};
+}
+
 CostModel::CostModel(const Calibration& calibration, const Cluster& cluster, const LayerSpec& layer)
     : calibration_(calibration), cluster_(cluster), layer_(layer) {
   if (layer.chunks < 1) throw std::invalid_argument("the pipelining degree d must be >= 1");

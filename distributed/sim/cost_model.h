@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moe_config.h"       // MoeConfig
 #include "sim/calibration.h"  // Calibration
 #include "sim/cluster.h"      // Cluster
 #include "sim/step_load.h"    // StepLoad
@@ -50,6 +51,11 @@ struct LayerSpec {
   double capacity_rows(int64_t ranks) const;  // C, or 0 when dropless
   double bytes_per_row() const { return 2.0 * static_cast<double>(model_dim); }  // bf16
 };
+
+// The layer of an MoE layer's config (its T is the tokens a rank), and the config of a layer: the
+// run records and the language model speak MoeConfig.
+LayerSpec layer_spec_of(const MoeConfig& config);
+MoeConfig moe_config_of(const LayerSpec& layer);
 
 class CostModel {
  public:

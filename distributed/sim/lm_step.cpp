@@ -53,13 +53,7 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
   double expert_parameters = 0, other_parameters = 0;
   for (const ParameterInfo& p : parameter_layout(model)) (p.expert >= 0 ? expert_parameters : other_parameters) += static_cast<double>(p.rows * p.cols);
 
-  LayerSpec layer;
-  layer.tokens_per_rank = one.tokens_per_rank;
-  layer.model_dim = model.model_dim;
-  layer.hidden_dim = model.expert_hidden_dim;
-  layer.experts = model.num_experts;
-  layer.top_k = model.top_k;
-  layer.block_size = model.block_size;
+  const LayerSpec layer = layer_spec_of(moe_layer_config(model, one.tokens_per_rank / model.seq_len));
   // Each MoE block's load: the recorded routing's first step, block by block, or uniform.
   const double rows_per_rank = static_cast<double>(layer.tokens_per_rank * layer.top_k);
   std::vector<StepLoad> loads;

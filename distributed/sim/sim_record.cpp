@@ -22,16 +22,7 @@ RunWriter create_writer(const std::filesystem::path& dir, const SimulationSpec& 
   RunInfo info;
   info.kind = RunKind::train;
   info.name = dir.filename().string();
-  MoeConfig config;
-  config.tokens = layer.tokens_per_rank;
-  config.model_dim = layer.model_dim;
-  config.hidden_dim = layer.hidden_dim;
-  config.num_experts = layer.experts;
-  config.top_k = layer.top_k;
-  config.block_size = layer.block_size;
-  config.formulation = layer.capacity_factor > 0 ? Formulation::dropping : Formulation::dropless;
-  if (layer.capacity_factor > 0) config.capacity_factor = layer.capacity_factor;
-  info.moe_config = config;
+  info.moe_config = moe_config_of(layer);
   info.world_size = spec.cluster.ranks();
   info.devices.assign(1, "simulated: " + calibration.device + " x " + std::to_string(spec.cluster.ranks()));
   info.extra = {{"simulated", true},

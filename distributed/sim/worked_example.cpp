@@ -27,14 +27,7 @@ Calibration worked_example_calibration() {
 }
 
 LayerSpec worked_example_layer(int64_t experts) {
-  LayerSpec layer;
-  layer.tokens_per_rank = 1000;
-  layer.model_dim = 100;
-  layer.hidden_dim = 200;
-  layer.experts = experts;
-  layer.top_k = 1;
-  layer.block_size = 1;
-  return layer;
+  return {.tokens_per_rank = 1000, .model_dim = 100, .hidden_dim = 200, .experts = experts, .top_k = 1, .block_size = 1};
 }
 
 }  // namespace moe::sim
