@@ -73,7 +73,7 @@
 #include <string>
 
 #include "core/cuda_check.h"     // CUDA_CHECK
-#include "core/device_info.h"    // gpu_available, why_no_gpu
+#include "core/device_info.h"    // fail_without_gpu
 #include "core/gemm.h"           // CublasHandle
 #include "expert_ffn_cublas.h"   // CublasFfn::bytes
 #include "moe/block_sparse.h"    // set_stream_k_tail, set_weight_gradient_pairs, set_block_row_pairs_everywhere
@@ -96,10 +96,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe_bench: %s\n", error.what());
     return 2;
   }
-  if (!moe::cuda::gpu_available()) {
-    std::printf("FAIL no GPU: %s\n", moe::cuda::why_no_gpu().c_str());
-    return 1;
-  }
+  if (const std::optional<int> no_gpu = moe::cuda::fail_without_gpu()) return *no_gpu;
   Report report;
   try {
     cudaStream_t stream;

@@ -73,10 +73,10 @@
 #include <vector>
 
 #include "command_line.h"                 // CLI::App, parse_command_line, whole_number, finite_number, one_of
-#include "core/bench_support.h"           // median, utc_now
+#include "core/bench_support.h"           // median, utc_now, write_results
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
-#include "core/device_info.h"             // gpu_available, why_no_gpu, current_device
+#include "core/device_info.h"             // fail_without_gpu, current_device
 #include "program_exit.h"                 // check_output_path
 #include "infer/expert_schedule.h"        // ExpertSchedule
 #include "infer/inference_model.h"        // InferenceModelGpu
@@ -474,10 +474,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "offload_bench: %s (--help)\n", error.what());
     return 2;
   }
-  if (!gpu_available()) {
-    std::printf("FAIL no GPU: %s\n", why_no_gpu().c_str());
-    return 1;
-  }
+  if (const std::optional<int> no_gpu = fail_without_gpu()) return *no_gpu;
 
   // Pinned host memory: one scale's experts at a time, plus the 1 GiB copy.
   const size_t big_bytes = size_t(1) << 30;
@@ -650,10 +647,7 @@ int main(int argc, char** argv) {
                                          {"peak_gpu_bytes", "device-wide cudaMemGetInfo used memory, peak after build and each step, minus before build"}}},
                              {"scales", scale_rows}, {"rows", out_rows}, {"summary", summary},
                              {"all_same_as_gpu_only", all_same}};
-      std::ofstream file(o.out);
-      file << document.dump(2) << "\n";
-      if (!file) throw std::runtime_error("cannot write " + o.out);
-      std::printf("results written to %s\n", o.out.c_str());
+      write_results(o.out, document);
     }
     CUDA_CHECK(cudaFreeHost(pinned));
     CUDA_CHECK(cudaStreamDestroy(stream));

@@ -40,10 +40,10 @@
 #include <vector>
 
 #include "command_line.h"                 // CLI::App, parse_command_line, whole_number
-#include "core/bench_support.h"           // median, utc_now
+#include "core/bench_support.h"           // median, utc_now, write_results
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
-#include "core/device_info.h"             // gpu_available, why_no_gpu, current_device
+#include "core/device_info.h"             // fail_without_gpu, current_device
 #include "offload/offloaded_experts.h"    // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h"  // PinnedExpertStore, ExpertShape
 #include "program_exit.h"                  // check_output_path
@@ -183,10 +183,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "offload_copy_bench: %s\n", error.what());
     return 2;
   }
-  if (!moe::cuda::gpu_available()) {
-    std::printf("FAIL no GPU: %s\n", moe::cuda::why_no_gpu().c_str());
-    return 1;
-  }
+  if (const std::optional<int> no_gpu = moe::cuda::fail_without_gpu()) return *no_gpu;
   try {
     const moe::cuda::DeviceInfo device = moe::cuda::current_device();
     std::printf("offload_copy_bench on %s, %s: %d rounds of every row, %d timed runs each after %d warm-up runs; "
@@ -325,10 +322,7 @@ int main(int argc, char** argv) {
       doc["worst_cache_ratio"] = worst_ratio;
       doc["target_met"] = target_met;
       doc["bytes_match_store"] = bytes_match;
-      std::ofstream file(options.out);
-      file << doc.dump(2) << "\n";
-      if (!file) throw std::runtime_error("could not write " + options.out);
-      std::printf("wrote %s\n", options.out.c_str());
+      moe::cuda::write_results(options.out, doc);
     }
     CUDA_CHECK(cudaStreamDestroy(compute));
     CUDA_CHECK(cudaFreeHost(pinned));

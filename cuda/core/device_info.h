@@ -4,6 +4,8 @@
 // to skip (with the reason) on machines without a GPU, such as CI.
 #pragma once
 
+#include <cstdio>
+#include <optional>
 #include <string>
 
 namespace moe::cuda {
@@ -24,6 +26,14 @@ int gpu_count();
 std::string why_no_gpu();
 
 inline bool gpu_available() { return gpu_count() > 0; }
+
+// A GPU benchmark's first check: without a GPU it prints the benchmark's verdict line, FAIL and
+// why there is none, and gives the exit status 1; with one, nothing.
+inline std::optional<int> fail_without_gpu() {
+  if (gpu_available()) return std::nullopt;
+  std::printf("FAIL no GPU: %s\n", why_no_gpu().c_str());
+  return 1;
+}
 
 // Properties of the current device. Throws CudaError when there is none.
 DeviceInfo current_device();
