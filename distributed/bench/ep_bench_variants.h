@@ -27,6 +27,12 @@ namespace moe::dist::bench {
 // The runs after a row's timing that time the layer's phases (Variant::phases).
 constexpr int kPhaseRuns = 5;
 
+// A row's name: `base`, with " 2dh G=<G>" when its exchanges go through Tutel's 2DH all-to-all
+// over nodes of G ranks.
+inline std::string variant_name(const std::string& base, int ranks_per_node) {
+  return ranks_per_node > 1 ? base + " 2dh G=" + std::to_string(ranks_per_node) : base;
+}
+
 std::unique_ptr<Variant> make_count_exchange_variant(BenchContext& ctx);
 // ranks_per_node G > 1: through the 2DH all-to-all; 0: flat.
 std::unique_ptr<Variant> make_alltoall_variant(BenchContext& ctx, int ranks_per_node = 0);

@@ -19,9 +19,7 @@ namespace {
 class AllToAll final : public Variant {
  public:
   AllToAll(BenchContext& ctx, int ranks_per_node) : ctx_(ctx), ranks_per_node_(ranks_per_node) {}
-  std::string name() const override {
-    return ranks_per_node_ > 1 ? "alltoall 2dh G=" + std::to_string(ranks_per_node_) : "alltoall";
-  }
+  std::string name() const override { return variant_name("alltoall", ranks_per_node_); }
 
   Prepared prepare(int64_t size_bytes) override {
     const int R = ctx_.ranks;

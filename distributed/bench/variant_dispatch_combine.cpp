@@ -21,9 +21,7 @@ namespace {
 class DispatchCombine final : public Variant {
  public:
   DispatchCombine(BenchContext& ctx, int ranks_per_node) : ctx_(ctx), ranks_per_node_(ranks_per_node) {}
-  std::string name() const override {
-    return ranks_per_node_ > 1 ? "dispatch+combine 2dh G=" + std::to_string(ranks_per_node_) : "dispatch+combine";
-  }
+  std::string name() const override { return variant_name("dispatch+combine", ranks_per_node_); }
 
   Prepared prepare(int64_t size_bytes) override {
     const LayerShape& shape = ctx_.options.layer;
