@@ -339,13 +339,10 @@ struct SddArguments {
 void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t stream) {
   const int hidden = t.blocks_per_expert * t.block_size;  // H
   auto fill = [&](auto empty) {
-    auto problem = with_row_walk(empty, t);
+    auto problem = with_expert_operand(with_row_walk(empty, t), args.b);
     problem.a = args.a;
     problem.inner = args.inner;
     problem.gather = args.gather;
-    problem.b = args.b.pointers;
-    problem.ldb = args.b.ld;
-    problem.column_offset = args.b.column_offset;
     problem.in0 = args.in0;
     problem.in1 = args.in1;
     problem.out0 = args.out0;
@@ -395,13 +392,10 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
 void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const ExpertOperand& b,
                 int out_cols, bf16* out, cudaStream_t stream) {
   auto fill = [&](auto empty) {
-    auto problem = with_row_walk(empty, t);
+    auto problem = with_expert_operand(with_row_walk(empty, t), b);
     problem.s0 = s0;
     problem.s1 = s1;
     problem.parts = s1 != nullptr ? 2 : 1;
-    problem.b = b.pointers;
-    problem.ldb = b.ld;
-    problem.column_offset = b.column_offset;
     problem.out = out;
     problem.ldo = out_cols;
     return problem;
