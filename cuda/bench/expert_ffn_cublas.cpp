@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "core/gemm.h"        // gemm, gemm_batched, gemm_grouped
-#include "moe/activation.h"   // gelu_forward / _backward, swiglu_forward / _backward
+#include "moe/activation.h"   // activation_forward / _backward
 
 namespace moe::bench {
 
@@ -81,11 +81,7 @@ void cublas_ffn_forward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cu
   const int D = f.D, H = f.H, W1 = f.W1;
   group_product(handle, kind, f, Op::none, Op::none, D, W1, {f.x.data(), f.x_of.data(), D}, {f.w1, f.w1_of.data(), W1},
                 {f.pre.data(), f.pre_of.data(), W1});
-  if (f.swiglu()) {
-    moe::cuda::swiglu_forward(f.pre.data(), f.hidden.data(), int64_t(f.rows), H, stream);
-  } else {
-    moe::cuda::gelu_forward(f.pre.data(), f.hidden.data(), f.rows * H, stream);
-  }
+  moe::cuda::activation_forward(f.activation, f.pre.data(), f.hidden.data(), int64_t(f.rows), H, stream);
   group_product(handle, kind, f, Op::none, Op::none, H, D, {f.hidden.data(), f.hidden_of.data(), H},
                 {f.w2, f.w2_of.data(), D}, {f.out.data(), f.out_of.data(), D});
 }
@@ -95,11 +91,7 @@ void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, c
   bf16* const d_pre = f.d_pre();
   group_product(handle, kind, f, Op::none, Op::transpose, D, H, {f.d_out.data(), f.d_out_of.data(), D},
                 {f.w2, f.w2_of.data(), D}, {f.d_hidden.data(), f.d_hidden_of.data(), H});
-  if (f.swiglu()) {
-    moe::cuda::swiglu_backward(f.pre.data(), f.d_hidden.data(), d_pre, int64_t(f.rows), H, stream);
-  } else {
-    moe::cuda::gelu_backward(f.pre.data(), f.d_hidden.data(), d_pre, f.rows * H, stream);
-  }
+  moe::cuda::activation_backward(f.activation, f.pre.data(), f.d_hidden.data(), d_pre, int64_t(f.rows), H, stream);
   group_product(handle, kind, f, Op::transpose, Op::none, H, D, {f.hidden.data(), f.hidden_of.data(), H},
                 {f.d_out.data(), f.d_out_of.data(), D}, {f.dw2.data(), f.dw2_of.data(), D});
   group_product(handle, kind, f, Op::transpose, Op::none, D, W1, {f.x.data(), f.x_of.data(), D},

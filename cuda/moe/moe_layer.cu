@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "moe/activation.h"    // gelu_forward / _backward, swiglu_forward / _backward
+#include "moe/activation.h"    // activation_forward / _backward
 #include "moe/block_sparse.h"  // block_sparse_ffn_forward / _backward, dsd_transposed, dds
 #include "core/elementwise.h"  // float_to_bf16
 #include "core/cuda_check.h"   // CUDA_CHECK
@@ -305,11 +305,7 @@ void MoeLayerGpu::experts_forward(const bf16* x, const MoeLayerWeights& weights,
   cublas_.set_stream(stream);
   gemm_batched(cublas_.get(), Op::none, Op::none, C, W1, D, x_rows_.data(), D, weights.w1, W1,
                pre_rows_out_.data(), W1, E);
-  if (config_.activation == Activation::swiglu) {
-    swiglu_forward(pre_activation_.data(), hidden_.data(), int64_t{E} * C, H, stream);
-  } else {
-    gelu_forward(pre_activation_.data(), hidden_.data(), static_cast<size_t>(E) * C * H, stream);
-  }
+  activation_forward(config_.activation, pre_activation_.data(), hidden_.data(), int64_t{E} * C, H, stream);
   gemm_batched(cublas_.get(), Op::none, Op::none, C, D, H, hidden_rows_.data(), H, weights.w2, D,
                out_rows_out_.data(), D, E);
 }
@@ -456,12 +452,8 @@ void MoeLayerGpu::experts_backward(const MoeLayerWeights& weights, float* const*
   cublas_.set_stream(stream);
   gemm_batched(cublas_.get(), Op::none, Op::transpose, C, H, D, d_out_rows_.data(), D, weights.w2, D,
                d_hidden_rows_out_.data(), H, E);
-  if (config_.activation == Activation::swiglu) {
-    swiglu_backward(pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(), int64_t{E} * C, H, stream);
-  } else {
-    gelu_backward(pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(),
-                  static_cast<size_t>(E) * C * H, stream);
-  }
+  activation_backward(config_.activation, pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(),
+                      int64_t{E} * C, H, stream);
   gemm_batched(cublas_.get(), Op::transpose, Op::none, H, D, C, hidden_rows_.data(), H, d_out_rows_.data(), D,
                d_w2, D, E);
   gemm_batched(cublas_.get(), Op::transpose, Op::none, D, W1, C, x_rows_.data(), D, d_pre_rows_.data(), W1,
