@@ -336,7 +336,7 @@ using LessonSdd = moe::cuda::block_sparse_detail::SddProblem<moe::cuda::block_sp
 // The problem's a is x [rows, D] (inner = D), its b W1 (ldb = H), its out0 the blocks.
 LessonSdd lesson_sdd_problem(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out) {
   using namespace moe::cuda::block_sparse_detail;
-  LessonSdd problem = with_expert_operand(with_row_walk(LessonSdd{}, t), moe::cuda::ExpertOperand{w1, H, 0, false});
+  LessonSdd problem = with_expert_operand(with_topology(LessonSdd{}, t), moe::cuda::ExpertOperand{w1, H, 0, false});
   problem.a = x;
   problem.inner = D;
   problem.out0 = out;
@@ -453,7 +453,7 @@ void launch_wgmma_dsd(const DeviceTopology& t, const bf16* hidden, const bf16* c
                       cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
   using Dsd = DsdProblem<Layout::row_major_km>;
-  Dsd problem = with_expert_operand(with_row_walk(Dsd{}, t), moe::cuda::ExpertOperand{w2, D, 0, false});
+  Dsd problem = with_expert_operand(with_topology(Dsd{}, t), moe::cuda::ExpertOperand{w2, D, 0, false});
   problem.s0 = hidden;
   problem.parts = 1;
   problem.out = out;

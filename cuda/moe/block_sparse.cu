@@ -356,7 +356,7 @@ struct SddArguments {
 void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t stream) {
   const int hidden = t.blocks_per_expert * t.block_size;  // H
   auto fill = [&](auto empty) {
-    auto problem = with_expert_operand(with_row_walk(empty, t), args.b);
+    auto problem = with_expert_operand(with_topology(empty, t), args.b);
     problem.a = args.a;
     problem.inner = args.inner;
     problem.gather = args.gather;
@@ -409,7 +409,7 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
 void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const ExpertOperand& b,
                 int out_cols, bf16* out, cudaStream_t stream) {
   auto fill = [&](auto empty) {
-    auto problem = with_expert_operand(with_row_walk(empty, t), b);
+    auto problem = with_expert_operand(with_topology(empty, t), b);
     problem.s0 = s0;
     problem.s1 = s1;
     problem.parts = s1 != nullptr ? 2 : 1;
@@ -464,7 +464,7 @@ bool gradient_pairs_taken(const DeviceTopology& t, int columns_per_tile) {
 template <class Problem, typename OUT>
 Problem weight_gradient_problem(Problem empty, const DeviceTopology& t, const bf16* s, const bf16* dense, int ldd,
                                 OUT* const* out, int ldo) {
-  Problem problem = with_column_walk(empty, t);
+  Problem problem = with_topology(empty, t);
   problem.s = s;
   problem.dense = dense;
   problem.ldd = ldd;

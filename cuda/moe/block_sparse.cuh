@@ -630,14 +630,19 @@ struct DdsProblem : ColumnWalkProblem<OUT> {
   __device__ int64_t b_second_half() const { return static_cast<int64_t>(this->block_size) * this->block_size; }
 };
 
-// ---- the problems' topology fields, filled on the host from a DeviceTopology ----
-// The fields of the products that walk block rows (SDD, DSD): the block rows, where their blocks
-// start, their experts, B; and the block rows' token counts and H / B where the problem has them.
+// ---- the problems' fields, filled on the host ----
+// Every topology field the problem declares, by its DeviceTopology name: the products that walk
+// block rows (SDD, DSD) read the block rows, where their blocks start and their experts (and the
+// block rows' token counts and H / B where they have them); the weight gradients (DSᵀD, DDS) walk
+// block columns through column_offsets, transpose_indices and row_indices. Every one reads B.
 template <class Problem, class Topology>
-Problem with_row_walk(Problem problem, const Topology& t) {
-  problem.block_rows = t.block_rows;
-  problem.offsets = t.offsets;
-  problem.block_row_expert = t.block_row_expert;
+Problem with_topology(Problem problem, const Topology& t) {
+  if constexpr (requires { problem.block_rows; }) problem.block_rows = t.block_rows;
+  if constexpr (requires { problem.offsets; }) problem.offsets = t.offsets;
+  if constexpr (requires { problem.block_row_expert; }) problem.block_row_expert = t.block_row_expert;
+  if constexpr (requires { problem.column_offsets; }) problem.column_offsets = t.column_offsets;
+  if constexpr (requires { problem.transpose_indices; }) problem.transpose_indices = t.transpose_indices;
+  if constexpr (requires { problem.row_indices; }) problem.row_indices = t.row_indices;
   if constexpr (requires { problem.block_row_tokens; }) problem.block_row_tokens = t.block_row_tokens;
   if constexpr (requires { problem.blocks_per_expert; }) problem.blocks_per_expert = t.blocks_per_expert;
   problem.block_size = t.block_size;
@@ -652,18 +657,6 @@ Problem with_expert_operand(Problem problem, const Operand& b) {
   problem.b = b.pointers;
   problem.ldb = b.ld;
   problem.column_offset = b.column_offset;
-  return problem;
-}
-
-// The fields of the weight-gradient products (DSᵀD, DDS) that walk a block column of the topology.
-template <class Problem, class Topology>
-Problem with_column_walk(Problem problem, const Topology& t) {
-  problem.column_offsets = t.column_offsets;
-  problem.transpose_indices = t.transpose_indices;
-  problem.row_indices = t.row_indices;
-  problem.block_row_tokens = t.block_row_tokens;
-  problem.blocks_per_expert = t.blocks_per_expert;
-  problem.block_size = t.block_size;
   return problem;
 }
 
