@@ -916,55 +916,56 @@ void ExpertParallelGpu::prepare_experts(int c, const ExpertParallelGpuWeights&, 
   table(chunk.d_x_rows, chunk.d_permuted_x, D);
 }
 
-void ExpertParallelGpu::experts_forward(int c, const ExpertParallelGpuWeights& weights, cudaStream_t stream) {
+ExpertParallelGpu::ChunkWork ExpertParallelGpu::chunk_work(int c) {
   const ExchangePlan& plan = *plan_;
-  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
-  Chunk& chunk = *chunks_[c];
-  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(local_experts_config_.hidden_dim),
-            E_c = static_cast<int>(plan.computed_experts()), rows = static_cast<int>(plan.total_rows(c));
-  cuda::permute_tokens(expert_view(c), chunk.received.data(), chunk.permuted_x.data(), D, stream);
+  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return {};
+  return {chunks_[c].get(), static_cast<int>(config_.model_dim), static_cast<int>(local_experts_config_.hidden_dim),
+          static_cast<int>(plan.computed_experts()), static_cast<int>(plan.total_rows(c))};
+}
+
+void ExpertParallelGpu::experts_forward(int c, const ExpertParallelGpuWeights& weights, cudaStream_t stream) {
+  const auto [chunk, D, H, E_c, rows] = chunk_work(c);
+  if (chunk == nullptr) return;
+  cuda::permute_tokens(expert_view(c), chunk->received.data(), chunk->permuted_x.data(), D, stream);
   if (config_.formulation == Formulation::dropless) {
-    const cuda::BlockSparseFfnOutputs outputs{chunk.pre_activation.data(), nullptr, chunk.hidden.data(),
-                                              chunk.expert_out.data()};
-    cuda::block_sparse_ffn_forward(local_experts_config_, chunk.topology->topology(),
-                                   cuda::ExpertRows(chunk.permuted_x.data()), weights.w1, weights.w2, outputs, stream);
+    const cuda::BlockSparseFfnOutputs outputs{chunk->pre_activation.data(), nullptr, chunk->hidden.data(),
+                                              chunk->expert_out.data()};
+    cuda::block_sparse_ffn_forward(local_experts_config_, chunk->topology->topology(),
+                                   cuda::ExpertRows(chunk->permuted_x.data()), weights.w1, weights.w2, outputs, stream);
   } else {
     // E_c products [C_c, D] x [D, H_c], GeLU, E_c products [C_c, H_c] x [H_c, D] (MoeLayerGpu's padded path).
-    const int C = static_cast<int>(plan.padded_rows(c));
+    const int C = static_cast<int>(plan_->padded_rows(c));
     cublas_->set_stream(stream);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, H, D, chunk.x_rows.data(), D, weights.w1,
-                       H, chunk.pre_rows.data(), H, E_c);
-    cuda::gelu_forward(chunk.pre_activation.data(), chunk.hidden.data(), static_cast<size_t>(rows) * H, stream);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, D, H, chunk.hidden_rows.data(), H,
-                       weights.w2, D, chunk.out_rows.data(), D, E_c);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, H, D, chunk->x_rows.data(), D, weights.w1,
+                       H, chunk->pre_rows.data(), H, E_c);
+    cuda::gelu_forward(chunk->pre_activation.data(), chunk->hidden.data(), static_cast<size_t>(rows) * H, stream);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, D, H, chunk->hidden_rows.data(), H,
+                       weights.w2, D, chunk->out_rows.data(), D, E_c);
   }
-  scatter_rows(chunk.row_slot.data(), chunk.expert_out.data(), chunk.sent_back.data(), rows, D, stream);
+  scatter_rows(chunk->row_slot.data(), chunk->expert_out.data(), chunk->sent_back.data(), rows, D, stream);
 }
 
 void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& weights,
                                          const ExpertParallelGpuGradients& gradients, bool first_with_rows,
                                          cudaStream_t stream) {
-  const ExchangePlan& plan = *plan_;
-  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
-  Chunk& chunk = *chunks_[c];
-  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(local_experts_config_.hidden_dim),
-            E_c = static_cast<int>(plan.computed_experts()), rows = static_cast<int>(plan.total_rows(c));
+  const auto [chunk, D, H, E_c, rows] = chunk_work(c);
+  if (chunk == nullptr) return;
   // d(expert outputs) in expert order, padding rows zero, into expert_out (the forward's values of
   // it are no longer needed: the combine's backward used the copies that went home).
-  cuda::permute_tokens(expert_view(c), chunk.received.data(), chunk.expert_out.data(), D, stream);
+  cuda::permute_tokens(expert_view(c), chunk->received.data(), chunk->expert_out.data(), D, stream);
   if (config_.formulation == Formulation::dropless) {
     // The block-sparse weight gradients are written, not accumulated: the first chunk writes the
     // caller's, later ones a scratch copy that is then added.
     float* const* d_w1 = first_with_rows ? gradients.d_w1 : scratch_w1_.data();
     float* const* d_w2 = first_with_rows ? gradients.d_w2 : scratch_w2_.data();
-    const cuda::BlockSparseFfnOutputs forward{chunk.pre_activation.data(), nullptr, chunk.hidden.data(), nullptr};
+    const cuda::BlockSparseFfnOutputs forward{chunk->pre_activation.data(), nullptr, chunk->hidden.data(), nullptr};
     cuda::BlockSparseFfnGradients out;
-    out.d_pre_activation = chunk.d_pre_activation.data();
-    out.d_permuted_x = chunk.d_permuted_x.data();
+    out.d_pre_activation = chunk->d_pre_activation.data();
+    out.d_permuted_x = chunk->d_permuted_x.data();
     out.d_w1 = d_w1;
     out.d_w2 = d_w2;
-    cuda::block_sparse_ffn_backward(local_experts_config_, chunk.topology->topology(), chunk.permuted_x.data(),
-                                    weights.w1, weights.w2, forward, chunk.expert_out.data(), out, stream);
+    cuda::block_sparse_ffn_backward(local_experts_config_, chunk->topology->topology(), chunk->permuted_x.data(),
+                                    weights.w1, weights.w2, forward, chunk->expert_out.data(), out, stream);
     if (!first_with_rows) {
       add_through_tables(gradients.d_w1, scratch_w1_.data(), E_c, static_cast<size_t>(D) * H, stream);
       add_through_tables(gradients.d_w2, scratch_w2_.data(), E_c, static_cast<size_t>(H) * D, stream);
@@ -973,21 +974,21 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
     // Per expert over its C_c rows (padding rows carry zero gradient); cuBLAS accumulates the weight
     // gradients of later chunks itself (beta = 1).
     //   dh = d_out W2ᵀ,  d_pre = dh * gelu'(pre),  dW2 += hiddenᵀ d_out,  dW1 += xᵀ d_pre,  dx = d_pre W1ᵀ
-    const int C = static_cast<int>(plan.padded_rows(c));
+    const int C = static_cast<int>(plan_->padded_rows(c));
     const float beta = first_with_rows ? 0.0f : 1.0f;
     cublas_->set_stream(stream);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, H, D, chunk.out_rows.data(), D,
-                       weights.w2, D, chunk.d_hidden_rows.data(), H, E_c);
-    cuda::gelu_backward(chunk.pre_activation.data(), chunk.d_hidden.data(), chunk.d_pre_activation.data(),
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, H, D, chunk->out_rows.data(), D,
+                       weights.w2, D, chunk->d_hidden_rows.data(), H, E_c);
+    cuda::gelu_backward(chunk->pre_activation.data(), chunk->d_hidden.data(), chunk->d_pre_activation.data(),
                         static_cast<size_t>(rows) * H, stream);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, H, D, C, chunk.hidden_rows.data(), H,
-                       chunk.out_rows.data(), D, gradients.d_w2, D, E_c, beta);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, D, H, C, chunk.x_rows.data(), D,
-                       chunk.d_pre_rows.data(), H, gradients.d_w1, H, E_c, beta);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, D, H, chunk.d_pre_rows.data(), H,
-                       weights.w1, H, chunk.d_x_rows.data(), D, E_c);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, H, D, C, chunk->hidden_rows.data(), H,
+                       chunk->out_rows.data(), D, gradients.d_w2, D, E_c, beta);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, D, H, C, chunk->x_rows.data(), D,
+                       chunk->d_pre_rows.data(), H, gradients.d_w1, H, E_c, beta);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, D, H, chunk->d_pre_rows.data(), H,
+                       weights.w1, H, chunk->d_x_rows.data(), D, E_c);
   }
-  scatter_rows(chunk.row_slot.data(), chunk.d_permuted_x.data(), chunk.sent_back.data(), rows, D, stream);
+  scatter_rows(chunk->row_slot.data(), chunk->d_permuted_x.data(), chunk->sent_back.data(), rows, D, stream);
 }
 
 // ---- backward ----

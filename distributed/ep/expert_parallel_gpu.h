@@ -296,6 +296,13 @@ class ExpertParallelGpu {
   void upload_tables(cudaStream_t stream);
   void reserve_buffers();
   void prepare_experts(int chunk, const ExpertParallelGpuWeights& weights, cudaStream_t stream);
+  // Chunk c's expert work and the sizes of its products (D, H_c, E_c, its received rows), with
+  // chunk = nullptr where chunk c computes nothing (identity experts, or no rows received).
+  struct ChunkWork {
+    Chunk* chunk = nullptr;
+    int D = 0, H = 0, E_c = 0, rows = 0;
+  };
+  ChunkWork chunk_work(int c);
   void experts_forward(int chunk, const ExpertParallelGpuWeights& weights, cudaStream_t stream);
   void experts_backward(int chunk, const ExpertParallelGpuWeights& weights, const ExpertParallelGpuGradients& gradients,
                         bool first_with_rows, cudaStream_t stream);
