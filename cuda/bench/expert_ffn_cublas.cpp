@@ -3,8 +3,10 @@
 //   cmake --build build --target moe_bench
 #include "expert_ffn_cublas.h"
 
+#include <vector>
+
 #include "core/gemm.h"        // gemm, gemm_batched, gemm_grouped
-#include "moe/activation.h"   // gelu_forward / _backward, swiglu_forward / _backward
+#include "moe/activation.h"   // activation_forward / _backward
 
 namespace moe::bench {
 
@@ -32,90 +34,70 @@ ExpertGroups exact_groups(const std::vector<int>& counts) {  // dropless grouped
   return g;
 }
 
-void cublas_ffn_forward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cudaStream_t stream) {
-  const int D = f.D, H = f.H, W1 = f.W1, groups = static_cast<int>(f.groups.rows.size());
-  switch (kind) {
-    case CublasKind::dense:
-      moe::cuda::gemm(handle, Op::none, Op::none, int(f.rows), W1, D, f.x.data(), D, f.w1, W1, f.pre.data(), W1);
-      break;
-    case CublasKind::batched:
-      moe::cuda::gemm_batched(handle, Op::none, Op::none, f.groups.rows[0], W1, D, f.x_of.data(), D, f.w1_of.data(),
-                              W1, f.pre_of.data(), W1, groups);
-      break;
-    case CublasKind::grouped:
-      moe::cuda::gemm_grouped(handle, f.groups.rows, W1, D, f.x_of.data(), D, f.w1_of.data(), W1, f.pre_of.data(), W1);
-      break;
-  }
-  if (f.swiglu()) {
-    moe::cuda::swiglu_forward(f.pre.data(), f.hidden.data(), int64_t(f.rows), H, stream);
-  } else {
-    moe::cuda::gelu_forward(f.pre.data(), f.hidden.data(), f.rows * H, stream);
-  }
-  switch (kind) {
-    case CublasKind::dense:
-      moe::cuda::gemm(handle, Op::none, Op::none, int(f.rows), D, H, f.hidden.data(), H, f.w2, D, f.out.data(), D);
-      break;
-    case CublasKind::batched:
-      moe::cuda::gemm_batched(handle, Op::none, Op::none, f.groups.rows[0], D, H, f.hidden_of.data(), H,
-                              f.w2_of.data(), D, f.out_of.data(), D, groups);
-      break;
-    case CublasKind::grouped:
-      moe::cuda::gemm_grouped(handle, f.groups.rows, D, H, f.hidden_of.data(), H, f.w2_of.data(), D,
-                              f.out_of.data(), D);
-      break;
-  }
-}
+namespace {
 
-void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cudaStream_t stream) {
-  const int D = f.D, H = f.H, W1 = f.W1, groups = static_cast<int>(f.groups.rows.size());
-  bf16* const d_pre = f.d_pre();
-  const int m = int(f.rows);
+// A matrix of the FFN in the forms the kinds read: whole (dense), and as the per-group pointer
+// table (batched, grouped). T: const bf16 for the operands, bf16 for the results.
+template <typename T>
+struct GroupMatrix {
+  T* whole;
+  T* const* of;
+  int ld;
+};
+
+// C = op_a(A) · op_b(B) for every expert group, in the kind's form: one GEMM over all the rows, one
+// batched GEMM of C rows a group, or one grouped GEMM. A is always the group's rows [rows, a_cols]:
+// read as it is (C [rows, n], k = a_cols), or transposed (the weight gradients: the product sums
+// over the rows, C [a_cols, n]).
+void group_product(cublasHandle_t handle, CublasKind kind, const CublasFfn& f, Op op_a, Op op_b, int a_cols, int n,
+                   GroupMatrix<const bf16> a, GroupMatrix<const bf16> b, GroupMatrix<bf16> c) {
+  const bool sums_rows = op_a == Op::transpose;
+  const int groups = static_cast<int>(f.groups.rows.size());
   switch (kind) {
-    case CublasKind::dense:
-      moe::cuda::gemm(handle, Op::none, Op::transpose, m, H, D, f.d_out.data(), D, f.w2, D, f.d_hidden.data(), H);
+    case CublasKind::dense: {
+      const int rows = int(f.rows);
+      moe::cuda::gemm(handle, op_a, op_b, sums_rows ? a_cols : rows, n, sums_rows ? rows : a_cols, a.whole, a.ld,
+                      b.whole, b.ld, c.whole, c.ld);
       break;
-    case CublasKind::batched:
-      moe::cuda::gemm_batched(handle, Op::none, Op::transpose, f.groups.rows[0], H, D, f.d_out_of.data(), D,
-                              f.w2_of.data(), D, f.d_hidden_of.data(), H, groups);
-      break;
-    case CublasKind::grouped:
-      moe::cuda::gemm_grouped(handle, Op::none, Op::transpose, f.groups.rows, std::vector<int>(groups, H),
-                           std::vector<int>(groups, D), f.d_out_of.data(), D, f.w2_of.data(), D,
-                           f.d_hidden_of.data(), H);
-      break;
-  }
-  if (f.swiglu()) {
-    moe::cuda::swiglu_backward(f.pre.data(), f.d_hidden.data(), d_pre, int64_t(f.rows), H, stream);
-  } else {
-    moe::cuda::gelu_backward(f.pre.data(), f.d_hidden.data(), d_pre, f.rows * H, stream);
-  }
-  switch (kind) {
-    case CublasKind::dense:
-      moe::cuda::gemm(handle, Op::transpose, Op::none, H, D, m, f.hidden.data(), H, f.d_out.data(), D, f.dw2.data(), D);
-      moe::cuda::gemm(handle, Op::transpose, Op::none, D, W1, m, f.x.data(), D, d_pre, W1, f.dw1.data(), W1);
-      moe::cuda::gemm(handle, Op::none, Op::transpose, m, D, W1, d_pre, W1, f.w1, W1, f.dx.data(), D);
-      break;
+    }
     case CublasKind::batched: {
-      const int C = f.groups.rows[0];
-      moe::cuda::gemm_batched(handle, Op::transpose, Op::none, H, D, C, f.hidden_of.data(), H, f.d_out_of.data(), D,
-                              f.dw2_of.data(), D, groups);
-      moe::cuda::gemm_batched(handle, Op::transpose, Op::none, D, W1, C, f.x_of.data(), D, f.d_pre_of.data(), W1,
-                              f.dw1_of.data(), W1, groups);
-      moe::cuda::gemm_batched(handle, Op::none, Op::transpose, C, D, W1, f.d_pre_of.data(), W1, f.w1_of.data(), W1,
-                              f.dx_of.data(), D, groups);
+      const int rows = f.groups.rows[0];
+      moe::cuda::gemm_batched(handle, op_a, op_b, sums_rows ? a_cols : rows, n, sums_rows ? rows : a_cols, a.of, a.ld,
+                              b.of, b.ld, c.of, c.ld, groups);
       break;
     }
     case CublasKind::grouped: {
-      const std::vector<int> all_d(groups, D), all_h(groups, H), all_w1(groups, W1);
-      moe::cuda::gemm_grouped(handle, Op::transpose, Op::none, all_h, all_d, f.groups.rows, f.hidden_of.data(), H,
-                           f.d_out_of.data(), D, f.dw2_of.data(), D);
-      moe::cuda::gemm_grouped(handle, Op::transpose, Op::none, all_d, all_w1, f.groups.rows, f.x_of.data(), D,
-                           f.d_pre_of.data(), W1, f.dw1_of.data(), W1);
-      moe::cuda::gemm_grouped(handle, Op::none, Op::transpose, f.groups.rows, all_d, all_w1, f.d_pre_of.data(), W1,
-                           f.w1_of.data(), W1, f.dx_of.data(), D);
+      const std::vector<int> cols(groups, a_cols);
+      moe::cuda::gemm_grouped(handle, op_a, op_b, sums_rows ? cols : f.groups.rows, std::vector<int>(groups, n),
+                              sums_rows ? f.groups.rows : cols, a.of, a.ld, b.of, b.ld, c.of, c.ld);
       break;
     }
   }
+}
+
+}  // namespace
+
+void cublas_ffn_forward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cudaStream_t stream) {
+  const int D = f.D, H = f.H, W1 = f.W1;
+  group_product(handle, kind, f, Op::none, Op::none, D, W1, {f.x.data(), f.x_of.data(), D}, {f.w1, f.w1_of.data(), W1},
+                {f.pre.data(), f.pre_of.data(), W1});
+  moe::cuda::activation_forward(f.activation, f.pre.data(), f.hidden.data(), int64_t(f.rows), H, stream);
+  group_product(handle, kind, f, Op::none, Op::none, H, D, {f.hidden.data(), f.hidden_of.data(), H},
+                {f.w2, f.w2_of.data(), D}, {f.out.data(), f.out_of.data(), D});
+}
+
+void cublas_ffn_backward(cublasHandle_t handle, CublasKind kind, CublasFfn& f, cudaStream_t stream) {
+  const int D = f.D, H = f.H, W1 = f.W1;
+  bf16* const d_pre = f.d_pre();
+  group_product(handle, kind, f, Op::none, Op::transpose, D, H, {f.d_out.data(), f.d_out_of.data(), D},
+                {f.w2, f.w2_of.data(), D}, {f.d_hidden.data(), f.d_hidden_of.data(), H});
+  moe::cuda::activation_backward(f.activation, f.pre.data(), f.d_hidden.data(), d_pre, int64_t(f.rows), H, stream);
+  group_product(handle, kind, f, Op::transpose, Op::none, H, D, {f.hidden.data(), f.hidden_of.data(), H},
+                {f.d_out.data(), f.d_out_of.data(), D}, {f.dw2.data(), f.dw2_of.data(), D});
+  group_product(handle, kind, f, Op::transpose, Op::none, D, W1, {f.x.data(), f.x_of.data(), D},
+                {d_pre, f.d_pre_of.data(), W1}, {f.dw1.data(), f.dw1_of.data(), W1});
+  group_product(handle, kind, f, Op::none, Op::transpose, W1, D, {d_pre, f.d_pre_of.data(), W1},
+                {f.w1, f.w1_of.data(), W1}, {f.dx.data(), f.dx_of.data(), D});
 }
 
 }  // namespace moe::bench

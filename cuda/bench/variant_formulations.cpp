@@ -160,14 +160,24 @@ class RoutingBench {
     check_plan("grouped_cublas", plan, 0);
     const std::vector<int> slot_row = download_ints(plan.slot_row);
     cublasHandle_t h = cublas_.get();
-    {
-      CublasFfn f(rows, s_.D, s_.H, in_.activation, exact_groups(counts_), in_.w1.data(), in_.w2.data(), s_.E);
+    // One forward and backward of f on the plan's rows of x and dy (its results poisoned first: an
+    // unwritten one cannot pass), finished.
+    auto run_once = [&](CublasFfn& f, CublasKind kind) {
       moe::cuda::permute_tokens(plan.plan(), in_.x.data(), f.x.data(), s_.D, stream_);
       moe::cuda::permute_tokens(plan.plan(), in_.dy.data(), f.d_out.data(), s_.D, stream_);
       f.poison_results();
-      cublas_ffn_forward(h, CublasKind::grouped, f, stream_);
-      cublas_ffn_backward(h, CublasKind::grouped, f, stream_);
+      cublas_ffn_forward(h, kind, f, stream_);
+      cublas_ffn_backward(h, kind, f, stream_);
       CUDA_CHECK(cudaStreamSynchronize(stream_));
+    };
+    auto time_ffn = [&](const std::string& formulation, CublasFfn& f, CublasKind kind) {
+      Measurement& m = add_measurement(formulation, routed_rows(), routed_rows());
+      time_forward_backward(m, [&] { cublas_ffn_forward(h, kind, f, stream_); },
+                            [&] { cublas_ffn_backward(h, kind, f, stream_); });
+    };
+    {
+      CublasFfn f(rows, s_.D, s_.H, in_.activation, exact_groups(counts_), in_.w1.data(), in_.w2.data(), s_.E);
+      run_once(f, CublasKind::grouped);
       oracle_.out = rows_by_slot(f.out.data(), rows, s_.D, slot_row);
       oracle_.dx = rows_by_slot(f.dx.data(), rows, s_.D, slot_row);
       for (int e : {0, s_.E - 1}) {
@@ -186,22 +196,13 @@ class RoutingBench {
         oracle_ = Oracle{};
         return;
       }
-      if (options_.selected("grouped_cublas")) {
-        Measurement& m = add_measurement("grouped_cublas", routed_rows(), routed_rows());
-        time_forward_backward(m, [&] { cublas_ffn_forward(h, CublasKind::grouped, f, stream_); },
-                              [&] { cublas_ffn_backward(h, CublasKind::grouped, f, stream_); });
-      }
+      if (options_.selected("grouped_cublas")) time_ffn("grouped_cublas", f, CublasKind::grouped);
     }
     // Dense: expert 0's weights for every row, so its rows of expert 0 must equal the oracle's.
     if (!fits(CublasFfn::bytes(rows, s_.D, s_.H, in_.activation, 1), label_ + " dense_cublas", report_)) return;
     ExpertGroups one{{0}, {int(rows)}, {0}};
     CublasFfn f(rows, s_.D, s_.H, in_.activation, one, in_.w1.data(), in_.w2.data(), 1);
-    moe::cuda::permute_tokens(plan.plan(), in_.x.data(), f.x.data(), s_.D, stream_);
-    moe::cuda::permute_tokens(plan.plan(), in_.dy.data(), f.d_out.data(), s_.D, stream_);
-    f.poison_results();
-    cublas_ffn_forward(h, CublasKind::dense, f, stream_);
-    cublas_ffn_backward(h, CublasKind::dense, f, stream_);
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    run_once(f, CublasKind::dense);
     std::vector<int> expert0_slots(slot_row.size(), -1);
     for (size_t slot = 0; slot < slot_row.size(); ++slot) {
       if (slot_row[slot] < counts_[0]) expert0_slots[slot] = slot_row[slot];
@@ -210,9 +211,7 @@ class RoutingBench {
                  compare_slots(rows_by_slot(f.out.data(), rows, s_.D, expert0_slots), oracle_.out, s_.D, expert0_slots));
     record_check(label_ + " dense_cublas dx (expert 0 rows) vs grouped",
                  compare_slots(rows_by_slot(f.dx.data(), rows, s_.D, expert0_slots), oracle_.dx, s_.D, expert0_slots));
-    Measurement& m = add_measurement("dense_cublas", routed_rows(), routed_rows());
-    time_forward_backward(m, [&] { cublas_ffn_forward(h, CublasKind::dense, f, stream_); },
-                          [&] { cublas_ffn_backward(h, CublasKind::dense, f, stream_); });
+    time_ffn("dense_cublas", f, CublasKind::dense);
   }
 
   // Compares a formulation's out and dx (and weight gradients) with the oracle, slot by slot.

@@ -8,7 +8,7 @@
 // order. The grid is sized by host bounds (max_nnz, max_block_rows); the true counts stay on the
 // device and the CTAs past them exit (cuda/moe/device_plan.h).
 //
-// Versions (`switch (version)` in run_version):
+// Versions (kTileVersions and run_version):
 //   1  naive: one thread per output element, fp32 FMA straight from global memory
 //   2  shared-memory tiles: a CTA computes 64 x 64 of a block, 4 x 4 outputs per thread, bf16 tiles
 //      converted to fp32 in shared memory, fp32 FMA
@@ -201,9 +201,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "command_line.h"                 // CLI::App, parse_command_line, whole_number_list
@@ -331,21 +333,19 @@ void launch_tensor_core_shape(const moe::cuda::block_sparse_detail::SddProblem<
 // below launches this same problem; only the kernel and its tile configuration change.
 using LessonSdd = moe::cuda::block_sparse_detail::SddProblem<moe::cuda::block_sparse_detail::Layout::row_major_km,
                                                              moe::cuda::block_sparse_detail::SddEpilogue::store>;
+// The problem's a is x [rows, D] (inner = D), its b W1 (ldb = H), its out0 the blocks.
 LessonSdd lesson_sdd_problem(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out) {
-  LessonSdd problem = moe::cuda::block_sparse_detail::with_row_walk(LessonSdd{}, t);
+  using namespace moe::cuda::block_sparse_detail;
+  LessonSdd problem = with_expert_operand(with_topology(LessonSdd{}, t), moe::cuda::ExpertOperand{w1, H, 0, false});
   problem.a = x;
   problem.inner = D;
-  problem.b = w1;
-  problem.ldb = H;
   problem.out0 = out;
   return problem;
 }
 
 template <int BN, int MIN_BLOCKS>
-void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H,
-                        bf16* out, cudaStream_t stream) {
-  using namespace moe::cuda::block_sparse_detail;
-  const LessonSdd problem = lesson_sdd_problem(t, x, D, w1, H, out);
+void launch_tensor_core(const LessonSdd& problem, const DeviceTopology& t, cudaStream_t stream) {
+  const int H = problem.ldb;
   if (H % BN != 0) {
     std::fprintf(stderr, "this tile needs H %% %d == 0\n", BN);
     std::exit(1);
@@ -358,11 +358,10 @@ void launch_tensor_core(const DeviceTopology& t, const bf16* x, int D, const bf1
 
 // ---- versions 6-10, 12-14: the wgmma tile kernel of block_sparse_wgmma.cuh (sm_90a, B = 128 only) ----
 template <int BN, int STAGES, int MIN_BLOCKS, int IN_FLIGHT, bool STAGED>
-void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
-                  cudaStream_t stream) {
+void launch_wgmma(const LessonSdd& problem, const DeviceTopology& t, cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
   using Sdd = LessonSdd;
-  const Sdd problem = lesson_sdd_problem(t, x, D, w1, H, out);
+  const int H = problem.ldb;
   if (H % BN != 0 || t.block_size != kWgmmaBlockM) {
     std::fprintf(stderr, "the wgmma versions need B = 128 and H %% %d == 0\n", BN);
     std::exit(1);
@@ -381,17 +380,17 @@ void launch_wgmma(const DeviceTopology& t, const bf16* x, int D, const bf16* con
 // TMA (version 18): the producer's copies come from tensor maps (cuda/moe/tensor_map.h): x as a 2-D map
 // in boxes of 64 k x 64 rows, and one map per expert's W1 in boxes of 64 n x 64 k, built on the
 // device before each launch from the pointer table, as the mainline does.
-// Gathered rows (version 20): x is in token order [T, D] and `gather` says where each row comes from.
+// Gathered rows (version 20): x is in token order [T, D] and the problem's `gather` says where each
+// row comes from.
 // Clusters (versions 21 and 22): the persistent grid in clusters of two CTAs, which share the A
 // operand of two tiles side by side (share_a; H / 256 must be even) or the B operand of two block
 // rows one above the other (share_b), by TMA multicast.
 template <int STAGES, int EPILOGUE_COLUMNS, bool PERSISTENT, bool TMA = false, WsCluster CLUSTER = WsCluster::none>
-void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* const* w1, int H, bf16* out,
-                     cudaStream_t stream, moe::cuda::block_sparse_detail::RowGather gather = {}) {
+void launch_wgmma_ws(const LessonSdd& problem, const DeviceTopology& t, cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
   using Sdd = LessonSdd;
-  Sdd problem = lesson_sdd_problem(t, x, D, w1, H, out);
-  problem.gather = gather;
+  const bf16* x = problem.a;
+  const int D = problem.inner, H = problem.ldb;
   if (H % kWsBlockN != 0 || t.block_size != kWgmmaBlockM) {
     std::fprintf(stderr, "the warp-specialized versions need B = 128 and H %% %d == 0\n", kWsBlockN);
     std::exit(1);
@@ -415,10 +414,10 @@ void launch_wgmma_ws(const DeviceTopology& t, const bf16* x, int D, const bf16* 
   if constexpr (TMA) {
     const int experts = t.block_cols / t.blocks_per_expert;
     expert_maps = moe::cuda::allocate_expert_maps(experts, stream);
-    if (gather.row_slot == nullptr) {  // else the producer gathers x's rows with cp.async
+    if (problem.gather.row_slot == nullptr) {  // else the producer gathers x's rows with cp.async
       maps.a[0] = maps.a[1] = moe::cuda::make_matrix_map(x, static_cast<int64_t>(t.max_block_rows) * t.block_size, D, D, 64);
     }
-    moe::cuda::build_expert_maps(moe::cuda::make_matrix_map(x, D, H, H, 64), w1, experts, expert_maps, stream);
+    moe::cuda::build_expert_maps(moe::cuda::make_matrix_map(x, D, H, H, 64), problem.b, experts, expert_maps, stream);
     maps.experts = expert_maps;
   }
   // Half-row tiles and the stream-K tail off: the versions here are the steps before them; the
@@ -454,11 +453,9 @@ void launch_wgmma_dsd(const DeviceTopology& t, const bf16* hidden, const bf16* c
                       cudaStream_t stream) {
   using namespace moe::cuda::block_sparse_detail;
   using Dsd = DsdProblem<Layout::row_major_km>;
-  Dsd problem = with_row_walk(Dsd{}, t);
+  Dsd problem = with_expert_operand(with_topology(Dsd{}, t), moe::cuda::ExpertOperand{w2, D, 0, false});
   problem.s0 = hidden;
   problem.parts = 1;
-  problem.b = w2;
-  problem.ldb = D;
   problem.out = out;
   problem.ldo = D;
   constexpr int smem = wgmma_shared_bytes<BN, STAGES>();
@@ -469,6 +466,12 @@ void launch_wgmma_dsd(const DeviceTopology& t, const bf16* hidden, const bf16* c
 }
 
 // ---- one problem: routing, topology, tensors ----
+// The dropless layer of these sizes: what the plan, the topology and the whole forward read.
+moe::MoeConfig dropless_config(int T, int D, int H, int E, int K, int B) {
+  return moe::MoeConfig{.tokens = T, .model_dim = D, .hidden_dim = H, .num_experts = E, .top_k = K,
+                        .formulation = moe::Formulation::dropless, .block_size = B};
+}
+
 struct Problem {
   int T, D, H, E, K, B;
   int64_t rows = 0, max_rows = 0;
@@ -484,14 +487,7 @@ struct Problem {
 
   Problem(int T_, int D_, int H_, int E_, int K_, int B_, uint64_t seed, bool keep_reference)
       : T(T_), D(D_), H(H_), E(E_), K(K_), B(B_) {
-    moe::MoeConfig config;
-    config.tokens = T;
-    config.model_dim = D;
-    config.hidden_dim = H;
-    config.num_experts = E;
-    config.top_k = K;
-    config.block_size = B;
-    config.formulation = moe::Formulation::dropless;
+    const moe::MoeConfig config = dropless_config(T, D, H, E, K, B);
     std::mt19937_64 generator(seed);
     moe::ref::IndexMatrix top(T, K);  // uniform routing, K distinct experts per token
     for (int t = 0; t < T; ++t)
@@ -553,9 +549,43 @@ struct Problem {
   double useful_flops() const { return 2.0 * T * K * static_cast<double>(D) * H; }
 };
 
-// ---- the switch ----
+// ---- the versions ----
+// The tensor-core versions: the lesson's SDD problem, each with its kernel and tile configuration.
+using TileLaunch = void (*)(const LessonSdd&, const DeviceTopology&, cudaStream_t);
+const std::map<int, TileLaunch> kTileVersions = {
+    {3, launch_tensor_core<128, 1>},
+    {4, launch_tensor_core<128, 2>},
+    {5, launch_tensor_core<256, 1>},
+    {6, launch_wgmma<128, 6, 1, 1, false>},
+    {7, launch_wgmma<256, 4, 1, 1, false>},
+    {8, launch_wgmma<128, 3, 2, 1, false>},
+    {9, launch_wgmma<128, 3, 2, 0, false>},
+    {10, launch_wgmma<256, 4, 1, 0, false>},
+    {12, launch_wgmma<128, 3, 2, 0, true>},
+    {13, launch_wgmma<256, 4, 1, 0, true>},
+    {14, launch_wgmma<256, 4, 1, 1, true>},
+    {15, launch_wgmma_ws<4, 256, false>},
+    {16, launch_wgmma_ws<4, 32, true>},
+    {17, launch_wgmma_ws<3, 128, true>},
+    {18, launch_wgmma_ws<4, 32, true, true>},
+    {19, launch_wgmma_ws<4, 0, true, true>},
+    {20, launch_wgmma_ws<4, 0, true, true>},  // on a problem whose rows are gathered (run_version)
+    {21, launch_wgmma_ws<4, 0, true, true, WsCluster::share_a>},
+    {22, launch_wgmma_ws<4, 0, true, true, WsCluster::share_b>},
+};
+
 void run_version(int version, Problem& p, cudaStream_t stream) {
   const DeviceTopology& t = p.device.topology;
+  if (const auto tile = kTileVersions.find(version); tile != kTileVersions.end()) {
+    LessonSdd problem = lesson_sdd_problem(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data());
+    if (version == 20) {  // x in token order: the producer gathers each row from its token
+      problem.a = p.x_tokens.data();
+      problem.gather = {p.row_slot.data(), p.K};
+    }
+    tile->second(problem, t, stream);
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   switch (version) {
     case 1: {
       const int64_t threads = p.max_nnz_elements;  // host bound; CTAs past *nnz exit at once
@@ -569,66 +599,6 @@ void run_version(int version, Problem& p, cudaStream_t stream) {
           t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data());
       break;
     }
-    case 3:
-      launch_tensor_core<128, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 4:
-      launch_tensor_core<128, 2>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 5:
-      launch_tensor_core<256, 1>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 6:
-      launch_wgmma<128, 6, 1, 1, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 7:
-      launch_wgmma<256, 4, 1, 1, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 8:
-      launch_wgmma<128, 3, 2, 1, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 9:
-      launch_wgmma<128, 3, 2, 0, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 10:
-      launch_wgmma<256, 4, 1, 0, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 12:
-      launch_wgmma<128, 3, 2, 0, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 13:
-      launch_wgmma<256, 4, 1, 0, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 14:
-      launch_wgmma<256, 4, 1, 1, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 15:
-      launch_wgmma_ws<4, 256, false>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 16:
-      launch_wgmma_ws<4, 32, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 17:
-      launch_wgmma_ws<3, 128, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 18:
-      launch_wgmma_ws<4, 32, true, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 19:
-      launch_wgmma_ws<4, 0, true, true>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream);
-      break;
-    case 20:
-      launch_wgmma_ws<4, 0, true, true>(t, p.x_tokens.data(), p.D, p.w1_table.data(), p.H, p.out_device.data(), stream,
-                                        {p.row_slot.data(), p.K});
-      break;
-    case 21:
-      launch_wgmma_ws<4, 0, true, true, WsCluster::share_a>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H,
-                                                     p.out_device.data(), stream);
-      break;
-    case 22:
-      launch_wgmma_ws<4, 0, true, true, WsCluster::share_b>(t, p.x_device.data(), p.D, p.w1_table.data(), p.H,
-                                                     p.out_device.data(), stream);
-      break;
     case 11:  // the mainline library call
       moe::cuda::sdd(t, p.x_device.data(), p.D, moe::cuda::ExpertOperand{p.w1_table.data(), p.H, 0, false},
                      p.out_device.data(), stream);
@@ -804,9 +774,7 @@ int run(int argc, char** argv) {
 
   // ---- 3. the whole dropless forward: SDD + GeLU, then DSD, against two dense GEMMs ----
   {
-    moe::MoeConfig config;
-    config.tokens = T; config.model_dim = D; config.hidden_dim = H; config.num_experts = E;
-    config.top_k = K; config.block_size = B; config.formulation = moe::Formulation::dropless;
+    const moe::MoeConfig config = dropless_config(T, D, H, E, K, B);
     DeviceBuffer<bf16> pre(static_cast<size_t>(big.max_nnz_elements)), hidden(static_cast<size_t>(big.max_nnz_elements));
     DeviceBuffer<bf16> out(static_cast<size_t>(big.max_rows) * D), dense_hidden(static_cast<size_t>(T) * K * H);
     std::vector<DeviceBuffer<bf16>> w2;
@@ -840,22 +808,22 @@ int run(int argc, char** argv) {
     const float dense_dsd_ms = time_median(
         [&] { gemm_row_major(handle, T * K, D, H, dense_hidden.data(), w2[0].data(), dense_out.data()); }, stream);
     if (hopper) {  // the wgmma configurations on the DSD (its check is the library tests')
-      const bf16* const* w2p = w2_table.data();
-      const float dsd9 = time_median(
-          [&] { launch_wgmma_dsd<128, 3, 2, 0, false>(big.device.topology, hidden.data(), w2p, D, out.data(), stream); },
-          stream);
-      const float dsd12 = time_median(
-          [&] { launch_wgmma_dsd<128, 3, 2, 0, true>(big.device.topology, hidden.data(), w2p, D, out.data(), stream); },
-          stream);
-      const float dsd13 = time_median(
-          [&] { launch_wgmma_dsd<256, 4, 1, 0, true>(big.device.topology, hidden.data(), w2p, D, out.data(), stream); },
-          stream);
-      const float dsd14 = time_median(
-          [&] { launch_wgmma_dsd<256, 4, 1, 1, true>(big.device.topology, hidden.data(), w2p, D, out.data(), stream); },
-          stream);
-      auto tf = [&](float ms) { return big.useful_flops() / (ms * 1e-3) / 1e12; };
-      std::printf("\nDSD TFLOP/s useful by configuration: v9 %.1f | v12 %.1f | v13 %.1f | v14 %.1f\n", tf(dsd9),
-                  tf(dsd12), tf(dsd13), tf(dsd14));
+      using DsdLaunch = void (*)(const DeviceTopology&, const bf16*, const bf16* const*, int, bf16*, cudaStream_t);
+      const std::pair<const char*, DsdLaunch> configurations[] = {{"v9", launch_wgmma_dsd<128, 3, 2, 0, false>},
+                                                                   {"v12", launch_wgmma_dsd<128, 3, 2, 0, true>},
+                                                                   {"v13", launch_wgmma_dsd<256, 4, 1, 0, true>},
+                                                                   {"v14", launch_wgmma_dsd<256, 4, 1, 1, true>}};
+      std::string line = "\nDSD TFLOP/s useful by configuration:";
+      const char* separator = " ";
+      for (const auto& [name, launch] : configurations) {
+        const float ms = time_median(
+            [&] { launch(big.device.topology, hidden.data(), w2_table.data(), D, out.data(), stream); }, stream);
+        char value[64];
+        std::snprintf(value, sizeof value, "%s%s %.1f", separator, name, big.useful_flops() / (ms * 1e-3) / 1e12);
+        line += value;
+        separator = " | ";
+      }
+      std::printf("%s\n", line.c_str());
     }
     std::printf("\nDSD alone (mainline): %.3f ms, %.1f TFLOP/s useful; cuBLAS [T*K,H]x[H,D] %.3f ms; ratio %.2fx\n",
                 dsd_ms, big.useful_flops() / (dsd_ms * 1e-3) / 1e12, dense_dsd_ms, dense_dsd_ms / dsd_ms);

@@ -3,6 +3,7 @@
 #include "model/attention.h"
 
 #include <cmath>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -108,6 +109,24 @@ PointerPattern pattern(const T* base, int64_t sequence_stride, int64_t head_stri
   return {reinterpret_cast<const char*>(base), sequence_stride * int64_t{sizeof(T)}, head_stride * int64_t{sizeof(T)}};
 }
 
+// Slots first, first + 1, first + 2: the Q, K and V heads of a [T, 3D] matrix (qkv or d_qkv).
+void set_qkv_heads(PointerPatterns& p, Slot first, const bf16* qkv, const Sizes& z) {
+  const int64_t sequence = int64_t{z.seq_len} * 3 * z.model_dim;
+  for (int part = 0; part < 3; ++part) p.array[first + part] = pattern(qkv + part * z.model_dim, sequence, z.head_dim);
+}
+
+// An [N, heads, S, S] tensor (scores, probabilities and their gradients): one S x S square a head.
+template <typename T>
+PointerPattern squares(const T* base, const Sizes& z) {
+  const int64_t square = int64_t{z.seq_len} * z.seq_len;
+  return pattern(base, z.num_heads * square, square);
+}
+
+// A [T, D] matrix by heads (the context, or its gradient).
+PointerPattern head_columns(const bf16* base, const Sizes& z) {
+  return pattern(base, int64_t{z.seq_len} * z.model_dim, z.head_dim);
+}
+
 void fill_pointers(const PointerPatterns& patterns, int arrays, const Sizes& z, AttentionWorkspace& workspace,
                    cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((z.batch_heads + 127) / 128), static_cast<unsigned>(arrays));
@@ -158,6 +177,24 @@ void check_attention_shape(const char* function, const AttentionShape& shape) {
                       int64_t{1} << 40, "qkv entries");
 }
 
+namespace {
+
+// The checks both passes open with, in order: the shape, the workspace made for it, the pointers
+// both passes take, then the pass's own pointers. Returns the sizes.
+Sizes checked_sizes(const char* function, const AttentionShape& shape, const AttentionWorkspace& workspace,
+                    cublasHandle_t handle, const bf16* x, const bf16* qkv_weights, const bf16* out_weights,
+                    const bf16* qkv, const bf16* probs, const bf16* context,
+                    std::initializer_list<detail::NamedPointer> own) {
+  check_attention_shape(function, shape);
+  check_workspace(function, shape, workspace);
+  detail::check_not_null(function, {{"handle", handle}, {"x", x}, {"qkv_weights", qkv_weights},
+                                    {"out_weights", out_weights}, {"qkv", qkv}, {"probs", probs}, {"context", context}});
+  detail::check_not_null(function, own);
+  return sizes_of(shape);
+}
+
+}  // namespace
+
 AttentionWorkspace::AttentionWorkspace(const AttentionShape& s)
     : shape((check_attention_shape("AttentionWorkspace", s), s)),
       scores(size_t(s.batch * s.num_heads * s.seq_len * s.seq_len)),
@@ -169,26 +206,18 @@ AttentionWorkspace::AttentionWorkspace(const AttentionShape& s)
 void attention_forward(cublasHandle_t handle, const AttentionShape& shape, const bf16* x, const bf16* qkv_weights,
                        const bf16* out_weights, bf16* qkv, bf16* probs, bf16* context, bf16* out,
                        AttentionWorkspace& workspace, cudaStream_t stream) {
-  constexpr const char* kFunction = "attention_forward";
-  check_attention_shape(kFunction, shape);
-  check_workspace(kFunction, shape, workspace);
-  detail::check_not_null(kFunction, {{"handle", handle}, {"x", x}, {"qkv_weights", qkv_weights},
-                                     {"out_weights", out_weights}, {"qkv", qkv}, {"probs", probs}, {"context", context},
-                                     {"out", out}});
-  const Sizes z = sizes_of(shape);
+  const Sizes z = checked_sizes("attention_forward", shape, workspace, handle, x, qkv_weights, out_weights, qkv, probs,
+                                context, {{"out", out}});
   const int D = z.model_dim, S = z.seq_len, d = z.head_dim;
-  const int64_t qkv_sequence = int64_t{S} * 3 * D, sequence = int64_t{S} * D, square = int64_t{S} * S;
   CUBLAS_CHECK(cublasSetStream(handle, stream));
 
   gemm(handle, Op::none, Op::none, z.tokens, 3 * D, D, x, D, qkv_weights, 3 * D, qkv, 3 * D);
 
   PointerPatterns p{};
-  p.array[kQ] = pattern(qkv, qkv_sequence, d);
-  p.array[kK] = pattern(qkv + D, qkv_sequence, d);
-  p.array[kV] = pattern(qkv + 2 * D, qkv_sequence, d);
-  p.array[kScores] = pattern(workspace.scores.data(), z.num_heads * square, square);
-  p.array[kProbs] = pattern(probs, z.num_heads * square, square);
-  p.array[kContext] = pattern(context, sequence, d);
+  set_qkv_heads(p, kQ, qkv, z);
+  p.array[kScores] = squares(workspace.scores.data(), z);
+  p.array[kProbs] = squares(probs, z);
+  p.array[kContext] = head_columns(context, z);
   fill_pointers(p, kContext + 1, z, workspace, stream);
 
   // scores_b [S, S] = Q_b [S, d] K_bᵀ, fp32 out
@@ -209,16 +238,10 @@ void attention_backward(cublasHandle_t handle, const AttentionShape& shape, cons
                         const bf16* out_weights, const bf16* qkv, const bf16* probs, const bf16* context,
                         const bf16* d_out, float* d_qkv_weights, float* d_out_weights, float* dx,
                         AttentionWorkspace& workspace, cudaStream_t stream) {
-  constexpr const char* kFunction = "attention_backward";
-  check_attention_shape(kFunction, shape);
-  check_workspace(kFunction, shape, workspace);
-  detail::check_not_null(kFunction, {{"handle", handle}, {"x", x}, {"qkv_weights", qkv_weights},
-                                     {"out_weights", out_weights}, {"qkv", qkv}, {"probs", probs}, {"context", context},
-                                     {"d_out", d_out}, {"d_qkv_weights", d_qkv_weights},
-                                     {"d_out_weights", d_out_weights}, {"dx", dx}});
-  const Sizes z = sizes_of(shape);
+  const Sizes z = checked_sizes("attention_backward", shape, workspace, handle, x, qkv_weights, out_weights, qkv, probs,
+                                context, {{"d_out", d_out}, {"d_qkv_weights", d_qkv_weights},
+                                          {"d_out_weights", d_out_weights}, {"dx", dx}});
   const int D = z.model_dim, S = z.seq_len, d = z.head_dim;
-  const int64_t qkv_sequence = int64_t{S} * 3 * D, sequence = int64_t{S} * D, square = int64_t{S} * S;
   bf16* d_context = workspace.d_context.data();
   bf16* d_qkv = workspace.d_qkv.data();
   CUBLAS_CHECK(cublasSetStream(handle, stream));
@@ -228,16 +251,12 @@ void attention_backward(cublasHandle_t handle, const AttentionShape& shape, cons
   gemm(handle, Op::none, Op::transpose, z.tokens, D, D, d_out, D, out_weights, D, d_context, D);
 
   PointerPatterns p{};
-  p.array[kQ] = pattern(qkv, qkv_sequence, d);
-  p.array[kK] = pattern(qkv + D, qkv_sequence, d);
-  p.array[kV] = pattern(qkv + 2 * D, qkv_sequence, d);
-  p.array[kScores] = pattern(workspace.scores.data(), z.num_heads * square, square);  // d_probs
-  p.array[kProbs] = pattern(probs, z.num_heads * square, square);
-  p.array[kContext] = pattern(d_context, sequence, d);
-  p.array[kDScores] = pattern(workspace.d_scores.data(), z.num_heads * square, square);
-  p.array[kDQ] = pattern(d_qkv, qkv_sequence, d);
-  p.array[kDK] = pattern(d_qkv + D, qkv_sequence, d);
-  p.array[kDV] = pattern(d_qkv + 2 * D, qkv_sequence, d);
+  set_qkv_heads(p, kQ, qkv, z);
+  p.array[kScores] = squares(workspace.scores.data(), z);  // d_probs
+  p.array[kProbs] = squares(probs, z);
+  p.array[kContext] = head_columns(d_context, z);
+  p.array[kDScores] = squares(workspace.d_scores.data(), z);
+  set_qkv_heads(p, kDQ, d_qkv, z);
   fill_pointers(p, kAttentionPointerArrays, z, workspace, stream);
 
   // d_probs_b [S, S] = d_context_b [S, d] V_bᵀ (fp32);  d_V_b [S, d] = probs_bᵀ d_context_b

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"  // bf16
+#include "moe_config.h"  // Activation
 
 namespace moe::cuda {
 
@@ -43,5 +44,22 @@ void swiglu_backward(const bf16* pre,       // [rows, 2H] as the forward read it
                      const bf16* d_hidden,  // [rows, H]
                      bf16* d_pre,           // [rows, 2H] d_gate columns, then d_up columns
                      int64_t rows, int64_t hidden_dim, cudaStream_t stream);
+
+// The layer's activation over `rows` rows of H hidden values, the one call of the cuBLAS expert
+// paths: SwiGLU's fused pass (pre [rows, 2H]), or GeLU elementwise over rows * H.
+inline void activation_forward(Activation activation, const bf16* pre, bf16* hidden, int64_t rows,
+                               int64_t hidden_dim, cudaStream_t stream) {
+  if (activation == Activation::swiglu)
+    swiglu_forward(pre, hidden, rows, hidden_dim, stream);
+  else
+    gelu_forward(pre, hidden, static_cast<size_t>(rows * hidden_dim), stream);
+}
+inline void activation_backward(Activation activation, const bf16* pre, const bf16* d_hidden, bf16* d_pre,
+                                int64_t rows, int64_t hidden_dim, cudaStream_t stream) {
+  if (activation == Activation::swiglu)
+    swiglu_backward(pre, d_hidden, d_pre, rows, hidden_dim, stream);
+  else
+    gelu_backward(pre, d_hidden, d_pre, static_cast<size_t>(rows * hidden_dim), stream);
+}
 
 }  // namespace moe::cuda

@@ -14,6 +14,7 @@
 #include "moe/block_sparse_wgmma.cuh"     // block_sparse_wgmma_kernel (sm_90a)
 #include "moe/block_sparse_wgmma_ws.cuh"  // block_sparse_wgmma_ws_kernel (sm_90a, warp-specialized)
 #include "core/cuda_check.h"              // CUDA_CHECK
+#include "core/launch_checks.h"           // NamedPointer
 #include "moe/tensor_map.h"               // make_matrix_map, make_blocks_map, build_expert_maps
 
 namespace moe::cuda {
@@ -56,6 +57,20 @@ void require_topology(const DeviceTopology& t, const std::string& function, bool
     require_pointer(t.row_indices, function, "topology.row_indices");
     require_pointer(t.block_row_tokens, function, "topology.block_row_tokens");
   }
+}
+
+// The opening checks of the four products: the side of the topology the product walks (block rows
+// for SDD and DSD, block columns for the weight gradients DSᵀD and DDS), and its dense width, a
+// multiple of B.
+void require_walk(const DeviceTopology& t, const std::string& function, bool rows, int64_t width,
+                  const char* width_name) {
+  require_topology(t, function, rows, /*columns=*/!rows);
+  require_multiple(width, t.block_size, function, width_name);
+}
+
+// Each pointer of the list, in order: the first null one is the one named.
+void require_pointers(const std::string& function, std::initializer_list<detail::NamedPointer> pointers) {
+  for (const detail::NamedPointer& p : pointers) require_pointer(p.pointer, function, p.name);
 }
 
 void require_operand(const ExpertOperand& b, const std::string& function) {
@@ -268,8 +283,19 @@ bool takes_warp_specialized(int block_size, int dense_extent) {
   return block_size == 128 && dense_extent % kWsBlockN == 0 && wgmma_available();
 }
 
-// BM x BN is B x 128 (or B x 64 when the dense extent is not a multiple of 128) for the products
-// tiled by block rows / block columns, and 128 (64) x B for DDS, whose tiles run down the dense rows.
+// A tile BLOCK wide along the blocks and DENSE along the dense extent: BM x BN = BLOCK x DENSE for
+// the products tiled by block rows / block columns, DENSE x BLOCK for DDS, whose tiles run down the
+// dense rows.
+template <int BLOCK, int DENSE, class Problem>
+void launch_block_by_dense(const Problem& problem, int dense_extent, int y_count, cudaStream_t stream) {
+  if constexpr (Problem::grid_x_over_m)
+    launch_shape<DENSE, BLOCK>(problem, dense_extent, y_count, stream);
+  else
+    launch_shape<BLOCK, DENSE>(problem, dense_extent, y_count, stream);
+}
+
+// The tile is B along the blocks by 128 along the dense extent (64 when the extent is not a
+// multiple of 128).
 template <class Problem>
 void launch(const Problem& problem, int block_size, int dense_extent, int y_count, cudaStream_t stream,
             const TmaOperands* tma = nullptr) {
@@ -306,21 +332,12 @@ void launch(const Problem& problem, int block_size, int dense_extent, int y_coun
     return;
   }
   const bool wide = dense_extent % 128 == 0;
-  if constexpr (Problem::grid_x_over_m) {
-    if (block_size == 128)
-      wide ? launch_shape<128, 128>(problem, dense_extent, y_count, stream)
-           : launch_shape<64, 128>(problem, dense_extent, y_count, stream);
-    else
-      wide ? launch_shape<128, 64>(problem, dense_extent, y_count, stream)
-           : launch_shape<64, 64>(problem, dense_extent, y_count, stream);
-  } else {
-    if (block_size == 128)
-      wide ? launch_shape<128, 128>(problem, dense_extent, y_count, stream)
-           : launch_shape<128, 64>(problem, dense_extent, y_count, stream);
-    else
-      wide ? launch_shape<64, 128>(problem, dense_extent, y_count, stream)
-           : launch_shape<64, 64>(problem, dense_extent, y_count, stream);
-  }
+  if (block_size == 128)
+    wide ? launch_block_by_dense<128, 128>(problem, dense_extent, y_count, stream)
+         : launch_block_by_dense<128, 64>(problem, dense_extent, y_count, stream);
+  else
+    wide ? launch_block_by_dense<64, 128>(problem, dense_extent, y_count, stream)
+         : launch_block_by_dense<64, 64>(problem, dense_extent, y_count, stream);
 }
 
 // ---- the products, with their epilogues (checked by the callers) ----
@@ -339,13 +356,10 @@ struct SddArguments {
 void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t stream) {
   const int hidden = t.blocks_per_expert * t.block_size;  // H
   auto fill = [&](auto empty) {
-    auto problem = with_row_walk(empty, t);
+    auto problem = with_expert_operand(with_topology(empty, t), args.b);
     problem.a = args.a;
     problem.inner = args.inner;
     problem.gather = args.gather;
-    problem.b = args.b.pointers;
-    problem.ldb = args.b.ld;
-    problem.column_offset = args.b.column_offset;
     problem.in0 = args.in0;
     problem.in1 = args.in1;
     problem.out0 = args.out0;
@@ -395,13 +409,10 @@ void launch_sdd(const DeviceTopology& t, const SddArguments& args, cudaStream_t 
 void launch_dsd(const DeviceTopology& t, const bf16* s0, const bf16* s1, const ExpertOperand& b,
                 int out_cols, bf16* out, cudaStream_t stream) {
   auto fill = [&](auto empty) {
-    auto problem = with_row_walk(empty, t);
+    auto problem = with_expert_operand(with_topology(empty, t), b);
     problem.s0 = s0;
     problem.s1 = s1;
     problem.parts = s1 != nullptr ? 2 : 1;
-    problem.b = b.pointers;
-    problem.ldb = b.ld;
-    problem.column_offset = b.column_offset;
     problem.out = out;
     problem.ldo = out_cols;
     return problem;
@@ -453,7 +464,7 @@ bool gradient_pairs_taken(const DeviceTopology& t, int columns_per_tile) {
 template <class Problem, typename OUT>
 Problem weight_gradient_problem(Problem empty, const DeviceTopology& t, const bf16* s, const bf16* dense, int ldd,
                                 OUT* const* out, int ldo) {
-  Problem problem = with_column_walk(empty, t);
+  Problem problem = with_topology(empty, t);
   problem.s = s;
   problem.dense = dense;
   problem.ldd = ldd;
@@ -586,10 +597,8 @@ bool gathering_pays(const MoeConfig& config) {
 void sdd(const DeviceTopology& topology, const bf16* a, int inner, const ExpertOperand& b,
          bf16* out_blocks, cudaStream_t stream) {
   const std::string f = "moe::cuda::sdd";
-  require_topology(topology, f, true, false);
-  require_multiple(inner, topology.block_size, f, "inner");
-  require_pointer(a, f, "a");
-  require_pointer(out_blocks, f, "out_blocks");
+  require_walk(topology, f, /*rows=*/true, inner, "inner");
+  require_pointers(f, {{"a", a}, {"out_blocks", out_blocks}});
   require_operand(b, f);
   SddArguments args{a, inner, b};
   args.out0 = out_blocks;
@@ -599,10 +608,8 @@ void sdd(const DeviceTopology& topology, const bf16* a, int inner, const ExpertO
 void dsd(const DeviceTopology& topology, const bf16* s_blocks, const ExpertOperand& b, int out_cols,
          bf16* out, cudaStream_t stream) {
   const std::string f = "moe::cuda::dsd";
-  require_topology(topology, f, true, false);
-  require_multiple(out_cols, topology.block_size, f, "out_cols");
-  require_pointer(s_blocks, f, "s_blocks");
-  require_pointer(out, f, "out");
+  require_walk(topology, f, /*rows=*/true, out_cols, "out_cols");
+  require_pointers(f, {{"s_blocks", s_blocks}, {"out", out}});
   require_operand(b, f);
   launch_dsd(topology, s_blocks, nullptr, b, out_cols, out, stream);
 }
@@ -612,12 +619,9 @@ template <typename OUT>
 void checked_dsd_transposed(const DeviceTopology& topology, const bf16* s_blocks, const bf16* dense, int cols,
                             OUT* const* out, int ldo, cudaStream_t stream) {
   const std::string f = "moe::cuda::dsd_transposed";
-  require_topology(topology, f, false, true);
-  require_multiple(cols, topology.block_size, f, "cols");
+  require_walk(topology, f, /*rows=*/false, cols, "cols");
   require(ldo >= cols && ldo % 2 == 0, f, "ldo must be >= cols and even");
-  require_pointer(s_blocks, f, "s_blocks");
-  require_pointer(dense, f, "dense");
-  require_pointer(out, f, "out");
+  require_pointers(f, {{"s_blocks", s_blocks}, {"dense", dense}, {"out", out}});
   launch_dsd_transposed(topology, s_blocks, dense, cols, out, ldo, stream);
 }
 
@@ -625,14 +629,11 @@ template <typename OUT>
 void checked_dds(const DeviceTopology& topology, const bf16* dense, int cols, const bf16* s_blocks,
                  OUT* const* out, int ldo, int column_offset, cudaStream_t stream) {
   const std::string f = "moe::cuda::dds";
-  require_topology(topology, f, false, true);
-  require_multiple(cols, topology.block_size, f, "cols");
+  require_walk(topology, f, /*rows=*/false, cols, "cols");
   const int hidden = topology.blocks_per_expert * topology.block_size;
   require(column_offset >= 0 && column_offset % 2 == 0 && ldo >= column_offset + hidden, f,
           "need ldo >= column_offset + H and an even column_offset");
-  require_pointer(dense, f, "dense");
-  require_pointer(s_blocks, f, "s_blocks");
-  require_pointer(out, f, "out");
+  require_pointers(f, {{"dense", dense}, {"s_blocks", s_blocks}, {"out", out}});
   launch_dds(topology, dense, cols, s_blocks, out, ldo, column_offset, stream);
 }
 }  // namespace

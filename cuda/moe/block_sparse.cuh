@@ -264,6 +264,31 @@ __device__ inline void store8(float* out, const float (&v)[8]) {
   }
 }
 
+// The expert operand of the products that walk block rows (SDD, DSD): B = W_e of the block row's
+// expert, stored [K, ldb] (row_major_km) or [N, ldb] and read transposed (row_major_nk), its columns
+// from column_offset on. A CTA's tile reads from column n on, 64 rows of K a k-step.
+template <Layout B_LAYOUT>
+struct ExpertOperandWalk {
+  const bf16* const* b;  // [E]
+  int ldb;
+  int column_offset;
+  const bf16* b_tile;  // per CTA
+
+  __device__ void begin_b(int e, int n) {
+    if constexpr (B_LAYOUT == Layout::row_major_km)
+      b_tile = b[e] + column_offset + n;
+    else
+      b_tile = b[e] + static_cast<int64_t>(column_offset + n) * ldb;
+  }
+  __device__ const bf16* b_chunk(int step, int64_t& ld) const {
+    ld = ldb;
+    if constexpr (B_LAYOUT == Layout::row_major_km)
+      return b_tile + static_cast<int64_t>(step) * kBlockK * ldb;
+    else
+      return b_tile + step * kBlockK;
+  }
+};
+
 // SDD: blocks(r, j) = A[rB : rB+B, :] · W_e[:, column_offset + jB : ...], e = block_row_expert[r].
 // Tile (block row r, tile_n): BM = B rows, BN columns = BN/B consecutive blocks of that row.
 // B_LAYOUT row_major_km: W_e stored [Kd, ld] (forward W1); row_major_nk: stored [N, ld] and read
@@ -282,7 +307,7 @@ struct RowGather {
 };
 
 template <Layout B_LAYOUT, SddEpilogue EPILOGUE>
-struct SddProblem {
+struct SddProblem : ExpertOperandWalk<B_LAYOUT> {
   static constexpr bool grid_x_over_m = false;
   static constexpr bool wgmma_wide_tile = false;  // Hopper: 128 x 128 tiles (block_sparse.cu, launch)
   static constexpr Layout a_layout = Layout::row_major_mk;
@@ -295,9 +320,6 @@ struct SddProblem {
   const bf16* a;  // [max_rows, inner], or [T, inner] in token order when gather.row_slot is set
   int inner;      // Kd
   RowGather gather;
-  const bf16* const* b;  // [E]
-  int ldb;
-  int column_offset;
   int block_size;
   const bf16* in0;  // [max_nnz, B, B] epilogue inputs
   const bf16* in1;
@@ -305,7 +327,6 @@ struct SddProblem {
   bf16* out1;
   // per-CTA state
   const bf16* a_tile;
-  const bf16* b_tile;
   int64_t first_block;  // block id of the tile's first block
   int tile_n_start;     // first column of the tile inside the expert's H
   int row, expert;      // the block row and its expert
@@ -318,10 +339,7 @@ struct SddProblem {
     tile_n_start = tile_n * bn;
     first_block = offsets[r] + tile_n_start / block_size;
     a_tile = a + static_cast<int64_t>(r) * block_size * inner;
-    if constexpr (B_LAYOUT == Layout::row_major_km)
-      b_tile = b[e] + column_offset + tile_n_start;
-    else
-      b_tile = b[e] + static_cast<int64_t>(column_offset + tile_n_start) * ldb;
+    this->begin_b(e, tile_n_start);
     return true;
   }
   __device__ int k_steps() const { return inner / kBlockK; }
@@ -335,13 +353,6 @@ struct SddProblem {
   __device__ const bf16* a_chunk(int step, int64_t& ld) const {
     ld = inner;
     return a_tile + step * kBlockK;
-  }
-  __device__ const bf16* b_chunk(int step, int64_t& ld) const {
-    ld = ldb;
-    if constexpr (B_LAYOUT == Layout::row_major_km)
-      return b_tile + static_cast<int64_t>(step) * kBlockK * ldb;
-    else
-      return b_tile + step * kBlockK;
   }
   // Where C[m][n] of the tile lives in the block array: blocks are [B][B] row-major, one after another.
   __device__ int64_t index(int m, int n) const {
@@ -421,8 +432,9 @@ struct SddProblem {
 // DSD: out[rB : rB+B, n-tile] = sum over the blocks j of block row r of S(r, j) · W_e[jB : jB+B, n-tile].
 // The sparse operand may come in `parts` block arrays laid side by side along K (SwiGLU's backward:
 // d_x = [d_gate | d_up] · W1_eᵀ, and W1_e [D, 2H] transposed is exactly [W1_gateᵀ; W1_upᵀ]).
+// The expert operand: b[e] [H*parts, ldb] (km) or [N, ldb] read transposed (nk).
 template <Layout B_LAYOUT>
-struct DsdProblem {
+struct DsdProblem : ExpertOperandWalk<B_LAYOUT> {
   static constexpr bool grid_x_over_m = false;
   static constexpr bool wgmma_wide_tile = true;  // Hopper: 128 x 256 tiles where D allows
   static constexpr Layout a_layout = Layout::row_major_mk;
@@ -435,14 +447,10 @@ struct DsdProblem {
   int parts;
   int blocks_per_expert;  // H / B
   int block_size;
-  const bf16* const* b;  // [E]: [H*parts, ldb] (km) or [N, ldb] read transposed (nk)
-  int ldb;
-  int column_offset;
   bf16* out;  // [max_rows, ldo]
   int ldo;
   // per-CTA state
   int64_t row_first_block;
-  const bf16* b_tile;
   bf16* out_tile;
   int expert, n0;
 
@@ -452,10 +460,7 @@ struct DsdProblem {
     expert = e;
     row_first_block = offsets[r];
     n0 = tile_n * bn;
-    if constexpr (B_LAYOUT == Layout::row_major_km)
-      b_tile = b[e] + column_offset + n0;
-    else
-      b_tile = b[e] + static_cast<int64_t>(column_offset + n0) * ldb;
+    this->begin_b(e, n0);
     out_tile = out + static_cast<int64_t>(r) * block_size * ldo + n0;
     return true;
   }
@@ -469,13 +474,6 @@ struct DsdProblem {
     const int64_t block = row_first_block + within / steps_per_block;
     ld = block_size;
     return (part == 0 ? s0 : s1) + block * block_size * block_size + (within % steps_per_block) * kBlockK;
-  }
-  __device__ const bf16* b_chunk(int step, int64_t& ld) const {
-    ld = ldb;
-    if constexpr (B_LAYOUT == Layout::row_major_km)
-      return b_tile + static_cast<int64_t>(step) * kBlockK * ldb;
-    else
-      return b_tile + step * kBlockK;
   }
   __device__ void store(int m, int n, float v0, float v1) const {
     *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(m) * ldo + n) = pack(v0, v1);
@@ -515,16 +513,13 @@ __device__ inline void store8(bf16* out, const float (&v)[8]) {
   }
 }
 
-// DSᵀD: out_e[jB : jB+B, n-tile] = sum over the blocks (r, c) of block column c = e*H/B + j of
-// S(r, c)ᵀ · dense[rB : rB+B, n-tile]. The blocks of column c are found through column_offsets and
-// transpose_indices (MegaBlocks 5.1.4): no transposed copy of S is ever stored. An expert with no
-// rows has empty columns: its tile is written with zeros. OUT: float or bf16 (weight gradients).
+// What the weight-gradient products (DSᵀD, DDS) share: the walk down block column c (its blocks
+// through column_offsets and transpose_indices, MegaBlocks 5.1.4: no transposed copy of S is ever
+// stored), the blocks S and the dense operand they multiply, and the tile of the expert's output
+// that a CTA writes. The products differ in which of S and dense is A and which is B, and in where
+// the tile sits in the output. OUT: float or bf16 (weight gradients).
 template <typename OUT>
-struct DsdTransposedProblem {
-  static constexpr bool grid_x_over_m = false;
-  static constexpr bool wgmma_wide_tile = false;  // Hopper: 128 x 128 tiles, the SDD's configuration
-  static constexpr Layout a_layout = Layout::row_major_km;  // S block [k = row][m = column]
-  static constexpr Layout b_layout = Layout::row_major_km;  // dense [k = row][n]
+struct ColumnWalkProblem {
   const int* column_offsets;
   const int* transpose_indices;
   const int* row_indices;
@@ -534,25 +529,26 @@ struct DsdTransposedProblem {
   const bf16* s;      // [max_nnz, B, B]
   const bf16* dense;  // [max_rows, ldd]
   int ldd;
-  OUT* const* out;    // [E]: [H, ldo]
+  OUT* const* out;    // [E]: [rows, ldo]
   int ldo;
   // per-CTA state
   int first, steps;
-  int n0;
   OUT* out_tile;
   int out_expert, out_row, out_column;  // out_tile = out[out_expert] + out_row * ldo + out_column
 
-  __device__ bool begin(int c, int tile_n, int bn) {
+  // Starts block column c's walk; returns j, c's place among its expert's block columns.
+  __device__ int begin_column(int c) {
     first = column_offsets[c];
     steps = weight_gradient_k_steps(transpose_indices, row_indices, block_row_tokens, first,
                                     column_offsets[c + 1] - first, block_size);
-    n0 = tile_n * bn;
-    const int e = c / blocks_per_expert, j = c % blocks_per_expert;
-    out_expert = e;
-    out_row = j * block_size;
-    out_column = n0;
-    out_tile = out[e] + static_cast<int64_t>(out_row) * ldo + out_column;
-    return true;
+    out_expert = c / blocks_per_expert;
+    return c % blocks_per_expert;
+  }
+  // Puts the CTA's tile at (row, column) of its expert's output.
+  __device__ void place_tile(int row, int column) {
+    out_row = row;
+    out_column = column;
+    out_tile = out[out_expert] + static_cast<int64_t>(out_row) * ldo + out_column;
   }
   __device__ int k_steps() const { return steps; }
   __device__ int block_of(int step, int& k0) const {
@@ -560,23 +556,48 @@ struct DsdTransposedProblem {
     k0 = (step % steps_per_block) * kBlockK;
     return transpose_indices[first + step / steps_per_block];
   }
-  __device__ const bf16* a_chunk(int step, int64_t& ld) const {
+  // The row of `dense` that k-step row k0 of `block` multiplies: the block's row, k0 rows down.
+  __device__ int64_t dense_row(int block, int k0) const {
+    return static_cast<int64_t>(row_indices[block]) * block_size + k0;
+  }
+  // The k-step's 64 rows of S's block [k = row][column], and of dense from `column` on.
+  __device__ const bf16* s_chunk(int step, int64_t& ld) const {
     int k0;
     const int64_t block = block_of(step, k0);
     ld = block_size;
     return s + block * block_size * block_size + static_cast<int64_t>(k0) * block_size;
   }
-  __device__ const bf16* b_chunk(int step, int64_t& ld) const {
+  __device__ const bf16* dense_chunk(int step, int64_t& ld, int column) const {
     int k0;
     const int block = block_of(step, k0);
-    const int64_t row = static_cast<int64_t>(row_indices[block]) * block_size + k0;
     ld = ldd;
-    return dense + row * ldd + n0;
+    return dense + dense_row(block, k0) * ldd + column;
   }
   using Out = OUT;
   __device__ OUT* out_at(int m, int n) const { return out_tile + static_cast<int64_t>(m) * ldo + n; }
   __device__ void store(int m, int n, float v0, float v1) const { store2(out_at(m, n), v0, v1); }
   __device__ void store_chunk(int m, int n, const float (&v)[8]) const { store8(out_at(m, n), v); }
+};
+
+// DSᵀD: out_e[jB : jB+B, n-tile] = sum over the blocks (r, c) of block column c = e*H/B + j of
+// S(r, c)ᵀ · dense[rB : rB+B, n-tile]. An expert with no rows has empty columns: its tile is
+// written with zeros.
+template <typename OUT>
+struct DsdTransposedProblem : ColumnWalkProblem<OUT> {
+  static constexpr bool grid_x_over_m = false;
+  static constexpr bool wgmma_wide_tile = false;  // Hopper: 128 x 128 tiles, the SDD's configuration
+  static constexpr Layout a_layout = Layout::row_major_km;  // S block [k = row][m = column]
+  static constexpr Layout b_layout = Layout::row_major_km;  // dense [k = row][n]
+  int n0;  // per CTA
+
+  __device__ bool begin(int c, int tile_n, int bn) {
+    n0 = tile_n * bn;
+    const int j = this->begin_column(c);
+    this->place_tile(j * this->block_size, n0);
+    return true;
+  }
+  __device__ const bf16* a_chunk(int step, int64_t& ld) const { return this->s_chunk(step, ld); }
+  __device__ const bf16* b_chunk(int step, int64_t& ld) const { return this->dense_chunk(step, ld, n0); }
 };
 
 // DDS: out_e[m-tile, column_offset + jB : ...] = sum over the blocks (r, c) of block column
@@ -588,94 +609,54 @@ struct DsdTransposedProblem {
 //   (r, c+1) is block (r, c) + 1, so the 256 columns of a k-step are two [64][128] halves B*B
 //   elements apart (b_second_half).
 template <typename OUT, int COLUMNS>
-struct DdsProblem {
+struct DdsProblem : ColumnWalkProblem<OUT> {
   static_assert(COLUMNS == 1 || COLUMNS == 2, "one block column a tile, or two of the same expert");
   static constexpr bool grid_x_over_m = true;
   static constexpr bool wgmma_wide_tile = false;
   static constexpr Layout a_layout = Layout::row_major_km;  // dense [k = row][m]
   static constexpr Layout b_layout = Layout::row_major_km;  // S block [k = row][n]
-  const int* column_offsets;
-  const int* transpose_indices;
-  const int* row_indices;
-  const int* block_row_tokens;
-  int blocks_per_expert;
-  int block_size;
-  const bf16* dense;  // [max_rows, ldd]
-  int ldd;
-  const bf16* s;      // [max_nnz, B, B]
-  OUT* const* out;    // [E]: [P, ldo]
-  int ldo;
   int column_offset;
-  // per-CTA state
-  int first, steps;
-  int m0;
-  OUT* out_tile;
-  int out_expert, out_row, out_column;  // out_tile = out[out_expert] + out_row * ldo + out_column
+  int m0;  // per CTA
 
   // Here the grid's y is the block column (pair) and x the tile over P (rows of the output).
   __device__ bool begin(int y, int tile_m, int bm) {
-    const int c = y * COLUMNS;
-    first = column_offsets[c];
-    steps = weight_gradient_k_steps(transpose_indices, row_indices, block_row_tokens, first,
-                                    column_offsets[c + 1] - first, block_size);
     m0 = tile_m * bm;
-    const int e = c / blocks_per_expert, j = c % blocks_per_expert;
-    out_expert = e;
-    out_row = m0;
-    out_column = column_offset + j * block_size;
-    out_tile = out[e] + static_cast<int64_t>(out_row) * ldo + out_column;
+    const int j = this->begin_column(y * COLUMNS);
+    this->place_tile(m0, column_offset + j * this->block_size);
     return true;
   }
-  __device__ int k_steps() const { return steps; }
-  __device__ int block_of(int step, int& k0) const {
-    const int steps_per_block = block_size / kBlockK;
-    k0 = (step % steps_per_block) * kBlockK;
-    return transpose_indices[first + step / steps_per_block];
-  }
-  __device__ const bf16* a_chunk(int step, int64_t& ld) const {
-    int k0;
-    const int block = block_of(step, k0);
-    const int64_t row = static_cast<int64_t>(row_indices[block]) * block_size + k0;
-    ld = ldd;
-    return dense + row * ldd + m0;
-  }
-  __device__ const bf16* b_chunk(int step, int64_t& ld) const {
-    int k0;
-    const int64_t block = block_of(step, k0);
-    ld = block_size;
-    return s + block * block_size * block_size + static_cast<int64_t>(k0) * block_size;
-  }
-  __device__ int64_t b_second_half() const { return static_cast<int64_t>(block_size) * block_size; }
-  using Out = OUT;
-  __device__ OUT* out_at(int m, int n) const { return out_tile + static_cast<int64_t>(m) * ldo + n; }
-  __device__ void store(int m, int n, float v0, float v1) const { store2(out_at(m, n), v0, v1); }
-  __device__ void store_chunk(int m, int n, const float (&v)[8]) const { store8(out_at(m, n), v); }
+  __device__ const bf16* a_chunk(int step, int64_t& ld) const { return this->dense_chunk(step, ld, m0); }
+  __device__ const bf16* b_chunk(int step, int64_t& ld) const { return this->s_chunk(step, ld); }
+  __device__ int64_t b_second_half() const { return static_cast<int64_t>(this->block_size) * this->block_size; }
 };
 
-
-// ---- the problems' topology fields, filled on the host from a DeviceTopology ----
-// The fields of the products that walk block rows (SDD, DSD): the block rows, where their blocks
-// start, their experts, B; and the block rows' token counts and H / B where the problem has them.
+// ---- the problems' fields, filled on the host ----
+// Every topology field the problem declares, by its DeviceTopology name: the products that walk
+// block rows (SDD, DSD) read the block rows, where their blocks start and their experts (and the
+// block rows' token counts and H / B where they have them); the weight gradients (DSᵀD, DDS) walk
+// block columns through column_offsets, transpose_indices and row_indices. Every one reads B.
 template <class Problem, class Topology>
-Problem with_row_walk(Problem problem, const Topology& t) {
-  problem.block_rows = t.block_rows;
-  problem.offsets = t.offsets;
-  problem.block_row_expert = t.block_row_expert;
+Problem with_topology(Problem problem, const Topology& t) {
+  if constexpr (requires { problem.block_rows; }) problem.block_rows = t.block_rows;
+  if constexpr (requires { problem.offsets; }) problem.offsets = t.offsets;
+  if constexpr (requires { problem.block_row_expert; }) problem.block_row_expert = t.block_row_expert;
+  if constexpr (requires { problem.column_offsets; }) problem.column_offsets = t.column_offsets;
+  if constexpr (requires { problem.transpose_indices; }) problem.transpose_indices = t.transpose_indices;
+  if constexpr (requires { problem.row_indices; }) problem.row_indices = t.row_indices;
   if constexpr (requires { problem.block_row_tokens; }) problem.block_row_tokens = t.block_row_tokens;
   if constexpr (requires { problem.blocks_per_expert; }) problem.blocks_per_expert = t.blocks_per_expert;
   problem.block_size = t.block_size;
   return problem;
 }
 
-// The fields of the weight-gradient products (DSᵀD, DDS) that walk a block column of the topology.
-template <class Problem, class Topology>
-Problem with_column_walk(Problem problem, const Topology& t) {
-  problem.column_offsets = t.column_offsets;
-  problem.transpose_indices = t.transpose_indices;
-  problem.row_indices = t.row_indices;
-  problem.block_row_tokens = t.block_row_tokens;
-  problem.blocks_per_expert = t.blocks_per_expert;
-  problem.block_size = t.block_size;
+// The expert operand of the products that walk block rows (SDD, DSD): ExpertOperand's pointers,
+// row stride and first column (block_sparse.h). Whether it is read transposed is the problem's
+// B_LAYOUT, picked by the caller.
+template <class Problem, class Operand>
+Problem with_expert_operand(Problem problem, const Operand& b) {
+  problem.b = b.pointers;
+  problem.ldb = b.ld;
+  problem.column_offset = b.column_offset;
   return problem;
 }
 

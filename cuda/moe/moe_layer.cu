@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "moe/activation.h"    // gelu_forward / _backward, swiglu_forward / _backward
+#include "moe/activation.h"    // activation_forward / _backward
 #include "moe/block_sparse.h"  // block_sparse_ffn_forward / _backward, dsd_transposed, dds
 #include "core/elementwise.h"  // float_to_bf16
 #include "core/cuda_check.h"   // CUDA_CHECK
@@ -169,15 +169,7 @@ MoeLayerGpu::MoeLayerGpu(const MoeConfig& config, int micro_batches)
   }
   // The weight gradients' operands: M slots, slot_rows_ apart, the last as long as one micro-batch's.
   const size_t kept_rows = static_cast<size_t>(micro_batches_ - 1) * static_cast<size_t>(slot_rows_) + rows;
-  logits_ = DeviceBuffer<float>(T * E);
-  probs_ = DeviceBuffer<float>(T * E);
-  logsumexp_ = DeviceBuffer<float>(T);
-  combine_weights_ = DeviceBuffer<float>(T * K);
-  top_experts_ = DeviceBuffer<int>(T * K);
-  expert_fraction_ = DeviceBuffer<float>(E);
-  mean_probs_ = DeviceBuffer<float>(E);
-  aux_loss_ = DeviceBuffer<float>(1);
-  z_loss_ = DeviceBuffer<float>(1);
+  router_ = RouterBuffers(T, E, K);
   permuted_x_ = DeviceBuffer<bf16>(kept_rows * D);
   pre_activation_ = DeviceBuffer<bf16>(rows * pre_width);
   hidden_ = DeviceBuffer<bf16>(kept_rows * H);
@@ -263,13 +255,11 @@ void MoeLayerGpu::route(const bf16* router_input, const bf16* gate_weights, cuda
   slot_ = 0;  // a new routing: compute_experts writes slot 0 unless forward_micro_batch says otherwise
   const int T = config_.tokens, D = config_.model_dim, E = config_.num_experts, K = config_.top_k;
   phase(timer_, "router", stream, [&] {
-    router_logits(cublas_.get(), router_input, gate_weights, logits_.data(), T, D, E, stream);
-    route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(),
-                expert_fraction_.data(), mean_probs_.data(), aux_loss_.data(), z_loss_.data(), router_workspace_,
-                T, E, K, config_.renormalize, stream);
+    router_logits(cublas_.get(), router_input, gate_weights, router_.logits.data(), T, D, E, stream);
+    route_top_k(router_, router_workspace_, T, E, K, config_.renormalize, stream);
   });
   phase(timer_, "plan", stream, [&] {
-    build_dispatch_plan(top_experts_.data(), plan_, stream);
+    build_dispatch_plan(router_.top_experts.data(), plan_, stream);
     if (dropless_) build_topology(plan_.plan(), *topology_, stream);
   });
 }
@@ -284,7 +274,7 @@ void MoeLayerGpu::compute_experts(const bf16* x, const MoeLayerWeights& weights,
   }
   phase(timer_, "expert_compute", stream, [&] { experts_forward(x, weights, stream); });
   phase(timer_, "combine", stream, [&] {
-    unpermute_and_combine(plan_.plan(), combine_weights_.data(), expert_out_.data(), y, D, stream);
+    unpermute_and_combine(plan_.plan(), router_.combine_weights.data(), expert_out_.data(), y, D, stream);
   });
 }
 
@@ -305,11 +295,7 @@ void MoeLayerGpu::experts_forward(const bf16* x, const MoeLayerWeights& weights,
   cublas_.set_stream(stream);
   gemm_batched(cublas_.get(), Op::none, Op::none, C, W1, D, x_rows_.data(), D, weights.w1, W1,
                pre_rows_out_.data(), W1, E);
-  if (config_.activation == Activation::swiglu) {
-    swiglu_forward(pre_activation_.data(), hidden_.data(), int64_t{E} * C, H, stream);
-  } else {
-    gelu_forward(pre_activation_.data(), hidden_.data(), static_cast<size_t>(E) * C * H, stream);
-  }
+  activation_forward(config_.activation, pre_activation_.data(), hidden_.data(), int64_t{E} * C, H, stream);
   gemm_batched(cublas_.get(), Op::none, Op::none, C, D, H, hidden_rows_.data(), H, weights.w2, D,
                out_rows_out_.data(), D, E);
 }
@@ -405,7 +391,7 @@ void MoeLayerGpu::backward_pass(const bf16* x, const MoeLayerWeights& weights, c
   }
   // combine: d expert_out rows = w * dy, and d combine_weights (the router's input gradient)
   phase(timer_, "combine_backward", stream, [&] {
-    combine_backward(plan_.plan(), combine_weights_.data(), dy, expert_out_.data(), d_expert_out_slot(),
+    combine_backward(plan_.plan(), router_.combine_weights.data(), dy, expert_out_.data(), d_expert_out_slot(),
                      d_combine_weights_.data(), D, stream);
   });
   phase(timer_, "expert_compute_backward", stream, [&] { experts_backward(weights, d_w1, d_w2, stream); });
@@ -416,9 +402,9 @@ void MoeLayerGpu::backward_pass(const bf16* x, const MoeLayerWeights& weights, c
   // router: d_logits, then the gate's two products. d_logits is rounded to bf16 for the tensor-core
   // GEMMs (fp32 accumulation), the same precision as every other activation gradient here.
   phase(timer_, "router_backward", stream, [&] {
-    router_backward(probs_.data(), logsumexp_.data(), top_experts_.data(), d_combine_weights_.data(),
-                    expert_fraction_.data(), d_logits_.data(), T, E, K, config_.renormalize,
-                    config_.aux_loss_coef, config_.z_loss_coef, stream);
+    router_backward(router_.probs.data(), router_.logsumexp.data(), router_.top_experts.data(),
+                    d_combine_weights_.data(), router_.expert_fraction.data(), d_logits_.data(), T, E, K,
+                    config_.renormalize, config_.aux_loss_coef, config_.z_loss_coef, stream);
     const size_t n = static_cast<size_t>(T) * E;
     float_to_bf16(d_logits_.data(), d_logits_bf16_.data(), n, stream);
     cublas_.set_stream(stream);
@@ -456,12 +442,8 @@ void MoeLayerGpu::experts_backward(const MoeLayerWeights& weights, float* const*
   cublas_.set_stream(stream);
   gemm_batched(cublas_.get(), Op::none, Op::transpose, C, H, D, d_out_rows_.data(), D, weights.w2, D,
                d_hidden_rows_out_.data(), H, E);
-  if (config_.activation == Activation::swiglu) {
-    swiglu_backward(pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(), int64_t{E} * C, H, stream);
-  } else {
-    gelu_backward(pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(),
-                  static_cast<size_t>(E) * C * H, stream);
-  }
+  activation_backward(config_.activation, pre_activation_.data(), d_hidden_.data(), d_pre_activation_.data(),
+                      int64_t{E} * C, H, stream);
   gemm_batched(cublas_.get(), Op::transpose, Op::none, H, D, C, hidden_rows_.data(), H, d_out_rows_.data(), D,
                d_w2, D, E);
   gemm_batched(cublas_.get(), Op::transpose, Op::none, D, W1, C, x_rows_.data(), D, d_pre_rows_.data(), W1,

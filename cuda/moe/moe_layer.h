@@ -184,11 +184,11 @@ class MoeLayerGpu {
   // ---- what the last forward computed, on the device (for tests, lessons, .npy dumps) ----
   const DispatchPlanBuffers& plan() const { return plan_; }
   const TopologyBuffers* topology() const { return topology_.get(); }  // dropless only
-  const DeviceBuffer<float>& probs() const { return probs_; }                      // [T, E]
-  const DeviceBuffer<int>& top_experts() const { return top_experts_; }            // [T, K]
-  const DeviceBuffer<float>& combine_weights() const { return combine_weights_; }  // [T, K]
-  const DeviceBuffer<float>& aux_loss() const { return aux_loss_; }                // [1] unscaled
-  const DeviceBuffer<float>& z_loss() const { return z_loss_; }                    // [1] unscaled
+  const DeviceBuffer<float>& probs() const { return router_.probs; }                      // [T, E]
+  const DeviceBuffer<int>& top_experts() const { return router_.top_experts; }            // [T, K]
+  const DeviceBuffer<float>& combine_weights() const { return router_.combine_weights; }  // [T, K]
+  const DeviceBuffer<float>& aux_loss() const { return router_.aux_loss; }                // [1] unscaled
+  const DeviceBuffer<float>& z_loss() const { return router_.z_loss; }                    // [1] unscaled
   // The forward's SDD gathers x's rows (no permute before it); the backward then permutes.
   bool gathers_rows() const { return gathers_rows_; }
   const DeviceBuffer<bf16>& expert_out() const { return expert_out_; }             // [max_rows, D]
@@ -227,9 +227,7 @@ class MoeLayerGpu {
   std::unique_ptr<TopologyBuffers> topology_;
 
   // router
-  DeviceBuffer<float> logits_, probs_, logsumexp_, combine_weights_;  // [T,E] [T,E] [T] [T,K]
-  DeviceBuffer<int> top_experts_;                                     // [T, K]
-  DeviceBuffer<float> expert_fraction_, mean_probs_, aux_loss_, z_loss_;  // [E] [E] [1] [1]
+  RouterBuffers router_;
   RouterWorkspace router_workspace_;  // route_top_k's per-block partial sums of the statistics
   // Dropless with M micro-batches: permuted_x_, hidden_, d_expert_out_, d_pre_activation_ and
   // d_up_projection_ hold M slots (slot_rows_ rows apart; the last one max_rows long), the

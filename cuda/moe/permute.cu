@@ -76,7 +76,32 @@ struct RowSteps {
       packs[u] = row != nullptr && valid(c) ? load_pack<kPack>(row + c) : zero_pack<kPack>();
     }
   }
+  // f(u, column) for each of this lane's kUnroll packs of the step whose columns lie below D.
+  template <class F>
+  __device__ void for_each_valid(int step_begin, F f) const {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = column(step_begin, u);
+      if (valid(c)) f(u, c);
+    }
+  }
 };
+
+// sum += weight * this lane's packs of `row` at the step from step_begin: one of a token's K slots,
+// which the kernels that gather a token's rows add in slot order. A dropped slot (row < 0) adds
+// nothing. weight = 1 is the plain sum (1 * x is exact, so the sum is the same as without it).
+template <int kPack>
+__device__ void add_slot_row(const RowSteps<kPack>& steps, const bf16* rows, int row, int step_begin, float weight,
+                             float (&sum)[kUnroll][kPack]) {
+  if (row < 0) return;
+  Pack<kPack> value[kUnroll];
+  steps.load(rows + static_cast<size_t>(row) * steps.model_dim, step_begin, value);
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+    for (int i = 0; i < kPack; ++i) sum[u][i] += weight * __bfloat162float(value[u].value[i]);
+  }
+}
 
 // ---- gather: x in token order -> rows in expert order, padding fused ----
 template <int kPack>
@@ -95,11 +120,7 @@ __global__ void permute_tokens_kernel(const int* __restrict__ row_slot,    // [m
   for (int begin = 0; begin < model_dim; begin += steps.kStepColumns) {
     Pack<kPack> value[kUnroll];
     steps.load(source, begin, value);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int column = steps.column(begin, u);
-      if (steps.valid(column)) store_pack<kPack>(destination + column, value[u]);
-    }
+    steps.for_each_valid(begin, [&](int u, int column) { store_pack<kPack>(destination + column, value[u]); });
   }
 }
 
@@ -116,29 +137,16 @@ __global__ void unpermute_and_combine_kernel(const int* __restrict__ slot_row,  
   const RowSteps<kPack> steps{model_dim};
   for (int begin = 0; begin < model_dim; begin += steps.kStepColumns) {
     float sum[kUnroll][kPack] = {};
-    for (int k = 0; k < top_k; ++k) {
+    for (int k = 0; k < top_k; ++k) {  // a dropped slot adds zero: the residual carries the token
       const int slot = token * top_k + k;
-      const int row = slot_row[slot];
-      if (row < 0) continue;  // dropped: adds zero, the residual carries the token
-      const float weight = combine_weights[slot];
-      const bf16* out_row = expert_out + static_cast<size_t>(row) * model_dim;
-      Pack<kPack> out[kUnroll];
-      steps.load(out_row, begin, out);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int i = 0; i < kPack; ++i) sum[u][i] += weight * __bfloat162float(out[u].value[i]);
-      }
+      add_slot_row(steps, expert_out, slot_row[slot], begin, combine_weights[slot], sum);
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int column = steps.column(begin, u);
-      if (!steps.valid(column)) continue;
+    steps.for_each_valid(begin, [&](int u, int column) {
       Pack<kPack> result;
 #pragma unroll
       for (int i = 0; i < kPack; ++i) result.value[i] = __float2bfloat16(sum[u][i]);
       store_pack<kPack>(y + static_cast<size_t>(token) * model_dim + column, result);
-    }
+    });
   }
 }
 
@@ -167,10 +175,7 @@ __global__ void combine_backward_kernel(const int* __restrict__ row_slot,       
     Pack<kPack> upstream[kUnroll], out[kUnroll];
     steps.load(dy_row, begin, upstream);
     steps.load(dy_row != nullptr ? out_row : nullptr, begin, out);  // a padding row's dot is 0
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int column = steps.column(begin, u);
-      if (!steps.valid(column)) continue;
+    steps.for_each_valid(begin, [&](int u, int column) {
       Pack<kPack> gradient;
 #pragma unroll
       for (int i = 0; i < kPack; ++i) {
@@ -179,7 +184,7 @@ __global__ void combine_backward_kernel(const int* __restrict__ row_slot,       
         dot += g * __bfloat162float(out[u].value[i]);
       }
       store_pack<kPack>(gradient_row + column, gradient);
-    }
+    });
   }
   dot = warp_sum(dot);
   if (slot >= 0 && lane_index() == 0) d_combine_weights[slot] = dot;
@@ -198,33 +203,18 @@ __global__ void permute_backward_kernel(const int* __restrict__ slot_row,       
   for (int begin = 0; begin < model_dim; begin += steps.kStepColumns) {
     float sum[kUnroll][kPack] = {};
     if (accumulate) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int column = steps.column(begin, u);
-        if (!steps.valid(column)) continue;
+      steps.for_each_valid(begin, [&](int u, int column) {
 #pragma unroll
         for (int i = 0; i < kPack; ++i) sum[u][i] = dx_row[column + i];
-      }
+      });
     }
-    for (int k = 0; k < top_k; ++k) {
-      const int row = slot_row[token * top_k + k];
-      if (row < 0) continue;  // dropped: x reached no expert through this slot
-      const bf16* gradient_row = d_permuted_x + static_cast<size_t>(row) * model_dim;
-      Pack<kPack> g[kUnroll];
-      steps.load(gradient_row, begin, g);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int i = 0; i < kPack; ++i) sum[u][i] += __bfloat162float(g[u].value[i]);
-      }
+    for (int k = 0; k < top_k; ++k) {  // a dropped slot: x reached no expert through it
+      add_slot_row(steps, d_permuted_x, slot_row[token * top_k + k], begin, 1.0f, sum);
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int column = steps.column(begin, u);
-      if (!steps.valid(column)) continue;
+    steps.for_each_valid(begin, [&](int u, int column) {
 #pragma unroll
       for (int i = 0; i < kPack; ++i) dx_row[column + i] = sum[u][i];
-    }
+    });
   }
 }
 

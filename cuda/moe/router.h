@@ -80,6 +80,29 @@ void route_top_k(const float* logits,        // [T, E]
                  RouterWorkspace& workspace,
                  int tokens, int num_experts, int top_k, bool renormalize, cudaStream_t stream);
 
+// What a layer keeps of its routing, for up to T tokens: the logits (router_logits' output), and
+// everything route_top_k writes from them, which the combine, the backward and the losses read.
+struct RouterBuffers {
+  RouterBuffers() = default;
+  RouterBuffers(size_t tokens, size_t num_experts, size_t top_k)
+      : logits(tokens * num_experts), probs(tokens * num_experts), logsumexp(tokens),
+        combine_weights(tokens * top_k), top_experts(tokens * top_k), expert_fraction(num_experts),
+        mean_probs(num_experts), aux_loss(1), z_loss(1) {}
+
+  DeviceBuffer<float> logits, probs, logsumexp, combine_weights;      // [T,E] [T,E] [T] [T,K]
+  DeviceBuffer<int> top_experts;                                      // [T, K]
+  DeviceBuffer<float> expert_fraction, mean_probs, aux_loss, z_loss;  // [E] [E] [1] [1]
+};
+
+// route_top_k from router.logits into the rest of `router`.
+inline void route_top_k(RouterBuffers& router, RouterWorkspace& workspace, int tokens, int num_experts, int top_k,
+                        bool renormalize, cudaStream_t stream) {
+  route_top_k(router.logits.data(), router.probs.data(), router.top_experts.data(), router.combine_weights.data(),
+              router.logsumexp.data(), router.expert_fraction.data(), router.mean_probs.data(),
+              router.aux_loss.data(), router.z_loss.data(), workspace, tokens, num_experts, top_k, renormalize,
+              stream);
+}
+
 // The router in one kernel: logits = x Wg on the tensor cores (bf16 in, fp32 accumulate, as
 // router_logits), a pass of tokens at a time in shared memory, then everything route_top_k does.
 // x is read once (E <= 32; E / 32 times from L2 above that), the logits never reach global memory,

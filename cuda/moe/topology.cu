@@ -188,16 +188,60 @@ __global__ void __launch_bounds__(kThreads) micro_batch_topology_kernel(
   transpose_indices[first_block_row[e] * blocks_per_expert + j * expert_block_rows[e] + position] = index;
 }
 
-}  // namespace
-
-TopologyBuffers::TopologyBuffers(const MoeConfig& config) {
+// validate(config), and the formulation dropless: the block-sparse topology exists only there.
+void validate_dropless(const char* function, const MoeConfig& config) {
   validate(config);
-  constexpr const char* function = "TopologyBuffers";
   if (config.formulation != Formulation::dropless) {
     throw std::invalid_argument(std::string(function) + ": formulation is " +
                                 std::string(to_string(config.formulation)) +
                                 "; the block-sparse topology exists only for the dropless formulation");
   }
+}
+
+}  // namespace
+
+// ---- TopologyArrays ----
+
+void TopologyArrays::allocate(int max_block_rows, int blocks_per_expert, int block_cols, bool row_side) {
+  const size_t block_rows_bound = static_cast<size_t>(max_block_rows);
+  const size_t max_nnz = block_rows_bound * static_cast<size_t>(blocks_per_expert);
+  block_rows = DeviceBuffer<int>(1);
+  nnz = DeviceBuffer<int>(1);
+  if (row_side) {
+    offsets = DeviceBuffer<int>(block_rows_bound + 1);
+    column_indices = DeviceBuffer<int>(max_nnz);
+  }
+  row_indices = DeviceBuffer<int>(max_nnz);
+  column_offsets = DeviceBuffer<int>(static_cast<size_t>(block_cols) + 1);
+  transpose_indices = DeviceBuffer<int>(max_nnz);
+  block_row_expert = DeviceBuffer<int>(block_rows_bound);
+  block_row_tokens = DeviceBuffer<int>(block_rows_bound);
+}
+
+DeviceTopology TopologyArrays::view(int block_size, int blocks_per_expert, int block_cols, int max_block_rows) const {
+  // The view hands out non-const pointers: the kernels that build the topology write through them.
+  auto writable = [](const DeviceBuffer<int>& array) { return const_cast<int*>(array.data()); };
+  return DeviceTopology{.block_size = block_size,
+                        .block_cols = block_cols,
+                        .blocks_per_expert = blocks_per_expert,
+                        .max_block_rows = max_block_rows,
+                        .max_nnz = max_block_rows * blocks_per_expert,
+                        .block_rows = writable(block_rows),
+                        .nnz = writable(nnz),
+                        .offsets = writable(offsets),
+                        .row_indices = writable(row_indices),
+                        .column_indices = writable(column_indices),
+                        .column_offsets = writable(column_offsets),
+                        .transpose_indices = writable(transpose_indices),
+                        .block_row_expert = writable(block_row_expert),
+                        .block_row_tokens = writable(block_row_tokens)};
+}
+
+// ---- TopologyBuffers ----
+
+TopologyBuffers::TopologyBuffers(const MoeConfig& config) {
+  constexpr const char* function = "TopologyBuffers";
+  validate_dropless(function, config);
   const int64_t T = config.tokens, K = config.top_k, E = config.num_experts, B = config.block_size;
   const int64_t blocks_per_expert = config.hidden_dim / B;  // validate(): H % B == 0 when dropless
   const int64_t max_rows = T * K + E * (B - 1);
@@ -211,35 +255,11 @@ TopologyBuffers::TopologyBuffers(const MoeConfig& config) {
   block_cols_ = static_cast<int>(E * blocks_per_expert);
   max_block_rows_ = static_cast<int>(max_block_rows);
   max_nnz_ = static_cast<int>(max_block_rows * blocks_per_expert);
-
-  block_rows = DeviceBuffer<int>(1);
-  nnz = DeviceBuffer<int>(1);
-  offsets = DeviceBuffer<int>(static_cast<size_t>(max_block_rows_) + 1);
-  row_indices = DeviceBuffer<int>(static_cast<size_t>(max_nnz_));
-  column_indices = DeviceBuffer<int>(static_cast<size_t>(max_nnz_));
-  column_offsets = DeviceBuffer<int>(static_cast<size_t>(block_cols_) + 1);
-  transpose_indices = DeviceBuffer<int>(static_cast<size_t>(max_nnz_));
-  block_row_expert = DeviceBuffer<int>(static_cast<size_t>(max_block_rows_));
-  block_row_tokens = DeviceBuffer<int>(static_cast<size_t>(max_block_rows_));
+  allocate(max_block_rows_, blocks_per_expert_, block_cols_, /*row_side=*/true);
 }
 
 DeviceTopology TopologyBuffers::topology() const {
-  DeviceTopology view;
-  view.block_size = block_size_;
-  view.block_cols = block_cols_;
-  view.blocks_per_expert = blocks_per_expert_;
-  view.max_block_rows = max_block_rows_;
-  view.max_nnz = max_nnz_;
-  view.block_rows = const_cast<int*>(block_rows.data());
-  view.nnz = const_cast<int*>(nnz.data());
-  view.offsets = const_cast<int*>(offsets.data());
-  view.row_indices = const_cast<int*>(row_indices.data());
-  view.column_indices = const_cast<int*>(column_indices.data());
-  view.column_offsets = const_cast<int*>(column_offsets.data());
-  view.transpose_indices = const_cast<int*>(transpose_indices.data());
-  view.block_row_expert = const_cast<int*>(block_row_expert.data());
-  view.block_row_tokens = const_cast<int*>(block_row_tokens.data());
-  return view;
+  return view(block_size_, blocks_per_expert_, block_cols_, max_block_rows_);
 }
 
 void build_topology(const DevicePlan& plan, TopologyBuffers& buffers, cudaStream_t stream) {
@@ -271,13 +291,8 @@ void build_topology(const DevicePlan& plan, TopologyBuffers& buffers, cudaStream
 // ---- MicroBatchTopology ----
 
 MicroBatchTopology::MicroBatchTopology(const MoeConfig& config, int micro_batches) {
-  validate(config);
   constexpr const char* function = "MicroBatchTopology";
-  if (config.formulation != Formulation::dropless) {
-    throw std::invalid_argument(std::string(function) + ": formulation is " +
-                                std::string(to_string(config.formulation)) +
-                                "; the block-sparse topology exists only for the dropless formulation");
-  }
+  validate_dropless(function, config);
   detail::check_range(function, "micro_batches (M)", micro_batches, 1, std::numeric_limits<int32_t>::max());
   const int64_t T = config.tokens, K = config.top_k, E = config.num_experts, B = config.block_size;
   const int64_t blocks_per_expert = config.hidden_dim / B;
@@ -290,15 +305,9 @@ MicroBatchTopology::MicroBatchTopology(const MoeConfig& config, int micro_batche
   block_size_ = static_cast<int>(B);
   blocks_per_expert_ = static_cast<int>(blocks_per_expert);
   block_rows_per_micro_batch_ = static_cast<int>(R);
-  const size_t all_block_rows = static_cast<size_t>(micro_batches) * R;
   row_offsets_ = DeviceBuffer<int>(static_cast<size_t>(micro_batches) * (E + 1));
-  block_rows_ = DeviceBuffer<int>(1);
-  nnz_ = DeviceBuffer<int>(1);
-  column_offsets_ = DeviceBuffer<int>(static_cast<size_t>(E * blocks_per_expert) + 1);
-  transpose_indices_ = DeviceBuffer<int>(all_block_rows * blocks_per_expert);
-  row_indices_ = DeviceBuffer<int>(all_block_rows * blocks_per_expert);
-  block_row_expert_ = DeviceBuffer<int>(all_block_rows);
-  block_row_tokens_ = DeviceBuffer<int>(all_block_rows);
+  arrays_.allocate(static_cast<int>(micro_batches * R), blocks_per_expert_, static_cast<int>(E * blocks_per_expert),
+                   /*row_side=*/false);
 }
 
 void MicroBatchTopology::record(int micro_batch, const DevicePlan& plan, const TopologyBuffers& topology,
@@ -314,8 +323,8 @@ void MicroBatchTopology::record(int micro_batch, const DevicePlan& plan, const T
   const size_t bins = static_cast<size_t>(num_experts_) + 1, R = static_cast<size_t>(block_rows_per_micro_batch_);
   CUDA_CHECK(cudaMemcpyAsync(row_offsets_.data() + micro_batch * bins, plan.row_offsets, bins * sizeof(int),
                              cudaMemcpyDeviceToDevice, stream));
-  CUDA_CHECK(cudaMemcpyAsync(block_row_tokens_.data() + micro_batch * R, view.block_row_tokens, R * sizeof(int),
-                             cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(arrays_.block_row_tokens.data() + micro_batch * R, view.block_row_tokens,
+                             R * sizeof(int), cudaMemcpyDeviceToDevice, stream));
 }
 
 void MicroBatchTopology::build(cudaStream_t stream) {
@@ -323,27 +332,16 @@ void MicroBatchTopology::build(cudaStream_t stream) {
   const int block_cols = num_experts_ * blocks_per_expert_;
   const int threads = std::max({all_block_rows, block_cols + 1, all_block_rows * blocks_per_expert_});
   micro_batch_topology_kernel<<<blocks_for(threads), kThreads, 2 * num_experts_ * sizeof(int), stream>>>(
-      row_offsets_.data(), block_rows_.data(), nnz_.data(), column_offsets_.data(), row_indices_.data(),
-      transpose_indices_.data(), block_row_expert_.data(), micro_batches_, num_experts_, block_size_,
-      blocks_per_expert_, block_rows_per_micro_batch_);
+      row_offsets_.data(), arrays_.block_rows.data(), arrays_.nnz.data(), arrays_.column_offsets.data(),
+      arrays_.row_indices.data(), arrays_.transpose_indices.data(), arrays_.block_row_expert.data(), micro_batches_,
+      num_experts_, block_size_, blocks_per_expert_, block_rows_per_micro_batch_);
   CUDA_CHECK(cudaGetLastError());
 }
 
 DeviceTopology MicroBatchTopology::topology() const {
-  DeviceTopology view;
-  view.block_size = block_size_;
-  view.block_cols = num_experts_ * blocks_per_expert_;
-  view.blocks_per_expert = blocks_per_expert_;
-  view.max_block_rows = micro_batches_ * block_rows_per_micro_batch_;
-  view.max_nnz = view.max_block_rows * blocks_per_expert_;
-  view.block_rows = const_cast<int*>(block_rows_.data());
-  view.nnz = const_cast<int*>(nnz_.data());
-  view.row_indices = const_cast<int*>(row_indices_.data());
-  view.column_offsets = const_cast<int*>(column_offsets_.data());
-  view.transpose_indices = const_cast<int*>(transpose_indices_.data());
-  view.block_row_expert = const_cast<int*>(block_row_expert_.data());
-  view.block_row_tokens = const_cast<int*>(block_row_tokens_.data());
-  return view;  // offsets and column_indices stay null: the walk has no row side
+  // offsets and column_indices stay null: the walk has no row side
+  return arrays_.view(block_size_, blocks_per_expert_, num_experts_ * blocks_per_expert_,
+                      micro_batches_ * block_rows_per_micro_batch_);
 }
 
 }  // namespace moe::cuda

@@ -36,15 +36,15 @@
 
 namespace moe::cuda {
 
-// Owns the DeviceTopology's arrays, sized from the dropless plan's bound
-// max_rows = T*K + E*(B-1): max_block_rows = max_rows / B, max_nnz = max_block_rows * H/B.
-class TopologyBuffers {
- public:
-  // validate(config); the formulation must be dropless (else std::invalid_argument).
-  explicit TopologyBuffers(const MoeConfig& config);
-
-  DeviceTopology topology() const;  // a view of the arrays below
-  int num_experts() const { return num_experts_; }
+// The device arrays behind a DeviceTopology, one buffer per pointer field of the same name. A
+// topology that keeps no row side (row_side = false: offsets and column_indices) leaves those
+// empty, and its view's pointers null.
+struct TopologyArrays {
+  // Sizes every array for max_block_rows block rows of blocks_per_expert blocks, over block_cols
+  // block columns (max_nnz = max_block_rows * blocks_per_expert).
+  void allocate(int max_block_rows, int blocks_per_expert, int block_cols, bool row_side);
+  // The view of these arrays at these sizes, B = block_size.
+  DeviceTopology view(int block_size, int blocks_per_expert, int block_cols, int max_block_rows) const;
 
   DeviceBuffer<int> block_rows;         // [1]
   DeviceBuffer<int> nnz;                // [1]
@@ -55,6 +55,17 @@ class TopologyBuffers {
   DeviceBuffer<int> transpose_indices;  // [max_nnz]
   DeviceBuffer<int> block_row_expert;   // [max_block_rows]
   DeviceBuffer<int> block_row_tokens;   // [max_block_rows]
+};
+
+// Owns the DeviceTopology's arrays (TopologyArrays), sized from the dropless plan's bound
+// max_rows = T*K + E*(B-1): max_block_rows = max_rows / B, max_nnz = max_block_rows * H/B.
+class TopologyBuffers : public TopologyArrays {
+ public:
+  // validate(config); the formulation must be dropless (else std::invalid_argument).
+  explicit TopologyBuffers(const MoeConfig& config);
+
+  DeviceTopology topology() const;  // a view of the arrays
+  int num_experts() const { return num_experts_; }
 
  private:
   int num_experts_ = 0, block_size_ = 0, block_cols_ = 0, blocks_per_expert_ = 0;
@@ -109,10 +120,7 @@ class MicroBatchTopology {
   int micro_batches_ = 0, num_experts_ = 0, block_size_ = 0, blocks_per_expert_ = 0;
   int block_rows_per_micro_batch_ = 0;  // R
   DeviceBuffer<int> row_offsets_;       // [M, E+1] each micro-batch's padded bins
-  DeviceBuffer<int> block_rows_, nnz_;  // [1], [1]
-  DeviceBuffer<int> column_offsets_;    // [E*H/B + 1]
-  DeviceBuffer<int> transpose_indices_, row_indices_;        // [M * R * H/B]
-  DeviceBuffer<int> block_row_expert_, block_row_tokens_;    // [M * R]
+  TopologyArrays arrays_;               // the column walk's, over M * R block rows (no row side)
 };
 
 }  // namespace moe::cuda

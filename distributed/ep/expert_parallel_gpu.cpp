@@ -241,15 +241,7 @@ ExpertParallelGpu::ExpertParallelGpu(Communicator& communicator, const MoeConfig
     hierarchical_ = std::make_unique<DeviceHierarchicalAllToAll>(*exchange_, options.hierarchical_ranks_per_node);
   }
 
-  logits_ = DeviceBuffer<float>(T * E);
-  probs_ = DeviceBuffer<float>(T * E);
-  logsumexp_ = DeviceBuffer<float>(T);
-  combine_weights_ = DeviceBuffer<float>(T * K);
-  top_experts_ = DeviceBuffer<int>(T * K);
-  local_fraction_ = DeviceBuffer<float>(E);
-  local_mean_probs_ = DeviceBuffer<float>(E);
-  local_aux_loss_ = DeviceBuffer<float>(1);
-  local_z_loss_ = DeviceBuffer<float>(1);
+  router_ = cuda::RouterBuffers(T, E, K);
   router_workspace_ = std::make_unique<cuda::RouterWorkspace>(static_cast<int>(E));
   summary_ = DeviceBuffer<int32_t>(static_cast<size_t>(routing_summary_words(config.num_experts)));
   summaries_.assign(static_cast<size_t>(R) * summary_.size(), 0);
@@ -434,10 +426,8 @@ void ExpertParallelGpu::route(const bf16* x, int64_t local_tokens, const bf16* g
   Phase phase(timer_, "ep_route", stream);
   const int T = static_cast<int>(local_tokens), D = static_cast<int>(config_.model_dim),
             E = static_cast<int>(config_.num_experts), K = static_cast<int>(config_.top_k);
-  cuda::router_logits(cublas_->get(), x, gate_weights, logits_.data(), T, D, E, stream);
-  cuda::route_top_k(logits_.data(), probs_.data(), top_experts_.data(), combine_weights_.data(), logsumexp_.data(),
-                    local_fraction_.data(), local_mean_probs_.data(), local_aux_loss_.data(), local_z_loss_.data(),
-                    *router_workspace_, T, E, K, config_.renormalize, stream);
+  cuda::router_logits(cublas_->get(), x, gate_weights, router_.logits.data(), T, D, E, stream);
+  cuda::route_top_k(router_, *router_workspace_, T, E, K, config_.renormalize, stream);
   // The slots of this rank grouped by expert, token order inside: the dispatch plan's stable sort.
   // Only routed_slots, routed_offsets and tokens_per_expert are read, so the formulation is any.
   if (!home_plan_ || home_plan_tokens_ != local_tokens) {
@@ -448,7 +438,7 @@ void ExpertParallelGpu::route(const bf16* x, int64_t local_tokens, const bf16* g
     home_plan_ = std::make_unique<cuda::DispatchPlanBuffers>(home);
     home_plan_tokens_ = local_tokens;
   }
-  cuda::build_dispatch_plan(top_experts_.data(), *home_plan_, stream);
+  cuda::build_dispatch_plan(router_.top_experts.data(), *home_plan_, stream);
 }
 
 void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const ExpertParallelGpuWeights& weights, bf16* y,
@@ -473,8 +463,8 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
     status = kNullPointer;
   }
   if (status > 0) route(x, local_tokens, weights.gate_weights, stream);
-  pack_routing_summary(status > 0 ? home_plan_->tokens_per_expert.data() : nullptr, local_mean_probs_.data(),
-                       local_z_loss_.data(), status, static_cast<int>(E), summary_.data(), stream);
+  pack_routing_summary(status > 0 ? home_plan_->tokens_per_expert.data() : nullptr, router_.mean_probs.data(),
+                       router_.z_loss.data(), status, static_cast<int>(E), summary_.data(), stream);
 
   // ---- 2. the count exchange: the forward's one host synchronisation ----
   {
@@ -548,7 +538,7 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
   const int64_t T_r = plan.local_tokens();
   if (T_r > 0) {
     Phase phase(timer_, "ep_permute", stream);
-    build_send_order(top_experts_.data(), home_plan_->routed_slots.data(), home_plan_->routed_offsets.data(),
+    build_send_order(router_.top_experts.data(), home_plan_->routed_slots.data(), home_plan_->routed_offsets.data(),
                      tables_->at(tables_->slot_chunk_begin), tables_->at(tables_->part_send_row),
                      static_cast<int>(T_r * K), d, send_slot_.data(), slot_send_row_.data(), stream);
     if (plan.rows_sent() > 0) cuda::permute_tokens(home_view(T_r), x, send_x_.data(), static_cast<int>(D), stream);
@@ -566,8 +556,8 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
   // ---- 6. the weighted combine ----
   if (T_r > 0) {
     Phase phase(timer_, "ep_combine", stream);
-    cuda::unpermute_and_combine(home_view(T_r), combine_weights_.data(), returned_.data(), y, static_cast<int>(D),
-                                stream);
+    cuda::unpermute_and_combine(home_view(T_r), router_.combine_weights.data(), returned_.data(), y,
+                                static_cast<int>(D), stream);
   }
   CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].forward_end, stream));
   if (trial_step) {  // read at the next forward, once the count exchange has waited on the stream
@@ -926,55 +916,56 @@ void ExpertParallelGpu::prepare_experts(int c, const ExpertParallelGpuWeights&, 
   table(chunk.d_x_rows, chunk.d_permuted_x, D);
 }
 
-void ExpertParallelGpu::experts_forward(int c, const ExpertParallelGpuWeights& weights, cudaStream_t stream) {
+ExpertParallelGpu::ChunkWork ExpertParallelGpu::chunk_work(int c) {
   const ExchangePlan& plan = *plan_;
-  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
-  Chunk& chunk = *chunks_[c];
-  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(local_experts_config_.hidden_dim),
-            E_c = static_cast<int>(plan.computed_experts()), rows = static_cast<int>(plan.total_rows(c));
-  cuda::permute_tokens(expert_view(c), chunk.received.data(), chunk.permuted_x.data(), D, stream);
+  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return {};
+  return {chunks_[c].get(), static_cast<int>(config_.model_dim), static_cast<int>(local_experts_config_.hidden_dim),
+          static_cast<int>(plan.computed_experts()), static_cast<int>(plan.total_rows(c))};
+}
+
+void ExpertParallelGpu::experts_forward(int c, const ExpertParallelGpuWeights& weights, cudaStream_t stream) {
+  const auto [chunk, D, H, E_c, rows] = chunk_work(c);
+  if (chunk == nullptr) return;
+  cuda::permute_tokens(expert_view(c), chunk->received.data(), chunk->permuted_x.data(), D, stream);
   if (config_.formulation == Formulation::dropless) {
-    const cuda::BlockSparseFfnOutputs outputs{chunk.pre_activation.data(), nullptr, chunk.hidden.data(),
-                                              chunk.expert_out.data()};
-    cuda::block_sparse_ffn_forward(local_experts_config_, chunk.topology->topology(),
-                                   cuda::ExpertRows(chunk.permuted_x.data()), weights.w1, weights.w2, outputs, stream);
+    const cuda::BlockSparseFfnOutputs outputs{chunk->pre_activation.data(), nullptr, chunk->hidden.data(),
+                                              chunk->expert_out.data()};
+    cuda::block_sparse_ffn_forward(local_experts_config_, chunk->topology->topology(),
+                                   cuda::ExpertRows(chunk->permuted_x.data()), weights.w1, weights.w2, outputs, stream);
   } else {
     // E_c products [C_c, D] x [D, H_c], GeLU, E_c products [C_c, H_c] x [H_c, D] (MoeLayerGpu's padded path).
-    const int C = static_cast<int>(plan.padded_rows(c));
+    const int C = static_cast<int>(plan_->padded_rows(c));
     cublas_->set_stream(stream);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, H, D, chunk.x_rows.data(), D, weights.w1,
-                       H, chunk.pre_rows.data(), H, E_c);
-    cuda::gelu_forward(chunk.pre_activation.data(), chunk.hidden.data(), static_cast<size_t>(rows) * H, stream);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, D, H, chunk.hidden_rows.data(), H,
-                       weights.w2, D, chunk.out_rows.data(), D, E_c);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, H, D, chunk->x_rows.data(), D, weights.w1,
+                       H, chunk->pre_rows.data(), H, E_c);
+    cuda::gelu_forward(chunk->pre_activation.data(), chunk->hidden.data(), static_cast<size_t>(rows) * H, stream);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, D, H, chunk->hidden_rows.data(), H,
+                       weights.w2, D, chunk->out_rows.data(), D, E_c);
   }
-  scatter_rows(chunk.row_slot.data(), chunk.expert_out.data(), chunk.sent_back.data(), rows, D, stream);
+  scatter_rows(chunk->row_slot.data(), chunk->expert_out.data(), chunk->sent_back.data(), rows, D, stream);
 }
 
 void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& weights,
                                          const ExpertParallelGpuGradients& gradients, bool first_with_rows,
                                          cudaStream_t stream) {
-  const ExchangePlan& plan = *plan_;
-  if (options_.experts == ExpertCompute::identity || plan.rows_received(c) == 0) return;
-  Chunk& chunk = *chunks_[c];
-  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(local_experts_config_.hidden_dim),
-            E_c = static_cast<int>(plan.computed_experts()), rows = static_cast<int>(plan.total_rows(c));
+  const auto [chunk, D, H, E_c, rows] = chunk_work(c);
+  if (chunk == nullptr) return;
   // d(expert outputs) in expert order, padding rows zero, into expert_out (the forward's values of
   // it are no longer needed: the combine's backward used the copies that went home).
-  cuda::permute_tokens(expert_view(c), chunk.received.data(), chunk.expert_out.data(), D, stream);
+  cuda::permute_tokens(expert_view(c), chunk->received.data(), chunk->expert_out.data(), D, stream);
   if (config_.formulation == Formulation::dropless) {
     // The block-sparse weight gradients are written, not accumulated: the first chunk writes the
     // caller's, later ones a scratch copy that is then added.
     float* const* d_w1 = first_with_rows ? gradients.d_w1 : scratch_w1_.data();
     float* const* d_w2 = first_with_rows ? gradients.d_w2 : scratch_w2_.data();
-    const cuda::BlockSparseFfnOutputs forward{chunk.pre_activation.data(), nullptr, chunk.hidden.data(), nullptr};
+    const cuda::BlockSparseFfnOutputs forward{chunk->pre_activation.data(), nullptr, chunk->hidden.data(), nullptr};
     cuda::BlockSparseFfnGradients out;
-    out.d_pre_activation = chunk.d_pre_activation.data();
-    out.d_permuted_x = chunk.d_permuted_x.data();
+    out.d_pre_activation = chunk->d_pre_activation.data();
+    out.d_permuted_x = chunk->d_permuted_x.data();
     out.d_w1 = d_w1;
     out.d_w2 = d_w2;
-    cuda::block_sparse_ffn_backward(local_experts_config_, chunk.topology->topology(), chunk.permuted_x.data(),
-                                    weights.w1, weights.w2, forward, chunk.expert_out.data(), out, stream);
+    cuda::block_sparse_ffn_backward(local_experts_config_, chunk->topology->topology(), chunk->permuted_x.data(),
+                                    weights.w1, weights.w2, forward, chunk->expert_out.data(), out, stream);
     if (!first_with_rows) {
       add_through_tables(gradients.d_w1, scratch_w1_.data(), E_c, static_cast<size_t>(D) * H, stream);
       add_through_tables(gradients.d_w2, scratch_w2_.data(), E_c, static_cast<size_t>(H) * D, stream);
@@ -983,21 +974,21 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
     // Per expert over its C_c rows (padding rows carry zero gradient); cuBLAS accumulates the weight
     // gradients of later chunks itself (beta = 1).
     //   dh = d_out W2ᵀ,  d_pre = dh * gelu'(pre),  dW2 += hiddenᵀ d_out,  dW1 += xᵀ d_pre,  dx = d_pre W1ᵀ
-    const int C = static_cast<int>(plan.padded_rows(c));
+    const int C = static_cast<int>(plan_->padded_rows(c));
     const float beta = first_with_rows ? 0.0f : 1.0f;
     cublas_->set_stream(stream);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, H, D, chunk.out_rows.data(), D,
-                       weights.w2, D, chunk.d_hidden_rows.data(), H, E_c);
-    cuda::gelu_backward(chunk.pre_activation.data(), chunk.d_hidden.data(), chunk.d_pre_activation.data(),
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, H, D, chunk->out_rows.data(), D,
+                       weights.w2, D, chunk->d_hidden_rows.data(), H, E_c);
+    cuda::gelu_backward(chunk->pre_activation.data(), chunk->d_hidden.data(), chunk->d_pre_activation.data(),
                         static_cast<size_t>(rows) * H, stream);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, H, D, C, chunk.hidden_rows.data(), H,
-                       chunk.out_rows.data(), D, gradients.d_w2, D, E_c, beta);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, D, H, C, chunk.x_rows.data(), D,
-                       chunk.d_pre_rows.data(), H, gradients.d_w1, H, E_c, beta);
-    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, D, H, chunk.d_pre_rows.data(), H,
-                       weights.w1, H, chunk.d_x_rows.data(), D, E_c);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, H, D, C, chunk->hidden_rows.data(), H,
+                       chunk->out_rows.data(), D, gradients.d_w2, D, E_c, beta);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, D, H, C, chunk->x_rows.data(), D,
+                       chunk->d_pre_rows.data(), H, gradients.d_w1, H, E_c, beta);
+    cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, D, H, chunk->d_pre_rows.data(), H,
+                       weights.w1, H, chunk->d_x_rows.data(), D, E_c);
   }
-  scatter_rows(chunk.row_slot.data(), chunk.d_permuted_x.data(), chunk.sent_back.data(), rows, D, stream);
+  scatter_rows(chunk->row_slot.data(), chunk->d_permuted_x.data(), chunk->sent_back.data(), rows, D, stream);
 }
 
 // ---- backward ----
@@ -1036,7 +1027,7 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
   // ---- combine: d(rows sent) = w * dy, and d(combine weights) for the router ----
   if (T_r > 0) {
     Phase phase(timer_, "ep_combine_backward", stream);
-    cuda::combine_backward(home_view(T_r), combine_weights_.data(), dy, returned_.data(), d_send_.data(),
+    cuda::combine_backward(home_view(T_r), router_.combine_weights.data(), dy, returned_.data(), d_send_.data(),
                            d_combine_weights_.data(), static_cast<int>(D), stream);
   }
 
@@ -1076,9 +1067,10 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
     // tokens, so the coefficients are scaled by T_r / T.
     const double share = static_cast<double>(T_r) / static_cast<double>(plan.tokens());
     const float* global_fraction = reinterpret_cast<const float*>(tables_->at(tables_->global_fraction));
-    cuda::router_backward(probs_.data(), logsumexp_.data(), top_experts_.data(), d_combine_weights_.data(),
-                          global_fraction, d_logits_.data(), T, static_cast<int>(E), static_cast<int>(K),
-                          config_.renormalize, config_.aux_loss_coef * share, config_.z_loss_coef * share, stream);
+    cuda::router_backward(router_.probs.data(), router_.logsumexp.data(), router_.top_experts.data(),
+                          d_combine_weights_.data(), global_fraction, d_logits_.data(), T, static_cast<int>(E),
+                          static_cast<int>(K), config_.renormalize, config_.aux_loss_coef * share,
+                          config_.z_loss_coef * share, stream);
     // d_logits in bf16 for the tensor-core GEMMs, as MoeLayerGpu does.
     cuda::float_to_bf16(d_logits_.data(), d_logits_bf16_.data(), static_cast<size_t>(T_r * E), stream);
     cublas_->set_stream(stream);

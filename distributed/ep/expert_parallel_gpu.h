@@ -281,8 +281,8 @@ class ExpertParallelGpu {
   const std::map<std::vector<int64_t>, PipelineChoice>& pipeline_choices() const { return choices_; }
 
   // ---- what the last forward computed, on the device (tests, ep_bench's checks) ----
-  const cuda::DeviceBuffer<int>& top_experts() const { return top_experts_; }            // [T_r, K] used
-  const cuda::DeviceBuffer<float>& combine_weights() const { return combine_weights_; }  // [T_r, K] used
+  const cuda::DeviceBuffer<int>& top_experts() const { return router_.top_experts; }            // [T_r, K] used
+  const cuda::DeviceBuffer<float>& combine_weights() const { return router_.combine_weights; }  // [T_r, K] used
   const bf16* sent_rows() const { return send_x_.data(); }        // [rows_sent, D] in send order
   const bf16* returned_rows() const { return returned_.data(); }  // [rows_sent, D] the experts' outputs
 
@@ -296,6 +296,13 @@ class ExpertParallelGpu {
   void upload_tables(cudaStream_t stream);
   void reserve_buffers();
   void prepare_experts(int chunk, const ExpertParallelGpuWeights& weights, cudaStream_t stream);
+  // Chunk c's expert work and the sizes of its products (D, H_c, E_c, its received rows), with
+  // chunk = nullptr where chunk c computes nothing (identity experts, or no rows received).
+  struct ChunkWork {
+    Chunk* chunk = nullptr;
+    int D = 0, H = 0, E_c = 0, rows = 0;
+  };
+  ChunkWork chunk_work(int c);
   void experts_forward(int chunk, const ExpertParallelGpuWeights& weights, cudaStream_t stream);
   void experts_backward(int chunk, const ExpertParallelGpuWeights& weights, const ExpertParallelGpuGradients& gradients,
                         bool first_with_rows, cudaStream_t stream);
@@ -340,9 +347,7 @@ class ExpertParallelGpu {
   std::unique_ptr<cuda::CublasHandle> cublas_;  // made after the settings are checked: no GPU before
 
   // ---- this rank's tokens (sized by max_local_tokens) ----
-  cuda::DeviceBuffer<float> logits_, probs_, logsumexp_, combine_weights_;  // [T,E] [T,E] [T] [T,K]
-  cuda::DeviceBuffer<int> top_experts_;                                     // [T, K]
-  cuda::DeviceBuffer<float> local_fraction_, local_mean_probs_, local_aux_loss_, local_z_loss_;  // [E] [E] [1] [1]
+  cuda::RouterBuffers router_;  // its statistics (expert_fraction, ..., z_loss) over this rank's tokens alone
   std::unique_ptr<cuda::RouterWorkspace> router_workspace_;
   std::unique_ptr<cuda::DispatchPlanBuffers> home_plan_;  // for T_r slots; rebuilt when T_r changes
   int64_t home_plan_tokens_ = 0;
