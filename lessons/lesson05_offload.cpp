@@ -32,7 +32,7 @@
 #include "core/device_info.h"            // gpu_available, why_no_gpu
 #include "infer/inference_model.h"       // InferenceModelGpu
 #include "infer/sampling.h"              // ByteSampler
-#include "infer/weights_file.h"          // load_weights_checkpoint
+#include "infer/weights_file.h"          // load_weights_checkpoint, pinned_experts
 #include "offload/offloaded_experts.h"   // OffloadedExperts
 #include "offload/pinned_expert_store.h" // PinnedExpertStore
 #endif
@@ -158,24 +158,8 @@ void gpu_part(const std::string& checkpoint, Table& table) {
   ModelGpuConfig config = loaded.config;
   config.batch = 1;
   const ExpertSchedule mode = config.pregated ? ExpertSchedule::pregated : ExpertSchedule::speculative;
-  std::vector<int64_t> moe_layers;
-  for (int64_t i = 0; i < config.num_layers; ++i) {
-    if (is_moe_block(config, i)) moe_layers.push_back(i);
-  }
-  const ExpertShape shape{int64_t(moe_layers.size()), config.moe.num_experts, config.model_dim, config.moe.hidden_dim, 0};
-  PinnedExpertStore store(shape);
-  const std::vector<ParameterSpan> layout = parameter_layout(config);
-  for (size_t j = 0; j < moe_layers.size(); ++j) {
-    auto stacked = [&](const std::string& first, int64_t count) {
-      const auto span = std::find_if(layout.begin(), layout.end(), [&](const ParameterSpan& s) { return s.name == first; });
-      std::vector<bf16> out(size_t(count), __float2bfloat16(0.0f));
-      for (int64_t i = 0; i < count; ++i) out[size_t(i)] = __float2bfloat16(loaded.weights[size_t(span->offset + i)]);
-      return out;
-    };
-    const std::string prefix = "blocks." + std::to_string(moe_layers[j]) + ".moe.";
-    store.set_block(int64_t(j), stacked(prefix + "w1.0", shape.experts * shape.w1_elements()),
-                    stacked(prefix + "w2.0", shape.experts * shape.w2_elements()));
-  }
+  const PinnedExpertStore store = pinned_experts(config, loaded.weights);
+  const ExpertShape& shape = store.shape();
   const std::string prompt = "The jury said";
   OffloadOptions options;
   options.cache_slots = std::min(2 * shape.experts, shape.blocks * shape.experts);

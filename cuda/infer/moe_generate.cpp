@@ -41,7 +41,7 @@
 #include "infer/generate.h"              // generate
 #include "infer/inference_model.h"       // InferenceModelGpu
 #include "infer/offload_recording.h"     // RecordedExpertSource
-#include "infer/weights_file.h"          // load_weights_checkpoint, load_weights_safetensors
+#include "infer/weights_file.h"          // load_weights_checkpoint, load_weights_safetensors, pinned_experts
 #include "offload/offloaded_experts.h"   // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h" // PinnedExpertStore
 #include "offload/resident_experts.h"    // ResidentExperts
@@ -144,31 +144,6 @@ std::vector<int32_t> prompt_bytes(const Options& o) {
   return bytes;
 }
 
-// Every MoE block's experts, stacked [E, D, H] / [E, H, D] as the flat layout holds them (expert
-// e's w1 right after expert e-1's), into pinned host memory as bf16.
-PinnedExpertStore expert_store(const ModelGpuConfig& config, const std::vector<float>& weights) {
-  std::vector<int64_t> moe;
-  for (int64_t i = 0; i < config.num_layers; ++i) {
-    if (is_moe_block(config, i)) moe.push_back(i);
-  }
-  const ExpertShape shape{int64_t(moe.size()), config.moe.num_experts, config.model_dim, config.moe.hidden_dim, 0};
-  PinnedExpertStore store(shape);
-  const std::vector<ParameterSpan> layout = parameter_layout(config);
-  auto stacked = [&](const std::string& first, int64_t elements) {
-    const auto span = std::find_if(layout.begin(), layout.end(), [&](const ParameterSpan& s) { return s.name == first; });
-    std::vector<bf16> out(static_cast<size_t>(elements));
-    for (int64_t i = 0; i < elements; ++i) out[size_t(i)] = __float2bfloat16(weights[size_t(span->offset + i)]);
-    return out;
-  };
-  for (size_t j = 0; j < moe.size(); ++j) {
-    const std::string prefix = "blocks." + std::to_string(moe[j]) + ".moe.";
-    const std::vector<bf16> w1 = stacked(prefix + "w1.0", shape.experts * shape.w1_elements());
-    const std::vector<bf16> w2 = stacked(prefix + "w2.0", shape.experts * shape.w2_elements());
-    store.set_block(int64_t(j), w1, w2);
-  }
-  return store;
-}
-
 int run(const std::vector<std::string>& arguments) {
   Options o;
   if (const std::optional<int> exit_status = parse(arguments, o)) return *exit_status;
@@ -207,7 +182,7 @@ int run(const std::vector<std::string>& arguments) {
   std::optional<PinnedExpertStore> store;
   std::unique_ptr<ExpertSource> source;
   OffloadedExperts* offloaded = nullptr;
-  if (has_experts) store.emplace(expert_store(config, loaded.weights));
+  if (has_experts) store.emplace(pinned_experts(config, loaded.weights));
   if (has_experts && o.mode != ExpertSchedule::gpu_only) {
     const int64_t E = config.moe.num_experts, all = store->shape().blocks * E;
     OffloadOptions options;

@@ -6,6 +6,7 @@
 //   moe::cuda::InferenceWeights w = moe::cuda::load_weights_safetensors("model.safetensors");
 //   w.config.batch = 4;                                   // the sequences to decode together
 //   moe::cuda::InferenceModelGpu model(w.config, w.weights, experts);
+//   moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(w.config, w.weights);  // offloaded modes
 //
 // Every fault is an exception that names the file: moe::SafetensorsError for a safetensors file
 // (truncated, not this layout, a missing or misshapen tensor, a value that is not finite, or, with
@@ -14,6 +15,7 @@
 // path that holds neither.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -26,6 +28,7 @@
 #include "config_json.h"         // model_config_from_json
 #include "model/model.h"         // ModelGpuConfig, gpu_config_of, model_config_of
 #include "model_weights_file.h"  // load_flat_weights_safetensors
+#include "offload/pinned_expert_store.h"  // PinnedExpertStore, ExpertShape
 
 namespace moe::cuda {
 
@@ -101,5 +104,32 @@ inline InferenceWeights load_weights_checkpoint(const std::filesystem::path& pat
   }
   return out;
 }
+
+// Every MoE block's experts of `weights`, stacked [E, D, H] / [E, H, D] as the flat layout holds
+// them (expert e's w1 right after expert e-1's), in pinned host memory as bf16: what the offloaded
+// modes stream to the GPU (cuda/offload/).
+inline PinnedExpertStore pinned_experts(const ModelGpuConfig& config, const std::vector<float>& weights) {
+  std::vector<int64_t> moe;
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    if (is_moe_block(config, i)) moe.push_back(i);
+  }
+  const ExpertShape shape{int64_t(moe.size()), config.moe.num_experts, config.model_dim, config.moe.hidden_dim, 0};
+  PinnedExpertStore store(shape);
+  const std::vector<ParameterSpan> layout = parameter_layout(config);
+  auto stacked = [&](const std::string& first, int64_t elements) {
+    const auto span = std::find_if(layout.begin(), layout.end(), [&](const ParameterSpan& s) { return s.name == first; });
+    std::vector<bf16> out(static_cast<size_t>(elements));
+    for (int64_t i = 0; i < elements; ++i) out[size_t(i)] = __float2bfloat16(weights[size_t(span->offset + i)]);
+    return out;
+  };
+  for (size_t j = 0; j < moe.size(); ++j) {
+    const std::string prefix = "blocks." + std::to_string(moe[j]) + ".moe.";
+    const std::vector<bf16> w1 = stacked(prefix + "w1.0", shape.experts * shape.w1_elements());
+    const std::vector<bf16> w2 = stacked(prefix + "w2.0", shape.experts * shape.w2_elements());
+    store.set_block(int64_t(j), w1, w2);
+  }
+  return store;
+}
+
 
 }  // namespace moe::cuda

@@ -16,6 +16,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ep_bench_harness.h"
@@ -27,11 +28,23 @@ namespace moe::dist::bench {
 // The runs after a row's timing that time the layer's phases (Variant::phases).
 constexpr int kPhaseRuns = 5;
 
-// A row's name: `base`, with " 2dh G=<G>" when its exchanges go through Tutel's 2DH all-to-all
-// over nodes of G ranks.
-inline std::string variant_name(const std::string& base, int ranks_per_node) {
-  return ranks_per_node > 1 ? base + " 2dh G=" + std::to_string(ranks_per_node) : base;
-}
+// A row whose exchanges run flat or, with ranks_per_node G > 1, through Tutel's 2DH all-to-all over
+// nodes of G ranks: its context, G, and its name (`base`, with " 2dh G=<G>" after it for 2DH).
+class ExchangeVariant : public Variant {
+ public:
+  ExchangeVariant(BenchContext& ctx, int ranks_per_node, std::string base)
+      : ctx_(ctx), ranks_per_node_(ranks_per_node), base_(std::move(base)) {}
+  std::string name() const override {
+    return ranks_per_node_ > 1 ? base_ + " 2dh G=" + std::to_string(ranks_per_node_) : base_;
+  }
+
+ protected:
+  BenchContext& ctx_;
+  int ranks_per_node_ = 0;
+
+ private:
+  std::string base_;
+};
 
 std::unique_ptr<Variant> make_count_exchange_variant(BenchContext& ctx);
 // ranks_per_node G > 1: through the 2DH all-to-all; 0: flat.

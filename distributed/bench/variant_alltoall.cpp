@@ -16,10 +16,9 @@ namespace moe::dist::bench {
 
 namespace {
 
-class AllToAll final : public Variant {
+class AllToAll final : public ExchangeVariant {
  public:
-  AllToAll(BenchContext& ctx, int ranks_per_node) : ctx_(ctx), ranks_per_node_(ranks_per_node) {}
-  std::string name() const override { return variant_name("alltoall", ranks_per_node_); }
+  AllToAll(BenchContext& ctx, int ranks_per_node) : ExchangeVariant(ctx, ranks_per_node, "alltoall") {}
 
   Prepared prepare(int64_t size_bytes) override {
     const int R = ctx_.ranks;
@@ -72,8 +71,6 @@ class AllToAll final : public Variant {
   }
 
  private:
-  BenchContext& ctx_;
-  int ranks_per_node_ = 0;
   std::unique_ptr<DeviceHierarchicalAllToAll> hierarchical_;
   std::vector<int64_t> matrix_;  // [R * R] elements from rank s to rank t: per_peer_ everywhere
   int host_syncs_ = 0;

@@ -18,10 +18,9 @@ namespace moe::dist::bench {
 
 namespace {
 
-class DispatchCombine final : public Variant {
+class DispatchCombine final : public ExchangeVariant {
  public:
-  DispatchCombine(BenchContext& ctx, int ranks_per_node) : ctx_(ctx), ranks_per_node_(ranks_per_node) {}
-  std::string name() const override { return variant_name("dispatch+combine", ranks_per_node_); }
+  DispatchCombine(BenchContext& ctx, int ranks_per_node) : ExchangeVariant(ctx, ranks_per_node, "dispatch+combine") {}
 
   Prepared prepare(int64_t size_bytes) override {
     const LayerShape& shape = ctx_.options.layer;
@@ -86,8 +85,6 @@ class DispatchCombine final : public Variant {
   }
 
  private:
-  BenchContext& ctx_;
-  int ranks_per_node_ = 0;
   int64_t tokens_ = 0;
   std::unique_ptr<ExpertParallelGpu> layer_;
   cuda::DeviceBuffer<bf16> x_, y_, gate_;
