@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace moe {
 
@@ -83,44 +84,95 @@ void JsonFields::only(const std::vector<std::string>& known, const std::string& 
   }
 }
 
+// ---- the field lists ----
+
+namespace {
+
+// Each config's JSON keys, listed once: writing and reading both walk the list, so a key is
+// written and read under one name. visit(key, member, required); reading needs a required key,
+// and keeps the struct's default for an absent optional one (numbers and the seed are always
+// optional: JsonFields reads them so).
+
+// The routing settings MoeConfig and ModelConfig share, under the same keys, optional in both.
+template <typename Config, typename Visit>
+void routing_fields(Config& c, Visit& visit) {
+  visit("formulation", c.formulation, false);
+  visit("capacity_factor", c.capacity_factor, false);
+  visit("block_size", c.block_size, false);
+  visit("activation", c.activation, false);
+  visit("renormalize", c.renormalize, false);
+}
+
+template <typename Config, typename Visit>  // Config: MoeConfig or const MoeConfig
+void moe_config_fields(Config& c, Visit&& visit) {
+  visit("tokens", c.tokens, true);
+  visit("model_dim", c.model_dim, true);
+  visit("hidden_dim", c.hidden_dim, true);
+  visit("num_experts", c.num_experts, true);
+  visit("top_k", c.top_k, false);
+  routing_fields(c, visit);
+  visit("jitter_eps", c.jitter_eps, false);
+  visit("seed", c.seed, false);
+  visit("aux_loss_coef", c.aux_loss_coef, false);
+  visit("z_loss_coef", c.z_loss_coef, false);
+}
+
+template <typename Config, typename Visit>  // Config: ModelConfig or const ModelConfig
+void model_config_fields(Config& c, Visit&& visit) {
+  visit("model_dim", c.model_dim, true);
+  visit("num_layers", c.num_layers, true);
+  visit("num_heads", c.num_heads, true);
+  visit("seq_len", c.seq_len, true);
+  visit("moe_layers", c.moe_layers, true);
+  visit("dense_hidden_dim", c.dense_hidden_dim, true);
+  visit("layer_norm_eps", c.layer_norm_eps, false);
+  visit("num_experts", c.num_experts, true);
+  visit("top_k", c.top_k, true);
+  visit("expert_hidden_dim", c.expert_hidden_dim, true);
+  routing_fields(c, visit);
+  visit("aux_loss_coef", c.aux_loss_coef, false);
+  visit("z_loss_coef", c.z_loss_coef, false);
+  visit("pregated", c.pregated, true);
+}
+
+// Writes each visited field into an object; the enums as their names.
+struct FieldWriter {
+  json& object;
+  template <typename T>
+  void operator()(const char* key, const T& value, bool /*required*/) {
+    if constexpr (std::is_enum_v<T>) {
+      object[key] = std::string(to_string(value));
+    } else {
+      object[key] = value;
+    }
+  }
+};
+
+// Reads each visited field through JsonFields, which checks its JSON type.
+struct FieldReader {
+  const JsonFields& fields;
+  void operator()(const char* key, int64_t& out, bool required) { fields.integer(key, required, out); }
+  void operator()(const char* key, uint64_t& out, bool /*optional*/) { fields.unsigned_integer(key, out); }
+  void operator()(const char* key, double& out, bool /*optional*/) { fields.number(key, out); }
+  void operator()(const char* key, bool& out, bool required) { fields.boolean(key, required, out); }
+  void operator()(const char* key, Formulation& out, bool required) { fields.name(key, required, out, parse_formulation); }
+  void operator()(const char* key, Activation& out, bool required) { fields.name(key, required, out, parse_activation); }
+  void operator()(const char* key, MoeLayers& out, bool required) { fields.name(key, required, out, parse_moe_layers); }
+};
+
+}  // namespace
+
 // ---- MoeConfig ----
 
 void to_json(json& j, const MoeConfig& c) {
-  j = json{
-      {"tokens", c.tokens},
-      {"model_dim", c.model_dim},
-      {"hidden_dim", c.hidden_dim},
-      {"num_experts", c.num_experts},
-      {"top_k", c.top_k},
-      {"formulation", std::string(to_string(c.formulation))},
-      {"capacity_factor", c.capacity_factor},
-      {"block_size", c.block_size},
-      {"activation", std::string(to_string(c.activation))},
-      {"renormalize", c.renormalize},
-      {"jitter_eps", c.jitter_eps},
-      {"seed", c.seed},
-      {"aux_loss_coef", c.aux_loss_coef},
-      {"z_loss_coef", c.z_loss_coef},
-  };
+  j = json::object();
+  moe_config_fields(c, FieldWriter{j});
 }
 
 void from_json(const json& j, MoeConfig& out) {
   const JsonFields fields(j, "moe_config", [](const std::string& message) { throw RecordError(message); });
   MoeConfig c;  // absent optional fields keep the struct's defaults
-  fields.integer("tokens", true, c.tokens);
-  fields.integer("model_dim", true, c.model_dim);
-  fields.integer("hidden_dim", true, c.hidden_dim);
-  fields.integer("num_experts", true, c.num_experts);
-  fields.integer("top_k", false, c.top_k);
-  fields.name("formulation", false, c.formulation, parse_formulation);
-  fields.number("capacity_factor", c.capacity_factor);
-  fields.integer("block_size", false, c.block_size);
-  fields.name("activation", false, c.activation, parse_activation);
-  fields.boolean("renormalize", false, c.renormalize);
-  fields.number("jitter_eps", c.jitter_eps);
-  fields.unsigned_integer("seed", c.seed);
-  fields.number("aux_loss_coef", c.aux_loss_coef);
-  fields.number("z_loss_coef", c.z_loss_coef);
+  moe_config_fields(c, FieldReader{fields});
   try {
     validate(c);
   } catch (const std::invalid_argument& e) {
@@ -143,56 +195,23 @@ std::string text(const T& value) {
 }  // namespace
 
 json model_config_to_json(const ModelConfig& c) {
-  return json{
-      {"model_dim", c.model_dim},
-      {"num_layers", c.num_layers},
-      {"num_heads", c.num_heads},
-      {"seq_len", c.seq_len},
-      {"moe_layers", std::string(to_string(c.moe_layers))},
-      {"dense_hidden_dim", c.dense_hidden_dim},
-      {"layer_norm_eps", c.layer_norm_eps},
-      {"num_experts", c.num_experts},
-      {"top_k", c.top_k},
-      {"expert_hidden_dim", c.expert_hidden_dim},
-      {"formulation", std::string(to_string(c.formulation))},
-      {"capacity_factor", c.capacity_factor},
-      {"block_size", c.block_size},
-      {"activation", std::string(to_string(c.activation))},
-      {"renormalize", c.renormalize},
-      {"aux_loss_coef", c.aux_loss_coef},
-      {"z_loss_coef", c.z_loss_coef},
-      {"pregated", c.pregated},
-  };
+  json j = json::object();
+  model_config_fields(c, FieldWriter{j});
+  return j;
 }
 
 ModelConfig model_config_from_json(const json& j) {
   const JsonFields fields(j, "model config", [](const std::string& message) { throw std::invalid_argument(message); });
-  fields.only({"model_dim", "num_layers", "num_heads", "seq_len", "moe_layers", "dense_hidden_dim", "layer_norm_eps",
-               "num_experts", "top_k", "expert_hidden_dim", "formulation", "capacity_factor", "block_size",
-               "activation", "renormalize", "aux_loss_coef", "z_loss_coef", "pregated", "batch", "vocabulary"},
-              "a model this project does not know");
+  // A training checkpoint's "batch" is accepted and ignored; "vocabulary" is checked below.
+  std::vector<std::string> known{"batch", "vocabulary"};
+  const ModelConfig defaults;
+  model_config_fields(defaults, [&](const char* key, const auto&, bool) { known.emplace_back(key); });
+  fields.only(known, "a model this project does not know");
   if (const json* vocabulary = fields.find("vocabulary", false); vocabulary && *vocabulary != kByteVocabulary) {
     fields.wrong("vocabulary", std::to_string(kByteVocabulary) + " (bytes)", *vocabulary);
   }
   ModelConfig c;
-  fields.integer("model_dim", true, c.model_dim);
-  fields.integer("num_layers", true, c.num_layers);
-  fields.integer("num_heads", true, c.num_heads);
-  fields.integer("seq_len", true, c.seq_len);
-  fields.name("moe_layers", true, c.moe_layers, parse_moe_layers);
-  fields.integer("dense_hidden_dim", true, c.dense_hidden_dim);
-  fields.number("layer_norm_eps", c.layer_norm_eps);
-  fields.integer("num_experts", true, c.num_experts);
-  fields.integer("top_k", true, c.top_k);
-  fields.integer("expert_hidden_dim", true, c.expert_hidden_dim);
-  fields.name("formulation", false, c.formulation, parse_formulation);
-  fields.number("capacity_factor", c.capacity_factor);
-  fields.integer("block_size", false, c.block_size);
-  fields.name("activation", false, c.activation, parse_activation);
-  fields.boolean("renormalize", false, c.renormalize);
-  fields.number("aux_loss_coef", c.aux_loss_coef);
-  fields.number("z_loss_coef", c.z_loss_coef);
-  fields.boolean("pregated", true, c.pregated);
+  model_config_fields(c, FieldReader{fields});
   validate(c);
   return c;
 }

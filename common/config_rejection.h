@@ -4,6 +4,7 @@
 // Header-only.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,11 @@ struct ConfigRejection {
     std::ostringstream message;
     message << "invalid " << config << ": " << field << " = " << value << "; allowed: " << allowed;
     throw std::invalid_argument(message.str());
+  }
+
+  // The rule every size and count field shares: at least 1, allowed "<symbol> >= 1".
+  void if_below_one(std::string_view field, int64_t value, std::string_view symbol) const {
+    if (value < 1) (*this)(field, std::to_string(value), std::string(symbol) + " >= 1");
   }
 };
 

@@ -17,15 +17,15 @@ constexpr ConfigRejection reject{"model config"};
 }  // namespace
 
 void validate(const ModelConfig& c) {
-  if (c.model_dim < 1) reject("model_dim (D)", std::to_string(c.model_dim), "D >= 1");
-  if (c.num_layers < 1) reject("num_layers (L)", std::to_string(c.num_layers), "L >= 1");
-  if (c.num_heads < 1) reject("num_heads", std::to_string(c.num_heads), "num_heads >= 1");
+  reject.if_below_one("model_dim (D)", c.model_dim, "D");
+  reject.if_below_one("num_layers (L)", c.num_layers, "L");
+  reject.if_below_one("num_heads", c.num_heads, "num_heads");
   if (c.model_dim % c.num_heads != 0) {
     reject("num_heads", std::to_string(c.num_heads),
            "a divisor of model_dim D = " + std::to_string(c.model_dim) +
                " (each head gets D / num_heads columns)");
   }
-  if (c.seq_len < 1) reject("seq_len (S)", std::to_string(c.seq_len), "S >= 1");
+  reject.if_below_one("seq_len (S)", c.seq_len, "S");
   if (!std::isfinite(c.layer_norm_eps) || c.layer_norm_eps <= 0.0) {
     reject("layer_norm_eps", number_text(c.layer_norm_eps), "a finite number > 0");
   }

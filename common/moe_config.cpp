@@ -16,10 +16,10 @@ constexpr ConfigRejection reject{"MoE config"};
 }  // namespace
 
 void validate(const MoeConfig& c) {
-  if (c.tokens < 1) reject("tokens (T)", std::to_string(c.tokens), "T >= 1");
-  if (c.model_dim < 1) reject("model_dim (D)", std::to_string(c.model_dim), "D >= 1");
-  if (c.hidden_dim < 1) reject("hidden_dim (H)", std::to_string(c.hidden_dim), "H >= 1");
-  if (c.num_experts < 1) reject("num_experts (E)", std::to_string(c.num_experts), "E >= 1");
+  reject.if_below_one("tokens (T)", c.tokens, "T");
+  reject.if_below_one("model_dim (D)", c.model_dim, "D");
+  reject.if_below_one("hidden_dim (H)", c.hidden_dim, "H");
+  reject.if_below_one("num_experts (E)", c.num_experts, "E");
   if (c.top_k < 1 || c.top_k > c.num_experts) {
     reject("top_k (K)", std::to_string(c.top_k),
            "1 <= K <= E (E = " + std::to_string(c.num_experts) + ")");
@@ -30,7 +30,7 @@ void validate(const MoeConfig& c) {
              "a finite number > 0 for the dropping and padded formulations");
     }
   }
-  if (c.block_size < 1) reject("block_size (B)", std::to_string(c.block_size), "B >= 1");
+  reject.if_below_one("block_size (B)", c.block_size, "B");
   if (c.formulation == Formulation::dropless && c.hidden_dim % c.block_size != 0) {
     reject("hidden_dim (H)", std::to_string(c.hidden_dim),
            "a multiple of block_size B = " + std::to_string(c.block_size) +

@@ -40,6 +40,29 @@ void expect_blocks(std::string_view function, const BlockSparseTopology& topolog
          s_blocks, with_shape("[nnz * B, B]", topology.nnz * B, B));
 }
 
+// The two orders a block-sparse product walks its blocks in, calling visit(block, r, c) for the
+// block at block row r, block column c: row by row through offsets (the CSR order), or column by
+// column through transpose_indices (the order the transposed GPU kernels read them in). Each
+// output block sums its inputs in this order, as the kernels do.
+template <typename Visit>
+void for_each_block_by_row(const BlockSparseTopology& topology, Visit visit) {
+  for (int64_t r = 0; r < topology.block_rows; ++r) {
+    for (int64_t block = topology.offsets[r]; block < topology.offsets[r + 1]; ++block) {
+      visit(block, r, topology.column_indices[block]);
+    }
+  }
+}
+
+template <typename Visit>
+void for_each_block_by_column(const BlockSparseTopology& topology, Visit visit) {
+  for (int64_t c = 0; c < topology.block_cols; ++c) {
+    for (int64_t j = topology.column_offsets[c]; j < topology.column_offsets[c + 1]; ++j) {
+      const int64_t block = topology.transpose_indices[j];
+      visit(block, topology.row_indices[block], c);
+    }
+  }
+}
+
 }  // namespace
 
 Matrix sdd(const Matrix& a, const Matrix& bm, const BlockSparseTopology& topology) {
@@ -63,26 +86,18 @@ Matrix dsd(const BlockSparseTopology& topology, const Matrix& s_blocks, bool tra
     // D[block row r] = sum over the blocks of row r: S_block * bm[block column]
     expect(bm.rows() == topology.cols(), "dsd", "bm", bm, with("[N, P] with N", topology.cols()));
     Matrix out = Matrix::Zero(topology.rows(), bm.cols());
-    for (int64_t r = 0; r < topology.block_rows; ++r) {
-      for (int64_t block = topology.offsets[r]; block < topology.offsets[r + 1]; ++block) {
-        const int64_t c = topology.column_indices[block];
-        out.middleRows(r * B, B).noalias() +=
-            s_blocks.middleRows(block * B, B) * bm.middleRows(c * B, B);
-      }
-    }
+    for_each_block_by_row(topology, [&](int64_t block, int64_t r, int64_t c) {
+      out.middleRows(r * B, B).noalias() += s_blocks.middleRows(block * B, B) * bm.middleRows(c * B, B);
+    });
     return out;
   }
   // Sᵀ: row block c of the output gathers the blocks of column c, found through transpose_indices.
   expect(bm.rows() == topology.rows(), "dsd", "bm", bm, with("[M, P] with M", topology.rows()));
   Matrix out = Matrix::Zero(topology.cols(), bm.cols());
-  for (int64_t c = 0; c < topology.block_cols; ++c) {
-    for (int64_t j = topology.column_offsets[c]; j < topology.column_offsets[c + 1]; ++j) {
-      const int64_t block = topology.transpose_indices[j];
-      const int64_t r = topology.row_indices[block];
-      out.middleRows(c * B, B).noalias() +=
-          s_blocks.middleRows(block * B, B).transpose() * bm.middleRows(r * B, B);
-    }
-  }
+  for_each_block_by_column(topology, [&](int64_t block, int64_t r, int64_t c) {
+    out.middleRows(c * B, B).noalias() +=
+        s_blocks.middleRows(block * B, B).transpose() * bm.middleRows(r * B, B);
+  });
   return out;
 }
 
@@ -94,25 +109,16 @@ Matrix dds(const Matrix& a, const BlockSparseTopology& topology, const Matrix& s
     // D[:, block column c] = sum over the blocks of column c: a[:, block row] * S_block
     expect(a.cols() == topology.rows(), "dds", "a", a, with("[P, M] with M", topology.rows()));
     Matrix out = Matrix::Zero(a.rows(), topology.cols());
-    for (int64_t c = 0; c < topology.block_cols; ++c) {
-      for (int64_t j = topology.column_offsets[c]; j < topology.column_offsets[c + 1]; ++j) {
-        const int64_t block = topology.transpose_indices[j];
-        const int64_t r = topology.row_indices[block];
-        out.middleCols(c * B, B).noalias() +=
-            a.middleCols(r * B, B) * s_blocks.middleRows(block * B, B);
-      }
-    }
+    for_each_block_by_column(topology, [&](int64_t block, int64_t r, int64_t c) {
+      out.middleCols(c * B, B).noalias() += a.middleCols(r * B, B) * s_blocks.middleRows(block * B, B);
+    });
     return out;
   }
   expect(a.cols() == topology.cols(), "dds", "a", a, with("[P, N] with N", topology.cols()));
   Matrix out = Matrix::Zero(a.rows(), topology.rows());
-  for (int64_t r = 0; r < topology.block_rows; ++r) {
-    for (int64_t block = topology.offsets[r]; block < topology.offsets[r + 1]; ++block) {
-      const int64_t c = topology.column_indices[block];
-      out.middleCols(r * B, B).noalias() +=
-          a.middleCols(c * B, B) * s_blocks.middleRows(block * B, B).transpose();
-    }
-  }
+  for_each_block_by_row(topology, [&](int64_t block, int64_t r, int64_t c) {
+    out.middleCols(r * B, B).noalias() += a.middleCols(c * B, B) * s_blocks.middleRows(block * B, B).transpose();
+  });
   return out;
 }
 

@@ -8,15 +8,14 @@
 // No biases, like the experts: a dense block is one expert that every token goes to with weight 1.
 #pragma once
 
+#include "expert_ffn.h"  // ExpertActivations
 #include "types.h"
 
 namespace moe::ref {
 
-struct DenseFfnForward {
-  Matrix pre_activation;  // [T, H_dense]
-  Matrix hidden;          // [T, H_dense]
-  Matrix out;             // [T, D]
-};
+// An expert's intermediates (expert_ffn.h), here over all T tokens: pre_activation [T, H_dense],
+// hidden [T, H_dense], out [T, D].
+using DenseFfnForward = ExpertActivations;
 
 struct DenseFfnGradients {
   Matrix x;   // [T, D]

@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <sstream>
+#include <type_traits>
 
 #include "command_line.h"  // CLI::App, command_line_message
 #include "moe_config.h"    // parse_formulation, parse_activation, to_string
@@ -32,94 +33,91 @@ struct Field {
 };
 
 // Short helpers so each field is one line of the table.
+
+// A member's JSON kind from its C++ type (bool first: it is an integral type too).
 template <typename T>
-Field integer_field(std::string key, T TrainConfig::*member, std::string help) {
-  return {key, Kind::integer, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<T>(); },
-          [member](const TrainConfig& c) { return json(c.*member); }};
+constexpr Kind kind_of() {
+  if constexpr (std::is_same_v<T, bool>) return Kind::boolean;
+  else if constexpr (std::is_integral_v<T>) return Kind::integer;
+  else if constexpr (std::is_floating_point_v<T>) return Kind::number;
+  else return Kind::text;
 }
-template <typename T>
-Field model_integer_field(std::string key, T ModelConfig::*member, std::string help) {
-  return {key, Kind::integer, help, [member](TrainConfig& c, const json& v) { c.model.*member = v.get<T>(); },
-          [member](const TrainConfig& c) { return json(c.model.*member); }};
+
+// The struct a member pointer reaches into: the TrainConfig itself, or its model.
+template <typename Owner, typename Config>  // Config: TrainConfig or const TrainConfig
+auto& part(Config& c) {
+  if constexpr (std::is_same_v<Owner, ModelConfig>) return c.model;
+  else return c;
 }
-Field number_field(std::string key, double TrainConfig::*member, std::string help) {
-  return {key, Kind::number, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<double>(); },
-          [member](const TrainConfig& c) { return json(c.*member); }};
+
+// A member of TrainConfig or of its model, in JSON as it is.
+template <typename Owner, typename T>
+Field field(std::string key, T Owner::*member, std::string help) {
+  return {key, kind_of<T>(), help, [member](TrainConfig& c, const json& v) { part<Owner>(c).*member = v.get<T>(); },
+          [member](const TrainConfig& c) { return json(part<Owner>(c).*member); }};
 }
-Field model_number_field(std::string key, double ModelConfig::*member, std::string help) {
-  return {key, Kind::number, help, [member](TrainConfig& c, const json& v) { c.model.*member = v.get<double>(); },
-          [member](const TrainConfig& c) { return json(c.model.*member); }};
-}
-Field text_field(std::string key, std::string TrainConfig::*member, std::string help) {
-  return {key, Kind::text, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<std::string>(); },
-          [member](const TrainConfig& c) { return json(c.*member); }};
-}
-Field boolean_field(std::string key, bool TrainConfig::*member, std::string help) {
-  return {key, Kind::boolean, help, [member](TrainConfig& c, const json& v) { c.*member = v.get<bool>(); },
-          [member](const TrainConfig& c) { return json(c.*member); }};
+
+// A model enum, in JSON as its name, read through its parser.
+template <typename Enum>
+Field name_field(std::string key, Enum ModelConfig::*member, Enum (*parse)(std::string_view), std::string help) {
+  return {key, Kind::text, help,
+          [member, parse](TrainConfig& c, const json& v) { c.model.*member = parse(v.get<std::string>()); },
+          [member](const TrainConfig& c) { return json(std::string(to_string(c.model.*member))); }};
 }
 
 const std::vector<Field>& fields() {
   using M = ModelConfig;
   static const std::vector<Field> table = {
       // the model
-      model_integer_field("model_dim", &M::model_dim, "D, the model width"),
-      model_integer_field("num_layers", &M::num_layers, "L, transformer blocks"),
-      model_integer_field("num_heads", &M::num_heads, "attention heads (D % heads == 0)"),
-      model_integer_field("seq_len", &M::seq_len, "S, bytes of context per sequence"),
-      {"moe_layers", Kind::text, "every_block | every_other_block | none (a dense model)",
-       [](TrainConfig& c, const json& v) { c.model.moe_layers = parse_moe_layers(v.get<std::string>()); },
-       [](const TrainConfig& c) { return json(std::string(to_string(c.model.moe_layers))); }},
-      model_integer_field("dense_hidden_dim", &M::dense_hidden_dim, "H_dense of the dense FFN blocks (K*H: equal active FLOPs)"),
-      model_integer_field("num_experts", &M::num_experts, "E, experts per MoE layer"),
-      model_integer_field("top_k", &M::top_k, "K, experts per token"),
-      model_integer_field("expert_hidden_dim", &M::expert_hidden_dim, "H, each expert's hidden width (a multiple of B)"),
-      {"formulation", Kind::text, "dropless | padded | dropping",
-       [](TrainConfig& c, const json& v) { c.model.formulation = parse_formulation(v.get<std::string>()); },
-       [](const TrainConfig& c) { return json(std::string(to_string(c.model.formulation))); }},
-      {"activation", Kind::text, "gelu | swiglu (W1 [D, 2H]: gate and up halves) of the experts",
-       [](TrainConfig& c, const json& v) { c.model.activation = parse_activation(v.get<std::string>()); },
-       [](const TrainConfig& c) { return json(std::string(to_string(c.model.activation))); }},
-      model_number_field("capacity_factor", &M::capacity_factor, "dropping / padded: C = ceil(cf * T * K / E)"),
-      model_integer_field("block_size", &M::block_size, "B of the dropless block-sparse layer (64 or 128 on the GPU)"),
-      model_number_field("aux_loss_coef", &M::aux_loss_coef, "weight of each MoE layer's load-balancing loss"),
-      model_number_field("z_loss_coef", &M::z_loss_coef, "weight of each MoE layer's router z-loss"),
-      {"pregated", Kind::boolean, "route MoE block j from MoE block j-1's input (Pre-gated MoE)",
-       [](TrainConfig& c, const json& v) { c.model.pregated = v.get<bool>(); },
-       [](const TrainConfig& c) { return json(c.model.pregated); }},
-      integer_field("batch", &TrainConfig::batch, "N, sequences per step (T = N * S tokens)"),
-      integer_field("micro_batches", &TrainConfig::micro_batches, "M, micro-batches of N / M sequences a step (gradient accumulation; one GPU, dropless)"),
+      field("model_dim", &M::model_dim, "D, the model width"),
+      field("num_layers", &M::num_layers, "L, transformer blocks"),
+      field("num_heads", &M::num_heads, "attention heads (D % heads == 0)"),
+      field("seq_len", &M::seq_len, "S, bytes of context per sequence"),
+      name_field("moe_layers", &M::moe_layers, parse_moe_layers, "every_block | every_other_block | none (a dense model)"),
+      field("dense_hidden_dim", &M::dense_hidden_dim, "H_dense of the dense FFN blocks (K*H: equal active FLOPs)"),
+      field("num_experts", &M::num_experts, "E, experts per MoE layer"),
+      field("top_k", &M::top_k, "K, experts per token"),
+      field("expert_hidden_dim", &M::expert_hidden_dim, "H, each expert's hidden width (a multiple of B)"),
+      name_field("formulation", &M::formulation, parse_formulation, "dropless | padded | dropping"),
+      name_field("activation", &M::activation, parse_activation, "gelu | swiglu (W1 [D, 2H]: gate and up halves) of the experts"),
+      field("capacity_factor", &M::capacity_factor, "dropping / padded: C = ceil(cf * T * K / E)"),
+      field("block_size", &M::block_size, "B of the dropless block-sparse layer (64 or 128 on the GPU)"),
+      field("aux_loss_coef", &M::aux_loss_coef, "weight of each MoE layer's load-balancing loss"),
+      field("z_loss_coef", &M::z_loss_coef, "weight of each MoE layer's router z-loss"),
+      field("pregated", &M::pregated, "route MoE block j from MoE block j-1's input (Pre-gated MoE)"),
+      field("batch", &TrainConfig::batch, "N, sequences per step (T = N * S tokens)"),
+      field("micro_batches", &TrainConfig::micro_batches, "M, micro-batches of N / M sequences a step (gradient accumulation; one GPU, dropless)"),
       // the optimizer
-      integer_field("steps", &TrainConfig::steps, "optimizer steps of the whole run"),
-      number_field("learning_rate", &TrainConfig::learning_rate, "peak learning rate"),
-      integer_field("warmup_steps", &TrainConfig::warmup_steps, "linear warm-up steps"),
-      number_field("min_lr_ratio", &TrainConfig::min_lr_ratio, "final learning rate / peak (cosine decay)"),
-      number_field("beta1", &TrainConfig::beta1, "AdamW beta1"),
-      number_field("beta2", &TrainConfig::beta2, "AdamW beta2"),
-      number_field("weight_decay", &TrainConfig::weight_decay, "AdamW decoupled weight decay (matrices only)"),
-      number_field("max_grad_norm", &TrainConfig::max_grad_norm, "clip the global gradient norm (<= 0: no clipping)"),
+      field("steps", &TrainConfig::steps, "optimizer steps of the whole run"),
+      field("learning_rate", &TrainConfig::learning_rate, "peak learning rate"),
+      field("warmup_steps", &TrainConfig::warmup_steps, "linear warm-up steps"),
+      field("min_lr_ratio", &TrainConfig::min_lr_ratio, "final learning rate / peak (cosine decay)"),
+      field("beta1", &TrainConfig::beta1, "AdamW beta1"),
+      field("beta2", &TrainConfig::beta2, "AdamW beta2"),
+      field("weight_decay", &TrainConfig::weight_decay, "AdamW decoupled weight decay (matrices only)"),
+      field("max_grad_norm", &TrainConfig::max_grad_norm, "clip the global gradient norm (<= 0: no clipping)"),
       // evaluation and records
-      integer_field("eval_every", &TrainConfig::eval_every, "validation loss every this many steps"),
-      integer_field("eval_batches", &TrainConfig::eval_batches, "validation batches per evaluation"),
-      integer_field("record_every", &TrainConfig::record_every, "routing / topology / sample / spans every this many steps"),
-      integer_field("sample_bytes", &TrainConfig::sample_bytes, "bytes of text in each recorded sample"),
-      integer_field("log_every", &TrainConfig::log_every, "progress line and step events flushed this often"),
-      integer_field("checkpoint_every", &TrainConfig::checkpoint_every, "checkpoint every this many steps (and at the end)"),
-      integer_field("keep_checkpoints", &TrainConfig::keep_checkpoints, "checkpoints kept (the newest)"),
+      field("eval_every", &TrainConfig::eval_every, "validation loss every this many steps"),
+      field("eval_batches", &TrainConfig::eval_batches, "validation batches per evaluation"),
+      field("record_every", &TrainConfig::record_every, "routing / topology / sample / spans every this many steps"),
+      field("sample_bytes", &TrainConfig::sample_bytes, "bytes of text in each recorded sample"),
+      field("log_every", &TrainConfig::log_every, "progress line and step events flushed this often"),
+      field("checkpoint_every", &TrainConfig::checkpoint_every, "checkpoint every this many steps (and at the end)"),
+      field("keep_checkpoints", &TrainConfig::keep_checkpoints, "checkpoints kept (the newest)"),
       // data and the run
-      text_field("data", &TrainConfig::data, "a converted corpus directory or any text file"),
-      text_field("run_dir", &TrainConfig::run_dir, "where the run record and checkpoints go"),
-      text_field("name", &TrainConfig::name, "the run's name (default: run_dir's last part)"),
-      integer_field("seed", &TrainConfig::seed, "model initialisation seed"),
-      integer_field("data_seed", &TrainConfig::data_seed, "training batch seed"),
-      boolean_field("resume", &TrainConfig::resume, "continue the run in run_dir from its latest checkpoint"),
-      boolean_field("overwrite", &TrainConfig::overwrite, "replace an existing run in run_dir"),
-      integer_field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
-      boolean_field("cuda_graph", &TrainConfig::cuda_graph, "each step's forward + backward as one CUDA graph, replayed (on | off)"),
+      field("data", &TrainConfig::data, "a converted corpus directory or any text file"),
+      field("run_dir", &TrainConfig::run_dir, "where the run record and checkpoints go"),
+      field("name", &TrainConfig::name, "the run's name (default: run_dir's last part)"),
+      field("seed", &TrainConfig::seed, "model initialisation seed"),
+      field("data_seed", &TrainConfig::data_seed, "training batch seed"),
+      field("resume", &TrainConfig::resume, "continue the run in run_dir from its latest checkpoint"),
+      field("overwrite", &TrainConfig::overwrite, "replace an existing run in run_dir"),
+      field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
+      field("cuda_graph", &TrainConfig::cuda_graph, "each step's forward + backward as one CUDA graph, replayed (on | off)"),
       // benchmark mode
-      integer_field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
-      integer_field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first (and at least 1 s of them)"),
-      text_field("benchmark_json", &TrainConfig::benchmark_json, "benchmark: also write the results to this JSON file"),
+      field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
+      field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first (and at least 1 s of them)"),
+      field("benchmark_json", &TrainConfig::benchmark_json, "benchmark: also write the results to this JSON file"),
   };
   return table;
 }

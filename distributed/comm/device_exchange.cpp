@@ -73,22 +73,17 @@ class HostOverNccl final : public Communicator {
   void all_reduce_sum(const void* send, void* recv, int64_t count, DataType type) override {
     check_count("all_reduce_sum", count);
     const size_t bytes = static_cast<size_t>(count) * element_size(type);
-    char* device = send_scratch_.reserve(bytes);
-    copy(device, send, bytes, cudaMemcpyHostToDevice);
-    nccl_.all_reduce_sum(device, device, count, type);
-    copy(recv, device, bytes, cudaMemcpyDeviceToHost);
-    finish();
+    through_device(send, bytes, recv, bytes, [&](const void* from, void* to) {
+      nccl_.all_reduce_sum(from, to, count, type);
+    });
   }
 
   void all_gather(const void* send, void* recv, int64_t count, DataType type) override {
     check_count("all_gather", count);
     const size_t bytes = static_cast<size_t>(count) * element_size(type);
-    char* device_send = send_scratch_.reserve(bytes);
-    char* device_recv = recv_scratch_.reserve(bytes * static_cast<size_t>(size()));
-    copy(device_send, send, bytes, cudaMemcpyHostToDevice);
-    nccl_.all_gather(device_send, device_recv, count, type);
-    copy(recv, device_recv, bytes * static_cast<size_t>(size()), cudaMemcpyDeviceToHost);
-    finish();
+    through_device(send, bytes, recv, bytes * static_cast<size_t>(size()), [&](const void* from, void* to) {
+      nccl_.all_gather(from, to, count, type);
+    });
   }
 
   void broadcast(void* buffer, int64_t count, DataType type, int root) override {
@@ -112,6 +107,17 @@ class HostOverNccl final : public Communicator {
  private:
   void copy(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) {
     if (bytes > 0) check_cuda(cudaMemcpyAsync(to, from, bytes, kind, nccl_.stream()), "cudaMemcpyAsync");
+  }
+  // Host send [send_bytes] into device scratch, collective(device send, device recv), and the
+  // device recv [recv_bytes] back into host recv.
+  template <typename Collective>
+  void through_device(const void* send, size_t send_bytes, void* recv, size_t recv_bytes, Collective collective) {
+    char* device_send = send_scratch_.reserve(send_bytes);
+    char* device_recv = recv_scratch_.reserve(recv_bytes);
+    copy(device_send, send, send_bytes, cudaMemcpyHostToDevice);
+    collective(device_send, device_recv);
+    copy(recv, device_recv, recv_bytes, cudaMemcpyDeviceToHost);
+    finish();
   }
   // Under the communicator's watchdog, if it has one: a peer that never joins ends the job.
   void finish() { nccl_.wait(nccl_.stream(), "DeviceExchange::host() over NCCL"); }
@@ -236,33 +242,35 @@ void DeviceExchange::all_to_all_v(const void* send, std::span<const int64_t> sen
   wait(stream);  // the staging is free again
 }
 
+template <typename Collective>
+void DeviceExchange::device_or_staged(const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
+                                      cudaStream_t stream, Collective collective) {
+  if (device_pointers_) {
+    StreamScope scope(nccl_, stream);
+    collective(send, recv);
+    return;
+  }
+  char* send_host = stage_to_host(send_stage_, send, send_bytes, stream);
+  char* recv_host = recv_stage_.reserve(recv_bytes);
+  collective(send_host, recv_host);
+  stage_to_device(recv, recv_host, recv_bytes, stream);
+}
+
 void DeviceExchange::all_reduce_sum(const void* send, void* recv, int64_t count, DataType type,
                                     cudaStream_t stream) {
   check_count("all_reduce_sum", count);
-  if (device_pointers_) {
-    StreamScope scope(nccl_, stream);
-    communicator_.all_reduce_sum(send, recv, count, type);
-    return;
-  }
   const size_t bytes = static_cast<size_t>(count) * element_size(type);
-  char* host_buffer = stage_to_host(send_stage_, send, bytes, stream);
-  communicator_.all_reduce_sum(host_buffer, host_buffer, count, type);
-  stage_to_device(recv, host_buffer, bytes, stream);
+  device_or_staged(send, bytes, recv, bytes, stream, [&](const void* from, void* to) {
+    communicator_.all_reduce_sum(from, to, count, type);
+  });
 }
 
 void DeviceExchange::all_gather(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream) {
   check_count("all_gather", count);
-  if (device_pointers_) {
-    StreamScope scope(nccl_, stream);
-    communicator_.all_gather(send, recv, count, type);
-    return;
-  }
   const size_t bytes = static_cast<size_t>(count) * element_size(type);
-  const size_t all_bytes = bytes * static_cast<size_t>(size());
-  char* send_host = stage_to_host(send_stage_, send, bytes, stream);
-  char* recv_host = recv_stage_.reserve(all_bytes);
-  communicator_.all_gather(send_host, recv_host, count, type);
-  stage_to_device(recv, recv_host, all_bytes, stream);
+  device_or_staged(send, bytes, recv, bytes * static_cast<size_t>(size()), stream, [&](const void* from, void* to) {
+    communicator_.all_gather(from, to, count, type);
+  });
 }
 
 void DeviceExchange::all_gather_to_host(const void* send, void* recv, int64_t count, DataType type,

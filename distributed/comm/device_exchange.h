@@ -87,6 +87,11 @@ class DeviceExchange {
   char* stage_to_host(GrownBuffer& stage, const void* from, size_t bytes, cudaStream_t stream);
   // Back: pinned `from` [bytes] to device `to`, then the host waits (the staging is free again).
   void stage_to_device(void* to, const char* from, size_t bytes, cudaStream_t stream);
+  // all_reduce_sum and all_gather: collective(send, recv) on the device buffers under NCCL (on
+  // `stream`); under MPI on the staging, send [send_bytes] there and recv [recv_bytes] back.
+  template <typename Collective>
+  void device_or_staged(const void* send, size_t send_bytes, void* recv, size_t recv_bytes, cudaStream_t stream,
+                        Collective collective);
 
   Communicator& communicator_;
   NcclCommunicator* nccl_ = nullptr;  // the same communicator, when its backend is NCCL

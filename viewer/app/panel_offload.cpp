@@ -223,14 +223,13 @@ void ShowRunOffload(ViewerState& state, OpenRun& run, double timeline_span_us) {
   const int64_t layer = -1;  // all layers summed; the cache is shared by the layers
   const OffloadView v = offload_at(m, state.step, layer);
   ImGui::Text("step %lld, all MoE blocks%s", static_cast<long long>(v.step), v.step == 0 ? " (the prefill)" : "");
-  Metric("hits", "%.0f", static_cast<double>(v.hits),
-         "Chosen experts whose weights were already in GPU memory when the block needed them.");
-  ImGui::SameLine(0, 16);
-  Metric("misses", "%.0f", static_cast<double>(v.misses),
-         "Chosen experts copied from host memory on demand: the block waits for them.");
-  ImGui::SameLine(0, 16);
-  Metric("stall", "%.0f us", v.stall_us,
-         "Time the compute stream waited for expert copies at this step: copy time the prefetch did not hide.");
+  MetricGrid({{"hits", "%.0f", static_cast<double>(v.hits),
+               "Chosen experts whose weights were already in GPU memory when the block needed them."},
+              {"misses", "%.0f", static_cast<double>(v.misses),
+               "Chosen experts copied from host memory on demand: the block waits for them."},
+              {"stall", "%.0f us", v.stall_us,
+               "Time the compute stream waited for expert copies at this step: copy time the prefetch did not hide."}},
+             3, 16);
 
   ImGui::Text("copy and compute streams");
   HelpMarker("The compute stream, the copy stream and the compute stream's waits for copies ('compute waits'). A copy "

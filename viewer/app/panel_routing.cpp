@@ -182,20 +182,20 @@ void ShowRunRouting(ViewerState& state, OpenRun& run) {
   ImGui::TextWrapped("layer %lld, step %lld (recorded at or before the scrubber's %lld), E = %lld",
               static_cast<long long>(layer.layer), static_cast<long long>(bars.step), static_cast<long long>(state.step),
               static_cast<long long>(layer.num_experts));
-  Metric("max/mean load", "%.3f", bars.stats.max_over_mean,
-         "The busiest expert's tokens divided by the mean over experts. 1 = perfectly balanced; with "
-         "capacity_factor F, an expert above F drops tokens. The slowest expert sets the layer's time.");
-  ImGui::SameLine(0, 24);
-  Metric("coefficient of variation", "%.3f", bars.stats.coefficient_of_variation,
-         "Standard deviation of tokens per expert divided by their mean: 0 = balanced. It is what the "
-         "aux loss pushes down.");
-  Metric("dropped fraction", "%.4f", bars.stats.dropped_fraction,
-         "Tokens dropped for capacity divided by tokens routed (each token counted once per chosen expert). "
-         "Dropped tokens skip the expert; only the residual carries them. Always 0 for dropless.");
-  ImGui::SameLine(0, 24);
-  Metric("routing entropy", "%.3f", bars.stats.routing_entropy,
-         "Entropy of the distribution of tokens over experts, divided by log(E): 1 = every expert gets the "
-         "same share, 0 = one expert gets everything (router collapse).");
+  MetricGrid(
+      {{"max/mean load", "%.3f", bars.stats.max_over_mean,
+        "The busiest expert's tokens divided by the mean over experts. 1 = perfectly balanced; with "
+        "capacity_factor F, an expert above F drops tokens. The slowest expert sets the layer's time."},
+       {"coefficient of variation", "%.3f", bars.stats.coefficient_of_variation,
+        "Standard deviation of tokens per expert divided by their mean: 0 = balanced. It is what the "
+        "aux loss pushes down."},
+       {"dropped fraction", "%.4f", bars.stats.dropped_fraction,
+        "Tokens dropped for capacity divided by tokens routed (each token counted once per chosen expert). "
+        "Dropped tokens skip the expert; only the residual carries them. Always 0 for dropless."},
+       {"routing entropy", "%.3f", bars.stats.routing_entropy,
+        "Entropy of the distribution of tokens over experts, divided by log(E): 1 = every expert gets the "
+        "same share, 0 = one expert gets everything (router collapse)."}},
+      2, 24);
 
   ImGui::Separator();
   ImGui::Text("step x expert load, layer %lld", static_cast<long long>(layer.layer));

@@ -41,6 +41,15 @@ void Metric(const char* name, const char* value_format, double value, const char
   HelpMarker(help);
 }
 
+void MetricGrid(std::initializer_list<MetricItem> metrics, int columns, float spacing) {
+  int column = 0;
+  for (const MetricItem& metric : metrics) {
+    if (column > 0) ImGui::SameLine(0, spacing);
+    Metric(metric.name, metric.value_format, metric.value, metric.help);
+    column = (column + 1) % columns;
+  }
+}
+
 ImU32 RunColor(int index) {
   // Twelve colours a reader can tell apart on the dark background; lesson 08 alone opens 16 runs,
   // so past them the hue steps by the golden angle, which keeps neighbours far apart.

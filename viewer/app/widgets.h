@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -27,6 +28,15 @@ void LacksData(const char* what);   // "This run has no <what>." in a muted colo
 void NoRunHolds(std::string_view panel);
 // "name: value (?)" on one line.
 void Metric(const char* name, const char* value_format, double value, const char* help);
+// Metric's arguments, for MetricGrid.
+struct MetricItem {
+  const char* name;
+  const char* value_format;
+  double value;
+  const char* help;
+};
+// The metrics in rows of `columns`, `spacing` pixels apart within a row.
+void MetricGrid(std::initializer_list<MetricItem> metrics, int columns, float spacing);
 
 // [SECTION] colours
 ImU32 RunColor(int index);  // distinct for the first 12 runs, then spread around the hue circle
