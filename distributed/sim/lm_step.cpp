@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "config_json.h"       // model_config_to_json, model_config_from_json
 #include "model_config.h"      // ModelConfig, is_moe_block
 #include "parameter_layout.h"  // parameter_layout
 #include "sim/cost_model.h"    // CostModel
@@ -16,21 +17,14 @@ namespace moe::sim {
 
 namespace {
 
-// The settings a benchmark JSON records, as the model they describe.
+// The model a training benchmark's settings describe: its model keys read by the one model-config
+// reader (common/config_json.h), the training keys beside them left out, defaults where a key is absent.
 ModelConfig model_of(const nlohmann::json& config) {
-  ModelConfig m;
-  m.model_dim = config.at("model_dim").get<int64_t>();
-  m.num_layers = config.at("num_layers").get<int64_t>();
-  m.num_heads = config.at("num_heads").get<int64_t>();
-  m.seq_len = config.at("seq_len").get<int64_t>();
-  m.dense_hidden_dim = config.value("dense_hidden_dim", m.dense_hidden_dim);
-  m.num_experts = config.at("num_experts").get<int64_t>();
-  m.top_k = config.at("top_k").get<int64_t>();
-  m.expert_hidden_dim = config.at("expert_hidden_dim").get<int64_t>();
-  m.block_size = config.value("block_size", m.block_size);
-  m.activation = parse_activation(config.value("activation", std::string("gelu")));
-  m.moe_layers = parse_moe_layers(config.value("moe_layers", std::string("every_block")));
-  return m;
+  nlohmann::json model = model_config_to_json(ModelConfig{});
+  for (auto& [key, value] : model.items()) {
+    if (config.contains(key)) value = config[key];
+  }
+  return model_config_from_json(model);
 }
 
 bool is_local_exchange(const std::string& phase) {

@@ -30,6 +30,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command_line.h"   // CLI11 glue: parse_command_line, validators
+#include "file_io.h"        // write_file_atomically
 #include "parse_number.h"   // parse_integer_list
 #include "program_exit.h"   // run_program, check_output_path
 #include "sim/cache_replay.h"
@@ -64,6 +65,9 @@ std::vector<std::filesystem::path> paths_of(const std::string& list) {
   return out;
 }
 
+// Writes an output file whole or not at all (common/file_io.h); a failure names the file.
+void write_json(const std::string& path, const nlohmann::json& json) { moe::write_file_atomically(path, json.dump(1) + "\n"); }
+
 moe::sim::LayerSpec layer_of(const Options& o, int64_t ranks) {
   const std::vector<int64_t> shape = moe::parse_integer_list(o.layer).value();
   if (shape.size() != 5) throw std::invalid_argument("--layer " + o.layer + ": expected T,D,H,E,K (T a rank; E = 0: --experts-per-rank x R)");
@@ -95,9 +99,7 @@ int calibrate(const Options& o, const std::string& command) {
                                 "table of notebooks_data/bench/README.md)");
   const std::filesystem::path parent = std::filesystem::path(o.calibration_out).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
-  std::ofstream out(o.calibration_out);
-  out << moe::sim::to_json(calibration).dump(1) << "\n";
-  if (!out) throw std::runtime_error("--calibration-out " + o.calibration_out + ": could not be written");
+  write_json(o.calibration_out, moe::sim::to_json(calibration));
   std::printf("moe_sim: calibration of %s (%s, up to %lld GPUs) written to %s\n", calibration.device.c_str(),
               calibration.date.c_str(), static_cast<long long>(calibration.gpus_measured), o.calibration_out.c_str());
   return 0;
@@ -128,10 +130,9 @@ int validate(const Options& o) {
               static_cast<long long>(s.rows), 100 * s.median_abs_error, 100 * s.max_abs_error,
               static_cast<long long>(s.held_out_rows), 100 * s.held_out_max_abs_error);
   if (!o.json.empty()) {
-    std::ofstream out(o.json);
-    out << nlohmann::json{{"calibration", o.calibration}, {"rows", json_rows},
-                          {"median_abs_error", s.median_abs_error}, {"max_abs_error", s.max_abs_error},
-                          {"hold_out_max_abs_error", s.held_out_max_abs_error}}.dump(1) << "\n";
+    write_json(o.json, {{"calibration", o.calibration}, {"rows", json_rows},
+                        {"median_abs_error", s.median_abs_error}, {"max_abs_error", s.max_abs_error},
+                        {"hold_out_max_abs_error", s.held_out_max_abs_error}});
   }
   return 0;
 }
@@ -171,10 +172,9 @@ int simulate(const Options& o, const std::string& command) {
               straggler, calibration.device.c_str(), calibration.date.c_str());
   if (record) std::printf("moe_sim: run record in %s (simulated)\n", o.out.c_str());
   if (!o.json.empty()) {
-    std::ofstream out(o.json);
-    out << nlohmann::json{{"ranks", spec.cluster.ranks()}, {"nodes", spec.cluster.nodes}, {"gpus_per_node", spec.cluster.gpus_per_node},
-                          {"median_step_us", result.median_step_us()}, {"median_exposed_share", result.median_exposed_share()},
-                          {"worst_straggler", straggler}, {"routing", routing_text}}.dump(1) << "\n";
+    write_json(o.json, {{"ranks", spec.cluster.ranks()}, {"nodes", spec.cluster.nodes}, {"gpus_per_node", spec.cluster.gpus_per_node},
+                        {"median_step_us", result.median_step_us()}, {"median_exposed_share", result.median_exposed_share()},
+                        {"worst_straggler", straggler}, {"routing", routing_text}});
   }
   return 0;
 }
@@ -259,9 +259,7 @@ int run_offload_trace(const Options& o) {
     std::printf("\n");
   }
   if (!o.json.empty()) {
-    std::ofstream out(o.json);
-    out << nlohmann::json{{"offload_trace", trace.source}, {"replay_equal", difference.empty()},
-                          {"hit_rates", rows}}.dump(1) << "\n";
+    write_json(o.json, {{"offload_trace", trace.source}, {"replay_equal", difference.empty()}, {"hit_rates", rows}});
   }
   return difference.empty() ? 0 : 1;
 }
@@ -315,6 +313,7 @@ int main(int argc, char** argv) {
     if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
     if (!o.offload_trace.empty()) return run_offload_trace(o);
     if (!o.cache_slots.empty() || !o.policy.empty()) throw std::invalid_argument("--cache-slots and --policy need --offload-trace RUN_DIR");
+    if (!o.json.empty()) moe::check_output_path("--json", o.json);  // before the work, not after
     std::string command = "moe_sim";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
     if (!o.calibrate_from.empty()) {
