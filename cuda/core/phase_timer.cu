@@ -7,6 +7,11 @@
 
 namespace moe::cuda {
 
+bool is_exposed_communication(std::string_view phase) {
+  return phase == "ep_count_exchange" || phase == "ep_wait_dispatch" || phase == "ep_wait_combine" ||
+         phase == "ep_router_all_reduce" || phase == "gradient_all_reduce";
+}
+
 PhaseTimer::~PhaseTimer() {
   for (auto& phase : pending_) {
     cudaEventDestroy(phase.start);

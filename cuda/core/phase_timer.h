@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace moe::cuda {
@@ -29,6 +30,14 @@ struct TimedPhase {
   int depth = 0;           // 0: outermost; 1: inside one open phase; ...
   int stream = 0;          // which stream it ran on: 0 for the first phase's, 1, 2, ... for others in order seen
 };
+
+// The phases that are communication their stream could not hide, by name: the expert-parallel
+// layer's count exchange (an all-gather the host waits for), the waits of the caller's stream on the
+// layer's exchange stream ("ep_wait_dispatch" before a chunk's experts, "ep_wait_combine" before the
+// weighted combine: zero where the rows were already there), its router gradient's all-reduce, and
+// the model's all-reduce of the replicated gradients. Their sum over a step on the compute stream
+// is its exposed communication, as ep_bench and the trainer report it.
+bool is_exposed_communication(std::string_view phase);
 
 class PhaseTimer {
  public:

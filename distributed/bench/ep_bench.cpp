@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"  // CUDA_CHECK
+#include "core/phase_timer.h"  // is_exposed_communication
 #include "comm/device_exchange.h"  // DeviceExchange
 #include "ep_bench_harness.h"
 #include "ep_bench_variants.h"
@@ -52,7 +53,18 @@ std::string today() {
   return text;
 }
 
-// "#   phases ...": where rank 0's run goes, the caller's stream first, then the exchange stream's.
+// Rank 0's exposed communication: the phases of its caller's stream that wait on communication
+// (is_exposed_communication), summed.
+double exposed_us(const std::vector<PhaseTime>& phases) {
+  double sum = 0.0;
+  for (const PhaseTime& phase : phases) {
+    if (phase.stream == 0 && cuda::is_exposed_communication(phase.name)) sum += phase.median_us;
+  }
+  return sum;
+}
+
+// "#   phases ...": where rank 0's run goes, the caller's stream first, then the exchange stream's,
+// then the exposed communication.
 std::string phases_line(const std::vector<PhaseTime>& phases) {
   std::string line = "#   phases on rank 0 (median of " + std::to_string(kPhaseRuns) + " runs, us):";
   for (int stream : {0, 1}) {
@@ -64,7 +76,9 @@ std::string phases_line(const std::vector<PhaseTime>& phases) {
       line += text;
     }
   }
-  return line;
+  char text[96];
+  std::snprintf(text, sizeof text, " | exposed communication %.1f", exposed_us(phases));
+  return line + text;
 }
 
 nlohmann::json row_json(const Row& row) {
@@ -80,7 +94,8 @@ nlohmann::json row_json(const Row& row) {
           {"error", row.check.available ? nlohmann::json(row.check.error) : nlohmann::json(nullptr)},
           {"error_kind", row.check.exact ? "wrong_elements" : "relative"},
           {"host_syncs", row.host_syncs},
-          {"phases_rank0", phases}};
+          {"phases_rank0", phases},
+          {"exposed_communication_us_rank0", row.phases.empty() ? nlohmann::json(nullptr) : nlohmann::json(exposed_us(row.phases))}};
 }
 
 int run(int argc, char** argv, MpiCommunicator& world) {

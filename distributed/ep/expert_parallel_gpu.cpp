@@ -803,11 +803,19 @@ void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t strea
     Phase phase(timer_, "ep_combine_exchange", exchange_stream_);
     exchange_chunk(c, /*forward=*/false, chunk_result(c), back + plan.chunk_send_begin(c) * D, exchange_stream_);
   };
+  // The caller's stream waiting on the exchange stream: the span between an event recorded before
+  // the wait (its work so far done) and one after it (the exchange done) is the communication the
+  // compute stream could not hide, the layer's exposed communication (zero when the rows were
+  // there first).
+  auto wait_for = [&](cudaEvent_t exchanged, const char* name) {
+    Phase phase(timer_, name, stream);
+    CUDA_CHECK(cudaStreamWaitEvent(stream, exchanged, 0));
+  };
   // Tutel's order: chunk c + 1 goes out before chunk c comes back, so that its exchange runs while
   // chunk c's experts do.
   send_out(0);
   for (int c = 0; c < d; ++c) {
-    CUDA_CHECK(cudaStreamWaitEvent(stream, arrived(c), 0));
+    wait_for(arrived(c), "ep_wait_dispatch");
     {
       Phase phase(timer_, "ep_experts", stream);
       work(c);
@@ -817,7 +825,7 @@ void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t strea
     bring_back(c);
   }
   CUDA_CHECK(cudaEventRecord(returned, exchange_stream_));
-  CUDA_CHECK(cudaStreamWaitEvent(stream, returned, 0));
+  wait_for(returned, "ep_wait_combine");
 }
 
 void ExpertParallelGpu::exchange_chunk(int c, bool forward, const bf16* send, bf16* recv, cudaStream_t stream) {
