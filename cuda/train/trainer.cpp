@@ -596,6 +596,29 @@ struct RunInputs {
   fs::path checkpoint_file;
 };
 
+// The latest checkpoint of run_dir (`file` names it), refused when it holds another model; with
+// `any_batch` a checkpoint of another batch is taken too (the benchmark: the parameters do not
+// depend on it, a resumed run's data order does).
+LoadedCheckpoint read_latest_checkpoint(const TrainConfig& c, int R, int rank, fs::path& file, bool any_batch = false) {
+  const std::optional<fs::path> latest = latest_checkpoint(checkpoints_dir(c));
+  if (!latest) {
+    throw CheckpointError("--resume: no checkpoint in " + checkpoints_dir(c).string() +
+                          "; start the run without --resume (or check --run-dir)");
+  }
+  file = *latest;
+  const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(gpu_config(c, R, rank))).back();
+  const int64_t whole_parameters = last.offset + last.rows * last.cols;  // the one-GPU model's
+  LoadedCheckpoint checkpoint = load_checkpoint(*latest, checkpoint_arrays(whole_parameters));
+  json wanted = model_json(c);
+  if (any_batch) wanted.erase("batch");
+  const std::string changed = differences(checkpoint.header.model_config, wanted);
+  if (!changed.empty()) {
+    throw CheckpointError(latest->string() + " was trained with another model: " + changed +
+                          "; resume with the same settings, or start a new run");
+  }
+  return checkpoint;
+}
+
 RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   validate(c);
   if (R > 1 && c.micro_batches > 1) {
@@ -617,24 +640,11 @@ RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   BatchSampler(inputs.corpus, Split::train, int(c.batch), int(c.model.seq_len), c.data_seed);
   BatchSampler(inputs.corpus, Split::validation, int(c.batch), int(c.model.seq_len), kValidationSeed);
   if (c.resume) {
-    const std::optional<fs::path> latest = latest_checkpoint(checkpoints_dir(c));
-    if (!latest) {
-      throw CheckpointError("--resume: no checkpoint in " + checkpoints_dir(c).string() +
-                            "; start the run without --resume (or check --run-dir)");
-    }
-    inputs.checkpoint_file = *latest;
-    const cuda::ParameterSpan& last = cuda::parameter_layout(one_gpu(gpu_config(c, R, rank))).back();
-    const int64_t whole_parameters = last.offset + last.rows * last.cols;  // the one-GPU model's
     const LoadedCheckpoint& checkpoint =
-        inputs.checkpoint.emplace(load_checkpoint(*latest, checkpoint_arrays(whole_parameters)));
-    const std::string changed = differences(checkpoint.header.model_config, model_json(c));
-    if (!changed.empty()) {
-      throw CheckpointError(latest->string() + " was trained with another model: " + changed +
-                            "; resume with the same settings, or start a new run");
-    }
+        inputs.checkpoint.emplace(read_latest_checkpoint(c, R, rank, inputs.checkpoint_file));
     const int64_t target = c.stop_after > 0 ? c.stop_after : c.steps;
     if (checkpoint.header.step >= target) {
-      throw CheckpointError(latest->string() + " is at step " + std::to_string(checkpoint.header.step) +
+      throw CheckpointError(inputs.checkpoint_file.string() + " is at step " + std::to_string(checkpoint.header.step) +
                             ": the run already reached step " + std::to_string(target) +
                             "; nothing to resume (a longer run is a new run: --steps sets its schedule)");
     }
@@ -1034,6 +1044,40 @@ TrainResult train(const TrainConfig& c, std::ostream& rank_log, cuda::ModelRanks
 
 // ---- [SECTION] benchmark ----
 
+namespace {
+
+// The routing of the last forward into `result`: each MoE block's slots by source rank and expert,
+// and the busiest expert's and the busiest rank's rows over their means, all ranks' tokens together
+// (rank r holds experts [r E / R, (r + 1) E / R)). Collective on several ranks; synchronises (the
+// downloads).
+void record_routing_balance(const TrainConfig& c, const cuda::ModelGpu& model, const RankView& view,
+                            BenchmarkResult& result) {
+  const int64_t E = c.model.num_experts, R = view.size();
+  const size_t local_slots = size_t(model.config().batch * c.model.seq_len * c.model.top_k);
+  for (int64_t layer = 0; layer < c.model.num_layers; ++layer) {
+    const cuda::MoeBlockFfn* moe = model.moe_ffn(layer);
+    if (moe == nullptr) continue;
+    std::vector<int32_t> top = moe->top_experts().download();  // [T_r, K] (the buffer may hold more)
+    top.resize(local_slots);
+    std::vector<int32_t> counts(size_t(E), 0);
+    for (int32_t expert : top) ++counts[size_t(expert)];
+    const std::vector<int32_t> all = R > 1 ? view.ranks()->host_all_gather(counts) : counts;  // [R][E]
+    std::vector<int64_t> rows(size_t(E), 0), rank_rows(size_t(R), 0);
+    for (size_t i = 0; i < all.size(); ++i) rows[i % size_t(E)] += all[i];
+    for (int64_t e = 0; e < E; ++e) rank_rows[size_t(e / (E / R))] += rows[size_t(e)];
+    const auto max_over_mean = [](const std::vector<int64_t>& values) {
+      const double sum = std::accumulate(values.begin(), values.end(), 0.0);
+      return sum > 0 ? double(*std::max_element(values.begin(), values.end())) * double(values.size()) / sum : 0.0;
+    };
+    result.expert_max_over_mean.push_back(max_over_mean(rows));
+    result.rank_max_over_mean.push_back(max_over_mean(rank_rows));
+    std::vector<std::vector<int64_t>>& tokens = result.routing_tokens.emplace_back(size_t(R));
+    for (size_t r = 0; r < size_t(R); ++r) tokens[r].assign(all.begin() + ptrdiff_t(r * E), all.begin() + ptrdiff_t((r + 1) * E));
+  }
+}
+
+}  // namespace
+
 BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cuda::ModelRanks* ranks) {
   TrainConfig c = config;
   c.run_dir = c.run_dir.empty() ? "unused" : c.run_dir;
@@ -1071,10 +1115,22 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   const OwnedStream owned_stream;
   const cudaStream_t stream = owned_stream.get();
   cuda::ModelGpu model(gpu_config(c, R, view.rank()), optimizer_settings(c), stream, ranks);
-  model.upload_weights(local_part(initial_weights(c), model.config()));
+  int64_t step = 0;
+  if (c.resume) {
+    fs::path file;
+    const LoadedCheckpoint checkpoint = read_latest_checkpoint(c, R, view.rank(), file, /*any_batch=*/true);
+    model.upload_weights(local_part(checkpoint.array("weights"), model.config()));
+    model.upload_optimizer_state({checkpoint.header.optimizer_step,
+                                  local_part(checkpoint.array("adam_m"), model.config()),
+                                  local_part(checkpoint.array("adam_v"), model.config())});
+    step = checkpoint.header.step;
+    result.weights = file.string() + " (step " + std::to_string(step) + ")";
+  } else {
+    model.upload_weights(local_part(initial_weights(c), model.config()));
+    result.weights = "the initial weights";
+  }
   BatchUploader uploader(N_r, S, stream);
   const ScheduleConfig lr_schedule = schedule(c);
-  int64_t step = 0;
   bool timing_phases = false;
   auto one_step = [&] {
     const auto [tokens, targets] = uploader.upload(share_of(next_batch(), first_sequence, N_r));
@@ -1122,6 +1178,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   one_step();
   timing_phases = false;
   model.set_phase_timer(nullptr);
+  record_routing_balance(c, model, view, result);
   // The model's own phases (depth 0) tile the step; the MoE layers' phases (router, plan,
   // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" (with
   // micro-batches also "backward_moe_weight_gradients") and are listed as "moe/<name>", each summed
@@ -1135,6 +1192,9 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
     by_name[name] += phase.duration_us * 1e-3;
     if (phase.depth == 0) total += phase.duration_us * 1e-3;
     if (name == "moe" || name == "backward_moe" || name == "backward_moe_weight_gradients") moe += phase.duration_us * 1e-3;
+    if (phase.stream == 0 && cuda::is_exposed_communication(phase.name)) {
+      result.exposed_communication_ms += phase.duration_us * 1e-3;
+    }
   }
   for (const std::string& name : order) result.phase_ms.push_back({name, by_name[name]});
   result.moe_share = total > 0 ? moe / total : 0;
@@ -1142,12 +1202,26 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   log << "benchmark on " << result.device
       << (view.ranks() != nullptr ? " x " + std::to_string(R) + " (" + view.ranks()->description() + ")" : "") << " ("
       << result.data << "): T = " << T << " bytes per step, " << c.benchmark_steps << " steps after "
-      << c.benchmark_warmup << " warm-up\n"
+      << c.benchmark_warmup << " warm-up, from " << result.weights << "\n"
       << "  median step " << fixed(result.median_step_ms, 3) << " ms (min " << fixed(result.min_step_ms, 3)
       << "), " << format_rate(result.tokens_per_second) << " tokens/s, MFU " << fixed(100 * result.mfu, 1)
       << "% (" << fixed(result.flops_per_token / 1e6, 1) << " MFLOP per token)\n  phases of one timed step:";
   for (const auto& [name, ms] : result.phase_ms) log << " " << name << " " << fixed(ms, 3);
-  log << " ms; MoE share " << fixed(100 * result.moe_share, 1) << "%\n";
+  log << " ms; MoE share " << fixed(100 * result.moe_share, 1) << "%";
+  if (view.ranks() != nullptr) {
+    log << "; exposed communication " << fixed(result.exposed_communication_ms, 3) << " ms ("
+        << fixed(total > 0 ? 100 * result.exposed_communication_ms / total : 0.0, 1) << "% of the step)";
+  }
+  log << "\n";
+  if (!result.expert_max_over_mean.empty()) {
+    log << "  routing of that step, busiest / mean, per MoE block: expert";
+    for (double ratio : result.expert_max_over_mean) log << " " << fixed(ratio, 2);
+    if (R > 1) {
+      log << "; rank";
+      for (double ratio : result.rank_max_over_mean) log << " " << fixed(ratio, 2);
+    }
+    log << "\n";
+  }
   const TableEvent pipelining = pipelining_table(model, c.benchmark_warmup + c.benchmark_steps + 1);
   if (!pipelining.rows.empty()) log << "  pipelining degree of the MoE blocks: " << pipelining_line(pipelining) << "\n";
 
@@ -1156,7 +1230,11 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
                 {"config", to_json(c)}, {"tokens_per_step", T}, {"median_step_ms", result.median_step_ms},
                 {"min_step_ms", result.min_step_ms}, {"step_ms", step_ms},
                 {"tokens_per_second", result.tokens_per_second}, {"mfu", result.mfu},
-                {"flops_per_token", result.flops_per_token}, {"moe_share", result.moe_share}};
+                {"flops_per_token", result.flops_per_token}, {"moe_share", result.moe_share},
+                {"exposed_communication_ms", result.exposed_communication_ms}, {"weights", result.weights},
+                {"routing_expert_max_over_mean", result.expert_max_over_mean},
+                {"routing_rank_max_over_mean", result.rank_max_over_mean},
+                {"routing_tokens", result.routing_tokens}};
     for (const auto& [name, ms] : result.phase_ms) out["phase_ms"][name] = ms;
     if (!pipelining.rows.empty()) out["pipelining"] = {{"columns", pipelining.columns}, {"rows", pipelining.rows}};
     std::ofstream file(c.benchmark_json);

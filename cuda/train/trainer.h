@@ -86,10 +86,22 @@ struct BenchmarkResult {
   double flops_per_token = 0;
   std::vector<std::pair<std::string, double>> phase_ms;  // one timed step, by phase (summed over layers)
   double moe_share = 0;              // the MoE phases' share of that step (forward + backward)
+  double exposed_communication_ms = 0;  // that step's phases of communication not hidden (is_exposed_communication)
+  std::string weights;               // "the initial weights", or the checkpoint resumed from
+  // How evenly that step's routing spread each MoE block's rows (all ranks' tokens): the busiest
+  // expert's rows over the mean expert's, and the busiest rank's (its E / R experts') over the mean
+  // rank's, one value per MoE block.
+  std::vector<double> expert_max_over_mean, rank_max_over_mean;
+  // That step's routing itself: per MoE block, [source rank][expert] the tokens' slots (moe_sim
+  // predicts the measured step from it).
+  std::vector<std::vector<std::vector<int64_t>>> routing_tokens;
 };
 
-// Times config.benchmark_steps optimizer steps after config.benchmark_warmup untimed ones.
-// With `ranks`, collective as train(); tokens per step and per second count all ranks' tokens.
+// Times config.benchmark_steps optimizer steps after config.benchmark_warmup untimed ones, from the
+// initial weights, or with config.resume from run_dir's latest checkpoint (its weights, optimizer
+// state and step): a trained model routes as training does, where a few steps from the initial
+// weights collapse each block's routing onto one or two experts. With `ranks`, collective as
+// train(); tokens per step and per second count all ranks' tokens.
 BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log, cuda::ModelRanks* ranks = nullptr);
 
 // The dense bf16 tensor-core peak of a known GPU in FLOP/s (H100 SXM and H200: 989e12), else 0.

@@ -56,6 +56,31 @@ LayerSpec layer_of(const nlohmann::json& run) {
   return spec;
 }
 
+// The routing a training benchmark wrote for its timed step ("routing_tokens": per MoE block,
+// [source rank][expert] slots), as a one-step trace whose layer b is MoE block b; empty without it.
+RoutingTrace routing_of_benchmark(const nlohmann::json& run, const std::filesystem::path& path) {
+  RoutingTrace trace;
+  trace.source = path.string() + " (the timed step's routing)";
+  if (!run.contains("routing_tokens") || !run["routing_tokens"].is_array()) return trace;
+  int64_t block = 0;
+  for (const nlohmann::json& sources : run["routing_tokens"]) {
+    BlockLoad load;
+    load.step = 1;
+    load.layer = block++;
+    load.sources = static_cast<int64_t>(sources.size());
+    for (const nlohmann::json& experts : sources) {
+      if (load.experts == 0) load.experts = static_cast<int64_t>(experts.size());
+      if (static_cast<int64_t>(experts.size()) != load.experts) {
+        throw std::invalid_argument(path.string() + ": routing_tokens of MoE block " + std::to_string(load.layer) +
+                                    " has source ranks of different expert counts");
+      }
+      for (const nlohmann::json& count : experts) load.tokens.push_back(count.get<int64_t>());
+    }
+    trace.loads.push_back(std::move(load));
+  }
+  return trace;
+}
+
 }  // namespace
 
 std::vector<ValidationRow> validate_against_measurements(const Calibration& calibration,
@@ -78,8 +103,15 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
       out.file = path.filename().string();
       out.device_date = run.value("device", "") + ", " + run.value("date", "").substr(0, 10);
       out.measured_us = 1e3 * run.value("median_step_ms", 0.0);
-      out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}, model_routing).step_ms;
-      if (model_routing != nullptr) out.what += " (recorded routing)";
+      // A benchmark that wrote its timed step's routing is predicted with it; else the given trace.
+      const RoutingTrace own = routing_of_benchmark(run, path);
+      const RoutingTrace* routing = !own.loads.empty() ? &own : model_routing;
+      out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}, routing).step_ms;
+      if (!own.loads.empty()) {
+        out.what += " (its own routing)";
+      } else if (model_routing != nullptr) {
+        out.what += " (recorded routing)";
+      }
       out.calibration = R == 1;
       out.held_out = R > calibration.gpus_measured;
       if (out.measured_us > 0) rows.push_back(out);

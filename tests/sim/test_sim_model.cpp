@@ -405,6 +405,36 @@ TEST(SimLanguageModel, TheStepOnTwoGpusSwapsTheLocalExchangesForTheClusters) {
   EXPECT_THROW(predict_language_model_step(c, Cluster{1, 2}), std::invalid_argument);
 }
 
+TEST(SimLanguageModel, ABenchmarkIsPredictedWithTheRoutingOfItsTimedStep) {
+  // The model above with the layer measured at its shape. A two-GPU benchmark that wrote its timed
+  // step's routing ("routing_tokens", [block][source rank][expert]) is predicted with it: every
+  // slot on expert 0 puts all rows on rank 0, which then computes twice the uniform routing's rows,
+  // so its step is longer than the same benchmark's without the routing.
+  const std::filesystem::path dir = temp_dir("own_routing");
+  Calibration c = hand_calibration();
+  c.language_model.config = {{"model_dim", 100}, {"num_layers", 1},       {"num_heads", 4}, {"seq_len", 10},
+                             {"num_experts", 2}, {"top_k", 1},            {"expert_hidden_dim", 200},
+                             {"block_size", 1},  {"dense_hidden_dim", 64}, {"batch", 100}};
+  c.language_model.step_ms = 10;
+  c.language_model.phase_ms = {{"attention", 2}, {"moe", 1.0}, {"backward_moe", 2.0}, {"optimizer", 1.0}};
+  c.language_model.tokens_per_rank = 1000;
+  c.language_model.layer = {c.layer, c.layer_step_us, c.layer_phases_us};
+  nlohmann::json run = {{"ranks", 2}, {"tokens_per_step", 2000}, {"median_step_ms", 9.0}, {"device", "test GPU"},
+                        {"date", "2026-11-28"}, {"config", c.language_model.config}, {"phase_ms", {{"attention", 2}}}};
+  std::ofstream(dir / "uniform.json") << run.dump();
+  run["routing_tokens"] = {{{1000, 0}, {1000, 0}}};
+  std::ofstream(dir / "skewed.json") << run.dump();
+  const std::vector<ValidationRow> rows = validate_against_measurements(c, {dir / "uniform.json", dir / "skewed.json"});
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0].what, "language model step");
+  EXPECT_EQ(rows[1].what, "language model step (its own routing)");
+  EXPECT_GT(rows[1].predicted_us, rows[0].predicted_us + 100);
+  run["routing_tokens"] = {{{1000, 0}, {1000}}};  // source ranks of different expert counts
+  std::ofstream(dir / "bad.json") << run.dump();
+  EXPECT_THROW(validate_against_measurements(c, {dir / "bad.json"}), std::invalid_argument);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(SimSimulate, AThousandRanksAHundredStepsStayCheap) {
   // The scale the lesson uses: 128 nodes of 8 GPUs. Bounded work, no timing asserted: the steps
   // are all there and the busiest rank of a Zipf routing straggles.
