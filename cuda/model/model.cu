@@ -296,6 +296,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     // Runs of neighbouring replicated tensors, summed over the ranks in one call each; the norm
     // counts a replicated tensor once over all ranks (weight 1 / R on each) and each expert once.
     std::vector<NormSpan> spans;
+    gradient_buckets_.resize(size_t(config_.num_layers + 1));
     for (const ParameterSpan& p : layout_) {
       const int64_t count = p.rows * p.cols;
       const float weight = p.expert ? 1.0f : 1.0f / float(config_.ranks);
@@ -304,14 +305,17 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
       } else {
         spans.push_back({p.offset, count, weight});
       }
-      if (!p.expert) {
-        if (!replicated_runs_.empty() && replicated_runs_.back().first + replicated_runs_.back().second == p.offset) {
-          replicated_runs_.back().second += count;
+      if (!p.expert) {  // into its block's bucket ("blocks.i.*"), else the last one
+        const bool in_block = p.name.rfind("blocks.", 0) == 0;
+        auto& bucket = gradient_buckets_[in_block ? size_t(std::stoll(p.name.substr(7))) : size_t(config_.num_layers)];
+        if (!bucket.empty() && bucket.back().first + bucket.back().second == p.offset) {
+          bucket.back().second += count;
         } else {
-          replicated_runs_.emplace_back(p.offset, count);
+          bucket.emplace_back(p.offset, count);
         }
       }
     }
+    gradient_stream_ = std::make_unique<GradientStream>();
     norm_spans_ = DeviceBuffer<NormSpan>(spans);
     squared_norm_ = DeviceBuffer<double>(1);
   }
@@ -684,11 +688,40 @@ void ModelGpu::backward() {
 
 void ModelGpu::backward_phases() {
   loss_backward_phase();
-  for (auto block = blocks_.rbegin(); block != blocks_.rend(); ++block) {
-    ffn_backward_phase(*block);
-    attention_backward_phase(*block);
+  for (size_t i = blocks_.size(); i-- > 0;) {
+    ffn_backward_phase(blocks_[i]);
+    attention_backward_phase(blocks_[i]);
+    sum_gradient_bucket(i);  // block i's replicated gradients are complete
   }
   embedding_backward_phase();
+  sum_gradient_bucket(blocks_.size());
+  if (ranks_ != nullptr) {
+    phase("gradient_all_reduce", [&] {  // what of the sums the backward did not hide
+      CUDA_CHECK(cudaEventRecord(gradient_stream_->summed, gradient_stream_->stream));
+      CUDA_CHECK(cudaStreamWaitEvent(stream_, gradient_stream_->summed, 0));
+    });
+  }
+}
+
+ModelGpu::GradientStream::GradientStream() {
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&summed, cudaEventDisableTiming));
+}
+
+ModelGpu::GradientStream::~GradientStream() {
+  cudaEventDestroy(summed);
+  cudaEventDestroy(ready);
+  cudaStreamDestroy(stream);
+}
+
+void ModelGpu::sum_gradient_bucket(size_t bucket) {
+  if (ranks_ == nullptr || gradient_buckets_[bucket].empty()) return;
+  CUDA_CHECK(cudaEventRecord(gradient_stream_->ready, stream_));
+  CUDA_CHECK(cudaStreamWaitEvent(gradient_stream_->stream, gradient_stream_->ready, 0));
+  for (const auto& [offset, count] : gradient_buckets_[bucket]) {
+    ranks_->all_reduce_sum(gradients_.data() + offset, count, gradient_stream_->stream);
+  }
 }
 
 void ModelGpu::backward_micro_batch(int micro_batch) {
@@ -830,11 +863,6 @@ void ModelGpu::embedding_backward_phase() {
 // matrices together: about four runs per block), not one per tensor: with 16 experts a block
 // has 38 tensors, and hundreds of tiny launches cost more than the update itself.
 void ModelGpu::step(float lr) {
-  if (ranks_ != nullptr) {
-    phase("gradient_all_reduce", [&] {
-      for (const auto& [offset, count] : replicated_runs_) ranks_->all_reduce_sum(gradients_.data() + offset, count, stream_);
-    });
-  }
   phase("optimizer", [&] {
     if (ranks_ == nullptr) {
       gradient_norm(gradients_.data(), parameter_count_, norm_partials_.data(), grad_norm_.data(), clip_scale_.data(),

@@ -38,8 +38,9 @@
 // parallelism. The config's ranks and rank fields say which; the layout lists the replicated
 // parameters and this rank's E / R experts of each MoE block (with their global names), the MoE
 // blocks are the expert-parallel layer that ModelRanks makes, the loss's gradient is this rank's
-// share of the mean over all R N S tokens, and step() sums the replicated gradients over the ranks
-// and clips by the norm over all ranks' gradients before AdamW. A rank's model then holds exactly
+// share of the mean over all R N S tokens, the backward sums the replicated gradients over the
+// ranks in per-block buckets under its own work (gradient_buckets_ below), and step() clips by the
+// norm over all ranks' gradients before AdamW. A rank's model then holds exactly
 // what the one-GPU model holds of those parameters, step for step (tests/distributed/).
 //
 // The experts' activation is config.moe.activation: GeLU, or SwiGLU (each expert's W1 [D, 2H], gate
@@ -177,8 +178,8 @@ class ModelGpu {
   // be captured). Returns the device address of the loss [1].
   const float* forward_backward_graph(const int32_t* tokens, const int32_t* targets);
   // Clips the gradients' global norm and takes one AdamW step with learning rate lr. On several
-  // ranks, first sums the replicated parameters' gradients over the ranks; the norm is over every
-  // rank's gradients (collective).
+  // ranks the backward has summed the replicated parameters' gradients over the ranks (under its
+  // own work, in buckets); the norm is over every rank's gradients (collective).
   void step(float lr);
 
   // AdamW's state, for a checkpoint: the moments m and v in layout order and the steps taken (the
@@ -302,9 +303,26 @@ class ModelGpu {
                                          // write here (its expert spans stay zero), then add
   DeviceBuffer<bf16> weights_bf16_;
   DeviceBuffer<float> norm_partials_, grad_norm_, clip_scale_;  // [kGradientNormBlocks] [1] [1]
-  // On several ranks: the runs of replicated tensors (offset, count) whose gradients are summed over
-  // the ranks, the norm's weighted spans (model/optimizer.h) and its sum of squares.
-  std::vector<std::pair<int64_t, int64_t>> replicated_runs_;
+  // On several ranks the replicated tensors' gradients are summed over the ranks under the backward,
+  // in buckets as PyTorch DDP does: bucket i holds block i's runs of neighbouring replicated tensors
+  // (offset, count) and is summed on the gradient stream as soon as block i's backward has run,
+  // while the blocks below run theirs; bucket L holds the embeddings' and the final norm's, summed
+  // after the embedding backward. The same buckets in the same order on every rank (on one
+  // communicator, whose operations run in the order issued): the sums repeat bit for bit. The
+  // backward's end waits for the last bucket ("gradient_all_reduce": what the backward did not hide).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> gradient_buckets_;  // [L + 1]
+  struct GradientStream {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t ready = nullptr;  // recorded on the model's stream: a bucket's gradients are complete
+    cudaEvent_t summed = nullptr;  // recorded on `stream`: every bucket so far summed
+    GradientStream();
+    ~GradientStream();
+    GradientStream(const GradientStream&) = delete;
+    GradientStream& operator=(const GradientStream&) = delete;
+  };
+  std::unique_ptr<GradientStream> gradient_stream_;
+  void sum_gradient_bucket(size_t bucket);  // enqueues bucket's all-reduce behind the backward so far
+  // The norm's weighted spans (model/optimizer.h) and its sum of squares, on several ranks.
   DeviceBuffer<NormSpan> norm_spans_;
   DeviceBuffer<double> squared_norm_;  // [1]
 

@@ -24,7 +24,11 @@
 
 #include <unistd.h>  // getpid
 
+#include "core/device_buffer.h"     // DeviceBuffer
 #include "core/device_info.h"       // why_no_gpu
+#include "model/model.h"            // ModelGpu, gpu_config_of
+#include "model_config.h"           // moe_layer_config
+#include "parameter_layout.h"       // initial_parameters
 #include "expert_parallel_ranks.h"  // ExpertParallelRanks
 #include "gpu_ranks_test_support.h"  // GpuRanksTest
 #include "mpi_test_support.h"       // world
@@ -264,6 +268,74 @@ TEST_F(DistributedTrainingTest, SettingsTheRanksCannotShareEndOnEveryRank) {
     EXPECT_FALSE(fs::exists(fs::path(odd_experts.run_dir) / "checkpoints"));
   }
   world().barrier();
+}
+
+TEST_F(DistributedTrainingTest, TheBackwardSumsEveryReplicatedGradientOverTheRanks) {
+  // One forward + backward of the tiny model on R ranks against one GPU's on the same global batch.
+  // The backward sums the replicated gradients over the ranks in per-block buckets under its own
+  // work (model.h): every replicated tensor's gradient, on every rank, is the one-GPU gradient
+  // within bf16 tolerance (a bucket left out would be one rank's share, about 1 / R of it), and the
+  // ranks hold the same bits. The experts' gradients are each rank's own and are not compared here.
+  const TrainConfig c = tiny("unused");
+  const int R = world().size(), rank = world().rank();
+  const int64_t N = 2 * R, S = c.model.seq_len, N_r = N / R;
+  cuda::ModelGpuConfig one = cuda::gpu_config_of(c.model, N);
+  cuda::ModelGpuConfig local = cuda::gpu_config_of(c.model, N_r);
+  local.moe = moe_layer_config(c.model, N);  // the MoE layers see all ranks' tokens
+  local.ranks = R;
+  local.rank = rank;
+  const std::vector<double> initial = initial_parameters(c.model, c.seed);
+  const std::vector<float> whole(initial.begin(), initial.end());
+  std::map<std::string, int64_t> whole_offset;
+  for (const cuda::ParameterSpan& p : cuda::parameter_layout(one)) whole_offset[p.name] = p.offset;
+  std::vector<float> part;  // this rank's parameters in its own layout: the replicated ones and its experts
+  for (const cuda::ParameterSpan& p : cuda::parameter_layout(local)) {
+    part.insert(part.end(), whole.begin() + whole_offset.at(p.name), whole.begin() + whole_offset.at(p.name) + p.rows * p.cols);
+  }
+  std::vector<int32_t> tokens(size_t(N * S)), targets(size_t(N * S));
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = int32_t((i * 131 + 7) % 256);
+    targets[i] = int32_t((i * 61 + 3) % 256);
+  }
+  auto on_device = [](const int32_t* first, int64_t count) {
+    return cuda::DeviceBuffer<int32_t>(std::vector<int32_t>(first, first + count));
+  };
+
+  cuda::ModelGpu reference(one);
+  reference.upload_weights(whole);
+  const cuda::DeviceBuffer<int32_t> all_tokens = on_device(tokens.data(), N * S), all_targets = on_device(targets.data(), N * S);
+  reference.forward(all_tokens.data(), all_targets.data());
+  reference.backward();
+  const std::vector<float> want = reference.download_gradients();
+
+  cuda::ModelGpu model(local, {}, nullptr, ranks_.get());
+  model.upload_weights(part);
+  const cuda::DeviceBuffer<int32_t> my_tokens = on_device(tokens.data() + rank * N_r * S, N_r * S);
+  const cuda::DeviceBuffer<int32_t> my_targets = on_device(targets.data() + rank * N_r * S, N_r * S);
+  model.forward(my_tokens.data(), my_targets.data());
+  model.backward();
+  const std::vector<float> got = model.download_gradients();
+
+  std::vector<float> replicated;  // every rank's replicated gradients, gathered to compare their bits
+  int64_t tensors = 0;
+  for (const cuda::ParameterSpan& p : model.layout()) {
+    if (p.expert) continue;
+    ++tensors;
+    double scale = 0, worst = 0;
+    for (int64_t i = 0; i < p.rows * p.cols; ++i) scale = std::max(scale, std::abs(double(want[size_t(whole_offset.at(p.name) + i)])));
+    for (int64_t i = 0; i < p.rows * p.cols; ++i) {
+      const double difference = double(got[size_t(p.offset + i)]) - double(want[size_t(whole_offset.at(p.name) + i)]);
+      worst = std::max(worst, std::abs(difference));
+      replicated.push_back(got[size_t(p.offset + i)]);
+    }
+    EXPECT_LE(worst, 0.05 * scale + 1e-6) << p.name << " on rank " << rank << " (largest one-GPU gradient " << scale << ")";
+  }
+  EXPECT_GT(tensors, 4);
+  const std::vector<float> everyone = all_gather(world(), std::span<const float>(replicated));
+  for (int r = 1; r < R; ++r) {
+    EXPECT_TRUE(std::equal(replicated.begin(), replicated.end(), everyone.begin() + ptrdiff_t(r) * ptrdiff_t(replicated.size())))
+        << "rank " << r << "'s replicated gradients differ from rank " << rank << "'s";
+  }
 }
 
 }  // namespace
