@@ -456,7 +456,10 @@ calibrate() {
   #   at 8 experts a GPU and dispatch + combine, which the simulator then predicts;
   # - R = 4 where four GPUs exist: the same rows, predicted from the two-GPU calibration (hold-out);
   # - the language model's training step (throughput preset, 64 sequences a GPU) at R = 1 (into the
-  #   calibration), 2 and 4 (predicted).
+  #   calibration), 2 and 4 (predicted), each from one checkpoint trained 300 steps on Brown (its
+  #   routing as training's; from the initial weights a few steps collapse it), each benchmark
+  #   writing its timed step's routing for the prediction. Needs the Brown corpus (./moe data; the
+  #   GPU machines cannot fetch it: carry notebooks_data/brown's converted files).
   # The calibration and the validation table land in $OUT/sim/.
   local rc=0 gpus r files="" held=""
   local mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
@@ -470,11 +473,13 @@ calibrate() {
     --out "$OUT/sim/ep_bench_r1.json" > "$LOGS/calibrate_r1.log" 2>&1 || rc=1
   grep -E "^ (ep_layer|dispatch)|^(PASS|FAIL)" "$LOGS/calibrate_r1.log"
   # The layer at the language model's MoE shape (throughput preset: D=512 H=1024 E=16 K=2), on one
-  # GPU (into the calibration) and on two (predicted).
-  for r in 1 2; do
+  # GPU (into the calibration), on two (predicted) and on four (hold-out).
+  for r in 1 2 4; do
+    [ "$r" -le "$gpus" ] || break
     "${mpirun[@]}" -np $r $ep --backend nccl --only layer --layer 16384,512,1024,16,2 --pipeline-chunks 1,2 \
       --out "$OUT/sim/ep_bench_lm_layer_r$r.json" > "$LOGS/calibrate_lm_layer_r$r.log" 2>&1 || rc=1
     grep -E "^ ep_layer|^(PASS|FAIL)" "$LOGS/calibrate_lm_layer_r$r.log"
+    [ "$r" -eq 1 ] || files="$files,$OUT/sim/ep_bench_lm_layer_r$r.json"
   done
   for r in 2 4; do
     [ "$r" -le "$gpus" ] || break
@@ -483,10 +488,16 @@ calibrate() {
     grep -E "^ (ep_layer|dispatch|alltoall|count)|^(PASS|FAIL)" "$LOGS/calibrate_r$r.log"
     files="$files,$OUT/sim/ep_bench_r$r.json"
   done
+  [ -f notebooks_data/brown/index.json ] || { echo "calibrate: no Brown corpus in notebooks_data/brown (./moe data)"; return 1; }
+  local checkpoint=/tmp/moe_calibrate_checkpoint
+  rm -rf "$checkpoint"
+  build-gpu/cuda/train/moe_train --preset throughput --batch 64 --steps 2000 --stop-after 300 --checkpoint-every 300 \
+    --eval-every 1000 --record-every 100 --run-dir "$checkpoint" > "$LOGS/calibrate_checkpoint.log" 2>&1 || rc=1
   for r in 1 2 4; do
     [ "$r" -le "$gpus" ] || break
-    "${mpirun[@]}" -np $r $two --backend nccl --preset throughput --batch $((64 * r)) --benchmark-steps 30 \
-      --benchmark-json "$OUT/sim/train_r$r.json" > "$LOGS/calibrate_train_r$r.log" 2>&1 || rc=1
+    "${mpirun[@]}" -np $r $two --backend nccl --preset throughput --steps 2000 --batch $((64 * r)) --resume \
+      --run-dir "$checkpoint" --benchmark-steps 40 --benchmark-json "$OUT/sim/train_r$r.json" \
+      > "$LOGS/calibrate_train_r$r.log" 2>&1 || rc=1
     echo "language model, R = $r: $(grep 'median step' "$LOGS/calibrate_train_r$r.log")"
     [ "$r" -eq 1 ] || files="$files,$OUT/sim/train_r$r.json"
   done
@@ -495,8 +506,8 @@ calibrate() {
   $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json" \
     --calibration-out "$OUT/sim/calibration_$kind.json" || rc=1
   # Four-GPU runs: this machine's when it has four, else the kept ones of the same machine kind.
-  [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_scaling_nccl_h200x4_2026-11-26.json,notebooks_data/bench/ep_bench_exchange_nccl_h200x4_2026-11-26.json,notebooks_data/bench/train_throughput_distributed_h200x4_2026-11-26.json"
-  $sim --calibration "$OUT/sim/calibration_$kind.json" --trace notebooks_data/runs/train_throughput_preset_300steps --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json,$OUT/sim/ep_bench_lm_layer_r2.json$files$held" \
+  [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_exposed_r4_h200x4_2026-11-28.json,notebooks_data/bench/ep_bench_exposed_lm_layer_r4_h200x4_2026-11-28.json,notebooks_data/bench/train_brown_step300_r4_h200x4_2026-11-28.json"
+  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json$files$held" \
     --json "$OUT/sim/validation_$kind.json" | tee "$LOGS/calibrate_validation.log" || rc=1
   return $rc
 }

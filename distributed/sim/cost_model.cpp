@@ -12,6 +12,9 @@ namespace moe::sim {
 namespace {
 
 constexpr double kBytesPerUsPerGBs = 1e3;  // 1 GB/s moves 1000 bytes a microsecond
+// What each launch moves for each expert it computes, a parameter: its bf16 weight read forward and
+// again backward (2 + 2) and its fp32 gradient written (4).
+constexpr double kLaunchBytesPerParameter = 8.0;
 
 double padded(double rows, int64_t block) {
   const double B = static_cast<double>(block);
@@ -76,7 +79,16 @@ CostModel::CostModel(const Calibration& calibration, const Cluster& cluster, con
   const double rows = static_cast<double>(c.tokens_per_rank * c.top_k) / static_cast<double>(c.experts);
   const double flops = 12.0 * static_cast<double>(c.model_dim * c.hidden_dim) * padded(rows, c.block_size) * static_cast<double>(c.experts);
   products_flops_per_us_ = flops / fixed;
-  launch_us_per_expert_ = per_launch / static_cast<double>(c.experts);
+  // B's per-expert part: what re-reading the experts' weights and adding their gradients costs
+  // (kLaunchBytesPerParameter a parameter, 2 D H parameters an expert) at the HBM rate, at most B;
+  // without that rate, all of B.
+  const double expert_bytes = kLaunchBytesPerParameter * 2.0 * static_cast<double>(c.model_dim * c.hidden_dim);
+  const double bytes_us = calibration_.device_copy_gbs > 0
+                              ? static_cast<double>(c.experts) * expert_bytes / (calibration_.device_copy_gbs * kBytesPerUsPerGBs)
+                              : per_launch;
+  const double per_experts = std::min(per_launch, bytes_us);
+  launch_us_per_expert_ = per_experts / static_cast<double>(c.experts);
+  launch_us_fixed_ = per_launch - per_experts;
 }
 
 double CostModel::phase_d1(const char* name) const {
@@ -119,8 +131,8 @@ double CostModel::experts_us(const std::vector<double>& rows_of_experts, int64_t
   // gradient written backward.
   const double share = backward ? 2.0 / 3.0 : 1.0 / 3.0;
   const double products = share * 12.0 * width * computed / products_flops_per_us_;
-  const double launch = share * launch_us_per_expert_ * static_cast<double>(rows_of_experts.size()) * width /
-                        static_cast<double>(c.model_dim * c.hidden_dim);
+  const double launch = share * (launch_us_per_expert_ * static_cast<double>(rows_of_experts.size()) + launch_us_fixed_) *
+                        width / static_cast<double>(c.model_dim * c.hidden_dim);
   return products + launch;
 }
 

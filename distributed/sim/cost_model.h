@@ -5,9 +5,14 @@
 //   - routing, permuting, combining, the router's backward and what no phase names: the one-GPU
 //     layer's phase medians, scaled by tokens x width (T D);
 //   - the experts: the one-GPU layer's experts at d = 1, 2, 4 fit t(d) = A + d B, the FLOPs at the
-//     GPU's rate (A) and a cost that each launch pays again for each expert (B: reading its
-//     weights, writing its gradients); rows are padded to the block size B, as the block-sparse
-//     kernels pad them; backward = 2 x forward, both parts;
+//     GPU's rate (A) and a cost that each launch pays again (B). B splits into what the experts'
+//     own bytes explain, paid for each expert a rank holds (each launch reads an expert's bf16 W1
+//     and W2 forward and again backward and writes its fp32 gradients: 8 bytes a parameter at the
+//     HBM rate), and the rest, paid once a launch whatever the experts (the tiles' last partial
+//     wave, the kernels' start, the later chunks' gradients added into the first's): a rank of 8
+//     experts takes about as long as one of 16 on the same rows (lessons/09_simulator.measured.md). Rows are
+//     padded to the block size B, as the block-sparse kernels pad them; backward = 2 x forward,
+//     every part;
 //   - the experts' SGD: the one-GPU figure, scaled by the parameters a rank holds;
 //   - an all-to-all inside a node: the measured NCCL curve (time against bytes a rank at R_c
 //     ranks), read at the bytes that leave the GPU, plus a per-peer cost for more peers than R_c - 1;
@@ -74,7 +79,8 @@ class CostModel {
   // launches; the time of ONE launch (forward, or backward = 2 x forward FLOPs).
   double experts_us(const std::vector<double>& rows_of_experts, int64_t chunks, bool backward) const;
   double products_tflops() const { return products_flops_per_us_ / 1e6; }  // A's rate
-  double launch_us_per_expert() const { return launch_us_per_expert_; }     // B / E, forward + backward
+  double launch_us_per_expert() const { return launch_us_per_expert_; }     // B's per-expert part / E, forward + backward
+  double launch_us_fixed() const { return launch_us_fixed_; }               // B's part paid once a launch
 
   // One exchange of `load` (its rows x fraction, D-wide bf16), out (s -> t) or back (t -> s).
   double all_to_all_us(const StepLoad& load, double fraction, bool back) const;
@@ -102,6 +108,7 @@ class CostModel {
   const AllToAllCurve* intra_curve_ = nullptr;      // the host size closest to G from below
   double products_flops_per_us_ = 0;  // the experts' products, padded rows counted
   double launch_us_per_expert_ = 0;   // at the calibration's D H; scaled by D H
+  double launch_us_fixed_ = 0;        // at the calibration's D H; scaled by D H
 };
 
 }  // namespace moe::sim

@@ -42,10 +42,23 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
   if (!one.measured()) throw std::invalid_argument("the calibration holds no language model step (calibrate from moe_train_distributed --benchmark-json at one rank)");
   const ModelConfig model = model_of(one.config);
   const int64_t R = cluster.ranks();
+  LanguageModelPrediction out;
+  if (R == 1) {  // one GPU trains through the one-GPU MoE layer: the measured step itself
+    for (const auto& [phase, ms] : one.phase_ms) {
+      if (phase == "optimizer") out.optimizer_ms = ms;
+      if (phase == "moe" || phase == "backward_moe") out.moe_ms += ms;
+    }
+    out.step_ms = one.step_ms;
+    return out;
+  }
   int64_t moe_blocks = 0;
   for (int64_t layer = 0; layer < model.num_layers; ++layer) moe_blocks += is_moe_block(model, layer) ? 1 : 0;
-  double expert_parameters = 0, other_parameters = 0;
-  for (const ParameterInfo& p : parameter_layout(model)) (p.expert >= 0 ? expert_parameters : other_parameters) += static_cast<double>(p.rows * p.cols);
+  double expert_parameters = 0, other_parameters = 0, outside_blocks = 0;  // outside_blocks: embeddings, final norm
+  for (const ParameterInfo& p : parameter_layout(model)) {
+    const double count = static_cast<double>(p.rows * p.cols);
+    (p.expert >= 0 ? expert_parameters : other_parameters) += count;
+    if (p.name.rfind("blocks.", 0) != 0) outside_blocks += count;
+  }
 
   const LayerSpec layer = layer_spec_of(moe_layer_config(model, one.tokens_per_rank / model.seq_len));
   // Each MoE block's load: the recorded routing's first step, block by block, or uniform.
@@ -67,7 +80,6 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
     if (phase == "moe" || phase == "backward_moe") moe_one += ms;
     if (is_local_exchange(phase)) local += ms;
   }
-  LanguageModelPrediction out;
   double rest = 0;
   if (one.layer.measured()) {
     // The expert-parallel layer at the model's shape, measured on one GPU: each MoE block is that
@@ -91,10 +103,20 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
   }
   out.optimizer_ms = optimizer_one * (other_parameters + expert_parameters / static_cast<double>(R)) / (other_parameters + expert_parameters);
   if (R > 1) {
+    // The trainer sums the data-parallel gradients under the backward, block by block (model.h):
+    // what it cannot hide is the last bucket (the embeddings and the final norm, summed after the
+    // embedding backward) and whatever the blocks' sums take beyond the one-GPU backward's time.
     const CostModel cost(calibration, cluster, layer);
-    const double bytes = 2.0 * static_cast<double>(R - 1) / static_cast<double>(R) * other_parameters * 4;  // fp32 gradients
     const int64_t G = std::min(cluster.gpus_per_node, R);
-    out.all_reduce_ms = std::max(cost.intra_node_us(bytes, G - 1), cost.inter_node_us(cluster.nodes > 1 ? bytes : 0, cluster.nodes - 1)) / 1e3;
+    auto all_reduce_ms = [&](double parameters) {
+      const double bytes = 2.0 * static_cast<double>(R - 1) / static_cast<double>(R) * parameters * 4;  // fp32 gradients
+      return std::max(cost.intra_node_us(bytes, G - 1), cost.inter_node_us(cluster.nodes > 1 ? bytes : 0, cluster.nodes - 1)) / 1e3;
+    };
+    double backward_ms = 0;
+    for (const auto& [phase, ms] : one.phase_ms) {
+      if (phase.rfind("backward_", 0) == 0) backward_ms += ms;
+    }
+    out.all_reduce_ms = all_reduce_ms(outside_blocks) + std::max(0.0, all_reduce_ms(other_parameters - outside_blocks) - backward_ms);
   }
   out.step_ms = rest + out.moe_ms + out.optimizer_ms + out.all_reduce_ms;
   return out;

@@ -8,13 +8,19 @@
 //           + per MoE block: the expert-parallel layer's step on R GPUs, its SGD left out
 //           + the optimizer on this rank's parameters (the experts split R ways, the rest whole)
 //           + the all-reduce of the data-parallel gradients (ring: 2 (R - 1) / R of their bytes)
+//             that the backward does not hide: the trainer sums each block's as soon as its
+//             backward has run, so only the embeddings' and the final norm's, and any time the
+//             blocks' sums take beyond the one-GPU backward's, are added
+//
+// On one GPU (R = 1) the trainer runs the one-GPU MoE layer, not the expert-parallel one: the
+// prediction is the measured step itself.
 //
 // Without that layer, the one-GPU run's MoE path stays and only its local exchanges and count
 // exchanges are swapped for the cluster's (four all-to-alls of T K rows and a count exchange a
 // block). The routing matters: a benchmark of a model fresh from initialisation routes far from
 // uniformly (the busiest GPU gets several times the mean rows), so each block's load comes from a
 // recorded run of the same model when one is given. The blocks run one after another, and no
-// exchange hides behind compute, as the trainer runs today.
+// token exchange hides behind compute, as the trainer runs today.
 // Tests: ctest -R SimLanguageModel.
 #pragma once
 

@@ -21,7 +21,7 @@ Calibration worked_example_calibration() {
   c.layer_phases_us[2]["ep_experts"] = 400;
   c.all_to_all.push_back({2, Curve{{1e6, 2e6}, {10, 20}}});
   c.count_exchange_us[2] = 7;
-  c.device_copy_gbs = 100;
+  c.device_copy_gbs = 40;
   c.inter_node = {10.0, 1.0, 5.0, 1.0, "round numbers for the worked example"};
   return c;
 }
