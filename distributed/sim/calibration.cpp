@@ -99,6 +99,12 @@ Calibration Calibration::at_language_model_layer() const {
   return out;
 }
 
+Calibration Calibration::for_layer(int64_t model_dim, int64_t hidden_dim) const {
+  const LayerShape& lm = language_model.layer.shape;
+  const bool of_model = language_model.layer.measured() && lm.model_dim == model_dim && lm.hidden_dim == hidden_dim;
+  return of_model ? at_language_model_layer() : *this;
+}
+
 Calibration Calibration::limited_to(int64_t max_ranks) const {
   Calibration out = *this;
   out.all_to_all.clear();

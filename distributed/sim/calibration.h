@@ -106,6 +106,10 @@ struct Calibration {
   Calibration limited_to(int64_t max_ranks) const;
   // The same calibration with the language model's layer as the layer (lm_step.h).
   Calibration at_language_model_layer() const;
+  // The calibration a layer of width D and expert width H is simulated with: the language model's
+  // layer where it was measured at that D and H (its own one-GPU step, closer than one scaled from
+  // another shape), else this one.
+  Calibration for_layer(int64_t model_dim, int64_t hidden_dim) const;
 };
 
 nlohmann::json to_json(const Calibration& calibration);

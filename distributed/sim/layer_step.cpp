@@ -35,21 +35,31 @@ MicroBatch micro_batch(const CostModel& model, const StepLoad& load, int parts, 
   return m;
 }
 
-// The pipeline of d chunks: out c, experts c, back c, in Tutel's order. Returns the last back.
-Op pipeline(Timeline& timeline, MicroBatch& m, int64_t chunks, bool backward, Op after) {
+// The exchanges and experts of every micro-batch's d chunks in Tutel's order, one unit (a chunk of
+// a micro-batch) after another: unit i + 1 goes out before unit i comes back, so that its exchange
+// runs while unit i's experts do; with two micro-batches, the second's rows travel while the first's
+// experts run, and the first's come back while the second's do. Each micro-batch's chunks go out
+// once its own work before (its `last`) is done; `last` becomes its last chunk's way back.
+void pipeline(Timeline& timeline, std::vector<MicroBatch>& batches, int64_t chunks, bool backward) {
   const std::string out_name = backward ? "gradient_out" : "dispatch";
   const std::string back_name = backward ? "gradient_back" : "combine_exchange";
   const std::string experts_name = backward ? "experts_backward" : "experts_forward";
-  const std::vector<double>& experts_us = backward ? m.experts_backward_us : m.experts_forward_us;
-  std::vector<Op> out;
-  out.push_back(timeline.collective(out_name + m.suffix, kExchange, m.out_us, {after}));
-  Op back;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const Op experts = timeline.local(experts_name + m.suffix, kCompute, experts_us, {out.back()});
-    if (c + 1 < chunks) out.push_back(timeline.collective(out_name + m.suffix, kExchange, m.out_us, {after}));
-    back = timeline.collective(back_name + m.suffix, kExchange, m.back_us, {experts});
+  std::vector<MicroBatch*> units;
+  for (MicroBatch& m : batches) {
+    for (int64_t c = 0; c < chunks; ++c) units.push_back(&m);
   }
-  return back;
+  std::vector<Op> after;  // each micro-batch's work before its rows go out
+  for (const MicroBatch& m : batches) after.push_back(m.last);
+  auto send = [&](const MicroBatch& m) {
+    return timeline.collective(out_name + m.suffix, kExchange, m.out_us, {after[static_cast<size_t>(&m - batches.data())]});
+  };
+  Op out = send(*units.front());
+  for (size_t i = 0; i < units.size(); ++i) {
+    MicroBatch& m = *units[i];
+    const Op experts = timeline.local(experts_name + m.suffix, kCompute, backward ? m.experts_backward_us : m.experts_forward_us, {out});
+    if (i + 1 < units.size()) out = send(*units[i + 1]);
+    m.last = timeline.collective(back_name + m.suffix, kExchange, m.back_us, {experts});
+  }
 }
 
 }  // namespace
@@ -68,13 +78,13 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
     const Op count = timeline.collective("count_exchange" + m.suffix, kCompute, count_us, {route});
     m.last = timeline.local("permute" + m.suffix, kCompute, model.permute_us(m.tokens), {count});
   }
-  for (MicroBatch& m : batches) m.last = pipeline(timeline, m, layer.chunks, false, m.last);
+  pipeline(timeline, batches, layer.chunks, false);
   // The combine and the start of the backward, then the gradients' pipeline.
   for (MicroBatch& m : batches) {
     const Op combine = timeline.local("combine" + m.suffix, kCompute, model.combine_us(m.tokens), {m.last});
     m.last = timeline.local("combine_backward" + m.suffix, kCompute, model.combine_backward_us(m.tokens), {combine});
   }
-  for (MicroBatch& m : batches) m.last = pipeline(timeline, m, layer.chunks, true, m.last);
+  pipeline(timeline, batches, layer.chunks, true);
   std::vector<Op> router;
   for (MicroBatch& m : batches) router.push_back(timeline.local("router_backward" + m.suffix, kCompute, model.router_backward_us(m.tokens), {m.last}));
   const Op all_reduce = timeline.collective("router_all_reduce", kCompute, model.small_all_reduce_us(), router);

@@ -15,6 +15,9 @@
 //   compute:  pre A | pre B | experts A | experts B | post A + pre-backward A | ... B | experts' A | ...
 //   exchange:        out A  | out B     | back A    | back B ...
 //
+// Each micro-batch's experts are a launch of their own, so the launch's fixed cost (cost_model.h's
+// B) is paid once more: at small experts it can outweigh the exchange hidden.
+//
 // Tests: ctest -R SimLayerStep.
 #pragma once
 

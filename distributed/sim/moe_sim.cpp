@@ -138,10 +138,11 @@ int validate(const Options& o) {
 }
 
 int simulate(const Options& o, const std::string& command) {
-  const moe::sim::Calibration calibration = moe::sim::load_calibration(o.calibration);
   moe::sim::SimulationSpec spec;
   spec.cluster = moe::sim::parse_cluster(o.cluster);
   spec.layer = layer_of(o, spec.cluster.ranks());
+  const moe::sim::Calibration calibration =
+      moe::sim::load_calibration(o.calibration).for_layer(spec.layer.model_dim, spec.layer.hidden_dim);
   moe::sim::check_placement(spec.layer.experts, spec.cluster.ranks());
   spec.steps = o.steps;
   spec.blocks = o.blocks;

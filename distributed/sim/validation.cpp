@@ -143,10 +143,10 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
           spec.steps = 1;
           spec.span_ranks = 0;
           // A layer of the language model's shape is predicted from its own one-GPU measurement.
-          const LayerShape& lm = calibration.language_model.layer.shape;
-          const bool of_model = calibration.language_model.layer.measured() && lm.model_dim == layer.model_dim && lm.hidden_dim == layer.hidden_dim;
+          const Calibration used = calibration.for_layer(layer.model_dim, layer.hidden_dim);
+          const bool of_model = used.layer.model_dim != calibration.layer.model_dim || used.layer.hidden_dim != calibration.layer.hidden_dim;
           out.what = variant + (of_model ? " (D=" + std::to_string(layer.model_dim) + ")" : "");
-          out.predicted_us = simulate(spec, of_model ? calibration.at_language_model_layer() : calibration).median_step_us();
+          out.predicted_us = simulate(spec, used).median_step_us();
           out.calibration = R == 1;
         } else if (variant == "alltoall" && R > 1) {
           layer.experts = R;  // the raw all-to-all: equal bytes to every rank

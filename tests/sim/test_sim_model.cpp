@@ -224,8 +224,23 @@ TEST(SimLayerStep, OverlapHidesExchangesAndPipeliningSplitsThem) {
   spec.steps = 2;
   const double plain = simulate(spec, calibration).median_step_us();
   spec.layer.overlap = true;
-  const Simulation overlapped = simulate(spec, calibration);
+  spec.span_ranks = 1;
+  std::vector<SimSpan> spans;  // rank 0's, of the first step
+  const Simulation overlapped = simulate(spec, calibration, [&](const SimulatedStep& step) {
+    if (spans.empty()) spans = step.spans;
+  });
   EXPECT_LT(overlapped.median_step_us(), plain);
+  // The order that hides them: the second micro-batch's rows go out before the first's come back,
+  // and travel while the first's experts run.
+  auto span_of = [&](const std::string& name) {
+    for (const SimSpan& span : spans) {
+      if (span.name == name) return span;
+    }
+    ADD_FAILURE() << "no span " << name;
+    return SimSpan{};
+  };
+  EXPECT_LT(span_of("dispatch.1").start_us, span_of("combine_exchange.0").start_us);
+  EXPECT_LT(span_of("dispatch.1").start_us, span_of("experts_forward.0").start_us + span_of("experts_forward.0").duration_us);
   spec.layer.overlap = false;
   spec.layer.chunks = 2;
   EXPECT_NE(simulate(spec, calibration).median_step_us(), plain);
