@@ -34,6 +34,19 @@
 
 namespace moe::lessons {
 
+// A step's routing as the run record's "expert_load" event (common/run_events.h): the slots each
+// source rank routed to each expert, from the layer's [R x E] count matrix in rank order. moe_sim
+// replays it (--trace).
+inline ExpertLoadEvent expert_load_of(int64_t step, int64_t layer, const std::vector<int64_t>& per_rank_expert, int ranks) {
+  ExpertLoadEvent load{.step = step, .layer = layer};
+  const size_t experts = per_rank_expert.size() / static_cast<size_t>(ranks);
+  for (size_t r = 0; r < static_cast<size_t>(ranks); ++r) {
+    load.tokens.emplace_back(per_rank_expert.begin() + static_cast<ptrdiff_t>(r * experts),
+                             per_rank_expert.begin() + static_cast<ptrdiff_t>((r + 1) * experts));
+  }
+  return load;
+}
+
 // ---- the GPU path's flags, for parse_options' `own_flags` (lesson_support.h) ----
 
 struct GpuFlags {

@@ -441,6 +441,7 @@ bool replay_exchanges(dist::Communicator& comm, lessons::RankOutput& out, const 
                                                                            config.num_experts),
                                          .dropped_per_expert = {}, .capacity = std::nullopt,
                                          .tokens_per_expert_by_genre = {}}));
+    writer->append(to_event(lessons::expert_load_of(0, 0, run.forward.routed_per_rank_expert, R)));
     writer->append(to_event(AllToAllEvent{.step = 0, .layer = 0, .name = "dispatch",
                                           .bytes = square(run.dispatch_rows, R, row_bytes),
                                           .duration_us = dispatch.duration_us,

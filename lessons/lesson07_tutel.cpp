@@ -862,6 +862,9 @@ LayoutCheck switch_layouts(dist::Communicator& comm, lessons::RankOutput& out, c
   model.expert_flops_per_us = kExpertFlopsPerUs;
   model.bytes_per_element = kBf16Bytes;
   const dist::LayoutChoice modelled = dist::choose_layout(config, R, runs.kept_dropless, model);
+  if (RunWriter* writer = out.writer()) {  // the dropless step's routing, for moe_sim --trace
+    writer->append(to_event(lessons::expert_load_of(0, 0, runs.kept_dropless, R)));
+  }
   const dist::LayoutChoice measured =
       dist::measure_layouts(comm, config, data.text_x.middleRows(shard.offset, shard.tokens),
                             data.dy.middleRows(shard.offset, shard.tokens), stored, runs.layouts, 5);
