@@ -244,18 +244,26 @@ int run_offload_trace(const Options& o) {
                 copy_gbs, rate_from.c_str());
   }
 
-  // Hit rate against cache size, demand fetching only (no prefetch), over the decode steps.
-  std::printf("hit rate over the decode steps (the prefill fills the cache), demand fetching only:\n%8s", "slots");
-  for (const moe::sim::ReplayPolicy policy : policies) std::printf(" %15s", moe::sim::to_string(policy).c_str());
+  // Hit rate against cache size, demand fetching only (no prefetch), over the decode steps, and
+  // the decode step and tokens/s each gives: the record's compute with the replay's copies at the
+  // first rate above.
+  const double copy_gbs = rates.front().first;
+  std::printf("hit rate over the decode steps (the prefill fills the cache), demand fetching only; the decode step\n"
+              "predicted from it (copies at %.1f GB/s) and tokens/s at batch %lld:\n%8s",
+              copy_gbs, static_cast<long long>(trace.batch), "slots");
+  for (const moe::sim::ReplayPolicy policy : policies) std::printf(" %34s", moe::sim::to_string(policy).c_str());
   std::printf("\n");
   nlohmann::json rows = nlohmann::json::array();
   for (const int64_t slots : sizes) {
     std::printf("%8lld", static_cast<long long>(slots));
     for (const moe::sim::ReplayPolicy policy : policies) {
       const moe::sim::CacheReplay run = moe::sim::replay(trace, slots, policy, /*prefetch=*/false);
-      std::printf(" %6.1f%% %4lld miss", 100 * run.hit_rate(), static_cast<long long>(run.misses()));
+      const double step_us = moe::sim::predict_step_times(trace, run, copy_gbs).median_predicted_us;
+      const double tokens_per_second = step_us > 0 ? static_cast<double>(trace.batch) * 1e6 / step_us : 0.0;
+      std::printf(" %6.1f%% %4lld miss %6.3f ms %6.0f tok/s", 100 * run.hit_rate(), static_cast<long long>(run.misses()),
+                  step_us / 1e3, tokens_per_second);
       rows.push_back({{"slots", slots}, {"policy", moe::sim::to_string(policy)}, {"hit_rate", run.hit_rate()},
-                      {"misses", run.misses()}});
+                      {"misses", run.misses()}, {"decode_step_us", step_us}, {"tokens_per_second", tokens_per_second}});
     }
     std::printf("\n");
   }
