@@ -136,6 +136,23 @@ double CostModel::experts_us(const std::vector<double>& rows_of_experts, int64_t
   return products + launch;
 }
 
+double CostModel::replica_all_reduce_us(const StepLoad& load) const {
+  if (load.replicas == 0) return 0;
+  const double expert_bytes = 4.0 * 2.0 * static_cast<double>(layer_.model_dim * layer_.hidden_dim);  // fp32 W1 and W2
+  double slowest = 0;
+  for (int64_t r = 0; r < load.ranks; ++r) {
+    double bytes = 0;
+    for (int64_t e : load.slot_experts[static_cast<size_t>(r)]) {
+      const double n = static_cast<double>(load.holders[static_cast<size_t>(e)]);
+      if (n > 1) bytes += 2.0 * (n - 1) / n * expert_bytes;
+    }
+    // Over NVLink inside a node; where the cluster spans nodes, priced at the NIC (the groups of
+    // the hottest experts reach across them).
+    slowest = std::max(slowest, cluster_.nodes > 1 ? inter_node_us(bytes, 1) : intra_node_us(bytes, 1));
+  }
+  return slowest;
+}
+
 double CostModel::intra_node_us(double egress_bytes, int64_t peers) const {
   if (peers <= 0 || egress_bytes <= 0) return 0;
   const double Rc = static_cast<double>(intra_curve_->ranks);

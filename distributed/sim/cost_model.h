@@ -52,6 +52,7 @@ struct LayerSpec {
   int64_t chunks = 1;               // d, Tutel's pipelining degree
   AllToAllKind all_to_all = AllToAllKind::flat;
   bool overlap = false;             // two micro-batches, one's exchanges under the other's compute
+  int64_t redundant_slots = 0;      // S: replicas of the hottest experts a rank may hold (step_load.h)
 
   double capacity_rows(int64_t ranks) const;  // C, or 0 when dropless
   double bytes_per_row() const { return 2.0 * static_cast<double>(model_dim); }  // bf16
@@ -74,6 +75,9 @@ class CostModel {
   double router_backward_us(double tokens) const;
   double unnamed_us(double tokens) const;  // what the one-GPU step spends outside every phase
   double sgd_us() const;                   // the experts' SGD on one rank's E / R experts
+  // The replicated experts' fp32 weight gradients summed over their holders (a ring all-reduce in
+  // each expert's group, every group at once), the slowest rank's time; 0 without replicas.
+  double replica_all_reduce_us(const StepLoad& load) const;
 
   // The experts of one rank: rows_of_experts[i] rows for its i-th expert, split into `chunks`
   // launches; the time of ONE launch (forward, or backward = 2 x forward FLOPs).

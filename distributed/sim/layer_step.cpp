@@ -23,9 +23,8 @@ MicroBatch micro_batch(const CostModel& model, const StepLoad& load, int parts, 
   MicroBatch m;
   if (parts > 1) m.suffix = '.' + std::to_string(index);
   m.tokens = static_cast<double>(layer.tokens_per_rank) / parts;
-  const int64_t per_rank = part.experts_per_rank();
   for (int64_t r = 0; r < part.ranks; ++r) {
-    const std::vector<double> rows(part.rows_per_expert.begin() + r * per_rank, part.rows_per_expert.begin() + (r + 1) * per_rank);
+    const std::vector<double> rows = part.expert_rows_of(r);
     m.experts_forward_us.push_back(model.experts_us(rows, layer.chunks, false));
     m.experts_backward_us.push_back(model.experts_us(rows, layer.chunks, true));
   }
@@ -87,8 +86,17 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
   pipeline(timeline, batches, layer.chunks, true);
   std::vector<Op> router;
   for (MicroBatch& m : batches) router.push_back(timeline.local("router_backward" + m.suffix, kCompute, model.router_backward_us(m.tokens), {m.last}));
-  const Op all_reduce = timeline.collective("router_all_reduce", kCompute, model.small_all_reduce_us(), router);
-  const Op sgd = timeline.local("sgd_experts", kCompute, model.sgd_us(), {all_reduce});
+  Op all_reduce = timeline.collective("router_all_reduce", kCompute, model.small_all_reduce_us(), router);
+  if (load.replicas > 0) {  // the replicas' gradients summed, so that they stay one expert
+    all_reduce = timeline.collective("replica_all_reduce", kCompute, model.replica_all_reduce_us(load), {all_reduce});
+  }
+  // SGD on each rank's expert slots: its E / R experts and its replicas.
+  std::vector<double> sgd_us;
+  for (int64_t r = 0; r < load.ranks; ++r) {
+    const double slots = static_cast<double>(load.expert_rows_of(r).size());
+    sgd_us.push_back(model.sgd_us() * slots / static_cast<double>(load.experts_per_rank()));
+  }
+  const Op sgd = timeline.local("sgd_experts", kCompute, sgd_us, {all_reduce});
   timeline.local("unnamed", kCompute, model.unnamed_us(static_cast<double>(layer.tokens_per_rank)), {sgd});
 }
 

@@ -45,7 +45,7 @@ namespace {
 
 struct Options {
   std::string calibration, cluster = "ranks=2", trace, routing, layer = "16384,2048,8192,0,2", all_to_all = "flat";
-  int64_t experts_per_rank = 8, chunks = 1, steps = 20, blocks = 1, span_ranks = 8, seed = 1;
+  int64_t experts_per_rank = 8, chunks = 1, steps = 20, blocks = 1, span_ranks = 8, seed = 1, redundant_slots = 0;
   double capacity_factor = 0;
   bool overlap = false, overwrite = false;
   std::string out, json;
@@ -84,6 +84,7 @@ moe::sim::LayerSpec layer_of(const Options& o, int64_t ranks) {
   layer.chunks = o.chunks;
   layer.capacity_factor = o.capacity_factor;
   layer.overlap = o.overlap;
+  layer.redundant_slots = o.redundant_slots;
   layer.all_to_all = o.all_to_all == "2dh" ? moe::sim::AllToAllKind::hierarchical : moe::sim::AllToAllKind::flat;
   return layer;
 }
@@ -165,7 +166,10 @@ int simulate(const Options& o, const std::string& command) {
               moe::sim::describe(spec.cluster).c_str(), static_cast<long long>(spec.layer.tokens_per_rank),
               static_cast<long long>(spec.layer.model_dim), static_cast<long long>(spec.layer.hidden_dim),
               static_cast<long long>(spec.layer.experts), static_cast<long long>(spec.layer.top_k),
-              static_cast<long long>(spec.layer.chunks), o.all_to_all.c_str(), spec.layer.overlap ? ", two micro-batches overlapped" : "",
+              static_cast<long long>(spec.layer.chunks), o.all_to_all.c_str(),
+              (std::string(spec.layer.overlap ? ", two micro-batches overlapped" : "") +
+               (spec.layer.redundant_slots > 0 ? ", " + std::to_string(spec.layer.redundant_slots) + " redundant expert slots a rank" : ""))
+                  .c_str(),
               spec.layer.capacity_factor > 0 ? (", capacity factor " + std::to_string(spec.layer.capacity_factor)).c_str() : ", dropless",
               routing_text.c_str());
   std::printf("moe_sim: %lld steps: median step %.3f ms, exposed communication %.1f%% of it, worst straggler %.2fx the mean rows (calibration: %s, %s)\n",
@@ -293,6 +297,8 @@ int main(int argc, char** argv) {
     app.add_option("--pipeline-chunks", o.chunks, "Tutel's pipelining degree d")->capture_default_str()->check(moe::whole_number(1, 64));
     app.add_option("--all-to-all", o.all_to_all, "flat or 2dh (Tutel's 2D hierarchical)")->capture_default_str()->check(moe::one_of({"flat", "2dh"}));
     app.add_flag("--overlap", o.overlap, "two micro-batches, one's exchanges under the other's compute");
+    app.add_option("--redundant-slots", o.redundant_slots, "replicas of the hottest experts a rank may hold (EPLB's greedy placement)")
+        ->capture_default_str()->check(moe::whole_number(0, 1 << 20));
     app.add_option("--capacity-factor", o.capacity_factor, "0: dropless; else each expert keeps C = f T R K / E rows")
         ->capture_default_str()->check(moe::finite_number(0, 1e6));
     app.add_option("--steps", o.steps, "steps to simulate")->capture_default_str()->check(moe::whole_number(1, 1000000));

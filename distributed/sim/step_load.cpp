@@ -14,10 +14,17 @@ void check_placement(int64_t experts, int64_t ranks) {
   }
 }
 
+std::vector<double> StepLoad::expert_rows_of(int64_t r) const {
+  if (!slot_rows.empty()) return slot_rows[static_cast<size_t>(r)];
+  const int64_t per_rank = experts_per_rank();
+  return {rows_per_expert.begin() + r * per_rank, rows_per_expert.begin() + (r + 1) * per_rank};
+}
+
 std::vector<double> StepLoad::rows_per_rank() const {
   std::vector<double> out(static_cast<size_t>(ranks), 0.0);
-  const int64_t per_rank = experts_per_rank();
-  for (int64_t e = 0; e < experts; ++e) out[static_cast<size_t>(e / per_rank)] += rows_per_expert[static_cast<size_t>(e)];
+  for (int64_t r = 0; r < ranks; ++r) {
+    for (double n : expert_rows_of(r)) out[static_cast<size_t>(r)] += n;
+  }
   return out;
 }
 
@@ -32,10 +39,12 @@ StepLoad step_load_from_tokens(const BlockLoad& load, int64_t ranks) {
   out.experts = load.experts;
   out.rows_per_expert.assign(static_cast<size_t>(load.experts), 0.0);
   out.rows.assign(static_cast<size_t>(ranks * ranks), 0.0);
+  out.source_rows.assign(static_cast<size_t>(ranks * load.experts), 0.0);
   const int64_t per_rank = load.experts / ranks;
   for (int64_t s = 0; s < ranks; ++s) {
     for (int64_t e = 0; e < load.experts; ++e) {
       const double n = static_cast<double>(load.tokens[static_cast<size_t>(s * load.experts + e)]);
+      out.source_rows[static_cast<size_t>(s * load.experts + e)] = n;
       out.rows_per_expert[static_cast<size_t>(e)] += n;
       out.rows[static_cast<size_t>(s * ranks + e / per_rank)] += n;
     }
@@ -59,12 +68,22 @@ StepLoad step_load_from_shares(const std::vector<double>& shares, int64_t ranks,
   for (int64_t s = 0; s < ranks; ++s) {
     for (int64_t t = 0; t < ranks; ++t) out.rows[static_cast<size_t>(s * ranks + t)] = rows_per_rank * rank_share[static_cast<size_t>(t)];
   }
+  out.source_rows.resize(static_cast<size_t>(ranks * E));
+  for (int64_t s = 0; s < ranks; ++s) {
+    for (int64_t e = 0; e < E; ++e) out.source_rows[static_cast<size_t>(s * E + e)] = shares[static_cast<size_t>(e)] * rows_per_rank;
+  }
   return out;
 }
 
 void apply_capacity(StepLoad& load, double capacity) {
   if (capacity <= 0) return;
+  if (!load.slot_rows.empty()) throw std::logic_error("apply_capacity: cap the experts before placing replicas");
   const std::vector<double> routed = load.rows_per_rank();
+  for (int64_t e = 0; e < load.experts; ++e) {  // every source's rows for e shrink by e's kept fraction
+    const double all = load.rows_per_expert[static_cast<size_t>(e)];
+    const double fraction = all > capacity ? capacity / all : 1.0;
+    for (int64_t s = 0; s < load.ranks; ++s) load.source_rows[static_cast<size_t>(s * load.experts + e)] *= fraction;
+  }
   for (double& rows : load.rows_per_expert) rows = std::min(rows, capacity);
   const std::vector<double> kept = load.rows_per_rank();
   for (int64_t t = 0; t < load.ranks; ++t) {
@@ -77,7 +96,95 @@ StepLoad scaled(const StepLoad& load, double factor) {
   StepLoad out = load;
   for (double& x : out.rows_per_expert) x *= factor;
   for (double& x : out.rows) x *= factor;
+  for (double& x : out.source_rows) x *= factor;
+  for (std::vector<double>& rank : out.slot_rows) {
+    for (double& x : rank) x *= factor;
+  }
   return out;
+}
+
+void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank) {
+  if (redundant_slots_per_rank <= 0) return;
+  const int64_t R = load.ranks, E = load.experts, per_rank = load.experts_per_rank();
+  if (redundant_slots_per_rank > E - per_rank) {
+    throw std::invalid_argument(std::to_string(redundant_slots_per_rank) + " redundant slots a rank: at most E - E / R = " +
+                                std::to_string(E - per_rank) + " (a rank holds each expert once)");
+  }
+  // holders[e]: the ranks that hold expert e, its home rank first.
+  std::vector<std::vector<int64_t>> holders(static_cast<size_t>(E));
+  std::vector<double> rank_rows(static_cast<size_t>(R), 0.0);
+  std::vector<int64_t> free_slots(static_cast<size_t>(R), redundant_slots_per_rank);
+  for (int64_t e = 0; e < E; ++e) {
+    holders[static_cast<size_t>(e)].push_back(e / per_rank);
+    rank_rows[static_cast<size_t>(e / per_rank)] += load.rows_per_expert[static_cast<size_t>(e)];
+  }
+  auto per_replica = [&](int64_t e) {
+    return load.rows_per_expert[static_cast<size_t>(e)] / static_cast<double>(holders[static_cast<size_t>(e)].size());
+  };
+  // The change in the sum of the ranks' squared rows if expert e got a replica on rank t.
+  auto evening = [&](int64_t e, int64_t t) {
+    const double before = per_replica(e);
+    const double share = load.rows_per_expert[static_cast<size_t>(e)] / static_cast<double>(holders[static_cast<size_t>(e)].size() + 1);
+    double change = 0;
+    for (int64_t r : holders[static_cast<size_t>(e)]) {
+      const double old_rows = rank_rows[static_cast<size_t>(r)], new_rows = old_rows - before + share;
+      change += new_rows * new_rows - old_rows * old_rows;
+    }
+    const double target_rows = rank_rows[static_cast<size_t>(t)];
+    return change + (target_rows + share) * (target_rows + share) - target_rows * target_rows;
+  };
+  std::vector<int64_t> order(static_cast<size_t>(E));
+  for (int64_t placed = 0; placed < redundant_slots_per_rank * R; ++placed) {
+    // The experts by rows a replica, most first (ties: the lower e); the first that a rank with a
+    // free slot can take, and whose replica there evens the ranks out, gets it.
+    for (int64_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return per_replica(a) > per_replica(b); });
+    int64_t chosen = -1, target = -1;
+    for (const int64_t e : order) {
+      const auto& h = holders[static_cast<size_t>(e)];
+      int64_t best = -1;  // the least loaded rank with a free slot and no replica of e (ties: the lower r)
+      for (int64_t r = 0; r < R; ++r) {
+        if (free_slots[static_cast<size_t>(r)] == 0 || std::find(h.begin(), h.end(), r) != h.end()) continue;
+        if (best < 0 || rank_rows[static_cast<size_t>(r)] < rank_rows[static_cast<size_t>(best)]) best = r;
+      }
+      if (best >= 0 && evening(e, best) < 0) {
+        chosen = e, target = best;
+        break;
+      }
+    }
+    if (chosen < 0) break;  // no replica left that evens the ranks out
+    const double before = per_replica(chosen);
+    holders[static_cast<size_t>(chosen)].push_back(target);
+    const double after = per_replica(chosen);
+    for (int64_t r : holders[static_cast<size_t>(chosen)]) rank_rows[static_cast<size_t>(r)] += after - (r == target ? 0.0 : before);
+    --free_slots[static_cast<size_t>(target)];
+    ++load.replicas;
+  }
+  // Each rank's slots: its own experts, then its replicas in the order placed; every source splits
+  // its rows for an expert evenly over the expert's holders.
+  load.slot_rows.assign(static_cast<size_t>(R), {});
+  load.slot_experts.assign(static_cast<size_t>(R), {});
+  auto add_slot = [&](int64_t r, int64_t e) {
+    load.slot_rows[static_cast<size_t>(r)].push_back(per_replica(e));
+    load.slot_experts[static_cast<size_t>(r)].push_back(e);
+  };
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t e = r * per_rank; e < (r + 1) * per_rank; ++e) add_slot(r, e);
+  }
+  load.holders.assign(static_cast<size_t>(E), 1);
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& h = holders[static_cast<size_t>(e)];
+    for (size_t i = 1; i < h.size(); ++i) add_slot(h[i], e);
+    load.holders[static_cast<size_t>(e)] = static_cast<int64_t>(h.size());
+  }
+  std::fill(load.rows.begin(), load.rows.end(), 0.0);
+  for (int64_t s = 0; s < R; ++s) {
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& h = holders[static_cast<size_t>(e)];
+      const double share = load.source_rows[static_cast<size_t>(s * E + e)] / static_cast<double>(h.size());
+      for (int64_t t : h) load.rows[static_cast<size_t>(s * R + t)] += share;
+    }
+  }
 }
 
 }  // namespace moe::sim

@@ -8,6 +8,12 @@
 //     or a recorded one replayed at another size). Rows are then expected values, not integers.
 // A capacity (rows an expert may keep) turns routed rows into kept rows; what is dropped is not sent.
 //
+// Replicated hot experts (DeepSeek's EPLB, greedy): each rank gets S redundant slots; one at a time,
+// the expert with the most rows per replica gets one more replica, on the least loaded rank that has
+// a free slot and no replica of it yet, if that evens the ranks out (lowers the sum of their squared
+// rows); else the next expert down; none left, the placement ends. Every source rank's rows for an expert are split evenly over its replicas, so the
+// busiest rank's rows shrink and more rows cross the network.
+//
 // Dimension legend: R ranks, E experts, T tokens a rank, K top-k, C capacity.
 #pragma once
 
@@ -21,12 +27,20 @@ namespace moe::sim {
 struct StepLoad {
   int64_t ranks = 1;    // R
   int64_t experts = 1;  // E
-  std::vector<double> rows_per_expert;  // [E] rows each expert computes (kept rows)
+  std::vector<double> rows_per_expert;  // [E] rows each expert computes (kept rows), all replicas together
   std::vector<double> rows;             // [R][R] rows rank s sends to rank t (t's experts); s = t stays local
+  std::vector<double> source_rows;      // [R][E] rows source rank s routes to expert e (kept rows)
+  // With replicas: [R] each rank's expert slots' rows (its E / R experts, then its replicas);
+  // empty without (rank r computes experts [r E / R, (r + 1) E / R) whole).
+  std::vector<std::vector<double>> slot_rows;
+  std::vector<std::vector<int64_t>> slot_experts;  // [R] the expert of each of those slots
+  std::vector<int64_t> holders;                    // [E] ranks holding expert e (1 without replicas)
+  int64_t replicas = 0;  // replicas placed beyond one an expert
 
   int64_t experts_per_rank() const { return experts / ranks; }
   double sent(int64_t s, int64_t t) const { return rows[static_cast<size_t>(s * ranks + t)]; }
-  std::vector<double> rows_per_rank() const;  // [R] rows each rank's experts compute
+  std::vector<double> rows_per_rank() const;           // [R] rows each rank's experts compute
+  std::vector<double> expert_rows_of(int64_t r) const;  // rank r's experts' (or slots') rows
 };
 
 // Throws std::invalid_argument unless E is a multiple of R (contiguous placement).
@@ -41,5 +55,9 @@ void apply_capacity(StepLoad& load, double capacity);
 
 // The same load with every count scaled (one chunk of d, one micro-batch of two).
 StepLoad scaled(const StepLoad& load, double factor);
+
+// Places redundant_slots_per_rank x R replicas of the hottest experts (see the file comment) and
+// moves their rows: slot_rows, rows and replicas change; rows_per_expert stays. 0: nothing moves.
+void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank);
 
 }  // namespace moe::sim
