@@ -23,6 +23,15 @@ double padded(double rows, int64_t block) {
 
 }  // namespace
 
+void check_layout(const LayerSpec& layer, int64_t ranks) {
+  const int64_t r = layer.layout;
+  if (r == 0 || r == 1) return;
+  if (r < 0 || r > ranks || ranks % r != 0 || layer.hidden_dim % r != 0) {
+    throw std::invalid_argument("layout r = " + std::to_string(r) + " on R = " + std::to_string(ranks) + " ranks with H = " +
+                                std::to_string(layer.hidden_dim) + ": allowed r = 0, 1, or r dividing R and H");
+  }
+}
+
 double LayerSpec::capacity_rows(int64_t ranks) const {
   if (capacity_factor <= 0) return 0;
   return std::ceil(capacity_factor * static_cast<double>(tokens_per_rank * ranks * top_k) / static_cast<double>(experts));
@@ -45,6 +54,7 @@ CostModel::CostModel(const Calibration& calibration, const Cluster& cluster, con
     : calibration_(calibration), cluster_(cluster), layer_(layer) {
   if (layer.chunks < 1) throw std::invalid_argument("the pipelining degree d must be >= 1");
   check_placement(layer.experts, cluster.ranks());
+  check_layout(layer, cluster.ranks());
   // The NVLink curve: the largest host size measured that fits in a node (else the smallest).
   for (const AllToAllCurve& curve : calibration_.all_to_all) {
     if (curve.ranks <= std::max<int64_t>(cluster.gpus_per_node, 2)) intra_curve_ = &curve;
@@ -125,7 +135,7 @@ double CostModel::experts_us(const std::vector<double>& rows_of_experts, int64_t
   double computed = 0;
   for (double rows : rows_of_experts) computed += padded(rows / static_cast<double>(chunks), layer_.block_size);
   const LayerShape& c = calibration_.layer;
-  const double width = static_cast<double>(layer_.model_dim * layer_.hidden_dim);
+  const double width = static_cast<double>(layer_.model_dim * computed_hidden());
   // Forward: two products of 2 D H FLOPs a row; backward twice that (the input's and the weights'
   // gradients). The launch cost splits the same way: the weights read forward; read again and a
   // gradient written backward.
@@ -134,6 +144,28 @@ double CostModel::experts_us(const std::vector<double>& rows_of_experts, int64_t
   const double launch = share * (launch_us_per_expert_ * static_cast<double>(rows_of_experts.size()) + launch_us_fixed_) *
                         width / static_cast<double>(c.model_dim * c.hidden_dim);
   return products + launch;
+}
+
+int64_t CostModel::computed_hidden() const { return layer_.layout > 1 ? layer_.hidden_dim / layer_.layout : layer_.hidden_dim; }
+
+double CostModel::layout_weights_us(bool backward) const {
+  const int64_t R = cluster_.ranks(), G = std::min(cluster_.gpus_per_node, R), r = layer_.layout;
+  if (r == 1 || R == 1) return 0;
+  const double expert_parameters = 2.0 * static_cast<double>(layer_.model_dim * layer_.hidden_dim);
+  const double stored = static_cast<double>(layer_.experts / R) * expert_parameters;  // a rank's E / R experts
+  const double bytes_per_parameter = backward ? 4.0 : 2.0;  // fp32 gradients back, bf16 weights out
+  if (r == 0) {
+    // Forward: every rank's experts to every other rank. Backward: a ring all-reduce of all E.
+    const double egress = backward ? 2.0 * static_cast<double>(R - 1) / static_cast<double>(R) * static_cast<double>(R) * stored
+                                   : static_cast<double>(R - 1) * stored;
+    const double near = egress * static_cast<double>(G - 1) / static_cast<double>(R - 1);
+    return std::max(intra_node_us(near * bytes_per_parameter, G - 1),
+                    inter_node_us((egress - near) * bytes_per_parameter, R - G));
+  }
+  // r > 1: (r - 1) / r of the rank's experts to the other ranks of its group, consecutive ranks.
+  const double egress = static_cast<double>(r - 1) / static_cast<double>(r) * stored * bytes_per_parameter;
+  return r <= G ? intra_node_us(egress, r - 1) : std::max(intra_node_us(egress * static_cast<double>(G - 1) / static_cast<double>(r - 1), G - 1),
+                                                          inter_node_us(egress * static_cast<double>(r - G) / static_cast<double>(r - 1), r - G));
 }
 
 double CostModel::replica_all_reduce_us(const StepLoad& load) const {

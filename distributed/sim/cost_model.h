@@ -53,10 +53,16 @@ struct LayerSpec {
   AllToAllKind all_to_all = AllToAllKind::flat;
   bool overlap = false;             // two micro-batches, one's exchanges under the other's compute
   int64_t redundant_slots = 0;      // S: replicas of the hottest experts a rank may hold (step_load.h)
+  int64_t layout = 1;               // Tutel's r: 1 expert parallel; 0 every rank computes every expert
+                                    // (their weights gathered, their gradients all-reduced); r > 1
+                                    // experts sharded along H over groups of r ranks (step_load.h)
 
   double capacity_rows(int64_t ranks) const;  // C, or 0 when dropless
   double bytes_per_row() const { return 2.0 * static_cast<double>(model_dim); }  // bf16
 };
+
+// Throws std::invalid_argument unless r is 0, 1, or divides R and H (layouts r > 1 shard H over r).
+void check_layout(const LayerSpec& layer, int64_t ranks);
 
 // The layer of an MoE layer's config (its T is the tokens a rank), and the config of a layer: the
 // run records and the language model speak MoeConfig.
@@ -78,6 +84,12 @@ class CostModel {
   // The replicated experts' fp32 weight gradients summed over their holders (a ring all-reduce in
   // each expert's group, every group at once), the slowest rank's time; 0 without replicas.
   double replica_all_reduce_us(const StepLoad& load) const;
+  // Tutel's layouts r != 1: the experts' weights a rank gathers before its forward (bf16) and their
+  // gradients sent back after its backward (fp32): r = 0 an all-gather of every rank's experts and
+  // an all-reduce of all E experts' gradients; r > 1 an all-to-all inside the group of r ranks,
+  // (r - 1) / r of the rank's E / R experts each way. 0 at r = 1.
+  double layout_weights_us(bool backward) const;
+  int64_t computed_hidden() const;  // H, or H / r at r > 1: the width of the experts a rank computes
 
   // The experts of one rank: rows_of_experts[i] rows for its i-th expert, split into `chunks`
   // launches; the time of ONE launch (forward, or backward = 2 x forward FLOPs).

@@ -70,17 +70,21 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
   for (int i = 0; i < parts; ++i) batches.push_back(micro_batch(model, load, parts, i));
   const double count_us = model.count_exchange_us();
 
+  // Tutel's layouts r != 1: the experts this rank computes, gathered from their storing ranks.
+  const Op gathered = timeline.collective("gather_experts", kCompute, model.layout_weights_us(false));
   // Forward, up to the rows going out: each micro-batch's routing, counts and permute, then its
   // exchange starts while the next micro-batch routes.
   for (MicroBatch& m : batches) {
-    const Op route = timeline.local("route" + m.suffix, kCompute, model.route_us(m.tokens));
+    const Op route = timeline.local("route" + m.suffix, kCompute, model.route_us(m.tokens), {gathered});
     const Op count = timeline.collective("count_exchange" + m.suffix, kCompute, count_us, {route});
     m.last = timeline.local("permute" + m.suffix, kCompute, model.permute_us(m.tokens), {count});
   }
   pipeline(timeline, batches, layer.chunks, false);
   // The combine and the start of the backward, then the gradients' pipeline.
   for (MicroBatch& m : batches) {
-    const Op combine = timeline.local("combine" + m.suffix, kCompute, model.combine_us(m.tokens), {m.last});
+    // At r > 1 each slot's r partial rows are summed first: r rows read for each one combined.
+    const double partial_rows = model.layer().layout > 1 ? static_cast<double>(model.layer().layout) : 1.0;
+    const Op combine = timeline.local("combine" + m.suffix, kCompute, model.combine_us(m.tokens) * partial_rows, {m.last});
     m.last = timeline.local("combine_backward" + m.suffix, kCompute, model.combine_backward_us(m.tokens), {combine});
   }
   pipeline(timeline, batches, layer.chunks, true);
@@ -90,10 +94,13 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
   if (load.replicas > 0) {  // the replicas' gradients summed, so that they stay one expert
     all_reduce = timeline.collective("replica_all_reduce", kCompute, model.replica_all_reduce_us(load), {all_reduce});
   }
-  // SGD on each rank's expert slots: its E / R experts and its replicas.
+  if (model.layer().layout != 1) {  // layouts r != 1: the gradients back onto the storing ranks
+    all_reduce = timeline.collective("return_expert_gradients", kCompute, model.layout_weights_us(true), {all_reduce});
+  }
+  // SGD on each rank's expert slots: its E / R experts and its replicas (any layout: the stored ones).
   std::vector<double> sgd_us;
   for (int64_t r = 0; r < load.ranks; ++r) {
-    const double slots = static_cast<double>(load.expert_rows_of(r).size());
+    const double slots = load.replicas > 0 ? static_cast<double>(load.expert_rows_of(r).size()) : static_cast<double>(load.experts_per_rank());
     sgd_us.push_back(model.sgd_us() * slots / static_cast<double>(load.experts_per_rank()));
   }
   const Op sgd = timeline.local("sgd_experts", kCompute, sgd_us, {all_reduce});

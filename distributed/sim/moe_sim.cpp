@@ -45,7 +45,7 @@ namespace {
 
 struct Options {
   std::string calibration, cluster = "ranks=2", trace, routing, layer = "16384,2048,8192,0,2", all_to_all = "flat";
-  int64_t experts_per_rank = 8, chunks = 1, steps = 20, blocks = 1, span_ranks = 8, seed = 1, redundant_slots = 0;
+  int64_t experts_per_rank = 8, chunks = 1, steps = 20, blocks = 1, span_ranks = 8, seed = 1, redundant_slots = 0, layout = 1;
   double capacity_factor = 0;
   bool overlap = false, overwrite = false;
   std::string out, json;
@@ -85,6 +85,7 @@ moe::sim::LayerSpec layer_of(const Options& o, int64_t ranks) {
   layer.capacity_factor = o.capacity_factor;
   layer.overlap = o.overlap;
   layer.redundant_slots = o.redundant_slots;
+  layer.layout = o.layout;
   layer.all_to_all = o.all_to_all == "2dh" ? moe::sim::AllToAllKind::hierarchical : moe::sim::AllToAllKind::flat;
   return layer;
 }
@@ -297,6 +298,8 @@ int main(int argc, char** argv) {
     app.add_option("--pipeline-chunks", o.chunks, "Tutel's pipelining degree d")->capture_default_str()->check(moe::whole_number(1, 64));
     app.add_option("--all-to-all", o.all_to_all, "flat or 2dh (Tutel's 2D hierarchical)")->capture_default_str()->check(moe::one_of({"flat", "2dh"}));
     app.add_flag("--overlap", o.overlap, "two micro-batches, one's exchanges under the other's compute");
+    app.add_option("--layout", o.layout, "Tutel's layout r: 1 expert parallel, 0 every rank every expert, r > 1 experts sharded over r ranks")
+        ->capture_default_str()->check(moe::whole_number(0, 1 << 20));
     app.add_option("--redundant-slots", o.redundant_slots, "replicas of the hottest experts a rank may hold (EPLB's greedy placement)")
         ->capture_default_str()->check(moe::whole_number(0, 1 << 20));
     app.add_option("--capacity-factor", o.capacity_factor, "0: dropless; else each expert keeps C = f T R K / E rows")

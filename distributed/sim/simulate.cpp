@@ -42,6 +42,7 @@ std::vector<StepLoad> loads_of_step(const SimulationSpec& spec, int64_t step,
   for (StepLoad& load : loads) {
     apply_capacity(load, spec.layer.capacity_rows(R));
     replicate_hot_experts(load, spec.layer.redundant_slots);
+    apply_layout(load, spec.layer.layout);
   }
   return loads;
 }

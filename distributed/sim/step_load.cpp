@@ -103,6 +103,35 @@ StepLoad scaled(const StepLoad& load, double factor) {
   return out;
 }
 
+void apply_layout(StepLoad& load, int64_t layout) {
+  if (layout == 1) return;
+  if (!load.slot_rows.empty()) throw std::invalid_argument("Tutel's layouts r != 1 with replicas: not modelled");
+  const int64_t R = load.ranks, E = load.experts, per_rank = load.experts_per_rank();
+  load.slot_rows.assign(static_cast<size_t>(R), {});
+  load.slot_experts.assign(static_cast<size_t>(R), {});
+  std::fill(load.rows.begin(), load.rows.end(), 0.0);
+  if (layout == 0) {
+    for (int64_t s = 0; s < R; ++s) {
+      for (int64_t e = 0; e < E; ++e) {
+        const double n = load.source_rows[static_cast<size_t>(s * E + e)];
+        load.slot_rows[static_cast<size_t>(s)].push_back(n);
+        load.slot_experts[static_cast<size_t>(s)].push_back(e);
+        load.rows[static_cast<size_t>(s * R + s)] += n;  // copied, not exchanged
+      }
+    }
+    return;
+  }
+  // r > 1: rank t computes, for the r E / R experts of its group, every row routed to them.
+  for (int64_t t = 0; t < R; ++t) {
+    const int64_t first = t / layout * layout * per_rank, last = first + layout * per_rank;
+    for (int64_t e = first; e < last; ++e) {
+      load.slot_rows[static_cast<size_t>(t)].push_back(load.rows_per_expert[static_cast<size_t>(e)]);
+      load.slot_experts[static_cast<size_t>(t)].push_back(e);
+      for (int64_t s = 0; s < R; ++s) load.rows[static_cast<size_t>(s * R + t)] += load.source_rows[static_cast<size_t>(s * E + e)];
+    }
+  }
+}
+
 void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank) {
   if (redundant_slots_per_rank <= 0) return;
   const int64_t R = load.ranks, E = load.experts, per_rank = load.experts_per_rank();

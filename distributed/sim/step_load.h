@@ -56,6 +56,12 @@ void apply_capacity(StepLoad& load, double capacity);
 // The same load with every count scaled (one chunk of d, one micro-batch of two).
 StepLoad scaled(const StepLoad& load, double factor);
 
+// Tutel's layout r (cost_model.h's LayerSpec::layout) applied to the rows: r = 0, every rank computes
+// every expert on its own rows and nothing crosses the network; r > 1, the ranks of a group of r
+// each compute a 1 / r slice of all the group's experts, so every row for them goes to all r ranks
+// (and r partial rows come back). slot_rows and rows change; r = 1 changes nothing.
+void apply_layout(StepLoad& load, int64_t layout);
+
 // Places redundant_slots_per_rank x R replicas of the hottest experts (see the file comment) and
 // moves their rows: slot_rows, rows and replicas change; rows_per_expert stays. 0: nothing moves.
 void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank);

@@ -133,10 +133,11 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
         out.held_out = R > calibration.gpus_measured;
         const double size = row.value("size_bytes", 0.0);
         LayerSpec layer = layer_of(run);
-        if (variant.rfind("ep_layer d=", 0) == 0) {
-          const std::optional<int64_t> d = parse_integer(variant.substr(11));
-          if (!d) continue;
-          layer.chunks = *d;
+        const bool by_layout = variant.rfind("ep_layer r=", 0) == 0;  // Tutel's layouts (ep_bench --layouts)
+        if (variant.rfind("ep_layer d=", 0) == 0 || by_layout) {
+          const std::optional<int64_t> n = parse_integer(variant.substr(11));
+          if (!n) continue;
+          (by_layout ? layer.layout : layer.chunks) = *n;
           SimulationSpec spec;
           spec.cluster = cluster;
           spec.layer = layer;

@@ -248,6 +248,34 @@ TEST(SimLayerStep, ReplicasOfTheHotExpertBalanceTheRanksByHand) {
   EXPECT_NEAR(replicated.steps[0].straggler, 1.0, 1e-9);
 }
 
+TEST(SimStepLoad, TutelsLayoutsMoveTheRowsByHand) {
+  // Four ranks, four experts (one a rank); source s routes 100 rows to expert s and 10 to each other.
+  BlockLoad load;
+  load.sources = 4;
+  load.experts = 4;
+  for (int s = 0; s < 4; ++s) {
+    for (int e = 0; e < 4; ++e) load.tokens.push_back(s == e ? 100 : 10);
+  }
+  // r = 0: every rank computes all four experts on its own 130 rows; nothing leaves it.
+  StepLoad all = step_load_from_tokens(load, 4);
+  apply_layout(all, 0);
+  EXPECT_EQ(all.expert_rows_of(1), (std::vector<double>{10, 100, 10, 10}));
+  EXPECT_DOUBLE_EQ(all.sent(1, 1), 130);
+  EXPECT_DOUBLE_EQ(all.sent(1, 0), 0);
+  // r = 2: ranks 0 and 1 each compute half of experts 0 and 1 on all 260 rows routed to them, so
+  // every source sends its rows for experts 0 and 1 to both: rank 2 sends 20 rows to each.
+  StepLoad sharded = step_load_from_tokens(load, 4);
+  apply_layout(sharded, 2);
+  EXPECT_EQ(sharded.expert_rows_of(0), (std::vector<double>{130, 130}));
+  EXPECT_EQ(sharded.expert_rows_of(1), (std::vector<double>{130, 130}));
+  EXPECT_DOUBLE_EQ(sharded.sent(2, 0), 20);
+  EXPECT_DOUBLE_EQ(sharded.sent(2, 1), 20);
+  EXPECT_DOUBLE_EQ(sharded.sent(0, 1), 110);
+  LayerSpec layer = hand_layer(4);
+  layer.layout = 3;  // does not divide R = 4
+  EXPECT_THROW(check_layout(layer, 4), std::invalid_argument);
+}
+
 TEST(SimLayerStep, OverlapHidesExchangesAndPipeliningSplitsThem) {
   Calibration calibration = hand_calibration();
   // Exchanges worth hiding: more than the second micro-batch's launch of the experts costs again.
