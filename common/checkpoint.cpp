@@ -13,6 +13,7 @@
 #include <set>
 
 #include "file_io.h"  // AtomicFileWriter
+#include "untrusted_json.h"  // parse_untrusted_json, json_excerpt
 
 namespace moe {
 
@@ -183,9 +184,10 @@ LoadedCheckpoint load_checkpoint_impl(const std::filesystem::path& path,
   if (header_bytes > kMaxHeaderBytes || header_bytes > body_bytes) {
     fail(path, "header length " + std::to_string(header_bytes) + " does not fit in the file");
   }
-  nlohmann::json header = nlohmann::json::parse(bytes.begin() + kPreambleBytes,
-                                                bytes.begin() + static_cast<long>(kPreambleBytes + header_bytes),
-                                                nullptr, /*allow_exceptions=*/false);
+  nlohmann::json header;
+  const std::string why = parse_untrusted_json(
+      std::string_view(reinterpret_cast<const char*>(bytes.data()) + kPreambleBytes, static_cast<size_t>(header_bytes)), header);
+  if (!why.empty()) fail(path, "the header: " + why);
   if (!header.is_object()) fail(path, "the header is not a JSON object");
 
   CheckpointHeader& out = loaded.header;
@@ -221,7 +223,7 @@ LoadedCheckpoint load_checkpoint_impl(const std::filesystem::path& path,
     if (!entry.is_object() || !entry.contains("name") || !entry["name"].is_string() ||
         !entry.contains("floats") || !entry["floats"].is_number_unsigned() ||
         !entry.contains("offset") || !entry["offset"].is_number_unsigned()) {
-      fail(path, "an entry of \"arrays\" lacks a name, floats or offset: " + entry.dump());
+      fail(path, "an entry of \"arrays\" lacks a name, floats or offset: " + json_excerpt(entry));
     }
     const std::string name = entry["name"].get<std::string>();
     const uint64_t floats = entry["floats"].get<uint64_t>();

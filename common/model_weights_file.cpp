@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "config_json.h"  // model_config_to_json, model_config_from_json, inference_differences
+#include "untrusted_json.h"  // parse_untrusted_json, json_excerpt
 
 namespace moe {
 
@@ -88,10 +89,8 @@ ModelConfig config_of(const std::filesystem::path& path, const SafetensorsFile& 
   const auto text = file.metadata().find("model_config");
   if (text == file.metadata().end()) fail(path, "__metadata__ has no model_config");
   nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(text->second);
-  } catch (const nlohmann::json::exception& error) {
-    fail(path, std::string("__metadata__'s model_config is not JSON: ") + error.what());
+  if (const std::string why = parse_untrusted_json(text->second, json); !why.empty()) {
+    fail(path, "__metadata__'s model_config: " + why);
   }
   try {
     return model_config_from_json(json);

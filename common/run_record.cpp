@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "file_io.h"  // write_file_atomically, AtomicFileWriter, read_file_capped
+#include "untrusted_json.h"  // parse_untrusted_json: nesting bounded (the viewer walks JSON recursively)
 
 namespace moe {
 
@@ -21,10 +22,6 @@ namespace {
 
 constexpr const char* kRunFile = "run.json";
 constexpr const char* kEventsFile = "events.jsonl";
-
-// JSON nested deeper than this is refused before parsing: no event needs more than a few levels,
-// and the viewer's code that walks JSON recursively must not be given a stack overflow.
-constexpr int kMaxNesting = 64;
 
 // A short printable excerpt of a bad line for error messages (binary bytes shown as \xNN).
 std::string excerpt(std::string_view line) {
@@ -44,37 +41,8 @@ std::string excerpt(std::string_view line) {
   return out;
 }
 
-int nesting_depth(std::string_view text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
-
 // Parses one JSON text; returns a message instead of throwing so callers add file and line.
-std::string parse_json(std::string_view text, json& out) {
-  if (nesting_depth(text) > kMaxNesting) {
-    return "JSON nested deeper than " + std::to_string(kMaxNesting) + " levels";
-  }
-  try {
-    out = json::parse(text.begin(), text.end());
-  } catch (const json::exception& e) {
-    return std::string("not valid JSON (") + e.what() + ")";
-  }
-  return "";
-}
+std::string parse_json(std::string_view text, json& out) { return parse_untrusted_json(text, out); }
 
 bool is_blank(std::string_view line) {
   return std::all_of(line.begin(), line.end(),

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "file_io.h"  // AtomicFileWriter
+#include "untrusted_json.h"  // parse_untrusted_json, json_excerpt
 
 namespace moe {
 
@@ -100,7 +101,7 @@ std::string encode_header(const std::vector<TensorView>& tensors, const std::map
 TensorInfo parse_entry(const std::string& source, const std::string& name, const nlohmann::json& entry) {
   const std::string label = "tensor '" + name + "'";
   if (!entry.is_object()) {
-    fail(source, label + " is " + entry.dump() + "; expected an object with dtype, shape, data_offsets");
+    fail(source, label + " is " + json_excerpt(entry) + "; expected an object with dtype, shape, data_offsets");
   }
   TensorInfo info;
   info.name = name;
@@ -113,20 +114,20 @@ TensorInfo parse_entry(const std::string& source, const std::string& name, const
   if (!entry.contains("shape") || !entry["shape"].is_array()) fail(source, label + " has no shape array");
   for (const nlohmann::json& extent : entry["shape"]) {
     if (!extent.is_number_unsigned()) {
-      fail(source, label + " has shape " + entry["shape"].dump() + "; expected integers >= 0");
+      fail(source, label + " has shape " + json_excerpt(entry["shape"]) + "; expected integers >= 0");
     }
     info.shape.push_back(extent.get<int64_t>());
   }
   const nlohmann::json& offsets = entry.contains("data_offsets") ? entry["data_offsets"] : nlohmann::json();
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) {
-    fail(source, label + " has data_offsets " + offsets.dump() + "; expected [begin, end], integers >= 0");
+    fail(source, label + " has data_offsets " + json_excerpt(offsets) + "; expected [begin, end], integers >= 0");
   }
   info.begin = offsets[0].get<uint64_t>();
   info.end = offsets[1].get<uint64_t>();
-  if (info.end < info.begin) fail(source, label + " has data_offsets " + offsets.dump() + " with end before begin");
+  if (info.end < info.begin) fail(source, label + " has data_offsets " + json_excerpt(offsets) + " with end before begin");
   const std::optional<uint64_t> bytes = byte_count(info.shape, dtype_size(info.dtype));
   if (!bytes || *bytes != info.end - info.begin) {
-    fail(source, label + " has data_offsets " + offsets.dump() + " (" + std::to_string(info.end - info.begin) + " bytes); " +
+    fail(source, label + " has data_offsets " + json_excerpt(offsets) + " (" + std::to_string(info.end - info.begin) + " bytes); " +
                      std::string(to_string(info.dtype)) + " x shape " + shape_text(info.shape) + " needs " +
                      (bytes ? std::to_string(*bytes) : "more than 2^64") + " bytes");
   }
@@ -271,19 +272,15 @@ SafetensorsFile SafetensorsFile::parse(std::string bytes, std::string source) {
   const uint64_t data_size = size - file.data_start_;
 
   nlohmann::json header;
-  try {
-    const char* text = file.file_.data();
-    header = nlohmann::json::parse(text + 8, text + file.data_start_);
-  } catch (const nlohmann::json::exception& error) {
-    fail(s, std::string("header is not JSON: ") + error.what());
-  }
-  if (!header.is_object()) fail(s, "header is JSON but not an object: " + header.dump().substr(0, 80));
+  const std::string why = parse_untrusted_json(std::string_view(file.file_.data() + 8, static_cast<size_t>(header_length)), header);
+  if (!why.empty()) fail(s, "header: " + why);
+  if (!header.is_object()) fail(s, "header is JSON but not an object: " + json_excerpt(header, 80));
 
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
-      if (!entry.is_object()) fail(s, "__metadata__ is " + entry.dump() + "; expected an object of strings");
+      if (!entry.is_object()) fail(s, "__metadata__ is " + json_excerpt(entry) + "; expected an object of strings");
       for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) fail(s, "__metadata__ entry '" + key + "' is " + value.dump() + "; expected a string");
+        if (!value.is_string()) fail(s, "__metadata__ entry '" + key + "' is " + json_excerpt(value) + "; expected a string");
         file.metadata_[key] = value.get<std::string>();
       }
       continue;

@@ -20,6 +20,7 @@
 
 #include "file_io.h"  // read_file_capped, write_file_atomically
 #include "npy.h"      // the tag spans are an int32 [N, 3] .npy, so a notebook reads them with np.load
+#include "untrusted_json.h"  // parse_untrusted_json: the index's nesting bounded
 
 namespace moe {
 
@@ -206,11 +207,8 @@ TextCorpus load_text_corpus(const fs::path& directory, const CorpusLoadOptions& 
   const std::string text = read_whole_file(index_path, uint64_t{64} << 20, kFetchHint);
   if (text.empty()) throw TextCorpusError(index_path.string() + " is empty; re-run notebooks_data/brown/fetch.sh");
   json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::exception& e) {
-    throw TextCorpusError(index_path.string() + ": not valid JSON (" + e.what() +
-                          "); re-run notebooks_data/brown/fetch.sh");
+  if (const std::string why = parse_untrusted_json(text, root); !why.empty()) {
+    throw TextCorpusError(index_path.string() + ": " + why + "; re-run notebooks_data/brown/fetch.sh");
   }
   const IndexReader index(index_path);
   if (index.string_at(root, "format", "index") != kFormat) index.fail("format", std::string("is not '") + kFormat + "'");

@@ -13,6 +13,8 @@
 #include "command_line.h"  // CLI::App, command_line_message
 #include "moe_config.h"    // parse_formulation, parse_activation, to_string
 #include "parse_number.h"  // parse_integer, parse_real: a flag's text read whole
+#include "file_io.h"       // read_file_capped
+#include "untrusted_json.h"  // parse_untrusted_json, json_excerpt
 
 namespace moe::train {
 namespace {
@@ -158,11 +160,11 @@ void set_field(TrainConfig& config, const Field& field, const json& value, const
                   (field.kind == Kind::text && value.is_string()) ||
                   (field.kind == Kind::boolean && value.is_boolean());
   if (!ok) {
-    throw TrainConfigError(source + ": " + field.key + " = " + value.dump() + "; allowed: " + kind_name(field.kind));
+    throw TrainConfigError(source + ": " + field.key + " = " + json_excerpt(value) + "; allowed: " + kind_name(field.kind));
   }
   if (field.kind == Kind::integer && value.is_number_integer() && value.get<int64_t>() < 0 &&
       (field.key == "seed" || field.key == "data_seed")) {
-    throw TrainConfigError(source + ": " + field.key + " = " + value.dump() + "; allowed: an integer >= 0");
+    throw TrainConfigError(source + ": " + field.key + " = " + json_excerpt(value) + "; allowed: an integer >= 0");
   }
   try {
     field.set(config, value);
@@ -332,13 +334,16 @@ TrainConfig parse_arguments(const std::vector<std::string>& arguments) {
     if (std::error_code error; std::filesystem::is_directory(path, error)) {
       throw TrainConfigError("--config " + path + ": a directory, not a JSON file");
     }
-    std::ifstream in(path);
-    if (!in) throw TrainConfigError("--config " + path + ": cannot open the file");
-    json object;
+    if (!std::ifstream(path)) throw TrainConfigError("--config " + path + ": cannot open the file");
+    std::string text;
     try {
-      object = json::parse(in);
-    } catch (const json::parse_error& error) {
-      throw TrainConfigError("--config " + path + ": not valid JSON (" + error.what() + ")");
+      text = read_file_capped(path, uint64_t{1} << 20);  // a config is a few hundred bytes
+    } catch (const std::exception& error) {
+      throw TrainConfigError("--config " + std::string(error.what()));
+    }
+    json object;
+    if (const std::string why = parse_untrusted_json(text, object); !why.empty()) {
+      throw TrainConfigError("--config " + path + ": " + why);
     }
     apply_json(config, object, path);
   }

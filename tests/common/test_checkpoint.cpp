@@ -183,6 +183,28 @@ TEST(Checkpoint, TruncationAtEveryOffsetIsDetected) {
   EXPECT_NE(load_error(cut, state.specs()).find("checksum mismatch"), std::string::npos);
 }
 
+TEST(Checkpoint, ADeeplyNestedHeaderWithAGoodChecksumIsRefused) {
+  // The preamble of a real checkpoint (magic, version, reserved), then a header of 100000 nested
+  // arrays with its length, then a checksum made right: the checksum cannot stop it, the nesting
+  // limit must (serialising it for a message would exhaust the stack).
+  TempDir dir;
+  TrainingState state(/*floats=*/3);
+  const auto good = dir.path() / "good.ckpt";
+  save_checkpoint(good, state.header, state.views());
+  const std::string header = std::string(100000, '[') + std::string(100000, ']');
+  std::string bytes = read_bytes(good).substr(0, 16);
+  const uint64_t length = header.size();
+  for (int i = 0; i < 8; ++i) bytes += static_cast<char>((length >> (8 * i)) & 0xff);
+  bytes += header;
+  const uint64_t checksum = fnv1a_64(bytes.data(), bytes.size());
+  for (int i = 0; i < 8; ++i) bytes += static_cast<char>((checksum >> (8 * i)) & 0xff);
+  const auto deep = dir.path() / "deep.ckpt";
+  write_bytes(deep, bytes);
+  const std::string error = load_error(deep, state.specs());
+  EXPECT_NE(error.find("JSON nested deeper than 64 levels"), std::string::npos) << error;
+  EXPECT_NE(error.find(deep.string()), std::string::npos) << error;
+}
+
 TEST(Checkpoint, EveryFlippedByteIsDetected) {
   TempDir dir;
   TrainingState state(/*floats=*/37);

@@ -178,9 +178,24 @@ TEST(Safetensors, ReaderErrorsNameTheFileAndTheFault) {
               HasSubstr("beyond the format's limit of 100000000 bytes"));
   EXPECT_THAT(parse_error(file_bytes(good, eight).substr(0, 66)),  // the data cut short
               HasSubstr("tensor 'a' has data_offsets [0, 8] out of range: the data section has 4 bytes"));
-  EXPECT_THAT(parse_error(file_bytes(R"({"a": {"dtype": "F32",)", "")), HasSubstr("header is not JSON"));
-  EXPECT_THAT(parse_error(file_bytes("", "")), HasSubstr("header is not JSON"));
+  EXPECT_THAT(parse_error(file_bytes(R"({"a": {"dtype": "F32",)", "")), HasSubstr("header: not valid JSON"));
+  EXPECT_THAT(parse_error(file_bytes("", "")), HasSubstr("header: not valid JSON"));
   EXPECT_THAT(parse_error(file_bytes("[1, 2]", "")), HasSubstr("header is JSON but not an object"));
+  // Nested far deeper than any header needs, in the header, in one tensor's entry and in
+  // __metadata__: refused before parsing, with the limit named (serialising such a value for a
+  // message would exhaust the stack).
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  EXPECT_THAT(parse_error(file_bytes(deep, "")), HasSubstr("header: JSON nested deeper than 64 levels"));
+  EXPECT_THAT(parse_error(file_bytes(R"({"a":)" + deep + "}", "")), HasSubstr("JSON nested deeper than 64 levels"));
+  EXPECT_THAT(parse_error(file_bytes(R"({"__metadata__":{"k":)" + deep + "}}", "")), HasSubstr("JSON nested deeper than 64 levels"));
+  // A value quoted in a message is an excerpt, not the whole of it; so is what the parser last read.
+  EXPECT_LT(parse_error(file_bytes("[" + std::string(20000, '1') + "]", "")).size(), 1000u);
+  std::string long_list = "[1";
+  for (int i = 0; i < 5000; ++i) long_list += ",-1";
+  long_list += "]";
+  const std::string message = parse_error(file_bytes(R"({"a":{"dtype":"F32","shape":)" + long_list + R"(,"data_offsets":[0,8]}})", eight));
+  EXPECT_THAT(message, HasSubstr("..."));
+  EXPECT_LT(message.size(), 1000u);
   EXPECT_THAT(parse_error(file_bytes(R"({"a":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}})", eight)),
               HasSubstr("tensor 'a': unknown dtype 'F31'; known: BOOL, U8, I8"));
   EXPECT_THAT(parse_error(file_bytes(R"({"a":{"shape":[2],"data_offsets":[0,8]}})", eight)),

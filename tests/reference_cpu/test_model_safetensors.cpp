@@ -282,7 +282,7 @@ TEST(ReferenceWeightsBadFiles, EveryFaultNamesTheFileAndWhat) {
 
   const auto bad_config = dir.path() / "bad_config.safetensors";
   save_safetensors(bad_config, tensors_with([](auto&) {}), {{"layout", kWeightsLayout}, {"model_config", "{D: 8"}});
-  EXPECT_THAT(error_of([&] { load_model_safetensors(bad_config); }), HasSubstr("model_config is not JSON"));
+  EXPECT_THAT(error_of([&] { load_model_safetensors(bad_config); }), HasSubstr("model_config: not valid JSON"));
 
   const auto missing = dir.path() / "missing.safetensors";
   save_safetensors(missing, tensors_with([](auto& views) { views.erase(views.begin() + 3); }), metadata);
