@@ -10,7 +10,9 @@
 //   int main(int argc, char** argv) {
 //     return moe::run_program<moe::TextCorpusError>("moe_train", [&] { ...; return 0; });
 //   }
-// check_output_path: the check of an output path before the work starts, with the flag in its message.
+// check_output_path: the check of an output path before the work starts, with the flag in its message;
+// given the program's inputs, it also refuses an output that is one of them, or lies inside an
+// input directory (a run): an output never overwrites what the program reads.
 // A program's flags are read by command_line.h, which ends bad usage the same way.
 // Tests: ctest -R ProgramExit; tests/programs/ holds every program to the convention.
 #pragma once
@@ -23,6 +25,8 @@
 #include <exception>
 #include <filesystem>
 #include <stdexcept>
+#include <algorithm>  // mismatch
+#include <vector>
 #include <string>
 
 namespace moe {
@@ -40,9 +44,28 @@ class UsageError : public std::invalid_argument {
 // directory, and its nearest existing ancestor must be a directory this process may write into.
 // For an output directory, pass a file in it (run_dir / "run.json"). Creates nothing, so a program
 // can check its outputs before hours of work (or a GPU).
-inline void check_output_path(const std::string& flag, const std::filesystem::path& path) {
+// An input of a program, by the flag (or argument) that names it: a file, or a directory it reads.
+struct ProgramInput {
+  std::string flag;
+  std::filesystem::path path;
+};
+
+inline void check_output_path(const std::string& flag, const std::filesystem::path& path,
+                              const std::vector<ProgramInput>& inputs = {}) {
   namespace fs = std::filesystem;
   std::error_code error;
+  const fs::path out = fs::weakly_canonical(fs::absolute(path, error), error);
+  for (const ProgramInput& input : inputs) {
+    const fs::path in = fs::weakly_canonical(fs::absolute(input.path, error), error);
+    if (out == in) {
+      throw UsageError(flag + " " + path.string() + ": is the input " + input.flag + " itself; write the output elsewhere");
+    }
+    const auto [in_end, out_at] = std::mismatch(in.begin(), in.end(), out.begin(), out.end());
+    if (fs::is_directory(in, error) && in_end == in.end()) {
+      throw UsageError(flag + " " + path.string() + ": inside the input " + input.flag + " " + input.path.string() +
+                       "; write the output elsewhere");
+    }
+  }
   if (fs::is_directory(path, error)) throw UsageError(flag + " " + path.string() + ": a directory, not a file");
   fs::path existing = fs::absolute(path, error).parent_path();
   while (!fs::exists(existing, error) && existing != existing.parent_path()) existing = existing.parent_path();

@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
   // A failure while writing the trace, exit 1.
   moe::RunRecord run;
   try {
-    moe::check_output_path("OUT.json", out);
+    moe::check_output_path("OUT.json", out, {{"RUN_DIR", run_directory}});
     run = moe::RunReader::load(run_directory);
   } catch (const std::exception& e) {  // UsageError, RecordError: each names the path and the fault
     std::fprintf(stderr, "moe_trace_export: %s\n", e.what());

@@ -55,7 +55,7 @@ int run(const std::vector<std::string>& arguments) {
   app.add_option("--out", out, "the file to write; written atomically")->type_name("FILE")->capture_default_str();
   if (const std::optional<int> exit_status = moe::parse_command_line(app, arguments)) return *exit_status;
   if (!checkpoint) throw BadInput("--checkpoint PATH is required (--help)");
-  moe::check_output_path("--out", out);  // before reading a checkpoint of hundreds of megabytes
+  moe::check_output_path("--out", out, {{"--checkpoint", *checkpoint}});  // before reading hundreds of megabytes
 
   const fs::path source = resolve_checkpoint(*checkpoint);
   const moe::LoadedCheckpoint loaded = moe::load_checkpoint(source);
