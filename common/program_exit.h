@@ -56,6 +56,7 @@ inline void check_output_path(const std::string& flag, const std::filesystem::pa
   std::error_code error;
   const fs::path out = fs::weakly_canonical(fs::absolute(path, error), error);
   for (const ProgramInput& input : inputs) {
+    if (input.path.empty()) continue;  // an input the program was not given
     const fs::path in = fs::weakly_canonical(fs::absolute(input.path, error), error);
     if (out == in) {
       throw UsageError(flag + " " + path.string() + ": is the input " + input.flag + " itself; write the output elsewhere");

@@ -658,7 +658,7 @@ RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
     if (fs::exists(c.run_dir) && !fs::is_directory(c.run_dir)) {
       throw TrainConfigError("--run-dir " + c.run_dir + " is a file, not a directory");
     }
-    check_output_path("--run-dir", fs::path(c.run_dir) / "run.json");
+    check_output_path("--run-dir", fs::path(c.run_dir) / "run.json", {{"--data", c.data}});
   }
   return inputs;
 }

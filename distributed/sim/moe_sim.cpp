@@ -329,9 +329,13 @@ int main(int argc, char** argv) {
                    "(default the recorded run's)")->check(moe::whole_number_list(1));
     app.add_option("--policy", o.policy, "with --offload-trace: lru, lfu or belady (default all three)");
     if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
+    // Before the work, not after; an output is never one of the inputs (a trace, a calibration).
+    const std::vector<moe::ProgramInput> inputs{{"--trace", o.trace}, {"--calibration", o.calibration},
+                                                {"--offload-trace", o.offload_trace}};
+    if (!o.json.empty()) moe::check_output_path("--json", o.json, inputs);
+    if (!o.out.empty()) moe::check_output_path("--out", std::filesystem::path(o.out) / "run.json", inputs);
     if (!o.offload_trace.empty()) return run_offload_trace(o);
     if (!o.cache_slots.empty() || !o.policy.empty()) throw std::invalid_argument("--cache-slots and --policy need --offload-trace RUN_DIR");
-    if (!o.json.empty()) moe::check_output_path("--json", o.json);  // before the work, not after
     std::string command = "moe_sim";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
     if (!o.calibrate_from.empty()) {

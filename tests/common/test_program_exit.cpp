@@ -52,4 +52,27 @@ TEST(ProgramExit, OutputPathUnderAFileOrThatIsADirectoryIsRefusedWithoutCreating
   }
 }
 
+TEST(ProgramExit, AnOutputThatIsAnInputOrInsideAnInputDirectoryIsRefused) {
+  moe::testing::TempDir dir;
+  const std::filesystem::path input = dir.path() / "weights.ckpt", run = dir.path() / "run";
+  std::ofstream(input) << "x";
+  std::filesystem::create_directories(run);
+  const std::vector<moe::ProgramInput> inputs{{"--checkpoint", input}, {"RUN_DIR", run}, {"--unused", ""}};
+  moe::check_output_path("--out", dir.path() / "model.safetensors", inputs);  // beside them: fine
+  moe::check_output_path("--out", dir.path() / "run_2" / "t.json", inputs);    // a name that only starts alike
+  auto refusal = [&](const std::filesystem::path& out) {
+    try {
+      moe::check_output_path("--out", out, inputs);
+    } catch (const moe::UsageError& error) {
+      return std::string(error.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(refusal(input).find("is the input --checkpoint itself"), std::string::npos);
+  EXPECT_NE(refusal(dir.path() / "." / "weights.ckpt").find("is the input --checkpoint itself"), std::string::npos);
+  EXPECT_NE(refusal(run / "events.jsonl").find("inside the input RUN_DIR"), std::string::npos);
+  EXPECT_NE(refusal(run / "sub" / ".." / "t.json").find("inside the input RUN_DIR"), std::string::npos);
+  EXPECT_EQ(std::ifstream(input).get(), 'x');  // nothing written
+}
+
 }  // namespace
