@@ -34,7 +34,7 @@ int fake_run(int argc, char** argv) {
   app.add_option("--top-k", o.top_k, "K (1..E)")->capture_default_str()->check(moe::whole_number());
   app.add_option("--tokens", o.tokens_per_step, "T per step")->capture_default_str()->check(moe::whole_number());
   app.add_option("--capacity-factor", o.capacity_factor, "F (0 = dropless)")->capture_default_str()
-      ->check(moe::finite_number());
+      ->check(moe::finite_number(0, 1e6));
   app.add_option("--hot-expert", o.hot_expert, "e: the expert that gets most tokens")->capture_default_str()
       ->check(moe::whole_number());
   app.add_option("--live-ms", o.live_delay_ms, "MS between steps, as a live run writes them")->capture_default_str()
