@@ -3,6 +3,7 @@
 #include "checkpoint.h"
 
 #include <algorithm>
+#include <limits>
 #include <bit>
 #include <cerrno>
 #include <cstdio>  // snprintf
@@ -52,11 +53,18 @@ uint64_t from_hex(const std::filesystem::path& path, const nlohmann::json& heade
   return std::stoull(text.substr(2), nullptr, 16);
 }
 
+// A count of the header: an integer from 0 to 2^63 - 1 (a larger one would read back negative).
 int64_t read_int(const std::filesystem::path& path, const nlohmann::json& header, const char* key) {
   if (!header.contains(key) || !header[key].is_number_integer()) {
     fail(path, std::string("header field \"") + key + "\" is missing or not an integer");
   }
-  return header[key].get<int64_t>();
+  const nlohmann::json& value = header[key];
+  if (value.is_number_unsigned() ? value.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())
+                                 : value.get<int64_t>() < 0) {
+    fail(path, std::string("header field \"") + key + "\" is " + json_excerpt(value) + "; allowed: 0 to " +
+                   std::to_string(std::numeric_limits<int64_t>::max()));
+  }
+  return value.get<int64_t>();
 }
 
 template <typename T>

@@ -183,26 +183,47 @@ TEST(Checkpoint, TruncationAtEveryOffsetIsDetected) {
   EXPECT_NE(load_error(cut, state.specs()).find("checksum mismatch"), std::string::npos);
 }
 
-TEST(Checkpoint, ADeeplyNestedHeaderWithAGoodChecksumIsRefused) {
-  // The preamble of a real checkpoint (magic, version, reserved), then a header of 100000 nested
-  // arrays with its length, then a checksum made right: the checksum cannot stop it, the nesting
-  // limit must (serialising it for a message would exhaust the stack).
-  TempDir dir;
-  TrainingState state(/*floats=*/3);
-  const auto good = dir.path() / "good.ckpt";
-  save_checkpoint(good, state.header, state.views());
-  const std::string header = std::string(100000, '[') + std::string(100000, ']');
-  std::string bytes = read_bytes(good).substr(0, 16);
+// A checkpoint file of `good`'s preamble (magic, version, reserved) and the header `header`, its
+// length and its checksum made right: what a bad writer could produce, which no checksum stops.
+std::string checkpoint_with_header(const std::string& good, const std::string& header) {
+  std::string bytes = good.substr(0, 16);
   const uint64_t length = header.size();
   for (int i = 0; i < 8; ++i) bytes += static_cast<char>((length >> (8 * i)) & 0xff);
   bytes += header;
   const uint64_t checksum = fnv1a_64(bytes.data(), bytes.size());
   for (int i = 0; i < 8; ++i) bytes += static_cast<char>((checksum >> (8 * i)) & 0xff);
+  return bytes;
+}
+
+TEST(Checkpoint, ADeeplyNestedHeaderWithAGoodChecksumIsRefused) {
+  // A header of 100000 nested arrays: the nesting limit must stop it (serialising it for a message
+  // would exhaust the stack).
+  TempDir dir;
+  TrainingState state(/*floats=*/3);
+  const auto good = dir.path() / "good.ckpt";
+  save_checkpoint(good, state.header, state.views());
   const auto deep = dir.path() / "deep.ckpt";
-  write_bytes(deep, bytes);
+  write_bytes(deep, checkpoint_with_header(read_bytes(good), std::string(100000, '[') + std::string(100000, ']')));
   const std::string error = load_error(deep, state.specs());
   EXPECT_NE(error.find("JSON nested deeper than 64 levels"), std::string::npos) << error;
   EXPECT_NE(error.find(deep.string()), std::string::npos) << error;
+}
+
+TEST(Checkpoint, ACountBeyondWhatItsIntegerHoldsIsRefused) {
+  // "step": 2^64 - 1 would read back as -1; a negative count is no count either.
+  TempDir dir;
+  TrainingState state(/*floats=*/3);
+  const auto good = dir.path() / "good.ckpt";
+  save_checkpoint(good, state.header, state.views());
+  const auto odd = dir.path() / "odd.ckpt";
+  for (const char* step : {"18446744073709551615", "-1"}) {
+    const std::string header = std::string(R"({"model_config":{},"step":)") + step +
+                               R"(,"tokens_seen":0,"optimizer_step":0,"schedule_step":0})";
+    write_bytes(odd, checkpoint_with_header(read_bytes(good), header));
+    const std::string error = load_error(odd, {});
+    EXPECT_NE(error.find("header field \"step\" is " + std::string(step) + "; allowed: 0 to 9223372036854775807"),
+              std::string::npos) << error;
+  }
 }
 
 TEST(Checkpoint, EveryFlippedByteIsDetected) {
