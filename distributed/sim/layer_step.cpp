@@ -71,11 +71,12 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
   const double count_us = model.count_exchange_us();
 
   // Tutel's layouts r != 1: the experts this rank computes, gathered from their storing ranks.
-  const Op gathered = timeline.collective("gather_experts", kCompute, model.layout_weights_us(false));
+  std::vector<Op> gathered;
+  if (layer.layout != 1) gathered.push_back(timeline.collective("gather_experts", kCompute, model.layout_weights_us(false)));
   // Forward, up to the rows going out: each micro-batch's routing, counts and permute, then its
   // exchange starts while the next micro-batch routes.
   for (MicroBatch& m : batches) {
-    const Op route = timeline.local("route" + m.suffix, kCompute, model.route_us(m.tokens), {gathered});
+    const Op route = timeline.local("route" + m.suffix, kCompute, model.route_us(m.tokens), gathered);
     const Op count = timeline.collective("count_exchange" + m.suffix, kCompute, count_us, {route});
     m.last = timeline.local("permute" + m.suffix, kCompute, model.permute_us(m.tokens), {count});
   }

@@ -195,15 +195,21 @@ std::string checkpoint_with_header(const std::string& good, const std::string& h
   return bytes;
 }
 
+// The bytes of a small checkpoint saved from `state`, whose preamble the tests below reuse.
+std::string good_checkpoint_bytes(const TempDir& dir, const TrainingState& state) {
+  const auto good = dir.path() / "good.ckpt";
+  save_checkpoint(good, state.header, state.views());
+  return read_bytes(good);
+}
+
 TEST(Checkpoint, ADeeplyNestedHeaderWithAGoodChecksumIsRefused) {
   // A header of 100000 nested arrays: the nesting limit must stop it (serialising it for a message
   // would exhaust the stack).
   TempDir dir;
   TrainingState state(/*floats=*/3);
-  const auto good = dir.path() / "good.ckpt";
-  save_checkpoint(good, state.header, state.views());
+  const std::string good = good_checkpoint_bytes(dir, state);
   const auto deep = dir.path() / "deep.ckpt";
-  write_bytes(deep, checkpoint_with_header(read_bytes(good), std::string(100000, '[') + std::string(100000, ']')));
+  write_bytes(deep, checkpoint_with_header(good, std::string(100000, '[') + std::string(100000, ']')));
   const std::string error = load_error(deep, state.specs());
   EXPECT_NE(error.find("JSON nested deeper than 64 levels"), std::string::npos) << error;
   EXPECT_NE(error.find(deep.string()), std::string::npos) << error;
@@ -213,13 +219,12 @@ TEST(Checkpoint, ACountBeyondWhatItsIntegerHoldsIsRefused) {
   // "step": 2^64 - 1 would read back as -1; a negative count is no count either.
   TempDir dir;
   TrainingState state(/*floats=*/3);
-  const auto good = dir.path() / "good.ckpt";
-  save_checkpoint(good, state.header, state.views());
+  const std::string good = good_checkpoint_bytes(dir, state);
   const auto odd = dir.path() / "odd.ckpt";
   for (const char* step : {"18446744073709551615", "-1"}) {
     const std::string header = std::string(R"({"model_config":{},"step":)") + step +
                                R"(,"tokens_seen":0,"optimizer_step":0,"schedule_step":0})";
-    write_bytes(odd, checkpoint_with_header(read_bytes(good), header));
+    write_bytes(odd, checkpoint_with_header(good, header));
     const std::string error = load_error(odd, {});
     EXPECT_NE(error.find("header field \"step\" is " + std::string(step) + "; allowed: 0 to 9223372036854775807"),
               std::string::npos) << error;

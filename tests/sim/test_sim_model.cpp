@@ -30,6 +30,16 @@ namespace moe::sim {
 namespace {
 
 Calibration hand_calibration() { return worked_example_calibration(); }
+
+// Two ranks, two experts, expert 0 hot: each rank routes 750 of its 1000 rows to it, 250 to expert 1.
+BlockLoad hot_expert_load() {
+  BlockLoad hot;
+  hot.sources = 2;
+  hot.experts = 2;
+  hot.tokens = {750, 250, 750, 250};
+  return hot;
+}
+
 LayerSpec hand_layer(int64_t experts) { return worked_example_layer(experts); }
 
 std::filesystem::path temp_dir(const std::string& name) {
@@ -202,10 +212,7 @@ TEST(SimLayerStep, TwoRanksOneStepAddUpByHand) {
   EXPECT_NEAR(uniform.steps[0].compute_us, 926, 1e-6);
   // A trace with a hot expert: rank 0 computes 1500 rows, rank 1 500, and every collective after
   // rank 0's experts waits for it: +33.33 forward, +66.67 backward.
-  BlockLoad hot;
-  hot.sources = 2;
-  hot.experts = 2;
-  hot.tokens = {750, 250, 750, 250};
+  const BlockLoad hot = hot_expert_load();
   RoutingTrace trace;
   trace.loads.push_back(hot);
   spec.trace = trace;
@@ -219,10 +226,7 @@ TEST(SimLayerStep, ReplicasOfTheHotExpertBalanceTheRanksByHand) {
   // Expert 0 has the most rows a replica, so rank 1 takes a replica of it (750 rows each); then
   // expert 1 (500) on rank 0, the only rank that can still take it (250 each). Both ranks compute
   // 1000 rows, and every source sends half its rows for each expert to each rank: 500 rows out.
-  BlockLoad hot;
-  hot.sources = 2;
-  hot.experts = 2;
-  hot.tokens = {750, 250, 750, 250};
+  const BlockLoad hot = hot_expert_load();
   StepLoad load = step_load_from_tokens(hot, 2);
   replicate_hot_experts(load, 1);
   EXPECT_EQ(load.replicas, 2);
