@@ -65,6 +65,10 @@ void validate(const ModelGpuConfig& c) {
     reject("micro_batches (M)", text(c.micro_batches) + " on " + text(c.ranks) + " ranks",
            "1 (the expert-parallel layer keeps no micro-batches; gradient accumulation trains on one GPU)");
   }
+  if (c.overlap && (c.batch % 2 != 0 || c.micro_batches > 1)) {
+    reject("overlap", "true with batch N = " + text(c.batch) + ", micro_batches M = " + text(c.micro_batches),
+           "an even N (the two halves run side by side) and M = 1; or overlap = false");
+  }
   if (c.micro_batches > 1 && c.moe_layers != MoeLayers::none && c.moe.formulation != Formulation::dropless) {
     reject("micro_batches (M)", text(c.micro_batches) + " with moe.formulation = " +
            std::string(to_string(c.moe.formulation)),
@@ -262,23 +266,47 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   const size_t attention_pairs = size_t(config_.batch * config_.num_heads), S = size_t(config_.seq_len);
 
   // The MoE layers first: they check that they fit in the free memory before allocating anything.
-  // Over M micro-batches each one's router losses weigh 1 / M of the step's loss (model.h); the
-  // forward's reported losses keep config_.moe's coefficients (loss_phase).
+  // Over M micro-batches, or over the two lanes of the overlap, each one's router losses weigh 1 / M
+  // (1 / 2) of the step's loss (model.h); the forward's reported losses keep config_.moe's
+  // coefficients (loss_phase). A lane's layers see its tokens: T / 2 of them with overlap.
+  const int micro_batches = int(config_.micro_batches), lane_count = config_.overlap ? 2 : 1;
   MoeConfig layer_config = config_.moe;
-  const int micro_batches = int(config_.micro_batches);
-  layer_config.aux_loss_coef /= micro_batches;
-  layer_config.z_loss_coef /= micro_batches;
+  layer_config.aux_loss_coef /= micro_batches * lane_count;
+  layer_config.z_loss_coef /= micro_batches * lane_count;
+  layer_config.tokens /= lane_count;
+  const int64_t lane_sequences = config_.batch / lane_count;
   blocks_.resize(size_t(config_.num_layers));
   for (int64_t i = 0; i < config_.num_layers; ++i) {
     if (!is_moe_block(config_, i)) continue;
-    blocks_[size_t(i)].moe = ranks_ != nullptr ? ranks_->make_moe_ffn(config_.moe, config_.batch * config_.seq_len)
-                                               : std::make_unique<SingleGpuMoeFfn>(layer_config, micro_batches);
+    for (int lane = 0; lane < lane_count; ++lane) {
+      blocks_[size_t(i)].moe[size_t(lane)] =
+          ranks_ != nullptr ? ranks_->make_moe_ffn(layer_config, lane_sequences * config_.seq_len)
+                            : std::make_unique<SingleGpuMoeFfn>(layer_config, micro_batches);
+    }
+  }
+  for (int index = 0; index < lane_count; ++index) {
+    auto lane = std::make_unique<Lane>();
+    lane->index = index;
+    lane->first_sequence = index * lane_sequences;
+    lane->sequences = lane_sequences;
+    lane->stream = stream_;
+    if (index > 0) {
+      CUDA_CHECK(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking));
+      lane->owns_stream = true;
+    }
+    CUDA_CHECK(cudaEventCreateWithFlags(&lane->ready, cudaEventDisableTiming));
+    lane->attention = std::make_unique<AttentionWorkspace>(
+        AttentionShape{lane_sequences, config_.seq_len, config_.model_dim, config_.num_heads});
+    lane->layer_norm_scratch = DeviceBuffer<float>(
+        size_t(layer_norm_backward_scratch_floats(lane_sequences * config_.seq_len, config_.model_dim)));
+    if (lane_count > 1) lane->losses = DeviceBuffer<float>(4);
+    lanes_.push_back(std::move(lane));
   }
 
   weights_ = DeviceBuffer<float>(P);
   gradients_ = DeviceBuffer<float>(P);
   gradient_target_ = gradients_.data();
-  if (micro_batches > 1) {
+  if (micro_batches > 1 || lane_count > 1) {
     micro_gradients_ = DeviceBuffer<float>(P);
     micro_gradients_.fill_bytes(0);  // its expert spans are never written: they add zero
   }
@@ -315,10 +343,22 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
         }
       }
     }
-    gradient_stream_ = std::make_unique<GradientStream>();
     norm_spans_ = DeviceBuffer<NormSpan>(spans);
     squared_norm_ = DeviceBuffer<double>(1);
   }
+  if (lane_count > 1) {  // every tensor of block i (its experts' too) in run i; the rest in run L
+    lane_merge_spans_.resize(size_t(config_.num_layers + 1));
+    for (const ParameterSpan& p : layout_) {
+      const bool in_block = p.name.rfind("blocks.", 0) == 0;
+      auto& runs = lane_merge_spans_[in_block ? size_t(std::stoll(p.name.substr(7))) : size_t(config_.num_layers)];
+      if (!runs.empty() && runs.back().first + runs.back().second == p.offset) {
+        runs.back().second += p.rows * p.cols;
+      } else {
+        runs.emplace_back(p.offset, p.rows * p.cols);
+      }
+    }
+  }
+  if (ranks_ != nullptr || lane_count > 1) gradient_stream_ = std::make_unique<GradientStream>();
 
   // Per block: parameter offsets (walking the layout in its order), activations, expert tables.
   size_t next = 2;  // after token_embedding and position_embedding
@@ -341,22 +381,26 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     b.ln2_y = DeviceBuffer<bf16>(T * D);
     b.ln2_mean = DeviceBuffer<float>(T);
     b.ln2_rstd = DeviceBuffer<float>(T);
-    if (b.moe) {
+    if (b.moe[0]) {
       const size_t E = size_t(local_experts(config_).second);  // this rank's experts: all on one GPU
       b.gate = layout_[next++].offset;
       std::vector<const bf16*> w1(E), w2(E);
-      std::vector<float*> d_w1(E), d_w2(E);
       for (size_t e = 0; e < E; ++e) {
         w1[e] = weight(layout_[next + e].offset);
-        d_w1[e] = gradient(layout_[next + e].offset);
         w2[e] = weight(layout_[next + E + e].offset);
-        d_w2[e] = gradient(layout_[next + E + e].offset);
+      }
+      for (const std::unique_ptr<Lane>& lane : lanes_) {
+        std::vector<float*> d_w1(E), d_w2(E);
+        for (size_t e = 0; e < E; ++e) {
+          d_w1[e] = gradient(*lane, layout_[next + e].offset);
+          d_w2[e] = gradient(*lane, layout_[next + E + e].offset);
+        }
+        b.d_w1_table[size_t(lane->index)] = DeviceBuffer<float*>(d_w1);
+        b.d_w2_table[size_t(lane->index)] = DeviceBuffer<float*>(d_w2);
       }
       next += 2 * E;
       b.w1_table = DeviceBuffer<const bf16*>(w1);
       b.w2_table = DeviceBuffer<const bf16*>(w2);
-      b.d_w1_table = DeviceBuffer<float*>(d_w1);
-      b.d_w2_table = DeviceBuffer<float*>(d_w2);
     } else {
       b.ffn_w1 = layout_[next++].offset;
       b.ffn_w2 = layout_[next++].offset;
@@ -370,7 +414,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     int64_t previous_moe = -1;
     for (int64_t i = 0; i < config_.num_layers; ++i) {
       Block& b = blocks_[size_t(i)];
-      if (!b.moe) continue;
+      if (!b.moe[0]) continue;
       b.gate_input_block = previous_moe;
       if (previous_moe >= 0) blocks_[size_t(previous_moe)].d_ln2_from_next_gate = DeviceBuffer<float>(T * D);
       previous_moe = i;
@@ -380,9 +424,6 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     d_hidden_ = DeviceBuffer<bf16>(T * Hd);
     d_pre_activation_ = DeviceBuffer<bf16>(T * Hd);
   }
-  attention_workspace_ = std::make_unique<AttentionWorkspace>(
-      AttentionShape{config_.batch, config_.seq_len, config_.model_dim, config_.num_heads});
-
   residual_ = DeviceBuffer<float>(T * D);
   block_out_ = DeviceBuffer<bf16>(T * D);
   final_x_ = DeviceBuffer<bf16>(T * D);
@@ -397,7 +438,6 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   d_residual_ = DeviceBuffer<float>(T * D);
   d_residual_bf16_ = DeviceBuffer<bf16>(T * D);
   d_norm_input_ = DeviceBuffer<float>(T * D);
-  layer_norm_scratch_ = DeviceBuffer<float>(size_t(layer_norm_backward_scratch_floats(int64_t(T), int64_t(D))));
   CUDA_CHECK(cudaDeviceSynchronize());  // the fills above ran on the default stream
 }
 
@@ -477,23 +517,39 @@ void ModelGpu::poison_activations() {
     buffer->fill_bytes(kNaN, stream_);
   }
   for (DeviceBuffer<float>* buffer : {&residual_, &final_mean_, &final_rstd_, &logits_, &token_losses_, &losses_,
-                                      &d_residual_, &d_norm_input_, &layer_norm_scratch_}) {
+                                      &d_residual_, &d_norm_input_}) {
     buffer->fill_bytes(kNaN, stream_);
+  }
+  for (const std::unique_ptr<Lane>& lane : lanes_) lane->layer_norm_scratch.fill_bytes(kNaN, stream_);
+}
+
+ModelGpu::Lane::~Lane() {
+  if (ready != nullptr) cudaEventDestroy(ready);
+  if (owns_stream) cudaStreamDestroy(stream);
+}
+
+void ModelGpu::lanes_wait_for(Lane& lane) {
+  if (lanes_.size() == 1) return;
+  CUDA_CHECK(cudaEventRecord(lane.ready, lane.stream));
+  for (const std::unique_ptr<Lane>& other : lanes_) {
+    if (other.get() != &lane) CUDA_CHECK(cudaStreamWaitEvent(other->stream, lane.ready, 0));
   }
 }
 
 void ModelGpu::set_phase_timer(PhaseTimer* timer) {
   timer_ = timer;
   for (Block& b : blocks_) {
-    if (b.moe) b.moe->set_phase_timer(timer);
+    for (const std::unique_ptr<MoeBlockFfn>& moe : b.moe) {
+      if (moe) moe->set_phase_timer(timer);
+    }
   }
 }
 
 template <typename Work>
-void ModelGpu::phase(const char* name, Work&& work) {
-  if (timer_ != nullptr) timer_->begin(name, stream_);
+void ModelGpu::phase(const Lane& lane, const char* name, Work&& work) {
+  if (timer_ != nullptr) timer_->begin(name, lane.stream);
   work();
-  if (timer_ != nullptr) timer_->end(stream_);
+  if (timer_ != nullptr) timer_->end(lane.stream);
 }
 
 // ---- [SECTION] forward ----
@@ -503,16 +559,37 @@ const float* ModelGpu::forward(const int32_t* tokens, const int32_t* targets) {
   return forward_phases(tokens, targets);
 }
 
+// The forward's schedule: each step below runs for lane A, then lane B (with overlap). The MoE
+// layers' exchanges thus reach the communicator as counts A, rows out A, counts B, rows out B,
+// back A, back B: A's rows go out while B's attention and routing run, B's while A's experts run,
+// A's come back while B's experts run, and B's while the next block's attention of A runs. Each
+// count exchange is a host wait, so A's rows are on their way before the host waits for B's.
 const float* ModelGpu::forward_phases(const int32_t* tokens, const int32_t* targets) {
   tokens_ = tokens;
   targets_ = targets;
-  embedding_forward_phase();
+  Lane& first = *lanes_[0];
+  lanes_wait_for(first);  // lane 1 starts behind what the model's stream has (inputs, the last step)
+  for (auto& lane : lanes_) embedding_forward_phase(*lane);
   for (Block& block : blocks_) {
-    attention_forward_phase(block);
-    ffn_forward_phase(block);
+    for (auto& lane : lanes_) attention_forward_phase(*lane, block);
+    for (auto& lane : lanes_) {
+      ffn_forward_begin(*lane, block);  // the host waits here for the lane's counts
+      ffn_forward_experts(*lane, block);
+    }
+    for (auto& lane : lanes_) ffn_forward_end(*lane, block);
   }
-  lm_head_forward_phase();
-  loss_phase();
+  for (auto& lane : lanes_) {
+    lm_head_forward_phase(*lane);
+    loss_phase(*lane);
+  }
+  if (lanes_.size() > 1) {  // the step's losses: the mean of the halves', in lane order
+    lanes_wait_for(*lanes_[1]);
+    for (const std::unique_ptr<Lane>& lane : lanes_) {
+      accumulate_step_losses_kernel<<<1, 32, 0, stream_>>>(losses_.data(), lane->losses.data(), lane->index,
+                                                           int(lanes_.size()));
+      CUDA_CHECK(cudaGetLastError());
+    }
+  }
   return losses_.data();
 }
 
@@ -542,6 +619,10 @@ const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32
   if (config_.micro_batches > 1) {
     throw std::invalid_argument("forward_backward_graph: config.micro_batches = " + text(config_.micro_batches) +
                                 "; a step of micro-batches runs forward_micro_batch and backward_micro_batch");
+  }
+  if (config_.overlap) {
+    throw std::invalid_argument("forward_backward_graph: config.overlap is set; the overlap hides exchanges between "
+                                "ranks, and a graph runs on one GPU: use overlap = false");
   }
   if (timer_ != nullptr) {
     throw std::invalid_argument("forward_backward_graph: a phase timer is set (its events would be captured); use "
@@ -586,89 +667,114 @@ const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32
 }
 
 // x0 = token_embedding[tokens] + position_embedding[s], straight into block 0's saved input.
-void ModelGpu::embedding_forward_phase() {
-  phase("embedding", [&] {
-    const size_t n = blocks_[0].x.size();
-    embedding_forward(tokens_, weight(token_embedding_), weight(position_embedding_), blocks_[0].x.data(),
-                      config_.batch, config_.seq_len, config_.model_dim, stream_);
-    bf16_to_float(blocks_[0].x.data(), residual_.data(), n, stream_);
+void ModelGpu::embedding_forward_phase(Lane& l) {
+  phase(l, "embedding", [&] {
+    const int64_t t0 = first_token(l), T = tokens(l), D = config_.model_dim;
+    embedding_forward(tokens_ + t0, weight(token_embedding_), weight(position_embedding_), blocks_[0].x.data() + t0 * D,
+                      l.sequences, config_.seq_len, D, l.stream);
+    bf16_to_float(blocks_[0].x.data() + t0 * D, residual_.data() + t0 * D, size_t(T * D), l.stream);
   });
 }
 
 // x_mid = x + attention(LN1(x)); the fp32 residual in place, its bf16 copy saved as x_mid.
-void ModelGpu::attention_forward_phase(Block& b) {
-  phase("attention", [&] {
-    const int64_t T = config_.batch * config_.seq_len, D = config_.model_dim;
-    layer_norm_forward(b.x.data(), weight(b.ln1_gain), weight(b.ln1_bias), b.ln1_y.data(), b.ln1_mean.data(),
-                       b.ln1_rstd.data(), T, D, float(config_.layer_norm_eps), stream_);
-    attention_forward(cublas_.get(), attention_workspace_->shape, b.ln1_y.data(), weight(b.qkv), weight(b.out),
-                      b.qkv_out.data(), b.probs.data(), b.context.data(), block_out_.data(), *attention_workspace_,
-                      stream_);
-    residual_add(residual_.data(), block_out_.data(), b.x_mid.data(), size_t(T * D), stream_);
+void ModelGpu::attention_forward_phase(Lane& l, Block& b) {
+  phase(l, "attention", [&] {
+    const int64_t t0 = first_token(l), T = tokens(l), D = config_.model_dim;
+    const int64_t pairs0 = l.first_sequence * config_.num_heads * config_.seq_len * config_.seq_len;
+    layer_norm_forward(b.x.data() + t0 * D, weight(b.ln1_gain), weight(b.ln1_bias), b.ln1_y.data() + t0 * D,
+                       b.ln1_mean.data() + t0, b.ln1_rstd.data() + t0, T, D, float(config_.layer_norm_eps), l.stream);
+    attention_forward(l.cublas.get(), l.attention->shape, b.ln1_y.data() + t0 * D, weight(b.qkv), weight(b.out),
+                      b.qkv_out.data() + t0 * 3 * D, b.probs.data() + pairs0, b.context.data() + t0 * D,
+                      block_out_.data() + t0 * D, *l.attention, l.stream);
+    residual_add(residual_.data() + t0 * D, block_out_.data() + t0 * D, b.x_mid.data() + t0 * D, size_t(T * D),
+                 l.stream);
   });
 }
 
 // What block b's gate reads: the previous MoE block's LN2 output when pre-gated, else nullptr
 // (MoeLayerGpu then routes the block's own LN2 output).
-const bf16* ModelGpu::gate_input(const Block& b) const {
-  return b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].ln2_y.data() : nullptr;
+const bf16* ModelGpu::gate_input(const Lane& l, const Block& b) const {
+  return b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].ln2_y.data() + first_token(l) * config_.model_dim
+                                 : nullptr;
 }
 
-// x_out = x_mid + FFN(LN2(x_mid)); x_out's bf16 copy is the next block's input (or LN_final's).
-void ModelGpu::ffn_forward_phase(Block& b) {
-  const int64_t T = config_.batch * config_.seq_len, D = config_.model_dim;
-  layer_norm_forward(b.x_mid.data(), weight(b.ln2_gain), weight(b.ln2_bias), b.ln2_y.data(), b.ln2_mean.data(),
-                     b.ln2_rstd.data(), T, D, float(config_.layer_norm_eps), stream_);
-  if (b.moe) {
-    phase("moe", [&] {
+// FFN(LN2(x_mid)) into block_out_: a dense FFN whole; an MoE layer's forward_route with two lanes
+// (routing and the count exchange), its whole forward with one.
+void ModelGpu::ffn_forward_begin(Lane& l, Block& b) {
+  const int64_t t0 = first_token(l), T = tokens(l), D = config_.model_dim;
+  layer_norm_forward(b.x_mid.data() + t0 * D, weight(b.ln2_gain), weight(b.ln2_bias), b.ln2_y.data() + t0 * D,
+                     b.ln2_mean.data() + t0, b.ln2_rstd.data() + t0, T, D, float(config_.layer_norm_eps), l.stream);
+  if (b.moe[0]) {
+    phase(l, "moe", [&] {
       const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
+      MoeBlockFfn& moe = *b.moe[size_t(l.index)];
+      bf16* const y = block_out_.data() + t0 * D;
+      const bf16* const x = b.ln2_y.data() + t0 * D;
       if (micro_batch_ >= 0) {
-        b.moe->forward_micro_batch(micro_batch_, b.ln2_y.data(), weights, block_out_.data(), stream_, gate_input(b));
+        moe.forward_micro_batch(micro_batch_, x, weights, y, l.stream, gate_input(l, b));
+      } else if (lanes_.size() > 1) {
+        moe.forward_route(x, weights, y, l.stream, gate_input(l, b));
       } else {
-        b.moe->forward(b.ln2_y.data(), weights, block_out_.data(), stream_, gate_input(b));
+        moe.forward(x, weights, y, l.stream, gate_input(l, b));
       }
     });
   } else {
-    phase("dense_ffn", [&] {
+    phase(l, "dense_ffn", [&] {
       const int Hd = int(config_.dense_hidden_dim);
-      cublas_.set_stream(stream_);
+      l.cublas.set_stream(l.stream);
       // pre = LN2(x) w1 [T, H_dense];  hidden = gelu(pre);  out = hidden w2 [T, D]
-      gemm(cublas_.get(), Op::none, Op::none, int(T), Hd, int(D), b.ln2_y.data(), int(D), weight(b.ffn_w1), Hd,
-           b.pre_activation.data(), Hd);
-      gelu_forward(b.pre_activation.data(), b.hidden.data(), size_t(T) * size_t(Hd), stream_);
-      gemm(cublas_.get(), Op::none, Op::none, int(T), int(D), Hd, b.hidden.data(), Hd, weight(b.ffn_w2), int(D),
-           block_out_.data(), int(D));
+      gemm(l.cublas.get(), Op::none, Op::none, int(T), Hd, int(D), b.ln2_y.data() + t0 * D, int(D), weight(b.ffn_w1),
+           Hd, b.pre_activation.data() + t0 * Hd, Hd);
+      gelu_forward(b.pre_activation.data() + t0 * Hd, b.hidden.data() + t0 * Hd, size_t(T) * size_t(Hd), l.stream);
+      gemm(l.cublas.get(), Op::none, Op::none, int(T), int(D), Hd, b.hidden.data() + t0 * Hd, Hd, weight(b.ffn_w2),
+           int(D), block_out_.data() + t0 * D, int(D));
     });
   }
+}
+
+// With two lanes, an MoE layer's rows out and its experts.
+void ModelGpu::ffn_forward_experts(Lane& l, Block& b) {
+  if (b.moe[0] && lanes_.size() > 1) phase(l, "moe", [&] { b.moe[size_t(l.index)]->forward_experts(l.stream); });
+}
+
+// x_out = x_mid + FFN(LN2(x_mid)) (with two lanes, after the MoE layer's rows came back); x_out's
+// bf16 copy is the next block's input (or LN_final's).
+void ModelGpu::ffn_forward_end(Lane& l, Block& b) {
+  const int64_t t0 = first_token(l), T = tokens(l), D = config_.model_dim;
+  if (b.moe[0] && lanes_.size() > 1) phase(l, "moe", [&] { b.moe[size_t(l.index)]->forward_combine(l.stream); });
   Block* const next = &b == &blocks_.back() ? nullptr : &b + 1;
   bf16* const x_out = next != nullptr ? next->x.data() : final_x_.data();
-  residual_add(residual_.data(), block_out_.data(), x_out, size_t(T * D), stream_);
+  residual_add(residual_.data() + t0 * D, block_out_.data() + t0 * D, x_out + t0 * D, size_t(T * D), l.stream);
 }
 
 // logits = LN_final(x) token_embedding^T [T, V], fp32 (the tied output projection).
-void ModelGpu::lm_head_forward_phase() {
-  phase("lm_head", [&] {
-    const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim), V = int(kVocabulary);
-    layer_norm_forward(final_x_.data(), weight(final_gain_), weight(final_bias_), final_y_.data(),
-                       final_mean_.data(), final_rstd_.data(), T, D, float(config_.layer_norm_eps), stream_);
-    cublas_.set_stream(stream_);
-    gemm(cublas_.get(), Op::none, Op::transpose, T, V, D, final_y_.data(), D, weight(token_embedding_), D,
-         logits_.data(), V, 1.0f, 0.0f, /*c_is_float=*/true);
+void ModelGpu::lm_head_forward_phase(Lane& l) {
+  phase(l, "lm_head", [&] {
+    const int64_t t0 = first_token(l);
+    const int T = int(tokens(l)), D = int(config_.model_dim), V = int(kVocabulary);
+    layer_norm_forward(final_x_.data() + t0 * D, weight(final_gain_), weight(final_bias_), final_y_.data() + t0 * D,
+                       final_mean_.data() + t0, final_rstd_.data() + t0, T, D, float(config_.layer_norm_eps), l.stream);
+    l.cublas.set_stream(l.stream);
+    gemm(l.cublas.get(), Op::none, Op::transpose, T, V, D, final_y_.data() + t0 * D, D, weight(token_embedding_), D,
+         logits_.data() + t0 * V, V, 1.0f, 0.0f, /*c_is_float=*/true);
   });
 }
 
-// loss = mean cross-entropy + aux_loss_coef * sum aux + z_loss_coef * sum z, on the device.
-void ModelGpu::loss_phase() {
-  phase("loss", [&] {
-    cross_entropy_forward(logits_.data(), targets_, token_losses_.data(), losses_.data() + 1,
-                          config_.batch * config_.seq_len, stream_);
-    start_loss_kernel<<<1, 1, 0, stream_>>>(losses_.data());
+// loss = mean cross-entropy + aux_loss_coef * sum aux + z_loss_coef * sum z, on the device: the
+// lane's own (lane_losses), of its tokens and its MoE layers.
+void ModelGpu::loss_phase(Lane& l) {
+  phase(l, "loss", [&] {
+    const int64_t t0 = first_token(l);
+    float* const losses = lane_losses(l);
+    cross_entropy_forward(logits_.data() + t0 * kVocabulary, targets_ + t0, token_losses_.data() + t0, losses + 1,
+                          tokens(l), l.stream);
+    start_loss_kernel<<<1, 1, 0, l.stream>>>(losses);
     CUDA_CHECK(cudaGetLastError());
     for (const Block& b : blocks_) {
-      if (!b.moe) continue;
-      add_router_losses_kernel<<<1, 1, 0, stream_>>>(losses_.data(), b.moe->aux_loss(), b.moe->z_loss(),
-                                                     float(config_.moe.aux_loss_coef),
-                                                     float(config_.moe.z_loss_coef));
+      if (!b.moe[0]) continue;
+      const MoeBlockFfn& moe = *b.moe[size_t(l.index)];
+      add_router_losses_kernel<<<1, 1, 0, l.stream>>>(losses, moe.aux_loss(), moe.z_loss(),
+                                                      float(config_.moe.aux_loss_coef), float(config_.moe.z_loss_coef));
       CUDA_CHECK(cudaGetLastError());
     }
   });
@@ -686,17 +792,21 @@ void ModelGpu::backward() {
   backward_phases();
 }
 
+// The backward's schedule, as the forward's: lane 0, then lane 1, at each step; dy's rows go out
+// A, B and dx's come back A, B, each exchange beside the other lane's experts or attention.
 void ModelGpu::backward_phases() {
-  loss_backward_phase();
+  lanes_wait_for(*lanes_[0]);
+  for (auto& lane : lanes_) loss_backward_phase(*lane);
   for (size_t i = blocks_.size(); i-- > 0;) {
-    ffn_backward_phase(blocks_[i]);
-    attention_backward_phase(blocks_[i]);
-    sum_gradient_bucket(i);  // block i's replicated gradients are complete
+    for (auto& lane : lanes_) ffn_backward_begin(*lane, blocks_[i]);
+    for (auto& lane : lanes_) ffn_backward_end(*lane, blocks_[i]);
+    for (auto& lane : lanes_) attention_backward_phase(*lane, blocks_[i]);
+    sum_gradient_bucket(i);  // block i's gradients are complete in every lane
   }
-  embedding_backward_phase();
+  for (auto& lane : lanes_) embedding_backward_phase(*lane);
   sum_gradient_bucket(blocks_.size());
-  if (ranks_ != nullptr) {
-    phase("gradient_all_reduce", [&] {  // what of the sums the backward did not hide
+  if (gradient_stream_ != nullptr) {
+    phase(*lanes_[0], "gradient_all_reduce", [&] {  // what of the sums the backward did not hide
       CUDA_CHECK(cudaEventRecord(gradient_stream_->summed, gradient_stream_->stream));
       CUDA_CHECK(cudaStreamWaitEvent(stream_, gradient_stream_->summed, 0));
     });
@@ -716,9 +826,18 @@ ModelGpu::GradientStream::~GradientStream() {
 }
 
 void ModelGpu::sum_gradient_bucket(size_t bucket) {
-  if (ranks_ == nullptr || gradient_buckets_[bucket].empty()) return;
-  CUDA_CHECK(cudaEventRecord(gradient_stream_->ready, stream_));
-  CUDA_CHECK(cudaStreamWaitEvent(gradient_stream_->stream, gradient_stream_->ready, 0));
+  if (gradient_stream_ == nullptr) return;
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    CUDA_CHECK(cudaEventRecord(lane->ready, lane->stream));
+    CUDA_CHECK(cudaStreamWaitEvent(gradient_stream_->stream, lane->ready, 0));
+  }
+  if (lanes_.size() > 1) {
+    for (const auto& [offset, count] : lane_merge_spans_[bucket]) {
+      add_in_place(gradients_.data() + offset, micro_gradients_.data() + offset, size_t(count),
+                   gradient_stream_->stream);
+    }
+  }
+  if (ranks_ == nullptr) return;
   for (const auto& [offset, count] : gradient_buckets_[bucket]) {
     ranks_->all_reduce_sum(gradients_.data() + offset, count, gradient_stream_->stream);
   }
@@ -742,16 +861,16 @@ void ModelGpu::backward_micro_batch(int micro_batch) {
   }
   gradient_target_ = gradients_.data();
   if (micro_batch > 0) {
-    phase("accumulate_gradients", [&] {
+    phase(*lanes_[0], "accumulate_gradients", [&] {
       const size_t n = size_t(parameter_count_);
       add_in_place(gradients_.data(), micro_gradients_.data(), n, stream_);
     });
   }
   if (micro_batch == config_.micro_batches - 1) {
     // The experts' weight gradients, once over every micro-batch's rows, straight into gradients_.
-    phase("backward_moe_weight_gradients", [&] {
+    phase(*lanes_[0], "backward_moe_weight_gradients", [&] {
       for (Block& b : blocks_) {
-        if (b.moe) b.moe->expert_weight_gradients(b.d_w1_table.data(), b.d_w2_table.data(), stream_);
+        if (b.moe[0]) b.moe[0]->expert_weight_gradients(b.d_w1_table[0].data(), b.d_w2_table[0].data(), stream_);
       }
     });
   }
@@ -759,100 +878,132 @@ void ModelGpu::backward_micro_batch(int micro_batch) {
 
 // d_logits = (softmax - one_hot) / T; the tied projection's two products; LN_final's backward
 // starts the residual gradient (overwritten here, accumulated by every block after).
-void ModelGpu::loss_backward_phase() {
-  phase("backward_lm_head", [&] {
-    const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim), V = int(kVocabulary);
+void ModelGpu::loss_backward_phase(Lane& l) {
+  phase(l, "backward_lm_head", [&] {
+    const int64_t t0 = first_token(l);
+    const int T = int(tokens(l)), D = int(config_.model_dim), V = int(kVocabulary);
     // The loss is the mean over all ranks' tokens (and all micro-batches' of the step): each rank's,
-    // each micro-batch's d_logits is its share of it.
+    // each micro-batch's, each lane's d_logits is its share of it.
     const int64_t micro_batches = micro_batch_ >= 0 ? config_.micro_batches : 1;
-    cross_entropy_backward(logits_.data(), targets_, d_logits_.data(), T, stream_,
-                           int64_t{T} * config_.ranks * micro_batches);
-    cublas_.set_stream(stream_);
+    cross_entropy_backward(logits_.data() + t0 * V, targets_ + t0, d_logits_.data() + t0 * V, T, l.stream,
+                           config_.batch * config_.seq_len * config_.ranks * micro_batches);
+    l.cublas.set_stream(l.stream);
     // d token_embedding [V, D] = d_logitsᵀ LN_final(x): overwritten; the embedding adds its share later.
-    gemm(cublas_.get(), Op::transpose, Op::none, V, D, T, d_logits_.data(), V, final_y_.data(), D,
-         gradient(token_embedding_), D, 1.0f, 0.0f, true);
+    gemm(l.cublas.get(), Op::transpose, Op::none, V, D, T, d_logits_.data() + t0 * V, V, final_y_.data() + t0 * D, D,
+         gradient(l, token_embedding_), D, 1.0f, 0.0f, true);
     // d LN_final(x) [T, D] = d_logits token_embedding
-    gemm(cublas_.get(), Op::none, Op::none, T, D, V, d_logits_.data(), V, weight(token_embedding_), D,
-         d_norm_input_.data(), D, 1.0f, 0.0f, true);
-    layer_norm_backward(d_norm_input_.data(), final_x_.data(), final_mean_.data(), final_rstd_.data(),
-                        weight(final_gain_), d_residual_.data(), gradient(final_gain_), gradient(final_bias_),
-                        layer_norm_scratch_.data(), T, D, /*accumulate_dx=*/false, stream_);
+    gemm(l.cublas.get(), Op::none, Op::none, T, D, V, d_logits_.data() + t0 * V, V, weight(token_embedding_), D,
+         d_norm_input_.data() + t0 * D, D, 1.0f, 0.0f, true);
+    layer_norm_backward(d_norm_input_.data() + t0 * D, final_x_.data() + t0 * D, final_mean_.data() + t0,
+                        final_rstd_.data() + t0, weight(final_gain_), d_residual_.data() + t0 * D,
+                        gradient(l, final_gain_), gradient(l, final_bias_), l.layer_norm_scratch.data(), T, D,
+                        /*accumulate_dx=*/false, l.stream);
   });
 }
 
-// Through x_out = x_mid + FFN(LN2(x_mid)): the FFN reads d_residual (bf16), LN2 adds its dx.
-// Pre-gated, LN2's output has two readers, this block's FFN and the next MoE block's gate, so its
-// gradient is the sum of both: the gate's share arrives first (that block's backward ran earlier).
-void ModelGpu::ffn_backward_phase(Block& b) {
-  const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim);
+// Through x_out = x_mid + FFN(LN2(x_mid)): the FFN reads d_residual (bf16) and writes LN2's output
+// gradient (with two lanes an MoE layer's backward_experts here, its backward_combine in
+// ffn_backward_end).
+void ModelGpu::ffn_backward_begin(Lane& l, Block& b) {
+  const int64_t t0 = first_token(l), D64 = config_.model_dim;
+  const int T = int(tokens(l)), D = int(D64);
   const size_t n = size_t(T) * size_t(D);
-  float_to_bf16(d_residual_.data(), d_residual_bf16_.data(), n, stream_);
-  if (b.moe) {
-    phase("backward_moe", [&] {
+  float* const d_residual = d_residual_.data() + t0 * D64;
+  bf16* const d_residual_bf16 = d_residual_bf16_.data() + t0 * D64;
+  float* const d_norm_input = d_norm_input_.data() + t0 * D64;
+  const bf16* const ln2_y = b.ln2_y.data() + t0 * D64;
+  float_to_bf16(d_residual, d_residual_bf16, n, l.stream);
+  if (b.moe[0]) {
+    phase(l, "backward_moe", [&] {
       const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
-      const MoeLayerGradients gradients{d_norm_input_.data(), gradient(b.gate), b.d_w1_table.data(),
-                                        b.d_w2_table.data()};
-      // Pre-gated: d_norm_input_ receives only the gradient through the experts, and the gate's
+      const MoeLayerGradients gradients{d_norm_input, gradient(l, b.gate), b.d_w1_table[size_t(l.index)].data(),
+                                        b.d_w2_table[size_t(l.index)].data()};
+      MoeBlockFfn& moe = *b.moe[size_t(l.index)];
+      // Pre-gated: d_norm_input receives only the gradient through the experts, and the gate's
       // share goes back to the block whose LN2 output it read.
       float* const d_gate_input =
-          b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].d_ln2_from_next_gate.data() : nullptr;
+          b.gate_input_block >= 0 ? blocks_[size_t(b.gate_input_block)].d_ln2_from_next_gate.data() + t0 * D64
+                                  : nullptr;
       if (micro_batch_ >= 0) {  // no expert weight gradients: backward_micro_batch runs them at the end
-        b.moe->backward_micro_batch(micro_batch_, b.ln2_y.data(), weights, d_residual_bf16_.data(), gradients.dx,
-                                    gradients.d_gate_weights, stream_, gate_input(b), d_gate_input);
+        moe.backward_micro_batch(micro_batch_, ln2_y, weights, d_residual_bf16, gradients.dx,
+                                 gradients.d_gate_weights, l.stream, gate_input(l, b), d_gate_input);
+      } else if (lanes_.size() > 1) {
+        moe.backward_experts(ln2_y, weights, d_residual_bf16, gradients, l.stream, gate_input(l, b), d_gate_input);
       } else {
-        b.moe->backward(b.ln2_y.data(), weights, d_residual_bf16_.data(), gradients, stream_, gate_input(b),
-                        d_gate_input);
+        moe.backward(ln2_y, weights, d_residual_bf16, gradients, l.stream, gate_input(l, b), d_gate_input);
       }
     });
   } else {
-    phase("backward_dense_ffn", [&] {
+    phase(l, "backward_dense_ffn", [&] {
       const int Hd = int(config_.dense_hidden_dim);
-      cublas_.set_stream(stream_);
+      const bf16* const hidden = b.hidden.data() + t0 * Hd;
+      const bf16* const pre_activation = b.pre_activation.data() + t0 * Hd;
+      bf16* const d_hidden = d_hidden_.data() + t0 * Hd;
+      bf16* const d_pre_activation = d_pre_activation_.data() + t0 * Hd;
+      l.cublas.set_stream(l.stream);
       // d w2 [H_dense, D] = hiddenᵀ dy;  d hidden [T, H_dense] = dy w2ᵀ
-      gemm(cublas_.get(), Op::transpose, Op::none, Hd, D, T, b.hidden.data(), Hd, d_residual_bf16_.data(), D,
-           gradient(b.ffn_w2), D, 1.0f, 0.0f, true);
-      gemm(cublas_.get(), Op::none, Op::transpose, T, Hd, D, d_residual_bf16_.data(), D, weight(b.ffn_w2), D,
-           d_hidden_.data(), Hd);
-      gelu_backward(b.pre_activation.data(), d_hidden_.data(), d_pre_activation_.data(), size_t(T) * size_t(Hd),
-                    stream_);
+      gemm(l.cublas.get(), Op::transpose, Op::none, Hd, D, T, hidden, Hd, d_residual_bf16, D, gradient(l, b.ffn_w2), D,
+           1.0f, 0.0f, true);
+      gemm(l.cublas.get(), Op::none, Op::transpose, T, Hd, D, d_residual_bf16, D, weight(b.ffn_w2), D, d_hidden, Hd);
+      gelu_backward(pre_activation, d_hidden, d_pre_activation, size_t(T) * size_t(Hd), l.stream);
       // d w1 [D, H_dense] = LN2(x)ᵀ d pre;  d LN2(x) [T, D] = d pre w1ᵀ
-      gemm(cublas_.get(), Op::transpose, Op::none, D, Hd, T, b.ln2_y.data(), D, d_pre_activation_.data(), Hd,
-           gradient(b.ffn_w1), Hd, 1.0f, 0.0f, true);
-      gemm(cublas_.get(), Op::none, Op::transpose, T, D, Hd, d_pre_activation_.data(), Hd, weight(b.ffn_w1), Hd,
-           d_norm_input_.data(), D, 1.0f, 0.0f, true);
+      gemm(l.cublas.get(), Op::transpose, Op::none, D, Hd, T, ln2_y, D, d_pre_activation, Hd, gradient(l, b.ffn_w1),
+           Hd, 1.0f, 0.0f, true);
+      gemm(l.cublas.get(), Op::none, Op::transpose, T, D, Hd, d_pre_activation, Hd, weight(b.ffn_w1), Hd,
+           d_norm_input, D, 1.0f, 0.0f, true);
     });
   }
-  phase("backward_layer_norm", [&] {
+}
+
+// LN2's backward adds its dx to the residual gradient. Pre-gated, LN2's output has two readers, this
+// block's FFN and the next MoE block's gate, so its gradient is the sum of both: the gate's share
+// arrives first (that block's backward ran earlier).
+void ModelGpu::ffn_backward_end(Lane& l, Block& b) {
+  const int64_t t0 = first_token(l), D64 = config_.model_dim;
+  const int T = int(tokens(l)), D = int(D64);
+  const size_t n = size_t(T) * size_t(D);
+  float* const d_residual = d_residual_.data() + t0 * D64;
+  float* const d_norm_input = d_norm_input_.data() + t0 * D64;
+  if (b.moe[0] && lanes_.size() > 1) {
+    phase(l, "backward_moe", [&] { b.moe[size_t(l.index)]->backward_combine(l.stream); });
+  }
+  phase(l, "backward_layer_norm", [&] {
     if (b.d_ln2_from_next_gate.size() > 0) {
-      add_in_place(d_norm_input_.data(), b.d_ln2_from_next_gate.data(), n, stream_);
+      add_in_place(d_norm_input, b.d_ln2_from_next_gate.data() + t0 * D64, n, l.stream);
     }
-    layer_norm_backward(d_norm_input_.data(), b.x_mid.data(), b.ln2_mean.data(), b.ln2_rstd.data(),
-                        weight(b.ln2_gain), d_residual_.data(), gradient(b.ln2_gain), gradient(b.ln2_bias),
-                        layer_norm_scratch_.data(), T, D, /*accumulate_dx=*/true, stream_);
+    layer_norm_backward(d_norm_input, b.x_mid.data() + t0 * D64, b.ln2_mean.data() + t0, b.ln2_rstd.data() + t0,
+                        weight(b.ln2_gain), d_residual, gradient(l, b.ln2_gain), gradient(l, b.ln2_bias),
+                        l.layer_norm_scratch.data(), T, D, /*accumulate_dx=*/true, l.stream);
   });
 }
 
 // Through x_mid = x + attention(LN1(x)).
-void ModelGpu::attention_backward_phase(Block& b) {
-  phase("backward_attention", [&] {
-    const int T = int(config_.batch * config_.seq_len), D = int(config_.model_dim);
+void ModelGpu::attention_backward_phase(Lane& l, Block& b) {
+  phase(l, "backward_attention", [&] {
+    const int64_t t0 = first_token(l), D64 = config_.model_dim;
+    const int T = int(tokens(l)), D = int(D64);
     const size_t n = size_t(T) * size_t(D);
-    float_to_bf16(d_residual_.data(), d_residual_bf16_.data(), n, stream_);
-    attention_backward(cublas_.get(), attention_workspace_->shape, b.ln1_y.data(), weight(b.qkv), weight(b.out),
-                       b.qkv_out.data(), b.probs.data(), b.context.data(), d_residual_bf16_.data(), gradient(b.qkv),
-                       gradient(b.out), d_norm_input_.data(), *attention_workspace_, stream_);
-    layer_norm_backward(d_norm_input_.data(), b.x.data(), b.ln1_mean.data(), b.ln1_rstd.data(), weight(b.ln1_gain),
-                        d_residual_.data(), gradient(b.ln1_gain), gradient(b.ln1_bias), layer_norm_scratch_.data(),
-                        T, D, /*accumulate_dx=*/true, stream_);
+    const int64_t pairs0 = l.first_sequence * config_.num_heads * config_.seq_len * config_.seq_len;
+    float* const d_residual = d_residual_.data() + t0 * D64;
+    bf16* const d_residual_bf16 = d_residual_bf16_.data() + t0 * D64;
+    float* const d_norm_input = d_norm_input_.data() + t0 * D64;
+    float_to_bf16(d_residual, d_residual_bf16, n, l.stream);
+    attention_backward(l.cublas.get(), l.attention->shape, b.ln1_y.data() + t0 * D64, weight(b.qkv), weight(b.out),
+                       b.qkv_out.data() + t0 * 3 * D64, b.probs.data() + pairs0, b.context.data() + t0 * D64,
+                       d_residual_bf16, gradient(l, b.qkv), gradient(l, b.out), d_norm_input, *l.attention, l.stream);
+    layer_norm_backward(d_norm_input, b.x.data() + t0 * D64, b.ln1_mean.data() + t0, b.ln1_rstd.data() + t0,
+                        weight(b.ln1_gain), d_residual, gradient(l, b.ln1_gain), gradient(l, b.ln1_bias),
+                        l.layer_norm_scratch.data(), T, D, /*accumulate_dx=*/true, l.stream);
   });
 }
 
 // The residual gradient at the input into both tables; the token table adds to the lm head's share.
-void ModelGpu::embedding_backward_phase() {
-  phase("backward_embedding", [&] {
-    embedding_backward(tokens_, d_residual_.data(), gradient(token_embedding_), gradient(position_embedding_),
-                       config_.batch, config_.seq_len, config_.model_dim, /*accumulate_token_gradient=*/true,
-                       stream_);
+void ModelGpu::embedding_backward_phase(Lane& l) {
+  phase(l, "backward_embedding", [&] {
+    const int64_t t0 = first_token(l);
+    embedding_backward(tokens_ + t0, d_residual_.data() + t0 * config_.model_dim, gradient(l, token_embedding_),
+                       gradient(l, position_embedding_), l.sequences, config_.seq_len, config_.model_dim,
+                       /*accumulate_token_gradient=*/true, l.stream);
   });
 }
 
@@ -863,7 +1014,7 @@ void ModelGpu::embedding_backward_phase() {
 // matrices together: about four runs per block), not one per tensor: with 16 experts a block
 // has 38 tensors, and hundreds of tiny launches cost more than the update itself.
 void ModelGpu::step(float lr) {
-  phase("optimizer", [&] {
+  phase(*lanes_[0], "optimizer", [&] {
     if (ranks_ == nullptr) {
       gradient_norm(gradients_.data(), parameter_count_, norm_partials_.data(), grad_norm_.data(), clip_scale_.data(),
                     optimizer_.max_grad_norm, stream_);

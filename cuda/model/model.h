@@ -56,6 +56,20 @@
 // weight gradients run once, in the last micro-batch's backward, over every micro-batch's rows
 // (MoeLayerGpu::expert_weight_gradients). Activations are those of one micro-batch; each MoE
 // layer keeps its M micro-batches' expert rows (MoeLayerGpu says how much).
+// Two-micro-batch overlap (config.overlap; DeepSeek-V3's and SGLang's schedule): the batch runs as
+// two halves, sequences [0, N/2) and [N/2, N), each a "lane" with its own stream, cuBLAS handle,
+// scratch and MoE layers, so that one half's all-to-alls run while the other half computes. The
+// schedule is forward_phases() and backward_phases(), block by block:
+//   forward:  attention A, attention B; A's routing and count exchange (the host's wait), rows out
+//             and experts; the same for B; rows back A, then B; the next block's attention A runs
+//             while B's rows come back
+//   backward: FFN A, FFN B (each: rows out, experts' backward, rows back); attention A, attention B;
+//             the block's gradients: lane B's (written beside the step's, in micro_gradients_)
+//             added in, then summed over the ranks, on the gradient stream
+// The halves are the same tokens as the plain step's, so the cross-entropy and its gradients are
+// the same sums in another order (within bf16 tolerance); the router losses are each half's own
+// statistics, weighing 1/2 each, as for gradient accumulation's micro-batches. One lane (the
+// default) is the plain step, kernel for kernel.
 // Out of scope here: jitter (MoeLayerGpu has none), SwiGLU on several ranks (the expert-parallel
 // layer's experts are GeLU), and pre-gating a model without MoE blocks (there is no gate to move, as
 // the reference says). The constructor rejects them, with the field named, before allocating anything.
@@ -63,6 +77,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -105,6 +120,8 @@ struct ModelGpuConfig {
   // Gradient accumulation: a step of M micro-batches of `batch` sequences (see above). moe.tokens
   // stays one micro-batch's batch * seq_len. M > 1: one GPU and the dropless formulation.
   int64_t micro_batches = 1;
+  // Two-micro-batch overlap (see above): an even batch, micro_batches = 1.
+  bool overlap = false;
 };
 
 // The optimizer's fixed settings (the learning rate comes with each step).
@@ -199,7 +216,9 @@ class ModelGpu {
   int64_t parameter_count() const { return parameter_count_; }
   DeviceBuffer<float>& gradients() { return gradients_; }  // [parameter_count()] fp32
   // MoE block `layer`'s FFN (routing, router losses of the last forward); null for a dense block.
-  const MoeBlockFfn* moe_ffn(int64_t layer) const { return blocks_[size_t(layer)].moe.get(); }
+  const MoeBlockFfn* moe_ffn(int64_t layer, int lane = 0) const { return blocks_[size_t(layer)].moe[size_t(lane)].get(); }
+  // 2 with config.overlap (lane l holds sequences [l N/2, (l + 1) N/2)), else 1.
+  int lanes() const { return int(lanes_.size()); }
   // The same as the one-GPU layer; null for a dense block or on several ranks.
   const MoeLayerGpu* moe_layer(int64_t layer) const {
     const MoeBlockFfn* ffn = moe_ffn(layer);
@@ -229,7 +248,7 @@ class ModelGpu {
     DeviceBuffer<bf16> ln2_y;                 // [T, D]
     DeviceBuffer<float> ln2_mean, ln2_rstd;   // [T]
     DeviceBuffer<bf16> pre_activation, hidden;  // [T, H_dense] dense blocks
-    std::unique_ptr<MoeBlockFfn> moe;         // MoE blocks
+    std::array<std::unique_ptr<MoeBlockFfn>, 2> moe;  // MoE blocks: [lane], lane 1's with overlap only
     // Pre-gated: the previous MoE block, whose ln2_y this block's gate reads; -1 when the gate reads
     // this block's own ln2_y (not pre-gated, or the first MoE block).
     int64_t gate_input_block = -1;
@@ -238,33 +257,67 @@ class ModelGpu {
     // backward adds it to the FFN's share before LN2's backward.
     DeviceBuffer<float> d_ln2_from_next_gate;
     DeviceBuffer<const bf16*> w1_table, w2_table;  // [E] -> [D, H], [H, D] in weights_bf16_
-    DeviceBuffer<float*> d_w1_table, d_w2_table;   // [E] -> the same entries of gradients_
+    // [lane][E] -> the same entries of the lane's gradients: gradients_ (lane 0), micro_gradients_ (1)
+    std::array<DeviceBuffer<float*>, 2> d_w1_table, d_w2_table;
   };
 
-  // forward() and forward_micro_batch() after setting micro_batch_; backward()'s phases.
+  // A share of the batch that runs as a unit: the whole batch, or with config.overlap one of its two
+  // halves. Its rows are the batch's sequences [first_sequence, first_sequence + sequences), at the
+  // same places in every activation buffer; it runs on its own stream (lane 0: the model's) with
+  // its own cuBLAS handle and scratch, and its MoE blocks are Block::moe[index].
+  struct Lane {
+    int index = 0;
+    int64_t first_sequence = 0, sequences = 0;
+    cudaStream_t stream = nullptr;
+    bool owns_stream = false;
+    cudaEvent_t ready = nullptr;  // recorded where another stream waits for the lane's work so far
+    CublasHandle cublas;
+    std::unique_ptr<AttentionWorkspace> attention;
+    DeviceBuffer<float> layer_norm_scratch;
+    DeviceBuffer<float> losses;  // [4] with two lanes, its own share of losses_
+    Lane() = default;
+    ~Lane();
+    Lane(const Lane&) = delete;
+    Lane& operator=(const Lane&) = delete;
+  };
+  int64_t first_token(const Lane& lane) const { return lane.first_sequence * config_.seq_len; }
+  int64_t tokens(const Lane& lane) const { return lane.sequences * config_.seq_len; }
+  float* lane_losses(Lane& lane) { return lanes_.size() == 1 ? losses_.data() : lane.losses.data(); }
+  // The other lanes' streams wait for the work enqueued so far on `lane`'s.
+  void lanes_wait_for(Lane& lane);
+
+  // forward() and forward_micro_batch() after setting micro_batch_; backward()'s phases. These two
+  // functions are the schedule (see the file comment).
   const float* forward_phases(const int32_t* tokens, const int32_t* targets);
   void backward_phases();
   // ---- forward phases ----
-  void embedding_forward_phase();
-  void attention_forward_phase(Block& block);
-  void ffn_forward_phase(Block& block);
-  void lm_head_forward_phase();
-  void loss_phase();
+  void embedding_forward_phase(Lane& lane);
+  void attention_forward_phase(Lane& lane, Block& block);
+  void ffn_forward_begin(Lane& lane, Block& block);    // LN2, then a dense FFN, or an MoE layer's route
+  void ffn_forward_experts(Lane& lane, Block& block);  // two lanes: the MoE layer's rows out, experts
+  void ffn_forward_end(Lane& lane, Block& block);      // two lanes: the rows back; the residual add
+  void lm_head_forward_phase(Lane& lane);
+  void loss_phase(Lane& lane);
   // ---- backward phases ----
-  void loss_backward_phase();
-  void ffn_backward_phase(Block& block);
-  void attention_backward_phase(Block& block);
-  void embedding_backward_phase();
+  void loss_backward_phase(Lane& lane);
+  void ffn_backward_begin(Lane& lane, Block& block);  // the FFN's backward (two lanes: an MoE layer's experts')
+  void ffn_backward_end(Lane& lane, Block& block);    // (two lanes: the MoE layer's rows back) LN2's backward
+  void attention_backward_phase(Lane& lane, Block& block);
+  void embedding_backward_phase(Lane& lane);
 
   template <typename Work>
-  void phase(const char* name, Work&& work);
+  void phase(const Lane& lane, const char* name, Work&& work);
 
-  const bf16* gate_input(const Block& block) const;  // [T, D] pre-gated, or nullptr: its own ln2_y
+  // [T, D] pre-gated (the lane's rows of the previous MoE block's LN2 output), or nullptr: its own ln2_y
+  const bf16* gate_input(const Lane& lane, const Block& block) const;
 
   const bf16* weight(int64_t offset) const { return weights_bf16_.data() + offset; }
-  // Where the backward writes a gradient: gradients_, or, in micro-batches after the first,
-  // micro_gradients_ (added into gradients_ at the end of that micro-batch's backward).
-  float* gradient(int64_t offset) { return gradient_target_ + offset; }
+  // Where a lane's backward writes a gradient: lane 0 gradients_, or, in micro-batches after the
+  // first, micro_gradients_ (added into gradients_ at the end of that micro-batch's backward);
+  // lane 1 micro_gradients_ (added in block by block, on the gradient stream).
+  float* gradient(const Lane& lane, int64_t offset) {
+    return (lane.index == 0 ? gradient_target_ : micro_gradients_.data()) + offset;
+  }
 
   ModelGpuConfig config_;
   OptimizerSettings optimizer_;
@@ -293,14 +346,14 @@ class ModelGpu {
   int micro_batch_ = -1;              // the last forward's micro-batch; -1: a plain forward()
   float* gradient_target_ = nullptr;  // gradients_ or micro_gradients_ (gradient())
 
-  CublasHandle cublas_;
   std::vector<Block> blocks_;  // L
-  std::unique_ptr<AttentionWorkspace> attention_workspace_;
+  std::vector<std::unique_ptr<Lane>> lanes_;  // 1, or 2 with config.overlap
 
   // parameters and optimizer state, all [parameter_count()]
   DeviceBuffer<float> weights_, gradients_, first_moment_, second_moment_;
   DeviceBuffer<float> micro_gradients_;  // [parameter_count()] micro_batches > 1: micro-batches 1 .. M-1
-                                         // write here (its expert spans stay zero), then add
+                                         // write here (its expert spans stay zero), then add;
+                                         // overlap: lane 1's gradients
   DeviceBuffer<bf16> weights_bf16_;
   DeviceBuffer<float> norm_partials_, grad_norm_, clip_scale_;  // [kGradientNormBlocks] [1] [1]
   // On several ranks the replicated tensors' gradients are summed over the ranks under the backward,
@@ -311,6 +364,10 @@ class ModelGpu {
   // communicator, whose operations run in the order issued): the sums repeat bit for bit. The
   // backward's end waits for the last bucket ("gradient_all_reduce": what the backward did not hide).
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gradient_buckets_;  // [L + 1]
+  // With overlap, lane 1's gradients of block i's tensors (its experts' included), or for i = L of
+  // the embeddings and the final norm, as runs (offset, count): added into gradients_ on the
+  // gradient stream before bucket i's sum.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> lane_merge_spans_;  // [L + 1]
   struct GradientStream {
     cudaStream_t stream = nullptr;
     cudaEvent_t ready = nullptr;  // recorded on the model's stream: a bucket's gradients are complete
@@ -321,7 +378,9 @@ class ModelGpu {
     GradientStream& operator=(const GradientStream&) = delete;
   };
   std::unique_ptr<GradientStream> gradient_stream_;
-  void sum_gradient_bucket(size_t bucket);  // enqueues bucket's all-reduce behind the backward so far
+  // Enqueues, behind every lane's backward so far, lane 1's share of bucket's tensors and then
+  // bucket's all-reduce; nothing on one GPU without overlap.
+  void sum_gradient_bucket(size_t bucket);
   // The norm's weighted spans (model/optimizer.h) and its sum of squares, on several ranks.
   DeviceBuffer<NormSpan> norm_spans_;
   DeviceBuffer<double> squared_norm_;  // [1]
@@ -343,7 +402,6 @@ class ModelGpu {
   DeviceBuffer<bf16> d_residual_bf16_;   // [T, D] its bf16 copy, a GEMM operand
   DeviceBuffer<float> d_norm_input_;     // [T, D] the gradient a LayerNorm's output receives
   DeviceBuffer<bf16> d_hidden_, d_pre_activation_;  // [T, H_dense] dense blocks
-  DeviceBuffer<float> layer_norm_scratch_;
 };
 
 }  // namespace moe::cuda

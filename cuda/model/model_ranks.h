@@ -38,6 +38,24 @@ class MoeBlockFfn {
   // y [T_r, D] = the layer on x [T_r, D]; router_input: the gate's input when pre-gated, else null.
   virtual void forward(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
                        const bf16* router_input) = 0;
+  // forward() and backward() in stages, for the model's two-micro-batch overlap (model.h), each on
+  // the same stream; the model enqueues the other micro-batch's stages between them:
+  //   forward_route    routing and, on several ranks, the count exchange (a forward's host wait)
+  //   forward_experts  the rows out to the experts, and the experts
+  //   forward_combine  the rows back, and the weighted combine into y
+  //   backward_experts dy's rows out, and the experts' backward
+  //   backward_combine dx's rows back, and the router's backward
+  // Here the first stage of each only keeps its arguments and the last runs forward() or
+  // backward(); the expert-parallel layer runs each stage where it says. The arguments stay valid
+  // until the last stage; aux_loss() and z_loss() are ready after forward_combine.
+  virtual void forward_route(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
+                             const bf16* router_input);
+  virtual void forward_experts(cudaStream_t) {}
+  virtual void forward_combine(cudaStream_t stream);
+  virtual void backward_experts(const bf16* x, const MoeLayerWeights& weights, const bf16* dy,
+                                const MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
+                                float* d_router_input);
+  virtual void backward_combine(cudaStream_t stream);
   // Gradients of sum(dy .* y) + aux_loss_coef aux + z_loss_coef z (summed over ranks: the router
   // losses are global), overwritten. On several ranks d_gate_weights is this rank's part only.
   virtual void backward(const bf16* x, const MoeLayerWeights& weights, const bf16* dy,
@@ -74,7 +92,53 @@ class MoeBlockFfn {
   virtual void set_phase_timer(PhaseTimer* timer) = 0;
   // The single-GPU layer, where it is one (tests and recording read its internals); else null.
   virtual const MoeLayerGpu* single_gpu_layer() const { return nullptr; }
+
+ private:
+  struct Staged {  // the first stage's arguments, for the last
+    const bf16* x = nullptr;
+    MoeLayerWeights weights;
+    bf16* y = nullptr;
+    const bf16* dy = nullptr;
+    MoeLayerGradients gradients;
+    const bf16* router_input = nullptr;
+    float* d_router_input = nullptr;
+    int stage = 0;  // 1 after forward_route, 2 after backward_experts
+  };
+  Staged staged_;
 };
+
+inline void MoeBlockFfn::forward_route(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t,
+                                       const bf16* router_input) {
+  staged_ = Staged{};
+  staged_.x = x;
+  staged_.weights = weights;
+  staged_.y = y;
+  staged_.router_input = router_input;
+  staged_.stage = 1;
+}
+inline void MoeBlockFfn::forward_combine(cudaStream_t stream) {
+  if (staged_.stage != 1) throw std::logic_error("MoeBlockFfn::forward_combine without a forward_route");
+  staged_.stage = 0;
+  forward(staged_.x, staged_.weights, staged_.y, stream, staged_.router_input);
+}
+inline void MoeBlockFfn::backward_experts(const bf16* x, const MoeLayerWeights& weights, const bf16* dy,
+                                          const MoeLayerGradients& gradients, cudaStream_t, const bf16* router_input,
+                                          float* d_router_input) {
+  staged_ = Staged{};
+  staged_.x = x;
+  staged_.weights = weights;
+  staged_.dy = dy;
+  staged_.gradients = gradients;
+  staged_.router_input = router_input;
+  staged_.d_router_input = d_router_input;
+  staged_.stage = 2;
+}
+inline void MoeBlockFfn::backward_combine(cudaStream_t stream) {
+  if (staged_.stage != 2) throw std::logic_error("MoeBlockFfn::backward_combine without a backward_experts");
+  staged_.stage = 0;
+  backward(staged_.x, staged_.weights, staged_.dy, staged_.gradients, stream, staged_.router_input,
+           staged_.d_router_input);
+}
 
 inline void MoeBlockFfn::forward_micro_batch(int, const bf16*, const MoeLayerWeights&, bf16*, cudaStream_t,
                                              const bf16*) {

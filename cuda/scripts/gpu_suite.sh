@@ -11,7 +11,9 @@
 #                                           briefly and generates in every mode; distributed runs
 #                                           ep_bench over NCCL and over MPI; train_distributed trains
 #                                           on two GPUs against one and kills a rank; calibrate
-#                                           measures moe_sim's calibration and validates it), logs in $OUT
+#                                           measures moe_sim's calibration and validates it;
+#                                           overlap times the training step with and without
+#                                           two-micro-batch overlap), logs in $OUT
 # The GPU machines have no network and no Debian packages for these; .deps travels with the tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -512,6 +514,31 @@ calibrate() {
   return $rc
 }
 
+overlap() {
+  # The language model's step with and without two-micro-batch overlap (--overlap on), from a
+  # checkpoint trained 300 steps on Brown (as calibrate's), plain and overlapped alternating, one GPU
+  # and as many as the machine has up to two: distributed/measured.md's table.
+  local rc=0 checkpoint=/tmp/moe_overlap_checkpoint gpus r name
+  local mpirun=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE=0)
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  [ -f notebooks_data/brown/index.json ] || { echo "overlap: no Brown corpus in notebooks_data/brown (./moe data)"; return 1; }
+  rm -rf "$checkpoint"
+  build-gpu/cuda/train/moe_train --preset throughput --batch 64 --steps 2000 --stop-after 300 --checkpoint-every 300 \
+    --eval-every 1000 --record-every 100 --run-dir "$checkpoint" > "$LOGS/overlap_checkpoint.log" 2>&1 || rc=1
+  for r in 1 2; do
+    [ "$r" -le "$gpus" ] || break
+    for name in plain overlap plain_again overlap_again; do
+      local flags=()
+      [[ $name == overlap* ]] && flags=(--overlap on)
+      "${mpirun[@]}" -np $r build-gpu/distributed/train/moe_train_distributed --backend nccl --preset throughput \
+        --steps 2000 --batch $((64 * r)) --resume --run-dir "$checkpoint" --benchmark-steps 40 "${flags[@]}" \
+        --benchmark-json "$OUT/train_overlap_r${r}_$name.json" > "$LOGS/overlap_r${r}_$name.log" 2>&1 || rc=1
+      echo "R = $r, $name: $(grep 'median step' "$LOGS/overlap_r${r}_$name.log")"
+    done
+  done
+  return $rc
+}
+
 case "${1:-}" in
   bundle) bundle ;;
   run)
@@ -525,5 +552,5 @@ case "${1:-}" in
     done
     exit $status
     ;;
-  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_parallel] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [activation] [micro_batches] [scaling] [calibrate]" >&2; exit 2 ;;
+  *) echo "usage: cuda/scripts/gpu_suite.sh bundle | run [tests] [tests_parallel] [tests_regex] [tests_distributed] [sanitize] [lessons] [dev] [bench] [train] [record] [offload] [infer] [distributed] [activation] [micro_batches] [scaling] [calibrate] [overlap]" >&2; exit 2 ;;
 esac

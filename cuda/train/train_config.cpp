@@ -116,6 +116,7 @@ const std::vector<Field>& fields() {
       field("overwrite", &TrainConfig::overwrite, "replace an existing run in run_dir"),
       field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
       field("cuda_graph", &TrainConfig::cuda_graph, "each step's forward + backward as one CUDA graph, replayed (on | off)"),
+      field("overlap", &TrainConfig::overlap, "two-micro-batch overlap: each rank's batch as two halves, one's exchanges under the other's compute (on | off)"),
       // benchmark mode
       field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
       field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first (and at least 1 s of them)"),
@@ -395,6 +396,11 @@ void validate(const TrainConfig& c) {
   if (c.micro_batches > 1 && c.cuda_graph) {
     reject("micro_batches (M)", std::to_string(c.micro_batches) + " with cuda_graph = true",
            "1 with cuda_graph (the graph holds one forward + backward)");
+  }
+  if (c.overlap && (c.micro_batches > 1 || c.cuda_graph || c.batch % 2 != 0)) {
+    reject("overlap", "on with batch N = " + std::to_string(c.batch) + ", micro_batches M = " +
+           std::to_string(c.micro_batches) + ", cuda_graph " + (c.cuda_graph ? "on" : "off"),
+           "an even batch, M = 1 and cuda_graph off (each rank's N / R sequences run as two halves)");
   }
   if (c.steps < 1) reject("steps", std::to_string(c.steps), "steps >= 1");
   if (!(c.learning_rate > 0) || !std::isfinite(c.learning_rate)) {

@@ -81,6 +81,9 @@ struct TrainConfig {
   // Each step's forward and backward as one CUDA graph (ModelGpu::forward_backward_graph), captured
   // once and replayed; recorded steps run uncaptured (their phases are timed). One GPU only.
   bool cuda_graph = false;
+  // Two-micro-batch overlap (cuda/model/model.h): each rank's N / R sequences run as two halves side
+  // by side, so that one half's all-to-alls run while the other half computes. An even N / R, M = 1.
+  bool overlap = false;
 
   // benchmark mode: no data, no record; time this many steps of random bytes after warm-up
   int64_t benchmark_steps = 0;

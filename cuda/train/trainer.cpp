@@ -61,6 +61,7 @@ cuda::ModelGpuConfig gpu_config(const TrainConfig& c, int ranks = 1, int rank = 
   cuda::ModelGpuConfig g = cuda::gpu_config_of(c.model, c.batch / ranks / c.micro_batches);
   g.moe = moe_layer_config(c.model, c.batch / c.micro_batches);  // tokens: the global (micro-)batch's
   g.micro_batches = c.micro_batches;
+  g.overlap = c.overlap;
   g.ranks = ranks;
   g.rank = rank;
   return g;
@@ -311,6 +312,35 @@ void check_cuda_graph(const TrainConfig& c, const cuda::ModelRanks* ranks) {
     throw TrainConfigError("--micro-batches " + std::to_string(c.micro_batches) +
                            ": allowed on one GPU only (the expert-parallel layer keeps no micro-batches)");
   }
+  const int64_t R = ranks != nullptr ? ranks->size() : 1;
+  if (c.overlap && (c.batch / R) % 2 != 0) {
+    throw TrainConfigError("--overlap on: each rank's batch N / R = " + std::to_string(c.batch / R) +
+                           " must be even (its two halves run side by side); allowed: an even N / R, or --overlap off");
+  }
+}
+
+// MoE block `layer`'s top experts of this rank's tokens, [T_r, K] in token order: with overlap the
+// two lanes' halves one after the other.
+std::vector<int32_t> local_top_experts(const cuda::ModelGpu& model, int64_t layer) {
+  const size_t lane_slots = size_t(model.config().batch / model.lanes() * model.config().seq_len *
+                                   model.config().moe.top_k);
+  std::vector<int32_t> top;
+  for (int lane = 0; lane < model.lanes(); ++lane) {
+    std::vector<int32_t> mine = model.moe_ffn(layer, lane)->top_experts().download();  // the buffer may hold more
+    top.insert(top.end(), mine.begin(), mine.begin() + std::ptrdiff_t(lane_slots));
+  }
+  return top;
+}
+
+// Rows this rank's last forward of MoE block `layer` sent to each rank, over its lanes; empty on one GPU.
+std::vector<int64_t> local_rows_sent(const cuda::ModelGpu& model, int64_t layer) {
+  std::vector<int64_t> rows;
+  for (int lane = 0; lane < model.lanes(); ++lane) {
+    const std::vector<int64_t> mine = model.moe_ffn(layer, lane)->rows_sent_per_rank();
+    rows.resize(mine.size(), 0);
+    for (size_t p = 0; p < mine.size(); ++p) rows[p] += mine[p];
+  }
+  return rows;
 }
 
 struct RoutingSummary {
@@ -344,8 +374,7 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
     const cuda::MoeBlockFfn* moe = model.moe_ffn(layer);
     if (moe == nullptr) continue;
     const int64_t local_slots = model.config().batch * S * K;
-    std::vector<int32_t> top = moe->top_experts().download();  // [T_r, K] (the buffer may hold more)
-    top.resize(size_t(local_slots));
+    std::vector<int32_t> top = local_top_experts(model, layer);  // [T_r, K]
     if (view.size() > 1) {
       top = view.ranks()->host_all_gather(top);  // [T, K]: the ranks' tokens in token order
       if (writer != nullptr) {  // the routing trace per source rank: rank r's tokens are the r-th T_r
@@ -355,7 +384,7 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
         writer->append(to_event(load));
       }
       std::vector<int32_t> sent;
-      for (int64_t rows : moe->rows_sent_per_rank()) sent.push_back(int32_t(rows));
+      for (int64_t rows : local_rows_sent(model, layer)) sent.push_back(int32_t(rows));
       const std::vector<int32_t> rows = view.ranks()->host_all_gather(sent);  // [R source][R destination]
       if (writer != nullptr) {
         const int64_t R = view.size(), row_bytes = c.model.model_dim * int64_t(sizeof(uint16_t));  // bf16 rows
@@ -1053,12 +1082,10 @@ namespace {
 void record_routing_balance(const TrainConfig& c, const cuda::ModelGpu& model, const RankView& view,
                             BenchmarkResult& result) {
   const int64_t E = c.model.num_experts, R = view.size();
-  const size_t local_slots = size_t(model.config().batch * c.model.seq_len * c.model.top_k);
   for (int64_t layer = 0; layer < c.model.num_layers; ++layer) {
     const cuda::MoeBlockFfn* moe = model.moe_ffn(layer);
     if (moe == nullptr) continue;
-    std::vector<int32_t> top = moe->top_experts().download();  // [T_r, K] (the buffer may hold more)
-    top.resize(local_slots);
+    const std::vector<int32_t> top = local_top_experts(model, layer);  // [T_r, K]
     std::vector<int32_t> counts(size_t(E), 0);
     for (int32_t expert : top) ++counts[size_t(expert)];
     const std::vector<int32_t> all = R > 1 ? view.ranks()->host_all_gather(counts) : counts;  // [R][E]

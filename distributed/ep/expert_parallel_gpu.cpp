@@ -443,15 +443,42 @@ void ExpertParallelGpu::route(const bf16* x, int64_t local_tokens, const bf16* g
 
 void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const ExpertParallelGpuWeights& weights, bf16* y,
                                 cudaStream_t stream) {
-  NvtxRange range("ep_forward");
+  forward_route(x, local_tokens, weights, y, stream);
+  forward_out(stream, /*bring_back=*/true);
+  forward_back(stream, /*brought_back=*/true);
+}
+
+void ExpertParallelGpu::expect_stage(int stage, const char* call) const {
+  if (staged_.stage != stage) {
+    static const char* const after[] = {"nothing staged", "forward_route", "forward_experts", "backward_experts"};
+    throw std::logic_error(std::string("ExpertParallelGpu::") + call + " after " + after[staged_.stage] +
+                           "; the stages run forward_route, forward_experts, forward_combine, then "
+                           "backward_experts, backward_combine");
+  }
+}
+
+void ExpertParallelGpu::forward_experts(cudaStream_t stream) {
+  expect_stage(1, "forward_experts");
+  forward_out(stream, /*bring_back=*/false);
+}
+
+void ExpertParallelGpu::forward_combine(cudaStream_t stream) {
+  expect_stage(2, "forward_combine");
+  forward_back(stream, /*brought_back=*/false);
+}
+
+void ExpertParallelGpu::forward_route(const bf16* x, int64_t local_tokens, const ExpertParallelGpuWeights& weights,
+                                      bf16* y, cudaStream_t stream) {
+  NvtxRange range("ep_forward_route");
   forward_done_ = false;
+  staged_ = Staged{};
   const int64_t waits_before = exchange_->host_waits() + (hierarchical_ ? hierarchical_->host_waits() : 0);
   // Not the set of a trial step still to be read (after the count exchange below, or, when this
   // forward fails before, at a later one).
   current_step_events_ = trial_step_pending_ ? 1 - trial_step_events_ : 1 - current_step_events_;
   CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].forward_start, stream));
   const int R = exchange_->size(), rank = exchange_->rank();
-  const int64_t E = config_.num_experts, K = config_.top_k, D = config_.model_dim;
+  const int64_t E = config_.num_experts, K = config_.top_k;
   const int64_t words = routing_summary_words(E);
 
   // ---- 1. route locally; this rank's own faults travel in the count exchange ----
@@ -533,9 +560,24 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
   upload_tables(stream);  // with the global f_e, for the router backward
   reserve_buffers();
   if (hierarchical_) hierarchical_counts();
+  staged_.stage = 1;
+  staged_.x = x;
+  staged_.y = y;
+  staged_.weights = weights;
+  staged_.waits_before = waits_before;
+  staged_.trial_step = trial_step;
+}
+
+void ExpertParallelGpu::forward_out(cudaStream_t stream, bool bring_back) {
+  NvtxRange range("ep_forward_out");
+  const bf16* const x = staged_.x;
+  const ExpertParallelGpuWeights& weights = staged_.weights;
+  const ExchangePlan& plan = *plan_;
+  const int64_t K = config_.top_k, D = config_.model_dim;
+  const int d = plan.chunks();
+  const int64_t T_r = plan.local_tokens();
 
   // ---- 3. the send order, and the rows in it ----
-  const int64_t T_r = plan.local_tokens();
   if (T_r > 0) {
     Phase phase(timer_, "ep_permute", stream);
     build_send_order(router_.top_experts.data(), home_plan_->routed_slots.data(), home_plan_->routed_offsets.data(),
@@ -549,8 +591,18 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
   // ---- 4, 5: chunk after chunk, the rows out, the experts, the results back ----
   // (r > 1: the r partial results of each row come back apart and are summed here.)
   const bool partial = plan.copies() > 1;
-  pipeline(send_x_.data(), partial ? partials_.data() : returned_.data(), stream,
-           [&](int c) { experts_forward(c, computed_weights_, stream); });
+  pipeline_out(send_x_.data(), partial ? partials_.data() : returned_.data(), stream, bring_back,
+               [&](int c) { experts_forward(c, computed_weights_, stream); });
+  staged_.stage = 2;
+}
+
+void ExpertParallelGpu::forward_back(cudaStream_t stream, bool brought_back) {
+  NvtxRange range("ep_forward_back");
+  const ExchangePlan& plan = *plan_;
+  const int64_t D = config_.model_dim, T_r = plan.local_tokens();
+  bf16* const y = staged_.y;
+  const bool partial = plan.copies() > 1;
+  pipeline_back(partial ? partials_.data() : returned_.data(), stream, brought_back);
   if (partial) sum_partials(returned_.data(), stream);
 
   // ---- 6. the weighted combine ----
@@ -560,13 +612,15 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
                                 static_cast<int>(D), stream);
   }
   CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].forward_end, stream));
-  if (trial_step) {  // read at the next forward, once the count exchange has waited on the stream
+  if (staged_.trial_step) {  // read at the next forward, once the count exchange has waited on the stream
     trial_step_pending_ = true;
     trial_step_has_backward_ = false;
     trial_step_events_ = current_step_events_;
   }
   step_.host_synchronisations = static_cast<int>(exchange_->host_waits() +
-                                                 (hierarchical_ ? hierarchical_->host_waits() : 0) - waits_before);
+                                                 (hierarchical_ ? hierarchical_->host_waits() : 0) -
+                                                 staged_.waits_before);
+  staged_.stage = 0;
   forward_done_ = true;
 }
 
@@ -779,53 +833,57 @@ DevicePlan ExpertParallelGpu::expert_view(int c) const {
 
 // ---- the pipeline ----
 
-template <typename Work>
-void ExpertParallelGpu::pipeline(const bf16* out, bf16* back, cudaStream_t stream, Work&& work) {
-  const ExchangePlan& plan = *plan_;
-  const int d = plan.chunks();
-  const int64_t D = config_.model_dim;
-  cudaEvent_t start = events_[0], returned = events_[1];
-  auto arrived = [this](int c) { return events_[2 + 2 * c]; };
-  auto computed = [this](int c) { return events_[3 + 2 * c]; };
+void ExpertParallelGpu::send_chunk(int c, const bf16* out) {
+  Phase phase(timer_, "ep_dispatch", exchange_stream_);
+  exchange_chunk(c, /*forward=*/true, out + plan_->chunk_send_begin(c) * config_.model_dim, chunks_[c]->received.data(),
+                 exchange_stream_);
+  CUDA_CHECK(cudaEventRecord(events_[2 + 2 * c], exchange_stream_));  // arrived(c)
+}
 
+void ExpertParallelGpu::bring_back_chunk(int c, bf16* back) {
+  CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, events_[3 + 2 * c], 0));  // computed(c); before the phase: it
+                                                                             // times the exchange alone
+  Phase phase(timer_, "ep_combine_exchange", exchange_stream_);
+  exchange_chunk(c, /*forward=*/false, chunk_result(c), back + plan_->chunk_send_begin(c) * config_.model_dim,
+                 exchange_stream_);
+}
+
+// The caller's stream waiting on the exchange stream: the span between an event recorded before the
+// wait (its work so far done) and one after it (the exchange done) is the communication the compute
+// stream could not hide, the layer's exposed communication (zero when the rows were there first).
+void ExpertParallelGpu::wait_for_exchange(cudaEvent_t exchanged, const char* name, cudaStream_t stream) {
+  Phase phase(timer_, name, stream);
+  CUDA_CHECK(cudaStreamWaitEvent(stream, exchanged, 0));
+}
+
+template <typename Work>
+void ExpertParallelGpu::pipeline_out(const bf16* out, bf16* back, cudaStream_t stream, bool bring_back, Work&& work) {
+  const int d = plan_->chunks();
   // The exchange stream starts once what came before on the caller's stream (the rows in send
   // order) is done.
-  CUDA_CHECK(cudaEventRecord(start, stream));
-  CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, start, 0));
-  auto send_out = [&](int c) {
-    Phase phase(timer_, "ep_dispatch", exchange_stream_);
-    exchange_chunk(c, /*forward=*/true, out + plan.chunk_send_begin(c) * D, chunks_[c]->received.data(),
-                   exchange_stream_);
-    CUDA_CHECK(cudaEventRecord(arrived(c), exchange_stream_));
-  };
-  auto bring_back = [&](int c) {
-    CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, computed(c), 0));  // before the phase: it times the exchange alone
-    Phase phase(timer_, "ep_combine_exchange", exchange_stream_);
-    exchange_chunk(c, /*forward=*/false, chunk_result(c), back + plan.chunk_send_begin(c) * D, exchange_stream_);
-  };
-  // The caller's stream waiting on the exchange stream: the span between an event recorded before
-  // the wait (its work so far done) and one after it (the exchange done) is the communication the
-  // compute stream could not hide, the layer's exposed communication (zero when the rows were
-  // there first).
-  auto wait_for = [&](cudaEvent_t exchanged, const char* name) {
-    Phase phase(timer_, name, stream);
-    CUDA_CHECK(cudaStreamWaitEvent(stream, exchanged, 0));
-  };
+  CUDA_CHECK(cudaEventRecord(events_[0], stream));
+  CUDA_CHECK(cudaStreamWaitEvent(exchange_stream_, events_[0], 0));
   // Tutel's order: chunk c + 1 goes out before chunk c comes back, so that its exchange runs while
   // chunk c's experts do.
-  send_out(0);
+  send_chunk(0, out);
   for (int c = 0; c < d; ++c) {
-    wait_for(arrived(c), "ep_wait_dispatch");
+    wait_for_exchange(events_[2 + 2 * c], "ep_wait_dispatch", stream);
     {
       Phase phase(timer_, "ep_experts", stream);
       work(c);
     }
-    CUDA_CHECK(cudaEventRecord(computed(c), stream));
-    if (c + 1 < d) send_out(c + 1);
-    bring_back(c);
+    CUDA_CHECK(cudaEventRecord(events_[3 + 2 * c], stream));  // computed(c)
+    if (c + 1 < d) send_chunk(c + 1, out);
+    if (bring_back) bring_back_chunk(c, back);
   }
-  CUDA_CHECK(cudaEventRecord(returned, exchange_stream_));
-  wait_for(returned, "ep_wait_combine");
+}
+
+void ExpertParallelGpu::pipeline_back(bf16* back, cudaStream_t stream, bool brought_back) {
+  if (!brought_back) {
+    for (int c = 0; c < plan_->chunks(); ++c) bring_back_chunk(c, back);
+  }
+  CUDA_CHECK(cudaEventRecord(events_[1], exchange_stream_));  // returned
+  wait_for_exchange(events_[1], "ep_wait_combine", stream);
 }
 
 void ExpertParallelGpu::exchange_chunk(int c, bool forward, const bf16* send, bf16* recv, cudaStream_t stream) {
@@ -1003,13 +1061,30 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
 
 void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& weights, const bf16* dy,
                                  const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
-  NvtxRange range("ep_backward");
+  backward_out(x, weights, dy, gradients, stream, /*bring_back=*/true);
+  backward_back(stream, /*brought_back=*/true);
+}
+
+void ExpertParallelGpu::backward_experts(const bf16* x, const ExpertParallelGpuWeights& weights, const bf16* dy,
+                                         const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
+  backward_out(x, weights, dy, gradients, stream, /*bring_back=*/false);
+}
+
+void ExpertParallelGpu::backward_combine(cudaStream_t stream) {
+  expect_stage(3, "backward_combine");
+  backward_back(stream, /*brought_back=*/false);
+}
+
+void ExpertParallelGpu::backward_out(const bf16* x, const ExpertParallelGpuWeights& weights, const bf16* dy,
+                                     const ExpertParallelGpuGradients& gradients, cudaStream_t stream,
+                                     bool bring_back) {
+  NvtxRange range("ep_backward_out");
   if (!forward_done_) {
     throw std::logic_error("ExpertParallelGpu::backward: call forward first (a failed forward does not count)");
   }
+  expect_stage(0, "backward_experts");
   const ExchangePlan& plan = *plan_;
-  const int64_t T_r = plan.local_tokens(), E = config_.num_experts, K = config_.top_k, D = config_.model_dim,
-                H = config_.hidden_dim, E_r = experts_per_rank_;
+  const int64_t T_r = plan.local_tokens(), D = config_.model_dim, H = config_.hidden_dim, E_r = experts_per_rank_;
   // The gradients the experts write: the caller's (r = 1), or those of the E_c experts this rank
   // computes (r != 1), summed onto the storing ranks after the exchange.
   ExpertParallelGpuGradients computed_gradients = gradients;
@@ -1018,7 +1093,6 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
     computed_gradients.d_w1 = b.d_w1.data();
     computed_gradients.d_w2 = b.d_w2.data();
   }
-  const int64_t E_c = plan.computed_experts(), H_c = local_experts_config_.hidden_dim;
   const bool ffn = options_.experts == ExpertCompute::ffn;
   // A null pointer here is this rank's programming error; it is thrown before any collective, and
   // the peers then wait in the first exchange (unlike the forward, whose faults every rank sees).
@@ -1056,8 +1130,34 @@ void ExpertParallelGpu::backward(const bf16* x, const ExpertParallelGpuWeights& 
   // (r = 1: the caller's weights; r != 1: those the forward gathered, still in the layout's buffers.)
   const ExpertParallelGpuWeights& computing = layout_ == 1 ? weights : computed_weights_;
   const bool partial = plan.copies() > 1;  // r > 1: the r partial dx rows of each slot come back apart
-  pipeline(d_send_.data(), partial ? partials_.data() : returned_dx_.data(), stream,
-           [&](int c) { experts_backward(c, computing, computed_gradients, c == first_with_rows, stream); });
+  pipeline_out(d_send_.data(), partial ? partials_.data() : returned_dx_.data(), stream, bring_back,
+               [&](int c) { experts_backward(c, computing, computed_gradients, c == first_with_rows, stream); });
+  staged_ = Staged{};
+  staged_.stage = 3;
+  staged_.x = x;
+  staged_.weights = weights;
+  staged_.gradients = gradients;
+  staged_.computed_gradients = computed_gradients;
+  staged_.first_with_rows = first_with_rows;
+  staged_.waits_before = waits_before;
+}
+
+void ExpertParallelGpu::backward_back(cudaStream_t stream, bool brought_back) {
+  NvtxRange range("ep_backward_back");
+  const Staged staged = staged_;
+  staged_ = Staged{};
+  const bf16* const x = staged.x;
+  const ExpertParallelGpuWeights& weights = staged.weights;
+  const ExpertParallelGpuGradients& gradients = staged.gradients;
+  const ExpertParallelGpuGradients& computed_gradients = staged.computed_gradients;
+  const int first_with_rows = staged.first_with_rows;
+  const int64_t waits_before = staged.waits_before;
+  const ExchangePlan& plan = *plan_;
+  const int64_t T_r = plan.local_tokens(), E = config_.num_experts, K = config_.top_k, D = config_.model_dim;
+  const int64_t E_c = plan.computed_experts(), H_c = local_experts_config_.hidden_dim;
+  const bool ffn = options_.experts == ExpertCompute::ffn;
+  const bool partial = plan.copies() > 1;
+  pipeline_back(partial ? partials_.data() : returned_dx_.data(), stream, brought_back);
   if (partial) sum_partials(returned_dx_.data(), stream);
   if (ffn && first_with_rows < 0) {  // no row reached this rank's experts: their gradients are zero
     zero_through_tables(computed_gradients.d_w1, static_cast<int>(E_c), static_cast<size_t>(D) * H_c, stream);

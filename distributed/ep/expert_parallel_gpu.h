@@ -137,6 +137,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "comm/communicator.h"            // Communicator
@@ -253,6 +254,21 @@ class ExpertParallelGpu {
                int64_t local_tokens, const ExpertParallelGpuWeights& weights,
                bf16* y,  // [T_r, D]
                cudaStream_t stream);
+  // forward() in three calls, for a caller that overlaps two micro-batches (cuda/model/model.h),
+  // each enqueuing on the same stream:
+  //   forward_route    routing and the count exchange: the forward's host wait, and all of its
+  //                    router losses (last_step() is complete when it returns)
+  //   forward_experts  the rows out to the experts' ranks, and the experts
+  //   forward_combine  the rows back, and the weighted combine into y
+  // Between them the caller enqueues the other micro-batch's stages, so that the exchanges reach
+  // the communicator in the order out A, out B, back A, back B: each runs while the other
+  // micro-batch's experts do. x, y and the weights stay valid until forward_combine. (With d > 1
+  // every chunk goes out in forward_experts and comes back in forward_combine; forward() keeps
+  // Tutel's order, chunk c back as soon as chunk c + 1 is out.)
+  void forward_route(const bf16* x, int64_t local_tokens, const ExpertParallelGpuWeights& weights, bf16* y,
+                     cudaStream_t stream);
+  void forward_experts(cudaStream_t stream);
+  void forward_combine(cudaStream_t stream);
 
   // Gradients of L = sum over ranks of sum(dy .* y) + aux_loss_coef * aux + z_loss_coef * z for the
   // last forward (same x and weights). Collective.
@@ -260,6 +276,12 @@ class ExpertParallelGpu {
                 const ExpertParallelGpuWeights& weights,
                 const bf16* dy,  // [T_r, D]
                 const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
+  // backward() in two calls, as the forward's stages: backward_experts sends dy's rows out and runs
+  // the experts' backward; backward_combine brings dx's rows back and runs the router's backward.
+  // The arguments stay valid until backward_combine.
+  void backward_experts(const bf16* x, const ExpertParallelGpuWeights& weights, const bf16* dy,
+                        const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
+  void backward_combine(cudaStream_t stream);
 
   // Tutel's layout r for the next forward and its backward: 0 data-parallel experts, 1 expert
   // parallel (the default; FastMoE's layer above), r > 1 experts sharded over r ranks along H (see
@@ -314,8 +336,22 @@ class ExpertParallelGpu {
   void sum_partials(bf16* out, cudaStream_t stream);  // r > 1: partials_ -> one row a kept slot, in send order
   // The d-chunk pipeline shared by forward and backward: `out` rows in send order go to the experts,
   // `work(c)` runs on `stream` once chunk c arrived, its rows come back into `back` in send order.
+  // pipeline_out sends and computes every chunk; with bring_back, in Tutel's order (chunk c back
+  // once chunk c + 1 is out), else none comes back before pipeline_back. pipeline_back brings back
+  // what is still out and makes `stream` wait for the rows.
+  // The stages behind forward(), backward() and their staged calls; bring_back: Tutel's order
+  // within pipeline_out (the one-call forms), else every chunk comes back in the later stage.
+  void forward_out(cudaStream_t stream, bool bring_back);
+  void forward_back(cudaStream_t stream, bool brought_back);
+  void backward_out(const bf16* x, const ExpertParallelGpuWeights& weights, const bf16* dy,
+                    const ExpertParallelGpuGradients& gradients, cudaStream_t stream, bool bring_back);
+  void backward_back(cudaStream_t stream, bool brought_back);
   template <typename Work>
-  void pipeline(const bf16* out, bf16* back, cudaStream_t stream, Work&& work);
+  void pipeline_out(const bf16* out, bf16* back, cudaStream_t stream, bool bring_back, Work&& work);
+  void pipeline_back(bf16* back, cudaStream_t stream, bool brought_back);
+  void send_chunk(int chunk, const bf16* out);
+  void bring_back_chunk(int chunk, bf16* back);
+  void wait_for_exchange(cudaEvent_t exchanged, const char* phase, cudaStream_t stream);
   const bf16* chunk_result(int chunk) const;  // what chunk c sends home
   cuda::DevicePlan home_view(int64_t local_tokens) const;
   cuda::DevicePlan expert_view(int chunk) const;
@@ -386,6 +422,21 @@ class ExpertParallelGpu {
   ExpertParallelGpuStep step_;
   cuda::PhaseTimer* timer_ = nullptr;
   bool forward_done_ = false;
+  // Between the stages of a forward (forward_route .. forward_combine) or a backward: what the
+  // later stages read. stage: 1 after forward_route, 2 after forward_experts; 3 after
+  // backward_experts; 0 between calls.
+  struct Staged {
+    int stage = 0;
+    const bf16* x = nullptr;
+    bf16* y = nullptr;
+    ExpertParallelGpuWeights weights;
+    ExpertParallelGpuGradients gradients, computed_gradients;
+    int first_with_rows = -1;
+    int64_t waits_before = 0;
+    bool trial_step = false;
+  };
+  Staged staged_;
+  void expect_stage(int stage, const char* call) const;
 };
 
 }  // namespace moe::dist

@@ -23,15 +23,20 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
 
   void forward(const bf16* x, const cuda::MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
                const bf16* router_input) override {
-    if (router_input != nullptr) {
-      throw std::invalid_argument("expert-parallel MoE block: a separate router input (pre-gating) is not supported");
-    }
+    check_no_router_input(router_input);
     layer_.forward(x, local_tokens_, {weights.gate_weights, weights.w1, weights.w2}, y, stream);
-    host_losses_[0] = static_cast<float>(layer_.last_step().aux_loss);
-    host_losses_[1] = static_cast<float>(layer_.last_step().z_loss);
-    // Pageable source: the copy is staged before the call returns, so host_losses_ may change after.
-    CUDA_CHECK(cudaMemcpyAsync(losses_.data(), host_losses_, sizeof host_losses_, cudaMemcpyHostToDevice, stream));
+    copy_losses(stream);
   }
+
+  // The layer's own stages: the count exchange (and so the router losses) in forward_route.
+  void forward_route(const bf16* x, const cuda::MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
+                     const bf16* router_input) override {
+    check_no_router_input(router_input);
+    layer_.forward_route(x, local_tokens_, {weights.gate_weights, weights.w1, weights.w2}, y, stream);
+    copy_losses(stream);
+  }
+  void forward_experts(cudaStream_t stream) override { layer_.forward_experts(stream); }
+  void forward_combine(cudaStream_t stream) override { layer_.forward_combine(stream); }
 
   void backward(const bf16* x, const cuda::MoeLayerWeights& weights, const bf16* dy,
                 const cuda::MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
@@ -42,6 +47,16 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
     layer_.backward(x, {weights.gate_weights, weights.w1, weights.w2}, dy,
                     {gradients.dx, gradients.d_gate_weights, gradients.d_w1, gradients.d_w2}, stream);
   }
+  void backward_experts(const bf16* x, const cuda::MoeLayerWeights& weights, const bf16* dy,
+                        const cuda::MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
+                        float* d_router_input) override {
+    if (router_input != nullptr || d_router_input != nullptr) {
+      throw std::invalid_argument("expert-parallel MoE block: a separate router input (pre-gating) is not supported");
+    }
+    layer_.backward_experts(x, {weights.gate_weights, weights.w1, weights.w2}, dy,
+                            {gradients.dx, gradients.d_gate_weights, gradients.d_w1, gradients.d_w2}, stream);
+  }
+  void backward_combine(cudaStream_t stream) override { layer_.backward_combine(stream); }
 
   const float* aux_loss() const override { return losses_.data(); }
   const float* z_loss() const override { return losses_.data() + 1; }
@@ -67,6 +82,19 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
   void set_phase_timer(cuda::PhaseTimer* timer) override { layer_.set_phase_timer(timer); }
 
  private:
+  static void check_no_router_input(const bf16* router_input) {
+    if (router_input != nullptr) {
+      throw std::invalid_argument("expert-parallel MoE block: a separate router input (pre-gating) is not supported");
+    }
+  }
+  // The last forward's router losses (host values after the count exchange) into device scalars.
+  void copy_losses(cudaStream_t stream) {
+    host_losses_[0] = static_cast<float>(layer_.last_step().aux_loss);
+    host_losses_[1] = static_cast<float>(layer_.last_step().z_loss);
+    // Pageable source: the copy is staged before the call returns, so host_losses_ may change after.
+    CUDA_CHECK(cudaMemcpyAsync(losses_.data(), host_losses_, sizeof host_losses_, cudaMemcpyHostToDevice, stream));
+  }
+
   ExpertParallelGpu layer_;
   size_t rank_;
   int64_t local_tokens_;
