@@ -65,12 +65,15 @@ std::optional<int64_t> checked_parameter_count(const ModelConfig& c) {
   const int64_t w1 = c.activation == Activation::swiglu ? 2 : 1;
   // The sums of parameter_layout.h's list: embeddings; per block LayerNorms and attention
   // (4 D + 4 D^2), then the FFN; the final LayerNorm.
-  std::optional<int64_t> total = checked_product({kByteVocabulary + c.seq_len + 2, D});
+  const std::optional<int64_t> embedding_rows = checked_add(kByteVocabulary + 2, c.seq_len);  // V + S + 2
+  const std::optional<int64_t> D_plus_one = checked_add(D, 1);
+  if (!embedding_rows || !D_plus_one) return std::nullopt;
+  std::optional<int64_t> total = checked_multiply(*embedding_rows, D);
   auto add = [&](std::initializer_list<int64_t> factors) {
     const std::optional<int64_t> term = checked_product(factors);
     total = total && term ? checked_add(*total, *term) : std::nullopt;
   };
-  add({c.num_layers, 4, D + 1, D});
+  add({c.num_layers, 4, *D_plus_one, D});
   if (dense_count > 0) add({dense_count, 2, D, c.dense_hidden_dim});  // else H_dense is unused
   if (moe_count > 0) {
     add({moe_count, D, c.num_experts});                           // gate

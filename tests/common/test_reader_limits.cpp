@@ -125,6 +125,16 @@ TEST(ReaderLimits, ParameterCountIsBoundedAndMatchesTheLayout) {
   EXPECT_THAT(rejection(big), HasSubstr("parameter count = "));
   EXPECT_THAT(rejection(big), HasSubstr("at most " + std::to_string(kMaxParameters)));
   EXPECT_TRUE(checked_parameter_count(big));  // the limits keep even this inside 64 bits
+  ModelConfig wrapping;  // unvalidated sizes whose sums and products would wrap give nothing
+  wrapping.seq_len = kInt64Max;
+  EXPECT_FALSE(checked_parameter_count(wrapping));
+  wrapping = ModelConfig{};
+  wrapping.model_dim = kInt64Max;
+  EXPECT_FALSE(checked_parameter_count(wrapping));
+  wrapping = ModelConfig{};
+  wrapping.num_experts = int64_t{1} << 40;
+  wrapping.expert_hidden_dim = int64_t{1} << 30;
+  EXPECT_FALSE(checked_parameter_count(wrapping));
 
   for (MoeLayers layers : {MoeLayers::every_block, MoeLayers::every_other_block, MoeLayers::none}) {
     for (Activation activation : {Activation::gelu, Activation::swiglu}) {
