@@ -1,9 +1,9 @@
 // checked_size.h: sizes computed from untrusted numbers (a file's header, a config) in checked
 // 64-bit arithmetic: a product or sum that would overflow, or a negative factor, gives nothing
-// rather than a wrapped value, so a reader can refuse it before anything is allocated. The
-// readers (safetensors.cpp, npy.cpp, checkpoint.cpp, model_weights_file.cpp) and the parameter
-// count of a model config (parameter_layout.cpp) all size through it.
-// Header-only. Tested by tests/common/test_checked_size.cpp (ctest --test-dir build -R CheckedSize).
+// rather than a wrapped value, so a reader can refuse it before anything is allocated. Tensor and
+// array shapes (safetensors.cpp, npy.cpp) and a model config's parameter count (model_config.cpp,
+// which the checkpoint and weights-file readers compare with what the file holds) size through it.
+// Header-only. Tested by tests/common/test_reader_limits.cpp (ctest --test-dir build -R CheckedSize).
 #pragma once
 
 #include <cstdint>
