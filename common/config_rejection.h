@@ -27,6 +27,14 @@ struct ConfigRejection {
   void if_below_one(std::string_view field, int64_t value, std::string_view symbol) const {
     if (value < 1) (*this)(field, std::to_string(value), std::string(symbol) + " >= 1");
   }
+
+  // A size with an upper limit (the documented limits of moe_config.h and model_config.h):
+  // at least 1 and at most `most`, allowed "1 <= <symbol> <= <most>".
+  void if_outside(std::string_view field, int64_t value, std::string_view symbol, int64_t most) const {
+    if (value < 1 || value > most) {
+      (*this)(field, std::to_string(value), "1 <= " + std::string(symbol) + " <= " + std::to_string(most));
+    }
+  }
 };
 
 // A double as a stream prints it (1e-05, nan), for the value in a rejection.

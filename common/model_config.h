@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -29,6 +30,14 @@ namespace moe {
 inline constexpr int64_t kByteVocabulary = 256;  // V
 
 enum class MoeLayers { every_block, every_other_block, none };
+
+// Upper limits, checked by validate() with the MoE layer's (moe_config.h: D <= 65,536,
+// H and H_dense <= 262,144, E <= 1,024, B <= 65,536). The rule: a model of some tens of billions
+// of parameters, as one node holds in fp32 with its optimizer state, is allowed; anything larger
+// is a corrupt or hostile file, refused before a byte is allocated for it.
+inline constexpr int64_t kMaxLayers = int64_t{1} << 10;       // L <= 1,024
+inline constexpr int64_t kMaxSeqLen = int64_t{1} << 20;       // S <= 1,048,576
+inline constexpr int64_t kMaxParameters = int64_t{1} << 36;  // 68,719,476,736 parameters (275 GB fp32)
 
 // The defaults are a small model the CPU reference runs in a fraction of a second; a GPU trainer
 // sets its own sizes.
@@ -58,8 +67,14 @@ struct ModelConfig {
 };
 
 // Throws std::invalid_argument naming the field, its value and what is allowed. The MoE fields are
-// checked through moe::validate on moe_layer_config(config, 1), with "MoE layer: " in front.
+// checked through moe::validate on moe_layer_config(config, 1), with "MoE layer: " in front. Last,
+// the parameter count (checked_parameter_count) must be at most kMaxParameters.
 void validate(const ModelConfig& config);
+
+// The number of parameters (parameter_layout.h's flat buffer, without building the list), in
+// checked 64-bit arithmetic: nothing when a size is negative or the count exceeds 2^63 - 1. Does
+// not validate; parameter_count (parameter_layout.h) is the validated form.
+std::optional<int64_t> checked_parameter_count(const ModelConfig& config);
 
 // True when block `layer` (0-based) has an MoE FFN.
 bool is_moe_block(const ModelConfig& config, int64_t layer);

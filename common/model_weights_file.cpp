@@ -43,6 +43,16 @@ std::vector<TensorView> flat_views(const ModelConfig& config, std::span<const T>
 }
 
 LoadedWeights read_weights(const std::filesystem::path& path, const SafetensorsFile& file, const ModelConfig& config) {
+  // Before any list or buffer of the model's size: the tensors must hold every parameter in at least
+  // the narrowest weight dtype (BF16 / F16, 2 bytes), so a model_config that describes more than the
+  // file holds is refused here, whatever it claims.
+  const int64_t count = parameter_count(config);
+  const uint64_t data_bytes = file.tensors().empty() ? 0 : file.tensors().back().end;  // no holes: the last end
+  if (static_cast<uint64_t>(count) > data_bytes / 2) {
+    fail(path, "__metadata__'s model_config describes " + std::to_string(count) + " parameters (parameter count), " +
+                   "at least " + std::to_string(2 * static_cast<uint64_t>(count)) + " bytes of tensors; the file's " +
+                   "tensors hold " + std::to_string(data_bytes) + " bytes");
+  }
   LoadedWeights model;
   model.config = config;
   model.metadata = file.metadata();
@@ -53,7 +63,7 @@ LoadedWeights read_weights(const std::filesystem::path& path, const SafetensorsF
     if (!expected.contains(info.name)) fail(path, "has a tensor '" + info.name + "' that the model has no parameter for");
   }
 
-  std::vector<double> flat(static_cast<size_t>(parameter_count(config)));
+  std::vector<double> flat(static_cast<size_t>(count));
   for (const WeightTensor& tensor : tensors) {
     if (!file.contains(tensor.name)) fail(path, "has no tensor named '" + tensor.name + "'; the model needs it");
     const TensorInfo& info = file.info(tensor.name);

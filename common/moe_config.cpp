@@ -16,10 +16,10 @@ constexpr ConfigRejection reject{"MoE config"};
 }  // namespace
 
 void validate(const MoeConfig& c) {
-  reject.if_below_one("tokens (T)", c.tokens, "T");
-  reject.if_below_one("model_dim (D)", c.model_dim, "D");
-  reject.if_below_one("hidden_dim (H)", c.hidden_dim, "H");
-  reject.if_below_one("num_experts (E)", c.num_experts, "E");
+  reject.if_outside("tokens (T)", c.tokens, "T", kMaxTokens);
+  reject.if_outside("model_dim (D)", c.model_dim, "D", kMaxModelDim);
+  reject.if_outside("hidden_dim (H)", c.hidden_dim, "H", kMaxHiddenDim);
+  reject.if_outside("num_experts (E)", c.num_experts, "E", kMaxExperts);
   if (c.top_k < 1 || c.top_k > c.num_experts) {
     reject("top_k (K)", std::to_string(c.top_k),
            "1 <= K <= E (E = " + std::to_string(c.num_experts) + ")");
@@ -30,7 +30,7 @@ void validate(const MoeConfig& c) {
              "a finite number > 0 for the dropping and padded formulations");
     }
   }
-  reject.if_below_one("block_size (B)", c.block_size, "B");
+  reject.if_outside("block_size (B)", c.block_size, "B", kMaxBlockSize);
   if (c.formulation == Formulation::dropless && c.hidden_dim % c.block_size != 0) {
     reject("hidden_dim (H)", std::to_string(c.hidden_dim),
            "a multiple of block_size B = " + std::to_string(c.block_size) +

@@ -28,6 +28,15 @@ enum class Activation {
   swiglu,  // h = silu(x W1_gate) * (x W1_up); W1 then holds [gate | up], 2H columns
 };
 
+// Upper limits of the sizes, checked by validate(): generous for a layer that one node runs
+// (DeepSeek-V3's layer is D = 7168, H = 2048, E = 256), and small enough that any product of them
+// a kernel or a reader forms stays far inside 64 bits. Each size is also at least 1.
+inline constexpr int64_t kMaxTokens = int64_t{1} << 24;     // T <= 16,777,216 tokens in one call
+inline constexpr int64_t kMaxModelDim = int64_t{1} << 16;   // D <= 65,536
+inline constexpr int64_t kMaxHiddenDim = int64_t{1} << 18;  // H <= 262,144 (and H_dense, model_config.h)
+inline constexpr int64_t kMaxExperts = int64_t{1} << 10;    // E <= 1,024; K <= E
+inline constexpr int64_t kMaxBlockSize = int64_t{1} << 16;  // B <= 65,536
+
 struct MoeConfig {
   int64_t tokens = 0;       // T
   int64_t model_dim = 0;    // D
@@ -45,7 +54,8 @@ struct MoeConfig {
   double z_loss_coef = 0.0;    // weight of the router z-loss mean_t (logsumexp_e logits)^2
 };
 
-// Throws std::invalid_argument naming the field, its value and what is allowed.
+// Throws std::invalid_argument naming the field, its value and what is allowed (the limits above
+// included).
 void validate(const MoeConfig& config);
 
 // Rows per expert in the dropping and padded formulations: C = ceil(capacity_factor * T * K / E).

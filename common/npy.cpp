@@ -9,7 +9,8 @@
 #include <cctype>
 #include <limits>
 
-#include "file_io.h"  // write_file_atomically, read_file_capped
+#include "checked_size.h"  // checked_product
+#include "file_io.h"       // write_file_atomically, read_file_capped
 
 namespace moe {
 
@@ -24,16 +25,9 @@ struct Dtype {
 constexpr Dtype kDtypes[] = {{"<f4", 4}, {"<f8", 8}, {"<i4", 4}, {"<i8", 8}, {"|u1", 1}, {"<u2", 2}};
 constexpr std::string_view kDtypeList = "<f4, <f8, <i4, <i8, |u1, <u2";
 
-// Element count with overflow checks; -1 if the product does not fit.
-int64_t checked_count(const std::vector<int64_t>& shape) {
-  int64_t count = 1;
-  for (int64_t dimension : shape) {
-    if (dimension < 0) return -1;
-    if (dimension != 0 && count > std::numeric_limits<int64_t>::max() / dimension) return -1;
-    count *= dimension;
-  }
-  return count;
-}
+// Element count in checked arithmetic (checked_size.h); -1 if a dimension is negative or the
+// product does not fit.
+int64_t checked_count(const std::vector<int64_t>& shape) { return checked_product(shape).value_or(-1); }
 
 // A tiny parser for the one Python literal form numpy writes in the header.
 class HeaderParser {

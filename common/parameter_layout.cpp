@@ -48,8 +48,8 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& config) {
 }
 
 int64_t parameter_count(const ModelConfig& config) {
-  const std::vector<ParameterInfo> layout = parameter_layout(config);
-  return layout.back().offset + layout.back().rows * layout.back().cols;
+  validate(config);  // which bounds the count, so it is there
+  return *checked_parameter_count(config);
 }
 
 std::vector<double> initial_parameters(const ModelConfig& config, uint64_t seed) {

@@ -46,7 +46,9 @@ struct ParameterInfo {
 
 // Every parameter of the model, in the order above. Throws as validate(config) does.
 std::vector<ParameterInfo> parameter_layout(const ModelConfig& config);
-int64_t parameter_count(const ModelConfig& config);  // total entries, the flat buffer's size
+// Total entries, the flat buffer's size; at most kMaxParameters (model_config.h). Throws as
+// validate(config) does.
+int64_t parameter_count(const ModelConfig& config);
 
 // GPT-2's initialisation, flat in list order: every matrix uniform with standard deviation 0.02,
 // the projections that write into the residual stream (attention.out, ffn.w2, moe.w2.e)

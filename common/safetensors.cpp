@@ -12,7 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "file_io.h"  // AtomicFileWriter
+#include "checked_size.h"    // checked_product, checked_multiply
+#include "file_io.h"         // AtomicFileWriter
 #include "untrusted_json.h"  // parse_untrusted_json, json_excerpt
 
 namespace moe {
@@ -48,13 +49,12 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
-// elements(shape) x size in bytes, or nothing when it does not fit in 64 bits.
+// elements(shape) x size in bytes, or nothing when it does not fit in 63 bits (checked_size.h).
 std::optional<uint64_t> byte_count(const std::vector<int64_t>& shape, size_t size) {
-  uint64_t count = size;
-  for (int64_t extent : shape) {
-    if (__builtin_mul_overflow(count, static_cast<uint64_t>(extent), &count)) return std::nullopt;
-  }
-  return count;
+  const std::optional<int64_t> elements = checked_product(shape);
+  const std::optional<int64_t> bytes = elements ? checked_multiply(*elements, static_cast<int64_t>(size)) : std::nullopt;
+  if (!bytes) return std::nullopt;
+  return static_cast<uint64_t>(*bytes);
 }
 
 // ---- the header ----
@@ -78,7 +78,7 @@ std::string encode_header(const std::vector<TensorView>& tensors, const std::map
     if (!bytes || *bytes != tensor.bytes.size()) {
       fail(source, label + " has " + std::to_string(tensor.bytes.size()) + " bytes; " +
                                      std::string(to_string(tensor.dtype)) + " x shape " + shape_text(tensor.shape) +
-                                     " needs " + (bytes ? std::to_string(*bytes) : "more than 2^64"));
+                                     " needs " + (bytes ? std::to_string(*bytes) : "more than 2^63 - 1"));
     }
     header[tensor.name] = {{"dtype", std::string(to_string(tensor.dtype))},
                            {"shape", tensor.shape},
@@ -129,7 +129,7 @@ TensorInfo parse_entry(const std::string& source, const std::string& name, const
   if (!bytes || *bytes != info.end - info.begin) {
     fail(source, label + " has data_offsets " + json_excerpt(offsets) + " (" + std::to_string(info.end - info.begin) + " bytes); " +
                      std::string(to_string(info.dtype)) + " x shape " + shape_text(info.shape) + " needs " +
-                     (bytes ? std::to_string(*bytes) : "more than 2^64") + " bytes");
+                     (bytes ? std::to_string(*bytes) : "more than 2^63 - 1") + " bytes");
   }
   return info;
 }

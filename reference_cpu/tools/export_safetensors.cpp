@@ -21,6 +21,7 @@
 #include "checkpoint.h"         // load_checkpoint, latest_checkpoint, CheckpointError
 #include "config_json.h"  // model_config_from_json
 #include "model_safetensors.h"  // save_flat_weights_safetensors
+#include "parameter_layout.h"   // parameter_count
 #include "program_exit.h"       // check_output_path
 
 namespace {
@@ -66,6 +67,10 @@ int run(const std::vector<std::string>& arguments) {
     throw BadInput(source.string() + ": its " + error.what());
   }
   const std::vector<float>& weights = loaded.array("weights");
+  if (const int64_t count = moe::parameter_count(config); static_cast<int64_t>(weights.size()) != count) {
+    throw BadInput(source.string() + ": its weights hold " + std::to_string(weights.size()) +
+                   " values; its model config has " + std::to_string(count) + " parameters (parameter count)");
+  }
   moe::save_flat_weights_safetensors(out, config, weights,
                                           {{"source_checkpoint", source.string()},
                                            {"step", std::to_string(loaded.header.step)},

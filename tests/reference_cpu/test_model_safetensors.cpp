@@ -405,7 +405,8 @@ TEST(ReferenceWeightsExportTool, HelpAndBadInput) {
   const auto out = dir.path() / "model.safetensors";
   const ToolResult mismatch = run_tool("--checkpoint " + wrong.string() + " --out " + out.string(), dir.path());
   EXPECT_EQ(mismatch.status, 2);
-  EXPECT_THAT(mismatch.output, HasSubstr("the flat weights have 10 values; the model has"));
+  EXPECT_THAT(mismatch.output, HasSubstr("checkpoint_00000001.ckpt: its weights hold 10 values; its model config has " +
+                                         std::to_string(parameter_count(config)) + " parameters"));
   EXPECT_FALSE(std::filesystem::exists(out));
 
   // A damaged checkpoint fails its own checks.
