@@ -90,7 +90,9 @@ std::unique_ptr<GpuRanks> open_gpu_ranks(dist::MpiCommunicator& world, const std
                              std::to_string(device_of[r]) + ", ExpertParallelGpu, bf16, " + ranks->backend + ")");
   }
 #if MOE_HAVE_NCCL
-  if (ranks->backend == "nccl") ranks->nccl = std::make_unique<dist::NcclCommunicator>(world, /*stream=*/nullptr);
+  if (ranks->backend == "nccl") {  // under the world's watchdog, which then aborts NCCL on a stuck call
+    ranks->nccl = std::make_unique<dist::NcclCommunicator>(world, /*stream=*/nullptr, world.watchdog());
+  }
 #endif
   ranks->layer = ranks->nccl ? ranks->nccl.get() : static_cast<dist::Communicator*>(&world);
   CUDA_CHECK(cudaStreamCreateWithFlags(&ranks->stream, cudaStreamNonBlocking));

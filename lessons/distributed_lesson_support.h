@@ -1,8 +1,9 @@
 // distributed_lesson_support.h: what the lessons on MPI ranks share (06 expert parallelism, 07 Tutel):
 // each rank's shard of the tokens, the data every rank draws alike, the run record opened on rank 0
 // once every rank agrees that it may be written, rank 0's output (tables, text, the verdict), and
-// the flags and entry of their GPU path (--gpu, --backend; the path itself is
-// distributed_lesson_gpu.h, built with CUDA). Header-only and apart from lesson_support.h, because
+// the flags of their ranks and GPU path (--gpu, --backend, --collective-timeout; the path itself is
+// distributed_lesson_gpu.h, built with CUDA) and their entry, which puts every collective under the
+// watchdog (distributed/comm/watchdog.h), so a rank that stops never leaves the others waiting. Header-only and apart from lesson_support.h, because
 // only the lessons built with MPI have a communicator.
 // Written once here so that both lessons read as their sections alone. Used by:
 //   mpirun --oversubscribe -np 4 build/lessons/lesson06_expert_parallelism
@@ -27,8 +28,10 @@
 #include <vector>
 
 #include "command_line.h"           // CLI::App, one_of
+#include "comm/collective_timeout.h"  // add_collective_timeout_flag, collective_timeout
 #include "comm/communicator.h"      // Communicator, broadcast
 #include "comm/mpi_communicator.h"  // MpiEnvironment, MpiCommunicator
+#include "comm/watchdog.h"          // CollectiveWatchdog
 #include "init.h"                   // random_weights, random_matrix
 #include "lesson_support.h"         // LessonOptions, lesson_run_refused, create_lesson_run, zipf_tokens, Table
 
@@ -47,21 +50,24 @@ inline ExpertLoadEvent expert_load_of(int64_t step, int64_t layer, const std::ve
   return load;
 }
 
-// ---- the GPU path's flags, for parse_options' `own_flags` (lesson_support.h) ----
+// ---- the ranks' flags, for parse_options' `own_flags` (lesson_support.h) ----
 
-struct GpuFlags {
+struct RankFlags {
   bool gpu = false;              // --gpu
   std::string backend = "auto";  // --backend auto|nccl|mpi
+  double collective_timeout_seconds = dist::kDefaultCollectiveTimeoutSeconds;  // --collective-timeout S
 };
 
-// Declares --gpu and --backend on a lesson's command line (parse_options' `own_flags`).
-inline void add_gpu_flags(CLI::App& app, GpuFlags& flags) {
+// Declares --gpu, --backend and --collective-timeout on a lesson's command line (parse_options'
+// `own_flags`).
+inline void add_rank_flags(CLI::App& app, RankFlags& flags) {
   app.add_flag("--gpu", flags.gpu,
                "run the lesson's layer on GPU ranks (distributed/expert_parallel_gpu.h) and check it against the CPU "
                "reference, instead of the CPU ranks' tables");
   app.add_option("--backend", flags.backend, "with --gpu: auto (NCCL where each rank has its own GPU, else MPI), nccl, mpi")
       ->capture_default_str()
       ->check(one_of({"auto", "nccl", "mpi"}));
+  dist::add_collective_timeout_flag(app, flags.collective_timeout_seconds);
 }
 
 // --gpu anywhere in argv: the lessons' GPU path keeps its run record in a directory of its own.
@@ -212,15 +218,18 @@ inline int no_gpu_path(const dist::Communicator& world, const std::string& lesso
   return 1;
 }
 
-// Everything a lesson on MPI ranks does after reading its command line: MPI up, this rank's shard
+// Everything a lesson on MPI ranks does after reading its command line: MPI up, the watchdog on
+// every collective of the world and its communicators (--collective-timeout), this rank's shard
 // (shard_tokens), then the GPU path on --gpu, else the CPU path with the run record open. An error
 // on one rank of the GPU path ends every rank: the others would wait in the next collective.
 // Returns the exit code.
-inline int run_on_ranks(int argc, char** argv, const LessonOptions& options, const GpuFlags& flags,
+inline int run_on_ranks(int argc, char** argv, const LessonOptions& options, const RankFlags& flags,
                         const std::string& lesson_name, const std::string& lesson_number, const MoeConfig& config,
                         const GpuPath& gpu_path, const CpuPath& cpu_path) {
   dist::MpiEnvironment mpi(argc, argv);
-  const auto world = dist::MpiCommunicator::world();
+  dist::CollectiveWatchdog watchdog(mpi.world_rank(), mpi.world_size(),
+                                    dist::collective_timeout(flags.collective_timeout_seconds));
+  const auto world = dist::MpiCommunicator::world(&watchdog);
   const std::optional<Shard> shard = shard_tokens(*world, config, lesson_name);
   if (!shard) return 2;
   if (flags.gpu) {

@@ -11,6 +11,8 @@
 //   mpirun --oversubscribe -np 2 build/lessons/lesson06_expert_parallelism --gpu [--backend auto|nccl|mpi]
 //                    (the same layer on GPU ranks, distributed/ep/expert_parallel_gpu.h, checked against
 //                    the CPU reference; writes runs/lesson06_expert_parallelism_gpu)
+// --collective-timeout S (default 30): a rank that died or stopped ends the job after S seconds with
+// a line naming the collective (distributed_lesson_support.h; test: ctest -R StoppedRank).
 //
 // The layer is distributed/ep/expert_parallel_cpu.h (Eigen, double), checked against the
 // single-device layer reference_cpu/moe_layer.h on all tokens. Rank 0 prints the tables and the
@@ -28,7 +30,7 @@
 #include <tuple>
 
 #include "comm/mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
-#include "distributed_lesson_support.h"  // Shard, LessonData, RankOutput, GpuFlags, run_gpu_path
+#include "distributed_lesson_support.h"  // Shard, LessonData, RankOutput, RankFlags, run_gpu_path
 #include "ep/expert_parallel_cpu.h"      // expert_parallel_forward / backward, local_weights
 #include "lesson_support.h"              // options, Table, load_stats
 #include "reference_cpu/moe_layer.h"     // moe_forward, moe_backward: the oracle
@@ -259,7 +261,7 @@ void show_gpu_check(lessons::RankOutput& out, const lessons::ReferenceCheck& che
 // reference on all tokens (double, from the same bf16 values), then what the GPU run measured: the
 // count exchange's matrix, the bytes each rank moves, and where the time goes. Collective; returns
 // the exit code.
-int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::RankFlags& flags,
                MoeConfig config, const Shard& shard) {
   // The GPU's block-sparse kernels tile by B = 64 or 128 (D, H multiples of B): the lesson's B = 16
   // becomes 64. Dropless, B only sets the padding rows: y and every gradient are the same.
@@ -309,7 +311,7 @@ int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& optio
   return out.finish(pass, message.str());
 }
 #else
-int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, const lessons::GpuFlags&, MoeConfig,
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, const lessons::RankFlags&, MoeConfig,
                const Shard&) {
   return lessons::no_gpu_path(world, kName);
 }
@@ -609,15 +611,15 @@ int run_on_cpu(dist::Communicator& comm, lessons::RankOutput& out, const lessons
 }  // namespace
 
 int main(int argc, char** argv) {
-  lessons::GpuFlags gpu_flags;
+  lessons::RankFlags rank_flags;
   const auto options = lessons::parse_options(
       argc, argv, kName,
       lessons::gpu_flag_given(argc, argv) ? "runs/lesson06_expert_parallelism_gpu" : "runs/lesson06_expert_parallelism",
-      [&](CLI::App& app) { lessons::add_gpu_flags(app, gpu_flags); });
+      [&](CLI::App& app) { lessons::add_rank_flags(app, rank_flags); });
   const MoeConfig config = lesson_config();
   return lessons::run_on_ranks(
-      argc, argv, options, gpu_flags, kName, "06", config,
-      [&](dist::MpiCommunicator& world, const Shard& shard) { return run_on_gpu(world, options, gpu_flags, config, shard); },
+      argc, argv, options, rank_flags, kName, "06", config,
+      [&](dist::MpiCommunicator& world, const Shard& shard) { return run_on_gpu(world, options, rank_flags, config, shard); },
       [&](dist::Communicator& comm, lessons::RankOutput& out, const Shard& shard) {
         return run_on_cpu(comm, out, options, config, shard);
       });

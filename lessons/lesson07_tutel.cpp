@@ -14,6 +14,8 @@
 //   mpirun --oversubscribe -np 2 build/lessons/lesson07_tutel --gpu [--backend auto|nccl|mpi]
 //                    (the GPU layer's pipelining degrees, its adaptive choice of d, its 2DH
 //                    exchange and its layouts r, measured and checked; writes runs/lesson07_tutel_gpu)
+// --collective-timeout S (default 30): a rank that died or stopped ends the job after S seconds with
+// a line naming the collective (distributed_lesson_support.h; test: ctest -R StoppedRank).
 //
 // The layer is distributed/ep/expert_parallel_cpu.h (Eigen, double) with its pipeline_chunks and
 // hierarchical options; the 2DH exchange is distributed/comm/all_to_all_2dh.h; the layouts r are
@@ -37,7 +39,7 @@
 
 #include "comm/all_to_all_2dh.h"         // HierarchicalAllToAll
 #include "comm/mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
-#include "distributed_lesson_support.h"  // Shard, LessonData, RankOutput, GpuFlags, run_gpu_path
+#include "distributed_lesson_support.h"  // Shard, LessonData, RankOutput, RankFlags, run_gpu_path
 #include "ep/expert_layouts.h"           // expert_layout_forward / backward, choose_layout, measure_layouts
 #include "ep/expert_parallel_cpu.h"      // expert_parallel_forward / backward, local_weights
 #include "lesson_support.h"              // options, Table
@@ -428,7 +430,7 @@ GpuLayouts gpu_layouts(const GpuSection& s, const lessons::GpuRanks& ranks, cons
 // portable kernels compute a row the same way whatever rows surround it), every layout's y and dx
 // within bf16 tolerance of r = 1's, and d = 1 against the CPU reference. Collective; returns the
 // exit code.
-int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::GpuFlags& flags,
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& options, const lessons::RankFlags& flags,
                MoeConfig config, const Shard& shard) {
   // The GPU's block-sparse kernels tile by B = 64 or 128, with D and H multiples of B: the lesson's
   // D = 32, H = 64, B = 8 become D = 64, H = 128, B = 64 (T, E, K as on the CPU ranks).
@@ -489,7 +491,7 @@ int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& optio
   return out.finish(pass, message.str());
 }
 #else
-int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, const lessons::GpuFlags&, MoeConfig,
+int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, const lessons::RankFlags&, MoeConfig,
                const Shard&) {
   return lessons::no_gpu_path(world, kName);
 }
@@ -937,14 +939,14 @@ int run_on_cpu(dist::Communicator& comm, lessons::RankOutput& out, const lessons
 }  // namespace
 
 int main(int argc, char** argv) {
-  lessons::GpuFlags gpu_flags;
+  lessons::RankFlags rank_flags;
   const auto options = lessons::parse_options(
       argc, argv, kName, lessons::gpu_flag_given(argc, argv) ? "runs/lesson07_tutel_gpu" : "runs/lesson07_tutel",
-      [&](CLI::App& app) { lessons::add_gpu_flags(app, gpu_flags); });
+      [&](CLI::App& app) { lessons::add_rank_flags(app, rank_flags); });
   const MoeConfig config = lesson_config();
   return lessons::run_on_ranks(
-      argc, argv, options, gpu_flags, kName, "07", config,
-      [&](dist::MpiCommunicator& world, const Shard& shard) { return run_on_gpu(world, options, gpu_flags, config, shard); },
+      argc, argv, options, rank_flags, kName, "07", config,
+      [&](dist::MpiCommunicator& world, const Shard& shard) { return run_on_gpu(world, options, rank_flags, config, shard); },
       [&](dist::Communicator& comm, lessons::RankOutput& out, const Shard& shard) {
         return run_on_cpu(comm, out, options, config, shard);
       });

@@ -16,6 +16,9 @@
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend mpi                        (ranks may share a GPU)
 //   mpirun -np 2 build/distributed/bench/ep_bench --backend nccl --only layer --layouts  (Tutel's layouts r)
 //   build/distributed/bench/ep_bench --help
+// --collective-timeout S (default 30): a collective that has not completed after S seconds ends the
+// job with a line naming the rank and the call (distributed/comm/watchdog.h), so a rank that died
+// or stopped never leaves the others waiting.
 // As root, OpenMPI also wants --allow-run-as-root. The MPI backend stages every exchange through
 // host memory: its timings are of PCIe copies and shared memory between processes, not of an
 // interconnect, and the table says so; ranks that share a GPU check correctness only.
@@ -38,7 +41,9 @@
 #include "ep_bench_variants.h"
 #include "ep/expert_layout_choice_gpu.h"  // choose_gpu_layout: the cost model's layout
 #include "file_io.h"  // write_file_atomically
+#include "comm/collective_timeout.h"  // collective_timeout
 #include "comm/mpi_communicator.h"
+#include "comm/watchdog.h"  // CollectiveWatchdog
 #if MOE_HAVE_NCCL
 #include "comm/nccl_communicator.h"
 #endif
@@ -151,7 +156,7 @@ int run(int argc, char** argv, MpiCommunicator& world) {
           std::to_string(R) + " ranks share " + std::to_string(devices) + " GPU(s): use --backend mpi");
       return 2;
     }
-    nccl = std::make_unique<NcclCommunicator>(world, /*stream=*/nullptr);
+    nccl = std::make_unique<NcclCommunicator>(world, /*stream=*/nullptr, world.watchdog());
 #else
     complain("ep_bench: this build has no NCCL: use --backend mpi");
     return 2;
@@ -335,9 +340,17 @@ int run(int argc, char** argv, MpiCommunicator& world) {
 
 int main(int argc, char** argv) {
   moe::dist::MpiEnvironment mpi(argc, argv);
+  // The watchdog first (every communicator's calls are armed on it); its timeout from the flags, a
+  // bad value of which run() reports.
+  double timeout_seconds = moe::dist::kDefaultCollectiveTimeoutSeconds;
+  try {
+    timeout_seconds = moe::dist::bench::parse_options(argc, argv).collective_timeout_seconds;
+  } catch (const std::exception&) {
+  }
+  moe::dist::CollectiveWatchdog watchdog(mpi.world_rank(), mpi.world_size(), moe::dist::collective_timeout(timeout_seconds));
   int status = 0;
   {
-    auto world = moe::dist::MpiCommunicator::world();
+    auto world = moe::dist::MpiCommunicator::world(&watchdog);
     try {
       status = moe::dist::bench::run(argc, argv, *world);
     } catch (const std::exception& error) {

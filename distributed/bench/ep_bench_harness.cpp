@@ -91,6 +91,7 @@ void declare_flags(CLI::App& app, BenchOptions& o, FlagTexts& texts) {
           ""));
   app.add_option("--out", o.out, "the rows as JSON, with device, date, R and backend");
   app.add_option("--seed", o.seed, "seed of the tokens and weights")->capture_default_str()->check(whole_number(0));
+  add_collective_timeout_flag(app, o.collective_timeout_seconds);
 }
 
 constexpr const char* kDescription =

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/collective_timeout.h"  // kDefaultCollectiveTimeoutSeconds
 #include "comm/communicator.h"     // Communicator
 #include "core/phase_timer.h"  // PhaseTimer
 #include "comm/device_exchange.h"  // DeviceExchange
@@ -52,6 +53,7 @@ struct BenchOptions {
   std::vector<std::string> variants{"count", "alltoall", "dispatch", "layer"};  // --only
   std::string out;             // --out FILE.json
   uint64_t seed = 1234;
+  double collective_timeout_seconds = kDefaultCollectiveTimeoutSeconds;  // --collective-timeout S: the watchdog's
   bool help = false;
 };
 

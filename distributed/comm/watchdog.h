@@ -25,7 +25,7 @@
 // The timeout must be longer than the longest honest wait in a collective, which includes the work
 // an imbalanced peer does before it joins (a rank that waits for a slower one counts that time too).
 // The default, kDefaultCollectiveTimeout = 30 s, ends a hung job well within a minute; programs take
-// it as a flag (`--collective-timeout SECONDS`), not from the environment.
+// it as a flag (`--collective-timeout SECONDS`, collective_timeout.h), not from the environment.
 //
 //   CollectiveWatchdog watchdog(mpi.world_rank(), mpi.world_size());      // before the communicators
 //   auto world = MpiCommunicator::world(&watchdog);                        // its collectives are armed

@@ -40,6 +40,7 @@
 
 #include "core/device_info.h"      // why_no_gpu
 #include "expert_parallel_ranks.h"  // ExpertParallelRanks
+#include "comm/collective_timeout.h"      // add_collective_timeout_flag, collective_timeout
 #include "comm/watchdog.h"               // CollectiveWatchdog
 #include "fnv1a.h"                  // fnv1a_64: the configs' fingerprint
 #include "comm/mpi_communicator.h"       // MpiEnvironment, MpiCommunicator
@@ -61,7 +62,7 @@ using moe::dist::MpiCommunicator;
 struct DistributedFlags {
   std::string backend;  // "", "nccl" or "mpi"
   int pipeline_chunks = 1;
-  double collective_timeout_seconds = 30;
+  double collective_timeout_seconds = moe::dist::kDefaultCollectiveTimeoutSeconds;
   std::vector<std::string> rest;  // moe_train's flags
 };
 
@@ -77,10 +78,7 @@ void declare_flags(CLI::App& app, DistributedFlags& flags) {
                      "; 0: each layer times d = 1, 2, 4, 8 and keeps the fastest")
       ->capture_default_str()
       ->check(moe::whole_number(moe::dist::kAdaptivePipelineChunks, moe::dist::kMaxPipelineChunks));
-  app.add_option("--collective-timeout", flags.collective_timeout_seconds,
-                 "end the job when a collective has not completed in S seconds (a rank died or stopped)")
-      ->capture_default_str()
-      ->check(moe::finite_number(1, 86400));
+  moe::dist::add_collective_timeout_flag(app, flags.collective_timeout_seconds);
 }
 
 constexpr const char* kDescription =
@@ -209,7 +207,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception&) {
   }
   moe::dist::CollectiveWatchdog watchdog(mpi.world_rank(), mpi.world_size(),
-                                         std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+                                         moe::dist::collective_timeout(timeout_seconds));
   int status = 0;
   {
     auto world = MpiCommunicator::world(&watchdog);

@@ -6,12 +6,21 @@
 #         -DEXPECT_OUTPUT="regex" -DMAX_SECONDS=60 -DSCRATCH=dir -P run_fault.cmake
 # COMMAND and ARGS are '|'-separated lists ('|' survives ctest's command line, ';' does not).
 # EXPECT_EXIT: zero or nonzero. EXPECT_OUTPUT (and EXPECT_OUTPUT_ALSO, where given): regular
-# expressions that stdout + stderr must match.
+# expressions that stdout + stderr must match. PROGRAM: the name of the ranks' program, for the
+# clean-up below (default fault_rank_program). SKIP_OUTPUT: output that makes the row a skip, the
+# program having said why (default "SKIP needs one GPU per rank"). The same driver runs the
+# stopped-rank rows, whose COMMAND launches stop_rank.sh.
 #
 # It never hangs: the launcher runs under coreutils' `timeout` (MAX_SECONDS + 15, then SIGKILL) and
 # under execute_process's own TIMEOUT; each rank writes its pid to SCRATCH, and any rank of this
 # program still alive once the launcher has returned (a stopped rank the launcher left behind) is
 # killed with SIGKILL, which ends a stopped process too, and fails the row.
+if(NOT PROGRAM)
+  set(PROGRAM fault_rank_program)
+endif()
+if(NOT SKIP_OUTPUT)
+  set(SKIP_OUTPUT "SKIP needs one GPU per rank")
+endif()
 string(REPLACE "|" ";" command "${COMMAND}")
 string(REPLACE "|" ";" arguments "${ARGS}")
 file(REMOVE_RECURSE "${SCRATCH}")
@@ -46,7 +55,7 @@ foreach(pid_file ${pid_files})
   get_filename_component(rank_name "${pid_file}" NAME_WE)
   if(pid AND EXISTS "/proc/${pid}/cmdline")
     file(READ "/proc/${pid}/cmdline" rank_command)
-    if(rank_command MATCHES "fault_rank_program")
+    if(rank_command MATCHES "${PROGRAM}")
       execute_process(COMMAND kill -KILL ${pid})
       list(APPEND left_behind "${rank_name} (pid ${pid})")
     endif()
@@ -57,7 +66,7 @@ set(shown "${command} ${arguments}")
 string(REPLACE ";" " " shown "${shown}")
 message("ran: ${shown}\nexit: ${exit_status}\nseconds: ${seconds}\nstdout:\n${out}\nstderr:\n${err}")
 
-if("${out}" MATCHES "SKIP needs one GPU per rank")  # CTest's SKIP_REGULAR_EXPRESSION counts it skipped
+if("${out}\n${err}" MATCHES "${SKIP_OUTPUT}")  # CTest's SKIP_REGULAR_EXPRESSION counts it skipped
   message("SKIP (the program says why above)")
   return()
 endif()
