@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <exception>  // std::uncaught_exceptions
 #include <fstream>
 #include <system_error>
 
@@ -50,10 +51,11 @@ bool is_blank(std::string_view line) {
 }
 
 // Parses the complete lines in `text` (each ending in '\n'), handing each event to `on_event`.
-// `first_line` is the 1-based number of the first line in the file.
+// `first_line` is the 1-based number of the first line in the file. A line that is not a valid
+// event throws, or, when `on_bad_line` is set, is handed to it as a message and skipped.
 template <class OnEvent>
 void for_each_complete_line(std::string_view text, int64_t first_line, const std::string& file,
-                            OnEvent&& on_event) {
+                            OnEvent&& on_event, const BadLineHandler& on_bad_line = {}) {
   int64_t line_number = first_line;
   size_t begin = 0;
   while (begin < text.size()) {
@@ -65,10 +67,13 @@ void for_each_complete_line(std::string_view text, int64_t first_line, const std
       std::string problem = parse_json(line, event);
       if (problem.empty()) problem = validate_event(event);
       if (!problem.empty()) {
-        throw RecordError(file + " line " + std::to_string(line_number) + ": " + problem +
-                          "; the line starts: " + excerpt(line));
+        std::string message = file + " line " + std::to_string(line_number) + ": " + problem +
+                              "; the line starts: " + excerpt(line);
+        if (!on_bad_line) throw RecordError(message);
+        on_bad_line(message + " (line skipped)");
+      } else {
+        on_event(std::move(event));
       }
-      on_event(std::move(event));
     }
     begin = end + 1;
     ++line_number;
@@ -76,8 +81,9 @@ void for_each_complete_line(std::string_view text, int64_t first_line, const std
 }
 
 void parse_complete_lines(std::string_view text, int64_t first_line, const std::string& file,
-                          std::vector<json>& out) {
-  for_each_complete_line(text, first_line, file, [&](json&& event) { out.push_back(std::move(event)); });
+                          std::vector<json>& out, const BadLineHandler& on_bad_line = {}) {
+  for_each_complete_line(text, first_line, file, [&](json&& event) { out.push_back(std::move(event)); },
+                         on_bad_line);
 }
 
 json parse_run_json_text(std::string_view text, const std::string& file) {
@@ -118,6 +124,15 @@ std::chrono::system_clock::time_point parse_iso8601(const std::string& text, boo
   if (!ok) return {};
   return sys_days{date} + hours{hour} + minutes{minute} +
          duration_cast<system_clock::duration>(duration<double>{second});
+}
+
+// Replaces run.json atomically (file_io.h): a reader sees the old file or the new one, whole.
+void write_run_json(const fs::path& dir, const json& run_json) {
+  try {
+    write_file_atomically(dir / kRunFile, run_json.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+  } catch (const FileWriteError& error) {
+    throw RecordError(std::string("writing ") + (dir / kRunFile).string() + " failed: " + error.what());
+  }
 }
 
 }  // namespace
@@ -207,6 +222,12 @@ RunInfo run_info_from_json(const json& j) {
     if (!commit->is_string()) field_error("git_commit", "a string", *commit);
     info.git_commit = commit->get<std::string>();
   }
+  if (const json* finished = find_field(j, "finished", false)) {
+    if (!finished->is_boolean()) field_error("finished", "true or false", *finished);
+  }
+  if (const json* end = find_field(j, "end_time", false)) {
+    if (!end->is_string()) field_error("end_time", "a string (ISO-8601 UTC)", *end);
+  }
   if (const json* extra = find_field(j, "extra", false)) {
     if (!extra->is_object()) field_error("extra", "an object", *extra);
     info.extra = *extra;
@@ -231,8 +252,12 @@ std::string utc_now_iso8601() {
 
 // ---- writing ----
 
-RunWriter::RunWriter(fs::path dir, std::FILE* events, std::chrono::steady_clock::time_point origin)
-    : dir_(std::move(dir)), events_(events), origin_(origin), mutex_(std::make_unique<std::mutex>()) {
+RunWriter::RunWriter(fs::path dir, json run_json, std::FILE* events, std::chrono::steady_clock::time_point origin)
+    : dir_(std::move(dir)),
+      run_json_(std::move(run_json)),
+      events_(events),
+      origin_(origin),
+      mutex_(std::make_unique<std::mutex>()) {
   // Unbuffered: each line goes to the file in the write of its own append, so nothing of a line
   // whose write failed is left in a buffer for a later flush to add after the cut (append).
   std::setvbuf(events_, nullptr, _IONBF, 0);
@@ -240,14 +265,20 @@ RunWriter::RunWriter(fs::path dir, std::FILE* events, std::chrono::steady_clock:
 
 RunWriter::RunWriter(RunWriter&& other) noexcept
     : dir_(std::move(other.dir_)),
+      run_json_(std::move(other.run_json_)),
       events_(std::exchange(other.events_, nullptr)),
       origin_(other.origin_),
       mutex_(std::move(other.mutex_)) {}
 
 RunWriter& RunWriter::operator=(RunWriter&& other) noexcept {
   if (this != &other) {
-    close();
+    try {
+      close();  // the record replaced here ended normally
+    } catch (const RecordError&) {
+      close_file();
+    }
     dir_ = std::move(other.dir_);
+    run_json_ = std::move(other.run_json_);
     events_ = std::exchange(other.events_, nullptr);
     origin_ = other.origin_;
     mutex_ = std::move(other.mutex_);
@@ -255,9 +286,28 @@ RunWriter& RunWriter::operator=(RunWriter&& other) noexcept {
   return *this;
 }
 
-RunWriter::~RunWriter() { close(); }
+RunWriter::~RunWriter() {
+  if (std::uncaught_exceptions() > 0) {
+    close_file();  // the program is failing: no end event, the record reads as partial
+    return;
+  }
+  try {
+    close();
+  } catch (const RecordError&) {
+    // A destructor must not throw; the record just stays unmarked (partial).
+  }
+}
 
 void RunWriter::close() {
+  if (!events_) return;
+  close_file();
+  // run.json says so last, after every event is in events.jsonl.
+  run_json_["finished"] = true;
+  run_json_["end_time"] = utc_now_iso8601();
+  write_run_json(dir_, run_json_);
+}
+
+void RunWriter::close_file() {
   if (events_) {
     std::fclose(events_);
     events_ = nullptr;
@@ -283,7 +333,8 @@ RunWriter RunWriter::create(const fs::path& dir, RunInfo info, OnExisting on_exi
     throw RecordError("cannot create the run directory " + dir.string());
   }
   if (info.start_time.empty()) info.start_time = utc_now_iso8601();
-  const json run_json = run_info_to_json(info);
+  json run_json = run_info_to_json(info);
+  run_json["finished"] = false;  // close() sets it: a record left at false was cut short
   run_info_from_json(run_json);  // never write a run.json our own reader would reject
 
   // events.jsonl first, exclusively when refusing: if another process created the run in the
@@ -293,7 +344,7 @@ RunWriter RunWriter::create(const fs::path& dir, RunInfo info, OnExisting on_exi
     throw RecordError("cannot create " + events_file.string() + ": " + std::strerror(errno));
   }
   try {
-    write_file_atomically(run_file, run_json.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+    write_run_json(dir, run_json);
   } catch (...) {
     // No half run left behind: an events.jsonl without run.json is not a run to any reader, yet it
     // would make the next create refuse the directory as an existing run.
@@ -301,7 +352,7 @@ RunWriter RunWriter::create(const fs::path& dir, RunInfo info, OnExisting on_exi
     fs::remove(events_file, error);
     throw;
   }
-  return RunWriter(dir, events, std::chrono::steady_clock::now());
+  return RunWriter(dir, run_json, events, std::chrono::steady_clock::now());
 }
 
 RunWriter RunWriter::resume_at_step(const fs::path& dir, int64_t step) {
@@ -331,8 +382,8 @@ RunWriter RunWriter::resume_at_step(const fs::path& dir, int64_t step) {
 
 RunWriter RunWriter::resume(const fs::path& dir) {
   const fs::path events_file = dir / kEventsFile;
-  const json info = parse_run_json_text(read_file_capped(dir / kRunFile, ReadOptions{}.max_file_bytes),
-                                        (dir / kRunFile).string());
+  json info = parse_run_json_text(read_file_capped(dir / kRunFile, ReadOptions{}.max_file_bytes),
+                                  (dir / kRunFile).string());
   std::error_code error;
   // Cut a half-written last line (a crash mid-append), else the next event would be glued to it.
   if (fs::exists(events_file, error)) {
@@ -367,6 +418,15 @@ RunWriter RunWriter::resume(const fs::path& dir) {
   }
   std::FILE* events = std::fopen(events_file.c_str(), "ab");
   if (!events) throw RecordError("cannot open " + events_file.string() + ": " + std::strerror(errno));
+  // The run goes on: unfinished again until this writer closes it.
+  info["finished"] = false;
+  info.erase("end_time");
+  try {
+    write_run_json(dir, info);
+  } catch (...) {
+    std::fclose(events);
+    throw;
+  }
   // Keep span times on the same clock as before the restart: origin = the run's start_time.
   auto origin = std::chrono::steady_clock::now();
   bool ok = false;
@@ -377,7 +437,7 @@ RunWriter RunWriter::resume(const fs::path& dir) {
       origin -= std::chrono::duration_cast<std::chrono::steady_clock::duration>(since_start);
     }
   }
-  return RunWriter(dir, events, origin);
+  return RunWriter(dir, std::move(info), events, origin);
 }
 
 void RunWriter::append(const json& event) {
@@ -409,13 +469,13 @@ double RunWriter::elapsed_us() const {
 // ---- reading ----
 
 RunRecord parse_run_record(std::string_view run_json_text, std::string_view events_text,
-                           const std::string& source) {
+                           const std::string& source, const BadLineHandler& on_bad_line) {
   RunRecord record;
   record.info = parse_run_json_text(run_json_text, source + "/" + kRunFile);
   const std::string events_file = source + "/" + kEventsFile;
   const size_t last_newline = events_text.rfind('\n');
   const size_t complete = last_newline == std::string_view::npos ? 0 : last_newline + 1;
-  parse_complete_lines(events_text.substr(0, complete), 1, events_file, record.events);
+  parse_complete_lines(events_text.substr(0, complete), 1, events_file, record.events, on_bad_line);
 
   // What follows the last newline is a line still being written (live run) or cut by a crash.
   std::string_view tail = events_text.substr(complete);
@@ -502,7 +562,8 @@ std::vector<json> RunReader::poll() {
   return events;
 }
 
-int64_t RunReader::poll_each(const std::function<void(const json&)>& on_event, uint64_t max_bytes) {
+int64_t RunReader::poll_each(const std::function<void(const json&)>& on_event, uint64_t max_bytes,
+                             const BadLineHandler& on_bad_line) {
   const fs::path events_file = dir_ / kEventsFile;
   caught_up_ = true;
   has_partial_line_ = false;
@@ -557,7 +618,7 @@ int64_t RunReader::poll_each(const std::function<void(const json&)>& on_event, u
     for_each_complete_line(lines, lines_consumed_ + 1, events_file.string(), [&](json&& event) {
       on_event(event);
       ++events;
-    });
+    }, on_bad_line);
     offset_ += complete;
     parsed_this_call += complete;
     lines_consumed_ += std::count(lines.begin(), lines.end(), '\n');

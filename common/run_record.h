@@ -4,6 +4,7 @@
 //   run.json      what ran: kind, name, model and MoE config, devices, commit, start time
 //                 (written once, atomically)
 //   events.jsonl  what happened: one JSON event per line, appended as the run goes (run_events.h)
+// run.json's "finished" says whether the writer closed the record (false: cut short, "partial").
 // Programs write with RunWriter; tools read with RunReader, whole (load) or live (poll, which
 // returns only the complete lines that arrived since the last call). The viewer streams instead
 // (poll_each: each event handed over as it is parsed, a bounded piece of the file per call), so a
@@ -112,18 +113,31 @@ class RunWriter {
   double elapsed_us() const;
 
   const std::filesystem::path& dir() const { return dir_; }
-  void close();  // also done by the destructor
+  // Ends the record: closes events.jsonl, then marks the run finished in run.json ("finished":
+  // true and "end_time", written atomically; create() and resume() write "finished": false). The
+  // destructor does the same, except while an exception unwinds the stack: a program that fails,
+  // like one that is killed, leaves "finished": false, which the viewer shows as partial. A writer
+  // whose append failed is already closed and marks nothing. Throws RecordError when run.json
+  // cannot be written.
+  void close();
 
  private:
-  RunWriter(std::filesystem::path dir, std::FILE* events, std::chrono::steady_clock::time_point origin);
+  RunWriter(std::filesystem::path dir, nlohmann::json run_json, std::FILE* events,
+            std::chrono::steady_clock::time_point origin);
+  void close_file();  // closes events.jsonl without marking the run finished
 
   std::filesystem::path dir_;
+  nlohmann::json run_json_;  // what run.json holds; close() adds "finished": true
   std::FILE* events_ = nullptr;
   std::chrono::steady_clock::time_point origin_;
   std::unique_ptr<std::mutex> mutex_;
 };
 
 // ---- reading ----
+
+// Takes the message about a line of events.jsonl that is not a valid event (it names the file and
+// the line). A reader given one skips such a line and goes on with the next; without one it throws.
+using BadLineHandler = std::function<void(const std::string& message)>;
 
 struct ReadOptions {
   uint64_t max_file_bytes = uint64_t{1} << 30;  // 1 GiB: larger run.json / events.jsonl are refused
@@ -161,9 +175,12 @@ class RunReader {
   // caller keeps drawing. No limit on the file's size: memory is one chunk plus what on_event
   // keeps. Returns the number of events; caught_up() says whether the end was reached. Throws
   // RecordError on a corrupt or over-long line, or when events.jsonl shrank or was replaced by
-  // another file (a different inode) since the last call.
+  // another file (a different inode) since the last call. Given on_bad_line, a corrupt line (not
+  // JSON, a number beyond double's range such as 1e400, a known event with a wrong field) is
+  // handed to it and skipped instead, and the later lines are read: the viewer and
+  // moe_trace_export show what is left of a damaged record and say which lines they left out.
   int64_t poll_each(const std::function<void(const nlohmann::json&)>& on_event,
-                    uint64_t max_bytes = uint64_t{64} << 20);
+                    uint64_t max_bytes = uint64_t{64} << 20, const BadLineHandler& on_bad_line = {});
   bool caught_up() const { return caught_up_; }
   // After the last poll_each: the trailing line that has no newline, handled as load() does (a
   // valid event is handed over with a warning, anything else only warned about). Returns the
@@ -187,8 +204,8 @@ class RunReader {
 };
 
 // The same checks as RunReader::load on text in memory (tests, fuzzing, other transports).
-// `source` names the run in messages.
+// `source` names the run in messages; on_bad_line as for RunReader::poll_each.
 RunRecord parse_run_record(std::string_view run_json_text, std::string_view events_text,
-                           const std::string& source = "<memory>");
+                           const std::string& source = "<memory>", const BadLineHandler& on_bad_line = {});
 
 }  // namespace moe

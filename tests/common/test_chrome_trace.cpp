@@ -74,6 +74,13 @@ void check_trace(const json& trace) {
   EXPECT_EQ((thread_names[{1, kAllToAllThread}]), "all-to-all");
 }
 
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
 json read_json(const fs::path& path) {
   std::ifstream in(path);
   return json::parse(in);
@@ -93,6 +100,26 @@ TEST(ChromeTrace, EmptyRunGivesAnEmptyButValidTrace) {
   const json trace = chrome_trace_from_events({});
   EXPECT_TRUE(trace["traceEvents"].is_array());
   EXPECT_TRUE(trace["traceEvents"].empty());
+}
+
+// The streaming writer gives the trace the in-memory one gives, and leaves nothing behind when it
+// is not finished.
+TEST(ChromeTrace, StreamingWriterMatchesTheWholeRecordTrace) {
+  moe::testing::TempDir temp;
+  const RunRecord run = RunReader::load(write_sample_run(temp.path() / "run"));
+  const fs::path out = temp.path() / "streamed.json";
+  {
+    ChromeTraceWriter writer(out, run.info);
+    for (const json& event : run.events) writer.add(event);
+    EXPECT_EQ(writer.finish(), 4);
+  }
+  EXPECT_EQ(read_json(out), chrome_trace_from_events(run.events, run.info));
+  {
+    ChromeTraceWriter abandoned(temp.path() / "abandoned.json", run.info);
+    abandoned.add(run.events.front());
+  }
+  EXPECT_FALSE(fs::exists(temp.path() / "abandoned.json"));
+  EXPECT_FALSE(fs::exists(temp.path() / "abandoned.json.tmp"));
 }
 
 int run_command(const std::string& command) {
@@ -118,6 +145,20 @@ TEST(ChromeTrace, CommandLineToolExportsAndExplainsMistakes) {
             2);
   EXPECT_FALSE(fs::exists(out));
   EXPECT_EQ(run_command("'" + tool + "' '" + run_dir.string() + "' '" + out.string() + "' > /dev/null"), 0);
+  check_trace(read_json(out));
+
+  // A bad line in the middle of the record (a number beyond double's range) is named and left
+  // out; the spans after it are still exported.
+  const std::string events = read_text(run_dir / "events.jsonl");
+  const size_t second_line = events.find('\n') + 1;
+  std::ofstream(run_dir / "events.jsonl", std::ios::binary)
+      << events.substr(0, second_line) << "{\"type\":\"step\",\"step\":1,\"loss\":1e400}\n" << events.substr(second_line);
+  EXPECT_EQ(run_command("'" + tool + "' '" + run_dir.string() + "' '" + out.string() + "' > /dev/null 2> '" +
+                        log.string() + "'"),
+            0);
+  const std::string warnings = read_text(log);
+  EXPECT_NE(warnings.find("events.jsonl line 2: "), std::string::npos) << warnings;
+  EXPECT_NE(warnings.find("1 lines of the record are not valid events"), std::string::npos) << warnings;
   check_trace(read_json(out));
 }
 

@@ -206,6 +206,77 @@ TEST(RunRecord, CorruptMiddleLineIsAnErrorNamingFileAndLine) {
   EXPECT_CONTAINS(message, "not valid JSON");
 }
 
+// Given a handler, the streaming reader reports a bad line (here a number beyond double's range,
+// then one that is not JSON) with its line number and goes on: no later line is lost.
+TEST(RunRecord, StreamingReaderSkipsBadLinesAndReadsTheLaterOnes) {
+  TempDir temp;
+  { RunWriter::create(temp.path(), sample_info()).append(step_event(1, {{"loss", 2.0}})); }
+  write_bytes(temp.path() / "events.jsonl",
+              "{\"type\":\"step\",\"step\":2,\"loss\":1e400}\n{oops}\n{\"type\":\"step\",\"step\":4}\n", true);
+  RunReader reader(temp.path(), ReadOptions{.read_block_bytes = 7});  // lines cut across blocks too
+  std::vector<int64_t> steps;
+  std::vector<std::string> bad;
+  do {
+    reader.poll_each([&](const json& event) { steps.push_back(event["step"].get<int64_t>()); }, 1 << 20,
+                     [&](const std::string& message) { bad.push_back(message); });
+  } while (!reader.caught_up());
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 4}));
+  ASSERT_EQ(bad.size(), 2u);
+  EXPECT_CONTAINS(bad[0], "events.jsonl line 2");
+  EXPECT_CONTAINS(bad[0], "1e400");
+  EXPECT_CONTAINS(bad[1], "events.jsonl line 3");
+  // Without a handler the same record is an error naming the first bad line, as load() has it.
+  RunReader strict(temp.path());
+  EXPECT_CONTAINS(error_of([&] { strict.poll_each([](const json&) {}); }), "events.jsonl line 2");
+  // The in-memory form takes the same handler.
+  bad.clear();
+  const RunRecord record = parse_run_record(read_bytes(temp.path() / "run.json"),
+                                            read_bytes(temp.path() / "events.jsonl"), "mem",
+                                            [&](const std::string& message) { bad.push_back(message); });
+  EXPECT_EQ(record.events.size(), 2u);
+  ASSERT_EQ(bad.size(), 2u);
+  EXPECT_CONTAINS(bad[1], "mem/events.jsonl line 3");
+}
+
+// run.json says whether the run ended: "finished": false from create() on, true once the writer
+// closes; a writer destroyed by an exception (the program failing) leaves it false, and resume()
+// makes it false again until the resumed run closes.
+TEST(RunRecord, RunJsonMarksARunFinishedOnlyWhenItsWriterCloses) {
+  TempDir temp;
+  const auto finished = [&] {
+    const json info = json::parse(read_bytes(temp.path() / "run.json"));
+    return info.at("finished").get<bool>();
+  };
+  {
+    RunWriter writer = RunWriter::create(temp.path(), sample_info());
+    writer.append(step_event(1, {}));
+    EXPECT_FALSE(finished());  // still running
+  }
+  EXPECT_TRUE(finished());
+  EXPECT_TRUE(json::parse(read_bytes(temp.path() / "run.json")).at("end_time").is_string());
+  EXPECT_EQ(RunReader::load(temp.path()).events.size(), 1u);  // the events are as written
+
+  try {
+    RunWriter writer = RunWriter::resume(temp.path());
+    EXPECT_FALSE(finished());
+    writer.append(step_event(2, {}));
+    throw std::runtime_error("the program fails mid-run");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_FALSE(finished());
+  EXPECT_FALSE(json::parse(read_bytes(temp.path() / "run.json")).contains("end_time"));
+
+  RunWriter::resume(temp.path()).close();
+  EXPECT_TRUE(finished());
+  EXPECT_EQ(RunReader::load(temp.path()).events.size(), 2u);
+
+  // A run.json field of the wrong type is refused like any other.
+  json info = json::parse(read_bytes(temp.path() / "run.json"));
+  info["finished"] = "yes";
+  write_bytes(temp.path() / "run.json", info.dump());
+  EXPECT_CONTAINS(error_of([&] { RunReader::load(temp.path()); }), "\"finished\" must be true or false");
+}
+
 TEST(RunRecord, EventWithWrongFieldTypeIsAnErrorNamingTheField) {
   TempDir temp;
   { RunWriter::create(temp.path(), sample_info()); }

@@ -169,14 +169,15 @@ TEST(ViewerFuzz, BadFilesOnDisk) {
     const char* name;
     std::string run_json, events;
     bool loads;
+    int64_t bad_lines = 0;  // lines skipped with a warning naming the file and line
   };
   std::string deep(100000, '[');
   const Case cases[] = {
       {"empty_both", "", "", false},
       {"empty_events", seed.run_json, "", true},
-      {"binary", seed.run_json, std::string("\x00\x01\xff\xfe\n\x7f", 6) + "\n", false},
+      {"binary", seed.run_json, std::string("\x00\x01\xff\xfe\n\x7f", 6) + "\n", true, 2},
       {"truncated_mid_line", seed.run_json, seed.events.substr(0, seed.events.size() / 2), true},
-      {"deep_nesting", seed.run_json, "{\"type\":\"step\",\"step\":1,\"x\":" + deep + "\n{\"type\":\"step\",\"step\":2}\n", false},
+      {"deep_nesting", seed.run_json, "{\"type\":\"step\",\"step\":1,\"x\":" + deep + "\n{\"type\":\"step\",\"step\":2}\n", true, 1},
       {"future_version", "{\"schema_version\":2,\"kind\":\"train\",\"name\":\"x\",\"start_time\":\"t\"}", seed.events, false},
       {"not_an_object", "[1,2,3]", seed.events, false},
   };
@@ -188,6 +189,11 @@ TEST(ViewerFuzz, BadFilesOnDisk) {
     EXPECT_EQ(m.error.empty(), c.loads) << c.name << ": " << m.error;
     if (!c.loads) {
       EXPECT_NE(m.error.find(c.name), std::string::npos) << "the message names the run's path: " << m.error;
+    }
+    EXPECT_EQ(m.bad_lines, c.bad_lines) << c.name;
+    if (c.bad_lines > 0) {
+      ASSERT_FALSE(m.warnings.empty()) << c.name;
+      EXPECT_NE(m.warnings[0].find(std::string(c.name) + "/events.jsonl line 1"), std::string::npos) << m.warnings[0];
     }
     ExerciseViews(m);
     ++survived;

@@ -109,8 +109,12 @@ TEST(ViewerRunModel, UnreadableRunsSayWhy) {
   EXPECT_NE(future.error.find("9"), std::string::npos) << future.error;
   testing::write_text(dir.path() / "bad" / "run.json", testing::kRunJson);
   testing::write_text(dir.path() / "bad" / "events.jsonl", "{\"type\":\"step\",\"step\":1}\n{garbage\n{\"type\":\"step\",\"step\":2}\n");
+  // A corrupt line is no reason to refuse the run: it is skipped, named, and the rest is read.
   RunModel corrupt = RunModel::load(dir.path() / "bad");
-  EXPECT_NE(corrupt.error.find("line 2"), std::string::npos) << corrupt.error;
+  EXPECT_TRUE(corrupt.error.empty()) << corrupt.error;
+  ASSERT_EQ(corrupt.warnings.size(), 1u);
+  EXPECT_NE(corrupt.warnings[0].find("line 2"), std::string::npos) << corrupt.warnings[0];
+  EXPECT_EQ(corrupt.last_step, 2);
 }
 
 TEST(ViewerRunModel, OddFilesSayWhatTheyAreAndNeverBlock) {

@@ -7,6 +7,8 @@
 // Skips, saying so, only where xvfb-run is missing.   ctest --test-dir build -R ViewerScreenshot
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>  // WEXITSTATUS
+
 #include <cstdlib>
 #include <string>
 
@@ -183,12 +185,24 @@ TEST_F(ViewerScreenshot, CorruptRunGivesAMessageNotACrash) {
   for (const char* panel : {"summary", "routing", "topology", "alltoall"}) {
     Picture p;
     std::string log;
-    EXPECT_EQ(RunViewer(dir, (dir.path() / "bad").string() + " " + (dir.path() / "empty").string() + " " +
-                                 (dir.path() / "missing").string() + " --panel " + panel, p, log), 0) << log;
+    EXPECT_EQ(RunViewer(dir, (dir.path() / "bad").string() + " " + (dir.path() / "empty").string() + " --panel " + panel,
+                        p, log), 0) << log;
     EXPECT_EQ(p.width, 1200) << panel << ": " << log;
-    EXPECT_NE(log.find("line 2"), std::string::npos) << log;
-    EXPECT_NE(log.find("missing"), std::string::npos) << log;
+    EXPECT_NE(log.find("line 2"), std::string::npos) << log;  // the bad line, skipped and named
   }
+}
+
+// A run directory that is not there is bad usage, found before any window opens: exit 2 and the
+// path named, no screenshot.
+TEST_F(ViewerScreenshot, MissingRunDirectoryIsAnErrorNamingIt) {
+  Picture p;
+  std::string log;
+  const std::string missing = (dir.path() / "missing").string();
+  const int status = RunViewer(dir, missing + " --panel summary", p, log);  // std::system's wait status
+  ASSERT_TRUE(WIFEXITED(status)) << log;
+  EXPECT_EQ(WEXITSTATUS(status), 2) << log;
+  EXPECT_NE(log.find(missing + " does not exist"), std::string::npos) << log;
+  EXPECT_EQ(p.width, 0) << log;
 }
 
 }  // namespace

@@ -23,14 +23,18 @@
 //   --scrub              with --screenshot: move the step across the run, one position per frame, so
 //                        the frame times include re-preparing the per-step views
 // Problems with a run (corrupt, truncated, unknown schema version) are printed here and shown in
-// the window; the viewer keeps going.
+// the window; the viewer keeps going. A RUN_DIR that does not exist or cannot be read is bad usage:
+// a message naming it and exit status 2, before any window opens.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
+
+#include <unistd.h>  // access
 
 #include <imgui.h>
 #include <imgui_impl_glfw.h>
@@ -96,6 +100,20 @@ std::optional<int> ParseOptions(int argc, char** argv, Options& o) {
   if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return exit_status;
   o.layer_given = layer->count() > 0;
   if (!curve_steps.empty()) std::sscanf(curve_steps.c_str(), "%lf:%lf", &o.curve_lo, &o.curve_hi);
+  // A run to open must be there before any window opens, so a mistyped path fails headless too.
+  // (--follow may name a run not started yet: it waits for it.)
+  for (const std::string& dir : o.runs) {
+    std::error_code error;
+    const char* problem = !std::filesystem::exists(dir, error)       ? "does not exist"
+                          : !std::filesystem::is_directory(dir, error) ? "is not a directory"
+                          : ::access(dir.c_str(), R_OK | X_OK) != 0    ? "cannot be read (permission denied)"
+                                                                       : nullptr;
+    if (problem) {
+      std::fprintf(stderr, "moe_viewer: RUN_DIR %s %s; a run is a directory holding run.json and events.jsonl\n",
+                   dir.c_str(), problem);
+      return moe::kExitBadInput;
+    }
+  }
   if (!o.panel.empty() && o.panel != "all" &&
       std::none_of(std::begin(kPanels), std::end(kPanels), [&](const PanelEntry& p) { return o.panel == p.name; })) {
     std::fprintf(stderr, "moe_viewer: unknown panel '%s'; panels: all", o.panel.c_str());

@@ -97,6 +97,10 @@ void ByteMatrix(ViewerState& state, OpenRun& run) {
              "tokens prefer remote experts or its experts are hot. The combine sends the dispatch's rows back: "
              "its matrix is the dispatch's transpose. Colour: bytes relative to the largest cell. Pick the "
              "all-to-all and the layer above; the scrubber picks the step.");
+  if (m.alltoall_wrong_size > 0)
+    WarningLine(std::to_string(m.alltoall_wrong_size) + " all-to-all byte matrices of this run are not " +
+                std::to_string(m.summary.world_size) + " x " + std::to_string(m.summary.world_size) +
+                " (run.json world_size " + std::to_string(m.summary.world_size) + "); they are drawn as recorded");
   if (a.events == 0) {
     LacksData(("all-to-all events of " + LayerText(state.alltoall_layer) + " at this step").c_str());
     return;

@@ -3,6 +3,7 @@
 // one shared step axis, with zoom and hover values. What to plot and in which order comes from
 // viewer/model/curves_view.h.
 #include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include "curves_view.h"  // curve_metric_order, sample_spacing, curve_step_range
@@ -55,6 +56,11 @@ void ShowCurvesPanel(ViewerState& state) {
   RunLegend(shown);
   if (without > 0)
     ImGui::TextDisabled("(%zu more shown runs have no step metrics: no \"step\" events, nothing to plot over steps)", without);
+  for (OpenRun* run : shown)
+    if (run->model.bad_lines > 0)
+      WarningLine(run->model.label + ": " + std::to_string(run->model.bad_lines) +
+                  " lines of events.jsonl are not valid events and were skipped (their line numbers: Run summary, "
+                  "Warnings); the lines after them are read");
   // Every plot shows the same steps, so a step sits at the same x in all of them; zooming one
   // zooms all (double-click fits them again).
   const StepRange range = curve_step_range(models);
@@ -78,6 +84,15 @@ void ShowCurvesPanel(ViewerState& state) {
     if (lines.size() < shown.size()) {
       ImGui::SameLine();
       ImGui::TextDisabled("(%zu of %zu shown runs record it)", lines.size(), shown.size());
+    }
+    int64_t beyond = 0;
+    for (OpenRun* run : shown)
+      if (auto it = run->model.values_beyond_plot.find(metric); it != run->model.values_beyond_plot.end()) beyond += it->second;
+    if (beyond > 0) {
+      char limit[32];
+      std::snprintf(limit, sizeof limit, "%g", kMaxPlotValue);
+      WarningLine(std::to_string(beyond) + " values of " + metric + " beyond the plotting range (|value| <= " + limit +
+                  ") are left out of the curve");
     }
     CurvePlot(("curve_" + metric).c_str(), state, lines, ImVec2(width, 120), "%.4g", &shared);
   }

@@ -63,6 +63,10 @@ void ShowOpenRuns(ViewerState& state) {
       ImGui::SameLine();
       ImGui::TextColored(ImVec4(0.45f, 0.85f, 1.0f, 1.0f), "SIMULATED");
     }
+    if (run.model.partial && !run.model.live()) {
+      ImGui::SameLine();
+      ImGui::TextColored(ImVec4(1.0f, 0.6f, 0.25f, 1.0f), "partial");
+    }
     if (!run.model.error.empty()) ImGui::TextColored(ImVec4(1.0f, 0.4f, 0.4f, 1.0f), "error: see Run summary");
     else if (!run.model.waiting_for.empty()) ImGui::TextDisabled("waiting for %s", run.model.waiting_for.c_str());
     else ImGui::TextDisabled("  %lld events, steps %lld..%lld", static_cast<long long>(run.model.events_total),
@@ -90,6 +94,9 @@ void ShowRunList(ViewerState& state) {
     if (e.live) {
       ImGui::SameLine();
       ImGui::TextColored(ImVec4(0.4f, 1.0f, 0.4f, 1.0f), "(being written)");
+    } else if (e.partial) {
+      ImGui::SameLine();
+      ImGui::TextColored(ImVec4(1.0f, 0.6f, 0.25f, 1.0f), "(partial)");
     }
     ImGui::PopID();
   }

@@ -51,6 +51,10 @@ void ShowRunSummary(OpenRun& run) {
   if (!m.waiting_for.empty()) ImGui::TextWrapped("Live: waiting for %s to appear in %s", m.waiting_for.c_str(), m.dir.string().c_str());
   if (!m.has_info) return;
   const RunSummary& s = m.summary;
+  if (m.partial)
+    WarningLine(m.live() ? "PARTIAL RUN so far: run.json says \"finished\": false; it is still being written"
+                         : "PARTIAL RUN: run.json says \"finished\": false: the program was killed or failed before "
+                           "closing its record (or it is still running), so the record ends early");
   if (s.synthetic) {
     ImGui::PushStyleColor(ImGuiCol_Text, ImVec4(1.0f, 0.85f, 0.2f, 1.0f));
     ImGui::TextWrapped("SYNTHETIC RUN: made-up numbers written by moe_fake_run for the viewer's tests; not a measurement.");
@@ -89,6 +93,9 @@ void ShowRunSummary(OpenRun& run) {
                 static_cast<long long>(m.first_step), static_cast<long long>(m.last_step), m.live() ? " (live)" : "");
     for (const auto& [type, count] : m.events_by_type) ImGui::BulletText("%s: %lld", type.c_str(), static_cast<long long>(count));
     if (m.events_skipped) ImGui::Text("%lld events skipped (see warnings)", static_cast<long long>(m.events_skipped));
+    if (m.bad_lines)
+      WarningLine(std::to_string(m.bad_lines) + " lines of events.jsonl are not valid events and were skipped "
+                  "(each named under Warnings); the lines after them are read");
   }
   if (!m.warnings.empty() && ImGui::CollapsingHeader("Warnings")) {
     for (const std::string& w : m.warnings) ImGui::TextWrapped("%s", w.c_str());

@@ -21,6 +21,12 @@ void HelpMarker(const char* text) {
   }
 }
 
+void WarningLine(const std::string& text) {
+  ImGui::PushStyleColor(ImGuiCol_Text, ImVec4(1.0f, 0.6f, 0.25f, 1.0f));
+  ImGui::TextWrapped("warning: %s", text.c_str());
+  ImGui::PopStyleColor();
+}
+
 void LacksData(const char* what) {
   ImGui::PushStyleColor(ImGuiCol_Text, ImVec4(0.95f, 0.75f, 0.35f, 1.0f));
   ImGui::TextWrapped("This run has no %s.", what);

@@ -24,6 +24,7 @@ namespace moe::viewer {
 // [SECTION] help and notices
 void HelpMarker(const char* text);  // a "(?)" that shows `text` when hovered
 void LacksData(const char* what);   // "This run has no <what>." in a muted colour
+void WarningLine(const std::string& text);  // "warning: <text>" in the warning colour, wrapped
 // "No open run holds <the panel's data>. Such a run is written by: <programs>." (run_choice.h)
 void NoRunHolds(std::string_view panel);
 // "name: value (?)" on one line.

@@ -4,9 +4,16 @@
 #include <algorithm>
 #include <chrono>
 
+#include "file_io.h"         // read_file_capped
+#include "run_model.h"       // run_is_partial
+#include "untrusted_json.h"  // parse_untrusted_json
+
 namespace moe::viewer {
 
 namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr uint64_t kMaxRunJsonBytes = uint64_t{1} << 20;  // a run.json is a few kilobytes
 
 std::vector<RunEntry> list_runs(const fs::path& folder, std::string* problem) {
   std::vector<RunEntry> runs;
@@ -16,6 +23,14 @@ std::vector<RunEntry> list_runs(const fs::path& folder, std::string* problem) {
     std::error_code time_ec;
     const auto written = fs::last_write_time(dir / "events.jsonl", time_ec);
     if (!time_ec) e.live = fs::file_time_type::clock::now() - written < std::chrono::seconds(5);
+    // run.json is small (a run that cannot be read is not partial here: opening it says why; a
+    // named pipe is not read at all, it would block).
+    try {
+      json info;
+      if (odd_run_file(dir).empty() && parse_untrusted_json(read_file_capped(dir / "run.json", kMaxRunJsonBytes), info).empty())
+        e.partial = run_is_partial(info);
+    } catch (const std::exception&) {
+    }
     return e;
   };
   if (!fs::is_directory(folder, ec)) {

@@ -14,6 +14,7 @@ struct RunEntry {
   std::filesystem::path dir;
   std::string name;   // the directory's name
   bool live = false;  // events.jsonl changed in the last few seconds: probably still being written
+  bool partial = false;  // run.json says "finished": false (run_is_partial, run_model.h)
 };
 
 // The run directories directly under `folder` (and `folder` itself if it is a run), sorted by

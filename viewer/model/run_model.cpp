@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <stdexcept>
 
@@ -276,7 +277,8 @@ RunModel RunModel::load(const fs::path& dir, uint64_t read_block_bytes) {
     RunReader reader(dir, ReadOptions{.read_block_bytes = read_block_bytes});
     model.ingest_info(reader.info());
     const auto take = [&model](const json& event) { model.ingest(event); };
-    do reader.poll_each(take); while (!reader.caught_up());
+    const auto bad_line = [&model](const std::string& message) { model.note_bad_line(message); };
+    do reader.poll_each(take, uint64_t{64} << 20, bad_line); while (!reader.caught_up());
     if (std::string warning = reader.finish_last_line(take); !warning.empty()) model.warn(std::move(warning));
   } catch (const RecordError& e) {
     model.error = e.what();
@@ -292,7 +294,8 @@ RunModel RunModel::from_text(std::string_view run_json_text, std::string_view ev
   RunModel model;
   model.label = source;
   try {
-    RunRecord record = parse_run_record(run_json_text, events_text, source);
+    RunRecord record = parse_run_record(run_json_text, events_text, source,
+                                        [&model](const std::string& message) { model.note_bad_line(message); });
     model.ingest_info(record.info);
     for (const json& event : record.events) model.ingest(event);
     for (std::string& w : record.warnings) model.warn(std::move(w));
@@ -349,8 +352,20 @@ int64_t RunModel::poll(uint64_t max_bytes) {
     return 0;
   }
   try {
-    const int64_t events = reader_->poll_each([this](const json& event) { ingest(event); }, max_bytes);
-    if (events > 0) ++version;
+    const int64_t bad_before = bad_lines;
+    const int64_t events = reader_->poll_each([this](const json& event) { ingest(event); }, max_bytes,
+                                              [this](const std::string& message) { note_bad_line(message); });
+    // A followed run that was partial looks again at run.json once it has read everything: the
+    // writer marks the run finished there when it closes.
+    if (partial && reader_->caught_up()) {
+      try {
+        RunReader fresh(dir);
+        if (!run_is_partial(fresh.info())) partial = false, ++version;
+      } catch (const std::exception&) {
+        // run.json being replaced right now: the next poll looks again
+      }
+    }
+    if (events > 0 || bad_lines != bad_before) ++version;
     return events;
   } catch (const std::exception& e) {
     error = std::string(e.what()) + " (live following stopped; reopen the run)";
@@ -358,6 +373,11 @@ int64_t RunModel::poll(uint64_t max_bytes) {
     ++version;
     return 0;
   }
+}
+
+void RunModel::note_bad_line(const std::string& message) {
+  ++bad_lines;
+  warn(message);
 }
 
 void RunModel::warn(std::string message) {
@@ -382,10 +402,17 @@ void RunModel::note_step(int64_t step) {
   }
 }
 
+bool run_is_partial(const json& run_json) {
+  if (!run_json.is_object()) return false;
+  auto it = run_json.find("finished");
+  return it != run_json.end() && it->is_boolean() && !it->get<bool>();
+}
+
 void RunModel::ingest_info(const json& info) {
   has_info = true;
   RunSummary& s = summary;
   if (!info.is_object()) return;
+  partial = run_is_partial(info);
   s.name = get_string(info, "name");
   s.kind = get_string(info, "kind");
   s.formulation = get_string(info, "formulation");
@@ -455,6 +482,16 @@ void RunModel::ingest_or_throw(const json& event) {
       if (it.key() == "type" || it.key() == "step") continue;
       if (!it->is_number() && !it->is_null()) continue;  // a label, not a metric
       const double value = it->is_null() ? std::numeric_limits<double>::quiet_NaN() : it->get<double>();
+      if (std::abs(value) > kMaxPlotValue) {
+        // Plotted, such a value would make the axis span overflow and hide the whole curve.
+        if (values_beyond_plot[it.key()]++ == 0) {
+          char text[96];
+          std::snprintf(text, sizeof text, "%g, beyond the plotting range (|value| <= %g)", value, kMaxPlotValue);
+          warn("step metric '" + it.key() + "' at step " + std::to_string(step) + " is " + text +
+               ": such values are left out of the curve and counted");
+        }
+        continue;
+      }
       add_sample(step_metrics[it.key()], static_cast<double>(step), value, max_curve_points);
     }
   } else if (type == "routing") {
@@ -531,6 +568,10 @@ void RunModel::ingest_or_throw(const json& event) {
       if (r.size() != R) throw SkipEvent("'bytes' is not square");
       a.bytes.insert(a.bytes.end(), r.begin(), r.end());
     }
+    if (has_info && a.ranks != summary.world_size && alltoall_wrong_size++ == 0)
+      warn("alltoall event at step " + std::to_string(step) + ": a " + std::to_string(a.ranks) + " x " +
+           std::to_string(a.ranks) + " byte matrix in a run of " + std::to_string(summary.world_size) +
+           " ranks (run.json world_size); drawn as recorded, such events are counted");
     alltoalls.push_back(std::move(a));
   } else if (type == "offload") {
     OffloadRecord o;

@@ -6,7 +6,9 @@
 // all-to-all matrices, offload counters, token samples, tables and verdicts.
 // It never throws: a run that cannot be read keeps its message in `error`, and an event whose
 // values the viewer cannot use (an expert count beyond kMaxExperts, a layer index of 10^15, a
-// negative count) is skipped with a line in `warnings`, so a panel can say what is wrong.
+// negative count) is skipped with a line in `warnings`, so a panel can say what is wrong. So is a
+// line of events.jsonl that is not a valid event (counted in bad_lines, named by its line number):
+// the lines after it are read as usual.
 //
 //   moe::viewer::RunModel run = moe::viewer::RunModel::load("runs/lesson01_routing");
 //   if (!run.error.empty()) std::fprintf(stderr, "%s\n", run.error.c_str());
@@ -50,6 +52,9 @@ inline constexpr size_t kMaxWarnings = 50;  // further warnings are only counted
 // steps or once per run; it is the per-step curves that reach millions.
 inline constexpr size_t kMaxCurvePoints = size_t{1} << 18;
 inline constexpr size_t kMaxRecordsPerKind = 100'000;
+// A step metric beyond this magnitude (1.79e308 is finite) is left out of its curve and counted in
+// values_beyond_plot: the plot's axis span, max - min, must stay a finite number.
+inline constexpr double kMaxPlotValue = 1e300;
 
 // The imbalance statistics of one routing row (one layer, one step).
 struct RoutingStats {
@@ -188,6 +193,10 @@ struct RunSummary {
 // from files". load() and poll() check it first, so a named pipe never blocks a read.
 std::string odd_run_file(const std::filesystem::path& dir);
 
+// Whether run.json (parsed) says the run did not end normally: "finished": false. A record
+// without the field predates it and is not partial (notebooks_data/README.md).
+bool run_is_partial(const nlohmann::json& run_json);
+
 class RunModel {
  public:
   // Loads a whole run in one streaming pass over events.jsonl, read_block_bytes at a time (the
@@ -232,6 +241,10 @@ class RunModel {
   std::map<std::string, int64_t> events_by_type;
   int64_t events_total = 0;
   int64_t events_skipped = 0;
+  int64_t bad_lines = 0;      // lines of events.jsonl that were not valid events: skipped, each warned about
+  bool partial = false;       // run.json says "finished": false: the run was cut short (or is still running)
+  int64_t alltoall_wrong_size = 0;  // alltoall matrices whose R is not run.json's world_size
+  std::map<std::string, int64_t> values_beyond_plot;  // step metric -> values over kMaxPlotValue left out
   int64_t first_step = 0, last_step = -1;  // range of steps seen in any event
   std::map<std::string, int64_t> records_not_kept;  // event type -> events over max_records_per_kind
   size_t max_curve_points = kMaxCurvePoints;         // the bounds (tests make them small)
@@ -257,6 +270,7 @@ class RunModel {
   const TokensRecord* tokens_at(int64_t step, int64_t layer) const;
 
   void warn(std::string message);
+  void note_bad_line(const std::string& message);  // counts it in bad_lines and warns with it
 
  private:
   void note_step(int64_t step);

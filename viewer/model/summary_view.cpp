@@ -2,8 +2,10 @@
 #include "summary_view.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
+#include <optional>
+
+#include "parse_number.h"  // parse_real: a cell is a number only when the whole of it is one
 
 namespace moe::viewer {
 
@@ -38,9 +40,9 @@ TableComparison compare_tables(const std::vector<const RunModel*>& runs, const s
 
 void sort_rows(TableComparison& table, size_t column, bool ascending) {
   auto number = [](const std::string& text, double& value) {
-    char* end = nullptr;
-    value = std::strtod(text.c_str(), &end);
-    return !text.empty() && end && *end == 0;
+    const std::optional<double> read = parse_real(text);
+    if (read) value = *read;
+    return read.has_value();
   };
   std::stable_sort(table.rows.begin(), table.rows.end(), [&](const auto& a, const auto& b) {
     const std::string& x = column < a.size() ? a[column] : std::string();

@@ -31,6 +31,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,7 @@
 #include "curves_view.h"    // curve_metric_order, curve_step_range, sample_spacing
 #include "downsample.h"     // downsample_min_max
 #include "command_line.h"   // CLI::App, parse_command_line, whole_number
+#include "parse_number.h"   // parse_integer, parse_real
 #include "program_exit.h"   // UsageError, check_output_path, kExitBadInput
 #include "run_model.h"      // RunModel
 
@@ -64,7 +66,13 @@ double proc_status_mb(const char* key) {
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line))
-    if (line.rfind(key, 0) == 0) return std::atof(line.c_str() + std::strlen(key) + 1) / 1024.0;
+    if (line.rfind(key, 0) == 0) {
+      // "VmHWM:\t  123456 kB"
+      std::istringstream fields(line.substr(std::strlen(key) + 1));
+      std::string kilobytes;
+      fields >> kilobytes;
+      return static_cast<double>(moe::parse_integer(kilobytes).value_or(0)) / 1024.0;
+    }
   return 0;
 }
 
@@ -179,11 +187,14 @@ ViewerFigures time_viewer(const std::string& viewer, const fs::path& run, const 
   std::smatch m;
   const std::regex line(R"(frame median ([0-9.]+) ms \(p90 ([0-9.]+)\), of which building the panels median ([0-9.]+) ms .*first frame ([0-9.]+) ms)");
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && std::regex_search(figures.output, m, line)) {
-    figures.ran = true;
-    figures.frame_median_ms = std::stod(m[1]);
-    figures.frame_p90_ms = std::stod(m[2]);
-    figures.build_median_ms = std::stod(m[3]);
-    figures.first_frame_ms = std::stod(m[4]);
+    const auto number = [&m](size_t i) { return moe::parse_real(m[i].str()); };
+    if (number(1) && number(2) && number(3) && number(4)) {
+      figures.ran = true;
+      figures.frame_median_ms = *number(1);
+      figures.frame_p90_ms = *number(2);
+      figures.build_median_ms = *number(3);
+      figures.first_frame_ms = *number(4);
+    }
   }
   return figures;
 }
@@ -229,6 +240,13 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return exit_status;
   if (!windows.empty()) o.windows = *parse_windows(windows);
   if (!o.json_out.empty()) moe::check_output_path("--json", o.json_out);
+  // The default source is relative to the repository root: say so rather than fail on a copy.
+  for (const char* file : {"run.json", "events.jsonl"}) {
+    std::error_code error;
+    if (!fs::is_regular_file(o.source / file, error))
+      throw moe::UsageError("--source " + o.source.string() + ": no " + file +
+                            " there; run from the repository root or pass --source RUN_DIR, a recorded run");
+  }
   return std::nullopt;
 }
 
