@@ -244,7 +244,9 @@ LoadedCheckpoint load_checkpoint_impl(const std::filesystem::path& path,
     next_offset = offset + floats;
     loaded.names.push_back(name);
     loaded.arrays.emplace_back(floats);
-    std::memcpy(loaded.arrays.back().data(), data + offset * sizeof(float), floats * sizeof(float));
+    if (floats > 0) {  // an empty array's data() may be null, which memcpy must not get
+      std::memcpy(loaded.arrays.back().data(), data + offset * sizeof(float), floats * sizeof(float));
+    }
   }
   if (next_offset != data_floats) {
     fail(path, "the data section holds " + std::to_string(data_floats) + " floats, the arrays " +

@@ -80,11 +80,11 @@ struct TrainingState {
     header.data_seed = std::numeric_limits<uint64_t>::max();
     header.run_directory = "notebooks_data/runs/dropless";
     header.extra = {{"note", "resumed once"}, {"best_val_loss", 1.5}};
-    // Values a float round trip through text would spoil: bit-exact means these survive too.
-    weights[0] = std::numeric_limits<float>::denorm_min();
-    weights[1] = -0.0f;
-    weights[2] = std::numeric_limits<float>::infinity();
-    weights[3] = 0.1f;
+    // Values a float round trip through text would spoil: bit-exact means these survive too (as
+    // many as the weights hold).
+    const float special[] = {std::numeric_limits<float>::denorm_min(), -0.0f, std::numeric_limits<float>::infinity(),
+                             0.1f};
+    for (size_t i = 0; i < weights.size() && i < std::size(special); ++i) weights[i] = special[i];
   }
   std::vector<CheckpointArrayView> views() const {
     return {{"weights", weights}, {"adam_m", adam_m}, {"adam_v", adam_v}};
