@@ -25,9 +25,9 @@ void validate(const MoeConfig& c) {
            "1 <= K <= E (E = " + std::to_string(c.num_experts) + ")");
   }
   if (c.formulation != Formulation::dropless) {
-    if (!std::isfinite(c.capacity_factor) || c.capacity_factor <= 0.0) {
+    if (!std::isfinite(c.capacity_factor) || c.capacity_factor <= 0.0 || c.capacity_factor > kMaxCapacityFactor) {
       reject("capacity_factor", number_text(c.capacity_factor),
-             "a finite number > 0 for the dropping and padded formulations");
+             "a number > 0 and <= 1024 for the dropping and padded formulations");
     }
   }
   reject.if_outside("block_size (B)", c.block_size, "B", kMaxBlockSize);

@@ -36,6 +36,9 @@ inline constexpr int64_t kMaxModelDim = int64_t{1} << 16;   // D <= 65,536
 inline constexpr int64_t kMaxHiddenDim = int64_t{1} << 18;  // H <= 262,144 (and H_dense, model_config.h)
 inline constexpr int64_t kMaxExperts = int64_t{1} << 10;    // E <= 1,024; K <= E
 inline constexpr int64_t kMaxBlockSize = int64_t{1} << 16;  // B <= 65,536
+// capacity_factor <= 1,024 (dropping, padded): beyond E every expert has room for more rows than
+// there are tokens, and E <= 1,024; it keeps C = ceil(cf T K / E) far inside 64 bits.
+inline constexpr double kMaxCapacityFactor = 1024.0;
 
 struct MoeConfig {
   int64_t tokens = 0;       // T

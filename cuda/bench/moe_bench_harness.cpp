@@ -106,7 +106,7 @@ Options parse_options(int argc, char** argv) {
   app.add_option("--warmup", options.warmup, "untimed runs first")->capture_default_str()->check(moe::whole_number(0));
   app.add_option("--warmup-ms", options.warmup_ms, "and keep warming up until the GPU has been busy this long")
       ->capture_default_str()
-      ->check(moe::finite_number(0));
+      ->check(moe::finite_number(0, 600000));  // ten minutes at most
   app.add_option("--repeat", options.repeat, "timed runs (the median is reported)")->capture_default_str()
       ->check(moe::whole_number(1));
   app.add_option("--seed", options.seed, "seed of the inputs")->capture_default_str()->check(moe::whole_number(0));

@@ -155,7 +155,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   app.add_option("--steps", o.steps, "timed decode steps; medians over them")->capture_default_str()
       ->check(moe::whole_number(1));
   app.add_option("--cache-factor", o.cache_factor, "cache slots = max(F x a decode step's need, the prefill's need)")
-      ->capture_default_str()->check(moe::finite_number(1));
+      ->capture_default_str()->check(moe::finite_number(1, 1024));
   app.add_option("--cache-experts", o.cache_experts, "cache slots, directly (at least the prefill's need)")
       ->check(moe::whole_number(1));
   app.add_option("--policy", policy, "lru | lfu (default lru)");

@@ -57,7 +57,7 @@ void declare_flags(CLI::App& app, BenchOptions& o, FlagTexts& texts) {
   app.add_option("-w", o.warmup_runs, "warm-up runs, then at least --warmup-ms of load")->capture_default_str()
       ->check(whole_number());
   app.add_option("--warmup-ms", o.warmup_ms, "milliseconds of load before the timed runs (the clock's ramp)")
-      ->capture_default_str()->check(finite_number(0));
+      ->capture_default_str()->check(finite_number(0, 600000));  // ten minutes at most
   app.add_option("-n", o.iterations, "timed runs; the table shows the slowest rank's median")->capture_default_str()
       ->check(whole_number());
   app.add_option("--backend", o.backend, "NCCL on device buffers, or MPI staged through host memory (default nccl)")
@@ -66,8 +66,8 @@ void declare_flags(CLI::App& app, BenchOptions& o, FlagTexts& texts) {
       ->check(whole_number_list());
   app.add_option("--block", o.layer.block_size, "B of the layer rows")->capture_default_str()->check(whole_number(1));
   app.add_option("--formulation", texts.formulation, "the layer rows' formulation: dropless, padded or dropping");
-  app.add_option("--capacity-factor", o.layer.capacity_factor, "CF of padded and dropping (> 0)")->capture_default_str()
-      ->check(finite_number());
+  app.add_option("--capacity-factor", o.layer.capacity_factor, "CF of padded and dropping (> 0, <= 1024)")
+      ->capture_default_str()->check(finite_number(0, moe::kMaxCapacityFactor));
   app.add_option("--pipeline-chunks", texts.pipeline_chunks,
                  "Tutel's pipelining degrees d of the layer rows (default 1,2,4,8; each " +
                      whole_number_range(1, kMaxPipelineChunks).substr(std::string("an integer ").size()) + ")")

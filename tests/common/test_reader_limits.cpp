@@ -87,6 +87,16 @@ TEST(ReaderLimits, MoeConfigSizesHaveUpperLimits) {
     config.*c.field = kInt64Max;
     EXPECT_THAT(rejection(config), HasSubstr(c.name));
   }
+  // The capacity factor of the dropping and padded formulations: C = ceil(cf T K / E) stays an
+  // integer a size can hold (a factor of 1e26 would convert to one undefined).
+  MoeConfig dropping = base;
+  dropping.formulation = Formulation::dropping;
+  dropping.capacity_factor = kMaxCapacityFactor;
+  EXPECT_EQ(rejection(dropping), "");
+  for (const double factor : {kMaxCapacityFactor * 1.001, 1e26}) {
+    dropping.capacity_factor = factor;
+    EXPECT_THAT(rejection(dropping), HasSubstr("capacity_factor")) << factor;
+  }
 }
 
 TEST(ReaderLimits, ModelConfigSizesHaveUpperLimits) {

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "command_line.h"  // CLI::App, parse_command_line, whole_number, finite_number
+#include "moe_config.h"    // kMaxCapacityFactor
 #include "program_exit.h"  // run_program, UsageError, check_output_path
 #include "synthetic_run.h"
 
@@ -34,7 +35,7 @@ int fake_run(int argc, char** argv) {
   app.add_option("--top-k", o.top_k, "K (1..E)")->capture_default_str()->check(moe::whole_number());
   app.add_option("--tokens", o.tokens_per_step, "T per step")->capture_default_str()->check(moe::whole_number());
   app.add_option("--capacity-factor", o.capacity_factor, "F (0 = dropless)")->capture_default_str()
-      ->check(moe::finite_number(0, 1e6));
+      ->check(moe::finite_number(0, moe::kMaxCapacityFactor));
   app.add_option("--hot-expert", o.hot_expert, "e: the expert that gets most tokens")->capture_default_str()
       ->check(moe::whole_number());
   app.add_option("--live-ms", o.live_delay_ms, "MS between steps, as a live run writes them")->capture_default_str()
@@ -49,6 +50,8 @@ int fake_run(int argc, char** argv) {
                     : o.experts < 1 || o.experts > 4096   ? "--experts: allowed: 1 to 4096"
                     : o.layers < 1                        ? "--layers: allowed: 1 or more"
                     : o.ranks < 1                         ? "--ranks: allowed: 1 or more"
+                    : o.tokens_per_step < 1 || o.tokens_per_step > moe::kMaxTokens
+                        ? "--tokens: allowed: 1 to 16777216 (moe_config.h's limit)"
                     : o.top_k < 1 || o.top_k > o.experts  ? top_k_allowed.c_str()
                                                           : nullptr;
   if (bad != nullptr) throw moe::UsageError(std::string(bad) + " (see --help)");
