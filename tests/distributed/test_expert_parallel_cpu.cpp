@@ -411,10 +411,10 @@ TEST(ExpertParallelCpu, BadInputOnOneRankIsAnErrorOnEveryRank) {
   const std::string message = error_of([&] { expert_parallel_forward(world(), config, x, weights); });
   EXPECT_THAT(message, HasSubstr("rank " + std::to_string(R - 1) + ": x has shape"));
 
-  // Shards that do not add up to T.
-  const std::string tokens = error_of([&] {
-    expert_parallel_forward(world(), config, problem.x.topRows(shards[world().rank()] + 1), weights);
-  });
+  // Shards that do not add up to T: one row more on every rank (a matrix of its own; at R = 1 the
+  // problem's x has no row to spare).
+  const Matrix one_more = Matrix::Zero(shards[world().rank()] + 1, config.model_dim);
+  const std::string tokens = error_of([&] { expert_parallel_forward(world(), config, one_more, weights); });
   EXPECT_THAT(tokens, HasSubstr("config.tokens says T = " + std::to_string(config.tokens)));
 
   // No pipelining degree below 1.
