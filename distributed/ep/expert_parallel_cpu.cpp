@@ -25,25 +25,42 @@ using ref::Matrix;
 // ---- placement and settings ----
 
 ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeights& all, int rank, int ranks) {
-  const int64_t per_rank = experts_per_rank(config, ranks);
+  return local_weights(config, all, rank, contiguous_placement(config.num_experts, ranks));
+}
+
+ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeights& all, int rank,
+                                    const ExpertPlacement& placement) {
+  if (placement.experts() != config.num_experts) {
+    throw std::invalid_argument("local_weights: the placement is of E = " + std::to_string(placement.experts()) +
+                                " experts; the config has E = " + std::to_string(config.num_experts));
+  }
   if (static_cast<int64_t>(all.w1.size()) != config.num_experts ||
       static_cast<int64_t>(all.w2.size()) != config.num_experts) {
     throw std::invalid_argument("local_weights: expected E = " + std::to_string(config.num_experts) +
                                 " matrices in w1 and w2; got " + std::to_string(all.w1.size()) + " and " +
                                 std::to_string(all.w2.size()));
   }
-  if (rank < 0 || rank >= ranks) {
+  if (rank < 0 || rank >= placement.ranks()) {
     throw std::invalid_argument("local_weights: rank = " + std::to_string(rank) + "; expected 0 <= rank < R = " +
-                                std::to_string(ranks));
+                                std::to_string(placement.ranks()));
   }
   ExpertParallelWeights mine;
   mine.gate_weights = all.gate_weights;
-  for (int64_t j = 0; j < per_rank; ++j) {
-    mine.w1.push_back(all.w1[rank * per_rank + j]);
-    mine.w2.push_back(all.w2[rank * per_rank + j]);
+  for (int64_t e : placement.experts_of(rank)) {
+    mine.w1.push_back(all.w1[e]);
+    mine.w2.push_back(all.w2[e]);
   }
   return mine;
 }
+
+namespace {
+
+// The placement the layer uses: the options', or the contiguous default.
+ExpertPlacement placement_in_use(const MoeConfig& config, int ranks, const ExpertParallelOptions& options) {
+  return options.placement ? *options.placement : contiguous_placement(config.num_experts, ranks);
+}
+
+}  // namespace
 
 
 // Settings first (the same on every rank, so the same outcome everywhere), then this rank's own
@@ -57,7 +74,18 @@ void check_expert_parallel_inputs(Communicator& comm, const MoeConfig& config, c
   check_same_on_every_rank(comm, "expert parallel layer: the options (pipeline_chunks, 2DH node size)",
                            options_fingerprint);
   validate(config);
-  const int64_t per_rank = experts_per_rank(config, comm.size());
+  const ExpertPlacement placement = placement_in_use(config, comm.size(), options);
+  check_same_on_every_rank(comm, "expert parallel layer: the expert placements", placement.fingerprint());
+  if (placement.experts() != config.num_experts || placement.ranks() != comm.size()) {
+    throw std::invalid_argument("expert parallel layer: the placement is of E = " + std::to_string(placement.experts()) +
+                                " experts over R = " + std::to_string(placement.ranks()) + " ranks; the layer has E = " +
+                                std::to_string(config.num_experts) + " over R = " + std::to_string(comm.size()));
+  }
+  if (placement.replicated() && config.formulation == Formulation::padded) {
+    throw std::invalid_argument("expert parallel layer: the padded formulation computes each expert as C rows on "
+                                "one rank; a placement with replicas takes dropless or dropping");
+  }
+  const int64_t per_rank = placement.slots_of(comm.rank());
   if (options.pipeline_chunks < 1) {
     throw std::invalid_argument("expert parallel layer: pipeline_chunks = " + std::to_string(options.pipeline_chunks) +
                                 "; expected d >= 1");
@@ -74,8 +102,9 @@ void check_expert_parallel_inputs(Communicator& comm, const MoeConfig& config, c
     ref::check_finite("x", x);
     ref::check_shape("gate_weights", weights.gate_weights, D, E, "[D, E]");
     ref::check_finite("gate_weights", weights.gate_weights);
-    ref::check_expert_matrices("w1", weights.w1, per_rank, D, w1_columns(config), "[D, w1_columns] (E_r of them)");
-    ref::check_expert_matrices("w2", weights.w2, per_rank, H, D, "[H, D] (E_r of them)");
+    ref::check_expert_matrices("w1", weights.w1, per_rank, D, w1_columns(config),
+                               "[D, w1_columns] (one a slot the placement gives this rank)");
+    ref::check_expert_matrices("w2", weights.w2, per_rank, H, D, "[H, D] (one a slot the placement gives this rank)");
   });
 }
 
@@ -180,12 +209,12 @@ Matrix rows_in_received_order(const ref::DispatchPlan& plan, const Matrix& rows,
 
 namespace {
 
-// Which rows of which (source rank, expert) block each chunk carries. Expert e's rows, over all
-// ranks, form its row space: its kept slots in global token order (source rank r's block is
-// [start[r][e], start[r][e] + kept[r][e])), followed, when padded, by padding up to C. Chunk c
-// takes rows [n c / d, n (c + 1) / d) of a row space of n rows (Tutel splits the capacity
-// dimension the same way). Every rank computes the same layout from the R x E kept counts, so no
-// chunk needs a count exchange of its own.
+// Which rows of which (source rank, slot) block each chunk carries. A slot's rows, over all ranks,
+// form its row space: the rows each source sends it, source after source, so in global token order
+// (source rank r's block is [start[r][p], start[r][p] + rows[r][p])), followed, when padded, by
+// padding up to C. Chunk c takes rows [n c / d, n (c + 1) / d) of a row space of n rows (Tutel
+// splits the capacity dimension the same way). Every rank computes the same layout from the R x P
+// counts, so no chunk needs a count exchange of its own.
 class ChunkLayout {
  public:
   struct Part {
@@ -193,40 +222,35 @@ class ChunkLayout {
     int64_t count = 0;
   };
 
-  ChunkLayout(const std::vector<int64_t>& kept, int ranks, int64_t experts, int64_t capacity, bool padded,
-              int chunks)
-      : kept_(kept), ranks_(ranks), experts_(experts), chunks_(chunks),
-        start_(kept.size(), 0), space_(experts, 0) {
-    for (int64_t e = 0; e < experts; ++e) {
-      int64_t rows = 0;
+  ChunkLayout(const std::vector<int64_t>& rows, int ranks, int64_t slots, int64_t capacity, bool padded, int chunks)
+      : rows_(rows), slots_(slots), chunks_(chunks), start_(rows.size(), 0), space_(slots, 0) {
+    for (int64_t p = 0; p < slots; ++p) {
+      int64_t total = 0;
       for (int r = 0; r < ranks; ++r) {
-        start_[r * experts + e] = rows;
-        rows += kept[r * experts + e];
+        start_[r * slots + p] = total;
+        total += rows[r * slots + p];
       }
-      space_[e] = padded ? capacity : rows;
+      space_[p] = padded ? capacity : total;
     }
   }
 
-  int64_t chunk_begin(int chunk, int64_t expert) const { return space_[expert] * chunk / chunks_; }
-  int64_t chunk_rows(int chunk, int64_t expert) const {
-    return chunk_begin(chunk + 1, expert) - chunk_begin(chunk, expert);
-  }
+  int64_t chunk_begin(int chunk, int64_t slot) const { return space_[slot] * chunk / chunks_; }
+  int64_t chunk_rows(int chunk, int64_t slot) const { return chunk_begin(chunk + 1, slot) - chunk_begin(chunk, slot); }
 
-  Part part(int chunk, int source, int64_t expert) const {
-    const int64_t block_begin = start_[source * experts_ + expert];
-    const int64_t block_end = block_begin + kept_[source * experts_ + expert];
-    const int64_t begin = std::max(block_begin, chunk_begin(chunk, expert));
-    const int64_t end = std::min(block_end, chunk_begin(chunk + 1, expert));
+  Part part(int chunk, int source, int64_t slot) const {
+    const int64_t block_begin = start_[source * slots_ + slot];
+    const int64_t block_end = block_begin + rows_[source * slots_ + slot];
+    const int64_t begin = std::max(block_begin, chunk_begin(chunk, slot));
+    const int64_t end = std::min(block_end, chunk_begin(chunk + 1, slot));
     return end > begin ? Part{begin - block_begin, end - begin} : Part{};
   }
 
  private:
-  const std::vector<int64_t>& kept_;  // [R, E]
-  int ranks_;
-  int64_t experts_;
+  const std::vector<int64_t>& rows_;  // [R, P]
+  int64_t slots_;
   int chunks_;
-  std::vector<int64_t> start_;  // [R, E] where each source's block begins in the expert's row space
-  std::vector<int64_t> space_;  // [E] rows in each expert's row space
+  std::vector<int64_t> start_;  // [R, P] where each source's block begins in the slot's row space
+  std::vector<int64_t> space_;  // [P] rows in each slot's row space
 };
 
 // ---- forward ----
@@ -256,14 +280,34 @@ ref::RouterOutput route_shard(const MoeConfig& config, const Matrix& x, const Ma
   return out;
 }
 
-// The rows this rank's E_r experts compute in one chunk: the formulation's row rule applied to the
-// rows received, ordered [local expert][source rank][token].
-ref::DispatchPlan plan_local_experts(const MoeConfig& config, const ChunkLayout& layout, int chunk, int rank,
-                                     int ranks, int64_t per_rank) {
+// The rows this rank's slots [first_slot, first_slot + local_slots) compute in one chunk: the
+// formulation's row rule applied to the rows received, ordered [local slot][source rank][token].
+ref::DispatchPlan plan_local_experts(const MoeConfig& config, const ChunkLayout& layout, int chunk, int64_t first_slot,
+                                     int64_t local_slots, int ranks) {
   return plan_received_rows(
-      config, config.formulation == Formulation::dropless ? 0 : capacity(config), ranks, per_rank,
-      [&](int source, int64_t j) { return layout.part(chunk, source, rank * per_rank + j).count; },
-      [&](int64_t j, int64_t) { return layout.chunk_rows(chunk, rank * per_rank + j); });  // zeros up to C
+      config, config.formulation == Formulation::dropless ? 0 : capacity(config), ranks, local_slots,
+      [&](int source, int64_t j) { return layout.part(chunk, source, first_slot + j).count; },
+      [&](int64_t j, int64_t) { return layout.chunk_rows(chunk, first_slot + j); });  // zeros up to C
+}
+
+// The routing rule over replicas (expert_placement.h), for every source and slot: how many of the
+// source's kept slots of the slot's expert go to it (rows, [R, P]) and where that piece starts
+// among them (first, [R, P]).
+void split_over_replicas(const ExpertPlacement& placement, const std::vector<int64_t>& kept, int ranks,
+                         std::vector<int64_t>& rows, std::vector<int64_t>& first) {
+  const int64_t E = placement.experts(), P = placement.slots();
+  rows.assign(static_cast<size_t>(ranks) * P, 0);
+  first.assign(static_cast<size_t>(ranks) * P, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    const std::vector<int64_t>& replicas = placement.replicas(e);
+    for (size_t i = 0; i < replicas.size(); ++i) {
+      for (int s = 0; s < ranks; ++s) {
+        const ExpertPlacement::Piece piece = placement.piece(s, e, kept[s * E + e], static_cast<int64_t>(i));
+        rows[s * P + replicas[i]] = piece.count;
+        first[s * P + replicas[i]] = piece.first;
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -344,12 +388,13 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
                                               const ExpertParallelOptions& options) {
   check_expert_parallel_inputs(comm, config, x, weights, options);
   const int R = comm.size(), rank = comm.rank(), d = options.pipeline_chunks;
-  const int64_t D = config.model_dim, E = config.num_experts, K = config.top_k;
-  const int64_t per_rank = experts_per_rank(config, R);
+  const int64_t D = config.model_dim, K = config.top_k;
 
   ExpertParallelForward f;
   f.options = options;
-  f.experts_per_rank = per_rank;
+  f.placement = placement_in_use(config, R, options);
+  const ExpertPlacement& placement = f.placement;
+  const int64_t P = placement.slots(), first_slot = placement.first_slot(rank), local_slots = placement.slots_of(rank);
 
   // ---- 1-2. route locally, the count exchange, the router losses and the dropping rule ----
   RoutingOnRanks routing = route_on_ranks(comm, config, x, weights.gate_weights);
@@ -367,25 +412,31 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
   const IndexVector& routed_slots = routing.routed_slots;
   const int64_t T_r = f.local_tokens;
 
+  // ---- the kept slots over the experts' replicas: the rows each source sends each slot ----
+  std::vector<int64_t> piece_first;  // [R, P] where each source's piece starts among its kept slots of the expert
+  split_over_replicas(placement, f.kept_per_rank_expert, R, f.rows_per_rank_slot, piece_first);
+
   // ---- 3-5, chunk after chunk: dispatch, the local experts, the way back ----
-  const ChunkLayout layout(f.kept_per_rank_expert, R, E, f.capacity, config.formulation == Formulation::padded, d);
+  const ChunkLayout layout(f.rows_per_rank_slot, R, P, f.capacity, config.formulation == Formulation::padded, d);
   f.chunks.resize(d);
   f.slot_chunk.assign(T_r * K, -1);
   f.slot_expert_out = Matrix::Zero(T_r * K, D);
   for (int c = 0; c < d; ++c) {
     ExpertParallelChunk& chunk = f.chunks[c];
 
-    // As the tokens' rank: experts in id order are grouped by owner, so the rows are grouped by
-    // destination rank, then expert, then token.
+    // As the tokens' rank: slots are numbered rank after rank, so the rows are grouped by
+    // destination rank, then slot (expert), then token.
     chunk.send_rows.assign(R, 0);
-    for (int64_t e = 0; e < E; ++e) {
-      const ChunkLayout::Part part = layout.part(c, rank, e);
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t e = placement.slot_expert(p);
+      const ChunkLayout::Part part = layout.part(c, rank, p);
+      const int64_t begin = routed_offsets[e] + piece_first[rank * P + p] + part.first;
       for (int64_t i = 0; i < part.count; ++i) {
-        const int32_t slot = routed_slots[routed_offsets[e] + part.first + i];
+        const int32_t slot = routed_slots[begin + i];
         chunk.sent_slots.push_back(slot);
         f.slot_chunk[slot] = c;
       }
-      chunk.send_rows[e / per_rank] += part.count;
+      chunk.send_rows[placement.slot_rank(p)] += part.count;
     }
     Matrix send(static_cast<int64_t>(chunk.sent_slots.size()), D);
     for (size_t i = 0; i < chunk.sent_slots.size(); ++i) send.row(i) = x.row(chunk.sent_slots[i] / K);
@@ -393,12 +444,12 @@ ExpertParallelForward expert_parallel_forward(Communicator& comm, const MoeConfi
     // ---- 3. all-to-all-v of the token rows ----
     chunk.recv_rows.assign(R, 0);
     for (int s = 0; s < R; ++s) {
-      for (int64_t j = 0; j < per_rank; ++j) chunk.recv_rows[s] += layout.part(c, s, rank * per_rank + j).count;
+      for (int64_t j = 0; j < local_slots; ++j) chunk.recv_rows[s] += layout.part(c, s, first_slot + j).count;
     }
     const Matrix received = exchange_rows(comm, options.hierarchical, send, chunk.send_rows, chunk.recv_rows, D);
 
     // ---- 4. the local experts over exactly the rows received ----
-    chunk.expert_plan = plan_local_experts(config, layout, c, rank, R, per_rank);
+    chunk.expert_plan = plan_local_experts(config, layout, c, first_slot, local_slots, R);
     const ref::DispatchPlan& plan = chunk.expert_plan;
     chunk.permuted_x = rows_in_plan_order(plan, received);
     ref::ExpertActivations experts = ref::expert_ffn_forward(config, plan, chunk.permuted_x, weights.w1, weights.w2);
@@ -428,7 +479,7 @@ ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeCo
                                                  const ExpertParallelWeights& weights,
                                                  const ExpertParallelForward& forward, const Matrix& dy) {
   const int64_t D = config.model_dim, H = config.hidden_dim, K = config.top_k, T_r = forward.local_tokens;
-  const int64_t per_rank = forward.experts_per_rank;
+  const int64_t per_rank = forward.placement.slots_of(comm.rank());
   check_same_on_every_rank(comm, "expert parallel backward: the MoE configs", config_fingerprint(config));
   check_on_every_rank(comm, "expert parallel backward: bad input", [&] {
     ref::check_shape("x", x, T_r, D, "[T_r, D] as in the forward pass");
@@ -482,9 +533,41 @@ ExpertParallelGradients expert_parallel_backward(Communicator& comm, const MoeCo
     for (size_t i = 0; i < chunk.sent_slots.size(); ++i) grads.x.row(chunk.sent_slots[i] / K) += returned.row(i);
   }
 
+  sum_over_replicas(comm, config, forward.placement, grads.w1, grads.w2);
   grads.gate_weights = router_backward_on_ranks(comm, config, x, forward.router, forward.tokens, d_combine,
                                                 weights.gate_weights, grads.x);
   return grads;
+}
+
+void sum_over_replicas(Communicator& comm, const MoeConfig& config, const ExpertPlacement& placement,
+                       std::vector<Matrix>& w1, std::vector<Matrix>& w2) {
+  if (!placement.replicated()) return;
+  // The replicated experts, in id order, each at a fixed place in one buffer that every rank lays
+  // out the same way: [its W1 gradient, its W2 gradient].
+  const int64_t w1_size = config.model_dim * w1_columns(config), w2_size = config.hidden_dim * config.model_dim;
+  std::vector<int64_t> place(static_cast<size_t>(placement.experts()), -1);
+  int64_t size = 0;
+  for (int64_t e = 0; e < placement.experts(); ++e) {
+    if (placement.replicas(e).size() > 1) {
+      place[static_cast<size_t>(e)] = size;
+      size += w1_size + w2_size;
+    }
+  }
+  std::vector<double> sums(static_cast<size_t>(size), 0.0);
+  const std::vector<int64_t>& mine = placement.experts_of(comm.rank());
+  for (size_t j = 0; j < mine.size(); ++j) {
+    const int64_t at = place[static_cast<size_t>(mine[j])];
+    if (at < 0) continue;
+    std::copy_n(w1[j].data(), w1_size, sums.begin() + at);
+    std::copy_n(w2[j].data(), w2_size, sums.begin() + at + w1_size);
+  }
+  all_reduce_sum<double>(comm, sums);
+  for (size_t j = 0; j < mine.size(); ++j) {
+    const int64_t at = place[static_cast<size_t>(mine[j])];
+    if (at < 0) continue;
+    std::copy_n(sums.begin() + at, w1_size, w1[j].data());
+    std::copy_n(sums.begin() + at + w1_size, w2_size, w2[j].data());
+  }
 }
 
 Matrix router_backward_on_ranks(Communicator& comm, const MoeConfig& config, const Matrix& x,

@@ -4,12 +4,16 @@
 //   mpirun -np 4 build/tests/distributed/test_distributed_expert_parallel_cpu
 //
 // Dimension legend: T tokens (all ranks together), T_r this rank's tokens, D model width, H expert
-// hidden width, E experts, K top-k, C capacity, B block size, R ranks; E_r = E / R experts a rank.
+// hidden width, E experts, K top-k, C capacity, B block size, R ranks; E_r = E / R experts a rank;
+// P the placement's slots (expert copies) on all ranks.
 //
 // Placement. The T tokens are sharded over the R ranks in token order: rank r holds tokens
-// [token_offset, token_offset + T_r), any T_r >= 0 (a rank may hold none). Experts are placed E / R
-// per rank, rank r owning experts [r E_r, (r + 1) E_r); E % R != 0 is an error on every rank. The
-// router weights are replicated (data parallel); each rank holds only its own experts' W1 and W2.
+// [token_offset, token_offset + T_r), any T_r >= 0 (a rank may hold none). The experts are placed
+// by an ExpertPlacement (expert_placement.h): by default contiguously, E / R a rank when R divides E
+// (rank r owning experts [r E_r, (r + 1) E_r), FastMoE's placement), one more on some ranks when it
+// does not; or any placement, with replicated experts (EPLB's). Each rank holds the router weights
+// (replicated, data parallel) and its slots' W1 and W2, in slot order (the experts it holds, by id).
+// A replicated expert's rows are split over its replicas by the placement's routing rule.
 //
 // Forward, as FastMoE runs it:
 //   1. route locally: the reference router on this rank's tokens (reference_cpu/router.h);
@@ -21,7 +25,10 @@
 //   5. all-to-all-v of the expert outputs back to the tokens' ranks;
 //   6. the weighted combine (reference_cpu/permute.h's rule: y[t] = sum_k w[t, k] out(t, k)).
 // Backward mirrors it: the output gradients of the slots travel to the experts, the experts'
-// input gradients travel back. Expert weight gradients stay on the rank that owns the expert; the
+// input gradients travel back. Expert weight gradients stay on the rank that holds the expert; a
+// replicated expert's are summed over its replicas, so every replica gets the expert's whole
+// gradient and the replicas stay identical (on CPU ranks one all-reduce over all ranks, zeros where a
+// rank holds no replica: the sum of the replicas' sub-group, in one call every rank makes). The
 // router weight gradient is all-reduced (summed), so it is the same on every rank.
 //
 // Formulations (reference_cpu/dispatch.h), with capacity counted the way the single-device layer
@@ -32,13 +39,15 @@
 // of its own, in token order. Every result then equals the single-device layer's on all tokens.
 //   dropping: only kept slots travel; a dropped slot adds zero to y.
 //   padded  : the same kept slots travel; the owner pads each expert to C rows of zeros. Padding is
-//             made where the experts live and never crosses the network.
+//             made where the experts live and never crosses the network. Padded takes no replicas
+//             (C rows is one rank's computation of the expert; replicas split the rows).
 //   dropless: every slot travels; the owner rounds each expert's rows up to B (MegaBlocks' layout).
 // On the expert's rank, its rows are ordered by source rank, then token: global token order, the
-// single-device plan's order. The router losses are global: f_e from the count matrix, P_e and the
+// single-device plan's order. (With replicas, a replica's rows are the pieces the routing rule gives
+// it, source after source.) The router losses are global: f_e from the count matrix, P_e and the
 // z-loss from one all-reduce of per-rank sums.
 //
-// Tutel's adaptive pipelining (Hwang et al., MLSys 2023): with pipeline_chunks = d, each expert's
+// Tutel's adaptive pipelining (Hwang et al., MLSys 2023): with pipeline_chunks = d, each slot's
 // rows are split into d chunks of its row space (C rows when padded, its kept rows otherwise;
 // chunk c = rows [n c / d, n (c + 1) / d)), and dispatch -> experts -> combine runs chunk after
 // chunk. On a GPU chunk c + 1's all-to-all overlaps chunk c's experts; on CPU ranks the chunks run
@@ -54,6 +63,7 @@
 #include <vector>
 
 #include "comm/communicator.h"           // Communicator
+#include "ep/expert_placement.h"        // ExpertPlacement
 #include "ep/placement.h"               // experts_per_rank, config_fingerprint
 #include "moe_config.h"                 // MoeConfig
 #include "reference_cpu/dispatch.h"     // DispatchPlan
@@ -68,8 +78,9 @@ class HierarchicalAllToAll;  // all_to_all_2dh.h
 // One rank's share of the layer's weights.
 struct ExpertParallelWeights {
   ref::Matrix gate_weights;     // [D, E] the router, replicated on every rank
-  std::vector<ref::Matrix> w1;  // E_r x [D, w1_columns]  this rank's experts, global ids r E_r + j
-  std::vector<ref::Matrix> w2;  // E_r x [H, D]
+  std::vector<ref::Matrix> w1;  // this rank's slots x [D, w1_columns], in slot order (the placement's
+                                // experts_of(rank)); E_r of them, ids r E_r + j, by default
+  std::vector<ref::Matrix> w2;  // this rank's slots x [H, D]
 };
 
 struct ExpertParallelOptions {
@@ -77,14 +88,19 @@ struct ExpertParallelOptions {
   // The token all-to-alls through Tutel's 2D hierarchical all-to-all (built over the same
   // communicator) instead of the flat one; nullptr: flat.
   HierarchicalAllToAll* hierarchical = nullptr;
+  // Which ranks hold which experts; nullptr: contiguous_placement(E, R). Every rank passes the same.
+  const ExpertPlacement* placement = nullptr;
 };
 
-// The weights rank `rank` of `ranks` holds: the router, and its E_r experts (tests and lessons
-// slice the single-device weights with it).
+// The weights rank `rank` holds under a placement: the router, and its slots' experts (tests and
+// lessons slice the single-device weights with it). Without a placement: contiguous_placement(E, R).
+ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeights& all, int rank,
+                                    const ExpertPlacement& placement);
 ExpertParallelWeights local_weights(const MoeConfig& config, const ref::MoeWeights& all, int rank, int ranks);
 
-// The forward's checks, collective: the configs and options agree between ranks, the config is
-// valid, R divides E, and each rank's x and weights have their shapes; otherwise
+// The forward's checks, collective: the configs, options and placements agree between ranks, the
+// config is valid, the placement is of E experts over R ranks (padded: without replicas), and each
+// rank's x and weights have their shapes; otherwise
 // std::invalid_argument on every rank, naming the ranks at fault.
 void check_expert_parallel_inputs(Communicator& communicator, const MoeConfig& config,
                                   const ref::Matrix& x,  // [T_r, D]
@@ -151,8 +167,9 @@ struct ExpertParallelChunk {
   ref::IndexVector sent_slots;     // [sum send_rows] the local slot t*K+k of each row sent, in send order
   // As the experts' rank:
   std::vector<int64_t> recv_rows;  // [R] rows received from each rank (ordered [source][local expert][token])
-  ref::DispatchPlan expert_plan;   // this rank's E_r experts over this chunk: rows_per_expert, row_offsets,
-                                   // row_slot = index of the received row feeding each row, -1 for padding
+  ref::DispatchPlan expert_plan;   // this rank's slots (E_r experts by default) over this chunk:
+                                   // rows_per_expert, row_offsets, row_slot = index of the received
+                                   // row feeding each row, -1 for padding
   ref::Matrix permuted_x;          // [rows, D]           the received rows in expert order, padding zero
   ref::Matrix pre_activation;      // [rows, w1_columns]
   ref::Matrix hidden;              // [rows, H]
@@ -163,10 +180,11 @@ struct ExpertParallelForward {
   int64_t tokens = 0;            // T, all ranks
   int64_t token_offset = 0;      // this rank's first global token
   int64_t local_tokens = 0;      // T_r
-  int64_t experts_per_rank = 0;  // E_r
+  ExpertPlacement placement;     // the one used (the default made explicit)
   int64_t capacity = 0;          // C (dropping / padded), 0 for dropless
   std::vector<int64_t> routed_per_rank_expert;  // [R, E] routed slots before dropping (the count exchange)
   std::vector<int64_t> kept_per_rank_expert;    // [R, E] slots that get a row
+  std::vector<int64_t> rows_per_rank_slot;      // [R, P] of those, the rows each source sends each slot
   int64_t dropped_slots = 0;                    // all ranks
   // This rank's tokens. jitter_noise holds the global noise's rows of these tokens;
   // expert_fraction (f_e), mean_probs (P_e), aux_loss and z_loss are global.
@@ -183,8 +201,8 @@ struct ExpertParallelForward {
 struct ExpertParallelGradients {
   ref::Matrix x;                // [T_r, D]
   ref::Matrix gate_weights;     // [D, E] summed over ranks: the same on every rank
-  std::vector<ref::Matrix> w1;  // E_r x [D, w1_columns] this rank's experts only
-  std::vector<ref::Matrix> w2;  // E_r x [H, D]
+  std::vector<ref::Matrix> w1;  // this rank's slots x [D, w1_columns]; a replica's: its expert's whole gradient
+  std::vector<ref::Matrix> w2;  // this rank's slots x [H, D]
 };
 
 ExpertParallelForward expert_parallel_forward(Communicator& communicator, const MoeConfig& config,
@@ -199,5 +217,12 @@ ExpertParallelGradients expert_parallel_backward(Communicator& communicator, con
                                                  const ExpertParallelWeights& weights,
                                                  const ExpertParallelForward& forward,
                                                  const ref::Matrix& dy);  // [T_r, D]
+
+// A replicated expert's weight gradients summed over its replicas, in place: w1 and w2 hold this
+// rank's slots' gradients (placement.experts_of(rank) order) and end as their experts' sums.
+// Collective: one all-reduce over all ranks, in which a rank adds zeros for the replicated experts it
+// does not hold. Nothing happens without replicas.
+void sum_over_replicas(Communicator& communicator, const MoeConfig& config, const ExpertPlacement& placement,
+                       std::vector<ref::Matrix>& w1, std::vector<ref::Matrix>& w2);
 
 }  // namespace moe::dist

@@ -4,13 +4,15 @@
 // (double), in every formulation (dropless, padded, dropping with the single-device capacity rule),
 // with GeLU and SwiGLU, with and without renormalisation; at R = 1..4 ranks with uneven shards, a
 // rank without tokens, an expert that receives nothing, all tokens routed to one rank's experts;
-// Tutel's pipelining (d = 1, 2, 4, 8) and 2D hierarchical exchange change no result; bad settings
-// are an error on every rank.
+// any E over any R (E = 3 R + 1); replicated experts (EPLB's placements, the hottest expert on every
+// rank), whose rows split within a row per source; Tutel's pipelining (d = 1, 2, 4, 8) and 2D
+// hierarchical exchange change no result; bad settings and placements are an error on every rank.
 //   ctest --test-dir build -R DistributedExpertParallelCpu
 //   mpirun -np 4 build/tests/distributed/test_distributed_expert_parallel_cpu
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <random>
 #include <string>
@@ -98,7 +100,9 @@ RankRun run_expert_parallel(const Problem& problem, const std::vector<int64_t>& 
   const int64_t T_r = shards[comm.rank()];
   const Matrix x = problem.x.middleRows(offset, T_r);
   const Matrix dy = problem.dy.middleRows(offset, T_r);
-  const ExpertParallelWeights weights = local_weights(problem.config, problem.weights, comm.rank(), comm.size());
+  const ExpertParallelWeights weights =
+      options.placement ? local_weights(problem.config, problem.weights, comm.rank(), *options.placement)
+                        : local_weights(problem.config, problem.weights, comm.rank(), comm.size());
   RankRun run;
   run.forward = expert_parallel_forward(comm, problem.config, x, weights, options);
   run.grads = expert_parallel_backward(comm, problem.config, x, weights, run.forward, dy);
@@ -122,9 +126,11 @@ void expect_equals_single_device(const Problem& problem, const std::vector<int64
   EXPECT_NEAR(run.forward.z_loss, forward.z_loss, kTolerance * std::abs(forward.z_loss)) << "z loss";
   EXPECT_LE(relative_error(run.grads.x, grads.x.middleRows(offset, T_r)), kTolerance) << "dx";
   EXPECT_LE(relative_error(run.grads.gate_weights, grads.gate_weights), kTolerance) << "d gate_weights";
-  const int64_t per_rank = config.num_experts / comm.size();
-  for (int64_t j = 0; j < per_rank; ++j) {
-    const int64_t e = comm.rank() * per_rank + j;
+  // Each slot of this rank against its expert (a replica's gradient is its expert's whole one).
+  const std::vector<int64_t>& mine = run.forward.placement.experts_of(comm.rank());
+  ASSERT_EQ(run.grads.w1.size(), mine.size());
+  for (size_t j = 0; j < mine.size(); ++j) {
+    const int64_t e = mine[j];
     // An expert that computed nothing has zero gradients; compare absolutely there.
     if (grads.w2[e].cwiseAbs().maxCoeff() == 0.0) {
       EXPECT_EQ(run.grads.w1[j].cwiseAbs().maxCoeff(), 0.0) << "d w1 of idle expert " << e;
@@ -145,12 +151,27 @@ void expect_equals_single_device(const Problem& problem, const std::vector<int64
     EXPECT_EQ(kept, forward.plan.kept_per_expert[e]) << "expert " << e;
   }
   EXPECT_EQ(run.forward.dropped_slots, forward.plan.dropped_slots);
-  // In one exchange, each local expert computes the rows the single-device plan gives it: its kept
-  // slots, C when padded, rounded up to B when dropless.
-  if (run.forward.chunks.size() == 1) {
+  // In one exchange without replicas, each local expert computes the rows the single-device plan
+  // gives it: its kept slots, C when padded, rounded up to B when dropless.
+  if (run.forward.chunks.size() == 1 && !run.forward.placement.replicated()) {
     const ref::DispatchPlan& local = run.forward.chunks[0].expert_plan;
-    for (int64_t j = 0; j < per_rank; ++j) {
-      EXPECT_EQ(local.rows_per_expert[j], forward.plan.rows_per_expert[comm.rank() * per_rank + j]) << "expert " << j;
+    for (size_t j = 0; j < mine.size(); ++j) {
+      EXPECT_EQ(local.rows_per_expert[j], forward.plan.rows_per_expert[mine[j]]) << "expert " << mine[j];
+    }
+  }
+  // The rows sent to an expert's replicas add up to its kept slots, each source's split within a row.
+  const ExpertPlacement& placement = run.forward.placement;
+  for (int64_t e = 0; e < config.num_experts; ++e) {
+    for (int source = 0; source < comm.size(); ++source) {
+      int64_t sent = 0, most = 0, least = config.tokens;
+      for (int64_t slot : placement.replicas(e)) {
+        const int64_t rows = run.forward.rows_per_rank_slot[source * placement.slots() + slot];
+        sent += rows;
+        most = std::max(most, rows);
+        least = std::min(least, rows);
+      }
+      EXPECT_EQ(sent, run.forward.kept_per_rank_expert[source * config.num_experts + e]) << "expert " << e;
+      EXPECT_LE(most - least, 1) << "expert " << e << " from rank " << source;
     }
   }
 }
@@ -340,6 +361,74 @@ TEST(ExpertParallelCpu, HierarchicalExchangeGivesTheSameBits) {
   }
 }
 
+// ---- placements: any E over any R, replicated experts ----
+
+// E = 3 R + 1 experts: no R > 1 divides it, so some ranks hold one expert more.
+TEST(ExpertParallelCpu, AnyExpertCountOverAnyRanks) {
+  const int R = world().size();
+  for (Formulation formulation : kFormulations) {
+    MoeConfig config = layer_config(formulation);
+    config.num_experts = 3 * R + 1;
+    SCOPED_TRACE(name_of(config) + ", E = " + std::to_string(config.num_experts));
+    const RankRun run = check_case(config, even_shards(config.tokens, R));
+    EXPECT_EQ(run.forward.placement.slots_of(world().rank()), contiguous_placement(config.num_experts, R).slots_of(world().rank()));
+  }
+}
+
+// The placements replicas are tested under: EPLB from the routing's own loads (1 and 2 redundant
+// slots a rank), and the hottest expert on every rank (FasterMoE's shadowing, as a placement).
+std::vector<ExpertPlacement> replicated_placements(const Problem& problem, int ranks) {
+  const MoeConfig& config = problem.config;
+  const ref::LayerForward single = ref::moe_forward(config, problem.x, problem.weights);
+  std::vector<double> load(single.plan.tokens_per_expert.begin(), single.plan.tokens_per_expert.end());
+  std::vector<ExpertPlacement> out;
+  const int64_t base = (config.num_experts + ranks - 1) / ranks;
+  for (int64_t redundant : {1, 2}) {
+    if (redundant <= config.num_experts - base) out.push_back(eplb_placement(load, ranks, redundant));
+  }
+  const int64_t hottest = std::max_element(load.begin(), load.end()) - load.begin();
+  std::vector<std::vector<int64_t>> held;
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<int64_t> mine = contiguous_placement(config.num_experts, ranks).experts_of(r);
+    if (std::find(mine.begin(), mine.end(), hottest) == mine.end()) mine.push_back(hottest);
+    held.push_back(mine);
+  }
+  out.emplace_back(config.num_experts, held);
+  return out;
+}
+
+// Replicas split an expert's rows and sum its gradients: every result still equals the single
+// device's, with Tutel's chunks and with uneven shards, dropless and dropping (half the tokens on
+// expert 0 makes a hot expert whose capacity really drops).
+TEST(ExpertParallelCpu, ReplicatedExpertsEqualTheSingleDeviceLayer) {
+  const int R = world().size();
+  for (Formulation formulation : {Formulation::dropless, Formulation::dropping}) {
+    for (int chunks : {1, 3}) {
+      const MoeConfig config = layer_config(formulation);
+      const uint64_t seed = shared_seed();
+      const Problem problem = make_problem(config, seed, [](Matrix& x, ref::MoeWeights& weights) {
+        x.col(0).setOnes();
+        weights.gate_weights.row(0).setZero();
+        weights.gate_weights(0, 0) = 2.0;  // expert 0 the favourite of most tokens
+      });
+      for (const ExpertPlacement& placement : replicated_placements(problem, R)) {
+        SCOPED_TRACE(name_of(config) + ", d = " + std::to_string(chunks) + ", seed " + std::to_string(seed) + ", " +
+                     placement.describe());
+        ExpertParallelOptions options;
+        options.pipeline_chunks = chunks;
+        options.placement = &placement;
+        std::vector<int64_t> shards = even_shards(config.tokens, R);
+        if (chunks == 3 && R > 1) {  // uneven: the last rank holds a third more
+          shards[0] -= 2;
+          shards[R - 1] += 2;
+        }
+        const RankRun run = run_expert_parallel(problem, shards, options);
+        expect_equals_single_device(problem, shards, run);
+      }
+    }
+  }
+}
+
 // ---- bad settings: a clear error on every rank ----
 
 // Runs f on every rank and returns the message of its std::invalid_argument ("" if none).
@@ -354,19 +443,38 @@ std::string error_of(const std::function<void()>& f) {
 
 using ::testing::HasSubstr;
 
-TEST(ExpertParallelCpu, ExpertsNotDivisibleByRanksIsAnErrorOnEveryRank) {
+TEST(ExpertParallelCpu, BadPlacementsAreAnErrorOnEveryRank) {
   const int R = world().size();
-  if (R < 2) GTEST_SKIP() << "every E divides R = 1";
-  MoeConfig config = layer_config(Formulation::dropless);
-  config.num_experts = 3 * R + 1;
+  const MoeConfig config = layer_config(Formulation::dropless);
   const Problem problem = make_problem(config, shared_seed());
-  ExpertParallelWeights weights;
-  weights.gate_weights = problem.weights.gate_weights;
-  const std::string message = error_of([&] {
-    expert_parallel_forward(world(), config, problem.x.topRows(even_shards(config.tokens, R)[world().rank()]), weights);
-  });
-  EXPECT_THAT(message, HasSubstr("E = " + std::to_string(3 * R + 1) + " is not divisible by R = " + std::to_string(R)));
-  EXPECT_THROW(local_weights(config, problem.weights, 0, R), std::invalid_argument);
+  const Matrix x = problem.x.middleRows(0, even_shards(config.tokens, R)[world().rank()]);
+  const auto run_with = [&](const MoeConfig& c, const ExpertPlacement& placement) {
+    return error_of([&] {
+      ExpertParallelOptions options;
+      options.placement = &placement;
+      expert_parallel_forward(world(), c, x, local_weights(config, problem.weights, world().rank(), R), options);
+    });
+  };
+  // A placement of another E.
+  EXPECT_THAT(run_with(config, contiguous_placement(config.num_experts - 1, R)),
+              HasSubstr("placement is of E = " + std::to_string(config.num_experts - 1)));
+  // Padded with replicas: expert 0 on every rank.
+  std::vector<std::vector<int64_t>> held;
+  for (int r = 0; r < R; ++r) {
+    std::vector<int64_t> mine = contiguous_placement(config.num_experts, R).experts_of(r);
+    if (r > 0) mine.push_back(0);
+    held.push_back(mine);
+  }
+  if (R > 1) {
+    EXPECT_THAT(run_with(layer_config(Formulation::padded), ExpertPlacement(config.num_experts, held)),
+                HasSubstr("a placement with replicas takes dropless or dropping"));
+  }
+  // Placements that differ between ranks.
+  if (R > 1) {
+    const ExpertPlacement mine = world().rank() == 0 ? ExpertPlacement(config.num_experts, held)
+                                                     : contiguous_placement(config.num_experts, R);
+    EXPECT_THAT(run_with(config, mine), HasSubstr("the expert placements"));
+  }
   world().barrier();
 }
 
