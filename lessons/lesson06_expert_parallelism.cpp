@@ -76,11 +76,18 @@ struct LayerRun {
 
 // The expert-parallel forward on this rank's shard, and its error against the single-device layer
 // on all T tokens (every rank computes the reference; it is small). Collective.
+// `placement`: where the experts live; nullptr, E / R a rank in id order.
 LayerRun run_layer(dist::Communicator& comm, const MoeConfig& config, const ref::Matrix& x,  // [T, D]
-                   const ref::MoeWeights& weights, const Shard& shard) {
+                   const ref::MoeWeights& weights, const Shard& shard,
+                   const dist::ExpertPlacement* placement = nullptr) {
   LayerRun run;
-  run.forward = dist::expert_parallel_forward(comm, config, x.middleRows(shard.offset, shard.tokens),
-                                              dist::local_weights(config, weights, shard.rank, shard.ranks));
+  dist::ExpertParallelOptions options;
+  options.placement = placement;
+  run.forward = dist::expert_parallel_forward(
+      comm, config, x.middleRows(shard.offset, shard.tokens),
+      placement ? dist::local_weights(config, weights, shard.rank, *placement)
+                : dist::local_weights(config, weights, shard.rank, shard.ranks),
+      options);
   run.dispatch_rows = dist::all_gather<int64_t>(comm, run.forward.chunks[0].send_rows);
   const ref::LayerForward reference = ref::moe_forward(config, x, weights);
   ErrorSum y;
@@ -323,8 +330,10 @@ int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions&, cons
 struct ForwardChecks {
   double worst_error = 0;  // y and aux against the single-device layer
   bool counts_ok = true;   // the count matrix sums to T * K
+  int runs = 0;
 
   void add(const LayerRun& run, const MoeConfig& c) {
+    ++runs;
     worst_error = std::max(worst_error, run.error);
     int64_t routed = 0;
     for (int64_t n : run.forward.routed_per_rank_expert) routed += n;
@@ -401,12 +410,12 @@ void show_rows_per_expert(dist::Communicator& comm, lessons::RankOutput& out, co
 // ---- 2. the backward of the same layer: expert gradients stay home, the router's is summed ----
 
 // The largest relative error of dx, dWg, dW1 and dW2 against the single-device layer. Collective.
+// Each slot is compared with its expert's whole gradient (a replica's is summed over its replicas).
 double backward_error(dist::Communicator& comm, const MoeConfig& config, const lessons::LessonData& data,
                       const LayerRun& run, const Shard& shard) {
   const int rank = comm.rank();
-  const int64_t E_r = config.num_experts / comm.size();
   const ref::Matrix x_r = data.text_x.middleRows(shard.offset, shard.tokens);
-  const auto local = dist::local_weights(config, data.weights, rank, comm.size());
+  const auto local = dist::local_weights(config, data.weights, rank, run.forward.placement);
   const auto grads = dist::expert_parallel_backward(comm, config, x_r, local, run.forward,
                                                     data.dy.middleRows(shard.offset, shard.tokens));
   const ref::LayerForward forward = ref::moe_forward(config, data.text_x, data.weights);
@@ -414,9 +423,10 @@ double backward_error(dist::Communicator& comm, const MoeConfig& config, const l
   ErrorSum dx, gate, w1, w2;
   dx.add(grads.x, reference.x.middleRows(shard.offset, shard.tokens));
   if (rank == 0) gate.add(grads.gate_weights, reference.gate_weights);  // the same on every rank
-  for (int64_t j = 0; j < E_r; ++j) {
-    w1.add(grads.w1[j], reference.w1[rank * E_r + j]);
-    w2.add(grads.w2[j], reference.w2[rank * E_r + j]);
+  const std::vector<int64_t>& mine = run.forward.placement.experts_of(rank);
+  for (size_t j = 0; j < mine.size(); ++j) {
+    w1.add(grads.w1[j], reference.w1[mine[j]]);
+    w2.add(grads.w2[j], reference.w2[mine[j]]);
   }
   double error = 0;
   for (const ErrorSum* sum : {&dx, &gate, &w1, &w2}) error = std::max(error, sum->relative(comm));
@@ -574,6 +584,51 @@ void show_realistic_shapes(lessons::RankOutput& out, double zipf_skew) {
   out.say(text.str());
 }
 
+// ---- 7. placing experts by load: replicas of the hot experts even out the ranks of Table 4 ----
+
+// Returns the worst backward error of the replicated placements. Collective.
+double show_placement_by_load(dist::Communicator& comm, lessons::RankOutput& out, ForwardChecks& checks,
+                              const MoeConfig& config, const lessons::LessonData& data, const LayerRun& main_run,
+                              const Shard& shard) {
+  const int R = comm.size();
+  const int64_t E = config.num_experts, base_slots = E / R;
+  const std::vector<int64_t> counts = expert_loads(main_run.forward.routed_per_rank_expert, R, E);
+  const std::vector<double> load(counts.begin(), counts.end());  // this step's rows per expert
+  Table table("Table 7: placing experts by load (EPLB from Table 4's zipf-text loads, K=2, dropless)",
+              {"placement", "slots a rank", "copies beyond one", "rows each rank computes", "max/mean",
+               "rows crossing ranks", "rel err vs 1 device"});
+  double backward = 0;
+  std::optional<dist::ExpertPlacement> first_eplb;
+  for (int64_t redundant : {0, 1, 2}) {
+    if (redundant > E - base_slots) break;  // a rank holds each expert once (R = 1: no room at all)
+    const dist::ExpertPlacement placement = redundant == 0 ? dist::contiguous_placement(E, R)
+                                                           : dist::eplb_placement(load, R, redundant);
+    const LayerRun run = redundant == 0 ? main_run : run_layer(comm, config, data.text_x, data.weights, shard, &placement);
+    if (redundant > 0) {
+      checks.add(run, config);
+      backward = std::max(backward, backward_error(comm, config, data, run, shard));
+      if (!first_eplb) first_eplb = placement;
+    }
+    const std::vector<int64_t> in = received(run.dispatch_rows, R);
+    int64_t crossing = 0;
+    for (int s = 0; s < R; ++s) {
+      for (int t = 0; t < R; ++t) crossing += s == t ? 0 : run.dispatch_rows[s * R + t];
+    }
+    table.add_row({redundant == 0 ? std::string("E / R in id order") : "EPLB, S=" + std::to_string(redundant),
+                   placement.slots_of(0), placement.slots() - E, joined(in), max_over_mean(in), crossing, run.error});
+  }
+  out.show(table);
+  std::string text =
+      "  EPLB gives every rank ceil(E/R) + S slots. It fills the spare ones with copies of the experts\n"
+      "  that have the most rows a copy, then packs the copies, heaviest first, onto the least loaded\n"
+      "  rank that does not hold that expert yet. A source splits its rows for a copied expert evenly\n"
+      "  over the copies (its own first); the copies' weight gradients are summed, so they stay equal.\n"
+      "  The price: more rows cross ranks, and each copy's gradient is all-reduced every step.\n";
+  if (first_eplb) text += "  EPLB, S=1: " + first_eplb->describe() + "\n";
+  out.say(text);
+  return backward;
+}
+
 // ---- verdict ----
 
 int verdict(lessons::RankOutput& out, int R, const ForwardChecks& checks, double backward, bool replays_intact) {
@@ -582,7 +637,8 @@ int verdict(lessons::RankOutput& out, int R, const ForwardChecks& checks, double
   std::ostringstream message;
   message << std::setprecision(2) << "EP layer == single-device reference on R=" << R
           << " ranks: max_rel_err=" << error << " tol=" << kTolerance
-          << " (y and aux of 7 forward runs; dx, dWg, dW1, dW2 of the dropless run); counts sum to T*K: "
+          << " (y and aux of " << checks.runs
+          << " forward runs; dx, dWg, dW1, dW2 of the dropless runs); counts sum to T*K: "
           << (checks.counts_ok ? "yes" : "NO") << "; bf16 replays intact: " << (replays_intact ? "yes" : "NO");
   return out.finish(pass, message.str());
 }
@@ -605,7 +661,8 @@ int run_on_cpu(dist::Communicator& comm, lessons::RankOutput& out, const lessons
   const double zipf_skew = show_routing_skew(comm, out, checks, config, data, main_run, shard);
   show_capacity_rule(comm, out, checks, config, data, shard);
   show_realistic_shapes(out, zipf_skew);
-  return verdict(out, R, checks, backward, replays_intact);
+  const double placed_backward = show_placement_by_load(comm, out, checks, config, data, main_run, shard);
+  return verdict(out, R, checks, std::max(backward, placed_backward), replays_intact);
 }
 
 }  // namespace
