@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
       }
       lessons::show(writer, table);
       std::printf("straggler: the busiest GPU's rows over the mean. A capacity factor caps it and drops the tokens\n"
-                  "beyond it; replicas of the hottest experts (EPLB's greedy placement, 1 or 2 extra expert slots a GPU)\n"
+                  "beyond it; replicas of the hot experts (EPLB, the layers' placement: 1 or 2 spare expert slots a GPU)\n"
                   "keep every token, at the price of more rows crossing the network and the replicas' gradients summed.\n");
       if (!(capped_zipf < dropless_zipf)) failures.push_back("capacity 1.0 did not shorten the Zipf step");
       if (!(replicated_zipf < dropless_zipf)) failures.push_back("a replica slot a GPU did not shorten the Zipf step");

@@ -132,88 +132,37 @@ void apply_layout(StepLoad& load, int64_t layout) {
   }
 }
 
-void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank) {
-  if (redundant_slots_per_rank <= 0) return;
-  const int64_t R = load.ranks, E = load.experts, per_rank = load.experts_per_rank();
-  if (redundant_slots_per_rank > E - per_rank) {
-    throw std::invalid_argument(std::to_string(redundant_slots_per_rank) + " redundant slots a rank: at most E - E / R = " +
-                                std::to_string(E - per_rank) + " (a rank holds each expert once)");
+void apply_placement(StepLoad& load, const dist::ExpertPlacement& placement) {
+  const int64_t R = load.ranks, E = load.experts;
+  if (placement.experts() != E || placement.ranks() != R) {
+    throw std::invalid_argument("a placement of E = " + std::to_string(placement.experts()) + " experts over R = " +
+                                std::to_string(placement.ranks()) + " ranks applied to a load of E = " +
+                                std::to_string(E) + " over R = " + std::to_string(R));
   }
-  // holders[e]: the ranks that hold expert e, its home rank first.
-  std::vector<std::vector<int64_t>> holders(static_cast<size_t>(E));
-  std::vector<double> rank_rows(static_cast<size_t>(R), 0.0);
-  std::vector<int64_t> free_slots(static_cast<size_t>(R), redundant_slots_per_rank);
-  for (int64_t e = 0; e < E; ++e) {
-    holders[static_cast<size_t>(e)].push_back(e / per_rank);
-    rank_rows[static_cast<size_t>(e / per_rank)] += load.rows_per_expert[static_cast<size_t>(e)];
-  }
-  auto per_replica = [&](int64_t e) {
-    return load.rows_per_expert[static_cast<size_t>(e)] / static_cast<double>(holders[static_cast<size_t>(e)].size());
-  };
-  // The change in the sum of the ranks' squared rows if expert e got a replica on rank t.
-  auto evening = [&](int64_t e, int64_t t) {
-    const double before = per_replica(e);
-    const double share = load.rows_per_expert[static_cast<size_t>(e)] / static_cast<double>(holders[static_cast<size_t>(e)].size() + 1);
-    double change = 0;
-    for (int64_t r : holders[static_cast<size_t>(e)]) {
-      const double old_rows = rank_rows[static_cast<size_t>(r)], new_rows = old_rows - before + share;
-      change += new_rows * new_rows - old_rows * old_rows;
-    }
-    const double target_rows = rank_rows[static_cast<size_t>(t)];
-    return change + (target_rows + share) * (target_rows + share) - target_rows * target_rows;
-  };
-  std::vector<int64_t> order(static_cast<size_t>(E));
-  for (int64_t placed = 0; placed < redundant_slots_per_rank * R; ++placed) {
-    // The experts by rows a replica, most first (ties: the lower e); the first that a rank with a
-    // free slot can take, and whose replica there evens the ranks out, gets it.
-    for (int64_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = e;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return per_replica(a) > per_replica(b); });
-    int64_t chosen = -1, target = -1;
-    for (const int64_t e : order) {
-      const auto& h = holders[static_cast<size_t>(e)];
-      int64_t best = -1;  // the least loaded rank with a free slot and no replica of e (ties: the lower r)
-      for (int64_t r = 0; r < R; ++r) {
-        if (free_slots[static_cast<size_t>(r)] == 0 || std::find(h.begin(), h.end(), r) != h.end()) continue;
-        if (best < 0 || rank_rows[static_cast<size_t>(r)] < rank_rows[static_cast<size_t>(best)]) best = r;
-      }
-      if (best >= 0 && evening(e, best) < 0) {
-        chosen = e, target = best;
-        break;
-      }
-    }
-    if (chosen < 0) break;  // no replica left that evens the ranks out
-    const double before = per_replica(chosen);
-    holders[static_cast<size_t>(chosen)].push_back(target);
-    const double after = per_replica(chosen);
-    for (int64_t r : holders[static_cast<size_t>(chosen)]) rank_rows[static_cast<size_t>(r)] += after - (r == target ? 0.0 : before);
-    --free_slots[static_cast<size_t>(target)];
-    ++load.replicas;
-  }
-  // Each rank's slots: its own experts, then its replicas in the order placed; every source splits
-  // its rows for an expert evenly over the expert's holders.
+  auto holders_of = [&](int64_t e) { return static_cast<double>(placement.replicas(e).size()); };
   load.slot_rows.assign(static_cast<size_t>(R), {});
   load.slot_experts.assign(static_cast<size_t>(R), {});
-  auto add_slot = [&](int64_t r, int64_t e) {
-    load.slot_rows[static_cast<size_t>(r)].push_back(per_replica(e));
-    load.slot_experts[static_cast<size_t>(r)].push_back(e);
-  };
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t e = r * per_rank; e < (r + 1) * per_rank; ++e) add_slot(r, e);
+    for (int64_t e : placement.experts_of(static_cast<int>(r))) {
+      load.slot_rows[static_cast<size_t>(r)].push_back(load.rows_per_expert[static_cast<size_t>(e)] / holders_of(e));
+      load.slot_experts[static_cast<size_t>(r)].push_back(e);
+    }
   }
   load.holders.assign(static_cast<size_t>(E), 1);
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& h = holders[static_cast<size_t>(e)];
-    for (size_t i = 1; i < h.size(); ++i) add_slot(h[i], e);
-    load.holders[static_cast<size_t>(e)] = static_cast<int64_t>(h.size());
-  }
+  for (int64_t e = 0; e < E; ++e) load.holders[static_cast<size_t>(e)] = static_cast<int64_t>(holders_of(e));
+  load.replicas = placement.slots() - E;
   std::fill(load.rows.begin(), load.rows.end(), 0.0);
   for (int64_t s = 0; s < R; ++s) {
     for (int64_t e = 0; e < E; ++e) {
-      const auto& h = holders[static_cast<size_t>(e)];
-      const double share = load.source_rows[static_cast<size_t>(s * E + e)] / static_cast<double>(h.size());
-      for (int64_t t : h) load.rows[static_cast<size_t>(s * R + t)] += share;
+      const double share = load.source_rows[static_cast<size_t>(s * E + e)] / holders_of(e);
+      for (int64_t slot : placement.replicas(e)) load.rows[static_cast<size_t>(s * R + placement.slot_rank(slot))] += share;
     }
   }
+}
+
+void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank) {
+  if (redundant_slots_per_rank <= 0) return;
+  apply_placement(load, dist::eplb_placement(load.rows_per_expert, static_cast<int>(load.ranks), redundant_slots_per_rank));
 }
 
 }  // namespace moe::sim

@@ -8,11 +8,12 @@
 //     or a recorded one replayed at another size). Rows are then expected values, not integers.
 // A capacity (rows an expert may keep) turns routed rows into kept rows; what is dropped is not sent.
 //
-// Replicated hot experts (DeepSeek's EPLB, greedy): each rank gets S redundant slots; one at a time,
-// the expert with the most rows per replica gets one more replica, on the least loaded rank that has
-// a free slot and no replica of it yet, if that evens the ranks out (lowers the sum of their squared
-// rows); else the next expert down; none left, the placement ends. Every source rank's rows for an expert are split evenly over its replicas, so the
-// busiest rank's rows shrink and more rows cross the network.
+// Replicated hot experts: the layers' own placement by load (DeepSeek's EPLB,
+// ep/expert_placement.h): ceil(E / R) + S slots a rank, the spare ones filled with replicas of the
+// experts with the most rows a replica, the replicas packed heaviest first onto the least loaded
+// rank. Every source rank's rows for an expert are split evenly over its replicas (the expectation
+// of the layers' routing rule, which splits them within a row), so the busiest rank's rows shrink
+// and more rows may cross the network.
 //
 // Dimension legend: R ranks, E experts, T tokens a rank, K top-k, C capacity.
 #pragma once
@@ -20,7 +21,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "sim/routing_trace.h"  // BlockLoad
+#include "ep/expert_placement.h"  // ExpertPlacement, eplb_placement
+#include "sim/routing_trace.h"    // BlockLoad
 
 namespace moe::sim {
 
@@ -30,8 +32,8 @@ struct StepLoad {
   std::vector<double> rows_per_expert;  // [E] rows each expert computes (kept rows), all replicas together
   std::vector<double> rows;             // [R][R] rows rank s sends to rank t (t's experts); s = t stays local
   std::vector<double> source_rows;      // [R][E] rows source rank s routes to expert e (kept rows)
-  // With replicas: [R] each rank's expert slots' rows (its E / R experts, then its replicas);
-  // empty without (rank r computes experts [r E / R, (r + 1) E / R) whole).
+  // With a placement of its own (replicas): [R] the rows of each rank's expert slots, in the
+  // placement's slot order; empty without (rank r computes experts [r E / R, (r + 1) E / R) whole).
   std::vector<std::vector<double>> slot_rows;
   std::vector<std::vector<int64_t>> slot_experts;  // [R] the expert of each of those slots
   std::vector<int64_t> holders;                    // [E] ranks holding expert e (1 without replicas)
@@ -62,8 +64,13 @@ StepLoad scaled(const StepLoad& load, double factor);
 // (and r partial rows come back). slot_rows and rows change; r = 1 changes nothing.
 void apply_layout(StepLoad& load, int64_t layout);
 
-// Places redundant_slots_per_rank x R replicas of the hottest experts (see the file comment) and
-// moves their rows: slot_rows, rows and replicas change; rows_per_expert stays. 0: nothing moves.
+// Puts the experts where `placement` says and moves their rows: slot_rows, slot_experts, holders,
+// rows and replicas change; rows_per_expert and source_rows stay. Throws unless the placement is of
+// this load's E and R.
+void apply_placement(StepLoad& load, const dist::ExpertPlacement& placement);
+
+// EPLB with redundant_slots_per_rank spare slots a rank, from this load's rows per expert (see the
+// file comment), applied. 0: nothing moves. Throws as eplb_placement does.
 void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank);
 
 }  // namespace moe::sim

@@ -222,17 +222,18 @@ TEST(SimLayerStep, TwoRanksOneStepAddUpByHand) {
 }
 
 TEST(SimLayerStep, ReplicasOfTheHotExpertBalanceTheRanksByHand) {
-  // The hot-expert trace above (expert 0: 1500 rows, expert 1: 500) with one redundant slot a rank.
-  // Expert 0 has the most rows a replica, so rank 1 takes a replica of it (750 rows each); then
-  // expert 1 (500) on rank 0, the only rank that can still take it (250 each). Both ranks compute
-  // 1000 rows, and every source sends half its rows for each expert to each rank: 500 rows out.
+  // The hot-expert trace above (expert 0: 1500 rows, expert 1: 500) with one redundant slot a rank:
+  // EPLB gives each rank 2 slots, 4 in all. Replicate: expert 0 has the most rows a replica and gets
+  // a second (750 each); it is then on both ranks, so expert 1 gets the last (250 each). Pack,
+  // heaviest first: 0 -> rank 0, 0 -> rank 1, 1 -> rank 0, 1 -> rank 1. Both ranks compute 1000
+  // rows, and every source sends half its rows for each expert to each rank: 500 rows out.
   const BlockLoad hot = hot_expert_load();
   StepLoad load = step_load_from_tokens(hot, 2);
   replicate_hot_experts(load, 1);
   EXPECT_EQ(load.replicas, 2);
   EXPECT_EQ(load.rows_per_rank(), (std::vector<double>{1000, 1000}));
   EXPECT_EQ(load.slot_rows[0], (std::vector<double>{750, 250}));
-  EXPECT_EQ(load.slot_rows[1], (std::vector<double>{250, 750}));
+  EXPECT_EQ(load.slot_rows[1], (std::vector<double>{750, 250}));  // slots by expert id
   EXPECT_DOUBLE_EQ(load.sent(0, 1), 500);
   EXPECT_DOUBLE_EQ(load.sent(1, 0), 500);
   EXPECT_THROW(replicate_hot_experts(load, 2), std::invalid_argument);  // more slots than other experts
