@@ -592,40 +592,59 @@ double show_placement_by_load(dist::Communicator& comm, lessons::RankOutput& out
                               const Shard& shard) {
   const int R = comm.size();
   const int64_t E = config.num_experts, base_slots = E / R;
-  const std::vector<int64_t> counts = expert_loads(main_run.forward.routed_per_rank_expert, R, E);
+  const std::vector<int64_t>& routed = main_run.forward.routed_per_rank_expert;
+  const std::vector<int64_t> counts = expert_loads(routed, R, E);
   const std::vector<double> load(counts.begin(), counts.end());  // this step's rows per expert
-  Table table("Table 7: placing experts by load (EPLB from Table 4's zipf-text loads, K=2, dropless)",
+  const int64_t hottest = std::max_element(counts.begin(), counts.end()) - counts.begin();
+  const dist::ExpertPlacement plain = dist::contiguous_placement(E, R);
+
+  std::vector<std::pair<std::string, dist::ExpertPlacement>> placements{{"E / R in id order", plain}};
+  for (int64_t redundant : {1, 2}) {  // a rank holds each expert once (R = 1: no room at all)
+    if (redundant <= E - base_slots) {
+      placements.emplace_back("EPLB, S=" + std::to_string(redundant), dist::eplb_placement(load, R, redundant));
+    }
+  }
+  if (R > 1) placements.emplace_back("shadow e" + std::to_string(hottest), plain.with_shadowed({hottest}));
+
+  Table table("Table 7: placing experts by load (from Table 4's zipf-text loads, K=2, dropless)",
               {"placement", "slots a rank", "copies beyond one", "rows each rank computes", "max/mean",
                "rows crossing ranks", "rel err vs 1 device"});
   double backward = 0;
-  std::optional<dist::ExpertPlacement> first_eplb;
-  for (int64_t redundant : {0, 1, 2}) {
-    if (redundant > E - base_slots) break;  // a rank holds each expert once (R = 1: no room at all)
-    const dist::ExpertPlacement placement = redundant == 0 ? dist::contiguous_placement(E, R)
-                                                           : dist::eplb_placement(load, R, redundant);
-    const LayerRun run = redundant == 0 ? main_run : run_layer(comm, config, data.text_x, data.weights, shard, &placement);
-    if (redundant > 0) {
+  for (const auto& [name, placement] : placements) {
+    const bool plain_run = placement.fingerprint() == plain.fingerprint();
+    const LayerRun run = plain_run ? main_run : run_layer(comm, config, data.text_x, data.weights, shard, &placement);
+    if (!plain_run) {
       checks.add(run, config);
       backward = std::max(backward, backward_error(comm, config, data, run, shard));
-      if (!first_eplb) first_eplb = placement;
     }
     const std::vector<int64_t> in = received(run.dispatch_rows, R);
     int64_t crossing = 0;
     for (int s = 0; s < R; ++s) {
       for (int t = 0; t < R; ++t) crossing += s == t ? 0 : run.dispatch_rows[s * R + t];
     }
-    table.add_row({redundant == 0 ? std::string("E / R in id order") : "EPLB, S=" + std::to_string(redundant),
-                   placement.slots_of(0), placement.slots() - E, joined(in), max_over_mean(in), crossing, run.error});
+    table.add_row({name, placement.slots_of(0), placement.slots() - E, joined(in), max_over_mean(in), crossing,
+                   run.error});
   }
   out.show(table);
-  std::string text =
-      "  EPLB gives every rank ceil(E/R) + S slots. It fills the spare ones with copies of the experts\n"
-      "  that have the most rows a copy, then packs the copies, heaviest first, onto the least loaded\n"
-      "  rank that does not hold that expert yet. A source splits its rows for a copied expert evenly\n"
-      "  over the copies (its own first); the copies' weight gradients are summed, so they stay equal.\n"
-      "  The price: more rows cross ranks, and each copy's gradient is all-reduced every step.\n";
-  if (first_eplb) text += "  EPLB, S=1: " + first_eplb->describe() + "\n";
-  out.say(text);
+  std::ostringstream text;
+  text << "  EPLB gives every rank ceil(E/R) + S slots. It fills the spare ones with copies of the experts\n"
+          "  that have the most rows a copy, then packs the copies, heaviest first, onto the least loaded\n"
+          "  rank that does not hold that expert yet. A source splits its rows for a copied expert evenly\n"
+          "  over the copies (its own first); the copies' weight gradients are summed, so they stay equal.\n"
+          "  Shadowing (FasterMoE) copies an expert to every rank and keeps its rows at home: its weights\n"
+          "  travel instead of its rows.\n";
+  if (placements.size() > 1) text << "  " << placements[1].first << ": " << placements[1].second.describe() << "\n";
+  if (R > 1) {
+    const int64_t elements = config.model_dim * w1_columns(config) + config.hidden_dim * config.model_dim;
+    const std::vector<int64_t> worth =
+        dist::worth_shadowing(plain, routed, config.model_dim, w1_columns(config), config.hidden_dim);
+    const bool pays = std::find(worth.begin(), worth.end(), hottest) != worth.end();
+    text << "  Shadowing e" << hottest << " moves its " << elements << " weights: " << (R - 1) * elements * 10
+         << " bytes a step (a bf16 broadcast, fp32 gradients summed),\n  against 8 D = "
+         << 8 * config.model_dim << " bytes for each of its rows that crosses ranks: worth it at these counts? "
+         << (pays ? "yes" : "no") << " (distributed/ep/expert_placement.h).\n";
+  }
+  out.say(text.str());
   return backward;
 }
 

@@ -35,6 +35,7 @@ ExpertPlacement::ExpertPlacement(int64_t experts, std::vector<std::vector<int64_
     }
     first_slot_[static_cast<size_t>(r) + 1] = static_cast<int64_t>(slot_expert_.size());
   }
+  shadowed_.assign(static_cast<size_t>(experts), false);
   for (int64_t e = 0; e < experts; ++e) {
     if (replicas_[static_cast<size_t>(e)].empty()) {
       throw std::invalid_argument("expert placement: expert " + std::to_string(e) +
@@ -52,10 +53,30 @@ bool ExpertPlacement::is_even_contiguous() const {
   return true;
 }
 
+ExpertPlacement ExpertPlacement::with_shadowed(const std::vector<int64_t>& experts) const {
+  std::vector<std::vector<int64_t>> held = rank_experts_;
+  for (int64_t e : experts) {
+    if (e < 0 || e >= experts_) {
+      throw std::invalid_argument("expert placement: shadowing expert " + std::to_string(e) +
+                                  "; expert ids are 0 .. E - 1 = " + std::to_string(experts_ - 1));
+    }
+    for (auto& mine : held) {
+      if (std::find(mine.begin(), mine.end(), e) == mine.end()) mine.push_back(e);
+    }
+  }
+  ExpertPlacement out(experts_, std::move(held));
+  out.shadowed_ = shadowed_;
+  for (int64_t e : experts) out.shadowed_[static_cast<size_t>(e)] = true;
+  return out;
+}
+
 ExpertPlacement::Piece ExpertPlacement::piece(int source, int64_t expert, int64_t rows, int64_t replica) const {
   const std::vector<int64_t>& holders = replicas(expert);
   const int64_t n = static_cast<int64_t>(holders.size());
   if (n == 1) return {0, rows};
+  if (shadowed(expert)) {  // on every rank: the source's own replica takes every row
+    return slot_rank(holders[static_cast<size_t>(replica)]) == source ? Piece{0, rows} : Piece{rows, 0};
+  }
   // The replica that takes the first piece: the source's own, else source mod n.
   int64_t start = source % n;
   for (int64_t i = 0; i < n; ++i) {
@@ -72,6 +93,7 @@ uint64_t ExpertPlacement::fingerprint() const {
     hash = fnv1a_64_words({static_cast<uint64_t>(slots_of(r))}, hash);
     for (int64_t e : experts_of(r)) hash = fnv1a_64_words({static_cast<uint64_t>(e)}, hash);
   }
+  for (int64_t e = 0; e < experts_; ++e) hash = fnv1a_64_words({shadowed(e) ? 1u : 0u}, hash);
   return hash;
 }
 
@@ -85,6 +107,7 @@ std::string ExpertPlacement::describe() const {
     for (int64_t e : experts_of(r)) {
       out += ' ';
       out += std::to_string(e);
+      if (shadowed(e)) out += '*';
     }
   }
   return out;
@@ -179,6 +202,32 @@ ExpertPlacement eplb_placement(std::span<const double> expert_load, int ranks, i
     rank_load[static_cast<size_t>(target)] += per_replica(e);
   }
   return ExpertPlacement(E, std::move(held));
+}
+
+std::vector<int64_t> worth_shadowing(const ExpertPlacement& placement, std::span<const int64_t> routed,
+                                     int64_t model_dim, int64_t w1_columns, int64_t hidden_dim) {
+  const int R = placement.ranks();
+  const int64_t E = placement.experts();
+  if (static_cast<int64_t>(routed.size()) != static_cast<int64_t>(R) * E) {
+    throw std::invalid_argument("worth_shadowing: " + std::to_string(routed.size()) + " counts; expected R x E = " +
+                                std::to_string(static_cast<int64_t>(R) * E));
+  }
+  const double weight_bytes = static_cast<double>(R - 1) *
+                              static_cast<double>(model_dim * w1_columns + hidden_dim * model_dim) * (2.0 + 8.0);
+  std::vector<int64_t> out;
+  for (int64_t e = 0; e < E; ++e) {
+    if (R == 1 || placement.shadowed(e)) continue;
+    const std::vector<int64_t>& replicas = placement.replicas(e);
+    double crossing = 0;  // rows of e that leave their source
+    for (int s = 0; s < R; ++s) {
+      const int64_t n = routed[static_cast<size_t>(s) * E + e];
+      for (size_t i = 0; i < replicas.size(); ++i) {
+        if (placement.slot_rank(replicas[i]) != s) crossing += static_cast<double>(placement.piece(s, e, n, static_cast<int64_t>(i)).count);
+      }
+    }
+    if (8.0 * static_cast<double>(model_dim) * crossing > weight_bytes) out.push_back(e);
+  }
+  return out;
 }
 
 std::vector<double> expected_rank_load(const ExpertPlacement& placement, std::span<const double> expert_load) {

@@ -26,6 +26,11 @@
 // holds one (the nearest), else to replica s mod n_e; the next pieces go round the replicas in slot
 // order. Each replica thus gets an even share (within a row per source), and with one replica the
 // whole block goes to the expert's one rank, exactly as without this file.
+//
+// Shadowed experts (FasterMoE; He et al., PPoPP 2022): an expert on every rank whose rows never
+// travel: each source computes all its own rows on its own replica. Its weights travel instead (a
+// broadcast before the step, its gradients summed after), which pays when its rows' bytes exceed
+// its weights' (worth_shadowing).
 #pragma once
 
 #include <cstdint>
@@ -57,6 +62,12 @@ class ExpertPlacement {
   bool replicated() const { return slots() > experts_; }
   // Whether this is contiguous_placement(E, R) with R dividing E: today's layers' placement.
   bool is_even_contiguous() const;
+  // Whether expert e is shadowed (file comment).
+  bool shadowed(int64_t expert) const { return shadowed_[static_cast<size_t>(expert)]; }
+
+  // This placement with `experts` shadowed: each added to every rank that lacks it. Throws unless
+  // every id is in [0, E).
+  ExpertPlacement with_shadowed(const std::vector<int64_t>& experts) const;
 
   // The routing rule (file comment): of the n rows source rank `source` routes to expert e, the
   // piece that goes to replica i (an index into replicas(e)): rows [first, first + count) of those n.
@@ -68,7 +79,7 @@ class ExpertPlacement {
 
   // A hash of R, E and every rank's experts (FNV-1a): ranks compare it before any work.
   uint64_t fingerprint() const;
-  // One line a rank: "rank 0: 0 1 5 | rank 1: 2 3 5 | ...".
+  // One line a rank, a shadowed expert starred: "rank 0: 0 1 5* | rank 1: 2 3 5* | ...".
   std::string describe() const;
 
  private:
@@ -78,6 +89,7 @@ class ExpertPlacement {
   std::vector<int64_t> slot_expert_;                // [P]
   std::vector<int> slot_rank_;                      // [P]
   std::vector<std::vector<int64_t>> replicas_;      // [E]
+  std::vector<bool> shadowed_;                      // [E]
 };
 
 // Rank r holds experts [floor(r E / R), floor((r + 1) E / R)). Throws unless E >= 1 and 1 <= R <= E.
@@ -87,6 +99,15 @@ ExpertPlacement contiguous_placement(int64_t experts, int ranks);
 // any non-negative numbers). Throws unless 1 <= R, every load is finite and >= 0, E >= R, and
 // 0 <= S <= E - ceil(E / R) (a rank holds each expert at most once).
 ExpertPlacement eplb_placement(std::span<const double> expert_load, int ranks, int64_t redundant_slots_per_rank);
+
+// FasterMoE's choice, per step from the count matrix routed [R, E]: the experts whose rows would
+// cross ranks under `placement` (each source's rows to replicas on other ranks) carry more bytes
+// than shadowing them moves. Rows: 4 crossings a step (dispatch, combine and their backward twins)
+// of D bf16 elements. Weights: a broadcast of P_e = D w1_columns + H D bf16 elements to R - 1 ranks,
+// and their fp32 gradients summed by a ring all-reduce, 2 (R - 1) P_e elements in all. So e is
+// shadowed when 8 D crossing_rows(e) > (R - 1) P_e (2 + 8) bytes. In id order; none at R = 1.
+std::vector<int64_t> worth_shadowing(const ExpertPlacement& placement, std::span<const int64_t> routed,
+                                     int64_t model_dim, int64_t w1_columns, int64_t hidden_dim);
 
 // Each rank's load under a placement and the routing rule, when every source rank routes the same
 // expert loads (the expectation; a placement's quality before any rows move): [R].

@@ -140,11 +140,19 @@ void apply_placement(StepLoad& load, const dist::ExpertPlacement& placement) {
                                 std::to_string(E) + " over R = " + std::to_string(R));
   }
   auto holders_of = [&](int64_t e) { return static_cast<double>(placement.replicas(e).size()); };
+  // A shadowed expert's rows stay with their source; any other's split evenly over its replicas.
+  auto slot_share = [&](int64_t s, int64_t e, int64_t t) {
+    const double n = load.source_rows[static_cast<size_t>(s * E + e)];
+    if (placement.shadowed(e)) return s == t ? n : 0.0;
+    return n / holders_of(e);
+  };
   load.slot_rows.assign(static_cast<size_t>(R), {});
   load.slot_experts.assign(static_cast<size_t>(R), {});
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t e : placement.experts_of(static_cast<int>(r))) {
-      load.slot_rows[static_cast<size_t>(r)].push_back(load.rows_per_expert[static_cast<size_t>(e)] / holders_of(e));
+      double rows = 0;
+      for (int64_t s = 0; s < R; ++s) rows += slot_share(s, e, r);
+      load.slot_rows[static_cast<size_t>(r)].push_back(rows);
       load.slot_experts[static_cast<size_t>(r)].push_back(e);
     }
   }
@@ -154,8 +162,10 @@ void apply_placement(StepLoad& load, const dist::ExpertPlacement& placement) {
   std::fill(load.rows.begin(), load.rows.end(), 0.0);
   for (int64_t s = 0; s < R; ++s) {
     for (int64_t e = 0; e < E; ++e) {
-      const double share = load.source_rows[static_cast<size_t>(s * E + e)] / holders_of(e);
-      for (int64_t slot : placement.replicas(e)) load.rows[static_cast<size_t>(s * R + placement.slot_rank(slot))] += share;
+      for (int64_t slot : placement.replicas(e)) {
+        const int64_t t = placement.slot_rank(slot);
+        load.rows[static_cast<size_t>(s * R + t)] += slot_share(s, e, t);
+      }
     }
   }
 }

@@ -159,19 +159,26 @@ void expect_equals_single_device(const Problem& problem, const std::vector<int64
       EXPECT_EQ(local.rows_per_expert[j], forward.plan.rows_per_expert[mine[j]]) << "expert " << mine[j];
     }
   }
-  // The rows sent to an expert's replicas add up to its kept slots, each source's split within a row.
+  // The rows sent to an expert's replicas add up to its kept slots, each source's split within a row;
+  // a shadowed expert's rows all stay with their source.
   const ExpertPlacement& placement = run.forward.placement;
   for (int64_t e = 0; e < config.num_experts; ++e) {
     for (int source = 0; source < comm.size(); ++source) {
-      int64_t sent = 0, most = 0, least = config.tokens;
+      int64_t sent = 0, most = 0, least = config.tokens, home = 0;
       for (int64_t slot : placement.replicas(e)) {
         const int64_t rows = run.forward.rows_per_rank_slot[source * placement.slots() + slot];
         sent += rows;
         most = std::max(most, rows);
         least = std::min(least, rows);
+        if (placement.slot_rank(slot) == source) home = rows;
       }
-      EXPECT_EQ(sent, run.forward.kept_per_rank_expert[source * config.num_experts + e]) << "expert " << e;
-      EXPECT_LE(most - least, 1) << "expert " << e << " from rank " << source;
+      const int64_t kept = run.forward.kept_per_rank_expert[source * config.num_experts + e];
+      EXPECT_EQ(sent, kept) << "expert " << e;
+      if (placement.shadowed(e)) {
+        EXPECT_EQ(home, kept) << "shadowed expert " << e << " from rank " << source;
+      } else {
+        EXPECT_LE(most - least, 1) << "expert " << e << " from rank " << source;
+      }
     }
   }
 }
@@ -376,7 +383,8 @@ TEST(ExpertParallelCpu, AnyExpertCountOverAnyRanks) {
 }
 
 // The placements replicas are tested under: EPLB from the routing's own loads (1 and 2 redundant
-// slots a rank), and the hottest expert on every rank (FasterMoE's shadowing, as a placement).
+// slots a rank), the hottest expert on every rank with its rows split over the copies, and the same
+// expert shadowed (FasterMoE: every source computes its own rows of it).
 std::vector<ExpertPlacement> replicated_placements(const Problem& problem, int ranks) {
   const MoeConfig& config = problem.config;
   const ref::LayerForward single = ref::moe_forward(config, problem.x, problem.weights);
@@ -394,6 +402,7 @@ std::vector<ExpertPlacement> replicated_placements(const Problem& problem, int r
     held.push_back(mine);
   }
   out.emplace_back(config.num_experts, held);
+  out.push_back(contiguous_placement(config.num_experts, ranks).with_shadowed({hottest}));
   return out;
 }
 

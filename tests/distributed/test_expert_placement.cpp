@@ -115,6 +115,39 @@ TEST(ExpertPlacement, TheRoutingRuleSplitsRowsEvenlyAndKeepsTheSourcesOwnFirst) 
   EXPECT_EQ(p.piece(2, 0, 9, 0).count, 9);
 }
 
+// FasterMoE's shadowing: the expert on every rank, each source's rows on its own replica.
+TEST(ExpertPlacement, ShadowedExpertsKeepEverySourcesRowsAtHome) {
+  const ExpertPlacement base = contiguous_placement(6, 3);
+  const ExpertPlacement p = base.with_shadowed({4});
+  EXPECT_TRUE(p.shadowed(4));
+  EXPECT_FALSE(p.shadowed(0));
+  EXPECT_EQ(p.replicas(4).size(), 3u);
+  EXPECT_EQ(p.describe(), "rank 0: 0 1 4* | rank 1: 2 3 4* | rank 2: 4* 5");
+  for (int source = 0; source < 3; ++source) {
+    for (int64_t i = 0; i < 3; ++i) {
+      const bool own = p.slot_rank(p.replicas(4)[static_cast<size_t>(i)]) == source;
+      EXPECT_EQ(p.piece(source, 4, 11, i).count, own ? 11 : 0);
+    }
+  }
+  // The same ranks holding the same experts, not shadowed, are another placement.
+  const ExpertPlacement copies(6, {{0, 1, 4}, {2, 3, 4}, {4, 5}});
+  EXPECT_NE(p.fingerprint(), copies.fingerprint());
+  EXPECT_THAT(error_of([&] { base.with_shadowed({6}); }), HasSubstr("shadowing expert 6"));
+}
+
+// Worked by hand: R = 2, E = 2 (one a rank), D = 4, H = 8, w1 columns 8: P_e = 4 8 + 8 4 = 64
+// elements, so shadowing moves (R - 1) 64 (2 + 8) = 640 bytes. Expert 0's rows from rank 1 cross
+// (rank 0 holds it): 20 of them are 8 4 20 = 640 bytes, not more; 21 are 672, more.
+TEST(ExpertPlacement, WorthShadowingByHand) {
+  const ExpertPlacement p = contiguous_placement(2, 2);
+  const std::vector<int64_t> twenty = {500, 3, 20, 7};  // [R, E]: rank 0's own rows never cross
+  EXPECT_TRUE(worth_shadowing(p, twenty, 4, 8, 8).empty());
+  const std::vector<int64_t> more = {500, 3, 21, 7};
+  EXPECT_THAT(worth_shadowing(p, more, 4, 8, 8), ElementsAre(0));
+  EXPECT_TRUE(worth_shadowing(p.with_shadowed({0}), more, 4, 8, 8).empty());  // already shadowed
+  EXPECT_TRUE(worth_shadowing(contiguous_placement(2, 1), std::vector<int64_t>{500, 500}, 4, 8, 8).empty());
+}
+
 // Worked by hand: E = 4 over R = 2, 1 redundant slot a rank, loads 8, 2, 2, 4. ceil(4 / 2) + 1 = 3
 // slots a rank, two beyond the four experts. Replicate: expert 0 (8) gets one (4 a replica); then 0
 // and 3 tie at 4, but 0 is on both ranks already, so 3 gets the other: loads a replica 4, 2, 2, 2.
