@@ -183,7 +183,7 @@ struct ExpertParallelGpu::Tables {
   size_t pinned_words = 0;
   DeviceBuffer<int32_t> device;
   // where each table starts, in words
-  size_t slot_chunk_begin = 0, part_send_row = 0, total_sent = 0, global_fraction = 0;
+  size_t segment_begin = 0, segment_send_row = 0, total_sent = 0, global_fraction = 0;
   size_t group_begin = 0;  // r > 1: [R / r + 1] where each group's rows start in the send buffer
   std::vector<size_t> row_offsets, arrived, total_rows, arrived_before, block_start;  // per chunk
 
@@ -581,8 +581,8 @@ void ExpertParallelGpu::forward_out(cudaStream_t stream, bool bring_back) {
   if (T_r > 0) {
     Phase phase(timer_, "ep_permute", stream);
     build_send_order(router_.top_experts.data(), home_plan_->routed_slots.data(), home_plan_->routed_offsets.data(),
-                     tables_->at(tables_->slot_chunk_begin), tables_->at(tables_->part_send_row),
-                     static_cast<int>(T_r * K), d, send_slot_.data(), slot_send_row_.data(), stream);
+                     tables_->at(tables_->segment_begin), tables_->at(tables_->segment_send_row),
+                     static_cast<int>(T_r * K), plan.segments(), send_slot_.data(), slot_send_row_.data(), stream);
     if (plan.rows_sent() > 0) cuda::permute_tokens(home_view(T_r), x, send_x_.data(), static_cast<int>(D), stream);
   }
   computed_weights_ = gather_expert_weights(weights, stream);  // r = 1: the caller's
@@ -690,13 +690,13 @@ void ExpertParallelGpu::upload_tables(cudaStream_t stream) {
     }
     t.words.push_back(static_cast<int32_t>(value));
   };
-  t.slot_chunk_begin = t.words.size();
+  t.segment_begin = t.words.size();
   for (int64_t e = 0; e < E; ++e) {
-    for (int c = 0; c <= d; ++c) put(plan.slot_chunk_begin(e, c));
+    for (int k = 0; k <= plan.segments(); ++k) put(plan.segment_begin(e, k));
   }
-  t.part_send_row = t.words.size();
+  t.segment_send_row = t.words.size();
   for (int64_t e = 0; e < E; ++e) {
-    for (int c = 0; c < d; ++c) put(plan.part_send_row(e, c));
+    for (int k = 0; k < plan.segments(); ++k) put(plan.segment_send_row(e, k));
   }
   t.total_sent = t.words.size();
   put(plan.rows_sent());
@@ -918,16 +918,16 @@ void ExpertParallelGpu::exchange_chunk(int c, bool forward, const bf16* send, bf
 void ExpertParallelGpu::hierarchical_counts() {
   const ExchangePlan& plan = *plan_;
   const int d = plan.chunks(), R = plan.ranks(), rank = plan.rank();
-  const int64_t E = plan.experts(), E_r = plan.experts_per_rank(), D = config_.model_dim;
+  const int64_t D = config_.model_dim;
   // [c]: the rows out, rank s to the rank t of the experts; [d + c]: the same rows back, t to s.
   chunk_counts_.assign(static_cast<size_t>(2 * d), std::vector<int64_t>(static_cast<size_t>(R) * R, 0));
   for (int c = 0; c < d; ++c) {
     std::vector<int64_t>& out = chunk_counts_[static_cast<size_t>(c)];
     std::vector<int64_t>& back = chunk_counts_[static_cast<size_t>(d + c)];
     for (int s = 0; s < R; ++s) {
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t elements = plan.part(c, s, e).count * D;
-        const int t = static_cast<int>(e / E_r);
+      for (int64_t u = 0; u < plan.units(); ++u) {
+        const int64_t elements = plan.part(c, s, u).count * D;
+        const int t = plan.unit_rank(u);
         out[static_cast<size_t>(s) * R + t] += elements;
         back[static_cast<size_t>(t) * R + s] += elements;
       }

@@ -20,16 +20,17 @@
 namespace moe::dist {
 
 // As the tokens' rank: the send-buffer row of the j-th routed slot of expert e (in token order),
-// or -1 when the capacity dropped it.
-//   slot_chunk_begin [E, d + 1]  chunk c takes kept slots [begin[c], begin[c + 1]); begin[d] = kept
-//   part_send_row    [E, d]      the send-buffer row of chunk c's first slot of e
-MOE_EP_HOST_DEVICE inline int send_row_of(int j, int expert, const int* slot_chunk_begin, const int* part_send_row,
-                                          int chunks) {
-  const int* begin = slot_chunk_begin + expert * (chunks + 1);
-  if (j >= begin[chunks]) return -1;
-  int chunk = 0;
-  while (j >= begin[chunk + 1]) ++chunk;
-  return part_send_row[expert * chunks + chunk] + (j - begin[chunk]);
+// or -1 when the capacity dropped it. Expert e's kept slots fall into n segments (one a chunk, or
+// one a replica and chunk under a placement with replicas):
+//   segment_begin    [E, n + 1]  segment k takes kept slots [begin[k], begin[k + 1]); begin[n] = kept
+//   segment_send_row [E, n]      the send-buffer row of segment k's first slot
+MOE_EP_HOST_DEVICE inline int send_row_of(int j, int expert, const int* segment_begin, const int* segment_send_row,
+                                          int segments) {
+  const int* begin = segment_begin + expert * (segments + 1);
+  if (j >= begin[segments]) return -1;
+  int k = 0;
+  while (j >= begin[k + 1]) ++k;
+  return segment_send_row[expert * segments + k] + (j - begin[k]);
 }
 
 // As the experts' rank, in one chunk: the received row that feeds row `row` of the local experts'

@@ -36,12 +36,12 @@ __global__ void pack_routing_summary_kernel(const int* tokens_per_expert, const 
 }
 
 __global__ void build_send_order_kernel(const int* top_experts, const int* routed_slots, const int* routed_offsets,
-                                        const int* slot_chunk_begin, const int* part_send_row, int slots, int chunks,
-                                        int* send_slot, int* slot_send_row) {
+                                        const int* segment_begin, const int* segment_send_row, int slots,
+                                        int segments, int* send_slot, int* slot_send_row) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < slots; i += gridDim.x * blockDim.x) {
     const int slot = routed_slots[i];
     const int expert = top_experts[slot];
-    const int row = send_row_of(i - routed_offsets[expert], expert, slot_chunk_begin, part_send_row, chunks);
+    const int row = send_row_of(i - routed_offsets[expert], expert, segment_begin, segment_send_row, segments);
     slot_send_row[slot] = row;
     if (row >= 0) send_slot[row] = slot;
   }
@@ -133,11 +133,11 @@ void pack_routing_summary(const int* tokens_per_expert, const float* mean_probs,
 }
 
 void build_send_order(const int* top_experts, const int* routed_slots, const int* routed_offsets,
-                      const int* slot_chunk_begin, const int* part_send_row, int slots, int chunks, int* send_slot,
-                      int* slot_send_row, cudaStream_t stream) {
+                      const int* segment_begin, const int* segment_send_row, int slots, int segments,
+                      int* send_slot, int* slot_send_row, cudaStream_t stream) {
   if (slots == 0) return;
   build_send_order_kernel<<<blocks_for(slots), kThreads, 0, stream>>>(
-      top_experts, routed_slots, routed_offsets, slot_chunk_begin, part_send_row, slots, chunks, send_slot,
+      top_experts, routed_slots, routed_offsets, segment_begin, segment_send_row, slots, segments, send_slot,
       slot_send_row);
   CUDA_CHECK(cudaGetLastError());
 }

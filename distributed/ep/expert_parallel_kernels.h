@@ -42,9 +42,9 @@ void pack_routing_summary(const int* tokens_per_expert,  // [E]
 void build_send_order(const int* top_experts,       // [T_r, K]
                       const int* routed_slots,      // [T_r * K]
                       const int* routed_offsets,    // [E + 1]
-                      const int* slot_chunk_begin,  // [E, d + 1]
-                      const int* part_send_row,     // [E, d]
-                      int slots, int chunks,
+                      const int* segment_begin,     // [E, segments + 1]
+                      const int* segment_send_row,  // [E, segments]
+                      int slots, int segments,
                       int* send_slot,      // [T_r * K], the first rows_sent written
                       int* slot_send_row,  // [T_r * K]
                       cudaStream_t stream);

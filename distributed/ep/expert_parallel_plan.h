@@ -43,24 +43,39 @@
 //          Padded: every rank of the group pads each group expert to C rows of its slice.
 // r != 1 takes d = 1. The experts' side reads the same tables in every layout, over computed_experts()
 // experts from first_computed_expert(): r E_r for r > 1, E for r = 0, E_r for r = 1.
+//
+// Placements (expert_placement.h; layout r = 1 only). The plan works in units: the experts' slots
+// of the placement, numbered rank after rank (unit u on rank unit_rank(u) computes expert
+// unit_expert(u)); with E / R experts a rank in id order, unit u is expert u, and every table is
+// the one above. A source's kept slots of expert e go to e's replicas by the placement's routing
+// rule: replica i gets a piece of them, rows_to_unit(s, u) long, and each unit's row space is the
+// pieces its sources send it, source after source. Chunks split each unit's row space. The send
+// order groups rows by destination rank, then unit, then token; on the sending rank, expert e's
+// kept slots fall into segments (one per replica and chunk that carries any of them), each with
+// the send-buffer row of its first slot: segment_begin and segment_send_row, which build_send_order
+// reads (send_row_of). Padded takes no replicas (as in the CPU reference); dropping pads every unit
+// to the chunk's share of C, as it pads every expert.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <vector>
 
-#include "moe_config.h"  // MoeConfig, Formulation
+#include "ep/expert_placement.h"  // ExpertPlacement
+#include "moe_config.h"           // MoeConfig, Formulation
 
 namespace moe::dist {
 
 class ExchangePlan {
  public:
   // routed: [R, E] routed slots (before dropping) of each rank; tokens_per_rank: [R] T_r.
+  // placement: where the experts live; nullptr, E / R a rank in id order.
   // Throws std::invalid_argument when the T_r do not add up to config.tokens (every rank holds the
-  // same counts, so every rank throws the same message), or R does not divide E, or d < 1, or the
-  // layout r is not 0, 1 or a divisor of R and H, or r != 1 with d > 1.
+  // same counts, so every rank throws the same message), or R does not divide E without a
+  // placement, or d < 1, or the layout r is not 0, 1 or a divisor of R and H, or r != 1 with d > 1,
+  // or a placement other than E / R in id order with r != 1 or padded, or of another E or R.
   ExchangePlan(const MoeConfig& config, int ranks, int rank, int chunks, std::span<const int64_t> tokens_per_rank,
-               std::span<const int64_t> routed, int layout = 1);
+               std::span<const int64_t> routed, int layout = 1, const ExpertPlacement* placement = nullptr);
 
   int ranks() const { return ranks_; }
   int rank() const { return rank_; }
@@ -85,13 +100,21 @@ class ExchangePlan {
   const std::vector<int64_t>& kept_matrix() const { return kept_; }      // [R, E]
   int64_t dropped_slots() const { return dropped_slots_; }               // all ranks
 
-  // The part of source rank `source`'s block of expert e that chunk c carries: its kept slots
-  // [first, first + count), counted in that rank's kept slots of e (token order).
+  // Units (see the file comment): U of them; without a placement of its own, unit u is expert u.
+  const ExpertPlacement& placement() const { return placement_; }
+  int64_t units() const { return static_cast<int64_t>(space_.size()); }
+  int64_t unit_expert(int64_t unit) const { return layout_ == 1 ? placement_.slot_expert(unit) : unit; }
+  int unit_rank(int64_t unit) const { return placement_.slot_rank(unit); }  // its storing rank
+  // Rows source rank s sends unit u (all chunks): its piece of s's kept slots of u's expert.
+  int64_t rows_to_unit(int source, int64_t unit) const { return unit_rows_[unit_index(source, unit)]; }
+
+  // The part of source rank `source`'s piece for unit u that chunk c carries: rows [first, first +
+  // count) of the piece (token order). Without replicas the piece is the source's kept slots of e.
   struct Part {
     int64_t first = 0;
     int64_t count = 0;
   };
-  Part part(int chunk, int source, int64_t expert) const;
+  Part part(int chunk, int source, int64_t unit) const;
 
   // ---- as the tokens' rank (this rank sends) ----
   int64_t rows_sent() const { return chunk_send_begin_[chunks_]; }  // kept slots of this rank
@@ -102,11 +125,13 @@ class ExchangePlan {
   // the send_row_offsets when copies() == 1. r > 1: group g's r partial blocks one after another.
   std::span<const int64_t> return_row_offsets(int chunk) const { return row_span(return_offsets_, chunk); }  // [R]
   int64_t rows_returned() const { return rows_sent() * copies(); }
-  // Chunk c takes this rank's kept slots [slot_chunk_begin(e, c), slot_chunk_begin(e, c + 1)) of e;
-  // c in [0, d], slot_chunk_begin(e, d) = kept(rank, e).
-  int64_t slot_chunk_begin(int64_t expert, int chunk) const { return slot_chunk_begin_[expert * (chunks_ + 1) + chunk]; }
-  // The send-buffer row of the first of those slots.
-  int64_t part_send_row(int64_t expert, int chunk) const { return part_send_row_[expert * chunks_ + chunk]; }
+  // This rank's kept slots of expert e in n = segments() segments, ascending: segment k is slots
+  // [segment_begin(e, k), segment_begin(e, k + 1)), k in [0, n], segment_begin(e, n) = kept(rank, e);
+  // unused segments are empty, at the end. One per chunk without replicas (chunk c = segment c).
+  int segments() const { return segments_; }
+  int64_t segment_begin(int64_t expert, int k) const { return segment_begin_[expert * (segments_ + 1) + k]; }
+  // The send-buffer row of segment k's first slot.
+  int64_t segment_send_row(int64_t expert, int k) const { return segment_send_row_[expert * segments_ + k]; }
 
   // ---- as the experts' rank (this rank receives and computes), chunk c ----
   std::span<const int64_t> recv_rows(int chunk) const { return row_span(recv_rows_, chunk); }           // [R]
@@ -131,26 +156,32 @@ class ExchangePlan {
 
  private:
   size_t index(int source, int64_t expert) const { return static_cast<size_t>(source * experts_ + expert); }
+  size_t unit_index(int source, int64_t unit) const { return static_cast<size_t>(source * units() + unit); }
   std::span<const int64_t> row_span(const std::vector<int64_t>& v, int chunk) const {
     return std::span<const int64_t>(v).subspan(static_cast<size_t>(chunk) * ranks_, ranks_);
   }
-  int64_t chunk_begin(int chunk, int64_t expert) const { return space_[expert] * chunk / chunks_; }
-  int64_t first_expert_of(int p) const;  // the first expert rank p computes
+  int64_t chunk_begin(int chunk, int64_t unit) const { return space_[unit] * chunk / chunks_; }
+  int64_t first_expert_of(int p) const;  // the first unit rank p computes
+  int64_t units_of(int p) const;         // how many units rank p computes
 
-  int ranks_ = 1, rank_ = 0, chunks_ = 1, layout_ = 1;
+  int ranks_ = 1, rank_ = 0, chunks_ = 1, layout_ = 1, segments_ = 1;
+  ExpertPlacement placement_;
   int64_t computed_experts_ = 0, local_padded_rows_ = 0;  // E_c; r = 0 padded: the rows of every expert
   int64_t experts_ = 0, experts_per_rank_ = 0, tokens_ = 0, token_offset_ = 0, capacity_ = 0, block_size_ = 1;
   int64_t dropped_slots_ = 0;
   bool dropless_ = true;
   std::vector<int64_t> tokens_per_rank_;  // [R]
   std::vector<int64_t> routed_, kept_;    // [R, E]
-  std::vector<int64_t> start_;            // [R, E] where rank r's block of e starts in e's row space
-  std::vector<int64_t> space_;            // [E] n_e
+  std::vector<int64_t> unit_rows_;        // [R, U] each source's piece for each unit
+  std::vector<int64_t> unit_first_;       // [R, U] where that piece starts among the source's kept slots of e
+  std::vector<int64_t> start_;            // [R, U] where rank r's piece starts in the unit's row space
+  std::vector<int64_t> space_;            // [U] n_u
   // as the tokens' rank
   std::vector<int64_t> chunk_send_begin_;  // [d + 1]
   std::vector<int64_t> send_rows_, send_offsets_, return_offsets_;  // [d, R]
-  std::vector<int64_t> slot_chunk_begin_;  // [E, d + 1]
-  std::vector<int64_t> part_send_row_;     // [E, d]
+  std::vector<int64_t> part_send_row_;     // [U, d] the send row of each chunk's part of this rank's piece
+  std::vector<int64_t> segment_begin_;     // [E, segments + 1]
+  std::vector<int64_t> segment_send_row_;  // [E, segments]
   // as the experts' rank
   std::vector<int64_t> recv_rows_, recv_offsets_;  // [d, R]
   std::vector<int64_t> rows_received_;             // [d]

@@ -9,7 +9,9 @@
 // add up to T, E % R != 0) is the same error on every rank. Tutel's layouts: r = 0 (each rank's
 // experts compute exactly its own kept slots of every expert, in token order) and r > 1 (every rank
 // of a group computes every row of its group's experts, the single-device plan's rows), with the
-// r > 1 results coming home into r disjoint blocks that match what was sent.
+// r > 1 results coming home into r disjoint blocks that match what was sent. Placements (r = 1):
+// E not divisible by R, EPLB's replicas, an expert on every rank with its rows split, and a
+// shadowed one; each replica computes exactly the rows the placement's routing rule gives it.
 //   ctest --test-dir build -R DistributedExpertParallelPlan
 //   mpirun -np 4 build/tests/distributed/test_distributed_expert_parallel_plan
 #include <gmock/gmock.h>
@@ -62,7 +64,7 @@ ref::IndexMatrix routing(const MoeConfig& config, uint64_t seed, int favoured = 
 
 // The whole exchange on this rank: global slot ids out, through the plan's rows, to the experts.
 void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const std::vector<int64_t>& shards,
-                    int chunks, int layout = 1) {
+                    int chunks, int layout = 1, const ExpertPlacement* placement = nullptr) {
   Communicator& comm = world();
   const int R = comm.size(), rank = comm.rank();
   const int64_t E = config.num_experts, K = config.top_k;
@@ -87,10 +89,10 @@ void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const 
   // ---- the count exchange, and the plan ----
   const std::vector<int64_t> tokens_per_rank = all_gather<int64_t>(comm, T_r);
   const std::vector<int64_t> routed = all_gather<int64_t>(comm, routed_here);
-  const ExchangePlan plan(config, R, rank, chunks, tokens_per_rank, routed, layout);
-  // The experts this rank computes (E_r of them from rank E_r at r = 1); named E_r below.
+  const ExchangePlan plan(config, R, rank, chunks, tokens_per_rank, routed, layout, placement);
+  // The units this rank computes (E_r experts from rank E_r at r = 1 without a placement); named E_r below.
   const int64_t E_r = plan.computed_experts(), first_expert = plan.first_computed_expert();
-  EXPECT_EQ(E_r, layout == 0 ? E : layout > 1 ? layout * E / R : E / R);
+  EXPECT_EQ(E_r, placement ? placement->slots_of(rank) : layout == 0 ? E : layout > 1 ? layout * E / R : E / R);
   EXPECT_EQ(plan.tokens(), config.tokens);
   EXPECT_EQ(plan.token_offset(), offset);
 
@@ -104,18 +106,21 @@ void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const 
   }
 
   // ---- the send order (build_send_order's rule): global slot ids in send order ----
-  std::vector<int32_t> slot_chunk_begin, part_send_row;
+  std::vector<int32_t> segment_begin, segment_send_row;
   for (int64_t e = 0; e < E; ++e) {
-    for (int c = 0; c <= chunks; ++c) slot_chunk_begin.push_back(static_cast<int32_t>(plan.slot_chunk_begin(e, c)));
-    for (int c = 0; c < chunks; ++c) part_send_row.push_back(static_cast<int32_t>(plan.part_send_row(e, c)));
+    for (int k = 0; k <= plan.segments(); ++k) segment_begin.push_back(static_cast<int32_t>(plan.segment_begin(e, k)));
+    for (int k = 0; k < plan.segments(); ++k) segment_send_row.push_back(static_cast<int32_t>(plan.segment_send_row(e, k)));
+  }
+  if (!placement) {
+    EXPECT_EQ(plan.segments(), chunks);
   }
   std::vector<int64_t> send(plan.rows_sent(), -1);
   std::vector<int32_t> slot_send_row(T_r * K, -2);
   for (int64_t i = 0; i < T_r * K; ++i) {
     const int32_t slot = routed_slots[i];
     const int32_t expert = top(offset + slot / K, slot % K);
-    const int row = send_row_of(static_cast<int>(i - routed_offsets[expert]), expert, slot_chunk_begin.data(),
-                                part_send_row.data(), chunks);
+    const int row = send_row_of(static_cast<int>(i - routed_offsets[expert]), expert, segment_begin.data(),
+                                segment_send_row.data(), plan.segments());
     slot_send_row[slot] = row;
     if (row >= 0) {
       ASSERT_LT(row, plan.rows_sent());
@@ -154,7 +159,7 @@ void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const 
         EXPECT_EQ(padding, 0) << "a padding row before a real row of local expert " << j;
         ++uses[source];
         const int64_t global_slot = received[source];
-        EXPECT_EQ(top(global_slot / K, global_slot % K), first_expert + j) << "a row of another expert";
+        EXPECT_EQ(top(global_slot / K, global_slot % K), plan.unit_expert(first_expert + j)) << "a row of another expert";
         expert_slots[j].push_back(global_slot);
       }
       if (config.formulation == Formulation::dropless) {
@@ -199,16 +204,29 @@ void check_exchange(const MoeConfig& config, const ref::IndexMatrix& top, const 
   }
 
   // ---- against the single-device plan of all T tokens ----
+  // With a placement, a unit gets the piece of each source's kept slots of its expert that the
+  // routing rule gives its replica (ExpertPlacement::piece), source after source.
   const ref::DispatchPlan reference = ref::plan_dispatch(config, top);
+  std::vector<int64_t> first_token(R + 1, 0);
+  for (int p = 0; p < R; ++p) first_token[p + 1] = first_token[p] + shards[p];
   for (int64_t j = 0; j < E_r; ++j) {
-    const int64_t e = first_expert + j;
+    const int64_t unit = first_expert + j, e = plan.unit_expert(unit);
+    const std::vector<int64_t>& replicas = plan.placement().replicas(e);
+    const int64_t replica = layout == 1 ? std::find(replicas.begin(), replicas.end(), unit) - replicas.begin() : 0;
     std::vector<int64_t> expected;  // r = 0: only this rank's own slots
+    std::vector<int64_t> seen(R, 0);  // each source's kept slots of e so far
     for (int64_t row = reference.row_offsets[e]; row < reference.row_offsets[e + 1]; ++row) {
       const int64_t slot = reference.row_slot[row];
-      if (slot >= 0 && (layout != 0 || (slot >= offset * K && slot < (offset + T_r) * K))) expected.push_back(slot);
+      if (slot < 0) continue;
+      const int source = static_cast<int>(std::upper_bound(first_token.begin(), first_token.end(), slot / K) - first_token.begin()) - 1;
+      const int64_t index = seen[source]++;
+      if (layout == 0 && source != rank) continue;
+      const ExpertPlacement::Piece piece =
+          layout == 1 ? plan.placement().piece(source, e, plan.kept(source, e), replica) : ExpertPlacement::Piece{0, index + 1};
+      if (index >= piece.first && index < piece.first + piece.count) expected.push_back(slot);
     }
-    EXPECT_EQ(expert_slots[j], expected) << "the rows of expert " << e;
-    if (chunks == 1 && layout != 0) {  // the GPU computes dropping as padded: C rows an expert, as MoeLayerGpu does
+    EXPECT_EQ(expert_slots[j], expected) << "the rows of unit " << unit << " (expert " << e << ")";
+    if (chunks == 1 && layout != 0 && !plan.placement().replicated()) {  // the GPU computes dropping as padded: C rows an expert, as MoeLayerGpu does
       const int64_t rows = config.formulation == Formulation::dropping ? reference.capacity : reference.rows_per_expert[e];
       EXPECT_EQ(plan.row_offset(0, j + 1) - plan.row_offset(0, j), rows) << "expert " << e;
     }
@@ -236,6 +254,45 @@ TEST(ExpertParallelPlan, EveryExpertComputesTheSingleDevicePlansRows) {
       SCOPED_TRACE(std::string(to_string(formulation)) + " d=" + std::to_string(chunks) + " seed " +
                    std::to_string(seed));
       check_exchange(config, routing(config, seed), even_shards(config.tokens, world().size()), chunks);
+    }
+  }
+}
+
+// Placements of their own (layout r = 1): E not divisible by R, EPLB from the routing's own counts,
+// the favoured expert on every rank (rows split over the copies) and shadowed (rows kept at home).
+TEST(ExpertParallelPlan, EveryPlacementComputesTheRowsItsRoutingRuleGives) {
+  const int R = world().size();
+  for (Formulation formulation : {Formulation::dropless, Formulation::dropping}) {
+    for (int chunks : {1, 3}) {
+      MoeConfig config = plan_config(formulation);
+      const uint64_t seed = shared_seed();
+      SCOPED_TRACE(std::string(to_string(formulation)) + " d=" + std::to_string(chunks) + " seed " +
+                   std::to_string(seed));
+      const ref::IndexMatrix top = routing(config, seed, /*favoured=*/5);
+      std::vector<double> load(config.num_experts, 0.0);
+      for (int64_t t = 0; t < config.tokens; ++t) {
+        for (int64_t k = 0; k < config.top_k; ++k) load[top(t, k)] += 1;
+      }
+      std::vector<ExpertPlacement> placements;
+      if (config.num_experts - (config.num_experts + R - 1) / R >= 1) placements.push_back(eplb_placement(load, R, 1));
+      placements.push_back(contiguous_placement(config.num_experts, R).with_shadowed({5}));
+      std::vector<std::vector<int64_t>> held;
+      for (int r = 0; r < R; ++r) {
+        std::vector<int64_t> mine = contiguous_placement(config.num_experts, R).experts_of(r);
+        if (std::find(mine.begin(), mine.end(), 5) == mine.end()) mine.push_back(5);
+        held.push_back(mine);
+      }
+      placements.emplace_back(config.num_experts, held);
+      for (const ExpertPlacement& placement : placements) {
+        SCOPED_TRACE(placement.describe());
+        check_exchange(config, top, even_shards(config.tokens, R), chunks, 1, &placement);
+      }
+      // E = 13: no R > 1 divides it.
+      MoeConfig odd = config;
+      odd.num_experts = 13;
+      const ExpertPlacement uneven = contiguous_placement(13, R);
+      SCOPED_TRACE(uneven.describe());
+      check_exchange(odd, routing(odd, seed), even_shards(odd.tokens, R), chunks, 1, &uneven);
     }
   }
 }
