@@ -78,8 +78,20 @@ class Phase {
 void check_supported(const MoeConfig& config, const ExpertParallelGpuOptions& options, int64_t max_local_tokens,
                      int ranks) {
   validate(config);
-  experts_per_rank(config, ranks);  // E % R == 0, with the CPU layer's message
   auto reject = [](const std::string& what) { throw std::invalid_argument(what); };
+  if (const ExpertPlacement* placement = options.placement) {
+    if (placement->experts() != config.num_experts || placement->ranks() != ranks) {
+      reject("the placement is of E = " + std::to_string(placement->experts()) + " experts over R = " +
+             std::to_string(placement->ranks()) + " ranks; the layer has E = " + std::to_string(config.num_experts) +
+             " over R = " + std::to_string(ranks));
+    }
+    if (placement->replicated() && config.formulation == Formulation::padded) {
+      reject("the padded formulation computes each expert as C rows on one rank; a placement with replicas takes "
+             "dropless or dropping");
+    }
+  } else {
+    experts_per_rank(config, ranks);  // E % R == 0, with the CPU layer's message
+  }
   if (config.activation != Activation::gelu) {
     reject("activation = " + std::string(to_string(config.activation)) + "; allowed on the GPU: gelu");
   }
@@ -126,7 +138,8 @@ void check_supported(const MoeConfig& config, const ExpertParallelGpuOptions& op
 uint64_t options_fingerprint(const ExpertParallelGpuOptions& options) {
   return static_cast<uint64_t>(options.pipeline_chunks) * 1000003u +
          (options.all_reduce_router_gradient ? 101u : 0u) + static_cast<uint64_t>(options.experts) * 7u +
-         static_cast<uint64_t>(options.hierarchical_ranks_per_node) * 1009u * 1000003u;
+         static_cast<uint64_t>(options.hierarchical_ranks_per_node) * 1009u * 1000003u +
+         (options.placement ? options.placement->fingerprint() : 0u);
 }
 
 // ---- buffers ----
@@ -222,8 +235,11 @@ ExpertParallelGpu::ExpertParallelGpu(Communicator& communicator, const MoeConfig
   const size_t T = static_cast<size_t>(std::max<int64_t>(max_local_tokens, 1)), D = config.model_dim,
                E = config.num_experts, K = config.top_k;
   experts_per_rank_ = config.num_experts / R;
+  rank_ = communicator.rank();
+  placement_ = options.placement ? *options.placement : contiguous_placement(config.num_experts, R);
+  options_.placement = &placement_;  // the layer's own copy from here on
   local_experts_config_ = config;
-  local_experts_config_.num_experts = experts_per_rank_;
+  local_experts_config_.num_experts = local_slots();
   local_experts_config_.top_k = 1;  // each received row is one row of one expert
   local_experts_config_.tokens = 1;  // sizes come from the received counts, not from here
 
@@ -282,6 +298,7 @@ const ExchangePlan& ExpertParallelGpu::plan() const {
 // ---- Tutel's layouts ----
 
 std::vector<int> valid_gpu_layouts(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks) {
+  if (options.placement && !options.placement->is_even_contiguous()) return {1};  // a placement of its own
   std::vector<int> valid;
   for (int r : valid_layouts(config, ranks)) {
     if (r == 1) {
@@ -301,8 +318,13 @@ std::vector<int> valid_gpu_layouts(const MoeConfig& config, const ExpertParallel
 }
 
 void check_gpu_layout(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks, int r) {
-  check_layout(config, ranks, r);  // 0, 1, or r > 1 dividing R and H, with expert_layouts.h's message
   if (r == 1) return;
+  if (options.placement && !options.placement->is_even_contiguous()) {
+    throw std::invalid_argument("expert layout " + layout_name(r) +
+                                " on the GPU with a placement of its own; Tutel's layouts store E / R experts a "
+                                "rank in id order, other placements take r = 1");
+  }
+  check_layout(config, ranks, r);  // 0, 1, or r > 1 dividing R and H, with expert_layouts.h's message
   if (options.pipeline_chunks != 1 || options.hierarchical_ranks_per_node > 1) {
     throw std::invalid_argument(
         "expert layout " + layout_name(r) + " on the GPU with pipeline_chunks (d) = " +
@@ -331,7 +353,7 @@ void ExpertParallelGpu::set_layout(int r, const LayoutChoice& why) {
                       [&] { check_gpu_layout(config_, options_, exchange_->size(), r); });
   layout_ = r;
   layout_choice_ = why;
-  local_experts_config_.num_experts = r == 0 ? config_.num_experts : r > 1 ? r * experts_per_rank_ : experts_per_rank_;
+  local_experts_config_.num_experts = r == 0 ? config_.num_experts : r > 1 ? r * experts_per_rank_ : local_slots();
   local_experts_config_.hidden_dim = r > 1 ? config_.hidden_dim / r : config_.hidden_dim;
   forward_done_ = false;  // a backward belongs to a forward of the same layout
 }
@@ -513,7 +535,7 @@ void ExpertParallelGpu::forward_route(const bf16* x, int64_t local_tokens, const
   if (!faults.empty()) throw std::invalid_argument("expert parallel layer (GPU) forward: bad input: " + faults);
   const bool adaptive = options_.pipeline_chunks == kAdaptivePipelineChunks;
   const int d = adaptive ? choose_pipeline_chunks(tokens_per_rank) : options_.pipeline_chunks;
-  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, d, tokens_per_rank, routed, layout_);
+  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, d, tokens_per_rank, routed, layout_, &placement_);
 
   // The router losses over all T tokens: f_e from the counts, P_e and the z-loss from the summaries.
   const ExchangePlan& plan = *plan_;
@@ -948,6 +970,45 @@ const bf16* ExpertParallelGpu::chunk_result(int c) const {
   return options_.experts == ExpertCompute::identity ? chunks_[c]->received.data() : chunks_[c]->sent_back.data();
 }
 
+void ExpertParallelGpu::sum_over_replicas(const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
+  if (!placement_.replicated()) return;
+  Phase phase(timer_, "ep_replica_all_reduce", stream);
+  const size_t w1 = static_cast<size_t>(config_.model_dim) * config_.hidden_dim, w2 = w1;  // D H and H D
+  if (replica_sums_.size() == 0) {  // the tables of this rank's replicas, once (the placement is fixed)
+    std::vector<int> slot, row;
+    std::vector<int64_t> place(static_cast<size_t>(placement_.experts()), -1);
+    int64_t count = 0;
+    for (int64_t e = 0; e < placement_.experts(); ++e) {
+      if (placement_.replicas(e).size() > 1) place[static_cast<size_t>(e)] = count++;
+    }
+    const std::vector<int64_t>& mine = placement_.experts_of(rank_);
+    for (size_t j = 0; j < mine.size(); ++j) {
+      if (place[static_cast<size_t>(mine[j])] < 0) continue;
+      slot.push_back(static_cast<int>(j));
+      row.push_back(static_cast<int>(place[static_cast<size_t>(mine[j])]));
+    }
+    replicated_experts_ = static_cast<int>(count);
+    local_replicas_ = static_cast<int>(slot.size());
+    replica_sums_ = DeviceBuffer<float>(static_cast<size_t>(count) * (w1 + w2));
+    replica_slot_ = DeviceBuffer<int>(std::max<size_t>(slot.size(), 1));
+    replica_row_ = DeviceBuffer<int>(std::max<size_t>(row.size(), 1));
+    if (!slot.empty()) {
+      CUDA_CHECK(cudaMemcpy(replica_slot_.data(), slot.data(), slot.size() * sizeof(int), cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(replica_row_.data(), row.data(), row.size() * sizeof(int), cudaMemcpyHostToDevice));
+    }
+  }
+  const size_t rows = static_cast<size_t>(replicated_experts_);
+  float* sums_w1 = replica_sums_.data();
+  float* sums_w2 = replica_sums_.data() + rows * w1;
+  CUDA_CHECK(cudaMemsetAsync(replica_sums_.data(), 0, replica_sums_.size() * sizeof(float), stream));
+  pack_through_table(gradients.d_w1, replica_slot_.data(), replica_row_.data(), local_replicas_, w1, sums_w1, stream);
+  pack_through_table(gradients.d_w2, replica_slot_.data(), replica_row_.data(), local_replicas_, w2, sums_w2, stream);
+  exchange_->all_reduce_sum(replica_sums_.data(), replica_sums_.data(), static_cast<int64_t>(rows * (w1 + w2)),
+                            DataType::float32, stream);
+  unpack_through_table(sums_w1, replica_slot_.data(), replica_row_.data(), local_replicas_, w1, gradients.d_w1, stream);
+  unpack_through_table(sums_w2, replica_slot_.data(), replica_row_.data(), local_replicas_, w2, gradients.d_w2, stream);
+}
+
 void ExpertParallelGpu::sum_partials(bf16* out, cudaStream_t stream) {
   const ExchangePlan& plan = *plan_;
   Phase phase(timer_, "ep_sum_partials", stream);
@@ -1084,7 +1145,7 @@ void ExpertParallelGpu::backward_out(const bf16* x, const ExpertParallelGpuWeigh
   }
   expect_stage(0, "backward_experts");
   const ExchangePlan& plan = *plan_;
-  const int64_t T_r = plan.local_tokens(), D = config_.model_dim, H = config_.hidden_dim, E_r = experts_per_rank_;
+  const int64_t T_r = plan.local_tokens(), D = config_.model_dim, H = config_.hidden_dim, E_r = plan.computed_experts();
   // The gradients the experts write: the caller's (r = 1), or those of the E_c experts this rank
   // computes (r != 1), summed onto the storing ranks after the exchange.
   ExpertParallelGpuGradients computed_gradients = gradients;
@@ -1164,6 +1225,7 @@ void ExpertParallelGpu::backward_back(cudaStream_t stream, bool brought_back) {
     zero_through_tables(computed_gradients.d_w2, static_cast<int>(E_c), static_cast<size_t>(H_c) * D, stream);
   }
   return_expert_gradients(gradients, stream);  // r != 1: onto the storing ranks
+  if (ffn && layout_ == 1) sum_over_replicas(gradients, stream);
 
   // ---- un-gather and the router ----
   if (T_r > 0) {

@@ -14,8 +14,13 @@
 //
 // Placement and the rules of the exchange are those of the CPU reference (expert_parallel_cpu.h,
 // expert_parallel_plan.h): tokens sharded in token order (rank r holds T_r of them, any T_r >= 0),
-// rank r owns experts [r E_r, (r + 1) E_r); the router is replicated, each rank holds only its own
-// experts' W1 and W2 (addressed through per-expert pointer tables, as MoeLayerGpu's).
+// rank r owns experts [r E_r, (r + 1) E_r) by default, or the slots of options.placement
+// (expert_placement.h: any E over any R, replicated and shadowed experts; layout r = 1 only). The
+// router is replicated, each rank holds only its own slots' W1 and W2 (addressed through per-expert
+// pointer tables, as MoeLayerGpu's). A replicated expert's rows split over its replicas by the
+// placement's routing rule, and its weight gradients are summed over its replicas after the
+// backward (one fp32 all-reduce of the replicated experts over all ranks, zeros where a rank holds
+// none of them), so every replica gets the expert's whole gradient.
 //
 // Forward, reusing cuda/'s launchers (moe/router.h, dispatch.h, topology.h, permute.h,
 // block_sparse.h) on this rank's T_r tokens:
@@ -160,15 +165,16 @@ using cuda::bf16;
 
 struct ExpertParallelGpuWeights {  // device memory, owned by the caller
   const bf16* gate_weights = nullptr;  // [D, E] the router, the same on every rank
-  const bf16* const* w1 = nullptr;     // device array [E_r] -> [D, H], this rank's experts r E_r + j
-  const bf16* const* w2 = nullptr;     // device array [E_r] -> [H, D]
+  const bf16* const* w1 = nullptr;     // device array [slots] -> [D, H], this rank's slots in the placement's
+                                       // order (experts_of(rank)); by default E_r, experts r E_r + j
+  const bf16* const* w2 = nullptr;     // device array [slots] -> [H, D]
 };
 
 struct ExpertParallelGpuGradients {  // device memory, owned by the caller; overwritten, not accumulated
   float* dx = nullptr;              // [T_r, D]
   float* d_gate_weights = nullptr;  // [D, E] summed over ranks when all_reduce_router_gradient
-  float* const* d_w1 = nullptr;     // device array [E_r] -> [D, H], this rank's experts
-  float* const* d_w2 = nullptr;     // device array [E_r] -> [H, D]
+  float* const* d_w1 = nullptr;     // device array [slots] -> [D, H], this rank's slots
+  float* const* d_w2 = nullptr;     // device array [slots] -> [H, D]
 };
 
 // What the local experts do with the rows they receive.
@@ -194,6 +200,9 @@ struct ExpertParallelGpuOptions {
   bool all_reduce_router_gradient = true;  // sum d_gate_weights over ranks (data-parallel router)
   ExpertCompute experts = ExpertCompute::ffn;
   int hierarchical_ranks_per_node = 0;     // G: 0 or 1 the flat exchange; G > 1 dividing R: Tutel's 2DH
+  // Where the experts live (the layer keeps a copy); nullptr: E / R a rank in id order. Any other
+  // placement takes layout r = 1, and dropless or dropping when it has replicas.
+  const ExpertPlacement* placement = nullptr;
 };
 
 // The adaptive choice of d for one shape (every rank holds the same).
@@ -293,6 +302,8 @@ class ExpertParallelGpu {
   const MoeConfig& config() const { return config_; }
   const ExpertParallelGpuOptions& options() const { return options_; }
   int64_t experts_per_rank() const { return experts_per_rank_; }
+  const ExpertPlacement& placement() const { return placement_; }
+  int64_t local_slots() const { return placement_.slots_of(rank_); }
   DeviceExchange& exchange() { return *exchange_; }
   const ExchangePlan& plan() const;  // of the last forward
   const ExpertParallelGpuStep& last_step() const { return step_; }
@@ -334,6 +345,8 @@ class ExpertParallelGpu {
   ExpertParallelGpuWeights gather_expert_weights(const ExpertParallelGpuWeights& stored, cudaStream_t stream);
   void return_expert_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
   void sum_partials(bf16* out, cudaStream_t stream);  // r > 1: partials_ -> one row a kept slot, in send order
+  // A placement with replicas: each replicated expert's weight gradients summed over its replicas.
+  void sum_over_replicas(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
   // The d-chunk pipeline shared by forward and backward: `out` rows in send order go to the experts,
   // `work(c)` runs on `stream` once chunk c arrived, its rows come back into `back` in send order.
   // pipeline_out sends and computes every chunk; with bring_back, in Tutel's order (chunk c back
@@ -365,7 +378,14 @@ class ExpertParallelGpu {
   MoeConfig config_;
   ExpertParallelGpuOptions options_;
   int64_t max_local_tokens_ = 0;
-  int64_t experts_per_rank_ = 0;
+  int64_t experts_per_rank_ = 0;  // E / R: the layouts' stored experts
+  int rank_ = 0;
+  ExpertPlacement placement_;
+  // The replicated experts' gradient sums: [n, D H] W1 then [n, H D] W2, n replicated experts in id
+  // order; this rank's slots that hold one (replica_slot_) and its row there (replica_row_).
+  cuda::DeviceBuffer<float> replica_sums_;
+  cuda::DeviceBuffer<int> replica_slot_, replica_row_;
+  int replicated_experts_ = 0, local_replicas_ = 0;
   int max_chunks_ = 1;  // chunks' buffers and events: d, or the largest adaptive candidate
   std::unique_ptr<DeviceExchange> exchange_;
   std::unique_ptr<DeviceHierarchicalAllToAll> hierarchical_;  // when G > 1

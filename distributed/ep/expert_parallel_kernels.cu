@@ -89,6 +89,23 @@ __global__ void zero_through_tables_kernel(float* const* to, int tables, size_t 
   }
 }
 
+// One thread per element: packed[row[i]][k] <-> table[slot[i]][k].
+template <bool kPack>
+__global__ void through_table_kernel(float* const* table, const int* slot, const int* row, int n, size_t count,
+                                     float* packed) {
+  const size_t total = static_cast<size_t>(n) * count;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
+    const size_t j = i / count, k = i % count;
+    float& in_table = table[slot[j]][k];
+    float& in_packed = packed[static_cast<size_t>(row[j]) * count + k];
+    if constexpr (kPack) {
+      in_packed = in_table;
+    } else {
+      in_table = in_packed;
+    }
+  }
+}
+
 // One thread per element of the packed blocks (slice_element, expert_parallel_index.h).
 __global__ void pack_expert_slices_kernel(const bf16* const* w1, const bf16* const* w2, int experts, int model_dim,
                                           int hidden_dim, int slices, bf16* packed) {
@@ -172,6 +189,22 @@ void zero_through_tables(float* const* to, int tables, size_t count, cudaStream_
   if (tables == 0 || count == 0) return;
   zero_through_tables_kernel<<<blocks_for(static_cast<int64_t>(tables * count)), kThreads, 0, stream>>>(
       to, tables, count);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void pack_through_table(float* const* table, const int* slot, const int* row, int n, size_t count, float* packed,
+                        cudaStream_t stream) {
+  if (n == 0 || count == 0) return;
+  through_table_kernel<true><<<blocks_for(static_cast<int64_t>(n * count)), kThreads, 0, stream>>>(table, slot, row, n,
+                                                                                                 count, packed);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void unpack_through_table(const float* packed, const int* slot, const int* row, int n, size_t count,
+                          float* const* table, cudaStream_t stream) {
+  if (n == 0 || count == 0) return;
+  through_table_kernel<false><<<blocks_for(static_cast<int64_t>(n * count)), kThreads, 0, stream>>>(
+      table, slot, row, n, count, const_cast<float*>(packed));  // read only: the kernel writes the table here
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -70,6 +70,15 @@ void scatter_rows(const int* row_slot,  // [count]
 void add_through_tables(float* const* to,    // device [tables] -> [count]
                         float* const* from,  // device [tables] -> [count]
                         int tables, size_t count, cudaStream_t stream);
+// packed[row[i]][k] = table[slot[i]][k] for i < n, k < count: some of a pointer table's tensors into
+// rows of one buffer (a placement's replicated experts' gradients, for their all-reduce).
+void pack_through_table(float* const* table,  // device [slots] -> [count]
+                        const int* slot, const int* row, int n, size_t count,
+                        float* packed,  // [rows, count]
+                        cudaStream_t stream);
+// table[slot[i]][k] = packed[row[i]][k]: the inverse.
+void unpack_through_table(const float* packed, const int* slot, const int* row, int n, size_t count,
+                          float* const* table, cudaStream_t stream);
 // to[e][i] = 0: the weight gradients of a rank whose experts received no row.
 void zero_through_tables(float* const* to, int tables, size_t count, cudaStream_t stream);
 

@@ -115,7 +115,8 @@ SingleGpuRun run_single_gpu(const Problem& p) {
 
 struct ExpertParallelRun {
   Matrix y, dx, d_gate;            // [T_r, D] [T_r, D] [D, E]
-  std::vector<Matrix> d_w1, d_w2;  // E_r of each: this rank's experts
+  std::vector<Matrix> d_w1, d_w2;  // this rank's slots' (E_r experts by default)
+  std::vector<int64_t> experts;    // the expert of each slot
   std::vector<int> top;            // [T_r, K]
   std::vector<bf16> y_raw;         // the same, as bits, for the pipelining's bit-for-bit check
   std::vector<float> dx_raw, d_gate_raw;
@@ -127,13 +128,19 @@ ExpertParallelRun run_expert_parallel(const Problem& p, const std::vector<int64_
   Communicator& comm = ExpertParallelGpuTest::device_communicator();
   const MoeConfig& c = p.config;
   const int R = comm.size(), rank = comm.rank();
-  const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts, K = c.top_k, E_r = E / R;
+  const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts, K = c.top_k;
+  const std::vector<int64_t> mine =
+      options.placement ? options.placement->experts_of(rank) : contiguous_placement(E, R).experts_of(rank);
+  const int64_t E_r = static_cast<int64_t>(mine.size());  // this rank's slots
   const int64_t offset = offset_of(shards, rank), T_r = shards[rank];
   DeviceBuffer<bf16> x(cuda::bf16_of(Matrix(p.x.middleRows(offset, T_r))));
   DeviceBuffer<bf16> dy(cuda::bf16_of(Matrix(p.dy.middleRows(offset, T_r))));
   DeviceBuffer<bf16> gate(cuda::bf16_of(p.weights.gate_weights));
-  const std::vector<Matrix> w1_local(p.weights.w1.begin() + rank * E_r, p.weights.w1.begin() + (rank + 1) * E_r);
-  const std::vector<Matrix> w2_local(p.weights.w2.begin() + rank * E_r, p.weights.w2.begin() + (rank + 1) * E_r);
+  std::vector<Matrix> w1_local, w2_local;
+  for (int64_t e : mine) {
+    w1_local.push_back(p.weights.w1[e]);
+    w2_local.push_back(p.weights.w2[e]);
+  }
   DeviceBuffer<bf16> w1(cuda::bf16_of(w1_local)), w2(cuda::bf16_of(w2_local));
   auto w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), int(E_r), size_t(D * H));
   auto w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), int(E_r), size_t(H * D));
@@ -163,6 +170,7 @@ ExpertParallelRun run_expert_parallel(const Problem& p, const std::vector<int64_
     run.d_w1.push_back(cuda::matrix_of(d_w1_host, D, H, size_t(j * D * H)));
     run.d_w2.push_back(cuda::matrix_of(d_w2_host, H, D, size_t(j * H * D)));
   }
+  run.experts = mine;
   const std::vector<int> top = layer.top_experts().download();
   run.top.assign(top.begin(), top.begin() + T_r * K);
   run.step = layer.last_step();
@@ -173,8 +181,8 @@ ExpertParallelRun run_expert_parallel(const Problem& p, const std::vector<int64_
 void expect_equals_single_gpu(const Problem& p, const std::vector<int64_t>& shards, const ExpertParallelRun& run,
                               const SingleGpuRun& single) {
   const MoeConfig& c = p.config;
-  const int R = world().size(), rank = world().rank();
-  const int64_t K = c.top_k, E_r = c.num_experts / R;
+  const int rank = world().rank();
+  const int64_t K = c.top_k;
   const int64_t offset = offset_of(shards, rank), T_r = shards[rank];
   int flips = 0;
   for (int64_t i = 0; i < T_r * K; ++i) flips += run.top[size_t(i)] != single.top[size_t(offset * K + i)];
@@ -189,8 +197,8 @@ void expect_equals_single_gpu(const Problem& p, const std::vector<int64_t>& shar
   EXPECT_LT(relative_error(run.d_gate, single.d_gate), kTolerance) << "d gate_weights (all-reduced)";
   EXPECT_NEAR(run.step.aux_loss, single.aux_loss, 1e-4 * std::max(1.0, single.aux_loss)) << "aux loss";
   EXPECT_NEAR(run.step.z_loss, single.z_loss, 1e-4 * std::max(1.0, single.z_loss)) << "z loss";
-  for (int64_t j = 0; j < E_r; ++j) {
-    const int64_t e = rank * E_r + j;
+  for (size_t j = 0; j < run.experts.size(); ++j) {  // a replica's gradient is its expert's whole one
+    const int64_t e = run.experts[j];
     ASSERT_TRUE(run.d_w1[j].allFinite() && run.d_w2[j].allFinite()) << "expert " << e;
     if (single.d_w1[e].norm() == 0) {  // an expert without rows: exactly zero
       EXPECT_EQ(run.d_w1[j].norm(), 0.0) << "d w1 of idle expert " << e;
@@ -233,6 +241,46 @@ TEST_F(ExpertParallelGpuTest, PaddedAndDroppingEqualTheSingleGpuLayer) {
   c.capacity_factor = 1.0;  // drops: capacity over all tokens, as the single-GPU layer counts it
   check_case(c, even_shards(c.tokens, world().size()), {}, /*gate_scale=*/3.0);
   check_case(c, even_shards(c.tokens, world().size()), {.pipeline_chunks = 4}, 3.0);
+}
+
+// Placements (expert_placement.h): E not divisible by R, EPLB's replicas from the single GPU's own
+// routing, and the favoured expert shadowed; dropless, pipelined, and dropping.
+TEST_F(ExpertParallelGpuTest, PlacementsEqualTheSingleGpuLayer) {
+  const int R = world().size();
+  MoeConfig c = base_config();
+  for (Formulation formulation : {Formulation::dropless, Formulation::dropping}) {
+    c.formulation = formulation;
+    c.capacity_factor = 1.0;
+    const uint64_t seed = shared_seed();
+    const Problem problem = make_problem(c, seed, 1.0, /*favoured_expert=*/3);
+    const SingleGpuRun single = run_single_gpu(problem);
+    std::vector<double> load(c.num_experts, 0.0);
+    for (int e : single.top) load[e] += 1;
+    std::vector<ExpertPlacement> placements;
+    if (R > 1) {
+      placements.push_back(eplb_placement(load, R, 1));
+      placements.push_back(contiguous_placement(c.num_experts, R).with_shadowed({3}));
+    }
+    for (const ExpertPlacement& placement : placements) {
+      for (int chunks : {1, 2}) {
+        SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::string(to_string(formulation)) + ", d = " +
+                     std::to_string(chunks) + ", " + placement.describe());
+        const ExpertParallelRun run =
+            run_expert_parallel(problem, uneven_shards(c.tokens, R), {.pipeline_chunks = chunks, .placement = &placement});
+        expect_equals_single_gpu(problem, uneven_shards(c.tokens, R), run, single);
+      }
+    }
+  }
+  // E = 7: no R > 1 divides it (dropless).
+  MoeConfig odd = base_config();
+  odd.num_experts = 7;
+  const ExpertPlacement uneven = contiguous_placement(7, R);
+  const uint64_t seed = shared_seed();
+  SCOPED_TRACE("E = 7, seed " + std::to_string(seed) + ", " + uneven.describe());
+  const Problem problem = make_problem(odd, seed);
+  const SingleGpuRun single = run_single_gpu(problem);
+  const ExpertParallelRun run = run_expert_parallel(problem, even_shards(odd.tokens, R), {.placement = &uneven});
+  expect_equals_single_gpu(problem, even_shards(odd.tokens, R), run, single);
 }
 
 TEST_F(ExpertParallelGpuTest, ARankWithoutTokensAndExpertsWithoutRows) {
@@ -500,6 +548,15 @@ TEST_F(ExpertParallelGpuSettings, BadSettingsAreAnErrorOnEveryRank) {
   expect_error(base_config(), {.hierarchical_ranks_per_node = bad_nodes},
                "hierarchical_ranks_per_node (G) = " + std::to_string(bad_nodes) + " with R = " + std::to_string(R));
   expect_error(base_config(), {.hierarchical_ranks_per_node = -2}, "hierarchical_ranks_per_node (G) = -2");
+  // Placements: of another E; padded with replicas.
+  const ExpertPlacement other = contiguous_placement(base_config().num_experts - 1, R);
+  expect_error(base_config(), {.placement = &other}, "the placement is of E = " + std::to_string(other.experts()));
+  if (R > 1) {
+    c = base_config();
+    c.formulation = Formulation::padded;
+    const ExpertPlacement shadowed = contiguous_placement(c.num_experts, R).with_shadowed({0});
+    expect_error(c, {.placement = &shadowed}, "a placement with replicas takes dropless or dropping");
+  }
 }
 
 TEST_F(ExpertParallelGpuTest, BadForwardInputIsAnErrorOnEveryRank) {
