@@ -254,6 +254,15 @@ int run(int argc, char** argv, MpiCommunicator& world) {
       }
     }
   }
+  nlohmann::json placement_json = nlohmann::json::array();  // --placements: each row's placement and loads
+  if (problem) {
+    for (const std::string& placement : options.placements) {
+      auto note = std::make_shared<std::string>();
+      measure_all(*make_placement_variant(ctx, problem, placement, note));
+      say("# " + *note);
+      placement_json.push_back({{"placement", placement}, {"time_us", rows.back().time_us}, {"note", *note}});
+    }
+  }
   nlohmann::json layout_json;  // --layouts: each r's time, the table's fastest, the cost model's pick
   if (problem && options.layouts) {
     const LayerSummary shape = layer_summary(*problem);
@@ -323,6 +332,8 @@ int run(int argc, char** argv, MpiCommunicator& world) {
       }
     }
     if (!layout_json.is_null()) json["layouts"] = layout_json;
+    if (!placement_json.empty()) json["placements"] = placement_json;
+    if (options.zipf > 0) json["zipf"] = options.zipf;
     json["hierarchical_ranks_per_node"] = G;
     json["notes"] = messages;
     json["rows"] = nlohmann::json::array();

@@ -45,7 +45,7 @@ const std::vector<std::string> kVariants{"count", "alltoall", "dispatch", "layer
 struct FlagTexts {
   std::string min_bytes, max_bytes;
   int64_t factor = 0;
-  std::string layer, pipeline_chunks, only, formulation;
+  std::string layer, pipeline_chunks, only, formulation, placements;
 };
 
 // Every flag of ep_bench, declared once: parse_options reads them, usage() prints them.
@@ -77,6 +77,23 @@ void declare_flags(CLI::App& app, BenchOptions& o, FlagTexts& texts) {
   app.add_flag("--layouts", o.layouts, "rows of the layer in Tutel's other layouts: r = 0 and every valid r > 1");
   app.add_option("--nodes-of", o.hierarchical_ranks_per_node,
                  "Tutel's 2DH rows beside the flat ones: nodes of G ranks, G > 1 dividing R")->check(whole_number(2));
+  app.add_option("--zipf", o.zipf,
+                 "skewed routing in the layer rows: the router's logits get -S log(e + 1) (Zipf(S) preference); 0: none")
+      ->capture_default_str()->check(finite_number(0, 8));
+  app.add_option("--placements", texts.placements,
+                 "layer rows at d = 1 with the experts placed so: plain (E / R in id order), eplb1, eplb2 (EPLB with "
+                 "1 or 2 spare slots a rank, from a first step's loads), shadow (the busiest expert shadowed)")
+      ->check(CLI::Validator(
+          [](const std::string& text) {
+            std::stringstream stream(text);
+            for (std::string name; std::getline(stream, name, ',');) {
+              if (name != "plain" && name != "eplb1" && name != "eplb2" && name != "shadow") {
+                return text + ": allowed: plain, eplb1, eplb2 or shadow, separated by commas";
+              }
+            }
+            return std::string();
+          },
+          ""));
   app.add_option("--only", texts.only, "which rows: count,alltoall,dispatch,layer")
       ->check(CLI::Validator(
           [](const std::string& text) {
@@ -134,6 +151,10 @@ BenchOptions parse_options(int argc, char** argv) {
     o.layer.top_k = shape[4];
   }
   if (!texts.formulation.empty()) o.layer.formulation = parse_formulation(texts.formulation);
+  if (!texts.placements.empty()) {
+    std::stringstream stream(texts.placements);
+    for (std::string name; std::getline(stream, name, ',');) o.placements.push_back(name);
+  }
   if (o.layer.capacity_factor <= 0) {
     throw std::invalid_argument("--capacity-factor " + std::to_string(o.layer.capacity_factor) + ": expected a number > 0");
   }

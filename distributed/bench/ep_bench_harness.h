@@ -50,6 +50,8 @@ struct BenchOptions {
   bool adaptive = true;        // the layer's own choice of d as a row too (--no-adaptive: not)
   bool layouts = false;        // --layouts: the layer in each of Tutel's other layouts r (0, r > 1) too
   int hierarchical_ranks_per_node = 0;  // --nodes-of G: 2DH rows beside the flat ones (G > 1 dividing R)
+  double zipf = 0;             // --zipf S: the layer rows' router prefers expert e by (e + 1)^-S; 0: not
+  std::vector<std::string> placements;  // --placements plain,eplb1,eplb2,shadow: the layer at d = 1 placed so
   std::vector<std::string> variants{"count", "alltoall", "dispatch", "layer"};  // --only
   std::string out;             // --out FILE.json
   uint64_t seed = 1234;

@@ -13,9 +13,17 @@
 // layout rows (--layouts) run the same step in Tutel's layout r, over the same stored experts; r = 0
 // moves weights instead of token rows, so bytes moved stays the token rows' 4 size as a common
 // scale, and the time is what compares.
+// Skewed routing (--zipf S): every token's first feature is 1 and the router's first row is
+// -S log(e + 1), so each token's logits get -S log(e + 1) added: the router prefers expert e by
+// (e + 1)^-S over the random rest (Zipf's law). The check sees the same inputs.
+// The placement rows (--placements) run the d = 1 step with the experts placed by load
+// (ep/expert_placement.h): EPLB with 1 or 2 spare slots a rank, planned from one plain step's
+// counts, or the busiest expert shadowed; each slot holds its expert's weights (the same values as
+// the plain rows'), so the check is the same. Each prints the rows every rank's experts computed.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 
 #include "bench_kernels.h"        // fill_uniform
 #include "core/device_buffer.h"  // DeviceBuffer
@@ -23,6 +31,7 @@
 #include "ep/expert_parallel_gpu.h"  // ExpertParallelGpu
 #include "moe/block_sparse.h"     // expert_pointer_table
 #include "moe/moe_layer.h"        // MoeLayerGpu, layer_memory_bytes: the check
+#include "ep/expert_placement.h"  // contiguous_placement, eplb_placement
 
 namespace moe::dist::bench {
 
@@ -84,6 +93,19 @@ double reference_bytes(const MoeConfig& all) {
   return cuda::layer_memory_bytes(all) + E * 2 * D * H * (2.0 + 4.0) + T * D * 10.0;
 }
 
+// --zipf S: x[t][0] = 1 for every token of x [tokens, D], gate[0][e] = -S log(e + 1) (file comment).
+void apply_zipf(bf16* x, int64_t tokens, int64_t D, bf16* gate, int64_t E, double s, cudaStream_t stream) {
+  if (s <= 0) return;
+  const std::vector<bf16> ones = cuda::to_bf16(std::vector<float>(static_cast<size_t>(tokens), 1.0f));
+  CUDA_CHECK(cudaMemcpy2DAsync(x, static_cast<size_t>(D) * sizeof(bf16), ones.data(), sizeof(bf16), sizeof(bf16),
+                               static_cast<size_t>(tokens), cudaMemcpyHostToDevice, stream));
+  std::vector<float> bias(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) bias[static_cast<size_t>(e)] = static_cast<float>(-s * std::log(double(e + 1)));
+  const std::vector<bf16> row = cuda::to_bf16(bias);
+  CUDA_CHECK(cudaMemcpyAsync(gate, row.data(), row.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));  // the host vectors go out of scope
+}
+
 // The single-GPU layer on every rank's tokens: this rank's rows of y and dx.
 void compute_reference(BenchContext& ctx, LayerProblem& p) {
   const MoeConfig& c = p.config;
@@ -97,6 +119,7 @@ void compute_reference(BenchContext& ctx, LayerProblem& p) {
   fill_uniform(gate.data(), gate.size(), seed + kGate, 0, 1.0f / std::sqrt(float(D)), stream);
   fill_uniform(w1.data(), w1.size(), seed + kW1, 0, 1.0f / std::sqrt(float(D)), stream);
   fill_uniform(w2.data(), w2.size(), seed + kW2, 0, 1.0f / std::sqrt(float(H)), stream);
+  apply_zipf(x.data(), T, D, gate.data(), E, ctx.options.zipf, stream);
   auto w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * H));
   auto w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), int(E), size_t(H * D));
   cuda::DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
@@ -214,6 +237,140 @@ class LayerRow final : public Variant {
   cuda::PhaseTimer* timer_ = nullptr;  // while phases() runs
 };
 
+// The d = 1 step with the experts placed by load (file comment). `note` receives the placement and
+// the rows each rank's experts computed.
+class PlacementRow final : public Variant {
+ public:
+  PlacementRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, std::string spec,
+               std::shared_ptr<std::string> note)
+      : ctx_(ctx), problem_(std::move(problem)), spec_(std::move(spec)), note_(std::move(note)) {}
+  std::string name() const override { return "ep_layer " + spec_; }
+  std::vector<int64_t> sizes(const BenchOptions&) const override { return {bytes()}; }
+
+  Prepared prepare(int64_t) override {
+    LayerProblem& p = *problem_;
+    const MoeConfig& c = p.config;
+    const int R = ctx_.ranks;
+    const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts;
+    // One plain step's routed counts (every rank gets the whole matrix): the loads to plan from.
+    std::vector<int64_t> routed;
+    {
+      ExpertParallelGpu plain(ctx_.layer, c, p.tokens_per_rank);
+      const ExpertParallelGpuWeights weights{p.gate.data(), p.w1_table.data(), p.w2_table.data()};
+      plain.forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), ctx_.stream);
+      CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+      routed = plain.last_step().routed_per_rank_expert;
+    }
+    std::vector<double> load(static_cast<size_t>(E), 0.0);
+    for (int s = 0; s < R; ++s) {
+      for (int64_t e = 0; e < E; ++e) load[static_cast<size_t>(e)] += static_cast<double>(routed[s * E + e]);
+    }
+    const int64_t hottest = std::max_element(load.begin(), load.end()) - load.begin();
+    const ExpertPlacement plain = contiguous_placement(E, R);
+    placement_ = spec_ == "eplb1"  ? eplb_placement(load, R, 1)
+                 : spec_ == "eplb2" ? eplb_placement(load, R, 2)
+                 : spec_ == "shadow" ? plain.with_shadowed({hottest})
+                                     : plain;
+    // This rank's slots, each with its expert's weights (the plain rows' values).
+    const std::vector<int64_t>& mine = placement_.experts_of(ctx_.rank);
+    const size_t slots = mine.size(), w1_size = size_t(D * H), w2_size = size_t(H * D);
+    const uint64_t seed = ctx_.options.seed;
+    w1_ = cuda::DeviceBuffer<bf16>(slots * w1_size);
+    w2_ = cuda::DeviceBuffer<bf16>(slots * w2_size);
+    for (size_t j = 0; j < slots; ++j) {
+      const uint64_t e = static_cast<uint64_t>(mine[j]);
+      fill_uniform(w1_.data() + j * w1_size, w1_size, seed + kW1, e * w1_size, 1.0f / std::sqrt(float(D)), ctx_.stream);
+      fill_uniform(w2_.data() + j * w2_size, w2_size, seed + kW2, e * w2_size, 1.0f / std::sqrt(float(H)), ctx_.stream);
+    }
+    w1_table_ = cuda::expert_pointer_table<const bf16>(w1_.data(), int(slots), w1_size);
+    w2_table_ = cuda::expert_pointer_table<const bf16>(w2_.data(), int(slots), w2_size);
+    d_w1_ = cuda::DeviceBuffer<float>(slots * w1_size);
+    d_w2_ = cuda::DeviceBuffer<float>(slots * w2_size);
+    d_w1_table_ = cuda::expert_pointer_table(d_w1_.data(), int(slots), w1_size);
+    d_w2_table_ = cuda::expert_pointer_table(d_w2_.data(), int(slots), w2_size);
+    layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, c, p.tokens_per_rank,
+                                                 ExpertParallelGpuOptions{.placement = &placement_});
+    run(ctx_.stream);  // one step: the rows each rank's experts compute
+    CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+    const std::vector<int64_t> computed = all_gather<int64_t>(ctx_.host, layer_->plan().rows_received());
+    double most = 0, sum = 0;
+    std::string rows;
+    for (int64_t n : computed) {
+      most = std::max(most, double(n));
+      sum += double(n);
+      rows += (rows.empty() ? "" : " ") + std::to_string(n);
+    }
+    char line[160];
+    std::snprintf(line, sizeof line, "%s: rows each rank's experts compute %s, max/mean %.3f; ", spec_.c_str(),
+                  rows.c_str(), most / (sum / double(R)));
+    const std::vector<int64_t> worth = worth_shadowing(plain, routed, D, H, H);
+    *note_ = std::string(line) + placement_.describe() + (spec_ == "shadow" ? std::string("; shadowing e") +
+             std::to_string(hottest) + " worth it by the bytes test: " +
+             (std::find(worth.begin(), worth.end(), hottest) != worth.end() ? "yes" : "no") : "");
+    max_over_mean_ = most / (sum / double(R));
+    return {bytes(), p.tokens_per_rank, "bf16", 4.0 * static_cast<double>(bytes())};
+  }
+
+  void run(cudaStream_t stream) override {
+    LayerProblem& p = *problem_;
+    const ExpertParallelGpuWeights weights{p.gate.data(), w1_table_.data(), w2_table_.data()};
+    layer_->forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), stream);
+    layer_->backward(p.x.data(), weights, p.dy.data(), {p.dx.data(), p.d_gate.data(), d_w1_table_.data(), d_w2_table_.data()},
+                     stream);
+    if (timer_ != nullptr) timer_->begin("sgd_experts", stream);
+    sgd_update(w1_.data(), d_w1_.data(), w1_.size(), kLearningRate, stream);
+    sgd_update(w2_.data(), d_w2_.data(), w2_.size(), kLearningRate, stream);
+    if (timer_ != nullptr) timer_->end(stream);
+  }
+
+  std::vector<PhaseTime> phases(cudaStream_t stream) override {
+    cuda::PhaseTimer timer;
+    timer_ = &timer;
+    layer_->set_phase_timer(&timer);
+    std::vector<PhaseTime> result = median_phases(timer, kPhaseRuns, [&] {
+      ctx_.host.barrier();
+      run(stream);
+    });
+    layer_->set_phase_timer(nullptr);
+    timer_ = nullptr;
+    return result;
+  }
+
+  Check check() override {
+    CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+    LayerProblem& p = *problem_;
+    if (!p.has_reference) return {0, false, p.reference_note, false};
+    const double y_error = relative_error(cuda::to_float(p.y.download()), p.reference_y);
+    const double dx_error = relative_error(p.dx.download(), p.reference_dx);
+    return {std::max(y_error, dx_error), false, {}, true};
+  }
+
+  int host_syncs() const override {
+    return layer_ ? layer_->last_step().host_synchronisations + layer_->last_step().backward_host_synchronisations : 0;
+  }
+
+  void release() override { layer_.reset(); }
+
+ private:
+  int64_t bytes() const {
+    const MoeConfig& c = problem_->config;
+    return problem_->tokens_per_rank * c.top_k * c.model_dim * 2;
+  }
+
+  BenchContext& ctx_;
+  std::shared_ptr<LayerProblem> problem_;
+  std::string spec_;
+  std::shared_ptr<std::string> note_;
+  ExpertPlacement placement_;
+  double max_over_mean_ = 0;
+  cuda::DeviceBuffer<bf16> w1_, w2_;
+  cuda::DeviceBuffer<const bf16*> w1_table_, w2_table_;
+  cuda::DeviceBuffer<float> d_w1_, d_w2_;
+  cuda::DeviceBuffer<float*> d_w1_table_, d_w2_table_;
+  std::unique_ptr<ExpertParallelGpu> layer_;
+  cuda::PhaseTimer* timer_ = nullptr;
+};
+
 }  // namespace
 
 std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<std::string>& messages) {
@@ -281,6 +438,7 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
                stream);
   fill_uniform(p->w2.data(), p->w2.size(), seed + kW2, uint64_t(ctx.rank * E_r * H * D), 1.0f / std::sqrt(float(H)),
                stream);
+  apply_zipf(p->x.data(), T_r, D, p->gate.data(), E, ctx.options.zipf, stream);
   p->w1_table = cuda::expert_pointer_table<const bf16>(p->w1.data(), int(E_r), size_t(D * H));
   p->w2_table = cuda::expert_pointer_table<const bf16>(p->w2.data(), int(E_r), size_t(H * D));
   p->dx = cuda::DeviceBuffer<float>(size_t(T_r * D));
@@ -300,6 +458,11 @@ std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<L
 
 std::unique_ptr<Variant> make_layout_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int layout) {
   return std::make_unique<LayerRow>(ctx, std::move(problem), 1, nullptr, layout);
+}
+
+std::unique_ptr<Variant> make_placement_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
+                                                const std::string& placement, std::shared_ptr<std::string> note) {
+  return std::make_unique<PlacementRow>(ctx, std::move(problem), placement, std::move(note));
 }
 
 LayerSummary layer_summary(const LayerProblem& p) {
