@@ -78,7 +78,7 @@ void declare_flags(CLI::App& app, BenchOptions& o, FlagTexts& texts) {
   app.add_option("--nodes-of", o.hierarchical_ranks_per_node,
                  "Tutel's 2DH rows beside the flat ones: nodes of G ranks, G > 1 dividing R")->check(whole_number(2));
   app.add_option("--zipf", o.zipf,
-                 "skewed routing in the layer rows: the router's logits get -S log(e + 1) (Zipf(S) preference); 0: none")
+                 "skewed routing in the layer rows: each token's top-K drawn from Zipf(S) over the experts (Gumbel-max); 0: none")
       ->capture_default_str()->check(finite_number(0, 8));
   app.add_option("--placements", texts.placements,
                  "layer rows at d = 1 with the experts placed so: plain (E / R in id order), eplb1, eplb2 (EPLB with "

@@ -13,9 +13,12 @@
 // layout rows (--layouts) run the same step in Tutel's layout r, over the same stored experts; r = 0
 // moves weights instead of token rows, so bytes moved stays the token rows' 4 size as a common
 // scale, and the time is what compares.
-// Skewed routing (--zipf S): every token's first feature is 1 and the router's first row is
-// -S log(e + 1), so each token's logits get -S log(e + 1) added: the router prefers expert e by
-// (e + 1)^-S over the random rest (Zipf's law). The check sees the same inputs.
+// Skewed routing (--zipf S), by the Gumbel-max trick: token t's features 1 .. E hold Gumbel(0, 1)
+// draws g[t][e] and its feature 0 is 1; the router's row 0 is -S log(e + 1) and rows 1 .. E the
+// identity. So logit[t][e] = -S log(e + 1) + g[t][e] + the random rest (small), and the top-K
+// experts of a token are K draws without replacement from Zipf(S) over the E experts (nearly:
+// the random features add a little noise). Needs D > E. The draws depend on the global token, so
+// the check sees the same inputs.
 // The placement rows (--placements) run the d = 1 step with the experts placed by load
 // (ep/expert_placement.h): EPLB with 1 or 2 spare slots a rank, planned from one plain step's
 // counts, or the busiest expert shadowed; each slot holds its expert's weights (the same values as
@@ -93,16 +96,35 @@ double reference_bytes(const MoeConfig& all) {
   return cuda::layer_memory_bytes(all) + E * 2 * D * H * (2.0 + 4.0) + T * D * 10.0;
 }
 
-// --zipf S: x[t][0] = 1 for every token of x [tokens, D], gate[0][e] = -S log(e + 1) (file comment).
-void apply_zipf(bf16* x, int64_t tokens, int64_t D, bf16* gate, int64_t E, double s, cudaStream_t stream) {
+// --zipf S (file comment): x [tokens, D] holds global tokens [first_token, first_token + tokens);
+// its columns 0 .. E and the gate's rows 0 .. E [E + 1, E] are set.
+void apply_zipf(bf16* x, int64_t first_token, int64_t tokens, int64_t D, bf16* gate, int64_t E, double s,
+                uint64_t seed, cudaStream_t stream) {
   if (s <= 0) return;
-  const std::vector<bf16> ones = cuda::to_bf16(std::vector<float>(static_cast<size_t>(tokens), 1.0f));
-  CUDA_CHECK(cudaMemcpy2DAsync(x, static_cast<size_t>(D) * sizeof(bf16), ones.data(), sizeof(bf16), sizeof(bf16),
-                               static_cast<size_t>(tokens), cudaMemcpyHostToDevice, stream));
-  std::vector<float> bias(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) bias[static_cast<size_t>(e)] = static_cast<float>(-s * std::log(double(e + 1)));
-  const std::vector<bf16> row = cuda::to_bf16(bias);
-  CUDA_CHECK(cudaMemcpyAsync(gate, row.data(), row.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream));
+  if (D <= E) throw std::invalid_argument("--zipf needs D > E (a feature a Gumbel draw for each expert)");
+  const size_t width = static_cast<size_t>(E + 1);
+  std::vector<float> features(static_cast<size_t>(tokens) * width);
+  for (int64_t t = 0; t < tokens; ++t) {
+    features[static_cast<size_t>(t) * width] = 1.0f;
+    for (int64_t e = 0; e < E; ++e) {  // splitmix64 of (seed, global token, expert) -> u in (0, 1)
+      uint64_t z = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>((first_token + t) * E + e) + 1;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z ^= z >> 31;
+      const double u = (static_cast<double>(z >> 11) + 0.5) / 9007199254740992.0;  // 2^53
+      features[static_cast<size_t>(t) * width + 1 + static_cast<size_t>(e)] = static_cast<float>(-std::log(-std::log(u)));
+    }
+  }
+  const std::vector<bf16> x_columns = cuda::to_bf16(features);
+  CUDA_CHECK(cudaMemcpy2DAsync(x, static_cast<size_t>(D) * sizeof(bf16), x_columns.data(), width * sizeof(bf16),
+                               width * sizeof(bf16), static_cast<size_t>(tokens), cudaMemcpyHostToDevice, stream));
+  std::vector<float> rows(width * static_cast<size_t>(E), 0.0f);  // [E + 1, E]
+  for (int64_t e = 0; e < E; ++e) {
+    rows[static_cast<size_t>(e)] = static_cast<float>(-s * std::log(double(e + 1)));
+    rows[static_cast<size_t>((1 + e) * E + e)] = 1.0f;
+  }
+  const std::vector<bf16> gate_rows = cuda::to_bf16(rows);
+  CUDA_CHECK(cudaMemcpyAsync(gate, gate_rows.data(), gate_rows.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));  // the host vectors go out of scope
 }
 
@@ -119,7 +141,7 @@ void compute_reference(BenchContext& ctx, LayerProblem& p) {
   fill_uniform(gate.data(), gate.size(), seed + kGate, 0, 1.0f / std::sqrt(float(D)), stream);
   fill_uniform(w1.data(), w1.size(), seed + kW1, 0, 1.0f / std::sqrt(float(D)), stream);
   fill_uniform(w2.data(), w2.size(), seed + kW2, 0, 1.0f / std::sqrt(float(H)), stream);
-  apply_zipf(x.data(), T, D, gate.data(), E, ctx.options.zipf, stream);
+  apply_zipf(x.data(), 0, T, D, gate.data(), E, ctx.options.zipf, seed, stream);
   auto w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), int(E), size_t(D * H));
   auto w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), int(E), size_t(H * D));
   cuda::DeviceBuffer<float> dx(size_t(T * D)), d_gate(size_t(D * E)), d_w1(size_t(E * D * H)), d_w2(size_t(E * H * D));
@@ -438,7 +460,7 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
                stream);
   fill_uniform(p->w2.data(), p->w2.size(), seed + kW2, uint64_t(ctx.rank * E_r * H * D), 1.0f / std::sqrt(float(H)),
                stream);
-  apply_zipf(p->x.data(), T_r, D, p->gate.data(), E, ctx.options.zipf, stream);
+  apply_zipf(p->x.data(), int64_t{ctx.rank} * T_r, T_r, D, p->gate.data(), E, ctx.options.zipf, seed, stream);
   p->w1_table = cuda::expert_pointer_table<const bf16>(p->w1.data(), int(E_r), size_t(D * H));
   p->w2_table = cuda::expert_pointer_table<const bf16>(p->w2.data(), int(E_r), size_t(H * D));
   p->dx = cuda::DeviceBuffer<float>(size_t(T_r * D));
