@@ -38,13 +38,21 @@
 
 namespace moe::dist::bench {
 
+// A rank's expert slots: each holds its expert's weights (the same values whichever rank holds it)
+// and room for its gradients.
+struct Slots {
+  cuda::DeviceBuffer<bf16> w1, w2;                     // [slots, D, H], [slots, H, D]
+  cuda::DeviceBuffer<const bf16*> w1_table, w2_table;  // [slots]
+  cuda::DeviceBuffer<float> d_w1, d_w2;
+  cuda::DeviceBuffer<float*> d_w1_table, d_w2_table;
+};
+
 struct LayerProblem {
   MoeConfig config;
   int64_t tokens_per_rank = 0, experts_per_rank = 0;
-  cuda::DeviceBuffer<bf16> x, dy, gate, w1, w2, y;           // this rank's
-  cuda::DeviceBuffer<const bf16*> w1_table, w2_table;        // [E_r]
-  cuda::DeviceBuffer<float> dx, d_gate, d_w1, d_w2;
-  cuda::DeviceBuffer<float*> d_w1_table, d_w2_table;
+  cuda::DeviceBuffer<bf16> x, dy, gate, y;  // this rank's
+  Slots slots;                              // its E_r experts
+  cuda::DeviceBuffer<float> dx, d_gate;
   std::vector<float> reference_y, reference_dx;  // [T_r, D] this rank's rows of the single-GPU layer
   bool has_reference = false;
   std::string reference_note;
@@ -54,6 +62,30 @@ namespace {
 
 // The seeds of each tensor: the same element gets the same value on every rank (bench_kernels.h).
 enum Seed : uint64_t { kX = 21, kDy, kGate, kW1, kW2 };
+
+// The slots of `experts` on this rank, each filled with its expert's weights (the elements of the
+// whole [E, D, H] and [E, H, D] tensors the check uses).
+Slots make_slots(BenchContext& ctx, const MoeConfig& c, const std::vector<int64_t>& experts) {
+  const size_t n = experts.size(), w1_size = size_t(c.model_dim * c.hidden_dim), w2_size = w1_size;
+  const uint64_t seed = ctx.options.seed;
+  Slots slots;
+  slots.w1 = cuda::DeviceBuffer<bf16>(n * w1_size);
+  slots.w2 = cuda::DeviceBuffer<bf16>(n * w2_size);
+  for (size_t j = 0; j < n; ++j) {
+    const uint64_t e = static_cast<uint64_t>(experts[j]);
+    fill_uniform(slots.w1.data() + j * w1_size, w1_size, seed + kW1, e * w1_size,
+                 1.0f / std::sqrt(float(c.model_dim)), ctx.stream);
+    fill_uniform(slots.w2.data() + j * w2_size, w2_size, seed + kW2, e * w2_size,
+                 1.0f / std::sqrt(float(c.hidden_dim)), ctx.stream);
+  }
+  slots.w1_table = cuda::expert_pointer_table<const bf16>(slots.w1.data(), int(n), w1_size);
+  slots.w2_table = cuda::expert_pointer_table<const bf16>(slots.w2.data(), int(n), w2_size);
+  slots.d_w1 = cuda::DeviceBuffer<float>(n * w1_size);
+  slots.d_w2 = cuda::DeviceBuffer<float>(n * w2_size);
+  slots.d_w1_table = cuda::expert_pointer_table(slots.d_w1.data(), int(n), w1_size);
+  slots.d_w2_table = cuda::expert_pointer_table(slots.d_w2.data(), int(n), w2_size);
+  return slots;
+}
 
 // The step's SGD on the experts (see the top of this file): timed, weights unchanged.
 constexpr float kLearningRate = 0.0f;
@@ -176,18 +208,27 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& e
   return norm > 0 ? std::sqrt(difference / norm) : std::sqrt(difference);
 }
 
+// One row of the layer's step: at a pipelining degree, in a layout r, or (placement not empty) at
+// d = 1 with the experts placed by load, whose `note` receives the placement and the rows each
+// rank's experts computed.
 class LayerRow final : public Variant {
  public:
   LayerRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int chunks, std::shared_ptr<PipelineChoice> choice,
-           int layout = -1)
-      : ctx_(ctx), problem_(std::move(problem)), chunks_(chunks), choice_(std::move(choice)), layout_(layout) {}
+           int layout = -1, std::string placement = {}, std::shared_ptr<std::string> note = nullptr)
+      : ctx_(ctx), problem_(std::move(problem)), chunks_(chunks), choice_(std::move(choice)), layout_(layout),
+        placement_spec_(std::move(placement)), note_(std::move(note)) {}
   std::string name() const override {
+    if (!placement_spec_.empty()) return "ep_layer " + placement_spec_;
     if (layout_ >= 0) return "ep_layer r=" + std::to_string(layout_);
     return chunks_ == kAdaptivePipelineChunks ? "ep_layer adaptive" : "ep_layer d=" + std::to_string(chunks_);
   }
   std::vector<int64_t> sizes(const BenchOptions&) const override { return {bytes()}; }
 
   Prepared prepare(int64_t) override {
+    if (!placement_spec_.empty()) {
+      place_experts();
+      return {bytes(), problem_->tokens_per_rank, "bf16", 4.0 * static_cast<double>(bytes())};
+    }
     layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, problem_->config, problem_->tokens_per_rank,
                                                  ExpertParallelGpuOptions{.pipeline_chunks = chunks_});
     if (layout_ >= 0) layer_->set_layout(layout_);
@@ -203,13 +244,14 @@ class LayerRow final : public Variant {
 
   void run(cudaStream_t stream) override {
     LayerProblem& p = *problem_;
-    const ExpertParallelGpuWeights weights{p.gate.data(), p.w1_table.data(), p.w2_table.data()};
+    Slots& slots = placement_spec_.empty() ? p.slots : slots_;  // the placement's own, or E / R in id order
+    const ExpertParallelGpuWeights weights{p.gate.data(), slots.w1_table.data(), slots.w2_table.data()};
     layer_->forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), stream);
     layer_->backward(p.x.data(), weights, p.dy.data(),
-                     {p.dx.data(), p.d_gate.data(), p.d_w1_table.data(), p.d_w2_table.data()}, stream);
+                     {p.dx.data(), p.d_gate.data(), slots.d_w1_table.data(), slots.d_w2_table.data()}, stream);
     if (timer_ != nullptr) timer_->begin("sgd_experts", stream);
-    sgd_update(p.w1.data(), p.d_w1.data(), p.w1.size(), kLearningRate, stream);
-    sgd_update(p.w2.data(), p.d_w2.data(), p.w2.size(), kLearningRate, stream);
+    sgd_update(slots.w1.data(), slots.d_w1.data(), slots.w1.size(), kLearningRate, stream);
+    sgd_update(slots.w2.data(), slots.d_w2.data(), slots.w2.size(), kLearningRate, stream);
     if (timer_ != nullptr) timer_->end(stream);
   }
 
@@ -242,43 +284,22 @@ class LayerRow final : public Variant {
   void release() override {
     if (choice_ && layer_) *choice_ = layer_->last_step().pipeline;
     layer_.reset();
+    slots_ = Slots{};
   }
 
  private:
-  int64_t bytes() const {
-    const MoeConfig& c = problem_->config;
-    return problem_->tokens_per_rank * c.top_k * c.model_dim * 2;
-  }
-
-  BenchContext& ctx_;
-  std::shared_ptr<LayerProblem> problem_;
-  int chunks_;
-  std::shared_ptr<PipelineChoice> choice_;
-  int layout_ = -1;  // Tutel's r of a layout row (r = 1 included); -1 for the pipelining rows
-  std::unique_ptr<ExpertParallelGpu> layer_;
-  cuda::PhaseTimer* timer_ = nullptr;  // while phases() runs
-};
-
-// The d = 1 step with the experts placed by load (file comment). `note` receives the placement and
-// the rows each rank's experts computed.
-class PlacementRow final : public Variant {
- public:
-  PlacementRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, std::string spec,
-               std::shared_ptr<std::string> note)
-      : ctx_(ctx), problem_(std::move(problem)), spec_(std::move(spec)), note_(std::move(note)) {}
-  std::string name() const override { return "ep_layer " + spec_; }
-  std::vector<int64_t> sizes(const BenchOptions&) const override { return {bytes()}; }
-
-  Prepared prepare(int64_t) override {
+  // The placement row's setup: one plain step's routed counts (every rank gets the whole matrix),
+  // the placement planned from them, this rank's slots with their experts' weights (the plain rows'
+  // values), the layer, and one step whose rows per rank go in the note.
+  void place_experts() {
     LayerProblem& p = *problem_;
     const MoeConfig& c = p.config;
     const int R = ctx_.ranks;
-    const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts;
-    // One plain step's routed counts (every rank gets the whole matrix): the loads to plan from.
+    const int64_t E = c.num_experts;
     std::vector<int64_t> routed;
     {
       ExpertParallelGpu plain(ctx_.layer, c, p.tokens_per_rank);
-      const ExpertParallelGpuWeights weights{p.gate.data(), p.w1_table.data(), p.w2_table.data()};
+      const ExpertParallelGpuWeights weights{p.gate.data(), p.slots.w1_table.data(), p.slots.w2_table.data()};
       plain.forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), ctx_.stream);
       CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
       routed = plain.last_step().routed_per_rank_expert;
@@ -289,30 +310,14 @@ class PlacementRow final : public Variant {
     }
     const int64_t hottest = std::max_element(load.begin(), load.end()) - load.begin();
     const ExpertPlacement plain = contiguous_placement(E, R);
-    placement_ = spec_ == "eplb1"  ? eplb_placement(load, R, 1)
-                 : spec_ == "eplb2" ? eplb_placement(load, R, 2)
-                 : spec_ == "shadow" ? plain.with_shadowed({hottest})
-                                     : plain;
-    // This rank's slots, each with its expert's weights (the plain rows' values).
-    const std::vector<int64_t>& mine = placement_.experts_of(ctx_.rank);
-    const size_t slots = mine.size(), w1_size = size_t(D * H), w2_size = size_t(H * D);
-    const uint64_t seed = ctx_.options.seed;
-    w1_ = cuda::DeviceBuffer<bf16>(slots * w1_size);
-    w2_ = cuda::DeviceBuffer<bf16>(slots * w2_size);
-    for (size_t j = 0; j < slots; ++j) {
-      const uint64_t e = static_cast<uint64_t>(mine[j]);
-      fill_uniform(w1_.data() + j * w1_size, w1_size, seed + kW1, e * w1_size, 1.0f / std::sqrt(float(D)), ctx_.stream);
-      fill_uniform(w2_.data() + j * w2_size, w2_size, seed + kW2, e * w2_size, 1.0f / std::sqrt(float(H)), ctx_.stream);
-    }
-    w1_table_ = cuda::expert_pointer_table<const bf16>(w1_.data(), int(slots), w1_size);
-    w2_table_ = cuda::expert_pointer_table<const bf16>(w2_.data(), int(slots), w2_size);
-    d_w1_ = cuda::DeviceBuffer<float>(slots * w1_size);
-    d_w2_ = cuda::DeviceBuffer<float>(slots * w2_size);
-    d_w1_table_ = cuda::expert_pointer_table(d_w1_.data(), int(slots), w1_size);
-    d_w2_table_ = cuda::expert_pointer_table(d_w2_.data(), int(slots), w2_size);
+    placement_ = placement_spec_ == "eplb1"    ? eplb_placement(load, R, 1)
+                 : placement_spec_ == "eplb2"  ? eplb_placement(load, R, 2)
+                 : placement_spec_ == "shadow" ? plain.with_shadowed({hottest})
+                                               : plain;
+    slots_ = make_slots(ctx_, c, placement_.experts_of(ctx_.rank));
     layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, c, p.tokens_per_rank,
                                                  ExpertParallelGpuOptions{.placement = &placement_});
-    run(ctx_.stream);  // one step: the rows each rank's experts compute
+    run(ctx_.stream);
     CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
     const std::vector<int64_t> computed = all_gather<int64_t>(ctx_.host, layer_->plan().rows_received());
     double most = 0, sum = 0;
@@ -323,57 +328,17 @@ class PlacementRow final : public Variant {
       rows += (rows.empty() ? "" : " ") + std::to_string(n);
     }
     char line[160];
-    std::snprintf(line, sizeof line, "%s: rows each rank's experts compute %s, max/mean %.3f; ", spec_.c_str(),
+    std::snprintf(line, sizeof line, "%s: rows each rank's experts compute %s, max/mean %.3f; ", placement_spec_.c_str(),
                   rows.c_str(), most / (sum / double(R)));
-    const std::vector<int64_t> worth = worth_shadowing(plain, routed, D, H, H);
-    *note_ = std::string(line) + placement_.describe() + (spec_ == "shadow" ? std::string("; shadowing e") +
-             std::to_string(hottest) + " worth it by the bytes test: " +
-             (std::find(worth.begin(), worth.end(), hottest) != worth.end() ? "yes" : "no") : "");
-    max_over_mean_ = most / (sum / double(R));
-    return {bytes(), p.tokens_per_rank, "bf16", 4.0 * static_cast<double>(bytes())};
+    std::string note = std::string(line) + placement_.describe();
+    if (placement_spec_ == "shadow") {
+      const std::vector<int64_t> worth = worth_shadowing(plain, routed, c.model_dim, c.hidden_dim, c.hidden_dim);
+      note += "; shadowing e" + std::to_string(hottest) + " worth it by the bytes test: " +
+              (std::find(worth.begin(), worth.end(), hottest) != worth.end() ? "yes" : "no");
+    }
+    if (note_) *note_ = note;
   }
 
-  void run(cudaStream_t stream) override {
-    LayerProblem& p = *problem_;
-    const ExpertParallelGpuWeights weights{p.gate.data(), w1_table_.data(), w2_table_.data()};
-    layer_->forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), stream);
-    layer_->backward(p.x.data(), weights, p.dy.data(), {p.dx.data(), p.d_gate.data(), d_w1_table_.data(), d_w2_table_.data()},
-                     stream);
-    if (timer_ != nullptr) timer_->begin("sgd_experts", stream);
-    sgd_update(w1_.data(), d_w1_.data(), w1_.size(), kLearningRate, stream);
-    sgd_update(w2_.data(), d_w2_.data(), w2_.size(), kLearningRate, stream);
-    if (timer_ != nullptr) timer_->end(stream);
-  }
-
-  std::vector<PhaseTime> phases(cudaStream_t stream) override {
-    cuda::PhaseTimer timer;
-    timer_ = &timer;
-    layer_->set_phase_timer(&timer);
-    std::vector<PhaseTime> result = median_phases(timer, kPhaseRuns, [&] {
-      ctx_.host.barrier();
-      run(stream);
-    });
-    layer_->set_phase_timer(nullptr);
-    timer_ = nullptr;
-    return result;
-  }
-
-  Check check() override {
-    CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
-    LayerProblem& p = *problem_;
-    if (!p.has_reference) return {0, false, p.reference_note, false};
-    const double y_error = relative_error(cuda::to_float(p.y.download()), p.reference_y);
-    const double dx_error = relative_error(p.dx.download(), p.reference_dx);
-    return {std::max(y_error, dx_error), false, {}, true};
-  }
-
-  int host_syncs() const override {
-    return layer_ ? layer_->last_step().host_synchronisations + layer_->last_step().backward_host_synchronisations : 0;
-  }
-
-  void release() override { layer_.reset(); }
-
- private:
   int64_t bytes() const {
     const MoeConfig& c = problem_->config;
     return problem_->tokens_per_rank * c.top_k * c.model_dim * 2;
@@ -381,16 +346,15 @@ class PlacementRow final : public Variant {
 
   BenchContext& ctx_;
   std::shared_ptr<LayerProblem> problem_;
-  std::string spec_;
+  int chunks_;
+  std::shared_ptr<PipelineChoice> choice_;
+  int layout_ = -1;  // Tutel's r of a layout row (r = 1 included); -1 for the pipelining rows
+  std::string placement_spec_;  // plain, eplb1, eplb2, shadow; empty for the other rows
   std::shared_ptr<std::string> note_;
   ExpertPlacement placement_;
-  double max_over_mean_ = 0;
-  cuda::DeviceBuffer<bf16> w1_, w2_;
-  cuda::DeviceBuffer<const bf16*> w1_table_, w2_table_;
-  cuda::DeviceBuffer<float> d_w1_, d_w2_;
-  cuda::DeviceBuffer<float*> d_w1_table_, d_w2_table_;
+  Slots slots_;  // the placement row's slots
   std::unique_ptr<ExpertParallelGpu> layer_;
-  cuda::PhaseTimer* timer_ = nullptr;
+  cuda::PhaseTimer* timer_ = nullptr;  // while phases() runs
 };
 
 }  // namespace
@@ -433,7 +397,7 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
   p->config = layer_config(shape, T_r, R);
   p->tokens_per_rank = T_r;
   p->experts_per_rank = shape.experts / R;
-  const int64_t D = shape.model_dim, H = shape.hidden_dim, E = shape.experts, E_r = p->experts_per_rank;
+  const int64_t D = shape.model_dim, E = shape.experts;
   const uint64_t seed = ctx.options.seed;
 
   // The check first, alone on the GPU, then freed before the layer's buffers are made.
@@ -450,25 +414,14 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
   p->dy = cuda::DeviceBuffer<bf16>(size_t(T_r * D));
   p->y = cuda::DeviceBuffer<bf16>(size_t(T_r * D));
   p->gate = cuda::DeviceBuffer<bf16>(size_t(D * E));
-  p->w1 = cuda::DeviceBuffer<bf16>(size_t(E_r * D * H));
-  p->w2 = cuda::DeviceBuffer<bf16>(size_t(E_r * H * D));
   // This rank's slices of the tensors the check made whole: its tokens, its experts.
   fill_uniform(p->x.data(), p->x.size(), seed + kX, uint64_t(ctx.rank * T_r * D), 1.0f, stream);
   fill_uniform(p->dy.data(), p->dy.size(), seed + kDy, uint64_t(ctx.rank * T_r * D), 1.0f, stream);
   fill_uniform(p->gate.data(), p->gate.size(), seed + kGate, 0, 1.0f / std::sqrt(float(D)), stream);
-  fill_uniform(p->w1.data(), p->w1.size(), seed + kW1, uint64_t(ctx.rank * E_r * D * H), 1.0f / std::sqrt(float(D)),
-               stream);
-  fill_uniform(p->w2.data(), p->w2.size(), seed + kW2, uint64_t(ctx.rank * E_r * H * D), 1.0f / std::sqrt(float(H)),
-               stream);
   apply_zipf(p->x.data(), int64_t{ctx.rank} * T_r, T_r, D, p->gate.data(), E, ctx.options.zipf, seed, stream);
-  p->w1_table = cuda::expert_pointer_table<const bf16>(p->w1.data(), int(E_r), size_t(D * H));
-  p->w2_table = cuda::expert_pointer_table<const bf16>(p->w2.data(), int(E_r), size_t(H * D));
+  p->slots = make_slots(ctx, p->config, contiguous_placement(E, R).experts_of(ctx.rank));
   p->dx = cuda::DeviceBuffer<float>(size_t(T_r * D));
   p->d_gate = cuda::DeviceBuffer<float>(size_t(D * E));
-  p->d_w1 = cuda::DeviceBuffer<float>(size_t(E_r * D * H));
-  p->d_w2 = cuda::DeviceBuffer<float>(size_t(E_r * H * D));
-  p->d_w1_table = cuda::expert_pointer_table(p->d_w1.data(), int(E_r), size_t(D * H));
-  p->d_w2_table = cuda::expert_pointer_table(p->d_w2.data(), int(E_r), size_t(H * D));
   CUDA_CHECK(cudaStreamSynchronize(stream));
   return p;
 }
@@ -484,7 +437,7 @@ std::unique_ptr<Variant> make_layout_variant(BenchContext& ctx, std::shared_ptr<
 
 std::unique_ptr<Variant> make_placement_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
                                                 const std::string& placement, std::shared_ptr<std::string> note) {
-  return std::make_unique<PlacementRow>(ctx, std::move(problem), placement, std::move(note));
+  return std::make_unique<LayerRow>(ctx, std::move(problem), 1, nullptr, -1, placement, std::move(note));
 }
 
 LayerSummary layer_summary(const LayerProblem& p) {
