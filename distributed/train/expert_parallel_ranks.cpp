@@ -41,18 +41,14 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
   void backward(const bf16* x, const cuda::MoeLayerWeights& weights, const bf16* dy,
                 const cuda::MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
                 float* d_router_input) override {
-    if (router_input != nullptr || d_router_input != nullptr) {
-      throw std::invalid_argument("expert-parallel MoE block: a separate router input (pre-gating) is not supported");
-    }
+    check_no_router_input(router_input, d_router_input);
     layer_.backward(x, {weights.gate_weights, weights.w1, weights.w2}, dy,
                     {gradients.dx, gradients.d_gate_weights, gradients.d_w1, gradients.d_w2}, stream);
   }
   void backward_experts(const bf16* x, const cuda::MoeLayerWeights& weights, const bf16* dy,
                         const cuda::MoeLayerGradients& gradients, cudaStream_t stream, const bf16* router_input,
                         float* d_router_input) override {
-    if (router_input != nullptr || d_router_input != nullptr) {
-      throw std::invalid_argument("expert-parallel MoE block: a separate router input (pre-gating) is not supported");
-    }
+    check_no_router_input(router_input, d_router_input);
     layer_.backward_experts(x, {weights.gate_weights, weights.w1, weights.w2}, dy,
                             {gradients.dx, gradients.d_gate_weights, gradients.d_w1, gradients.d_w2}, stream);
   }
@@ -82,8 +78,8 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
   void set_phase_timer(cuda::PhaseTimer* timer) override { layer_.set_phase_timer(timer); }
 
  private:
-  static void check_no_router_input(const bf16* router_input) {
-    if (router_input != nullptr) {
+  static void check_no_router_input(const bf16* router_input, const float* d_router_input = nullptr) {
+    if (router_input != nullptr || d_router_input != nullptr) {
       throw std::invalid_argument("expert-parallel MoE block: a separate router input (pre-gating) is not supported");
     }
   }
