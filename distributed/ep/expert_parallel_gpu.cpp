@@ -166,13 +166,18 @@ struct ExpertParallelGpu::Chunk {
   DeviceBuffer<bf16> received;    // [N_c, D] the rows as they arrive ([source][local expert][token])
   DeviceBuffer<bf16> sent_back;   // [N_c, D] the experts' results in the same order, sent home
   DeviceBuffer<int> row_slot;     // [M_c] the received row feeding each expert row, -1 for padding
-  DeviceBuffer<bf16> permuted_x;  // [M_c, D] the experts' input rows (padding zero)
-  DeviceBuffer<bf16> expert_out;  // [M_c, D] their outputs; in the backward, d(outputs)
-  DeviceBuffer<bf16> d_permuted_x;                                    // [M_c, D]
-  DeviceBuffer<bf16> pre_activation, hidden, d_pre_activation, d_hidden;  // [M_c, H]; d_hidden padded only
-  std::unique_ptr<cuda::TopologyBuffers> topology;  // dropless: the E_c computed experts' BCSR
-  int64_t topology_rows = 0;                        // the received rows it was sized for
-  int64_t topology_experts = 0, topology_hidden = 0;  // and the E_c, H_c (they change with the layout)
+  // The weight gradients' four operands, in this chunk's slot of the layer's Slots (slot < 0: the
+  // chunk received no row this forward, and computes nothing):
+  int slot = -1;
+  bf16* permuted_x = nullptr;        // [M_c, D] the experts' input rows (padding zero)
+  bf16* expert_out = nullptr;        // [M_c, D] their outputs; in the backward, d(outputs)
+  bf16* hidden = nullptr;            // [M_c, H]
+  bf16* d_pre_activation = nullptr;  // [M_c, H]
+  DeviceBuffer<bf16> d_permuted_x;                      // [M_c, D]
+  DeviceBuffer<bf16> pre_activation, d_hidden;          // [M_c, H]; d_hidden padded only
+  std::unique_ptr<cuda::TopologyBuffers> topology;      // dropless: the E_c computed experts' BCSR
+  int64_t topology_rows = 0;                            // the received rows it was sized for
+  int64_t topology_experts = 0, topology_hidden = 0;    // and the E_c, H_c (they change with the layout)
   // padded / dropping: per-expert pointers into the [E_r, C_c, *] tensors above
   DeviceBuffer<bf16*> x_rows, pre_rows, hidden_rows, out_rows, d_hidden_rows, d_pre_rows, d_x_rows;
 };
@@ -780,38 +785,75 @@ void ExpertParallelGpu::reserve_buffers() {
   const bool ffn = options_.experts == ExpertCompute::ffn;
   const bool dropless = config_.formulation == Formulation::dropless;
   if (plan.copies() > 1) ensure(partials_, plan.rows_returned() * D);
+  // The chunks that received rows take slots 0, 1, ... in chunk order (chunks past d: none).
+  for (auto& chunk : chunks_) chunk->slot = -1;
+  int slots = 0;
+  int64_t most_received = 0, most_rows = 0;
   for (int c = 0; c < plan.chunks(); ++c) {
     Chunk& chunk = *chunks_[c];
-    const int64_t received = plan.rows_received(c), rows = plan.total_rows(c);
+    const int64_t received = plan.rows_received(c);
     ensure(chunk.received, received * D);
     if (!ffn) continue;
     ensure(chunk.sent_back, received * D);
     if (received == 0) continue;  // the experts skip this chunk
-    int64_t rows_allocated = rows;
-    if (dropless) {
-      if (!chunk.topology || chunk.topology_rows < received || chunk.topology_experts != E_c ||
-          chunk.topology_hidden != H) {
-        MoeConfig sizes = local_experts_config_;
-        sizes.tokens = received + received / 4;  // headroom, as ensure()
-        chunk.topology = std::make_unique<cuda::TopologyBuffers>(sizes);
-        chunk.topology_rows = sizes.tokens;
-        chunk.topology_experts = E_c;
-        chunk.topology_hidden = H;
-      }
-      // The products' grids and TMA descriptors span the topology's bound on rows: the operands
-      // span it too, as MoeLayerGpu's do, so no tile of a block row past the real ones reads
-      // outside an allocation.
-      const cuda::DeviceTopology bound = chunk.topology->topology();
-      rows_allocated = std::max<int64_t>(rows, int64_t{bound.max_block_rows} * bound.block_size);
+    chunk.slot = slots++;
+    most_received = std::max(most_received, received);
+    most_rows = std::max(most_rows, plan.total_rows(c));
+  }
+  slots_.count = slots;
+  if (slots == 0) return;
+  int64_t slot_rows = most_rows;
+  if (dropless) {
+    // Every chunk's topology has the same bound on block rows R (sized for the most rows a chunk
+    // received, with headroom), so that slot k starts at block row k R, as the weight gradients'
+    // walk over all slots (MicroBatchTopology) reads them. The products' grids and TMA descriptors
+    // span that bound: the operands span it too, as MoeLayerGpu's do, so no tile of a block row
+    // past the real ones reads outside an allocation.
+    if (slots_.topology_tokens < most_received || slots_.topology_experts != E_c || slots_.topology_hidden != H) {
+      slots_.topology_tokens = most_received + most_received / 4;  // headroom, as ensure()
+      slots_.topology_experts = E_c;
+      slots_.topology_hidden = H;
     }
-    const bool headroom = !dropless;  // the topology's bound has its own
+    MoeConfig sizes = local_experts_config_;
+    sizes.tokens = slots_.topology_tokens;
+    for (auto& chunk : chunks_) {
+      if (chunk->slot < 0) continue;
+      if (!chunk->topology || chunk->topology_rows != sizes.tokens || chunk->topology_experts != E_c ||
+          chunk->topology_hidden != H) {
+        chunk->topology = std::make_unique<cuda::TopologyBuffers>(sizes);
+        chunk->topology_rows = sizes.tokens;
+        chunk->topology_experts = E_c;
+        chunk->topology_hidden = H;
+      }
+      const cuda::DeviceTopology bound = chunk->topology->topology();
+      slot_rows = int64_t{bound.max_block_rows} * bound.block_size;
+    }
+    if (slots > 1 && (!slots_.walk || slots_.walk->micro_batches() != slots || slots_.walk_tokens != sizes.tokens ||
+                      slots_.walk_experts != E_c || slots_.walk_hidden != H)) {
+      slots_.walk = std::make_unique<cuda::MicroBatchTopology>(sizes, slots);
+      slots_.walk_tokens = sizes.tokens;
+      slots_.walk_experts = E_c;
+      slots_.walk_hidden = H;
+    }
+  }
+  slots_.rows = slot_rows;
+  const bool headroom = !dropless;  // the topology's bound has its own
+  const int64_t all_rows = slots * slot_rows;
+  ensure(slots_.permuted_x, all_rows * D, headroom);
+  ensure(slots_.expert_out, all_rows * D, headroom);
+  ensure(slots_.hidden, all_rows * H, headroom);
+  ensure(slots_.d_pre_activation, all_rows * H, headroom);
+  for (int c = 0; c < plan.chunks(); ++c) {
+    Chunk& chunk = *chunks_[c];
+    if (chunk.slot < 0) continue;
+    const int64_t first_row = chunk.slot * slot_rows, rows = plan.total_rows(c);
+    chunk.permuted_x = slots_.permuted_x.data() + first_row * D;
+    chunk.expert_out = slots_.expert_out.data() + first_row * D;
+    chunk.hidden = slots_.hidden.data() + first_row * H;
+    chunk.d_pre_activation = slots_.d_pre_activation.data() + first_row * H;
     ensure(chunk.row_slot, rows);
-    ensure(chunk.permuted_x, rows_allocated * D, headroom);
-    ensure(chunk.expert_out, rows_allocated * D, headroom);
-    ensure(chunk.d_permuted_x, rows_allocated * D, headroom);
-    ensure(chunk.pre_activation, rows_allocated * H, headroom);
-    ensure(chunk.hidden, rows_allocated * H, headroom);
-    ensure(chunk.d_pre_activation, rows_allocated * H, headroom);
+    ensure(chunk.d_permuted_x, slot_rows * D, headroom);
+    ensure(chunk.pre_activation, slot_rows * H, headroom);
     if (!dropless) {
       ensure(chunk.d_hidden, rows * H);
       for (DeviceBuffer<bf16*>* table : {&chunk.x_rows, &chunk.pre_rows, &chunk.hidden_rows, &chunk.out_rows,
@@ -1031,16 +1073,16 @@ void ExpertParallelGpu::prepare_experts(int c, const ExpertParallelGpuWeights&, 
   }
   // [E_c, C_c, *] tensors: expert j's rows start at j C_c.
   const size_t C = static_cast<size_t>(plan.padded_rows(c)), D = config_.model_dim, H = local_experts_config_.hidden_dim;
-  auto table = [&](DeviceBuffer<bf16*>& pointers, DeviceBuffer<bf16>& base, size_t width) {
-    cuda::fill_strided_pointers(base.data(), C * width, E_c, pointers.data(), stream);
+  auto table = [&](DeviceBuffer<bf16*>& pointers, bf16* base, size_t width) {
+    cuda::fill_strided_pointers(base, C * width, E_c, pointers.data(), stream);
   };
   table(chunk.x_rows, chunk.permuted_x, D);
-  table(chunk.pre_rows, chunk.pre_activation, H);
+  table(chunk.pre_rows, chunk.pre_activation.data(), H);
   table(chunk.hidden_rows, chunk.hidden, H);
   table(chunk.out_rows, chunk.expert_out, D);
-  table(chunk.d_hidden_rows, chunk.d_hidden, H);
+  table(chunk.d_hidden_rows, chunk.d_hidden.data(), H);
   table(chunk.d_pre_rows, chunk.d_pre_activation, H);
-  table(chunk.d_x_rows, chunk.d_permuted_x, D);
+  table(chunk.d_x_rows, chunk.d_permuted_x.data(), D);
 }
 
 ExpertParallelGpu::ChunkWork ExpertParallelGpu::chunk_work(int c) {
@@ -1053,23 +1095,23 @@ ExpertParallelGpu::ChunkWork ExpertParallelGpu::chunk_work(int c) {
 void ExpertParallelGpu::experts_forward(int c, const ExpertParallelGpuWeights& weights, cudaStream_t stream) {
   const auto [chunk, D, H, E_c, rows] = chunk_work(c);
   if (chunk == nullptr) return;
-  cuda::permute_tokens(expert_view(c), chunk->received.data(), chunk->permuted_x.data(), D, stream);
+  cuda::permute_tokens(expert_view(c), chunk->received.data(), chunk->permuted_x, D, stream);
   if (config_.formulation == Formulation::dropless) {
-    const cuda::BlockSparseFfnOutputs outputs{chunk->pre_activation.data(), nullptr, chunk->hidden.data(),
-                                              chunk->expert_out.data()};
+    const cuda::BlockSparseFfnOutputs outputs{chunk->pre_activation.data(), nullptr, chunk->hidden,
+                                              chunk->expert_out};
     cuda::block_sparse_ffn_forward(local_experts_config_, chunk->topology->topology(),
-                                   cuda::ExpertRows(chunk->permuted_x.data()), weights.w1, weights.w2, outputs, stream);
+                                   cuda::ExpertRows(chunk->permuted_x), weights.w1, weights.w2, outputs, stream);
   } else {
     // E_c products [C_c, D] x [D, H_c], GeLU, E_c products [C_c, H_c] x [H_c, D] (MoeLayerGpu's padded path).
     const int C = static_cast<int>(plan_->padded_rows(c));
     cublas_->set_stream(stream);
     cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, H, D, chunk->x_rows.data(), D, weights.w1,
                        H, chunk->pre_rows.data(), H, E_c);
-    cuda::gelu_forward(chunk->pre_activation.data(), chunk->hidden.data(), static_cast<size_t>(rows) * H, stream);
+    cuda::gelu_forward(chunk->pre_activation.data(), chunk->hidden, static_cast<size_t>(rows) * H, stream);
     cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::none, C, D, H, chunk->hidden_rows.data(), H,
                        weights.w2, D, chunk->out_rows.data(), D, E_c);
   }
-  scatter_rows(chunk->row_slot.data(), chunk->expert_out.data(), chunk->sent_back.data(), rows, D, stream);
+  scatter_rows(chunk->row_slot.data(), chunk->expert_out, chunk->sent_back.data(), rows, D, stream);
 }
 
 void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& weights,
@@ -1079,24 +1121,16 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
   if (chunk == nullptr) return;
   // d(expert outputs) in expert order, padding rows zero, into expert_out (the forward's values of
   // it are no longer needed: the combine's backward used the copies that went home).
-  cuda::permute_tokens(expert_view(c), chunk->received.data(), chunk->expert_out.data(), D, stream);
+  cuda::permute_tokens(expert_view(c), chunk->received.data(), chunk->expert_out, D, stream);
   if (config_.formulation == Formulation::dropless) {
-    // The block-sparse weight gradients are written, not accumulated: the first chunk writes the
-    // caller's, later ones a scratch copy that is then added.
-    float* const* d_w1 = first_with_rows ? gradients.d_w1 : scratch_w1_.data();
-    float* const* d_w2 = first_with_rows ? gradients.d_w2 : scratch_w2_.data();
-    const cuda::BlockSparseFfnOutputs forward{chunk->pre_activation.data(), nullptr, chunk->hidden.data(), nullptr};
+    // The data gradients alone (d_pre, and the input rows' gradients that go home); the weight
+    // gradients come once over every chunk's rows (expert_weight_gradients).
+    const cuda::BlockSparseFfnOutputs forward{chunk->pre_activation.data(), nullptr, chunk->hidden, nullptr};
     cuda::BlockSparseFfnGradients out;
-    out.d_pre_activation = chunk->d_pre_activation.data();
+    out.d_pre_activation = chunk->d_pre_activation;
     out.d_permuted_x = chunk->d_permuted_x.data();
-    out.d_w1 = d_w1;
-    out.d_w2 = d_w2;
-    cuda::block_sparse_ffn_backward(local_experts_config_, chunk->topology->topology(), chunk->permuted_x.data(),
-                                    weights.w1, weights.w2, forward, chunk->expert_out.data(), out, stream);
-    if (!first_with_rows) {
-      add_through_tables(gradients.d_w1, scratch_w1_.data(), E_c, static_cast<size_t>(D) * H, stream);
-      add_through_tables(gradients.d_w2, scratch_w2_.data(), E_c, static_cast<size_t>(H) * D, stream);
-    }
+    cuda::block_sparse_ffn_backward(local_experts_config_, chunk->topology->topology(), chunk->permuted_x,
+                                    weights.w1, weights.w2, forward, chunk->expert_out, out, stream);
   } else {
     // Per expert over its C_c rows (padding rows carry zero gradient); cuBLAS accumulates the weight
     // gradients of later chunks itself (beta = 1).
@@ -1106,7 +1140,7 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
     cublas_->set_stream(stream);
     cuda::gemm_batched(cublas_->get(), cuda::Op::none, cuda::Op::transpose, C, H, D, chunk->out_rows.data(), D,
                        weights.w2, D, chunk->d_hidden_rows.data(), H, E_c);
-    cuda::gelu_backward(chunk->pre_activation.data(), chunk->d_hidden.data(), chunk->d_pre_activation.data(),
+    cuda::gelu_backward(chunk->pre_activation.data(), chunk->d_hidden.data(), chunk->d_pre_activation,
                         static_cast<size_t>(rows) * H, stream);
     cuda::gemm_batched(cublas_->get(), cuda::Op::transpose, cuda::Op::none, H, D, C, chunk->hidden_rows.data(), H,
                        chunk->out_rows.data(), D, gradients.d_w2, D, E_c, beta);
@@ -1116,6 +1150,34 @@ void ExpertParallelGpu::experts_backward(int c, const ExpertParallelGpuWeights& 
                        weights.w1, H, chunk->d_x_rows.data(), D, E_c);
   }
   scatter_rows(chunk->row_slot.data(), chunk->d_permuted_x.data(), chunk->sent_back.data(), rows, D, stream);
+}
+
+// Dropless: dW2_e = sum over the chunks of hidden_eᵀ d_out_e and dW1_e = sum of x_eᵀ d_pre_e, one
+// DSᵀD and one DDS over every slot's rows (one slot: its own topology; several: the walk through
+// all of them, MicroBatchTopology), so each tile reduces over all of an expert's rows and writes its
+// gradient once, whatever d. Enqueued after the last chunk's data gradients, it runs while their
+// rows travel home. Timed as the experts' work ("ep_experts").
+void ExpertParallelGpu::expert_weight_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
+  if (options_.experts != ExpertCompute::ffn || config_.formulation != Formulation::dropless || slots_.count == 0) {
+    return;
+  }
+  Phase phase(timer_, "ep_experts", stream);
+  const int D = static_cast<int>(config_.model_dim), H = static_cast<int>(local_experts_config_.hidden_dim);
+  cuda::DeviceTopology walk;
+  if (slots_.count == 1) {
+    for (const auto& chunk : chunks_) {
+      if (chunk->slot == 0) walk = chunk->topology->topology();
+    }
+  } else {
+    for (int c = 0; c < plan_->chunks(); ++c) {
+      const Chunk& chunk = *chunks_[c];
+      if (chunk.slot >= 0) slots_.walk->record(chunk.slot, expert_view(c), *chunk.topology, stream);
+    }
+    slots_.walk->build(stream);
+    walk = slots_.walk->topology();
+  }
+  cuda::dsd_transposed(walk, slots_.hidden.data(), slots_.expert_out.data(), D, gradients.d_w2, D, stream);
+  cuda::dds(walk, slots_.permuted_x.data(), D, slots_.d_pre_activation.data(), gradients.d_w1, H, 0, stream);
 }
 
 // ---- backward ----
@@ -1145,7 +1207,7 @@ void ExpertParallelGpu::backward_out(const bf16* x, const ExpertParallelGpuWeigh
   }
   expect_stage(0, "backward_experts");
   const ExchangePlan& plan = *plan_;
-  const int64_t T_r = plan.local_tokens(), D = config_.model_dim, H = config_.hidden_dim, E_r = plan.computed_experts();
+  const int64_t T_r = plan.local_tokens(), D = config_.model_dim;
   // The gradients the experts write: the caller's (r = 1), or those of the E_c experts this rank
   // computes (r != 1), summed onto the storing ranks after the exchange.
   ExpertParallelGpuGradients computed_gradients = gradients;
@@ -1176,23 +1238,15 @@ void ExpertParallelGpu::backward_out(const bf16* x, const ExpertParallelGpuWeigh
 
   // ---- the experts, chunk after chunk; their weight gradients stay here ----
   int first_with_rows = -1;
-  int chunks_with_rows = 0;
-  for (int c = 0; c < plan.chunks(); ++c) {
-    if (plan.rows_received(c) == 0) continue;
-    if (first_with_rows < 0) first_with_rows = c;
-    ++chunks_with_rows;
-  }
-  if (ffn && config_.formulation == Formulation::dropless && chunks_with_rows > 1 && scratch_w1_.size() == 0) {
-    const size_t per_w1 = static_cast<size_t>(D) * H, per_w2 = static_cast<size_t>(H) * D;
-    gradient_scratch_ = DeviceBuffer<float>(static_cast<size_t>(E_r) * (per_w1 + per_w2));
-    scratch_w1_ = cuda::expert_pointer_table(gradient_scratch_.data(), static_cast<int>(E_r), per_w1);
-    scratch_w2_ = cuda::expert_pointer_table(gradient_scratch_.data() + E_r * per_w1, static_cast<int>(E_r), per_w2);
+  for (int c = 0; c < plan.chunks() && first_with_rows < 0; ++c) {
+    if (plan.rows_received(c) > 0) first_with_rows = c;
   }
   // (r = 1: the caller's weights; r != 1: those the forward gathered, still in the layout's buffers.)
   const ExpertParallelGpuWeights& computing = layout_ == 1 ? weights : computed_weights_;
   const bool partial = plan.copies() > 1;  // r > 1: the r partial dx rows of each slot come back apart
   pipeline_out(d_send_.data(), partial ? partials_.data() : returned_dx_.data(), stream, bring_back,
                [&](int c) { experts_backward(c, computing, computed_gradients, c == first_with_rows, stream); });
+  expert_weight_gradients(computed_gradients, stream);
   staged_ = Staged{};
   staged_.stage = 3;
   staged_.x = x;

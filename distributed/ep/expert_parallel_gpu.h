@@ -63,8 +63,11 @@
 // B = 64, or a GPU without sm_90a; the tests check it at B = 64). On Hopper at B = 128 the DSD's
 // stream-K tail splits the k-loop of whichever tiles fall in its last round, which depends on the
 // row count, and cuBLAS may pick another kernel for another row count: equal within bf16 rounding
-// there. The expert weight gradients are sums over the chunks' rows, so equal to d = 1 within fp32
-// rounding (another order of the same sum), not bit for bit.
+// there. The expert weight gradients are one product over every chunk's rows, after the last
+// chunk's input-row gradients are on their way home (so the product runs while they travel; at any
+// d, d = 1 included): the dropless DSᵀD and DDS walk each expert's rows through all chunks
+// (MicroBatchTopology, moe/topology.h), so they equal d = 1 within fp32 rounding (the same sum with
+// each chunk's rows padded to B on its own), not bit for bit.
 //
 // Tutel's adaptive pipelining, options.pipeline_chunks = kAdaptivePipelineChunks: the layer picks d
 // itself, by measurement, for each shape it sees (the ranks' T_r; the config is fixed). The first
@@ -420,8 +423,19 @@ class ExpertParallelGpu {
 
   // ---- the local experts, one set of buffers per chunk (the backward needs each chunk's) ----
   std::vector<std::unique_ptr<Chunk>> chunks_;
-  cuda::DeviceBuffer<float> gradient_scratch_;  // d > 1, dropless: [E_r, D, H] + [E_r, H, D]
-  cuda::DeviceBuffer<float*> scratch_w1_, scratch_w2_;  // [E_r] pointer tables into it
+  // The weight gradients' operands of the chunks that received rows, chunk k's in slot k of one
+  // buffer each, slots of `rows` rows (dropless: R B, R the chunks' common bound on block rows), so
+  // that one DSᵀD and one DDS walk all of them (expert_weight_gradients).
+  struct Slots {
+    int count = 0;     // the chunks with rows in the last forward
+    int64_t rows = 0;  // rows a slot
+    cuda::DeviceBuffer<bf16> permuted_x, expert_out, hidden, d_pre_activation;  // [count rows, D or H_c]
+    int64_t topology_tokens = 0, topology_experts = 0, topology_hidden = 0;     // the chunks' topologies' sizes
+    std::unique_ptr<cuda::MicroBatchTopology> walk;                              // dropless, count > 1
+    int64_t walk_tokens = 0, walk_experts = 0, walk_hidden = 0;                 // what the walk was made for
+  };
+  Slots slots_;
+  void expert_weight_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
 
   // ---- adaptive pipelining ----
   std::map<std::vector<int64_t>, PipelineChoice> choices_;  // by the ranks' T_r

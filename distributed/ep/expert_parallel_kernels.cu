@@ -74,14 +74,6 @@ __global__ void scatter_rows_kernel(const int* row_slot, const bf16* rows, bf16*
   }
 }
 
-__global__ void add_through_tables_kernel(float* const* to, float* const* from, int tables, size_t count) {
-  const size_t total = static_cast<size_t>(tables) * count;
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
-    const size_t table = i / count, element = i % count;
-    to[table][element] += from[table][element];
-  }
-}
-
 __global__ void zero_through_tables_kernel(float* const* to, int tables, size_t count) {
   const size_t total = static_cast<size_t>(tables) * count;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
@@ -175,13 +167,6 @@ void scatter_rows(const int* row_slot, const bf16* rows, bf16* out, int count, i
   } else {
     scatter_rows_kernel<false><<<grid, kThreads, 0, stream>>>(row_slot, rows, out, count, model_dim);
   }
-  CUDA_CHECK(cudaGetLastError());
-}
-
-void add_through_tables(float* const* to, float* const* from, int tables, size_t count, cudaStream_t stream) {
-  if (tables == 0 || count == 0) return;
-  add_through_tables_kernel<<<blocks_for(static_cast<int64_t>(tables * count)), kThreads, 0, stream>>>(
-      to, from, tables, count);
   CUDA_CHECK(cudaGetLastError());
 }
 

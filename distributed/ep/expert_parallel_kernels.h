@@ -65,11 +65,6 @@ void scatter_rows(const int* row_slot,  // [count]
                   bf16* out,            // [received, D]
                   int count, int model_dim, cudaStream_t stream);
 
-// to[e][i] += from[e][i] for e < tables, i < count: a chunk's weight gradients added to the
-// earlier chunks' (the block-sparse products write theirs, they do not accumulate).
-void add_through_tables(float* const* to,    // device [tables] -> [count]
-                        float* const* from,  // device [tables] -> [count]
-                        int tables, size_t count, cudaStream_t stream);
 // packed[row[i]][k] = table[slot[i]][k] for i < n, k < count: some of a pointer table's tensors into
 // rows of one buffer (a placement's replicated experts' gradients, for their all-reduce).
 void pack_through_table(float* const* table,  // device [slots] -> [count]
