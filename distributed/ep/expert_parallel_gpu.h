@@ -82,8 +82,10 @@
 // of the host on the GPU beyond one small gather of the times when a shape's trials end. Results
 // mean the same at every d (above), so the trials are ordinary steps. last_step().pipeline tells the
 // candidates, their times and the choice; last_step().pipeline_chunks the d of the last forward.
-// Chunk c's buffers keep the largest size any candidate gave it: chunk 0 d = 1's, chunk 1 half of
-// it, chunks 2-3 a quarter, 4-7 an eighth: about 2.5 times d = 1's received rows.
+// Chunk c's own buffers keep the largest size any candidate gave it: chunk 0 d = 1's, chunk 1 half
+// of it, chunks 2-3 a quarter, 4-7 an eighth: about 2.5 times d = 1's received rows. The weight
+// gradients' four operands (the experts' input rows, their outputs, hidden, d_pre) sit in the slots
+// of one buffer each, d slots of the largest chunk: about d = 1's rows at every d.
 //
 // Tutel's 2DH exchange, options.hierarchical_ranks_per_node = G > 1 (G divides R): every token
 // exchange (rows out, results back, in both passes) goes through DeviceHierarchicalAllToAll

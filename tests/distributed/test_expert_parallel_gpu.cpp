@@ -6,8 +6,9 @@
 // (capacity counted over all tokens), uneven shards, a rank without tokens, experts that receive
 // nothing. Tutel's pipelining: d = 2, 4, 8 give y, dx and the router gradient bit for bit equal to
 // d = 1 (B = 64: the portable kernels compute a row the same way whatever rows surround it), the
-// expert weight gradients within fp32 rounding. Adaptive pipelining: the trials run every candidate
-// d in turn, each step's y bit for bit d = 1's, then every rank keeps the same d, one of the
+// expert weight gradients (one product over all chunks' rows) within fp32 rounding. Adaptive
+// pipelining: the trials run every candidate d in turn, each step's y and dx bit for bit d = 1's and
+// its weight gradients within fp32 rounding, then every rank keeps the same d, one of the
 // candidates, with a measured time for each. Tutel's 2DH exchange (nodes of G ranks; R = 2: G = 2,
 // R = 4: G = 2 and 4) gives every output bit for bit equal to the flat exchange's, in every
 // formulation and pipelined. The exchange alone (identity experts) returns every row unchanged. Bad
@@ -358,12 +359,25 @@ TEST_F(ExpertParallelGpuTest, AdaptivePipeliningTriesEveryCandidateThenKeepsOneO
     SCOPED_TRACE("step " + std::to_string(step));
     y.fill_bytes(0xFF);  // NaN poison
     dx.fill_bytes(0xFF);
+    d_w1.fill_bytes(0xFF);
+    d_w2.fill_bytes(0xFF);
     layer.forward(x.data(), T_r, weights, y.data(), nullptr);
     layer.backward(x.data(), weights, dy.data(), {dx.data(), d_gate.data(), d_w1_table.data(), d_w2_table.data()},
                    nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
     const ExpertParallelGpuStep& last = layer.last_step();
     EXPECT_TRUE(last.pipeline.adaptive);
+    // The weight gradients: one product over every chunk's rows, whichever d this step took (the
+    // chunks' slots and their walk change with d).
+    const auto d_w1_host = d_w1.download(), d_w2_host = d_w2.download();
+    for (int64_t j = 0; j < E_r; ++j) {
+      EXPECT_LE(relative_error(cuda::matrix_of(d_w1_host, D, H, size_t(j * D * H)), one.d_w1[size_t(j)]),
+                kChunkSumTolerance)
+          << "d w1 of local expert " << j << " at d = " << last.pipeline_chunks;
+      EXPECT_LE(relative_error(cuda::matrix_of(d_w2_host, H, D, size_t(j * H * D)), one.d_w2[size_t(j)]),
+                kChunkSumTolerance)
+          << "d w2 of local expert " << j << " at d = " << last.pipeline_chunks;
+    }
     if (step < trial_steps) {  // the trials: each candidate in turn, kTrialStepsPerCandidate steps each
       EXPECT_EQ(last.pipeline_chunks, kAdaptiveCandidates[size_t(step / kTrialStepsPerCandidate)]);
       EXPECT_EQ(last.pipeline.chosen, 0);
