@@ -222,4 +222,9 @@ std::string validate_event(const json& event) {
   return "";
 }
 
+bool is_exposed_communication(std::string_view span_name) {
+  return span_name == "ep_count_exchange" || span_name == "ep_wait_dispatch" || span_name == "ep_wait_combine" ||
+         span_name == "ep_router_all_reduce" || span_name == "gradient_all_reduce";
+}
+
 }  // namespace moe

@@ -90,6 +90,23 @@ struct SpanEvent {
   double duration_us = 0;
 };
 
+// The span names that are communication their stream could not hide: the expert-parallel layer's
+// count exchange (an all-gather the host waits for), the waits of a compute stream on the layer's
+// exchange stream ("ep_wait_dispatch" before a chunk's experts, "ep_wait_combine" before the weighted
+// combine: zero where the rows were already there), its router gradient's all-reduce, and the
+// model's all-reduce of the replicated gradients. Their sum over a step on the compute stream (stream
+// 0; with two micro-batches overlapped, the first one's) is the step's exposed communication, as
+// ep_bench, the trainer and the viewer report it.
+bool is_exposed_communication(std::string_view span_name);
+
+// The rows a training run's spans are recorded on (cuda/train/trainer.cpp), by stream_name: the
+// compute stream's phases and the MoE layer's phases inside them, the same for the second
+// micro-batch's stream when two overlap, and the expert-parallel layers' exchange streams.
+inline constexpr const char* kComputeRow = "compute";
+inline constexpr const char* kComputeInsideMoeRow = "compute: inside the MoE layer";
+inline constexpr const char* kSecondMicroBatchSuffix = ", second micro-batch";
+inline constexpr const char* kExchangeRow = "exchange stream (the all-to-alls)";
+
 // "alltoall": bytes moved by one all-to-all, bytes[src][dst] over R ranks.
 struct AllToAllEvent {
   int64_t step = 0;

@@ -7,9 +7,14 @@
 
 namespace moe::cuda {
 
-bool is_exposed_communication(std::string_view phase) {
-  return phase == "ep_count_exchange" || phase == "ep_wait_dispatch" || phase == "ep_wait_combine" ||
-         phase == "ep_router_all_reduce" || phase == "gradient_all_reduce";
+void PhaseTimer::name_stream(cudaStream_t stream, std::string name) {
+  for (auto& [named, label] : stream_names_) {
+    if (named == stream) {
+      label = std::move(name);
+      return;
+    }
+  }
+  stream_names_.emplace_back(stream, std::move(name));
 }
 
 PhaseTimer::~PhaseTimer() {
@@ -49,7 +54,11 @@ std::vector<TimedPhase> PhaseTimer::collect() {
     float start_ms = 0, duration_ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&start_ms, pending_.front().start, phase.start));
     CUDA_CHECK(cudaEventElapsedTime(&duration_ms, phase.start, phase.stop));
-    phases.push_back({phase.name, 1000.0 * start_ms, 1000.0 * duration_ms, phase.depth, phase.stream});
+    std::string stream_name;
+    for (const auto& [named, label] : stream_names_) {
+      if (named == streams_[size_t(phase.stream)]) stream_name = label;
+    }
+    phases.push_back({phase.name, 1000.0 * start_ms, 1000.0 * duration_ms, phase.depth, phase.stream, stream_name});
   }
   for (auto& phase : pending_) {
     cudaEventDestroy(phase.start);

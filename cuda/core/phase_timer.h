@@ -19,7 +19,10 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
+
+#include "run_events.h"  // is_exposed_communication
 
 namespace moe::cuda {
 
@@ -29,15 +32,12 @@ struct TimedPhase {
   double duration_us = 0;
   int depth = 0;           // 0: outermost; 1: inside one open phase; ...
   int stream = 0;          // which stream it ran on: 0 for the first phase's, 1, 2, ... for others in order seen
+  std::string stream_name; // what name_stream() called that stream; empty if nothing did
 };
 
-// The phases that are communication their stream could not hide, by name: the expert-parallel
-// layer's count exchange (an all-gather the host waits for), the waits of the caller's stream on the
-// layer's exchange stream ("ep_wait_dispatch" before a chunk's experts, "ep_wait_combine" before the
-// weighted combine: zero where the rows were already there), its router gradient's all-reduce, and
-// the model's all-reduce of the replicated gradients. Their sum over a step on the compute stream
-// is its exposed communication, as ep_bench and the trainer report it.
-bool is_exposed_communication(std::string_view phase);
+// Which phases are communication their stream could not hide: moe::is_exposed_communication
+// (common/run_events.h), one rule for ep_bench, the trainer and the viewer.
+using moe::is_exposed_communication;
 
 class PhaseTimer {
  public:
@@ -50,6 +50,9 @@ class PhaseTimer {
   void end(cudaStream_t stream);  // ends the innermost open phase: records its end event, closes the range
   // Waits for the recorded events and returns every phase since the last collect(), in order.
   std::vector<TimedPhase> collect();
+  // Names a stream for the phases that run on it (TimedPhase::stream_name), until named again: a
+  // model's micro-batch streams, a layer's exchange stream.
+  void name_stream(cudaStream_t stream, std::string name);
 
  private:
   struct Pending {
@@ -59,6 +62,7 @@ class PhaseTimer {
     int stream = 0;
   };
   std::vector<cudaStream_t> streams_;  // in the order first seen since the last collect()
+  std::vector<std::pair<cudaStream_t, std::string>> stream_names_;  // name_stream()'s
   std::vector<Pending> pending_;  // in the order they began
   std::vector<size_t> open_;      // indices into pending_ of the phases begun and not yet ended
 };

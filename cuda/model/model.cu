@@ -233,7 +233,7 @@ class SingleGpuMoeFfn final : public MoeBlockFfn {
   const float* aux_loss() const override { return layer_.aux_loss().data(); }
   const float* z_loss() const override { return layer_.z_loss().data(); }
   const DeviceBuffer<int>& top_experts() const override { return layer_.top_experts(); }
-  void set_phase_timer(PhaseTimer* timer) override { layer_.set_phase_timer(timer); }
+  void set_phase_timer(PhaseTimer* timer, int) override { layer_.set_phase_timer(timer); }
   const MoeLayerGpu* single_gpu_layer() const override { return &layer_; }
 
  private:
@@ -538,9 +538,17 @@ void ModelGpu::lanes_wait_for(Lane& lane) {
 
 void ModelGpu::set_phase_timer(PhaseTimer* timer) {
   timer_ = timer;
+  // The lanes' streams by name (the timeline's rows): "compute", and with two micro-batches
+  // overlapped "compute, second micro-batch" for the second.
+  for (const auto& lane : lanes_) {
+    if (timer != nullptr) {
+      timer->name_stream(lane->stream, lane->index == 0 ? std::string(kComputeRow)
+                                                        : std::string(kComputeRow) + kSecondMicroBatchSuffix);
+    }
+  }
   for (Block& b : blocks_) {
-    for (const std::unique_ptr<MoeBlockFfn>& moe : b.moe) {
-      if (moe) moe->set_phase_timer(timer);
+    for (size_t lane = 0; lane < b.moe.size(); ++lane) {
+      if (b.moe[lane]) b.moe[lane]->set_phase_timer(timer, static_cast<int>(lane));
     }
   }
 }

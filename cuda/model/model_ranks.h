@@ -89,7 +89,9 @@ class MoeBlockFfn {
   };
   virtual PipelineDegree pipeline_degree() const { return {}; }
   // Names the layer's own phases on the timeline (inside the model's "moe" phase); null stops.
-  virtual void set_phase_timer(PhaseTimer* timer) = 0;
+  // lane: the micro-batch whose stream calls this layer (0, or 1 of two overlapped), which names the
+  // layer's own streams on the timeline (the expert-parallel layer's exchange stream).
+  virtual void set_phase_timer(PhaseTimer* timer, int lane) = 0;
   // The single-GPU layer, where it is one (tests and recording read its internals); else null.
   virtual const MoeLayerGpu* single_gpu_layer() const { return nullptr; }
 

@@ -458,6 +458,23 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
   return summary;
 }
 
+// The timeline row of a recorded phase, by the name of its stream (model.cu and the expert-parallel
+// layer name them): a compute stream's phases by depth (the model's, then the MoE layer's inside
+// them), rows 0-1 for the first micro-batch and 2-3 for the second when two overlap; the exchange
+// streams (every MoE block's layer has one of its own, and they never overlap: one row per
+// micro-batch) rows 9 and 10. A stream without a name goes on the exchange row.
+std::pair<int64_t, std::string> timeline_row(const cuda::TimedPhase& p) {
+  const std::string second = kSecondMicroBatchSuffix;
+  const bool second_lane = p.stream_name.size() >= second.size() &&
+                           p.stream_name.compare(p.stream_name.size() - second.size(), second.size(), second) == 0;
+  if (p.stream_name.rfind(kComputeRow, 0) == 0) {
+    const int64_t lane_row = second_lane ? 2 : 0;
+    if (p.depth == 0) return {lane_row, p.stream_name};
+    return {lane_row + 1, second_lane ? std::string(kComputeInsideMoeRow) + second : std::string(kComputeInsideMoeRow)};
+  }
+  return {second_lane ? 10 : 9, second_lane ? std::string(kExchangeRow) + second : std::string(kExchangeRow)};
+}
+
 // The phases of one step as span events on the run's clock (GPU times from the step's first
 // phase, placed at the host time the step began). The MoE layers' own phases nest inside the
 // model's "moe" phases: they go on a second timeline row so the rows never overlap. On several
@@ -486,13 +503,8 @@ std::vector<cuda::TimedPhase> record_spans(cuda::PhaseTimer& timer, int64_t step
   for (int q = 0; q < ranks_recorded; ++q) {
     for (size_t i = 0; i < phases.size(); ++i) {
       const float* t = &times[(size_t(q) * phases.size() + i) * 2];
-      // Rows: the compute stream's phases by depth; a phase on another stream (the expert-parallel
-      // layer's exchanges) on a row of its own.
       const cuda::TimedPhase& p = phases[i];
-      // (Every MoE block's layer has an exchange stream of its own; they never overlap: one row.)
-      const int64_t row = p.stream == 0 ? p.depth : 9;
-      const std::string row_name = p.stream != 0 ? "exchange stream (the all-to-alls)"
-                                   : p.depth == 0 ? "compute" : "compute: inside the MoE layer";
+      const auto [row, row_name] = timeline_row(p);
       writer->append(to_event(SpanEvent{.step = step, .rank = q, .stream = row, .stream_name = row_name,
                                         .name = p.name, .start_us = origin_us + t[0], .duration_us = t[1]}));
     }

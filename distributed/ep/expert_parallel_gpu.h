@@ -148,6 +148,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"            // Communicator
@@ -313,8 +314,12 @@ class ExpertParallelGpu {
   const ExchangePlan& plan() const;  // of the last forward
   const ExpertParallelGpuStep& last_step() const { return step_; }
   // Names the layer's phases (route, count exchange, dispatch, experts, combine, and the backward's)
-  // on the timeline, as MoeLayerGpu does; null stops. Phases on the exchange stream are timed there.
-  void set_phase_timer(cuda::PhaseTimer* timer) { timer_ = timer; }
+  // on the timeline, as MoeLayerGpu does; null stops. Phases on the exchange stream are timed there,
+  // the stream named `exchange_stream_name` (the timeline's row).
+  void set_phase_timer(cuda::PhaseTimer* timer, const std::string& exchange_stream_name = kExchangeRow) {
+    timer_ = timer;
+    if (timer != nullptr) timer->name_stream(exchange_stream_, exchange_stream_name);
+  }
   // The adaptive choices made so far, by shape (the ranks' T_r); empty when d is fixed.
   const std::map<std::vector<int64_t>, PipelineChoice>& pipeline_choices() const { return choices_; }
 

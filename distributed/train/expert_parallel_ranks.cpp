@@ -75,7 +75,9 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
     for (int64_t e = 0; e < E; ++e) rows[static_cast<size_t>(e / E_r)] += step.kept_per_rank_expert[me * E + e];
     return rows;
   }
-  void set_phase_timer(cuda::PhaseTimer* timer) override { layer_.set_phase_timer(timer); }
+  void set_phase_timer(cuda::PhaseTimer* timer, int lane) override {
+    layer_.set_phase_timer(timer, lane == 0 ? std::string(kExchangeRow) : std::string(kExchangeRow) + kSecondMicroBatchSuffix);
+  }
 
  private:
   static void check_no_router_input(const bf16* router_input, const float* d_router_input = nullptr) {

@@ -1,7 +1,9 @@
 // test_parallel_runs.cpp: the multi-GPU views prepared from the language model trained on two
 // H200s over NCCL (notebooks_data/runs/train_expert_parallel_2gpu, 2026-11-26) and its one-GPU
 // reference, no window: per-rank timelines on one clock, the byte matrix of one layer at one step
-// against the routing counts, the load across ranks, and the idle time in the exchanges.
+// against the routing counts, the load across ranks, and the idle time in the exchanges; the
+// throughput preset with two micro-batches overlapped: both micro-batches' rows and the exposed
+// communication per rank and step.
 // ctest runs it from the repository root.   ctest --test-dir build -R ViewerParallelRuns
 #include <gtest/gtest.h>
 
@@ -195,6 +197,50 @@ TEST(ViewerParallelRunFourGpus, LanesMatricesAndLoadAgreeWithRouting) {
   EXPECT_EQ(checked, 28);  // 7 recorded steps x 4 layers
 }
 
+// The language model on two H200s with two micro-batches overlapped
+// (notebooks_data/runs/train_2gpu_throughput_overlap, 2026-11-28): both micro-batches' rows on both
+// ranks, and every rank's exposed communication at every recorded step: more than nothing, less than
+// its step, and the first micro-batch's waits summed by hand.
+TEST(ViewerParallelRunOverlap, BothMicroBatchesRowsAndExposedCommunication) {
+  const std::filesystem::path dir = kRuns / "train_2gpu_throughput_overlap";
+  if (!std::filesystem::exists(dir / "events.jsonl")) GTEST_SKIP() << dir.string() << " is not in this checkout";
+  const RunModel run = RunModel::load(dir);
+  ASSERT_EQ(run.error, "");
+  std::set<std::pair<int64_t, std::string>> rows;
+  double by_hand = 0;
+  for (const SpanRecord& s : run.spans) {
+    if (s.step != 200) continue;
+    rows.insert({s.rank, s.stream_name});
+    const bool first_compute = s.stream_name == "compute" || s.stream_name == "compute: inside the MoE layer";
+    if (s.rank == 0 && first_compute &&
+        (s.name == "ep_count_exchange" || s.name == "ep_wait_dispatch" || s.name == "ep_wait_combine" ||
+         s.name == "gradient_all_reduce")) {
+      by_hand += s.duration_us;
+    }
+  }
+  for (int64_t rank : {0, 1}) {
+    for (const char* row : {"compute", "compute: inside the MoE layer", "compute, second micro-batch",
+                            "compute: inside the MoE layer, second micro-batch", "exchange stream (the all-to-alls)",
+                            "exchange stream (the all-to-alls), second micro-batch"}) {
+      EXPECT_TRUE(rows.count({rank, row})) << "rank " << rank << " has no row " << row;
+    }
+  }
+  const ExposedCommunication at_200 = exposed_communication_at(run, 200);
+  ASSERT_EQ(at_200.ranks, 2);
+  EXPECT_NEAR(at_200.exposed_us[0], by_hand, 1e-6);
+  const std::vector<Series> series = exposed_communication_series(run);
+  ASSERT_EQ(series.size(), 2u);
+  for (int64_t rank : {0, 1}) {
+    const Series& curve = series[static_cast<size_t>(rank)];
+    ASSERT_EQ(curve.steps.size(), 11u);  // steps 1, 20, ..., 200
+    for (size_t i = 0; i < curve.steps.size(); ++i) {
+      const ExposedCommunication x = exposed_communication_at(run, static_cast<int64_t>(curve.steps[i]));
+      EXPECT_GT(curve.values[i], 0.0) << "rank " << rank << " step " << curve.steps[i];
+      EXPECT_LT(curve.values[i], x.step_us[static_cast<size_t>(rank)]) << "rank " << rank << " step " << curve.steps[i];
+    }
+  }
+}
+
 TEST(ViewerParallelView, RankWithoutExchangesMatchesNothing) {
   // Two ranks, but rank 1 recorded no exchange: nothing can be matched, nothing is called idle.
   const RunModel run = RunModel::from_text(
@@ -225,6 +271,34 @@ TEST(ViewerParallelView, CommStreamSpansAreExchanges) {
   EXPECT_EQ(w.names, (std::vector<std::string>{"combine", "dispatch"}));
   EXPECT_EQ(w.idle_us, (std::vector<double>{3, 15}));
   EXPECT_EQ(w.exchange_us, (std::vector<double>{18, 30}));
+}
+
+TEST(ViewerParallelView, ExposedCommunicationIsTheFirstComputeStreamsWaits) {
+  // Rank 0: a count exchange (4 us) and two waits (10 + 6 us) on the compute streams, a wait on the
+  // second micro-batch's stream (7 us: not counted) and a dispatch on the exchange stream (30 us:
+  // not a wait of the compute stream). Rank 1: one wait of 2 us. The step: first start to last end.
+  std::string events;
+  for (const auto& [rank, stream, name, start, duration] :
+       {std::tuple{0, "compute", "moe", 0, 100}, {0, "compute: inside the MoE layer", "ep_count_exchange", 5, 4},
+        {0, "compute: inside the MoE layer", "ep_wait_dispatch", 10, 10},
+        {0, "compute: inside the MoE layer", "ep_wait_combine", 60, 6},
+        {0, "compute, second micro-batch: inside the MoE layer", "ep_wait_dispatch", 20, 7},
+        {0, "exchange stream (the all-to-alls)", "ep_dispatch", 10, 30}, {1, "compute", "moe", 3, 90},
+        {1, "compute: inside the MoE layer", "ep_wait_combine", 50, 2}})
+    events += R"({"type":"span","step":7,"rank":)" + std::to_string(rank) + R"(,"stream":0,"stream_name":")" + stream +
+              R"(","name":")" + name + R"(","start_us":)" + std::to_string(start) + R"(,"duration_us":)" +
+              std::to_string(duration) + "}\n";
+  const RunModel run = RunModel::from_text(
+      R"({"schema_version":1,"kind":"train","name":"t","start_time":"2026-11-22T00:00:00.000Z","world_size":2})", events);
+  ASSERT_EQ(run.error, "");
+  const ExposedCommunication x = exposed_communication_at(run, 7);
+  ASSERT_EQ(x.ranks, 2);
+  EXPECT_EQ(x.exposed_us, (std::vector<double>{20, 2}));
+  EXPECT_EQ(x.step_us, (std::vector<double>{100, 90}));
+  const std::vector<Series> series = exposed_communication_series(run);
+  ASSERT_EQ(series.size(), 2u);
+  EXPECT_EQ(series[1].steps, (std::vector<double>{7}));
+  EXPECT_EQ(series[1].values, (std::vector<double>{2}));
 }
 
 }  // namespace

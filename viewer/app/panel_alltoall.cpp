@@ -229,6 +229,56 @@ void IdleInExchanges(ViewerState& state, OpenRun& run) {
   CurvePlot(("idle" + RegionName(state, run, "")).c_str(), state, lines, ImVec2(ImGui::GetContentRegionAvail().x, 70));
 }
 
+// How long each rank's compute stream waited on communication in the step, and per recorded step.
+void ExposedCommunicationView(ViewerState& state, OpenRun& run) {
+  const RunModel& m = run.model;
+  if (m.spans.empty()) return;
+  const ExposedCommunication x = exposed_communication_at(m, state.step);
+  if (x.ranks < 2) return;  // one GPU waits on no exchange
+  ImGui::Separator();
+  ImGui::Text("exposed communication, step %lld", static_cast<long long>(x.step));
+  HelpMarker("The time the compute stream waited on communication: the count exchanges, the waits for the rows to "
+             "arrive at the experts (ep_wait_dispatch) and to come back (ep_wait_combine), and the gradients' "
+             "all-reduce where the backward did not hide it. With two micro-batches overlapped (--overlap on), the "
+             "first one's stream, which the step's end waits on. This is the part of the step that hiding "
+             "communication behind compute can still take away.");
+  if (ImGui::BeginTable("exposed", 4, ImGuiTableFlags_Borders | ImGuiTableFlags_SizingFixedFit)) {
+    for (const char* column : {"rank", "exposed", "step", "share"}) ImGui::TableSetupColumn(column);
+    ImGui::TableHeadersRow();
+    for (int64_t r = 0; r < x.ranks && r < 16; ++r) {
+      const double exposed = x.exposed_us[static_cast<size_t>(r)], step = x.step_us[static_cast<size_t>(r)];
+      ImGui::TableNextRow();
+      ImGui::TableNextColumn();
+      ImGui::Text("%lld", static_cast<long long>(r));
+      ImGui::TableNextColumn();
+      ImGui::Text("%.1f us", exposed);
+      ImGui::TableNextColumn();
+      ImGui::Text("%.1f us", step);
+      ImGui::TableNextColumn();
+      ImGui::Text("%.0f%%", step > 0 ? 100.0 * exposed / step : 0.0);
+    }
+    ImGui::EndTable();
+  }
+  auto& first = state.series[RegionName(state, run, "exposed_r0")];
+  const std::string key = TextureKey("exposed", run, 0, 0, 0);
+  if (first.key != key) {
+    const std::vector<Series> per_rank = exposed_communication_series(m);
+    for (size_t r = 0; r < per_rank.size() && r < 16; ++r)
+      state.series[RegionName(state, run, ("exposed_r" + std::to_string(r)).c_str())] = {key, per_rank[r]};
+  }
+  std::vector<CurveLine> lines;
+  for (int64_t r = 0; r < x.ranks && r < 16; ++r) {
+    const auto& entry = state.series[RegionName(state, run, ("exposed_r" + std::to_string(r)).c_str())];
+    if (entry.key == key) lines.push_back({"rank " + std::to_string(r), &entry.series, ToImU32(expert_color(r))});
+  }
+  ImGui::Text("exposed communication per rank per recorded step (us):");
+  for (size_t r = 0; r < lines.size(); ++r) {
+    ImGui::SameLine();
+    ImGui::TextColored(ImGui::ColorConvertU32ToFloat4(lines[r].color), "%s", lines[r].label.c_str());
+  }
+  CurvePlot(("exposed" + RegionName(state, run, "")).c_str(), state, lines, ImVec2(ImGui::GetContentRegionAvail().x, 70));
+}
+
 void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
   const RunModel& m = run.model;
   const Timeline& timeline = CachedStepTimeline(state, run, false);
@@ -256,6 +306,7 @@ void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
   ByteMatrix(state, run);
   LoadAcrossRanks(state, run);
   IdleInExchanges(state, run);
+  ExposedCommunicationView(state, run);
 }
 
 }  // namespace

@@ -6,6 +6,9 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <string_view>
+
+#include "run_events.h"  // is_exposed_communication, the timeline rows' names
 
 namespace moe::viewer {
 
@@ -136,6 +139,67 @@ std::vector<Series> exchange_idle_series(const RunModel& run) {
     for (int64_t r = 0; r < w.ranks; ++r) {
       out[static_cast<size_t>(r)].steps.push_back(static_cast<double>(step));
       out[static_cast<size_t>(r)].values.push_back(w.idle_us[static_cast<size_t>(r)]);
+    }
+  }
+  return out;
+}
+
+bool is_first_compute_stream(const SpanRecord& span) {
+  const std::string_view name = span.stream_name, second = kSecondMicroBatchSuffix;
+  return name.rfind(kComputeRow, 0) == 0 && name.find(second) == std::string_view::npos;
+}
+
+namespace {
+// The exposed communication and step time of every rank at one recorded step (all steps: only_step
+// = min), by step.
+std::map<int64_t, ExposedCommunication> exposed_by_step(const RunModel& run, int64_t only_step) {
+  struct Extent {
+    double first = std::numeric_limits<double>::infinity(), last = -std::numeric_limits<double>::infinity();
+    double exposed = 0;
+  };
+  std::map<int64_t, std::map<int64_t, Extent>> extents;  // step -> rank -> extent
+  for (const SpanRecord& s : run.spans) {
+    if (only_step != std::numeric_limits<int64_t>::min() && s.step != only_step) continue;
+    Extent& e = extents[s.step][s.rank];
+    e.first = std::min(e.first, s.start_us);
+    e.last = std::max(e.last, s.start_us + s.duration_us);
+    if (is_first_compute_stream(s) && moe::is_exposed_communication(s.name)) e.exposed += s.duration_us;
+  }
+  std::map<int64_t, ExposedCommunication> out;
+  for (const auto& [step, ranks] : extents) {
+    ExposedCommunication& x = out[step];
+    x.step = step;
+    x.ranks = ranks.rbegin()->first + 1;
+    x.exposed_us.assign(static_cast<size_t>(x.ranks), 0.0);
+    x.step_us.assign(static_cast<size_t>(x.ranks), 0.0);
+    for (const auto& [rank, e] : ranks) {
+      x.exposed_us[static_cast<size_t>(rank)] = e.exposed;
+      x.step_us[static_cast<size_t>(rank)] = e.last - e.first;
+    }
+  }
+  return out;
+}
+}  // namespace
+
+ExposedCommunication exposed_communication_at(const RunModel& run, int64_t step) {
+  const int64_t shown = timeline_step(run, step);
+  if (shown == std::numeric_limits<int64_t>::min()) return ExposedCommunication{};
+  const auto steps = exposed_by_step(run, shown);
+  if (steps.empty()) {
+    ExposedCommunication none;
+    none.step = shown;
+    return none;
+  }
+  return steps.begin()->second;
+}
+
+std::vector<Series> exposed_communication_series(const RunModel& run) {
+  std::vector<Series> out;
+  for (const auto& [step, x] : exposed_by_step(run, std::numeric_limits<int64_t>::min())) {
+    if (out.size() < static_cast<size_t>(x.ranks)) out.resize(static_cast<size_t>(x.ranks));
+    for (int64_t r = 0; r < x.ranks; ++r) {
+      out[static_cast<size_t>(r)].steps.push_back(static_cast<double>(step));
+      out[static_cast<size_t>(r)].values.push_back(x.exposed_us[static_cast<size_t>(r)]);
     }
   }
   return out;

@@ -73,4 +73,22 @@ ExchangeWaits exchange_waits_at(const RunModel& run, int64_t step);
 // One series per rank: its idle time in the exchanges per recorded step.
 std::vector<Series> exchange_idle_series(const RunModel& run);
 
+// Exposed communication: the time a rank's compute stream waited on communication in one step,
+// the spans on it named by moe::is_exposed_communication (common/run_events.h: the count
+// exchanges, the waits for rows to arrive and to come back, the router's and the replicated
+// gradients' all-reduce where the backward did not hide it), summed. The compute stream is the
+// rows named "compute..." without the second micro-batch's suffix: with two micro-batches
+// overlapped, the first one's stream, which the step's end waits on (the trainer's figure too).
+// step_us is the rank's step on its own clock, from its first span's start to its last span's end.
+struct ExposedCommunication {
+  int64_t step = 0;                // the recorded step shown
+  int64_t ranks = 0;               // R (0: no spans at that step)
+  std::vector<double> exposed_us;  // [R]
+  std::vector<double> step_us;     // [R]
+};
+bool is_first_compute_stream(const SpanRecord& span);
+ExposedCommunication exposed_communication_at(const RunModel& run, int64_t step);
+// One series per rank: its exposed communication per recorded step, in us.
+std::vector<Series> exposed_communication_series(const RunModel& run);
+
 }  // namespace moe::viewer
