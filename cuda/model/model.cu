@@ -568,10 +568,11 @@ const float* ModelGpu::forward(const int32_t* tokens, const int32_t* targets) {
 }
 
 // The forward's schedule: each step below runs for lane A, then lane B (with overlap). The MoE
-// layers' exchanges thus reach the communicator as counts A, rows out A, counts B, rows out B,
-// back A, back B: A's rows go out while B's attention and routing run, B's while A's experts run,
-// A's come back while B's experts run, and B's while the next block's attention of A runs. Each
-// count exchange is a host wait, so A's rows are on their way before the host waits for B's.
+// layers' exchanges thus reach the communicator as counts A, counts B, rows out A, rows out B,
+// back A, back B: B's routing and counts run while the host waits for A's counts, A's rows go out
+// while B's counts travel, B's while A's experts run, A's come back while B's experts run, and B's
+// while the next block's attention of A runs. The host waits for A's counts only once B's routing
+// is enqueued, and for B's once A's rows are on their way.
 const float* ModelGpu::forward_phases(const int32_t* tokens, const int32_t* targets) {
   tokens_ = tokens;
   targets_ = targets;
@@ -580,9 +581,9 @@ const float* ModelGpu::forward_phases(const int32_t* tokens, const int32_t* targ
   for (auto& lane : lanes_) embedding_forward_phase(*lane);
   for (Block& block : blocks_) {
     for (auto& lane : lanes_) attention_forward_phase(*lane, block);
+    for (auto& lane : lanes_) ffn_forward_begin(*lane, block);  // routing; the counts sent
     for (auto& lane : lanes_) {
-      ffn_forward_begin(*lane, block);  // the host waits here for the lane's counts
-      ffn_forward_experts(*lane, block);
+      ffn_forward_experts(*lane, block);  // the host waits here for the lane's counts
     }
     for (auto& lane : lanes_) ffn_forward_end(*lane, block);
   }
@@ -707,7 +708,7 @@ const bf16* ModelGpu::gate_input(const Lane& l, const Block& b) const {
 }
 
 // FFN(LN2(x_mid)) into block_out_: a dense FFN whole; an MoE layer's forward_route with two lanes
-// (routing and the count exchange), its whole forward with one.
+// (routing, the counts sent), its whole forward with one.
 void ModelGpu::ffn_forward_begin(Lane& l, Block& b) {
   const int64_t t0 = first_token(l), T = tokens(l), D = config_.model_dim;
   layer_norm_forward(b.x_mid.data() + t0 * D, weight(b.ln2_gain), weight(b.ln2_bias), b.ln2_y.data() + t0 * D,
@@ -740,9 +741,15 @@ void ModelGpu::ffn_forward_begin(Lane& l, Block& b) {
   }
 }
 
-// With two lanes, an MoE layer's rows out and its experts.
+// With two lanes, an MoE layer's counts received (the host's wait), its rows out and its experts.
 void ModelGpu::ffn_forward_experts(Lane& l, Block& b) {
-  if (b.moe[0] && lanes_.size() > 1) phase(l, "moe", [&] { b.moe[size_t(l.index)]->forward_experts(l.stream); });
+  if (b.moe[0] && lanes_.size() > 1) {
+    phase(l, "moe", [&] {
+      MoeBlockFfn& moe = *b.moe[size_t(l.index)];
+      moe.forward_receive_counts(l.stream);
+      moe.forward_experts(l.stream);
+    });
+  }
 }
 
 // x_out = x_mid + FFN(LN2(x_mid)) (with two lanes, after the MoE layer's rows came back); x_out's

@@ -60,9 +60,9 @@
 // two halves, sequences [0, N/2) and [N/2, N), each a "lane" with its own stream, cuBLAS handle,
 // scratch and MoE layers, so that one half's all-to-alls run while the other half computes. The
 // schedule is forward_phases() and backward_phases(), block by block:
-//   forward:  attention A, attention B; A's routing and count exchange (the host's wait), rows out
-//             and experts; the same for B; rows back A, then B; the next block's attention A runs
-//             while B's rows come back
+//   forward:  attention A, attention B; routing A and B, each sending its counts; A's counts
+//             received (the host's wait), rows out and experts; the same for B; rows back A, then
+//             B; the next block's attention A runs while B's rows come back
 //   backward: FFN A, FFN B (each: rows out, experts' backward, rows back); attention A, attention B;
 //             the block's gradients: lane B's (written beside the step's, in micro_gradients_)
 //             added in, then summed over the ranks, on the gradient stream
@@ -294,7 +294,7 @@ class ModelGpu {
   void embedding_forward_phase(Lane& lane);
   void attention_forward_phase(Lane& lane, Block& block);
   void ffn_forward_begin(Lane& lane, Block& block);    // LN2, then a dense FFN, or an MoE layer's route
-  void ffn_forward_experts(Lane& lane, Block& block);  // two lanes: the MoE layer's rows out, experts
+  void ffn_forward_experts(Lane& lane, Block& block);  // two lanes: the counts received, rows out, experts
   void ffn_forward_end(Lane& lane, Block& block);      // two lanes: the rows back; the residual add
   void lm_head_forward_phase(Lane& lane);
   void loss_phase(Lane& lane);

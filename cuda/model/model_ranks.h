@@ -40,16 +40,20 @@ class MoeBlockFfn {
                        const bf16* router_input) = 0;
   // forward() and backward() in stages, for the model's two-micro-batch overlap (model.h), each on
   // the same stream; the model enqueues the other micro-batch's stages between them:
-  //   forward_route    routing and, on several ranks, the count exchange (a forward's host wait)
+  //   forward_route    routing and, on several ranks, the count exchange sent
+  //   forward_receive_counts  on several ranks, the host waits for the counts (a forward's host
+  //                    wait): the model enqueues the other micro-batch's routing before it
   //   forward_experts  the rows out to the experts, and the experts
   //   forward_combine  the rows back, and the weighted combine into y
   //   backward_experts dy's rows out, and the experts' backward
   //   backward_combine dx's rows back, and the router's backward
   // Here the first stage of each only keeps its arguments and the last runs forward() or
   // backward(); the expert-parallel layer runs each stage where it says. The arguments stay valid
-  // until the last stage; aux_loss() and z_loss() are ready after forward_combine.
+  // until the last stage; aux_loss() and z_loss() are ready after forward_combine (on several ranks
+  // after forward_receive_counts).
   virtual void forward_route(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
                              const bf16* router_input);
+  virtual void forward_receive_counts(cudaStream_t) {}
   virtual void forward_experts(cudaStream_t) {}
   virtual void forward_combine(cudaStream_t stream);
   virtual void backward_experts(const bf16* x, const MoeLayerWeights& weights, const bf16* dy,

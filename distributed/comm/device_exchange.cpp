@@ -275,11 +275,19 @@ void DeviceExchange::all_gather(const void* send, void* recv, int64_t count, Dat
 
 void DeviceExchange::all_gather_to_host(const void* send, void* recv, int64_t count, DataType type,
                                         cudaStream_t stream) {
+  start_all_gather_to_host(send, count, type, stream);
+  finish_all_gather_to_host(recv);
+}
+
+void DeviceExchange::start_all_gather_to_host(const void* send, int64_t count, DataType type, cudaStream_t stream) {
   check_count("all_gather_to_host", count);
+  if (pending_gather_.started) {
+    throw std::logic_error("DeviceExchange::start_all_gather_to_host: the last one was not finished");
+  }
   const size_t bytes = static_cast<size_t>(count) * element_size(type);
   const size_t all_bytes = bytes * static_cast<size_t>(size());
+  char* gathered = gather_host_.reserve(all_bytes);  // pinned: the device copies straight into it
   if (device_pointers_) {
-    char* gathered = recv_stage_.reserve(all_bytes);  // pinned, for the copy back
     char* gathered_device = gather_device_.reserve(all_bytes);
     {
       StreamScope scope(nccl_, stream);
@@ -289,12 +297,22 @@ void DeviceExchange::all_gather_to_host(const void* send, void* recv, int64_t co
       check_cuda(cudaMemcpyAsync(gathered, gathered_device, all_bytes, cudaMemcpyDeviceToHost, stream),
                  "cudaMemcpyAsync");
     }
-    wait(stream);
-    std::copy(gathered, gathered + all_bytes, static_cast<char*>(recv));
-    return;
+  } else {
+    char* send_host = stage_to_host(send_stage_, send, bytes, stream);  // the host waits here
+    communicator_.all_gather(send_host, gathered, count, type);
   }
-  char* send_host = stage_to_host(send_stage_, send, bytes, stream);
-  communicator_.all_gather(send_host, recv, count, type);
+  pending_gather_ = PendingGather{all_bytes, stream, true};
+}
+
+void DeviceExchange::finish_all_gather_to_host(void* recv) {
+  if (!pending_gather_.started) {
+    throw std::logic_error("DeviceExchange::finish_all_gather_to_host without a start_all_gather_to_host");
+  }
+  const PendingGather pending = pending_gather_;
+  pending_gather_ = PendingGather{};
+  if (device_pointers_) wait(pending.stream);
+  const char* gathered = gather_host_.reserve(pending.bytes);  // the same buffer: it holds pending.bytes already
+  std::copy(gathered, gathered + pending.bytes, static_cast<char*>(recv));
 }
 
 }  // namespace moe::dist

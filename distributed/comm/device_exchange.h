@@ -71,6 +71,13 @@ class DeviceExchange {
   // when recv holds them. One wait of the host on `stream` on either backend: the layer's one
   // host synchronisation per forward (FastMoE's count read-back).
   void all_gather_to_host(const void* send, void* recv, int64_t count, DataType type, cudaStream_t stream);
+  // all_gather_to_host in two calls, so that the caller can enqueue other work (another
+  // micro-batch's routing) before the host waits: start enqueues the all-gather and the copy to the
+  // host on `stream` (NCCL; under MPI it runs the staged exchange whole), finish waits for `stream`
+  // (and so for whatever was enqueued on it since) and copies the R * count elements into `recv`.
+  // Nothing else may run on this exchange between the two.
+  void start_all_gather_to_host(const void* send, int64_t count, DataType type, cudaStream_t stream);
+  void finish_all_gather_to_host(void* recv);
 
   // The host waits for `event` (work of the caller's that may sit behind this exchange's NCCL
   // calls): over NCCL under the communicator's watchdog (nccl_wait.h), else cudaEventSynchronize.
@@ -100,6 +107,13 @@ class DeviceExchange {
   GrownBuffer send_stage_{GrownBuffer::Memory::pinned_host, "DeviceExchange"};
   GrownBuffer recv_stage_{GrownBuffer::Memory::pinned_host, "DeviceExchange"};
   GrownBuffer gather_device_{GrownBuffer::Memory::device, "DeviceExchange"};  // NCCL: all_gather_to_host's device scratch
+  GrownBuffer gather_host_{GrownBuffer::Memory::pinned_host, "DeviceExchange"};  // all_gather_to_host's result
+  struct PendingGather {
+    size_t bytes = 0;                // R * count elements' bytes, in gather_host_
+    cudaStream_t stream = nullptr;   // NCCL: what finish waits for
+    bool started = false;
+  };
+  PendingGather pending_gather_;
   std::unique_ptr<Communicator> host_adapter_;  // NCCL: host collectives through device memory
   int64_t host_waits_ = 0;
 };

@@ -477,10 +477,11 @@ void ExpertParallelGpu::forward(const bf16* x, int64_t local_tokens, const Exper
 
 void ExpertParallelGpu::expect_stage(int stage, const char* call) const {
   if (staged_.stage != stage) {
-    static const char* const after[] = {"nothing staged", "forward_route", "forward_experts", "backward_experts"};
+    static const char* const after[] = {"nothing staged", "forward_route", "forward_experts", "backward_experts",
+                                        "forward_send_counts"};
     throw std::logic_error(std::string("ExpertParallelGpu::") + call + " after " + after[staged_.stage] +
-                           "; the stages run forward_route, forward_experts, forward_combine, then "
-                           "backward_experts, backward_combine");
+                           "; the stages run forward_route (or forward_send_counts, forward_receive_counts), "
+                           "forward_experts, forward_combine, then backward_experts, backward_combine");
   }
 }
 
@@ -496,7 +497,13 @@ void ExpertParallelGpu::forward_combine(cudaStream_t stream) {
 
 void ExpertParallelGpu::forward_route(const bf16* x, int64_t local_tokens, const ExpertParallelGpuWeights& weights,
                                       bf16* y, cudaStream_t stream) {
-  NvtxRange range("ep_forward_route");
+  forward_send_counts(x, local_tokens, weights, y, stream);
+  forward_receive_counts(stream);
+}
+
+void ExpertParallelGpu::forward_send_counts(const bf16* x, int64_t local_tokens,
+                                            const ExpertParallelGpuWeights& weights, bf16* y, cudaStream_t stream) {
+  NvtxRange range("ep_forward_send_counts");
   forward_done_ = false;
   staged_ = Staged{};
   const int64_t waits_before = exchange_->host_waits() + (hierarchical_ ? hierarchical_->host_waits() : 0);
@@ -504,8 +511,7 @@ void ExpertParallelGpu::forward_route(const bf16* x, int64_t local_tokens, const
   // forward fails before, at a later one).
   current_step_events_ = trial_step_pending_ ? 1 - trial_step_events_ : 1 - current_step_events_;
   CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].forward_start, stream));
-  const int R = exchange_->size(), rank = exchange_->rank();
-  const int64_t E = config_.num_experts, K = config_.top_k;
+  const int64_t E = config_.num_experts;
   const int64_t words = routing_summary_words(E);
 
   // ---- 1. route locally; this rank's own faults travel in the count exchange ----
@@ -520,11 +526,26 @@ void ExpertParallelGpu::forward_route(const bf16* x, int64_t local_tokens, const
   pack_routing_summary(status > 0 ? home_plan_->tokens_per_expert.data() : nullptr, router_.mean_probs.data(),
                        router_.z_loss.data(), status, static_cast<int>(E), summary_.data(), stream);
 
-  // ---- 2. the count exchange: the forward's one host synchronisation ----
+  // ---- 2. the count exchange: the forward's one host synchronisation (in forward_receive_counts) ----
   {
     Phase phase(timer_, "ep_count_exchange", stream);
-    exchange_->all_gather_to_host(summary_.data(), summaries_.data(), words, DataType::int32, stream);
+    exchange_->start_all_gather_to_host(summary_.data(), words, DataType::int32, stream);
   }
+  staged_.stage = 4;
+  staged_.x = x;
+  staged_.y = y;
+  staged_.weights = weights;
+  staged_.waits_before = waits_before;
+}
+
+void ExpertParallelGpu::forward_receive_counts(cudaStream_t stream) {
+  NvtxRange range("ep_forward_receive_counts");
+  expect_stage(4, "forward_receive_counts");
+  staged_.stage = 0;  // a fault below leaves no stage to continue from
+  const int R = exchange_->size(), rank = exchange_->rank();
+  const int64_t E = config_.num_experts, K = config_.top_k;
+  const int64_t words = routing_summary_words(E);
+  exchange_->finish_all_gather_to_host(summaries_.data());
   std::vector<int64_t> tokens_per_rank(R), routed(static_cast<size_t>(R) * E);
   std::string faults;
   for (int p = 0; p < R; ++p) {
@@ -588,10 +609,6 @@ void ExpertParallelGpu::forward_route(const bf16* x, int64_t local_tokens, const
   reserve_buffers();
   if (hierarchical_) hierarchical_counts();
   staged_.stage = 1;
-  staged_.x = x;
-  staged_.y = y;
-  staged_.weights = weights;
-  staged_.waits_before = waits_before;
   staged_.trial_step = trial_step;
 }
 

@@ -282,6 +282,16 @@ class ExpertParallelGpu {
   // Tutel's order, chunk c back as soon as chunk c + 1 is out.)
   void forward_route(const bf16* x, int64_t local_tokens, const ExpertParallelGpuWeights& weights, bf16* y,
                      cudaStream_t stream);
+  // forward_route in two calls, so that the caller can enqueue the other micro-batch's routing
+  // before the host waits for this one's counts:
+  //   forward_send_counts     routing, and the count exchange enqueued (its all-gather and the copy
+  //                           of the counts to the host, on `stream`)
+  //   forward_receive_counts  the host waits for the counts (the forward's host wait), then the
+  //                           plan and the router losses, as forward_route
+  // The same stream for both, and nothing else enqueued on it between them (the host waits for it).
+  void forward_send_counts(const bf16* x, int64_t local_tokens, const ExpertParallelGpuWeights& weights, bf16* y,
+                           cudaStream_t stream);
+  void forward_receive_counts(cudaStream_t stream);
   void forward_experts(cudaStream_t stream);
   void forward_combine(cudaStream_t stream);
 
@@ -464,8 +474,8 @@ class ExpertParallelGpu {
   cuda::PhaseTimer* timer_ = nullptr;
   bool forward_done_ = false;
   // Between the stages of a forward (forward_route .. forward_combine) or a backward: what the
-  // later stages read. stage: 1 after forward_route, 2 after forward_experts; 3 after
-  // backward_experts; 0 between calls.
+  // later stages read. stage: 4 after forward_send_counts, 1 after forward_route (or
+  // forward_receive_counts), 2 after forward_experts; 3 after backward_experts; 0 between calls.
   struct Staged {
     int stage = 0;
     const bf16* x = nullptr;

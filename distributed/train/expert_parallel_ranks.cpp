@@ -28,11 +28,15 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
     copy_losses(stream);
   }
 
-  // The layer's own stages: the count exchange (and so the router losses) in forward_route.
+  // The layer's own stages: the counts sent in forward_route, received (and so the router losses
+  // known) in forward_receive_counts.
   void forward_route(const bf16* x, const cuda::MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
                      const bf16* router_input) override {
     check_no_router_input(router_input);
-    layer_.forward_route(x, local_tokens_, {weights.gate_weights, weights.w1, weights.w2}, y, stream);
+    layer_.forward_send_counts(x, local_tokens_, {weights.gate_weights, weights.w1, weights.w2}, y, stream);
+  }
+  void forward_receive_counts(cudaStream_t stream) override {
+    layer_.forward_receive_counts(stream);
     copy_losses(stream);
   }
   void forward_experts(cudaStream_t stream) override { layer_.forward_experts(stream); }
