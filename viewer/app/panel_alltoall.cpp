@@ -5,6 +5,7 @@
 // experts carry, and the time each rank waits in the exchanges. Data: viewer/model/comm_view.h and
 // parallel_view.h.
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <string>
 
@@ -169,6 +170,49 @@ void LoadAcrossRanks(ViewerState& state, OpenRun& run) {
 }
 
 // The time each rank waits in the exchanges, derived from every rank's exchange spans.
+// A table of one row per rank (at most 16): two times in us and a share.
+void RankTable(const char* id, std::array<const char*, 4> columns, const std::vector<double>& first_us,
+               const std::vector<double>& second_us, const std::vector<double>& share) {
+  if (!ImGui::BeginTable(id, 4, ImGuiTableFlags_Borders | ImGuiTableFlags_SizingFixedFit)) return;
+  for (const char* column : columns) ImGui::TableSetupColumn(column);
+  ImGui::TableHeadersRow();
+  for (size_t r = 0; r < first_us.size() && r < 16; ++r) {
+    ImGui::TableNextRow();
+    ImGui::TableNextColumn();
+    ImGui::Text("%zu", r);
+    ImGui::TableNextColumn();
+    ImGui::Text("%.1f us", first_us[r]);
+    ImGui::TableNextColumn();
+    ImGui::Text("%.1f us", second_us[r]);
+    ImGui::TableNextColumn();
+    ImGui::Text("%.0f%%", 100.0 * share[r]);
+  }
+  ImGui::EndTable();
+}
+
+// One line per rank (at most 16) over the recorded steps, from make(run): rebuilt when the data
+// changes, drawn under `title` with each rank's colour.
+void PerRankCurve(ViewerState& state, OpenRun& run, const std::string& id, int64_t ranks,
+                  std::vector<Series> (*make)(const RunModel&), const char* title) {
+  auto region = [&](int64_t r) { return RegionName(state, run, (id + "_r" + std::to_string(r)).c_str()); };
+  const std::string key = TextureKey(id.c_str(), run, 0, 0, 0);
+  if (state.series[region(0)].key != key) {
+    const std::vector<Series> per_rank = make(run.model);
+    for (size_t r = 0; r < per_rank.size() && r < 16; ++r) state.series[region(int64_t(r))] = {key, per_rank[r]};
+  }
+  std::vector<CurveLine> lines;
+  for (int64_t r = 0; r < ranks && r < 16; ++r) {
+    const auto& entry = state.series[region(r)];
+    if (entry.key == key) lines.push_back({"rank " + std::to_string(r), &entry.series, ToImU32(expert_color(r))});
+  }
+  ImGui::Text("%s", title);
+  for (size_t r = 0; r < lines.size(); ++r) {
+    ImGui::SameLine();
+    ImGui::TextColored(ImGui::ColorConvertU32ToFloat4(lines[r].color), "%s", lines[r].label.c_str());
+  }
+  CurvePlot((id + RegionName(state, run, "")).c_str(), state, lines, ImVec2(ImGui::GetContentRegionAvail().x, 70));
+}
+
 void IdleInExchanges(ViewerState& state, OpenRun& run) {
   const RunModel& m = run.model;
   if (m.spans.empty()) return;
@@ -189,44 +233,12 @@ void IdleInExchanges(ViewerState& state, OpenRun& run) {
              "(the fastest rank waits for the bytes too) and it also holds differences in what each rank sends.");
   ImGui::TextWrapped("Derived from the record: for each of the step's %lld collectives (%s), the rank's duration "
                      "minus the fastest rank's; summed.", static_cast<long long>(w.exchanges), names.c_str());
-  if (ImGui::BeginTable("idle", 4, ImGuiTableFlags_Borders | ImGuiTableFlags_SizingFixedFit)) {
-    for (const char* column : {"rank", "in exchanges", "idle (waiting)", "idle share"}) ImGui::TableSetupColumn(column);
-    ImGui::TableHeadersRow();
-    for (int64_t r = 0; r < w.ranks && r < 16; ++r) {
-      const double in = w.exchange_us[static_cast<size_t>(r)], idle = w.idle_us[static_cast<size_t>(r)];
-      ImGui::TableNextRow();
-      ImGui::TableNextColumn();
-      ImGui::Text("%lld", static_cast<long long>(r));
-      ImGui::TableNextColumn();
-      ImGui::Text("%.1f us", in);
-      ImGui::TableNextColumn();
-      ImGui::Text("%.1f us", idle);
-      ImGui::TableNextColumn();
-      ImGui::Text("%.0f%%", in > 0 ? 100.0 * idle / in : 0.0);
-    }
-    ImGui::EndTable();
-  }
-  // One line per rank over the recorded steps; rebuilt when the data changes.
-  auto& first = state.series[RegionName(state, run, "idle_r0")];
-  const std::string key = TextureKey("idle", run, 0, 0, 0);
-  if (first.key != key) {
-    const std::vector<Series> per_rank = exchange_idle_series(m);
-    for (size_t r = 0; r < per_rank.size() && r < 16; ++r)
-      state.series[RegionName(state, run, ("idle_r" + std::to_string(r)).c_str())] = {key, per_rank[r]};
-  }
-  std::vector<CurveLine> lines;
-  for (int64_t r = 0; r < w.ranks && r < 16; ++r) {
-    const auto& entry = state.series[RegionName(state, run, ("idle_r" + std::to_string(r)).c_str())];
-    if (entry.key == key) lines.push_back({"rank " + std::to_string(r), &entry.series, ToImU32(expert_color(r))});
-  }
-  ImGui::Text("idle per rank per recorded step (us):");
-  for (size_t r = 0; r < lines.size(); ++r) {
-    ImGui::SameLine();
-    ImGui::TextColored(ImGui::ColorConvertU32ToFloat4(lines[r].color), "%s", lines[r].label.c_str());
-  }
+  std::vector<double> share(w.idle_us.size());
+  for (size_t r = 0; r < share.size(); ++r) share[r] = w.exchange_us[r] > 0 ? w.idle_us[r] / w.exchange_us[r] : 0.0;
+  RankTable("idle", {"rank", "in exchanges", "idle (waiting)", "idle share"}, w.exchange_us, w.idle_us, share);
+  PerRankCurve(state, run, "idle", w.ranks, exchange_idle_series, "idle per rank per recorded step (us):");
   HelpMarker("A run's first step holds its communicator's first collective (NCCL's set-up in moe_train_distributed): "
              "a rank that reaches it early waits long there.");
-  CurvePlot(("idle" + RegionName(state, run, "")).c_str(), state, lines, ImVec2(ImGui::GetContentRegionAvail().x, 70));
 }
 
 // How long each rank's compute stream waited on communication in the step, and per recorded step.
@@ -242,41 +254,11 @@ void ExposedCommunicationView(ViewerState& state, OpenRun& run) {
              "all-reduce where the backward did not hide it. With two micro-batches overlapped (--overlap on), the "
              "first one's stream, which the step's end waits on. This is the part of the step that hiding "
              "communication behind compute can still take away.");
-  if (ImGui::BeginTable("exposed", 4, ImGuiTableFlags_Borders | ImGuiTableFlags_SizingFixedFit)) {
-    for (const char* column : {"rank", "exposed", "step", "share"}) ImGui::TableSetupColumn(column);
-    ImGui::TableHeadersRow();
-    for (int64_t r = 0; r < x.ranks && r < 16; ++r) {
-      const double exposed = x.exposed_us[static_cast<size_t>(r)], step = x.step_us[static_cast<size_t>(r)];
-      ImGui::TableNextRow();
-      ImGui::TableNextColumn();
-      ImGui::Text("%lld", static_cast<long long>(r));
-      ImGui::TableNextColumn();
-      ImGui::Text("%.1f us", exposed);
-      ImGui::TableNextColumn();
-      ImGui::Text("%.1f us", step);
-      ImGui::TableNextColumn();
-      ImGui::Text("%.0f%%", step > 0 ? 100.0 * exposed / step : 0.0);
-    }
-    ImGui::EndTable();
-  }
-  auto& first = state.series[RegionName(state, run, "exposed_r0")];
-  const std::string key = TextureKey("exposed", run, 0, 0, 0);
-  if (first.key != key) {
-    const std::vector<Series> per_rank = exposed_communication_series(m);
-    for (size_t r = 0; r < per_rank.size() && r < 16; ++r)
-      state.series[RegionName(state, run, ("exposed_r" + std::to_string(r)).c_str())] = {key, per_rank[r]};
-  }
-  std::vector<CurveLine> lines;
-  for (int64_t r = 0; r < x.ranks && r < 16; ++r) {
-    const auto& entry = state.series[RegionName(state, run, ("exposed_r" + std::to_string(r)).c_str())];
-    if (entry.key == key) lines.push_back({"rank " + std::to_string(r), &entry.series, ToImU32(expert_color(r))});
-  }
-  ImGui::Text("exposed communication per rank per recorded step (us):");
-  for (size_t r = 0; r < lines.size(); ++r) {
-    ImGui::SameLine();
-    ImGui::TextColored(ImGui::ColorConvertU32ToFloat4(lines[r].color), "%s", lines[r].label.c_str());
-  }
-  CurvePlot(("exposed" + RegionName(state, run, "")).c_str(), state, lines, ImVec2(ImGui::GetContentRegionAvail().x, 70));
+  std::vector<double> share(x.exposed_us.size());
+  for (size_t r = 0; r < share.size(); ++r) share[r] = x.step_us[r] > 0 ? x.exposed_us[r] / x.step_us[r] : 0.0;
+  RankTable("exposed", {"rank", "exposed", "step", "share"}, x.exposed_us, x.step_us, share);
+  PerRankCurve(state, run, "exposed", x.ranks, exposed_communication_series,
+               "exposed communication per rank per recorded step (us):");
 }
 
 void ShowRunAllToAll(ViewerState& state, OpenRun& run) {
