@@ -103,7 +103,7 @@ class DeviceExchange {
   Communicator& communicator_;
   NcclCommunicator* nccl_ = nullptr;  // the same communicator, when its backend is NCCL
   bool device_pointers_ = false;
-  // MPI: the pinned staging buffers (NCCL: recv_stage_ holds all_gather_to_host's copy back).
+  // MPI: the pinned staging buffers.
   GrownBuffer send_stage_{GrownBuffer::Memory::pinned_host, "DeviceExchange"};
   GrownBuffer recv_stage_{GrownBuffer::Memory::pinned_host, "DeviceExchange"};
   GrownBuffer gather_device_{GrownBuffer::Memory::device, "DeviceExchange"};  // NCCL: all_gather_to_host's device scratch
