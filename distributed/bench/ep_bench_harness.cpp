@@ -75,6 +75,8 @@ void declare_flags(CLI::App& app, BenchOptions& o, FlagTexts& texts) {
   app.add_flag_callback("--no-adaptive", [&o] { o.adaptive = false; },
                         "no row of the layer choosing d itself (pipeline_chunks = 0)");
   app.add_flag("--layouts", o.layouts, "rows of the layer in Tutel's other layouts: r = 0 and every valid r > 1");
+  app.add_flag("--overlap", o.overlap,
+               "a row of the d = 1 step as two micro-batches of T / 2, overlapped as the language model's --overlap does");
   app.add_option("--nodes-of", o.hierarchical_ranks_per_node,
                  "Tutel's 2DH rows beside the flat ones: nodes of G ranks, G > 1 dividing R")->check(whole_number(2));
   app.add_option("--zipf", o.zipf,
@@ -201,9 +203,10 @@ std::vector<PhaseTime> median_phases(cuda::PhaseTimer& timer, int runs, const st
     run();
     for (const cuda::TimedPhase& timed : timer.collect()) {
       if (timed.depth != 0) continue;  // a nested phase is inside its parent's time
-      auto it = std::find_if(phases.begin(), phases.end(), [&](const PhaseTime& p) { return p.name == timed.name; });
+      auto it = std::find_if(phases.begin(), phases.end(),
+                             [&](const PhaseTime& p) { return p.name == timed.name && p.stream == timed.stream; });
       if (it == phases.end()) {
-        phases.push_back({timed.name, 0.0, timed.stream});
+        phases.push_back({timed.name, 0.0, timed.stream, timed.stream_name});
         per_run_us.emplace_back(static_cast<size_t>(runs), 0.0);
         it = phases.end() - 1;
       }

@@ -49,6 +49,7 @@ struct BenchOptions {
   std::vector<int> pipeline_chunks{1, 2, 4, 8};  // --pipeline-chunks 1,2,4,8
   bool adaptive = true;        // the layer's own choice of d as a row too (--no-adaptive: not)
   bool layouts = false;        // --layouts: the layer in each of Tutel's other layouts r (0, r > 1) too
+  bool overlap = false;        // --overlap: the d = 1 step as two overlapped micro-batches too
   int hierarchical_ranks_per_node = 0;  // --nodes-of G: 2DH rows beside the flat ones (G > 1 dividing R)
   double zipf = 0;             // --zipf S: the layer rows' router prefers expert e by (e + 1)^-S; 0: not
   std::vector<std::string> placements;  // --placements plain,eplb1,eplb2,shadow: the layer at d = 1 placed so
@@ -95,7 +96,8 @@ struct Check {
 struct PhaseTime {
   std::string name;
   double median_us = 0;
-  int stream = 0;  // 0: the caller's stream; 1: the layer's exchange stream
+  int stream = 0;           // 0: the caller's stream; 1, 2, ...: others in the order first seen
+  std::string stream_name;  // the timeline row the layer named it (an exchange stream, a second micro-batch's)
 };
 
 // One variant: nccl-tests' struct of functions, as an interface.
@@ -114,8 +116,9 @@ class Variant {
   virtual void release() {}                    // the size's buffers
 };
 
-// `runs` calls of run() with `timer` collecting after each; each phase's median. A phase on the
-// exchange stream includes the time its collective waits for the slowest peer.
+// `runs` calls of run() with `timer` collecting after each; each phase's median, a phase being a
+// name on a stream. A phase on an exchange stream includes the time its collective waits for the
+// slowest peer.
 std::vector<PhaseTime> median_phases(cuda::PhaseTimer& timer, int runs, const std::function<void()>& run);
 
 struct Row {

@@ -68,6 +68,9 @@ std::unique_ptr<Variant> make_placement_variant(BenchContext& ctx, std::shared_p
                                                 const std::string& placement, std::shared_ptr<std::string> note);
 // The layer at d = 1 in Tutel's layout r (set_layout); r = 1 is the d = 1 row's step.
 std::unique_ptr<Variant> make_layout_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int layout);
+// The layer at d = 1 as two micro-batches of T_r / 2 tokens, overlapped in the language model's
+// schedule (variant_layer.cpp): the d = 1 row's step with and without overlap.
+std::unique_ptr<Variant> make_overlap_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem);
 struct LayerSummary {
   MoeConfig config;  // T = all ranks' tokens
   int64_t tokens_per_rank = 0;

@@ -23,6 +23,14 @@
 // (ep/expert_placement.h): EPLB with 1 or 2 spare slots a rank, planned from one plain step's
 // counts, or the busiest expert shadowed; each slot holds its expert's weights (the same values as
 // the plain rows'), so the check is the same. Each prints the rows every rank's experts computed.
+// The overlap row (--overlap) runs the d = 1 step as two micro-batches of T_r / 2 tokens, each its
+// own layer on its own stream, in the language model's schedule (cuda/model/model.cu) without its
+// attention: both halves' routing with their counts sent; A's counts received (the host's wait),
+// its rows out and its experts; the same for B (B's rows out under A's experts); A's rows back
+// (under B's experts), B's; the backward the same way; then B's gradients added to A's (the model
+// adds its second micro-batch's the same way) before the SGD. With nothing but the layer to run,
+// A's rows out have only B's routing under them. Each half's router losses are its own statistics, as in the model, so y
+// equals the plain step's and dx differs by the aux loss's share (checked within the same tolerance).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -30,6 +38,7 @@
 
 #include "bench_kernels.h"        // fill_uniform
 #include "core/device_buffer.h"  // DeviceBuffer
+#include "core/elementwise.h"    // add_in_place
 #include "ep_bench_variants.h"
 #include "ep/expert_parallel_gpu.h"  // ExpertParallelGpu
 #include "moe/block_sparse.h"     // expert_pointer_table
@@ -109,15 +118,17 @@ MoeConfig layer_config(const LayerShape& shape, int64_t tokens_per_rank, int ran
 // even share (routing imbalance, the buffers' headroom, the topology's bound of B - 1 rows an expert),
 // and 2.5x that where the adaptive trials keep every candidate's chunk buffers (chunk 0 at d = 1's
 // size, chunk 1 at d = 2's half, chunks 2-3 at d = 4's quarters, chunks 4-7 at d = 8's eighths).
-// With the layout rows, r = 0's buffers on top: every expert gathered (bf16) and the gradients of
-// all E experts (fp32) for their all-reduce, kept for the next call in that layout; r > 1 holds less.
+// The overlap row adds a second set of expert gradients (fp32). With the layout rows, r = 0's
+// buffers on top: every expert gathered (bf16) and the gradients of all E experts (fp32) for their
+// all-reduce, kept for the next call in that layout; r > 1 holds less.
 double expert_parallel_bytes(const LayerShape& s, int64_t T_r, int ranks, bool pipelined, bool adaptive,
-                             bool layouts) {
+                             bool layouts, bool overlap) {
   const double D = s.model_dim, H = s.hidden_dim, E = s.experts, K = s.top_k, E_r = E / ranks;
   const double rows = 2.0 * T_r * K * (adaptive ? 2.5 : 1.0);
   const double home = 4.0 * T_r * K * D * 2 + T_r * E * 18.0 + T_r * D * 10.0;
   const double experts = rows * (5.0 * D * 2 + 4.0 * H * 2);
-  const double weights = E_r * 2 * D * H * (2.0 + 4.0 + (pipelined ? 4.0 : 0.0));  // bf16, grads, scratch
+  // bf16, grads, scratch; the overlap row's second micro-batch's grads
+  const double weights = E_r * 2 * D * H * (2.0 + 4.0 + (pipelined ? 4.0 : 0.0) + (overlap ? 4.0 : 0.0));
   const double gathered = layouts ? E * 2 * D * H * (2.0 + 4.0) : 0.0;             // r = 0: bf16, fp32 grads
   return home + experts + weights + gathered;
 }
@@ -208,16 +219,54 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& e
   return norm > 0 ? std::sqrt(difference / norm) : std::sqrt(difference);
 }
 
-// One row of the layer's step: at a pipelining degree, in a layout r, or (placement not empty) at
+// The overlap row's second micro-batch (the file comment): its layer over tokens [first, T_r), its
+// stream, and its own expert and router gradients, added to the first's after the backward.
+struct SecondMicroBatch {
+  int64_t first = 0, tokens = 0;
+  std::unique_ptr<ExpertParallelGpu> layer;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t started = nullptr, finished = nullptr;
+  cuda::DeviceBuffer<float> d_w1, d_w2, d_gate;
+  cuda::DeviceBuffer<float*> d_w1_table, d_w2_table;
+  SecondMicroBatch(BenchContext& ctx, const LayerProblem& p) {
+    const MoeConfig& c = p.config;
+    first = p.tokens_per_rank / 2;
+    tokens = p.tokens_per_rank - first;
+    MoeConfig half = c;
+    half.tokens = tokens * ctx.ranks;
+    layer = std::make_unique<ExpertParallelGpu>(ctx.layer, half, tokens);
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&started, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&finished, cudaEventDisableTiming));
+    const size_t n = static_cast<size_t>(p.experts_per_rank), w_size = size_t(c.model_dim * c.hidden_dim);
+    d_w1 = cuda::DeviceBuffer<float>(n * w_size);
+    d_w2 = cuda::DeviceBuffer<float>(n * w_size);
+    d_w1_table = cuda::expert_pointer_table(d_w1.data(), int(n), w_size);
+    d_w2_table = cuda::expert_pointer_table(d_w2.data(), int(n), w_size);
+    d_gate = cuda::DeviceBuffer<float>(size_t(c.model_dim * c.num_experts));
+  }
+  ~SecondMicroBatch() {
+    layer.reset();
+    cudaEventDestroy(finished);
+    cudaEventDestroy(started);
+    cudaStreamDestroy(stream);
+  }
+  SecondMicroBatch(const SecondMicroBatch&) = delete;
+  SecondMicroBatch& operator=(const SecondMicroBatch&) = delete;
+};
+
+// One row of the layer's step: at a pipelining degree, in a layout r, (placement not empty) at
 // d = 1 with the experts placed by load, whose `note` receives the placement and the rows each
-// rank's experts computed.
+// rank's experts computed, or (overlap) at d = 1 as two overlapped micro-batches.
 class LayerRow final : public Variant {
  public:
   LayerRow(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int chunks, std::shared_ptr<PipelineChoice> choice,
-           int layout = -1, std::string placement = {}, std::shared_ptr<std::string> note = nullptr)
+           int layout = -1, std::string placement = {}, std::shared_ptr<std::string> note = nullptr,
+           bool overlap = false)
       : ctx_(ctx), problem_(std::move(problem)), chunks_(chunks), choice_(std::move(choice)), layout_(layout),
-        placement_spec_(std::move(placement)), note_(std::move(note)) {}
+        placement_spec_(std::move(placement)), note_(std::move(note)), overlap_(overlap) {}
   std::string name() const override {
+    if (overlap_) return "ep_layer d=1 overlap";
     if (!placement_spec_.empty()) return "ep_layer " + placement_spec_;
     if (layout_ >= 0) return "ep_layer r=" + std::to_string(layout_);
     return chunks_ == kAdaptivePipelineChunks ? "ep_layer adaptive" : "ep_layer d=" + std::to_string(chunks_);
@@ -227,6 +276,13 @@ class LayerRow final : public Variant {
   Prepared prepare(int64_t) override {
     if (!placement_spec_.empty()) {
       place_experts();
+      return {bytes(), problem_->tokens_per_rank, "bf16", 4.0 * static_cast<double>(bytes())};
+    }
+    if (overlap_) {  // the first micro-batch is layer_, over tokens [0, T_r / 2)
+      second_ = std::make_unique<SecondMicroBatch>(ctx_, *problem_);
+      MoeConfig half = problem_->config;
+      half.tokens = second_->first * ctx_.ranks;
+      layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, half, second_->first);
       return {bytes(), problem_->tokens_per_rank, "bf16", 4.0 * static_cast<double>(bytes())};
     }
     layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, problem_->config, problem_->tokens_per_rank,
@@ -246,9 +302,13 @@ class LayerRow final : public Variant {
     LayerProblem& p = *problem_;
     Slots& slots = placement_spec_.empty() ? p.slots : slots_;  // the placement's own, or E / R in id order
     const ExpertParallelGpuWeights weights{p.gate.data(), slots.w1_table.data(), slots.w2_table.data()};
-    layer_->forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), stream);
-    layer_->backward(p.x.data(), weights, p.dy.data(),
-                     {p.dx.data(), p.d_gate.data(), slots.d_w1_table.data(), slots.d_w2_table.data()}, stream);
+    if (second_) {
+      run_overlapped(stream, weights);
+    } else {
+      layer_->forward(p.x.data(), p.tokens_per_rank, weights, p.y.data(), stream);
+      layer_->backward(p.x.data(), weights, p.dy.data(),
+                       {p.dx.data(), p.d_gate.data(), slots.d_w1_table.data(), slots.d_w2_table.data()}, stream);
+    }
     if (timer_ != nullptr) timer_->begin("sgd_experts", stream);
     sgd_update(slots.w1.data(), slots.d_w1.data(), slots.w1.size(), kLearningRate, stream);
     sgd_update(slots.w2.data(), slots.d_w2.data(), slots.w2.size(), kLearningRate, stream);
@@ -259,11 +319,17 @@ class LayerRow final : public Variant {
     cuda::PhaseTimer timer;
     timer_ = &timer;
     layer_->set_phase_timer(&timer);
+    if (second_) {
+      timer.name_stream(stream, kComputeRow);
+      timer.name_stream(second_->stream, std::string(kComputeRow) + kSecondMicroBatchSuffix);
+      second_->layer->set_phase_timer(&timer, std::string(kExchangeRow) + kSecondMicroBatchSuffix);
+    }
     std::vector<PhaseTime> result = median_phases(timer, kPhaseRuns, [&] {
       ctx_.host.barrier();
       run(stream);
     });
     layer_->set_phase_timer(nullptr);
+    if (second_) second_->layer->set_phase_timer(nullptr);
     timer_ = nullptr;
     return result;
   }
@@ -278,16 +344,54 @@ class LayerRow final : public Variant {
   }
 
   int host_syncs() const override {
-    return layer_ ? layer_->last_step().host_synchronisations + layer_->last_step().backward_host_synchronisations : 0;
+    int waits = 0;
+    for (const ExpertParallelGpu* layer : {layer_.get(), second_ ? second_->layer.get() : nullptr}) {
+      if (layer != nullptr) waits += layer->last_step().host_synchronisations + layer->last_step().backward_host_synchronisations;
+    }
+    return waits;
   }
 
   void release() override {
     if (choice_ && layer_) *choice_ = layer_->last_step().pipeline;
     layer_.reset();
+    second_.reset();
     slots_ = Slots{};
   }
 
  private:
+  // The overlap row's step: the language model's schedule of two micro-batches (the file comment;
+  // cuda/model/model.cu, forward_phases and backward_phases), A = layer_ on `stream`, B = second_.
+  void run_overlapped(cudaStream_t stream, const ExpertParallelGpuWeights& weights) {
+    LayerProblem& p = *problem_;
+    SecondMicroBatch& b = *second_;
+    ExpertParallelGpu& a = *layer_;
+    const int64_t D = p.config.model_dim, offset = b.first * D;
+    cudaStream_t s = b.stream;
+    CUDA_CHECK(cudaEventRecord(b.started, stream));  // B starts behind what `stream` has
+    CUDA_CHECK(cudaStreamWaitEvent(s, b.started, 0));
+    a.forward_send_counts(p.x.data(), b.first, weights, p.y.data(), stream);
+    b.layer->forward_send_counts(p.x.data() + offset, b.tokens, weights, p.y.data() + offset, s);
+    a.forward_receive_counts(stream);
+    a.forward_experts(stream);
+    b.layer->forward_receive_counts(s);
+    b.layer->forward_experts(s);
+    a.forward_combine(stream);
+    b.layer->forward_combine(s);
+    a.backward_experts(p.x.data(), weights, p.dy.data(),
+                       {p.dx.data(), p.d_gate.data(), p.slots.d_w1_table.data(), p.slots.d_w2_table.data()}, stream);
+    b.layer->backward_experts(p.x.data() + offset, weights, p.dy.data() + offset,
+                              {p.dx.data() + offset, b.d_gate.data(), b.d_w1_table.data(), b.d_w2_table.data()}, s);
+    a.backward_combine(stream);
+    b.layer->backward_combine(s);
+    CUDA_CHECK(cudaEventRecord(b.finished, s));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, b.finished, 0));
+    if (timer_ != nullptr) timer_->begin("sum_micro_batch_gradients", stream);
+    cuda::add_in_place(p.slots.d_w1.data(), b.d_w1.data(), b.d_w1.size(), stream);
+    cuda::add_in_place(p.slots.d_w2.data(), b.d_w2.data(), b.d_w2.size(), stream);
+    cuda::add_in_place(p.d_gate.data(), b.d_gate.data(), b.d_gate.size(), stream);
+    if (timer_ != nullptr) timer_->end(stream);
+  }
+
   // The placement row's setup: one plain step's routed counts (every rank gets the whole matrix),
   // the placement planned from them, this rank's slots with their experts' weights (the plain rows'
   // values), the layer, and one step whose rows per rank go in the note.
@@ -351,6 +455,8 @@ class LayerRow final : public Variant {
   int layout_ = -1;  // Tutel's r of a layout row (r = 1 included); -1 for the pipelining rows
   std::string placement_spec_;  // plain, eplb1, eplb2, shadow; empty for the other rows
   std::shared_ptr<std::string> note_;
+  bool overlap_ = false;                    // the overlap row: second_ is its second micro-batch
+  std::unique_ptr<SecondMicroBatch> second_;
   ExpertPlacement placement_;
   Slots slots_;  // the placement row's slots
   std::unique_ptr<ExpertParallelGpu> layer_;
@@ -375,7 +481,7 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
     messages.push_back(line);
   }
   auto needed = [&](int64_t tokens) {
-    const double ep = expert_parallel_bytes(shape, tokens, R, pipelined, adaptive, ctx.options.layouts);
+    const double ep = expert_parallel_bytes(shape, tokens, R, pipelined, adaptive, ctx.options.layouts, ctx.options.overlap);
     const double reference = reference_bytes(layer_config(shape, tokens, R));
     return ctx.ranks_per_gpu * std::max(ep, reference);  // the check runs before the layer, not beside it
   };
@@ -433,6 +539,10 @@ std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<L
 
 std::unique_ptr<Variant> make_layout_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem, int layout) {
   return std::make_unique<LayerRow>(ctx, std::move(problem), 1, nullptr, layout);
+}
+
+std::unique_ptr<Variant> make_overlap_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem) {
+  return std::make_unique<LayerRow>(ctx, std::move(problem), 1, nullptr, -1, std::string(), nullptr, /*overlap=*/true);
 }
 
 std::unique_ptr<Variant> make_placement_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
