@@ -24,7 +24,8 @@ using nlohmann::json;
 // ---- [SECTION] the table of fields ----
 
 // What a field's value is; decides how a flag's text becomes JSON and which JSON types it accepts.
-enum class Kind { integer, number, text, boolean };
+// switch_or_auto: true, false or "auto" (an std::optional<bool>, unset when auto).
+enum class Kind { integer, number, text, boolean, switch_or_auto };
 
 struct Field {
   std::string key;   // JSON key; the flag is "--" + key with '_' -> '-'
@@ -57,6 +58,15 @@ template <typename Owner, typename T>
 Field field(std::string key, T Owner::*member, std::string help) {
   return {key, kind_of<T>(), help, [member](TrainConfig& c, const json& v) { part<Owner>(c).*member = v.get<T>(); },
           [member](const TrainConfig& c) { return json(part<Owner>(c).*member); }};
+}
+
+// An on / off / auto setting of TrainConfig: JSON true, false or "auto" (unset).
+Field switch_field(std::string key, std::optional<bool> TrainConfig::*member, std::string help) {
+  return {key, Kind::switch_or_auto, help,
+          [member](TrainConfig& c, const json& v) {
+            c.*member = v.is_boolean() ? std::optional<bool>(v.get<bool>()) : std::nullopt;
+          },
+          [member](const TrainConfig& c) { return (c.*member).has_value() ? json(*(c.*member)) : json("auto"); }};
 }
 
 // A model enum, in JSON as its name, read through its parser.
@@ -116,7 +126,7 @@ const std::vector<Field>& fields() {
       field("overwrite", &TrainConfig::overwrite, "replace an existing run in run_dir"),
       field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
       field("cuda_graph", &TrainConfig::cuda_graph, "each step's forward + backward as one CUDA graph, replayed (on | off)"),
-      field("overlap", &TrainConfig::overlap, "two-micro-batch overlap: each rank's batch as two halves, one's exchanges under the other's compute (on | off)"),
+      switch_field("overlap", &TrainConfig::overlap, "two-micro-batch overlap: each rank's batch as two halves, one's exchanges under the other's compute (on | off | auto: on where it pays, several ranks)"),
       // benchmark mode
       field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
       field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first (and at least 1 s of them)"),
@@ -150,6 +160,7 @@ const char* kind_name(Kind kind) {
     case Kind::number: return "a number";
     case Kind::text: return "a string";
     case Kind::boolean: return "true or false (on or off)";
+    case Kind::switch_or_auto: return "true, false or \"auto\" (on, off or auto)";
   }
   return "?";
 }
@@ -159,7 +170,8 @@ void set_field(TrainConfig& config, const Field& field, const json& value, const
   const bool ok = (field.kind == Kind::integer && value.is_number_integer()) ||
                   (field.kind == Kind::number && value.is_number()) ||
                   (field.kind == Kind::text && value.is_string()) ||
-                  (field.kind == Kind::boolean && value.is_boolean());
+                  (field.kind == Kind::boolean && value.is_boolean()) ||
+                  (field.kind == Kind::switch_or_auto && (value.is_boolean() || value == "auto"));
   if (!ok) {
     throw TrainConfigError(source + ": " + field.key + " = " + json_excerpt(value) + "; allowed: " + kind_name(field.kind));
   }
@@ -192,8 +204,10 @@ json value_of_flag(const Field& field, const std::string& text, const std::strin
     }
     case Kind::text: return json(text);
     case Kind::boolean:
+    case Kind::switch_or_auto:
       if (text == "true" || text == "1" || text == "on") return json(true);
       if (text == "false" || text == "0" || text == "off") return json(false);
+      if (field.kind == Kind::switch_or_auto && text == "auto") return json("auto");
       throw bad();
   }
   throw bad();
@@ -303,7 +317,7 @@ TrainConfig parse_arguments(const std::vector<std::string>& arguments) {
     // One value at most: what follows is the next flag, or an argument named below as unexpected.
     CLI::Option* option =
         app.add_option_function<std::vector<std::string>>(flag, keep(flag))->trigger_on_parse()->allow_extra_args(false);
-    if (field.kind == Kind::boolean) option->expected(0, 1);
+    if (field.kind == Kind::boolean || field.kind == Kind::switch_or_auto) option->expected(0, 1);
     else option->expected(1);
   }
   try {
@@ -353,7 +367,8 @@ TrainConfig parse_arguments(const std::vector<std::string>& arguments) {
     std::string key = flag.name.substr(2);
     for (char& c : key) if (c == '-') c = '_';
     const Field& field = find_field(key, "flag " + flag.name);
-    const json value = field.kind == Kind::boolean && !flag.value ? json(true)
+    const bool bare_switch = field.kind == Kind::boolean || field.kind == Kind::switch_or_auto;
+    const json value = bare_switch && !flag.value ? json(true)
                                                                   : value_of_flag(field, require_value(flag), flag.name);
     set_field(config, field, value, "flag " + flag.name);
   }
@@ -397,7 +412,7 @@ void validate(const TrainConfig& c) {
     reject("micro_batches (M)", std::to_string(c.micro_batches) + " with cuda_graph = true",
            "1 with cuda_graph (the graph holds one forward + backward)");
   }
-  if (c.overlap && (c.micro_batches > 1 || c.cuda_graph || c.batch % 2 != 0)) {
+  if (c.overlap.value_or(false) && (c.micro_batches > 1 || c.cuda_graph || c.batch % 2 != 0)) {
     reject("overlap", "on with batch N = " + std::to_string(c.batch) + ", micro_batches M = " +
            std::to_string(c.micro_batches) + ", cuda_graph " + (c.cuda_graph ? "on" : "off"),
            "an even batch, M = 1 and cuda_graph off (each rank's N / R sequences run as two halves)");
@@ -431,6 +446,11 @@ void validate(const TrainConfig& c) {
   if (c.benchmark_warmup < 0) reject("benchmark_warmup", std::to_string(c.benchmark_warmup), "benchmark_warmup >= 0");
   if (c.benchmark_steps == 0 && c.run_dir.empty()) reject("run_dir", "\"\"", "a directory for the run record");
   if (c.benchmark_steps == 0 && c.data.empty()) reject("data", "\"\"", "a corpus directory or a text file");
+}
+
+bool overlaps(const TrainConfig& c, int ranks) {
+  if (c.overlap.has_value()) return *c.overlap;
+  return ranks > 1 && c.micro_batches == 1 && !c.cuda_graph && c.batch % ranks == 0 && (c.batch / ranks) % 2 == 0;
 }
 
 ScheduleConfig schedule(const TrainConfig& c) {

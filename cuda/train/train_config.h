@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -83,7 +84,8 @@ struct TrainConfig {
   bool cuda_graph = false;
   // Two-micro-batch overlap (cuda/model/model.h): each rank's N / R sequences run as two halves side
   // by side, so that one half's all-to-alls run while the other half computes. An even N / R, M = 1.
-  bool overlap = false;
+  // Unset ("auto", the default): on where it pays, see overlaps(); true / false: on / off.
+  std::optional<bool> overlap;
 
   // benchmark mode: no data, no record; time this many steps of random bytes after warm-up
   int64_t benchmark_steps = 0;
@@ -114,6 +116,14 @@ nlohmann::json model_json(const TrainConfig& config);
 
 // Throws TrainConfigError naming the first bad field (the model through validate).
 void validate(const TrainConfig& config);
+
+// Whether a run of `config` on `ranks` ranks overlaps two micro-batches: config.overlap where set;
+// "auto" turns it on where it pays: on several ranks (expert-parallel exchanges to hide) with an
+// even N / R, M = 1 and no CUDA graph. On one GPU there is nothing to hide and the halves' smaller
+// kernels cost time (two H200s, 2026-11-28, the throughput preset, one call: 17.69 / 17.80 ms
+// overlapped against 18.21 / 18.25 ms plain on two GPUs; 14.77 / 14.71 against 14.20 / 14.14 on one;
+// notebooks_data/bench/train_overlap_default_h200x2_2026-11-28.txt).
+bool overlaps(const TrainConfig& config, int ranks);
 
 ScheduleConfig schedule(const TrainConfig& config);
 

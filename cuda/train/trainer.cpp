@@ -61,7 +61,7 @@ cuda::ModelGpuConfig gpu_config(const TrainConfig& c, int ranks = 1, int rank = 
   cuda::ModelGpuConfig g = cuda::gpu_config_of(c.model, c.batch / ranks / c.micro_batches);
   g.moe = moe_layer_config(c.model, c.batch / c.micro_batches);  // tokens: the global (micro-)batch's
   g.micro_batches = c.micro_batches;
-  g.overlap = c.overlap;
+  g.overlap = overlaps(c, ranks);  // --overlap, or auto: on where it pays (train_config.h)
   g.ranks = ranks;
   g.rank = rank;
   return g;
@@ -313,7 +313,7 @@ void check_cuda_graph(const TrainConfig& c, const cuda::ModelRanks* ranks) {
                            ": allowed on one GPU only (the expert-parallel layer keeps no micro-batches)");
   }
   const int64_t R = ranks != nullptr ? ranks->size() : 1;
-  if (c.overlap && (c.batch / R) % 2 != 0) {
+  if (c.overlap.value_or(false) && (c.batch / R) % 2 != 0) {
     throw TrainConfigError("--overlap on: each rank's batch N / R = " + std::to_string(c.batch / R) +
                            " must be even (its two halves run side by side); allowed: an even N / R, or --overlap off");
   }
@@ -944,6 +944,9 @@ class TrainingRun {
       log_ << "; " << c_.micro_batches << " micro-batches of " << model_.config().batch
            << " sequences a step, the experts' weight gradients as one product over them";
     }
+    if (model_.lanes() > 1) {
+      log_ << "; two micro-batches overlapped (--overlap " << (c_.overlap.has_value() ? "on" : "auto") << ")";
+    }
     log_ << "\n";
   }
 
@@ -1239,8 +1242,8 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   result.moe_share = total > 0 ? moe / total : 0;
 
   log << "benchmark on " << result.device
-      << (view.ranks() != nullptr ? " x " + std::to_string(R) + " (" + view.ranks()->description() + ")" : "") << " ("
-      << result.data << "): T = " << T << " bytes per step, " << c.benchmark_steps << " steps after "
+      << (view.ranks() != nullptr ? " x " + std::to_string(R) + " (" + view.ranks()->description() + ")" : "")
+      << (overlaps(c, int(R)) ? ", two micro-batches overlapped" : "") << " (" << result.data << "): T = " << T << " bytes per step, " << c.benchmark_steps << " steps after "
       << c.benchmark_warmup << " warm-up, from " << result.weights << "\n"
       << "  median step " << fixed(result.median_step_ms, 3) << " ms (min " << fixed(result.min_step_ms, 3)
       << "), " << format_rate(result.tokens_per_second) << " tokens/s, MFU " << fixed(100 * result.mfu, 1)
@@ -1266,7 +1269,8 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
 
   if (!c.benchmark_json.empty() && view.root()) {
     json out = {{"device", result.device}, {"ranks", R}, {"date", utc_now_iso8601()}, {"data", result.data},
-                {"config", to_json(c)}, {"tokens_per_step", T}, {"median_step_ms", result.median_step_ms},
+                {"config", to_json(c)}, {"overlap", overlaps(c, int(R))}, {"tokens_per_step", T},
+                {"median_step_ms", result.median_step_ms},
                 {"min_step_ms", result.min_step_ms}, {"step_ms", step_ms},
                 {"tokens_per_second", result.tokens_per_second}, {"mfu", result.mfu},
                 {"flops_per_token", result.flops_per_token}, {"moe_share", result.moe_share},

@@ -118,6 +118,41 @@ TEST(TrainConfig, BadInputNamesTheFieldAndWhatIsAllowed) {
   }
 }
 
+// --overlap is on, off or auto (the default): auto overlaps two micro-batches where it pays, on
+// several ranks with an even share of the batch each, and nowhere on one GPU; records written with
+// true / false read back as on / off.
+TEST(TrainConfig, OverlapIsOnOffOrAutoWhereItPays) {
+  using moe::train::overlaps;
+  const TrainConfig automatic = parse_arguments({"--preset", "tiny", "--batch", "8"});
+  EXPECT_FALSE(automatic.overlap.has_value());
+  EXPECT_FALSE(overlaps(automatic, 1)) << "one GPU: nothing to hide";
+  EXPECT_TRUE(overlaps(automatic, 2)) << "N / R = 4";
+  EXPECT_TRUE(overlaps(automatic, 4)) << "N / R = 2";
+  EXPECT_FALSE(overlaps(automatic, 8)) << "N / R = 1: no two halves";
+  EXPECT_FALSE(overlaps(parse_arguments({"--preset", "tiny", "--batch", "6"}), 2)) << "N / R = 3 is odd";
+  EXPECT_FALSE(overlaps(parse_arguments({"--preset", "tiny", "--batch", "8", "--micro-batches", "2"}), 2));
+  EXPECT_FALSE(overlaps(parse_arguments({"--preset", "tiny", "--batch", "8", "--cuda-graph"}), 2));
+  EXPECT_FALSE(overlaps(parse_arguments({"--preset", "tiny", "--batch", "8", "--overlap", "off"}), 2));
+  EXPECT_TRUE(overlaps(parse_arguments({"--preset", "tiny", "--batch", "8", "--overlap", "on"}), 1));
+  EXPECT_TRUE(overlaps(parse_arguments({"--preset", "tiny", "--batch", "8", "--overlap"}), 1)) << "a bare flag is on";
+  EXPECT_FALSE(parse_arguments({"--preset", "tiny", "--overlap", "on", "--overlap", "auto"}).overlap.has_value());
+
+  EXPECT_EQ(moe::train::to_json(automatic)["overlap"], "auto");
+  for (const nlohmann::json& value : {nlohmann::json(true), nlohmann::json(false), nlohmann::json("auto")}) {
+    TrainConfig config = moe::train::preset("tiny");
+    moe::train::apply_json(config, {{"overlap", value}}, "a record");
+    EXPECT_EQ(moe::train::to_json(config)["overlap"], value);
+  }
+  EXPECT_NE(parse_error({"--overlap", "sometimes"}).find("flag --overlap sometimes: not true, false or \"auto\""),
+            std::string::npos);
+  TrainConfig config = moe::train::preset("tiny");
+  EXPECT_NE(error_of([&] { moe::train::apply_json(config, {{"overlap", "yes"}}, "run.json"); })
+                .find("run.json: overlap = \"yes\"; allowed: true, false or \"auto\""),
+            std::string::npos);
+  EXPECT_NE(parse_error({"--overlap", "on", "--batch", "31"}).find("overlap = on with batch N = 31"), std::string::npos);
+  EXPECT_EQ(parse_error({"--batch", "31"}), "") << "auto never refuses a batch: it is off where it cannot split";
+}
+
 // A value the settings reject ends with the flag that sets it, as the user types it.
 TEST(TrainConfig, RejectedValueNamesItsFlag) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
