@@ -135,7 +135,11 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
         LayerSpec layer = layer_of(run);
         const bool by_layout = variant.rfind("ep_layer r=", 0) == 0;  // Tutel's layouts (ep_bench --layouts)
         if (variant.rfind("ep_layer d=", 0) == 0 || by_layout) {
-          const std::optional<int64_t> n = parse_integer(variant.substr(11));
+          // "ep_layer d=1 overlap": the step as two overlapped micro-batches (ep_bench --overlap)
+          const std::string suffix = " overlap";
+          layer.overlap = variant.ends_with(suffix);
+          const std::optional<int64_t> n =
+              parse_integer(variant.substr(11, variant.size() - 11 - (layer.overlap ? suffix.size() : 0)));
           if (!n) continue;
           (by_layout ? layer.layout : layer.chunks) = *n;
           SimulationSpec spec;

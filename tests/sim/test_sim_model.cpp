@@ -415,6 +415,20 @@ nlohmann::json ep_bench_run(int64_t ranks, nlohmann::json rows) {
           {"rows", rows}};
 }
 
+// ep_bench_run's layer as the simulator reads it, two micro-batches overlapped.
+LayerSpec overlapped_layer_of_the_example() {
+  LayerSpec layer;
+  layer.tokens_per_rank = 1000;
+  layer.model_dim = 100;
+  layer.hidden_dim = 200;
+  layer.experts = 2;
+  layer.top_k = 1;
+  layer.block_size = 1;
+  layer.chunks = 1;
+  layer.overlap = true;
+  return layer;
+}
+
 TEST(SimCalibration, CalibratesFromEpBenchAndValidatesAgainstIt) {
   const std::filesystem::path dir = temp_dir("calibrate");
   const Calibration hand = hand_calibration();
@@ -426,7 +440,8 @@ TEST(SimCalibration, CalibratesFromEpBenchAndValidatesAgainstIt) {
   const nlohmann::json two = ep_bench_run(2, {{{"variant", "alltoall"}, {"size_bytes", 2e6}, {"time_us", 20}},
                                               {{"variant", "alltoall"}, {"size_bytes", 1e6}, {"time_us", 10}},
                                               {{"variant", "count_exchange"}, {"size_bytes", 16}, {"time_us", 7}},
-                                              {{"variant", "ep_layer d=1"}, {"size_bytes", 1}, {"time_us", 940}}});
+                                              {{"variant", "ep_layer d=1"}, {"size_bytes", 1}, {"time_us", 940}},
+                                              {{"variant", "ep_layer d=1 overlap"}, {"size_bytes", 1}, {"time_us", 990}}});
   const nlohmann::json four = ep_bench_run(4, {{{"variant", "alltoall"}, {"size_bytes", 1.5e6}, {"time_us", 20}}});
   std::ofstream(dir / "one.json") << one.dump();
   std::ofstream(dir / "runs.json") << nlohmann::json{{"runs", {two, four}}}.dump();
@@ -440,19 +455,29 @@ TEST(SimCalibration, CalibratesFromEpBenchAndValidatesAgainstIt) {
   EXPECT_THROW(calibrate_from_ep_bench({dir / "other.json"}, "test"), std::invalid_argument);
 
   // Calibrated on R <= 2: the R = 2 layer row is predicted (938 us by hand, against 940), the
-  // R = 2 all-to-all rows are the calibration's own, the R = 4 row is a hold-out.
+  // R = 2 all-to-all rows are the calibration's own, the R = 4 row is a hold-out. The overlap row is
+  // the same step as two micro-batches (the simulator's layer.overlap).
   const std::vector<ValidationRow> rows = validate_against_measurements(c.limited_to(2), {dir / "one.json", dir / "runs.json"});
-  ASSERT_EQ(rows.size(), 6u);
+  ASSERT_EQ(rows.size(), 7u);
   const ValidationRow& layer = rows[4];
   EXPECT_EQ(layer.what, "ep_layer d=1");
   EXPECT_EQ(layer.ranks, 2);
   EXPECT_FALSE(layer.calibration);
   EXPECT_NEAR(layer.predicted_us, 938, 1e-6);
+  const ValidationRow& overlapped = rows[5];
+  EXPECT_EQ(overlapped.what, "ep_layer d=1 overlap");
+  SimulationSpec spec;
+  spec.cluster = Cluster{1, 2};
+  spec.layer = overlapped_layer_of_the_example();
+  spec.steps = 1;
+  spec.span_ranks = 0;
+  EXPECT_NEAR(overlapped.predicted_us, simulate(spec, c.limited_to(2)).median_step_us(), 1e-6);
+  EXPECT_GT(std::abs(overlapped.predicted_us - layer.predicted_us), 1.0) << "the overlap row read as the plain one";
   EXPECT_TRUE(rows[0].calibration);  // the one-GPU layer
   EXPECT_TRUE(rows[2].calibration);  // an all-to-all point of the curve
-  EXPECT_TRUE(rows[5].held_out);
+  EXPECT_TRUE(rows[6].held_out);
   const ValidationSummary summary = summarize(rows);
-  EXPECT_EQ(summary.rows, 2);
+  EXPECT_EQ(summary.rows, 3);
   EXPECT_EQ(summary.held_out_rows, 1);
   EXPECT_THROW(validate_against_measurements(c, {dir / "other.json"}), std::invalid_argument);
   std::filesystem::remove_all(dir);
