@@ -497,7 +497,8 @@ calibrate() {
     --eval-every 1000 --record-every 100 --run-dir "$checkpoint" > "$LOGS/calibrate_checkpoint.log" 2>&1 || rc=1
   for r in 1 2 4; do
     [ "$r" -le "$gpus" ] || break
-    "${mpirun[@]}" -np $r $two --backend nccl --preset throughput --steps 2000 --batch $((64 * r)) --resume \
+    # --overlap off: the simulator's language model is the plain step
+    "${mpirun[@]}" -np $r $two --backend nccl --preset throughput --steps 2000 --batch $((64 * r)) --resume --overlap off \
       --run-dir "$checkpoint" --benchmark-steps 40 --benchmark-json "$OUT/sim/train_r$r.json" \
       > "$LOGS/calibrate_train_r$r.log" 2>&1 || rc=1
     echo "language model, R = $r: $(grep 'median step' "$LOGS/calibrate_train_r$r.log")"
@@ -515,7 +516,7 @@ calibrate() {
 }
 
 overlap() {
-  # The language model's step with and without two-micro-batch overlap (--overlap on), from a
+  # The language model's step with and without two-micro-batch overlap (--overlap on / off), from a
   # checkpoint trained 300 steps on Brown (as calibrate's), plain and overlapped alternating, one GPU
   # and as many as the machine has up to two: distributed/measured.md's table.
   local rc=0 checkpoint=/tmp/moe_overlap_checkpoint gpus r name
@@ -528,7 +529,7 @@ overlap() {
   for r in 1 2; do
     [ "$r" -le "$gpus" ] || break
     for name in plain overlap plain_again overlap_again; do
-      local flags=()
+      local flags=(--overlap off)
       [[ $name == overlap* ]] && flags=(--overlap on)
       "${mpirun[@]}" -np $r build-gpu/distributed/train/moe_train_distributed --backend nccl --preset throughput \
         --steps 2000 --batch $((64 * r)) --resume --run-dir "$checkpoint" --benchmark-steps 40 "${flags[@]}" \

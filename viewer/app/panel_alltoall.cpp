@@ -251,7 +251,7 @@ void ExposedCommunicationView(ViewerState& state, OpenRun& run) {
   ImGui::Text("exposed communication, step %lld", static_cast<long long>(x.step));
   HelpMarker("The time the compute stream waited on communication: the count exchanges, the waits for the rows to "
              "arrive at the experts (ep_wait_dispatch) and to come back (ep_wait_combine), and the gradients' "
-             "all-reduce where the backward did not hide it. With two micro-batches overlapped (--overlap on), the "
+             "all-reduce where the backward did not hide it. With two micro-batches overlapped (--overlap, the default on several GPUs), the "
              "first one's stream, which the step's end waits on. This is the part of the step that hiding "
              "communication behind compute can still take away.");
   std::vector<double> share(x.exposed_us.size());
