@@ -117,6 +117,7 @@ int main(int argc, char** argv) {
                                "ep_bench_exposed_lm_layer_r2_h200x2_2026-11-28.json",
                                "ep_bench_calibrate_r2_h200x2_2026-11-28.json", "ep_bench_exposed_r2_h200x2_2026-11-28.json",
                                "train_brown_step300_r2_h200x2_2026-11-28.json", "train_brown_step300_r2_h200x4_2026-11-28.json",
+                               "ep_bench_overlap_r2_h200x2_2026-11-28.json", "ep_bench_overlap_lm_layer_r2_h200x2_2026-11-28.json",
                                "ep_bench_scaling_nccl_h200x4_2026-11-26.json", "ep_bench_exchange_nccl_h200x4_2026-11-26.json",
                                "ep_bench_exposed_r4_h200x4_2026-11-28.json", "ep_bench_exposed_lm_layer_r4_h200x4_2026-11-28.json",
                                "train_brown_step300_r4_h200x4_2026-11-28.json"}) {
