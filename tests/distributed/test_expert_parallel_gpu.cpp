@@ -28,8 +28,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <span>
 #include <string>
@@ -298,6 +301,129 @@ TEST_F(ExpertParallelGpuTest, ARankWithoutTokensAndExpertsWithoutRows) {
   check_case(c, last_rank_only, {.pipeline_chunks = 4}, 1.0, 3);
   c.formulation = Formulation::dropping;
   check_case(c, even_shards(c.tokens, R), {}, 1.0, 3);  // expert 3 keeps C of T, the rest dropped
+}
+
+// ---- two micro-batches in stages (the language model's --overlap, cuda/model/model.cu) ----
+
+// One micro-batch's outputs on this rank, as bits.
+struct MicroBatchRun {
+  std::vector<bf16> y;
+  std::vector<float> dx, d_gate, d_w1, d_w2;
+};
+
+// This rank's shard as two micro-batches, each rank's first T_r / 2 tokens and the rest, each its
+// own layer: interleaved in stages on two streams in the model's schedule (staged), or one after
+// the other through forward() and backward().
+std::array<MicroBatchRun, 2> run_two_micro_batches(const Problem& p, const std::vector<int64_t>& shards, bool staged) {
+  Communicator& comm = ExpertParallelGpuTest::device_communicator();
+  const MoeConfig& c = p.config;
+  const int R = comm.size(), rank = comm.rank();
+  const int64_t D = c.model_dim, H = c.hidden_dim, E = c.num_experts, E_r = E / R;
+  const int64_t offset = offset_of(shards, rank), T_r = shards[rank];
+  const std::array<int64_t, 2> first{0, T_r / 2}, count{T_r / 2, T_r - T_r / 2};
+  std::array<int64_t, 2> tokens{0, 0};  // each micro-batch's T over all ranks
+  for (int64_t n : shards) {
+    tokens[0] += n / 2;
+    tokens[1] += n - n / 2;
+  }
+  DeviceBuffer<bf16> x(cuda::bf16_of(Matrix(p.x.middleRows(offset, T_r))));
+  DeviceBuffer<bf16> dy(cuda::bf16_of(Matrix(p.dy.middleRows(offset, T_r))));
+  DeviceBuffer<bf16> gate(cuda::bf16_of(p.weights.gate_weights)), y(size_t(std::max<int64_t>(1, T_r) * D));
+  std::vector<Matrix> w1_local, w2_local;
+  for (int64_t e = rank * E_r; e < (rank + 1) * E_r; ++e) {
+    w1_local.push_back(p.weights.w1[e]);
+    w2_local.push_back(p.weights.w2[e]);
+  }
+  DeviceBuffer<bf16> w1(cuda::bf16_of(w1_local)), w2(cuda::bf16_of(w2_local));
+  auto w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), int(E_r), size_t(D * H));
+  auto w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), int(E_r), size_t(H * D));
+  const ExpertParallelGpuWeights weights{gate.data(), w1_table.data(), w2_table.data()};
+  DeviceBuffer<float> dx(size_t(std::max<int64_t>(1, T_r) * D));
+  std::array<DeviceBuffer<float>, 2> d_gate, d_w1, d_w2;
+  std::array<DeviceBuffer<float*>, 2> d_w1_table, d_w2_table;
+  std::array<std::unique_ptr<ExpertParallelGpu>, 2> layer;
+  std::array<cudaStream_t, 2> stream{};
+  std::array<ExpertParallelGpuGradients, 2> gradients;
+  for (int m = 0; m < 2; ++m) {
+    d_gate[m] = DeviceBuffer<float>(size_t(D * E));
+    d_w1[m] = DeviceBuffer<float>(size_t(E_r * D * H));
+    d_w2[m] = DeviceBuffer<float>(size_t(E_r * H * D));
+    d_w1_table[m] = cuda::expert_pointer_table(d_w1[m].data(), int(E_r), size_t(D * H));
+    d_w2_table[m] = cuda::expert_pointer_table(d_w2[m].data(), int(E_r), size_t(H * D));
+    MoeConfig half = c;
+    half.tokens = tokens[m];
+    layer[m] = std::make_unique<ExpertParallelGpu>(comm, half, *std::max_element(shards.begin(), shards.end()));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream[m], cudaStreamNonBlocking));
+    gradients[m] = {dx.data() + first[m] * D, d_gate[m].data(), d_w1_table[m].data(), d_w2_table[m].data()};
+  }
+  auto rows = [&](const DeviceBuffer<bf16>& b, int m) { return b.data() + first[m] * D; };
+  if (staged) {  // both halves' counts first; A's rows out, B's; A's back, B's; the backward likewise
+    for (int m = 0; m < 2; ++m) layer[m]->forward_send_counts(rows(x, m), count[m], weights, y.data() + first[m] * D, stream[m]);
+    for (int m = 0; m < 2; ++m) {
+      layer[m]->forward_receive_counts(stream[m]);
+      layer[m]->forward_experts(stream[m]);
+    }
+    for (int m = 0; m < 2; ++m) layer[m]->forward_combine(stream[m]);
+    for (int m = 0; m < 2; ++m) layer[m]->backward_experts(rows(x, m), weights, rows(dy, m), gradients[m], stream[m]);
+    for (int m = 0; m < 2; ++m) layer[m]->backward_combine(stream[m]);
+  } else {
+    for (int m = 0; m < 2; ++m) {
+      layer[m]->forward(rows(x, m), count[m], weights, y.data() + first[m] * D, stream[0]);
+      layer[m]->backward(rows(x, m), weights, rows(dy, m), gradients[m], stream[0]);
+    }
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::array<MicroBatchRun, 2> out;
+  const std::vector<bf16> y_all = y.download();
+  const std::vector<float> dx_all = dx.download();
+  for (int m = 0; m < 2; ++m) {
+    out[m].y.assign(y_all.begin() + first[m] * D, y_all.begin() + (first[m] + count[m]) * D);
+    out[m].dx.assign(dx_all.begin() + first[m] * D, dx_all.begin() + (first[m] + count[m]) * D);
+    out[m].d_gate = d_gate[m].download();
+    out[m].d_w1 = d_w1[m].download();
+    out[m].d_w2 = d_w2[m].download();
+    layer[m].reset();
+    CUDA_CHECK(cudaStreamDestroy(stream[m]));
+  }
+  return out;
+}
+
+// The language model's two-micro-batch overlap drives the layer in stages: two layers, two streams,
+// their exchanges interleaved on one communicator. Each micro-batch's y, dx and gradients equal, bit
+// for bit, that micro-batch run alone: the same kernels on the same rows, only the order of the
+// launches between the micro-batches changes. With a rank without tokens in either micro-batch, and
+// top-1 routing onto one expert so that every other expert receives nothing.
+TEST_F(ExpertParallelGpuTest, TwoMicroBatchesInStagesEqualEachAlone) {
+  const int R = world().size();
+  MoeConfig c = base_config();  // B = 64: the portable kernels
+  std::vector<int64_t> last_rank_only(R, 0);
+  last_rank_only[R - 1] = c.tokens;
+  for (const bool favoured : {false, true}) {
+    if (favoured) {  // top-1 onto expert 3: every other expert receives nothing
+      c.top_k = 1;
+      c.renormalize = false;
+    }
+    for (const std::vector<int64_t>& shards : {uneven_shards(c.tokens, R), last_rank_only}) {
+      const uint64_t seed = shared_seed();
+      SCOPED_TRACE("seed " + std::to_string(seed) + (favoured ? ", top-1 onto expert 3" : "") +
+                   (shards == last_rank_only ? ", only the last rank holds tokens" : ""));
+      const Problem problem = make_problem(c, seed, 1.0, favoured ? 3 : -1);
+      const std::array<MicroBatchRun, 2> staged = run_two_micro_batches(problem, shards, true);
+      const std::array<MicroBatchRun, 2> alone = run_two_micro_batches(problem, shards, false);
+      for (int m = 0; m < 2; ++m) {
+        SCOPED_TRACE("micro-batch " + std::to_string(m));
+        auto same_bits = [](const auto& a, const auto& b) {
+          return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+        };
+        EXPECT_TRUE(same_bits(staged[m].y, alone[m].y)) << "y";
+        EXPECT_TRUE(same_bits(staged[m].dx, alone[m].dx)) << "dx";
+        EXPECT_TRUE(same_bits(staged[m].d_gate, alone[m].d_gate)) << "d gate_weights";
+        EXPECT_TRUE(same_bits(staged[m].d_w1, alone[m].d_w1)) << "d w1";
+        EXPECT_TRUE(same_bits(staged[m].d_w2, alone[m].d_w2)) << "d w2";
+        for (float v : staged[m].d_w1) ASSERT_TRUE(std::isfinite(v)) << "d w1 not finite";
+      }
+    }
+  }
 }
 
 // ---- Tutel's pipelining ----
