@@ -35,7 +35,8 @@ float silu(float a) { return a / (1.0f + std::exp(-a)); }
 // The kernel's inner loop, compiled for AVX-512, AVX2 and plain x86-64, the best chosen when
 // the program loads (GCC's target_clones). Each clone computes the same products and sums in the
 // same order (ISO C++ does not fuse a multiply and an add), so every clone gives the same bits.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer, whose runtime is not up yet when the loader runs the clones' resolver.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define MOE_CPU_EXPERT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MOE_CPU_EXPERT_CLONES
@@ -79,6 +80,31 @@ CpuExpert::CpuExpert(const CpuExpertShape& shape, int threads) : shape_(shape) {
   }
   // At most H threads: each owns at least one hidden column.
   threads_ = static_cast<int>(std::min<int64_t>(check_cpu_expert_threads(threads), shape.hidden));
+  for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t); });
+}
+
+CpuExpert::~CpuExpert() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (std::thread& worker : workers_) worker.join();
+}
+
+void CpuExpert::work(int t) {
+  int64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+    }
+    slice(t, call_w1_, call_w2_, call_x_, call_rows_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--pending_ == 0) done_.notify_one();
+  }
 }
 
 void CpuExpert::forward(std::span<const uint16_t> weights, std::span<const float> x, int64_t rows, std::span<float> y) {
@@ -98,7 +124,21 @@ void CpuExpert::forward(std::span<const uint16_t> weights, std::span<const float
   hidden_.assign(static_cast<size_t>(threads_ * rows * widest * (shape_.activation == CpuExpertActivation::swiglu ? 2 : 1)), 0.0f);
   const uint16_t* w1 = weights.data();
   const uint16_t* w2 = weights.data() + D * shape_.w1_columns();
-  run_threads(threads_, [&](int t) { slice(t, w1, w2, x.data(), rows); });
+  {  // the workers take slices 1 .. threads - 1, the caller slice 0
+    std::lock_guard<std::mutex> lock(mutex_);
+    call_w1_ = w1;
+    call_w2_ = w2;
+    call_x_ = x.data();
+    call_rows_ = rows;
+    pending_ = threads_ - 1;
+    ++generation_;
+  }
+  wake_.notify_all();
+  slice(0, w1, w2, x.data(), rows);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+  }
   // The partials in thread order: the same sums, in the same order, every call.
   std::fill(y.begin(), y.end(), 0.0f);
   for (int t = 0; t < threads_; ++t) {

@@ -27,9 +27,12 @@
 // Dimension legend: D model width, H expert hidden width, W1 w1's columns (H for GeLU, 2H for SwiGLU).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace moe::cuda {
@@ -48,12 +51,16 @@ struct CpuExpertShape {
 // naming the count asked and the host's, else returns the count.
 int check_cpu_expert_threads(int threads);
 
-// Computes experts of one shape with a fixed number of threads (started per call, joined before it
-// returns). Not thread-safe: one call at a time.
+// Computes experts of one shape with a fixed number of threads: the caller's and threads - 1
+// workers started by the constructor, which wait between calls (a call wakes them and returns once
+// all have finished its slices). Not thread-safe: one call at a time.
 class CpuExpert {
  public:
   // Throws std::invalid_argument for D or H < 1, or a thread count check_cpu_expert_threads refuses.
   CpuExpert(const CpuExpertShape& shape, int threads);
+  ~CpuExpert();
+  CpuExpert(const CpuExpert&) = delete;
+  CpuExpert& operator=(const CpuExpert&) = delete;
 
   // y [rows, D] = the expert FFN of x [rows, D] (file comment). weights: the expert's
   // weight_elements() bf16 values (w1 then w2). Throws std::invalid_argument if a span's size does
@@ -66,8 +73,21 @@ class CpuExpert {
  private:
   void slice(int t, const uint16_t* w1, const uint16_t* w2, const float* x, int64_t rows);
 
+  void work(int t);  // a worker's loop: wait for a call, run slice t, report, until stopped
+
   CpuExpertShape shape_;
   int threads_ = 1;
+  // The workers and the call they run: its arguments, a generation number each call advances, and
+  // how many workers have yet to finish it.
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  int64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  const uint16_t *call_w1_ = nullptr, *call_w2_ = nullptr;
+  const float* call_x_ = nullptr;
+  int64_t call_rows_ = 0;
   std::vector<float> partials_;  // [threads, rows, D]
   std::vector<float> hidden_;    // [threads, rows, slice width]
 };
