@@ -16,6 +16,7 @@
 #include "core/device_info.h"       // why_no_gpu
 #include "bridge/reference_bridge.h"  // bf16_of, matrix_of
 #include "moe/block_sparse.h"       // expert_pointer_table
+#include "ep/expert_placement.h"    // contiguous_placement
 #if MOE_HAVE_NCCL
 #include "comm/nccl_communicator.h"      // NcclCommunicator
 #endif
@@ -123,36 +124,51 @@ LessonData rounded_to_bf16(LessonData data) {
 
 // ---- the layer ----
 
+// A rank's expert slots: each holds its expert's weights and room for their gradients.
+struct GpuLessonLayer::Experts {
+  DeviceBuffer<bf16> w1, w2;                     // [slots, D, H] [slots, H, D]
+  DeviceBuffer<const bf16*> w1_table, w2_table;  // [slots]
+  DeviceBuffer<float> d_w1, d_w2;
+  DeviceBuffer<float*> d_w1_table, d_w2_table;
+  Experts(const ref::MoeWeights& weights, const std::vector<int64_t>& experts, int64_t D, int64_t H) {
+    std::vector<ref::Matrix> w1_slots, w2_slots;
+    for (int64_t e : experts) {
+      w1_slots.push_back(weights.w1[static_cast<size_t>(e)]);
+      w2_slots.push_back(weights.w2[static_cast<size_t>(e)]);
+    }
+    const int n = static_cast<int>(experts.size());
+    w1 = DeviceBuffer<bf16>(cuda::bf16_of(w1_slots));
+    w2 = DeviceBuffer<bf16>(cuda::bf16_of(w2_slots));
+    w1_table = cuda::expert_pointer_table<const bf16>(w1.data(), n, static_cast<size_t>(D * H));
+    w2_table = cuda::expert_pointer_table<const bf16>(w2.data(), n, static_cast<size_t>(H * D));
+    d_w1 = DeviceBuffer<float>(static_cast<size_t>(n * D * H));
+    d_w2 = DeviceBuffer<float>(static_cast<size_t>(n * H * D));
+    d_w1_table = cuda::expert_pointer_table(d_w1.data(), n, static_cast<size_t>(D * H));
+    d_w2_table = cuda::expert_pointer_table(d_w2.data(), n, static_cast<size_t>(H * D));
+  }
+};
+
 struct GpuLessonLayer::Buffers {
-  DeviceBuffer<bf16> x, dy, gate, w1, w2, y;  // [T_r, D] [T_r, D] [D, E] [E_r, D, H] [E_r, H, D] [T_r, D]
-  DeviceBuffer<const bf16*> w1_table, w2_table;  // [E_r]
-  DeviceBuffer<float> dx, d_gate, d_w1, d_w2;    // [T_r, D] [D, E] [E_r, D, H] [E_r, H, D]
-  DeviceBuffer<float*> d_w1_table, d_w2_table;   // [E_r]
+  DeviceBuffer<bf16> x, dy, gate, y;           // [T_r, D] [T_r, D] [D, E] [T_r, D]
+  DeviceBuffer<float> dx, d_gate;              // [T_r, D] [D, E]
+  std::unique_ptr<Experts> experts;            // E / R in id order
 };
 
 GpuLessonLayer::GpuLessonLayer(GpuRanks& ranks, dist::Communicator& world, const MoeConfig& config,
                                const ref::Matrix& x, const ref::Matrix& dy, const ref::MoeWeights& weights,
                                int64_t offset, int64_t tokens)
-    : ranks_(ranks), world_(world), config_(config), tokens_(tokens), buffers_(std::make_unique<Buffers>()) {
+    : ranks_(ranks), world_(world), config_(config), tokens_(tokens), weights_(weights),
+      buffers_(std::make_unique<Buffers>()) {
   const int R = ranks.layer->size(), rank = ranks.layer->rank();
-  const int64_t D = config.model_dim, H = config.hidden_dim, E_r = config.num_experts / R;
+  const int64_t D = config.model_dim, H = config.hidden_dim;
   Buffers& b = *buffers_;
   b.x = DeviceBuffer<bf16>(cuda::bf16_of(ref::Matrix(x.middleRows(offset, tokens))));
   b.dy = DeviceBuffer<bf16>(cuda::bf16_of(ref::Matrix(dy.middleRows(offset, tokens))));
   b.gate = DeviceBuffer<bf16>(cuda::bf16_of(weights.gate_weights));
-  const std::vector<ref::Matrix> w1(weights.w1.begin() + rank * E_r, weights.w1.begin() + (rank + 1) * E_r);
-  const std::vector<ref::Matrix> w2(weights.w2.begin() + rank * E_r, weights.w2.begin() + (rank + 1) * E_r);
-  b.w1 = DeviceBuffer<bf16>(cuda::bf16_of(w1));
-  b.w2 = DeviceBuffer<bf16>(cuda::bf16_of(w2));
-  b.w1_table = cuda::expert_pointer_table<const bf16>(b.w1.data(), static_cast<int>(E_r), static_cast<size_t>(D * H));
-  b.w2_table = cuda::expert_pointer_table<const bf16>(b.w2.data(), static_cast<int>(E_r), static_cast<size_t>(H * D));
+  b.experts = std::make_unique<Experts>(weights, dist::contiguous_placement(config.num_experts, R).experts_of(rank), D, H);
   b.y = DeviceBuffer<bf16>(static_cast<size_t>(tokens * D));
   b.dx = DeviceBuffer<float>(static_cast<size_t>(tokens * D));
   b.d_gate = DeviceBuffer<float>(static_cast<size_t>(D * config.num_experts));
-  b.d_w1 = DeviceBuffer<float>(static_cast<size_t>(E_r * D * H));
-  b.d_w2 = DeviceBuffer<float>(static_cast<size_t>(E_r * H * D));
-  b.d_w1_table = cuda::expert_pointer_table(b.d_w1.data(), static_cast<int>(E_r), static_cast<size_t>(D * H));
-  b.d_w2_table = cuda::expert_pointer_table(b.d_w2.data(), static_cast<int>(E_r), static_cast<size_t>(H * D));
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -165,9 +181,15 @@ GpuLayerRun GpuLessonLayer::run(const dist::ExpertParallelGpuOptions& options, i
   const bool ffn = options.experts == dist::ExpertCompute::ffn;
   dist::ExpertParallelGpu layer(*ranks_.layer, config_, tokens_, options);
   if (layout != 1) layer.set_layout(layout);
-  const dist::ExpertParallelGpuWeights weights{b.gate.data(), b.w1_table.data(), b.w2_table.data()};
-  const dist::ExpertParallelGpuGradients gradients{b.dx.data(), b.d_gate.data(), b.d_w1_table.data(),
-                                                   b.d_w2_table.data()};
+  std::unique_ptr<Experts> placed;  // a placement's slots, for this run
+  if (options.placement != nullptr) {
+    placed = std::make_unique<Experts>(weights_, options.placement->experts_of(ranks_.layer->rank()),
+                                       config_.model_dim, config_.hidden_dim);
+  }
+  const Experts& experts = placed ? *placed : *b.experts;
+  const dist::ExpertParallelGpuWeights weights{b.gate.data(), experts.w1_table.data(), experts.w2_table.data()};
+  const dist::ExpertParallelGpuGradients gradients{b.dx.data(), b.d_gate.data(), experts.d_w1_table.data(),
+                                                   experts.d_w2_table.data()};
   cudaEvent_t start = nullptr, forwarded = nullptr, done = nullptr;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&forwarded));

@@ -85,15 +85,19 @@ class GpuLessonLayer {
 
   // A layer with these options, in Tutel's layout r (set_layout; 1: expert parallel): warm-up
   // steps, then timed steps (a barrier before each), then one step more into NaN-filled outputs,
-  // which are read back. Forward and backward (forward only with identity experts). Collective.
+  // which are read back. Forward and backward (forward only with identity experts). With
+  // options.placement, this rank's slots of that placement hold their experts' weights for the run.
+  // Collective.
   GpuLayerRun run(const dist::ExpertParallelGpuOptions& options, int warmup_steps, int timed_steps, int layout = 1);
 
  private:
   struct Buffers;
+  struct Experts;
   GpuRanks& ranks_;
   dist::Communicator& world_;
   MoeConfig config_;
   int64_t tokens_ = 0;  // T_r
+  ref::MoeWeights weights_;  // every expert's, for the slots of a placement
   std::unique_ptr<Buffers> buffers_;
 };
 

@@ -264,6 +264,62 @@ void show_gpu_check(lessons::RankOutput& out, const lessons::ReferenceCheck& che
   out.show(table);
 }
 
+// ---- G4. the straggler on GPUs, and replicas of the hot experts (section 7) ----
+// The same step under uniform routing (the random tokens) and under the zipf text's, each expert
+// placed E / R in id order, then the zipf text with EPLB's replicas planned from its own counts:
+// the rows each rank's experts compute, the step's time, and each run against the CPU reference.
+// Returns the worst relative error (y and dx) and whether every run passed. Collective.
+std::pair<double, bool> show_gpu_straggler(dist::Communicator& comm, lessons::RankOutput& out,
+                                           lessons::GpuRanks& ranks, const MoeConfig& config,
+                                           const lessons::LessonData& data, lessons::GpuLessonLayer& zipf,
+                                           const lessons::GpuLayerRun& zipf_plain, const ref::LayerForward& reference,
+                                           const ref::LayerGradients& gradients, const Shard& shard) {
+  const int R = comm.size();
+  const int64_t E = config.num_experts, T = config.tokens;
+  Table table("Table G4: the straggler on GPUs, and replicas of the hot experts (forward + backward, the slowest "
+              "rank's median of " + std::to_string(kTimed) + " steps)",
+              {"routing, placement", "rows each rank computes", "max/mean", "step ms", "rel err vs CPU (y, dx)"});
+  double worst = 0;
+  bool pass = true;
+  auto add = [&](const std::string& name, const lessons::GpuLayerRun& run, const ref::LayerForward& want,
+                 const ref::LayerGradients& want_grads) {
+    const lessons::ReferenceCheck check =
+        lessons::check_against_reference(comm, run, want, &want_grads, shard.offset, shard.tokens, config.top_k);
+    const std::vector<int64_t> rows = dist::all_gather<int64_t>(comm, run.step.rows_received);
+    const double error = std::max(check.y_error, check.dx_error);
+    worst = std::max(worst, error);
+    pass = pass && check.pass(T);
+    table.add_row({name, joined(rows), max_over_mean(rows), run.forward_ms + run.backward_ms, error});
+  };
+  {  // uniform: the random tokens, on a layer of their own
+    const ref::LayerForward uniform_reference = ref::moe_forward(config, data.random_x, data.weights);
+    const ref::LayerGradients uniform_gradients =
+        ref::moe_backward(config, data.random_x, data.weights, uniform_reference, data.dy);
+    lessons::GpuLessonLayer uniform(ranks, comm, config, data.random_x, data.dy, data.weights, shard.offset,
+                                    shard.tokens);
+    add("uniform (random tokens), E / R in id order", uniform.run({}, kWarmup, kTimed), uniform_reference,
+        uniform_gradients);
+  }
+  add("zipf text, E / R in id order", zipf_plain, reference, gradients);
+  const std::vector<int64_t> counts = expert_loads(zipf_plain.step.routed_per_rank_expert, R, E);
+  const std::vector<double> load(counts.begin(), counts.end());
+  std::vector<dist::ExpertPlacement> placements;
+  for (int64_t redundant : {1, 2}) {
+    if (R > 1 && redundant <= E - E / R) {
+      placements.push_back(dist::eplb_placement(load, R, redundant));
+      add("zipf text, EPLB S=" + std::to_string(redundant), zipf.run({.placement = &placements.back()}, kWarmup, kTimed),
+          reference, gradients);
+    }
+  }
+  out.show(table);
+  out.say("  The same routing as Table 4: under the zipf text the busiest rank's experts compute the most rows,\n"
+          "  and every rank waits for it at the combine. EPLB's replicas (section 7) even the rows out; each\n"
+          "  replica holds its expert's weights and their gradients are summed. At this size a step is a\n"
+          "  few launches, so the rows even out more than the times do; ep_bench --placements shows the\n"
+          "  same at full size (distributed/measured.md).\n");
+  return {worst, pass};
+}
+
 // The lesson's layer on GPU ranks (distributed/ep/expert_parallel_gpu.h, bf16), checked against the CPU
 // reference on all tokens (double, from the same bf16 values), then what the GPU run measured: the
 // count exchange's matrix, the bytes each rank moves, and where the time goes. Collective; returns
@@ -308,13 +364,16 @@ int run_on_gpu(dist::MpiCommunicator& world, const lessons::LessonOptions& optio
       comm, full, reference, &reference_grads, shard.offset, shard.tokens, config.top_k);
   const double aux_error = std::abs(full.step.aux_loss - reference.aux_loss) / reference.aux_loss;
   show_gpu_check(out, check, aux_error, T);
+  const auto [placed_error, placed_pass] =
+      show_gpu_straggler(comm, out, *start.ranks, config, data, gpu, full, reference, reference_grads, shard);
 
   // ---- verdict ----
-  const bool pass = check.pass(T) && aux_error <= lessons::kGpuTolerance;
+  const bool pass = check.pass(T) && aux_error <= lessons::kGpuTolerance && placed_pass;
   std::ostringstream message;
   message << std::setprecision(2) << "GPU EP layer == CPU reference on R=" << R << " ranks (" << ranks.backend
           << "): y rel_err=" << check.y_error << " dx rel_err=" << check.dx_error << " aux rel_err=" << aux_error
-          << " tol=" << lessons::kGpuTolerance << "; tokens routed otherwise: " << check.routed_otherwise;
+          << " tol=" << lessons::kGpuTolerance << "; tokens routed otherwise: " << check.routed_otherwise
+          << "; uniform, zipf and EPLB placements (Table G4) max rel_err=" << placed_error;
   return out.finish(pass, message.str());
 }
 #else
