@@ -121,7 +121,8 @@ void CpuExpert::forward(std::span<const uint16_t> weights, std::span<const float
   const int64_t H = shape_.hidden;
   const int64_t widest = (H + threads_ - 1) / threads_;
   partials_.assign(static_cast<size_t>(threads_ * rows * D), 0.0f);
-  hidden_.assign(static_cast<size_t>(threads_ * rows * widest * (shape_.activation == CpuExpertActivation::swiglu ? 2 : 1)), 0.0f);
+  // Each slice zeroes its own part of hidden_ (slice()).
+  hidden_.resize(static_cast<size_t>(threads_ * rows * widest * (shape_.activation == CpuExpertActivation::swiglu ? 2 : 1)));
   const uint16_t* w1 = weights.data();
   const uint16_t* w2 = weights.data() + D * shape_.w1_columns();
   {  // the workers take slices 1 .. threads - 1, the caller slice 0

@@ -465,8 +465,7 @@ RoutingSummary record_routing(const TrainConfig& c, const TextCorpus* corpus, co
 // micro-batch) rows 9 and 10. A stream without a name goes on the exchange row.
 std::pair<int64_t, std::string> timeline_row(const cuda::TimedPhase& p) {
   const std::string second = kSecondMicroBatchSuffix;
-  const bool second_lane = p.stream_name.size() >= second.size() &&
-                           p.stream_name.compare(p.stream_name.size() - second.size(), second.size(), second) == 0;
+  const bool second_lane = p.stream_name.ends_with(second);
   if (p.stream_name.rfind(kComputeRow, 0) == 0) {
     const int64_t lane_row = second_lane ? 2 : 0;
     if (p.depth == 0) return {lane_row, p.stream_name};
@@ -1243,8 +1242,8 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
 
   log << "benchmark on " << result.device
       << (view.ranks() != nullptr ? " x " + std::to_string(R) + " (" + view.ranks()->description() + ")" : "")
-      << (overlaps(c, int(R)) ? ", two micro-batches overlapped" : "") << " (" << result.data << "): T = " << T << " bytes per step, " << c.benchmark_steps << " steps after "
-      << c.benchmark_warmup << " warm-up, from " << result.weights << "\n"
+      << (overlaps(c, int(R)) ? ", two micro-batches overlapped" : "") << " (" << result.data << "): T = " << T
+      << " bytes per step, " << c.benchmark_steps << " steps after " << c.benchmark_warmup << " warm-up, from " << result.weights << "\n"
       << "  median step " << fixed(result.median_step_ms, 3) << " ms (min " << fixed(result.min_step_ms, 3)
       << "), " << format_rate(result.tokens_per_second) << " tokens/s, MFU " << fixed(100 * result.mfu, 1)
       << "% (" << fixed(result.flops_per_token / 1e6, 1) << " MFLOP per token)\n  phases of one timed step:";

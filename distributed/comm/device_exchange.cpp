@@ -301,7 +301,7 @@ void DeviceExchange::start_all_gather_to_host(const void* send, int64_t count, D
     char* send_host = stage_to_host(send_stage_, send, bytes, stream);  // the host waits here
     communicator_.all_gather(send_host, gathered, count, type);
   }
-  pending_gather_ = PendingGather{all_bytes, stream, true};
+  pending_gather_ = PendingGather{gathered, all_bytes, stream, true};
 }
 
 void DeviceExchange::finish_all_gather_to_host(void* recv) {
@@ -311,8 +311,7 @@ void DeviceExchange::finish_all_gather_to_host(void* recv) {
   const PendingGather pending = pending_gather_;
   pending_gather_ = PendingGather{};
   if (device_pointers_) wait(pending.stream);
-  const char* gathered = gather_host_.reserve(pending.bytes);  // the same buffer: it holds pending.bytes already
-  std::copy(gathered, gathered + pending.bytes, static_cast<char*>(recv));
+  std::copy(pending.gathered, pending.gathered + pending.bytes, static_cast<char*>(recv));
 }
 
 }  // namespace moe::dist

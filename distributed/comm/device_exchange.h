@@ -109,7 +109,8 @@ class DeviceExchange {
   GrownBuffer gather_device_{GrownBuffer::Memory::device, "DeviceExchange"};  // NCCL: all_gather_to_host's device scratch
   GrownBuffer gather_host_{GrownBuffer::Memory::pinned_host, "DeviceExchange"};  // all_gather_to_host's result
   struct PendingGather {
-    size_t bytes = 0;                // R * count elements' bytes, in gather_host_
+    const char* gathered = nullptr;  // gather_host_'s R * count elements
+    size_t bytes = 0;
     cudaStream_t stream = nullptr;   // NCCL: what finish waits for
     bool started = false;
   };

@@ -91,12 +91,13 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
   pipeline(timeline, batches, layer.chunks, true);
   std::vector<Op> router;
   for (MicroBatch& m : batches) router.push_back(timeline.local("router_backward" + m.suffix, kCompute, model.router_backward_us(m.tokens), {m.last}));
-  Op all_reduce = timeline.collective("router_all_reduce", kCompute, model.small_all_reduce_us(), router);
+  // The expert gradients are complete after the last of these (the SGD waits for it).
+  Op gradients_done = timeline.collective("router_all_reduce", kCompute, model.small_all_reduce_us(), router);
   if (load.replicas > 0) {  // the replicas' gradients summed, so that they stay one expert
-    all_reduce = timeline.collective("replica_all_reduce", kCompute, model.replica_all_reduce_us(load), {all_reduce});
+    gradients_done = timeline.collective("replica_all_reduce", kCompute, model.replica_all_reduce_us(load), {gradients_done});
   }
   if (model.layer().layout != 1) {  // layouts r != 1: the gradients back onto the storing ranks
-    all_reduce = timeline.collective("return_expert_gradients", kCompute, model.layout_weights_us(true), {all_reduce});
+    gradients_done = timeline.collective("return_expert_gradients", kCompute, model.layout_weights_us(true), {gradients_done});
   }
   // SGD on each rank's expert slots: its E / R experts and its replicas (any layout: the stored ones).
   std::vector<double> sgd_us;
@@ -110,9 +111,9 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
   if (layer.overlap) {
     std::vector<double> sum_us;
     for (double us : sgd_us) sum_us.push_back(1.5 * us);
-    all_reduce = timeline.local("sum_micro_batch_gradients", kCompute, sum_us, {all_reduce});
+    gradients_done = timeline.local("sum_micro_batch_gradients", kCompute, sum_us, {gradients_done});
   }
-  const Op sgd = timeline.local("sgd_experts", kCompute, sgd_us, {all_reduce});
+  const Op sgd = timeline.local("sgd_experts", kCompute, sgd_us, {gradients_done});
   timeline.local("unnamed", kCompute, model.unnamed_us(static_cast<double>(layer.tokens_per_rank)), {sgd});
 }
 
