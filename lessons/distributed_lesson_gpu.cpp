@@ -16,7 +16,7 @@
 #include "core/device_info.h"       // why_no_gpu
 #include "bridge/reference_bridge.h"  // bf16_of, matrix_of
 #include "moe/block_sparse.h"       // expert_pointer_table
-#include "ep/expert_placement.h"    // contiguous_placement
+#include "expert_placement.h"    // contiguous_placement
 #if MOE_HAVE_NCCL
 #include "comm/nccl_communicator.h"      // NcclCommunicator
 #endif

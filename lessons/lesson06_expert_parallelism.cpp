@@ -701,7 +701,7 @@ double show_placement_by_load(dist::Communicator& comm, lessons::RankOutput& out
     text << "  Shadowing e" << hottest << " moves its " << elements << " weights: " << (R - 1) * elements * 10
          << " bytes a step (a bf16 broadcast, fp32 gradients summed),\n  against 8 D = "
          << 8 * config.model_dim << " bytes for each of its rows that crosses ranks: worth it at these counts? "
-         << (pays ? "yes" : "no") << " (distributed/ep/expert_placement.h).\n";
+         << (pays ? "yes" : "no") << " (common/expert_placement.h).\n";
   }
   out.say(text.str());
   return backward;

@@ -20,7 +20,7 @@
 // the random features add a little noise). Needs D > E. The draws depend on the global token, so
 // the check sees the same inputs.
 // The placement rows (--placements) run the d = 1 step with the experts placed by load
-// (ep/expert_placement.h): EPLB with 1 or 2 spare slots a rank, planned from one plain step's
+// (common/expert_placement.h): EPLB with 1 or 2 spare slots a rank, planned from one plain step's
 // counts, or the busiest expert shadowed; each slot holds its expert's weights (the same values as
 // the plain rows'), so the check is the same. Each prints the rows every rank's experts computed.
 // The overlap row (--overlap) runs the d = 1 step as two micro-batches of T_r / 2 tokens, each its
@@ -43,7 +43,7 @@
 #include "ep/expert_parallel_gpu.h"  // ExpertParallelGpu
 #include "moe/block_sparse.h"     // expert_pointer_table
 #include "moe/moe_layer.h"        // MoeLayerGpu, layer_memory_bytes: the check
-#include "ep/expert_placement.h"  // contiguous_placement, eplb_placement
+#include "expert_placement.h"  // contiguous_placement, eplb_placement
 
 namespace moe::dist::bench {
 

@@ -63,7 +63,7 @@
 #include <vector>
 
 #include "comm/communicator.h"           // Communicator
-#include "ep/expert_placement.h"        // ExpertPlacement
+#include "expert_placement.h"        // ExpertPlacement
 #include "ep/placement.h"               // experts_per_rank, config_fingerprint
 #include "moe_config.h"                 // MoeConfig
 #include "reference_cpu/dispatch.h"     // DispatchPlan

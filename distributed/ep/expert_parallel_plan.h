@@ -61,7 +61,7 @@
 #include <span>
 #include <vector>
 
-#include "ep/expert_placement.h"  // ExpertPlacement
+#include "expert_placement.h"  // ExpertPlacement
 #include "moe_config.h"           // MoeConfig, Formulation
 
 namespace moe::dist {

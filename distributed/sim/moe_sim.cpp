@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
     app.add_flag("--overlap", o.overlap, "two micro-batches, one's exchanges under the other's compute");
     app.add_option("--layout", o.layout, "Tutel's layout r: 1 expert parallel, 0 every rank every expert, r > 1 experts sharded over r ranks")
         ->capture_default_str()->check(moe::whole_number(0, 1 << 20));
-    app.add_option("--redundant-slots", o.redundant_slots, "spare expert slots a rank, filled with replicas of the hot experts (EPLB, ep/expert_placement.h)")
+    app.add_option("--redundant-slots", o.redundant_slots, "spare expert slots a rank, filled with replicas of the hot experts (EPLB, common/expert_placement.h)")
         ->capture_default_str()->check(moe::whole_number(0, 1 << 20));
     app.add_option("--capacity-factor", o.capacity_factor, "0: dropless; else each expert keeps C = f T R K / E rows")
         ->capture_default_str()->check(moe::finite_number(0, 1e6));

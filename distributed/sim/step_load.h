@@ -9,7 +9,7 @@
 // A capacity (rows an expert may keep) turns routed rows into kept rows; what is dropped is not sent.
 //
 // Replicated hot experts: the layers' own placement by load (DeepSeek's EPLB,
-// ep/expert_placement.h): ceil(E / R) + S slots a rank, the spare ones filled with replicas of the
+// common/expert_placement.h): ceil(E / R) + S slots a rank, the spare ones filled with replicas of the
 // experts with the most rows a replica, the replicas packed heaviest first onto the least loaded
 // rank. Every source rank's rows for an expert are split evenly over its replicas (the expectation
 // of the layers' routing rule, which splits them within a row), so the busiest rank's rows shrink
@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "ep/expert_placement.h"  // ExpertPlacement, eplb_placement
+#include "expert_placement.h"  // ExpertPlacement, eplb_placement
 #include "sim/routing_trace.h"    // BlockLoad
 
 namespace moe::sim {

@@ -1,4 +1,4 @@
-// test_expert_placement.cpp: placements as data (distributed/ep/expert_placement.h), one process.
+// test_expert_placement.cpp: placements as data (common/expert_placement.h), one process.
 // The contiguous default for any E over any R, the checks on a placement, the routing rule over
 // replicas (pieces that cover the rows once, the source's own replica first, shares within a row),
 // and EPLB: every slot filled, no rank holding an expert twice, a hand-worked case, the busiest rank
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "ep/expert_placement.h"
+#include "expert_placement.h"
 
 namespace moe::dist {
 namespace {

@@ -1,5 +1,5 @@
 // expert_placement.cpp: placements, EPLB and the routing rule (see expert_placement.h).
-#include "ep/expert_placement.h"
+#include "expert_placement.h"
 
 #include <algorithm>
 #include <cmath>
