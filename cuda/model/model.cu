@@ -83,9 +83,29 @@ void validate(const ModelGpuConfig& c) {
     reject("moe.tokens (T)", text(m.tokens),
            (c.ranks > 1 ? "ranks * batch * seq_len = " : "batch * seq_len = ") + text(c.ranks * c.batch * c.seq_len));
   }
-  if (c.ranks > 1 && m.num_experts % c.ranks != 0) {
+  if (c.ranks > 1 && m.num_experts < c.ranks) {
     reject("moe.num_experts (E)", text(m.num_experts),
-           "a multiple of the ranks R = " + text(c.ranks) + " (each rank holds E / R experts)");
+           "at least the ranks R = " + text(c.ranks) + " (each rank holds an expert of every MoE block)");
+  }
+  if (!c.expert_placements.empty()) {
+    const int64_t moe_blocks = int64_t(moe::moe_blocks(model_config_of(c)).size());
+    if (c.ranks == 1) reject("expert_placements", "set on one GPU", "empty (every expert is on the one GPU)");
+    if (int64_t(c.expert_placements.size()) != moe_blocks) {
+      reject("expert_placements", text(int64_t(c.expert_placements.size())) + " placements",
+             "one per MoE block: " + text(moe_blocks));
+    }
+    for (size_t j = 0; j < c.expert_placements.size(); ++j) {
+      const dist::ExpertPlacement& p = c.expert_placements[j];
+      if (p.ranks() != c.ranks || p.experts() != m.num_experts) {
+        reject("expert_placements[" + text(int64_t(j)) + "]",
+               "a placement of E = " + text(p.experts()) + " experts on R = " + text(p.ranks()) + " ranks",
+               "E = " + text(m.num_experts) + " on R = " + text(c.ranks));
+      }
+      if (p.replicated() && m.formulation == Formulation::padded) {
+        reject("expert_placements[" + text(int64_t(j)) + "]", "replicated experts with moe.formulation = padded",
+               "no replicas when padded (C rows are one rank's computation of an expert), or dropless / dropping");
+      }
+    }
   }
   if (c.ranks > 1 && c.pregated) {
     reject("pregated", "true on " + text(c.ranks) + " ranks",
@@ -160,18 +180,28 @@ ModelConfig model_config_of(const ModelGpuConfig& g) {
   return c;
 }
 
-std::pair<int64_t, int64_t> local_experts(const ModelGpuConfig& c) {
-  const int64_t per_rank = c.moe.num_experts / std::max<int64_t>(c.ranks, 1);
-  return {c.rank * per_rank, per_rank};
+dist::ExpertPlacement expert_placement(const ModelGpuConfig& c, int64_t moe_block) {
+  if (!c.expert_placements.empty()) return c.expert_placements.at(size_t(moe_block));
+  return dist::contiguous_placement(c.moe.num_experts, int(std::max<int64_t>(c.ranks, 1)));
+}
+
+std::vector<int64_t> local_experts(const ModelGpuConfig& c, int64_t moe_block) {
+  return expert_placement(c, moe_block).experts_of(int(c.rank));
 }
 
 std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& c) {
-  const auto [first_expert, expert_count] = local_experts(c);
+  // Per MoE block, which experts this rank holds: [layer][e].
+  std::vector<std::vector<bool>> held(size_t(c.num_layers));
+  for (int64_t layer = 0, moe_block = 0; layer < c.num_layers; ++layer) {
+    if (c.moe_layers == MoeLayers::none || !is_moe_block(c, layer)) continue;
+    held[size_t(layer)].assign(size_t(c.moe.num_experts), false);
+    for (int64_t e : local_experts(c, moe_block++)) held[size_t(layer)][size_t(e)] = true;
+  }
   std::vector<ParameterSpan> layout;
   int64_t offset = 0;
   for (const ParameterInfo& p : moe::parameter_layout(model_config_of(c))) {
     const bool expert = p.expert >= 0;
-    if (expert && (p.expert < first_expert || p.expert >= first_expert + expert_count)) continue;  // another rank's
+    if (expert && !held[size_t(std::stoll(p.name.substr(7)))][size_t(p.expert)]) continue;  // "blocks.i.moe...": another rank's
     layout.push_back({p.name, p.rows, p.cols, offset, p.weight_decay, expert});
     offset += p.rows * p.cols;
   }
@@ -276,11 +306,12 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   layer_config.tokens /= lane_count;
   const int64_t lane_sequences = config_.batch / lane_count;
   blocks_.resize(size_t(config_.num_layers));
-  for (int64_t i = 0; i < config_.num_layers; ++i) {
+  for (int64_t i = 0, moe_block = 0; i < config_.num_layers; ++i) {
     if (!is_moe_block(config_, i)) continue;
+    const dist::ExpertPlacement placement = expert_placement(config_, moe_block++);
     for (int lane = 0; lane < lane_count; ++lane) {
       blocks_[size_t(i)].moe[size_t(lane)] =
-          ranks_ != nullptr ? ranks_->make_moe_ffn(layer_config, lane_sequences * config_.seq_len)
+          ranks_ != nullptr ? ranks_->make_moe_ffn(layer_config, lane_sequences * config_.seq_len, placement)
                             : std::make_unique<SingleGpuMoeFfn>(layer_config, micro_batches);
     }
   }
@@ -322,12 +353,23 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   clip_scale_ = DeviceBuffer<float>(1);
   if (ranks_ != nullptr) {
     // Runs of neighbouring replicated tensors, summed over the ranks in one call each; the norm
-    // counts a replicated tensor once over all ranks (weight 1 / R on each) and each expert once.
+    // counts a replicated tensor once over all ranks (weight 1 / R on each) and each expert once
+    // (weight 1 / n on each of its n replicas).
+    std::vector<std::vector<double>> expert_weight(size_t(config_.num_layers));  // [layer][e]: 1 / replicas
+    for (int64_t i = 0, moe_block = 0; i < config_.num_layers; ++i) {
+      if (!is_moe_block(config_, i)) continue;
+      const dist::ExpertPlacement placement = expert_placement(config_, moe_block++);
+      for (int64_t e = 0; e < placement.experts(); ++e) {
+        expert_weight[size_t(i)].push_back(1.0 / double(placement.replicas(e).size()));
+      }
+    }
     std::vector<NormSpan> spans;
     gradient_buckets_.resize(size_t(config_.num_layers + 1));
     for (const ParameterSpan& p : layout_) {
       const int64_t count = p.rows * p.cols;
-      const float weight = p.expert ? 1.0f : 1.0f / float(config_.ranks);
+      const float weight = p.expert ? float(expert_weight[size_t(std::stoll(p.name.substr(7)))][size_t(
+                                          std::stoll(p.name.substr(p.name.rfind('.') + 1)))])
+                                    : 1.0f / float(config_.ranks);
       if (!spans.empty() && spans.back().weight == weight && spans.back().offset + spans.back().count == p.offset) {
         spans.back().count += count;
       } else {
@@ -362,7 +404,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
 
   // Per block: parameter offsets (walking the layout in its order), activations, expert tables.
   size_t next = 2;  // after token_embedding and position_embedding
-  for (int64_t i = 0; i < config_.num_layers; ++i) {
+  for (int64_t i = 0, moe_block = 0; i < config_.num_layers; ++i) {
     Block& b = blocks_[size_t(i)];
     b.ln1_gain = layout_[next++].offset;
     b.ln1_bias = layout_[next++].offset;
@@ -382,7 +424,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     b.ln2_mean = DeviceBuffer<float>(T);
     b.ln2_rstd = DeviceBuffer<float>(T);
     if (b.moe[0]) {
-      const size_t E = size_t(local_experts(config_).second);  // this rank's experts: all on one GPU
+      const size_t E = size_t(local_experts(config_, moe_block++).size());  // this rank's experts: all on one GPU
       b.gate = layout_[next++].offset;
       std::vector<const bf16*> w1(E), w2(E);
       for (size_t e = 0; e < E; ++e) {

@@ -88,6 +88,7 @@
 #include "core/bf16.h"           // bf16
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "core/gemm.h"           // CublasHandle
+#include "expert_placement.h"    // dist::ExpertPlacement
 #include "model_config.h"        // ModelConfig, MoeLayers
 #include "moe_config.h"          // MoeConfig
 #include "moe/moe_layer.h"       // MoeLayerGpu
@@ -122,6 +123,12 @@ struct ModelGpuConfig {
   int64_t micro_batches = 1;
   // Two-micro-batch overlap (see above): an even batch, micro_batches = 1.
   bool overlap = false;
+  // On several ranks, where each MoE block's experts live (common/expert_placement.h), one placement
+  // per MoE block in block order; empty: contiguous_placement(E, R) for every block (E / R a rank
+  // in id order where R divides E). A rank holds its slots' experts; a replicated expert has a copy
+  // of its weights and AdamW moments on each of its ranks, the layer sums its weight gradients over
+  // them, so the copies take the same steps and stay equal. The norm counts each expert once.
+  std::vector<dist::ExpertPlacement> expert_placements;
 };
 
 // The optimizer's fixed settings (the learning rate comes with each step).
@@ -153,10 +160,14 @@ ModelConfig model_config_of(const ModelGpuConfig& config);
 void validate(const ModelGpuConfig& config);
 bool is_moe_block(const ModelGpuConfig& config, int64_t layer);
 // parameter_layout(model_config_of(config)) (common/parameter_layout.h); on several ranks, the
-// subsequence this rank holds (the replicated tensors and its own experts), at offsets in its buffers.
+// subsequence this rank holds (the replicated tensors and its experts of each MoE block, as its
+// placement says), at offsets in its buffers.
 std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& config);
-// The first of this rank's experts and how many: [rank E / ranks, + E / ranks); {0, E} on one GPU.
-std::pair<int64_t, int64_t> local_experts(const ModelGpuConfig& config);
+// MoE block `moe_block`'s placement (the moe_block-th MoE block, in block order): the config's, or
+// contiguous_placement(E, R). One GPU: every expert on rank 0.
+dist::ExpertPlacement expert_placement(const ModelGpuConfig& config, int64_t moe_block);
+// The experts of MoE block `moe_block` this rank holds, ascending: all E on one GPU.
+std::vector<int64_t> local_experts(const ModelGpuConfig& config, int64_t moe_block);
 
 class ModelGpu {
  public:

@@ -8,7 +8,9 @@
 // its gradient summed over the ranks before the optimizer (all_reduce_sum). The experts are placed
 // E / R per rank (rank r holds experts [r E_r, (r + 1) E_r) of every MoE block) and their
 // gradients stay where they live: the expert-parallel layer already sums every rank's tokens'
-// contributions on the expert's rank.
+// contributions on the expert's rank. A placement (ModelGpuConfig::expert_placements) may put any
+// experts on any rank, with replicas; the layer then also sums a replicated expert's gradients over
+// its replicas.
 //
 // Dimension legend: T_r this rank's tokens (N / R sequences of S), T = R T_r, D, E, K, R as usual.
 #pragma once
@@ -25,6 +27,7 @@
 #include "core/device_buffer.h" // DeviceBuffer
 #include "core/phase_timer.h"   // PhaseTimer
 #include "moe/moe_layer.h"      // MoeLayerWeights, MoeLayerGradients, MoeLayerGpu
+#include "expert_placement.h"   // dist::ExpertPlacement
 #include "moe_config.h"         // MoeConfig
 
 namespace moe::cuda {
@@ -81,6 +84,10 @@ class MoeBlockFfn {
   // Token rows this rank's last forward sent to each rank, [R] (the all-to-all's row of its byte
   // matrix, in rows); empty on one GPU.
   virtual std::vector<int64_t> rows_sent_per_rank() const { return {}; }
+  // The last forward's routed slots of each expert over all ranks' tokens, [E] on the host (before
+  // any dropping: the load a placement by load balances); empty on one GPU, where reading the
+  // routing back would cost a wait of the host.
+  virtual std::vector<int64_t> expert_load() const { return {}; }
   // Tutel's pipelining degree d of the last forward (1 on one GPU) and, where the layer chooses d by
   // measurement, the candidates with their trial times (the slowest rank's forward + backward, ms;
   // negative until measured) and the kept d (0 while the trials run).
@@ -167,9 +174,11 @@ class ModelRanks {
   virtual int size() const = 0;                // R
   virtual std::string description() const = 0; // "2 ranks over NCCL", for logs and run records
 
-  // An MoE block's FFN whose experts are spread over the ranks. layer_config.tokens is T (all
-  // ranks' tokens), local_tokens is T_r.
-  virtual std::unique_ptr<MoeBlockFfn> make_moe_ffn(const MoeConfig& layer_config, int64_t local_tokens) = 0;
+  // An MoE block's FFN whose experts are spread over the ranks as `placement` says (this rank's
+  // slots are the experts whose weights the model hands it). layer_config.tokens is T (all ranks'
+  // tokens), local_tokens is T_r.
+  virtual std::unique_ptr<MoeBlockFfn> make_moe_ffn(const MoeConfig& layer_config, int64_t local_tokens,
+                                                    const dist::ExpertPlacement& placement) = 0;
 
   // Sums device data [count] over the ranks in place, ordered on `stream`.
   virtual void all_reduce_sum(float* data, int64_t count, cudaStream_t stream) = 0;

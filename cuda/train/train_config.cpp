@@ -126,6 +126,9 @@ const std::vector<Field>& fields() {
       field("overwrite", &TrainConfig::overwrite, "replace an existing run in run_dir"),
       field("stop_after", &TrainConfig::stop_after, "stop after this many steps in total (0: at steps)"),
       field("cuda_graph", &TrainConfig::cuda_graph, "each step's forward + backward as one CUDA graph, replayed (on | off)"),
+      field("placement", &TrainConfig::placement, "where the experts live on several ranks: contiguous (E / R a rank in id order) | eplb (re-planned by load every rebalance_every steps, with replicas of hot experts)"),
+      field("redundant_slots", &TrainConfig::redundant_slots, "eplb: spare expert slots a rank, for replicas of the hot experts"),
+      field("rebalance_every", &TrainConfig::rebalance_every, "eplb: re-plan the placement every this many steps, from their loads"),
       switch_field("overlap", &TrainConfig::overlap, "two-micro-batch overlap: each rank's batch as two halves, one's exchanges under the other's compute (on | off | auto: on where it pays, several ranks)"),
       // benchmark mode
       field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
@@ -417,6 +420,11 @@ void validate(const TrainConfig& c) {
            std::to_string(c.micro_batches) + ", cuda_graph " + (c.cuda_graph ? "on" : "off"),
            "an even batch, M = 1 and cuda_graph off (each rank's N / R sequences run as two halves)");
   }
+  if (c.placement != "contiguous" && c.placement != "eplb") reject("placement", "\"" + c.placement + "\"", "contiguous or eplb");
+  if (c.redundant_slots < 0 || c.redundant_slots > 256) {
+    reject("redundant_slots", std::to_string(c.redundant_slots), "0 to 256 spare slots a rank (E <= 256)");
+  }
+  if (c.rebalance_every < 1) reject("rebalance_every", std::to_string(c.rebalance_every), "rebalance_every >= 1 steps");
   if (c.steps < 1) reject("steps", std::to_string(c.steps), "steps >= 1");
   if (!(c.learning_rate > 0) || !std::isfinite(c.learning_rate)) {
     reject("learning_rate", std::to_string(c.learning_rate), "a finite number > 0");
@@ -446,6 +454,29 @@ void validate(const TrainConfig& c) {
   if (c.benchmark_warmup < 0) reject("benchmark_warmup", std::to_string(c.benchmark_warmup), "benchmark_warmup >= 0");
   if (c.benchmark_steps == 0 && c.run_dir.empty()) reject("run_dir", "\"\"", "a directory for the run record");
   if (c.benchmark_steps == 0 && c.data.empty()) reject("data", "\"\"", "a corpus directory or a text file");
+}
+
+void check_placement(const TrainConfig& c, int ranks) {
+  if (c.model.moe_layers == MoeLayers::none) {
+    if (c.placement == "eplb") reject("placement", "eplb for a dense model", "contiguous (there are no experts to place)");
+    return;
+  }
+  const int64_t E = c.model.num_experts, R = ranks;
+  if (R > 1 && E < R) {
+    reject("num_experts (E)", std::to_string(E) + " on " + std::to_string(R) + " ranks",
+           "at least one expert a rank: E >= R");
+  }
+  if (c.placement != "eplb") return;
+  if (R == 1) reject("placement", "eplb on one GPU", "contiguous (every expert is on the one GPU; eplb places them over several ranks)");
+  const int64_t spare_at_most = E - (E + R - 1) / R;
+  if (c.redundant_slots > spare_at_most) {
+    reject("redundant_slots", std::to_string(c.redundant_slots) + " with E = " + std::to_string(E) + " on R = " +
+           std::to_string(R) + " ranks", "0 to E - ceil(E / R) = " + std::to_string(spare_at_most) + " (a rank holds an expert once)");
+  }
+  if (c.redundant_slots > 0 && c.model.formulation == Formulation::padded) {
+    reject("redundant_slots", std::to_string(c.redundant_slots) + " with formulation = padded",
+           "0 (padded computes each expert as C rows on one rank), or formulation dropless or dropping");
+  }
 }
 
 bool overlaps(const TrainConfig& c, int ranks) {

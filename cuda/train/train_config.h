@@ -86,6 +86,17 @@ struct TrainConfig {
   // by side, so that one half's all-to-alls run while the other half computes. An even N / R, M = 1.
   // Unset ("auto", the default): on where it pays, see overlaps(); true / false: on / off.
   std::optional<bool> overlap;
+  // Where each MoE block's experts live on several ranks (common/expert_placement.h):
+  //   "contiguous"  E / R a rank in id order (FastMoE's; one more on some ranks where R does not
+  //                 divide E), fixed for the run;
+  //   "eplb"        DeepSeek's EPLB: every rebalance_every steps each block's placement is planned
+  //                 again from the loads its experts were routed in those steps, with
+  //                 redundant_slots spare slots a rank for replicas of the hot experts; the experts'
+  //                 weights and AdamW moments move to their new ranks between two steps.
+  // Checkpoints keep the placement; a run resumed on as many ranks continues with it.
+  std::string placement = "contiguous";
+  int64_t redundant_slots = 1;
+  int64_t rebalance_every = 100;
 
   // benchmark mode: no data, no record; time this many steps of random bytes after warm-up
   int64_t benchmark_steps = 0;
@@ -116,6 +127,11 @@ nlohmann::json model_json(const TrainConfig& config);
 
 // Throws TrainConfigError naming the first bad field (the model through validate).
 void validate(const TrainConfig& config);
+
+// The placement's checks that need the number of ranks: "eplb" on several ranks, E >= R (a rank holds
+// an expert of every block), 0 <= redundant_slots <= E - ceil(E / R) (a rank holds an expert once),
+// no replicas with the padded formulation. Throws TrainConfigError naming the flag.
+void check_placement(const TrainConfig& config, int ranks);
 
 // Whether a run of `config` on `ranks` ranks overlaps two micro-batches: config.overlap where set;
 // "auto" turns it on where it pays: on several ranks (expert-parallel exchanges to hide) with an

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>  // SIGTERM
+#include <cstring>  // memcmp
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -33,6 +34,7 @@
 #include "core/cuda_check.h"      // CUDA_CHECK
 #include "core/device_buffer.h"   // DeviceBuffer
 #include "core/device_info.h"     // current_device, why_no_gpu
+#include "expert_placement.h"     // eplb_placement, expected_rank_load: --placement eplb
 #include "parameter_layout.h"     // initial_parameters
 #include "model/model.h"          // ModelGpu
 #include "core/phase_timer.h"     // PhaseTimer
@@ -57,8 +59,11 @@ constexpr uint64_t kValidationSeed = 0x5eed'0f'7a11'da7aull;
 
 // Rank `rank` of `ranks` trains on N / R of the N sequences; its MoE layers see all R's tokens.
 // With M micro-batches (one GPU) the model holds one micro-batch of N / M sequences.
-cuda::ModelGpuConfig gpu_config(const TrainConfig& c, int ranks = 1, int rank = 0) {
+// Each MoE block's experts where `placements` put them (empty: E / R a rank in id order).
+cuda::ModelGpuConfig gpu_config(const TrainConfig& c, int ranks = 1, int rank = 0,
+                                std::vector<dist::ExpertPlacement> placements = {}) {
   cuda::ModelGpuConfig g = cuda::gpu_config_of(c.model, c.batch / ranks / c.micro_batches);
+  g.expert_placements = std::move(placements);
   g.moe = moe_layer_config(c.model, c.batch / c.micro_batches);  // tokens: the global (micro-)batch's
   g.micro_batches = c.micro_batches;
   g.overlap = overlaps(c, ranks);  // --overlap, or auto: on where it pays (train_config.h)
@@ -127,6 +132,7 @@ cuda::ModelGpuConfig one_gpu(cuda::ModelGpuConfig config) {
   config.batch *= config.ranks;
   config.ranks = 1;
   config.rank = 0;
+  config.expert_placements.clear();  // every expert on the one GPU
   return config;
 }
 
@@ -143,25 +149,137 @@ std::vector<float> local_part(const std::vector<float>& whole, const cuda::Model
   return part;
 }
 
-// Every rank's tensors back in the whole model's layout, on every rank (collective).
-std::vector<float> gather_whole(const RankView& view, const std::vector<float>& mine,
-                                const cuda::ModelGpuConfig& local) {
-  if (view.ranks() == nullptr) return mine;
-  const std::vector<float> all = view.ranks()->host_all_gather(mine);  // [R][local parameters]
+}  // namespace
+
+std::vector<float> merge_ranks(const cuda::ModelGpuConfig& local, const std::vector<std::vector<float>>& parts) {
   std::map<std::string, int64_t> offset;
   const std::vector<cuda::ParameterSpan> whole_layout = cuda::parameter_layout(one_gpu(local));
   for (const cuda::ParameterSpan& p : whole_layout) offset[p.name] = p.offset;
   const cuda::ParameterSpan& last = whole_layout.back();
   std::vector<float> whole(size_t(last.offset + last.rows * last.cols));
-  for (int q = 0; q < view.size(); ++q) {
+  std::map<std::string, int> taken_from;  // an expert's tensor: the first rank that held it
+  for (int q = 0; q < int(parts.size()); ++q) {
     cuda::ModelGpuConfig theirs = local;
     theirs.rank = q;
-    const float* base = all.data() + size_t(q) * mine.size();
-    for (const cuda::ParameterSpan& p : cuda::parameter_layout(theirs)) {
-      std::copy(base + p.offset, base + p.offset + p.rows * p.cols, whole.begin() + offset.at(p.name));
+    const std::vector<cuda::ParameterSpan> layout = cuda::parameter_layout(theirs);
+    if (parts[size_t(q)].size() != size_t(layout.back().offset + layout.back().rows * layout.back().cols)) {
+      throw std::invalid_argument("merge_ranks: rank " + std::to_string(q) + " sent " +
+                                  std::to_string(parts[size_t(q)].size()) + " values; its layout holds " +
+                                  std::to_string(layout.back().offset + layout.back().rows * layout.back().cols));
+    }
+    const float* base = parts[size_t(q)].data();
+    for (const cuda::ParameterSpan& p : layout) {
+      const float* first = base + p.offset;
+      const float* end = first + p.rows * p.cols;
+      float* into = whole.data() + offset.at(p.name);
+      const auto [held, fresh] = taken_from.try_emplace(p.name, q);
+      if (p.expert && !fresh) {  // a replica: bit for bit the copy taken already
+        const auto [at, there] = std::mismatch(first, end, into, [](float a, float b) {
+          return std::memcmp(&a, &b, sizeof a) == 0;
+        });
+        if (at != end) {
+          throw std::runtime_error("the replicas of expert tensor " + p.name + " differ: rank " +
+                                   std::to_string(held->second) + " holds " + std::to_string(*there) + " and rank " +
+                                   std::to_string(q) + " holds " + std::to_string(*at) + " at entry " +
+                                   std::to_string(at - first) + "; a replicated expert's copies must stay equal");
+        }
+        continue;
+      }
+      std::copy(first, end, into);
     }
   }
   return whole;
+}
+
+namespace {
+
+// Every rank's tensors back in the whole model's layout, on every rank (collective); replicas of an
+// expert must agree (merge_ranks).
+std::vector<float> gather_whole(const RankView& view, const std::vector<float>& mine,
+                                const cuda::ModelGpuConfig& local) {
+  if (view.ranks() == nullptr) return mine;
+  // Ranks may hold different numbers of values (their slots): gather each rank's size first.
+  const uint64_t n = mine.size();
+  const std::vector<int32_t> halves = view.ranks()->host_all_gather(
+      std::vector<int32_t>{int32_t(n >> 31), int32_t(n & 0x7fffffffu)});  // [R][2]: sizes up to 2^62
+  std::vector<size_t> sizes;
+  for (size_t q = 0; q < size_t(view.size()); ++q) {
+    sizes.push_back((size_t(halves[2 * q]) << 31) | size_t(halves[2 * q + 1]));
+  }
+  const size_t most = *std::max_element(sizes.begin(), sizes.end());
+  std::vector<float> padded = mine;
+  padded.resize(most, 0.0f);
+  const std::vector<float> all = view.ranks()->host_all_gather(padded);  // [R][most]
+  std::vector<std::vector<float>> parts;
+  for (size_t q = 0; q < sizes.size(); ++q) {
+    parts.emplace_back(all.begin() + ptrdiff_t(q * most), all.begin() + ptrdiff_t(q * most + sizes[q]));
+  }
+  return merge_ranks(local, parts);
+}
+
+// ---- [SECTION] placement by load ----
+
+// Per MoE block, each expert's routed slots summed over the steps since the last plan: [block][E].
+using ExpertLoads = std::vector<std::vector<double>>;
+
+// Adds every MoE block's last forward (both lanes) to `loads`; nothing on one GPU.
+void add_expert_load(const cuda::ModelGpu& model, ExpertLoads& loads) {
+  size_t block = 0;
+  for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
+    if (model.moe_ffn(layer) == nullptr) continue;
+    if (loads.size() <= block) loads.resize(block + 1);
+    for (int lane = 0; lane < model.lanes(); ++lane) {
+      const std::vector<int64_t> load = model.moe_ffn(layer, lane)->expert_load();
+      loads[block].resize(load.size(), 0.0);
+      for (size_t e = 0; e < load.size(); ++e) loads[block][e] += double(load[e]);
+    }
+    ++block;
+  }
+}
+
+// EPLB's placement of each MoE block from its loads (every rank computes the same).
+std::vector<dist::ExpertPlacement> plan_placements(const TrainConfig& c, int R, const ExpertLoads& loads) {
+  std::vector<dist::ExpertPlacement> planned;
+  for (const std::vector<double>& load : loads) planned.push_back(dist::eplb_placement(load, R, c.redundant_slots));
+  return planned;
+}
+
+// The busiest rank's expected rows over the mean rank's, for `placement` and per-expert loads.
+double rank_max_over_mean(const dist::ExpertPlacement& placement, const std::vector<double>& load) {
+  const std::vector<double> ranks = dist::expected_rank_load(placement, load);
+  const double sum = std::accumulate(ranks.begin(), ranks.end(), 0.0);
+  return sum > 0 ? *std::max_element(ranks.begin(), ranks.end()) * double(ranks.size()) / sum : 0.0;
+}
+
+// The run record's and a checkpoint's form of the placements: {"ranks": R, "blocks": [per MoE block,
+// per rank, its experts]}.
+json placements_json(const std::vector<dist::ExpertPlacement>& placements, int R) {
+  json blocks = json::array();
+  for (const dist::ExpertPlacement& p : placements) {
+    json ranks = json::array();
+    for (int r = 0; r < p.ranks(); ++r) ranks.push_back(p.experts_of(r));
+    blocks.push_back(ranks);
+  }
+  return {{"ranks", R}, {"blocks", blocks}};
+}
+
+// The model over other placements: the whole model's weights and AdamW moments gathered (as a
+// checkpoint gathers them: replicas must agree), the old model freed, the new one built over
+// `placements` and given its slots' values. Collective, with the same placements on every rank.
+std::unique_ptr<cuda::ModelGpu> replace_model(std::unique_ptr<cuda::ModelGpu> model,
+                                              std::vector<dist::ExpertPlacement> placements, const TrainConfig& c,
+                                              const RankView& view, cudaStream_t stream) {
+  const cuda::ModelGpu::OptimizerState state = model->download_optimizer_state();  // synchronises the stream
+  const std::vector<float> weights = gather_whole(view, model->download_weights(), model->config());
+  const std::vector<float> first_moment = gather_whole(view, state.first_moment, model->config());
+  const std::vector<float> second_moment = gather_whole(view, state.second_moment, model->config());
+  model.reset();  // its memory before the new model's
+  auto next = std::make_unique<cuda::ModelGpu>(gpu_config(c, view.size(), view.rank(), std::move(placements)),
+                                               optimizer_settings(c), stream, view.ranks());
+  next->upload_weights(local_part(weights, next->config()));
+  next->upload_optimizer_state({state.steps, local_part(first_moment, next->config()),
+                                local_part(second_moment, next->config())});
+  return next;
 }
 
 // Sequences [first, first + count) of a batch: one rank's share.
@@ -534,11 +652,19 @@ std::vector<CheckpointArraySpec> checkpoint_arrays(int64_t parameters) {
   return {{"weights", n}, {"adam_m", n}, {"adam_v", n}};
 }
 
-// The whole model in the one-GPU layout, written by rank 0 (the others send it their experts).
+// The whole model in the one-GPU layout, written by rank 0 (the others send it their experts). On
+// several ranks the header also keeps each MoE block's placement and, with --placement eplb, the
+// loads counted since the last plan, so a resumed run plans its next placement from the same steps.
 void save(const TrainConfig& c, const cuda::ModelGpu& model, int64_t step, int64_t tokens_seen,
-          const BatchSampler& sampler, const RankView& view) {
+          const BatchSampler& sampler, const RankView& view, const ExpertLoads& loads) {
   CheckpointHeader header;
   header.model_config = model_json(c);
+  if (view.size() > 1 && c.model.moe_layers != MoeLayers::none) {
+    std::vector<dist::ExpertPlacement> placements;
+    for (size_t j = 0; j < moe_blocks(c.model).size(); ++j) placements.push_back(cuda::expert_placement(model.config(), int64_t(j)));
+    header.extra["expert_placements"] = placements_json(placements, view.size());
+    if (c.placement == "eplb") header.extra["expert_load_window"] = loads;
+  }
   header.step = step;
   header.tokens_seen = tokens_seen;
   const cuda::ModelGpu::OptimizerState state = model.download_optimizer_state();
@@ -634,7 +760,71 @@ struct RunInputs {
   TextCorpus corpus;
   std::optional<LoadedCheckpoint> checkpoint;  // the one resumed from
   fs::path checkpoint_file;
+  std::vector<dist::ExpertPlacement> placements;  // the checkpoint's, on as many ranks; else empty
+  ExpertLoads loads;                              // the checkpoint's loads since its last plan
 };
+
+// A checkpoint's placements, checked: one per MoE block, each a valid placement of the model's E
+// experts on R ranks (common/expert_placement.h says what is valid). Empty when the checkpoint holds
+// none, or holds those of another number of ranks (the run then starts from E / R in id order).
+// `loads` gets its load window when it has one for those placements. Throws CheckpointError naming
+// the file and the fault.
+std::vector<dist::ExpertPlacement> saved_placements(const LoadedCheckpoint& checkpoint, const TrainConfig& c, int R,
+                                                    ExpertLoads& loads) {
+  const json& extra = checkpoint.header.extra;
+  if (!extra.is_object() || !extra.contains("expert_placements")) return {};
+  const json& saved = extra["expert_placements"];
+  const std::string where = checkpoint.path.string() + ": expert_placements: ";
+  if (!saved.is_object() || !saved.contains("ranks") || !saved["ranks"].is_number_integer() || !saved.contains("blocks") ||
+      !saved["blocks"].is_array()) {
+    throw CheckpointError(where + "not {\"ranks\": R, \"blocks\": [per MoE block, per rank, its experts]}");
+  }
+  if (saved["ranks"].get<int64_t>() != R) return {};
+  const int64_t E = c.model.num_experts;
+  const size_t blocks = moe_blocks(c.model).size();
+  if (saved["blocks"].size() != blocks) {
+    throw CheckpointError(where + std::to_string(saved["blocks"].size()) + " placements; the model has " +
+                          std::to_string(blocks) + " MoE blocks");
+  }
+  std::vector<dist::ExpertPlacement> placements;
+  for (size_t j = 0; j < blocks; ++j) {
+    const json& ranks = saved["blocks"][j];
+    const std::string block = where + "MoE block " + std::to_string(j) + ": ";
+    if (!ranks.is_array() || int64_t(ranks.size()) != R) {
+      throw CheckpointError(block + "not a list of " + std::to_string(R) + " ranks' experts");
+    }
+    std::vector<std::vector<int64_t>> held;
+    for (const json& experts : ranks) {
+      if (!experts.is_array()) throw CheckpointError(block + "a rank's experts are not a list of expert ids");
+      if (experts.empty()) {
+        throw CheckpointError(block + "rank " + std::to_string(held.size()) + " holds no expert; every rank holds at least one");
+      }
+      std::vector<int64_t>& mine = held.emplace_back();
+      for (const json& e : experts) {
+        if (!e.is_number_integer()) throw CheckpointError(block + "an expert id is not an integer: " + e.dump());
+        mine.push_back(e.get<int64_t>());
+      }
+    }
+    try {
+      placements.emplace_back(E, std::move(held));
+    } catch (const std::invalid_argument& error) {
+      throw CheckpointError(block + error.what());
+    }
+  }
+  if (extra.contains("expert_load_window")) {
+    const json& window = extra["expert_load_window"];
+    bool valid = window.is_array() && window.size() == blocks;
+    for (size_t j = 0; valid && j < blocks; ++j) {
+      valid = window[j].is_array() && int64_t(window[j].size()) == E;
+      for (size_t e = 0; valid && e < window[j].size(); ++e) {
+        valid = window[j][e].is_number() && std::isfinite(window[j][e].get<double>()) && window[j][e].get<double>() >= 0;
+      }
+    }
+    if (!valid) throw CheckpointError(where + "expert_load_window is not [MoE block][E] loads >= 0");
+    loads = window.get<ExpertLoads>();
+  }
+  return placements;
+}
 
 // The latest checkpoint of run_dir (`file` names it), refused when it holds another model; with
 // `any_batch` a checkpoint of another batch is taken too (the benchmark: the parameters do not
@@ -679,9 +869,11 @@ RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   // Both splits must hold a sequence of S + 1 bytes (the samplers say which does not).
   BatchSampler(inputs.corpus, Split::train, int(c.batch), int(c.model.seq_len), c.data_seed);
   BatchSampler(inputs.corpus, Split::validation, int(c.batch), int(c.model.seq_len), kValidationSeed);
+  check_placement(c, R);
   if (c.resume) {
     const LoadedCheckpoint& checkpoint =
         inputs.checkpoint.emplace(read_latest_checkpoint(c, R, rank, inputs.checkpoint_file));
+    inputs.placements = saved_placements(checkpoint, c, R, inputs.loads);
     const int64_t target = c.stop_after > 0 ? c.stop_after : c.steps;
     if (checkpoint.header.step >= target) {
       throw CheckpointError(inputs.checkpoint_file.string() + " is at step " + std::to_string(checkpoint.header.step) +
@@ -736,7 +928,8 @@ class TrainingRun {
         sampler_(inputs_.corpus, Split::train, int(c.batch), int(c.model.seq_len), c.data_seed),
         validation_(validation_batches(inputs_.corpus, c)),
         stream_(stream),
-        model_(gpu_config(c, R_, view_.rank()), optimizer_settings(c), stream, ranks),
+        model_(std::make_unique<cuda::ModelGpu>(gpu_config(c, R_, view_.rank(), inputs_.placements),
+                                                optimizer_settings(c), stream, ranks)),
         last_step_(c.stop_after > 0 ? c.stop_after : c.steps),
         lr_schedule_(schedule(c)),
         peak_(peak_bf16_flops(device_name()) * R_),  // all ranks' GPUs together
@@ -749,7 +942,7 @@ class TrainingRun {
         plain_step_(size_t(ring_rows_ + 1), false),
         progress_(log_, {.total_steps = last_step_, .terminal = &log_ == &std::cout && stdout_is_terminal(),
                          .plain_every_seconds = 5}),
-        micro_tokens_(model_.config().batch * c.model.seq_len),
+        micro_tokens_(model_->config().batch * c.model.seq_len),
         validation_losses_(validation_.size() * size_t(c.micro_batches) * 4) {
     result_.unigram_bits_per_byte = unigram_bits_per_byte(inputs_.corpus.train.bytes, inputs_.corpus.validation.bytes);
     for (cudaEvent_t& event : step_end_) CUDA_CHECK(cudaEventCreate(&event));
@@ -784,6 +977,7 @@ class TrainingRun {
     const bool record = (step_ + 1) % c_.record_every == 0 || step_ == 0;
     evaluate_now_ = (step_ + 1) % c_.eval_every == 0 || step_ + 1 == last_step_;
     checkpoint_now_ = (step_ + 1) % c_.checkpoint_every == 0 || step_ + 1 == last_step_;
+    rebalance_now_ = eplb() && (step_ + 1) % c_.rebalance_every == 0 && step_ + 1 < last_step_;
     const int64_t row = step_ - ring_first_;
     const double lr = learning_rate(lr_schedule_, step_);
     ring_lr_[size_t(row)] = lr;
@@ -791,18 +985,22 @@ class TrainingRun {
     const ByteBatch batch = sampler_.next();  // the global batch: every rank draws the same
     const auto [tokens, targets] = uploader_.upload(share_of(batch, first_sequence_, N_r_));
     const double origin_us = writer_ ? writer_->elapsed_us() : 0.0;
-    if (record) model_.set_phase_timer(&timer_);
-    forward_backward(model_, c_.cuda_graph && !record, tokens, targets);
-    model_.step(float(lr));
-    if (record) model_.set_phase_timer(nullptr);
+    if (record) model_->set_phase_timer(&timer_);
+    forward_backward(*model_, c_.cuda_graph && !record, tokens, targets);
+    if (eplb()) {  // the counts are on the host after each forward's count exchange
+      add_expert_load(*model_, loads_);
+      ++load_steps_;
+    }
+    model_->step(float(lr));
+    if (record) model_->set_phase_timer(nullptr);
     uploader_.release_current();
-    CUDA_CHECK(cudaMemcpyAsync(loss_ring_.data() + row * 4, step_losses(model_), 4 * sizeof(float),
+    CUDA_CHECK(cudaMemcpyAsync(loss_ring_.data() + row * 4, step_losses(*model_), 4 * sizeof(float),
                                cudaMemcpyDeviceToDevice, stream_));
     CUDA_CHECK(cudaEventRecord(step_end_[size_t(row + 1)], stream_));
     // A plain step: nothing but training in it, and the host did not stop to wait just before it
     // (then the GPU would have idled while the host enqueued the step's first kernels).
-    plain_step_[size_t(row + 1)] = !record && !evaluate_now_ && !checkpoint_now_ && !host_waited_;
-    host_waited_ = record || evaluate_now_ || checkpoint_now_;
+    plain_step_[size_t(row + 1)] = !record && !evaluate_now_ && !checkpoint_now_ && !rebalance_now_ && !host_waited_;
+    host_waited_ = record || evaluate_now_ || checkpoint_now_ || rebalance_now_;
     ++step_;
     tokens_seen_ += T_;
     if (record) record_step(batch, origin_us);
@@ -811,7 +1009,7 @@ class TrainingRun {
   // After a step: read the ring when it is full or a validation or checkpoint follows, evaluate,
   // save. Returns false when a stop signal ends the run here (after a checkpoint).
   bool after_step() {
-    if (step_ - ring_first_ == ring_rows_ || evaluate_now_ || checkpoint_now_) {
+    if (step_ - ring_first_ == ring_rows_ || evaluate_now_ || checkpoint_now_ || rebalance_now_) {
       flush(step_);
       host_waited_ = true;
     }
@@ -824,15 +1022,19 @@ class TrainingRun {
       }
       CUDA_CHECK(cudaEventRecord(step_end_[0], stream_));  // the next step's time starts after evaluation
     }
+    if (rebalance_now_) {  // before the checkpoint of the same step, which then holds the new placement
+      rebalance();
+      CUDA_CHECK(cudaEventRecord(step_end_[0], stream_));
+    }
     if (checkpoint_now_) {
-      save(c_, model_, step_, tokens_seen_, sampler_, view_);
+      save(c_, *model_, step_, tokens_seen_, sampler_, view_, loads_);
       CUDA_CHECK(cudaEventRecord(step_end_[0], stream_));
     }
     // One GPU stops after the step in which the signal came; several stop at an agreed flush.
     if (step_ < last_step_ && (view_.ranks() == nullptr ? stop_signal() != 0 : stop_agreed_)) {
       if (!checkpoint_now_) {
         flush(step_);
-        save(c_, model_, step_, tokens_seen_, sampler_, view_);
+        save(c_, *model_, step_, tokens_seen_, sampler_, view_, loads_);
       }
       result_.stopped_by_signal = stop_signal() != 0 ? stop_signal() : SIGTERM;  // another rank's signal
       return false;
@@ -874,12 +1076,49 @@ class TrainingRun {
   }
 
  private:
+  bool eplb() const { return c_.placement == "eplb" && R_ > 1 && c_.model.moe_layers != MoeLayers::none; }
+
+  // --placement eplb, every rebalance_every steps: each MoE block's experts placed again by the
+  // loads of the steps since the last plan, then moved there with their AdamW moments
+  // (replace_model). The log and the run record get each block's busiest rank over the mean rank,
+  // expected from those loads, under the old placement and the new; the record ("placement" table,
+  // a row per MoE block) also each rank's experts, from which the viewer shows the replicas.
+  void rebalance() {
+    std::vector<dist::ExpertPlacement> planned = plan_placements(c_, R_, loads_);
+    TableEvent table{.name = "placement",
+                     .columns = {"step", "layer", "rank_max_over_mean_before", "rank_max_over_mean_after",
+                                 "replicas", "experts_of_rank"}};
+    const std::vector<int64_t> layers = moe_blocks(c_.model);
+    double before = 0, after = 0;
+    bool changed = false;
+    for (size_t j = 0; j < planned.size(); ++j) {
+      const dist::ExpertPlacement old = cuda::expert_placement(model_->config(), int64_t(j));
+      const double b = rank_max_over_mean(old, loads_[j]), a = rank_max_over_mean(planned[j], loads_[j]);
+      before += b / double(planned.size());
+      after += a / double(planned.size());
+      changed = changed || old.fingerprint() != planned[j].fingerprint();
+      json experts_of_rank = json::array();
+      for (int r = 0; r < R_; ++r) experts_of_rank.push_back(planned[j].experts_of(r));
+      table.rows.push_back({step_, layers[j], b, a, planned[j].slots() - planned[j].experts(), experts_of_rank});
+    }
+    log_ << "step " << step_ << ": experts placed by the loads of the last " << load_steps_ << " steps (EPLB, "
+         << c_.redundant_slots << " spare slot" << (c_.redundant_slots == 1 ? "" : "s")
+         << " a rank): busiest rank / mean, expected, " << fixed(before, 3) << " -> " << fixed(after, 3)
+         << " (mean over the MoE blocks)" << (changed ? "" : "; the placement is unchanged") << "\n";
+    if (writer_) writer_->append(to_event(table));
+    if (changed) model_ = replace_model(std::move(model_), std::move(planned), c_, view_, stream_);
+    loads_.clear();
+    load_steps_ = 0;
+  }
+
   void resume(const LoadedCheckpoint& checkpoint) {
-    model_.upload_weights(local_part(checkpoint.array("weights"), model_.config()));
-    model_.upload_optimizer_state({checkpoint.header.optimizer_step,
-                                   local_part(checkpoint.array("adam_m"), model_.config()),
-                                   local_part(checkpoint.array("adam_v"), model_.config())});
+    model_->upload_weights(local_part(checkpoint.array("weights"), model_->config()));
+    model_->upload_optimizer_state({checkpoint.header.optimizer_step,
+                                   local_part(checkpoint.array("adam_m"), model_->config()),
+                                   local_part(checkpoint.array("adam_v"), model_->config())});
     sampler_.set_state(checkpoint.header.sampler_state);
+    loads_ = inputs_.loads;  // the load window the checkpoint was saved with (--placement eplb)
+    load_steps_ = loads_.empty() ? 0 : checkpoint.header.step % c_.rebalance_every;
     step_ = checkpoint.header.step;
     tokens_seen_ = checkpoint.header.tokens_seen;
     if (view_.ranks() != nullptr) view_.ranks()->barrier();  // every rank has read it before rank 0 edits the run
@@ -889,7 +1128,7 @@ class TrainingRun {
   }
 
   void start() {
-    model_.upload_weights(local_part(initial_weights(c_), model_.config()));
+    model_->upload_weights(local_part(initial_weights(c_), model_->config()));
     const RunInfo info = run_info();
     if (view_.ranks() != nullptr) view_.ranks()->barrier();  // every rank has looked before rank 0 writes
     std::string failure;
@@ -936,14 +1175,23 @@ class TrainingRun {
          << "M parameters (" << active_parameters(c_.model) / 1e6 << "M active per byte), T = " << T_
          << " bytes per step, steps " << step_ << " -> " << last_step_ << ", data " << inputs_.corpus.source;
     if (view_.ranks() != nullptr) {
-      log_ << "; " << view_.ranks()->description() << ", " << N_r_ << " sequences and E / R = "
-           << c_.model.num_experts / R_ << " experts of each MoE block per rank";
+      log_ << "; " << view_.ranks()->description() << ", " << N_r_ << " sequences a rank, the experts of each MoE block ";
+      if (eplb()) {
+        log_ << "placed by load (EPLB, " << c_.redundant_slots << " spare slots a rank, planned every "
+             << c_.rebalance_every << " steps)";
+      } else if (!inputs_.placements.empty()) {
+        log_ << "where the checkpoint placed them";
+      } else {
+        log_ << (c_.model.num_experts % R_ == 0 ? "E / R = " + std::to_string(c_.model.num_experts / R_) + " a rank"
+                                                : std::string("in id order, ") + std::to_string(c_.model.num_experts / R_) +
+                                                      " or " + std::to_string(c_.model.num_experts / R_ + 1) + " a rank");
+      }
     }
     if (c_.micro_batches > 1) {
-      log_ << "; " << c_.micro_batches << " micro-batches of " << model_.config().batch
+      log_ << "; " << c_.micro_batches << " micro-batches of " << model_->config().batch
            << " sequences a step, the experts' weight gradients as one product over them";
     }
-    if (model_.lanes() > 1) {
+    if (model_->lanes() > 1) {
       log_ << "; two micro-batches overlapped (--overlap " << (c_.overlap.has_value() ? "on" : "auto") << ")";
     }
     log_ << "\n";
@@ -954,14 +1202,14 @@ class TrainingRun {
     RunWriter* const out = writer_ ? &*writer_ : nullptr;
     const std::vector<cuda::TimedPhase> phases = record_spans(timer_, step_, origin_us, view_, out);
     // With micro-batches the layers hold the last micro-batch's routing: its sequences are recorded.
-    const int N_m = int(model_.config().batch);
+    const int N_m = int(model_->config().batch);
     const ByteBatch recorded = c_.micro_batches > 1 ? share_of(batch, int(c_.micro_batches - 1) * N_m, N_m) : batch;
-    const RoutingSummary summary = record_routing(c_, &inputs_.corpus, model_, recorded, step_, view_, out, phases);
+    const RoutingSummary summary = record_routing(c_, &inputs_.corpus, *model_, recorded, step_, view_, out, phases);
     routed_ += summary.routed;
     dropped_ += summary.dropped;
     // On several ranks: each MoE block's pipelining degree, when it changed (the adaptive trials).
     if (out != nullptr) {
-      const TableEvent pipelining = pipelining_table(model_, step_);
+      const TableEvent pipelining = pipelining_table(*model_, step_);
       if (!pipelining.rows.empty() && pipelining.rows != recorded_pipelining_) {
         recorded_pipelining_ = pipelining.rows;
         out->append(to_event(pipelining));
@@ -994,7 +1242,7 @@ class TrainingRun {
       if (r + 1 == rows) {  // the rates once per flush: a step event stays short (~150 bytes)
         metrics.push_back({"tokens_per_s", double(T_) / (ms * 1e-3)});
         if (peak_ > 0) metrics.push_back({"mfu", model_flops_ * double(T_) / (ms * 1e-3) / peak_});
-        metrics.push_back({"grad_norm", model_.read_grad_norm()});
+        metrics.push_back({"grad_norm", model_->read_grad_norm()});
       }
       if (writer_) writer_->append(step_event(s, metrics));
     }
@@ -1013,8 +1261,8 @@ class TrainingRun {
     for (size_t i = 0; i < validation_.size(); ++i) {
       const auto [tokens, targets] = uploader_.upload(share_of(validation_[i], first_sequence_, N_r_));
       for (int64_t m = 0; m < M; ++m) {
-        model_.forward(tokens + m * micro_tokens_, targets + m * micro_tokens_);
-        CUDA_CHECK(cudaMemcpyAsync(validation_losses_.data() + (i * size_t(M) + size_t(m)) * 4, model_.losses().data(),
+        model_->forward(tokens + m * micro_tokens_, targets + m * micro_tokens_);
+        CUDA_CHECK(cudaMemcpyAsync(validation_losses_.data() + (i * size_t(M) + size_t(m)) * 4, model_->losses().data(),
                                    4 * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
       }
       uploader_.release_current();
@@ -1037,7 +1285,9 @@ class TrainingRun {
   BatchSampler sampler_;
   const std::vector<ByteBatch> validation_;
   const cudaStream_t stream_;
-  cuda::ModelGpu model_;
+  std::unique_ptr<cuda::ModelGpu> model_;  // rebuilt when --placement eplb moves the experts
+  ExpertLoads loads_;  // --placement eplb: each expert's routed slots since the last plan
+  int64_t load_steps_ = 0;  // the steps loads_ counts
   TrainResult result_;
   int64_t step_ = 0, tokens_seen_ = 0;
   std::optional<RunWriter> writer_;  // rank 0's
@@ -1056,7 +1306,7 @@ class TrainingRun {
   std::vector<bool> plain_step_;  // no evaluation / recording in it
   std::vector<double> plain_step_ms_;
   bool host_waited_ = true;  // the host synchronised since the last step was enqueued
-  bool evaluate_now_ = false, checkpoint_now_ = false;  // the current step's
+  bool evaluate_now_ = false, checkpoint_now_ = false, rebalance_now_ = false;  // the current step's
   bool stop_agreed_ = false;  // set by flush on every rank alike
   cuda::PhaseTimer timer_;
   ProgressLine progress_;
@@ -1091,11 +1341,12 @@ namespace {
 
 // The routing of the last forward into `result`: each MoE block's slots by source rank and expert,
 // and the busiest expert's and the busiest rank's rows over their means, all ranks' tokens together
-// (rank r holds experts [r E / R, (r + 1) E / R)). Collective on several ranks; synchronises (the
+// (a rank's rows: those its slots of the model's placement computed). Collective on several ranks; synchronises (the
 // downloads).
 void record_routing_balance(const TrainConfig& c, const cuda::ModelGpu& model, const RankView& view,
                             BenchmarkResult& result) {
   const int64_t E = c.model.num_experts, R = view.size();
+  int64_t moe_block = 0;
   for (int64_t layer = 0; layer < c.model.num_layers; ++layer) {
     const cuda::MoeBlockFfn* moe = model.moe_ffn(layer);
     if (moe == nullptr) continue;
@@ -1105,7 +1356,17 @@ void record_routing_balance(const TrainConfig& c, const cuda::ModelGpu& model, c
     const std::vector<int32_t> all = R > 1 ? view.ranks()->host_all_gather(counts) : counts;  // [R][E]
     std::vector<int64_t> rows(size_t(E), 0), rank_rows(size_t(R), 0);
     for (size_t i = 0; i < all.size(); ++i) rows[i % size_t(E)] += all[i];
-    for (int64_t e = 0; e < E; ++e) rank_rows[size_t(e / (E / R))] += rows[size_t(e)];
+    // Each source's rows of expert e over e's replicas, by the placement's routing rule.
+    const dist::ExpertPlacement placement = cuda::expert_placement(model.config(), moe_block++);
+    for (int source = 0; source < int(R); ++source) {
+      for (int64_t e = 0; e < E; ++e) {
+        const std::vector<int64_t>& replicas = placement.replicas(e);
+        for (size_t i = 0; i < replicas.size(); ++i) {
+          const int64_t n = all[size_t(source) * size_t(E) + size_t(e)];
+          rank_rows[size_t(placement.slot_rank(replicas[i]))] += placement.piece(source, e, n, int64_t(i)).count;
+        }
+      }
+    }
     const auto max_over_mean = [](const std::vector<int64_t>& values) {
       const double sum = std::accumulate(values.begin(), values.end(), 0.0);
       return sum > 0 ? double(*std::max_element(values.begin(), values.end())) * double(values.size()) / sum : 0.0;
@@ -1123,6 +1384,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   TrainConfig c = config;
   c.run_dir = c.run_dir.empty() ? "unused" : c.run_dir;
   validate(c);
+  check_placement(c, ranks != nullptr ? ranks->size() : 1);
   if (c.benchmark_steps < 1) throw TrainConfigError("benchmark: benchmark_steps must be >= 1");
   check_cuda_graph(c, ranks);
   const RankView view(ranks);
@@ -1155,28 +1417,39 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
 
   const OwnedStream owned_stream;
   const cudaStream_t stream = owned_stream.get();
-  cuda::ModelGpu model(gpu_config(c, R, view.rank()), optimizer_settings(c), stream, ranks);
-  int64_t step = 0;
+  std::optional<LoadedCheckpoint> checkpoint;
+  fs::path file;
+  std::vector<dist::ExpertPlacement> placements;  // a resumed run's, on as many ranks
+  ExpertLoads loads;                              // --placement eplb: the warm-up steps' loads
   if (c.resume) {
-    fs::path file;
-    const LoadedCheckpoint checkpoint = read_latest_checkpoint(c, R, view.rank(), file, /*any_batch=*/true);
-    model.upload_weights(local_part(checkpoint.array("weights"), model.config()));
-    model.upload_optimizer_state({checkpoint.header.optimizer_step,
-                                  local_part(checkpoint.array("adam_m"), model.config()),
-                                  local_part(checkpoint.array("adam_v"), model.config())});
-    step = checkpoint.header.step;
+    checkpoint = read_latest_checkpoint(c, R, view.rank(), file, /*any_batch=*/true);
+    placements = saved_placements(*checkpoint, c, R, loads);
+    loads.clear();  // the plan below counts the warm-up steps alone
+  }
+  auto model = std::make_unique<cuda::ModelGpu>(gpu_config(c, R, view.rank(), placements), optimizer_settings(c),
+                                                stream, ranks);
+  int64_t step = 0;
+  if (checkpoint) {
+    model->upload_weights(local_part(checkpoint->array("weights"), model->config()));
+    model->upload_optimizer_state({checkpoint->header.optimizer_step,
+                                   local_part(checkpoint->array("adam_m"), model->config()),
+                                   local_part(checkpoint->array("adam_v"), model->config())});
+    step = checkpoint->header.step;
     result.weights = file.string() + " (step " + std::to_string(step) + ")";
+    checkpoint.reset();
   } else {
-    model.upload_weights(local_part(initial_weights(c), model.config()));
+    model->upload_weights(local_part(initial_weights(c), model->config()));
     result.weights = "the initial weights";
   }
+  const bool eplb = c.placement == "eplb" && R > 1 && c.model.moe_layers != MoeLayers::none;
   BatchUploader uploader(N_r, S, stream);
   const ScheduleConfig lr_schedule = schedule(c);
   bool timing_phases = false;
   auto one_step = [&] {
     const auto [tokens, targets] = uploader.upload(share_of(next_batch(), first_sequence, N_r));
-    forward_backward(model, c.cuda_graph && !timing_phases, tokens, targets);
-    model.step(float(learning_rate(lr_schedule, step++)));
+    forward_backward(*model, c.cuda_graph && !timing_phases, tokens, targets);
+    if (eplb) add_expert_load(*model, loads);
+    model->step(float(learning_rate(lr_schedule, step++)));
     uploader.release_current();
   };
 
@@ -1187,6 +1460,19 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
     for (int64_t i = 0; i < std::max<int64_t>(c.benchmark_warmup, 20); ++i) one_step();
   } else {
     cuda::warm_up_clock(stream, static_cast<int>(c.benchmark_warmup), 1000.0, one_step);
+  }
+  // --placement eplb: the experts placed by the warm-up steps' loads, then a few steps more untimed.
+  if (eplb) {
+    std::vector<dist::ExpertPlacement> planned = plan_placements(c, R, loads);
+    for (size_t j = 0; j < planned.size(); ++j) {
+      const dist::ExpertPlacement old = cuda::expert_placement(model->config(), int64_t(j));
+      result.planned_rank_max_over_mean.push_back({rank_max_over_mean(old, loads[j]), rank_max_over_mean(planned[j], loads[j])});
+      result.placements.push_back(planned[j].describe());
+    }
+    const auto moved = std::chrono::steady_clock::now();
+    model = replace_model(std::move(model), std::move(planned), c, view, stream);
+    result.rebalance_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - moved).count();
+    for (int64_t i = 0; i < 5; ++i) one_step();
   }
   // Steps back to back as in training (the host enqueues ahead); an event between each two.
   std::vector<cudaEvent_t> ends(size_t(c.benchmark_steps + 1));
@@ -1204,7 +1490,7 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
     step_ms.push_back(ms);
   }
   for (cudaEvent_t event : ends) cudaEventDestroy(event);
-  if (!std::isfinite(model.read_loss())) throw std::runtime_error("benchmark: the loss is not finite");
+  if (!std::isfinite(model->read_loss())) throw std::runtime_error("benchmark: the loss is not finite");
 
   result.median_step_ms = median(step_ms);
   result.min_step_ms = *std::min_element(step_ms.begin(), step_ms.end());
@@ -1214,12 +1500,12 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
 
   // One more step with the phase timer: where the time goes (events add a little of their own).
   cuda::PhaseTimer timer;
-  model.set_phase_timer(&timer);
+  model->set_phase_timer(&timer);
   timing_phases = true;
   one_step();
   timing_phases = false;
-  model.set_phase_timer(nullptr);
-  record_routing_balance(c, model, view, result);
+  model->set_phase_timer(nullptr);
+  record_routing_balance(c, *model, view, result);
   // The model's own phases (depth 0) tile the step; the MoE layers' phases (router, plan,
   // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" (with
   // micro-batches also "backward_moe_weight_gradients") and are listed as "moe/<name>", each summed
@@ -1266,7 +1552,14 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
     }
     log << "\n";
   }
-  const TableEvent pipelining = pipelining_table(model, c.benchmark_warmup + c.benchmark_steps + 1);
+  if (eplb) {
+    log << "  experts placed by the warm-up steps' loads (EPLB, " << c.redundant_slots
+        << " spare slots a rank; moved in " << fixed(result.rebalance_seconds, 2)
+        << " s): busiest rank / mean, expected, per MoE block:";
+    for (const auto& [before, after] : result.planned_rank_max_over_mean) log << " " << fixed(before, 2) << " -> " << fixed(after, 2);
+    log << "\n";
+  }
+  const TableEvent pipelining = pipelining_table(*model, c.benchmark_warmup + c.benchmark_steps + 1);
   if (!pipelining.rows.empty()) log << "  pipelining degree of the MoE blocks: " << pipelining_line(pipelining) << "\n";
 
   if (!c.benchmark_json.empty() && view.root()) {
@@ -1281,6 +1574,10 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
                 {"routing_rank_max_over_mean", result.rank_max_over_mean},
                 {"routing_tokens", result.routing_tokens}};
     for (const auto& [name, ms] : result.phase_ms) out["phase_ms"][name] = ms;
+    if (eplb) {
+      out["placement"] = {{"planned_rank_max_over_mean", result.planned_rank_max_over_mean},
+                          {"placements", result.placements}, {"rebalance_seconds", result.rebalance_seconds}};
+    }
     if (!pipelining.rows.empty()) out["pipelining"] = {{"columns", pipelining.columns}, {"rows", pipelining.rows}};
     std::ofstream file(c.benchmark_json);
     file << out.dump(2) << "\n";

@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "model/model.h"         // ModelGpuConfig
 #include "model/model_ranks.h"   // ModelRanks
 #include "train/train_config.h"  // TrainConfig
 
@@ -95,6 +96,12 @@ struct BenchmarkResult {
   // That step's routing itself: per MoE block, [source rank][expert] the tokens' slots (moe_sim
   // predicts the measured step from it).
   std::vector<std::vector<std::vector<int64_t>>> routing_tokens;
+  // --placement eplb (placed once, from the warm-up steps' loads, before the timed steps): per MoE
+  // block the busiest rank's expected rows over the mean rank's under the starting placement and
+  // under the plan, the plan itself (ExpertPlacement::describe) and the seconds the move took.
+  std::vector<std::pair<double, double>> planned_rank_max_over_mean;
+  std::vector<std::string> placements;
+  double rebalance_seconds = 0;
 };
 
 // Times config.benchmark_steps optimizer steps after config.benchmark_warmup untimed ones, from the
@@ -103,6 +110,13 @@ struct BenchmarkResult {
 // weights collapse each block's routing onto one or two experts. With `ranks`, collective as
 // train(); tokens per step and per second count all ranks' tokens.
 BenchmarkResult benchmark(const TrainConfig& config, std::ostream& log, cuda::ModelRanks* ranks = nullptr);
+
+// Every rank's parameters, parts[q] in rank q's layout (cuda::parameter_layout of `local` with rank
+// q), merged into the one-GPU layout: what a checkpoint holds. A replicated expert's tensor is taken
+// from the lowest rank that holds it, and its other copies must agree bit for bit: else
+// std::runtime_error naming the tensor, both ranks, the entry and the values. A part of the wrong
+// length is a std::invalid_argument.
+std::vector<float> merge_ranks(const cuda::ModelGpuConfig& local, const std::vector<std::vector<float>>& parts);
 
 // The dense bf16 tensor-core peak of a known GPU in FLOP/s (H100 SXM and H200: 989e12), else 0.
 double peak_bf16_flops(const std::string& device_name);

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <span>
 #include <stdexcept>
 #include <string>
 
@@ -18,8 +19,7 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
  public:
   ExpertParallelMoeFfn(Communicator& communicator, const MoeConfig& config, int64_t local_tokens,
                        const ExpertParallelGpuOptions& options)
-      : layer_(communicator, config, local_tokens, options), rank_(static_cast<size_t>(communicator.rank())),
-        local_tokens_(local_tokens), losses_(2) {}
+      : layer_(communicator, config, local_tokens, options), local_tokens_(local_tokens), losses_(2) {}
 
   void forward(const bf16* x, const cuda::MoeLayerWeights& weights, bf16* y, cudaStream_t stream,
                const bf16* router_input) override {
@@ -71,13 +71,21 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
   }
 
   std::vector<int64_t> rows_sent_per_rank() const override {
-    // Rows this rank sent each rank: its kept slots for that rank's experts (its row of the count matrix).
-    const ExpertParallelGpuStep& step = layer_.last_step();
-    const int64_t E = layer_.config().num_experts, E_r = layer_.experts_per_rank(), R = E / E_r;
-    const size_t me = rank_;
-    std::vector<int64_t> rows(static_cast<size_t>(R), 0);
-    for (int64_t e = 0; e < E; ++e) rows[static_cast<size_t>(e / E_r)] += step.kept_per_rank_expert[me * E + e];
+    // Rows this rank sent each rank, over the chunks: its kept slots for the slots that rank holds.
+    const ExchangePlan& plan = layer_.plan();
+    std::vector<int64_t> rows(static_cast<size_t>(plan.ranks()), 0);
+    for (int c = 0; c < plan.chunks(); ++c) {
+      const std::span<const int64_t> sent = plan.send_rows(c);
+      for (size_t p = 0; p < rows.size(); ++p) rows[p] += sent[p];
+    }
     return rows;
+  }
+  std::vector<int64_t> expert_load() const override {
+    const ExpertParallelGpuStep& step = layer_.last_step();  // [R, E] from the count exchange
+    const size_t E = static_cast<size_t>(layer_.config().num_experts);
+    std::vector<int64_t> load(E, 0);
+    for (size_t i = 0; i < step.routed_per_rank_expert.size(); ++i) load[i % E] += step.routed_per_rank_expert[i];
+    return load;
   }
   void set_phase_timer(cuda::PhaseTimer* timer, int lane) override {
     layer_.set_phase_timer(timer, lane == 0 ? std::string(kExchangeRow) : std::string(kExchangeRow) + kSecondMicroBatchSuffix);
@@ -98,7 +106,6 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
   }
 
   ExpertParallelGpu layer_;
-  size_t rank_;
   int64_t local_tokens_;
   cuda::DeviceBuffer<float> losses_;  // [2] aux, z
   float host_losses_[2] = {0.0f, 0.0f};
@@ -128,8 +135,11 @@ std::string ExpertParallelRanks::description() const {
 }
 
 std::unique_ptr<cuda::MoeBlockFfn> ExpertParallelRanks::make_moe_ffn(const MoeConfig& layer_config,
-                                                                    int64_t local_tokens) {
-  return std::make_unique<ExpertParallelMoeFfn>(device_, layer_config, local_tokens, layer_options_);
+                                                                    int64_t local_tokens,
+                                                                    const ExpertPlacement& placement) {
+  ExpertParallelGpuOptions options = layer_options_;
+  options.placement = &placement;  // the layer keeps a copy
+  return std::make_unique<ExpertParallelMoeFfn>(device_, layer_config, local_tokens, options);
 }
 
 void ExpertParallelRanks::all_reduce_sum(float* data, int64_t count, cudaStream_t stream) {

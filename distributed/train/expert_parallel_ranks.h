@@ -4,7 +4,8 @@
 // pinned host memory where ranks share a GPU), host collectives over MPI. moe_train_distributed
 // (this folder) is its program; tests/distributed/test_distributed_training.cpp its test.
 //
-// Dimension legend: R ranks, T_r this rank's tokens, T = R T_r, E experts, E_r = E / R, d chunks.
+// Dimension legend: R ranks, T_r this rank's tokens, T = R T_r, E experts, d chunks. Each MoE block's
+// experts sit where the model's placement of that block says (model.h, common/expert_placement.h).
 #pragma once
 
 #include <cstdint>
@@ -32,7 +33,8 @@ class ExpertParallelRanks final : public cuda::ModelRanks {
   int size() const override { return host_.size(); }
   std::string description() const override;
 
-  std::unique_ptr<cuda::MoeBlockFfn> make_moe_ffn(const MoeConfig& layer_config, int64_t local_tokens) override;
+  std::unique_ptr<cuda::MoeBlockFfn> make_moe_ffn(const MoeConfig& layer_config, int64_t local_tokens,
+                                                  const ExpertPlacement& placement) override;
   void all_reduce_sum(float* data, int64_t count, cudaStream_t stream) override;
   void all_reduce_sum(double* data, int64_t count, cudaStream_t stream) override;
 

@@ -1,12 +1,15 @@
 // moe_train_distributed.cpp: train the tiny byte-level MoE transformer on several GPUs, one process
-// per rank: data parallel for every parameter but the experts, the experts placed E / R per rank
-// (FastMoE's expert parallelism). The same settings, presets, run record and checkpoints as
-// moe_train (cuda/train/), whose loop it runs (trainer.h) with this folder's ranks.
+// per rank: data parallel for every parameter but the experts, the experts spread over the ranks
+// (FastMoE's expert parallelism): E / R a rank in id order, or with --placement eplb placed by
+// their load and re-planned every --rebalance-every steps, hot experts replicated (DeepSeek's EPLB).
+// The same settings, presets, run record and checkpoints as moe_train (cuda/train/), whose loop it
+// runs (trainer.h) with this folder's ranks.
 //
 //   mpirun -np 2 build/distributed/train/moe_train_distributed --preset default --run-dir runs/ep2
 //   mpirun -np 2 build/distributed/train/moe_train_distributed --run-dir runs/ep2 --resume
 //   mpirun -np 2 build/distributed/train/moe_train_distributed --preset throughput --benchmark-steps 30
 //   mpirun -np 2 build/distributed/train/moe_train_distributed --backend mpi ...   (2 ranks on 1 GPU)
+//   mpirun -np 2 build/distributed/train/moe_train_distributed --placement eplb --redundant-slots 1 --rebalance-every 100 ...
 //   build/distributed/train/moe_train_distributed --help
 // As root OpenMPI also wants --allow-run-as-root; with more ranks than cores --oversubscribe.
 //
@@ -127,10 +130,7 @@ int run(const std::vector<std::string>& arguments, MpiCommunicator& world, moe::
       throw moe::train::TrainConfigError("--batch " + std::to_string(config.batch) + " is the global batch: it must be a "
                                          "multiple of the " + std::to_string(R) + " ranks");
     }
-    if (config.model.moe_layers != moe::MoeLayers::none && config.model.num_experts % R != 0) {
-      throw moe::train::TrainConfigError("--num-experts " + std::to_string(config.model.num_experts) +
-                                         " cannot be placed on " + std::to_string(R) + " ranks: E must be a multiple of R");
-    }
+    moe::train::check_placement(config, R);  // E >= R; --placement eplb's spare slots
     if (config.model.pregated && R > 1) {
       throw moe::train::TrainConfigError("--pregated: not on several ranks (the expert-parallel layer routes its own input)");
     }

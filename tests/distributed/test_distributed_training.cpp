@@ -35,6 +35,7 @@
 #include "expert_parallel_ranks.h"  // ExpertParallelRanks
 #include "gpu_ranks_test_support.h"  // GpuRanksTest
 #include "mpi_test_support.h"       // world
+#include "checkpoint.h"             // load_checkpoint, save_checkpoint: a checkpoint rewritten with a bad placement
 #include "run_record.h"             // RunReader
 #include "sample_text.h"            // write_sample_text
 #include "train/trainer.h"          // train
@@ -261,14 +262,19 @@ TEST_F(DistributedTrainingTest, SettingsTheRanksCannotShareEndOnEveryRank) {
   odd_batch.batch = 2 * R + 1;
   if (R > 1) {
     EXPECT_THROW(moe::train::train(odd_batch, log, ranks_.get()), moe::train::TrainConfigError);
-    TrainConfig odd_experts = tiny("odd_experts");
-    odd_experts.model.num_experts = 2 * R + 1;  // cannot be placed E / R per rank
-    odd_experts.model.top_k = 1;
-    EXPECT_THROW(moe::train::train(odd_experts, log, ranks_.get()), std::invalid_argument);
+    TrainConfig few_experts = tiny("few_experts");
+    few_experts.model.num_experts = R - 1;  // a rank would hold no expert
+    few_experts.model.top_k = 1;
+    EXPECT_THROW(moe::train::train(few_experts, log, ranks_.get()), std::invalid_argument);
+    TrainConfig too_many_spares = tiny("too_many_spares");
+    too_many_spares.placement = "eplb";
+    too_many_spares.redundant_slots = 4;  // E = 4: at most E - ceil(E / R) spare slots a rank
+    EXPECT_THROW(moe::train::train(too_many_spares, log, ranks_.get()), std::invalid_argument);
     world().barrier();
-    EXPECT_FALSE(fs::exists(fs::path(odd_batch.run_dir) / "run.json"));
-    EXPECT_FALSE(fs::exists(fs::path(odd_experts.run_dir) / "run.json"));
-    EXPECT_FALSE(fs::exists(fs::path(odd_experts.run_dir) / "checkpoints"));
+    for (const TrainConfig* c : {&odd_batch, &few_experts, &too_many_spares}) {
+      EXPECT_FALSE(fs::exists(fs::path(c->run_dir) / "run.json")) << c->run_dir;
+      EXPECT_FALSE(fs::exists(fs::path(c->run_dir) / "checkpoints")) << c->run_dir;
+    }
   }
   world().barrier();
 }
@@ -422,6 +428,126 @@ TEST_F(DistributedTrainingTest, OverlapTrainsThePlainCurve) {
   world().barrier();
   EXPECT_FALSE(fs::exists(fs::path(odd.run_dir) / "run.json"));
   world().barrier();
+}
+
+}  // namespace
+}  // namespace moe::dist
+
+namespace moe::dist {
+namespace {
+
+// E = 2R + 1 experts (not a multiple of R): contiguous_placement gives some ranks one more; the
+// curve is the one-GPU curve.
+TEST_F(DistributedTrainingTest, ExpertsThatDoNotDivideByTheRanksTrainTheOneGpuCurve) {
+  if (world().size() == 1) GTEST_SKIP() << "one rank holds every expert";
+  TrainConfig c = tiny("uneven");
+  c.model.num_experts = 2 * world().size() + 1;
+  c.steps = 20;
+  std::ostringstream log;
+  const moe::train::TrainResult ranks = moe::train::train(c, log, ranks_.get());
+  if (world().rank() == 0) {
+    TrainConfig one_gpu = c;
+    one_gpu.run_dir = (dir_ / "uneven_one_gpu").string();
+    std::ostringstream one_log;
+    expect_same_curve(ranks.losses, moe::train::train(one_gpu, one_log).losses, "E = 2R + 1 on R ranks");
+  }
+  world().barrier();
+}
+
+// --placement eplb: every 10 steps each block's experts are placed again by the loads of those
+// steps (one spare slot a rank: replicas of the hot experts), their weights and AdamW moments moved.
+//   - A run stopped at step 20, just after a re-plan, and resumed (its model built over that
+//     placement from the start) gives the uninterrupted run's losses: moving the experts between
+//     two steps is the same as training with the new placement from there.
+//   - A run stopped at step 15, between two plans, resumes with the loads counted so far and
+//     gives the same losses again.
+//   - The curve is the contiguous placement's within bf16 tolerance (replicas sum their gradients
+//     in another order); the record has a placement table at steps 10, 20 and 30.
+//   - A checkpoint whose placement leaves an expert on no rank, names an expert out of range or
+//     lists the wrong number of ranks is refused on every rank before any step, naming the fault.
+TEST_F(DistributedTrainingTest, RebalancingMidRunEqualsResumingWithThatPlacement) {
+  if (world().size() == 1) GTEST_SKIP() << "one rank holds every expert: nothing to place";
+  const auto eplb = [&](const std::string& run) {
+    TrainConfig c = tiny(run);
+    c.placement = "eplb";
+    c.redundant_slots = 1;
+    c.rebalance_every = 10;
+    c.checkpoint_every = 40;
+    return c;
+  };
+  std::ostringstream log;
+  const moe::train::TrainResult whole = moe::train::train(eplb("whole"), log, ranks_.get());
+  ASSERT_EQ(whole.losses.size(), 40u);
+  for (int64_t stop : {20, 15}) {
+    const std::string run = "stopped_" + std::to_string(stop);
+    TrainConfig first = eplb(run);
+    first.stop_after = stop;
+    moe::train::train(first, log, ranks_.get());
+    TrainConfig second = eplb(run);
+    second.resume = true;
+    const moe::train::TrainResult resumed = moe::train::train(second, log, ranks_.get());
+    ASSERT_EQ(resumed.first_step, stop);
+    ASSERT_EQ(resumed.losses.size(), size_t(40 - stop));
+    for (size_t i = 0; i < resumed.losses.size(); ++i) {
+      EXPECT_NEAR(resumed.losses[i], whole.losses[size_t(stop) + i], 1e-6 * std::abs(whole.losses[size_t(stop) + i]))
+          << "stopped at " << stop << ", step " << stop + 1 + int64_t(i);
+    }
+  }
+  const moe::train::TrainResult contiguous = moe::train::train(tiny("contiguous"), log, ranks_.get());
+  expect_same_curve(whole.losses, contiguous.losses, "EPLB against E / R in id order");
+  EXPECT_NE(whole.losses, contiguous.losses) << "the replicas should change the order of some sums";
+
+  if (world().rank() == 0) {
+    std::vector<int64_t> planned_at;
+    for (const json& event : RunReader::load(eplb("whole").run_dir).events) {
+      if (event["type"] != "table" || event["name"] != "placement") continue;
+      for (const json& row : event["rows"]) {
+        planned_at.push_back(row[0].get<int64_t>());
+        EXPECT_EQ(row[4].get<int64_t>(), world().size()) << "one spare slot a rank: R replicas in all";
+        EXPECT_GE(row[3].get<double>(), 1.0) << "the busiest rank carries at least the mean";
+      }
+    }
+    EXPECT_EQ(planned_at, (std::vector<int64_t>{10, 10, 20, 20, 30, 30})) << "two MoE blocks, planned at 10, 20, 30";
+    // The checkpoint at step 20 holds the placement planned at step 20, with its replicas.
+    const moe::LoadedCheckpoint at_20 =
+        moe::load_checkpoint(moe::checkpoint_path(fs::path(eplb("stopped_20").run_dir) / "checkpoints", 20));
+    const json& saved = at_20.header.extra["expert_placements"];
+    EXPECT_EQ(saved["ranks"], world().size());
+    size_t slots = 0;
+    for (const json& experts : saved["blocks"][0]) slots += experts.size();
+    EXPECT_EQ(slots, size_t(4 + world().size())) << saved.dump();
+  }
+  world().barrier();
+
+  // Bad placements in the run's latest checkpoint (rank 0 rewrites it; every rank then resumes).
+  const std::vector<std::pair<json, std::string>> bad = {
+      {json::array({json::array({0, 1}), json::array({1, 2})}), "expert 3"},
+      {json::array({json::array({0, 1, 9}), json::array({2, 3})}), "9"},
+      {json::array({json::array({0, 1}), json::array({2}), json::array({3})}), "not a list of 2 ranks' experts"},
+  };
+  for (const auto& [block, expected] : bad) {
+    if (world().size() != 2) break;  // the cases are written for two ranks
+    if (world().rank() == 0) {
+      const fs::path file = *moe::latest_checkpoint(fs::path(eplb("stopped_20").run_dir) / "checkpoints");
+      moe::LoadedCheckpoint checkpoint = moe::load_checkpoint(file);
+      checkpoint.header.extra["expert_placements"]["blocks"][0] = block;
+      std::vector<moe::CheckpointArrayView> arrays;
+      for (const std::string& name : checkpoint.names) arrays.push_back({name, checkpoint.array(name)});
+      moe::save_checkpoint(file, checkpoint.header, arrays);
+    }
+    world().barrier();
+    TrainConfig again = eplb("stopped_20");
+    again.resume = true;
+    again.steps = 60;  // past the checkpoint's step 40: only the placement is wrong
+    try {
+      moe::train::train(again, log, ranks_.get());
+      ADD_FAILURE() << "a checkpoint whose placement is " << block.dump() << " was resumed";
+    } catch (const moe::CheckpointError& error) {
+      EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
+      EXPECT_NE(std::string(error.what()).find("expert_placements: MoE block 0"), std::string::npos) << error.what();
+    }
+    world().barrier();
+  }
 }
 
 }  // namespace

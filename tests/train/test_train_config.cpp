@@ -153,6 +153,38 @@ TEST(TrainConfig, OverlapIsOnOffOrAutoWhereItPays) {
   EXPECT_EQ(parse_error({"--batch", "31"}), "") << "auto never refuses a batch: it is off where it cannot split";
 }
 
+// --placement is contiguous or eplb; eplb's limits that need the ranks (check_placement) name the
+// flag and the bound: several ranks, spare slots a rank can hold, no replicas when padded.
+TEST(TrainConfig, PlacementIsContiguousOrEplbWithinItsLimits) {
+  EXPECT_EQ(moe::train::preset("tiny").placement, "contiguous");
+  EXPECT_NE(parse_error({"--placement", "random"}).find("placement = \"random\"; allowed: contiguous or eplb (--placement)"),
+            std::string::npos);
+  EXPECT_NE(parse_error({"--rebalance-every", "0"}).find("rebalance_every = 0; allowed: rebalance_every >= 1"),
+            std::string::npos);
+  EXPECT_NE(parse_error({"--redundant-slots", "-1"}).find("redundant_slots = -1"), std::string::npos);
+  EXPECT_EQ(parse_error({"--placement", "eplb", "--redundant-slots", "2", "--rebalance-every", "50"}), "");
+
+  // tiny: E = 4 experts.
+  const auto placement_error = [](const std::vector<std::string>& flags, int ranks) {
+    std::vector<std::string> arguments = {"--preset", "tiny"};
+    arguments.insert(arguments.end(), flags.begin(), flags.end());
+    const TrainConfig config = parse_arguments(arguments);
+    return error_of([&] { moe::train::check_placement(config, ranks); });
+  };
+  EXPECT_EQ(placement_error({"--placement", "eplb", "--redundant-slots", "2"}, 2), "");
+  EXPECT_EQ(placement_error({}, 3), "") << "E = 4 on 3 ranks: 1, 1 and 2 experts";
+  EXPECT_NE(placement_error({"--placement", "eplb"}, 1).find("placement = eplb on one GPU"), std::string::npos);
+  EXPECT_NE(placement_error({"--placement", "eplb", "--redundant-slots", "3"}, 2)
+                .find("allowed: 0 to E - ceil(E / R) = 2 (a rank holds an expert once) (--redundant-slots)"),
+            std::string::npos);
+  EXPECT_NE(placement_error({}, 8).find("num_experts (E) = 4 on 8 ranks; allowed: at least one expert a rank: E >= R"),
+            std::string::npos);
+  EXPECT_NE(placement_error({"--placement", "eplb", "--formulation", "padded"}, 2)
+                .find("redundant_slots = 1 with formulation = padded"),
+            std::string::npos);
+  EXPECT_EQ(placement_error({"--placement", "eplb", "--formulation", "padded", "--redundant-slots", "0"}, 2), "");
+}
+
 // A value the settings reject ends with the flag that sets it, as the user types it.
 TEST(TrainConfig, RejectedValueNamesItsFlag) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {

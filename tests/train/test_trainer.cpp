@@ -21,6 +21,8 @@
 #include "sample_text.h"       // moe::testing::write_sample_text
 #include "temp_dir.h"          // moe::testing::TempDir
 #include "train/trainer.h"
+#include "model/model.h"       // gpu_config_of, parameter_layout
+#include "expert_placement.h"  // ExpertPlacement
 
 #define REQUIRE_GPU() \
   if (!moe::cuda::gpu_available()) GTEST_SKIP() << moe::cuda::why_no_gpu()
@@ -51,6 +53,56 @@ std::map<int64_t, double> metric_by_step(const moe::RunRecord& run, const std::s
     }
   }
   return values;
+}
+
+// A checkpoint's whole model from the ranks' parts (merge_ranks): any placement, replicas included,
+// gives back every tensor; a replica whose values differ from its first copy is an error naming the
+// tensor and both ranks. Host code only: runs without a GPU.
+TEST(MergeRanks, PlacementsWithReplicasGiveTheWholeModelAndCatchReplicasThatDiffer) {
+  const TrainConfig c = moe::train::preset("tiny");  // E = 4, two MoE blocks
+  moe::cuda::ModelGpuConfig local = moe::cuda::gpu_config_of(c.model, c.batch / 2);
+  local.ranks = 2;
+  local.moe.tokens = c.batch * c.model.seq_len;
+  // Block 0: experts 1 and 3 on both ranks; block 1: E / R in id order.
+  local.expert_placements = {moe::dist::ExpertPlacement(4, {{0, 1, 3}, {1, 2, 3}}), moe::dist::contiguous_placement(4, 2)};
+  moe::cuda::ModelGpuConfig one = moe::cuda::gpu_config_of(c.model, c.batch);
+  const std::vector<moe::cuda::ParameterSpan> whole_layout = moe::cuda::parameter_layout(one);
+  const int64_t whole_count = whole_layout.back().offset + whole_layout.back().rows * whole_layout.back().cols;
+  std::vector<float> whole(static_cast<size_t>(whole_count));
+  std::iota(whole.begin(), whole.end(), 0.5f);
+  std::map<std::string, int64_t> offset;
+  for (const auto& p : whole_layout) offset[p.name] = p.offset;
+
+  std::vector<std::vector<float>> parts(2);
+  for (int q = 0; q < 2; ++q) {
+    local.rank = q;
+    int64_t experts = 0;
+    for (const moe::cuda::ParameterSpan& p : moe::cuda::parameter_layout(local)) {
+      parts[size_t(q)].insert(parts[size_t(q)].end(), whole.begin() + offset.at(p.name),
+                              whole.begin() + offset.at(p.name) + p.rows * p.cols);
+      experts += p.expert ? 1 : 0;
+    }
+    EXPECT_EQ(experts, 2 * (3 + 2)) << "rank " << q << ": W1 and W2 of 3 experts in block 0 and 2 in block 1";
+  }
+  EXPECT_EQ(moe::train::merge_ranks(local, parts), whole);
+
+  std::vector<std::vector<float>> differ = parts;
+  local.rank = 1;
+  for (const moe::cuda::ParameterSpan& p : moe::cuda::parameter_layout(local)) {
+    if (p.name == "blocks.0.moe.w1.3") differ[1][size_t(p.offset + 5)] += 1.0f;
+  }
+  try {
+    moe::train::merge_ranks(local, differ);
+    ADD_FAILURE() << "replicas that differ were merged";
+  } catch (const std::runtime_error& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("the replicas of expert tensor blocks.0.moe.w1.3 differ: rank 0 holds"), std::string::npos) << message;
+    EXPECT_NE(message.find("and rank 1 holds"), std::string::npos) << message;
+    EXPECT_NE(message.find("at entry 5"), std::string::npos) << message;
+  }
+  std::vector<std::vector<float>> short_part = parts;
+  short_part[0].pop_back();
+  EXPECT_THROW(moe::train::merge_ranks(local, short_part), std::invalid_argument);
 }
 
 TEST(Trainer, LearnsAndRecordsWhatTheViewerNeeds) {

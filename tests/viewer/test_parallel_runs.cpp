@@ -241,6 +241,33 @@ TEST(ViewerParallelRunOverlap, BothMicroBatchesRowsAndExposedCommunication) {
   }
 }
 
+TEST(ViewerParallelView, PlacementByLoadInForceAtAStep) {
+  // Two re-plans of layer 1 (steps 10 and 20) and one of layer 0; a row that is not a placement is
+  // skipped. At step 15 the plan of step 10 holds: expert 2 on both ranks.
+  const std::string table =
+      R"({"type":"table","name":"placement","columns":["step","layer","rank_max_over_mean_before","rank_max_over_mean_after","replicas","experts_of_rank"],"rows":[)"
+      R"([10,0,1.5,1.02,2,[[0,1,2],[2,3,1]]],)"
+      R"([10,1,1.4,1.01,2,[[0,2,3],[1,2,3]]],)"
+      R"([20,1,1.2,1.0,2,[[0,1,3],[1,2,3]]],)"
+      R"([30,1,1.2,1.0,2,"not a placement"]]})"
+      "\n";
+  const RunModel run = RunModel::from_text(
+      R"({"schema_version":1,"kind":"train","name":"t","start_time":"2026-11-22T00:00:00.000Z","world_size":2})", table);
+  ASSERT_EQ(run.error, "");
+  const PlacementView before = placement_at(run, 5, 1);
+  EXPECT_EQ(before.planned_at, -1) << "E / R in id order until step 10";
+  EXPECT_EQ(before.plan_steps, (std::vector<int64_t>{10, 20}));
+  const PlacementView at_15 = placement_at(run, 15, 1);
+  EXPECT_EQ(at_15.planned_at, 10);
+  EXPECT_EQ(at_15.experts_of_rank, (std::vector<std::vector<int64_t>>{{0, 2, 3}, {1, 2, 3}}));
+  EXPECT_EQ(at_15.copies, (std::vector<int64_t>{1, 1, 2, 2}));
+  EXPECT_DOUBLE_EQ(at_15.expected_before, 1.4);
+  EXPECT_DOUBLE_EQ(at_15.expected_after, 1.01);
+  EXPECT_EQ(placement_at(run, 99, 1).planned_at, 20) << "the bad row at step 30 is skipped";
+  EXPECT_EQ(placement_at(run, 12, -1).layer, 0) << "layer -1: the first block named";
+  EXPECT_EQ(placement_at(run, 12, 7).planned_at, -1) << "no such layer";
+}
+
 TEST(ViewerParallelView, RankWithoutExchangesMatchesNothing) {
   // Two ranks, but rank 1 recorded no exchange: nothing can be matched, nothing is called idle.
   const RunModel run = RunModel::from_text(

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <sstream>
 #include <string>
 
 #include "colormap.h"       // colorize, load_color
@@ -135,6 +136,41 @@ void ByteMatrix(ViewerState& state, OpenRun& run) {
             ImVec2(ImGui::GetContentRegionAvail().x, 70));
 }
 
+// Where the experts were at this step, when the run placed them by load (--placement eplb): each
+// rank's experts, the replicated ones marked, and the steps at which the placement was planned.
+void PlacementOfExperts(ViewerState& state, OpenRun& run) {
+  const PlacementView placement = placement_at(run.model, state.step, state.alltoall_layer);
+  if (placement.plan_steps.empty()) return;
+  if (placement.planned_at < 0) {
+    ImGui::Text("experts: E / R a rank in id order until the first placement by load, at step %lld",
+                static_cast<long long>(placement.plan_steps.front()));
+    return;
+  }
+  ImGui::Text("experts placed by load (EPLB), layer %lld, planned at step %lld: busiest / mean rank %.3f -> %.3f",
+              static_cast<long long>(placement.layer), static_cast<long long>(placement.planned_at),
+              placement.expected_before, placement.expected_after);
+  HelpMarker("Every few steps the trainer counts the rows routed to each expert and places the experts again "
+             "(DeepSeek's EPLB): the hottest get a copy on a second rank (marked xN: N ranks hold it, each "
+             "computing a share of its rows), then the copies are packed so that every rank carries about the "
+             "same load. The two figures are the busiest rank over the mean rank that the counted loads give "
+             "under the old placement and the new; the bars above show what the dispatch actually sent.");
+  for (size_t r = 0; r < placement.experts_of_rank.size() && r < 16; ++r) {
+    std::ostringstream line;
+    line << "rank " << r << ":";
+    for (int64_t e : placement.experts_of_rank[r]) {
+      line << ' ' << e;
+      const int64_t copies = placement.copies[static_cast<size_t>(e)];
+      if (copies > 1) line << 'x' << copies;
+    }
+    ImGui::TextUnformatted(line.str().c_str());
+  }
+  std::ostringstream steps;
+  steps << "planned at steps:";
+  for (size_t i = 0; i < placement.plan_steps.size() && i < 12; ++i) steps << ' ' << placement.plan_steps[i];
+  if (placement.plan_steps.size() > 12) steps << " ... (" << placement.plan_steps.size() << " plans)";
+  ImGui::TextUnformatted(steps.str().c_str());
+}
+
 // What each rank's experts received to compute, from the dispatch matrix's columns.
 void LoadAcrossRanks(ViewerState& state, OpenRun& run) {
   const RunModel& m = run.model;
@@ -160,6 +196,7 @@ void LoadAcrossRanks(ViewerState& state, OpenRun& run) {
                   total > 0 ? 100.0 * b / total : 0.0);
     ImGui::ProgressBar(largest > 0 ? static_cast<float>(b / largest) : 0.0f, ImVec2(std::min(width, 420.0f), 0), overlay);
   }
+  PlacementOfExperts(state, run);
   auto& cached = state.series[RegionName(state, run, "rank_imbalance")];
   const std::string key = TextureKey("rank_imbalance", run, state.alltoall_layer, 0, 0);
   if (cached.key != key) cached = {key, rank_imbalance_series(m, state.alltoall_layer)};

@@ -6,7 +6,11 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <cstdlib>
+#include <string>
 #include <string_view>
+
+#include <nlohmann/json.hpp>
 
 #include "run_events.h"  // is_exposed_communication, the timeline rows' names
 
@@ -203,6 +207,53 @@ std::vector<Series> exposed_communication_series(const RunModel& run) {
     }
   }
   return out;
+}
+
+PlacementView placement_at(const RunModel& run, int64_t step, int64_t layer) {
+  PlacementView view;
+  for (const TableRecord& table : run.tables) {
+    if (table.name != "placement" || table.columns.size() < 6) continue;
+    for (const std::vector<std::string>& row : table.rows) {
+      if (row.size() < 6) continue;
+      const nlohmann::json ranks = nlohmann::json::parse(row[5], nullptr, /*allow_exceptions=*/false);
+      int64_t at = 0, row_layer = 0;
+      try {
+        at = std::stoll(row[0]);
+        row_layer = std::stoll(row[1]);
+      } catch (const std::exception&) {
+        continue;
+      }
+      if (!ranks.is_array()) continue;
+      if (layer < 0) layer = row_layer;  // the first MoE block named
+      if (row_layer != layer) continue;
+      view.plan_steps.push_back(at);
+      if (at > step || at < view.planned_at) continue;
+      std::vector<std::vector<int64_t>> experts_of_rank;
+      bool valid = true;
+      for (const nlohmann::json& experts : ranks) {
+        std::vector<int64_t>& mine = experts_of_rank.emplace_back();
+        valid = valid && experts.is_array();
+        for (size_t i = 0; valid && i < experts.size(); ++i) {
+          valid = experts[i].is_number_integer() && experts[i].get<int64_t>() >= 0 && experts[i].get<int64_t>() < 4096;
+          if (valid) mine.push_back(experts[i].get<int64_t>());
+        }
+      }
+      if (!valid) continue;
+      view.planned_at = at;
+      view.layer = row_layer;
+      view.experts_of_rank = std::move(experts_of_rank);
+      view.expected_before = std::strtod(row[2].c_str(), nullptr);
+      view.expected_after = std::strtod(row[3].c_str(), nullptr);
+    }
+  }
+  std::sort(view.plan_steps.begin(), view.plan_steps.end());
+  for (const std::vector<int64_t>& mine : view.experts_of_rank) {
+    for (int64_t e : mine) {
+      if (view.copies.size() <= size_t(e)) view.copies.resize(size_t(e) + 1, 0);
+      ++view.copies[size_t(e)];
+    }
+  }
+  return view;
 }
 
 }  // namespace moe::viewer

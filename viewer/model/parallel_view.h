@@ -91,4 +91,21 @@ ExposedCommunication exposed_communication_at(const RunModel& run, int64_t step)
 // One series per rank: its exposed communication per recorded step, in us.
 std::vector<Series> exposed_communication_series(const RunModel& run);
 
+// Experts placed by load (moe_train_distributed --placement eplb). At each re-plan the trainer
+// writes a "placement" table, one row per MoE block: step, layer, the busiest rank's rows over the
+// mean rank's expected from the loads that planned it, under the placement before and the one after,
+// the replicas (slots beyond one per expert), and each rank's experts (a JSON list per rank).
+struct PlacementView {
+  int64_t planned_at = -1;                            // the re-plan in force at the step; -1: none yet
+  int64_t layer = -1;
+  std::vector<std::vector<int64_t>> experts_of_rank;  // [R] ascending
+  std::vector<int64_t> copies;                        // [E] ranks holding each expert (> 1: replicated)
+  double expected_before = 0, expected_after = 0;     // busiest / mean rank, from the planning loads
+  std::vector<int64_t> plan_steps;                    // every re-plan of the layer, ascending
+};
+// The placement of `layer` in force at `step` (the last re-plan at or before it); layer -1: the
+// first MoE block the table names. planned_at = -1 when the run has no such table row, or before the
+// first re-plan (then the experts sit E / R a rank in id order). Malformed rows are skipped.
+PlacementView placement_at(const RunModel& run, int64_t step, int64_t layer);
+
 }  // namespace moe::viewer
