@@ -12,6 +12,7 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -526,6 +527,50 @@ void ModelGpu::upload_optimizer_state(const OptimizerState& state) {
   first_moment_.upload(state.first_moment);
   second_moment_.upload(state.second_moment);
   optimizer_steps_ = state.steps;
+}
+
+namespace {
+// Offsets by name of a layout's tensors.
+std::map<std::string, int64_t> offsets_by_name(const std::vector<ParameterSpan>& layout) {
+  std::map<std::string, int64_t> offsets;
+  for (const ParameterSpan& p : layout) offsets[p.name] = p.offset;
+  return offsets;
+}
+int64_t offset_of(const std::map<std::string, int64_t>& offsets, const std::string& name) {
+  const auto it = offsets.find(name);
+  if (it == offsets.end()) throw std::invalid_argument("ModelGpu: the layout has no tensor " + name);
+  return it->second;
+}
+}  // namespace
+
+void ModelGpu::export_state(const std::vector<ParameterSpan>& layout, const StateArrays& into,
+                            const std::function<bool(const ParameterSpan&)>& take) const {
+  const std::map<std::string, int64_t> offsets = offsets_by_name(layout);
+  for (const ParameterSpan& p : layout_) {
+    if (!take(p)) continue;
+    const int64_t there = offset_of(offsets, p.name);
+    const size_t bytes = size_t(p.rows * p.cols) * sizeof(float);
+    CUDA_CHECK(cudaMemcpyAsync(into.weights + there, weights_.data() + p.offset, bytes, cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(into.first_moment + there, first_moment_.data() + p.offset, bytes,
+                               cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(into.second_moment + there, second_moment_.data() + p.offset, bytes,
+                               cudaMemcpyDeviceToDevice, stream_));
+  }
+}
+
+void ModelGpu::import_state(const std::vector<ParameterSpan>& layout, const StateArrays& from, int64_t optimizer_steps) {
+  const std::map<std::string, int64_t> offsets = offsets_by_name(layout);
+  for (const ParameterSpan& p : layout_) {
+    const int64_t there = offset_of(offsets, p.name);
+    const size_t bytes = size_t(p.rows * p.cols) * sizeof(float);
+    CUDA_CHECK(cudaMemcpyAsync(weights_.data() + p.offset, from.weights + there, bytes, cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(first_moment_.data() + p.offset, from.first_moment + there, bytes,
+                               cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(second_moment_.data() + p.offset, from.second_moment + there, bytes,
+                               cudaMemcpyDeviceToDevice, stream_));
+  }
+  float_to_bf16(weights_.data(), weights_bf16_.data(), size_t(parameter_count_), stream_);
+  optimizer_steps_ = optimizer_steps;
 }
 
 float ModelGpu::read_loss() const {

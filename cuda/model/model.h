@@ -79,6 +79,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -218,6 +219,22 @@ class ModelGpu {
   };
   OptimizerState download_optimizer_state() const;
   void upload_optimizer_state(const OptimizerState& state);
+  int64_t optimizer_steps() const { return optimizer_steps_; }
+
+  // The same state moved on the device, tensor by tensor by name, to or from arrays laid out as
+  // `layout` (another model's parameter_layout, e.g. the one-GPU model's): how the trainer moves the
+  // experts to a new placement without a trip through the host. export_state copies the tensors
+  // `take` accepts into the arrays (the rest of them untouched); import_state fills every tensor of
+  // this model from them, refreshes the bf16 copy and sets AdamW's step. Enqueued on the model's
+  // stream; a name missing from `layout` is a std::invalid_argument.
+  struct StateArrays {
+    float* weights = nullptr;        // [layout's entries] each
+    float* first_moment = nullptr;
+    float* second_moment = nullptr;
+  };
+  void export_state(const std::vector<ParameterSpan>& layout, const StateArrays& into,
+                    const std::function<bool(const ParameterSpan&)>& take) const;
+  void import_state(const std::vector<ParameterSpan>& layout, const StateArrays& from, int64_t optimizer_steps);
 
   float read_loss() const;       // synchronises the stream
   float read_grad_norm() const;  // the norm before clipping of the last step(); synchronises

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <csignal>  // SIGTERM
@@ -263,22 +264,47 @@ json placements_json(const std::vector<dist::ExpertPlacement>& placements, int R
   return {{"ranks", R}, {"blocks", blocks}};
 }
 
-// The model over other placements: the whole model's weights and AdamW moments gathered (as a
-// checkpoint gathers them: replicas must agree), the old model freed, the new one built over
-// `placements` and given its slots' values. Collective, with the same placements on every rank.
+// The model over other placements, its state moved on the device: the whole model's weights and
+// AdamW moments in three arrays of the one-GPU layout, zeros but for what this rank is the first to
+// hold (rank 0 the replicated tensors, each expert's lowest rank its tensors), summed over the ranks
+// (so each value arrives once, unchanged but for the sign of a zero); the old model freed; the new
+// one built over `placements` and filled from them. Collective, with the same placements on every
+// rank.
 std::unique_ptr<cuda::ModelGpu> replace_model(std::unique_ptr<cuda::ModelGpu> model,
                                               std::vector<dist::ExpertPlacement> placements, const TrainConfig& c,
                                               const RankView& view, cudaStream_t stream) {
-  const cuda::ModelGpu::OptimizerState state = model->download_optimizer_state();  // synchronises the stream
-  const std::vector<float> weights = gather_whole(view, model->download_weights(), model->config());
-  const std::vector<float> first_moment = gather_whole(view, state.first_moment, model->config());
-  const std::vector<float> second_moment = gather_whole(view, state.second_moment, model->config());
+  const cuda::ModelGpuConfig old = model->config();
+  const std::vector<cuda::ParameterSpan> whole_layout = cuda::parameter_layout(one_gpu(old));
+  const size_t count = size_t(whole_layout.back().offset + whole_layout.back().rows * whole_layout.back().cols);
+  std::array<DeviceBuffer<float>, 3> whole = {DeviceBuffer<float>(count), DeviceBuffer<float>(count),
+                                              DeviceBuffer<float>(count)};
+  for (DeviceBuffer<float>& array : whole) CUDA_CHECK(cudaMemsetAsync(array.data(), 0, count * sizeof(float), stream));
+  // Per expert tensor's name, whether this rank is the lowest that holds it.
+  std::map<std::string, bool> first_holder;
+  for (int64_t j = 0, layer = 0; layer < old.num_layers; ++layer) {
+    if (!cuda::is_moe_block(old, layer)) continue;
+    const dist::ExpertPlacement placement = cuda::expert_placement(old, j++);
+    for (int64_t e = 0; e < placement.experts(); ++e) {
+      const bool mine = placement.slot_rank(placement.replicas(e).front()) == view.rank();
+      for (const char* matrix : {"w1", "w2"}) {
+        first_holder["blocks." + std::to_string(layer) + ".moe." + matrix + "." + std::to_string(e)] = mine;
+      }
+    }
+  }
+  const cuda::ModelGpu::StateArrays arrays{whole[0].data(), whole[1].data(), whole[2].data()};
+  model->export_state(whole_layout, arrays, [&](const cuda::ParameterSpan& p) {
+    return p.expert ? first_holder.at(p.name) : view.root();
+  });
+  const int64_t optimizer_steps = model->optimizer_steps();
+  if (view.ranks() != nullptr) {
+    for (DeviceBuffer<float>& array : whole) view.ranks()->all_reduce_sum(array.data(), int64_t(count), stream);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
   model.reset();  // its memory before the new model's
   auto next = std::make_unique<cuda::ModelGpu>(gpu_config(c, view.size(), view.rank(), std::move(placements)),
                                                optimizer_settings(c), stream, view.ranks());
-  next->upload_weights(local_part(weights, next->config()));
-  next->upload_optimizer_state({state.steps, local_part(first_moment, next->config()),
-                                local_part(second_moment, next->config())});
+  next->import_state(whole_layout, arrays, optimizer_steps);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
   return next;
 }
 
@@ -663,7 +689,7 @@ void save(const TrainConfig& c, const cuda::ModelGpu& model, int64_t step, int64
     std::vector<dist::ExpertPlacement> placements;
     for (size_t j = 0; j < moe_blocks(c.model).size(); ++j) placements.push_back(cuda::expert_placement(model.config(), int64_t(j)));
     header.extra["expert_placements"] = placements_json(placements, view.size());
-    if (c.placement == "eplb") header.extra["expert_load_window"] = loads;
+    if (c.placement == "eplb" && !loads.empty()) header.extra["expert_load_window"] = loads;
   }
   header.step = step;
   header.tokens_seen = tokens_seen;
@@ -813,7 +839,7 @@ std::vector<dist::ExpertPlacement> saved_placements(const LoadedCheckpoint& chec
   }
   if (extra.contains("expert_load_window")) {
     const json& window = extra["expert_load_window"];
-    bool valid = window.is_array() && window.size() == blocks;
+    bool valid = window.is_array() && (window.empty() || window.size() == blocks);
     for (size_t j = 0; valid && j < blocks; ++j) {
       valid = window[j].is_array() && int64_t(window[j].size()) == E;
       for (size_t e = 0; valid && e < window[j].size(); ++e) {
@@ -977,7 +1003,8 @@ class TrainingRun {
     const bool record = (step_ + 1) % c_.record_every == 0 || step_ == 0;
     evaluate_now_ = (step_ + 1) % c_.eval_every == 0 || step_ + 1 == last_step_;
     checkpoint_now_ = (step_ + 1) % c_.checkpoint_every == 0 || step_ + 1 == last_step_;
-    rebalance_now_ = eplb() && (step_ + 1) % c_.rebalance_every == 0 && step_ + 1 < last_step_;
+    // Not after the schedule's last step; after --stop-after's it does, as the whole run would.
+    rebalance_now_ = eplb() && (step_ + 1) % c_.rebalance_every == 0 && step_ + 1 < c_.steps;
     const int64_t row = step_ - ring_first_;
     const double lr = learning_rate(lr_schedule_, step_);
     ring_lr_[size_t(row)] = lr;

@@ -550,5 +550,35 @@ TEST_F(DistributedTrainingTest, RebalancingMidRunEqualsResumingWithThatPlacement
   }
 }
 
+// No step reads GPU memory it did not write first, through the re-plans too (each rebuilds the
+// model over buffers that may hold a freed model's data): with every new buffer filled with zero
+// bytes, then with 0xFF bytes (NaN as floats), then as cudaMalloc leaves it, the same losses.
+TEST_F(DistributedTrainingTest, LossesDoNotDependOnWhatNewBuffersHold) {
+  if (world().size() == 1) GTEST_SKIP() << "one rank trains the one-GPU model (tests/train covers it)";
+  for (const std::string placement : {"contiguous", "eplb"}) {
+    std::vector<std::vector<double>> runs;
+    for (int fill : {0x00, 0xFF, -1}) {
+      TrainConfig c = tiny(placement + "_fill_" + std::to_string(fill));
+      c.placement = placement;
+      c.rebalance_every = 10;
+      c.steps = 30;
+      std::ostringstream log;
+      moe::cuda::set_device_buffer_fill(fill);
+      runs.push_back(moe::train::train(c, log, ranks_.get()).losses);
+    }
+    moe::cuda::set_device_buffer_fill(-1);
+    for (size_t run = 1; run < runs.size(); ++run) {
+      ASSERT_EQ(runs[run].size(), runs[0].size());
+      for (size_t i = 0; i < runs[0].size(); ++i) {
+        if (runs[run][i] == runs[0][i]) continue;
+        ADD_FAILURE() << placement << ": run " << run << " (fill " << (run == 1 ? "0xFF" : "none")
+                      << ") differs from the zero-filled run at step " << i + 1 << ": " << runs[run][i] << " against "
+                      << runs[0][i];
+        break;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moe::dist
