@@ -877,6 +877,7 @@ LoadedCheckpoint read_latest_checkpoint(const TrainConfig& c, int R, int rank, f
 
 RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   validate(c);
+  check_placement(c, R);
   if (R > 1 && c.micro_batches > 1) {
     throw TrainConfigError("--micro-batches " + std::to_string(c.micro_batches) +
                            ": allowed on one GPU only (the expert-parallel layer keeps no micro-batches)");
@@ -895,7 +896,6 @@ RunInputs load_inputs(const TrainConfig& c, int R, int rank) {
   // Both splits must hold a sequence of S + 1 bytes (the samplers say which does not).
   BatchSampler(inputs.corpus, Split::train, int(c.batch), int(c.model.seq_len), c.data_seed);
   BatchSampler(inputs.corpus, Split::validation, int(c.batch), int(c.model.seq_len), kValidationSeed);
-  check_placement(c, R);
   if (c.resume) {
     const LoadedCheckpoint& checkpoint =
         inputs.checkpoint.emplace(read_latest_checkpoint(c, R, rank, inputs.checkpoint_file));
