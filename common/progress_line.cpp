@@ -82,6 +82,12 @@ void ProgressLine::update(int64_t step, int64_t tokens_seen, double loss, const 
   }
 }
 
+void ProgressLine::print(const std::string& line) {
+  if (options_.terminal && drawn_once_ && !finished_) out_ << "\r\033[K";
+  out_ << line << '\n';
+  out_.flush();
+}
+
 void ProgressLine::finish() {
   if (finished_) return;
   if (pending_) draw();

@@ -57,6 +57,10 @@ class ProgressLine {
   // Draws the last update if it was skipped, ends the terminal line with '\n'. Idempotent.
   void finish();
 
+  // A line of its own (a log message) while the progress line runs: on a terminal the drawn line is
+  // cleared first and drawn again at the next update; plain, the line alone.
+  void print(const std::string& line);
+
   // The text of the line as it stands (no '\r', no escape codes): for tests and for logs.
   std::string text() const;
 

@@ -1128,10 +1128,12 @@ class TrainingRun {
       for (int r = 0; r < R_; ++r) experts_of_rank.push_back(planned[j].experts_of(r));
       table.rows.push_back({step_, layers[j], b, a, planned[j].slots() - planned[j].experts(), experts_of_rank});
     }
-    log_ << "step " << step_ << ": experts placed by the loads of the last " << load_steps_ << " steps (EPLB, "
+    std::ostringstream line;
+    line << "step " << step_ << ": experts placed by the loads of the last " << load_steps_ << " steps (EPLB, "
          << c_.redundant_slots << " spare slot" << (c_.redundant_slots == 1 ? "" : "s")
          << " a rank): busiest rank / mean, expected, " << fixed(before, 3) << " -> " << fixed(after, 3)
-         << " (mean over the MoE blocks)" << (changed ? "" : "; the placement is unchanged") << "\n";
+         << " (mean over the MoE blocks)" << (changed ? "" : "; the placement is unchanged");
+    progress_.print(line.str());
     if (writer_) writer_->append(to_event(table));
     if (changed) model_ = replace_model(std::move(model_), std::move(planned), c_, view_, stream_);
     loads_.clear();

@@ -73,6 +73,27 @@ TEST(ProgressLine, TerminalRedrawsOneLineInPlace) {
   EXPECT_EQ(out.str(), all);
 }
 
+// A log line while the progress line runs: on a terminal the drawn line is cleared first, so the
+// message starts at the line's beginning; plain, the message alone.
+TEST(ProgressLine, PrintedLineClearsTheTerminalLineFirst) {
+  double now = 1.0;
+  std::ostringstream terminal_out, plain_out;
+  ProgressOptions options;
+  options.total_steps = 10;
+  options.terminal = true;
+  ProgressLine terminal(terminal_out, options, [&] { return now; });
+  terminal.print("before any line");
+  terminal.update(1, 1000, 2.5);
+  const size_t drawn = terminal_out.str().size();
+  terminal.print("step 1: a message");
+  EXPECT_EQ(terminal_out.str().substr(0, 16), "before any line\n");
+  EXPECT_EQ(terminal_out.str().substr(drawn), "\r\x1b[Kstep 1: a message\n");
+  options.terminal = false;
+  ProgressLine plain(plain_out, options, [&] { return now; });
+  plain.print("a message");
+  EXPECT_EQ(plain_out.str(), "a message\n");
+}
+
 TEST(ProgressLine, SlowStepMovesTheSmoothedRateALittle) {
   double now = 0;
   std::ostringstream out;

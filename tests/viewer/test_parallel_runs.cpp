@@ -241,6 +241,33 @@ TEST(ViewerParallelRunOverlap, BothMicroBatchesRowsAndExposedCommunication) {
   }
 }
 
+// The bundled run with experts placed by load (two ranks, E = 8, one spare slot a rank): plans at
+// steps 100 .. 500, each of five experts a rank with two of them on both ranks; the dispatch sends
+// every routed row once, whichever replica computes it.
+TEST(ViewerParallelRunEplb, PlansWithReplicasAndEveryRowDispatchedOnce) {
+  const std::filesystem::path dir = kRuns / "train_2ranks_eplb";
+  if (!std::filesystem::exists(dir / "events.jsonl")) GTEST_SKIP() << dir.string() << " is not in this checkout";
+  const RunModel run = RunModel::load(dir);
+  ASSERT_EQ(run.error, "");
+  const PlacementView before = placement_at(run, 60, 0);
+  EXPECT_EQ(before.planned_at, -1);
+  EXPECT_EQ(before.plan_steps, (std::vector<int64_t>{100, 200, 300, 400, 500}));
+  for (const auto& [layer, routing] : run.routing) {
+    const PlacementView plan = placement_at(run, 250, layer);
+    EXPECT_EQ(plan.planned_at, 200) << "layer " << layer;
+    ASSERT_EQ(plan.experts_of_rank.size(), 2u);
+    EXPECT_EQ(plan.experts_of_rank[0].size(), 5u);
+    EXPECT_EQ(plan.experts_of_rank[1].size(), 5u);
+    ASSERT_EQ(plan.copies.size(), 8u);
+    EXPECT_EQ(std::count(plan.copies.begin(), plan.copies.end(), 2), 2) << "two experts on both ranks";
+    for (const RoutingRow& row : routing.rows) {
+      const AllToAllView dispatch = alltoall_at(run, row.step, "dispatch", layer);
+      const int64_t routed = std::accumulate(row.tokens_per_expert.begin(), row.tokens_per_expert.end(), int64_t{0});
+      EXPECT_DOUBLE_EQ(dispatch.total_bytes, static_cast<double>(routed * 256 * 2)) << "step " << row.step;
+    }
+  }
+}
+
 TEST(ViewerParallelView, PlacementByLoadInForceAtAStep) {
   // Two re-plans of layer 1 (steps 10 and 20) and one of layer 0; a row that is not a placement is
   // skipped. At step 15 the plan of step 10 holds: expert 2 on both ranks.
