@@ -150,7 +150,7 @@ void PlacementOfExperts(ViewerState& state, OpenRun& run) {
               static_cast<long long>(placement.layer), static_cast<long long>(placement.planned_at),
               placement.expected_before, placement.expected_after);
   HelpMarker("Every few steps the trainer counts the rows routed to each expert and places the experts again "
-             "(DeepSeek's EPLB): the hottest get a copy on a second rank (marked xN: N ranks hold it, each "
+             "(DeepSeek's EPLB): the hottest get a copy on a second rank (marked (xN): N ranks hold it, each "
              "computing a share of its rows), then the copies are packed so that every rank carries about the "
              "same load. The two figures are the busiest rank over the mean rank that the counted loads give "
              "under the old placement and the new; the bars above show what the dispatch actually sent.");
@@ -160,7 +160,7 @@ void PlacementOfExperts(ViewerState& state, OpenRun& run) {
     for (int64_t e : placement.experts_of_rank[r]) {
       line << ' ' << e;
       const int64_t copies = placement.copies[static_cast<size_t>(e)];
-      if (copies > 1) line << 'x' << copies;
+      if (copies > 1) line << " (x" << copies << ")";
     }
     ImGui::TextUnformatted(line.str().c_str());
   }
