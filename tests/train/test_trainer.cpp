@@ -58,7 +58,7 @@ std::map<int64_t, double> metric_by_step(const moe::RunRecord& run, const std::s
 // A checkpoint's whole model from the ranks' parts (merge_ranks): any placement, replicas included,
 // gives back every tensor; a replica whose values differ from its first copy is an error naming the
 // tensor and both ranks. Host code only: runs without a GPU.
-TEST(MergeRanks, PlacementsWithReplicasGiveTheWholeModelAndCatchReplicasThatDiffer) {
+TEST(TrainerPlacement, MergeRanksGivesTheWholeModelAndCatchesReplicasThatDiffer) {
   const TrainConfig c = moe::train::preset("tiny");  // E = 4, two MoE blocks
   moe::cuda::ModelGpuConfig local = moe::cuda::gpu_config_of(c.model, c.batch / 2);
   local.ranks = 2;
@@ -103,6 +103,62 @@ TEST(MergeRanks, PlacementsWithReplicasGiveTheWholeModelAndCatchReplicasThatDiff
   std::vector<std::vector<float>> short_part = parts;
   short_part[0].pop_back();
   EXPECT_THROW(moe::train::merge_ranks(local, short_part), std::invalid_argument);
+}
+
+// A checkpoint's expert placements are checked before any GPU is touched (check_inputs, as
+// moe_train_distributed calls it on every rank): an expert on no rank, an id out of range, a rank
+// without experts, the wrong number of ranks or of MoE blocks, and a malformed load window are each
+// refused naming the block and the fault; a good placement passes, and one of another number of
+// ranks is set aside (the run starts from E / R in id order). Host code only: runs without a GPU.
+TEST(TrainerPlacement, CheckpointPlacementsAreCheckedBeforeTheGpu) {
+  moe::testing::TempDir dir;
+  moe::testing::write_sample_text(dir.path() / "text.txt");
+  TrainConfig c = tiny(dir.path(), "run");  // E = 4, two MoE blocks
+  c.resume = true;
+  c.placement = "eplb";
+  const std::vector<moe::cuda::ParameterSpan> layout =
+      moe::cuda::parameter_layout(moe::cuda::gpu_config_of(c.model, c.batch));
+  const std::vector<float> zeros(static_cast<size_t>(layout.back().offset + layout.back().rows * layout.back().cols), 0.0f);
+  const auto resume_with = [&](const json& extra) {
+    moe::CheckpointHeader header;
+    header.model_config = moe::train::model_json(c);
+    header.step = 10;
+    header.extra = extra;
+    const fs::path checkpoints = fs::path(c.run_dir) / "checkpoints";
+    fs::remove_all(checkpoints);
+    fs::create_directories(checkpoints);
+    moe::save_checkpoint(moe::checkpoint_path(checkpoints, 10), header,
+                         {{"weights", zeros}, {"adam_m", zeros}, {"adam_v", zeros}});
+    try {
+      moe::train::check_inputs(c, 2);
+      return std::string();
+    } catch (const std::exception& error) {
+      return std::string(error.what());
+    }
+  };
+  const json good = json::array({json::array({0, 1, 3}), json::array({1, 2, 3})});
+  const auto placements = [&](const json& block0, int ranks = 2) {
+    return json{{"expert_placements", {{"ranks", ranks}, {"blocks", json::array({block0, good})}}}};
+  };
+  EXPECT_EQ(resume_with(placements(good)), "");
+  EXPECT_EQ(resume_with(placements(json::array({json::array({0}), json::array({1}), json::array({2, 3})}), 3)), "")
+      << "another number of ranks: set aside";
+  const std::vector<std::pair<json, std::string>> bad = {
+      {placements(json::array({json::array({0, 1}), json::array({1, 2})})), "MoE block 0: expert placement: expert 3 is on no rank"},
+      {placements(json::array({json::array({0, 1, 9}), json::array({2, 3})})), "holds expert 9; expert ids are 0 .. E - 1 = 3"},
+      {placements(json::array({json::array({0, 1, 2, 3}), json::array()})), "rank 1 holds no expert"},
+      {placements(json::array({json::array({0, 1}), json::array({2}), json::array({3})})), "not a list of 2 ranks' experts"},
+      {placements(json::array({json::array({0, "one"}), json::array({2, 3})})), "an expert id is not an integer: \"one\""},
+      {json{{"expert_placements", {{"ranks", 2}, {"blocks", json::array({good})}}}}, "1 placements; the model has 2 MoE blocks"},
+      {json{{"expert_placements", "E / R"}}, "not {\"ranks\": R, \"blocks\""},
+      {[&] { json e = placements(good); e["expert_load_window"] = json::array({json::array({1, 2, 3, -4}), json::array({1, 2, 3, 4})}); return e; }(),
+       "expert_load_window is not [MoE block][E] loads >= 0"},
+  };
+  for (const auto& [extra, expected] : bad) {
+    const std::string message = resume_with(extra);
+    EXPECT_NE(message.find(expected), std::string::npos) << extra.dump() << "\nmessage: " << message;
+    EXPECT_NE(message.find("checkpoint_00000010.ckpt: expert_placements: "), std::string::npos) << message;
+  }
 }
 
 TEST(Trainer, LearnsAndRecordsWhatTheViewerNeeds) {
