@@ -55,8 +55,9 @@ TEST_F(ViewerInferenceRuns, ExpertBytesFromTheModel) {
 }
 
 TEST_F(ViewerInferenceRuns, CacheCellsMatchTheChosenExperts) {
-  // The cells of chosen experts (prefetched and used, hit, miss) at each step and block must be as
-  // many as the experts the event lists: two independent fields of the record agree.
+  // The cells of chosen experts (prefetched and used, hit, miss, computed on the host) at each step
+  // and block must be as many as the experts the event lists: two independent fields of the record
+  // agree.
   for (const auto* runs : {&switch_, &generate_}) {
     for (const auto& [mode, run] : *runs) {
       const CacheTimeline c = build_cache_timeline(*run, 1);
@@ -72,7 +73,8 @@ TEST_F(ViewerInferenceRuns, CacheCellsMatchTheChosenExperts) {
           size_t cells = 0;
           for (int64_t r = 0; r < c.rows_per_block; ++r) {
             const CacheCell cell = c.at(m * static_cast<size_t>(c.rows_per_block) + static_cast<size_t>(r), s);
-            cells += cell == CacheCell::prefetched_used || cell == CacheCell::hit || cell == CacheCell::miss;
+            cells += cell == CacheCell::prefetched_used || cell == CacheCell::hit || cell == CacheCell::miss ||
+                     cell == CacheCell::on_host;
           }
           const size_t listed = chosen[std::make_pair(c.steps[s], c.layers[m])];
           EXPECT_EQ(cells, listed) << mode << " step " << c.steps[s] << " layer " << c.layers[m];
@@ -226,6 +228,128 @@ TEST(ViewerInferenceView, BytesNotWholeExpertsSaySo) {
   EXPECT_EQ(offloaded_expert_bytes(run), 128);
   EXPECT_FALSE(c.wasted_known);
   EXPECT_NE(c.note.find("not a whole number of experts"), std::string::npos) << c.note;
+}
+
+// Two MoE blocks (layers 0 and 2) over two decode steps, one expert 128 bytes:
+//   step 1, layer 0: 4 chosen: 1 hit, 1 miss (copied: 128 bytes), 2 computed on the host in 300 us
+//   step 1, layer 2: 1 chosen, a hit owed to a prefetch copy (128 bytes)
+//   step 2, layer 0: 2 chosen, both on the host (100 us): nothing copied, nothing computed on the GPU
+//   step 2, layer 2: 1 chosen, a miss, and a prefetch copy not chosen (256 bytes)
+const char* kHostEvents =
+    R"({"type":"offload","step":1,"layer":0,"hits":1,"misses":1,"stall_us":5.0,"prefetched":[],"prefetched_used":0,"bytes":128,"experts":[0,1,2,3],"on_host":[2,3],"host_us":300.0})"
+    "\n"
+    R"({"type":"offload","step":1,"layer":2,"hits":1,"misses":0,"stall_us":0.0,"prefetched":[1],"prefetched_used":1,"bytes":128,"experts":[1],"on_host":[],"host_us":0})"
+    "\n"
+    R"({"type":"offload","step":2,"layer":0,"hits":0,"misses":0,"stall_us":0.0,"prefetched":[],"prefetched_used":0,"bytes":0,"experts":[0,3],"on_host":[0,3],"host_us":100})"
+    "\n"
+    R"({"type":"offload","step":2,"layer":2,"hits":0,"misses":1,"stall_us":7.0,"prefetched":[3],"prefetched_used":0,"bytes":256,"experts":[2],"on_host":[],"host_us":0})"
+    "\n";
+
+TEST(ViewerInferenceView, HostComputedExpertsAreAThirdOutcome) {
+  const RunModel run = RunModel::from_text(kSmallRun, kHostEvents);
+  ASSERT_EQ(run.error, "");
+  ASSERT_EQ(run.events_skipped, 0) << (run.warnings.empty() ? "" : run.warnings[0]);
+  const CacheTimeline c = build_cache_timeline(run, 1);
+  ASSERT_TRUE(c.wasted_known) << c.note;
+  EXPECT_TRUE(c.has_on_host);
+  ASSERT_EQ(c.layers, (std::vector<int64_t>{0, 2}));
+  ASSERT_EQ(c.steps, (std::vector<int64_t>{1, 2}));
+  ASSERT_EQ(c.rows_per_block, 4);  // step 1, layer 0: hit, miss and two on the host
+  // Block 0 (rows 0..3): the host's cells after the GPU's, in CacheCell order.
+  EXPECT_EQ(c.at(0, 0), CacheCell::hit);
+  EXPECT_EQ(c.at(1, 0), CacheCell::miss);
+  EXPECT_EQ(c.at(2, 0), CacheCell::on_host);
+  EXPECT_EQ(c.at(3, 0), CacheCell::on_host);
+  EXPECT_EQ(c.at(0, 1), CacheCell::on_host);
+  EXPECT_EQ(c.at(1, 1), CacheCell::on_host);
+  EXPECT_EQ(c.at(2, 1), CacheCell::empty);
+  // Block 1 (rows 4..7): no host cells; its wasted copy still derived from the bytes.
+  EXPECT_EQ(c.at(4, 0), CacheCell::prefetched_used);
+  EXPECT_EQ(c.at(5, 0), CacheCell::empty);
+  EXPECT_EQ(c.at(4, 1), CacheCell::miss);
+  EXPECT_EQ(c.at(5, 1), CacheCell::prefetched_wasted);
+
+  // Block 0: 6 chosen, 4 of them on the host; the hit rate is over the 2 the GPU computed.
+  const CacheOutcomes& b0 = c.per_block[0];
+  EXPECT_EQ(b0.chosen, 6);
+  EXPECT_EQ(b0.on_host, 4);
+  EXPECT_EQ(b0.on_gpu(), 2);
+  EXPECT_EQ(b0.resident_hits, 1);
+  EXPECT_EQ(b0.misses, 1);
+  EXPECT_DOUBLE_EQ(b0.host_us, 400.0);
+  EXPECT_DOUBLE_EQ(b0.hit_rate(), 0.5);
+  EXPECT_EQ(b0.prefetch_copies, 0);  // 128 bytes = the miss's copy: the host's experts were not copied
+  EXPECT_EQ(c.per_block[1].on_host, 0);
+  EXPECT_DOUBLE_EQ(c.per_block[1].host_us, 0.0);
+  EXPECT_DOUBLE_EQ(c.per_block[1].hit_rate(), 0.5);
+  EXPECT_EQ(c.total.chosen, 8);
+  EXPECT_EQ(c.total.on_host, 4);
+  EXPECT_DOUBLE_EQ(c.total.hit_rate(), 2.0 / 4.0);
+  EXPECT_EQ(c.total.prefetched_wasted(), 1);
+
+  // A block whose every expert went to the host has no hit rate: the GPU looked nothing up.
+  const CacheTimeline step2 = build_cache_timeline(run, 2);
+  EXPECT_EQ(step2.per_block[0].chosen, 2);
+  EXPECT_TRUE(std::isnan(step2.per_block[0].hit_rate()));
+
+  // The modes table's row and the scrubber's step carry the host's share too.
+  const DecodeModeRow row = decode_mode_row(run, 1);
+  EXPECT_EQ(row.outcomes.on_host, 4);
+  EXPECT_DOUBLE_EQ(row.host_us_per_step, 200.0);  // 400 us over 2 decode steps
+  const OffloadView v = offload_at(run, 1, -1);
+  EXPECT_EQ(v.hits, 2);
+  EXPECT_EQ(v.misses, 1);
+  EXPECT_EQ(v.on_host, 2);
+  EXPECT_DOUBLE_EQ(v.host_us, 300.0);
+  EXPECT_DOUBLE_EQ(v.hit_rate, 2.0 / 3.0);  // the GPU's 3 lookups
+  // Layer 0's hit rate per step: a gap at step 2, where the host computed every expert.
+  const Series layer0 = offload_series(run, "hit_rate", 0);
+  ASSERT_EQ(layer0.values.size(), 2u);
+  EXPECT_DOUBLE_EQ(layer0.values[0], 0.5);
+  EXPECT_TRUE(std::isnan(layer0.values[1]));
+
+  // The third colour: named, and apart from every other cell's in the image.
+  EXPECT_STREQ(cache_cell_name(CacheCell::on_host), "computed on the host");
+  const Rgba host = cache_cell_color(CacheCell::on_host);
+  for (CacheCell other : {CacheCell::empty, CacheCell::prefetched_used, CacheCell::hit, CacheCell::miss,
+                          CacheCell::prefetched_wasted}) {
+    const Rgba o = cache_cell_color(other);
+    EXPECT_GT(std::abs(host.r - o.r) + std::abs(host.g - o.g) + std::abs(host.b - o.b), 90) << cache_cell_name(other);
+  }
+  const Image image = cache_image(c);
+  const size_t pixel = (2 * static_cast<size_t>(image.width) + 0) * 4;  // row 2, column 0
+  EXPECT_EQ(image.rgba[pixel], host.r);
+  EXPECT_EQ(image.rgba[pixel + 1], host.g);
+  EXPECT_EQ(image.rgba[pixel + 2], host.b);
+}
+
+TEST(ViewerInferenceView, RecordsWithoutHostFieldsAreUnchanged) {
+  // The same events as a decoder that computes every expert on the GPU writes them: no on_host, no
+  // host_us (the older records), or both empty. Both read as before the fields existed.
+  const char* without =
+      R"({"type":"offload","step":1,"layer":0,"hits":1,"misses":1,"stall_us":5.0,"prefetched":[],"prefetched_used":0,"bytes":128,"experts":[0,1]})"
+      "\n";
+  const char* empty =
+      R"({"type":"offload","step":1,"layer":0,"hits":1,"misses":1,"stall_us":5.0,"prefetched":[],"prefetched_used":0,"bytes":128,"experts":[0,1],"on_host":[],"host_us":0})"
+      "\n";
+  for (const char* events : {without, empty}) {
+    const RunModel run = RunModel::from_text(kSmallRun, events);
+    ASSERT_EQ(run.error, "");
+    ASSERT_EQ(run.offloads.size(), 1u);
+    EXPECT_TRUE(run.offloads[0].on_host.empty());
+    EXPECT_EQ(run.offloads[0].host_us, 0.0);
+    const CacheTimeline c = build_cache_timeline(run, 1);
+    EXPECT_FALSE(c.has_on_host);
+    ASSERT_EQ(c.rows_per_block, 2);
+    EXPECT_EQ(c.at(0, 0), CacheCell::hit);
+    EXPECT_EQ(c.at(1, 0), CacheCell::miss);
+    EXPECT_EQ(c.total.chosen, 2);
+    EXPECT_EQ(c.total.on_host, 0);
+    EXPECT_EQ(c.total.on_gpu(), 2);
+    EXPECT_DOUBLE_EQ(c.total.host_us, 0.0);
+    EXPECT_DOUBLE_EQ(c.total.hit_rate(), 0.5);
+    EXPECT_EQ(decode_mode_row(run, 1).host_us_per_step, 0.0);
+  }
 }
 
 }  // namespace

@@ -99,6 +99,43 @@ TEST(ViewerRunModel, UnusableEventsAreSkippedWithAWarningNotACrash) {
   EXPECT_EQ(m.routing.at(0).rows.size(), 1u);
 }
 
+TEST(ViewerRunModel, OffloadHostFieldsAreReadOrTheEventSkipped) {
+  // on_host and host_us (experts computed on the host) are read like experts and stall_us: a list
+  // of ids within the viewer's bounds and a finite time >= 0, else the event is skipped and named.
+  std::string too_many = R"({"type":"offload","step":6,"layer":0,"hits":0,"misses":0,"on_host":[)";
+  for (int64_t e = 0; e <= kMaxExperts; ++e) too_many += (e ? ",0" : "0");
+  too_many += "]}\n";
+  const std::string events =
+      R"({"type":"offload","step":1,"layer":3,"hits":1,"misses":1,"stall_us":2.5,"prefetched":[],"experts":[1,4,6,9],"on_host":[4,9],"host_us":812.25})" "\n"
+      R"({"type":"offload","step":2,"layer":3,"hits":2,"misses":0,"stall_us":0,"prefetched":[5],"experts":[1,5]})" "\n"
+      R"({"type":"offload","step":3,"layer":3,"hits":0,"misses":0,"on_host":[2],"host_us":-1.0})" "\n"
+      R"({"type":"offload","step":4,"layer":3,"hits":0,"misses":0,"on_host":[2],"host_us":"812"})" "\n"
+      R"({"type":"offload","step":5,"layer":3,"hits":0,"misses":0,"on_host":[2,-1],"host_us":1.0})" "\n" +
+      too_many +
+      R"({"type":"offload","step":7,"layer":3,"hits":0,"misses":0,"on_host":"2","host_us":1.0})" "\n";
+  const RunModel m = RunModel::from_text(testing::kRunJson, events);
+  EXPECT_EQ(m.error, "");
+  ASSERT_EQ(m.offloads.size(), 2u);
+  EXPECT_EQ(m.offloads[0].on_host, (std::vector<int64_t>{4, 9}));
+  EXPECT_DOUBLE_EQ(m.offloads[0].host_us, 812.25);
+  EXPECT_EQ(m.offloads[0].hits, 1);  // hits and misses as written: the host's experts are neither
+  EXPECT_EQ(m.offloads[0].misses, 1);
+  EXPECT_EQ(m.offloads[0].experts, (std::vector<int64_t>{1, 4, 6, 9}));
+  // Without the fields (an older record): nothing on the host, no host time.
+  EXPECT_TRUE(m.offloads[1].on_host.empty());
+  EXPECT_EQ(m.offloads[1].host_us, 0.0);
+  EXPECT_EQ(m.offloads[1].prefetched, (std::vector<int64_t>{5}));
+
+  EXPECT_EQ(m.events_skipped, 5);
+  ASSERT_EQ(m.warnings.size(), 5u);
+  const char* expected[] = {"host_us is not a time", "'host_us' is not a number", "'on_host' holds -1",
+                            "'on_host' has 4097 entries", "'on_host' is not an array"};
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_NE(m.warnings[i].find("event " + std::to_string(i + 3) + " (offload) skipped"), std::string::npos) << m.warnings[i];
+    EXPECT_NE(m.warnings[i].find(expected[i]), std::string::npos) << m.warnings[i];
+  }
+}
+
 TEST(ViewerRunModel, UnreadableRunsSayWhy) {
   TempDir dir;
   RunModel missing = RunModel::load(dir.path() / "nothing");

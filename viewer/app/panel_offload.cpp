@@ -1,12 +1,14 @@
 // panel_offload.cpp: decoding with experts in host memory (Pre-gated MoE): the modes of one model
 // side by side, then per run the copy and compute streams of the scrubber's step (stalls in red,
-// every run on one time scale), the expert cache over the decode steps, hit rate and prefetch
-// accuracy per MoE block, and the per-step curves. Data: viewer/model/inference_view.h.
+// every run on one time scale), the expert cache over the decode steps (hits, misses and the
+// experts computed on the host), hit rate and prefetch accuracy per MoE block, and the per-step
+// curves. Data: viewer/model/inference_view.h.
 //
 // Index: [SECTION] data, [SECTION] modes side by side, [SECTION] one run
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <string_view>
 
 #include "comm_view.h"       // offload_at, offload_series
 #include "inference_view.h"  // build_cache_timeline, decode_mode_row, cache_image
@@ -50,16 +52,21 @@ std::string Percent(double fraction) {
 void ModelTable(const std::vector<std::pair<OpenRun*, const DecodeModeRow*>>& rows) {
   // The resident run, if open: the floor every offloaded mode is measured against.
   double resident_step_us = 0;
-  for (const auto& [run, row] : rows)
+  // The host's column only where some run computed experts there: older records have none.
+  bool any_on_host = false;
+  for (const auto& [run, row] : rows) {
     if (row->mode == "gpu_only") resident_step_us = row->median_step_us;
+    any_on_host = any_on_host || row->outcomes.on_host > 0;
+  }
   ImGui::PushID(rows.front().second->model.c_str());
-  if (!ImGui::BeginTable("decode_modes", 9, ImGuiTableFlags_Borders | ImGuiTableFlags_RowBg | ImGuiTableFlags_SizingFixedFit)) {
+  if (!ImGui::BeginTable("decode_modes", any_on_host ? 10 : 9,
+                         ImGuiTableFlags_Borders | ImGuiTableFlags_RowBg | ImGuiTableFlags_SizingFixedFit)) {
     ImGui::PopID();
     return;
   }
-  for (const char* column : {"run", "mode", "slots", "hit rate", "prefetch accuracy", "copied ahead: used / wasted",
+  for (const char* column : {"run", "mode", "slots", "hit rate", "on host", "prefetch accuracy", "copied ahead: used / wasted",
                              "stall per step", "median step", "x gpu_only"})
-    ImGui::TableSetupColumn(column);
+    if (any_on_host || std::string_view(column) != "on host") ImGui::TableSetupColumn(column);
   ImGui::TableHeadersRow();
   for (const auto& [run, row] : rows) {
     const CacheOutcomes& o = row->outcomes;
@@ -73,6 +80,12 @@ void ModelTable(const std::vector<std::pair<OpenRun*, const DecodeModeRow*>>& ro
     else ImGui::TextDisabled("?");
     ImGui::TableNextColumn();
     ImGui::TextUnformatted(Percent(o.hit_rate()).c_str());
+    if (any_on_host) {
+      ImGui::TableNextColumn();
+      if (o.on_host == 0) ImGui::TextDisabled("-");
+      else ImGui::Text("%s, %.0f us per step",
+                       Percent(static_cast<double>(o.on_host) / static_cast<double>(o.chosen)).c_str(), row->host_us_per_step);
+    }
     ImGui::TableNextColumn();
     ImGui::TextUnformatted(Percent(o.prefetch_accuracy()).c_str());
     ImGui::TableNextColumn();
@@ -100,8 +113,10 @@ void ModesTable(ViewerState& state) {
   std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second->model < b.second->model; });
   ImGui::Text("modes side by side, decode steps (step 0, the prefill, left out)");
   HelpMarker("One row per open decoding run. Runs of the same model (same program, weights, D, H, E, K) are "
-             "grouped under it: only those compare directly. hit rate: chosen experts already in GPU memory "
-             "(resident, or copied ahead and used) / all chosen. prefetch accuracy: copies made ahead that the "
+             "grouped under it: only those compare directly. hit rate: chosen experts the GPU computed that were "
+             "already in GPU memory (resident, or copied ahead and used) / all the GPU computed. on host (shown "
+             "when a run computed experts on the host): the share of the chosen experts the host computed instead "
+             "of copying them in, and the host's time for them per step. prefetch accuracy: copies made ahead that the "
              "block then chose / all copies made ahead (the copies are the block's bytes / one expert's bytes, "
              "less its misses). stall: time the compute stream waited for copies. step: the median decode "
              "step's extent on the timeline, every stream. x gpu_only: the step time over the resident run's.");
@@ -121,7 +136,8 @@ void ModesTable(ViewerState& state) {
 
 void CacheLegend() {
   const float right = ImGui::GetCursorScreenPos().x + ImGui::GetContentRegionAvail().x;
-  for (CacheCell cell : {CacheCell::prefetched_used, CacheCell::hit, CacheCell::miss, CacheCell::prefetched_wasted}) {
+  for (CacheCell cell : {CacheCell::prefetched_used, CacheCell::hit, CacheCell::miss, CacheCell::on_host,
+                         CacheCell::prefetched_wasted}) {
     if (cell != CacheCell::prefetched_used) {
       ImGui::SameLine(0, 10);
       if (ImGui::GetCursorScreenPos().x + 14 + ImGui::CalcTextSize(cache_cell_name(cell)).x > right) ImGui::NewLine();
@@ -140,7 +156,8 @@ void CacheView(ViewerState& state, OpenRun& run, const CacheTimeline& cache) {
   HelpMarker("Columns: decode steps. Rows: the MoE blocks, top to bottom, each a band of cells, one cell per expert "
              "the block chose or had copied ahead at that step: blue, copied ahead and chosen (the copy overlapped "
              "compute); green, chosen and already resident; red, chosen and copied on demand (the block stalled); "
-             "orange, copied ahead and not chosen at that step (PCIe bytes and a slot spent for nothing). The "
+             "violet, chosen and computed on the host from its copy of the weights while the GPU ran the rest (no "
+             "copy, no slot); orange, copied ahead and not chosen at that step (PCIe bytes and a slot spent for nothing). The "
              "record does not say which of the cache's slots each expert took, so a band counts lookups and "
              "copies, not slots. The white line is the scrubber's step.");
   if (!cache.wasted_known) LacksData(("wasted prefetch copies that can be derived: " + cache.note).c_str());
@@ -186,12 +203,17 @@ void CacheView(ViewerState& state, OpenRun& run, const CacheTimeline& cache) {
 
 void BlockTable(const CacheTimeline& cache) {
   ImGui::Text("per MoE block, over the decode steps");
-  HelpMarker("hit: chosen experts found in GPU memory / chosen. prefetch: copies made ahead that the block chose / "
-             "copies made ahead ('-' where the block copies nothing ahead: the first block of pre-gating has no block "
-             "before it to choose its experts). miss: on-demand copies. stall: time the compute stream waited for "
-             "this block's copies, summed.");
-  if (!ImGui::BeginTable("blocks", 6, ImGuiTableFlags_Borders | ImGuiTableFlags_SizingFixedFit)) return;
-  for (const char* column : {"layer", "hit", "prefetch", "miss", "wasted", "stall"}) ImGui::TableSetupColumn(column);
+  HelpMarker("hit: chosen experts the GPU computed that it found in GPU memory / all the GPU computed. prefetch: "
+             "copies made ahead that the block chose / copies made ahead ('-' where the block copies nothing ahead: "
+             "the first block of pre-gating has no block before it to choose its experts). miss: on-demand copies. "
+             "on host, host time (shown when the run computed experts on the host): chosen experts the host computed "
+             "instead of copying them in (neither hits nor misses), and the host's time for them, summed. stall: time "
+             "the compute stream waited for this block's copies, summed.");
+  const bool host = cache.has_on_host;
+  if (!ImGui::BeginTable("blocks", host ? 8 : 6, ImGuiTableFlags_Borders | ImGuiTableFlags_SizingFixedFit)) return;
+  for (const char* column : {"layer", "hit", "prefetch", "miss", "on host", "host time", "wasted", "stall"})
+    if (host || (std::string_view(column) != "on host" && std::string_view(column) != "host time"))
+      ImGui::TableSetupColumn(column);
   ImGui::TableHeadersRow();
   for (size_t m = 0; m < cache.layers.size(); ++m) {
     const CacheOutcomes& b = cache.per_block[m];
@@ -204,6 +226,12 @@ void BlockTable(const CacheTimeline& cache) {
     ImGui::TextUnformatted(Percent(b.prefetch_accuracy()).c_str());
     ImGui::TableNextColumn();
     ImGui::Text("%lld", static_cast<long long>(b.misses));
+    if (host) {
+      ImGui::TableNextColumn();
+      ImGui::Text("%lld", static_cast<long long>(b.on_host));
+      ImGui::TableNextColumn();
+      ImGui::Text("%.0f us", b.host_us);
+    }
     ImGui::TableNextColumn();
     if (b.prefetched_wasted() < 0) ImGui::TextDisabled("?");
     else ImGui::Text("%lld", static_cast<long long>(b.prefetched_wasted()));
@@ -222,14 +250,27 @@ void ShowRunOffload(ViewerState& state, OpenRun& run, double timeline_span_us) {
   }
   const int64_t layer = -1;  // all layers summed; the cache is shared by the layers
   const OffloadView v = offload_at(m, state.step, layer);
+  const ViewerState::CachedDecode& decode = Decode(state, run);
   ImGui::Text("step %lld, all MoE blocks%s", static_cast<long long>(v.step), v.step == 0 ? " (the prefill)" : "");
-  MetricGrid({{"hits", "%.0f", static_cast<double>(v.hits),
-               "Chosen experts whose weights were already in GPU memory when the block needed them."},
-              {"misses", "%.0f", static_cast<double>(v.misses),
-               "Chosen experts copied from host memory on demand: the block waits for them."},
-              {"stall", "%.0f us", v.stall_us,
-               "Time the compute stream waited for expert copies at this step: copy time the prefetch did not hide."}},
-             3, 16);
+  const MetricItem hits_metric{"hits", "%.0f", static_cast<double>(v.hits),
+                               "Chosen experts whose weights were already in GPU memory when the block needed them."};
+  const MetricItem misses_metric{"misses", "%.0f", static_cast<double>(v.misses),
+                                 "Chosen experts copied from host memory on demand: the block waits for them."};
+  const MetricItem stall_metric{"stall", "%.0f us", v.stall_us,
+                                "Time the compute stream waited for expert copies at this step: copy time the prefetch did not hide."};
+  // The host's share only for a run that computed experts there (at any step: the grid keeps its
+  // layout while the scrubber moves).
+  if (decode.cache.has_on_host || v.on_host > 0)
+    MetricGrid({hits_metric, misses_metric,
+                {"on host", "%.0f", static_cast<double>(v.on_host),
+                 "Chosen experts computed on the host from its copy of the weights instead of copied in: neither "
+                 "hits nor misses."},
+                {"host time", "%.0f us", v.host_us,
+                 "The host's time for its experts at this step, overlapped with the GPU's work on the rest."},
+                stall_metric},
+               5, 16);
+  else
+    MetricGrid({hits_metric, misses_metric, stall_metric}, 3, 16);
 
   ImGui::Text("copy and compute streams");
   HelpMarker("The compute stream, the copy stream and the compute stream's waits for copies ('compute waits'). A copy "
@@ -240,7 +281,6 @@ void ShowRunOffload(ViewerState& state, OpenRun& run, double timeline_span_us) {
   if (timeline.lanes.empty()) LacksData("copy or compute spans at this step");
   else TimelineView("offload_timeline", timeline, ImVec2(ImGui::GetContentRegionAvail().x, 90), timeline_span_us);
 
-  const ViewerState::CachedDecode& decode = Decode(state, run);
   ImGui::Spacing();
   CacheView(state, run, decode.cache);
   ImGui::Spacing();
@@ -258,7 +298,8 @@ void ShowRunOffload(ViewerState& state, OpenRun& run, double timeline_span_us) {
   const std::string suffix = RegionName(state, run, "");
   const float width = ImGui::GetContentRegionAvail().x;
   ImGui::Text("hit rate per step");
-  HelpMarker("Expert-cache hit rate over the run, all blocks; step 0 is the prefill.");
+  HelpMarker("Expert-cache hit rate over the run, all blocks, of the experts the GPU computed (a gap where the host "
+             "computed every one); step 0 is the prefill.");
   CurvePlot(("offload_hit_rate" + suffix).c_str(), state, {{"hit rate", &hit_rate, RunColor(run.color_index)}}, ImVec2(width, 70));
   ImGui::Text("stall per step (us)");
   HelpMarker("Time the blocks waited for copies per step.");

@@ -186,6 +186,8 @@ OffloadView offload_at(const RunModel& run, int64_t step, int64_t layer) {
     v.hits += o.hits;
     v.misses += o.misses;
     v.stall_us += o.stall_us;
+    v.on_host += static_cast<int64_t>(o.on_host.size());
+    v.host_us += o.host_us;
     v.prefetched.insert(v.prefetched.end(), o.prefetched.begin(), o.prefetched.end());
     ++v.events;
   }
@@ -206,7 +208,8 @@ Series offload_series(const RunModel& run, const std::string& field, int64_t lay
   Series out;
   for (const auto& [step, s] : per_step) {
     double v = 0;
-    if (field == "hit_rate") v = s.hits + s.misses > 0 ? s.hits / (s.hits + s.misses) : 0;
+    if (field == "hit_rate")
+      v = s.hits + s.misses > 0 ? s.hits / (s.hits + s.misses) : std::numeric_limits<double>::quiet_NaN();
     else if (field == "hits") v = s.hits;
     else if (field == "misses") v = s.misses;
     else if (field == "stall_us") v = s.stall;

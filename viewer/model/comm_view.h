@@ -77,9 +77,11 @@ std::vector<std::string> alltoall_names(const RunModel& run);
 Series alltoall_bandwidth_series(const RunModel& run, const std::string& name);
 
 struct OffloadView {
-  int64_t hits = 0, misses = 0;
+  int64_t hits = 0, misses = 0;  // the experts the GPU computed, found in a slot or copied in
+  int64_t on_host = 0;           // the experts the host computed instead: neither hits nor misses
   double stall_us = 0;
-  double hit_rate = 0;  // hits / (hits + misses)
+  double host_us = 0;            // the host's time for them
+  double hit_rate = 0;  // hits / (hits + misses): the cache's, of what the GPU computed
   int64_t events = 0;
   int64_t step = 0;
   std::vector<int64_t> prefetched;  // experts copied ahead, over the layers shown
@@ -87,6 +89,8 @@ struct OffloadView {
 // layer -1 sums all layers.
 OffloadView offload_at(const RunModel& run, int64_t step, int64_t layer);
 // field: "hit_rate", "misses", "hits", "stall_us"; summed over layers per step (layer -1) or one.
+// The hit rate is NaN (a gap in the curve) at a step where the GPU looked up no expert: every
+// chosen expert computed on the host.
 Series offload_series(const RunModel& run, const std::string& field, int64_t layer);
 
 }  // namespace moe::viewer

@@ -40,6 +40,7 @@ const char* cache_cell_name(CacheCell cell) {
     case CacheCell::prefetched_used: return "prefetched and used";
     case CacheCell::hit: return "hit";
     case CacheCell::miss: return "miss";
+    case CacheCell::on_host: return "computed on the host";
     case CacheCell::prefetched_wasted: return "prefetched and wasted";
   }
   return "?";
@@ -50,10 +51,12 @@ void CacheOutcomes::add(const CacheOutcomes& other) {
   resident_hits += other.resident_hits;
   prefetched_used += other.prefetched_used;
   misses += other.misses;
+  on_host += other.on_host;
   // Unknown (-1) anywhere makes the sum unknown.
   prefetch_copies = prefetch_copies < 0 || other.prefetch_copies < 0 ? -1 : prefetch_copies + other.prefetch_copies;
   bytes += other.bytes;
   stall_us += other.stall_us;
+  host_us += other.host_us;
 }
 
 int64_t CacheOutcomes::prefetched_wasted() const {
@@ -61,8 +64,8 @@ int64_t CacheOutcomes::prefetched_wasted() const {
 }
 
 double CacheOutcomes::hit_rate() const {
-  if (chosen == 0) return std::numeric_limits<double>::quiet_NaN();
-  return static_cast<double>(resident_hits + prefetched_used) / static_cast<double>(chosen);
+  if (on_gpu() <= 0) return std::numeric_limits<double>::quiet_NaN();
+  return static_cast<double>(resident_hits + prefetched_used) / static_cast<double>(on_gpu());
 }
 
 double CacheOutcomes::prefetch_accuracy() const {
@@ -76,6 +79,7 @@ Rgba cache_cell_color(CacheCell cell) {
     case CacheCell::prefetched_used: return {70, 140, 255, 255};
     case CacheCell::hit: return {80, 200, 110, 255};
     case CacheCell::miss: return {235, 40, 40, 255};
+    case CacheCell::on_host: return {175, 95, 235, 255};
     case CacheCell::prefetched_wasted: return {245, 170, 40, 255};
   }
   return kNoDataColor;
@@ -117,10 +121,13 @@ CacheTimeline build_cache_timeline(const RunModel& run, int64_t first_step) {
     layer_index.emplace(o.layer, 0);
     step_index.emplace(o.step, 0);
     if (!o.experts.empty()) view.has_chosen_experts = true;
+    if (!o.on_host.empty()) view.has_on_host = true;
     CacheOutcomes c;
-    c.chosen = o.hits + o.misses;
+    c.on_host = static_cast<int64_t>(o.on_host.size());
+    c.chosen = o.hits + o.misses + c.on_host;
     c.misses = o.misses;
     c.stall_us = o.stall_us;
+    c.host_us = o.host_us;
     c.bytes = o.bytes.value_or(0);
     c.prefetched_used = o.prefetched_used.value_or(0);
     c.resident_hits = o.hits - c.prefetched_used;
@@ -168,7 +175,7 @@ CacheTimeline build_cache_timeline(const RunModel& run, int64_t first_step) {
 
   // At one step, wasted are the copies made ahead that this step did not choose.
   auto cells_of = [&](const CacheOutcomes& c) {
-    return c.prefetched_used + c.resident_hits + c.misses + std::max<int64_t>(0, c.prefetched_wasted());
+    return c.prefetched_used + c.resident_hits + c.misses + c.on_host + std::max<int64_t>(0, c.prefetched_wasted());
   };
   for (const auto& [key, c] : outcomes) view.rows_per_block = std::max(view.rows_per_block, cells_of(c));
   if (view.rows_per_block > kMaxCacheRows) {
@@ -189,6 +196,7 @@ CacheTimeline build_cache_timeline(const RunModel& run, int64_t first_step) {
     fill(CacheCell::prefetched_used, c.prefetched_used);
     fill(CacheCell::hit, c.resident_hits);
     fill(CacheCell::miss, c.misses);
+    fill(CacheCell::on_host, c.on_host);
     fill(CacheCell::prefetched_wasted, std::max<int64_t>(0, c.prefetched_wasted()));
   }
   for (const CacheOutcomes& b : view.per_block) view.total.add(b);
@@ -224,6 +232,7 @@ DecodeModeRow decode_mode_row(const RunModel& run, int64_t first_step) {
   row.outcomes = cache.total;
   row.decode_steps = static_cast<int64_t>(cache.steps.size());
   row.stall_us_per_step = row.decode_steps > 0 ? row.outcomes.stall_us / static_cast<double>(row.decode_steps) : 0;
+  row.host_us_per_step = row.decode_steps > 0 ? row.outcomes.host_us / static_cast<double>(row.decode_steps) : 0;
   // A step's time: from its first span's start to its last span's end, every stream.
   std::map<int64_t, std::pair<double, double>> extent;  // step -> (start, end)
   for (const SpanRecord& s : run.spans) {

@@ -583,6 +583,9 @@ void RunModel::ingest_or_throw(const json& event) {
     if (!std::isfinite(o.stall_us) || o.stall_us < 0) throw SkipEvent("stall_us is not a time");
     o.prefetched = get_counts(event, "prefetched");
     o.experts = get_counts(event, "experts");
+    o.on_host = get_counts(event, "on_host");
+    o.host_us = get_double(event, "host_us", 0);
+    if (!std::isfinite(o.host_us) || o.host_us < 0) throw SkipEvent("host_us is not a time");
     if (event.contains("prefetched_used")) o.prefetched_used = get_int(event, "prefetched_used", 0, 0, INT64_MAX / 4);
     if (event.contains("bytes")) o.bytes = get_int(event, "bytes", 0, 0, INT64_MAX / 4);
     offloads.push_back(std::move(o));

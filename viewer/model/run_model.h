@@ -127,6 +127,11 @@ struct OffloadRecord {
   std::vector<int64_t> experts;          // the experts the block chose
   std::optional<int64_t> prefetched_used;  // prefetch copies the block then chose
   std::optional<int64_t> bytes;            // host-to-device bytes copied for the block
+  // The experts of `experts` the host computed instead of the GPU (neither hits nor misses: hits
+  // and misses count what the GPU computed), and the host's time for them. Empty and 0 in records
+  // of decoders that compute every expert on the GPU.
+  std::vector<int64_t> on_host;
+  double host_us = 0;
 };
 
 struct TokensRecord {
