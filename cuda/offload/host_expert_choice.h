@@ -1,0 +1,75 @@
+// offload/host_expert_choice.h: which of an MoE block's missing experts to compute on the host
+// instead of copying them to the GPU, the three-way choice of an offloading decoder: an expert in a
+// GPU slot is a hit (computed there); a missing one is either copied over PCIe into a slot and
+// computed on the GPU, or computed on the host from the pinned weights (cpu_expert.h) while the GPU
+// runs the rest. Fiddler (Kamahori et al., 2024) makes the same choice per expert; llama.cpp's
+// --cpu-moe makes it once for all experts.
+//
+// The two ways for a missing expert use two different resources that run side by side: the copy
+// engine (the block's copies go one after another over PCIe) and the host's cores (its experts go
+// one after another, each on every thread). A block waits for the slower of the two, so the choice
+// is the split of the misses that makes the larger sum smallest:
+//
+//   given n misses, each with its rows r_e this step,
+//   copy(e) = copy_ms                  (bytes / the PCIe rate: the same for every expert)
+//   host(e) = host_ms(r_e)             (the host's FFN on r_e rows: measured, grows with r_e)
+//   choose S minimizing max( sum_{e not in S} copy(e) - head_start, sum_{e in S} host(e) )
+//
+// head_start: how long the copies have before the block needs them. 0 when the block's routing is
+// known only at the block (on demand); with a pre-gate the block's copies start one block ahead,
+// while the host still works on the block before it, so its predicted host time is their head start
+// (without it, the host would take every lone miss and the copy engine would idle).
+//
+// Since every copy costs the same, the best S of each size k is the k experts with the fewest rows
+// (the cheapest on the host), so trying k = 0..n over the experts sorted by host(e) finds the
+// optimum exactly. Ties go to the smaller k: a copied expert also fills the cache for later steps.
+// The GPU's own expert time is not in the sum: in this engine the GPU runs a block's expert kernels
+// over every chosen expert either way (a host expert's rows are replaced afterwards, see
+// moe/moe_layer.h: ReplacedRows), so it costs the same on both sides.
+//
+// Plain C++, no CUDA: tested on any machine (tests/offload/test_host_expert_choice.cpp).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moe::cuda {
+
+// When a decoder computes experts on the host:
+//   off     never: every miss is copied (the Pre-gated MoE modes as published)
+//   misses  every expert that is not in a GPU slot when its block needs it (llama.cpp --cpu-moe,
+//           for the experts the cache does not hold)
+//   auto    the cost model above, per block and step
+enum class HostExperts { off, misses, cost_model };
+
+std::string_view to_string(HostExperts mode);  // "off", "misses", "auto"
+// Throws std::invalid_argument listing the allowed words.
+HostExperts parse_host_experts(std::string_view text);
+
+// The cost model's inputs, measured when the decoder starts (offloaded_experts.h: measure_host_expert_costs).
+struct HostExpertCosts {
+  double copy_ms = 0;            // one expert from pinned host memory into a GPU slot
+  std::vector<double> host_ms;   // [r - 1]: the host's FFN of one expert on r rows, r = 1 .. size()
+
+  // host_ms at `rows` >= 1: the table's value, or beyond it a straight line through its last two
+  // points (one point: proportional to rows). Throws std::invalid_argument for rows < 1 or an empty
+  // table.
+  double host_ms_at(int64_t rows) const;
+};
+
+// The misses' split. misses: expert ids (any order); rows[i] >= 1: misses[i]'s rows. Returns the
+// ids to compute on the host, ascending. Throws std::invalid_argument when the spans' sizes differ,
+// a row count is < 1, or copy_ms is not > 0 with the cost model.
+std::vector<int32_t> choose_host_experts(HostExperts mode, std::span<const int32_t> misses,
+                                         std::span<const int64_t> rows, const HostExpertCosts& costs,
+                                         double head_start_ms = 0);
+
+// The block's predicted time with that split: max(copies - head start, host work), in ms (what the
+// cost model minimizes).
+double predicted_miss_ms(std::span<const int32_t> misses, std::span<const int64_t> rows,
+                         std::span<const int32_t> on_host, const HostExpertCosts& costs, double head_start_ms = 0);
+
+}  // namespace moe::cuda
