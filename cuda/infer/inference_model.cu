@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <map>
+#include <iterator>
 #include <numeric>
 #include <set>
 #include <stdexcept>
@@ -22,6 +24,7 @@
 
 #include "core/elementwise.h"  // fill_nan, bf16_to_float, residual_add
 #include "core/cuda_check.h"      // CUDA_CHECK
+#include "core/pinned_buffer.h"   // PinnedBuffer
 #include "model/attention.h"      // attention_forward, AttentionWorkspace
 #include "model/embedding.h"      // embedding_forward, kEmbeddingVocabulary
 #include "model/layer_norm.h"     // layer_norm_forward
@@ -145,10 +148,23 @@ struct InferenceModelGpu::Pass {
   DeviceBuffer<bf16> last_x, last_normed;     // [N, D] each sequence's last new row, and LN_final of it
   DeviceBuffer<float> last_mean, last_rstd;   // [N]
   DeviceBuffer<float> logits;      // [N, V]
+  // Host experts (allocated with the pass when the source may compute on the host): the LN2 rows
+  // read back, the host's output rows by slot, and which slots they replace, pinned, and their
+  // device copies that the layer's combine reads (moe_layer.h: ReplacedRows).
+  PinnedBuffer<bf16> host_x;            // [T_new, D]
+  PinnedBuffer<bf16> host_rows;         // [T_new * K, D]
+  PinnedBuffer<int32_t> host_replace;   // [T_new * K]
+  DeviceBuffer<bf16> replaced_rows;     // [T_new * K, D]
+  DeviceBuffer<int32_t> replaced;       // [T_new * K]
   // host side, per step: what each MoE block's source was told
   std::vector<std::vector<int32_t>> known;       // [M] experts read back for block m_j (valid if known_valid)
+  std::vector<std::vector<int32_t>> top;         // [M][T_new * K] the same, per slot (rows per expert)
   std::vector<char> known_valid;                 // [M]
   std::vector<std::vector<int32_t>> prefetched;  // [M] what the schedule prefetched for m_j
+  std::vector<std::vector<int32_t>> on_host;     // [M] the experts m_j computes on the host (valid if host_valid)
+  std::vector<char> host_valid;                  // [M]
+  std::vector<double> host_ms;                   // [M] the host's time for them
+  std::vector<double> predicted_host_ms;         // [M] the source's prediction of it
 };
 
 InferenceModelGpu::InferenceModelGpu(const ModelGpuConfig& config, std::span<const float> weights,
@@ -234,6 +250,14 @@ std::unique_ptr<InferenceModelGpu::Pass> InferenceModelGpu::make_pass(int64_t ne
   pass->last_mean = DeviceBuffer<float>(size_t(N));
   pass->last_rstd = DeviceBuffer<float>(size_t(N));
   pass->logits = DeviceBuffer<float>(size_t(N * kVocabulary));
+  if (experts_->needs_experts_on_host()) {
+    const size_t slots = t * size_t(config_.moe.top_k);
+    pass->host_x = PinnedBuffer<bf16>(t * d);
+    pass->host_rows = PinnedBuffer<bf16>(slots * d);
+    pass->host_replace = PinnedBuffer<int32_t>(slots);
+    pass->replaced_rows = DeviceBuffer<bf16>(slots * d);
+    pass->replaced = DeviceBuffer<int32_t>(slots);
+  }
   return pass;
 }
 
@@ -341,8 +365,13 @@ StepResult InferenceModelGpu::decode_step(const std::vector<int32_t>& next_bytes
 StepResult InferenceModelGpu::run(Pass& pass, int64_t first_position) {
   const size_t M = moe_blocks_.size();
   pass.known.assign(M, {});
+  pass.top.assign(M, {});
   pass.known_valid.assign(M, 0);
   pass.prefetched.assign(M, {});
+  pass.on_host.assign(M, {});
+  pass.host_valid.assign(M, 0);
+  pass.host_ms.assign(M, 0.0);
+  pass.predicted_host_ms.assign(M, 0.0);
   embedding_phase(pass, first_position);
   // prefetch_all: m_0 has no MoE block before it; its experts are asked for at the step's start.
   if (schedule_ == ExpertSchedule::prefetch_all && M > 0) {
@@ -439,7 +468,7 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   const bool has_next = j + 1 < static_cast<int64_t>(moe_blocks_.size());
   MoeLayerGpu& this_layer = *pass.moe[size_t(j % 2)];
   MoeLayerGpu* next_layer = has_next ? pass.moe[size_t((j + 1) % 2)].get() : nullptr;
-  const bool on_host = experts_->needs_experts_on_host();
+  const bool fetches = experts_->needs_experts_on_host();
 
   // ---- the gates: this block's (unless pre-gated one block ago), then the next block's ----
   if (!(config_.pregated && j > 0)) route_block(pass, j, pass.normed.data());
@@ -447,7 +476,7 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   if (has_next && config_.pregated) route_block(pass, j + 1, pass.normed.data());
   // What to ask the source for m_{j+1} before this block's experts run. A guess needs the host to
   // see it, so it is made only for a source that fetches experts (a resident one ignores prefetches).
-  const bool guess_next = has_next && on_host &&
+  const bool guess_next = has_next && fetches &&
                           (schedule_ == ExpertSchedule::pregated || schedule_ == ExpertSchedule::speculative);
   if (guess_next && !config_.pregated) {
     // speculative on a self-gated model: m_{j+1}'s own gate on this block's LN2 output, into the
@@ -457,27 +486,44 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
 
   // ---- the one host wait of this block: its own choice (unless known) and the guess ----
   std::vector<const MoeLayerGpu*> to_read;
-  const bool read_this = on_host && !pass.known_valid[size_t(j)];
+  const bool read_this = fetches && !pass.known_valid[size_t(j)];
   if (read_this) to_read.push_back(&this_layer);
   if (guess_next) to_read.push_back(next_layer);
   if (!to_read.empty()) {
-    std::vector<std::vector<int32_t>> read = read_back_experts(to_read);
+    std::vector<std::vector<int32_t>> read = read_back_experts(to_read);  // per slot
     if (read_this) {
-      pass.known[size_t(j)] = std::move(read.front());
+      pass.top[size_t(j)] = read.front();
+      pass.known[size_t(j)] = distinct_sorted(read.front());
       pass.known_valid[size_t(j)] = 1;
     }
     if (guess_next) {
-      pass.prefetched[size_t(j + 1)] = std::move(read.back());
+      pass.prefetched[size_t(j + 1)] = distinct_sorted(read.back());
       // A pre-gated model's guess is m_{j+1}'s real routing: it need not be read again.
       if (config_.pregated) {
+        pass.top[size_t(j + 1)] = read.back();
         pass.known[size_t(j + 1)] = pass.prefetched[size_t(j + 1)];
         pass.known_valid[size_t(j + 1)] = 1;
       }
     }
   }
 
+  // ---- the experts computed on the host instead (none unless the source's host experts are on) ----
+  if (!pass.host_valid[size_t(j)]) choose_host_experts(pass, j, /*head_start_ms=*/0);
+  const std::vector<int32_t>& on_host = pass.on_host[size_t(j)];
+  std::vector<int32_t> on_gpu;
+  std::set_difference(pass.known[size_t(j)].begin(), pass.known[size_t(j)].end(), on_host.begin(), on_host.end(),
+                      std::back_inserter(on_gpu));
+  if (!on_host.empty()) {
+    // Their rows: the LN2 output, read back before any of this block's expert work is enqueued (the
+    // wait is for the LN2 and the gate, as the routing's), so the host works while the GPU does.
+    // The wait also ends the previous block's upload from host_rows, which is rewritten below.
+    CUDA_CHECK(cudaMemcpyAsync(pass.host_x.data(), pass.normed.data(), pass.normed.bytes(), cudaMemcpyDeviceToHost,
+                               stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
   // ---- acquire this block's experts, prefetch the next block's, compute, release ----
-  const ExpertTables tables = experts_->acquire(j, pass.known[size_t(j)], stream_);
+  const ExpertTables tables = experts_->acquire(j, on_gpu, stream_);
   if (tables.w1 == nullptr || tables.w2 == nullptr) {
     throw std::logic_error("InferenceModelGpu: the expert source returned no pointer tables for MoE block " +
                            std::to_string(j) + " (layer " + std::to_string(layer) + ")");
@@ -486,15 +532,86 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
     pass.prefetched[size_t(j + 1)].resize(size_t(config_.moe.num_experts));
     std::iota(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(), 0);
   }
+  // A pre-gated model knows m_{j+1}'s routing now: its host experts are chosen a block ahead (after
+  // this block's acquire, which may have evicted some of its experts) and are not prefetched. The
+  // copies of the others start now and run while the host computes this block's host experts.
+  if (has_next && config_.pregated && pass.known_valid[size_t(j + 1)]) {
+    choose_host_experts(pass, j + 1, pass.predicted_host_ms[size_t(j)]);
+    std::vector<int32_t> copied;
+    std::set_difference(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(),
+                        pass.on_host[size_t(j + 1)].begin(), pass.on_host[size_t(j + 1)].end(),
+                        std::back_inserter(copied));
+    pass.prefetched[size_t(j + 1)] = std::move(copied);
+  }
   if (has_next && !pass.prefetched[size_t(j + 1)].empty()) {
     experts_->prefetch(j + 1, pass.prefetched[size_t(j + 1)]);
   }
-  this_layer.compute_experts(pass.normed.data(), {blocks_[size_t(layer)].gate, tables.w1, tables.w2},
-                             pass.block_out.data(), stream_);
+  const MoeLayerWeights weights{blocks_[size_t(layer)].gate, tables.w1, tables.w2};
+  this_layer.run_experts(pass.normed.data(), weights, stream_);
+  if (on_host.empty()) {
+    this_layer.combine(pass.block_out.data(), stream_);
+  } else {
+    // The host's experts run while the GPU runs the others (their table entries point at the
+    // poison expert: the GPU's rows for them are NaN until replaced, before the combine).
+    host_experts_forward(pass, j);
+    const ReplacedRows replaced{pass.replaced_rows.data(), pass.replaced.data()};
+    this_layer.combine(pass.block_out.data(), stream_, &replaced);
+  }
   experts_->release(j, stream_);
 }
 
+// The source's pick of m_j's experts to compute on the host, from its routing on the host.
+void InferenceModelGpu::choose_host_experts(Pass& pass, int64_t j, double head_start_ms) {
+  const std::vector<int32_t>& experts = pass.known[size_t(j)];
+  std::vector<int64_t> rows(experts.size(), 0);
+  for (int32_t e : pass.top[size_t(j)]) {
+    const auto at = std::lower_bound(experts.begin(), experts.end(), e);
+    if (at != experts.end() && *at == e) rows[size_t(at - experts.begin())] += 1;
+  }
+  ExpertSource::HostPick pick;
+  if (!experts.empty()) pick = experts_->choose_host_experts(j, experts, rows, head_start_ms);
+  pass.on_host[size_t(j)] = std::move(pick.experts);
+  pass.predicted_host_ms[size_t(j)] = pick.host_ms;
+  pass.host_valid[size_t(j)] = 1;
+}
+
+// y = expert e on its rows of host_x, for each of m_j's host experts, into host_rows by slot (bf16,
+// as the GPU's expert outputs); then both tables go to the device on the compute stream.
+void InferenceModelGpu::host_experts_forward(Pass& pass, int64_t j) {
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t D = config_.model_dim, K = config_.moe.top_k;
+  const std::vector<int32_t>& top = pass.top[size_t(j)];
+  std::fill(pass.host_replace.data(), pass.host_replace.data() + top.size(), 0);
+  std::vector<float> x, y;
+  std::vector<size_t> slots;
+  for (int32_t e : pass.on_host[size_t(j)]) {
+    slots.clear();
+    for (size_t s = 0; s < top.size(); ++s) {
+      if (top[s] == e) slots.push_back(s);
+    }
+    const auto rows = static_cast<int64_t>(slots.size());
+    x.resize(size_t(rows * D));
+    y.resize(x.size());
+    for (size_t r = 0; r < slots.size(); ++r) {
+      const bf16* row = pass.host_x.data() + (slots[r] / size_t(K)) * size_t(D);
+      for (int64_t c = 0; c < D; ++c) x[r * size_t(D) + size_t(c)] = __bfloat162float(row[c]);
+    }
+    experts_->host_forward(j, e, x, rows, y);
+    for (size_t r = 0; r < slots.size(); ++r) {
+      bf16* out = pass.host_rows.data() + slots[r] * size_t(D);
+      for (int64_t c = 0; c < D; ++c) out[c] = __float2bfloat16(y[r * size_t(D) + size_t(c)]);
+      pass.host_replace[slots[r]] = 1;
+    }
+  }
+  CUDA_CHECK(cudaMemcpyAsync(pass.replaced_rows.data(), pass.host_rows.data(), top.size() * size_t(D) * sizeof(bf16),
+                             cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(pass.replaced.data(), pass.host_replace.data(), top.size() * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_));
+  pass.host_ms[size_t(j)] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
 // One copy per layer and one wait for all of them: the on-demand stall (a host wait on the gates).
+// Each layer's top_experts [T_new, K], per slot.
 std::vector<std::vector<int32_t>> InferenceModelGpu::read_back_experts(const std::vector<const MoeLayerGpu*>& layers) {
   std::vector<std::vector<int32_t>> top;
   for (const MoeLayerGpu* layer : layers) {
@@ -503,7 +620,6 @@ std::vector<std::vector<int32_t>> InferenceModelGpu::read_back_experts(const std
                                cudaMemcpyDeviceToHost, stream_));
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (std::vector<int32_t>& ids : top) ids = distinct_sorted(ids);
   return top;
 }
 
@@ -543,6 +659,8 @@ StepResult InferenceModelGpu::lm_head_phase(Pass& pass) {
     block.top_experts.assign(routing.begin() + std::ptrdiff_t(j * slots), routing.begin() + std::ptrdiff_t((j + 1) * slots));
     block.experts = distinct_sorted(block.top_experts);
     block.prefetched = distinct_sorted(pass.prefetched[j]);
+    block.on_host = pass.on_host[j];
+    block.host_ms = pass.host_ms[j];
     result.moe.push_back(std::move(block));
   }
   return result;

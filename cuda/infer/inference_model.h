@@ -29,8 +29,16 @@
 //   acquire          source.acquire(block, experts): missing experts copied, the compute stream waits
 //   schedule         before this block's experts run, what the schedule prefetches for the next MoE
 //                    block: all its experts, the pre-gate's choice, or a guess from its own gate
-//   compute_experts  permute, the experts through the source's pointer tables, combine
+//   host experts     a source with host experts on picks some missing experts to compute on the
+//                    host instead of copying them (offload/host_expert_choice.h; a block ahead when
+//                    pre-gated, and those are not prefetched); the block's LN2 rows are read back
+//   compute_experts  permute, the experts through the source's pointer tables, then, while the GPU
+//                    runs them, the host experts on the host; their output rows go to the device
+//                    and replace the GPU's before the combine (moe_layer.h: ReplacedRows)
 //   release          source.release(block): the slots may be reused once the stream passes here
+// With host experts the result is no longer bit for bit gpu_only's: the host sums an expert's
+// products in another order (fp32 either way); it equals it within bf16 rounding, and repeats bit
+// for bit run after run for the same thread count (offload/cpu_expert.h).
 // All gate work of a block (its own route, the next block's pre-gate or guess) is enqueued before
 // the one read-back, so a block waits on the host at most once. The source numbers the MoE blocks
 // 0..M-1 (j for m_j), as offload/pinned_expert_store.h does; the step's record names their layers.
@@ -83,6 +91,8 @@ struct MoeBlockStep {
   std::vector<int32_t> top_experts;  // [T_new, K] each new token's experts, by descending probability
   std::vector<int32_t> experts;      // the distinct experts of top_experts, ascending: what the block used
   std::vector<int32_t> prefetched;   // what the schedule prefetched for this block, ascending (empty: none)
+  std::vector<int32_t> on_host;      // the experts computed on the host instead, ascending (empty: none)
+  double host_ms = 0;                // the host's time for them (wall clock, overlapped with the GPU's work)
 };
 
 struct StepResult {
@@ -159,6 +169,8 @@ class InferenceModelGpu {
   void ffn_phase(Pass& pass, int64_t layer);
   void moe_block(Pass& pass, int64_t layer);
   void route_block(Pass& pass, int64_t j, const bf16* router_input);
+  void choose_host_experts(Pass& pass, int64_t j, double head_start_ms);
+  void host_experts_forward(Pass& pass, int64_t j);
   StepResult lm_head_phase(Pass& pass);
   std::vector<std::vector<int32_t>> read_back_experts(const std::vector<const MoeLayerGpu*>& layers);
 

@@ -134,6 +134,8 @@ void RecordedExpertSource::write(const std::vector<StepResult>& results, const s
       line["prefetched_used"] = prefetched_used;
       line["bytes"] = bytes;
       line["experts"] = block.experts;
+      line["on_host"] = block.on_host;
+      line["host_us"] = 1e3 * block.host_ms;
       writer_.append(line);
     }
     for (const Span& span : step.spans) {

@@ -1,6 +1,6 @@
 // infer/offload_recording.h: a run record of offloaded decoding, step by step, for the viewer's
 // offload panel: per MoE block an `offload` event (hits, misses, stall_us, prefetched, and
-// prefetched_used, bytes), and `span` events on the compute stream and the expert cache's copy
+// prefetched_used, bytes, and the experts computed on the host instead: on_host, host_us), and `span` events on the compute stream and the expert cache's copy
 // stream. Used by moe_generate --run-dir and offload_bench --record-dir (cuda/bench/).
 //
 //   RecordedExpertSource recorded(inner, offloaded, writer);    // wraps the mode's ExpertSource
@@ -55,6 +55,14 @@ class RecordedExpertSource : public ExpertSource {
   ExpertTables acquire(int64_t block, std::span<const int32_t> experts, cudaStream_t compute) override;
   void release(int64_t block, cudaStream_t compute) override;
   void prefetch(int64_t block, std::span<const int32_t> experts) override;
+  HostPick choose_host_experts(int64_t block, std::span<const int32_t> experts, std::span<const int64_t> rows,
+                               double head_start_ms) override {
+    return inner_.choose_host_experts(block, experts, rows, head_start_ms);
+  }
+  void host_forward(int64_t block, int32_t expert, std::span<const float> x, int64_t rows,
+                    std::span<float> y) override {
+    inner_.host_forward(block, expert, x, rows, y);
+  }
 
   PhaseTimer& phase_timer() { return timer_; }
 

@@ -265,7 +265,13 @@ void MoeLayerGpu::route(const bf16* router_input, const bf16* gate_weights, cuda
 }
 
 void MoeLayerGpu::compute_experts(const bf16* x, const MoeLayerWeights& weights, bf16* y, cudaStream_t stream) {
-  if (x == nullptr || y == nullptr || weights.w1 == nullptr || weights.w2 == nullptr) {
+  if (y == nullptr) throw std::invalid_argument("MoeLayerGpu::compute_experts: y must be non-null");
+  run_experts(x, weights, stream);
+  combine(y, stream);
+}
+
+void MoeLayerGpu::run_experts(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream) {
+  if (x == nullptr || weights.w1 == nullptr || weights.w2 == nullptr) {
     throw std::invalid_argument("MoeLayerGpu::compute_experts: x, y and the expert tables w1, w2 must be non-null");
   }
   const int D = config_.model_dim;
@@ -273,7 +279,13 @@ void MoeLayerGpu::compute_experts(const bf16* x, const MoeLayerWeights& weights,
     phase(timer_, "dispatch", stream, [&] { permute_tokens(plan_.plan(), x, permuted_x_slot(), D, stream); });
   }
   phase(timer_, "expert_compute", stream, [&] { experts_forward(x, weights, stream); });
+}
+
+void MoeLayerGpu::combine(bf16* y, cudaStream_t stream, const ReplacedRows* replaced) {
+  if (y == nullptr) throw std::invalid_argument("MoeLayerGpu::combine: y must be non-null");
+  const int D = config_.model_dim;
   phase(timer_, "combine", stream, [&] {
+    if (replaced != nullptr) replace_slot_rows(plan_.plan(), replaced->rows, replaced->replace, expert_out_.data(), D, stream);
     unpermute_and_combine(plan_.plan(), router_.combine_weights.data(), expert_out_.data(), y, D, stream);
   });
 }

@@ -76,6 +76,14 @@ struct MoeLayerWeights {           // device memory, owned by the caller
   const bf16* const* w2 = nullptr;     // device array [E] -> [H, D] per expert
 };
 
+// Expert outputs computed elsewhere (a decoder's host experts, offload/host_expert_choice.h): the
+// slots marked in `replace` take their expert's output row from `rows` instead of the GPU's, just
+// before the combine. Device memory, owned by the caller.
+struct ReplacedRows {
+  const bf16* rows = nullptr;        // [T*K, D] by slot t*K+k: the output of expert top_experts[t,k] on token t
+  const int32_t* replace = nullptr;  // [T*K] non-zero: take the slot's row from `rows`
+};
+
 struct MoeLayerGradients {         // device memory, owned by the caller; overwritten, not accumulated
   float* dx = nullptr;                // [T, D]
   float* d_gate_weights = nullptr;    // [D, E]
@@ -118,6 +126,8 @@ class MoeLayerGpu {
   //                    plan, topology: afterwards top_experts(), combine_weights() and plan() hold
   //                    this routing on the device
   //   compute_experts  permute (or the SDD's gather), the experts, combine, for the last route()
+  //                    = run_experts then combine: between the two a decoder computes some experts
+  //                    on the host, and combine puts their rows in place of the GPU's (ReplacedRows)
   void route(const bf16* router_input,  // [T, D] what the gate reads: x itself when self-gated
              const bf16* gate_weights,  // [D, E]
              cudaStream_t stream);
@@ -126,6 +136,9 @@ class MoeLayerGpu {
                        const MoeLayerWeights& weights,
                        bf16* y,        // [T, D]
                        cudaStream_t stream);
+  void run_experts(const bf16* x, const MoeLayerWeights& weights, cudaStream_t stream);
+  // y = the combine of the last run_experts' rows, with `replaced`'s rows first put in place when given.
+  void combine(bf16* y, cudaStream_t stream, const ReplacedRows* replaced = nullptr);
 
   // Gradients of L = sum(dy .* y) + aux_loss_coef * aux + z_loss_coef * z, for the x, weights and
   // routing of the last forward() (call forward first, with the same x, router_input and weights;

@@ -150,6 +150,21 @@ __global__ void unpermute_and_combine_kernel(const int* __restrict__ slot_row,  
   }
 }
 
+// ---- rows computed elsewhere: expert_out[slot_row[s]] = rows[s] where replace[s] ----
+__global__ void replace_slot_rows_kernel(const int* __restrict__ slot_row,    // [T*K]
+                                         const bf16* __restrict__ rows,       // [T*K, D]
+                                         const int32_t* __restrict__ replace, // [T*K]
+                                         bf16* __restrict__ expert_out,       // [max_rows, D]
+                                         int slots, int model_dim) {
+  const int slot = warp_index();
+  if (slot >= slots || replace[slot] == 0 || slot_row[slot] < 0) return;
+  const bf16* source = rows + static_cast<size_t>(slot) * model_dim;
+  bf16* destination = expert_out + static_cast<size_t>(slot_row[slot]) * model_dim;
+  for (int column = static_cast<int>(threadIdx.x % 32); column < model_dim; column += 32) {
+    destination[column] = source[column];
+  }
+}
+
 // ---- backward of the combine, one warp per row ----
 // A row knows its one slot, so it both scatters w * dy into its gradient and owns the dot product
 // d_combine_weights[slot]: no atomics. Dropped slots have no row; the launcher zeroes them first.
@@ -277,6 +292,18 @@ void unpermute_and_combine(const DevicePlan& plan, const float* combine_weights,
     launch_dependent(unpermute_and_combine_kernel<1>, grid, kThreadsPerBlock, 0, stream, plan.slot_row,
                      combine_weights, expert_out, y, plan.tokens, plan.top_k, model_dim);
   }
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void replace_slot_rows(const DevicePlan& plan, const bf16* rows, const int32_t* replace, bf16* expert_out,
+                       int model_dim, cudaStream_t stream) {
+  constexpr const char* function = "replace_slot_rows";
+  check_plan(function, plan, model_dim);
+  detail::check_not_null(function, {{"plan.slot_row", plan.slot_row}, {"rows", rows}, {"replace", replace},
+                                    {"expert_out", expert_out}});
+  const int slots = plan.tokens * plan.top_k;
+  replace_slot_rows_kernel<<<warp_blocks(slots), kThreadsPerBlock, 0, stream>>>(plan.slot_row, rows, replace,
+                                                                                expert_out, slots, model_dim);
   CUDA_CHECK(cudaGetLastError());
 }
 

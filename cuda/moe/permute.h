@@ -29,6 +29,8 @@
 
 #include <cuda_runtime.h>  // cudaStream_t
 
+#include <cstdint>
+
 #include "core/bf16.h"        // bf16
 #include "moe/device_plan.h"  // DevicePlan
 
@@ -44,6 +46,17 @@ void unpermute_and_combine(const DevicePlan& plan,
                            const bf16* expert_out,        // [max_rows, D]
                            bf16* y,                       // [T, D]
                            int model_dim, cudaStream_t stream);
+
+// Rows computed elsewhere replace the experts' own: expert_out[slot_row[s]] = rows[s] for every
+// slot s with replace[s] != 0 (a slot without a row, dropped, is skipped). A decoder that computes
+// some experts on the host writes their outputs into `rows` by slot and runs this between the
+// experts and unpermute_and_combine (moe_layer.h: ReplacedRows), so the combine sums them exactly
+// as it sums the GPU's. One warp per slot.
+void replace_slot_rows(const DevicePlan& plan,
+                       const bf16* rows,         // [T*K, D] by slot
+                       const int32_t* replace,   // [T*K] non-zero: take the slot's row from `rows`
+                       bf16* expert_out,         // [max_rows, D]
+                       int model_dim, cudaStream_t stream);
 
 // The backward of unpermute_and_combine. d_combine_weights feeds router_backward (moe/router.h).
 void combine_backward(const DevicePlan& plan,

@@ -10,7 +10,9 @@
 //   OffloadedExperts (offload/)  every expert in pinned host memory and a pool of GPU slots (the
 //                                expert cache): acquire() copies the missing experts (on demand)
 //                                and makes the compute stream wait for their copies; prefetch()
-//                                starts copies early (prefetch-all, pre-gated, speculative)
+//                                starts copies early (prefetch-all, pre-gated, speculative);
+//                                with host experts on, it also computes the misses its cost model
+//                                picks on the host (choose_host_experts, host_forward)
 //
 // The schedule (which experts to prefetch for block i+1 while block i computes: all of them, the
 // pre-gate's choice, or a guess from block i+1's gate on block i's hidden state) is the decoding
@@ -25,6 +27,8 @@
 
 #include <cstdint>
 #include <span>
+#include <stdexcept>
+#include <vector>
 
 #include "core/bf16.h"  // bf16
 
@@ -59,6 +63,29 @@ class ExpertSource {
   // A hint that block `block` will soon need `experts`: start copying the missing ones without
   // making anyone wait. A resident source ignores it.
   virtual void prefetch(int64_t block, std::span<const int32_t> experts) { (void)block; (void)experts; }
+
+  // ---- experts computed on the host (offload/host_expert_choice.h) ----
+  // Which of block `block`'s chosen experts (rows[i]: the rows experts[i] gets this step) the caller
+  // should compute on the host with host_forward instead of acquiring them (ascending, a subset of
+  // the experts not in a GPU slot), and the host time that is predicted to take. head_start_ms: how
+  // long the block's copies would have before the block needs them (copies a pre-gate starts one
+  // block ahead). A source that never computes on the host returns none.
+  struct HostPick {
+    std::vector<int32_t> experts;
+    double host_ms = 0;
+  };
+  virtual HostPick choose_host_experts(int64_t block, std::span<const int32_t> experts, std::span<const int64_t> rows,
+                                       double head_start_ms) {
+    (void)block, (void)experts, (void)rows, (void)head_start_ms;
+    return {};
+  }
+  // y [rows, D] = expert `expert` of block `block` on x [rows, D], on the host, fp32 in and out
+  // (offload/cpu_expert.h). Throws std::logic_error for a source without host experts.
+  virtual void host_forward(int64_t block, int32_t expert, std::span<const float> x, int64_t rows,
+                            std::span<float> y) {
+    (void)block, (void)expert, (void)x, (void)rows, (void)y;
+    throw std::logic_error("this expert source computes no experts on the host");
+  }
 };
 
 }  // namespace moe::cuda

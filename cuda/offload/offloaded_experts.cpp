@@ -1,7 +1,9 @@
 // offload/offloaded_experts.cpp: the offloading ExpertSource (see offloaded_experts.h).
 #include "offload/offloaded_experts.h"
 
+#include <algorithm>
 #include <chrono>
+#include <thread>
 #include <stdexcept>
 #include <string>
 
@@ -33,6 +35,63 @@ double milliseconds_since(std::chrono::steady_clock::time_point start) {
 }
 }  // namespace
 
+namespace {
+CpuExpertShape cpu_shape_of(const ExpertShape& shape) {
+  const bool swiglu = shape.w1_width() == 2 * shape.hidden;
+  return CpuExpertShape{shape.d_model, shape.hidden, swiglu ? CpuExpertActivation::swiglu : CpuExpertActivation::gelu};
+}
+
+template <typename Work>
+double median_ms(int repeats, Work&& work) {
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) times.push_back(work());
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+}  // namespace
+
+HostExpertCosts measure_host_expert_costs(const PinnedExpertStore& store, CpuExpert& expert, int64_t max_rows) {
+  if (max_rows < 1) throw std::invalid_argument("measure_host_expert_costs: max_rows must be >= 1");
+  HostExpertCosts costs;
+  const size_t bytes = store.expert_bytes();
+  {  // one expert over PCIe, pinned to device, timed on the GPU
+    DeviceBuffer<bf16> target(static_cast<size_t>(store.shape().expert_elements()));
+    cudaStream_t stream = nullptr;
+    cudaEvent_t start = nullptr, end = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&end));
+    int32_t next = 0;
+    costs.copy_ms = median_ms(5, [&] {
+      const int64_t e = next++ % (store.shape().blocks * store.shape().experts);
+      CUDA_CHECK(cudaEventRecord(start, stream));
+      CUDA_CHECK(cudaMemcpyAsync(target.data(), store.expert(e / store.shape().experts, int32_t(e % store.shape().experts)),
+                                 bytes, cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaEventRecord(end, stream));
+      CUDA_CHECK(cudaEventSynchronize(end));
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+      return double(ms);
+    });
+    cudaEventDestroy(start);
+    cudaEventDestroy(end);
+    cudaStreamDestroy(stream);
+  }
+  const int64_t D = store.shape().d_model;
+  const auto* weights = reinterpret_cast<const uint16_t*>(store.expert(0, 0));
+  const std::span<const uint16_t> w(weights, static_cast<size_t>(store.shape().expert_elements()));
+  for (int64_t rows = 1; rows <= max_rows; ++rows) {
+    std::vector<float> x(static_cast<size_t>(rows * D), 0.01f), y(x.size());
+    expert.forward(w, x, rows, y);  // warm: the workers awake, the pages touched
+    costs.host_ms.push_back(median_ms(3, [&] {
+      const auto start = std::chrono::steady_clock::now();
+      expert.forward(w, x, rows, y);
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    }));
+  }
+  return costs;
+}
+
 OffloadedExperts::OffloadedExperts(const PinnedExpertStore& store, const OffloadOptions& options)
     : store_(store),
       cache_(store, cache_slots_of(options, store.expert_bytes()), options.policy, options.max_tokens_per_step,
@@ -59,6 +118,17 @@ OffloadedExperts::OffloadedExperts(const PinnedExpertStore& store, const Offload
   // stream reads the poison: wait once, here.
   poison_.fill_bytes(0xFF);
   CUDA_CHECK(cudaDeviceSynchronize());
+  host_mode_ = options.host_experts;
+  if (host_mode_ != HostExperts::off) {
+    const int threads = options.host_threads == 0 ? int(std::max(1u, std::thread::hardware_concurrency()))
+                                                  : options.host_threads;
+    cpu_ = std::make_unique<CpuExpert>(cpu_shape_of(store.shape()), threads);  // checks the thread count
+    costs_ = options.costs;
+    if (host_mode_ == HostExperts::cost_model && costs_.host_ms.empty()) {
+      // Rows a step can give one expert: the tokens of a decode step (a prefill's are extrapolated).
+      costs_ = measure_host_expert_costs(store, *cpu_, std::clamp<int64_t>(options.max_tokens_per_step, 1, 8));
+    }
+  }
 }
 
 OffloadedExperts::~OffloadedExperts() {
@@ -134,6 +204,42 @@ void OffloadedExperts::release(int64_t block, cudaStream_t compute) {
 
 void OffloadedExperts::prefetch(int64_t block, std::span<const int32_t> experts) {
   cache_.prefetch(block, experts);
+}
+
+ExpertSource::HostPick OffloadedExperts::choose_host_experts(int64_t block, std::span<const int32_t> experts,
+                                                             std::span<const int64_t> rows, double head_start_ms) {
+  if (host_mode_ == HostExperts::off) return {};
+  cache_.validate(block, experts);
+  if (rows.size() != experts.size()) {
+    throw std::invalid_argument("offloaded experts: " + std::to_string(experts.size()) + " experts but " +
+                                std::to_string(rows.size()) + " row counts");
+  }
+  std::vector<int32_t> misses;
+  std::vector<int64_t> miss_rows;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    if (!cache_.slot_map().find(block, experts[i])) {
+      misses.push_back(experts[i]);
+      miss_rows.push_back(rows[i]);
+    }
+  }
+  HostPick pick;
+  pick.experts = moe::cuda::choose_host_experts(host_mode_, misses, miss_rows, costs_, head_start_ms);
+  if (!costs_.host_ms.empty()) {
+    for (size_t i = 0; i < misses.size(); ++i) {
+      if (std::binary_search(pick.experts.begin(), pick.experts.end(), misses[i])) {
+        pick.host_ms += costs_.host_ms_at(miss_rows[i]);
+      }
+    }
+  }
+  return pick;
+}
+
+void OffloadedExperts::host_forward(int64_t block, int32_t expert, std::span<const float> x, int64_t rows,
+                                    std::span<float> y) {
+  if (!cpu_) throw std::logic_error("offloaded experts: host experts are off (OffloadOptions::host_experts)");
+  const std::span<const uint16_t> weights(reinterpret_cast<const uint16_t*>(store_.expert(block, expert)),
+                                          static_cast<size_t>(store_.shape().expert_elements()));
+  cpu_->forward(weights, x, rows, y);
 }
 
 }  // namespace moe::cuda

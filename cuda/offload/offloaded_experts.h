@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -40,7 +41,9 @@
 #include "core/device_buffer.h"           // DeviceBuffer
 #include "offload/cache_policy.h"         // CachePolicy, minimum_cache_slots
 #include "offload/expert_cache.h"         // ExpertCache, OffloadStatistics
+#include "offload/cpu_expert.h"           // CpuExpert
 #include "offload/expert_source.h"        // ExpertSource, ExpertTables
+#include "offload/host_expert_choice.h"  // HostExperts, HostExpertCosts
 #include "offload/pinned_expert_store.h"  // PinnedExpertStore
 #include "offload/resident_experts.h"     // ResidentExperts, the gpu_only source beside this one
 
@@ -57,7 +60,19 @@ struct OffloadOptions {
   int64_t max_tokens_per_step = 1;
   int64_t top_k = 1;
   bool time_copies = true;  // CUDA events around every copy and stall (ExpertCache statistics)
+  // Experts computed on the host from the pinned weights (host_expert_choice.h): off, every miss,
+  // or the cost model's pick; with host_threads threads (0: every hardware thread of the host).
+  // The cost model's inputs: `costs` when given, else measured by the constructor
+  // (measure_host_expert_costs).
+  HostExperts host_experts = HostExperts::off;
+  int host_threads = 0;
+  HostExpertCosts costs;
 };
+
+// The cost model's inputs on this machine, for the store's experts: one expert's pinned copy into a
+// GPU buffer (the median of 5, CUDA events), and the host's FFN of one expert on 1 .. max_rows rows
+// (the median of 3 each, `expert` threads). Allocates one expert's bytes on the GPU for the while.
+HostExpertCosts measure_host_expert_costs(const PinnedExpertStore& store, CpuExpert& expert, int64_t max_rows);
 
 // The slot count the options ask for. Throws std::invalid_argument when neither or both sizes are
 // given (a too-small cache is the cache's error, which names the minimum).
@@ -78,6 +93,16 @@ class OffloadedExperts : public ExpertSource {
   ExpertTables acquire(int64_t block, std::span<const int32_t> experts, cudaStream_t compute) override;
   void release(int64_t block, cudaStream_t compute) override;
   void prefetch(int64_t block, std::span<const int32_t> experts) override;
+  // The misses (experts in no slot, copies in flight count as held) split by options.host_experts.
+  HostPick choose_host_experts(int64_t block, std::span<const int32_t> experts, std::span<const int64_t> rows,
+                               double head_start_ms) override;
+  // The store's weights through the CpuExpert. Throws std::logic_error when host experts are off,
+  // std::invalid_argument for a block or expert out of range or sizes that do not match.
+  void host_forward(int64_t block, int32_t expert, std::span<const float> x, int64_t rows,
+                    std::span<float> y) override;
+  HostExperts host_experts() const { return host_mode_; }
+  const HostExpertCosts& host_costs() const { return costs_; }
+  int host_threads() const { return cpu_ ? cpu_->threads() : 0; }
 
   // Per MoE block: hits, misses, prefetched, prefetched_used, bytes, copy and stall times (see
   // expert_cache.h; waits for the outstanding copies, so call it outside a timed loop).
@@ -109,6 +134,9 @@ class OffloadedExperts : public ExpertSource {
   int64_t next_entry_ = 0;
   std::vector<int64_t> entry_of_block_;         // [blocks] -> ring entry, -1 when not acquired
   std::vector<const bf16*> slot_addresses_;     // [E] scratch for the cache's answer
+  HostExperts host_mode_ = HostExperts::off;
+  std::unique_ptr<CpuExpert> cpu_;              // when host experts are on
+  HostExpertCosts costs_;
 };
 
 }  // namespace moe::cuda
