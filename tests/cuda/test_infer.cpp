@@ -41,6 +41,8 @@
 #include "infer/weights_file.h"               // load_weights_safetensors, load_weights_checkpoint, gpu_config_of
 #include "model/model.h"                      // ModelGpu
 #include "offload/expert_source.h"            // ExpertSource
+#include "offload/offloaded_experts.h"        // OffloadedExperts, OffloadOptions, HostExperts
+#include "offload/resident_experts.h"         // ResidentExperts
 #include "reference_cpu/generate.h"           // moe::ref::prefill, decode_step
 #include "reference_cpu/model.h"              // moe::ref::init_model, parameters
 #include "config_json.h"  // model_config_to_json
@@ -56,6 +58,7 @@ using moe::cuda::ExpertSchedule;
 using moe::cuda::ExpertTables;
 using moe::cuda::InferenceModelGpu;
 using moe::cuda::ModelGpuConfig;
+using moe::cuda::MoeBlockStep;
 using moe::cuda::StepResult;
 using moe::ref::Matrix;
 using moe::ModelConfig;
@@ -472,6 +475,160 @@ TEST(CudaInferSchedules, EveryScheduleGivesTheSameBytesAndLogits) {
                   run.acquired.size(), run.prefetched.size());
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// (d) experts computed on the host (offload/host_expert_choice.h): every offloading mode with the
+// misses on the host, and with the cost model, against gpu_only on the same bytes. Not bit for bit:
+// the host sums an expert's products in another order; equal within bf16 rounding, and the same
+// bits run after run. A cost model whose host is slower than any copy computes nothing there, and
+// is then gpu_only's bits exactly.
+
+struct HostRun {
+  std::vector<std::vector<float>> logits;         // [steps][N * V]
+  std::vector<std::vector<MoeBlockStep>> blocks;  // [steps][M]
+};
+
+// Prefill `prompts`, then decode `bytes` (one row per step, [steps][N]), the same inputs whatever
+// the source: the logits are compared step by step.
+HostRun run_forced(const ModelGpuConfig& gpu, const Bf16ModelWeights& weights, moe::cuda::ExpertSource& experts,
+                   ExpertSchedule schedule, const std::vector<std::vector<int32_t>>& prompts,
+                   const std::vector<std::vector<int32_t>>& bytes) {
+  InferenceModelGpu model(gpu, weights.flat, experts, schedule);
+  HostRun run;
+  auto keep = [&](StepResult&& result) {
+    run.logits.push_back(std::move(result.next_logits));
+    run.blocks.push_back(std::move(result.moe));
+  };
+  keep(model.prefill(prompts));
+  for (const std::vector<int32_t>& row : bytes) keep(model.decode_step(row));
+  return run;
+}
+
+// One case per (model, offloading schedule): the pre-gated model runs every schedule, the
+// self-gated one all but pregated.
+struct HostCase {
+  bool pregated = false;
+  ExpertSchedule schedule = ExpertSchedule::on_demand;
+};
+
+std::vector<HostCase> host_cases() {
+  std::vector<HostCase> cases;
+  for (const bool pregated : {false, true}) {
+    for (const ExpertSchedule schedule : moe::cuda::kExpertSchedules) {
+      if (schedule == ExpertSchedule::gpu_only || (schedule == ExpertSchedule::pregated && !pregated)) continue;
+      cases.push_back({pregated, schedule});
+    }
+  }
+  return cases;
+}
+
+class CudaInferHostExpertsModes : public ::testing::TestWithParam<HostCase> {};
+
+TEST_P(CudaInferHostExpertsModes, MatchGpuOnlyWithinBf16AndRepeat) {
+  REQUIRE_GPU();
+  using moe::cuda::HostExperts;
+  const auto [pregated, schedule] = GetParam();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, pregated, 3, 2);
+  const Bf16ModelWeights weights = bf16_init(config, 53);
+  std::mt19937_64 rng(59);
+  const int64_t N = 3, P = 5, steps = 10;
+  std::vector<std::vector<int32_t>> prompts, bytes;
+  for (int64_t n = 0; n < N; ++n) prompts.push_back(random_bytes(rng, size_t(P)));
+  for (int64_t s = 0; s < steps; ++s) bytes.push_back(random_bytes(rng, size_t(N)));
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
+  const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
+  moe::cuda::ResidentExperts resident(store);
+  const HostRun baseline = run_forced(gpu, weights, resident, ExpertSchedule::gpu_only, prompts, bytes);
+
+  auto offloaded = [&](HostExperts host, const moe::cuda::HostExpertCosts& costs) {
+    moe::cuda::OffloadOptions options;
+    options.cache_slots = moe::cuda::minimum_cache_slots(gpu.moe.num_experts, N * P, gpu.moe.top_k);  // misses
+    options.max_tokens_per_step = N * P;
+    options.top_k = gpu.moe.top_k;
+    options.host_experts = host;
+    options.host_threads = 2;
+    options.costs = costs;
+    return std::make_unique<moe::cuda::OffloadedExperts>(store, options);
+  };
+  // A host faster than any copy (the cost model then splits the misses), and one slower.
+  const moe::cuda::HostExpertCosts split{1.0, {0.6, 0.7, 0.8, 0.9}}, slow_host{1.0, {50.0}};
+  for (const HostExperts host : {HostExperts::misses, HostExperts::cost_model}) {
+    const std::string name = std::string(pregated ? "pre-gated " : "self-gated ") + std::string(to_string(schedule)) +
+                             " host " + std::string(to_string(host));
+    auto source = offloaded(host, split);
+    const HostRun run = run_forced(gpu, weights, *source, schedule, prompts, bytes);
+    ASSERT_EQ(run.logits.size(), baseline.logits.size()) << name;
+    double worst = 0, largest = 0;
+    int64_t on_host = 0, not_finite = 0, outside = 0;
+    for (size_t s = 0; s < run.logits.size(); ++s) {
+      for (size_t i = 0; i < run.logits[s].size(); ++i) {
+        not_finite += !std::isfinite(run.logits[s][i]);
+        worst = std::max(worst, double(std::abs(run.logits[s][i] - baseline.logits[s][i])));
+        largest = std::max(largest, double(std::abs(baseline.logits[s][i])));
+      }
+      for (size_t j = 0; j < run.blocks[s].size(); ++j) {
+        const MoeBlockStep& b = run.blocks[s][j];
+        EXPECT_EQ(b.top_experts, baseline.blocks[s][j].top_experts) << name << " step " << s << " block " << j;
+        on_host += int64_t(b.on_host.size());
+        for (int32_t e : b.on_host) outside += !std::binary_search(b.experts.begin(), b.experts.end(), e);
+      }
+    }
+    EXPECT_EQ(not_finite, 0) << name << ": a host expert's rows were not put in place of the poison's";
+    EXPECT_EQ(outside, 0) << name << ": an expert computed on the host that the block did not choose";
+    EXPECT_GT(on_host, 0) << name << ": no expert was computed on the host";
+    EXPECT_LE(worst, kTolerance * std::max(1.0, largest)) << name;
+    // The same bits run after run.
+    auto again_source = offloaded(host, split);
+    const HostRun again = run_forced(gpu, weights, *again_source, schedule, prompts, bytes);
+    EXPECT_EQ(again.logits, run.logits) << name << ": not deterministic";
+    std::printf("%s: %lld experts on the host over %zu steps, logits within %.3g of gpu_only's (largest %.3g)\n",
+                name.c_str(), (long long)on_host, run.logits.size(), worst, largest);
+  }
+  // The cost model with a host slower than any copy: nothing on the host, gpu_only's bits.
+  auto source = offloaded(HostExperts::cost_model, slow_host);
+  const HostRun run = run_forced(gpu, weights, *source, schedule, prompts, bytes);
+  EXPECT_EQ(run.logits, baseline.logits) << to_string(schedule) << ": a slow host must leave gpu_only's bits";
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, CudaInferHostExpertsModes, ::testing::ValuesIn(host_cases()),
+                         [](const ::testing::TestParamInfo<HostCase>& info) {
+                           return std::string(info.param.pregated ? "pregated_model_" : "self_gated_model_") +
+                                  std::string(to_string(info.param.schedule));
+                         });
+
+TEST(CudaInferHostExperts, BadInputIsRefusedSayingWhatIsAllowed) {
+  REQUIRE_GPU();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, false, 2, 1);
+  const Bf16ModelWeights weights = bf16_init(config, 61);
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, 1);
+  const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
+  auto message_of = [](auto&& work) -> std::string {
+    try {
+      work();
+    } catch (const std::exception& error) {
+      return error.what();
+    }
+    return "no error";
+  };
+  moe::cuda::OffloadOptions options;
+  options.cache_slots = 4;
+  options.host_experts = moe::cuda::HostExperts::misses;
+  options.host_threads = 1 << 20;
+  EXPECT_NE(message_of([&] { moe::cuda::OffloadedExperts source(store, options); }).find("allowed: 1 to"),
+            std::string::npos);
+  options.host_experts = moe::cuda::HostExperts::off;
+  options.host_threads = 0;
+  moe::cuda::OffloadedExperts off(store, options);
+  std::vector<float> x(size_t(gpu.model_dim)), y(x.size());
+  EXPECT_NE(message_of([&] { off.host_forward(0, 0, x, 1, y); }).find("host experts are off"), std::string::npos);
+  options.host_experts = moe::cuda::HostExperts::misses;
+  moe::cuda::OffloadedExperts on(store, options);
+  EXPECT_THROW(on.host_forward(0, 0, x, 2, y), std::invalid_argument);  // one row's x for two rows
+  EXPECT_THROW(on.host_forward(5, 0, x, 1, y), std::invalid_argument);  // no block 5
+  EXPECT_NE(message_of([&] { (void)on.choose_host_experts(0, std::vector<int32_t>{1, 2}, std::vector<int64_t>{1}, 0.0); })
+                .find("2 experts but 1 row counts"),
+            std::string::npos);
 }
 
 // ---------------------------------------------------------------------------------------------
