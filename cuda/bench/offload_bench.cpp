@@ -72,6 +72,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "command_line.h"                 // CLI::App, parse_command_line, whole_number, finite_number, one_of
@@ -84,6 +86,8 @@
 #include "infer/inference_model.h"        // InferenceModelGpu
 #include "infer/offload_recording.h"      // RecordedExpertSource
 #include "infer/sampling.h"               // ByteSampler
+#include "offload/cpu_expert.h"           // check_cpu_expert_threads, host_copy_gb_per_s
+#include "offload/host_expert_choice.h"   // HostExperts
 #include "offload/offloaded_experts.h"    // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h"  // PinnedExpertStore
 #include "offload/resident_experts.h"     // ResidentExperts
@@ -116,6 +120,8 @@ struct Options {
   double cache_factor = 2;
   int64_t cache_experts = 0;
   CachePolicy policy = CachePolicy::lru;
+  std::vector<HostExperts> host_experts;  // besides copying every miss: the host-expert variants of each offloading mode
+  int host_threads = 0;                   // 0: every hardware thread
   uint64_t seed = 1;
   std::string out, record_dir;
 };
@@ -133,7 +139,7 @@ std::vector<std::string> split(const std::string& text) {
 
 // The flags into `o`; the exit status when the program should stop here (--help, a bad flag).
 std::optional<int> parse_options(int argc, char** argv, Options& o) {
-  std::string scales, batches, modes, policy;
+  std::string scales, batches, modes, policy, host_experts;
   CLI::App app{kDescription, "offload_bench"};
   app.add_option("--scales", scales, "switch,large (default both)")
       ->check(CLI::Validator(
@@ -159,6 +165,11 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   app.add_option("--cache-experts", o.cache_experts, "cache slots, directly (at least the prefill's need)")
       ->check(moe::whole_number(1));
   app.add_option("--policy", policy, "lru | lfu (default lru)");
+  app.add_option("--host-experts", host_experts,
+                 "also run each offloading mode with experts computed on the host: misses and/or auto (default: "
+                 "none; off is always run)");
+  app.add_option("--host-threads", o.host_threads, "threads of the host experts (default: every hardware thread)")
+      ->check(moe::whole_number(1));
   app.add_option("--seed", o.seed, "weights, prompts and sampling")->capture_default_str()->check(moe::whole_number(0));
   app.add_option("--out", o.out, "also write every row as JSON, with the device and the date");
   app.add_option("--record-dir", o.record_dir, "also write a run record per run (kind infer) for the viewer's offload panel");
@@ -176,6 +187,21 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
       }
     }
     if (o.modes.empty()) throw BadFlag("--modes: give at least one mode");
+  }
+  for (const std::string& word : split(host_experts)) {
+    try {
+      const HostExperts mode = parse_host_experts(word);
+      if (mode != HostExperts::off) o.host_experts.push_back(mode);
+    } catch (const std::invalid_argument& error) {
+      throw BadFlag(std::string("--host-experts: ") + error.what());
+    }
+  }
+  if (o.host_threads != 0) {
+    try {
+      check_cpu_expert_threads(o.host_threads);
+    } catch (const std::invalid_argument& error) {
+      throw BadFlag(std::string("--host-threads: ") + error.what());
+    }
   }
   if (!policy.empty()) {
     try {
@@ -284,9 +310,13 @@ double pinned_copy_gb_per_s(unsigned char* pinned, size_t bytes, cudaStream_t st
   return double(bytes) / (median(ms) * 1e-3) / 1e9;
 }
 
-struct Run {  // one (scale, batch, model, mode)
+struct Run {  // one (scale, batch, model, mode, host experts)
   std::string scale, model;  // model: "self-gated" or "pre-gated"
   ExpertSchedule mode = ExpertSchedule::gpu_only;
+  HostExperts host = HostExperts::off;
+  double on_host_per_step = 0, host_ms_per_step = 0;  // experts computed on the host, and the host's time
+  HostExpertCosts costs;                               // the cost model's inputs, measured at the source's start
+  double logits_max_abs_diff = 0, logits_max_abs = 0;  // against gpu_only's, on gpu_only's bytes (host runs)
   int64_t batch = 0, cache_slots = 0;
   double step_ms = 0, prefill_tokens_per_s = 0, peak_bytes = 0;
   double bytes_per_step = 0, copy_gb_per_s = 0, stall_ms_per_step = 0;
@@ -311,14 +341,18 @@ struct Context {
   std::string record_dir;  // "" = no record
 };
 
+// forced: the bytes to feed instead of the run's own samples ([steps][N], gpu_only's): a run with
+// host experts is compared with gpu_only step by step on the same inputs.
 Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& config, const FlatWeights& weights,
-             const PinnedExpertStore& store, ExpertSchedule mode, int64_t slots) {
+             const PinnedExpertStore& store, ExpertSchedule mode, int64_t slots, HostExperts host = HostExperts::off,
+             const std::vector<std::vector<int32_t>>* forced = nullptr) {
   const Options& o = ctx.options;
   const int64_t N = config.batch, P = o.prompt_bytes;
   Run run;
   run.scale = scale.name;
   run.model = config.pregated ? "pre-gated" : "self-gated";
   run.mode = mode;
+  run.host = host;
   run.batch = N;
   run.cache_slots = mode == ExpertSchedule::gpu_only ? 0 : slots;
 
@@ -335,8 +369,11 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
     options.policy = o.policy;
     options.max_tokens_per_step = N * P;
     options.top_k = config.moe.top_k;
+    options.host_experts = host;
+    options.host_threads = o.host_threads;
     auto cache = std::make_unique<OffloadedExperts>(store, options);
     offloaded = cache.get();
+    run.costs = cache->host_costs();
     source = std::move(cache);
   }
   std::optional<moe::RunWriter> writer;
@@ -350,6 +387,7 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
                   {"seq_len", config.seq_len}, {"pregated", config.pregated}, {"weights", "random"}};
     info.devices = {current_device().name};
     info.extra = {{"program", "offload_bench"}, {"scale", scale.name}, {"mode", std::string(to_string(mode))},
+                  {"host_experts", std::string(to_string(host))},
                   {"batch", N}, {"prompt_bytes", P}, {"cache_slots", run.cache_slots},
                   {"steps", "step 0 is the prefill, then the warm-up and timed decode steps"}};
     writer.emplace(moe::RunWriter::create(ctx.record_dir, info, moe::OnExisting::overwrite));
@@ -390,6 +428,13 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
     for (const MoeBlockStep& b : result.moe) step.push_back(b.experts);
     run.logits.push_back(result.next_logits);
     run.bytes.push_back(sampler.sample(result.next_logits));
+    if (forced != nullptr && run.bytes.size() <= forced->size()) run.bytes.back() = (*forced)[run.bytes.size() - 1];
+    for (const MoeBlockStep& b : result.moe) {
+      if (run.routing.size() > size_t(1 + o.warmup)) {  // the timed steps
+        run.on_host_per_step += double(b.on_host.size()) / double(o.steps);
+        run.host_ms_per_step += b.host_ms / double(o.steps);
+      }
+    }
     if (recorded) results.push_back(std::move(result));
   };
 
@@ -470,8 +515,10 @@ void print_header() {
 void print_run(const Run& r) {
   const bool offloaded = r.mode != ExpertSchedule::gpu_only;
   const bool prefetches = r.prefetched > 0;
-  std::printf("%-13s %-11s %4s %9.3f %9.1f %10.0f %8.3f", std::string(to_string(r.mode)).c_str(), r.model.c_str(),
-              r.same_as_gpu_only ? "yes" : "NO", r.step_ms, 1e3 * double(r.batch) / r.step_ms, r.prefill_tokens_per_s,
+  std::string name(to_string(r.mode));
+  if (r.host != HostExperts::off) name += "+" + std::string(to_string(r.host));
+  std::printf("%-13s %-11s %4s %9.3f %9.1f %10.0f %8.3f", name.c_str(), r.model.c_str(),
+              r.host != HostExperts::off ? "~" : r.same_as_gpu_only ? "yes" : "NO", r.step_ms, 1e3 * double(r.batch) / r.step_ms, r.prefill_tokens_per_s,
               r.peak_bytes / 1e9);
   if (offloaded) {
     std::printf(" %9.1f %7.1f %7.3f %6.3f", r.bytes_per_step / 1e6, r.copy_gb_per_s, r.stall_ms_per_step, r.hit_rate);
@@ -484,6 +531,16 @@ void print_run(const Run& r) {
   if (offloaded) std::printf(" %9.3f %8.2f", r.floor_ms, r.step_ms / r.floor_ms);
   else std::printf(" %9s %8s", "-", "-");
   std::printf(" %8.2f\n", r.step_ms / r.gpu_only_ms);
+  if (r.host != HostExperts::off) {
+    std::printf("  host experts: %.2f a step on the host (%.3f ms of host time a step); logits max |diff| %.3g of max "
+                "|logit| %.3g against gpu_only on the same bytes",
+                r.on_host_per_step, r.host_ms_per_step, r.logits_max_abs_diff, r.logits_max_abs);
+    if (!r.costs.host_ms.empty()) {
+      std::printf("; measured at start: a copy %.3f ms, the host %.3f ms at 1 row, %.3f at %zu", r.costs.copy_ms,
+                  r.costs.host_ms.front(), r.costs.host_ms.back(), r.costs.host_ms.size());
+    }
+    std::printf("\n");
+  }
 }
 
 json run_json(const Run& r) {
@@ -497,7 +554,11 @@ json run_json(const Run& r) {
           {"prefetch_dropped", r.prefetch_dropped}, {"prefetch_accuracy", r.prefetch_accuracy},
           {"floor_bytes_per_step", r.floor_bytes_per_step}, {"cold_bytes_per_step", r.cold_bytes_per_step},
           {"floor_ms", r.floor_ms}, {"floor", "belady"}, {"floor_misses", r.floor_misses}, {"gpu_only_ms", r.gpu_only_ms}, {"vs_floor", r.step_ms / r.floor_ms},
-          {"vs_gpu_only", r.step_ms / r.gpu_only_ms}, {"recorded", r.recorded}};
+          {"vs_gpu_only", r.step_ms / r.gpu_only_ms}, {"recorded", r.recorded},
+          {"host_experts", std::string(to_string(r.host))}, {"on_host_per_step", r.on_host_per_step},
+          {"host_ms_per_step", r.host_ms_per_step}, {"cost_model_copy_ms", r.costs.copy_ms},
+          {"cost_model_host_ms_by_rows", r.costs.host_ms}, {"logits_max_abs_diff", r.logits_max_abs_diff},
+          {"logits_max_abs", r.logits_max_abs}};
 }
 
 }  // namespace
@@ -565,10 +626,19 @@ int main(int argc, char** argv) {
       const PinnedExpertStore store = PinnedExpertStore::random(shape, o.seed + 1);
       const double pinned_gb_per_s = pinned_copy_gb_per_s(pinned, big_bytes, stream);
       std::printf("pinned 1 GiB host-to-device copy: %.1f GB/s (the floors use it)\n", pinned_gb_per_s);
+      double host_gb_per_s = 0;
+      if (!o.host_experts.empty()) {
+        const int threads = o.host_threads > 0 ? o.host_threads : int(std::max(1u, std::thread::hardware_concurrency()));
+        host_gb_per_s = host_copy_gb_per_s(int64_t(1) << 30, threads);
+        std::printf("host memory, a STREAM-style copy of 1 GiB on %d threads: %.1f GB/s read + written; one expert "
+                    "(%s) read at that rate takes %.3f ms\n", threads, host_gb_per_s,
+                    gigabytes(double(shape.expert_bytes())).c_str(), double(shape.expert_bytes()) / (host_gb_per_s / 2 * 1e9) * 1e3);
+      }
       scale_rows.push_back({{"scale", scale.name}, {"d_model", base.model_dim}, {"hidden", base.moe.hidden_dim},
                             {"experts", E}, {"top_k", K}, {"layers", base.num_layers}, {"moe_blocks", shape.blocks},
                             {"heads", base.num_heads}, {"expert_bytes", shape.expert_bytes()},
-                            {"pinned_bytes", shape.total_bytes()}, {"pinned_copy_gb_per_s", pinned_gb_per_s}});
+                            {"pinned_bytes", shape.total_bytes()}, {"pinned_copy_gb_per_s", pinned_gb_per_s},
+                            {"host_copy_gb_per_s", host_gb_per_s}});
 
       for (const int64_t N : o.batches) {
         const int64_t prefill_need = minimum_cache_slots(E, N * o.prompt_bytes, K);
@@ -596,18 +666,41 @@ int main(int argc, char** argv) {
             if (m != ExpertSchedule::gpu_only && (m == ExpertSchedule::pregated) == pregated) modes.push_back(m);
           }
           Run reference;
+          // (mode, host experts): each mode as published, then its host-expert variants.
+          std::vector<std::pair<ExpertSchedule, HostExperts>> variants;
           for (ExpertSchedule mode : modes) {
+            variants.emplace_back(mode, HostExperts::off);
+            if (mode == ExpertSchedule::gpu_only) continue;
+            for (HostExperts host : o.host_experts) variants.emplace_back(mode, host);
+          }
+          for (const auto& [mode, host] : variants) {
             const bool shown = selected_mode(mode) || mode == ExpertSchedule::gpu_only;
             std::string dir;
             if (!o.record_dir.empty() && selected_mode(mode) && !(pregated && mode == ExpertSchedule::gpu_only)) {
-              dir = selected == 1 ? o.record_dir
-                                  : o.record_dir + "/" + scale.name + "_b" + std::to_string(N) + "_" +
-                                        std::string(to_string(mode));
+              const std::string name = std::string(to_string(mode)) +
+                                       (host == HostExperts::off ? "" : "_host_" + std::string(to_string(host)));
+              dir = selected == 1 && o.host_experts.empty()
+                        ? o.record_dir
+                        : o.record_dir + "/" + scale.name + "_b" + std::to_string(N) + "_" + name;
             }
             const Context ctx{o, stream, pinned_gb_per_s, dir};
-            Run r = run_mode(ctx, scale, config, weights, store, mode, slots);
+            const bool on_host = host != HostExperts::off;
+            Run r = run_mode(ctx, scale, config, weights, store, mode, slots, host,
+                             on_host ? &reference.bytes : nullptr);
             if (mode == ExpertSchedule::gpu_only) reference = r;
-            r.same_as_gpu_only = r.bytes == reference.bytes && r.logits == reference.logits;
+            if (on_host) {
+              // Not bit for bit: the host sums an expert's products in another order. On gpu_only's
+              // bytes, every step's logits are compared.
+              for (size_t s = 0; s < r.logits.size() && s < reference.logits.size(); ++s) {
+                for (size_t i = 0; i < r.logits[s].size() && i < reference.logits[s].size(); ++i) {
+                  r.logits_max_abs_diff = std::max(r.logits_max_abs_diff, double(std::abs(r.logits[s][i] - reference.logits[s][i])));
+                  r.logits_max_abs = std::max(r.logits_max_abs, double(std::abs(reference.logits[s][i])));
+                }
+              }
+              r.same_as_gpu_only = r.bytes == reference.bytes && r.logits_max_abs_diff <= 0.05 * std::max(1.0, r.logits_max_abs);
+            } else {
+              r.same_as_gpu_only = r.bytes == reference.bytes && r.logits == reference.logits;
+            }
             all_same = all_same && r.same_as_gpu_only;
             r.gpu_only_ms = reference.step_ms;
             // The floor, step by step: Belady's misses at the pinned copy's rate, never under gpu_only.
@@ -639,7 +732,7 @@ int main(int argc, char** argv) {
     // ---- the offload targets ----
     auto find = [&](const std::string& scale, int64_t N, ExpertSchedule mode, const std::string& model) -> const Run* {
       for (const Run& r : all_runs) {
-        if (r.scale == scale && r.batch == N && r.mode == mode && r.model == model) return &r;
+        if (r.scale == scale && r.batch == N && r.mode == mode && r.model == model && r.host == HostExperts::off) return &r;
       }
       return nullptr;
     };
@@ -702,7 +795,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (all_same) {
-    std::printf("PASS every mode's generated bytes and logits equal gpu_only's, bit for bit (%zu runs)\n", all_runs.size());
+    std::printf("PASS every mode's generated bytes and logits equal gpu_only's, bit for bit; with host experts, the "
+                "logits on gpu_only's bytes within 5%% of the largest (%zu runs)\n", all_runs.size());
     return 0;
   }
   std::printf("FAIL a mode's generated bytes or logits differ from gpu_only's (the 'same' column)\n");
