@@ -345,7 +345,7 @@ struct Context {
 // host experts is compared with gpu_only step by step on the same inputs.
 Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& config, const FlatWeights& weights,
              const PinnedExpertStore& store, ExpertSchedule mode, int64_t slots, HostExperts host = HostExperts::off,
-             const std::vector<std::vector<int32_t>>* forced = nullptr) {
+             const std::vector<std::vector<int32_t>>* forced = nullptr, double gpu_block_ms = 0) {
   const Options& o = ctx.options;
   const int64_t N = config.batch, P = o.prompt_bytes;
   Run run;
@@ -371,6 +371,7 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
     options.top_k = config.moe.top_k;
     options.host_experts = host;
     options.host_threads = o.host_threads;
+    options.gpu_block_ms = gpu_block_ms;
     auto cache = std::make_unique<OffloadedExperts>(store, options);
     offloaded = cache.get();
     run.costs = cache->host_costs();
@@ -685,8 +686,10 @@ int main(int argc, char** argv) {
             }
             const Context ctx{o, stream, pinned_gb_per_s, dir};
             const bool on_host = host != HostExperts::off;
+            // The cost model's GPU time per MoE block: this model's gpu_only step, measured first.
+            const double gpu_block_ms = reference.step_ms / double(shape.blocks);
             Run r = run_mode(ctx, scale, config, weights, store, mode, slots, host,
-                             on_host ? &reference.bytes : nullptr);
+                             on_host ? &reference.bytes : nullptr, on_host ? gpu_block_ms : 0.0);
             if (mode == ExpertSchedule::gpu_only) reference = r;
             if (on_host) {
               // Not bit for bit: the host sums an expert's products in another order. On gpu_only's

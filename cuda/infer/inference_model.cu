@@ -164,7 +164,6 @@ struct InferenceModelGpu::Pass {
   std::vector<std::vector<int32_t>> on_host;     // [M] the experts m_j computes on the host (valid if host_valid)
   std::vector<char> host_valid;                  // [M]
   std::vector<double> host_ms;                   // [M] the host's time for them
-  std::vector<double> predicted_host_ms;         // [M] the source's prediction of it
 };
 
 InferenceModelGpu::InferenceModelGpu(const ModelGpuConfig& config, std::span<const float> weights,
@@ -371,7 +370,6 @@ StepResult InferenceModelGpu::run(Pass& pass, int64_t first_position) {
   pass.on_host.assign(M, {});
   pass.host_valid.assign(M, 0);
   pass.host_ms.assign(M, 0.0);
-  pass.predicted_host_ms.assign(M, 0.0);
   embedding_phase(pass, first_position);
   // prefetch_all: m_0 has no MoE block before it; its experts are asked for at the step's start.
   if (schedule_ == ExpertSchedule::prefetch_all && M > 0) {
@@ -508,7 +506,7 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   }
 
   // ---- the experts computed on the host instead (none unless the source's host experts are on) ----
-  if (!pass.host_valid[size_t(j)]) choose_host_experts(pass, j, /*head_start_ms=*/0);
+  if (!pass.host_valid[size_t(j)]) choose_host_experts(pass, j, /*chosen_ahead=*/false);
   const std::vector<int32_t>& on_host = pass.on_host[size_t(j)];
   std::vector<int32_t> on_gpu;
   std::set_difference(pass.known[size_t(j)].begin(), pass.known[size_t(j)].end(), on_host.begin(), on_host.end(),
@@ -534,9 +532,9 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   }
   // A pre-gated model knows m_{j+1}'s routing now: its host experts are chosen a block ahead (after
   // this block's acquire, which may have evicted some of its experts) and are not prefetched. The
-  // copies of the others start now and run while the host computes this block's host experts.
+  // copies of the others start now, while the host first computes this block's host experts.
   if (has_next && config_.pregated && pass.known_valid[size_t(j + 1)]) {
-    choose_host_experts(pass, j + 1, pass.predicted_host_ms[size_t(j)]);
+    choose_host_experts(pass, j + 1, /*chosen_ahead=*/true);
     std::vector<int32_t> copied;
     std::set_difference(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(),
                         pass.on_host[size_t(j + 1)].begin(), pass.on_host[size_t(j + 1)].end(),
@@ -561,7 +559,7 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
 }
 
 // The source's pick of m_j's experts to compute on the host, from its routing on the host.
-void InferenceModelGpu::choose_host_experts(Pass& pass, int64_t j, double head_start_ms) {
+void InferenceModelGpu::choose_host_experts(Pass& pass, int64_t j, bool chosen_ahead) {
   const std::vector<int32_t>& experts = pass.known[size_t(j)];
   std::vector<int64_t> rows(experts.size(), 0);
   for (int32_t e : pass.top[size_t(j)]) {
@@ -569,9 +567,8 @@ void InferenceModelGpu::choose_host_experts(Pass& pass, int64_t j, double head_s
     if (at != experts.end() && *at == e) rows[size_t(at - experts.begin())] += 1;
   }
   ExpertSource::HostPick pick;
-  if (!experts.empty()) pick = experts_->choose_host_experts(j, experts, rows, head_start_ms);
+  if (!experts.empty()) pick = experts_->choose_host_experts(j, experts, rows, chosen_ahead);
   pass.on_host[size_t(j)] = std::move(pick.experts);
-  pass.predicted_host_ms[size_t(j)] = pick.host_ms;
   pass.host_valid[size_t(j)] = 1;
 }
 

@@ -169,7 +169,7 @@ class InferenceModelGpu {
   void ffn_phase(Pass& pass, int64_t layer);
   void moe_block(Pass& pass, int64_t layer);
   void route_block(Pass& pass, int64_t j, const bf16* router_input);
-  void choose_host_experts(Pass& pass, int64_t j, double head_start_ms);
+  void choose_host_experts(Pass& pass, int64_t j, bool chosen_ahead);
   void host_experts_forward(Pass& pass, int64_t j);
   StepResult lm_head_phase(Pass& pass);
   std::vector<std::vector<int32_t>> read_back_experts(const std::vector<const MoeLayerGpu*>& layers);

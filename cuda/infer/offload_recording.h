@@ -56,8 +56,8 @@ class RecordedExpertSource : public ExpertSource {
   void release(int64_t block, cudaStream_t compute) override;
   void prefetch(int64_t block, std::span<const int32_t> experts) override;
   HostPick choose_host_experts(int64_t block, std::span<const int32_t> experts, std::span<const int64_t> rows,
-                               double head_start_ms) override {
-    return inner_.choose_host_experts(block, experts, rows, head_start_ms);
+                               bool chosen_ahead) override {
+    return inner_.choose_host_experts(block, experts, rows, chosen_ahead);
   }
   void host_forward(int64_t block, int32_t expert, std::span<const float> x, int64_t rows,
                     std::span<float> y) override {

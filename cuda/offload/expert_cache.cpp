@@ -204,6 +204,7 @@ void ExpertCache::drop_release_event(int index) {
 
 void ExpertCache::copy_into(int64_t slot, int64_t block, int32_t expert, CopyKind kind) {
   const auto s = static_cast<size_t>(slot);
+  ++copies_enqueued_;
   // read -> write: the slot's last readers (enqueued on a compute stream before release) finish
   // before the copy engine overwrites it. A GPU-side wait; the event's record is captured now.
   if (last_use_[s] >= 0) {

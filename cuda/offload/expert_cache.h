@@ -118,6 +118,9 @@ class ExpertCache {
   void validate(int64_t block, std::span<const int32_t> experts) const;
 
   int64_t slots() const { return slot_map_.slots(); }
+  // Copies enqueued on the copy stream since construction (on demand and prefetched), counted on the
+  // host as they are enqueued: no wait.
+  int64_t copies_enqueued() const { return copies_enqueued_; }
   size_t bytes() const { return pool_.bytes(); }  // GPU memory of the slots
   const bf16* slot(int64_t slot) const;           // [D*W1 + H*D]
   const ExpertSlotMap& slot_map() const { return slot_map_; }
@@ -150,6 +153,7 @@ class ExpertCache {
   bool time_copies_;
   DeviceBuffer<bf16> pool_;               // [slots, D*W1 + H*D]
   cudaStream_t copy_stream_ = nullptr;
+  int64_t copies_enqueued_ = 0;
 
   // Per slot.
   std::vector<cudaEvent_t> copied_;       // recorded on the copy stream after each copy into the slot

@@ -67,16 +67,17 @@ class ExpertSource {
   // ---- experts computed on the host (offload/host_expert_choice.h) ----
   // Which of block `block`'s chosen experts (rows[i]: the rows experts[i] gets this step) the caller
   // should compute on the host with host_forward instead of acquiring them (ascending, a subset of
-  // the experts not in a GPU slot), and the host time that is predicted to take. head_start_ms: how
-  // long the block's copies would have before the block needs them (copies a pre-gate starts one
-  // block ahead). A source that never computes on the host returns none.
+  // the experts not in a GPU slot), and the host time that is predicted to take. chosen_ahead: the
+  // block's routing came from a pre-gate one block early, so its copies would start now, while the
+  // host still computes the current block (false: the caller has just waited on the GPU for the
+  // block's routing, and acquires it next). A source that never computes on the host returns none.
   struct HostPick {
     std::vector<int32_t> experts;
     double host_ms = 0;
   };
   virtual HostPick choose_host_experts(int64_t block, std::span<const int32_t> experts, std::span<const int64_t> rows,
-                                       double head_start_ms) {
-    (void)block, (void)experts, (void)rows, (void)head_start_ms;
+                                       bool chosen_ahead) {
+    (void)block, (void)experts, (void)rows, (void)chosen_ahead;
     return {};
   }
   // y [rows, D] = expert `expert` of block `block` on x [rows, D], on the host, fp32 in and out

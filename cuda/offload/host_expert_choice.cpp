@@ -52,7 +52,7 @@ void check_spans(std::span<const int32_t> misses, std::span<const int64_t> rows)
 
 std::vector<int32_t> choose_host_experts(HostExperts mode, std::span<const int32_t> misses,
                                          std::span<const int64_t> rows, const HostExpertCosts& costs,
-                                         double head_start_ms) {
+                                         Backlogs backlogs) {
   check_spans(misses, rows);
   std::vector<int32_t> chosen;
   if (mode == HostExperts::misses) chosen.assign(misses.begin(), misses.end());
@@ -71,11 +71,11 @@ std::vector<int32_t> choose_host_experts(HostExperts mode, std::span<const int32
     });
     const auto n = static_cast<int64_t>(misses.size());
     int64_t best_k = 0;
-    const double head = std::max(head_start_ms, 0.0);
-    double best = std::max(double(n) * costs.copy_ms - head, 0.0), host_sum = 0;
+    const double copy_queue = std::max(backlogs.copy_ms, 0.0), host_queue = std::max(backlogs.host_ms, 0.0);
+    double best = std::max(copy_queue + double(n) * costs.copy_ms, host_queue), host_sum = 0;
     for (int64_t k = 1; k <= n; ++k) {
       host_sum += host[order[size_t(k - 1)]];
-      const double cost = std::max(double(n - k) * costs.copy_ms - head, host_sum);
+      const double cost = std::max(copy_queue + double(n - k) * costs.copy_ms, host_queue + host_sum);
       if (cost < best) best = cost, best_k = k;
     }
     for (int64_t k = 0; k < best_k; ++k) chosen.push_back(misses[order[size_t(k)]]);
@@ -85,7 +85,7 @@ std::vector<int32_t> choose_host_experts(HostExperts mode, std::span<const int32
 }
 
 double predicted_miss_ms(std::span<const int32_t> misses, std::span<const int64_t> rows,
-                         std::span<const int32_t> on_host, const HostExpertCosts& costs, double head_start_ms) {
+                         std::span<const int32_t> on_host, const HostExpertCosts& costs, Backlogs backlogs) {
   check_spans(misses, rows);
   double copies = 0, host = 0;
   for (size_t i = 0; i < misses.size(); ++i) {
@@ -95,7 +95,7 @@ double predicted_miss_ms(std::span<const int32_t> misses, std::span<const int64_
       copies += costs.copy_ms;
     }
   }
-  return std::max({copies - std::max(head_start_ms, 0.0), host, 0.0});
+  return std::max(std::max(backlogs.copy_ms, 0.0) + copies, std::max(backlogs.host_ms, 0.0) + host);
 }
 
 }  // namespace moe::cuda

@@ -13,12 +13,15 @@
 //   given n misses, each with its rows r_e this step,
 //   copy(e) = copy_ms                  (bytes / the PCIe rate: the same for every expert)
 //   host(e) = host_ms(r_e)             (the host's FFN on r_e rows: measured, grows with r_e)
-//   choose S minimizing max( sum_{e not in S} copy(e) - head_start, sum_{e in S} host(e) )
+//   choose S minimizing max( copy_backlog + sum_{e not in S} copy(e),
+//                            host_backlog + sum_{e in S} host(e) )
 //
-// head_start: how long the copies have before the block needs them. 0 when the block's routing is
-// known only at the block (on demand); with a pre-gate the block's copies start one block ahead,
-// while the host still works on the block before it, so its predicted host time is their head start
-// (without it, the host would take every lone miss and the copy engine would idle).
+// The backlogs are the work each resource already has before this block's misses: the copies
+// still queued on the copy engine (prefetches, the previous block's misses), and the host experts
+// it will compute first (with a pre-gate a block's split is chosen one block ahead, before the host
+// computes the block in between). They make the choice a list schedule over the blocks: a lone
+// miss goes to whichever resource frees first, so consecutive blocks alternate between the two
+// even when one of them is a little slower per expert.
 //
 // Since every copy costs the same, the best S of each size k is the k experts with the fewest rows
 // (the cheapest on the host), so trying k = 0..n over the experts sorted by host(e) finds the
@@ -53,6 +56,10 @@ HostExperts parse_host_experts(std::string_view text);
 struct HostExpertCosts {
   double copy_ms = 0;            // one expert from pinned host memory into a GPU slot
   std::vector<double> host_ms;   // [r - 1]: the host's FFN of one expert on r rows, r = 1 .. size()
+  // The GPU's own work between two MoE blocks (attention, the dense parts, the experts in its
+  // slots), which the copy engine runs beside: a decoder's gpu_only step over its MoE blocks.
+  // 0 when not known; the backlogs (below) then count the copy engine's queue too long.
+  double gpu_block_ms = 0;
 
   // host_ms at `rows` >= 1: the table's value, or beyond it a straight line through its last two
   // points (one point: proportional to rows). Throws std::invalid_argument for rows < 1 or an empty
@@ -63,13 +70,17 @@ struct HostExpertCosts {
 // The misses' split. misses: expert ids (any order); rows[i] >= 1: misses[i]'s rows. Returns the
 // ids to compute on the host, ascending. Throws std::invalid_argument when the spans' sizes differ,
 // a row count is < 1, or copy_ms is not > 0 with the cost model.
+struct Backlogs {
+  double copy_ms = 0;  // the copy engine's queued work
+  double host_ms = 0;  // the host's queued work
+};
 std::vector<int32_t> choose_host_experts(HostExperts mode, std::span<const int32_t> misses,
                                          std::span<const int64_t> rows, const HostExpertCosts& costs,
-                                         double head_start_ms = 0);
+                                         Backlogs backlogs = {});
 
-// The block's predicted time with that split: max(copies - head start, host work), in ms (what the
-// cost model minimizes).
+// The predicted time until both resources have finished the block's misses with that split:
+// max(copy backlog + copies, host backlog + host work), in ms (what the cost model minimizes).
 double predicted_miss_ms(std::span<const int32_t> misses, std::span<const int64_t> rows,
-                         std::span<const int32_t> on_host, const HostExpertCosts& costs, double head_start_ms = 0);
+                         std::span<const int32_t> on_host, const HostExpertCosts& costs, Backlogs backlogs = {});
 
 }  // namespace moe::cuda

@@ -54,41 +54,51 @@ HostExpertCosts measure_host_expert_costs(const PinnedExpertStore& store, CpuExp
   if (max_rows < 1) throw std::invalid_argument("measure_host_expert_costs: max_rows must be >= 1");
   HostExpertCosts costs;
   const size_t bytes = store.expert_bytes();
-  {  // one expert over PCIe, pinned to device, timed on the GPU
-    DeviceBuffer<bf16> target(static_cast<size_t>(store.shape().expert_elements()));
-    cudaStream_t stream = nullptr;
-    cudaEvent_t start = nullptr, end = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaEventCreate(&start));
-    CUDA_CHECK(cudaEventCreate(&end));
-    int32_t next = 0;
-    costs.copy_ms = median_ms(5, [&] {
-      const int64_t e = next++ % (store.shape().blocks * store.shape().experts);
-      CUDA_CHECK(cudaEventRecord(start, stream));
-      CUDA_CHECK(cudaMemcpyAsync(target.data(), store.expert(e / store.shape().experts, int32_t(e % store.shape().experts)),
-                                 bytes, cudaMemcpyHostToDevice, stream));
-      CUDA_CHECK(cudaEventRecord(end, stream));
-      CUDA_CHECK(cudaEventSynchronize(end));
-      float ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
-      return double(ms);
-    });
-    cudaEventDestroy(start);
-    cudaEventDestroy(end);
-    cudaStreamDestroy(stream);
-  }
+  const int64_t experts = store.shape().blocks * store.shape().experts;
+  DeviceBuffer<bf16> target(static_cast<size_t>(store.shape().expert_elements()));
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, end = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&end));
+  int64_t next = 0;
+  auto copy_one = [&] {  // the next expert of the store into the GPU buffer, on the stream
+    const int64_t e = next++ % experts;
+    CUDA_CHECK(cudaMemcpyAsync(target.data(), store.expert(e / store.shape().experts, int32_t(e % store.shape().experts)),
+                               bytes, cudaMemcpyHostToDevice, stream));
+  };
+  // One expert over PCIe, timed on the GPU: the median of 5.
+  costs.copy_ms = median_ms(5, [&] {
+    CUDA_CHECK(cudaEventRecord(start, stream));
+    copy_one();
+    CUDA_CHECK(cudaEventRecord(end, stream));
+    CUDA_CHECK(cudaEventSynchronize(end));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+    return double(ms);
+  });
+  // The host's FFN by rows, measured as it runs in a decode step: beside a copy of another expert
+  // (both read host memory), the median of 3 after one untimed call (the workers awake, the pages
+  // touched). Expert 0 of block 0 is read each time: larger than the caches at the sizes where the
+  // choice matters, so each call reads it from memory.
   const int64_t D = store.shape().d_model;
   const auto* weights = reinterpret_cast<const uint16_t*>(store.expert(0, 0));
   const std::span<const uint16_t> w(weights, static_cast<size_t>(store.shape().expert_elements()));
   for (int64_t rows = 1; rows <= max_rows; ++rows) {
     std::vector<float> x(static_cast<size_t>(rows * D), 0.01f), y(x.size());
-    expert.forward(w, x, rows, y);  // warm: the workers awake, the pages touched
+    expert.forward(w, x, rows, y);
     costs.host_ms.push_back(median_ms(3, [&] {
-      const auto start = std::chrono::steady_clock::now();
+      copy_one();
+      const auto begin = std::chrono::steady_clock::now();
       expert.forward(w, x, rows, y);
-      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      return ms;
     }));
   }
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  cudaStreamDestroy(stream);
   return costs;
 }
 
@@ -127,6 +137,7 @@ OffloadedExperts::OffloadedExperts(const PinnedExpertStore& store, const Offload
     if (host_mode_ == HostExperts::cost_model && costs_.host_ms.empty()) {
       // Rows a step can give one expert: the tokens of a decode step (a prefill's are extrapolated).
       costs_ = measure_host_expert_costs(store, *cpu_, std::clamp<int64_t>(options.max_tokens_per_step, 1, 8));
+      costs_.gpu_block_ms = options.gpu_block_ms;
     }
   }
 }
@@ -163,7 +174,12 @@ ExpertTables OffloadedExperts::acquire(int64_t block, std::span<const int32_t> e
   // their way while the tables are written.
   cache_.validate(block, experts);  // sorted, unique, in [0, E): at most E of them
   const std::span<const bf16*> addresses(slot_addresses_.data(), experts.size());
+  // The caller waited on the GPU before this block: for the copies the last block waited for, and
+  // for the GPU's own work in between.
+  host_clock_ms_ = std::max(host_clock_ms_ + costs_.gpu_block_ms, gpu_waits_until_ms_);
   cache_.acquire(block, experts, addresses);
+  count_copies();
+  gpu_waits_until_ms_ = copy_clock_ms_;  // the block's kernels wait for every copy enqueued so far
 
   double host_wait_ms = 0;
   const int64_t index = take_table_entry(host_wait_ms);
@@ -192,6 +208,13 @@ ExpertTables OffloadedExperts::acquire(int64_t block, std::span<const int32_t> e
   return ExpertTables{device, device + experts_};
 }
 
+void OffloadedExperts::count_copies() {
+  const int64_t enqueued = cache_.copies_enqueued();
+  if (enqueued == copies_counted_) return;
+  copy_clock_ms_ = std::max(copy_clock_ms_, host_clock_ms_) + double(enqueued - copies_counted_) * costs_.copy_ms;
+  copies_counted_ = enqueued;
+}
+
 void OffloadedExperts::release(int64_t block, cudaStream_t compute) {
   cache_.release(block, compute);  // checks the block and that it was acquired
   const int64_t index = entry_of_block_[static_cast<size_t>(block)];
@@ -204,10 +227,11 @@ void OffloadedExperts::release(int64_t block, cudaStream_t compute) {
 
 void OffloadedExperts::prefetch(int64_t block, std::span<const int32_t> experts) {
   cache_.prefetch(block, experts);
+  count_copies();
 }
 
 ExpertSource::HostPick OffloadedExperts::choose_host_experts(int64_t block, std::span<const int32_t> experts,
-                                                             std::span<const int64_t> rows, double head_start_ms) {
+                                                             std::span<const int64_t> rows, bool chosen_ahead) {
   if (host_mode_ == HostExperts::off) return {};
   cache_.validate(block, experts);
   if (rows.size() != experts.size()) {
@@ -223,7 +247,9 @@ ExpertSource::HostPick OffloadedExperts::choose_host_experts(int64_t block, std:
     }
   }
   HostPick pick;
-  pick.experts = moe::cuda::choose_host_experts(host_mode_, misses, miss_rows, costs_, head_start_ms);
+  if (!chosen_ahead) host_clock_ms_ = std::max(host_clock_ms_, gpu_waits_until_ms_);
+  const Backlogs backlogs{std::max(copy_clock_ms_ - host_clock_ms_, 0.0), host_pending_ms_};
+  pick.experts = moe::cuda::choose_host_experts(host_mode_, misses, miss_rows, costs_, backlogs);
   if (!costs_.host_ms.empty()) {
     for (size_t i = 0; i < misses.size(); ++i) {
       if (std::binary_search(pick.experts.begin(), pick.experts.end(), misses[i])) {
@@ -231,6 +257,7 @@ ExpertSource::HostPick OffloadedExperts::choose_host_experts(int64_t block, std:
       }
     }
   }
+  host_pending_ms_ += pick.host_ms;
   return pick;
 }
 
@@ -240,6 +267,11 @@ void OffloadedExperts::host_forward(int64_t block, int32_t expert, std::span<con
   const std::span<const uint16_t> weights(reinterpret_cast<const uint16_t*>(store_.expert(block, expert)),
                                           static_cast<size_t>(store_.shape().expert_elements()));
   cpu_->forward(weights, x, rows, y);
+  if (!costs_.host_ms.empty()) {
+    const double predicted = costs_.host_ms_at(rows);
+    host_clock_ms_ += predicted;
+    host_pending_ms_ = std::max(host_pending_ms_ - predicted, 0.0);
+  }
 }
 
 }  // namespace moe::cuda

@@ -67,11 +67,15 @@ struct OffloadOptions {
   HostExperts host_experts = HostExperts::off;
   int host_threads = 0;
   HostExpertCosts costs;
+  double gpu_block_ms = 0;  // HostExpertCosts::gpu_block_ms when the costs are measured here
 };
 
 // The cost model's inputs on this machine, for the store's experts: one expert's pinned copy into a
 // GPU buffer (the median of 5, CUDA events), and the host's FFN of one expert on 1 .. max_rows rows
-// (the median of 3 each, `expert` threads). Allocates one expert's bytes on the GPU for the while.
+// (the median of 3 each, `expert` threads), each beside a copy of another expert, as in a decode
+// step where the host and the copy engine read host memory together. Allocates one expert's bytes
+// on the GPU for the while. Measured, so noisy: given the same costs (OffloadOptions::costs) the
+// choice is the same run after run.
 HostExpertCosts measure_host_expert_costs(const PinnedExpertStore& store, CpuExpert& expert, int64_t max_rows);
 
 // The slot count the options ask for. Throws std::invalid_argument when neither or both sizes are
@@ -94,8 +98,10 @@ class OffloadedExperts : public ExpertSource {
   void release(int64_t block, cudaStream_t compute) override;
   void prefetch(int64_t block, std::span<const int32_t> experts) override;
   // The misses (experts in no slot, copies in flight count as held) split by options.host_experts.
+  // The cost model's backlogs come from a model of the two queues in predicted milliseconds (below),
+  // not from the wall clock, so that for the same costs the choice is the same run after run.
   HostPick choose_host_experts(int64_t block, std::span<const int32_t> experts, std::span<const int64_t> rows,
-                               double head_start_ms) override;
+                               bool chosen_ahead) override;
   // The store's weights through the CpuExpert. Throws std::logic_error when host experts are off,
   // std::invalid_argument for a block or expert out of range or sizes that do not match.
   void host_forward(int64_t block, int32_t expert, std::span<const float> x, int64_t rows,
@@ -135,6 +141,17 @@ class OffloadedExperts : public ExpertSource {
   std::vector<int64_t> entry_of_block_;         // [blocks] -> ring entry, -1 when not acquired
   std::vector<const bf16*> slot_addresses_;     // [E] scratch for the cache's answer
   HostExperts host_mode_ = HostExperts::off;
+  // The two queues, in predicted ms (costs_), for the cost model's backlogs: the host's clock moves
+  // by each host expert's predicted time and by the GPU's time of each block (gpu_block_ms), and to
+  // the copies a block waited for when the caller next waits on the GPU (a block's routing
+  // read-back); the copy engine's clock moves by copy_ms per copy enqueued, from no earlier than
+  // the host's clock.
+  double host_clock_ms_ = 0;
+  double copy_clock_ms_ = 0;
+  double gpu_waits_until_ms_ = 0;   // when the copies of the last acquired block are done
+  double host_pending_ms_ = 0;      // host experts chosen and not yet computed
+  int64_t copies_counted_ = 0;      // cache_.copies_enqueued() when copy_clock_ms_ last moved
+  void count_copies();
   std::unique_ptr<CpuExpert> cpu_;              // when host experts are on
   HostExpertCosts costs_;
 };

@@ -626,7 +626,7 @@ TEST(CudaInferHostExperts, BadInputIsRefusedSayingWhatIsAllowed) {
   moe::cuda::OffloadedExperts on(store, options);
   EXPECT_THROW(on.host_forward(0, 0, x, 2, y), std::invalid_argument);  // one row's x for two rows
   EXPECT_THROW(on.host_forward(5, 0, x, 1, y), std::invalid_argument);  // no block 5
-  EXPECT_NE(message_of([&] { (void)on.choose_host_experts(0, std::vector<int32_t>{1, 2}, std::vector<int64_t>{1}, 0.0); })
+  EXPECT_NE(message_of([&] { (void)on.choose_host_experts(0, std::vector<int32_t>{1, 2}, std::vector<int64_t>{1}, false); })
                 .find("2 experts but 1 row counts"),
             std::string::npos);
 }

@@ -34,22 +34,16 @@ TEST(HostExpertChoice, WorkedByHand) {
   EXPECT_EQ(choose_host_experts(HostExperts::cost_model, two, std::vector<int64_t>{1, 3}, costs),
             std::vector<int32_t>{6});
   EXPECT_DOUBLE_EQ(predicted_miss_ms(two, std::vector<int64_t>{1, 3}, std::vector<int32_t>{6}, costs), 5.0);
-  // Copies that start a block ahead: with 3 ms of head start, one miss's copy costs 1 ms, the host 5:
-  // copied. Two misses: both copied max(8 - 3, 0) = 5 ms against max(4 - 3, 5) = 5 with one on the
-  // host: a tie, so both are copied.
-  EXPECT_TRUE(choose_host_experts(HostExperts::cost_model, two, std::vector<int64_t>{1, 1}, costs, 3.0).empty());
-  // Without it, the lone miss of a faster host goes to the host; with 4 ms of head start it is copied.
-  const HostExpertCosts fast_host{4.0, {3.5}};
-  EXPECT_EQ(choose_host_experts(HostExperts::cost_model, std::vector<int32_t>{1}, std::vector<int64_t>{1}, fast_host),
-            std::vector<int32_t>{1});
-  EXPECT_TRUE(choose_host_experts(HostExperts::cost_model, std::vector<int32_t>{1}, std::vector<int64_t>{1}, fast_host,
-                                  4.0)
-                  .empty());
-  // Four misses of one row: k = 2 on the host gives max(8, 11) = 11 ms, k = 1 max(12, 5) = 12: two go.
-  const std::vector<int32_t> four{0, 1, 2, 3};
-  EXPECT_EQ(choose_host_experts(HostExperts::cost_model, four, std::vector<int64_t>{1, 1, 1, 1},
-                                HostExpertCosts{4.0, {5.5}}),
-            (std::vector<int32_t>{0, 1}));
+  // Work already queued. The host busy for 3 ms: two misses of one row both copied finish at 8 ms,
+  // one on the host at max(4, 3 + 5) = 8: a tie, so both are copied.
+  EXPECT_TRUE(choose_host_experts(HostExperts::cost_model, two, std::vector<int64_t>{1, 1}, costs, {0.0, 3.0}).empty());
+  // A host slower than a copy (5 ms against 4) still takes a lone miss when the copy engine has
+  // 2 ms of copies queued ahead of it (6 ms against 5): consecutive blocks alternate.
+  const std::vector<int32_t> one{1};
+  const std::vector<int64_t> one_row{1};
+  EXPECT_TRUE(choose_host_experts(HostExperts::cost_model, one, one_row, costs).empty());
+  EXPECT_EQ(choose_host_experts(HostExperts::cost_model, one, one_row, costs, {2.0, 0.0}), one);
+  EXPECT_DOUBLE_EQ(predicted_miss_ms(one, one_row, one, costs, {2.0, 0.0}), 5.0);
 }
 
 TEST(HostExpertChoice, TheCostModelFindsTheBestSplitOfEverySubset) {
@@ -67,18 +61,20 @@ TEST(HostExpertChoice, TheCostModelFindsTheBestSplitOfEverySubset) {
       misses.push_back(int32_t(3 * i + int(random() % 3)));
       rows.push_back(1 + int64_t(random() % 10));  // past the table too: the extrapolated line
     }
-    const double head_start = trial % 2 == 0 ? 0.0 : double(random() % 200) / 10.0;
+    moe::cuda::Backlogs backlogs;
+    if (trial % 3 == 1) backlogs.copy_ms = double(random() % 200) / 10.0;
+    if (trial % 3 == 2) backlogs.host_ms = double(random() % 200) / 10.0;
     double best = 1e300;
     for (unsigned mask = 0; mask < (1u << n); ++mask) {
       std::vector<int32_t> subset;
       for (int i = 0; i < n; ++i) {
         if (mask & (1u << i)) subset.push_back(misses[size_t(i)]);
       }
-      best = std::min(best, predicted_miss_ms(misses, rows, subset, costs, head_start));
+      best = std::min(best, predicted_miss_ms(misses, rows, subset, costs, backlogs));
     }
-    const std::vector<int32_t> chosen = choose_host_experts(HostExperts::cost_model, misses, rows, costs, head_start);
+    const std::vector<int32_t> chosen = choose_host_experts(HostExperts::cost_model, misses, rows, costs, backlogs);
     EXPECT_TRUE(std::is_sorted(chosen.begin(), chosen.end()));
-    EXPECT_NEAR(predicted_miss_ms(misses, rows, chosen, costs, head_start), best, 1e-9) << "trial " << trial;
+    EXPECT_NEAR(predicted_miss_ms(misses, rows, chosen, costs, backlogs), best, 1e-9) << "trial " << trial;
   }
 }
 
