@@ -46,7 +46,14 @@
 // Build: cmake --build build --target offload_bench
 // Run:   build/cuda/bench/offload_bench [--scales switch,large] [--batches 1,4,8] [--modes all]
 //            [--switch-experts 64] [--prompt-bytes 8] [--warmup 4] [--steps 32] [--cache-factor 2]
-//            [--cache-experts C] [--policy lru] [--seed 1] [--out FILE.json] [--record-dir DIR]
+//            [--cache-experts C] [--policy lru] [--host-experts misses,auto] [--host-threads T] [--seed 1]
+//            [--out FILE.json] [--record-dir DIR]
+// --host-experts adds, after each offloading mode, the same mode with experts computed on the host
+// (offload/host_expert_choice.h): every miss, or the cost model's pick, whose GPU time per MoE block
+// is this model's gpu_only step over its MoE blocks. Such a run is fed gpu_only's bytes (not its own
+// samples) and its logits are compared step by step: not bit for bit (the host sums in another
+// order), within 5% of the largest logit for the "~" in the same column and a PASS; the host's
+// STREAM-style copy of 1 GiB is printed beside the pinned copy.
 // --record-dir DIR writes a run record per (scale, batch, mode) (infer/offload_recording.h): DIR itself
 // when one is selected, else DIR/<scale>_b<N>_<mode>; a recorded run's steps carry a few more events. Exit status: 0 every mode's bytes equal gpu_only's; 1 not, or a GPU
 // failure; 2 bad flags or too much pinned memory.

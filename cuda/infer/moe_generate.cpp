@@ -3,7 +3,8 @@
 // (the same prompt for every sequence of the batch, each with its own sampling seed), then decode
 // byte by byte with a KV cache, every MoE block's experts served by the chosen mode: all resident
 // (gpu_only) or streamed from pinned host memory into an expert cache (on_demand, prefetch_all,
-// pregated, speculative; offload/offloaded_experts.h).
+// pregated, speculative; offload/offloaded_experts.h), optionally with the misses computed on the
+// host (--host-experts misses|auto; offload/host_expert_choice.h).
 //
 //   cmake --build build --target moe_train moe_generate
 //   build/cuda/train/moe_train --run-dir runs/train
