@@ -512,6 +512,11 @@ struct HostCase {
   ExpertSchedule schedule = ExpertSchedule::on_demand;
 };
 
+// The case's name in test listings (the default would print the struct's bytes, padding included).
+void PrintTo(const HostCase& c, std::ostream* os) {
+  *os << (c.pregated ? "pre-gated " : "self-gated ") << to_string(c.schedule);
+}
+
 std::vector<HostCase> host_cases() {
   std::vector<HostCase> cases;
   for (const bool pregated : {false, true}) {
