@@ -24,12 +24,14 @@ void check_shape(const char* function, const KvCacheShape& s) {
 
 // One thread per (row, column of D) of the new rows, for k and v together: a memory-bound scatter.
 __global__ void kv_cache_append_kernel(const bf16* qkv, bf16* keys, bf16* values, int heads, int head_dim,
-                                       int capacity, int count, int first_position, size_t total) {
+                                       int capacity, int count, const int32_t* first_position, size_t total) {
   const int D = heads * head_dim;
+  const int first = *first_position;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
     const int column = static_cast<int>(i % D);
     const size_t row = i / D;  // n * count + new token
-    const int n = static_cast<int>(row / count), position = first_position + static_cast<int>(row % count);
+    const int n = static_cast<int>(row / count), position = first + static_cast<int>(row % count);
+    if (position < 0 || position >= capacity) continue;  // the host checked it: never past the cache
     const int h = column / head_dim, j = column % head_dim;
     const size_t at = ((static_cast<size_t>(n) * heads + h) * capacity + position) * head_dim + j;
     keys[at] = qkv[row * 3 * D + D + column];
@@ -59,10 +61,12 @@ __device__ float block_reduce(float value, float* scratch) {
 // Shared memory: scores [length], q [d], the warps' partial contexts [kDecodeWarps, d], scratch.
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(const bf16* qkv, const bf16* keys, const bf16* values, bf16* context, int heads,
-                            int head_dim, int capacity, int length, float scale) {
+                            int head_dim, int capacity, const int32_t* position, float scale) {
   extern __shared__ float shared[];
+  // positions 0 .. *position; the host checked it, and a length outside 1..S is clamped, not read past
+  const int length = min(max(*position + 1, 1), capacity);
   float* scores = shared;
-  float* q = scores + length;
+  float* q = scores + capacity;
   float* partial = q + head_dim;
   float* scratch = partial + kDecodeWarps * head_dim;
   const int h = blockIdx.x, n = blockIdx.y, D = heads * head_dim;
@@ -124,44 +128,41 @@ void KvCacheGpu::poison(cudaStream_t stream) {
 }
 
 void kv_cache_append(const bf16* qkv, bf16* keys, bf16* values, const KvCacheShape& shape, int64_t count,
-                     int64_t first_position, cudaStream_t stream) {
+                     const int32_t* first_position, cudaStream_t stream) {
   check_shape("kv_cache_append", shape);
-  if (count < 1 || first_position < 0 || first_position + count > shape.capacity) {
-    throw std::invalid_argument("kv_cache_append: positions " + std::to_string(first_position) + ".." +
-                                std::to_string(first_position + count - 1) + " are outside the cache's S = " +
-                                std::to_string(shape.capacity));
+  if (count < 1 || count > shape.capacity || first_position == nullptr) {
+    throw std::invalid_argument("kv_cache_append: count = " + std::to_string(count) + " new rows per sequence" +
+                                (first_position == nullptr ? " and no first_position" : "") + "; allowed: 1..S = " +
+                                std::to_string(shape.capacity) + ", at a device position");
   }
   const size_t total = static_cast<size_t>(shape.batch * count * shape.heads * shape.head_dim);
   kv_cache_append_kernel<<<grid_stride_blocks(total), kElementwiseThreads, 0, stream>>>(
-      qkv, keys, values, int(shape.heads), int(shape.head_dim), int(shape.capacity), int(count), int(first_position),
+      qkv, keys, values, int(shape.heads), int(shape.head_dim), int(shape.capacity), int(count), first_position,
       total);
   CUDA_CHECK(cudaGetLastError());
 }
 
 void decode_attention(const bf16* qkv, const bf16* keys, const bf16* values, bf16* context, const KvCacheShape& shape,
-                      int64_t length, cudaStream_t stream) {
+                      const int32_t* position, cudaStream_t stream) {
   check_shape("decode_attention", shape);
-  if (length < 1 || length > shape.capacity) {
-    throw std::invalid_argument("decode_attention: length = " + std::to_string(length) + "; allowed: 1..S = " +
-                                std::to_string(shape.capacity));
-  }
+  if (position == nullptr) throw std::invalid_argument("decode_attention: position is null; expected a device [1]");
   const size_t shared_bytes =
-      sizeof(float) * static_cast<size_t>(length + (1 + kDecodeWarps) * shape.head_dim + kDecodeWarps);
+      sizeof(float) * static_cast<size_t>(shape.capacity + (1 + kDecodeWarps) * shape.head_dim + kDecodeWarps);
   if (shared_bytes > 48 * 1024) {  // past the default: ask for more, up to what the device allows
     int device = 0, limit = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     if (shared_bytes > static_cast<size_t>(limit)) {
-      throw std::invalid_argument("decode_attention: " + std::to_string(length) + " cached positions need " +
-                                  std::to_string(shared_bytes) + " bytes of shared memory for their scores; the device "
-                                  "allows " + std::to_string(limit) + " (a shorter context)");
+      throw std::invalid_argument("decode_attention: a context of S = " + std::to_string(shape.capacity) +
+                                  " positions needs " + std::to_string(shared_bytes) + " bytes of shared memory for "
+                                  "its scores; the device allows " + std::to_string(limit) + " (a shorter context)");
     }
     CUDA_CHECK(cudaFuncSetAttribute(decode_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(shared_bytes)));
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
   decode_attention_kernel<<<dim3(unsigned(shape.heads), unsigned(shape.batch)), kDecodeThreads, shared_bytes, stream>>>(
-      qkv, keys, values, context, int(shape.heads), int(shape.head_dim), int(shape.capacity), int(length), scale);
+      qkv, keys, values, context, int(shape.heads), int(shape.head_dim), int(shape.capacity), position, scale);
   CUDA_CHECK(cudaGetLastError());
 }
 

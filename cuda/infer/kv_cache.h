@@ -57,20 +57,30 @@ class KvCacheGpu {
   DeviceBuffer<bf16> keys_, values_;  // [L, N, heads, S, d] each
 };
 
-// Writes the k and v parts of `count` new rows per sequence into one block's cache at positions
-// first_position .. first_position + count - 1. The rows of qkv are grouped by sequence: sequence
-// n's rows are n * count .. n * count + count - 1.
-void kv_cache_append(const bf16* qkv,  // [N * count, 3D]
-                     bf16* keys,       // [N, heads, S, d] one block's cache
-                     bf16* values,     // [N, heads, S, d]
-                     const KvCacheShape& shape, int64_t count, int64_t first_position, cudaStream_t stream);
+// Positions live on the device (first_position, position: device [1]), so that a decode step
+// captured in a CUDA graph replays at whatever position the decoder has reached; the caller checks
+// them against S on the host before writing them (a kernel skips a position outside [0, S) rather
+// than writing past the cache).
 
-// The attention of one new token per sequence against the first `length` cached positions of one
-// block (the new token's own key and value already appended at length - 1).
-void decode_attention(const bf16* qkv,     // [N, 3D] the new tokens' projections; the q part is read
-                      const bf16* keys,    // [N, heads, S, d]
-                      const bf16* values,  // [N, heads, S, d]
-                      bf16* context,       // [N, D] heads side by side
-                      const KvCacheShape& shape, int64_t length, cudaStream_t stream);
+// Writes the k and v parts of `count` new rows per sequence into one block's cache at positions
+// *first_position .. *first_position + count - 1. The rows of qkv are grouped by sequence: sequence
+// n's rows are n * count .. n * count + count - 1.
+void kv_cache_append(const bf16* qkv,               // [N * count, 3D]
+                     bf16* keys,                    // [N, heads, S, d] one block's cache
+                     bf16* values,                  // [N, heads, S, d]
+                     const KvCacheShape& shape, int64_t count,
+                     const int32_t* first_position,  // device [1]
+                     cudaStream_t stream);
+
+// The attention of one new token per sequence, at position *position, against cached positions
+// 0 .. *position of one block (the new token's own key and value already appended there). Its shared
+// memory is sized for S positions, whatever the length.
+void decode_attention(const bf16* qkv,         // [N, 3D] the new tokens' projections; the q part is read
+                      const bf16* keys,        // [N, heads, S, d]
+                      const bf16* values,      // [N, heads, S, d]
+                      bf16* context,           // [N, D] heads side by side
+                      const KvCacheShape& shape,
+                      const int32_t* position,  // device [1]
+                      cudaStream_t stream);
 
 }  // namespace moe::cuda

@@ -15,8 +15,9 @@ constexpr int kThreads = 256;  // threads per block; also the token tile of the 
 
 __global__ void embedding_forward_kernel(const int32_t* tokens, const bf16* token_embedding,
                                          const bf16* position_embedding, bf16* x, int64_t tokens_total,
-                                         int64_t seq_len, int64_t model_dim) {
+                                         int64_t seq_len, int64_t model_dim, const int32_t* first_position) {
   const int64_t count = tokens_total * model_dim;
+  if (first_position != nullptr) position_embedding += int64_t{*first_position} * model_dim;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / model_dim, j = i % model_dim;
     const int32_t byte = tokens[t];
@@ -87,7 +88,8 @@ void check_sizes(const char* function, int64_t batch, int64_t seq_len, int64_t m
 }  // namespace
 
 void embedding_forward(const int32_t* tokens, const bf16* token_embedding, const bf16* position_embedding, bf16* x,
-                       int64_t batch, int64_t seq_len, int64_t model_dim, cudaStream_t stream) {
+                       int64_t batch, int64_t seq_len, int64_t model_dim, cudaStream_t stream,
+                       const int32_t* first_position) {
   constexpr const char* kFunction = "embedding_forward";
   check_sizes(kFunction, batch, seq_len, model_dim);
   detail::check_not_null(kFunction, {{"tokens", tokens}, {"token_embedding", token_embedding},
@@ -96,7 +98,7 @@ void embedding_forward(const int32_t* tokens, const bf16* token_embedding, const
   // Up to 8192 blocks: the grid-stride loop covers the rest.
   const unsigned blocks = grid_stride_blocks(static_cast<size_t>(tokens_total * model_dim), kThreads, 8192);
   embedding_forward_kernel<<<blocks, kThreads, 0, stream>>>(
-      tokens, token_embedding, position_embedding, x, tokens_total, seq_len, model_dim);
+      tokens, token_embedding, position_embedding, x, tokens_total, seq_len, model_dim, first_position);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -34,11 +34,15 @@ namespace moe::cuda {
 
 inline constexpr int kEmbeddingVocabulary = 256;  // V: bytes
 
+// first_position (device [1], or nullptr for 0): token t reads position row *first_position + t % S, so
+// that a decoder's step reads its positions from the device (a CUDA graph replays it at any position;
+// the caller keeps *first_position + S within the table).
 void embedding_forward(const int32_t* tokens,          // [N, S] bytes 0..255
                        const bf16* token_embedding,     // [V, D]
                        const bf16* position_embedding,  // [S, D]
                        bf16* x,                         // [T, D]
-                       int64_t batch, int64_t seq_len, int64_t model_dim, cudaStream_t stream);
+                       int64_t batch, int64_t seq_len, int64_t model_dim, cudaStream_t stream,
+                       const int32_t* first_position = nullptr);  // device [1] or nullptr
 
 // With accumulate_token_gradient, the token table's gradient is added to d_token_embedding (the
 // tied output projection writes its share there first, model.h); otherwise it is overwritten.
