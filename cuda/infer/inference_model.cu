@@ -29,6 +29,7 @@
 #include "model/embedding.h"      // embedding_forward, kEmbeddingVocabulary
 #include "model/layer_norm.h"     // layer_norm_forward
 #include "moe/activation.h"       // gelu_forward
+#include "moe/tensor_map.h"       // create_launch_scratch_pool
 
 namespace moe::cuda {
 
@@ -132,7 +133,9 @@ std::vector<int32_t> distinct_sorted(const std::vector<int32_t>& ids) {
 struct InferenceModelGpu::Pass {
   int64_t count = 0;   // new tokens per sequence
   int64_t tokens = 0;  // T_new
-  DeviceBuffer<int32_t> bytes;     // [N, count]
+  DeviceBuffer<int32_t> inputs;    // [N * count + 1]: the new bytes [N, count], then the first position
+  int32_t* bytes() { return inputs.data(); }                  // [N, count]
+  int32_t* first_position() { return inputs.data() + tokens; }  // [1]
   DeviceBuffer<float> residual;    // [T_new, D] the fp32 residual stream
   DeviceBuffer<bf16> x;            // [T_new, D] its bf16 copy: what LayerNorm reads
   DeviceBuffer<bf16> normed;       // [T_new, D] LN1 or LN2 output
@@ -164,6 +167,17 @@ struct InferenceModelGpu::Pass {
   std::vector<std::vector<int32_t>> on_host;     // [M] the experts m_j computes on the host (valid if host_valid)
   std::vector<char> host_valid;                  // [M]
   std::vector<double> host_ms;                   // [M] the host's time for them
+};
+
+// The captured decode step (infer/inference_model.h: the decode step as one CUDA graph).
+struct InferenceModelGpu::DecodeGraph {
+  cudaGraphExec_t exec = nullptr;
+  DecodeGraph() = default;
+  ~DecodeGraph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+  DecodeGraph(const DecodeGraph&) = delete;
+  DecodeGraph& operator=(const DecodeGraph&) = delete;
 };
 
 InferenceModelGpu::InferenceModelGpu(const ModelGpuConfig& config, std::span<const float> weights,
@@ -225,7 +239,7 @@ std::unique_ptr<InferenceModelGpu::Pass> InferenceModelGpu::make_pass(int64_t ne
   for (auto& layer : pass->moe) {
     if (layer) layer->set_phase_timer(timer_);
   }
-  pass->bytes = DeviceBuffer<int32_t>(t);
+  pass->inputs = DeviceBuffer<int32_t>(t + 1);
   pass->residual = DeviceBuffer<float>(t * d);
   pass->x = DeviceBuffer<bf16>(t * d);
   pass->normed = DeviceBuffer<bf16>(t * d);
@@ -263,6 +277,7 @@ std::unique_ptr<InferenceModelGpu::Pass> InferenceModelGpu::make_pass(int64_t ne
 void InferenceModelGpu::set_schedule(ExpertSchedule schedule) {
   check_schedule(config_, schedule);
   schedule_ = schedule;
+  graph_.reset();  // the captured step was the old schedule's; the next decode step captures again
 }
 
 void InferenceModelGpu::set_phase_timer(PhaseTimer* timer) {
@@ -332,10 +347,9 @@ StepResult InferenceModelGpu::prefill(const std::vector<std::vector<int32_t>>& p
   }
   std::unique_ptr<Pass> pass = P == 1 ? nullptr : make_pass(P);  // a one-byte prompt is a decode step's shape
   Pass& p = pass ? *pass : *decode_;
-  CUDA_CHECK(cudaMemcpyAsync(p.bytes.data(), bytes.data(), bytes.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
-                             stream_));
+  upload_inputs(p, bytes, 0);
   length_ = 0;  // the cache is empty: rows past a length are never read
-  StepResult result = run(p, 0);
+  StepResult result = run(p);
   length_ = P;
   return result;
 }
@@ -352,16 +366,71 @@ StepResult InferenceModelGpu::decode_step(const std::vector<int32_t>& next_bytes
            std::to_string(S) + "; a decode step needs one more");
   }
   check_bytes(next_bytes, "next byte");
-  CUDA_CHECK(cudaMemcpyAsync(decode_->bytes.data(), next_bytes.data(), next_bytes.size() * sizeof(int32_t),
-                             cudaMemcpyHostToDevice, stream_));
-  StepResult result = run(*decode_, length_);
+  upload_inputs(*decode_, next_bytes, length_);
+  StepResult result = run(*decode_);
   length_ += 1;
   return result;
 }
 
+// The step's bytes and its first position, in one copy: every kernel of a step reads the position
+// from the device, so that a captured decode step replays at whatever position comes next.
+void InferenceModelGpu::upload_inputs(Pass& pass, const std::vector<int32_t>& bytes, int64_t first_position) {
+  std::vector<int32_t> inputs(bytes);
+  inputs.push_back(static_cast<int32_t>(first_position));
+  CUDA_CHECK(cudaMemcpyAsync(pass.inputs.data(), inputs.data(), inputs.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                             stream_));
+}
+
+// ---- [SECTION] the decode step as one CUDA graph ----
+
+void InferenceModelGpu::set_decode_graph(bool on) { graph_on_ = on; }
+
+bool InferenceModelGpu::decode_graph_applies() const {
+  return graph_on_ && !experts_->needs_experts_on_host() && timer_ == nullptr && stream_ != nullptr;
+}
+
+// Captures the decode pass's whole step (embedding to logits and routing record, on the device) into
+// one graph. The step's host-side record (what was prefetched, host experts: none for a resident
+// source) is the captured step's, which every replay shares.
+void InferenceModelGpu::capture_decode_graph() {
+  create_launch_scratch_pool();  // the block-sparse kernels' scratch: a capture cannot create the pool
+  cudaGraph_t graph = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue_step(*decode_);
+  } catch (...) {  // end the capture so that the stream is usable again, then report the first error
+    (void)cudaStreamEndCapture(stream_, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    throw;
+  }
+  CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  auto captured = std::make_unique<DecodeGraph>();
+  const cudaError_t instantiated = cudaGraphInstantiate(&captured->exec, graph, 0);
+  cudaGraphDestroy(graph);
+  CUDA_CHECK(instantiated);
+  graph_ = std::move(captured);
+}
+
+// A prefill's pass, a source that waits on the host, a phase timer or the legacy stream: launched.
+// Else the decode pass's first step runs launched (whatever the kernels set up on first use happens
+// outside a capture), the second is captured, and every step replays the graph.
+StepResult InferenceModelGpu::run(Pass& pass) {
+  if (&pass != decode_.get() || !decode_graph_applies()) {
+    enqueue_step(pass);
+  } else if (!graph_warmed_up_) {
+    enqueue_step(pass);
+    graph_warmed_up_ = true;
+  } else {
+    if (!graph_) capture_decode_graph();
+    CUDA_CHECK(cudaGraphLaunch(graph_->exec, stream_));
+  }
+  return read_step(pass);
+}
+
 // ---- [SECTION] the phases of a step ----
 
-StepResult InferenceModelGpu::run(Pass& pass, int64_t first_position) {
+void InferenceModelGpu::enqueue_step(Pass& pass) {
   const size_t M = moe_blocks_.size();
   pass.known.assign(M, {});
   pass.top.assign(M, {});
@@ -370,7 +439,7 @@ StepResult InferenceModelGpu::run(Pass& pass, int64_t first_position) {
   pass.on_host.assign(M, {});
   pass.host_valid.assign(M, 0);
   pass.host_ms.assign(M, 0.0);
-  embedding_phase(pass, first_position);
+  embedding_phase(pass);
   // prefetch_all: m_0 has no MoE block before it; its experts are asked for at the step's start.
   if (schedule_ == ExpertSchedule::prefetch_all && M > 0) {
     std::vector<int32_t> all(size_t(config_.moe.num_experts));
@@ -379,27 +448,27 @@ StepResult InferenceModelGpu::run(Pass& pass, int64_t first_position) {
     pass.prefetched[0] = std::move(all);
   }
   for (int64_t i = 0; i < config_.num_layers; ++i) {
-    attention_phase(pass, i, first_position);
+    attention_phase(pass, i);
     ffn_phase(pass, i);
   }
-  return lm_head_phase(pass);
+  lm_head_phase(pass);
 }
 
-// x0 = token_embedding[bytes] + position_embedding[first_position + i]: the table from the step's
-// first position on, so that token i of each sequence reads row first_position + i.
-void InferenceModelGpu::embedding_phase(Pass& pass, int64_t first_position) {
+// x0 = token_embedding[bytes] + position_embedding[first_position + i]: token i of each sequence
+// reads row first_position + i, the first position read on the device.
+void InferenceModelGpu::embedding_phase(Pass& pass) {
   phase("embedding", [&] {
     const int64_t D = config_.model_dim;
-    embedding_forward(pass.bytes.data(), token_embedding_, position_embedding_ + first_position * D, pass.x.data(),
-                      config_.batch, pass.count, D, stream_);
+    embedding_forward(pass.bytes(), token_embedding_, position_embedding_, pass.x.data(), config_.batch, pass.count, D,
+                      stream_, pass.first_position());
     bf16_to_float(pass.x.data(), pass.residual.data(), pass.x.size(), stream_);
   });
 }
 
 // x += attention(LN1(x)): a prefill runs the full-sequence kernels over the prompts (model/attention.h)
 // and stores their keys and values; a decode step projects its one row per sequence, appends its key
-// and value at first_position and attends to positions 0..first_position.
-void InferenceModelGpu::attention_phase(Pass& pass, int64_t layer, int64_t first_position) {
+// and value at first_position and attends to positions 0..first_position (read on the device).
+void InferenceModelGpu::attention_phase(Pass& pass, int64_t layer) {
   phase("attention", [&] {
     const Block& b = blocks_[size_t(layer)];
     const int64_t T = pass.tokens, D = config_.model_dim;
@@ -409,16 +478,17 @@ void InferenceModelGpu::attention_phase(Pass& pass, int64_t layer, int64_t first
     if (pass.attention) {
       attention_forward(cublas_.get(), pass.attention->shape, pass.normed.data(), b.qkv, b.out, pass.qkv.data(),
                         pass.probs.data(), pass.context.data(), pass.block_out.data(), *pass.attention, stream_);
-      kv_cache_append(pass.qkv.data(), cache_.keys(layer), cache_.values(layer), shape, pass.count, first_position,
-                      stream_);
+      kv_cache_append(pass.qkv.data(), cache_.keys(layer), cache_.values(layer), shape, pass.count,
+                      pass.first_position(), stream_);
     } else {
       cublas_.set_stream(stream_);
       // [q | k | v] = LN1(x) qkv [N, 3D];  out = context out [N, D]
       gemm(cublas_.get(), Op::none, Op::none, int(T), int(3 * D), int(D), pass.normed.data(), int(D), b.qkv,
            int(3 * D), pass.qkv.data(), int(3 * D));
-      kv_cache_append(pass.qkv.data(), cache_.keys(layer), cache_.values(layer), shape, 1, first_position, stream_);
+      kv_cache_append(pass.qkv.data(), cache_.keys(layer), cache_.values(layer), shape, 1, pass.first_position(),
+                      stream_);
       decode_attention(pass.qkv.data(), cache_.keys(layer), cache_.values(layer), pass.context.data(), shape,
-                       first_position + 1, stream_);
+                       pass.first_position(), stream_);
       gemm(cublas_.get(), Op::none, Op::none, int(T), int(D), int(D), pass.context.data(), int(D), b.out, int(D),
            pass.block_out.data(), int(D));
     }
@@ -622,10 +692,9 @@ std::vector<std::vector<int32_t>> InferenceModelGpu::read_back_experts(const std
 
 // ---- [SECTION] logits and the routing record ----
 
-// next_logits = LN_final(each sequence's last new row) token_embedding^T [N, V], then the step's one
-// host wait: the logits and every MoE block's routing come back.
-StepResult InferenceModelGpu::lm_head_phase(Pass& pass) {
-  const int64_t N = config_.batch, D = config_.model_dim, K = config_.moe.top_k;
+// next_logits = LN_final(each sequence's last new row) token_embedding^T [N, V].
+void InferenceModelGpu::lm_head_phase(Pass& pass) {
+  const int64_t N = config_.batch, D = config_.model_dim;
   phase("lm_head", [&] {
     // row n * count + count - 1 of x for each sequence n: a strided copy of N rows
     const size_t row_bytes = size_t(D) * sizeof(bf16);
@@ -638,6 +707,11 @@ StepResult InferenceModelGpu::lm_head_phase(Pass& pass) {
     gemm(cublas_.get(), Op::none, Op::transpose, int(N), int(kVocabulary), int(D), pass.last_normed.data(), int(D),
          token_embedding_, int(D), pass.logits.data(), int(kVocabulary), 1.0f, 0.0f, /*c_is_float=*/true);
   });
+}
+
+// The step's one host wait: the logits and every MoE block's routing come back.
+StepResult InferenceModelGpu::read_step(Pass& pass) {
+  const int64_t K = config_.moe.top_k;
   StepResult result;
   result.next_logits.resize(pass.logits.size());
   CUDA_CHECK(cudaMemcpyAsync(result.next_logits.data(), pass.logits.data(), pass.logits.bytes(),

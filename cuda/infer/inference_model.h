@@ -60,6 +60,22 @@
 //
 // Synchronisation: each step ends with one host wait (the logits [N, V] and the routing record
 // come back); in between, only the read-backs above, and only for a source that needs them.
+//
+// The decode step as one CUDA graph. A decode step launches a few hundred small kernels for a
+// handful of tokens (every block: LayerNorm, the projections, the cache append, the attention, the
+// residual adds; every MoE block: the gate, top-K, the plan's histogram, scan and sort, the
+// topology, the permute, two block-sparse products, the combine), each a few microseconds of GPU
+// work and as many of host launch cost, so at batch 1 the host's launches, not the GPU, set the
+// pace. With a resident source (gpu_only) nothing in the step depends on the host: the routing,
+// the plan and the grids stay on the device (moe_layer.h), and the step's bytes and position are
+// read from the device (one copy before the step), so the whole step is captured once into a CUDA
+// graph and replayed every step: one launch. The same kernels with the same arguments, so the same
+// bits (tests/cuda/test_infer.cpp checks it); set_decode_graph(false) runs it launched.
+// A source that moves experts is not captured: its step waits on the host for each block's routing
+// (acquire decides which experts to copy into which slot, on the host) and its copies depend on
+// that routing. Capturing it would need the expert cache's slot table and its copy list on the
+// device (a kernel choosing the slots, copies driven from it), which this decoder does not have;
+// those modes run launched, and their host waits are what the offload lesson measures.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -148,9 +164,16 @@ class InferenceModelGpu {
   // Names each phase on the GPU timeline (embedding, attention, moe, dense_ffn, lm_head; the MoE
   // layers add theirs inside "moe"); nullptr (the default) records nothing.
   void set_phase_timer(PhaseTimer* timer);
+  // The decode step as one CUDA graph (above; on by default). It applies when the source is
+  // resident, no phase timer is set (its events would be captured) and the model has a stream of its
+  // own (the legacy default stream cannot be captured); otherwise decode steps run launched. The
+  // first decode step runs launched, the second captures the graph, later ones replay it.
+  void set_decode_graph(bool on);
+  bool decode_graph_applies() const;  // whether decode steps use the graph now
 
  private:
   struct Pass;  // the activations and MoE layers of one step shape (inference_model.cu)
+  struct DecodeGraph;  // the captured decode step (inference_model.cu)
 
   // Per-block parameter addresses in weights_.
   struct Block {
@@ -162,16 +185,21 @@ class InferenceModelGpu {
   };
 
   std::unique_ptr<Pass> make_pass(int64_t new_per_sequence);
-  StepResult run(Pass& pass, int64_t first_position);
+  void upload_inputs(Pass& pass, const std::vector<int32_t>& bytes, int64_t first_position);
+  // Enqueues the step (launched, from the graph, or captured), then read_step.
+  StepResult run(Pass& pass);
+  void capture_decode_graph();
   // ---- the phases of a step ----
-  void embedding_phase(Pass& pass, int64_t first_position);
-  void attention_phase(Pass& pass, int64_t layer, int64_t first_position);
+  void enqueue_step(Pass& pass);  // every phase, embedding to lm_head, on stream_
+  void embedding_phase(Pass& pass);
+  void attention_phase(Pass& pass, int64_t layer);
   void ffn_phase(Pass& pass, int64_t layer);
   void moe_block(Pass& pass, int64_t layer);
   void route_block(Pass& pass, int64_t j, const bf16* router_input);
   void choose_host_experts(Pass& pass, int64_t j, bool chosen_ahead);
   void host_experts_forward(Pass& pass, int64_t j);
-  StepResult lm_head_phase(Pass& pass);
+  void lm_head_phase(Pass& pass);
+  StepResult read_step(Pass& pass);  // the step's host wait: logits and routing back, the record
   std::vector<std::vector<int32_t>> read_back_experts(const std::vector<const MoeLayerGpu*>& layers);
 
   template <typename Work>
@@ -191,6 +219,9 @@ class InferenceModelGpu {
   KvCacheGpu cache_;                 // [L, N, heads, S, d] keys and values
   int64_t length_ = 0;               // positions filled, the same for every sequence
   std::unique_ptr<Pass> decode_;     // T_new = N
+  bool graph_on_ = true;             // set_decode_graph
+  bool graph_warmed_up_ = false;     // a decode step ran launched: the next one may capture
+  std::unique_ptr<DecodeGraph> graph_;
 };
 
 }  // namespace moe::cuda

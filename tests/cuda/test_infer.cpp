@@ -637,6 +637,101 @@ TEST(CudaInferHostExperts, BadInputIsRefusedSayingWhatIsAllowed) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The decode step as one CUDA graph: the same bits as the launched step, at every position
+
+// A stream of the test's own: the legacy default stream cannot be captured.
+struct TestStream {
+  cudaStream_t stream = nullptr;
+  TestStream() { CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
+  ~TestStream() { cudaStreamDestroy(stream); }
+};
+
+// Two models on the same weights and resident experts, one replaying the captured step and one
+// launching it, fed the same bytes until the context is full: every step's logits and routing must
+// be equal bit for bit (the positions are read on the device: a graph captured at position P + 1
+// that baked its position in would differ from the next step on). Self-gated MoE in every block,
+// pre-gated every other block with a dense FFN between, and a dense model (no MoE block).
+TEST(CudaInferGraph, ReplaysTheLaunchedStepBitForBitAtEveryPosition) {
+  REQUIRE_GPU();
+  struct Case {
+    MoeLayers layers;
+    bool pregated;
+    ExpertSchedule schedule;
+  };
+  for (const Case& c : {Case{MoeLayers::every_block, false, ExpertSchedule::gpu_only},
+                        Case{MoeLayers::every_other_block, true, ExpertSchedule::pregated},
+                        Case{MoeLayers::none, false, ExpertSchedule::gpu_only}}) {
+    const ModelConfig config = tiny_config(c.layers, c.pregated, 3, 2);
+    const int64_t N = 2, P = 3, S = config.seq_len;
+    const Bf16ModelWeights weights = bf16_init(config, 41);
+    const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
+    TestStream graph_stream, launched_stream;
+    TestExperts graph_experts(gpu, weights.flat, 0, /*on_host=*/false);
+    TestExperts launched_experts(gpu, weights.flat, 0, /*on_host=*/false);
+    InferenceModelGpu graphed(gpu, weights.flat, graph_experts, c.schedule, graph_stream.stream);
+    InferenceModelGpu launched(gpu, weights.flat, launched_experts, c.schedule, launched_stream.stream);
+    launched.set_decode_graph(false);
+    EXPECT_TRUE(graphed.decode_graph_applies());
+    EXPECT_FALSE(launched.decode_graph_applies());
+
+    std::mt19937_64 rng(43);
+    std::vector<std::vector<int32_t>> prompts;
+    for (int64_t n = 0; n < N; ++n) prompts.push_back(random_bytes(rng, size_t(P)));
+    StepResult a = graphed.prefill(prompts), b = launched.prefill(prompts);
+    ASSERT_EQ(a.next_logits, b.next_logits);
+    int64_t steps = 0, unequal = 0;
+    while (graphed.length() < S) {
+      if (steps == 6) {  // a new schedule: the graph is captured again, its record the new schedule's
+        graphed.set_schedule(ExpertSchedule::prefetch_all);
+        launched.set_schedule(ExpertSchedule::prefetch_all);
+      }
+      const std::vector<int32_t> next = random_bytes(rng, size_t(N));
+      a = graphed.decode_step(next);
+      b = launched.decode_step(next);
+      ++steps;
+      unequal += a.next_logits != b.next_logits;
+      for (const float v : a.next_logits) unequal += !std::isfinite(v);
+      ASSERT_EQ(a.moe.size(), b.moe.size());
+      for (size_t j = 0; j < a.moe.size(); ++j) {
+        unequal += a.moe[j].top_experts != b.moe[j].top_experts;
+        unequal += a.moe[j].prefetched != b.moe[j].prefetched;
+      }
+    }
+    EXPECT_EQ(steps, S - P);
+    EXPECT_EQ(unequal, 0) << "steps whose logits, routing or record differ between the graph and the launched step";
+    // The context is full: refused before anything runs, in the graph as launched.
+    EXPECT_THROW(graphed.decode_step(std::vector<int32_t>(size_t(N), 1)), std::invalid_argument);
+    EXPECT_EQ(graphed.length(), S);
+    std::printf("%s %s: %lld decode steps to S = %lld, graph against launched: %lld differences\n",
+                unequal == 0 ? "PASS" : "FAIL",
+                c.layers == MoeLayers::none ? "dense" : c.pregated ? "pre-gated, every other block" : "every block",
+                (long long)steps, (long long)S, (long long)unequal);
+  }
+}
+
+// Where the step waits on the host (a source that fetches experts), or a phase timer or the legacy
+// default stream is in use, the graph does not apply and the steps run launched.
+TEST(CudaInferGraph, AppliesOnlyWhereTheStepHasNoHostWait) {
+  REQUIRE_GPU();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, false, 2, 1);
+  const Bf16ModelWeights weights = bf16_init(config, 47);
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, 1);
+  TestStream stream;
+  TestExperts fetching(gpu, weights.flat, 0, /*on_host=*/true), resident(gpu, weights.flat, 0, /*on_host=*/false);
+  InferenceModelGpu on_demand(gpu, weights.flat, fetching, ExpertSchedule::on_demand, stream.stream);
+  EXPECT_FALSE(on_demand.decode_graph_applies());
+  InferenceModelGpu default_stream(gpu, weights.flat, resident);
+  EXPECT_FALSE(default_stream.decode_graph_applies());
+  InferenceModelGpu timed(gpu, weights.flat, resident, ExpertSchedule::gpu_only, stream.stream);
+  EXPECT_TRUE(timed.decode_graph_applies());
+  moe::cuda::PhaseTimer timer;
+  timed.set_phase_timer(&timer);
+  EXPECT_FALSE(timed.decode_graph_applies());
+  timed.set_phase_timer(nullptr);
+  EXPECT_TRUE(timed.decode_graph_applies());
+}
+
+// ---------------------------------------------------------------------------------------------
 // Sampling: the GPU's host sampler picks the reference's byte from the same logits
 
 TEST(CudaInferSampling, SameBytesAsReference) {
