@@ -14,6 +14,9 @@
 // experts live in one PinnedExpertStore (random, bf16), served resident (ResidentExperts) or through
 // an expert cache (OffloadedExperts).
 //
+// gpu_only runs twice: each decode step as one CUDA graph launch (the reference every other row is
+// compared with; infer/inference_model.h says why only a resident source's step is captured), and
+// "gpu_only,launch", the same step launched kernel by kernel (the same bits, checked).
 // For each scale, batch (--batches 1,4,8) and mode: build the source and the model, prefill N prompts
 // of --prompt-bytes random bytes, sample (temperature 1, seeded: the bytes then depend on the logits
 // alone), --warmup decode steps, then --steps timed decode steps. Measured:
@@ -80,6 +83,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -321,6 +325,7 @@ struct Run {  // one (scale, batch, model, mode, host experts)
   std::string scale, model;  // model: "self-gated" or "pre-gated"
   ExpertSchedule mode = ExpertSchedule::gpu_only;
   HostExperts host = HostExperts::off;
+  bool graph = false;  // the decode steps were one CUDA graph launch each (InferenceModelGpu::set_decode_graph)
   double on_host_per_step = 0, host_ms_per_step = 0;  // experts computed on the host, and the host's time
   HostExpertCosts costs;                               // the cost model's inputs, measured at the source's start
   double logits_max_abs_diff = 0, logits_max_abs = 0;  // against gpu_only's, on gpu_only's bytes (host runs)
@@ -346,6 +351,7 @@ struct Context {
   cudaStream_t stream;
   double pinned_gb_per_s;
   std::string record_dir;  // "" = no record
+  bool graph = true;       // the decode step as one CUDA graph where it applies (gpu_only, unrecorded)
 };
 
 // forced: the bytes to feed instead of the run's own samples ([steps][N], gpu_only's): a run with
@@ -404,7 +410,9 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
   }
   ExpertSource& model_source = recorded ? static_cast<ExpertSource&>(*recorded) : *source;
   InferenceModelGpu model(config, weights.span(), model_source, mode, ctx.stream);
+  model.set_decode_graph(ctx.graph);
   if (recorded) model.set_phase_timer(&recorded->phase_timer());
+  run.graph = model.decode_graph_applies();
   CUDA_CHECK(cudaDeviceSynchronize());
   peak = std::max(peak, device_used_bytes());
 
@@ -525,6 +533,7 @@ void print_run(const Run& r) {
   const bool prefetches = r.prefetched > 0;
   std::string name(to_string(r.mode));
   if (r.host != HostExperts::off) name += "+" + std::string(to_string(r.host));
+  if (r.mode == ExpertSchedule::gpu_only && !r.graph) name += ",launch";
   std::printf("%-13s %-11s %4s %9.3f %9.1f %10.0f %8.3f", name.c_str(), r.model.c_str(),
               r.host != HostExperts::off ? "~" : r.same_as_gpu_only ? "yes" : "NO", r.step_ms, 1e3 * double(r.batch) / r.step_ms, r.prefill_tokens_per_s,
               r.peak_bytes / 1e9);
@@ -553,6 +562,7 @@ void print_run(const Run& r) {
 
 json run_json(const Run& r) {
   return {{"scale", r.scale}, {"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"batch", r.batch},
+          {"cuda_graph", r.graph},
           {"cache_slots", r.cache_slots}, {"same_as_gpu_only", r.same_as_gpu_only},
           {"step_ms", r.step_ms}, {"tokens_per_s", 1e3 * double(r.batch) / r.step_ms},
           {"prefill_tokens_per_s", r.prefill_tokens_per_s}, {"peak_gpu_bytes", r.peak_bytes},
@@ -674,30 +684,35 @@ int main(int argc, char** argv) {
             if (m != ExpertSchedule::gpu_only && (m == ExpertSchedule::pregated) == pregated) modes.push_back(m);
           }
           Run reference;
-          // (mode, host experts): each mode as published, then its host-expert variants.
-          std::vector<std::pair<ExpertSchedule, HostExperts>> variants;
+          // (mode, host experts, graph): each mode as published, then its host-expert variants; gpu_only
+          // as one CUDA graph a step (the reference), then launched kernel by kernel beside it.
+          std::vector<std::tuple<ExpertSchedule, HostExperts, bool>> variants;
           for (ExpertSchedule mode : modes) {
-            variants.emplace_back(mode, HostExperts::off);
-            if (mode == ExpertSchedule::gpu_only) continue;
-            for (HostExperts host : o.host_experts) variants.emplace_back(mode, host);
+            variants.emplace_back(mode, HostExperts::off, true);
+            if (mode == ExpertSchedule::gpu_only) {
+              variants.emplace_back(mode, HostExperts::off, false);
+              continue;
+            }
+            for (HostExperts host : o.host_experts) variants.emplace_back(mode, host, true);
           }
-          for (const auto& [mode, host] : variants) {
+          for (const auto& [mode, host, graph] : variants) {
             const bool shown = selected_mode(mode) || mode == ExpertSchedule::gpu_only;
             std::string dir;
-            if (!o.record_dir.empty() && selected_mode(mode) && !(pregated && mode == ExpertSchedule::gpu_only)) {
+            if (!o.record_dir.empty() && selected_mode(mode) && !(pregated && mode == ExpertSchedule::gpu_only) &&
+                graph) {
               const std::string name = std::string(to_string(mode)) +
                                        (host == HostExperts::off ? "" : "_host_" + std::string(to_string(host)));
               dir = selected == 1 && o.host_experts.empty()
                         ? o.record_dir
                         : o.record_dir + "/" + scale.name + "_b" + std::to_string(N) + "_" + name;
             }
-            const Context ctx{o, stream, pinned_gb_per_s, dir};
+            const Context ctx{o, stream, pinned_gb_per_s, dir, graph};
             const bool on_host = host != HostExperts::off;
             // The cost model's GPU time per MoE block: this model's gpu_only step, measured first.
             const double gpu_block_ms = reference.step_ms / double(shape.blocks);
             Run r = run_mode(ctx, scale, config, weights, store, mode, slots, host,
                              on_host ? &reference.bytes : nullptr, on_host ? gpu_block_ms : 0.0);
-            if (mode == ExpertSchedule::gpu_only) reference = r;
+            if (mode == ExpertSchedule::gpu_only && graph) reference = r;
             if (on_host) {
               // Not bit for bit: the host sums an expert's products in another order. On gpu_only's
               // bytes, every step's logits are compared.

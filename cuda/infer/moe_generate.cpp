@@ -70,12 +70,13 @@ struct Options {
   CachePolicy cache_policy = CachePolicy::lru;
   HostExperts host_experts = HostExperts::off;
   int host_threads = 0;  // 0: every hardware thread
+  bool graph = true;     // --graph: the decode step as one CUDA graph where it applies
   std::optional<std::string> run_dir;
 };
 
 // The flags into `o`; the exit status when the program should stop here (--help, a bad flag).
 std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) {
-  std::string mode, cache_policy, host_experts;
+  std::string mode, cache_policy, host_experts, graph;
   CLI::App app{kDescription, "moe_generate"};
   app.add_option("--checkpoint", o.checkpoint,
                  "a moe_train run directory (its latest checkpoint), its checkpoints/ folder, or one checkpoint file");
@@ -109,6 +110,10 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
                  "start-up picks per expert and step). Not bit for bit gpu_only's: equal within bf16 rounding");
   app.add_option("--host-threads", o.host_threads, "threads of the host experts (default: every hardware thread)")
       ->check(moe::whole_number(1));
+  app.add_option("--graph", graph,
+                 "on (default): with gpu_only, each decode step is one CUDA graph launch (captured on the second "
+                 "step; the same bits); off: every kernel launched. The offloading modes and a --run-dir run wait on "
+                 "the host inside the step and always run launched");
   app.add_option("--run-dir", o.run_dir,
                  "also write a run record there (kind infer: offload events and copy / compute spans per step, for "
                  "the viewer); an existing record in DIR is replaced");
@@ -126,6 +131,10 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
     } catch (const std::invalid_argument& error) {
       throw BadInput(std::string("--mode: ") + error.what());
     }
+  }
+  if (!graph.empty()) {
+    if (graph != "on" && graph != "off") throw BadInput("--graph: '" + graph + "'; allowed: on, off");
+    o.graph = graph == "on";
   }
   if (!host_experts.empty()) {
     try {
@@ -268,7 +277,16 @@ int run(const std::vector<std::string>& arguments) {
     recorded = std::make_unique<RecordedExpertSource>(*source, offloaded, *writer);
   }
   ExpertSource& model_source = recorded ? static_cast<ExpertSource&>(*recorded) : *source;
-  InferenceModelGpu model(config, loaded.weights, model_source, o.mode);
+  // A stream of the model's own (the legacy default stream cannot be captured into a graph),
+  // destroyed after the model.
+  struct OwnedStream {
+    cudaStream_t stream = nullptr;
+    OwnedStream() { CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
+    ~OwnedStream() { cudaStreamDestroy(stream); }
+  } owned_stream;
+  const cudaStream_t stream = owned_stream.stream;
+  InferenceModelGpu model(config, loaded.weights, model_source, o.mode, stream);
+  model.set_decode_graph(o.graph);
   if (recorded) model.set_phase_timer(&recorded->phase_timer());
   std::fprintf(stderr,
                "moe_generate: %s on %s: D=%lld L=%lld S=%lld, MoE %s E=%lld K=%lld%s, mode %s, batch %lld, "
@@ -286,7 +304,7 @@ int run(const std::vector<std::string>& arguments) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   Clock::time_point first = start, last = start;
-  if (recorded) recorded->begin_step(nullptr);  // the model's stream: the default one
+  if (recorded) recorded->begin_step(stream);
   const Generation generation =
       generate(model, std::vector<std::vector<int32_t>>(size_t(o.batch), prompt), o.max_new_bytes, o.sampling,
                [&](int64_t step, const std::vector<int32_t>& bytes) {
@@ -295,7 +313,7 @@ int run(const std::vector<std::string>& arguments) {
                  (step == 0 ? first : last) = Clock::now();
                  if (recorded) {  // step `step` has run (0: the prefill); the next one is fed this byte
                    recorded->end_step();
-                   if (step + 1 < o.max_new_bytes) recorded->begin_step(nullptr);
+                   if (step + 1 < o.max_new_bytes) recorded->begin_step(stream);
                  }
                });
   if (recorded) {
@@ -324,10 +342,12 @@ int run(const std::vector<std::string>& arguments) {
   const double prefill_ms = std::chrono::duration<double, std::milli>(first - start).count();
   const int64_t decode_steps = o.max_new_bytes - 1;
   const double decode_ms = decode_steps > 0 ? std::chrono::duration<double, std::milli>(last - first).count() : 0.0;
-  std::fprintf(stderr, "moe_generate: prefill %lld x %lld bytes %.2f ms; %lld decode steps %.3f ms each (%.0f bytes/s)\n",
+  std::fprintf(stderr,
+               "moe_generate: prefill %lld x %lld bytes %.2f ms; %lld decode steps %.3f ms each (%.0f bytes/s, %s)\n",
                (long long)o.batch, (long long)P, prefill_ms, (long long)decode_steps,
                decode_steps > 0 ? decode_ms / double(decode_steps) : 0.0,
-               decode_ms > 0 ? 1e3 * double(decode_steps * o.batch) / decode_ms : 0.0);
+               decode_ms > 0 ? 1e3 * double(decode_steps * o.batch) / decode_ms : 0.0,
+               model.decode_graph_applies() ? "one CUDA graph a step" : "launched");
   // What each MoE block used over the decode steps, and how often the schedule's prefetches were used.
   for (size_t j = 0; j < model.moe_blocks().size(); ++j) {
     int64_t used = 0, prefetched = 0, prefetched_used = 0;
