@@ -58,7 +58,7 @@ __device__ float block_reduce(float value, float* scratch) {
 }
 
 // Block (h, n): the new token of sequence n, head h, against positions [0, length).
-// Shared memory: scores [length], q [d], the warps' partial contexts [kDecodeWarps, d], scratch.
+// Shared memory: scores [S] (the first length used), q [d], the warps' partial contexts [kDecodeWarps, d], scratch.
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(const bf16* qkv, const bf16* keys, const bf16* values, bf16* context, int heads,
                             int head_dim, int capacity, const int32_t* position, float scale) {
