@@ -13,6 +13,9 @@
 //                                starts copies early (prefetch-all, pre-gated, speculative);
 //                                with host experts on, it also computes the misses its cost model
 //                                picks on the host (choose_host_experts, host_forward)
+//   DeviceSlotCache (offload/)   the same slots with their table on the GPU: a kernel reads each
+//                                block's routing and plans its copies (acquire_on_device,
+//                                prefetch_on_device), so a step never waits on the host
 //
 // The schedule (which experts to prefetch for block i+1 while block i computes: all of them, the
 // pre-gate's choice, or a guess from block i+1's gate on block i's hidden state) is the decoding
@@ -63,6 +66,23 @@ class ExpertSource {
   // A hint that block `block` will soon need `experts`: start copying the missing ones without
   // making anyone wait. A resident source ignores it.
   virtual void prefetch(int64_t block, std::span<const int32_t> experts) { (void)block; (void)experts; }
+
+  // ---- a slot table on the device (offload/device_slot_cache.h) ----
+  // True when the decoding model calls acquire_on_device / prefetch_on_device instead of acquire /
+  // prefetch: the source reads a block's routing where the router wrote it, on the device, and
+  // decides its copies there, so nothing comes back to the host inside a step.
+  virtual bool plans_on_device() const { return false; }
+  // As acquire, for the routing top_experts [slots] (device memory; each token's K experts).
+  virtual ExpertTables acquire_on_device(int64_t block, const int32_t* top_experts, int64_t slots,
+                                         cudaStream_t compute) {
+    (void)block, (void)top_experts, (void)slots, (void)compute;
+    throw std::logic_error("this expert source plans on the host: call acquire with the block's experts");
+  }
+  // As prefetch, for the routing top_experts [slots] on the device (nullptr: every expert of the
+  // block), enqueued after the work on `compute` that writes that routing.
+  virtual void prefetch_on_device(int64_t block, const int32_t* top_experts, int64_t slots, cudaStream_t compute) {
+    (void)block, (void)top_experts, (void)slots, (void)compute;
+  }
 
   // ---- experts computed on the host (offload/host_expert_choice.h) ----
   // Which of block `block`'s chosen experts (rows[i]: the rows experts[i] gets this step) the caller
