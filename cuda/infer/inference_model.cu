@@ -444,7 +444,11 @@ void InferenceModelGpu::enqueue_step(Pass& pass) {
   if (schedule_ == ExpertSchedule::prefetch_all && M > 0) {
     std::vector<int32_t> all(size_t(config_.moe.num_experts));
     std::iota(all.begin(), all.end(), 0);
-    experts_->prefetch(0, all);
+    if (experts_->plans_on_device()) {
+      experts_->prefetch_on_device(0, nullptr, 0, stream_);
+    } else {
+      experts_->prefetch(0, all);
+    }
     pass.prefetched[0] = std::move(all);
   }
   for (int64_t i = 0; i < config_.num_layers; ++i) {
@@ -537,14 +541,16 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   MoeLayerGpu& this_layer = *pass.moe[size_t(j % 2)];
   MoeLayerGpu* next_layer = has_next ? pass.moe[size_t((j + 1) % 2)].get() : nullptr;
   const bool fetches = experts_->needs_experts_on_host();
+  const bool on_device = experts_->plans_on_device();  // the slot table on the device: no read-back
+  const int64_t routing_slots = pass.tokens * config_.moe.top_k;
 
   // ---- the gates: this block's (unless pre-gated one block ago), then the next block's ----
   if (!(config_.pregated && j > 0)) route_block(pass, j, pass.normed.data());
   // Pre-gating: m_{j+1}'s gate reads this block's LN2 output; its routing is the real one.
   if (has_next && config_.pregated) route_block(pass, j + 1, pass.normed.data());
-  // What to ask the source for m_{j+1} before this block's experts run. A guess needs the host to
-  // see it, so it is made only for a source that fetches experts (a resident one ignores prefetches).
-  const bool guess_next = has_next && fetches &&
+  // What to ask the source for m_{j+1} before this block's experts run, made only for a source that
+  // fetches experts (a resident one ignores prefetches): read back, or planned on the device.
+  const bool guess_next = has_next && (fetches || on_device) &&
                           (schedule_ == ExpertSchedule::pregated || schedule_ == ExpertSchedule::speculative);
   if (guess_next && !config_.pregated) {
     // speculative on a self-gated model: m_{j+1}'s own gate on this block's LN2 output, into the
@@ -556,7 +562,7 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   std::vector<const MoeLayerGpu*> to_read;
   const bool read_this = fetches && !pass.known_valid[size_t(j)];
   if (read_this) to_read.push_back(&this_layer);
-  if (guess_next) to_read.push_back(next_layer);
+  if (guess_next && fetches) to_read.push_back(next_layer);
   if (!to_read.empty()) {
     std::vector<std::vector<int32_t>> read = read_back_experts(to_read);  // per slot
     if (read_this) {
@@ -564,7 +570,7 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
       pass.known[size_t(j)] = distinct_sorted(read.front());
       pass.known_valid[size_t(j)] = 1;
     }
-    if (guess_next) {
+    if (guess_next && fetches) {
       pass.prefetched[size_t(j + 1)] = distinct_sorted(read.back());
       // A pre-gated model's guess is m_{j+1}'s real routing: it need not be read again.
       if (config_.pregated) {
@@ -591,7 +597,9 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   }
 
   // ---- acquire this block's experts, prefetch the next block's, compute, release ----
-  const ExpertTables tables = experts_->acquire(j, on_gpu, stream_);
+  const ExpertTables tables = on_device
+                                  ? experts_->acquire_on_device(j, this_layer.top_experts().data(), routing_slots, stream_)
+                                  : experts_->acquire(j, on_gpu, stream_);
   if (tables.w1 == nullptr || tables.w2 == nullptr) {
     throw std::logic_error("InferenceModelGpu: the expert source returned no pointer tables for MoE block " +
                            std::to_string(j) + " (layer " + std::to_string(layer) + ")");
@@ -611,7 +619,15 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
                         std::back_inserter(copied));
     pass.prefetched[size_t(j + 1)] = std::move(copied);
   }
-  if (has_next && !pass.prefetched[size_t(j + 1)].empty()) {
+  if (on_device && has_next) {
+    // The device plans m_{j+1}'s copies from the routing where the gate wrote it (the record's
+    // prefetched list is known on the host only for prefetch_all).
+    if (schedule_ == ExpertSchedule::prefetch_all) {
+      experts_->prefetch_on_device(j + 1, nullptr, 0, stream_);
+    } else if (guess_next) {
+      experts_->prefetch_on_device(j + 1, next_layer->top_experts().data(), routing_slots, stream_);
+    }
+  } else if (has_next && !pass.prefetched[size_t(j + 1)].empty()) {
     experts_->prefetch(j + 1, pass.prefetched[size_t(j + 1)]);
   }
   const MoeLayerWeights weights{blocks_[size_t(layer)].gate, tables.w1, tables.w2};

@@ -27,6 +27,8 @@
 //                    synchronisation: the on-demand stall, a host wait on the gate, not on the
 //                    experts. A pre-gated block's choice is read back in the block before it.
 //   acquire          source.acquire(block, experts): missing experts copied, the compute stream waits
+//                    (a source that plans on the device: acquire_on_device(block, top_experts on the
+//                    device), no read-back; and prefetch_on_device below)
 //   schedule         before this block's experts run, what the schedule prefetches for the next MoE
 //                    block: all its experts, the pre-gate's choice, or a guess from its own gate
 //   host experts     a source with host experts on picks some missing experts to compute on the
@@ -71,11 +73,13 @@
 // read from the device (one copy before the step), so the whole step is captured once into a CUDA
 // graph and replayed every step: one launch. The same kernels with the same arguments, so the same
 // bits (tests/cuda/test_infer.cpp checks it); set_decode_graph(false) runs it launched.
-// A source that moves experts is not captured: its step waits on the host for each block's routing
-// (acquire decides which experts to copy into which slot, on the host) and its copies depend on
-// that routing. Capturing it would need the expert cache's slot table and its copy list on the
-// device (a kernel choosing the slots, copies driven from it), which this decoder does not have;
-// those modes run launched, and their host waits are what the offload lesson measures.
+// A source that plans its copies on the host (OffloadedExperts) is not captured: its step waits on
+// the host for each block's routing (acquire decides which experts to copy into which slot) and
+// its copies depend on that routing. A source whose slot table lives on the device
+// (DeviceSlotCache, offload/device_slot_cache.h; plans_on_device) is: acquire_on_device and
+// prefetch_on_device read the block's routing where the gate wrote it (top_experts, or the next
+// block's pre-gate or guess) and a kernel plans and copies, so every offloading schedule runs with
+// no host wait inside the step, and is captured like gpu_only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -164,8 +168,8 @@ class InferenceModelGpu {
   // Names each phase on the GPU timeline (embedding, attention, moe, dense_ffn, lm_head; the MoE
   // layers add theirs inside "moe"); nullptr (the default) records nothing.
   void set_phase_timer(PhaseTimer* timer);
-  // The decode step as one CUDA graph (above; on by default). It applies when the source is
-  // resident, no phase timer is set (its events would be captured) and the model has a stream of its
+  // The decode step as one CUDA graph (above; on by default). It applies when the source needs
+  // nothing on the host (resident, or a slot table on the device), no phase timer is set (its events would be captured) and the model has a stream of its
   // own (the legacy default stream cannot be captured); otherwise decode steps run launched. The
   // first decode step runs launched, the second captures the graph, later ones replay it.
   void set_decode_graph(bool on);
