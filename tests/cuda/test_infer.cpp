@@ -40,6 +40,7 @@
 #include "infer/sampling.h"                   // moe::cuda::ByteSampler
 #include "infer/weights_file.h"               // load_weights_safetensors, load_weights_checkpoint, gpu_config_of
 #include "model/model.h"                      // ModelGpu
+#include "offload/device_slot_cache.h"        // DeviceSlotCache
 #include "offload/expert_source.h"            // ExpertSource
 #include "offload/offloaded_experts.h"        // OffloadedExperts, OffloadOptions, HostExperts
 #include "offload/resident_experts.h"         // ResidentExperts
@@ -729,6 +730,169 @@ TEST(CudaInferGraph, AppliesOnlyWhereTheStepHasNoHostWait) {
   EXPECT_FALSE(timed.decode_graph_applies());
   timed.set_phase_timer(nullptr);
   EXPECT_TRUE(timed.decode_graph_applies());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The slot table on the device (offload/device_slot_cache.h): gpu_only's bits in every schedule,
+// launched and as one CUDA graph, and the least-recently-used rule replayed on the host
+
+// The rule of device_slot_cache.h for acquires alone (on_demand): per block of each step, the clock
+// ticks, resident chosen experts are stamped, then each missing one (ascending) takes the slot of
+// smallest (stamp, index) stamped before now. Returns the misses per MoE block.
+std::vector<int64_t> replay_lru(const std::vector<std::vector<MoeBlockStep>>& steps, int64_t E, int64_t C) {
+  std::vector<int64_t> stamp(size_t(C), -1), in_slot(size_t(C), -1), misses;  // -1: empty, older than any use
+  std::map<int64_t, int64_t> slot_of;
+  int64_t clock = 0;
+  for (const std::vector<MoeBlockStep>& step : steps) {
+    misses.resize(step.size(), 0);
+    for (size_t j = 0; j < step.size(); ++j) {
+      ++clock;
+      for (int32_t e : step[j].experts) {
+        if (auto at = slot_of.find(int64_t(j) * E + e); at != slot_of.end()) stamp[size_t(at->second)] = clock;
+      }
+      for (int32_t e : step[j].experts) {
+        const int64_t id = int64_t(j) * E + e;
+        if (slot_of.count(id) != 0) continue;
+        int64_t victim = -1;
+        for (int64_t s = 0; s < C; ++s) {
+          if (stamp[size_t(s)] < clock && (victim < 0 || stamp[size_t(s)] < stamp[size_t(victim)])) victim = s;
+        }
+        if (victim < 0) return {};  // the cache cannot hold one block's experts: the constructor refuses it
+        if (in_slot[size_t(victim)] >= 0) slot_of.erase(in_slot[size_t(victim)]);
+        in_slot[size_t(victim)] = id;
+        slot_of[id] = victim;
+        stamp[size_t(victim)] = clock;
+        ++misses[j];
+      }
+    }
+  }
+  return misses;
+}
+
+struct DeviceSlotCase {
+  bool pregated = false;
+  ExpertSchedule schedule = ExpertSchedule::on_demand;
+};
+
+void PrintTo(const DeviceSlotCase& c, std::ostream* os) {
+  *os << (c.pregated ? "pre-gated " : "self-gated ") << to_string(c.schedule);
+}
+
+class CudaInferDeviceSlots : public ::testing::TestWithParam<DeviceSlotCase> {};
+
+// Every offloading schedule on both models, at two shapes (one sequence, top-1, a cache of just the
+// prefill's two experts: evictions and dropped prefetches every step; three sequences, top-2, four
+// slots), and with every expert cached: the same bytes and logits as gpu_only, bit for bit,
+// launched and as one CUDA graph; the counters add up; on_demand misses exactly what the rule says.
+TEST_P(CudaInferDeviceSlots, GpuOnlysBitsLaunchedAndAsOneGraph) {
+  REQUIRE_GPU();
+  const auto [pregated, schedule] = GetParam();
+  struct Shape {
+    int64_t N, P, K;
+  };
+  for (const Shape shape : {Shape{1, 2, 1}, Shape{3, 5, 2}}) {
+    const ModelConfig config = tiny_config(MoeLayers::every_block, pregated, 3, shape.K);
+    const Bf16ModelWeights weights = bf16_init(config, 61);
+    std::mt19937_64 rng(67);
+    const int64_t N = shape.N, P = shape.P, steps = 12;
+    std::vector<std::vector<int32_t>> prompts, bytes;
+    for (int64_t n = 0; n < N; ++n) prompts.push_back(random_bytes(rng, size_t(P)));
+    for (int64_t s = 0; s < steps; ++s) bytes.push_back(random_bytes(rng, size_t(N)));
+    const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
+    const int64_t E = gpu.moe.num_experts, M = 3;
+    const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
+    moe::cuda::ResidentExperts resident(store);
+    const HostRun baseline = run_forced(gpu, weights, resident, ExpertSchedule::gpu_only, prompts, bytes);
+    const int64_t smallest = moe::cuda::minimum_cache_slots(E, N * P, gpu.moe.top_k);
+    for (const int64_t slots : {smallest, M * E}) {
+      for (const bool graph : {false, true}) {
+        const std::string name = std::string(pregated ? "pre-gated " : "self-gated ") +
+                                 std::string(to_string(schedule)) + ", N " + std::to_string(N) + " K " +
+                                 std::to_string(shape.K) + ", " + std::to_string(slots) + " slots, " +
+                                 (graph ? "graph" : "launched");
+        moe::cuda::DeviceSlotCache cache(store, {slots, N * P, gpu.moe.top_k, 8});
+        TestStream stream;
+        InferenceModelGpu model(gpu, weights.flat, cache, schedule, stream.stream);
+        model.set_decode_graph(graph);
+        EXPECT_EQ(model.decode_graph_applies(), graph) << name;
+        HostRun run;
+        StepResult r = model.prefill(prompts);
+        run.logits.push_back(r.next_logits);
+        run.blocks.push_back(r.moe);
+        for (const std::vector<int32_t>& row : bytes) {
+          r = model.decode_step(row);
+          run.logits.push_back(r.next_logits);
+          run.blocks.push_back(r.moe);
+        }
+        EXPECT_EQ(run.logits, baseline.logits) << name << ": not gpu_only's bits";
+        const moe::cuda::BlockOffloadStatistics total = cache.statistics().total();
+        int64_t used = 0;
+        for (const auto& step : run.blocks) {
+          for (const MoeBlockStep& b : step) used += int64_t(b.experts.size());
+        }
+        EXPECT_EQ(total.acquires, int64_t(run.blocks.size()) * M) << name;
+        EXPECT_EQ(total.hits + total.misses, used) << name << ": every chosen expert is a hit or a miss";
+        EXPECT_EQ(total.bytes_copied, (total.misses + total.prefetched) * int64_t(store.expert_bytes())) << name;
+        EXPECT_LE(total.prefetched_used, total.prefetched) << name;
+        if (slots == M * E) {  // nothing is ever evicted: each expert crosses once, whoever asks first
+          std::set<int64_t> distinct;
+          for (const auto& step : run.blocks) {
+            for (size_t j = 0; j < step.size(); ++j) {
+              for (int32_t e : step[j].experts) distinct.insert(int64_t(j) * E + e);
+            }
+          }
+          const int64_t copied = total.misses + total.prefetched;
+          if (schedule == ExpertSchedule::prefetch_all) {
+            EXPECT_EQ(copied, M * E) << name;
+          } else {
+            EXPECT_EQ(copied, int64_t(distinct.size())) << name;
+          }
+          EXPECT_EQ(total.prefetch_dropped, 0) << name;
+        }
+        if (schedule == ExpertSchedule::on_demand) {
+          const std::vector<int64_t> want = replay_lru(run.blocks, E, slots);
+          ASSERT_EQ(want.size(), size_t(M)) << name;
+          const moe::cuda::OffloadStatistics per_block = cache.statistics();
+          for (size_t j = 0; j < want.size(); ++j) EXPECT_EQ(per_block.blocks[j].misses, want[j]) << name << " block " << j;
+        }
+        std::printf("%s %s: %zu steps, hits %lld, misses %lld, prefetched %lld (used %lld, dropped %lld)\n",
+                    run.logits == baseline.logits ? "PASS" : "FAIL", name.c_str(), run.logits.size(),
+                    (long long)total.hits, (long long)total.misses, (long long)total.prefetched,
+                    (long long)total.prefetched_used, (long long)total.prefetch_dropped);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, CudaInferDeviceSlots,
+                         ::testing::Values(DeviceSlotCase{false, ExpertSchedule::on_demand},
+                                           DeviceSlotCase{false, ExpertSchedule::prefetch_all},
+                                           DeviceSlotCase{false, ExpertSchedule::speculative},
+                                           DeviceSlotCase{true, ExpertSchedule::pregated},
+                                           DeviceSlotCase{true, ExpertSchedule::on_demand}),
+                         [](const ::testing::TestParamInfo<DeviceSlotCase>& info) {
+                           return std::string(info.param.pregated ? "pregated_model_" : "self_gated_model_") +
+                                  std::string(to_string(info.param.schedule));
+                         });
+
+TEST(CudaInferDeviceSlots, BadInputIsRefusedSayingWhatIsAllowed) {
+  REQUIRE_GPU();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, false, 2, 2);
+  const Bf16ModelWeights weights = bf16_init(config, 71);
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, 2);
+  const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
+  // Two tokens of top-2 may choose 4 experts: 3 slots cannot serve one acquire.
+  EXPECT_THROW(moe::cuda::DeviceSlotCache(store, {3, 2, 2, 8}), std::invalid_argument);
+  EXPECT_THROW(moe::cuda::DeviceSlotCache(store, {9, 2, 2, 8}), std::invalid_argument);  // more than 2 x 4 experts
+  EXPECT_THROW(moe::cuda::DeviceSlotCache(store, {4, 2, 2, 0}), std::invalid_argument);  // no copy blocks
+  moe::cuda::DeviceSlotCache cache(store, {4, 2, 2, 8});
+  EXPECT_TRUE(cache.plans_on_device());
+  EXPECT_FALSE(cache.needs_experts_on_host());
+  EXPECT_THROW(cache.acquire(0, std::vector<int32_t>{0}, nullptr), std::logic_error);  // the host interface
+  const DeviceBuffer<int32_t> top(std::vector<int32_t>{0, 1});
+  EXPECT_THROW(cache.acquire_on_device(2, top.data(), 2, nullptr), std::invalid_argument);  // no block 2
+  EXPECT_THROW(cache.acquire_on_device(0, nullptr, 2, nullptr), std::invalid_argument);
+  EXPECT_THROW(cache.prefetch_on_device(-1, top.data(), 2, nullptr), std::invalid_argument);
 }
 
 // ---------------------------------------------------------------------------------------------
