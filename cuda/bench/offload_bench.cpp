@@ -50,6 +50,7 @@
 // Run:   build/cuda/bench/offload_bench [--scales switch,large] [--batches 1,4,8] [--modes all]
 //            [--switch-experts 64] [--prompt-bytes 8] [--warmup 4] [--steps 32] [--cache-factor 2]
 //            [--cache-experts C] [--policy lru] [--host-experts misses,auto] [--host-threads T] [--seed 1]
+//            [--device-slots] [--copy-blocks 32]
 //            [--out FILE.json] [--record-dir DIR]
 // --host-experts adds, after each offloading mode, the same mode with experts computed on the host
 // (offload/host_expert_choice.h): every miss, or the cost model's pick, whose GPU time per MoE block
@@ -57,6 +58,11 @@
 // samples) and its logits are compared step by step: not bit for bit (the host sums in another
 // order), within 5% of the largest logit for the "~" in the same column and a PASS; the host's
 // STREAM-style copy of 1 GiB is printed beside the pinned copy.
+// --device-slots adds, after each offloading mode, the same mode with its slot table on the GPU
+// ("<mode>,dev": offload/device_slot_cache.h): a kernel plans each block's copies from the routing on
+// the device and SMs copy the experts from the mapped pinned store (--copy-blocks thread blocks), so
+// no step waits on the host and each decode step is one CUDA graph; its copies and stalls are not
+// timed ("-"), its bytes are counted on the device.
 // --record-dir DIR writes a run record per (scale, batch, mode) (infer/offload_recording.h): DIR itself
 // when one is selected, else DIR/<scale>_b<N>_<mode>; a recorded run's steps carry a few more events. Exit status: 0 every mode's bytes equal gpu_only's; 1 not, or a GPU
 // failure; 2 bad flags or too much pinned memory.
@@ -99,6 +105,7 @@
 #include "infer/sampling.h"               // ByteSampler
 #include "offload/cpu_expert.h"           // check_cpu_expert_threads, host_copy_gb_per_s
 #include "offload/host_expert_choice.h"   // HostExperts
+#include "offload/device_slot_cache.h"     // DeviceSlotCache
 #include "offload/offloaded_experts.h"    // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h"  // PinnedExpertStore
 #include "offload/resident_experts.h"     // ResidentExperts
@@ -133,6 +140,8 @@ struct Options {
   CachePolicy policy = CachePolicy::lru;
   std::vector<HostExperts> host_experts;  // besides copying every miss: the host-expert variants of each offloading mode
   int host_threads = 0;                   // 0: every hardware thread
+  bool device_slots = false;              // also each offloading mode with the slot table on the device
+  int copy_blocks = 32;                   // the device slot table's copy kernel's thread blocks
   uint64_t seed = 1;
   std::string out, record_dir;
 };
@@ -181,6 +190,11 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
                  "none; off is always run)");
   app.add_option("--host-threads", o.host_threads, "threads of the host experts (default: every hardware thread)")
       ->check(moe::whole_number(1));
+  app.add_flag("--device-slots", o.device_slots,
+               "also run each offloading mode with its slot table on the GPU (offload/device_slot_cache.h): no host "
+               "wait inside a step, each decode step one CUDA graph");
+  app.add_option("--copy-blocks", o.copy_blocks, "thread blocks of the device slot table's copy kernel")
+      ->capture_default_str()->check(moe::whole_number(1, 1024));
   app.add_option("--seed", o.seed, "weights, prompts and sampling")->capture_default_str()->check(moe::whole_number(0));
   app.add_option("--out", o.out, "also write every row as JSON, with the device and the date");
   app.add_option("--record-dir", o.record_dir, "also write a run record per run (kind infer) for the viewer's offload panel");
@@ -326,6 +340,7 @@ struct Run {  // one (scale, batch, model, mode, host experts)
   ExpertSchedule mode = ExpertSchedule::gpu_only;
   HostExperts host = HostExperts::off;
   bool graph = false;  // the decode steps were one CUDA graph launch each (InferenceModelGpu::set_decode_graph)
+  bool device_slots = false;  // the slot table on the device (DeviceSlotCache)
   double on_host_per_step = 0, host_ms_per_step = 0;  // experts computed on the host, and the host's time
   HostExpertCosts costs;                               // the cost model's inputs, measured at the source's start
   double logits_max_abs_diff = 0, logits_max_abs = 0;  // against gpu_only's, on gpu_only's bytes (host runs)
@@ -351,7 +366,8 @@ struct Context {
   cudaStream_t stream;
   double pinned_gb_per_s;
   std::string record_dir;  // "" = no record
-  bool graph = true;       // the decode step as one CUDA graph where it applies (gpu_only, unrecorded)
+  bool graph = true;       // the decode step as one CUDA graph where it applies (no host wait, unrecorded)
+  bool device_slots = false;  // an offloading mode's slot table on the device (DeviceSlotCache)
 };
 
 // forced: the bytes to feed instead of the run's own samples ([steps][N], gpu_only's): a run with
@@ -368,14 +384,21 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
   run.host = host;
   run.batch = N;
   run.cache_slots = mode == ExpertSchedule::gpu_only ? 0 : slots;
+  run.device_slots = ctx.device_slots;
 
   CUDA_CHECK(cudaDeviceSynchronize());
   const size_t used_before = device_used_bytes();
   size_t peak = used_before;
   std::unique_ptr<ExpertSource> source;
   OffloadedExperts* offloaded = nullptr;
+  DeviceSlotCache* device_cache = nullptr;
   if (mode == ExpertSchedule::gpu_only) {
     source = std::make_unique<ResidentExperts>(store);
+  } else if (ctx.device_slots) {
+    auto cache = std::make_unique<DeviceSlotCache>(
+        store, DeviceSlotCacheOptions{slots, N * P, config.moe.top_k, o.copy_blocks});
+    device_cache = cache.get();
+    source = std::move(cache);
   } else {
     OffloadOptions options;
     options.cache_slots = slots;
@@ -460,6 +483,7 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
   std::vector<double> step_ms;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
     if (s == o.warmup && offloaded != nullptr && !recorded) offloaded->reset_statistics();  // timed steps only
+    if (s == o.warmup && device_cache != nullptr) device_cache->reset_statistics();
     auto [result, ms] = timed([&] { return model.decode_step(run.bytes.back()); });
     if (s >= o.warmup) {
       step_ms.push_back(ms);
@@ -471,10 +495,11 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
   }
   run.step_ms = median(step_ms);
   run.peak_bytes = double(peak - used_before);
-  if (offloaded != nullptr) {
+  if (offloaded != nullptr || device_cache != nullptr) {
     // Recorded: the recorder kept each step's counts (the cache's were never reset); sum the timed steps.
-    const BlockOffloadStatistics total =
-        recorded ? recorded->steps_total(size_t(1 + o.warmup)) : offloaded->statistics().total();
+    const BlockOffloadStatistics total = device_cache != nullptr ? device_cache->statistics().total()
+                                         : recorded ? recorded->steps_total(size_t(1 + o.warmup))
+                                                    : offloaded->statistics().total();
     run.bytes_per_step = double(total.bytes_copied) / double(o.steps);
     run.copy_gb_per_s = total.copy_gb_per_s();
     run.stall_ms_per_step = total.stall_ms / double(o.steps);
@@ -534,11 +559,16 @@ void print_run(const Run& r) {
   std::string name(to_string(r.mode));
   if (r.host != HostExperts::off) name += "+" + std::string(to_string(r.host));
   if (r.mode == ExpertSchedule::gpu_only && !r.graph) name += ",launch";
+  if (r.device_slots) name += ",dev";
   std::printf("%-13s %-11s %4s %9.3f %9.1f %10.0f %8.3f", name.c_str(), r.model.c_str(),
               r.host != HostExperts::off ? "~" : r.same_as_gpu_only ? "yes" : "NO", r.step_ms, 1e3 * double(r.batch) / r.step_ms, r.prefill_tokens_per_s,
               r.peak_bytes / 1e9);
   if (offloaded) {
-    std::printf(" %9.1f %7.1f %7.3f %6.3f", r.bytes_per_step / 1e6, r.copy_gb_per_s, r.stall_ms_per_step, r.hit_rate);
+    if (r.device_slots) {  // the device's copies and stalls are not timed (device_slot_cache.h)
+      std::printf(" %9.1f %7s %7s %6.3f", r.bytes_per_step / 1e6, "-", "-", r.hit_rate);
+    } else {
+      std::printf(" %9.1f %7.1f %7.3f %6.3f", r.bytes_per_step / 1e6, r.copy_gb_per_s, r.stall_ms_per_step, r.hit_rate);
+    }
   } else {
     std::printf(" %9s %7s %7s %6s", "-", "-", "-", "-");
   }
@@ -562,7 +592,7 @@ void print_run(const Run& r) {
 
 json run_json(const Run& r) {
   return {{"scale", r.scale}, {"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"batch", r.batch},
-          {"cuda_graph", r.graph},
+          {"cuda_graph", r.graph}, {"device_slots", r.device_slots},
           {"cache_slots", r.cache_slots}, {"same_as_gpu_only", r.same_as_gpu_only},
           {"step_ms", r.step_ms}, {"tokens_per_s", 1e3 * double(r.batch) / r.step_ms},
           {"prefill_tokens_per_s", r.prefill_tokens_per_s}, {"peak_gpu_bytes", r.peak_bytes},
@@ -686,27 +716,29 @@ int main(int argc, char** argv) {
           Run reference;
           // (mode, host experts, graph): each mode as published, then its host-expert variants; gpu_only
           // as one CUDA graph a step (the reference), then launched kernel by kernel beside it.
-          std::vector<std::tuple<ExpertSchedule, HostExperts, bool>> variants;
+          // With --device-slots, each offloading mode also with its slot table on the device.
+          std::vector<std::tuple<ExpertSchedule, HostExperts, bool, bool>> variants;
           for (ExpertSchedule mode : modes) {
-            variants.emplace_back(mode, HostExperts::off, true);
+            variants.emplace_back(mode, HostExperts::off, true, false);
             if (mode == ExpertSchedule::gpu_only) {
-              variants.emplace_back(mode, HostExperts::off, false);
+              variants.emplace_back(mode, HostExperts::off, false, false);
               continue;
             }
-            for (HostExperts host : o.host_experts) variants.emplace_back(mode, host, true);
+            if (o.device_slots) variants.emplace_back(mode, HostExperts::off, true, true);
+            for (HostExperts host : o.host_experts) variants.emplace_back(mode, host, true, false);
           }
-          for (const auto& [mode, host, graph] : variants) {
+          for (const auto& [mode, host, graph, device_slots] : variants) {
             const bool shown = selected_mode(mode) || mode == ExpertSchedule::gpu_only;
             std::string dir;
             if (!o.record_dir.empty() && selected_mode(mode) && !(pregated && mode == ExpertSchedule::gpu_only) &&
-                graph) {
+                graph && !device_slots) {
               const std::string name = std::string(to_string(mode)) +
                                        (host == HostExperts::off ? "" : "_host_" + std::string(to_string(host)));
               dir = selected == 1 && o.host_experts.empty()
                         ? o.record_dir
                         : o.record_dir + "/" + scale.name + "_b" + std::to_string(N) + "_" + name;
             }
-            const Context ctx{o, stream, pinned_gb_per_s, dir, graph};
+            const Context ctx{o, stream, pinned_gb_per_s, dir, graph, device_slots};
             const bool on_host = host != HostExperts::off;
             // The cost model's GPU time per MoE block: this model's gpu_only step, measured first.
             const double gpu_block_ms = reference.step_ms / double(shape.blocks);
@@ -757,7 +789,10 @@ int main(int argc, char** argv) {
     // ---- the offload targets ----
     auto find = [&](const std::string& scale, int64_t N, ExpertSchedule mode, const std::string& model) -> const Run* {
       for (const Run& r : all_runs) {
-        if (r.scale == scale && r.batch == N && r.mode == mode && r.model == model && r.host == HostExperts::off) return &r;
+        if (r.scale == scale && r.batch == N && r.mode == mode && r.model == model && r.host == HostExperts::off &&
+            !r.device_slots) {
+          return &r;
+        }
       }
       return nullptr;
     };

@@ -43,6 +43,7 @@
 #include "infer/inference_model.h"       // InferenceModelGpu
 #include "infer/offload_recording.h"     // RecordedExpertSource
 #include "infer/weights_file.h"          // load_weights_checkpoint, load_weights_safetensors, pinned_experts
+#include "offload/device_slot_cache.h"   // DeviceSlotCache
 #include "offload/offloaded_experts.h"   // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h" // PinnedExpertStore
 #include "offload/resident_experts.h"    // ResidentExperts
@@ -71,12 +72,13 @@ struct Options {
   HostExperts host_experts = HostExperts::off;
   int host_threads = 0;  // 0: every hardware thread
   bool graph = true;     // --graph: the decode step as one CUDA graph where it applies
+  bool device_slots = false;  // --slot-table device
   std::optional<std::string> run_dir;
 };
 
 // The flags into `o`; the exit status when the program should stop here (--help, a bad flag).
 std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) {
-  std::string mode, cache_policy, host_experts, graph;
+  std::string mode, cache_policy, host_experts, graph, slot_table;
   CLI::App app{kDescription, "moe_generate"};
   app.add_option("--checkpoint", o.checkpoint,
                  "a moe_train run directory (its latest checkpoint), its checkpoints/ folder, or one checkpoint file");
@@ -110,10 +112,15 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
                  "start-up picks per expert and step). Not bit for bit gpu_only's: equal within bf16 rounding");
   app.add_option("--host-threads", o.host_threads, "threads of the host experts (default: every hardware thread)")
       ->check(moe::whole_number(1));
+  app.add_option("--slot-table", slot_table,
+                 "where the offloading modes keep their expert cache's slot table: host (default; each MoE block's "
+                 "routing is read back and the host picks the copies) or device (a kernel plans the copies from the "
+                 "routing on the GPU and SMs copy the experts: no host wait inside a step, which can then be one CUDA "
+                 "graph; LRU, no --host-experts, no --run-dir)");
   app.add_option("--graph", graph,
-                 "on (default): with gpu_only, each decode step is one CUDA graph launch (captured on the second "
-                 "step; the same bits); off: every kernel launched. The offloading modes and a --run-dir run wait on "
-                 "the host inside the step and always run launched");
+                 "on (default): where nothing inside a decode step waits on the host (gpu_only, or --slot-table "
+                 "device), each step is one CUDA graph launch (captured on the second step; the same bits); off: "
+                 "every kernel launched. A --run-dir run always runs launched");
   app.add_option("--run-dir", o.run_dir,
                  "also write a run record there (kind infer: offload events and copy / compute spans per step, for "
                  "the viewer); an existing record in DIR is replaced");
@@ -136,6 +143,12 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
     if (graph != "on" && graph != "off") throw BadInput("--graph: '" + graph + "'; allowed: on, off");
     o.graph = graph == "on";
   }
+  if (!slot_table.empty()) {
+    if (slot_table != "host" && slot_table != "device") {
+      throw BadInput("--slot-table: '" + slot_table + "'; allowed: host, device");
+    }
+    o.device_slots = slot_table == "device";
+  }
   if (!host_experts.empty()) {
     try {
       o.host_experts = parse_host_experts(host_experts);
@@ -147,6 +160,17 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
     throw BadInput("--host-experts " + std::string(to_string(o.host_experts)) +
                    " needs an offloading --mode (on_demand, prefetch_all, pregated, speculative): with gpu_only every "
                    "expert is on the GPU");
+  }
+  if (o.device_slots) {
+    const char* clash = o.mode == ExpertSchedule::gpu_only      ? "needs an offloading --mode (with gpu_only every "
+                                                                   "expert is on the GPU)"
+                        : o.host_experts != HostExperts::off    ? "cannot be combined with --host-experts (the host "
+                                                                   "would need each block's routing)"
+                        : o.run_dir.has_value()                  ? "cannot be combined with --run-dir (the record's "
+                                                                   "events are the host slot table's)"
+                        : cache_policy.empty() || o.cache_policy == CachePolicy::lru ? nullptr
+                                                                 : "evicts least recently used only (--cache-policy lru)";
+    if (clash != nullptr) throw BadInput(std::string("--slot-table device ") + clash);
   }
   if (o.host_threads != 0) {
     try {
@@ -219,8 +243,22 @@ int run(const std::vector<std::string>& arguments) {
   std::optional<PinnedExpertStore> store;
   std::unique_ptr<ExpertSource> source;
   OffloadedExperts* offloaded = nullptr;
+  DeviceSlotCache* device_cache = nullptr;
   if (has_experts) store.emplace(pinned_experts(config, loaded.weights));
-  if (has_experts && o.mode != ExpertSchedule::gpu_only) {
+  if (has_experts && o.mode != ExpertSchedule::gpu_only && o.device_slots) {
+    const int64_t E = config.moe.num_experts, all = store->shape().blocks * E;
+    DeviceSlotCacheOptions options;
+    options.cache_slots = o.cache_experts > 0 ? o.cache_experts : std::min(2 * E, all);
+    options.max_tokens_per_step = o.batch * P;  // the prefill's tokens: the largest acquire
+    options.top_k = config.moe.top_k;
+    try {
+      auto cache = std::make_unique<DeviceSlotCache>(*store, options);
+      device_cache = cache.get();
+      source = std::move(cache);
+    } catch (const std::invalid_argument& error) {
+      throw BadInput(std::string(error.what()) + " (--cache-experts)");
+    }
+  } else if (has_experts && o.mode != ExpertSchedule::gpu_only) {
     const int64_t E = config.moe.num_experts, all = store->shape().blocks * E;
     OffloadOptions options;
     options.cache_slots = o.cache_experts > 0 ? o.cache_experts : std::min(2 * E, all);
@@ -364,6 +402,15 @@ int run(const std::vector<std::string>& arguments) {
                    (long long)prefetched_used, (long long)prefetched);
     }
     std::fputc('\n', stderr);
+  }
+  if (device_cache != nullptr) {
+    const BlockOffloadStatistics total = device_cache->statistics().total();
+    std::fprintf(stderr,
+                 "  expert cache, slot table on the device: %lld slots, hits %lld, misses %lld (hit rate %.3f), "
+                 "%lld prefetched (%lld used, %lld dropped), %s copied\n",
+                 (long long)device_cache->slots(), (long long)total.hits, (long long)total.misses, total.hit_rate(),
+                 (long long)total.prefetched, (long long)total.prefetched_used, (long long)total.prefetch_dropped,
+                 gigabytes(double(total.bytes_copied)).c_str());
   }
   if (offloaded != nullptr) {
     const BlockOffloadStatistics total = offloaded->statistics().total();
