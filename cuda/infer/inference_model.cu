@@ -169,17 +169,6 @@ struct InferenceModelGpu::Pass {
   std::vector<double> host_ms;                   // [M] the host's time for them
 };
 
-// The captured decode step (infer/inference_model.h: the decode step as one CUDA graph).
-struct InferenceModelGpu::DecodeGraph {
-  cudaGraphExec_t exec = nullptr;
-  DecodeGraph() = default;
-  ~DecodeGraph() {
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
-  }
-  DecodeGraph(const DecodeGraph&) = delete;
-  DecodeGraph& operator=(const DecodeGraph&) = delete;
-};
-
 InferenceModelGpu::InferenceModelGpu(const ModelGpuConfig& config, std::span<const float> weights,
                                      ExpertSource& experts, ExpertSchedule schedule, cudaStream_t stream)
     : config_((validate_for_inference(config), check_schedule(config, schedule), normalised(config))),
@@ -390,26 +379,11 @@ bool InferenceModelGpu::decode_graph_applies() const {
 }
 
 // Captures the decode pass's whole step (embedding to logits and routing record, on the device) into
-// one graph. The step's host-side record (what was prefetched, host experts: none for a resident
-// source) is the captured step's, which every replay shares.
+// one graph. The step's host-side record (what was prefetched, host experts: none for a source
+// that needs nothing on the host) is the captured step's, which every replay shares.
 void InferenceModelGpu::capture_decode_graph() {
   create_launch_scratch_pool();  // the block-sparse kernels' scratch: a capture cannot create the pool
-  cudaGraph_t graph = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  try {
-    enqueue_step(*decode_);
-  } catch (...) {  // end the capture so that the stream is usable again, then report the first error
-    (void)cudaStreamEndCapture(stream_, &graph);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    (void)cudaGetLastError();
-    throw;
-  }
-  CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-  auto captured = std::make_unique<DecodeGraph>();
-  const cudaError_t instantiated = cudaGraphInstantiate(&captured->exec, graph, 0);
-  cudaGraphDestroy(graph);
-  CUDA_CHECK(instantiated);
-  graph_ = std::move(captured);
+  graph_ = CapturedGraph::capture(stream_, [&] { enqueue_step(*decode_); });
 }
 
 // A prefill's pass, a source that waits on the host, a phase timer or the legacy stream: launched.
@@ -423,7 +397,7 @@ StepResult InferenceModelGpu::run(Pass& pass) {
     graph_warmed_up_ = true;
   } else {
     if (!graph_) capture_decode_graph();
-    CUDA_CHECK(cudaGraphLaunch(graph_->exec, stream_));
+    graph_->launch(stream_);
   }
   return read_step(pass);
 }

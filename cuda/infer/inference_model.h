@@ -91,6 +91,7 @@
 #include <vector>
 
 #include "core/bf16.h"                // bf16
+#include "core/captured_graph.h"      // CapturedGraph
 #include "core/device_buffer.h"       // DeviceBuffer
 #include "core/gemm.h"                // CublasHandle
 #include "core/phase_timer.h"         // PhaseTimer
@@ -177,7 +178,6 @@ class InferenceModelGpu {
 
  private:
   struct Pass;  // the activations and MoE layers of one step shape (inference_model.cu)
-  struct DecodeGraph;  // the captured decode step (inference_model.cu)
 
   // Per-block parameter addresses in weights_.
   struct Block {
@@ -225,7 +225,7 @@ class InferenceModelGpu {
   std::unique_ptr<Pass> decode_;     // T_new = N
   bool graph_on_ = true;             // set_decode_graph
   bool graph_warmed_up_ = false;     // a decode step ran launched: the next one may capture
-  std::unique_ptr<DecodeGraph> graph_;
+  std::unique_ptr<CapturedGraph> graph_;  // the captured decode step
 };
 
 }  // namespace moe::cuda

@@ -740,25 +740,12 @@ const float* ModelGpu::forward_backward_graph(const int32_t* tokens, const int32
   }
   if (graph_ == nullptr) {
     create_launch_scratch_pool();  // the block-sparse kernels' scratch: a capture cannot create the pool
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
+    graph_ = CapturedGraph::capture(stream_, [&] {
       forward(graph_tokens, graph_targets);
       backward();
-    } catch (...) {  // end the capture so the stream is usable again, then report the first error
-      (void)cudaStreamEndCapture(stream_, &graph);
-      if (graph != nullptr) cudaGraphDestroy(graph);
-      (void)cudaGetLastError();
-      throw;
-    }
-    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    auto captured = std::make_unique<Graph>();
-    const cudaError_t instantiated = cudaGraphInstantiate(&captured->exec, graph, 0);
-    cudaGraphDestroy(graph);
-    CUDA_CHECK(instantiated);
-    graph_ = std::move(captured);
+    });
   }
-  CUDA_CHECK(cudaGraphLaunch(graph_->exec, stream_));
+  graph_->launch(stream_);
   return losses_.data();
 }
 

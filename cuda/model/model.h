@@ -87,6 +87,7 @@
 
 #include "model/attention.h"     // AttentionWorkspace
 #include "core/bf16.h"           // bf16
+#include "core/captured_graph.h"  // CapturedGraph
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "core/gemm.h"           // CublasHandle
 #include "expert_placement.h"    // dist::ExpertPlacement
@@ -352,17 +353,8 @@ class ModelGpu {
   cudaStream_t stream_ = nullptr;
   ModelRanks* ranks_ = nullptr;  // null on one GPU
   PhaseTimer* timer_ = nullptr;
-  // forward_backward_graph's graph, instantiated on its first call, and the inputs it reads.
-  struct Graph {
-    cudaGraphExec_t exec = nullptr;
-    Graph() = default;
-    ~Graph() {
-      if (exec != nullptr) cudaGraphExecDestroy(exec);
-    }
-    Graph(const Graph&) = delete;
-    Graph& operator=(const Graph&) = delete;
-  };
-  std::unique_ptr<Graph> graph_;
+  // forward_backward_graph's graph, captured on its second call, and the inputs it reads.
+  std::unique_ptr<CapturedGraph> graph_;
   bool graph_warmed_up_ = false;  // the first call ran launched; the second captures
   DeviceBuffer<int32_t> graph_inputs_;  // [2, N, S]: tokens, then targets
   std::vector<ParameterSpan> layout_;
