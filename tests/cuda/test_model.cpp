@@ -283,16 +283,26 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaModelGpuStep,
                                                     moe::Activation::swiglu}),
                          [](const ::testing::TestParamInfo<StepCase>& info) { return case_name(info.param); });
 
+// kBatch windows of S bytes of one repeated sentence, and their next bytes, on the device.
+struct RepeatedText {
+  DeviceBuffer<int32_t> tokens, next_bytes;
+  explicit RepeatedText(int64_t S) {
+    std::string text;
+    while (text.size() < 400) text += "the quick brown fox jumps over the lazy dog. ";
+    IndexMatrix inputs, targets;
+    windows(text, {0, 45, 90, 135}, S, inputs, targets);
+    tokens = DeviceBuffer<int32_t>(flat_of(inputs));
+    next_bytes = DeviceBuffer<int32_t>(flat_of(targets));
+  }
+};
+
 // A few steps on repeated text: the model learns it, the loss falls.
 TEST(CudaModelGpu, LossFallsOnRepeatedText) {
   REQUIRE_GPU();
   const ModelConfig config = tiny_config(MoeLayers::every_other_block, Formulation::dropless);
-  const int64_t S = config.seq_len;
-  std::string text;
-  while (text.size() < 400) text += "the quick brown fox jumps over the lazy dog. ";
-  IndexMatrix inputs, targets;
-  windows(text, {0, 45, 90, 135}, S, inputs, targets);
-  DeviceBuffer<int32_t> tokens(flat_of(inputs)), next_bytes(flat_of(targets));
+  const RepeatedText batch(config.seq_len);
+  const DeviceBuffer<int32_t>& tokens = batch.tokens;
+  const DeviceBuffer<int32_t>& next_bytes = batch.next_bytes;
 
   ModelGpu model(gpu_config(config, kBatch));
   model.upload_weights(bf16_init(config, 3).flat);
@@ -316,12 +326,9 @@ TEST(CudaModelGpu, LossFallsOnRepeatedText) {
 TEST(CudaModelGpu, GraphStepEqualsTheLaunchedStep) {
   REQUIRE_GPU();
   const ModelConfig config = tiny_config(MoeLayers::every_other_block, Formulation::dropless);
-  const int64_t S = config.seq_len;
-  std::string text;
-  while (text.size() < 400) text += "the quick brown fox jumps over the lazy dog. ";
-  IndexMatrix inputs, targets;
-  windows(text, {0, 45, 90, 135}, S, inputs, targets);
-  DeviceBuffer<int32_t> tokens(flat_of(inputs)), next_bytes(flat_of(targets));
+  const RepeatedText batch(config.seq_len);
+  const DeviceBuffer<int32_t>& tokens = batch.tokens;
+  const DeviceBuffer<int32_t>& next_bytes = batch.next_bytes;
   cudaStream_t graph_stream = nullptr, launched_stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&graph_stream, cudaStreamNonBlocking));
   CUDA_CHECK(cudaStreamCreateWithFlags(&launched_stream, cudaStreamNonBlocking));
