@@ -4,13 +4,16 @@
 // byte by byte with a KV cache, every MoE block's experts served by the chosen mode: all resident
 // (gpu_only) or streamed from pinned host memory into an expert cache (on_demand, prefetch_all,
 // pregated, speculative; offload/offloaded_experts.h), optionally with the misses computed on the
-// host (--host-experts misses|auto; offload/host_expert_choice.h).
+// host (--host-experts misses|auto; offload/host_expert_choice.h), or with the cache's slot table on
+// the GPU (--slot-table device; offload/device_slot_cache.h). Where nothing in a decode step waits on
+// the host (gpu_only, --slot-table device), each step is one CUDA graph launch (--graph off: launched).
 //
 //   cmake --build build --target moe_train moe_generate
 //   build/cuda/train/moe_train --run-dir runs/train
 //   build/cuda/infer/moe_generate --checkpoint runs/train --prompt "The jury said"
 //   build/cuda/infer/moe_generate --help
 //   build/cuda/infer/moe_generate --checkpoint runs/train --mode on_demand --run-dir runs/generate_on_demand
+//   build/cuda/infer/moe_generate --checkpoint runs/pregated --mode pregated --slot-table device
 //
 // With --run-dir, a run record (kind "infer", notebooks_data/README.md) for the viewer's offload
 // panel: per step an `offload` event per MoE block and spans on the compute and copy streams
