@@ -233,7 +233,8 @@ offload() {
 
 infer() {
   # Train the default preset briefly, self-gated and pre-gated, then generate in every mode with a
-  # run record each; the text must be the same in every mode (greedy, and bit-identical logits).
+  # run record each, and each offloading mode again with its slot table on the GPU; the text must be
+  # the same in every one (greedy, and bit-identical logits).
   local rc=0 runs="$OUT/runs_infer" data=notebooks_data/brown text
   [ -f "$data/train.txt" ] || data=README.md
   mkdir -p "$runs"
@@ -253,6 +254,14 @@ infer() {
       [ -z "$first" ] && first="$text"
       if cmp -s "$first" "$text"; then echo "infer: $name $mode: same text as $(basename "$first")"
       else echo "infer: $name $mode: TEXT DIFFERS from $(basename "$first")"; rc=1; fi
+      [ "$mode" = gpu_only ] && continue
+      # the same mode with the slot table on the GPU (no run record: its events are the host table's)
+      text="$runs/generate_${name}_${mode}_device.txt"
+      build-gpu/cuda/infer/moe_generate --checkpoint "$runs/train_$name" --prompt "The jury said" \
+        --max-new-bytes 64 --temperature 0 --mode "$mode" --slot-table device \
+        > "$text" 2> "$LOGS/infer_generate_${name}_${mode}_device.log" || { rc=1; echo "infer: moe_generate $name $mode device failed"; continue; }
+      if cmp -s "$first" "$text"; then echo "infer: $name $mode, slot table on the GPU: same text ($(grep -o "decode steps [0-9.]* ms each[^)]*)" "$LOGS/infer_generate_${name}_${mode}_device.log"))"
+      else echo "infer: $name $mode, slot table on the GPU: TEXT DIFFERS from $(basename "$first")"; rc=1; fi
     done
     head -c 200 "$first"; echo
   done
