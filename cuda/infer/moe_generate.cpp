@@ -165,15 +165,19 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
                    "expert is on the GPU");
   }
   if (o.device_slots) {
-    const char* clash = o.mode == ExpertSchedule::gpu_only      ? "needs an offloading --mode (with gpu_only every "
-                                                                   "expert is on the GPU)"
-                        : o.host_experts != HostExperts::off    ? "cannot be combined with --host-experts (the host "
-                                                                   "would need each block's routing)"
-                        : o.run_dir.has_value()                  ? "cannot be combined with --run-dir (the record's "
-                                                                   "events are the host slot table's)"
-                        : cache_policy.empty() || o.cache_policy == CachePolicy::lru ? nullptr
-                                                                 : "evicts least recently used only (--cache-policy lru)";
-    if (clash != nullptr) throw BadInput(std::string("--slot-table device ") + clash);
+    const std::string refused = "--slot-table device ";
+    if (o.mode == ExpertSchedule::gpu_only) {
+      throw BadInput(refused + "needs an offloading --mode (with gpu_only every expert is on the GPU)");
+    }
+    if (o.host_experts != HostExperts::off) {
+      throw BadInput(refused + "cannot be combined with --host-experts (the host would need each block's routing)");
+    }
+    if (o.run_dir) {
+      throw BadInput(refused + "cannot be combined with --run-dir (the record's events are the host slot table's)");
+    }
+    if (o.cache_policy != CachePolicy::lru) {
+      throw BadInput(refused + "evicts least recently used only (--cache-policy lru)");
+    }
   }
   if (o.host_threads != 0) {
     try {
@@ -248,32 +252,27 @@ int run(const std::vector<std::string>& arguments) {
   OffloadedExperts* offloaded = nullptr;
   DeviceSlotCache* device_cache = nullptr;
   if (has_experts) store.emplace(pinned_experts(config, loaded.weights));
-  if (has_experts && o.mode != ExpertSchedule::gpu_only && o.device_slots) {
+  if (has_experts && o.mode != ExpertSchedule::gpu_only) {
     const int64_t E = config.moe.num_experts, all = store->shape().blocks * E;
-    DeviceSlotCacheOptions options;
-    options.cache_slots = o.cache_experts > 0 ? o.cache_experts : std::min(2 * E, all);
-    options.max_tokens_per_step = o.batch * P;  // the prefill's tokens: the largest acquire
-    options.top_k = config.moe.top_k;
+    const int64_t slots = o.cache_experts > 0 ? o.cache_experts : std::min(2 * E, all);
+    const int64_t tokens = o.batch * P;  // the prefill's tokens: the largest acquire
     try {
-      auto cache = std::make_unique<DeviceSlotCache>(*store, options);
-      device_cache = cache.get();
-      source = std::move(cache);
-    } catch (const std::invalid_argument& error) {
-      throw BadInput(std::string(error.what()) + " (--cache-experts)");
-    }
-  } else if (has_experts && o.mode != ExpertSchedule::gpu_only) {
-    const int64_t E = config.moe.num_experts, all = store->shape().blocks * E;
-    OffloadOptions options;
-    options.cache_slots = o.cache_experts > 0 ? o.cache_experts : std::min(2 * E, all);
-    options.policy = o.cache_policy;
-    options.max_tokens_per_step = o.batch * P;  // the prefill's tokens: the largest acquire
-    options.top_k = config.moe.top_k;
-    options.host_experts = o.host_experts;
-    options.host_threads = o.host_threads;
-    try {
-      auto cache = std::make_unique<OffloadedExperts>(*store, options);
-      offloaded = cache.get();
-      source = std::move(cache);
+      if (o.device_slots) {
+        auto cache = std::make_unique<DeviceSlotCache>(*store, DeviceSlotCacheOptions{slots, tokens, config.moe.top_k});
+        device_cache = cache.get();
+        source = std::move(cache);
+      } else {
+        OffloadOptions options;
+        options.cache_slots = slots;
+        options.policy = o.cache_policy;
+        options.max_tokens_per_step = tokens;
+        options.top_k = config.moe.top_k;
+        options.host_experts = o.host_experts;
+        options.host_threads = o.host_threads;
+        auto cache = std::make_unique<OffloadedExperts>(*store, options);
+        offloaded = cache.get();
+        source = std::move(cache);
+      }
     } catch (const std::invalid_argument& error) {
       throw BadInput(std::string(error.what()) + " (--cache-experts)");
     }
