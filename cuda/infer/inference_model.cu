@@ -143,7 +143,7 @@ struct InferenceModelGpu::Pass {
   DeviceBuffer<bf16> qkv;          // [T_new, 3D]
   DeviceBuffer<bf16> context;      // [T_new, D]
   DeviceBuffer<bf16> block_out;    // [T_new, D] attention or FFN output before the residual add
-  DeviceBuffer<bf16> probs;        // [N * heads, P, P] prefill only
+  AttentionSavedBuffer attention_saved;  // prefill only: the core's log-sum-exp [N * heads, P] (or probs)
   std::unique_ptr<AttentionWorkspace> attention;  // prefill only: the full-sequence attention's scratch
   DeviceBuffer<bf16> pre_activation, hidden;      // [T_new, H_dense] dense blocks
   std::array<std::unique_ptr<MoeLayerGpu>, 2> moe;  // MoE block m_j uses moe[j % 2]
@@ -240,7 +240,7 @@ std::unique_ptr<InferenceModelGpu::Pass> InferenceModelGpu::make_pass(int64_t ne
   if (new_per_sequence > 1) {  // a prefill: the full-sequence attention over the prompts
     const AttentionShape shape{N, new_per_sequence, D, config_.num_heads};
     pass->attention = std::make_unique<AttentionWorkspace>(shape);
-    pass->probs = DeviceBuffer<bf16>(size_t(N * config_.num_heads) * size_t(new_per_sequence * new_per_sequence));
+    pass->attention_saved = AttentionSavedBuffer(shape, pass->attention->core);
   }
   if (config_.moe_layers != MoeLayers::every_block) {
     pass->pre_activation = DeviceBuffer<bf16>(t * size_t(config_.dense_hidden_dim));
@@ -455,7 +455,8 @@ void InferenceModelGpu::attention_phase(Pass& pass, int64_t layer) {
                        T, D, float(config_.layer_norm_eps), stream_);
     if (pass.attention) {
       attention_forward(cublas_.get(), pass.attention->shape, pass.normed.data(), b.qkv, b.out, pass.qkv.data(),
-                        pass.probs.data(), pass.context.data(), pass.block_out.data(), *pass.attention, stream_);
+                        pass.attention_saved.at(0), pass.context.data(), pass.block_out.data(), *pass.attention,
+                        stream_);
       kv_cache_append(pass.qkv.data(), cache_.keys(layer), cache_.values(layer), shape, pass.count,
                       pass.first_position(), stream_);
     } else {

@@ -1,5 +1,6 @@
-// model/attention.cu: causal multi-head attention, forward and backward, on cuBLAS batched products and
-// our own causal softmax kernels (see model/attention.h).
+// model/attention.cu: causal multi-head attention, forward and backward: the projections on cuBLAS, and
+// the core fused (model/flash_attention.h) or unfused, on cuBLAS batched products and our own causal
+// softmax kernels (see model/attention.h).
 #include "model/attention.h"
 
 #include <cmath>
@@ -11,6 +12,7 @@
 #include "core/gemm.h"           // gemm, gemm_batched, CUBLAS_CHECK
 #include "core/launch_checks.h"  // check_not_null, check_range
 #include "core/warp_reduce.cuh"  // warp_sum, warp_max
+#include "model/flash_attention.h"  // flash_attention_forward, flash_attention_backward, flash_attention_supports
 
 namespace moe::cuda {
 
@@ -183,36 +185,88 @@ namespace {
 // both passes take, then the pass's own pointers. Returns the sizes.
 Sizes checked_sizes(const char* function, const AttentionShape& shape, const AttentionWorkspace& workspace,
                     cublasHandle_t handle, const bf16* x, const bf16* qkv_weights, const bf16* out_weights,
-                    const bf16* qkv, const bf16* probs, const bf16* context,
+                    const bf16* qkv, const AttentionSaved& saved, const bf16* context,
                     std::initializer_list<detail::NamedPointer> own) {
   check_attention_shape(function, shape);
   check_workspace(function, shape, workspace);
   detail::check_not_null(function, {{"handle", handle}, {"x", x}, {"qkv_weights", qkv_weights},
-                                    {"out_weights", out_weights}, {"qkv", qkv}, {"probs", probs}, {"context", context}});
+                                    {"out_weights", out_weights}, {"qkv", qkv}, {"context", context}});
+  if (workspace.core == AttentionCore::fused) {
+    detail::check_not_null(function, {{"saved.log_sum_exp (the fused core's)", saved.log_sum_exp}});
+  } else {
+    detail::check_not_null(function, {{"saved.probs (the unfused core's)", saved.probs}});
+  }
   detail::check_not_null(function, own);
   return sizes_of(shape);
 }
 
 }  // namespace
 
-AttentionWorkspace::AttentionWorkspace(const AttentionShape& s)
+const char* attention_core_name(AttentionCore core) {
+  switch (core) {
+    case AttentionCore::automatic: return "auto";
+    case AttentionCore::fused: return "fused";
+    case AttentionCore::unfused: return "unfused";
+  }
+  return "?";
+}
+
+AttentionCore resolve_attention_core(const AttentionShape& shape, AttentionCore core) {
+  check_attention_shape("resolve_attention_core", shape);
+  const int64_t head_dim = shape.model_dim / shape.num_heads;
+  if (core == AttentionCore::automatic) {
+    return flash_attention_supports(head_dim) ? AttentionCore::fused : AttentionCore::unfused;
+  }
+  if (core == AttentionCore::fused && !flash_attention_supports(head_dim)) {
+    throw std::invalid_argument("the fused attention core has no kernels for head width D / heads = " +
+                                std::to_string(head_dim) + " (D = " + std::to_string(shape.model_dim) + ", heads = " +
+                                std::to_string(shape.num_heads) + "); allowed: 32, 64, 128, or the unfused core");
+  }
+  return core;
+}
+
+AttentionSavedBuffer::AttentionSavedBuffer(const AttentionShape& s, AttentionCore core)
+    : rows_per_sequence_(s.num_heads * s.seq_len), squares_per_sequence_(s.num_heads * s.seq_len * s.seq_len) {
+  if (resolve_attention_core(s, core) == AttentionCore::fused) {
+    log_sum_exp_ = DeviceBuffer<float>(size_t(s.batch * rows_per_sequence_));
+  } else {
+    probs_ = DeviceBuffer<bf16>(size_t(s.batch * squares_per_sequence_));
+  }
+}
+
+AttentionSaved AttentionSavedBuffer::at(int64_t first_sequence) {
+  AttentionSaved saved;
+  if (log_sum_exp_.size() > 0) saved.log_sum_exp = log_sum_exp_.data() + first_sequence * rows_per_sequence_;
+  if (probs_.size() > 0) saved.probs = probs_.data() + first_sequence * squares_per_sequence_;
+  return saved;
+}
+
+void AttentionSavedBuffer::fill_bytes(int byte, cudaStream_t stream) {
+  if (log_sum_exp_.size() > 0) log_sum_exp_.fill_bytes(byte, stream);
+  if (probs_.size() > 0) probs_.fill_bytes(byte, stream);
+}
+
+AttentionWorkspace::AttentionWorkspace(const AttentionShape& s, AttentionCore requested)
     : shape((check_attention_shape("AttentionWorkspace", s), s)),
-      scores(size_t(s.batch * s.num_heads * s.seq_len * s.seq_len)),
-      d_scores(size_t(s.batch * s.num_heads * s.seq_len * s.seq_len)),
+      core(resolve_attention_core(s, requested)),
       d_context(size_t(s.batch * s.seq_len * s.model_dim)),
-      d_qkv(size_t(s.batch * s.seq_len * 3 * s.model_dim)),
-      pointers(size_t(kAttentionPointerArrays * s.batch * s.num_heads)) {}
+      d_qkv(size_t(s.batch * s.seq_len * 3 * s.model_dim)) {
+  const size_t squares = size_t(s.batch * s.num_heads * s.seq_len * s.seq_len);
+  if (core == AttentionCore::fused) {
+    delta = DeviceBuffer<float>(size_t(s.batch * s.num_heads * s.seq_len));
+  } else {
+    scores = DeviceBuffer<float>(squares);
+    d_scores = DeviceBuffer<bf16>(squares);
+    pointers = DeviceBuffer<void*>(size_t(kAttentionPointerArrays * s.batch * s.num_heads));
+  }
+}
 
-void attention_forward(cublasHandle_t handle, const AttentionShape& shape, const bf16* x, const bf16* qkv_weights,
-                       const bf16* out_weights, bf16* qkv, bf16* probs, bf16* context, bf16* out,
-                       AttentionWorkspace& workspace, cudaStream_t stream) {
-  const Sizes z = checked_sizes("attention_forward", shape, workspace, handle, x, qkv_weights, out_weights, qkv, probs,
-                                context, {{"out", out}});
+namespace {
+
+// The unfused core's forward: scores, causal softmax, context, from qkv.
+void unfused_core_forward(cublasHandle_t handle, const bf16* qkv, bf16* probs, bf16* context, const Sizes& z,
+                          AttentionWorkspace& workspace, cudaStream_t stream) {
   const int D = z.model_dim, S = z.seq_len, d = z.head_dim;
-  CUBLAS_CHECK(cublasSetStream(handle, stream));
-
-  gemm(handle, Op::none, Op::none, z.tokens, 3 * D, D, x, D, qkv_weights, 3 * D, qkv, 3 * D);
-
   PointerPatterns p{};
   set_qkv_heads(p, kQ, qkv, z);
   p.array[kScores] = squares(workspace.scores.data(), z);
@@ -230,26 +284,12 @@ void attention_forward(cublasHandle_t handle, const AttentionShape& shape, const
   // context_b [S, d] = probs_b [S, S] V_b [S, d], written into its head's columns of context
   gemm_batched(handle, Op::none, Op::none, S, d, S, slot<const bf16>(workspace, kProbs), S,
                slot<const bf16>(workspace, kV), 3 * D, slot<bf16>(workspace, kContext), D, z.batch_heads);
-
-  gemm(handle, Op::none, Op::none, z.tokens, D, D, context, D, out_weights, D, out, D);
 }
 
-void attention_backward(cublasHandle_t handle, const AttentionShape& shape, const bf16* x, const bf16* qkv_weights,
-                        const bf16* out_weights, const bf16* qkv, const bf16* probs, const bf16* context,
-                        const bf16* d_out, float* d_qkv_weights, float* d_out_weights, float* dx,
-                        AttentionWorkspace& workspace, cudaStream_t stream) {
-  const Sizes z = checked_sizes("attention_backward", shape, workspace, handle, x, qkv_weights, out_weights, qkv, probs,
-                                context, {{"d_out", d_out}, {"d_qkv_weights", d_qkv_weights},
-                                          {"d_out_weights", d_out_weights}, {"dx", dx}});
+// The unfused core's backward: d_qkv from qkv, probs and d_context.
+void unfused_core_backward(cublasHandle_t handle, const bf16* qkv, const bf16* probs, const bf16* d_context,
+                           bf16* d_qkv, const Sizes& z, AttentionWorkspace& workspace, cudaStream_t stream) {
   const int D = z.model_dim, S = z.seq_len, d = z.head_dim;
-  bf16* d_context = workspace.d_context.data();
-  bf16* d_qkv = workspace.d_qkv.data();
-  CUBLAS_CHECK(cublasSetStream(handle, stream));
-
-  // d_out_weights [D, D] = contextᵀ d_out;  d_context [T, D] = d_out out_weightsᵀ
-  gemm(handle, Op::transpose, Op::none, D, D, z.tokens, context, D, d_out, D, d_out_weights, D, 1.0f, 0.0f, true);
-  gemm(handle, Op::none, Op::transpose, z.tokens, D, D, d_out, D, out_weights, D, d_context, D);
-
   PointerPatterns p{};
   set_qkv_heads(p, kQ, qkv, z);
   p.array[kScores] = squares(workspace.scores.data(), z);  // d_probs
@@ -273,6 +313,48 @@ void attention_backward(cublasHandle_t handle, const AttentionShape& shape, cons
                slot<const bf16>(workspace, kK), 3 * D, slot<bf16>(workspace, kDQ), 3 * D, z.batch_heads);
   gemm_batched(handle, Op::transpose, Op::none, S, d, S, slot<const bf16>(workspace, kDScores), S,
                slot<const bf16>(workspace, kQ), 3 * D, slot<bf16>(workspace, kDK), 3 * D, z.batch_heads);
+}
+
+}  // namespace
+
+void attention_forward(cublasHandle_t handle, const AttentionShape& shape, const bf16* x, const bf16* qkv_weights,
+                       const bf16* out_weights, bf16* qkv, AttentionSaved saved, bf16* context, bf16* out,
+                       AttentionWorkspace& workspace, cudaStream_t stream) {
+  const Sizes z = checked_sizes("attention_forward", shape, workspace, handle, x, qkv_weights, out_weights, qkv, saved,
+                                context, {{"out", out}});
+  const int D = z.model_dim;
+  CUBLAS_CHECK(cublasSetStream(handle, stream));
+
+  gemm(handle, Op::none, Op::none, z.tokens, 3 * D, D, x, D, qkv_weights, 3 * D, qkv, 3 * D);
+  if (workspace.core == AttentionCore::fused) {
+    flash_attention_forward(shape, qkv, context, saved.log_sum_exp, stream);
+  } else {
+    unfused_core_forward(handle, qkv, saved.probs, context, z, workspace, stream);
+  }
+  gemm(handle, Op::none, Op::none, z.tokens, D, D, context, D, out_weights, D, out, D);
+}
+
+void attention_backward(cublasHandle_t handle, const AttentionShape& shape, const bf16* x, const bf16* qkv_weights,
+                        const bf16* out_weights, const bf16* qkv, AttentionSaved saved, const bf16* context,
+                        const bf16* d_out, float* d_qkv_weights, float* d_out_weights, float* dx,
+                        AttentionWorkspace& workspace, cudaStream_t stream) {
+  const Sizes z = checked_sizes("attention_backward", shape, workspace, handle, x, qkv_weights, out_weights, qkv, saved,
+                                context, {{"d_out", d_out}, {"d_qkv_weights", d_qkv_weights},
+                                          {"d_out_weights", d_out_weights}, {"dx", dx}});
+  const int D = z.model_dim;
+  bf16* d_context = workspace.d_context.data();
+  bf16* d_qkv = workspace.d_qkv.data();
+  CUBLAS_CHECK(cublasSetStream(handle, stream));
+
+  // d_out_weights [D, D] = contextᵀ d_out;  d_context [T, D] = d_out out_weightsᵀ
+  gemm(handle, Op::transpose, Op::none, D, D, z.tokens, context, D, d_out, D, d_out_weights, D, 1.0f, 0.0f, true);
+  gemm(handle, Op::none, Op::transpose, z.tokens, D, D, d_out, D, out_weights, D, d_context, D);
+
+  if (workspace.core == AttentionCore::fused) {
+    flash_attention_backward(shape, qkv, context, saved.log_sum_exp, d_context, workspace.delta.data(), d_qkv, stream);
+  } else {
+    unfused_core_backward(handle, qkv, saved.probs, d_context, d_qkv, z, workspace, stream);
+  }
 
   // d_qkv_weights [D, 3D] = xᵀ d_qkv;  dx [T, D] = d_qkv qkv_weightsᵀ
   gemm(handle, Op::transpose, Op::none, D, 3 * D, z.tokens, x, D, d_qkv, 3 * D, d_qkv_weights, 3 * D, 1.0f, 0.0f,

@@ -26,6 +26,7 @@
 #include "core/cuda_check.h"      // CUDA_CHECK
 #include "core/elementwise.h"     // float_to_bf16, bf16_to_float, residual_add, add_in_place
 #include "model/embedding.h"      // embedding_forward / backward
+#include "model/flash_attention.h"  // flash_attention_supports
 #include "model/layer_norm.h"     // layer_norm_forward / backward
 
 namespace moe::cuda {
@@ -52,6 +53,10 @@ void validate(const ModelGpuConfig& c) {
   }
   if (c.seq_len < 1) reject("seq_len (S)", text(c.seq_len), "S >= 1");
   if (c.batch < 1) reject("batch (N)", text(c.batch), "N >= 1");
+  if (c.attention_core == AttentionCore::fused && !flash_attention_supports(c.model_dim / c.num_heads)) {
+    reject("attention_core", "fused with head width D / heads = " + text(c.model_dim / c.num_heads),
+           "head widths 32, 64, 128 for the fused core; or unfused / automatic");
+  }
   if (!(c.layer_norm_eps > 0.0)) reject("layer_norm_eps", std::to_string(c.layer_norm_eps), "a number > 0");
   if (c.moe_layers == MoeLayers::every_other_block && c.num_layers < 2) {
     reject("moe_blocks", "every_other_block with L = " + text(c.num_layers), "L >= 2");
@@ -294,7 +299,6 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
 
   const size_t T = size_t(config_.batch * config_.seq_len), D = size_t(config_.model_dim);
   const size_t V = size_t(kVocabulary), Hd = size_t(config_.dense_hidden_dim), P = size_t(parameter_count_);
-  const size_t attention_pairs = size_t(config_.batch * config_.num_heads), S = size_t(config_.seq_len);
 
   // The MoE layers first: they check that they fit in the free memory before allocating anything.
   // Over M micro-batches, or over the two lanes of the overlap, each one's router losses weigh 1 / M
@@ -328,7 +332,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     }
     CUDA_CHECK(cudaEventCreateWithFlags(&lane->ready, cudaEventDisableTiming));
     lane->attention = std::make_unique<AttentionWorkspace>(
-        AttentionShape{lane_sequences, config_.seq_len, config_.model_dim, config_.num_heads});
+        AttentionShape{lane_sequences, config_.seq_len, config_.model_dim, config_.num_heads}, config_.attention_core);
     lane->layer_norm_scratch = DeviceBuffer<float>(
         size_t(layer_norm_backward_scratch_floats(lane_sequences * config_.seq_len, config_.model_dim)));
     if (lane_count > 1) lane->losses = DeviceBuffer<float>(4);
@@ -418,7 +422,8 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     b.ln1_mean = DeviceBuffer<float>(T);
     b.ln1_rstd = DeviceBuffer<float>(T);
     b.qkv_out = DeviceBuffer<bf16>(T * 3 * D);
-    b.probs = DeviceBuffer<bf16>(attention_pairs * S * S);
+    b.attention_saved = AttentionSavedBuffer(
+        AttentionShape{config_.batch, config_.seq_len, config_.model_dim, config_.num_heads}, config_.attention_core);
     b.context = DeviceBuffer<bf16>(T * D);
     b.x_mid = DeviceBuffer<bf16>(T * D);
     b.ln2_y = DeviceBuffer<bf16>(T * D);
@@ -591,9 +596,10 @@ void ModelGpu::poison_activations() {
   constexpr int kNaN = 0xFF;  // every float and bf16 becomes a NaN
   for (Block& b : blocks_) {
     for (DeviceBuffer<bf16>* buffer :
-         {&b.x, &b.ln1_y, &b.qkv_out, &b.probs, &b.context, &b.x_mid, &b.ln2_y, &b.pre_activation, &b.hidden}) {
+         {&b.x, &b.ln1_y, &b.qkv_out, &b.context, &b.x_mid, &b.ln2_y, &b.pre_activation, &b.hidden}) {
       buffer->fill_bytes(kNaN, stream_);
     }
+    b.attention_saved.fill_bytes(kNaN, stream_);
     for (DeviceBuffer<float>* buffer :
          {&b.ln1_mean, &b.ln1_rstd, &b.ln2_mean, &b.ln2_rstd, &b.d_ln2_from_next_gate}) {
       buffer->fill_bytes(kNaN, stream_);
@@ -763,11 +769,10 @@ void ModelGpu::embedding_forward_phase(Lane& l) {
 void ModelGpu::attention_forward_phase(Lane& l, Block& b) {
   phase(l, "attention", [&] {
     const int64_t t0 = first_token(l), T = tokens(l), D = config_.model_dim;
-    const int64_t pairs0 = l.first_sequence * config_.num_heads * config_.seq_len * config_.seq_len;
     layer_norm_forward(b.x.data() + t0 * D, weight(b.ln1_gain), weight(b.ln1_bias), b.ln1_y.data() + t0 * D,
                        b.ln1_mean.data() + t0, b.ln1_rstd.data() + t0, T, D, float(config_.layer_norm_eps), l.stream);
     attention_forward(l.cublas.get(), l.attention->shape, b.ln1_y.data() + t0 * D, weight(b.qkv), weight(b.out),
-                      b.qkv_out.data() + t0 * 3 * D, b.probs.data() + pairs0, b.context.data() + t0 * D,
+                      b.qkv_out.data() + t0 * 3 * D, b.attention_saved.at(l.first_sequence), b.context.data() + t0 * D,
                       block_out_.data() + t0 * D, *l.attention, l.stream);
     residual_add(residual_.data() + t0 * D, block_out_.data() + t0 * D, b.x_mid.data() + t0 * D, size_t(T * D),
                  l.stream);
@@ -1072,13 +1077,13 @@ void ModelGpu::attention_backward_phase(Lane& l, Block& b) {
     const int64_t t0 = first_token(l), D64 = config_.model_dim;
     const int T = int(tokens(l)), D = int(D64);
     const size_t n = size_t(T) * size_t(D);
-    const int64_t pairs0 = l.first_sequence * config_.num_heads * config_.seq_len * config_.seq_len;
     float* const d_residual = d_residual_.data() + t0 * D64;
     bf16* const d_residual_bf16 = d_residual_bf16_.data() + t0 * D64;
     float* const d_norm_input = d_norm_input_.data() + t0 * D64;
     float_to_bf16(d_residual, d_residual_bf16, n, l.stream);
     attention_backward(l.cublas.get(), l.attention->shape, b.ln1_y.data() + t0 * D64, weight(b.qkv), weight(b.out),
-                       b.qkv_out.data() + t0 * 3 * D64, b.probs.data() + pairs0, b.context.data() + t0 * D64,
+                       b.qkv_out.data() + t0 * 3 * D64, b.attention_saved.at(l.first_sequence),
+                       b.context.data() + t0 * D64,
                        d_residual_bf16, gradient(l, b.qkv), gradient(l, b.out), d_norm_input, *l.attention, l.stream);
     layer_norm_backward(d_norm_input, b.x.data() + t0 * D64, b.ln1_mean.data() + t0, b.ln1_rstd.data() + t0,
                         weight(b.ln1_gain), d_residual, gradient(l, b.ln1_gain), gradient(l, b.ln1_bias),

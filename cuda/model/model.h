@@ -115,6 +115,8 @@ struct ModelGpuConfig {
   double layer_norm_eps = 1e-5;
   MoeConfig moe;  // every MoE block's layer: tokens = N * S, model_dim = D, H, E, K, B, coefficients
   bool pregated = false;  // MoE block m_j's gate reads block m_{j-1}'s LN2 output (see above)
+  // The attention core (model/attention.h): automatic is fused where the head width has kernels.
+  AttentionCore attention_core = AttentionCore::automatic;
   // Trained on several ranks: this model is rank `rank` of `ranks`; batch is this rank's share N / R
   // of the global batch, moe.tokens all ranks' tokens (ranks * batch * seq_len), and the layout holds
   // experts [rank E / ranks, (rank + 1) E / ranks) of each MoE block.
@@ -272,7 +274,8 @@ class ModelGpu {
     DeviceBuffer<bf16> x;                     // [T, D] the residual entering the block (bf16 copy)
     DeviceBuffer<bf16> ln1_y;                 // [T, D]
     DeviceBuffer<float> ln1_mean, ln1_rstd;   // [T]
-    DeviceBuffer<bf16> qkv_out, probs, context;  // [T, 3D] [N*heads, S, S] [T, D]
+    DeviceBuffer<bf16> qkv_out, context;  // [T, 3D] [T, D]
+    AttentionSavedBuffer attention_saved;  // the attention core's: log-sum-exp [N*heads, S] or probs [N*heads, S, S]
     DeviceBuffer<bf16> x_mid;                 // [T, D] after the attention residual (bf16 copy)
     DeviceBuffer<bf16> ln2_y;                 // [T, D]
     DeviceBuffer<float> ln2_mean, ln2_rstd;   // [T]

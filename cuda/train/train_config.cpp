@@ -129,6 +129,7 @@ const std::vector<Field>& fields() {
       field("placement", &TrainConfig::placement, "where the experts live on several ranks: contiguous (E / R a rank in id order) | eplb (re-planned by load every rebalance_every steps, with replicas of hot experts)"),
       field("redundant_slots", &TrainConfig::redundant_slots, "eplb: spare expert slots a rank, for replicas of the hot experts"),
       field("rebalance_every", &TrainConfig::rebalance_every, "eplb: re-plan the placement every this many steps, from their loads"),
+      field("attention", &TrainConfig::attention, "the attention core: auto (fused where D / heads is 32, 64 or 128) | fused | unfused (cuBLAS products, the baseline)"),
       switch_field("overlap", &TrainConfig::overlap, "two-micro-batch overlap: each rank's batch as two halves, one's exchanges under the other's compute (on | off | auto: on where it pays, several ranks)"),
       // benchmark mode
       field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
@@ -419,6 +420,16 @@ void validate(const TrainConfig& c) {
     reject("overlap", "on with batch N = " + std::to_string(c.batch) + ", micro_batches M = " +
            std::to_string(c.micro_batches) + ", cuda_graph " + (c.cuda_graph ? "on" : "off"),
            "an even batch, M = 1 and cuda_graph off (each rank's N / R sequences run as two halves)");
+  }
+  if (c.attention != "auto" && c.attention != "fused" && c.attention != "unfused") {
+    reject("attention", "\"" + c.attention + "\"", "auto, fused or unfused");
+  }
+  if (c.attention == "fused" && c.model.num_heads > 0 && c.model.model_dim % c.model.num_heads == 0) {
+    const int64_t head_dim = c.model.model_dim / c.model.num_heads;
+    if (head_dim != 32 && head_dim != 64 && head_dim != 128) {
+      reject("attention", "fused with head width D / heads = " + std::to_string(head_dim),
+             "head widths 32, 64, 128 for the fused core; or auto / unfused");
+    }
   }
   if (c.placement != "contiguous" && c.placement != "eplb") reject("placement", "\"" + c.placement + "\"", "contiguous or eplb");
   if (c.redundant_slots < 0 || c.redundant_slots > 256) {

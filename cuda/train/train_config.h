@@ -86,6 +86,10 @@ struct TrainConfig {
   // by side, so that one half's all-to-alls run while the other half computes. An even N / R, M = 1.
   // Unset ("auto", the default): on where it pays, see overlaps(); true / false: on / off.
   std::optional<bool> overlap;
+  // The attention core (cuda/model/attention.h): "auto" (fused where the head width D / heads is 32,
+  // 64 or 128, else unfused), "fused" (FlashAttention-2's algorithm, no [S, S] matrix in memory) or
+  // "unfused" (cuBLAS batched products and a softmax kernel: the readable baseline).
+  std::string attention = "auto";
   // Where each MoE block's experts live on several ranks (common/expert_placement.h):
   //   "contiguous"  E / R a rank in id order (FastMoE's; one more on some ranks where R does not
   //                 divide E), fixed for the run;

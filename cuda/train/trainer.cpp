@@ -68,6 +68,9 @@ cuda::ModelGpuConfig gpu_config(const TrainConfig& c, int ranks = 1, int rank = 
   g.moe = moe_layer_config(c.model, c.batch / c.micro_batches);  // tokens: the global (micro-)batch's
   g.micro_batches = c.micro_batches;
   g.overlap = overlaps(c, ranks);  // --overlap, or auto: on where it pays (train_config.h)
+  g.attention_core = c.attention == "fused"     ? cuda::AttentionCore::fused
+                     : c.attention == "unfused" ? cuda::AttentionCore::unfused
+                                                : cuda::AttentionCore::automatic;
   g.ranks = ranks;
   g.rank = rank;
   return g;
