@@ -18,7 +18,8 @@
 #include "core/gemm.h"               // CublasHandle
 #include "expert_ffn_block_sparse.h" // layer_config
 #include "expert_ffn_cublas.h"       // CublasFfn (dense_cublas)
-#include "moe/moe_layer.h"           // MoeLayerGpu
+#include "core/phase_timer.h"        // PhaseTimer
+#include "moe/moe_layer.h"           // MoeLayerGpu, compacted_weight_gradient_bytes
 #include "moe_bench_variants.h"      // run_micro_batches
 
 namespace moe::bench {
@@ -34,6 +35,11 @@ namespace {
 // backward, so the work outside the expert FFN is in these times (lesson 03: 8-9% of the forward
 // at D = 1024). The rows, all at M*T*K routed rows, the same useful FLOPs:
 //   layer_micro_batches    M x (forward_micro_batch + backward_micro_batch), expert_weight_gradients
+//   layer_micro_batches_compacted  the same with each expert's rows of all M micro-batches copied
+//                          into one B-rounded layout before the weight gradients
+//                          (set_compacted_weight_gradients): fewer padding rows multiplied, the
+//                          copies paid; its weight gradients checked against the slot layout's, and
+//                          one step's phases of either layout printed (the copies, the products)
 //   layer_per_micro_batch  M x (forward + backward), each micro-batch writing its own weight
 //                          gradients: accumulating without the one product (less the M-1 additions)
 //   layer_one_batch        the layer on one batch of M*T tokens (where it fits): no micro-batches
@@ -85,13 +91,8 @@ class MicroBatchBench {
     if (!check(layer)) return;
 
     Measurement& one_product = add_measurement("layer_micro_batches");
-    time_rows(one_product, [&] { forward_micro_batches(layer); }, [&] {
-      for (int m = 0; m < M_; ++m) {
-        layer.forward_micro_batch(m, x_of(m), weights(), y_of(m), stream_);
-        layer.backward_micro_batch(m, x_of(m), weights(), dy_of(m), dx_of(m), d_gate_.data(), stream_);
-      }
-      layer.expert_weight_gradients(d_w1_table_.data(), d_w2_table_.data(), stream_);
-    });
+    time_rows(one_product, [&] { forward_micro_batches(layer); }, [&] { step(layer); });
+    compacted(layer);
     Measurement& per_micro_batch = add_measurement("layer_per_micro_batch");
     time_rows(per_micro_batch, [&] {
       for (int m = 0; m < M_; ++m) layer.forward(x_of(m), weights(), y_of(m), stream_);
@@ -117,6 +118,56 @@ class MicroBatchBench {
   }
   void forward_micro_batches(moe::cuda::MoeLayerGpu& layer) {
     for (int m = 0; m < M_; ++m) layer.forward_micro_batch(m, x_of(m), weights(), y_of(m), stream_);
+  }
+
+  void step(moe::cuda::MoeLayerGpu& layer) {
+    for (int m = 0; m < M_; ++m) {
+      layer.forward_micro_batch(m, x_of(m), weights(), y_of(m), stream_);
+      layer.backward_micro_batch(m, x_of(m), weights(), dy_of(m), dx_of(m), d_gate_.data(), stream_);
+    }
+    layer.expert_weight_gradients(d_w1_table_.data(), d_w2_table_.data(), stream_);
+  }
+
+  // One step with a phase timer: the weight gradients' phases (the copies, the products), in ms.
+  std::string weight_gradient_phases(moe::cuda::MoeLayerGpu& layer) {
+    moe::cuda::PhaseTimer timer;
+    layer.set_phase_timer(&timer);
+    step(layer);
+    layer.set_phase_timer(nullptr);
+    std::string text;
+    char item[96];
+    for (const moe::cuda::TimedPhase& p : timer.collect()) {
+      if (p.name != "compact_rows" && p.name != "expert_weight_gradients") continue;
+      std::snprintf(item, sizeof item, "%s%s %.3f ms", text.empty() ? "" : ", ", p.name.c_str(), p.duration_us / 1e3);
+      text += item;
+    }
+    return text;
+  }
+
+  // The step with compaction before the weight gradients, checked against the slot layout's first.
+  void compacted(moe::cuda::MoeLayerGpu& layer) {
+    if (!fits(size_t(moe::cuda::compacted_weight_gradient_bytes(config_, M_)), label_ + " compacted", report_)) return;
+    const std::string slot_phases = weight_gradient_phases(layer);
+    layer.set_compacted_weight_gradients(true);
+    poison();
+    step(layer);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const size_t w1_elements = size_t(s_.D) * W1_, w2_elements = size_t(s_.H) * s_.D;
+    for (size_t i = 0; i < checked_experts_.size(); ++i) {
+      const std::string e = std::to_string(checked_experts_[i]);
+      record_check(label_ + " dW1[" + e + "] compacted vs slots",
+                   compare_floats(expert_slice(d_w1_.data(), checked_experts_[i], w1_elements), one_product_w1_[i]));
+      record_check(label_ + " dW2[" + e + "] compacted vs slots",
+                   compare_floats(expert_slice(d_w2_.data(), checked_experts_[i], w2_elements), one_product_w2_[i]));
+    }
+    const std::string compacted_phases = weight_gradient_phases(layer);
+    record_fact(label_ + " weight-gradient phases, one step", true,
+                "slots: " + slot_phases + "; compacted: " + compacted_phases);
+    std::printf("  weight gradients, one step: slots: %s; compacted: %s\n", slot_phases.c_str(),
+                compacted_phases.c_str());
+    Measurement& m = add_measurement("layer_micro_batches_compacted");
+    time_rows(m, [&] { forward_micro_batches(layer); }, [&] { step(layer); });
+    layer.set_compacted_weight_gradients(false);
   }
 
   // The routing-carrying x, the gate weights that read it, random dy and expert weights.
@@ -182,7 +233,9 @@ class MicroBatchBench {
                 std::to_string(flips) + " slots of " + std::to_string(int64_t(M_) * s_.T * s_.K) + " differ");
     if (flips != 0) return false;
     one_product_dx_ = dx_.download();
-    std::vector<std::vector<float>> one_product_w1, one_product_w2;
+    checked_experts_ = experts;
+    std::vector<std::vector<float>>& one_product_w1 = one_product_w1_;
+    std::vector<std::vector<float>>& one_product_w2 = one_product_w2_;
     for (int e : experts) {
       one_product_w1.push_back(expert_slice(d_w1_.data(), e, w1_elements));
       one_product_w2.push_back(expert_slice(d_w2_.data(), e, w2_elements));
@@ -300,6 +353,8 @@ class MicroBatchBench {
   DeviceBuffer<float> dx_, d_gate_, d_w1_, d_w2_;  // [M*T, D], [D, E], [E, D, W1], [E, H, D]
   DeviceBuffer<float*> d_w1_table_, d_w2_table_;
   std::vector<float> one_product_dx_;  // [M*T, D] from the check
+  std::vector<int> checked_experts_;   // 0 and E-1
+  std::vector<std::vector<float>> one_product_w1_, one_product_w2_;  // their dW1, dW2 from the check
 };
 
 }  // namespace

@@ -121,6 +121,13 @@ double layer_memory_bytes(const MoeConfig& config, int micro_batches) {
   return 1.1 * (activation_bytes + accumulation_bytes + router_bytes + plan_bytes);
 }
 
+double compacted_weight_gradient_bytes(const MoeConfig& config, int micro_batches) {
+  const double rows = double(micro_batches) * config.tokens * config.top_k +
+                      double(config.num_experts) * (config.block_size - 1);
+  const double widths = 2.0 * config.model_dim + (config.activation == Activation::swiglu ? 3.0 : 2.0) * config.hidden_dim;
+  return rows * widths * sizeof(bf16);
+}
+
 void check_layer_fits(const MoeConfig& config, size_t free_bytes, int micro_batches) {
   const double needed = layer_memory_bytes(config, micro_batches);
   if (needed <= double(free_bytes)) return;
@@ -348,6 +355,39 @@ void MoeLayerGpu::backward_micro_batch(int micro_batch, const bf16* x, const Moe
   backward_done_[static_cast<size_t>(micro_batch)] = true;
 }
 
+void MoeLayerGpu::set_compacted_weight_gradients(bool on) {
+  constexpr const char* function = "MoeLayerGpu::set_compacted_weight_gradients";
+  if (!on) {
+    for (auto* buffer : {&compacted_x_, &compacted_d_out_, &compacted_hidden_, &compacted_d_pre_, &compacted_d_up_}) {
+      *buffer = DeviceBuffer<bf16>();
+    }
+    return;
+  }
+  if (micro_batches_ < 2 || !dropless_) {
+    throw std::invalid_argument(std::string(function) + ": micro_batches = " + std::to_string(micro_batches_) +
+                                ", formulation " + std::string(to_string(config_.formulation)) +
+                                "; allowed: M >= 2 micro-batches of the dropless formulation (only they keep "
+                                "padding between micro-batches)");
+  }
+  if (compacted_weight_gradients()) return;
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const double needed = compacted_weight_gradient_bytes(config_, micro_batches_);
+  if (needed > double(free_bytes)) {
+    throw std::invalid_argument(std::string(function) + ": the compacted operands need " +
+                                std::to_string(needed / double(1 << 30)) + " GiB and " +
+                                std::to_string(double(free_bytes) / double(1 << 30)) +
+                                " GiB are free; allowed: a layer whose copies fit, or compaction off");
+  }
+  const size_t rows = static_cast<size_t>(micro_batch_topology_->compacted_rows());
+  const size_t D = static_cast<size_t>(config_.model_dim), H = static_cast<size_t>(config_.hidden_dim);
+  compacted_x_ = DeviceBuffer<bf16>(rows * D);
+  compacted_d_out_ = DeviceBuffer<bf16>(rows * D);
+  compacted_hidden_ = DeviceBuffer<bf16>(rows * H);
+  compacted_d_pre_ = DeviceBuffer<bf16>(rows * H);
+  if (config_.activation == Activation::swiglu) compacted_d_up_ = DeviceBuffer<bf16>(rows * H);
+}
+
 void MoeLayerGpu::expert_weight_gradients(float* const* d_w1, float* const* d_w2, cudaStream_t stream) {
   constexpr const char* function = "MoeLayerGpu::expert_weight_gradients";
   require_micro_batch(function, 0);
@@ -364,16 +404,35 @@ void MoeLayerGpu::expert_weight_gradients(float* const* d_w1, float* const* d_w2
   }
   const int D = config_.model_dim, H = config_.hidden_dim;
   const int W1 = static_cast<int>(w1_columns(config_));
+  const bool swiglu = config_.activation == Activation::swiglu;
   // dW2_e = sum_m hidden_{m,e}ᵀ d_out_{m,e};  dW1_e = sum_m x_{m,e}ᵀ d_pre_{m,e} (SwiGLU: the gate
-  // columns from d_pre, the up columns from d_up): one product each over every slot's rows.
+  // columns from d_pre, the up columns from d_up): one product each over every slot's rows, or over
+  // the compacted copies of them.
+  MicroBatchTopology& rows = *micro_batch_topology_;
+  const bf16 *x = permuted_x_.data(), *d_out = d_expert_out_.data(), *hidden = hidden_.data();
+  const bf16 *d_pre = d_pre_activation_.data(), *d_up = d_up_projection_.data();
+  DeviceTopology walk{};
+  if (compacted_weight_gradients()) {
+    phase(timer_, "compact_rows", stream, [&] {
+      rows.build_compacted(stream);
+      gather_compacted(rows, x, compacted_x_.data(), D, /*blocked=*/false, stream);
+      gather_compacted(rows, d_out, compacted_d_out_.data(), D, false, stream);
+      gather_compacted(rows, hidden, compacted_hidden_.data(), H, /*blocked=*/true, stream);
+      gather_compacted(rows, d_pre, compacted_d_pre_.data(), H, true, stream);
+      if (swiglu) gather_compacted(rows, d_up, compacted_d_up_.data(), H, true, stream);
+    });
+    walk = rows.compacted_topology();
+    x = compacted_x_.data(), d_out = compacted_d_out_.data(), hidden = compacted_hidden_.data();
+    d_pre = compacted_d_pre_.data(), d_up = compacted_d_up_.data();
+  }
   phase(timer_, "expert_weight_gradients", stream, [&] {
-    micro_batch_topology_->build(stream);
-    const DeviceTopology walk = micro_batch_topology_->topology();
-    dsd_transposed(walk, hidden_.data(), d_expert_out_.data(), D, d_w2, D, stream);
-    dds(walk, permuted_x_.data(), D, d_pre_activation_.data(), d_w1, W1, 0, stream);
-    if (config_.activation == Activation::swiglu) {
-      dds(walk, permuted_x_.data(), D, d_up_projection_.data(), d_w1, W1, H, stream);
+    if (!compacted_weight_gradients()) {
+      rows.build(stream);
+      walk = rows.topology();
     }
+    dsd_transposed(walk, hidden, d_out, D, d_w2, D, stream);
+    dds(walk, x, D, d_pre, d_w1, W1, 0, stream);
+    if (swiglu) dds(walk, x, D, d_up, d_w1, W1, H, stream);
   });
   std::fill(backward_done_.begin(), backward_done_.end(), false);
 }

@@ -97,6 +97,9 @@ double layer_memory_bytes(const MoeConfig& config, int micro_batches = 1);
 // Throws std::invalid_argument naming both figures when the layer needs more than free_bytes.
 // The constructor calls it with cudaMemGetInfo's free memory before allocating anything.
 void check_layer_fits(const MoeConfig& config, size_t free_bytes, int micro_batches = 1);
+// What MoeLayerGpu::set_compacted_weight_gradients(true) allocates: the operands' copies over
+// M T K + E (B - 1) rows.
+double compacted_weight_gradient_bytes(const MoeConfig& config, int micro_batches);
 
 // One micro-batch's config: `batch` with tokens = batch.tokens / micro_batches. Throws
 // std::invalid_argument when micro_batches < 1 or does not divide batch.tokens.
@@ -187,6 +190,18 @@ class MoeLayerGpu {
                                cudaStream_t stream);
   int micro_batches() const { return micro_batches_; }
 
+  // Compaction before the weight gradients (MicroBatchTopology::build_compacted): on, each
+  // expert_weight_gradients first copies every operand's rows (x and d_out, D wide; hidden and d_pre,
+  // H wide; SwiGLU's d_up) into one layout where each expert's rows of all M micro-batches are padded
+  // to B once, then runs the two products over it. Off (the default), the products walk the M slots
+  // and multiply each micro-batch's padding rows. The same rows are summed in the same order; the
+  // tiles' k-steps group them differently, so the gradients agree to fp32 rounding, not bit for bit
+  // (bit for bit where every micro-batch's expert counts are multiples of B: the layouts coincide).
+  // Allocates the copies (compacted_weight_gradient_bytes), checked against the free memory.
+  // Needs M > 1 and the dropless formulation, else std::invalid_argument.
+  void set_compacted_weight_gradients(bool on);
+  bool compacted_weight_gradients() const { return compacted_x_.size() > 0; }
+
   // Times and names each phase (router, plan, topology, permute, experts, combine, and their
   // backward) on the GPU timeline; nullptr (the default) records nothing.
   void set_phase_timer(PhaseTimer* timer) { timer_ = timer; }
@@ -232,6 +247,8 @@ class MoeLayerGpu {
   int64_t slot_rows_ = 0;    // dense rows between two micro-batches' slots (R * B); the blocks are H wide
   std::vector<bool> backward_done_;  // per micro-batch, since the last expert_weight_gradients
   std::unique_ptr<MicroBatchTopology> micro_batch_topology_;  // dropless
+  // The compacted weight-gradient operands (set_compacted_weight_gradients), [compacted rows, width].
+  DeviceBuffer<bf16> compacted_x_, compacted_d_out_, compacted_hidden_, compacted_d_pre_, compacted_d_up_;
   bool dropless_ = true;
   int capacity_ = 0;  // C for the padded / dropping formulations
   bool gathers_rows_ = false;  // the forward writes no permuted copy of x (gathering_pays)

@@ -188,6 +188,81 @@ __global__ void __launch_bounds__(kThreads) micro_batch_topology_kernel(
   transpose_indices[first_block_row[e] * blocks_per_expert + j * expert_block_rows[e] + position] = index;
 }
 
+// ---- compaction (MicroBatchTopology::build_compacted) ----
+// One thread a compacted row, and a compacted block row: N_e and the compacted bins are recomputed
+// in shared memory by every CTA (E ints, M small), as the kernels above do.
+__global__ void __launch_bounds__(kThreads) compact_rows_kernel(
+    const int* __restrict__ row_offsets,      // [M, E+1] each micro-batch's bins
+    const int* __restrict__ kept,             // [M, E]
+    int* __restrict__ bins_out,               // [E+1] the compacted bins
+    int* __restrict__ sources,                // [max_rows] slot-layout row, or -1
+    int* __restrict__ block_row_tokens,       // [max_rows / B]
+    int micro_batches, int num_experts, int block_size, int slot_rows, int max_rows) {
+  extern __shared__ int shared[];  // [2E + 1]: N[e], then bins[e]
+  int* const total = shared;
+  int* const bins = shared + num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int n = 0;
+    for (int m = 0; m < micro_batches; ++m) n += kept[m * num_experts + e];
+    total[e] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bins[0] = 0;
+    for (int e = 0; e < num_experts; ++e) bins[e + 1] = bins[e] + (total[e] + block_size - 1) / block_size * block_size;
+  }
+  __syncthreads();
+  const int index = blockIdx.x * blockDim.x + threadIdx.x;
+  if (index <= num_experts) bins_out[index] = bins[index];
+  if (index < max_rows / block_size) {
+    const int first = index * block_size;
+    int tokens = 0;
+    if (first < bins[num_experts]) {
+      const int e = expert_of_row(bins, num_experts, first);
+      tokens = min(block_size, total[e] - (first - bins[e]));
+    }
+    block_row_tokens[index] = tokens;
+  }
+  if (index >= max_rows) return;
+  int source = -1;
+  if (index < bins[num_experts]) {
+    const int e = expert_of_row(bins, num_experts, index);
+    int i = index - bins[e];  // expert e's i-th row over the micro-batches in order
+    for (int m = 0; m < micro_batches && i < total[e]; ++m) {
+      const int k = kept[m * num_experts + e];
+      if (i < k) {
+        source = m * slot_rows + row_offsets[m * (num_experts + 1) + e] + i;
+        break;
+      }
+      i -= k;
+    }
+  }
+  sources[index] = source;
+}
+
+// Element (row, column) of a [rows, width] matrix, row-major or in B x B blocks block row by block row.
+__device__ inline int64_t element_of(int64_t row, int column, int width, int block_size, bool blocked) {
+  if (!blocked) return row * width + column;
+  return ((row / block_size) * (width / block_size) + column / block_size) * int64_t{block_size} * block_size +
+         (row % block_size) * block_size + column % block_size;
+}
+
+// 16 bytes a thread, grid-stride over the used rows' chunks.
+__global__ void gather_compacted_kernel(const bf16* __restrict__ src, bf16* __restrict__ dst,
+                                        const int* __restrict__ sources, const int* __restrict__ bins, int num_experts,
+                                        int width, int block_size, bool blocked) {
+  const int chunks = width / 8;
+  const int64_t used = int64_t{bins[num_experts]} * chunks;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < used; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / chunks;
+    const int column = int(i % chunks) * 8;
+    const int source = sources[row];
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (source >= 0) value = *reinterpret_cast<const uint4*>(src + element_of(source, column, width, block_size, blocked));
+    *reinterpret_cast<uint4*>(dst + element_of(row, column, width, block_size, blocked)) = value;
+  }
+}
+
 // validate(config), and the formulation dropless: the block-sparse topology exists only there.
 void validate_dropless(const char* function, const MoeConfig& config) {
   validate(config);
@@ -306,8 +381,14 @@ MicroBatchTopology::MicroBatchTopology(const MoeConfig& config, int micro_batche
   blocks_per_expert_ = static_cast<int>(blocks_per_expert);
   block_rows_per_micro_batch_ = static_cast<int>(R);
   row_offsets_ = DeviceBuffer<int>(static_cast<size_t>(micro_batches) * (E + 1));
+  kept_ = DeviceBuffer<int>(static_cast<size_t>(micro_batches) * E);
   arrays_.allocate(static_cast<int>(micro_batches * R), blocks_per_expert_, static_cast<int>(E * blocks_per_expert),
                    /*row_side=*/false);
+  compacted_block_rows_ = static_cast<int>((micro_batches * T * K + E * (B - 1)) / B);  // <= M * R
+  compacted_bins_ = DeviceBuffer<int>(static_cast<size_t>(E + 1));
+  compacted_sources_ = DeviceBuffer<int>(static_cast<size_t>(compacted_block_rows_) * static_cast<size_t>(B));
+  compacted_arrays_.allocate(compacted_block_rows_, blocks_per_expert_, static_cast<int>(E * blocks_per_expert),
+                             /*row_side=*/false);
 }
 
 void MicroBatchTopology::record(int micro_batch, const DevicePlan& plan, const TopologyBuffers& topology,
@@ -325,6 +406,9 @@ void MicroBatchTopology::record(int micro_batch, const DevicePlan& plan, const T
                              cudaMemcpyDeviceToDevice, stream));
   CUDA_CHECK(cudaMemcpyAsync(arrays_.block_row_tokens.data() + micro_batch * R, view.block_row_tokens,
                              R * sizeof(int), cudaMemcpyDeviceToDevice, stream));
+  detail::check_not_null(function, "plan.kept_per_expert", plan.kept_per_expert);
+  CUDA_CHECK(cudaMemcpyAsync(kept_.data() + micro_batch * static_cast<size_t>(num_experts_), plan.kept_per_expert,
+                             static_cast<size_t>(num_experts_) * sizeof(int), cudaMemcpyDeviceToDevice, stream));
 }
 
 void MicroBatchTopology::build(cudaStream_t stream) {
@@ -335,6 +419,48 @@ void MicroBatchTopology::build(cudaStream_t stream) {
       row_offsets_.data(), arrays_.block_rows.data(), arrays_.nnz.data(), arrays_.column_offsets.data(),
       arrays_.row_indices.data(), arrays_.transpose_indices.data(), arrays_.block_row_expert.data(), micro_batches_,
       num_experts_, block_size_, blocks_per_expert_, block_rows_per_micro_batch_);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void MicroBatchTopology::build_compacted(cudaStream_t stream) {
+  const int rows = compacted_block_rows_ * block_size_;
+  const int slot_rows = block_rows_per_micro_batch_ * block_size_;
+  compact_rows_kernel<<<blocks_for(std::max(rows, num_experts_ + 1)), kThreads,
+                        (2 * num_experts_ + 1) * sizeof(int), stream>>>(
+      row_offsets_.data(), kept_.data(), compacted_bins_.data(), compacted_sources_.data(),
+      compacted_arrays_.block_row_tokens.data(), micro_batches_, num_experts_, block_size_, slot_rows, rows);
+  CUDA_CHECK(cudaGetLastError());
+  // The compacted layout's column walk: the slot layout's closed forms for one "micro-batch" whose
+  // bins are the compacted ones.
+  const int block_cols = num_experts_ * blocks_per_expert_;
+  const int threads = std::max({compacted_block_rows_, block_cols + 1, compacted_block_rows_ * blocks_per_expert_});
+  micro_batch_topology_kernel<<<blocks_for(threads), kThreads, 2 * num_experts_ * sizeof(int), stream>>>(
+      compacted_bins_.data(), compacted_arrays_.block_rows.data(), compacted_arrays_.nnz.data(),
+      compacted_arrays_.column_offsets.data(), compacted_arrays_.row_indices.data(),
+      compacted_arrays_.transpose_indices.data(), compacted_arrays_.block_row_expert.data(), 1, num_experts_,
+      block_size_, blocks_per_expert_, compacted_block_rows_);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+DeviceTopology MicroBatchTopology::compacted_topology() const {
+  return compacted_arrays_.view(block_size_, blocks_per_expert_, num_experts_ * blocks_per_expert_,
+                                compacted_block_rows_);
+}
+
+void gather_compacted(const MicroBatchTopology& topology, const bf16* src, bf16* dst, int width, bool blocked,
+                      cudaStream_t stream) {
+  constexpr const char* function = "gather_compacted";
+  detail::check_not_null(function, "src", src);
+  detail::check_not_null(function, "dst", dst);
+  if (width <= 0 || width % 8 != 0 || (blocked && width % topology.block_size() != 0)) {
+    throw std::invalid_argument(std::string(function) + ": width = " + std::to_string(width) +
+                                "; allowed: a positive multiple of 8 (and of B when blocked)");
+  }
+  const int64_t chunks = topology.compacted_rows() * (width / 8);
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((chunks + kThreads - 1) / kThreads, 132 * 16));
+  gather_compacted_kernel<<<std::max(blocks, 1u), kThreads, 0, stream>>>(
+      src, dst, topology.compacted_sources(), topology.compacted_bins(), topology.num_experts(), width,
+      topology.block_size(), blocked);
   CUDA_CHECK(cudaGetLastError());
 }
 

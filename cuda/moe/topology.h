@@ -30,6 +30,7 @@
 
 #include <cstdint>
 
+#include "core/bf16.h"           // bf16
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "moe/device_plan.h"     // DevicePlan, DeviceTopology
 #include "moe_config.h"          // MoeConfig
@@ -116,11 +117,42 @@ class MicroBatchTopology {
   int64_t slot_rows() const { return int64_t{block_rows_per_micro_batch_} * block_size_; }  // R * B
   int64_t slot_blocks() const { return int64_t{block_rows_per_micro_batch_} * blocks_per_expert_; }  // R * H/B
 
+  // ---- compaction: each expert's rows of all M micro-batches in one layout, padded once ----
+  // The compacted layout is one batch's: expert e's routed rows of micro-batch 0, then of 1, ...,
+  // one after another, then its padding up to a multiple of B, once:
+  //   N_e = sum_m kept_m[e],  compacted bins[e] = sum_{e' < e} roundup(N_e', B)
+  // so the products meet at most E (B - 1) padding rows instead of M E (B - 1). The rows are the
+  // same rows in the same order as the slot layout's walk, without the padding between
+  // micro-batches. build_compacted writes the layout's column walk (compacted_topology) and each
+  // compacted row's source, the slot-layout row it copies (m * R * B + bins_m[e] + i) or -1 for a
+  // padding row; gather_compacted (below) then copies an operand into the layout.
+  void build_compacted(cudaStream_t stream);  // after the M record() calls
+  DeviceTopology compacted_topology() const;  // a view, valid after build_compacted()
+  int64_t compacted_rows() const { return int64_t{compacted_block_rows_} * block_size_; }  // M T K + E (B-1), rounded
+  const int* compacted_sources() const { return compacted_sources_.data(); }  // [compacted_rows()]
+  const int* compacted_bins() const { return compacted_bins_.data(); }        // [E+1]
+  int num_experts() const { return num_experts_; }
+  int block_size() const { return block_size_; }
+
  private:
   int micro_batches_ = 0, num_experts_ = 0, block_size_ = 0, blocks_per_expert_ = 0;
   int block_rows_per_micro_batch_ = 0;  // R
+  int compacted_block_rows_ = 0;        // (M T K + E (B - 1)) / B
   DeviceBuffer<int> row_offsets_;       // [M, E+1] each micro-batch's padded bins
+  DeviceBuffer<int> kept_;              // [M, E] each micro-batch's routed rows per expert
   TopologyArrays arrays_;               // the column walk's, over M * R block rows (no row side)
+  DeviceBuffer<int> compacted_bins_;    // [E+1]
+  DeviceBuffer<int> compacted_sources_; // [compacted rows]
+  TopologyArrays compacted_arrays_;     // the compacted layout's column walk (no row side)
 };
+
+// Copies one operand of the expert weight gradients from the slot layout into the compacted one
+// (MicroBatchTopology::build_compacted): compacted row r = src row sources[r], or zeros for a
+// padding row; rows past the used ones are not written (the products never read them). `width`
+// columns, a multiple of 8 (16-byte copies). blocked: both matrices are in the block layout the
+// hidden activations and their gradients use (block_sparse.h: [rows / B, width / B] blocks of
+// B x B, block row by block row); else row-major [rows, width].
+void gather_compacted(const MicroBatchTopology& topology, const bf16* src, bf16* dst, int width, bool blocked,
+                      cudaStream_t stream);
 
 }  // namespace moe::cuda

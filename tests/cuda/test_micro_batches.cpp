@@ -6,6 +6,8 @@
 // (moe::ref::moe_forward / moe_backward in double on the concatenated tokens). With the router
 // losses on, each micro-batch's losses are its own, so the reference is the sum over micro-batches
 // of the reference on each. bf16 activations, fp32 accumulation: tolerance 2e-2, as test_moe_layer.
+// Compaction before the weight gradients (set_compacted_weight_gradients) gives the same gradients
+// to fp32 rounding, and the same bits where no micro-batch pads.
 // Bad micro-batch counts (0, negative, not dividing T, more memory than fits) get a clear error.
 // Run: ctest --test-dir build -R CudaMicroBatches   (skips without a GPU)
 #include <gtest/gtest.h>
@@ -148,11 +150,12 @@ Gradients one_batch(const MoeConfig& batch, const Batch& in) {
 // The layer on M micro-batches: micro-batch m is tokens [m T/M, (m+1) T/M) of the batch. Each
 // micro-batch's router gradient is its own; the caller (here) sums them, as a trainer sums every
 // gradient but the experts'.
-Gradients micro_batches(const MoeConfig& batch, const Batch& in, int M) {
+Gradients micro_batches(const MoeConfig& batch, const Batch& in, int M, bool compacted = false) {
   GpuGradients g(batch);
   const MoeConfig config = moe::cuda::micro_batch_config(batch, M);
   moe::cuda::MoeLayerGpu layer(config, M);
   EXPECT_EQ(layer.micro_batches(), M);
+  if (compacted) layer.set_compacted_weight_gradients(true);
   const moe::cuda::MoeLayerWeights w = in.gpu_weights();
   const size_t rows = size_t(config.tokens) * config.model_dim;  // one micro-batch's [T/M, D]
   Matrix d_gate_sum = Matrix::Zero(batch.model_dim, batch.num_experts);
@@ -217,6 +220,12 @@ void check_micro_batches(const MoeConfig& batch, uint64_t seed, int favoured_exp
     const std::string what = std::to_string(M) + " micro-batches";
     expect_close(got, reference, forward.y, what + " vs reference");
     expect_close(got, whole_as_reference, whole.y, what + " vs the GPU layer on one batch");
+    if (M == 1) continue;
+    // Compacted: the same rows summed in another grouping of k-steps, so fp32 rounding apart.
+    const Gradients compacted = micro_batches(batch, in, M, /*compacted=*/true);
+    expect_close(compacted, reference, forward.y, what + ", compacted, vs reference");
+    moe::ref::LayerGradients slots{got.x, got.gate_weights, got.w1, got.w2};
+    expect_close(compacted, slots, got.y, what + ", compacted, vs the slot layout", 1e-4);
   }
 }
 
@@ -247,6 +256,24 @@ TEST(CudaMicroBatches, AllTokensOnOneExpert) {
   c.top_k = 1;
   c.renormalize = false;
   check_micro_batches(c, 105, /*favoured_expert=*/5);
+}
+
+// Where every micro-batch's expert counts are multiples of B, the compacted layout is the slot
+// layout without the gaps between slots: the same blocks in the same order, the same bits.
+TEST(CudaMicroBatches, CompactionIsBitIdenticalWhereNoMicroBatchPads) {
+  REQUIRE_GPU();
+  MoeConfig c = batch_config();
+  c.tokens = 512;  // two micro-batches of 256 = 4 B, all on expert 5
+  c.top_k = 1;
+  c.renormalize = false;
+  const Batch in(c, 108, /*favoured_expert=*/5);
+  const Gradients slots = micro_batches(c, in, 2);
+  const Gradients compacted = micro_batches(c, in, 2, /*compacted=*/true);
+  for (size_t e = 0; e < slots.w1.size(); ++e) {
+    EXPECT_EQ(slots.w1[e], compacted.w1[e]) << "dW1 expert " << e;
+    EXPECT_EQ(slots.w2[e], compacted.w2[e]) << "dW2 expert " << e;
+  }
+  EXPECT_GT(slots.w1[5].norm(), 0.0);
 }
 
 // With the router losses on, each micro-batch's losses are its own: the sum of the reference on
@@ -339,6 +366,16 @@ TEST(CudaMicroBatches, MisuseFailsWithAClearError) {
   EXPECT_THROW(layer.expert_weight_gradients(g.d_w1_table.data(), g.d_w2_table.data(), nullptr),
                std::invalid_argument);
   CUDA_CHECK(cudaDeviceSynchronize());
+  // Compaction needs something to compact: M >= 2 micro-batches.
+  moe::cuda::MoeLayerGpu one(batch_config(), 1);
+  try {
+    one.set_compacted_weight_gradients(true);
+    FAIL() << "compaction was accepted with one micro-batch";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("allowed: M >= 2"), std::string::npos) << error.what();
+  }
+  one.set_compacted_weight_gradients(false);  // off is always allowed
+  EXPECT_FALSE(one.compacted_weight_gradients());
 }
 
 }  // namespace
