@@ -6,7 +6,8 @@
 #                                           CLI11, Eigen, GoogleTest) into .deps/ (ignored by git)
 #   cuda/scripts/gpu_suite.sh run [STEPS]   on the GPU machine: build with .deps, then run STEPS
 #                                           (default: tests sanitize lessons dev bench record; train
-#                                           times the training step beside PyTorch; offload measures
+#                                           times the training step beside PyTorch, and attention's
+#                                           fused and unfused cores beside SDPA; offload measures
 #                                           the expert modes and records a run per mode; infer trains
 #                                           briefly and generates in every mode; distributed runs
 #                                           ep_bench over NCCL and over MPI; train_distributed trains
@@ -175,7 +176,7 @@ train() {
   # Each variant with its kernels launched one by one, and as one CUDA graph a step (--cuda-graph).
   for variant in "dropless:" "dense:--moe-layers none" "padded_cf1.0:--formulation padded --capacity-factor 1.0" \
                  "dropping_cf1.0:--formulation dropping --capacity-factor 1.0" "dropless_pregated:--pregated" \
-                 "dropless_swiglu:--activation swiglu"; do
+                 "dropless_swiglu:--activation swiglu" "dropless_unfused_attention:--attention unfused"; do
     for graph in off on; do
       local name=${variant%%:*} flags=${variant#*:}
       [ "$graph" = on ] && name=${name}_graph
@@ -192,6 +193,13 @@ train() {
       > "$LOGS/torch_train_$name.log" 2>&1 || rc=1
     tail -1 "$LOGS/torch_train_$name.log"
   done
+  # The attention of one block at the preset's shape: the fused core beside the unfused one, then
+  # PyTorch's scaled_dot_product_attention timed the same way.
+  build-gpu/cuda/bench/attention_bench --out "$OUT/attention_bench.json" > "$LOGS/attention_bench.log" 2>&1 || rc=1
+  tail -9 "$LOGS/attention_bench.log"
+  PYTHONUNBUFFERED=1 python3 cuda/bench/torch_attention_baseline.py --out "$OUT/torch_attention_baseline.json" \
+    > "$LOGS/torch_attention_baseline.log" 2>&1 || rc=1
+  tail -5 "$LOGS/torch_attention_baseline.log"
   return $rc
 }
 
