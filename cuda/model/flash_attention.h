@@ -33,7 +33,9 @@
 // tiles and a wgmma needs a warpgroup on a 64-row tile with operands described by shared memory
 // descriptors and a swizzled layout; mma.sync's m16n8k16 keeps every fragment in plain registers that
 // a reader can follow from the PTX manual's layout figures, and the whole core stays a small fraction
-// of the step (figures in lessons/03_training.measured.md).
+// of the step (lessons/03_block_sparse.measured.md: 1.6 of the 13.0 ms training step). Measured on
+// an H200: 111 TFLOP/s forward, 69 backward on the causal FLOPs, at that shape; no wgmma version
+// has been written to compare (the block-sparse kernels, cuda/moe/, show what one takes).
 //
 // Precision: bf16 operands, fp32 accumulation, the softmax in fp32; p and ds are rounded to bf16 as
 // the operands of the next product (the unfused core rounds probs and d_scores the same way).
