@@ -8,10 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/captured_graph.h" // CapturedGraph
 #include "core/device_buffer.h"  // DeviceBuffer
 #include "gpu_test_support.h"    // REQUIRE_GPU, bf16_of
 #include "init.h"                // moe::ref::random_matrix, random_weights
@@ -58,27 +60,22 @@ Outputs run(const MoeConfig& config, bool captured, int replays, bool forward_on
     if (!forward_only) layer.backward(x_gpu.data(), w, dy_gpu.data(), g, stream);
   };
   step();  // launched: first-use set-up (function attributes, the scratch pool) happens here
-  cudaGraphExec_t exec = nullptr;
+  std::unique_ptr<moe::cuda::CapturedGraph> graph;
   if (captured) {
     moe::cuda::create_launch_scratch_pool();
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    step();
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_CHECK(cudaGraphDestroy(graph));
+    graph = moe::cuda::CapturedGraph::capture(stream, step);
   }
   for (int i = 0; i < replays; ++i) {
     for (auto* buffer : {&dx, &d_gate, &d_w1, &d_w2}) buffer->fill_bytes(0xFF);  // NaN poison before each call
     y.fill_bytes(0xFF);
-    if (captured) {
-      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    if (graph) {
+      graph->launch(stream);
     } else {
       step();
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  if (exec != nullptr) CUDA_CHECK(cudaGraphExecDestroy(exec));
+  graph.reset();
   CUDA_CHECK(cudaStreamDestroy(stream));
   return Outputs{y.download(), dx.download(), d_gate.download(), d_w1.download(), d_w2.download()};
 }
