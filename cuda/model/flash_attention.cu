@@ -153,6 +153,22 @@ __device__ inline void wait_loads() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// Step j of a walk over the key tiles 0 .. last (the forward's and dQ's): start loading tile j + 1
+// into the other buffers, if there is one, then wait for tile j and make it visible to every warp.
+template <int D>
+__device__ inline void next_key_tile(int j, int last, Tile<D>* k_tiles, Tile<D>* v_tiles, const bf16* k_rows,
+                                     const bf16* v_rows, int64_t stride, int seq_len) {
+  if (j < last) {
+    load_tile(k_tiles[(j + 1) % 2], k_rows, stride, (j + 1) * kTile, seq_len);
+    load_tile(v_tiles[(j + 1) % 2], v_rows, stride, (j + 1) * kTile, seq_len);
+    commit_loads();
+    wait_loads<1>();
+  } else {
+    wait_loads<0>();
+  }
+  __syncthreads();
+}
+
 // Where one pair's rows live: b = n * heads + h.
 struct Head {
   int64_t sequence_row;  // n * S: the pair's first token
@@ -196,15 +212,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(const bf16* __r
   float m[2] = {-INFINITY, -INFINITY};  // the running maxima, in log2 units (scores scale log2 e)
   float l[2] = {0.0f, 0.0f};            // this thread's part of the running sums
   for (int j = 0; j <= q_block; ++j) {
-    if (j < q_block) {
-      load_tile(k_tiles[(j + 1) % 2], k_rows, stride, (j + 1) * kTile, seq_len);
-      load_tile(v_tiles[(j + 1) % 2], v_rows, stride, (j + 1) * kTile, seq_len);
-      commit_loads();
-      wait_loads<1>();
-    } else {
-      wait_loads<0>();
-    }
-    __syncthreads();
+    next_key_tile(j, q_block, k_tiles, v_tiles, k_rows, v_rows, stride, seq_len);
     const Tile<D>& k_tile = k_tiles[j % 2];
     const Tile<D>& v_tile = v_tiles[j % 2];
 
@@ -428,15 +436,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   float dq[D / 8][4] = {};
   for (int j = 0; j <= q_block; ++j) {
-    if (j < q_block) {
-      load_tile(k_tiles[(j + 1) % 2], k_rows, stride, (j + 1) * kTile, seq_len);
-      load_tile(v_tiles[(j + 1) % 2], v_rows, stride, (j + 1) * kTile, seq_len);
-      commit_loads();
-      wait_loads<1>();
-    } else {
-      wait_loads<0>();
-    }
-    __syncthreads();
+    next_key_tile(j, q_block, k_tiles, v_tiles, k_rows, v_rows, stride, seq_len);
     const Tile<D>& k_tile = k_tiles[j % 2];
     const Tile<D>& v_tile = v_tiles[j % 2];
 
