@@ -10,6 +10,7 @@
 
 #include "core/cuda_check.h"     // CUDA_CHECK
 #include "core/launch_checks.h"  // check_not_null
+#include "core/mma_sync.cuh"      // cp_async_*, ldmatrix_x4(_trans), mma_bf16_16816
 
 namespace moe::cuda {
 
@@ -25,36 +26,15 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- [SECTION] tensor-core primitives ----
-// One warp computes C[16 x 8] += A[16 x 16] B[16 x 8] with mma.sync.m16n8k16 (bf16 in, fp32 out).
-// Thread `lane` holds, with g = lane / 4 and t = lane % 4 (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
-//   A: a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]
-//   B: b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]
-//   C: c[0], c[1] = C[g][2t, 2t+1], c[2], c[3] = C[g+8][2t, 2t+1]
-// So the C of two neighbouring n-tiles is, packed to bf16, the A of one k-step of the next product.
-
-__device__ inline uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four 8 x 8 bf16 matrices from shared memory; lanes 8i .. 8i+7 give the row addresses of matrix i.
-__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const bf16* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
-}
-__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
-}
+// One warp computes C[16 x 8] += A[16 x 16] B[16 x 8] with mma.sync.m16n8k16 (bf16 in, fp32 out);
+// core/mma_sync.cuh has the instructions and the fragment layout. The one fact this file leans on:
+// the C of two neighbouring n-tiles is, packed to bf16, the A of one k-step of the next product.
+using tensor_core::cp_async_commit;
+using tensor_core::cp_async_wait;
+using tensor_core::ldmatrix_x4;
+using tensor_core::ldmatrix_x4_trans;
+using tensor_core::mma_bf16_16816;
+using tensor_core::shared_address;
 
 // A shared tile: 64 rows of one head's d values, padded.
 template <int D>
@@ -110,8 +90,8 @@ __device__ inline void product_a_bt(float (&acc)[8][4], const Tile<D>& a_tile, i
     for (int np = 0; np < 4; ++np) {
       uint32_t b[4];
       load_b_rows_n(b, b_tile, np * 16, ks * 16);
-      mma_bf16(acc[2 * np], a, b[0], b[1]);
-      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      mma_bf16_16816(acc[2 * np], a, b[0], b[1]);
+      mma_bf16_16816(acc[2 * np + 1], a, b[2], b[3]);
     }
   }
 }
@@ -127,8 +107,8 @@ __device__ inline void product_p_tile(float (&out)[D / 8][4], const float (&p)[8
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t b[4];
       load_b_rows_k(b, tile, kk * 16, dp * 16);
-      mma_bf16(out[2 * dp], a, b[0], b[1]);
-      mma_bf16(out[2 * dp + 1], a, b[2], b[3]);
+      mma_bf16_16816(out[2 * dp], a, b[0], b[1]);
+      mma_bf16_16816(out[2 * dp + 1], a, b[2], b[3]);
     }
   }
 }
@@ -147,11 +127,6 @@ __device__ inline void load_tile(Tile<D>& tile, const bf16* base, int64_t stride
                  "l"(from), "r"(valid ? 16 : 0));
   }
 }
-__device__ inline void commit_loads() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ inline void wait_loads() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 // Step j of a walk over the key tiles 0 .. last (the forward's and dQ's): start loading tile j + 1
 // into the other buffers, if there is one, then wait for tile j and make it visible to every warp.
@@ -161,10 +136,10 @@ __device__ inline void next_key_tile(int j, int last, Tile<D>* k_tiles, Tile<D>*
   if (j < last) {
     load_tile(k_tiles[(j + 1) % 2], k_rows, stride, (j + 1) * kTile, seq_len);
     load_tile(v_tiles[(j + 1) % 2], v_rows, stride, (j + 1) * kTile, seq_len);
-    commit_loads();
-    wait_loads<1>();
+    cp_async_commit();
+    cp_async_wait<1>();
   } else {
-    wait_loads<0>();
+    cp_async_wait<0>();
   }
   __syncthreads();
 }
@@ -204,7 +179,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(const bf16* __r
   load_tile(q_tile, q_rows, stride, q0, seq_len);
   load_tile(k_tiles[0], k_rows, stride, 0, seq_len);
   load_tile(v_tiles[0], v_rows, stride, 0, seq_len);
-  commit_loads();
+  cp_async_commit();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = q0 + warp * 16 + lane / 4;  // this thread's rows: row and row + 8
@@ -335,7 +310,7 @@ __global__ void __launch_bounds__(kThreads)
   load_tile(k_tile, q_rows + model_dim, stride, k0, seq_len);
   load_tile(v_tile, q_rows + 2 * model_dim, stride, k0, seq_len);
   load_queries(k_block, 0);
-  commit_loads();
+  cp_async_commit();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int key = k0 + warp * 16 + lane / 4;  // this thread's keys: key and key + 8
@@ -345,10 +320,10 @@ __global__ void __launch_bounds__(kThreads)
     const int buffer = (i - k_block) % 2;
     if (i + 1 < q_blocks) {
       load_queries(i + 1, 1 - buffer);
-      commit_loads();
-      wait_loads<1>();
+      cp_async_commit();
+      cp_async_wait<1>();
     } else {
-      wait_loads<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();
     const Tile<D>& q_tile = q_tiles[buffer];
@@ -423,7 +398,7 @@ __global__ void __launch_bounds__(kThreads)
   load_tile(do_tile, d_context + head.sequence_row * model_dim + head.column, model_dim, q0, seq_len);
   load_tile(k_tiles[0], k_rows, stride, 0, seq_len);
   load_tile(v_tiles[0], v_rows, stride, 0, seq_len);
-  commit_loads();
+  cp_async_commit();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = q0 + warp * 16 + lane / 4;  // this thread's rows: row and row + 8

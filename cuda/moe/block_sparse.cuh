@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "core/mma_sync.cuh"         // cp_async_*, ldmatrix_x4(_trans), mma_bf16_16816
 #include "moe/activation_math.cuh"  // gelu, silu and their derivatives (the epilogues)
 
 namespace moe::cuda::block_sparse_detail {
@@ -66,29 +67,12 @@ struct SmemTile {
   }
 };
 
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int PENDING>
-__device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
-
-__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const bf16* address) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(address));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* address) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(address));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-// d += a b for one 16 x 8 x 16 step: a row-major (4 regs), b column-major (2 regs), fp32 d.
-__device__ inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// cp.async, ldmatrix and mma.m16n8k16: core/mma_sync.cuh, shared with the router and fused attention.
+using tensor_core::cp_async_commit;
+using tensor_core::cp_async_wait;
+using tensor_core::ldmatrix_x4;
+using tensor_core::ldmatrix_x4_trans;
+using tensor_core::mma_bf16_16816;
 
 // ---- the tile kernel ----
 // Problem supplies (all __device__):

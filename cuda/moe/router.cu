@@ -44,6 +44,7 @@
 #include "core/cuda_check.h"        // CUDA_CHECK, CudaError
 #include "core/dependent_launch.h"  // launch_dependent, wait_for_previous_grid
 #include "core/launch_checks.h"     // check_not_null, check_range
+#include "core/mma_sync.cuh"        // mma_bf16_16816
 
 namespace moe::cuda {
 
@@ -230,19 +231,12 @@ __device__ __forceinline__ int reduce_scatter_slots(double (&sum)[kValuesPerLane
 // Fragment layout of mma.m16n8k16 (PTX ISA, "matrix fragments for mma.m16n8k16"): lane = 4 g + t
 // holds A rows g and g + 8, columns 2t, 2t+1 and 2t+8, 2t+9; B columns g, rows 2t, 2t+1 and
 // 2t+8, 2t+9; C rows g and g + 8, columns 2t and 2t+1. Each 32-bit register holds two bf16, the
-// lower column (A) or row (B) in the low half.
+// lower column (A) or row (B) in the low half. The instruction: core/mma_sync.cuh.
 constexpr int kLogitTilesPerWarp = 4;  // 16 fp32 accumulators a lane (the kernel is held to 64 registers)
 
 __device__ __forceinline__ uint32_t bf16_bits(const bf16* p) { return __bfloat16_as_ushort(*p); }
 __device__ __forceinline__ uint32_t pack_bf16(uint32_t low, uint32_t high) { return low | (high << 16); }
 
-__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // The inputs of route_fused's logits. pair_loads: D even and x 4-byte aligned, so two neighbouring
 // bf16 of a row are one 32-bit load.
@@ -312,7 +306,7 @@ __device__ void logits_of_pass(const LogitInputs& in, int tokens, int num_expert
         if (first_tile + j >= expert_tiles) break;  // the same for the whole warp
         uint32_t b[2];
         load_weight_fragment(in, num_experts, k, t, (first_tile + j) * 8 + g, b);
-        mma_m16n8k16(acc[j], a, b);
+        tensor_core::mma_bf16_16816(acc[j], a, b[0], b[1]);
       }
     }
     float* const out = pass_logits + static_cast<size_t>(split) * in.tokens_per_pass * num_experts;

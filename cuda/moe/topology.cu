@@ -457,7 +457,8 @@ void gather_compacted(const MicroBatchTopology& topology, const bf16* src, bf16*
                                 "; allowed: a positive multiple of 8 (and of B when blocked)");
   }
   const int64_t chunks = topology.compacted_rows() * (width / 8);
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((chunks + kThreads - 1) / kThreads, 132 * 16));
+  constexpr int64_t kMostBlocks = 2048;  // grid-stride beyond this: enough CTAs to fill any GPU
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((chunks + kThreads - 1) / kThreads, kMostBlocks));
   gather_compacted_kernel<<<std::max(blocks, 1u), kThreads, 0, stream>>>(
       src, dst, topology.compacted_sources(), topology.compacted_bins(), topology.num_experts(), width,
       topology.block_size(), blocked);
