@@ -935,6 +935,11 @@ void ModelGpu::sum_gradient_bucket(size_t bucket) {
   for (const auto& [offset, count] : gradient_buckets_[bucket]) {
     ranks_->all_reduce_sum(gradients_.data() + offset, count, gradient_stream_->stream);
   }
+  // A block's replicated experts: their gradients (every lane's, added above) over their replicas.
+  if (bucket < blocks_.size() && blocks_[bucket].moe[0]) {
+    const Block& b = blocks_[bucket];
+    b.moe[0]->sum_replica_gradients(b.d_w1_table[0].data(), b.d_w2_table[0].data(), gradient_stream_->stream);
+  }
 }
 
 void ModelGpu::backward_micro_batch(int micro_batch) {

@@ -386,6 +386,8 @@ class ModelGpu {
   // after the embedding backward. The same buckets in the same order on every rank (on one
   // communicator, whose operations run in the order issued): the sums repeat bit for bit. The
   // backward's end waits for the last bucket ("gradient_all_reduce": what the backward did not hide).
+  // Bucket i then sums block i's replicated experts over their replicas (MoeBlockFfn::
+  // sum_replica_gradients), once a step, after both lanes' gradients are added.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gradient_buckets_;  // [L + 1]
   // With overlap, lane 1's gradients of block i's tensors (its experts' included), or for i = L of
   // the embeddings and the final norm, as runs (offset, count): added into gradients_ on the
@@ -402,7 +404,7 @@ class ModelGpu {
   };
   std::unique_ptr<GradientStream> gradient_stream_;
   // Enqueues, behind every lane's backward so far, lane 1's share of bucket's tensors and then
-  // bucket's all-reduce; nothing on one GPU without overlap.
+  // bucket's all-reduce and its replicated experts' sum; nothing on one GPU without overlap.
   void sum_gradient_bucket(size_t bucket);
   // The norm's weighted spans (model/optimizer.h) and its sum of squares, on several ranks.
   DeviceBuffer<NormSpan> norm_spans_;

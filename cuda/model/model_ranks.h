@@ -9,8 +9,8 @@
 // E / R per rank (rank r holds experts [r E_r, (r + 1) E_r) of every MoE block) and their
 // gradients stay where they live: the expert-parallel layer already sums every rank's tokens'
 // contributions on the expert's rank. A placement (ModelGpuConfig::expert_placements) may put any
-// experts on any rank, with replicas; the layer then also sums a replicated expert's gradients over
-// its replicas.
+// experts on any rank, with replicas; the model then also sums a replicated expert's gradients over
+// its replicas, once a step (sum_replica_gradients).
 //
 // Dimension legend: T_r this rank's tokens (N / R sequences of S), T = R T_r, D, E, K, R as usual.
 #pragma once
@@ -78,6 +78,11 @@ class MoeBlockFfn {
                                     float* dx, float* d_gate_weights, cudaStream_t stream, const bf16* router_input,
                                     float* d_router_input);
   virtual void expert_weight_gradients(float* const* d_w1, float* const* d_w2, cudaStream_t stream);
+  // A placement with replicas: each replicated expert's weight gradients (the tables of this rank's
+  // experts) summed over its replicas. The model calls it once a step per MoE block, on its gradient
+  // stream after adding up the micro-batches' gradients, so the sum runs beside the next block's
+  // backward instead of inside each micro-batch's. Collective; nothing on one GPU.
+  virtual void sum_replica_gradients(float* const* /*d_w1*/, float* const* /*d_w2*/, cudaStream_t) {}
   virtual const float* aux_loss() const = 0;  // [1] device, unscaled, of the last forward (global)
   virtual const float* z_loss() const = 0;    // [1] device, unscaled
   virtual const DeviceBuffer<int>& top_experts() const = 0;  // [T_r, K] of the last forward

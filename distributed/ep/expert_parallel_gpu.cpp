@@ -1030,7 +1030,7 @@ const bf16* ExpertParallelGpu::chunk_result(int c) const {
 }
 
 void ExpertParallelGpu::sum_over_replicas(const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
-  if (!placement_.replicated()) return;
+  if (!placement_.replicated() || options_.experts != ExpertCompute::ffn) return;
   Phase phase(timer_, "ep_replica_all_reduce", stream);
   const size_t w1 = static_cast<size_t>(config_.model_dim) * config_.hidden_dim, w2 = w1;  // D H and H D
   if (replica_sums_.size() == 0) {  // the tables of this rank's replicas, once (the placement is fixed)
@@ -1296,7 +1296,7 @@ void ExpertParallelGpu::backward_back(cudaStream_t stream, bool brought_back) {
     zero_through_tables(computed_gradients.d_w2, static_cast<int>(E_c), static_cast<size_t>(H_c) * D, stream);
   }
   return_expert_gradients(gradients, stream);  // r != 1: onto the storing ranks
-  if (ffn && layout_ == 1) sum_over_replicas(gradients, stream);
+  if (ffn && layout_ == 1 && options_.sum_replica_gradients) sum_over_replicas(gradients, stream);
 
   // ---- un-gather and the router ----
   if (T_r > 0) {

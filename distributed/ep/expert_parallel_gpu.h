@@ -204,6 +204,10 @@ struct ExpertParallelGpuOptions {
   int pipeline_chunks = 1;                 // d in [1, kMaxPipelineChunks]: Tutel's pipelining degree; 1 is
                                            // FastMoE's; kAdaptivePipelineChunks (0): chosen by measurement
   bool all_reduce_router_gradient = true;  // sum d_gate_weights over ranks (data-parallel router)
+  // Sum each replicated expert's weight gradients over its replicas at the end of backward();
+  // false: the caller does, through sum_over_replicas (a model sums them once a step, with its
+  // other gradients, off the compute stream).
+  bool sum_replica_gradients = true;
   ExpertCompute experts = ExpertCompute::ffn;
   int hierarchical_ranks_per_node = 0;     // G: 0 or 1 the flat exchange; G > 1 dividing R: Tutel's 2DH
   // Where the experts live (the layer keeps a copy); nullptr: E / R a rank in id order. Any other
@@ -307,6 +311,13 @@ class ExpertParallelGpu {
   void backward_experts(const bf16* x, const ExpertParallelGpuWeights& weights, const bf16* dy,
                         const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
   void backward_combine(cudaStream_t stream);
+  // A placement with replicas: each replicated expert's weight gradients (this rank's slots, as
+  // given to backward) summed over its replicas, one fp32 all-reduce of the replicated experts over
+  // all ranks (zeros where a rank holds none of them). backward() calls it when
+  // options.sum_replica_gradients; a caller that sets that false calls it itself, once it has
+  // added up what it sums (collective: every rank, in the same order among the communicator's
+  // other calls). Nothing where no expert is replicated.
+  void sum_over_replicas(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
 
   // Tutel's layout r for the next forward and its backward: 0 data-parallel experts, 1 expert
   // parallel (the default; FastMoE's layer above), r > 1 experts sharded over r ranks along H (see
@@ -365,8 +376,6 @@ class ExpertParallelGpu {
   ExpertParallelGpuWeights gather_expert_weights(const ExpertParallelGpuWeights& stored, cudaStream_t stream);
   void return_expert_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
   void sum_partials(bf16* out, cudaStream_t stream);  // r > 1: partials_ -> one row a kept slot, in send order
-  // A placement with replicas: each replicated expert's weight gradients summed over its replicas.
-  void sum_over_replicas(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
   // The d-chunk pipeline shared by forward and backward: `out` rows in send order go to the experts,
   // `work(c)` runs on `stream` once chunk c arrived, its rows come back into `back` in send order.
   // pipeline_out sends and computes every chunk; with bring_back, in Tutel's order (chunk c back

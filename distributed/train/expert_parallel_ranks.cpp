@@ -57,6 +57,9 @@ class ExpertParallelMoeFfn final : public cuda::MoeBlockFfn {
                             {gradients.dx, gradients.d_gate_weights, gradients.d_w1, gradients.d_w2}, stream);
   }
   void backward_combine(cudaStream_t stream) override { layer_.backward_combine(stream); }
+  void sum_replica_gradients(float* const* d_w1, float* const* d_w2, cudaStream_t stream) override {
+    layer_.sum_over_replicas({nullptr, nullptr, d_w1, d_w2}, stream);
+  }
 
   const float* aux_loss() const override { return losses_.data(); }
   const float* z_loss() const override { return losses_.data() + 1; }
@@ -122,7 +125,9 @@ ExpertParallelRanks::ExpertParallelRanks(Communicator& host, Communicator& devic
                                 std::to_string(device.rank()) + " of " + std::to_string(device.size()) +
                                 "; they must span the same ranks in the same order");
   }
-  layer_options_.all_reduce_router_gradient = false;  // the model sums every replicated gradient itself
+  // The model sums every replicated gradient itself, the replicas' with them once a step.
+  layer_options_.all_reduce_router_gradient = false;
+  layer_options_.sum_replica_gradients = false;
   exchange_ = std::make_unique<DeviceExchange>(device_);
 }
 
