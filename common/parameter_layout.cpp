@@ -13,15 +13,16 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& config) {
   validate(config);
   const int64_t D = config.model_dim;
   std::vector<ParameterInfo> layout;
-  int64_t offset = 0;
+  int64_t offset = 0, block = -1;
   auto add = [&](std::string name, int64_t rows, int64_t cols, ParameterKind kind, int64_t expert = -1) {
     const bool decays = kind == ParameterKind::matrix || kind == ParameterKind::residual_projection;
-    layout.push_back({std::move(name), rows, cols, offset, decays, kind, expert});
+    layout.push_back({std::move(name), rows, cols, offset, decays, kind, expert, block});
     offset += rows * cols;
   };
   add("token_embedding", kByteVocabulary, D, ParameterKind::matrix);
   add("position_embedding", config.seq_len, D, ParameterKind::matrix);
   for (int64_t i = 0; i < config.num_layers; ++i) {
+    block = i;
     const std::string prefix = "blocks." + std::to_string(i) + ".";
     add(prefix + "ln1.gain", 1, D, ParameterKind::gain);
     add(prefix + "ln1.bias", 1, D, ParameterKind::bias);
@@ -42,6 +43,7 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& config) {
       add(prefix + "ffn.w2", config.dense_hidden_dim, D, ParameterKind::residual_projection);
     }
   }
+  block = -1;
   add("final_ln.gain", 1, D, ParameterKind::gain);
   add("final_ln.bias", 1, D, ParameterKind::bias);
   return layout;

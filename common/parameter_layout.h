@@ -42,6 +42,7 @@ struct ParameterInfo {
   bool weight_decay = false;  // true for the matrices, false for LayerNorm gains and biases
   ParameterKind kind = ParameterKind::matrix;
   int64_t expert = -1;  // e of an expert's matrix (moe.w1.e, moe.w2.e); -1 for every other parameter
+  int64_t block = -1;   // i of a block's parameter ("blocks.i.*"); -1 for the embeddings and final_ln
 };
 
 // Every parameter of the model, in the order above. Throws as validate(config) does.

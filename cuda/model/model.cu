@@ -206,9 +206,8 @@ std::vector<ParameterSpan> parameter_layout(const ModelGpuConfig& c) {
   std::vector<ParameterSpan> layout;
   int64_t offset = 0;
   for (const ParameterInfo& p : moe::parameter_layout(model_config_of(c))) {
-    const bool expert = p.expert >= 0;
-    if (expert && !held[size_t(std::stoll(p.name.substr(7)))][size_t(p.expert)]) continue;  // "blocks.i.moe...": another rank's
-    layout.push_back({p.name, p.rows, p.cols, offset, p.weight_decay, expert});
+    if (p.expert >= 0 && !held[size_t(p.block)][size_t(p.expert)]) continue;  // another rank's expert
+    layout.push_back({p.name, p.rows, p.cols, offset, p.weight_decay, p.expert, p.block});
     offset += p.rows * p.cols;
   }
   return layout;
@@ -372,17 +371,15 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
     gradient_buckets_.resize(size_t(config_.num_layers + 1));
     for (const ParameterSpan& p : layout_) {
       const int64_t count = p.rows * p.cols;
-      const float weight = p.expert ? float(expert_weight[size_t(std::stoll(p.name.substr(7)))][size_t(
-                                          std::stoll(p.name.substr(p.name.rfind('.') + 1)))])
-                                    : 1.0f / float(config_.ranks);
+      const float weight = p.is_expert() ? float(expert_weight[size_t(p.block)][size_t(p.expert)])
+                                         : 1.0f / float(config_.ranks);
       if (!spans.empty() && spans.back().weight == weight && spans.back().offset + spans.back().count == p.offset) {
         spans.back().count += count;
       } else {
         spans.push_back({p.offset, count, weight});
       }
-      if (!p.expert) {  // into its block's bucket ("blocks.i.*"), else the last one
-        const bool in_block = p.name.rfind("blocks.", 0) == 0;
-        auto& bucket = gradient_buckets_[in_block ? size_t(std::stoll(p.name.substr(7))) : size_t(config_.num_layers)];
+      if (!p.is_expert()) {  // into its block's bucket, else the last one
+        auto& bucket = gradient_buckets_[p.block >= 0 ? size_t(p.block) : size_t(config_.num_layers)];
         if (!bucket.empty() && bucket.back().first + bucket.back().second == p.offset) {
           bucket.back().second += count;
         } else {
@@ -396,8 +393,7 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
   if (lane_count > 1) {  // every tensor of block i (its experts' too) in run i; the rest in run L
     lane_merge_spans_.resize(size_t(config_.num_layers + 1));
     for (const ParameterSpan& p : layout_) {
-      const bool in_block = p.name.rfind("blocks.", 0) == 0;
-      auto& runs = lane_merge_spans_[in_block ? size_t(std::stoll(p.name.substr(7))) : size_t(config_.num_layers)];
+      auto& runs = lane_merge_spans_[p.block >= 0 ? size_t(p.block) : size_t(config_.num_layers)];
       if (!runs.empty() && runs.back().first + runs.back().second == p.offset) {
         runs.back().second += p.rows * p.cols;
       } else {

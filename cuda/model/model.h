@@ -152,7 +152,9 @@ struct ParameterSpan {
   int64_t cols = 0;
   int64_t offset = 0;  // first entry in the flat buffers
   bool weight_decay = false;
-  bool expert = false;  // an expert's W1 or W2: lives on one rank when the model spans several
+  int64_t expert = -1;  // e of an expert's W1 or W2 (which live where the block's placement puts them); -1 else
+  int64_t block = -1;   // i of a block's tensor ("blocks.i.*"); -1 for the embeddings and the final norm
+  bool is_expert() const { return expert >= 0; }
 };
 
 // The GPU run of `model` with N = batch sequences a step on one GPU; a trainer on several ranks or

@@ -177,7 +177,7 @@ std::vector<float> merge_ranks(const cuda::ModelGpuConfig& local, const std::vec
       const float* end = first + p.rows * p.cols;
       float* into = whole.data() + offset.at(p.name);
       const auto [held, fresh] = taken_from.try_emplace(p.name, q);
-      if (p.expert && !fresh) {  // a replica: bit for bit the copy taken already
+      if (p.is_expert() && !fresh) {  // a replica: bit for bit the copy taken already
         const auto [at, there] = std::mismatch(first, end, into, [](float a, float b) {
           return std::memcmp(&a, &b, sizeof a) == 0;
         });
@@ -296,7 +296,7 @@ std::unique_ptr<cuda::ModelGpu> replace_model(std::unique_ptr<cuda::ModelGpu> mo
   }
   const cuda::ModelGpu::StateArrays arrays{whole[0].data(), whole[1].data(), whole[2].data()};
   model->export_state(whole_layout, arrays, [&](const cuda::ParameterSpan& p) {
-    return p.expert ? first_holder.at(p.name) : view.root();
+    return p.is_expert() ? first_holder.at(p.name) : view.root();
   });
   const int64_t optimizer_steps = model->optimizer_steps();
   if (view.ranks() != nullptr) {

@@ -328,7 +328,7 @@ TEST_F(DistributedTrainingTest, TheBackwardSumsEveryReplicatedGradientOverTheRan
   std::vector<float> replicated;  // every rank's replicated gradients, gathered to compare their bits
   int64_t tensors = 0;
   for (const cuda::ParameterSpan& p : model.layout()) {
-    if (p.expert) continue;
+    if (p.is_expert()) continue;
     ++tensors;
     double scale = 0, worst = 0;
     for (int64_t i = 0; i < p.rows * p.cols; ++i) scale = std::max(scale, std::abs(double(want[size_t(whole_offset.at(p.name) + i)])));

@@ -80,7 +80,7 @@ TEST(TrainerPlacement, MergeRanksGivesTheWholeModelAndCatchesReplicasThatDiffer)
     for (const moe::cuda::ParameterSpan& p : moe::cuda::parameter_layout(local)) {
       parts[size_t(q)].insert(parts[size_t(q)].end(), whole.begin() + offset.at(p.name),
                               whole.begin() + offset.at(p.name) + p.rows * p.cols);
-      experts += p.expert ? 1 : 0;
+      experts += p.is_expert() ? 1 : 0;
     }
     EXPECT_EQ(experts, 2 * (3 + 2)) << "rank " << q << ": W1 and W2 of 3 experts in block 0 and 2 in block 1";
   }
