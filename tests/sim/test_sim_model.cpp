@@ -483,6 +483,37 @@ TEST(SimCalibration, CalibratesFromEpBenchAndValidatesAgainstIt) {
   std::filesystem::remove_all(dir);
 }
 
+// The bundled validation of one four-GPU host (notebooks_data/sim/validation_h200x4_2026-11-29.json)
+// is what the model predicts today from that host's calibration and measured runs, row for row: a
+// change to the model shows here, and the file and lesson 09's table must then be made again.
+TEST(SimCalibration, TheBundledOneHostValidationIsWhatTheModelPredicts) {
+  const std::filesystem::path sim = "notebooks_data/sim", bench = "notebooks_data/bench";
+  const std::filesystem::path stored_path = sim / "validation_h200x4_2026-11-29.json";
+  if (!std::filesystem::exists(stored_path)) GTEST_SKIP() << stored_path.string() << " is not in this checkout";
+  const nlohmann::json stored = nlohmann::json::parse(std::ifstream(stored_path));
+  std::vector<std::filesystem::path> files;
+  for (const char* name : {"ep_bench_calibrate_r1", "train_brown_step300_r1", "ep_bench_calibrate_lm_layer_r1",
+                           "ep_bench_calibrate_lm_layer_r2", "ep_bench_calibrate_lm_layer_r4", "ep_bench_calibrate_r2",
+                           "ep_bench_calibrate_r4", "train_brown_step300_r2", "train_brown_step300_r4"}) {
+    files.push_back(bench / (std::string(name) + "_h200x4_2026-11-29.json"));
+  }
+  const std::vector<ValidationRow> rows =
+      validate_against_measurements(load_calibration(sim / "calibration_h200x2_2026-11-29.json"), files);
+  ASSERT_EQ(rows.size(), stored.at("rows").size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const nlohmann::json& want = stored["rows"][i];
+    EXPECT_EQ(rows[i].what, want.at("what").get<std::string>()) << "row " << i;
+    EXPECT_EQ(rows[i].ranks, want.at("ranks").get<int64_t>()) << rows[i].what;
+    EXPECT_DOUBLE_EQ(rows[i].measured_us, want.at("measured_us").get<double>()) << rows[i].what;
+    EXPECT_NEAR(rows[i].predicted_us, want.at("predicted_us").get<double>(), 1e-6 * want.at("predicted_us").get<double>())
+        << rows[i].what << " at R = " << rows[i].ranks;
+  }
+  const ValidationSummary summary = summarize(rows);
+  EXPECT_EQ(summary.rows, 24);
+  EXPECT_EQ(summary.held_out_rows, 14);
+  EXPECT_LT(summary.median_abs_error, 0.05) << "the median target";
+}
+
 TEST(SimLanguageModel, TheStepOnTwoGpusSwapsTheLocalExchangesForTheClusters) {
   // One MoE block of the worked example's layer (D = 100, H = 200, E = 2, K = 1, 1000 tokens a
   // GPU): on two GPUs its count exchange (7 us) and four all-to-alls of 500 rows (10 us each) add
