@@ -57,7 +57,7 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
   for (const ParameterInfo& p : parameter_layout(model)) {
     const double count = static_cast<double>(p.rows * p.cols);
     (p.expert >= 0 ? expert_parameters : other_parameters) += count;
-    if (p.name.rfind("blocks.", 0) != 0) outside_blocks += count;
+    if (p.block < 0) outside_blocks += count;
   }
 
   const LayerSpec layer = layer_spec_of(moe_layer_config(model, one.tokens_per_rank / model.seq_len));
