@@ -492,7 +492,8 @@ calibrate() {
     --out "$OUT/sim/ep_bench_r1.json" > "$LOGS/calibrate_r1.log" 2>&1 || rc=1
   grep -E "^ (ep_layer|dispatch)|^(PASS|FAIL)" "$LOGS/calibrate_r1.log"
   # The layer at the language model's MoE shape (throughput preset: D=512 H=1024 E=16 K=2), on one
-  # GPU (into the calibration), on two (predicted) and on four (hold-out).
+  # GPU (into the calibration), on two (its d = 2 phases give that shape's overlap contention, the
+  # rest is predicted) and on four (hold-out).
   for r in 1 2 4; do
     [ "$r" -le "$gpus" ] || break
     "${mpirun[@]}" -np $r $ep --backend nccl --only layer --layer 16384,512,1024,16,2 --pipeline-chunks 1,2 \
@@ -523,7 +524,7 @@ calibrate() {
   done
   device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | grep -oE 'h100|h200|a100|b200' || echo gpu)
   kind="${device}x2_$(date -u +%F)"
-  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json" \
+  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json,$OUT/sim/ep_bench_lm_layer_r2.json" \
     --calibration-out "$OUT/sim/calibration_$kind.json" || rc=1
   # Four-GPU runs: this machine's when it has four, else the kept ones of the same machine kind.
   [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_exposed_r4_h200x4_2026-11-28.json,notebooks_data/bench/ep_bench_exposed_lm_layer_r4_h200x4_2026-11-28.json,notebooks_data/bench/train_brown_step300_r4_h200x4_2026-11-28.json"

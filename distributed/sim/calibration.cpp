@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <stdexcept>
 
@@ -61,18 +62,64 @@ LayerShape shape_from(const nlohmann::json& j) {
           j.at("experts").get<int64_t>(),         j.at("top_k").get<int64_t>(),     j.value("block_size", int64_t{128})};
 }
 
+nlohmann::json contention_json(const OverlapContention& o) { return {{"sigma", o.sigma}, {"ranks", o.ranks}}; }
+
+OverlapContention contention_from(const nlohmann::json& j) { return {j.at("sigma").get<double>(), j.at("ranks").get<int64_t>()}; }
+
 nlohmann::json layer_json(const LayerCalibration& layer) {
   nlohmann::json steps = nlohmann::json::object(), phases = nlohmann::json::object();
   for (const auto& [d, us] : layer.step_us) steps[std::to_string(d)] = us;
   for (const auto& [d, by_name] : layer.phases_us) phases[std::to_string(d)] = by_name;
-  return {{"shape", shape_json(layer.shape)}, {"step_us", steps}, {"phases_us", phases}};
+  nlohmann::json out = {{"shape", shape_json(layer.shape)}, {"step_us", steps}, {"phases_us", phases}};
+  if (layer.overlap_contention.ranks > 0) out["overlap_contention"] = contention_json(layer.overlap_contention);
+  return out;
 }
 
 LayerCalibration layer_from(const nlohmann::json& shape, const nlohmann::json& steps, const nlohmann::json& phases) {
-  LayerCalibration layer{shape_from(shape), {}, {}};
+  LayerCalibration layer{shape_from(shape), {}, {}, {}};
   for (const auto& [d, us] : steps.items()) layer.step_us[parse_integer(d).value_or(0)] = us.get<double>();
   for (const auto& [d, by_name] : phases.items()) layer.phases_us[parse_integer(d).value_or(0)] = by_name.get<std::map<std::string, double>>();
   return layer;
+}
+
+double phase(const LayerCalibration& layer, int64_t d, const char* name) {
+  const auto at_d = layer.phases_us.find(d);
+  if (at_d == layer.phases_us.end()) return -1;
+  const auto it = at_d->second.find(name);
+  return it == at_d->second.end() ? -1 : it->second;
+}
+
+// overlap_contention, sigma: with the layer pipelined in d chunks, 2 (d - 1) of each pass's 2 d
+// chunk exchanges run beside a chunk's experts (every one but the first out and the last back), so
+// (d - 1) / d of the step's exchange time X (ep_dispatch + ep_combine_exchange at d = 1) overlaps
+// the experts. What the experts lose to it is their growth from d = 1 to d at R ranks, less their
+// growth on one GPU (the chunks' own launch costs, already in the model):
+//   sigma_d = [(E_R(d) - E_R(1)) - (E_1(d) - E_1(1))] / ((d - 1) / d X_R(1)),  E = ep_experts
+// averaged over the d > 1 measured, at the smallest R >= 2 measured at the one-GPU layer's shape.
+OverlapContention fit_overlap_contention(const LayerCalibration& one_gpu, const std::vector<std::pair<int64_t, LayerCalibration>>& layers) {
+  std::optional<std::pair<int64_t, OverlapContention>> best;  // the smallest R that gives a figure
+  for (const auto& [R, layer] : layers) {
+    const LayerShape& s = layer.shape;
+    const LayerShape& one = one_gpu.shape;
+    if (s.tokens_per_rank != one.tokens_per_rank || s.model_dim != one.model_dim || s.hidden_dim != one.hidden_dim ||
+        (s.experts != one.experts && s.experts != one.experts * R) || s.top_k != one.top_k || (best && best->first <= R)) {
+      continue;  // another shape than the one-GPU layer's (its E spread over R, or E each), or a larger R than one fitted
+    }
+    const double exchange = phase(layer, 1, "ep_dispatch") + phase(layer, 1, "ep_combine_exchange");
+    const double experts_1 = phase(layer, 1, "ep_experts"), one_gpu_1 = phase(one_gpu, 1, "ep_experts");
+    if (exchange <= 0 || experts_1 <= 0 || one_gpu_1 <= 0) continue;
+    double sum = 0;
+    int n = 0;
+    for (const auto& [d, phases] : layer.phases_us) {
+      const double experts_d = phase(layer, d, "ep_experts"), one_gpu_d = phase(one_gpu, d, "ep_experts");
+      if (d < 2 || experts_d <= 0 || one_gpu_d <= 0) continue;
+      const double overlapped = static_cast<double>(d - 1) / static_cast<double>(d) * exchange;
+      sum += ((experts_d - experts_1) - (one_gpu_d - one_gpu_1)) / overlapped;
+      ++n;
+    }
+    if (n > 0) best = {R, OverlapContention{std::clamp(sum / n, 0.0, 2.0), R}};
+  }
+  return best ? best->second : OverlapContention{};
 }
 
 }  // namespace
@@ -96,6 +143,7 @@ Calibration Calibration::at_language_model_layer() const {
   out.layer = language_model.layer.shape;
   out.layer_step_us = language_model.layer.step_us;
   out.layer_phases_us = language_model.layer.phases_us;
+  out.overlap_contention = language_model.layer.overlap_contention;
   return out;
 }
 
@@ -115,6 +163,8 @@ Calibration Calibration::limited_to(int64_t max_ranks) const {
   for (const auto& [ranks, us] : count_exchange_us) {
     if (ranks <= max_ranks) out.count_exchange_us[ranks] = us;
   }
+  if (overlap_contention.ranks > max_ranks) out.overlap_contention = {};
+  if (language_model.layer.overlap_contention.ranks > max_ranks) out.language_model.layer.overlap_contention = {};
   out.gpus_measured = std::min(gpus_measured, max_ranks);
   return out;
 }
@@ -128,7 +178,7 @@ nlohmann::json to_json(const Calibration& c) {
   json["gpus_measured"] = c.gpus_measured;
   json["made_by"] = c.made_by;
   json["sources"] = c.sources;
-  const nlohmann::json layer = layer_json({c.layer, c.layer_step_us, c.layer_phases_us});
+  const nlohmann::json layer = layer_json({c.layer, c.layer_step_us, c.layer_phases_us, c.overlap_contention});
   json["layer"] = layer["shape"];
   json["layer_step_us"] = layer["step_us"];
   json["layer_phases_us"] = layer["phases_us"];
@@ -145,6 +195,7 @@ nlohmann::json to_json(const Calibration& c) {
   json["device_copy_gbs"] = c.device_copy_gbs;
   json["host_to_device_gbs"] = c.host_to_device_gbs;
   json["intra_node_per_peer_us"] = c.intra_node_per_peer_us;
+  if (c.overlap_contention.ranks > 0) json["overlap_contention"] = contention_json(c.overlap_contention);
   if (c.language_model.measured()) {
     json["language_model"] = {{"config", c.language_model.config}, {"step_ms", c.language_model.step_ms},
                               {"phase_ms", c.language_model.phase_ms}, {"tokens_per_rank", c.language_model.tokens_per_rank}};
@@ -184,6 +235,7 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
     c.device_copy_gbs = json.value("device_copy_gbs", 0.0);
     c.host_to_device_gbs = json.value("host_to_device_gbs", 0.0);
     c.intra_node_per_peer_us = json.value("intra_node_per_peer_us", 1.0);
+    if (json.contains("overlap_contention")) c.overlap_contention = contention_from(json["overlap_contention"]);
     if (json.contains("language_model")) {
       const nlohmann::json& lm = json["language_model"];
       c.language_model = {lm.at("config"), lm.at("step_ms").get<double>(), lm.at("phase_ms").get<std::map<std::string, double>>(),
@@ -191,6 +243,7 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
       if (lm.contains("layer")) {
         const nlohmann::json& l = lm["layer"];
         c.language_model.layer = layer_from(l.at("shape"), l.at("step_us"), l.at("phases_us"));
+        if (l.contains("overlap_contention")) c.language_model.layer.overlap_contention = contention_from(l["overlap_contention"]);
       }
     }
     const nlohmann::json& inter = json.at("inter_node");
@@ -212,6 +265,9 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
   if (!(c.inter_node.nic_gbs > 0) || !(c.inter_node.efficiency > 0) || c.inter_node.efficiency > 1 || c.inter_node.latency_us < 0 ||
       c.inter_node.per_peer_us < 0) {
     refuse(source, "inter_node: nic_gbs > 0, 0 < efficiency <= 1, latency_us and per_peer_us >= 0");
+  }
+  for (const OverlapContention& o : {c.overlap_contention, c.language_model.layer.overlap_contention}) {
+    if (!(o.sigma >= 0 && o.sigma <= 2) || o.ranks < 0) refuse(source, "overlap_contention: sigma between 0 (free overlap) and 2, ranks >= 0");
   }
   std::sort(c.all_to_all.begin(), c.all_to_all.end(), [](const AllToAllCurve& a, const AllToAllCurve& b) { return a.ranks < b.ranks; });
   return c;
@@ -258,6 +314,7 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
   std::map<int64_t, Curve> curves;  // [R]
   Curve dispatch_combine;
   std::vector<LayerCalibration> one_gpu_layers;  // each R = 1 layer run
+  std::vector<std::pair<int64_t, LayerCalibration>> many_gpu_layers;  // (R, its layer) at R >= 2: overlap_contention
   for (const std::filesystem::path& path : files) {
     const std::string source = path.string();
     const nlohmann::json json = read_json_file(path, "");
@@ -272,6 +329,7 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
     }
     for (const nlohmann::json& run : runs) {
       bool run_used = false, layer_started = false;
+      std::optional<LayerCalibration> pipelined;  // this run's layer at R >= 2
       if (run.value("benchmark", "") != "ep_bench" || !run.contains("rows")) continue;
       const int64_t R = run.value("ranks", int64_t{0});
       const std::string device = run.value("device", "");
@@ -284,7 +342,7 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
         if (R == 1 && variant.rfind("ep_layer d=", 0) == 0) {
           const int64_t d = parse_integer(variant.substr(11)).value_or(0);
           if (d < 1) continue;
-          if (!layer_started) one_gpu_layers.push_back({shape_from(run.at("layer")), {}, {}});
+          if (!layer_started) one_gpu_layers.push_back({shape_from(run.at("layer")), {}, {}, {}});
           layer_started = true;
           LayerCalibration& layer = one_gpu_layers.back();
           layer.step_us[d] = us;
@@ -292,6 +350,15 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
           phases.clear();
           const nlohmann::json timed = row.value("phases_rank0", nlohmann::json::object());
           for (const auto& [name, phase] : timed.items()) phases[name] = phase.value("median_us", 0.0);
+          run_used = true;
+        } else if (R >= 2 && variant.rfind("ep_layer d=", 0) == 0) {
+          // The d rows (not "d=1 overlap") of a layer run at R ranks: its phases.
+          const std::optional<int64_t> d = parse_integer(variant.substr(11));
+          if (!d || *d < 1) continue;
+          if (!pipelined) pipelined = LayerCalibration{shape_from(run.at("layer")), {}, {}, {}};
+          pipelined->step_us[*d] = us;
+          const nlohmann::json timed = row.value("phases_rank0", nlohmann::json::object());
+          for (const auto& [name, phase] : timed.items()) pipelined->phases_us[*d][name] = phase.value("median_us", 0.0);
           run_used = true;
         } else if (R == 1 && variant == "dispatch+combine") {
           dispatch_combine.bytes_per_rank.push_back(bytes);
@@ -306,11 +373,12 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
           run_used = true;
         }
       }
+      if (pipelined) many_gpu_layers.emplace_back(R, std::move(*pipelined));
       if (run_used) c.gpus_measured = std::max(c.gpus_measured, R);
       used = used || run_used;
     }
     if (!used) {
-      refuse(source, "no ep_bench row moe_sim calibrates from (the layer's d rows at R = 1, alltoall or count_exchange at R >= 2, "
+      refuse(source, "no ep_bench row moe_sim calibrates from (the layer's d rows, alltoall or count_exchange at R >= 2, "
                      "dispatch+combine at R = 1) and no training benchmark of one rank");
     }
     c.sources.push_back(path.filename().string());
@@ -338,6 +406,10 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
     const AllToAllCurve& b = c.all_to_all.back();
     const double extra = (b.curve.time_us.front() - a.curve.time_us.front()) / static_cast<double>(b.ranks - a.ranks);
     if (extra > 0) c.intra_node_per_peer_us = extra;
+  }
+  c.overlap_contention = fit_overlap_contention({c.layer, c.layer_step_us, c.layer_phases_us, {}}, many_gpu_layers);
+  if (c.language_model.layer.measured()) {
+    c.language_model.layer.overlap_contention = fit_overlap_contention(c.language_model.layer, many_gpu_layers);
   }
   c.inter_node.source =
       "published, not measured here: 400 Gb/s NDR InfiniBand, one NIC a GPU (50 GB/s each way); DeepEP reports "

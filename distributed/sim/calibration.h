@@ -9,7 +9,9 @@
 //   - the raw NCCL all-to-all's time against bytes a rank at R = 2 (and 4 where measured), and the
 //     count exchange (a few hundred bytes: the latency of one small all-to-all);
 //   - optionally dispatch + combine with identity experts on one GPU (the layer's passes around
-//     the exchange, without a network) at a few sizes.
+//     the exchange, without a network) at a few sizes;
+//   - how much an exchange slows the experts it runs beside (overlap_contention), from each layer
+//     shape's phases at R = 2 and d = 1, 2, 4 against the same phases on one GPU.
 // What cannot be measured on one host is published, and says where it comes from (inter_node).
 //
 // Tests: ctest -R SimCalibration. Format version 1; an unknown version is refused.
@@ -52,11 +54,21 @@ struct LayerShape {
   int64_t block_size = 128;     // B
 };
 
+// sigma: of the time an exchange's kernels run beside the experts' kernels on one GPU, the fraction
+// the experts lose. 0: the two share the GPU for free (perfect overlap); 1: they take turns. Fitted
+// by calibrate_from_ep_bench from the layer's pipelined steps at R = ranks (0: not measured, and
+// sigma = 0), for each layer shape the calibration holds: it depends on the shape.
+struct OverlapContention {
+  double sigma = 0;
+  int64_t ranks = 0;
+};
+
 // The expert-parallel layer's step on one GPU at one shape (ep_bench --only layer at R = 1).
 struct LayerCalibration {
   LayerShape shape;
   std::map<int64_t, double> step_us;                          // [d]
   std::map<int64_t, std::map<std::string, double>> phases_us;  // [d][phase]
+  OverlapContention overlap_contention;                       // from the same shape at R >= 2
   bool measured() const { return !step_us.empty(); }
 };
 
@@ -98,6 +110,7 @@ struct Calibration {
   double device_copy_gbs = 0;      // HBM copy, read + write counted once (0: not measured)
   double host_to_device_gbs = 0;   // pinned (0: not measured)
   double intra_node_per_peer_us = 1.0;  // what each further NVLink peer adds to a small all-to-all
+  OverlapContention overlap_contention;  // the layer's (at_language_model_layer: the model's layer's)
   InterNode inter_node;
   LanguageModelStep language_model;     // not measured: step_ms = 0
 

@@ -271,6 +271,27 @@ double CostModel::all_to_all_us(const StepLoad& load, double fraction, bool back
   return layer_.all_to_all == AllToAllKind::hierarchical ? hierarchical_us(load, fraction, back) : flat_us(load, fraction, back);
 }
 
+double CostModel::exchange_kernels_us(const StepLoad& load, double fraction, bool back) const {
+  const int64_t R = load.ranks;
+  if (R == 1) return 0;
+  double largest = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    double out = 0, in = 0;
+    for (int64_t t = 0; t < R; ++t) {
+      if (t == r) continue;
+      out += back ? load.sent(t, r) : load.sent(r, t);
+      in += back ? load.sent(r, t) : load.sent(t, r);
+    }
+    largest = std::max(largest, std::max(out, in));
+  }
+  const int64_t peers = std::max<int64_t>(1, std::min(cluster_.gpus_per_node, R) - 1);
+  return intra_node_us(largest * fraction * layer_.bytes_per_row(), peers);
+}
+
+double CostModel::beside_exchange_us(double experts_us, double exchange_kernels_us) const {
+  return experts_us + calibration_.overlap_contention.sigma * std::min(experts_us, exchange_kernels_us);
+}
+
 double CostModel::uniform_all_to_all_us(double bytes_per_rank) const {
   const int64_t R = cluster_.ranks();
   const StepLoad load = step_load_from_shares(std::vector<double>(static_cast<size_t>(R), 1.0 / static_cast<double>(R)), R,

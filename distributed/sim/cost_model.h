@@ -14,6 +14,9 @@
 //     padded to the block size B, as the block-sparse kernels pad them; backward = 2 x forward,
 //     every part;
 //   - the experts' SGD: the one-GPU figure, scaled by the parameters a rank holds;
+//   - an exchange beside the experts (Tutel's chunks, two micro-batches): the two kernels share one
+//     GPU, and the experts lose sigma of the time the exchange's kernels run beside them
+//     (calibration.h's overlap_contention, measured: about 1 on an NVLink host, they take turns);
 //   - an all-to-all inside a node: the measured NCCL curve (time against bytes a rank at R_c
 //     ranks), read at the bytes that leave the GPU, plus a per-peer cost for more peers than R_c - 1;
 //   - between nodes: latency + bytes / (NIC x efficiency) + a per-peer cost (published figures);
@@ -104,6 +107,15 @@ class CostModel {
   double uniform_all_to_all_us(double bytes_per_rank) const;
   double count_exchange_us() const;
   double small_all_reduce_us() const;
+
+  // What an exchange's kernels take of the GPU: its largest egress (or ingress) at NVLink's
+  // measured rate, whether the bytes stay in the node or leave it through the NIC (between nodes
+  // the kernels move the same bytes, slower; that contention is assumed, not measured). 0 at R = 1.
+  double exchange_kernels_us(const StepLoad& load, double fraction, bool back) const;
+  // An experts launch of experts_us with exchanges whose kernels take exchange_kernels_us running
+  // beside it: experts_us + sigma min(experts_us, exchange_kernels_us).
+  double beside_exchange_us(double experts_us, double exchange_kernels_us) const;
+  double overlap_contention() const { return calibration_.overlap_contention.sigma; }
 
   // Pieces the validation and the tests look at.
   double intra_node_us(double egress_bytes, int64_t peers) const;

@@ -14,6 +14,7 @@ struct MicroBatch {
   double tokens = 0;        // a rank's tokens
   std::vector<double> experts_forward_us, experts_backward_us;  // [R] one launch of d
   double out_us = 0, back_us = 0;  // one exchange of one chunk
+  double out_kernels_us = 0, back_kernels_us = 0;  // what its kernels take of the GPU (cost_model.h)
   Op last;                  // the last operation issued for it
 };
 
@@ -31,6 +32,8 @@ MicroBatch micro_batch(const CostModel& model, const StepLoad& load, int parts, 
   const double fraction = 1.0 / static_cast<double>(layer.chunks);
   m.out_us = model.all_to_all_us(part, fraction, false);
   m.back_us = model.all_to_all_us(part, fraction, true);
+  m.out_kernels_us = model.exchange_kernels_us(part, fraction, false);
+  m.back_kernels_us = model.exchange_kernels_us(part, fraction, true);
   return m;
 }
 
@@ -39,7 +42,9 @@ MicroBatch micro_batch(const CostModel& model, const StepLoad& load, int parts, 
 // runs while unit i's experts do; with two micro-batches, the second's rows travel while the first's
 // experts run, and the first's come back while the second's do. Each micro-batch's chunks go out
 // once its own work before (its `last`) is done; `last` becomes its last chunk's way back.
-void pipeline(Timeline& timeline, std::vector<MicroBatch>& batches, int64_t chunks, bool backward) {
+// A unit's experts share the GPU with the exchanges beside them, the next unit's way out and the
+// previous unit's way back, and take longer for it (CostModel::beside_exchange_us).
+void pipeline(Timeline& timeline, const CostModel& model, std::vector<MicroBatch>& batches, int64_t chunks, bool backward) {
   const std::string out_name = backward ? "gradient_out" : "dispatch";
   const std::string back_name = backward ? "gradient_back" : "combine_exchange";
   const std::string experts_name = backward ? "experts_backward" : "experts_forward";
@@ -55,7 +60,10 @@ void pipeline(Timeline& timeline, std::vector<MicroBatch>& batches, int64_t chun
   Op out = send(*units.front());
   for (size_t i = 0; i < units.size(); ++i) {
     MicroBatch& m = *units[i];
-    const Op experts = timeline.local(experts_name + m.suffix, kCompute, backward ? m.experts_backward_us : m.experts_forward_us, {out});
+    const double beside = (i + 1 < units.size() ? units[i + 1]->out_kernels_us : 0.0) + (i > 0 ? units[i - 1]->back_kernels_us : 0.0);
+    std::vector<double> experts_us = backward ? m.experts_backward_us : m.experts_forward_us;
+    for (double& us : experts_us) us = model.beside_exchange_us(us, beside);
+    const Op experts = timeline.local(experts_name + m.suffix, kCompute, experts_us, {out});
     if (i + 1 < units.size()) out = send(*units[i + 1]);
     m.last = timeline.collective(back_name + m.suffix, kExchange, m.back_us, {experts});
   }
@@ -80,7 +88,7 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
     const Op count = timeline.collective("count_exchange" + m.suffix, kCompute, count_us, {route});
     m.last = timeline.local("permute" + m.suffix, kCompute, model.permute_us(m.tokens), {count});
   }
-  pipeline(timeline, batches, layer.chunks, false);
+  pipeline(timeline, model, batches, layer.chunks, false);
   // The combine and the start of the backward, then the gradients' pipeline.
   for (MicroBatch& m : batches) {
     // At r > 1 each slot's r partial rows are summed first: r rows read for each one combined.
@@ -88,7 +96,7 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
     const Op combine = timeline.local("combine" + m.suffix, kCompute, model.combine_us(m.tokens) * partial_rows, {m.last});
     m.last = timeline.local("combine_backward" + m.suffix, kCompute, model.combine_backward_us(m.tokens), {combine});
   }
-  pipeline(timeline, batches, layer.chunks, true);
+  pipeline(timeline, model, batches, layer.chunks, true);
   std::vector<Op> router;
   for (MicroBatch& m : batches) router.push_back(timeline.local("router_backward" + m.suffix, kCompute, model.router_backward_us(m.tokens), {m.last}));
   // The expert gradients are complete after the last of these (the SGD waits for it).

@@ -152,7 +152,10 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
           const bool of_model = used.layer.model_dim != calibration.layer.model_dim || used.layer.hidden_dim != calibration.layer.hidden_dim;
           out.what = variant + (of_model ? " (D=" + std::to_string(layer.model_dim) + ")" : "");
           out.predicted_us = simulate(spec, used).median_step_us();
-          out.calibration = R == 1;
+          // The pipelined steps overlap_contention was fitted from (their phases) are calibration too.
+          const bool source = std::find(calibration.sources.begin(), calibration.sources.end(), out.file) != calibration.sources.end();
+          const bool contention_from_it = source && !by_layout && !layer.overlap && layer.chunks > 1 && R == used.overlap_contention.ranks;
+          out.calibration = R == 1 || contention_from_it;
         } else if (variant == "alltoall" && R > 1) {
           layer.experts = R;  // the raw all-to-all: equal bytes to every rank
           const CostModel model(calibration, cluster, layer);
