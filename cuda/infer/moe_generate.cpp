@@ -17,7 +17,7 @@
 //
 // With --run-dir, a run record (kind "infer", notebooks_data/README.md) for the viewer's offload
 // panel: per step an `offload` event per MoE block and spans on the compute and copy streams
-// (infer/offload_recording.h says where each time comes from).
+// (infer/offload_recording.h says where each time comes from), with either slot table.
 //
 // Sequence 0 is printed as it is produced (flushed byte by byte), the others at the end; a summary
 // (times, the experts each MoE block used, the prefetches' accuracy, the expert cache's hits and
@@ -119,7 +119,7 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
                  "where the offloading modes keep their expert cache's slot table: host (default; each MoE block's "
                  "routing is read back and the host picks the copies) or device (a kernel plans the copies from the "
                  "routing on the GPU and SMs copy the experts: no host wait inside a step, which can then be one CUDA "
-                 "graph; LRU, no --host-experts, no --run-dir)");
+                 "graph; LRU, no --host-experts; with --run-dir the steps run launched, their counts read back after each)");
   app.add_option("--graph", graph,
                  "on (default): where nothing inside a decode step waits on the host (gpu_only, or --slot-table "
                  "device), each step is one CUDA graph launch (captured on the second step; the same bits); off: "
@@ -171,9 +171,6 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
     }
     if (o.host_experts != HostExperts::off) {
       throw BadInput(refused + "cannot be combined with --host-experts (the host would need each block's routing)");
-    }
-    if (o.run_dir) {
-      throw BadInput(refused + "cannot be combined with --run-dir (the record's events are the host slot table's)");
     }
     if (o.cache_policy != CachePolicy::lru) {
       throw BadInput(refused + "evicts least recently used only (--cache-policy lru)");
@@ -304,7 +301,8 @@ int run(const std::vector<std::string>& arguments) {
     info.devices = {current_device().name};
     info.extra = {{"program", "moe_generate"}, {"weights", loaded.source.string()}, {"mode", std::string(to_string(o.mode))},
                   {"batch", o.batch}, {"prompt_bytes", P}, {"max_new_bytes", o.max_new_bytes},
-                  {"cache_slots", offloaded != nullptr ? offloaded->cache().slots() : 0},
+                  {"cache_slots", offloaded != nullptr ? offloaded->cache().slots() : device_cache != nullptr ? device_cache->slots() : 0},
+                  {"slot_table", device_cache != nullptr ? "device" : "host"},
                   {"cache_policy", to_string(o.cache_policy)}, {"host_experts", std::string(to_string(o.host_experts))},
                   {"temperature", o.sampling.temperature},
                   {"top_k", o.sampling.top_k}, {"seed", o.sampling.seed},
@@ -314,7 +312,8 @@ int run(const std::vector<std::string>& arguments) {
     } catch (const moe::RecordError& error) {
       throw BadInput(std::string("--run-dir: ") + error.what());
     }
-    recorded = std::make_unique<RecordedExpertSource>(*source, offloaded, *writer);
+    recorded = device_cache != nullptr ? std::make_unique<RecordedExpertSource>(*device_cache, *writer)
+                                       : std::make_unique<RecordedExpertSource>(*source, offloaded, *writer);
   }
   ExpertSource& model_source = recorded ? static_cast<ExpertSource&>(*recorded) : *source;
   // A stream of the model's own (the legacy default stream cannot be captured into a graph),

@@ -13,6 +13,11 @@ RecordedExpertSource::RecordedExpertSource(ExpertSource& inner, OffloadedExperts
   CUDA_CHECK(cudaEventCreate(&step_start_));
 }
 
+RecordedExpertSource::RecordedExpertSource(DeviceSlotCache& device, RunWriter& writer)
+    : RecordedExpertSource(device, nullptr, writer) {
+  device_ = &device;
+}
+
 RecordedExpertSource::~RecordedExpertSource() {
   for (cudaEvent_t event : events_) cudaEventDestroy(event);
   if (step_start_ != nullptr) cudaEventDestroy(step_start_);
@@ -65,6 +70,29 @@ void RecordedExpertSource::prefetch(int64_t block, std::span<const int32_t> expe
   marked_.push_back(copy);
 }
 
+ExpertTables RecordedExpertSource::acquire_on_device(int64_t block, const int32_t* top_experts, int64_t slots,
+                                                     cudaStream_t compute) {
+  if (device_ == nullptr) return inner_.acquire_on_device(block, top_experts, slots, compute);
+  Marked plan{"plan + copy m" + std::to_string(block), 2, take_event(), take_event()};
+  CUDA_CHECK(cudaEventRecord(plan.start, compute));
+  const ExpertTables tables = inner_.acquire_on_device(block, top_experts, slots, compute);
+  CUDA_CHECK(cudaEventRecord(plan.end, compute));
+  marked_.push_back(plan);
+  return tables;
+}
+
+void RecordedExpertSource::prefetch_on_device(int64_t block, const int32_t* top_experts, int64_t slots,
+                                              cudaStream_t compute) {
+  inner_.prefetch_on_device(block, top_experts, slots, compute);
+  if (device_ == nullptr) return;
+  // The copies start at the fork, the last work the call enqueued on `compute`, and end with the
+  // cache's stream.
+  Marked copy{"prefetch m" + std::to_string(block), 1, take_event(), take_event()};
+  CUDA_CHECK(cudaEventRecord(copy.start, compute));
+  CUDA_CHECK(cudaEventRecord(copy.end, device_->copy_stream()));
+  marked_.push_back(copy);
+}
+
 void RecordedExpertSource::begin_step(cudaStream_t compute) {
   events_used_ = 0;
   marked_.clear();
@@ -89,8 +117,9 @@ void RecordedExpertSource::end_step() {
     if (m.stream == 2 && duration_ms < 1e-3f) continue;  // no wait worth drawing (under 1 us)
     step.spans.push_back({m.name, m.stream, 1e3 * start_ms, 1e3 * duration_ms});
   }
-  if (offloaded_ != nullptr) {
-    const OffloadStatistics now = offloaded_->statistics();  // waits for the step's copies
+  if (offloaded_ != nullptr || device_ != nullptr) {
+    // Waits for the step's copies (the host table), or reads the GPU's counters after them.
+    const OffloadStatistics now = offloaded_ != nullptr ? offloaded_->statistics() : device_->statistics();
     step.blocks = now.blocks;
     for (size_t j = 0; j < now.blocks.size() && j < previous_.blocks.size(); ++j) {
       step.blocks[j].subtract(previous_.blocks[j]);

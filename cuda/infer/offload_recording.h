@@ -23,6 +23,14 @@
 // Counts come from OffloadedExperts::statistics(), read after each step (it waits for the step's
 // copies; the caller's timing events around a step are recorded before end_step).
 //
+// A DeviceSlotCache (--slot-table device) is recorded too: its decisions are made on the GPU, and
+// its per-block counters (hits, misses, prefetches, bytes) come back once a step, after it, with
+// DeviceSlotCache::statistics(), the same counts the host table gives. Its spans: "plan + copy m_j"
+// on the compute stream around acquire_on_device (the plan kernel, the copy kernel of the misses,
+// the wait for a prefetch's copies), and "prefetch m_j" on the cache's stream (from the fork after
+// the prefetch's plan to the end of its copies). Its stalls are not timed (stall_us 0). A recorded
+// step runs launched, not as a graph: the phase timer's events cannot be captured.
+//
 // Dimension legend: E experts per MoE block, M the MoE blocks, N sequences.
 #pragma once
 
@@ -35,6 +43,7 @@
 
 #include "core/phase_timer.h"           // PhaseTimer
 #include "infer/inference_model.h"      // StepResult
+#include "offload/device_slot_cache.h"  // DeviceSlotCache
 #include "offload/expert_source.h"      // ExpertSource
 #include "offload/offloaded_experts.h"  // OffloadedExperts, OffloadStatistics
 #include "run_record.h"                 // RunWriter
@@ -47,6 +56,8 @@ class RecordedExpertSource : public ExpertSource {
   // it is an OffloadedExperts, else nullptr (gpu_only: every chosen expert counts as a hit). Both
   // and the writer must outlive this object.
   RecordedExpertSource(ExpertSource& inner, OffloadedExperts* offloaded, RunWriter& writer);
+  // A slot table on the GPU: `device` is the source itself.
+  RecordedExpertSource(DeviceSlotCache& device, RunWriter& writer);
   ~RecordedExpertSource() override;
   RecordedExpertSource(const RecordedExpertSource&) = delete;
   RecordedExpertSource& operator=(const RecordedExpertSource&) = delete;
@@ -55,6 +66,9 @@ class RecordedExpertSource : public ExpertSource {
   ExpertTables acquire(int64_t block, std::span<const int32_t> experts, cudaStream_t compute) override;
   void release(int64_t block, cudaStream_t compute) override;
   void prefetch(int64_t block, std::span<const int32_t> experts) override;
+  bool plans_on_device() const override { return inner_.plans_on_device(); }
+  ExpertTables acquire_on_device(int64_t block, const int32_t* top_experts, int64_t slots, cudaStream_t compute) override;
+  void prefetch_on_device(int64_t block, const int32_t* top_experts, int64_t slots, cudaStream_t compute) override;
   HostPick choose_host_experts(int64_t block, std::span<const int32_t> experts, std::span<const int64_t> rows,
                                bool chosen_ahead) override {
     return inner_.choose_host_experts(block, experts, rows, chosen_ahead);
@@ -97,6 +111,7 @@ class RecordedExpertSource : public ExpertSource {
 
   ExpertSource& inner_;
   OffloadedExperts* offloaded_;
+  DeviceSlotCache* device_ = nullptr;
   RunWriter& writer_;
   PhaseTimer timer_;
   std::vector<cudaEvent_t> events_;  // reused every step

@@ -87,6 +87,7 @@ class DeviceSlotCache : public ExpertSource {
   OffloadStatistics statistics() const;  // synchronises with the device
   void reset_statistics();               // zeroes the counters (on the legacy stream, then waits)
   int64_t slots() const { return slots_; }
+  cudaStream_t copy_stream() const { return copy_stream_; }  // the prefetches' copies run here
   size_t device_bytes() const;
   const PinnedExpertStore& store() const { return *store_; }
 

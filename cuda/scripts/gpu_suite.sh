@@ -263,13 +263,21 @@ infer() {
       if cmp -s "$first" "$text"; then echo "infer: $name $mode: same text as $(basename "$first")"
       else echo "infer: $name $mode: TEXT DIFFERS from $(basename "$first")"; rc=1; fi
       [ "$mode" = gpu_only ] && continue
-      # the same mode with the slot table on the GPU (no run record: its events are the host table's)
+      # the same mode with the slot table on the GPU, as one CUDA graph a step (no run record)
       text="$runs/generate_${name}_${mode}_device.txt"
       build-gpu/cuda/infer/moe_generate --checkpoint "$runs/train_$name" --prompt "The jury said" \
         --max-new-bytes 64 --temperature 0 --mode "$mode" --slot-table device \
         > "$text" 2> "$LOGS/infer_generate_${name}_${mode}_device.log" || { rc=1; echo "infer: moe_generate $name $mode device failed"; continue; }
       if cmp -s "$first" "$text"; then echo "infer: $name $mode, slot table on the GPU: same text ($(grep -o "decode steps [0-9.]* ms each[^)]*)" "$LOGS/infer_generate_${name}_${mode}_device.log"))"
       else echo "infer: $name $mode, slot table on the GPU: TEXT DIFFERS from $(basename "$first")"; rc=1; fi
+      [ "$mode" = pregated ] || continue
+      # and recorded, for the viewer: the GPU's decisions, read back after each step (launched steps)
+      text="$runs/generate_${name}_${mode}_device_recorded.txt"
+      build-gpu/cuda/infer/moe_generate --checkpoint "$runs/train_$name" --prompt "The jury said" \
+        --max-new-bytes 64 --temperature 0 --mode "$mode" --slot-table device --run-dir "$runs/generate_${name}_${mode}_device" \
+        > "$text" 2> "$LOGS/infer_generate_${name}_${mode}_device_recorded.log" || { rc=1; echo "infer: moe_generate $name $mode device recorded failed"; continue; }
+      if cmp -s "$first" "$text"; then echo "infer: $name $mode, slot table on the GPU, recorded: same text"
+      else echo "infer: $name $mode, slot table on the GPU, recorded: TEXT DIFFERS from $(basename "$first")"; rc=1; fi
     done
     head -c 200 "$first"; echo
   done

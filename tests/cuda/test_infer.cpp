@@ -37,6 +37,7 @@
 #include "gpu_test_support.h"                 // REQUIRE_GPU, bf16_init, relative_error
 #include "infer/generate.h"                   // moe::cuda::generate
 #include "infer/inference_model.h"            // InferenceModelGpu
+#include "infer/offload_recording.h"          // RecordedExpertSource
 #include "infer/sampling.h"                   // moe::cuda::ByteSampler
 #include "infer/weights_file.h"               // load_weights_safetensors, load_weights_checkpoint, gpu_config_of
 #include "model/model.h"                      // ModelGpu
@@ -49,6 +50,7 @@
 #include "config_json.h"  // model_config_to_json
 #include "reference_cpu/model_safetensors.h"  // save_model_safetensors
 #include "reference_cpu/sampling.h"           // moe::ref::ByteSampler
+#include "run_record.h"                       // RunWriter, RunReader
 
 namespace {
 
@@ -874,6 +876,80 @@ INSTANTIATE_TEST_SUITE_P(Schedules, CudaInferDeviceSlots,
                            return std::string(info.param.pregated ? "pregated_model_" : "self_gated_model_") +
                                   std::string(to_string(info.param.schedule));
                          });
+
+// A run recorded through the slot table on the GPU (moe_generate --slot-table device --run-dir):
+// one offload event per step and MoE block whose counts are that step's and add up to the cache's
+// counters, "plan + copy" and "prefetch" spans, and the same bits as gpu_only (recording changes
+// nothing the model computes).
+TEST(CudaInferDeviceSlots, ARecordedRunHasEachStepsCountsAndSpans) {
+  REQUIRE_GPU();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, /*pregated=*/true, 3, 2);
+  const Bf16ModelWeights weights = bf16_init(config, 71);
+  std::mt19937_64 rng(73);
+  const int64_t N = 2, P = 3, steps = 6, M = 3;
+  std::vector<std::vector<int32_t>> prompts, bytes;
+  for (int64_t n = 0; n < N; ++n) prompts.push_back(random_bytes(rng, size_t(P)));
+  for (int64_t s = 0; s < steps; ++s) bytes.push_back(random_bytes(rng, size_t(N)));
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
+  const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
+  moe::cuda::ResidentExperts resident(store);
+  const HostRun baseline = run_forced(gpu, weights, resident, ExpertSchedule::gpu_only, prompts, bytes);
+
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moe_test_device_record_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  moe::RunInfo info;
+  info.kind = moe::RunKind::infer;
+  info.name = "device slot table";
+  moe::RunWriter writer = moe::RunWriter::create(dir, info, moe::OnExisting::overwrite);
+  const int64_t slots = moe::cuda::minimum_cache_slots(gpu.moe.num_experts, N * P, gpu.moe.top_k);
+  moe::cuda::DeviceSlotCache cache(store, {slots, N * P, gpu.moe.top_k, 8});
+  moe::cuda::RecordedExpertSource recorded(cache, writer);
+  EXPECT_TRUE(recorded.plans_on_device());
+  TestStream stream;
+  InferenceModelGpu model(gpu, weights.flat, recorded, ExpertSchedule::pregated, stream.stream);
+  model.set_phase_timer(&recorded.phase_timer());
+  EXPECT_FALSE(model.decode_graph_applies()) << "a recorded step runs launched";
+  std::vector<StepResult> results;
+  std::vector<std::vector<float>> logits;
+  recorded.begin_step(stream.stream);
+  results.push_back(model.prefill(prompts));
+  recorded.end_step();
+  for (const std::vector<int32_t>& row : bytes) {
+    recorded.begin_step(stream.stream);
+    results.push_back(model.decode_step(row));
+    recorded.end_step();
+  }
+  for (const StepResult& r : results) logits.push_back(r.next_logits);
+  EXPECT_EQ(logits, baseline.logits) << "recording changed the model's bits";
+  recorded.write(results, model.moe_blocks());
+  writer.close();
+
+  const moe::RunRecord run = moe::RunReader::load(dir);
+  const moe::cuda::BlockOffloadStatistics total = cache.statistics().total();
+  int64_t events = 0, hits = 0, misses = 0, bytes_copied = 0, plans = 0, prefetches = 0;
+  for (const nlohmann::json& e : run.events) {
+    if (e.at("type") == "offload") {
+      ++events;
+      const int64_t chosen = int64_t(e.at("experts").size());
+      EXPECT_EQ(e.at("hits").get<int64_t>() + e.at("misses").get<int64_t>(), chosen) << e.dump();
+      hits += e.at("hits").get<int64_t>();
+      misses += e.at("misses").get<int64_t>();
+      bytes_copied += e.at("bytes").get<int64_t>();
+    } else if (e.at("type") == "span") {
+      const std::string name = e.at("name").get<std::string>();
+      plans += name.rfind("plan + copy m", 0) == 0 ? 1 : 0;
+      prefetches += name.rfind("prefetch m", 0) == 0 ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(events, (steps + 1) * M);
+  EXPECT_EQ(hits, total.hits);
+  EXPECT_EQ(misses, total.misses);
+  EXPECT_EQ(bytes_copied, total.bytes_copied);
+  EXPECT_GT(misses, 0) << "a cache of the smallest size misses";
+  EXPECT_EQ(plans, (steps + 1) * M) << "one plan + copy span a block and step";
+  EXPECT_GT(prefetches, 0) << "the pre-gate prefetches the next block";
+  std::filesystem::remove_all(dir);
+}
 
 TEST(CudaInferDeviceSlots, BadInputIsRefusedSayingWhatIsAllowed) {
   REQUIRE_GPU();

@@ -1,5 +1,6 @@
 // test_inference_runs.cpp: the offload panel's data prepared from the recorded decoding runs
-// (notebooks_data/runs/offload_switch_* and generate_*, H100, 2026-11-25), no window: the expert
+// (notebooks_data/runs/offload_switch_* and generate_*, H100, 2026-11-25; slot_table_*, H200,
+// 2026-11-29), no window: the expert
 // cache over decode steps against the events' own lists of chosen experts, hit rate and prefetch
 // accuracy per block, the modes of one model side by side, and the stalls on the timeline.
 // ctest runs it from the repository root.   ctest --test-dir build -R ViewerInferenceRuns
@@ -198,6 +199,31 @@ TEST_F(ViewerInferenceRuns, StallsOnTheTimeline) {
 const char* kSmallRun = R"({"schema_version":1,"kind":"infer","name":"small","start_time":"2026-11-22T00:00:00.000Z",
   "moe_config":{"tokens":4,"model_dim":4,"hidden_dim":8,"num_experts":4,"top_k":1,"formulation":"dropless",
                 "activation":"gelu","block_size":4,"capacity_factor":1.0}})";
+
+// The slot table on the GPU, recorded (moe_generate --slot-table device --run-dir), beside the host
+// table's run of the same model and bytes: the viewer reads it as any other, its cells match the
+// chosen experts, and the GPU's plan kernel took the same hits and misses as the host's cache.
+TEST(ViewerSlotTableRuns, TheGpusSlotTableRecordedBesideTheHosts) {
+  const std::filesystem::path host_dir = kRuns / "slot_table_host_pregated", device_dir = kRuns / "slot_table_device_pregated";
+  if (!std::filesystem::exists(device_dir / "events.jsonl")) GTEST_SKIP() << device_dir.string() << " is not in this checkout";
+  const RunModel host = RunModel::load(host_dir), device = RunModel::load(device_dir);
+  ASSERT_EQ(host.error, "");
+  ASSERT_EQ(device.error, "");
+  const DecodeModeRow h = decode_mode_row(host, 1), d = decode_mode_row(device, 1);
+  EXPECT_EQ(d.outcomes.resident_hits + d.outcomes.prefetched_used, h.outcomes.resident_hits + h.outcomes.prefetched_used);
+  EXPECT_EQ(d.outcomes.misses, h.outcomes.misses);
+  EXPECT_GT(d.outcomes.misses, 0);
+  const CacheTimeline cache = build_cache_timeline(device, 1);
+  EXPECT_TRUE(cache.wasted_known) << cache.note;
+  int64_t chosen_cells = 0, chosen = 0;
+  for (const CacheCell cell : cache.cells) {
+    chosen_cells += cell == CacheCell::hit || cell == CacheCell::miss || cell == CacheCell::prefetched_used ? 1 : 0;
+  }
+  for (const OffloadRecord& o : device.offloads) {
+    if (o.step >= 1) chosen += static_cast<int64_t>(o.experts.size());
+  }
+  EXPECT_EQ(chosen_cells, chosen);
+}
 
 TEST(ViewerInferenceView, RecordWithoutCopyCountsSaysSo) {
   // An offload event without prefetched_used / bytes (an older writer, the synthetic run): the
