@@ -84,13 +84,15 @@ void declare_flags(CLI::App& app, BenchOptions& o, FlagTexts& texts) {
       ->capture_default_str()->check(finite_number(0, 8));
   app.add_option("--placements", texts.placements,
                  "layer rows at d = 1 with the experts placed so: plain (E / R in id order), eplb1, eplb2 (EPLB with "
-                 "1 or 2 spare slots a rank, from a first step's loads), shadow (the busiest expert shadowed)")
+                 "1 or 2 spare slots a rank, from a first step's loads), shadow (the busiest expert shadowed, stored on every "
+                 "rank), shadow_step (FasterMoE: the experts shadowed are chosen each step from its counts, their "
+                 "weights broadcast)")
       ->check(CLI::Validator(
           [](const std::string& text) {
             std::stringstream stream(text);
             for (std::string name; std::getline(stream, name, ',');) {
-              if (name != "plain" && name != "eplb1" && name != "eplb2" && name != "shadow") {
-                return text + ": allowed: plain, eplb1, eplb2 or shadow, separated by commas";
+              if (name != "plain" && name != "eplb1" && name != "eplb2" && name != "shadow" && name != "shadow_step") {
+                return text + ": allowed: plain, eplb1, eplb2, shadow or shadow_step, separated by commas";
               }
             }
             return std::string();

@@ -13,7 +13,8 @@
 //   ep_layer r=N       (--layouts) the layer's step in Tutel's layout r (0: data-parallel experts,
 //                      r > 1: sharded over r ranks along H; r = 1: the d=1 step again, beside them)
 //   ep_layer eplb1 ... (--placements) the d=1 step with the experts placed by load: plain, EPLB
-//                      with 1 or 2 spare slots a rank, the busiest expert shadowed
+//                      with 1 or 2 spare slots a rank, the busiest expert shadowed (stored on every
+//                      rank), and shadow_step: the experts worth shadowing chosen each step and broadcast
 #pragma once
 
 #include <memory>
@@ -62,7 +63,7 @@ std::shared_ptr<LayerProblem> make_layer_problem(BenchContext& ctx, std::vector<
 // (when given) receives what they chose and measured.
 std::unique_ptr<Variant> make_layer_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
                                             int pipeline_chunks, std::shared_ptr<PipelineChoice> choice = nullptr);
-// The layer at d = 1 with the experts placed by `placement`: plain, eplb1, eplb2 or shadow
+// The layer at d = 1 with the experts placed by `placement`: plain, eplb1, eplb2, shadow or shadow_step
 // (variant_layer.cpp); `note` receives the placement and the rows each rank computed.
 std::unique_ptr<Variant> make_placement_variant(BenchContext& ctx, std::shared_ptr<LayerProblem> problem,
                                                 const std::string& placement, std::shared_ptr<std::string> note);

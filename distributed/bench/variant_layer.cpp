@@ -419,8 +419,9 @@ class LayerRow final : public Variant {
                  : placement_spec_ == "shadow" ? plain.with_shadowed({hottest})
                                                : plain;
     slots_ = make_slots(ctx_, c, placement_.experts_of(ctx_.rank));
-    layer_ = std::make_unique<ExpertParallelGpu>(ctx_.layer, c, p.tokens_per_rank,
-                                                 ExpertParallelGpuOptions{.placement = &placement_});
+    layer_ = std::make_unique<ExpertParallelGpu>(
+        ctx_.layer, c, p.tokens_per_rank,
+        ExpertParallelGpuOptions{.placement = &placement_, .shadow_per_step = placement_spec_ == "shadow_step"});
     run(ctx_.stream);
     CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
     const std::vector<int64_t> computed = all_gather<int64_t>(ctx_.host, layer_->plan().rows_received());
@@ -435,6 +436,12 @@ class LayerRow final : public Variant {
     std::snprintf(line, sizeof line, "%s: rows each rank's experts compute %s, max/mean %.3f; ", placement_spec_.c_str(),
                   rows.c_str(), most / (sum / double(R)));
     std::string note = std::string(line) + placement_.describe();
+    if (placement_spec_ == "shadow_step") {
+      std::string chosen;
+      for (int64_t e : layer_->last_step().shadowed) chosen += (chosen.empty() ? "e" : " e") + std::to_string(e);
+      note += "; shadowed in the step: " + (chosen.empty() ? std::string("none") : chosen) + " (" +
+              std::to_string(layer_->last_step().weight_elements_sent) + " weights sent by rank " + std::to_string(ctx_.rank) + ")";
+    }
     if (placement_spec_ == "shadow") {
       const std::vector<int64_t> worth = worth_shadowing(plain, routed, c.model_dim, c.hidden_dim, c.hidden_dim);
       note += "; shadowing e" + std::to_string(hottest) + " worth it by the bytes test: " +
@@ -453,7 +460,7 @@ class LayerRow final : public Variant {
   int chunks_;
   std::shared_ptr<PipelineChoice> choice_;
   int layout_ = -1;  // Tutel's r of a layout row (r = 1 included); -1 for the pipelining rows
-  std::string placement_spec_;  // plain, eplb1, eplb2, shadow; empty for the other rows
+  std::string placement_spec_;  // plain, eplb1, eplb2, shadow, shadow_step; empty for the other rows
   std::shared_ptr<std::string> note_;
   bool overlap_ = false;                    // the overlap row: second_ is its second micro-batch
   std::unique_ptr<SecondMicroBatch> second_;

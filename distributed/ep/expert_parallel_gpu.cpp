@@ -92,6 +92,17 @@ void check_supported(const MoeConfig& config, const ExpertParallelGpuOptions& op
   } else {
     experts_per_rank(config, ranks);  // E % R == 0, with the CPU layer's message
   }
+  if (options.shadow_per_step) {
+    if (options.experts != ExpertCompute::ffn) reject("shadow_per_step shadows the FFN experts; the identity experts have no weights");
+    if (config.formulation == Formulation::padded) {
+      reject("shadow_per_step with the padded formulation: it computes each expert as C rows on one rank; allowed: "
+             "dropless or dropping");
+    }
+    if (options.placement != nullptr && options.placement->replicated()) {
+      reject("shadow_per_step with a placement that has replicas (" + options.placement->describe() +
+             "); allowed: a placement with each expert on one rank");
+    }
+  }
   if (config.activation != Activation::gelu) {
     reject("activation = " + std::string(to_string(config.activation)) + "; allowed on the GPU: gelu");
   }
@@ -139,7 +150,7 @@ uint64_t options_fingerprint(const ExpertParallelGpuOptions& options) {
   return static_cast<uint64_t>(options.pipeline_chunks) * 1000003u +
          (options.all_reduce_router_gradient ? 101u : 0u) + static_cast<uint64_t>(options.experts) * 7u +
          static_cast<uint64_t>(options.hierarchical_ranks_per_node) * 1009u * 1000003u +
-         (options.placement ? options.placement->fingerprint() : 0u);
+         (options.placement ? options.placement->fingerprint() : 0u) + (options.shadow_per_step ? 7919u : 0u);
 }
 
 // ---- buffers ----
@@ -194,6 +205,21 @@ struct ExpertParallelGpu::LayoutBuffers {
   DeviceBuffer<float> returned_gradients;      // r > 1: [r, E_r, P_c] the slices of the stored experts
 };
 
+// shadow_per_step: the step's shadowed experts S, and where their copies are. Copy k of the copies
+// this rank holds is the k-th of S counted rank after rank of their storing ranks (ascending expert
+// inside a rank), one block of P = 2 D H elements (pack_expert_slices, slices = 1).
+struct ExpertParallelGpu::Shadows {
+  std::vector<int64_t> experts;              // S, ascending; empty: no expert shadowed this step
+  std::vector<int> sent;                     // this rank's stored slots of S, ascending
+  std::vector<int64_t> received_from;        // [R] copies held of each rank's experts (0 for this rank)
+  int64_t received = 0;                      // copies held
+  DeviceBuffer<int> sources, sent_sources;   // [E_c] a step slot's stored slot, or -1 - copy; [sent] stored slots
+  DeviceBuffer<const bf16*> w1, w2, sent_w1, sent_w2;  // [E_c] the step's weight tables; [sent] the stored ones of S
+  DeviceBuffer<float*> d_w1, d_w2, sent_d_w1, sent_d_w2;  // the same for the gradients
+  DeviceBuffer<bf16> packed, copies;           // [sent, P] this rank's experts of S; [received, P] the others'
+  DeviceBuffer<float> copy_gradients, returned;  // [received, P]; [R - 1, sent, P] the other ranks' for this rank's
+};
+
 // The exchange plan's index tables, packed as int32 words, one upload a forward.
 struct ExpertParallelGpu::Tables {
   std::vector<int32_t> words;
@@ -243,6 +269,8 @@ ExpertParallelGpu::ExpertParallelGpu(Communicator& communicator, const MoeConfig
   rank_ = communicator.rank();
   placement_ = options.placement ? *options.placement : contiguous_placement(config.num_experts, R);
   options_.placement = &placement_;  // the layer's own copy from here on
+  step_placement_ = placement_;
+  if (options.shadow_per_step) shadows_ = std::make_unique<Shadows>();
   local_experts_config_ = config;
   local_experts_config_.num_experts = local_slots();
   local_experts_config_.top_k = 1;  // each received row is one row of one expert
@@ -304,6 +332,7 @@ const ExchangePlan& ExpertParallelGpu::plan() const {
 
 std::vector<int> valid_gpu_layouts(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks) {
   if (options.placement && !options.placement->is_even_contiguous()) return {1};  // a placement of its own
+  if (options.shadow_per_step) return {1};  // shadowing places experts per step, r = 1
   std::vector<int> valid;
   for (int r : valid_layouts(config, ranks)) {
     if (r == 1) {
@@ -324,6 +353,10 @@ std::vector<int> valid_gpu_layouts(const MoeConfig& config, const ExpertParallel
 
 void check_gpu_layout(const MoeConfig& config, const ExpertParallelGpuOptions& options, int ranks, int r) {
   if (r == 1) return;
+  if (options.shadow_per_step) {
+    throw std::invalid_argument("expert layout " + layout_name(r) +
+                                " with shadow_per_step; shadowing places the experts of each step itself, at r = 1");
+  }
   if (options.placement && !options.placement->is_even_contiguous()) {
     throw std::invalid_argument("expert layout " + layout_name(r) +
                                 " on the GPU with a placement of its own; Tutel's layouts store E / R experts a "
@@ -447,6 +480,138 @@ void ExpertParallelGpu::return_expert_gradients(const ExpertParallelGpuGradients
                        static_cast<int>(D), static_cast<int>(H), r, stream);
 }
 
+// ---- shadowing decided per step ----
+
+bool ExpertParallelGpu::shadowing() const { return shadows_ && !shadows_->experts.empty(); }
+
+// S from this step's counts (the same on every rank: every rank has the same counts), the step's
+// placement, and where each of this rank's step slots finds its weights.
+void ExpertParallelGpu::choose_shadows(const std::vector<int64_t>& routed, cudaStream_t stream) {
+  if (!shadows_) return;
+  Shadows& z = *shadows_;
+  const int R = exchange_->size();
+  z.experts = worth_shadowing(placement_, routed, config_.model_dim, config_.hidden_dim, config_.hidden_dim);
+  step_placement_ = z.experts.empty() ? placement_ : placement_.with_shadowed(z.experts);
+  local_experts_config_.num_experts = step_placement_.slots_of(rank_);
+  if (z.experts.empty()) return;
+  // The copies this rank holds, rank after rank of their storing ranks, and those it sends.
+  const std::vector<int64_t>& stored = placement_.experts_of(rank_);
+  std::map<int64_t, int> copy_of;  // expert -> copy index here
+  z.received_from.assign(static_cast<size_t>(R), 0);
+  z.received = 0;
+  z.sent.clear();
+  for (int p = 0; p < R; ++p) {
+    for (int64_t e : z.experts) {
+      if (placement_.slot_rank(placement_.replicas(e).front()) != p) continue;
+      if (p == rank_) {
+        z.sent.push_back(static_cast<int>(std::lower_bound(stored.begin(), stored.end(), e) - stored.begin()));
+      } else {
+        copy_of[e] = static_cast<int>(z.received++);
+        ++z.received_from[static_cast<size_t>(p)];
+      }
+    }
+  }
+  std::vector<int> sources;
+  for (int64_t e : step_placement_.experts_of(rank_)) {
+    const auto it = std::lower_bound(stored.begin(), stored.end(), e);
+    sources.push_back(it != stored.end() && *it == e ? static_cast<int>(it - stored.begin()) : -1 - copy_of.at(e));
+  }
+  const int64_t P = 2 * config_.model_dim * config_.hidden_dim;
+  const int64_t sent = static_cast<int64_t>(z.sent.size());
+  ensure(z.sources, static_cast<int64_t>(sources.size()));
+  ensure(z.sent_sources, sent);
+  ensure(z.w1, static_cast<int64_t>(sources.size()));
+  ensure(z.w2, static_cast<int64_t>(sources.size()));
+  ensure(z.d_w1, static_cast<int64_t>(sources.size()));
+  ensure(z.d_w2, static_cast<int64_t>(sources.size()));
+  ensure(z.sent_w1, sent);
+  ensure(z.sent_w2, sent);
+  ensure(z.sent_d_w1, sent);
+  ensure(z.sent_d_w2, sent);
+  ensure(z.packed, sent * P);
+  ensure(z.copies, z.received * P);
+  ensure(z.copy_gradients, z.received * P);
+  ensure(z.returned, static_cast<int64_t>(R - 1) * sent * P);
+  // From pageable memory: staged before the call returns, so `sources` may go; in order on `stream`
+  // after the last step's kernels that read these tables.
+  CUDA_CHECK(cudaMemcpyAsync(z.sources.data(), sources.data(), sources.size() * sizeof(int), cudaMemcpyHostToDevice, stream));
+  if (sent > 0) {
+    CUDA_CHECK(cudaMemcpyAsync(z.sent_sources.data(), z.sent.data(), z.sent.size() * sizeof(int), cudaMemcpyHostToDevice,
+                               stream));
+  }
+}
+
+// The step's weight tables: each stored slot the caller's, each shadowed expert stored elsewhere a
+// copy, broadcast from its storing rank (one all-to-all-v: every rank sends its experts of S, packed,
+// to every other rank).
+ExpertParallelGpuWeights ExpertParallelGpu::shadow_weights(const ExpertParallelGpuWeights& stored, cudaStream_t stream) {
+  Phase phase(timer_, "ep_shadow_experts", stream);
+  Shadows& z = *shadows_;
+  const int R = exchange_->size();
+  const int64_t D = config_.model_dim, H = config_.hidden_dim, P = 2 * D * H;
+  const int sent = static_cast<int>(z.sent.size()), slots = static_cast<int>(step_placement_.slots_of(rank_));
+  assemble_pointer_table(stored.w1, z.sent_sources.data(), nullptr, 0, sent, z.sent_w1.data(), stream);
+  assemble_pointer_table(stored.w2, z.sent_sources.data(), nullptr, 0, sent, z.sent_w2.data(), stream);
+  pack_expert_slices(z.sent_w1.data(), z.sent_w2.data(), sent, static_cast<int>(D), static_cast<int>(H), 1,
+                     z.packed.data(), stream);
+  std::vector<int64_t> send_counts(R, 0), send_offsets(R, 0), recv_counts(R, 0), recv_offsets(R, 0);
+  int64_t offset = 0;
+  for (int p = 0; p < R; ++p) {
+    if (p != rank_) send_counts[p] = sent * P;  // the same packed experts to every other rank
+    recv_counts[p] = z.received_from[p] * P;
+    recv_offsets[p] = offset;
+    offset += recv_counts[p];
+  }
+  exchange_->all_to_all_v(z.packed.data(), send_counts, send_offsets, z.copies.data(), recv_counts, recv_offsets,
+                          DataType::bfloat16, stream);
+  step_.weight_elements_sent = static_cast<int64_t>(R - 1) * sent * P;
+  assemble_pointer_table(stored.w1, z.sources.data(), z.copies.data(), P, slots, z.w1.data(), stream);
+  assemble_pointer_table(stored.w2, z.sources.data(), z.copies.data() + D * H, P, slots, z.w2.data(), stream);
+  return ExpertParallelGpuWeights{stored.gate_weights, z.w1.data(), z.w2.data()};
+}
+
+ExpertParallelGpuGradients ExpertParallelGpu::shadow_gradient_tables(const ExpertParallelGpuGradients& stored,
+                                                                     cudaStream_t stream) {
+  Shadows& z = *shadows_;
+  const int64_t D = config_.model_dim, H = config_.hidden_dim, P = 2 * D * H;
+  const int sent = static_cast<int>(z.sent.size()), slots = static_cast<int>(step_placement_.slots_of(rank_));
+  assemble_pointer_table(stored.d_w1, z.sources.data(), z.copy_gradients.data(), P, slots, z.d_w1.data(), stream);
+  assemble_pointer_table(stored.d_w2, z.sources.data(), z.copy_gradients.data() + D * H, P, slots, z.d_w2.data(), stream);
+  assemble_pointer_table(stored.d_w1, z.sent_sources.data(), nullptr, 0, sent, z.sent_d_w1.data(), stream);
+  assemble_pointer_table(stored.d_w2, z.sent_sources.data(), nullptr, 0, sent, z.sent_d_w2.data(), stream);
+  ExpertParallelGpuGradients out = stored;
+  out.d_w1 = z.d_w1.data();
+  out.d_w2 = z.d_w2.data();
+  return out;
+}
+
+// Each copy's gradient back to its storing rank (the reverse all-to-all-v), added there to the
+// stored expert's own, the other ranks in rank order.
+void ExpertParallelGpu::return_shadow_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
+  (void)gradients;  // the stored experts' tables were assembled in shadow_gradient_tables
+  if (!shadowing()) return;
+  Phase phase(timer_, "ep_return_shadow_gradients", stream);
+  Shadows& z = *shadows_;
+  const int R = exchange_->size();
+  const int64_t D = config_.model_dim, H = config_.hidden_dim, P = 2 * D * H;
+  const int64_t sent = static_cast<int64_t>(z.sent.size());
+  std::vector<int64_t> send_counts(R, 0), send_offsets(R, 0), recv_counts(R, 0), recv_offsets(R, 0);
+  int64_t offset = 0, from = 0;
+  for (int p = 0; p < R; ++p) {
+    send_counts[p] = z.received_from[p] * P;
+    send_offsets[p] = offset;
+    offset += send_counts[p];
+    if (p == rank_) continue;
+    recv_counts[p] = sent * P;
+    recv_offsets[p] = from;
+    from += recv_counts[p];
+  }
+  exchange_->all_to_all_v(z.copy_gradients.data(), send_counts, send_offsets, z.returned.data(), recv_counts,
+                          recv_offsets, DataType::float32, stream);
+  add_expert_blocks(z.returned.data(), R - 1, static_cast<int>(sent), static_cast<int>(D), static_cast<int>(H),
+                    z.sent_d_w1.data(), z.sent_d_w2.data(), stream);
+}
+
 // ---- forward ----
 
 void ExpertParallelGpu::route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream) {
@@ -561,7 +726,8 @@ void ExpertParallelGpu::forward_receive_counts(cudaStream_t stream) {
   if (!faults.empty()) throw std::invalid_argument("expert parallel layer (GPU) forward: bad input: " + faults);
   const bool adaptive = options_.pipeline_chunks == kAdaptivePipelineChunks;
   const int d = adaptive ? choose_pipeline_chunks(tokens_per_rank) : options_.pipeline_chunks;
-  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, d, tokens_per_rank, routed, layout_, &placement_);
+  choose_shadows(routed, stream);
+  plan_ = std::make_unique<ExchangePlan>(config_, R, rank, d, tokens_per_rank, routed, layout_, &step_placement_);
 
   // The router losses over all T tokens: f_e from the counts, P_e and the z-loss from the summaries.
   const ExchangePlan& plan = *plan_;
@@ -582,6 +748,7 @@ void ExpertParallelGpu::forward_receive_counts(cudaStream_t stream) {
   step_.hierarchical_ranks_per_node = hierarchical_ ? options_.hierarchical_ranks_per_node : 0;
   step_.layout = layout_;
   step_.layout_choice = layout_choice_;
+  if (shadows_) step_.shadowed = shadows_->experts;
   if (adaptive) {
     step_.pipeline = choices_.at(tokens_per_rank);
   } else {
@@ -630,6 +797,7 @@ void ExpertParallelGpu::forward_out(cudaStream_t stream, bool bring_back) {
     if (plan.rows_sent() > 0) cuda::permute_tokens(home_view(T_r), x, send_x_.data(), static_cast<int>(D), stream);
   }
   computed_weights_ = gather_expert_weights(weights, stream);  // r = 1: the caller's
+  if (shadowing()) computed_weights_ = shadow_weights(weights, stream);  // with copies of the shadowed experts
   for (int c = 0; c < d; ++c) prepare_experts(c, computed_weights_, stream);
 
   // ---- 4, 5: chunk after chunk, the rows out, the experts, the results back ----
@@ -1245,6 +1413,8 @@ void ExpertParallelGpu::backward_out(const bf16* x, const ExpertParallelGpuWeigh
   }
   const int64_t waits_before = exchange_->host_waits() + (hierarchical_ ? hierarchical_->host_waits() : 0);
   CUDA_CHECK(cudaEventRecord(step_events_[current_step_events_].backward_start, stream));
+  // Shadowed experts: the stored ones' gradients into the caller's tables, the copies' into the layer's.
+  if (shadowing()) computed_gradients = shadow_gradient_tables(gradients, stream);
 
   // ---- combine: d(rows sent) = w * dy, and d(combine weights) for the router ----
   if (T_r > 0) {
@@ -1259,7 +1429,7 @@ void ExpertParallelGpu::backward_out(const bf16* x, const ExpertParallelGpuWeigh
     if (plan.rows_received(c) > 0) first_with_rows = c;
   }
   // (r = 1: the caller's weights; r != 1: those the forward gathered, still in the layout's buffers.)
-  const ExpertParallelGpuWeights& computing = layout_ == 1 ? weights : computed_weights_;
+  const ExpertParallelGpuWeights& computing = layout_ == 1 && !shadowing() ? weights : computed_weights_;
   const bool partial = plan.copies() > 1;  // r > 1: the r partial dx rows of each slot come back apart
   pipeline_out(d_send_.data(), partial ? partials_.data() : returned_dx_.data(), stream, bring_back,
                [&](int c) { experts_backward(c, computing, computed_gradients, c == first_with_rows, stream); });
@@ -1296,6 +1466,7 @@ void ExpertParallelGpu::backward_back(cudaStream_t stream, bool brought_back) {
     zero_through_tables(computed_gradients.d_w2, static_cast<int>(E_c), static_cast<size_t>(H_c) * D, stream);
   }
   return_expert_gradients(gradients, stream);  // r != 1: onto the storing ranks
+  return_shadow_gradients(gradients, stream);  // the shadowed experts' copies: onto the storing ranks
   if (ffn && layout_ == 1 && options_.sum_replica_gradients) sum_over_replicas(gradients, stream);
 
   // ---- un-gather and the router ----

@@ -22,6 +22,19 @@
 // backward (one fp32 all-reduce of the replicated experts over all ranks, zeros where a rank holds
 // none of them), so every replica gets the expert's whole gradient.
 //
+// Shadowing decided per step (options.shadow_per_step; FasterMoE, He et al., PPoPP 2022). Once the
+// count exchange has given every rank the R x E counts, every rank computes the same set S =
+// worth_shadowing(placement, counts): the experts whose rows crossing ranks would carry more bytes
+// than moving the expert does. The step then runs over placement.with_shadowed(S): each expert of S
+// is on every rank and takes only its own rank's rows, so none of them travel. Its storing rank
+// sends its bf16 W1 and W2 to every other rank (one all-to-all-v of the packed experts, before the
+// experts run; the step's slot tables point at the copies), and after the backward each other rank
+// sends its fp32 gradient of it back (the reverse all-to-all-v), where it is added to the storing
+// rank's own, in rank order. Nothing outside the step changes: the caller keeps only its stored
+// experts and their gradients. last_step().shadowed lists S. Same results as without shadowing
+// within fp32 summation order (each rank's rows of a shadowed expert are summed on their own rank,
+// then across ranks).
+//
 // Forward, reusing cuda/'s launchers (moe/router.h, dispatch.h, topology.h, permute.h,
 // block_sparse.h) on this rank's T_r tokens:
 //   1. route locally     router logits (cuBLAS), fused softmax + top-K + combine weights, and the
@@ -213,6 +226,11 @@ struct ExpertParallelGpuOptions {
   // Where the experts live (the layer keeps a copy); nullptr: E / R a rank in id order. Any other
   // placement takes layout r = 1, and dropless or dropping when it has replicas.
   const ExpertPlacement* placement = nullptr;
+  // FasterMoE's shadowing, decided per step (see the file comment): after the count exchange the
+  // experts worth_shadowing picks from this step's counts are broadcast to every rank and computed
+  // there on each rank's own rows, their gradients summed back onto the storing rank. Layout r = 1,
+  // the FFN experts, dropless or dropping, and a placement without replicas.
+  bool shadow_per_step = false;
 };
 
 // The adaptive choice of d for one shape (every rank holds the same).
@@ -242,7 +260,8 @@ struct ExpertParallelGpuStep {
   int hierarchical_ranks_per_node = 0;     // G of the exchanges (0: flat)
   PipelineChoice pipeline;                 // the adaptive choice for the last forward's shape
   int layout = 1;                          // Tutel's r of the last forward (set_layout)
-  int64_t weight_elements_sent = 0;        // expert weights this rank sent for it (r = 0, r > 1)
+  int64_t weight_elements_sent = 0;        // expert weights this rank sent for it (r = 0, r > 1, shadowing)
+  std::vector<int64_t> shadowed;           // the experts shadowed in this step, ascending (shadow_per_step)
   LayoutChoice layout_choice;              // how r was chosen (set_layout's `why`); by = "" when set by hand
 };
 
@@ -355,6 +374,7 @@ class ExpertParallelGpu {
   struct Tables;
   struct Trial;
   struct LayoutBuffers;
+  struct Shadows;
 
   void route(const bf16* x, int64_t local_tokens, const bf16* gate_weights, cudaStream_t stream);
   void upload_tables(cudaStream_t stream);
@@ -375,6 +395,14 @@ class ExpertParallelGpu {
   LayoutBuffers& layout_buffers();
   ExpertParallelGpuWeights gather_expert_weights(const ExpertParallelGpuWeights& stored, cudaStream_t stream);
   void return_expert_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
+  // shadow_per_step: this step's shadowed experts (choose_shadows, from the counts), their weights
+  // broadcast from the storing ranks and the step's slot tables (shadow_weights, the forward), and
+  // the other ranks' gradients of them added onto the storing rank's (return_shadow_gradients).
+  void choose_shadows(const std::vector<int64_t>& routed, cudaStream_t stream);
+  ExpertParallelGpuWeights shadow_weights(const ExpertParallelGpuWeights& stored, cudaStream_t stream);
+  ExpertParallelGpuGradients shadow_gradient_tables(const ExpertParallelGpuGradients& stored, cudaStream_t stream);
+  void return_shadow_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
+  bool shadowing() const;  // whether the last forward shadowed any expert
   void sum_partials(bf16* out, cudaStream_t stream);  // r > 1: partials_ -> one row a kept slot, in send order
   // The d-chunk pipeline shared by forward and backward: `out` rows in send order go to the experts,
   // `work(c)` runs on `stream` once chunk c arrived, its rows come back into `back` in send order.
@@ -410,6 +438,8 @@ class ExpertParallelGpu {
   int64_t experts_per_rank_ = 0;  // E / R: the layouts' stored experts
   int rank_ = 0;
   ExpertPlacement placement_;
+  ExpertPlacement step_placement_;     // the last forward's: placement_ with its shadowed experts
+  std::unique_ptr<Shadows> shadows_;   // shadow_per_step's buffers, kept between steps
   // The replicated experts' gradient sums: [n, D H] W1 then [n, H D] W2, n replicated experts in id
   // order; this rank's slots that hold one (replica_slot_) and its row there (replica_row_).
   cuda::DeviceBuffer<float> replica_sums_;

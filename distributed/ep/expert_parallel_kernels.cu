@@ -130,6 +130,28 @@ __global__ void sum_partial_rows_kernel(const bf16* partials, const int* group_b
   }
 }
 
+template <typename T>
+__global__ void assemble_pointer_table_kernel(T* const* stored, const int* source, T* copies, size_t stride, int n,
+                                              T** out) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const int s = source[i];
+    out[i] = s >= 0 ? stored[s] : copies + static_cast<size_t>(-1 - s) * stride;
+  }
+}
+
+__global__ void add_expert_blocks_kernel(const float* blocks, int copies, int experts, int model_dim, int hidden_dim,
+                                         float* const* d_w1, float* const* d_w2) {
+  const size_t w1 = static_cast<size_t>(model_dim) * hidden_dim, block = 2 * w1;
+  const size_t total = static_cast<size_t>(experts) * block;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
+    const size_t expert = i / block, offset = i % block;
+    float sum = 0.0f;
+    for (int c = 0; c < copies; ++c) sum += blocks[static_cast<size_t>(c) * total + i];
+    float& to = offset < w1 ? d_w1[expert][offset] : d_w2[expert][offset - w1];
+    to += sum;
+  }
+}
+
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 }  // namespace
@@ -208,6 +230,29 @@ void unpack_expert_slices(const float* packed, float* const* d_w1, float* const*
   if (total == 0) return;
   unpack_expert_slices_kernel<<<blocks_for(total), kThreads, 0, stream>>>(packed, d_w1, d_w2, experts, model_dim,
                                                                          hidden_dim, slices);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void assemble_pointer_table(const bf16* const* stored, const int* source, const bf16* copies, size_t stride, int n,
+                            const bf16** out, cudaStream_t stream) {
+  if (n == 0) return;
+  assemble_pointer_table_kernel<const bf16><<<blocks_for(n), kThreads, 0, stream>>>(stored, source, copies, stride, n, out);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void assemble_pointer_table(float* const* stored, const int* source, float* copies, size_t stride, int n, float** out,
+                            cudaStream_t stream) {
+  if (n == 0) return;
+  assemble_pointer_table_kernel<float><<<blocks_for(n), kThreads, 0, stream>>>(stored, source, copies, stride, n, out);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void add_expert_blocks(const float* blocks, int copies, int experts, int model_dim, int hidden_dim, float* const* d_w1,
+                       float* const* d_w2, cudaStream_t stream) {
+  const int64_t total = int64_t{experts} * 2 * model_dim * hidden_dim;
+  if (total == 0 || copies == 0) return;
+  add_expert_blocks_kernel<<<blocks_for(total), kThreads, 0, stream>>>(blocks, copies, experts, model_dim, hidden_dim,
+                                                                       d_w1, d_w2);
   CUDA_CHECK(cudaGetLastError());
 }
 

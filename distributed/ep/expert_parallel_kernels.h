@@ -95,6 +95,20 @@ void unpack_expert_slices(const float* packed,  // [slices, E_r, P_c]
                           float* const* d_w2,   // device [E_r] -> [H, D]
                           int experts, int model_dim, int hidden_dim, int slices, cudaStream_t stream);
 
+// ---- shadowed experts (ExpertParallelGpu's shadow_per_step) ----
+// out[i] = source[i] >= 0 ? stored[source[i]] : copies + (-1 - source[i]) stride: a step's slot
+// table, each slot pointing at a stored expert (the caller's table) or at a copy in the layer's
+// buffer of copies, `stride` elements apart.
+void assemble_pointer_table(const bf16* const* stored, const int* source, const bf16* copies, size_t stride, int n,
+                            const bf16** out, cudaStream_t stream);
+void assemble_pointer_table(float* const* stored, const int* source, float* copies, size_t stride, int n,
+                            float** out, cudaStream_t stream);
+// d_w1[j], d_w2[j] += sum over c < copies of blocks[c][j] (blocks: [copies, experts, P], one expert a
+// block of P = 2 D H elements as pack_expert_slices's slices = 1), c in order: the other ranks'
+// gradients of the shadowed experts this rank stores.
+void add_expert_blocks(const float* blocks, int copies, int experts, int model_dim, int hidden_dim, float* const* d_w1,
+                       float* const* d_w2, cudaStream_t stream);
+
 // r > 1, the tokens' rank: out[u] = sum over i < r of partials[r u_g + i n_g + (u - u_g)] for each
 // row u of group g's block [u_g, u_g + n_g) (n_g = u_{g+1} - u_g): the r ranks' partial results of
 // one kept slot, summed in fp32 and rounded once.

@@ -287,6 +287,53 @@ TEST_F(ExpertParallelGpuTest, PlacementsEqualTheSingleGpuLayer) {
   expect_equals_single_gpu(problem, even_shards(odd.tokens, R), run, single);
 }
 
+// Shadowing decided per step (FasterMoE): a routing that favours expert 3, at a shape where moving
+// its weights (D = H = 64) costs less than its rows crossing ranks, so that the step shadows it;
+// every result equals the single-GPU layer, the stored experts' gradients their whole ones (the
+// copies' gradients added back). Dropless, pipelined, and dropping; and a uniform routing at a
+// shape whose experts are too large to shadow, where the step shadows none.
+TEST_F(ExpertParallelGpuTest, ShadowingPerStepEqualsTheSingleGpuLayer) {
+  const int R = world().size();
+  MoeConfig c = base_config();
+  c.tokens = 2000;
+  c.model_dim = 64;
+  c.hidden_dim = 64;
+  for (Formulation formulation : {Formulation::dropless, Formulation::dropping}) {
+    c.formulation = formulation;
+    c.capacity_factor = 1.0;
+    for (int chunks : {1, 2}) {
+      const uint64_t seed = shared_seed();
+      SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::string(to_string(formulation)) + ", d = " +
+                   std::to_string(chunks));
+      const Problem problem = make_problem(c, seed, 1.0, /*favoured_expert=*/3);
+      const SingleGpuRun single = run_single_gpu(problem);
+      const std::vector<int64_t> shards = uneven_shards(c.tokens, R);
+      const ExpertParallelRun run =
+          run_expert_parallel(problem, shards, {.pipeline_chunks = chunks, .shadow_per_step = true});
+      expect_equals_single_gpu(problem, shards, run, single);
+      const std::vector<int64_t>& shadowed = run.step.shadowed;
+      if (R == 1) {
+        EXPECT_TRUE(shadowed.empty()) << "one rank: nothing to shadow";
+        continue;
+      }
+      EXPECT_TRUE(std::find(shadowed.begin(), shadowed.end(), 3) != shadowed.end()) << "the favoured expert";
+      EXPECT_LT(shadowed.size(), size_t(c.num_experts));
+      const ExpertPlacement plain = contiguous_placement(c.num_experts, R);
+      EXPECT_EQ(shadowed, worth_shadowing(plain, run.step.routed_per_rank_expert, c.model_dim, c.hidden_dim, c.hidden_dim));
+      // The storing rank of expert 3 sent it to the R - 1 others (W1 and W2, D H each).
+      if (plain.slot_rank(plain.replicas(3).front()) == world().rank()) {
+        EXPECT_GE(run.step.weight_elements_sent, int64_t(R - 1) * 2 * c.model_dim * c.hidden_dim);
+      }
+    }
+  }
+  // Large experts, uniform routing: nothing is worth shadowing, and the step is the plain one.
+  MoeConfig large = base_config();
+  const Problem problem = make_problem(large, shared_seed());
+  const ExpertParallelRun run = run_expert_parallel(problem, even_shards(large.tokens, R), {.shadow_per_step = true});
+  EXPECT_TRUE(run.step.shadowed.empty());
+  expect_equals_single_gpu(problem, even_shards(large.tokens, R), run, run_single_gpu(problem));
+}
+
 TEST_F(ExpertParallelGpuTest, ARankWithoutTokensAndExpertsWithoutRows) {
   const int R = world().size();
   MoeConfig c = base_config();
@@ -696,6 +743,23 @@ TEST_F(ExpertParallelGpuSettings, BadSettingsAreAnErrorOnEveryRank) {
     c.formulation = Formulation::padded;
     const ExpertPlacement shadowed = contiguous_placement(c.num_experts, R).with_shadowed({0});
     expect_error(c, {.placement = &shadowed}, "a placement with replicas takes dropless or dropping");
+  }
+  // Shadowing per step: the FFN experts, not padded, a placement without replicas, layout r = 1.
+  expect_error(base_config(), {.experts = ExpertCompute::identity, .shadow_per_step = true}, "the identity experts have no weights");
+  c = base_config();
+  c.formulation = Formulation::padded;
+  expect_error(c, {.shadow_per_step = true}, "shadow_per_step with the padded formulation");
+  if (R > 1) {
+    const ExpertPlacement shadowed = contiguous_placement(base_config().num_experts, R).with_shadowed({0});
+    expect_error(base_config(), {.placement = &shadowed, .shadow_per_step = true}, "a placement that has replicas");
+    // The layouts: r = 1 only (set_layout checks r with check_gpu_layout, on every rank).
+    EXPECT_EQ(valid_gpu_layouts(base_config(), {.shadow_per_step = true}, R), std::vector<int>{1});
+    try {
+      check_gpu_layout(base_config(), {.shadow_per_step = true}, R, 0);
+      ADD_FAILURE() << "layout r = 0 with shadow_per_step";
+    } catch (const std::invalid_argument& error) {
+      EXPECT_THAT(error.what(), ::testing::HasSubstr("with shadow_per_step"));
+    }
   }
 }
 
