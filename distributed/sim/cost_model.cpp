@@ -168,6 +168,27 @@ double CostModel::layout_weights_us(bool backward) const {
                                                           inter_node_us(egress * static_cast<double>(r - G) / static_cast<double>(r - 1), r - G));
 }
 
+double CostModel::shadow_weights_us(const StepLoad& load, bool backward) const {
+  if (load.shadowed_this_step.empty()) return 0;
+  const int64_t R = load.ranks, G = std::min(cluster_.gpus_per_node, R), per_rank = load.experts_per_rank();
+  const double expert_bytes = (backward ? 4.0 : 2.0) * 2.0 * static_cast<double>(layer_.model_dim * computed_hidden());
+  std::vector<double> stored(static_cast<size_t>(R), 0.0);  // shadowed experts each rank stores
+  for (int64_t e : load.shadowed_this_step) stored[static_cast<size_t>(e / per_rank)] += 1;
+  double slowest = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    // Forward: r sends its own to every peer, receives every peer's; backward the reverse, the same bytes.
+    double near_out = 0, far_out = 0, near_in = 0, far_in = 0;
+    for (int64_t t = 0; t < R; ++t) {
+      if (t == r) continue;
+      const bool near = cluster_.same_node(r, t);
+      (near ? near_out : far_out) += stored[static_cast<size_t>(r)] * expert_bytes;
+      (near ? near_in : far_in) += stored[static_cast<size_t>(t)] * expert_bytes;
+    }
+    slowest = std::max({slowest, intra_node_us(std::max(near_out, near_in), G - 1), inter_node_us(std::max(far_out, far_in), R - G)});
+  }
+  return slowest;
+}
+
 double CostModel::replica_all_reduce_us(const StepLoad& load) const {
   if (load.replicas == 0) return 0;
   const double expert_bytes = 4.0 * 2.0 * static_cast<double>(layer_.model_dim * layer_.hidden_dim);  // fp32 W1 and W2

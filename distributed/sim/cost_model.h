@@ -56,6 +56,7 @@ struct LayerSpec {
   AllToAllKind all_to_all = AllToAllKind::flat;
   bool overlap = false;             // two micro-batches, one's exchanges under the other's compute
   int64_t redundant_slots = 0;      // S: replicas of the hottest experts a rank may hold (step_load.h)
+  bool shadow_per_step = false;     // FasterMoE's shadowing, decided from each step's counts (step_load.h)
   int64_t layout = 1;               // Tutel's r: 1 expert parallel; 0 every rank computes every expert
                                     // (their weights gathered, their gradients all-reduced); r > 1
                                     // experts sharded along H over groups of r ranks (step_load.h)
@@ -87,6 +88,11 @@ class CostModel {
   // The replicated experts' fp32 weight gradients summed over their holders (a ring all-reduce in
   // each expert's group, every group at once), the slowest rank's time; 0 without replicas.
   double replica_all_reduce_us(const StepLoad& load) const;
+  // Shadowing decided per step (StepLoad::shadowed_this_step): each storing rank sends its shadowed
+  // experts' bf16 weights to every other rank before the experts run (backward = false), and each
+  // other rank sends its fp32 gradients of them back after the backward (true): an all-to-all of
+  // P = 2 D H elements an expert, the slowest rank's time. 0 when nothing is shadowed.
+  double shadow_weights_us(const StepLoad& load, bool backward) const;
   // Tutel's layouts r != 1: the experts' weights a rank gathers before its forward (bf16) and their
   // gradients sent back after its backward (fp32): r = 0 an all-gather of every rank's experts and
   // an all-reduce of all E experts' gradients; r > 1 an all-to-all inside the group of r ranks,

@@ -87,6 +87,10 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
     const Op route = timeline.local("route" + m.suffix, kCompute, model.route_us(m.tokens), gathered);
     const Op count = timeline.collective("count_exchange" + m.suffix, kCompute, count_us, {route});
     m.last = timeline.local("permute" + m.suffix, kCompute, model.permute_us(m.tokens), {count});
+    // Shadowing decided per step: the shadowed experts' weights to every rank, before the experts.
+    if (!load.shadowed_this_step.empty()) {
+      m.last = timeline.collective("shadow_experts" + m.suffix, kCompute, model.shadow_weights_us(load, false), {m.last});
+    }
   }
   pipeline(timeline, model, batches, layer.chunks, false);
   // The combine and the start of the backward, then the gradients' pipeline.
@@ -98,7 +102,12 @@ void issue_layer_step(Timeline& timeline, const CostModel& model, const StepLoad
   }
   pipeline(timeline, model, batches, layer.chunks, true);
   std::vector<Op> router;
-  for (MicroBatch& m : batches) router.push_back(timeline.local("router_backward" + m.suffix, kCompute, model.router_backward_us(m.tokens), {m.last}));
+  for (MicroBatch& m : batches) {
+    if (!load.shadowed_this_step.empty()) {  // the copies' gradients back to the storing ranks
+      m.last = timeline.collective("return_shadow_gradients" + m.suffix, kCompute, model.shadow_weights_us(load, true), {m.last});
+    }
+    router.push_back(timeline.local("router_backward" + m.suffix, kCompute, model.router_backward_us(m.tokens), {m.last}));
+  }
   // The expert gradients are complete after the last of these (the SGD waits for it).
   Op gradients_done = timeline.collective("router_all_reduce", kCompute, model.small_all_reduce_us(), router);
   if (load.replicas > 0) {  // the replicas' gradients summed, so that they stay one expert

@@ -47,7 +47,7 @@ struct Options {
   std::string calibration, cluster = "ranks=2", trace, routing, layer = "16384,2048,8192,0,2", all_to_all = "flat";
   int64_t experts_per_rank = 8, chunks = 1, steps = 20, blocks = 1, span_ranks = 8, seed = 1, redundant_slots = 0, layout = 1;
   double capacity_factor = 0;
-  bool overlap = false, overwrite = false;
+  bool overlap = false, overwrite = false, shadow_per_step = false;
   std::string out, json;
   std::string calibrate_from, calibration_out, validate;
   int64_t hold_out_above = 0;
@@ -85,6 +85,7 @@ moe::sim::LayerSpec layer_of(const Options& o, int64_t ranks) {
   layer.capacity_factor = o.capacity_factor;
   layer.overlap = o.overlap;
   layer.redundant_slots = o.redundant_slots;
+  layer.shadow_per_step = o.shadow_per_step;
   layer.layout = o.layout;
   layer.all_to_all = o.all_to_all == "2dh" ? moe::sim::AllToAllKind::hierarchical : moe::sim::AllToAllKind::flat;
   return layer;
@@ -169,7 +170,8 @@ int simulate(const Options& o, const std::string& command) {
               static_cast<long long>(spec.layer.experts), static_cast<long long>(spec.layer.top_k),
               static_cast<long long>(spec.layer.chunks), o.all_to_all.c_str(),
               (std::string(spec.layer.overlap ? ", two micro-batches overlapped" : "") +
-               (spec.layer.redundant_slots > 0 ? ", " + std::to_string(spec.layer.redundant_slots) + " redundant expert slots a rank" : ""))
+               (spec.layer.redundant_slots > 0 ? ", " + std::to_string(spec.layer.redundant_slots) + " redundant expert slots a rank" : "") +
+               (spec.layer.shadow_per_step ? ", hot experts shadowed each step (FasterMoE's bytes test)" : ""))
                   .c_str(),
               spec.layer.capacity_factor > 0 ? (", capacity factor " + std::to_string(spec.layer.capacity_factor)).c_str() : ", dropless",
               routing_text.c_str());
@@ -302,6 +304,9 @@ int main(int argc, char** argv) {
         ->capture_default_str()->check(moe::whole_number(0, 1 << 20));
     app.add_option("--redundant-slots", o.redundant_slots, "spare expert slots a rank, filled with replicas of the hot experts (EPLB, common/expert_placement.h)")
         ->capture_default_str()->check(moe::whole_number(0, 1 << 20));
+    app.add_flag("--shadow-per-step", o.shadow_per_step,
+                 "FasterMoE's shadowing decided each step: the experts whose crossing rows outweigh their weights are "
+                 "sent to every rank and computed there on each rank's own rows (the GPU layer's shadow_per_step)");
     app.add_option("--capacity-factor", o.capacity_factor, "0: dropless; else each expert keeps C = f T R K / E rows")
         ->capture_default_str()->check(moe::finite_number(0, 1e6));
     app.add_option("--steps", o.steps, "steps to simulate")->capture_default_str()->check(moe::whole_number(1, 1000000));

@@ -42,6 +42,7 @@ std::vector<StepLoad> loads_of_step(const SimulationSpec& spec, int64_t step,
   for (StepLoad& load : loads) {
     apply_capacity(load, spec.layer.capacity_rows(R));
     replicate_hot_experts(load, spec.layer.redundant_slots);
+    if (spec.layer.shadow_per_step) shadow_hot_experts(load, spec.layer.model_dim, spec.layer.hidden_dim);
     apply_layout(load, spec.layer.layout);
   }
   return loads;

@@ -2,6 +2,8 @@
 #include "sim/step_load.h"
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -168,6 +170,49 @@ void apply_placement(StepLoad& load, const dist::ExpertPlacement& placement) {
       }
     }
   }
+}
+
+void shadow_hot_experts(StepLoad& load, int64_t model_dim, int64_t hidden_dim) {
+  const int64_t R = load.ranks, E = load.experts;
+  if (R == 1) return;
+  if (!load.slot_rows.empty()) throw std::invalid_argument("shadowing decided per step with replicas or a layout r != 1: not modelled");
+  std::vector<int64_t> routed(static_cast<size_t>(R * E));
+  for (size_t i = 0; i < routed.size(); ++i) routed[i] = std::llround(load.source_rows[i]);
+  const dist::ExpertPlacement plain = dist::contiguous_placement(E, static_cast<int>(R));
+  const std::vector<int64_t> shadowed = dist::worth_shadowing(plain, routed, model_dim, hidden_dim, hidden_dim);
+  if (shadowed.empty()) return;
+  apply_placement(load, plain.with_shadowed(shadowed));
+  load.replicas = 0;  // no copy is kept: none is summed over replicas
+  load.shadowed_this_step = shadowed;
+  load.stored_slots.assign(static_cast<size_t>(R), load.experts_per_rank());
+}
+
+std::vector<double> top_k_shares(const std::vector<double>& weights, int64_t top_k) {
+  const size_t E = weights.size();
+  if (E == 0 || top_k < 1 || top_k > 3 || static_cast<size_t>(top_k) > E) {
+    throw std::invalid_argument("top_k_shares: needs E >= K and 1 <= K <= 3 (K = " + std::to_string(top_k) + ", E = " +
+                                std::to_string(E) + ")");
+  }
+  const double total = std::accumulate(weights.begin(), weights.end(), 0.0);
+  std::vector<double> p(E), in(E, 0.0);
+  for (size_t i = 0; i < E; ++i) p[i] = weights[i] / total;
+  // P(i among the first K draws without replacement) = sum over the orders of the draws before it.
+  for (size_t i = 0; i < E; ++i) {
+    in[i] += p[i];
+    if (top_k < 2) continue;
+    for (size_t j = 0; j < E; ++j) {
+      if (j == i) continue;
+      const double pj = p[j], after_j = p[i] / (1 - pj);
+      in[i] += pj * after_j;
+      if (top_k < 3) continue;
+      for (size_t k = 0; k < E; ++k) {
+        if (k == i || k == j) continue;
+        in[i] += pj * p[k] / (1 - pj) * p[i] / (1 - pj - p[k]);
+      }
+    }
+  }
+  for (double& x : in) x /= static_cast<double>(top_k);
+  return in;
 }
 
 void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank) {

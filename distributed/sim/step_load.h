@@ -38,6 +38,10 @@ struct StepLoad {
   std::vector<std::vector<int64_t>> slot_experts;  // [R] the expert of each of those slots
   std::vector<int64_t> holders;                    // [E] ranks holding expert e (1 without replicas)
   int64_t replicas = 0;  // replicas placed beyond one an expert
+  // Shadowed for this step only (shadow_hot_experts): their copies are not kept, so their weights
+  // are sent before the step and their gradients returned after it, instead of summed over replicas.
+  std::vector<int64_t> shadowed_this_step;  // ascending
+  std::vector<int64_t> stored_slots;        // [R] the slots a rank stores (its slots less those copies)
 
   int64_t experts_per_rank() const { return experts / ranks; }
   double sent(int64_t s, int64_t t) const { return rows[static_cast<size_t>(s * ranks + t)]; }
@@ -72,5 +76,16 @@ void apply_placement(StepLoad& load, const dist::ExpertPlacement& placement);
 // EPLB with redundant_slots_per_rank spare slots a rank, from this load's rows per expert (see the
 // file comment), applied. 0: nothing moves. Throws as eplb_placement does.
 void replicate_hot_experts(StepLoad& load, int64_t redundant_slots_per_rank);
+
+// FasterMoE's shadowing decided for this step, as the GPU layer's shadow_per_step decides it: the
+// experts worth_shadowing picks from this load's counts (rounded to whole rows) under the
+// contiguous placement, each put on every rank, where it computes that rank's own rows. D, H: the
+// experts' shape (GeLU: W1 has H columns). Nothing at R = 1.
+void shadow_hot_experts(StepLoad& load, int64_t model_dim, int64_t hidden_dim);
+
+// The expected share of rows each expert gets when every token draws top_k distinct experts by
+// Gumbel-max from `weights` (the Plackett-Luce law, ep_bench --zipf's sampling): [E], summing to 1.
+// Exact for top_k <= 3; throws std::invalid_argument beyond.
+std::vector<double> top_k_shares(const std::vector<double>& weights, int64_t top_k);
 
 }  // namespace moe::sim

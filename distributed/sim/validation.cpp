@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <stdexcept>
 
 #include <nlohmann/json.hpp>
@@ -10,7 +11,10 @@
 #include "parse_number.h"    // parse_integer
 #include "sim/cost_model.h"  // CostModel
 #include "sim/lm_step.h"     // predict_language_model_step
+#include "sim/layer_step.h"  // issue_layer_step
 #include "sim/simulate.h"    // simulate
+#include "sim/step_load.h"   // top_k_shares, replicate_hot_experts, shadow_hot_experts
+#include "sim/timeline.h"    // Timeline
 
 namespace moe::sim {
 
@@ -79,6 +83,40 @@ RoutingTrace routing_of_benchmark(const nlohmann::json& run, const std::filesyst
     trace.loads.push_back(std::move(load));
   }
   return trace;
+}
+
+bool is_placement_row(const std::string& variant) {
+  for (const char* name : {"plain", "eplb1", "eplb2", "shadow", "shadow_step"}) {
+    if (variant == std::string("ep_layer ") + name) return true;
+  }
+  return false;
+}
+
+std::string number_text(double x) {
+  std::ostringstream out;
+  out << x;
+  return out.str();
+}
+
+// One step of the layer with ep_bench's placement `placement` (plain, eplb1, eplb2, shadow: the
+// hottest expert stored on every rank, shadow_step: shadowing decided from the step's counts) under
+// Zipf(zipf) routing (0: uniform).
+double placement_row_us(const Calibration& calibration, const Cluster& cluster, LayerSpec layer, const std::string& placement,
+                        double zipf) {
+  const int64_t R = cluster.ranks(), E = layer.experts;
+  std::vector<double> weights(static_cast<size_t>(E), 1.0);
+  for (int64_t e = 0; e < E; ++e) weights[static_cast<size_t>(e)] = zipf > 0 ? std::pow(static_cast<double>(e + 1), -zipf) : 1.0;
+  StepLoad load = step_load_from_shares(top_k_shares(weights, layer.top_k), R, static_cast<double>(layer.tokens_per_rank * layer.top_k));
+  if (placement == "eplb1" || placement == "eplb2") replicate_hot_experts(load, placement == "eplb1" ? 1 : 2);
+  if (placement == "shadow" && R > 1) {
+    const int64_t hottest = std::max_element(load.rows_per_expert.begin(), load.rows_per_expert.end()) - load.rows_per_expert.begin();
+    apply_placement(load, dist::contiguous_placement(E, static_cast<int>(R)).with_shadowed({hottest}));
+  }
+  if (placement == "shadow_step") shadow_hot_experts(load, layer.model_dim, layer.hidden_dim);
+  const CostModel model(calibration, cluster, layer);
+  Timeline timeline(R);
+  issue_layer_step(timeline, model, load);
+  return timeline.finish_step();
 }
 
 }  // namespace
@@ -150,12 +188,25 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
           // A layer of the language model's shape is predicted from its own one-GPU measurement.
           const Calibration used = calibration.for_layer(layer.model_dim, layer.hidden_dim);
           const bool of_model = used.layer.model_dim != calibration.layer.model_dim || used.layer.hidden_dim != calibration.layer.hidden_dim;
-          out.what = variant + (of_model ? " (D=" + std::to_string(layer.model_dim) + ")" : "");
-          out.predicted_us = simulate(spec, used).median_step_us();
+          const double zipf = run.value("zipf", 0.0);
+          out.what = variant + (zipf > 0 ? " zipf " + number_text(zipf) : "") + (of_model ? " (D=" + std::to_string(layer.model_dim) + ")" : "");
+          // Under ep_bench --zipf the routing is skewed: the same step as the plain placement row's.
+          out.predicted_us = zipf > 0 && !by_layout && !layer.overlap ? placement_row_us(used, cluster, layer, "plain", zipf)
+                                                                      : simulate(spec, used).median_step_us();
           // The pipelined steps overlap_contention was fitted from (their phases) are calibration too.
           const bool source = std::find(calibration.sources.begin(), calibration.sources.end(), out.file) != calibration.sources.end();
           const bool contention_from_it = source && !by_layout && !layer.overlap && layer.chunks > 1 && R == used.overlap_contention.ranks;
           out.calibration = R == 1 || contention_from_it;
+        } else if (is_placement_row(variant)) {
+          // ep_bench --placements under --zipf S: the routing's expected counts (each token's K experts
+          // drawn by Gumbel-max from Zipf(S), expert 0 the hottest), placed as the row placed them.
+          const Calibration used = calibration.for_layer(layer.model_dim, layer.hidden_dim);
+          const bool of_model = used.layer.model_dim != calibration.layer.model_dim || used.layer.hidden_dim != calibration.layer.hidden_dim;
+          const double zipf = run.value("zipf", 0.0);
+          out.what = variant + (zipf > 0 ? " zipf " + number_text(zipf) : "") +
+                     (of_model ? " (D=" + std::to_string(layer.model_dim) + ")" : "");
+          out.predicted_us = placement_row_us(used, cluster, layer, variant.substr(9), zipf);
+          out.calibration = false;
         } else if (variant == "alltoall" && R > 1) {
           layer.experts = R;  // the raw all-to-all: equal bytes to every rank
           const CostModel model(calibration, cluster, layer);

@@ -282,6 +282,54 @@ TEST(SimLayerStep, ReplicasOfTheHotExpertBalanceTheRanksByHand) {
   EXPECT_NEAR(replicated.steps[0].straggler, 1.0, 1e-9);
 }
 
+TEST(SimStepLoad, TopKSharesFollowGumbelMaxDrawsByHand) {
+  // K = 1: the weights themselves; K = E: every expert in every token's set.
+  EXPECT_NEAR(top_k_shares({3, 1}, 1)[0], 0.75, 1e-12);
+  EXPECT_NEAR(top_k_shares({3, 1}, 2)[0], 0.5, 1e-12);
+  EXPECT_NEAR(top_k_shares({2, 1, 1}, 3)[2], 1.0 / 3.0, 1e-12);
+  // p = (1/2, 1/4, 1/4), K = 2: expert 0 is in the set with 1/2 + 2 (1/4)(1/2)/(3/4) = 5/6, each other
+  // with 1/4 + (1/2)(1/4)/(1/2) + (1/4)(1/4)/(3/4) = 7/12; the shares are half of that.
+  const std::vector<double> q = top_k_shares({2, 1, 1}, 2);
+  EXPECT_NEAR(q[0], 5.0 / 12.0, 1e-12);
+  EXPECT_NEAR(q[1], 7.0 / 24.0, 1e-12);
+  EXPECT_NEAR(q[0] + q[1] + q[2], 1.0, 1e-12);
+  EXPECT_THROW(top_k_shares({1, 1, 1, 1}, 4), std::invalid_argument);
+}
+
+TEST(SimStepLoad, ShadowingDecidedPerStepKeepsTheHotRowsHomeByHand) {
+  // The hot-expert trace (expert 0 on rank 0: 750 rows from each rank; expert 1 on rank 1: 250 from
+  // each). An expert of D = 100, H = 200 holds P = 40000 weights: moving it to the other rank costs
+  // P (2 + 8) = 400000 bytes, worth it past 400000 / (8 D) = 500 crossing rows. Expert 0 has 750
+  // crossing (rank 1's), expert 1 250: only expert 0 is shadowed.
+  StepLoad load = step_load_from_tokens(hot_expert_load(), 2);
+  shadow_hot_experts(load, 100, 200);
+  EXPECT_EQ(load.shadowed_this_step, std::vector<int64_t>{0});
+  EXPECT_EQ(load.replicas, 0) << "a copy for one step is not summed over replicas";
+  EXPECT_EQ(load.rows_per_rank(), (std::vector<double>{750, 1250}));  // rank 1: its own 750 of expert 0, and 500 of expert 1
+  EXPECT_EQ(load.sent(1, 0), 0);    // nothing of rank 1's goes to rank 0 any more
+  EXPECT_EQ(load.sent(0, 1), 250);  // rank 0's rows of expert 1 still go
+  // Its weights out (2 P bf16 bytes = 80 kB) and its gradients back (160 kB): both under the
+  // curve's first point, 10 us each.
+  const CostModel model(hand_calibration(), Cluster{1, 2}, hand_layer(2));
+  EXPECT_NEAR(model.shadow_weights_us(load, false), 10, 1e-9);
+  EXPECT_NEAR(model.shadow_weights_us(load, true), 10, 1e-9);
+  // The simulated step: the straggler falls from 1.5x the mean rows to 1.25x.
+  SimulationSpec spec;
+  spec.cluster = Cluster{1, 2};
+  spec.layer = hand_layer(2);
+  spec.steps = 1;
+  RoutingTrace trace;
+  trace.loads.push_back(hot_expert_load());
+  spec.trace = trace;
+  EXPECT_NEAR(simulate(spec, hand_calibration()).steps[0].straggler, 1.5, 1e-9);
+  spec.layer.shadow_per_step = true;
+  EXPECT_NEAR(simulate(spec, hand_calibration()).steps[0].straggler, 1.25, 1e-9);
+  // Experts too large to pay: nothing changes.
+  StepLoad large = step_load_from_tokens(hot_expert_load(), 2);
+  shadow_hot_experts(large, 1000, 2000);
+  EXPECT_TRUE(large.shadowed_this_step.empty());
+}
+
 TEST(SimStepLoad, TutelsLayoutsMoveTheRowsByHand) {
   // Four ranks, four experts (one a rank); source s routes 100 rows to expert s and 10 to each other.
   BlockLoad load;
@@ -579,6 +627,32 @@ TEST(SimCalibration, TheBundledOneHostValidationIsWhatTheModelPredicts) {
   EXPECT_EQ(summary.rows, 21);  // 24 measured beyond one GPU, 3 of them (R = 2, d > 1) sigma's own
   EXPECT_EQ(summary.held_out_rows, 14);
   EXPECT_LT(summary.median_abs_error, 0.05) << "the median target";
+}
+
+// The bundled validation of the placements (notebooks_data/sim/validation_placements_h200x2_2026-11-29.json):
+// every placement row of ep_bench under Zipf routing, predicted again from the calibration, row for row.
+TEST(SimCalibration, TheBundledPlacementValidationIsWhatTheModelPredicts) {
+  const std::filesystem::path sim = "notebooks_data/sim", bench = "notebooks_data/bench";
+  const std::filesystem::path stored_path = sim / "validation_placements_h200x2_2026-11-29.json";
+  if (!std::filesystem::exists(stored_path)) GTEST_SKIP() << stored_path.string() << " is not in this checkout";
+  const nlohmann::json stored = nlohmann::json::parse(std::ifstream(stored_path));
+  std::vector<std::filesystem::path> files;
+  for (const char* name : {"zipf1.0_lm_shape", "zipf1.0_tutel_shape", "zipf1.2_lm_shape", "zipf1.2_tutel_shape"}) {
+    files.push_back(bench / ("ep_bench_placements_" + std::string(name) + "_h200x2_2026-11-29.json"));
+  }
+  const std::vector<ValidationRow> rows =
+      validate_against_measurements(load_calibration(sim / "calibration_h200x2_2026-11-29.json"), files);
+  ASSERT_EQ(rows.size(), stored.at("rows").size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const nlohmann::json& want = stored["rows"][i];
+    EXPECT_EQ(rows[i].what, want.at("what").get<std::string>()) << "row " << i;
+    EXPECT_NEAR(rows[i].predicted_us, want.at("predicted_us").get<double>(), 1e-6 * want.at("predicted_us").get<double>())
+        << rows[i].what;
+  }
+  const ValidationSummary summary = summarize(rows);
+  EXPECT_EQ(summary.rows, 24);
+  EXPECT_LT(summary.median_abs_error, 0.05) << "the median target";
+  EXPECT_LT(summary.max_abs_error, 0.10) << "each row's target";
 }
 
 TEST(SimLanguageModel, TheStepOnTwoGpusSwapsTheLocalExchangesForTheClusters) {
