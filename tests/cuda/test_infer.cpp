@@ -94,6 +94,18 @@ std::vector<int32_t> random_bytes(std::mt19937_64& rng, size_t count) {
   return bytes;
 }
 
+// N prompts of P random bytes, then `steps` rows of N bytes to decode after them.
+struct DecodeInputs {
+  std::vector<std::vector<int32_t>> prompts, bytes;
+};
+DecodeInputs random_decode_inputs(uint64_t seed, int64_t N, int64_t P, int64_t steps) {
+  std::mt19937_64 rng(seed);
+  DecodeInputs in;
+  for (int64_t n = 0; n < N; ++n) in.prompts.push_back(random_bytes(rng, size_t(P)));
+  for (int64_t s = 0; s < steps; ++s) in.bytes.push_back(random_bytes(rng, size_t(N)));
+  return in;
+}
+
 Matrix logits_matrix(const std::vector<float>& next_logits, int64_t N) {
   Matrix m(N, kV);
   for (int64_t n = 0; n < N; ++n) {
@@ -539,11 +551,8 @@ TEST_P(CudaInferHostExpertsModes, MatchGpuOnlyWithinBf16AndRepeat) {
   const auto [pregated, schedule] = GetParam();
   const ModelConfig config = tiny_config(MoeLayers::every_block, pregated, 3, 2);
   const Bf16ModelWeights weights = bf16_init(config, 53);
-  std::mt19937_64 rng(59);
   const int64_t N = 3, P = 5, steps = 10;
-  std::vector<std::vector<int32_t>> prompts, bytes;
-  for (int64_t n = 0; n < N; ++n) prompts.push_back(random_bytes(rng, size_t(P)));
-  for (int64_t s = 0; s < steps; ++s) bytes.push_back(random_bytes(rng, size_t(N)));
+  const auto [prompts, bytes] = random_decode_inputs(59, N, P, steps);
   const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
   const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
   moe::cuda::ResidentExperts resident(store);
@@ -885,11 +894,8 @@ TEST(CudaInferDeviceSlots, ARecordedRunHasEachStepsCountsAndSpans) {
   REQUIRE_GPU();
   const ModelConfig config = tiny_config(MoeLayers::every_block, /*pregated=*/true, 3, 2);
   const Bf16ModelWeights weights = bf16_init(config, 71);
-  std::mt19937_64 rng(73);
   const int64_t N = 2, P = 3, steps = 6, M = 3;
-  std::vector<std::vector<int32_t>> prompts, bytes;
-  for (int64_t n = 0; n < N; ++n) prompts.push_back(random_bytes(rng, size_t(P)));
-  for (int64_t s = 0; s < steps; ++s) bytes.push_back(random_bytes(rng, size_t(N)));
+  const auto [prompts, bytes] = random_decode_inputs(73, N, P, steps);
   const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
   const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
   moe::cuda::ResidentExperts resident(store);
