@@ -587,8 +587,7 @@ ExpertParallelGpuGradients ExpertParallelGpu::shadow_gradient_tables(const Exper
 
 // Each copy's gradient back to its storing rank (the reverse all-to-all-v), added there to the
 // stored expert's own, the other ranks in rank order.
-void ExpertParallelGpu::return_shadow_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream) {
-  (void)gradients;  // the stored experts' tables were assembled in shadow_gradient_tables
+void ExpertParallelGpu::return_shadow_gradients(cudaStream_t stream) {
   if (!shadowing()) return;
   Phase phase(timer_, "ep_return_shadow_gradients", stream);
   Shadows& z = *shadows_;
@@ -1466,7 +1465,7 @@ void ExpertParallelGpu::backward_back(cudaStream_t stream, bool brought_back) {
     zero_through_tables(computed_gradients.d_w2, static_cast<int>(E_c), static_cast<size_t>(H_c) * D, stream);
   }
   return_expert_gradients(gradients, stream);  // r != 1: onto the storing ranks
-  return_shadow_gradients(gradients, stream);  // the shadowed experts' copies: onto the storing ranks
+  return_shadow_gradients(stream);  // the shadowed experts' copies: onto the storing ranks
   if (ffn && layout_ == 1 && options_.sum_replica_gradients) sum_over_replicas(gradients, stream);
 
   // ---- un-gather and the router ----

@@ -401,7 +401,7 @@ class ExpertParallelGpu {
   void choose_shadows(const std::vector<int64_t>& routed, cudaStream_t stream);
   ExpertParallelGpuWeights shadow_weights(const ExpertParallelGpuWeights& stored, cudaStream_t stream);
   ExpertParallelGpuGradients shadow_gradient_tables(const ExpertParallelGpuGradients& stored, cudaStream_t stream);
-  void return_shadow_gradients(const ExpertParallelGpuGradients& gradients, cudaStream_t stream);
+  void return_shadow_gradients(cudaStream_t stream);  // into the stored tables shadow_gradient_tables made
   bool shadowing() const;  // whether the last forward shadowed any expert
   void sum_partials(bf16* out, cudaStream_t stream);  // r > 1: partials_ -> one row a kept slot, in send order
   // The d-chunk pipeline shared by forward and backward: `out` rows in send order go to the experts,

@@ -184,7 +184,6 @@ void shadow_hot_experts(StepLoad& load, int64_t model_dim, int64_t hidden_dim) {
   apply_placement(load, plain.with_shadowed(shadowed));
   load.replicas = 0;  // no copy is kept: none is summed over replicas
   load.shadowed_this_step = shadowed;
-  load.stored_slots.assign(static_cast<size_t>(R), load.experts_per_rank());
 }
 
 std::vector<double> top_k_shares(const std::vector<double>& weights, int64_t top_k) {

@@ -41,7 +41,6 @@ struct StepLoad {
   // Shadowed for this step only (shadow_hot_experts): their copies are not kept, so their weights
   // are sent before the step and their gradients returned after it, instead of summed over replicas.
   std::vector<int64_t> shadowed_this_step;  // ascending
-  std::vector<int64_t> stored_slots;        // [R] the slots a rank stores (its slots less those copies)
 
   int64_t experts_per_rank() const { return experts / ranks; }
   double sent(int64_t s, int64_t t) const { return rows[static_cast<size_t>(s * ranks + t)]; }

@@ -681,7 +681,7 @@ TEST(SimLanguageModel, TheStepOnTwoGpusSwapsTheLocalExchangesForTheClusters) {
   // in place of the one-GPU run's MoE path (moe + backward_moe = 3 ms).
   c.language_model.phase_ms["moe"] = 1.0;
   c.language_model.phase_ms["backward_moe"] = 2.0;
-  c.language_model.layer = {c.layer, c.layer_step_us, c.layer_phases_us};
+  c.language_model.layer = {c.layer, c.layer_step_us, c.layer_phases_us, {}};
   const LanguageModelPrediction layer = predict_language_model_step(c, Cluster{1, 2});
   EXPECT_NEAR(layer.moe_ms, 0.950, 1e-9);
   EXPECT_NEAR(layer.step_ms, 10 - 3.0 - 1.0 + 0.950 + layer.optimizer_ms + layer.all_reduce_ms, 1e-9);
@@ -702,7 +702,7 @@ TEST(SimLanguageModel, ABenchmarkIsPredictedWithTheRoutingOfItsTimedStep) {
   c.language_model.step_ms = 10;
   c.language_model.phase_ms = {{"attention", 2}, {"moe", 1.0}, {"backward_moe", 2.0}, {"optimizer", 1.0}};
   c.language_model.tokens_per_rank = 1000;
-  c.language_model.layer = {c.layer, c.layer_step_us, c.layer_phases_us};
+  c.language_model.layer = {c.layer, c.layer_step_us, c.layer_phases_us, {}};
   nlohmann::json run = {{"ranks", 2}, {"tokens_per_step", 2000}, {"median_step_ms", 9.0}, {"device", "test GPU"},
                         {"date", "2026-11-28"}, {"config", c.language_model.config}, {"phase_ms", {{"attention", 2}}}};
   std::ofstream(dir / "uniform.json") << run.dump();
