@@ -482,8 +482,9 @@ calibrate() {
   # - R = 2: the raw all-to-all and the count exchange (the calibration's network), and the layer
   #   at 8 experts a GPU and dispatch + combine, which the simulator then predicts;
   # - R = 4 where four GPUs exist: the same rows, predicted from the two-GPU calibration (hold-out);
-  # - the language model's training step (throughput preset, 64 sequences a GPU) at R = 1 (into the
-  #   calibration), 2 and 4 (predicted), each from one checkpoint trained 300 steps on Brown (its
+  # - the language model's training step (throughput preset, 64 sequences a GPU), plain and with two
+  #   micro-batches overlapped, at R = 1 (into the calibration), 2 and 4 (predicted), each from one
+  #   checkpoint trained 300 steps on Brown (its
   #   routing as training's; from the initial weights a few steps collapse it), each benchmark
   #   writing its timed step's routing for the prediction. Needs the Brown corpus (./moe data; the
   #   GPU machines cannot fetch it: carry notebooks_data/brown's converted files).
@@ -523,20 +524,26 @@ calibrate() {
     --eval-every 1000 --record-every 100 --run-dir "$checkpoint" > "$LOGS/calibrate_checkpoint.log" 2>&1 || rc=1
   for r in 1 2 4; do
     [ "$r" -le "$gpus" ] || break
-    # --overlap off: the simulator's language model is the plain step
-    "${mpirun[@]}" -np $r $two --backend nccl --preset throughput --steps 2000 --batch $((64 * r)) --resume --overlap off \
-      --run-dir "$checkpoint" --benchmark-steps 40 --benchmark-json "$OUT/sim/train_r$r.json" \
-      > "$LOGS/calibrate_train_r$r.log" 2>&1 || rc=1
-    echo "language model, R = $r: $(grep 'median step' "$LOGS/calibrate_train_r$r.log")"
-    [ "$r" -eq 1 ] || files="$files,$OUT/sim/train_r$r.json"
+    # The plain step (--overlap off) and the step with two micro-batches overlapped (--overlap on);
+    # the one-GPU overlapped step says what halving the batch costs.
+    local overlap name
+    for overlap in off on; do
+      name=train_r$r
+      [ "$overlap" = on ] && name=train_overlap_r$r
+      "${mpirun[@]}" -np $r $two --backend nccl --preset throughput --steps 2000 --batch $((64 * r)) --resume --overlap $overlap \
+        --run-dir "$checkpoint" --benchmark-steps 40 --benchmark-json "$OUT/sim/$name.json" \
+        > "$LOGS/calibrate_$name.log" 2>&1 || rc=1
+      echo "language model, R = $r, overlap $overlap: $(grep 'median step' "$LOGS/calibrate_$name.log")"
+      [ "$r" -eq 1 ] || files="$files,$OUT/sim/$name.json"
+    done
   done
   device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | grep -oE 'h100|h200|a100|b200' || echo gpu)
   kind="${device}x2_$(date -u +%F)"
-  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json,$OUT/sim/ep_bench_lm_layer_r2.json" \
+  $sim --calibrate-from "$OUT/sim/ep_bench_r1.json,$OUT/sim/ep_bench_r2.json,$OUT/sim/train_r1.json,$OUT/sim/train_overlap_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json,$OUT/sim/ep_bench_lm_layer_r2.json" \
     --calibration-out "$OUT/sim/calibration_$kind.json" || rc=1
   # Four-GPU runs: this machine's when it has four, else the kept ones of the same machine kind.
   [ "$gpus" -ge 4 ] || held=",notebooks_data/bench/ep_bench_exposed_r4_h200x4_2026-11-28.json,notebooks_data/bench/ep_bench_exposed_lm_layer_r4_h200x4_2026-11-28.json,notebooks_data/bench/train_brown_step300_r4_h200x4_2026-11-28.json"
-  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json$files$held" \
+  $sim --calibration "$OUT/sim/calibration_$kind.json" --validate "$OUT/sim/ep_bench_r1.json,$OUT/sim/train_r1.json,$OUT/sim/train_overlap_r1.json,$OUT/sim/ep_bench_lm_layer_r1.json$files$held" \
     --json "$OUT/sim/validation_$kind.json" | tee "$LOGS/calibrate_validation.log" || rc=1
   return $rc
 }

@@ -200,6 +200,7 @@ nlohmann::json to_json(const Calibration& c) {
     json["language_model"] = {{"config", c.language_model.config}, {"step_ms", c.language_model.step_ms},
                               {"phase_ms", c.language_model.phase_ms}, {"tokens_per_rank", c.language_model.tokens_per_rank}};
     if (c.language_model.layer.measured()) json["language_model"]["layer"] = layer_json(c.language_model.layer);
+    if (c.language_model.overlapped_step_ms > 0) json["language_model"]["overlapped_step_ms"] = c.language_model.overlapped_step_ms;
   }
   json["inter_node"] = {{"nic_gbs", c.inter_node.nic_gbs},         {"efficiency", c.inter_node.efficiency},
                         {"latency_us", c.inter_node.latency_us},   {"per_peer_us", c.inter_node.per_peer_us},
@@ -245,6 +246,7 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
         c.language_model.layer = layer_from(l.at("shape"), l.at("step_us"), l.at("phases_us"));
         if (l.contains("overlap_contention")) c.language_model.layer.overlap_contention = contention_from(l["overlap_contention"]);
       }
+      c.language_model.overlapped_step_ms = lm.value("overlapped_step_ms", 0.0);
     }
     const nlohmann::json& inter = json.at("inter_node");
     c.inter_node = {inter.at("nic_gbs").get<double>(), inter.at("efficiency").get<double>(),
@@ -269,6 +271,7 @@ Calibration calibration_from_json(const nlohmann::json& json, const std::string&
   for (const OverlapContention& o : {c.overlap_contention, c.language_model.layer.overlap_contention}) {
     if (!(o.sigma >= 0 && o.sigma <= 2) || o.ranks < 0) refuse(source, "overlap_contention: sigma between 0 (free overlap) and 2, ranks >= 0");
   }
+  if (c.language_model.overlapped_step_ms < 0) refuse(source, "language_model.overlapped_step_ms: > 0, or absent when not measured");
   std::sort(c.all_to_all.begin(), c.all_to_all.end(), [](const AllToAllCurve& a, const AllToAllCurve& b) { return a.ranks < b.ranks; });
   return c;
 }
@@ -315,6 +318,7 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
   Curve dispatch_combine;
   std::vector<LayerCalibration> one_gpu_layers;  // each R = 1 layer run
   std::vector<std::pair<int64_t, LayerCalibration>> many_gpu_layers;  // (R, its layer) at R >= 2: overlap_contention
+  double overlapped_step_ms = 0;  // the language model with two micro-batches overlapped, one GPU
   for (const std::filesystem::path& path : files) {
     const std::string source = path.string();
     const nlohmann::json json = read_json_file(path, "");
@@ -322,10 +326,14 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
     bool used = false;
     for (const auto& [name, run] : training_benchmarks(json)) {  // the language model on one GPU
       if (run.value("ranks", int64_t{0}) != 1) continue;
+      used = true;
+      if (run.value("overlap", false)) {  // two micro-batches overlapped: what halving the batch costs
+        overlapped_step_ms = run.value("median_step_ms", 0.0);
+        continue;
+      }
       const nlohmann::json& config = run.at("config");
       c.language_model = {config, run.value("median_step_ms", 0.0), run.at("phase_ms").get<std::map<std::string, double>>(),
                           config.value("batch", int64_t{0}) * config.value("seq_len", int64_t{0}), {}};
-      used = true;
     }
     for (const nlohmann::json& run : runs) {
       bool run_used = false, layer_started = false;
@@ -383,6 +391,10 @@ Calibration calibrate_from_ep_bench(const std::vector<std::filesystem::path>& fi
     }
     c.sources.push_back(path.filename().string());
   }
+  if (overlapped_step_ms > 0 && !c.language_model.measured()) {
+    throw std::invalid_argument("moe_sim calibrate: an overlapped language model step on one GPU (--overlap on) needs the plain one beside it");
+  }
+  c.language_model.overlapped_step_ms = overlapped_step_ms;
   // The R = 1 layers: the one at the language model's D and H (when there is a model) is its layer;
   // the first other one is the calibration's layer.
   for (const LayerCalibration& layer : one_gpu_layers) {

@@ -82,6 +82,7 @@ struct LanguageModelStep {
   std::map<std::string, double> phase_ms;
   int64_t tokens_per_rank = 0;           // batch x seq_len
   LayerCalibration layer;                // the expert-parallel layer at D, H, E, K of the model
+  double overlapped_step_ms = 0;         // median with two micro-batches overlapped (--overlap on); 0: not measured
   bool measured() const { return step_ms > 0; }
 };
 

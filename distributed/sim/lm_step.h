@@ -43,7 +43,9 @@ struct LanguageModelPrediction {
 // Throws std::invalid_argument when the calibration holds no language model step. `routing`: the
 // model's own routing, one block's loads per MoE block from the trace's first step (a run record
 // of the same model); without it, uniform routing.
+// overlap: the step with two micro-batches overlapped (moe_train_distributed --overlap on); needs the
+// calibration's overlapped one-GPU step and its layer at the model's shape, else std::invalid_argument.
 LanguageModelPrediction predict_language_model_step(const Calibration& calibration, const Cluster& cluster,
-                                                    const RoutingTrace* routing = nullptr);
+                                                    const RoutingTrace* routing = nullptr, bool overlap = false);
 
 }  // namespace moe::sim

@@ -135,8 +135,9 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
       const int64_t R = run.value("ranks", int64_t{1});
       const LanguageModelStep& one = calibration.language_model;
       if (!one.measured() || R < 1 || run.value("tokens_per_step", int64_t{0}) != one.tokens_per_rank * R) continue;
+      const bool overlap = run.value("overlap", false);
       ValidationRow out;
-      out.what = "language model step";
+      out.what = overlap ? "language model step, overlapped" : "language model step";
       out.ranks = R;
       out.file = path.filename().string();
       out.device_date = run.value("device", "") + ", " + run.value("date", "").substr(0, 10);
@@ -144,7 +145,7 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
       // A benchmark that wrote its timed step's routing is predicted with it; else the given trace.
       const RoutingTrace own = routing_of_benchmark(run, path);
       const RoutingTrace* routing = !own.loads.empty() ? &own : model_routing;
-      out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}, routing).step_ms;
+      out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}, routing, overlap).step_ms;
       if (!own.loads.empty()) {
         out.what += " (its own routing)";
       } else if (model_routing != nullptr) {
