@@ -23,7 +23,8 @@ using MicroBatch = LayerMicroBatch;
 
 MicroBatch micro_batch(const CostModel& model, const StepLoad& load, int parts, int index) {
   const LayerSpec& layer = model.layer();
-  const StepLoad part = parts == 1 ? load : scaled(load, 1.0 / parts);
+  const StepLoad halved = parts == 1 ? StepLoad{} : scaled(load, 1.0 / parts);
+  const StepLoad& part = parts == 1 ? load : halved;  // R x E a step: no copy of the whole
   MicroBatch m;
   if (parts > 1) m.suffix = '.' + std::to_string(index);
   m.stream = index == 0 ? kCompute : kCompute2;

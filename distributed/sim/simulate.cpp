@@ -19,16 +19,18 @@ double median(std::vector<double> values) {
   return values[values.size() / 2];
 }
 
-// The blocks of one step, as loads on the cluster.
-std::vector<StepLoad> loads_of_step(const SimulationSpec& spec, int64_t step,
-                                    const std::map<int64_t, std::vector<const BlockLoad*>>& trace_steps) {
+// The blocks of one step, as loads on the cluster, into `loads` (the last step's, whose memory is
+// reused for synthetic routing).
+void loads_of_step(const SimulationSpec& spec, int64_t step, const std::map<int64_t, std::vector<const BlockLoad*>>& trace_steps,
+                   std::vector<StepLoad>& loads) {
   const int64_t R = spec.cluster.ranks(), E = spec.layer.experts;
   const double rows_per_rank = static_cast<double>(spec.layer.tokens_per_rank * spec.layer.top_k);
-  std::vector<StepLoad> loads;
   if (!spec.trace) {
     const std::vector<double> shares = synthetic_shares(spec.synthetic, E, step);
-    for (int64_t b = 0; b < spec.blocks; ++b) loads.push_back(step_load_from_shares(shares, R, rows_per_rank));
+    loads.resize(static_cast<size_t>(spec.blocks));
+    for (StepLoad& load : loads) step_load_from_shares(shares, R, rows_per_rank, load);
   } else {
+    loads.clear();
     auto it = trace_steps.begin();
     std::advance(it, static_cast<long>(step % static_cast<int64_t>(trace_steps.size())));
     for (const BlockLoad* block : it->second) {
@@ -45,7 +47,6 @@ std::vector<StepLoad> loads_of_step(const SimulationSpec& spec, int64_t step,
     if (spec.layer.shadow_per_step) shadow_hot_experts(load, spec.layer.model_dim, spec.layer.hidden_dim);
     apply_layout(load, spec.layer.layout);
   }
-  return loads;
 }
 
 }  // namespace
@@ -75,8 +76,9 @@ Simulation simulate(const SimulationSpec& spec, const Calibration& calibration,
   }
   Timeline timeline(R);
   Simulation result;
+  std::vector<StepLoad> loads;
   for (int64_t step = 0; step < spec.steps; ++step) {
-    const std::vector<StepLoad> loads = loads_of_step(spec, step, trace_steps);
+    loads_of_step(spec, step, trace_steps, loads);
     SimulatedStep out;
     out.step = step;
     // Keep the first ranks' spans and the busiest rank's (the straggler the others wait for).

@@ -55,26 +55,38 @@ StepLoad step_load_from_tokens(const BlockLoad& load, int64_t ranks) {
 }
 
 StepLoad step_load_from_shares(const std::vector<double>& shares, int64_t ranks, double rows_per_rank) {
+  StepLoad out;
+  step_load_from_shares(shares, ranks, rows_per_rank, out);
+  return out;
+}
+
+void step_load_from_shares(const std::vector<double>& shares, int64_t ranks, double rows_per_rank, StepLoad& out) {
   const int64_t E = static_cast<int64_t>(shares.size());
   check_placement(E, ranks);
-  StepLoad out;
+  // out's three large arrays are kept and overwritten: at R = 1024, E = 8192 the [R][E] rows alone
+  // are 64 MB, and a fresh allocation every step costs more than the step's simulation.
+  std::vector<double> rows_per_expert = std::move(out.rows_per_expert), rows = std::move(out.rows),
+                      source_rows = std::move(out.source_rows);
+  out = StepLoad{};
   out.ranks = ranks;
   out.experts = E;
-  out.rows_per_expert.resize(static_cast<size_t>(E));
+  rows_per_expert.resize(static_cast<size_t>(E));
   std::vector<double> rank_share(static_cast<size_t>(ranks), 0.0);
   for (int64_t e = 0; e < E; ++e) {
-    out.rows_per_expert[static_cast<size_t>(e)] = shares[static_cast<size_t>(e)] * rows_per_rank * static_cast<double>(ranks);
+    rows_per_expert[static_cast<size_t>(e)] = shares[static_cast<size_t>(e)] * rows_per_rank * static_cast<double>(ranks);
     rank_share[static_cast<size_t>(e / (E / ranks))] += shares[static_cast<size_t>(e)];
   }
-  out.rows.resize(static_cast<size_t>(ranks * ranks));
+  rows.resize(static_cast<size_t>(ranks * ranks));
   for (int64_t s = 0; s < ranks; ++s) {
-    for (int64_t t = 0; t < ranks; ++t) out.rows[static_cast<size_t>(s * ranks + t)] = rows_per_rank * rank_share[static_cast<size_t>(t)];
+    for (int64_t t = 0; t < ranks; ++t) rows[static_cast<size_t>(s * ranks + t)] = rows_per_rank * rank_share[static_cast<size_t>(t)];
   }
-  out.source_rows.resize(static_cast<size_t>(ranks * E));
+  source_rows.resize(static_cast<size_t>(ranks * E));
   for (int64_t s = 0; s < ranks; ++s) {
-    for (int64_t e = 0; e < E; ++e) out.source_rows[static_cast<size_t>(s * E + e)] = shares[static_cast<size_t>(e)] * rows_per_rank;
+    for (int64_t e = 0; e < E; ++e) source_rows[static_cast<size_t>(s * E + e)] = shares[static_cast<size_t>(e)] * rows_per_rank;
   }
-  return out;
+  out.rows_per_expert = std::move(rows_per_expert);
+  out.rows = std::move(rows);
+  out.source_rows = std::move(source_rows);
 }
 
 void apply_capacity(StepLoad& load, double capacity) {

@@ -53,6 +53,8 @@ void check_placement(int64_t experts, int64_t ranks);
 
 StepLoad step_load_from_tokens(const BlockLoad& load, int64_t ranks);  // needs load.sources == ranks
 StepLoad step_load_from_shares(const std::vector<double>& shares, int64_t ranks, double rows_per_rank);
+// The same into `out`, reusing its arrays' memory (a simulation's loads from step to step).
+void step_load_from_shares(const std::vector<double>& shares, int64_t ranks, double rows_per_rank, StepLoad& out);
 
 // Keeps at most `capacity` rows an expert (dropping formulations); the rows each rank sends to an
 // expert's rank shrink by the same kept fraction. capacity <= 0 keeps everything (dropless).
