@@ -111,10 +111,9 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
     }
     loads.push_back(step_load_from_shares(shares, R, rows_per_rank));
   }
-  double optimizer_one = 0, moe_one = 0, local = 0;
+  double optimizer_one = 0, local = 0;
   for (const auto& [phase, ms] : one.phase_ms) {
     if (phase == "optimizer") optimizer_one = ms;
-    if (phase == "moe" || phase == "backward_moe") moe_one += ms;
     if (is_local_exchange(phase)) local += ms;
   }
   out.optimizer_ms = optimizer_one * (other_parameters + expert_parameters / static_cast<double>(R)) / (other_parameters + expert_parameters);
