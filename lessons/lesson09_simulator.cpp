@@ -5,6 +5,7 @@
 //
 // Build and run:  ./moe build && build/lessons/lesson09_simulator [--out runs/lesson09_simulator]
 //                 [--calibration notebooks_data/sim/calibration_h200x2_2026-11-28.json]
+//                 [--model-calibration notebooks_data/sim/calibration_h200x2_2026-11-29.json]
 //
 // Everything here is plain C++ and runs in seconds on any machine: the GPU measurements it stands
 // on are in notebooks_data/bench/ (ep_bench's JSON) and the calibration made from them in
@@ -23,6 +24,7 @@
 #include "program_exit.h"         // run_program
 #include "sim/calibration.h"      // load_calibration
 #include "sim/cost_model.h"       // CostModel
+#include "sim/lm_step.h"          // predict_language_model_step
 #include "sim/routing_trace.h"    // read_routing_trace, parse_synthetic
 #include "sim/sim_record.h"       // SimulatedRunRecord
 #include "sim/simulate.h"         // simulate
@@ -63,10 +65,14 @@ double percent(double share) { return std::round(share * 1000.0) / 10.0; }
 int main(int argc, char** argv) {
   std::string calibration_path = "notebooks_data/sim/calibration_h200x2_2026-11-28.json";
   std::string bench_dir = "notebooks_data/bench";
+  std::string model_calibration_path = "notebooks_data/sim/calibration_h200x2_2026-11-29.json";
   const lessons::LessonOptions options =
       lessons::parse_options(argc, argv, kLesson, "runs/lesson09_simulator", [&](CLI::App& app) {
         app.add_option("--calibration", calibration_path, "the calibration the studies use")->capture_default_str();
         app.add_option("--bench-dir", bench_dir, "where the measured ep_bench files are")->capture_default_str();
+        app.add_option("--model-calibration", model_calibration_path,
+                       "a calibration holding the language model's step, plain and overlapped (section 3b)")
+            ->capture_default_str();
       });
   return run_program(kLesson, [&] {
     MoeConfig config;  // the layer of the studies: 8 experts a GPU on 8 GPUs
@@ -160,6 +166,35 @@ int main(int argc, char** argv) {
       lessons::show(writer, table);
       std::printf("one GPU: %.2f ms. Inside a node NVLink keeps the step near it; past one node every exchange\n"
                   "crosses a 50 GB/s NIC and the exposed share grows.\n", one_gpu / 1e3);
+    }
+
+    // ---- 3b. Weak scaling of the language model's training step ----
+    std::printf("\n== 3b. Weak scaling of the language model's step (throughput preset, 64 sequences a GPU, 16 experts a GPU\n"
+                "       up to E = 1024, the most a model config holds: 4 a GPU on 256, 1 on 1024) ==\n");
+    {
+      const sim::Calibration lm = sim::load_calibration(model_calibration_path);
+      const double one_gpu_ms = lm.language_model.step_ms;
+      Table table("the language model's step, simulated (E = min(16 R, 1024))",
+                  {"GPUs", "nodes", "E", "plain_ms", "overlapped_ms", "plain_efficiency", "overlap_gain_%"});
+      double gain_at_64 = 0;
+      for (int64_t gpus : {2, 8, 16, 64, 256, 1024}) {
+        const sim::Cluster cluster = gpus <= 8 ? sim::Cluster{1, gpus} : sim::Cluster{gpus / 8, 8};
+        const int64_t experts = std::min<int64_t>(16 * gpus, kMaxExperts);
+        const double plain = sim::predict_language_model_step(lm, cluster, {.experts = experts}).step_ms;
+        const double overlapped = sim::predict_language_model_step(lm, cluster, {.overlap = true, .experts = experts}).step_ms;
+        const double gain = 1 - overlapped / plain;
+        if (gpus == 64) gain_at_64 = gain;
+        table.add_row({gpus, cluster.nodes, experts, std::round(plain * 100) / 100, std::round(overlapped * 100) / 100,
+                       std::round(100 * one_gpu_ms / plain) / 100, percent(gain)});
+      }
+      lessons::show(writer, table);
+      std::printf("one GPU: %.2f ms plain, %.2f ms overlapped (%s, %s). Each GPU keeps its 64 sequences and its\n"
+                  "rows routed, so a perfect machine would hold the one-GPU step.\n",
+                  one_gpu_ms, lm.language_model.overlapped_step_ms, lm.device.c_str(), lm.date.c_str());
+      std::printf("Past one node the exchanges cross NICs and the overlap hides them behind the other half's work;\n"
+                  "with one expert a GPU on 1024 every exchange has 1023 peers, each half pays each peer's fixed cost\n"
+                  "again, and two micro-batches lose.\n");
+      if (!(gain_at_64 > 0)) failures.push_back("two micro-batches did not shorten the language model's step on 64 GPUs");
     }
 
     // ---- 4. Where 2DH starts to pay: small batches, many nodes ----

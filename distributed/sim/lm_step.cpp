@@ -70,15 +70,24 @@ OtherWork other_work(const LanguageModelStep& one) {
 }  // namespace
 
 LanguageModelPrediction predict_language_model_step(const Calibration& calibration, const Cluster& cluster,
-                                                    const RoutingTrace* routing, bool overlap) {
+                                                    const LanguageModelOptions& options) {
+  const RoutingTrace* routing = options.routing;
+  const bool overlap = options.overlap;
   const LanguageModelStep& one = calibration.language_model;
   if (!one.measured()) throw std::invalid_argument("the calibration holds no language model step (calibrate from moe_train_distributed --benchmark-json at one rank)");
   if (overlap && !(one.overlapped_step_ms > 0)) {
     throw std::invalid_argument("the calibration holds no overlapped language model step on one GPU (calibrate from moe_train_distributed "
                                 "--overlap on --benchmark-json at one rank)");
   }
-  const ModelConfig model = model_of(one.config);
+  ModelConfig model = model_of(one.config);
   const int64_t R = cluster.ranks();
+  if (options.experts != 0) {
+    if (options.experts < 1 || options.experts % R != 0) {
+      throw std::invalid_argument("the language model's experts: a multiple of the ranks (" + std::to_string(R) + "), got " +
+                                  std::to_string(options.experts));
+    }
+    model.num_experts = options.experts;
+  }
   LanguageModelPrediction out;
   if (R == 1) {  // one GPU trains through the one-GPU MoE layer: the measured step itself
     for (const auto& [phase, ms] : one.phase_ms) {
@@ -116,7 +125,13 @@ LanguageModelPrediction predict_language_model_step(const Calibration& calibrati
     if (phase == "optimizer") optimizer_one = ms;
     if (is_local_exchange(phase)) local += ms;
   }
-  out.optimizer_ms = optimizer_one * (other_parameters + expert_parameters / static_cast<double>(R)) / (other_parameters + expert_parameters);
+  // The optimizer is bound by the parameters it updates: this rank's, against all of the measured
+  // model's (the same model, or the one whose experts options.experts replaced).
+  double measured_experts = 0;
+  for (const ParameterInfo& p : parameter_layout(model_of(one.config))) {
+    if (p.expert >= 0) measured_experts += static_cast<double>(p.rows * p.cols);
+  }
+  out.optimizer_ms = optimizer_one * (other_parameters + expert_parameters / static_cast<double>(R)) / (other_parameters + measured_experts);
   const CostModel network(calibration, cluster, layer);
   const int64_t G = std::min(cluster.gpus_per_node, R);
   auto all_reduce_us = [&](double parameters) {  // ring: 2 (R - 1) / R of the fp32 gradients' bytes

@@ -46,12 +46,21 @@ struct LanguageModelPrediction {
   double optimizer_ms = 0;
 };
 
-// Throws std::invalid_argument when the calibration holds no language model step. `routing`: the
-// model's own routing, one block's loads per MoE block from the trace's first step (a run record
-// of the same model); without it, uniform routing.
-// overlap: the step with two micro-batches overlapped (moe_train_distributed --overlap on); needs the
-// calibration's overlapped one-GPU step and its layer at the model's shape, else std::invalid_argument.
+struct LanguageModelOptions {
+  // The model's own routing, one block's loads per MoE block from the trace's first step (a run
+  // record of the same model); nullptr: uniform routing.
+  const RoutingTrace* routing = nullptr;
+  // The step with two micro-batches overlapped (moe_train_distributed --overlap on); needs the
+  // calibration's overlapped one-GPU step and its layer at the model's shape.
+  bool overlap = false;
+  // 0: the model's E. Else the same model with E experts a block (a multiple of the ranks): weak
+  // scaling past E GPUs, each GPU keeping E / R experts of the same rows.
+  int64_t experts = 0;
+};
+
+// Throws std::invalid_argument when the calibration holds no language model step, or not what the
+// options need.
 LanguageModelPrediction predict_language_model_step(const Calibration& calibration, const Cluster& cluster,
-                                                    const RoutingTrace* routing = nullptr, bool overlap = false);
+                                                    const LanguageModelOptions& options = {});
 
 }  // namespace moe::sim

@@ -711,12 +711,19 @@ TEST(SimLanguageModel, TheStepOnTwoGpusSwapsTheLocalExchangesForTheClusters) {
   // Two micro-batches overlapped need the overlapped one-GPU step; with it, one GPU's prediction is
   // that step, and on two GPUs each half's exchanges run while the other half computes: the step
   // costs less than the plain one plus what halving costs on one GPU (1 ms here).
-  EXPECT_THROW(predict_language_model_step(c, Cluster{1, 2}, nullptr, true), std::invalid_argument);
+  EXPECT_THROW(predict_language_model_step(c, Cluster{1, 2}, {.overlap = true}), std::invalid_argument);
   c.language_model.overlapped_step_ms = 11;
-  EXPECT_DOUBLE_EQ(predict_language_model_step(c, Cluster{1, 1}, nullptr, true).step_ms, 11);
-  const LanguageModelPrediction overlapped = predict_language_model_step(c, Cluster{1, 2}, nullptr, true);
+  EXPECT_DOUBLE_EQ(predict_language_model_step(c, Cluster{1, 1}, {.overlap = true}).step_ms, 11);
+  const LanguageModelPrediction overlapped = predict_language_model_step(c, Cluster{1, 2}, {.overlap = true});
   EXPECT_GT(overlapped.step_ms, layer.step_ms);
   EXPECT_LT(overlapped.step_ms, layer.step_ms * 1.1);
+  // Weak scaling: the same model with E experts, a multiple of the ranks. With 4 experts each rank
+  // updates 2, all the one-GPU run's experts: the optimizer takes its one-GPU time.
+  EXPECT_THROW(predict_language_model_step(c, Cluster{1, 2}, {.experts = 3}), std::invalid_argument);
+  const LanguageModelPrediction four = predict_language_model_step(c, Cluster{1, 2}, {.experts = 4});
+  EXPECT_GT(four.moe_ms, 0);
+  EXPECT_GT(four.optimizer_ms, layer.optimizer_ms);
+  EXPECT_NEAR(four.optimizer_ms, 1.0, 1e-12);
   c.language_model = {};
   EXPECT_THROW(predict_language_model_step(c, Cluster{1, 2}), std::invalid_argument);
 }
