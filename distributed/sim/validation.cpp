@@ -145,7 +145,11 @@ std::vector<ValidationRow> validate_against_measurements(const Calibration& cali
       // A benchmark that wrote its timed step's routing is predicted with it; else the given trace.
       const RoutingTrace own = routing_of_benchmark(run, path);
       const RoutingTrace* routing = !own.loads.empty() ? &own : model_routing;
-      out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}, {.routing = routing, .overlap = overlap}).step_ms;
+      try {
+        out.predicted_us = 1e3 * predict_language_model_step(calibration, Cluster{1, R}, {.routing = routing, .overlap = overlap}).step_ms;
+      } catch (const std::invalid_argument& error) {
+        throw std::invalid_argument("--validate " + path.string() + ": " + error.what());
+      }
       if (!own.loads.empty()) {
         out.what += " (its own routing)";
       } else if (model_routing != nullptr) {
