@@ -583,8 +583,9 @@ void print_run(const Run& r) {
                 "|logit| %.3g against gpu_only on the same bytes",
                 r.on_host_per_step, r.host_ms_per_step, r.logits_max_abs_diff, r.logits_max_abs);
     if (!r.costs.host_ms.empty()) {
-      std::printf("; measured at start: a copy %.3f ms, the host %.3f ms at 1 row, %.3f at %zu", r.costs.copy_ms,
-                  r.costs.host_ms.front(), r.costs.host_ms.back(), r.costs.host_ms.size());
+      std::printf("; measured at start: a copy %.3f ms, the host %.3f ms at 1 row, %.3f at %zu, a block's round trip to "
+                  "the host %.3f ms", r.costs.copy_ms, r.costs.host_ms.front(), r.costs.host_ms.back(), r.costs.host_ms.size(),
+                  r.costs.host_block_ms);
     }
     std::printf("\n");
   }
@@ -605,7 +606,8 @@ json run_json(const Run& r) {
           {"vs_gpu_only", r.step_ms / r.gpu_only_ms}, {"recorded", r.recorded},
           {"host_experts", std::string(to_string(r.host))}, {"on_host_per_step", r.on_host_per_step},
           {"host_ms_per_step", r.host_ms_per_step}, {"cost_model_copy_ms", r.costs.copy_ms},
-          {"cost_model_host_ms_by_rows", r.costs.host_ms}, {"logits_max_abs_diff", r.logits_max_abs_diff},
+          {"cost_model_host_ms_by_rows", r.costs.host_ms}, {"cost_model_host_block_ms", r.costs.host_block_ms},
+          {"logits_max_abs_diff", r.logits_max_abs_diff},
           {"logits_max_abs", r.logits_max_abs}};
 }
 

@@ -432,8 +432,8 @@ int run(const std::vector<std::string>& arguments) {
                    std::string(to_string(o.host_experts)).c_str(), offloaded->host_threads(), (long long)on_host,
                    host_ms);
       if (!costs.host_ms.empty()) {
-        std::fprintf(stderr, "; measured at start-up: a copy %.3f ms, the host %.3f ms at one row", costs.copy_ms,
-                     costs.host_ms[0]);
+        std::fprintf(stderr, "; measured at start-up: a copy %.3f ms, the host %.3f ms at one row, a block's round trip "
+                     "to the host %.3f ms", costs.copy_ms, costs.host_ms[0], costs.host_block_ms);
       }
       std::fputc('\n', stderr);
     }

@@ -74,7 +74,7 @@ std::vector<int32_t> choose_host_experts(HostExperts mode, std::span<const int32
     const double copy_queue = std::max(backlogs.copy_ms, 0.0), host_queue = std::max(backlogs.host_ms, 0.0);
     double best = std::max(copy_queue + double(n) * costs.copy_ms, host_queue), host_sum = 0;
     for (int64_t k = 1; k <= n; ++k) {
-      host_sum += host[order[size_t(k - 1)]];
+      host_sum += host[order[size_t(k - 1)]] + (k == 1 ? std::max(costs.host_block_ms, 0.0) : 0.0);
       const double cost = std::max(copy_queue + double(n - k) * costs.copy_ms, host_queue + host_sum);
       if (cost < best) best = cost, best_k = k;
     }
@@ -88,13 +88,16 @@ double predicted_miss_ms(std::span<const int32_t> misses, std::span<const int64_
                          std::span<const int32_t> on_host, const HostExpertCosts& costs, Backlogs backlogs) {
   check_spans(misses, rows);
   double copies = 0, host = 0;
+  bool any_on_host = false;
   for (size_t i = 0; i < misses.size(); ++i) {
     if (std::find(on_host.begin(), on_host.end(), misses[i]) != on_host.end()) {
       host += costs.host_ms_at(rows[i]);
+      any_on_host = true;
     } else {
       copies += costs.copy_ms;
     }
   }
+  if (any_on_host) host += std::max(costs.host_block_ms, 0.0);
   return std::max(std::max(backlogs.copy_ms, 0.0) + copies, std::max(backlogs.host_ms, 0.0) + host);
 }
 

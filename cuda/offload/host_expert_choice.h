@@ -14,7 +14,11 @@
 //   copy(e) = copy_ms                  (bytes / the PCIe rate: the same for every expert)
 //   host(e) = host_ms(r_e)             (the host's FFN on r_e rows: measured, grows with r_e)
 //   choose S minimizing max( copy_backlog + sum_{e not in S} copy(e),
-//                            host_backlog + sum_{e in S} host(e) )
+//                            host_backlog + [S not empty] host_block + sum_{e in S} host(e) )
+//
+// host_block is what a block pays once for taking the host path at all: its rows read back to the
+// host, the host's threads woken from their sleep, the computed rows sent up. At small experts it
+// outweighs the experts themselves (a Switch-like expert is 0.2 ms on the host, as long as its copy).
 //
 // The backlogs are the work each resource already has before this block's misses: the copies
 // still queued on the copy engine (prefetches, the previous block's misses), and the host experts
@@ -25,7 +29,7 @@
 //
 // Since every copy costs the same, the best S of each size k is the k experts with the fewest rows
 // (the cheapest on the host), so trying k = 0..n over the experts sorted by host(e) finds the
-// optimum exactly. Ties go to the smaller k: a copied expert also fills the cache for later steps.
+// optimum exactly (host_block is the same for every k >= 1). Ties go to the smaller k: a copied expert also fills the cache for later steps.
 // The GPU's own expert time is not in the sum: in this engine the GPU runs a block's expert kernels
 // over every chosen expert either way (a host expert's rows are replaced afterwards, see
 // moe/moe_layer.h: ReplacedRows), so it costs the same on both sides.
@@ -60,6 +64,9 @@ struct HostExpertCosts {
   // slots), which the copy engine runs beside: a decoder's gpu_only step over its MoE blocks.
   // 0 when not known; the backlogs (below) then count the copy engine's queue too long.
   double gpu_block_ms = 0;
+  // What a block pays once when it computes any expert on the host: the round trip of its rows
+  // (read back, computed rows up) and waking the host's threads. 0 when not known.
+  double host_block_ms = 0;
 
   // host_ms at `rows` >= 1: the table's value, or beyond it a straight line through its last two
   // points (one point: proportional to rows). Throws std::invalid_argument for rows < 1 or an empty
@@ -79,7 +86,8 @@ std::vector<int32_t> choose_host_experts(HostExperts mode, std::span<const int32
                                          Backlogs backlogs = {});
 
 // The predicted time until both resources have finished the block's misses with that split:
-// max(copy backlog + copies, host backlog + host work), in ms (what the cost model minimizes).
+// max(copy backlog + copies, host backlog + host work), in ms (what the cost model minimizes); the
+// host work holds host_block_ms when the split puts any expert on the host.
 double predicted_miss_ms(std::span<const int32_t> misses, std::span<const int64_t> rows,
                          std::span<const int32_t> on_host, const HostExpertCosts& costs, Backlogs backlogs = {});
 

@@ -3,9 +3,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <thread>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "core/cuda_check.h"  // CUDA_CHECK
 
@@ -96,6 +96,36 @@ HostExpertCosts measure_host_expert_costs(const PinnedExpertStore& store, CpuExp
       return ms;
     }));
   }
+  // What a block pays once for the host path (host_block_ms): its rows' round trip, a read-back and
+  // an upload each waited for, as the decoder does; and waking the host's threads after a pause as
+  // long as a few decode blocks (2 ms). The wake-up is the pool's, not the expert's: it is timed on
+  // a tiny expert with as many threads, woken against awake (at the real expert's size the
+  // difference would drown in the call's own spread).
+  {
+    std::vector<float> x(static_cast<size_t>(max_rows * D), 0.01f), y(x.size());
+    DeviceBuffer<float> rows_on_gpu(x.size());
+    const double round_trip = median_ms(5, [&] {
+      const auto begin = std::chrono::steady_clock::now();
+      CUDA_CHECK(cudaMemcpyAsync(x.data(), rows_on_gpu.data(), x.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      CUDA_CHECK(cudaMemcpyAsync(rows_on_gpu.data(), y.data(), y.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+    });
+    const CpuExpertShape tiny_shape{8, 64, CpuExpertActivation::gelu};
+    CpuExpert tiny(tiny_shape, expert.threads());
+    const std::vector<uint16_t> tiny_weights(static_cast<size_t>(tiny_shape.weight_elements()), 0);
+    std::vector<float> tiny_x(8, 0.01f), tiny_y(8);
+    auto tiny_call = [&](bool after_pause) {
+      if (after_pause) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const auto begin = std::chrono::steady_clock::now();
+      tiny.forward(tiny_weights, tiny_x, 1, tiny_y);
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+    };
+    const double awake = median_ms(5, [&] { return tiny_call(false); });
+    const double woken = median_ms(5, [&] { return tiny_call(true); });
+    costs.host_block_ms = round_trip + std::max(woken - awake, 0.0);
+  }
   cudaEventDestroy(start);
   cudaEventDestroy(end);
   cudaStreamDestroy(stream);
@@ -123,6 +153,7 @@ OffloadedExperts::OffloadedExperts(const PinnedExpertStore& store, const Offload
                            cudaHostAllocDefault));
   device_tables_ = DeviceBuffer<const bf16*>(table_values);
   entry_of_block_.assign(static_cast<size_t>(blocks), -1);
+  host_block_pending_ms_.assign(static_cast<size_t>(blocks), 0.0);
   slot_addresses_.resize(static_cast<size_t>(experts_));
   // 0xFF bytes are bf16 0xFFFF: a NaN. The legacy-stream memset must finish before any non-blocking
   // stream reads the poison: wait once, here.
@@ -256,6 +287,10 @@ ExpertSource::HostPick OffloadedExperts::choose_host_experts(int64_t block, std:
         pick.host_ms += costs_.host_ms_at(miss_rows[i]);
       }
     }
+    if (!pick.experts.empty()) {  // the block's round trip to the host, paid once
+      pick.host_ms += costs_.host_block_ms;
+      host_block_pending_ms_[static_cast<size_t>(block)] = costs_.host_block_ms;
+    }
   }
   host_pending_ms_ += pick.host_ms;
   return pick;
@@ -268,7 +303,9 @@ void OffloadedExperts::host_forward(int64_t block, int32_t expert, std::span<con
                                           static_cast<size_t>(store_.shape().expert_elements()));
   cpu_->forward(weights, x, rows, y);
   if (!costs_.host_ms.empty()) {
-    const double predicted = costs_.host_ms_at(rows);
+    double& round_trip = host_block_pending_ms_[static_cast<size_t>(block)];  // the block's first host expert pays it
+    const double predicted = costs_.host_ms_at(rows) + round_trip;
+    round_trip = 0;
     host_clock_ms_ += predicted;
     host_pending_ms_ = std::max(host_pending_ms_ - predicted, 0.0);
   }

@@ -73,8 +73,10 @@ struct OffloadOptions {
 // The cost model's inputs on this machine, for the store's experts: one expert's pinned copy into a
 // GPU buffer (the median of 5, CUDA events), and the host's FFN of one expert on 1 .. max_rows rows
 // (the median of 3 each, `expert` threads), each beside a copy of another expert, as in a decode
-// step where the host and the copy engine read host memory together. Allocates one expert's bytes
-// on the GPU for the while. Measured, so noisy: given the same costs (OffloadOptions::costs) the
+// step where the host and the copy engine read host memory together; and a block's round trip to
+// the host (host_block_ms): its rows read back and sent up, each waited for, and the threads woken
+// after a 2 ms pause (a tiny expert's call on as many threads, woken against awake). Allocates one
+// expert's bytes on the GPU for the while. Measured, so noisy: given the same costs (OffloadOptions::costs) the
 // choice is the same run after run.
 HostExpertCosts measure_host_expert_costs(const PinnedExpertStore& store, CpuExpert& expert, int64_t max_rows);
 
@@ -142,7 +144,8 @@ class OffloadedExperts : public ExpertSource {
   std::vector<const bf16*> slot_addresses_;     // [E] scratch for the cache's answer
   HostExperts host_mode_ = HostExperts::off;
   // The two queues, in predicted ms (costs_), for the cost model's backlogs: the host's clock moves
-  // by each host expert's predicted time and by the GPU's time of each block (gpu_block_ms), and to
+  // by each host expert's predicted time (and a block's host_block_ms, at its first host expert)
+  // and by the GPU's time of each block (gpu_block_ms), and to
   // the copies a block waited for when the caller next waits on the GPU (a block's routing
   // read-back); the copy engine's clock moves by copy_ms per copy enqueued, from no earlier than
   // the host's clock.
@@ -150,6 +153,7 @@ class OffloadedExperts : public ExpertSource {
   double copy_clock_ms_ = 0;
   double gpu_waits_until_ms_ = 0;   // when the copies of the last acquired block are done
   double host_pending_ms_ = 0;      // host experts chosen and not yet computed
+  std::vector<double> host_block_pending_ms_;  // [blocks]: host_block_ms of a block chosen to use the host, until it does
   int64_t copies_counted_ = 0;      // cache_.copies_enqueued() when copy_clock_ms_ last moved
   void count_copies();
   std::unique_ptr<CpuExpert> cpu_;              // when host experts are on

@@ -44,6 +44,17 @@ TEST(HostExpertChoice, WorkedByHand) {
   EXPECT_TRUE(choose_host_experts(HostExperts::cost_model, one, one_row, costs).empty());
   EXPECT_EQ(choose_host_experts(HostExperts::cost_model, one, one_row, costs, {2.0, 0.0}), one);
   EXPECT_DOUBLE_EQ(predicted_miss_ms(one, one_row, one, costs, {2.0, 0.0}), 5.0);
+  // A block's round trip to the host, paid once when any expert goes there. At 2 ms, one of two
+  // one-row misses on the host ends at max(4, 2 + 5) = 7 against 8 copied: still worth it. At 4 ms
+  // it would end at 9: both are copied.
+  HostExpertCosts with_round_trip = costs;
+  with_round_trip.host_block_ms = 2.0;
+  EXPECT_EQ(choose_host_experts(HostExperts::cost_model, two, std::vector<int64_t>{1, 1}, with_round_trip),
+            std::vector<int32_t>{2});
+  EXPECT_DOUBLE_EQ(predicted_miss_ms(two, std::vector<int64_t>{1, 1}, std::vector<int32_t>{2}, with_round_trip), 7.0);
+  EXPECT_DOUBLE_EQ(predicted_miss_ms(two, std::vector<int64_t>{1, 1}, {}, with_round_trip), 8.0);
+  with_round_trip.host_block_ms = 4.0;
+  EXPECT_TRUE(choose_host_experts(HostExperts::cost_model, two, std::vector<int64_t>{1, 1}, with_round_trip).empty());
 }
 
 TEST(HostExpertChoice, TheCostModelFindsTheBestSplitOfEverySubset) {
@@ -55,6 +66,7 @@ TEST(HostExpertChoice, TheCostModelFindsTheBestSplitOfEverySubset) {
     const int table = 1 + int(random() % 6);
     double t = double(random() % 80) / 10.0 + 0.1;
     for (int r = 0; r < table; ++r) costs.host_ms.push_back(t += double(random() % 30) / 10.0);
+    if (trial % 2 == 1) costs.host_block_ms = double(random() % 50) / 10.0;  // a block's round trip
     std::vector<int32_t> misses;
     std::vector<int64_t> rows;
     for (int i = 0; i < n; ++i) {
