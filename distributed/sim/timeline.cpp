@@ -79,7 +79,7 @@ Op Timeline::place(const std::string& name, int stream, const std::vector<double
   for (size_t r = 0; r < R; ++r) {
     double t = std::max(stream_free_[r * kStreams + static_cast<size_t>(stream)], host_free_[r]);
     for (Op op : after) t = std::max(t, end_[static_cast<size_t>(op.index)][r]);
-    ready[r] = on_gpu ? first_gap(r, t, duration_us[r]) : t;
+    ready[r] = on_gpu && duration_us[r] > 0 ? first_gap(r, t, duration_us[r]) : t;  // nothing to fit: no wait
   }
   if (collective) {
     const double start = *std::max_element(ready.begin(), ready.end());
