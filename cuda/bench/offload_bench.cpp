@@ -184,7 +184,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
       ->capture_default_str()->check(moe::finite_number(1, 1024));
   app.add_option("--cache-experts", o.cache_experts, "cache slots, directly (at least the prefill's need)")
       ->check(moe::whole_number(1));
-  app.add_option("--policy", policy, "lru | lfu (default lru)");
+  app.add_option("--policy", policy, "the expert cache's eviction: lru | lfu | next_use (default lru)");
   app.add_option("--host-experts", host_experts,
                  "also run each offloading mode with experts computed on the host: misses and/or auto (default: "
                  "none; off is always run)");
@@ -424,7 +424,7 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
                   {"seq_len", config.seq_len}, {"pregated", config.pregated}, {"weights", "random"}};
     info.devices = {current_device().name};
     info.extra = {{"program", "offload_bench"}, {"scale", scale.name}, {"mode", std::string(to_string(mode))},
-                  {"host_experts", std::string(to_string(host))},
+                  {"host_experts", std::string(to_string(host))}, {"cache_policy", to_string(o.policy)},
                   {"batch", N}, {"prompt_bytes", P}, {"cache_slots", run.cache_slots},
                   {"steps", "step 0 is the prefill, then the warm-up and timed decode steps"}};
     writer.emplace(moe::RunWriter::create(ctx.record_dir, info, moe::OnExisting::overwrite));

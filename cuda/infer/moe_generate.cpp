@@ -108,7 +108,7 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
                  "expert cache slots for the modes other than gpu_only (default: two MoE blocks' worth, 2E, or all "
                  "experts if fewer)")
       ->check(moe::whole_number(1));
-  app.add_option("--cache-policy", cache_policy, "lru | lfu (default lru)");
+  app.add_option("--cache-policy", cache_policy, "the expert cache's eviction: lru | lfu | next_use (default lru)");
   app.add_option("--host-experts", host_experts,
                  "experts not on the GPU computed on the host instead of copied, in the offloading modes: off "
                  "(default), misses (every one), auto (a cost model from the PCIe and host rates measured at "

@@ -2,17 +2,27 @@
 #include "offload/cache_policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <stdexcept>
 
 namespace moe::cuda {
 
-std::string to_string(CachePolicy policy) { return policy == CachePolicy::lru ? "lru" : "lfu"; }
+std::string to_string(CachePolicy policy) {
+  switch (policy) {
+    case CachePolicy::lru: return "lru";
+    case CachePolicy::lfu: return "lfu";
+    case CachePolicy::next_use: return "next_use";
+  }
+  return "?";
+}
 
 CachePolicy cache_policy_from_string(std::string_view name) {
   if (name == "lru") return CachePolicy::lru;
   if (name == "lfu") return CachePolicy::lfu;
-  throw std::invalid_argument("cache policy '" + std::string(name) + "' is not one of: lru, lfu");
+  if (name == "next_use") return CachePolicy::next_use;
+  throw std::invalid_argument("cache policy '" + std::string(name) + "' is not one of: lru, lfu, next_use");
 }
 
 int64_t minimum_cache_slots(int64_t experts, int64_t tokens_per_step, int64_t top_k) {
@@ -68,6 +78,9 @@ ExpertSlotMap::ExpertSlotMap(int64_t slots, int64_t blocks, int64_t experts, Cac
   last_use_.assign(static_cast<size_t>(slots), 0);
   slot_of_.assign(static_cast<size_t>(blocks * experts), -1);
   use_counts_.assign(static_cast<size_t>(blocks * experts), 0);
+  visits_.assign(static_cast<size_t>(blocks), 0);
+  chosen_rate_.assign(static_cast<size_t>(blocks * experts), 0.0);
+  rate_visit_.assign(static_cast<size_t>(blocks * experts), 0);
 }
 
 size_t ExpertSlotMap::key_index(int64_t block, int32_t expert) const {
@@ -104,6 +117,11 @@ std::optional<int64_t> ExpertSlotMap::choose_victim() const {
       const uint64_t cb = use_counts_[key_index(holder_[ib].block, holder_[ib].expert)];
       if (ca != cb) return ca < cb;
     }
+    if (policy_ == CachePolicy::next_use) {
+      const double na = expected_visits_to_next_use(holder_[ia].block, holder_[ia].expert);
+      const double nb = expected_visits_to_next_use(holder_[ib].block, holder_[ib].expert);
+      if (na != nb) return na > nb;
+    }
     return last_use_[ia] < last_use_[ib];
   };
   for (int64_t slot = 0; slot < slots(); ++slot) {
@@ -128,6 +146,33 @@ void ExpertSlotMap::assign(int64_t slot, int64_t block, int32_t expert) {
   old = ExpertKey{block, expert};
   slot_of_[key] = slot;
   last_use_[static_cast<size_t>(slot)] = ++clock_;
+}
+
+void ExpertSlotMap::visit(int64_t block, std::span<const int32_t> chosen) {
+  for (const int32_t expert : chosen) key_index(block, expert);  // checks every id before any change
+  position_ = block;
+  const int64_t visit = ++visits_[static_cast<size_t>(block)];
+  for (const int32_t expert : chosen) {
+    const size_t key = key_index(block, expert);
+    // The average after this visit: the decayed past, plus this visit's weight for being chosen.
+    chosen_rate_[key] = chosen_rate(block, expert) + kChosenRateWeight;
+    rate_visit_[key] = visit;
+  }
+}
+
+double ExpertSlotMap::chosen_rate(int64_t block, int32_t expert) const {
+  const size_t key = key_index(block, expert);
+  const int64_t since = visits_[static_cast<size_t>(block)] - rate_visit_[key];
+  return chosen_rate_[key] * std::pow(1.0 - kChosenRateWeight, static_cast<double>(since));
+}
+
+double ExpertSlotMap::expected_visits_to_next_use(int64_t block, int32_t expert) const {
+  const double p = chosen_rate(block, expert);
+  if (!(p > 0)) return std::numeric_limits<double>::infinity();
+  // Visits until the decoder is back at `block`: the blocks after the last one visited, in order.
+  const int64_t ahead = position_ < 0 ? block + 1 : (block - position_ + blocks_) % blocks_;
+  const double d = ahead == 0 ? static_cast<double>(blocks_) : static_cast<double>(ahead);
+  return d + static_cast<double>(blocks_) * (1.0 / p - 1.0);
 }
 
 void ExpertSlotMap::record_use(int64_t slot) {

@@ -1,5 +1,6 @@
 // offload/cache_policy.h: the expert cache's bookkeeping on the host: which (block, expert) each GPU
-// slot holds, which slots a block is using right now, and which slot to fill next (LRU or LFU).
+// slot holds, which slots a block is using right now, and which slot to fill next (LRU, LFU or the
+// expected next use).
 //
 // Plain C++ with no CUDA call, built as its own library (moe_cache_policy) on every machine: the
 // eviction rules are tested without a GPU (tests/offload/test_cache_policy.cpp, CudaOffloadPolicy.*),
@@ -12,6 +13,18 @@
 //        token, so recency is a good guess of the next use.
 //   lfu  evict the expert chosen least often over the whole run (counts survive eviction, so an
 //        expert that is popular overall comes back to a high rank); ties go to the least recent.
+//   next_use
+//        Belady's rule (evict what is wanted farthest in the future; with the future known, no policy
+//        copies less) with the future estimated. A decoding step visits the M MoE blocks in order,
+//        so an expert of block b is next wanted when the decoder comes back to b, d block visits
+//        from now (d = M for the block being visited: its unchosen experts wait a whole step), and
+//        at each later visit of b with the probability p that b chooses it: expected
+//        d + M (1/p - 1) visits. p is a moving average over b's visits (each visit weighs
+//        kChosenRateWeight), so it follows an expert that has just become popular; an expert never
+//        chosen (a wrong prefetch) goes first; ties go to the least recent.
+//        When a step's experts do not fit in the cache, LRU evicts the block visited longest ago,
+//        which is the block visited next: the worst victim. This rule keeps the next blocks' experts
+//        and gives up the ones the decoder has just finished with, as Belady's does.
 // Either way a slot that a block is using (pinned: between acquire and release) is never evicted,
 // and an empty slot is always filled before anything is evicted.
 //
@@ -21,15 +34,16 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace moe::cuda {
 
-enum class CachePolicy { lru, lfu };
+enum class CachePolicy { lru, lfu, next_use };
 
-std::string to_string(CachePolicy policy);                  // "lru", "lfu"
+std::string to_string(CachePolicy policy);                  // "lru", "lfu", "next_use"
 CachePolicy cache_policy_from_string(std::string_view name);  // std::invalid_argument on others
 
 // The fewest slots a cache may have: the most experts one MoE block can need at once, when every
@@ -68,6 +82,9 @@ class ExpertSlotMap {
   // Puts (block, expert) into `slot`, forgetting what it held. Its recency becomes "now".
   void assign(int64_t slot, int64_t block, int32_t expert);
 
+  // A block's acquire, before its hits and misses are looked up: the block being visited now, and
+  // the experts it chose (ids in [0, E)), for next_use's estimates. Every policy takes the call.
+  void visit(int64_t block, std::span<const int32_t> chosen);
   // A block chose the slot's expert: recency "now", and its expert's use count + 1 (LFU's rank).
   void record_use(int64_t slot);
   // A hint that the slot is about to be used (a prefetch): recency only, no use counted.
@@ -81,6 +98,15 @@ class ExpertSlotMap {
 
   // How often (block, expert) was chosen over the run (LFU's count).
   uint64_t use_count(int64_t block, int32_t expert) const;
+  // next_use's estimate of the probability that a visit of `block` chooses `expert`.
+  double chosen_rate(int64_t block, int32_t expert) const;
+  // next_use's rank: the expected block visits until (block, expert) is wanted again, from the
+  // block visited last; +infinity for an expert never chosen.
+  double expected_visits_to_next_use(int64_t block, int32_t expert) const;
+
+  // The weight of one visit in next_use's moving average of an expert's chosen rate: about the
+  // last 1/kChosenRateWeight visits of its block count.
+  static constexpr double kChosenRateWeight = 0.25;
 
  private:
   size_t key_index(int64_t block, int32_t expert) const;
@@ -95,6 +121,13 @@ class ExpertSlotMap {
   std::vector<int64_t> slot_of_;       // [blocks * E] -> slot, or -1 when not resident
   std::vector<uint64_t> use_counts_;   // [blocks * E] uses over the run
   uint64_t clock_ = 0;
+  // next_use: the block visited last (-1 before the first visit), each block's visits, and each
+  // expert's chosen rate as of its block's visit rate_visit_ (it decays by 1 - kChosenRateWeight a
+  // visit after that).
+  int64_t position_ = -1;
+  std::vector<int64_t> visits_;        // [blocks]
+  std::vector<double> chosen_rate_;    // [blocks * E]
+  std::vector<int64_t> rate_visit_;    // [blocks * E]
 };
 
 }  // namespace moe::cuda

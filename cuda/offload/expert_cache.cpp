@@ -264,6 +264,7 @@ void ExpertCache::acquire(int64_t block, std::span<const int32_t> experts, std::
   ++statistics.acquires;
   std::vector<int64_t>& held = held_[b];
   held.assign(experts.size(), -1);
+  slot_map_.visit(block, experts);
   // Hits first and pinned at once, so that no miss of this block evicts one of them.
   for (size_t i = 0; i < experts.size(); ++i) {
     const std::optional<int64_t> slot = slot_map_.find(block, experts[i]);

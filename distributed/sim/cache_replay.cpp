@@ -100,8 +100,8 @@ OffloadTrace read_offload_trace(const std::filesystem::path& run_dir) {
   if (trace.cache_slots < 1 || trace.experts < 1 || trace.expert_bytes == 0) {
     throw std::invalid_argument(where + "run.json lacks extra.cache_slots, moe_config.num_experts or the expert's shape");
   }
-  if (trace.policy != "lru" && trace.policy != "lfu") {
-    throw std::invalid_argument(where + "cache policy '" + trace.policy + "' is not one of: lru, lfu");
+  if (trace.policy != "lru" && trace.policy != "lfu" && trace.policy != "next_use") {
+    throw std::invalid_argument(where + "cache policy '" + trace.policy + "' is not one of: lru, lfu, next_use");
   }
   for (const auto& [layer, block] : by_step.begin()->second) trace.layers.push_back(layer);
   int64_t expected_step = 0;
@@ -139,6 +139,7 @@ std::string to_string(ReplayPolicy policy) {
   switch (policy) {
     case ReplayPolicy::lru: return "lru";
     case ReplayPolicy::lfu: return "lfu";
+    case ReplayPolicy::next_use: return "next_use";
     case ReplayPolicy::belady: return "belady";
   }
   return "?";
@@ -147,8 +148,9 @@ std::string to_string(ReplayPolicy policy) {
 ReplayPolicy replay_policy_from_string(const std::string& name) {
   if (name == "lru") return ReplayPolicy::lru;
   if (name == "lfu") return ReplayPolicy::lfu;
+  if (name == "next_use") return ReplayPolicy::next_use;
   if (name == "belady") return ReplayPolicy::belady;
-  throw std::invalid_argument("policy '" + name + "' is not one of: lru, lfu, belady");
+  throw std::invalid_argument("policy '" + name + "' is not one of: lru, lfu, next_use, belady");
 }
 
 double CacheReplay::hit_rate(size_t first) const {
@@ -185,13 +187,14 @@ class Replayer {
       : trace_(trace),
         policy_(policy),
         // Belady's victims are chosen here; the map keeps the rest of the bookkeeping.
-        map_(slots, trace.blocks(), trace.experts, policy == ReplayPolicy::lfu ? CachePolicy::lfu : CachePolicy::lru),
+        map_(slots, trace.blocks(), trace.experts, map_policy(policy)),
         prefetched_unused_(static_cast<size_t>(slots), false) {
     if (policy == ReplayPolicy::belady) plan_next_uses();
   }
 
   void acquire(int64_t block, const std::vector<int32_t>& experts, ReplayedStep& step) {
     ReplayedBlock& counts = step.blocks[static_cast<size_t>(block)];
+    map_.visit(block, experts);
     std::vector<int64_t> held(experts.size(), -1);
     // Hits first and pinned at once, so that no miss of this block evicts one of them.
     for (size_t i = 0; i < experts.size(); ++i) {
@@ -246,6 +249,12 @@ class Replayer {
   }
 
  private:
+  static CachePolicy map_policy(ReplayPolicy policy) {
+    if (policy == ReplayPolicy::lfu) return CachePolicy::lfu;
+    if (policy == ReplayPolicy::next_use) return CachePolicy::next_use;
+    return CachePolicy::lru;  // Belady's victims are chosen by the replay; LRU only breaks nothing
+  }
+
   std::optional<int64_t> choose_victim() const {
     if (policy_ != ReplayPolicy::belady) return map_.choose_victim();
     std::optional<int64_t> victim;

@@ -67,7 +67,7 @@ struct RecordedSpan {
 struct OffloadTrace {
   std::string source;  // the run directory
   std::string mode;    // on_demand, prefetch_all, pregated, speculative
-  std::string policy;  // lru, lfu
+  std::string policy;  // lru, lfu, next_use
   int64_t cache_slots = 0;
   int64_t experts = 0;   // E
   int64_t top_k = 0;     // K
@@ -88,9 +88,9 @@ OffloadTrace read_offload_trace(const std::filesystem::path& run_dir);
 
 // ---- the replay ----
 
-enum class ReplayPolicy { lru, lfu, belady };
+enum class ReplayPolicy { lru, lfu, next_use, belady };
 std::string to_string(ReplayPolicy policy);
-// "lru", "lfu", "belady"; std::invalid_argument listing them otherwise.
+// "lru", "lfu", "next_use", "belady"; std::invalid_argument listing them otherwise.
 ReplayPolicy replay_policy_from_string(const std::string& name);
 
 struct ReplayedCopy {  // one host-to-device copy of an expert, in the copy stream's order

@@ -206,7 +206,7 @@ std::vector<int64_t> cache_sizes_of(const Options& o, const moe::sim::OffloadTra
 int run_offload_trace(const Options& o) {
   const moe::sim::OffloadTrace trace = moe::sim::read_offload_trace(o.offload_trace);
   std::vector<moe::sim::ReplayPolicy> policies = {moe::sim::ReplayPolicy::lru, moe::sim::ReplayPolicy::lfu,
-                                                  moe::sim::ReplayPolicy::belady};
+                                                  moe::sim::ReplayPolicy::next_use, moe::sim::ReplayPolicy::belady};
   if (!o.policy.empty()) {
     try {
       policies = {moe::sim::replay_policy_from_string(o.policy)};
@@ -332,7 +332,7 @@ int main(int argc, char** argv) {
                    "and at --calibration's or --host-to-device-gbs's), hit rate against cache size");
     app.add_option("--cache-slots", o.cache_slots, "with --offload-trace: cache sizes N[,N...] for the hit-rate table "
                    "(default the recorded run's)")->check(moe::whole_number_list(1));
-    app.add_option("--policy", o.policy, "with --offload-trace: lru, lfu or belady (default all three)");
+    app.add_option("--policy", o.policy, "with --offload-trace: lru, lfu, next_use or belady (default all four)");
     if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
     // Before the work, not after; an output is never one of the inputs (a trace, a calibration).
     const std::vector<moe::ProgramInput> inputs{{"--trace", o.trace}, {"--calibration", o.calibration},

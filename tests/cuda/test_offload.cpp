@@ -158,7 +158,7 @@ TEST(CudaOffload, TablesHoldTheStoreBytesUnderRandomSequences) {
   REQUIRE_GPU();
   const PinnedExpertStore store = PinnedExpertStore::random(kSmallShape, 11);
   const int64_t experts = kSmallShape.experts;
-  for (const CachePolicy policy : {CachePolicy::lru, CachePolicy::lfu}) {
+  for (const CachePolicy policy : {CachePolicy::lru, CachePolicy::lfu, CachePolicy::next_use}) {
     for (const uint64_t seed : {1u, 2u, 3u}) {
       SCOPED_TRACE(moe::cuda::to_string(policy) + " seed " + std::to_string(seed));
       OffloadOptions options;

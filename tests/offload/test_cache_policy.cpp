@@ -1,11 +1,12 @@
 // test_cache_policy.cpp: the expert cache's host bookkeeping (cuda/offload/cache_policy.h, the
-// moe_cache_policy library): LRU and LFU eviction, pinned slots never evicted, the map consistent
+// moe_cache_policy library): LRU, LFU and next-use eviction, pinned slots never evicted, the map consistent
 // under random sequences, and the cache's size checks. Plain C++: it builds and runs on every machine,
 // with or without CUDA (the GPU side of the cache is tests/cuda/test_offload.cpp).
 // Run: ctest --test-dir build -R OffloadPolicy --output-on-failure
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -76,8 +77,47 @@ TEST(CudaOffloadPolicy, LfuEvictsTheLeastChosenExpertTiesToTheLeastRecent) {
   EXPECT_EQ(map.choose_victim(), 1);
 }
 
+// next_use by hand: 3 blocks of 4 experts, weight w = kChosenRateWeight per visit.
+TEST(CudaOffloadPolicy, NextUseRanksByTheExpectedVisitsToTheNextUse) {
+  const double w = ExpertSlotMap::kChosenRateWeight;
+  ExpertSlotMap map(3, 3, 4, CachePolicy::next_use);
+  const std::vector<int32_t> e0{0}, e1{1}, none{};
+  map.visit(0, e0);  // block 0 chose expert 0: rate w
+  EXPECT_DOUBLE_EQ(map.chosen_rate(0, 0), w);
+  EXPECT_DOUBLE_EQ(map.chosen_rate(0, 1), 0.0);
+  map.visit(0, e1);  // not chosen: w (1 - w); expert 1: w
+  EXPECT_DOUBLE_EQ(map.chosen_rate(0, 0), w * (1 - w));
+  map.visit(0, e0);  // chosen again: w (1 - w)^2 + w
+  EXPECT_DOUBLE_EQ(map.chosen_rate(0, 0), w * (1 - w) * (1 - w) + w);
+  EXPECT_DOUBLE_EQ(map.chosen_rate(0, 1), w * (1 - w));
+  // From block 0 (the block visited last), block 0 is 3 visits away (a whole step), block 1 one,
+  // block 2 two; then 3 (1/p - 1) more. Never chosen: infinitely far.
+  const double p00 = map.chosen_rate(0, 0);
+  EXPECT_DOUBLE_EQ(map.expected_visits_to_next_use(0, 0), 3 + 3 * (1 / p00 - 1));
+  map.visit(1, e0);
+  map.visit(2, e0);
+  EXPECT_DOUBLE_EQ(map.chosen_rate(1, 0), w);
+  EXPECT_DOUBLE_EQ(map.expected_visits_to_next_use(1, 0), 2 + 3 * (1 / w - 1));  // from block 2
+  EXPECT_DOUBLE_EQ(map.expected_visits_to_next_use(2, 0), 3 + 3 * (1 / w - 1));
+  EXPECT_DOUBLE_EQ(map.expected_visits_to_next_use(0, 0), 1 + 3 * (1 / p00 - 1));
+  EXPECT_EQ(map.expected_visits_to_next_use(1, 3), std::numeric_limits<double>::infinity());
+
+  // The victims: the same rate w for (1, 0) and (2, 0); block 2 was just visited, so its expert is
+  // wanted last and goes first; an expert never chosen goes before either.
+  map.assign(0, 1, 0);
+  map.assign(1, 2, 0);
+  map.assign(2, 0, 0);
+  EXPECT_EQ(map.choose_victim(), 1);
+  map.assign(1, 1, 3);  // (1, 3): never chosen
+  EXPECT_EQ(map.choose_victim(), 1);
+  map.visit(1, std::vector<int32_t>{3});  // now chosen: a rate w at block 1, like (1, 0) after a decay
+  EXPECT_EQ(map.choose_victim(), 0);      // (1, 0) decayed to w (1 - w): farther than (1, 3) and (0, 0)
+  EXPECT_THROW(map.visit(3, e0), std::invalid_argument);
+  EXPECT_THROW(map.visit(0, std::vector<int32_t>{4}), std::invalid_argument);
+}
+
 TEST(CudaOffloadPolicy, PinnedSlotsAreNeverEvicted) {
-  for (const CachePolicy policy : {CachePolicy::lru, CachePolicy::lfu}) {
+  for (const CachePolicy policy : {CachePolicy::lru, CachePolicy::lfu, CachePolicy::next_use}) {
     SCOPED_TRACE(moe::cuda::to_string(policy));
     ExpertSlotMap map(3, 2, 4, policy);
     fill_three(map);
@@ -99,7 +139,7 @@ TEST(CudaOffloadPolicy, PinnedSlotsAreNeverEvicted) {
 }
 
 TEST(CudaOffloadPolicy, RandomSequencesKeepTheMapConsistentAndNeverEvictPinnedSlots) {
-  for (const CachePolicy policy : {CachePolicy::lru, CachePolicy::lfu}) {
+  for (const CachePolicy policy : {CachePolicy::lru, CachePolicy::lfu, CachePolicy::next_use}) {
     SCOPED_TRACE(moe::cuda::to_string(policy));
     const int64_t slots = 5, blocks = 3, experts = 6;
     ExpertSlotMap map(slots, blocks, experts, policy);
@@ -110,6 +150,7 @@ TEST(CudaOffloadPolicy, RandomSequencesKeepTheMapConsistentAndNeverEvictPinnedSl
       const auto expert = static_cast<int32_t>(generator() % experts);
       const int op = static_cast<int>(generator() % 4);
       if (op == 0) {  // a use: a hit, or a miss into the victim
+        map.visit(block, std::vector<int32_t>{expert});
         std::optional<int64_t> slot = map.find(block, expert);
         if (!slot) {
           slot = map.choose_victim();
@@ -162,8 +203,10 @@ TEST(CudaOffloadPolicy, CacheSmallerThanOneStepIsAClearError) {
   EXPECT_EQ(moe::cuda::cache_slots_in_megabytes(5, expert_bytes), 0);
   EXPECT_THROW(moe::cuda::cache_slots_in_megabytes(0, expert_bytes), std::invalid_argument);
   EXPECT_EQ(moe::cuda::cache_policy_from_string("lfu"), CachePolicy::lfu);
+  EXPECT_EQ(moe::cuda::cache_policy_from_string("next_use"), CachePolicy::next_use);
+  EXPECT_EQ(moe::cuda::to_string(CachePolicy::next_use), "next_use");
   const std::string unknown = invalid_argument_message([] { moe::cuda::cache_policy_from_string("fifo"); });
-  EXPECT_NE(unknown.find("'fifo' is not one of: lru, lfu"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("'fifo' is not one of: lru, lfu, next_use"), std::string::npos) << unknown;
 }
 
 }  // namespace

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -81,7 +83,7 @@ TEST(SimCacheReplay, RecordedRunsReplayExactly) {
   }
 }
 
-TEST(SimCacheReplay, BeladyNeverMissesMoreThanLruOrLfu) {
+TEST(SimCacheReplay, BeladyNeverMissesMoreThanLruLfuOrNextUse) {
   for (const std::string& run : kRecordedRuns) {
     SCOPED_TRACE(run);
     const OffloadTrace trace = moe::sim::read_offload_trace(kRuns + run);
@@ -89,6 +91,7 @@ TEST(SimCacheReplay, BeladyNeverMissesMoreThanLruOrLfu) {
       const int64_t belady = moe::sim::replay(trace, slots, ReplayPolicy::belady, false).misses(0);
       EXPECT_LE(belady, moe::sim::replay(trace, slots, ReplayPolicy::lru, false).misses(0)) << slots << " slots";
       EXPECT_LE(belady, moe::sim::replay(trace, slots, ReplayPolicy::lfu, false).misses(0)) << slots << " slots";
+      EXPECT_LE(belady, moe::sim::replay(trace, slots, ReplayPolicy::next_use, false).misses(0)) << slots << " slots";
     }
   }
 }
@@ -124,9 +127,66 @@ TEST(SimCacheReplay, TwoSlotsAABCAByHand) {
   // Belady: at C, B is never used again: it goes; A hits: 3.
   EXPECT_EQ(misses("AABCA", 2, ReplayPolicy::belady), 3);
   // Every distinct expert fits: only the cold misses, whatever the policy.
-  for (const ReplayPolicy policy : {ReplayPolicy::lru, ReplayPolicy::lfu, ReplayPolicy::belady}) {
+  for (const ReplayPolicy policy : {ReplayPolicy::lru, ReplayPolicy::lfu, ReplayPolicy::next_use, ReplayPolicy::belady}) {
     EXPECT_EQ(misses("AABCA", 3, policy), 3);
   }
+}
+
+// M MoE blocks visited in order, each choosing `chosen(step, block)`; demand fetching.
+template <typename Chosen>
+OffloadTrace blocks_trace(int64_t blocks, int64_t experts, int64_t steps, int64_t slots, Chosen chosen) {
+  OffloadTrace trace = one_block_trace("", slots);
+  trace.experts = experts;
+  trace.layers.clear();
+  for (int64_t j = 0; j < blocks; ++j) trace.layers.push_back(j);
+  for (int64_t s = 0; s < steps; ++s) {
+    std::vector<OffloadBlockRecord> step;
+    for (int64_t j = 0; j < blocks; ++j) {
+      OffloadBlockRecord block;
+      block.layer = j;
+      block.experts = chosen(s, j);
+      step.push_back(block);
+    }
+    trace.steps.push_back(step);
+    trace.spans.emplace_back();
+  }
+  return trace;
+}
+
+TEST(SimCacheReplay, AStepLargerThanTheCacheNextUseMissesAsBeladyAndLruEveryTime) {
+  // Three blocks each choosing expert 0, every step, through two slots: a cycle of three requests.
+  // LRU evicts the block visited longest ago, which is the one visited next: every request misses.
+  // next_use gives up the block just visited, as Belady does, once its rates have settled (in the
+  // first steps block 0 has been seen more often than the others): every other request hits.
+  const OffloadTrace trace = blocks_trace(3, 4, 30, 2, [](int64_t, int64_t) { return std::vector<int32_t>{0}; });
+  const size_t settled = 10;  // misses from step 10 on: 20 steps, 60 requests
+  const int64_t lru = moe::sim::replay(trace, 2, ReplayPolicy::lru, false).misses(settled);
+  const int64_t next_use = moe::sim::replay(trace, 2, ReplayPolicy::next_use, false).misses(settled);
+  const int64_t belady = moe::sim::replay(trace, 2, ReplayPolicy::belady, false).misses(settled);
+  EXPECT_EQ(lru, 60);
+  EXPECT_EQ(next_use, belady);
+  EXPECT_EQ(belady, 30);
+}
+
+TEST(SimCacheReplay, UniformRoutingThatDoesNotFitNextUseCopiesFarLessThanLru) {
+  // The large-expert shape at batch 4: 4 blocks of 8 experts, 4 tokens of top-2 a block (about 6.6
+  // distinct experts), 16 slots: the step needs about 27 experts. Seeded, so the counts are fixed.
+  std::mt19937_64 generator(5);
+  const OffloadTrace trace = blocks_trace(4, 8, 200, 16, [&](int64_t, int64_t) {
+    std::set<int32_t> chosen;
+    for (int token = 0; token < 4; ++token) {
+      const auto first = static_cast<int32_t>(generator() % 8);
+      const auto second = static_cast<int32_t>((first + 1 + generator() % 7) % 8);
+      chosen.insert(first);
+      chosen.insert(second);
+    }
+    return std::vector<int32_t>(chosen.begin(), chosen.end());
+  });
+  const int64_t lru = moe::sim::replay(trace, 16, ReplayPolicy::lru, false).misses();
+  const int64_t next_use = moe::sim::replay(trace, 16, ReplayPolicy::next_use, false).misses();
+  const int64_t belady = moe::sim::replay(trace, 16, ReplayPolicy::belady, false).misses();
+  EXPECT_LT(next_use, 0.75 * static_cast<double>(lru)) << next_use << " against LRU's " << lru;
+  EXPECT_LE(belady, next_use);
 }
 
 TEST(SimCacheReplay, APrefetchThatIsUsedIsAHitAndItsCopyOverlapsTheBlockBefore) {
@@ -160,7 +220,7 @@ TEST(SimCacheReplay, BadInputIsAClearError) {
   EXPECT_EQ(trace.minimum_slots(), 8);  // the prefill: 8 prompt bytes, top-1, up to 8 distinct experts
   expect_invalid([&] { moe::sim::replay(trace, 7, ReplayPolicy::lru, false); }, "minimum of 8");
   expect_invalid([&] { moe::sim::replay(trace, 8, ReplayPolicy::belady, true); }, "without prefetch");
-  expect_invalid([] { moe::sim::replay_policy_from_string("fifo"); }, "lru, lfu, belady");
+  expect_invalid([] { moe::sim::replay_policy_from_string("fifo"); }, "lru, lfu, next_use, belady");
   EXPECT_EQ(moe::sim::replay_policy_from_string("belady"), ReplayPolicy::belady);
 }
 
