@@ -50,7 +50,7 @@
 // Run:   build/cuda/bench/offload_bench [--scales switch,large] [--batches 1,4,8] [--modes all]
 //            [--switch-experts 64] [--prompt-bytes 8] [--warmup 4] [--steps 32] [--cache-factor 2]
 //            [--cache-experts C] [--policy lru] [--host-experts misses,auto] [--host-threads T] [--seed 1]
-//            [--device-slots] [--copy-blocks 32]
+//            [--device-slots] [--copy-blocks 32] [--kernel-trace]
 //            [--out FILE.json] [--record-dir DIR]
 // --host-experts adds, after each offloading mode, the same mode with experts computed on the host
 // (offload/host_expert_choice.h): every miss, or the cost model's pick, whose GPU time per MoE block
@@ -97,6 +97,7 @@
 #include "core/bench_support.h"           // median, utc_now, write_results
 #include "core/cuda_check.h"              // CUDA_CHECK
 #include "core/device_buffer.h"           // DeviceBuffer
+#include "bench/kernel_trace.h"            // KernelTrace, short_kernel_name: --kernel-trace
 #include "core/device_info.h"             // fail_without_gpu, current_device
 #include "program_exit.h"                 // check_output_path
 #include "infer/expert_schedule.h"        // ExpertSchedule
@@ -141,6 +142,7 @@ struct Options {
   std::vector<HostExperts> host_experts;  // besides copying every miss: the host-expert variants of each offloading mode
   int host_threads = 0;                   // 0: every hardware thread
   bool device_slots = false;              // also each offloading mode with the slot table on the device
+  bool kernel_trace = false;              // each run's timed steps traced kernel by kernel (CUPTI)
   int copy_blocks = 32;                   // the device slot table's copy kernel's thread blocks
   uint64_t seed = 1;
   std::string out, record_dir;
@@ -193,6 +195,9 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   app.add_flag("--device-slots", o.device_slots,
                "also run each offloading mode with its slot table on the GPU (offload/device_slot_cache.h): no host "
                "wait inside a step, each decode step one CUDA graph");
+  app.add_flag("--kernel-trace", o.kernel_trace,
+               "also trace every kernel of the timed decode steps (CUPTI, bench/kernel_trace.h): per run, each "
+               "kernel's GPU time and launches a step, and the step's time with no kernel running");
   app.add_option("--copy-blocks", o.copy_blocks, "thread blocks of the device slot table's copy kernel")
       ->capture_default_str()->check(moe::whole_number(1, 1024));
   app.add_option("--seed", o.seed, "weights, prompts and sampling")->capture_default_str()->check(moe::whole_number(0));
@@ -351,6 +356,13 @@ struct Run {  // one (scale, batch, model, mode, host experts)
   int64_t hits = 0, misses = 0, prefetched = 0, prefetched_used = 0, prefetch_dropped = 0;
   double floor_bytes_per_step = 0, cold_bytes_per_step = 0, floor_ms = 0, gpu_only_ms = 0;
   int64_t floor_misses = 0;  // Belady's misses over the timed steps
+  // --kernel-trace: per kernel name (shortened), its GPU ms and launches a timed step, most time first
+  struct KernelShare {
+    std::string name;
+    double ms_per_step = 0, launches_per_step = 0;
+  };
+  std::vector<KernelShare> kernels;
+  double kernel_ms_per_step = 0;  // the sum over every kernel
   bool same_as_gpu_only = true;
   bool recorded = false;
   std::vector<std::vector<int32_t>> bytes;  // [steps][N] every sampled byte
@@ -481,7 +493,13 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
   run.prefill_tokens_per_s = double(N * P) / (prefill_ms * 1e-3);
   keep(std::move(prefill));
   std::vector<double> step_ms;
+  std::optional<moe::bench::KernelTrace> trace;
   for (int64_t s = 0; s < o.warmup + o.steps; ++s) {
+    if (s == o.warmup && o.kernel_trace) {
+      CUDA_CHECK(cudaDeviceSynchronize());
+      trace.emplace();
+      trace->take();  // nothing before the timed steps
+    }
     if (s == o.warmup && offloaded != nullptr && !recorded) offloaded->reset_statistics();  // timed steps only
     if (s == o.warmup && device_cache != nullptr) device_cache->reset_statistics();
     auto [result, ms] = timed([&] { return model.decode_step(run.bytes.back()); });
@@ -495,6 +513,22 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
   }
   run.step_ms = median(step_ms);
   run.peak_bytes = double(peak - used_before);
+  if (trace) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::map<std::string, Run::KernelShare> by_name;
+    for (const moe::bench::KernelRecord& k : trace->take()) {
+      Run::KernelShare& share = by_name[moe::bench::short_kernel_name(k.name, 48)];
+      share.ms_per_step += double(k.end_ns - k.start_ns) * 1e-6 / double(o.steps);
+      share.launches_per_step += 1.0 / double(o.steps);
+    }
+    for (auto& [name, share] : by_name) {
+      share.name = name;
+      run.kernel_ms_per_step += share.ms_per_step;
+      run.kernels.push_back(share);
+    }
+    std::sort(run.kernels.begin(), run.kernels.end(),
+              [](const Run::KernelShare& a, const Run::KernelShare& b) { return a.ms_per_step > b.ms_per_step; });
+  }
   if (offloaded != nullptr || device_cache != nullptr) {
     // Recorded: the recorder kept each step's counts (the cache's were never reset); sum the timed steps.
     const BlockOffloadStatistics total = device_cache != nullptr ? device_cache->statistics().total()
@@ -578,6 +612,16 @@ void print_run(const Run& r) {
   if (offloaded) std::printf(" %9.3f %8.2f", r.floor_ms, r.step_ms / r.floor_ms);
   else std::printf(" %9s %8s", "-", "-");
   std::printf(" %8.2f\n", r.step_ms / r.gpu_only_ms);
+  if (!r.kernels.empty()) {
+    double launches = 0;
+    for (const Run::KernelShare& k : r.kernels) launches += k.launches_per_step;
+    std::printf("  kernels a step (means over the timed steps): %.0f launches, %.3f ms of GPU time against a %.3f ms "
+                "step (median); the most time first:\n", launches, r.kernel_ms_per_step, r.step_ms);
+    for (size_t i = 0; i < r.kernels.size() && i < 12; ++i) {
+      std::printf("    %8.3f ms %6.1f x  %s\n", r.kernels[i].ms_per_step, r.kernels[i].launches_per_step,
+                  r.kernels[i].name.c_str());
+    }
+  }
   if (r.host != HostExperts::off) {
     std::printf("  host experts: %.2f a step on the host (%.3f ms of host time a step); logits max |diff| %.3g of max "
                 "|logit| %.3g against gpu_only on the same bytes",
@@ -608,7 +652,14 @@ json run_json(const Run& r) {
           {"host_ms_per_step", r.host_ms_per_step}, {"cost_model_copy_ms", r.costs.copy_ms},
           {"cost_model_host_ms_by_rows", r.costs.host_ms}, {"cost_model_host_block_ms", r.costs.host_block_ms},
           {"logits_max_abs_diff", r.logits_max_abs_diff},
-          {"logits_max_abs", r.logits_max_abs}};
+          {"logits_max_abs", r.logits_max_abs}, {"kernel_ms_per_step", r.kernel_ms_per_step},
+          {"kernels", [&] {
+             json kernels = json::array();
+             for (const Run::KernelShare& k : r.kernels) {
+               kernels.push_back({{"name", k.name}, {"ms_per_step", k.ms_per_step}, {"launches_per_step", k.launches_per_step}});
+             }
+             return kernels;
+           }()}};
 }
 
 }  // namespace
