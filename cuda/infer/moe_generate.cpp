@@ -32,6 +32,7 @@
 #include <iterator>
 #include <memory>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -209,6 +210,38 @@ std::vector<int32_t> prompt_bytes(const Options& o) {
   return bytes;
 }
 
+// The host-expert cost model's GPU time per MoE block, as offload_bench takes it: this model's
+// gpu_only decode step (every expert resident, one CUDA graph a step) over its MoE blocks, the median
+// of up to 8 steps after 2 warm-up steps on the run's own prompt, before the run. Needs the experts
+// in free GPU memory for the while (half of what is free, at most); 0 when they do not fit or the
+// context leaves fewer than 4 decode steps, and the cost model then counts the copy engine's queue
+// too long (offload/host_expert_choice.h).
+double measure_gpu_block_ms(const ModelGpuConfig& config, std::span<const float> weights,
+                            const PinnedExpertStore& store, const std::vector<int32_t>& prompt) {
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const int64_t steps = std::min<int64_t>(10, config.seq_len - int64_t(prompt.size()));
+  if (store.shape().total_bytes() > free_bytes / 2 || steps < 4) return 0;
+  ResidentExperts resident(store);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<double> times;
+  {
+    InferenceModelGpu model(config, weights, resident, ExpertSchedule::gpu_only, stream);
+    model.set_decode_graph(true);
+    model.prefill(std::vector<std::vector<int32_t>>(size_t(config.batch), prompt));
+    const std::vector<int32_t> next(size_t(config.batch), prompt.back());
+    for (int64_t step = 0; step < steps; ++step) {
+      const auto start = std::chrono::steady_clock::now();
+      model.decode_step(next);  // returns the logits to the host: the step has run
+      if (step >= 2) times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(times.begin(), times.end());
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  return times[times.size() / 2] / double(store.shape().blocks);
+}
+
 int run(const std::vector<std::string>& arguments) {
   Options o;
   if (const std::optional<int> exit_status = parse(arguments, o)) return *exit_status;
@@ -266,6 +299,9 @@ int run(const std::vector<std::string>& arguments) {
         options.top_k = config.moe.top_k;
         options.host_experts = o.host_experts;
         options.host_threads = o.host_threads;
+        if (o.host_experts == HostExperts::cost_model) {
+          options.gpu_block_ms = measure_gpu_block_ms(config, loaded.weights, *store, prompt);
+        }
         auto cache = std::make_unique<OffloadedExperts>(*store, options);
         offloaded = cache.get();
         source = std::move(cache);
@@ -433,7 +469,9 @@ int run(const std::vector<std::string>& arguments) {
                    host_ms);
       if (!costs.host_ms.empty()) {
         std::fprintf(stderr, "; measured at start-up: a copy %.3f ms, the host %.3f ms at one row, a block's round trip "
-                     "to the host %.3f ms", costs.copy_ms, costs.host_ms[0], costs.host_block_ms);
+                     "to the host %.3f ms, the GPU's time per MoE block %.3f ms%s", costs.copy_ms, costs.host_ms[0],
+                     costs.host_block_ms, costs.gpu_block_ms,
+                     costs.gpu_block_ms > 0 ? " (the gpu_only step over the MoE blocks)" : " (not measured: the experts do not fit beside the cache, or the context is too short)");
       }
       std::fputc('\n', stderr);
     }
