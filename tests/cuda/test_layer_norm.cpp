@@ -5,6 +5,7 @@
 // Run: ctest --test-dir build -R CudaLayerNorm   (skips without a GPU)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -89,6 +90,40 @@ TEST(CudaLayerNorm, MatchesReferenceOnAwkwardSizes) {
   check_layer_norm(37, 96, true, 2);     // the residual gradient accumulated
   check_layer_norm(200, 300, false, 3);  // four row chunks, the last partial; two column slices
   check_layer_norm(130, 1000, true, 4);  // wide rows
+  check_layer_norm(3, 4096, false, 5);   // a decode step's rows: six staged rows a block
+  check_layer_norm(2, 30000, true, 6);   // too wide to stage in 48 KB: read from global memory
+}
+
+// The staged forward (a row copied into shared memory first) and the unstaged one (x misaligned by
+// one element, so it cannot be read in 16-byte pieces) add in the same order: the same bits.
+TEST(CudaLayerNorm, StagedAndUnstagedForwardGiveTheSameBits) {
+  REQUIRE_GPU();
+  for (const int64_t D : {64, 1000, 4096}) {
+    SCOPED_TRACE("D=" + std::to_string(D));
+    const int64_t T = 19;
+    std::mt19937_64 rng{static_cast<uint64_t>(D)};
+    Matrix x = moe::ref::random_matrix(T, D, rng, 2.0);
+    x.array() += 0.7;
+    std::vector<bf16> values = bf16_of(x);
+    std::vector<bf16> shifted(values.size() + 1);
+    std::copy(values.begin(), values.end(), shifted.begin() + 1);
+    DeviceBuffer<bf16> aligned(values), misaligned(shifted);
+    DeviceBuffer<bf16> gain(bf16_of(moe::ref::random_matrix(1, D, rng))), bias(bf16_of(moe::ref::random_matrix(1, D, rng)));
+    std::vector<std::vector<float>> means, rstds;
+    std::vector<std::vector<bf16>> ys;
+    for (const bf16* input : {aligned.data(), misaligned.data() + 1}) {
+      DeviceBuffer<bf16> y(size_t(T * D));
+      DeviceBuffer<float> mean(static_cast<size_t>(T)), rstd(static_cast<size_t>(T));
+      moe::cuda::layer_norm_forward(input, gain.data(), bias.data(), y.data(), mean.data(), rstd.data(), T, D, 1e-5f,
+                                    nullptr);
+      ys.push_back(y.download());
+      means.push_back(mean.download());
+      rstds.push_back(rstd.download());
+    }
+    EXPECT_EQ(0, std::memcmp(ys[0].data(), ys[1].data(), ys[0].size() * sizeof(bf16)));
+    EXPECT_EQ(0, std::memcmp(means[0].data(), means[1].data(), means[0].size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(rstds[0].data(), rstds[1].data(), rstds[0].size() * sizeof(float)));
+  }
 }
 
 TEST(CudaLayerNorm, ParameterGradientsAreBitwiseDeterministic) {
