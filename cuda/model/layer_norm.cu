@@ -20,16 +20,23 @@ constexpr int kWarpsPerBlock = 8;    // rows per block in the row kernels
 constexpr int kColumnThreads = 256;  // columns per block in the column-sum kernels
 
 // One warp per row. Two passes over the row (mean, then the centred variance, as the reference
-// computes it) instead of E[x^2] - mean^2, which cancels badly when |mean| >> std.
-// Staged: the warp first copies its row into shared memory with 16-byte loads, all in flight at
-// once, and the three passes read it there. Lane l still adds the elements l, l + 32, l + 64, ... in
-// that order, so the result is the unstaged kernel's bit for bit; what changes is the wait. Unstaged,
-// each pass is D/32 global loads one after another per lane: at one row (a decode step) and D = 4096
-// that took 58 us an LN on an H200 (offload_bench --kernel-trace, 2026-11-29), a quarter of the
-// decode step's GPU time. Unstaged where a row cannot be read in 16-byte pieces (D % 8 != 0, or x
-// not 16-byte aligned) or would not fit (layer_norm_forward below).
+// computes it) instead of E[x^2] - mean^2, which cancels badly when |mean| >> std; then y.
+// Staged: the warp first copies its row into shared memory with 16-byte loads, all in flight at once;
+// the two sums read it there, and y is written 8 elements a lane at a time from 16-byte loads of the
+// row, gain and bias. Lane l still adds the elements l, l + 32, l + 64, ... in that order, and each y
+// is the same expression, so the result is the unstaged kernel's bit for bit; what changes is the
+// waiting. Unstaged, each of the three passes is D/32 dependent steps per lane, and the last one
+// waits for a gain and a bias load every element: at one row (a decode step) and D = 4096 one LN took
+// 55-58 us on an H200 (offload_bench --kernel-trace, 2026-11-29), a quarter of the step's GPU time.
+// Unstaged where the row, y, gain or bias cannot be read in 16-byte pieces (D % 8 != 0, or a pointer
+// not 16-byte aligned) or a row would not fit (layer_norm_forward below).
+__device__ __forceinline__ float layer_norm_value(float x, float mean, float rstd, float gain, float bias) {
+  return __fmaf_rn((x - mean) * rstd, gain, bias);
+}
+
 template <bool kStaged>
-__global__ void layer_norm_forward_kernel(const bf16* x, const bf16* gain, const bf16* bias, bf16* y, float* mean,
+__global__ void layer_norm_forward_kernel(const bf16* __restrict__ x, const bf16* __restrict__ gain,
+                                          const bf16* __restrict__ bias, bf16* __restrict__ y, float* mean,
                                           float* rstd, int64_t rows, int64_t model_dim, float eps) {
   extern __shared__ __align__(16) unsigned char staged_rows[];  // [warps per block][D] bf16 when staged
   const int warps = static_cast<int>(blockDim.x / 32), warp = static_cast<int>(threadIdx.x / 32);
@@ -55,9 +62,28 @@ __global__ void layer_norm_forward_kernel(const bf16* x, const bf16* gain, const
   }
   const float row_rstd = rsqrtf(detail::warp_sum(squares) / static_cast<float>(model_dim) + eps);
   bf16* y_row = y + row * model_dim;
-  for (int64_t j = lane; j < model_dim; j += 32) {
-    const float x_hat = (__bfloat162float(x_row[j]) - row_mean) * row_rstd;
-    y_row[j] = __float2bfloat16(x_hat * __bfloat162float(gain[j]) + __bfloat162float(bias[j]));
+  if constexpr (kStaged) {
+    for (int64_t v = lane; v < model_dim / 8; v += 32) {
+      const uint4 xs = reinterpret_cast<const uint4*>(x_row)[v];
+      const uint4 gs = reinterpret_cast<const uint4*>(gain)[v];
+      const uint4 bs = reinterpret_cast<const uint4*>(bias)[v];
+      const bf16* xv = reinterpret_cast<const bf16*>(&xs);
+      const bf16* gv = reinterpret_cast<const bf16*>(&gs);
+      const bf16* bv = reinterpret_cast<const bf16*>(&bs);
+      uint4 out;
+      bf16* ov = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        ov[k] = __float2bfloat16(layer_norm_value(__bfloat162float(xv[k]), row_mean, row_rstd, __bfloat162float(gv[k]),
+                                                  __bfloat162float(bv[k])));
+      }
+      reinterpret_cast<uint4*>(y_row)[v] = out;
+    }
+  } else {
+    for (int64_t j = lane; j < model_dim; j += 32) {
+      y_row[j] = __float2bfloat16(layer_norm_value(__bfloat162float(x_row[j]), row_mean, row_rstd,
+                                                   __bfloat162float(gain[j]), __bfloat162float(bias[j])));
+    }
   }
   if (lane == 0) {
     mean[row] = row_mean;
@@ -175,7 +201,8 @@ void layer_norm_forward(const bf16* x, const bf16* gain, const bf16* bias, bf16*
   constexpr int64_t kStagingBytes = 48 * 1024;
   const int64_t row_bytes = model_dim * int64_t{sizeof(bf16)};
   const int64_t staged_warps = std::min<int64_t>(kWarpsPerBlock, kStagingBytes / row_bytes);
-  const bool staged = model_dim % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && staged_warps >= 1;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool staged = model_dim % 8 == 0 && aligned(x) && aligned(y) && aligned(gain) && aligned(bias) && staged_warps >= 1;
   if (staged) {
     const auto blocks = static_cast<unsigned>((rows + staged_warps - 1) / staged_warps);
     layer_norm_forward_kernel<true><<<blocks, static_cast<unsigned>(staged_warps * 32),
