@@ -295,7 +295,7 @@ void launch_block_by_dense(const Problem& problem, int dense_extent, int y_count
 }
 
 // The tile is B along the blocks by 128 along the dense extent (64 when the extent is not a
-// multiple of 128, or when 128-wide tiles would leave the GPU short of thread blocks).
+// multiple of 128).
 template <class Problem>
 void launch(const Problem& problem, int block_size, int dense_extent, int y_count, cudaStream_t stream,
             const TmaOperands* tma = nullptr) {
@@ -331,16 +331,7 @@ void launch(const Problem& problem, int block_size, int dense_extent, int y_coun
     launch_wgmma_shape<128, 3, 2, 0, true>(problem, dense_extent, y_count, stream);
     return;
   }
-  // 128-wide tiles where the grid fills the GPU with them. A decode step has one block row an
-  // expert, so 128-wide tiles make a handful of thread blocks (6 for the Switch-like model's DSD at
-  // batch 1, 64 for the large experts'), each walking K = H alone at what one SM keeps in flight:
-  // below two thread blocks an SM, the 64-wide tiles give twice as many. Each output element adds
-  // the same k-steps in the same order either way: the same bits.
-  int device = 0, multiprocessors = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  const int64_t wide_tiles = int64_t{dense_extent / 128} * y_count;
-  const bool wide = dense_extent % 128 == 0 && (Problem::grid_x_over_m || wide_tiles >= 2 * int64_t{multiprocessors});
+  const bool wide = dense_extent % 128 == 0;
   if (block_size == 128)
     wide ? launch_block_by_dense<128, 128>(problem, dense_extent, y_count, stream)
          : launch_block_by_dense<128, 64>(problem, dense_extent, y_count, stream);

@@ -635,41 +635,6 @@ void check_products(int T, int D, int H, int E, int K, int B, uint64_t seed, Rou
   check_dds_at(4);
 }
 
-// A grid of few 128-wide tiles (a decode step's) takes the 64-wide tiles; the same product through
-// a topology that claims enough block rows to fill the GPU takes the 128-wide ones (the extra rows
-// are past the device's count, so no thread block works on them). The same bits either way.
-TEST(BlockSparseProducts, NarrowAndWideTilesGiveTheSameBits) {
-  REQUIRE_GPU();
-  const int B = 64, D = 256, H = 384;
-  Problem p(20, D, H, 4, 2, B, Activation::gelu, Routing::random, 17);
-  std::mt19937_64 generator(117);
-  Matrix s = random_bf16_matrix(p.topology.nnz * B, B, generator, 1.0);
-  DeviceBuffer<bf16> s_device = poisoned_bf16(p.block_elements());
-  {
-    std::vector<bf16> host = s_device.download();
-    for (int64_t i = 0; i < s.size(); ++i) host[size_t(i)] = __float2bfloat16(float(s.data()[i]));
-    s_device.upload(host);
-  }
-  const ExpertWeights w1(p.w1), w2(p.w2);
-  const DeviceBuffer<bf16> x = upload_rows(p.permuted_x, p.max_rows);
-  moe::cuda::DeviceTopology wide = p.device.topology;
-  wide.max_block_rows = std::max(wide.max_block_rows, 2 * moe::cuda::current_device().multiprocessors);
-  ASSERT_LE(wide.max_block_rows, 65535);
-  std::vector<std::vector<bf16>> dsd_out, sdd_out;
-  for (const moe::cuda::DeviceTopology* t : {&p.device.topology, &wide}) {
-    DeviceBuffer<bf16> dense = poisoned_bf16(size_t(p.max_rows * D));
-    moe::cuda::dsd(*t, s_device.data(), moe::cuda::ExpertOperand{w2.table.data(), int(D), 0, false}, D, dense.data());
-    dsd_out.push_back(dense.download());
-    DeviceBuffer<bf16> blocks = poisoned_bf16(p.block_elements());
-    moe::cuda::sdd(*t, x.data(), D, moe::cuda::ExpertOperand{w1.table.data(), int(H), 0, false}, blocks.data());
-    sdd_out.push_back(blocks.download());
-  }
-  EXPECT_EQ(0, std::memcmp(dsd_out[0].data(), dsd_out[1].data(), dsd_out[0].size() * sizeof(bf16)));
-  EXPECT_EQ(0, std::memcmp(sdd_out[0].data(), sdd_out[1].data(), sdd_out[0].size() * sizeof(bf16)));
-  const Matrix w2_cat = moe::ref::concat_expert_rows(p.w2);
-  EXPECT_CLOSE(dsd_out[0], moe::ref::dsd(p.topology, s, false, w2_cat), "dsd S W2, 64-wide tiles");
-}
-
 TEST(BlockSparseProducts, B128) {
   REQUIRE_GPU();
   check_products(300, 256, 384, 3, 2, 128, 11);
