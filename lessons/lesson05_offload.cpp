@@ -2,8 +2,9 @@
 // When an MoE model's experts live in pinned host memory, decoding waits on PCIe unless each block's
 // experts are known, and copied, before the block runs. This program shows the arithmetic, which
 // experts each block needs and when each mode knows them, a simulated timeline of every mode, the
-// quality cost of pre-gating, and, on a GPU with a trained run, the pre-gate against the speculative
-// guess. Read lessons/05_offload.md beside it.
+// quality cost of pre-gating, on a GPU with a trained run the pre-gate against the speculative
+// guess, and which expert a full cache should give up (LRU, LFU, the expected next use, Belady's
+// oracle, replayed). Read lessons/05_offload.md beside it.
 //
 // Build and run:  ./moe build && build/lessons/lesson05_offload [--out runs/lesson05_offload]
 //                 [--checkpoint RUN]   (GPU part: a moe_train run; pre-gated for the pregated row)
@@ -18,8 +19,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "command_line.h"            // CLI::App: the lesson's own flag
@@ -27,6 +30,7 @@
 #include "reference_cpu/generate.h"  // prefill, decode_step, make_kv_cache
 #include "reference_cpu/model.h"     // init_model
 #include "run_record.h"              // RunReader
+#include "sim/cache_replay.h"        // OffloadTrace, replay, ReplayPolicy: the eviction rules replayed
 
 #ifdef MOE_LESSON_HAS_CUDA
 #include "core/device_info.h"            // gpu_available, why_no_gpu
@@ -296,6 +300,66 @@ void show_pregate_against_guess(RunWriter& writer, const std::string& checkpoint
   lessons::show(writer, guess);
 }
 
+// ---- 6. which expert to give up: the eviction policies, replayed ----
+
+// The large experts' decode steps (M = 4 MoE blocks of E = 8, top-2), each sequence's two experts a
+// block drawn uniformly (seeded), through the expert cache's own eviction code
+// (cuda/offload/cache_policy.h, replayed by distributed/sim/cache_replay.h) and Belady's oracle,
+// demand fetching. Returns whether next_use copies at most 3/4 of LRU's bytes at batch 4 and the
+// oracle copies least everywhere.
+bool compare_policies(RunWriter& writer, uint64_t seed) {
+  const Scale& large = kScales[1];
+  const int64_t M = 4, E = 8, steps = 200;
+  Table table("Table 6: which expert a full cache gives up, replayed (large experts, uniform routing, 200 steps)",
+              {"batch", "slots", "policy", "misses a step", "GB a step", "x Belady"});
+  bool ok = true;
+  for (const auto& [batch, slots] : {std::pair<int64_t, int64_t>{1, 8}, {4, 16}}) {
+    sim::OffloadTrace trace;
+    trace.source = "uniform routing, batch " + std::to_string(batch);
+    trace.mode = "on_demand";
+    trace.policy = "lru";
+    trace.cache_slots = slots;
+    trace.experts = E;
+    trace.top_k = 2;
+    trace.batch = batch;
+    trace.expert_bytes = static_cast<size_t>(expert_bytes(large));
+    for (int64_t j = 0; j < M; ++j) trace.layers.push_back(j);
+    std::mt19937_64 generator(seed + uint64_t(batch));
+    for (int64_t step = 0; step < steps; ++step) {
+      std::vector<sim::OffloadBlockRecord> blocks;
+      for (int64_t j = 0; j < M; ++j) {
+        std::set<int32_t> chosen;
+        for (int64_t n = 0; n < batch; ++n) {  // two different experts a sequence
+          const auto first = static_cast<int32_t>(generator() % E);
+          chosen.insert(first);
+          chosen.insert(static_cast<int32_t>((first + 1 + int64_t(generator() % (E - 1))) % E));
+        }
+        sim::OffloadBlockRecord block;
+        block.layer = j;
+        block.experts.assign(chosen.begin(), chosen.end());
+        blocks.push_back(block);
+      }
+      trace.steps.push_back(blocks);
+      trace.spans.emplace_back();
+    }
+    const double belady = double(sim::replay(trace, slots, sim::ReplayPolicy::belady, false).misses(1));
+    double lru = 0, next_use = 0;
+    for (const sim::ReplayPolicy policy : {sim::ReplayPolicy::lru, sim::ReplayPolicy::lfu, sim::ReplayPolicy::next_use,
+                                           sim::ReplayPolicy::belady}) {
+      const double misses = double(sim::replay(trace, slots, policy, false).misses(1));
+      const double per_step = misses / double(steps - 1);
+      table.add_row({batch, slots, sim::to_string(policy), per_step, per_step * expert_bytes(large) / 1e9,
+                     misses / belady});
+      ok = ok && belady <= misses;
+      if (policy == sim::ReplayPolicy::lru) lru = misses;
+      if (policy == sim::ReplayPolicy::next_use) next_use = misses;
+    }
+    if (batch == 4) ok = ok && next_use <= 0.75 * lru;
+  }
+  lessons::show(writer, table);
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -320,12 +384,14 @@ int main(int argc, char** argv) {
   const bool order_ok = simulate_schedules(writer);
   show_pregating_quality(writer);
   show_pregate_against_guess(writer, checkpoint);
+  const bool policies_ok = compare_policies(writer, options.seed);
 
   std::cout << "\nMeasured on a GPU: offload_bench writes notebooks_data/bench/offload_bench_<device>_<date>.json "
                "(see 05_offload.md).\n";
-  const bool pass = known_early && order_ok;
+  const bool pass = known_early && order_ok && policies_ok;
   lessons::finish(writer, "lesson05", pass,
                   std::string("pre-gated blocks known one MoE block early: ") + (known_early ? "yes" : "NO") +
-                      "; simulated gpu_only <= pregated <= on_demand at both scales: " + (order_ok ? "yes" : "NO"));
+                      "; simulated gpu_only <= pregated <= on_demand at both scales: " + (order_ok ? "yes" : "NO") +
+                      "; next_use copies <= 3/4 of LRU's bytes at batch 4: " + (policies_ok ? "yes" : "NO"));
   return pass ? 0 : 1;
 }
