@@ -149,6 +149,10 @@ void ExpertSlotMap::assign(int64_t slot, int64_t block, int32_t expert) {
 }
 
 void ExpertSlotMap::visit(int64_t block, std::span<const int32_t> chosen) {
+  if (block < 0 || block >= blocks_) {
+    throw std::invalid_argument("ExpertSlotMap::visit: block " + std::to_string(block) + " is outside [0, " +
+                                std::to_string(blocks_) + ")");
+  }
   for (const int32_t expert : chosen) key_index(block, expert);  // checks every id before any change
   position_ = block;
   const int64_t visit = ++visits_[static_cast<size_t>(block)];

@@ -83,7 +83,8 @@ class ExpertSlotMap {
   void assign(int64_t slot, int64_t block, int32_t expert);
 
   // A block's acquire, before its hits and misses are looked up: the block being visited now, and
-  // the experts it chose (ids in [0, E)), for next_use's estimates. Every policy takes the call.
+  // the experts it chose (each id once, in [0, E)), for next_use's estimates. Every policy takes
+  // the call. Throws std::invalid_argument for a block or id out of range; nothing changes then.
   void visit(int64_t block, std::span<const int32_t> chosen);
   // A block chose the slot's expert: recency "now", and its expert's use count + 1 (LFU's rank).
   void record_use(int64_t slot);

@@ -113,6 +113,7 @@ TEST(CudaOffloadPolicy, NextUseRanksByTheExpectedVisitsToTheNextUse) {
   map.visit(1, std::vector<int32_t>{3});  // now chosen: a rate w at block 1, like (1, 0) after a decay
   EXPECT_EQ(map.choose_victim(), 0);      // (1, 0) decayed to w (1 - w): farther than (1, 3) and (0, 0)
   EXPECT_THROW(map.visit(3, e0), std::invalid_argument);
+  EXPECT_THROW(map.visit(-1, none), std::invalid_argument);
   EXPECT_THROW(map.visit(0, std::vector<int32_t>{4}), std::invalid_argument);
 }
 
