@@ -705,8 +705,10 @@ int main(int argc, char** argv) {
     const DeviceInfo device = current_device();
     const std::string date = utc_now("%Y-%m-%d");
     std::printf("offload_bench on %s, %s: prompt %lld bytes, %lld warm-up + %lld timed decode steps (medians), "
-                "policy %s, seed %llu\n", device.name.c_str(), date.c_str(), (long long)o.prompt_bytes,
-                (long long)o.warmup, (long long)o.steps, to_string(o.policy).c_str(), (unsigned long long)o.seed);
+                "policy %s%s, seed %llu\n", device.name.c_str(), date.c_str(), (long long)o.prompt_bytes,
+                (long long)o.warmup, (long long)o.steps, to_string(o.policy).c_str(),
+                o.device_slots && o.policy != CachePolicy::lru ? " (the ,dev rows: lru, the device slot table's only rule)" : "",
+                (unsigned long long)o.seed);
     cudaStream_t stream = nullptr;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     unsigned char* pinned = nullptr;

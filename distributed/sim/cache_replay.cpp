@@ -100,8 +100,10 @@ OffloadTrace read_offload_trace(const std::filesystem::path& run_dir) {
   if (trace.cache_slots < 1 || trace.experts < 1 || trace.expert_bytes == 0) {
     throw std::invalid_argument(where + "run.json lacks extra.cache_slots, moe_config.num_experts or the expert's shape");
   }
-  if (trace.policy != "lru" && trace.policy != "lfu" && trace.policy != "next_use") {
-    throw std::invalid_argument(where + "cache policy '" + trace.policy + "' is not one of: lru, lfu, next_use");
+  try {
+    moe::cuda::cache_policy_from_string(trace.policy);  // the cache's own names
+  } catch (const std::invalid_argument& error) {
+    throw std::invalid_argument(where + error.what());
   }
   for (const auto& [layer, block] : by_step.begin()->second) trace.layers.push_back(layer);
   int64_t expected_step = 0;
