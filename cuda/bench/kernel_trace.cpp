@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <regex>
@@ -124,6 +125,24 @@ std::string short_kernel_name(const std::string& name, size_t width) {
     }
   }
   return text.substr(0, std::min(width, text.find('(')));  // npos when there is no argument list
+}
+
+std::vector<KernelShare> kernel_shares(const std::vector<KernelRecord>& records, int64_t steps, size_t width) {
+  if (steps < 1) throw std::invalid_argument("kernel trace: steps must be >= 1, got " + std::to_string(steps));
+  std::map<std::string, KernelShare> by_name;
+  for (const KernelRecord& k : records) {
+    KernelShare& share = by_name[short_kernel_name(k.name, width)];
+    share.ms_per_step += double(k.end_ns - k.start_ns) * 1e-6 / double(steps);
+    share.launches_per_step += 1.0 / double(steps);
+  }
+  std::vector<KernelShare> shares;
+  for (auto& [name, share] : by_name) {
+    share.name = name;
+    shares.push_back(share);
+  }
+  std::stable_sort(shares.begin(), shares.end(),
+                   [](const KernelShare& a, const KernelShare& b) { return a.ms_per_step > b.ms_per_step; });
+  return shares;
 }
 
 KernelTraceSummary summarize_runs(const std::vector<KernelRecord>& records, int runs) {

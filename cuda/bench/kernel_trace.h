@@ -54,6 +54,15 @@ struct KernelTraceSummary {
   double sum_gaps_ms = 0;      // sum of the gaps' medians, the gap before the first kernel included
 };
 
+// The kernels of `steps` repeated steps grouped by short_kernel_name(name, width): each name's GPU
+// time and launches per step, the most time first. Where summarize_runs follows one launch order,
+// this tells which kernels a step's time is made of when the steps' launches differ.
+struct KernelShare {
+  std::string name;
+  double ms_per_step = 0, launches_per_step = 0;
+};
+std::vector<KernelShare> kernel_shares(const std::vector<KernelRecord>& records, int64_t steps, size_t width = 48);
+
 // Cuts `records` into `runs` runs of equally many kernels; throws std::invalid_argument when the
 // count does not divide or the runs' kernel names differ (the trace holds something else too).
 KernelTraceSummary summarize_runs(const std::vector<KernelRecord>& records, int runs);

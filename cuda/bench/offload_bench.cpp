@@ -357,11 +357,7 @@ struct Run {  // one (scale, batch, model, mode, host experts)
   double floor_bytes_per_step = 0, cold_bytes_per_step = 0, floor_ms = 0, gpu_only_ms = 0;
   int64_t floor_misses = 0;  // Belady's misses over the timed steps
   // --kernel-trace: per kernel name (shortened), its GPU ms and launches a timed step, most time first
-  struct KernelShare {
-    std::string name;
-    double ms_per_step = 0, launches_per_step = 0;
-  };
-  std::vector<KernelShare> kernels;
+  std::vector<moe::bench::KernelShare> kernels;
   double kernel_ms_per_step = 0;  // the sum over every kernel
   bool same_as_gpu_only = true;
   bool recorded = false;
@@ -515,19 +511,8 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
   run.peak_bytes = double(peak - used_before);
   if (trace) {
     CUDA_CHECK(cudaDeviceSynchronize());
-    std::map<std::string, Run::KernelShare> by_name;
-    for (const moe::bench::KernelRecord& k : trace->take()) {
-      Run::KernelShare& share = by_name[moe::bench::short_kernel_name(k.name, 48)];
-      share.ms_per_step += double(k.end_ns - k.start_ns) * 1e-6 / double(o.steps);
-      share.launches_per_step += 1.0 / double(o.steps);
-    }
-    for (auto& [name, share] : by_name) {
-      share.name = name;
-      run.kernel_ms_per_step += share.ms_per_step;
-      run.kernels.push_back(share);
-    }
-    std::sort(run.kernels.begin(), run.kernels.end(),
-              [](const Run::KernelShare& a, const Run::KernelShare& b) { return a.ms_per_step > b.ms_per_step; });
+    run.kernels = moe::bench::kernel_shares(trace->take(), o.steps);
+    for (const moe::bench::KernelShare& k : run.kernels) run.kernel_ms_per_step += k.ms_per_step;
   }
   if (offloaded != nullptr || device_cache != nullptr) {
     // Recorded: the recorder kept each step's counts (the cache's were never reset); sum the timed steps.
@@ -614,7 +599,7 @@ void print_run(const Run& r) {
   std::printf(" %8.2f\n", r.step_ms / r.gpu_only_ms);
   if (!r.kernels.empty()) {
     double launches = 0;
-    for (const Run::KernelShare& k : r.kernels) launches += k.launches_per_step;
+    for (const moe::bench::KernelShare& k : r.kernels) launches += k.launches_per_step;
     std::printf("  kernels a step (means over the timed steps): %.0f launches, %.3f ms of GPU time against a %.3f ms "
                 "step (median); the most time first:\n", launches, r.kernel_ms_per_step, r.step_ms);
     for (size_t i = 0; i < r.kernels.size() && i < 12; ++i) {
@@ -655,7 +640,7 @@ json run_json(const Run& r) {
           {"logits_max_abs", r.logits_max_abs}, {"kernel_ms_per_step", r.kernel_ms_per_step},
           {"kernels", [&] {
              json kernels = json::array();
-             for (const Run::KernelShare& k : r.kernels) {
+             for (const moe::bench::KernelShare& k : r.kernels) {
                kernels.push_back({{"name", k.name}, {"ms_per_step", k.ms_per_step}, {"launches_per_step", k.launches_per_step}});
              }
              return kernels;

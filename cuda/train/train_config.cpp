@@ -135,6 +135,7 @@ const std::vector<Field>& fields() {
       field("benchmark_steps", &TrainConfig::benchmark_steps, "benchmark: time this many steps of random bytes (no data, no record)"),
       field("benchmark_warmup", &TrainConfig::benchmark_warmup, "benchmark: untimed steps first (and at least 1 s of them)"),
       field("benchmark_json", &TrainConfig::benchmark_json, "benchmark: also write the results to this JSON file"),
+      field("benchmark_kernel_trace", &TrainConfig::benchmark_kernel_trace, "benchmark: also trace every kernel of 10 more steps (CUPTI, cuda/bench/kernel_trace.h): each kernel's GPU time a step"),
   };
   return table;
 }

@@ -106,6 +106,7 @@ struct TrainConfig {
   int64_t benchmark_steps = 0;
   int64_t benchmark_warmup = 5;
   std::string benchmark_json;  // "" = print only
+  bool benchmark_kernel_trace = false;  // also trace every kernel of 10 more steps (CUPTI)
 };
 
 // The named starting points. "default": a model that learns something visible from the Brown

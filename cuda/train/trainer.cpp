@@ -1538,6 +1538,17 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
   timing_phases = false;
   model->set_phase_timer(nullptr);
   record_routing_balance(c, *model, view, result);
+  // --benchmark-kernel-trace: 10 more steps, every kernel timed on the GPU by CUPTI (after the timed
+  // steps, so the tracer's small cost per launch stays out of them).
+  if (c.benchmark_kernel_trace) {
+    result.traced_steps = 10;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    bench::KernelTrace trace;
+    trace.take();  // nothing before the traced steps
+    for (int64_t i = 0; i < result.traced_steps; ++i) one_step();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    result.kernels = bench::kernel_shares(trace.take(), result.traced_steps, 56);
+  }
   // The model's own phases (depth 0) tile the step; the MoE layers' phases (router, plan,
   // dispatch, expert_compute, combine and their backward) nest inside "moe" / "backward_moe" (with
   // micro-batches also "backward_moe_weight_gradients") and are listed as "moe/<name>", each summed
@@ -1591,7 +1602,18 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
     for (const auto& [before, after] : result.planned_rank_max_over_mean) log << " " << fixed(before, 2) << " -> " << fixed(after, 2);
     log << "\n";
   }
-  const TableEvent pipelining = pipelining_table(*model, c.benchmark_warmup + c.benchmark_steps + 1);
+  if (!result.kernels.empty()) {
+    double launches = 0, gpu_ms = 0;
+    for (const bench::KernelShare& k : result.kernels) launches += k.launches_per_step, gpu_ms += k.ms_per_step;
+    log << "  kernels a step (means over " << result.traced_steps << " traced steps): " << fixed(launches, 0)
+        << " launches, " << fixed(gpu_ms, 3) << " ms of GPU time against the " << fixed(result.median_step_ms, 3)
+        << " ms median step; the most time first:\n";
+    for (size_t i = 0; i < result.kernels.size() && i < 24; ++i) {
+      log << "    " << fixed(result.kernels[i].ms_per_step, 3) << " ms " << fixed(result.kernels[i].launches_per_step, 1)
+          << " x  " << result.kernels[i].name << "\n";
+    }
+  }
+  const TableEvent pipelining = pipelining_table(*model, c.benchmark_warmup + c.benchmark_steps + 1 + result.traced_steps);
   if (!pipelining.rows.empty()) log << "  pipelining degree of the MoE blocks: " << pipelining_line(pipelining) << "\n";
 
   if (!c.benchmark_json.empty() && view.root()) {
@@ -1611,6 +1633,13 @@ BenchmarkResult benchmark(const TrainConfig& config, std::ostream& rank_log, cud
                           {"placements", result.placements}, {"rebalance_seconds", result.rebalance_seconds}};
     }
     if (!pipelining.rows.empty()) out["pipelining"] = {{"columns", pipelining.columns}, {"rows", pipelining.rows}};
+    if (!result.kernels.empty()) {
+      out["kernel_trace"] = {{"traced_steps", result.traced_steps}, {"kernels", json::array()}};
+      for (const bench::KernelShare& k : result.kernels) {
+        out["kernel_trace"]["kernels"].push_back(
+            {{"name", k.name}, {"ms_per_step", k.ms_per_step}, {"launches_per_step", k.launches_per_step}});
+      }
+    }
     std::ofstream file(c.benchmark_json);
     file << out.dump(2) << "\n";
     if (!file) throw std::runtime_error("benchmark: cannot write " + c.benchmark_json);

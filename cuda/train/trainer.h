@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/kernel_trace.h"  // KernelShare: --benchmark-kernel-trace
 #include "model/model.h"         // ModelGpuConfig
 #include "model/model_ranks.h"   // ModelRanks
 #include "train/train_config.h"  // TrainConfig
@@ -102,6 +103,9 @@ struct BenchmarkResult {
   std::vector<std::pair<double, double>> planned_rank_max_over_mean;
   std::vector<std::string> placements;
   double rebalance_seconds = 0;
+  // --benchmark-kernel-trace: the kernels of the traced steps by name, the most GPU time first.
+  std::vector<bench::KernelShare> kernels;
+  int64_t traced_steps = 0;
 };
 
 // Times config.benchmark_steps optimizer steps after config.benchmark_warmup untimed ones, from the

@@ -40,6 +40,24 @@ TEST(KernelTrace, SummaryCutsRunsAndTakesMedians) {
   EXPECT_DOUBLE_EQ(s.median_span_ms, 0.005);  // start to next start: 4, 6 us
 }
 
+TEST(KernelTrace, SharesGroupByNameAndPutTheMostTimeFirst) {
+  // Two steps whose launches differ: b twice in step 0, once in step 1, and c only in step 1.
+  const std::vector<KernelRecord> records = {
+      {"a", 0, 1000}, {"b", 1000, 4000}, {"b", 4000, 5000},  // step 0: a 1 us, b 3 + 1 us
+      {"a", 6000, 8000}, {"c", 8000, 8500}, {"b", 9000, 11000},  // step 1: a 2 us, c 0.5 us, b 2 us
+  };
+  const std::vector<bench::KernelShare> shares = bench::kernel_shares(records, 2);
+  ASSERT_EQ(shares.size(), 3u);
+  EXPECT_EQ(shares[0].name, "b");
+  EXPECT_DOUBLE_EQ(shares[0].ms_per_step, 0.003);  // (3 + 1 + 2) us over 2 steps
+  EXPECT_DOUBLE_EQ(shares[0].launches_per_step, 1.5);
+  EXPECT_EQ(shares[1].name, "a");
+  EXPECT_DOUBLE_EQ(shares[1].ms_per_step, 0.0015);
+  EXPECT_EQ(shares[2].name, "c");
+  EXPECT_DOUBLE_EQ(shares[2].launches_per_step, 0.5);
+  EXPECT_THROW(bench::kernel_shares(records, 0), std::invalid_argument);
+}
+
 TEST(KernelTrace, SummaryRejectsRunsThatDoNotMatch) {
   const std::vector<KernelRecord> records = {{"a", 0, 1}, {"b", 2, 3}, {"a", 4, 5}, {"c", 6, 7}};
   EXPECT_THROW(bench::summarize_runs(records, 2), std::invalid_argument);  // run 1 has c where b was
