@@ -17,11 +17,13 @@
 // of the kernel reading outside the table. The backward ignores such a token.
 //
 // Determinism without atomics: several tokens share a byte, so the token table's gradient is a
-// scatter-add. Instead of atomics (whose order, and so whose rounding, changes from run to run),
-// one thread block owns one byte v and a slice of columns; it walks the tokens in order, compacts
-// the positions that hold v in ascending order (ballot + prefix count per warp) and sums their rows
-// in that order. Every run adds the same numbers in the same order. The cost is V passes over the
-// T token ids (bytes, cheap) and one read of each dx row.
+// scatter-add. Instead of atomics (whose order, and so whose rounding, changes from run to run), the
+// tokens are cut into segments of kEmbeddingSegmentTokens. One thread block owns a byte v, a slice of
+// columns and a segment; it compacts the segment's positions that hold v in ascending order (a
+// prefix count over its threads) and sums their rows in that order into a partial in `scratch`.
+// Then each byte's partials are added in segment order. Every run adds the same numbers in the same
+// order. The cost is V passes over the T token ids (cheap) and one read of each dx row; segments
+// spread a frequent byte's rows over many SMs.
 #pragma once
 
 #include <cuda_runtime.h>  // cudaStream_t
@@ -44,6 +46,11 @@ void embedding_forward(const int32_t* tokens,          // [N, S] bytes 0..255
                        int64_t batch, int64_t seq_len, int64_t model_dim, cudaStream_t stream,
                        const int32_t* first_position = nullptr);  // device [1] or nullptr
 
+inline constexpr int64_t kEmbeddingSegmentTokens = 1024;
+
+// The fp32 entries of the backward's scratch: [ceil(T / kEmbeddingSegmentTokens), V, D].
+int64_t embedding_backward_scratch_floats(int64_t tokens, int64_t model_dim);
+
 // With accumulate_token_gradient, the token table's gradient is added to d_token_embedding (the
 // tied output projection writes its share there first, model.h); otherwise it is overwritten.
 // d_position_embedding is always overwritten.
@@ -51,6 +58,7 @@ void embedding_backward(const int32_t* tokens,        // [N, S]
                         const float* dx,              // [T, D]
                         float* d_token_embedding,     // [V, D]
                         float* d_position_embedding,  // [S, D]
+                        float* scratch,               // [embedding_backward_scratch_floats(T, D)]
                         int64_t batch, int64_t seq_len, int64_t model_dim, bool accumulate_token_gradient,
                         cudaStream_t stream);
 

@@ -254,21 +254,30 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(const bf16* __r
 
 // ---- [SECTION] backward ----
 
-// delta[b, s] = <dO row, O row> over the head's d columns: one warp a row.
+// delta[b, s] = <dO row, O row> over the head's d columns: d / 8 lanes a row, each a 16-byte load of
+// O and of dO (8 products added in order), then a butterfly over those lanes. A warp a row with 2-byte
+// loads took 32 us a block at the throughput preset on an H200 (moe_train --benchmark-kernel-trace,
+// 2026-11-30), three times the time to read O and dO.
+template <int D>
 __global__ void flash_delta_kernel(const bf16* __restrict__ context, const bf16* __restrict__ d_context,
-                                   float* __restrict__ delta, int64_t rows, int seq_len, int heads, int head_dim) {
-  const int64_t index = int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32;
-  if (index >= rows) return;
-  const int lane = threadIdx.x % 32;
-  const int pair = int(index / seq_len), s = int(index % seq_len);
-  const Head head = head_of(pair, seq_len, heads, head_dim);
-  const int64_t offset = (head.sequence_row + s) * int64_t{heads} * head_dim + head.column;
+                                   float* __restrict__ delta, int64_t rows, int seq_len, int heads) {
+  constexpr int kLanesPerRow = D / 8;  // 4, 8 or 16: a row's lanes are aligned within a warp
+  const int64_t thread = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const int64_t index = thread / kLanesPerRow;
+  const int part = int(thread % kLanesPerRow);
   float sum = 0.0f;
-  for (int c = lane; c < head_dim; c += 32) {
-    sum += __bfloat162float(context[offset + c]) * __bfloat162float(d_context[offset + c]);
+  if (index < rows) {  // no return before the shuffles: every lane of the warp takes part
+    const int pair = int(index / seq_len), s = int(index % seq_len);
+    const Head head = head_of(pair, seq_len, heads, D);
+    const int64_t offset = (head.sequence_row + s) * int64_t{heads} * D + head.column + part * 8;
+    const uint4 o = *reinterpret_cast<const uint4*>(context + offset);
+    const uint4 d_o = *reinterpret_cast<const uint4*>(d_context + offset);
+    const bf16* os = reinterpret_cast<const bf16*>(&o);
+    const bf16* d_os = reinterpret_cast<const bf16*>(&d_o);
+    for (int c = 0; c < 8; ++c) sum += __bfloat162float(os[c]) * __bfloat162float(d_os[c]);
   }
-  for (int width = 16; width > 0; width /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, width);
-  if (lane == 0) delta[index] = sum;
+  for (int width = kLanesPerRow / 2; width > 0; width /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+  if (index < rows && part == 0) delta[index] = sum;
 }
 
 // dK and dV of 64 keys: the query tiles from the diagonal on.
@@ -548,13 +557,21 @@ void flash_attention_backward(const AttentionShape& shape, const bf16* qkv, cons
   detail::check_not_null(kFunction, {{"qkv", qkv}, {"context", context}, {"log_sum_exp", log_sum_exp},
                                      {"d_context", d_context}, {"delta", delta}, {"d_qkv", d_qkv}});
   check_aligned(kFunction, "qkv", qkv);
+  check_aligned(kFunction, "context", context);
   check_aligned(kFunction, "d_context", d_context);
   check_aligned(kFunction, "d_qkv", d_qkv);
   const int64_t rows = int64_t{z.pairs} * z.seq_len;
-  constexpr int kDeltaWarps = 8;
-  flash_delta_kernel<<<unsigned((rows + kDeltaWarps - 1) / kDeltaWarps), kDeltaWarps * 32, 0, stream>>>(
-      context, d_context, delta, rows, z.seq_len, z.heads, z.head_dim);
-  CUDA_CHECK(cudaGetLastError());
+  const auto delta_launch = [&](auto kernel, int64_t lanes_per_row) {
+    constexpr int kDeltaThreads = 256;
+    const int64_t blocks = (rows * lanes_per_row + kDeltaThreads - 1) / kDeltaThreads;
+    kernel<<<unsigned(blocks), kDeltaThreads, 0, stream>>>(context, d_context, delta, rows, z.seq_len, z.heads);
+    CUDA_CHECK(cudaGetLastError());
+  };
+  switch (z.head_dim) {
+    case 32: delta_launch(flash_delta_kernel<32>, 4); break;
+    case 64: delta_launch(flash_delta_kernel<64>, 8); break;
+    default: delta_launch(flash_delta_kernel<128>, 16); break;
+  }
   switch (z.head_dim) {
     case 32: backward<32>(z, qkv, d_context, log_sum_exp, delta, d_qkv, stream); break;
     case 64: backward<64>(z, qkv, d_context, log_sum_exp, delta, d_qkv, stream); break;

@@ -92,7 +92,8 @@ __global__ void layer_norm_forward_kernel(const bf16* __restrict__ x, const bf16
 }
 
 __global__ void layer_norm_dx_kernel(const float* dy, const bf16* x, const float* mean, const float* rstd,
-                                     const bf16* gain, float* dx, int64_t rows, int64_t model_dim, bool accumulate) {
+                                     const bf16* gain, float* dx, bf16* dx_bf16, int64_t rows, int64_t model_dim,
+                                     bool accumulate) {
   const int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -112,8 +113,104 @@ __global__ void layer_norm_dx_kernel(const float* dy, const bf16* x, const float
     const float g = dy_row[j] * __bfloat162float(gain[j]);
     const float x_hat = (__bfloat162float(x_row[j]) - row_mean) * row_rstd;
     const float value = row_rstd * (g - mean_g - x_hat * mean_g_x_hat);
-    dx_row[j] = accumulate ? dx_row[j] + value : value;
+    const float out = accumulate ? dx_row[j] + value : value;
+    dx_row[j] = out;
+    if (dx_bf16 != nullptr) dx_bf16[row * model_dim + j] = __float2bfloat16(out);
   }
+}
+
+// The fused backward, for D = 128 G (G = 1 .. kMaxFusedGroups) with dy and dx 16-byte aligned and x and
+// gain 8-byte aligned: one pass over dy and x gives dx and the chunk's parameter partials. The two
+// kernels below read dy and x twice, once per row for dx and once per column for the partials; at
+// T = 16384, D = 512 they took 39 + 36 us an LN on an H200 (moe_train --benchmark-kernel-trace,
+// 2026-11-30), where one pass moves 117 of their 167 MB.
+// Block b owns chunk b (kLayerNormRowsPerChunk rows); warp w takes the chunk's rows w * 8 .. w * 8 + 7 in
+// order. Lane l holds columns 128 g + 4 l .. 128 g + 4 l + 3 of each group g: float4 loads of dy and dx,
+// 8-byte loads of x. Each lane adds its columns' dy x_hat and dy over its warp's rows, then the warps'
+// sums are added in warp order through shared memory: a fixed order, so the gradient is the same bits
+// on every run (not the two-kernel path's bits: that one adds a column's 64 rows in one sequence).
+constexpr int kMaxFusedGroups = 8;  // D up to 1024: 2 x 4 G accumulators and G float4 of dy a lane
+constexpr int kFusedRowsPerWarp = static_cast<int>(kLayerNormRowsPerChunk) / kWarpsPerBlock;
+
+template <int G>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    layer_norm_backward_fused_kernel(const float* __restrict__ dy, const bf16* __restrict__ x,
+                                     const float* __restrict__ mean, const float* __restrict__ rstd,
+                                     const bf16* __restrict__ gain, float* __restrict__ dx,
+                                     bf16* __restrict__ dx_bf16, float* __restrict__ scratch, int64_t rows,
+                                     bool accumulate) {
+  constexpr int D = 128 * G;
+  __shared__ float4 block_sums[2][D / 4];  // [dy x_hat | dy][column / 4]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t chunk = blockIdx.x;
+  float gains[G][4];
+  for (int g = 0; g < G; ++g) {
+    const uint2 packed = *reinterpret_cast<const uint2*>(gain + g * 128 + lane * 4);
+    const bf16* pair = reinterpret_cast<const bf16*>(&packed);
+    for (int i = 0; i < 4; ++i) gains[g][i] = __bfloat162float(pair[i]);
+  }
+  float sum_dy_x_hat[G][4] = {}, sum_dy[G][4] = {};
+  for (int r = 0; r < kFusedRowsPerWarp; ++r) {
+    const int64_t row = chunk * kLayerNormRowsPerChunk + warp * kFusedRowsPerWarp + r;
+    if (row >= rows) break;
+    const float row_mean = mean[row], row_rstd = rstd[row];
+    float d[G][4], x_hat[G][4];
+    float4 before[G];  // dx's value before this backward, loaded with dy (accumulate)
+    float sum_g = 0.0f, sum_g_x_hat = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      const int64_t at = row * D + g * 128 + lane * 4;
+      before[g] = accumulate ? *reinterpret_cast<const float4*>(dx + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 dy4 = *reinterpret_cast<const float4*>(dy + at);
+      const uint2 packed = *reinterpret_cast<const uint2*>(x + at);
+      const bf16* xs = reinterpret_cast<const bf16*>(&packed);
+      d[g][0] = dy4.x, d[g][1] = dy4.y, d[g][2] = dy4.z, d[g][3] = dy4.w;
+      for (int i = 0; i < 4; ++i) {
+        x_hat[g][i] = (__bfloat162float(xs[i]) - row_mean) * row_rstd;
+        const float gi = d[g][i] * gains[g][i];
+        sum_g += gi;
+        sum_g_x_hat += gi * x_hat[g][i];
+      }
+    }
+    const float mean_g = detail::warp_sum(sum_g) / static_cast<float>(D);
+    const float mean_g_x_hat = detail::warp_sum(sum_g_x_hat) / static_cast<float>(D);
+    for (int g = 0; g < G; ++g) {
+      const int64_t at = row * D + g * 128 + lane * 4;
+      float value[4];
+      for (int i = 0; i < 4; ++i) {
+        value[i] = row_rstd * (d[g][i] * gains[g][i] - mean_g - x_hat[g][i] * mean_g_x_hat);
+        sum_dy_x_hat[g][i] += d[g][i] * x_hat[g][i];
+        sum_dy[g][i] += d[g][i];
+      }
+      const float4 out = accumulate ? make_float4(before[g].x + value[0], before[g].y + value[1],
+                                                  before[g].z + value[2], before[g].w + value[3])
+                                    : make_float4(value[0], value[1], value[2], value[3]);
+      *reinterpret_cast<float4*>(dx + at) = out;
+      if (dx_bf16 != nullptr) {
+        const __nv_bfloat162 low = __floats2bfloat162_rn(out.x, out.y), high = __floats2bfloat162_rn(out.z, out.w);
+        uint2 packed;
+        packed.x = *reinterpret_cast<const uint32_t*>(&low);
+        packed.y = *reinterpret_cast<const uint32_t*>(&high);
+        *reinterpret_cast<uint2*>(dx_bf16 + at) = packed;
+      }
+    }
+  }
+  // The warps' partials, added in warp order: warp 0 writes, then each next warp adds its own.
+  for (int turn = 0; turn < kWarpsPerBlock; ++turn) {
+    if (warp == turn) {
+      for (int g = 0; g < G; ++g) {
+        float4& a = block_sums[0][g * 32 + lane];
+        float4& b = block_sums[1][g * 32 + lane];
+        const float4 a_new = make_float4(sum_dy_x_hat[g][0], sum_dy_x_hat[g][1], sum_dy_x_hat[g][2], sum_dy_x_hat[g][3]);
+        const float4 b_new = make_float4(sum_dy[g][0], sum_dy[g][1], sum_dy[g][2], sum_dy[g][3]);
+        a = turn == 0 ? a_new : make_float4(a.x + a_new.x, a.y + a_new.y, a.z + a_new.z, a.w + a_new.w);
+        b = turn == 0 ? b_new : make_float4(b.x + b_new.x, b.y + b_new.y, b.z + b_new.z, b.w + b_new.w);
+      }
+    }
+    __syncthreads();
+  }
+  // scratch [chunk][2][D], as the two-kernel path writes it.
+  float4* out = reinterpret_cast<float4*>(scratch + chunk * 2 * D);
+  for (int i = threadIdx.x; i < 2 * D / 4; i += blockDim.x) out[i] = block_sums[i / (D / 4)][i % (D / 4)];
 }
 
 // Pass 1: block (column slice, chunk) sums its chunk's rows, in row order, for one column per thread.
@@ -217,18 +314,40 @@ void layer_norm_forward(const bf16* x, const bf16* gain, const bf16* bias, bf16*
 
 void layer_norm_backward(const float* dy, const bf16* x, const float* mean, const float* rstd, const bf16* gain,
                          float* dx, float* d_gain, float* d_bias, float* scratch, int64_t rows, int64_t model_dim,
-                         bool accumulate_dx, cudaStream_t stream) {
+                         bool accumulate_dx, cudaStream_t stream, bf16* dx_bf16) {
   constexpr const char* kFunction = "layer_norm_backward";
   check_sizes(kFunction, rows, model_dim);
   detail::check_not_null(kFunction, {{"dy", dy}, {"x", x}, {"mean", mean}, {"rstd", rstd}, {"gain", gain}, {"dx", dx},
                                      {"d_gain", d_gain}, {"d_bias", d_bias}, {"scratch", scratch}});
-  layer_norm_dx_kernel<<<row_blocks(rows), kWarpsPerBlock * 32, 0, stream>>>(dy, x, mean, rstd, gain, dx, rows,
-                                                                             model_dim, accumulate_dx);
-  CUDA_CHECK(cudaGetLastError());
   const int64_t chunks = chunks_of(rows);
-  layer_norm_parameter_partials_kernel<<<dim3(column_blocks(model_dim), static_cast<unsigned>(chunks)),
-                                         kColumnThreads, 0, stream>>>(dy, x, mean, rstd, scratch, rows, model_dim);
-  CUDA_CHECK(cudaGetLastError());
+  auto aligned = [](const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+  const bool fused = model_dim % 128 == 0 && model_dim / 128 <= kMaxFusedGroups && aligned(dy, 16) &&
+                     aligned(dx, 16) && aligned(scratch, 16) && aligned(x, 8) && aligned(gain, 8) &&
+                     aligned(dx_bf16, 8);
+  if (fused) {
+    const auto fused_launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(chunks), kWarpsPerBlock * 32, 0, stream>>>(dy, x, mean, rstd, gain, dx, dx_bf16,
+                                                                             scratch, rows, accumulate_dx);
+    };
+    switch (model_dim / 128) {
+      case 1: fused_launch(layer_norm_backward_fused_kernel<1>); break;
+      case 2: fused_launch(layer_norm_backward_fused_kernel<2>); break;
+      case 3: fused_launch(layer_norm_backward_fused_kernel<3>); break;
+      case 4: fused_launch(layer_norm_backward_fused_kernel<4>); break;
+      case 5: fused_launch(layer_norm_backward_fused_kernel<5>); break;
+      case 6: fused_launch(layer_norm_backward_fused_kernel<6>); break;
+      case 7: fused_launch(layer_norm_backward_fused_kernel<7>); break;
+      default: fused_launch(layer_norm_backward_fused_kernel<8>); break;
+    }
+    CUDA_CHECK(cudaGetLastError());
+  } else {
+    layer_norm_dx_kernel<<<row_blocks(rows), kWarpsPerBlock * 32, 0, stream>>>(dy, x, mean, rstd, gain, dx, dx_bf16,
+                                                                               rows, model_dim, accumulate_dx);
+    CUDA_CHECK(cudaGetLastError());
+    layer_norm_parameter_partials_kernel<<<dim3(column_blocks(model_dim), static_cast<unsigned>(chunks)),
+                                           kColumnThreads, 0, stream>>>(dy, x, mean, rstd, scratch, rows, model_dim);
+    CUDA_CHECK(cudaGetLastError());
+  }
   const unsigned finish_blocks = static_cast<unsigned>((model_dim + kFinishColumns - 1) / kFinishColumns);
   layer_norm_parameter_finish_kernel<<<finish_blocks, dim3(kFinishColumns, kFinishLanes), 0, stream>>>(
       scratch, d_gain, d_bias, chunks, model_dim);

@@ -16,8 +16,10 @@
 //
 // Layout: one warp per row for the statistics and dx (a row is D contiguous values). The parameter
 // gradients are column sums over T rows; for determinism they are reduced in two fixed passes, no
-// atomics: block (column slice, row chunk) sums kLayerNormRowsPerChunk rows into a partial in
-// `scratch`, then one thread per column adds the chunks' partials in chunk order.
+// atomics: each chunk of kLayerNormRowsPerChunk rows gets a partial in `scratch`, then the chunks'
+// partials are added in chunk order. Where D = 128 G (G <= 8) one kernel reads dy and x once for dx
+// and the chunk's partials (its warps' sums added in warp order); otherwise dx is one kernel and the
+// partials another (block = column slice x row chunk), each reading dy and x.
 #pragma once
 
 #include <cuda_runtime.h>  // cudaStream_t
@@ -42,7 +44,9 @@ void layer_norm_forward(const bf16* x,     // [T, D]
                         int64_t rows, int64_t model_dim, float eps, cudaStream_t stream);
 
 // With accumulate_dx the input gradient is added to dx (the residual stream's gradient, which
-// already holds the gradient that skips the block); otherwise dx is overwritten.
+// already holds the gradient that skips the block); otherwise dx is overwritten. A non-null dx_bf16
+// also receives dx's new value rounded to bf16 (what the block below reads: a separate cast would
+// read dx again).
 void layer_norm_backward(const float* dy,   // [T, D]
                          const bf16* x,     // [T, D]
                          const float* mean, // [T]
@@ -52,6 +56,7 @@ void layer_norm_backward(const float* dy,   // [T, D]
                          float* d_gain,     // [D]
                          float* d_bias,     // [D]
                          float* scratch,    // [layer_norm_backward_scratch_floats(T, D)]
-                         int64_t rows, int64_t model_dim, bool accumulate_dx, cudaStream_t stream);
+                         int64_t rows, int64_t model_dim, bool accumulate_dx, cudaStream_t stream,
+                         bf16* dx_bf16 = nullptr);  // [T, D] or null
 
 }  // namespace moe::cuda

@@ -334,6 +334,8 @@ ModelGpu::ModelGpu(const ModelGpuConfig& config, const OptimizerSettings& optimi
         AttentionShape{lane_sequences, config_.seq_len, config_.model_dim, config_.num_heads}, config_.attention_core);
     lane->layer_norm_scratch = DeviceBuffer<float>(
         size_t(layer_norm_backward_scratch_floats(lane_sequences * config_.seq_len, config_.model_dim)));
+    lane->embedding_scratch = DeviceBuffer<float>(
+        size_t(embedding_backward_scratch_floats(lane_sequences * config_.seq_len, config_.model_dim)));
     if (lane_count > 1) lane->losses = DeviceBuffer<float>(4);
     lanes_.push_back(std::move(lane));
   }
@@ -609,7 +611,10 @@ void ModelGpu::poison_activations() {
                                       &d_residual_, &d_norm_input_}) {
     buffer->fill_bytes(kNaN, stream_);
   }
-  for (const std::unique_ptr<Lane>& lane : lanes_) lane->layer_norm_scratch.fill_bytes(kNaN, stream_);
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    lane->layer_norm_scratch.fill_bytes(kNaN, stream_);
+    lane->embedding_scratch.fill_bytes(kNaN, stream_);
+  }
 }
 
 ModelGpu::Lane::~Lane() {
@@ -992,7 +997,7 @@ void ModelGpu::loss_backward_phase(Lane& l) {
     layer_norm_backward(d_norm_input_.data() + t0 * D, final_x_.data() + t0 * D, final_mean_.data() + t0,
                         final_rstd_.data() + t0, weight(final_gain_), d_residual_.data() + t0 * D,
                         gradient(l, final_gain_), gradient(l, final_bias_), l.layer_norm_scratch.data(), T, D,
-                        /*accumulate_dx=*/false, l.stream);
+                        /*accumulate_dx=*/false, l.stream, d_residual_bf16_.data() + t0 * D);
   });
 }
 
@@ -1002,12 +1007,10 @@ void ModelGpu::loss_backward_phase(Lane& l) {
 void ModelGpu::ffn_backward_begin(Lane& l, Block& b) {
   const int64_t t0 = first_token(l), D64 = config_.model_dim;
   const int T = int(tokens(l)), D = int(D64);
-  const size_t n = size_t(T) * size_t(D);
-  float* const d_residual = d_residual_.data() + t0 * D64;
-  bf16* const d_residual_bf16 = d_residual_bf16_.data() + t0 * D64;
+  // d_residual's bf16 copy: written with it by the layer norm's backward above this block.
+  const bf16* const d_residual_bf16 = d_residual_bf16_.data() + t0 * D64;
   float* const d_norm_input = d_norm_input_.data() + t0 * D64;
   const bf16* const ln2_y = b.ln2_y.data() + t0 * D64;
-  float_to_bf16(d_residual, d_residual_bf16, n, l.stream);
   if (b.moe[0]) {
     phase(l, "backward_moe", [&] {
       const MoeLayerWeights weights{weight(b.gate), b.w1_table.data(), b.w2_table.data()};
@@ -1068,7 +1071,8 @@ void ModelGpu::ffn_backward_end(Lane& l, Block& b) {
     }
     layer_norm_backward(d_norm_input, b.x_mid.data() + t0 * D64, b.ln2_mean.data() + t0, b.ln2_rstd.data() + t0,
                         weight(b.ln2_gain), d_residual, gradient(l, b.ln2_gain), gradient(l, b.ln2_bias),
-                        l.layer_norm_scratch.data(), T, D, /*accumulate_dx=*/true, l.stream);
+                        l.layer_norm_scratch.data(), T, D, /*accumulate_dx=*/true, l.stream,
+                        d_residual_bf16_.data() + t0 * D64);
   });
 }
 
@@ -1077,18 +1081,16 @@ void ModelGpu::attention_backward_phase(Lane& l, Block& b) {
   phase(l, "backward_attention", [&] {
     const int64_t t0 = first_token(l), D64 = config_.model_dim;
     const int T = int(tokens(l)), D = int(D64);
-    const size_t n = size_t(T) * size_t(D);
     float* const d_residual = d_residual_.data() + t0 * D64;
-    bf16* const d_residual_bf16 = d_residual_bf16_.data() + t0 * D64;
+    bf16* const d_residual_bf16 = d_residual_bf16_.data() + t0 * D64;  // written with it by LN2's backward
     float* const d_norm_input = d_norm_input_.data() + t0 * D64;
-    float_to_bf16(d_residual, d_residual_bf16, n, l.stream);
     attention_backward(l.cublas.get(), l.attention->shape, b.ln1_y.data() + t0 * D64, weight(b.qkv), weight(b.out),
                        b.qkv_out.data() + t0 * 3 * D64, b.attention_saved.at(l.first_sequence),
                        b.context.data() + t0 * D64,
                        d_residual_bf16, gradient(l, b.qkv), gradient(l, b.out), d_norm_input, *l.attention, l.stream);
     layer_norm_backward(d_norm_input, b.x.data() + t0 * D64, b.ln1_mean.data() + t0, b.ln1_rstd.data() + t0,
                         weight(b.ln1_gain), d_residual, gradient(l, b.ln1_gain), gradient(l, b.ln1_bias),
-                        l.layer_norm_scratch.data(), T, D, /*accumulate_dx=*/true, l.stream);
+                        l.layer_norm_scratch.data(), T, D, /*accumulate_dx=*/true, l.stream, d_residual_bf16);
   });
 }
 
@@ -1097,7 +1099,8 @@ void ModelGpu::embedding_backward_phase(Lane& l) {
   phase(l, "backward_embedding", [&] {
     const int64_t t0 = first_token(l);
     embedding_backward(tokens_ + t0, d_residual_.data() + t0 * config_.model_dim, gradient(l, token_embedding_),
-                       gradient(l, position_embedding_), l.sequences, config_.seq_len, config_.model_dim,
+                       gradient(l, position_embedding_), l.embedding_scratch.data(), l.sequences, config_.seq_len,
+                       config_.model_dim,
                        /*accumulate_token_gradient=*/true, l.stream);
   });
 }

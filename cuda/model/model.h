@@ -308,6 +308,7 @@ class ModelGpu {
     CublasHandle cublas;
     std::unique_ptr<AttentionWorkspace> attention;
     DeviceBuffer<float> layer_norm_scratch;
+    DeviceBuffer<float> embedding_scratch;  // the token table gradient's segment partials
     DeviceBuffer<float> losses;  // [4] with two lanes, its own share of losses_
     Lane() = default;
     ~Lane();

@@ -67,8 +67,10 @@ void check_embedding(int64_t N, int64_t S, int64_t D, int distinct, bool accumul
   else d_token.fill_bytes(0xFF);
 
   moe::cuda::embedding_forward(tokens_gpu.data(), token_gpu.data(), position_gpu.data(), x_gpu.data(), N, S, D, nullptr);
-  moe::cuda::embedding_backward(tokens_gpu.data(), dx_gpu.data(), d_token.data(), d_position.data(), N, S, D,
-                                accumulate, nullptr);
+  DeviceBuffer<float> scratch(size_t(moe::cuda::embedding_backward_scratch_floats(T, D)));
+  scratch.fill_bytes(0xFF);
+  moe::cuda::embedding_backward(tokens_gpu.data(), dx_gpu.data(), d_token.data(), d_position.data(), scratch.data(), N,
+                                S, D, accumulate, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
 
   const double x_error = relative_error(matrix_of(x_gpu.download(), T, D), x_ref);
@@ -90,6 +92,7 @@ TEST(CudaEmbedding, MatchesReferenceOnAwkwardSizes) {
   check_embedding(3, 70, 300, 256, true, 2);    // two column slices, the tied share accumulated
   check_embedding(4, 33, 64, 4, false, 3);      // four distinct bytes: long scatter-add rows
   check_embedding(2, 300, 40, 16, true, 4);     // more tokens than one tile per byte
+  check_embedding(5, 431, 96, 4, false, 5);     // three segments of 1024 tokens, the last partial
 }
 
 TEST(CudaEmbedding, BackwardIsBitwiseDeterministic) {
@@ -99,11 +102,13 @@ TEST(CudaEmbedding, BackwardIsBitwiseDeterministic) {
   DeviceBuffer<int32_t> tokens(random_bytes(T, 8, rng));
   DeviceBuffer<float> dx(floats_of(moe::ref::random_matrix(T, D, rng)));
   DeviceBuffer<float> d_token(size_t(V * D)), d_position(size_t(S * D));
+  DeviceBuffer<float> scratch(size_t(moe::cuda::embedding_backward_scratch_floats(T, D)));
   std::vector<float> first_token, first_position;
   for (int run = 0; run < 2; ++run) {
     d_token.fill_bytes(0xFF);
     d_position.fill_bytes(0xFF);
-    moe::cuda::embedding_backward(tokens.data(), dx.data(), d_token.data(), d_position.data(), N, S, D, false, nullptr);
+    moe::cuda::embedding_backward(tokens.data(), dx.data(), d_token.data(), d_position.data(), scratch.data(), N, S, D,
+                                  false, nullptr);
     if (run == 0) {
       first_token = d_token.download();
       first_position = d_position.download();
@@ -113,6 +118,35 @@ TEST(CudaEmbedding, BackwardIsBitwiseDeterministic) {
       EXPECT_EQ(0, std::memcmp(position.data(), first_position.data(), position.size() * sizeof(float)));
     }
   }
+}
+
+// The order embedding.h states: each byte's rows of dx added in ascending token order within each
+// segment of 1024 tokens, one after another in fp32, then the segments' sums added in segment order.
+// The host's float sums in that order give the same bits. T = 2155: three segments, the last partial.
+TEST(CudaEmbedding, TokenGradientAddsRowsInTheStatedOrder) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(12);
+  const int64_t N = 5, S = 431, D = 300, T = N * S;
+  const int64_t segment = moe::cuda::kEmbeddingSegmentTokens, segments = (T + segment - 1) / segment;
+  const std::vector<int32_t> bytes = random_bytes(T, 4, rng);
+  const std::vector<float> dx_host = floats_of(moe::ref::random_matrix(T, D, rng));
+  std::vector<float> partial(size_t(segments * V * D), 0.0f), expected(size_t(V * D), 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < D; ++j) {
+      partial[size_t(((t / segment) * V + bytes[size_t(t)]) * D + j)] += dx_host[size_t(t * D + j)];
+    }
+  }
+  for (int64_t k = 0; k < segments; ++k) {
+    for (int64_t i = 0; i < V * D; ++i) expected[size_t(i)] += partial[size_t(k * V * D + i)];
+  }
+  DeviceBuffer<int32_t> tokens(bytes);
+  DeviceBuffer<float> dx(dx_host), d_token(size_t(V * D)), d_position(size_t(S * D));
+  DeviceBuffer<float> scratch(size_t(moe::cuda::embedding_backward_scratch_floats(T, D)));
+  d_token.fill_bytes(0xFF);
+  moe::cuda::embedding_backward(tokens.data(), dx.data(), d_token.data(), d_position.data(), scratch.data(), N, S, D,
+                                false, nullptr);
+  const std::vector<float> got = d_token.download();
+  EXPECT_EQ(0, std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)));
 }
 
 // A byte outside 0..255 gives a NaN row (the loss turns NaN) instead of a read outside the table.
@@ -143,10 +177,15 @@ TEST(CudaEmbedding, RejectsBadArguments) {
                std::invalid_argument);
   EXPECT_THROW(moe::cuda::embedding_forward(nullptr, table.data(), table.data(), x.data(), 1, 4, 8, nullptr),
                std::invalid_argument);
-  EXPECT_THROW(moe::cuda::embedding_backward(tokens.data(), dx.data(), d_table.data(), nullptr, 1, 4, 8, false, nullptr),
+  DeviceBuffer<float> scratch(size_t(moe::cuda::embedding_backward_scratch_floats(4, 8)));
+  EXPECT_THROW(moe::cuda::embedding_backward(tokens.data(), dx.data(), d_table.data(), nullptr, scratch.data(), 1, 4, 8,
+                                             false, nullptr),
                std::invalid_argument);
-  EXPECT_THROW(moe::cuda::embedding_backward(tokens.data(), dx.data(), d_table.data(), d_table.data(), 1, -4, 8, false,
-                                             nullptr),
+  EXPECT_THROW(moe::cuda::embedding_backward(tokens.data(), dx.data(), d_table.data(), d_table.data(), nullptr, 1, 4, 8,
+                                             false, nullptr),
+               std::invalid_argument);  // no scratch
+  EXPECT_THROW(moe::cuda::embedding_backward(tokens.data(), dx.data(), d_table.data(), d_table.data(), scratch.data(), 1,
+                                             -4, 8, false, nullptr),
                std::invalid_argument);
 }
 

@@ -92,6 +92,12 @@ TEST(CudaLayerNorm, MatchesReferenceOnAwkwardSizes) {
   check_layer_norm(130, 1000, true, 4);  // wide rows
   check_layer_norm(3, 4096, false, 5);   // a decode step's rows: six staged rows a block
   check_layer_norm(2, 30000, true, 6);   // too wide to stage in 48 KB: read from global memory
+  // The fused backward (D = 128 G, G <= 8): one pass gives dx and the chunk's parameter partials.
+  check_layer_norm(1, 128, false, 7);    // one row of one 128-column group
+  check_layer_norm(100, 384, true, 8);   // two chunks, the second partial; G = 3
+  check_layer_norm(77, 512, false, 9);   // the throughput preset's width
+  check_layer_norm(65, 1024, true, 10);  // the widest fused row; a chunk of one row
+  check_layer_norm(64, 1152, false, 11); // G = 9: the two-kernel path
 }
 
 // The staged forward (a row copied into shared memory first) and the unstaged one (x misaligned by
@@ -128,26 +134,29 @@ TEST(CudaLayerNorm, StagedAndUnstagedForwardGiveTheSameBits) {
 
 TEST(CudaLayerNorm, ParameterGradientsAreBitwiseDeterministic) {
   REQUIRE_GPU();
-  std::mt19937_64 rng(9);
-  const int64_t T = 333, D = 129;
-  DeviceBuffer<bf16> x(bf16_of(moe::ref::random_matrix(T, D, rng))), gain(bf16_of(moe::ref::random_matrix(1, D, rng)));
-  DeviceBuffer<bf16> bias(bf16_of(moe::ref::random_matrix(1, D, rng))), y(size_t(T * D));
-  DeviceBuffer<float> mean(static_cast<size_t>(T)), rstd(static_cast<size_t>(T)), dx(size_t(T * D));
-  DeviceBuffer<float> dy(floats_of(moe::ref::random_matrix(T, D, rng))), d_gain(static_cast<size_t>(D));
-  DeviceBuffer<float> d_bias(static_cast<size_t>(D)), scratch(size_t(moe::cuda::layer_norm_backward_scratch_floats(T, D)));
-  moe::cuda::layer_norm_forward(x.data(), gain.data(), bias.data(), y.data(), mean.data(), rstd.data(), T, D, 1e-5f,
-                                nullptr);
-  std::vector<float> first_gain, first_bias;
-  for (int run = 0; run < 2; ++run) {
-    moe::cuda::layer_norm_backward(dy.data(), x.data(), mean.data(), rstd.data(), gain.data(), dx.data(), d_gain.data(),
-                                   d_bias.data(), scratch.data(), T, D, false, nullptr);
-    const auto g = d_gain.download(), b = d_bias.download();
-    if (run == 0) {
-      first_gain = g;
-      first_bias = b;
-    } else {
-      EXPECT_EQ(0, std::memcmp(g.data(), first_gain.data(), g.size() * sizeof(float)));
-      EXPECT_EQ(0, std::memcmp(b.data(), first_bias.data(), b.size() * sizeof(float)));
+  for (const int64_t D : {129, 512}) {  // the two-kernel path, then the fused one
+    SCOPED_TRACE("D=" + std::to_string(D));
+    std::mt19937_64 rng(9);
+    const int64_t T = 333;
+    DeviceBuffer<bf16> x(bf16_of(moe::ref::random_matrix(T, D, rng))), gain(bf16_of(moe::ref::random_matrix(1, D, rng)));
+    DeviceBuffer<bf16> bias(bf16_of(moe::ref::random_matrix(1, D, rng))), y(size_t(T * D));
+    DeviceBuffer<float> mean(static_cast<size_t>(T)), rstd(static_cast<size_t>(T)), dx(size_t(T * D));
+    DeviceBuffer<float> dy(floats_of(moe::ref::random_matrix(T, D, rng))), d_gain(static_cast<size_t>(D));
+    DeviceBuffer<float> d_bias(static_cast<size_t>(D)), scratch(size_t(moe::cuda::layer_norm_backward_scratch_floats(T, D)));
+    moe::cuda::layer_norm_forward(x.data(), gain.data(), bias.data(), y.data(), mean.data(), rstd.data(), T, D, 1e-5f,
+                                  nullptr);
+    std::vector<float> first_gain, first_bias;
+    for (int run = 0; run < 2; ++run) {
+      moe::cuda::layer_norm_backward(dy.data(), x.data(), mean.data(), rstd.data(), gain.data(), dx.data(), d_gain.data(),
+                                     d_bias.data(), scratch.data(), T, D, false, nullptr);
+      const auto g = d_gain.download(), b = d_bias.download();
+      if (run == 0) {
+        first_gain = g;
+        first_bias = b;
+      } else {
+        EXPECT_EQ(0, std::memcmp(g.data(), first_gain.data(), g.size() * sizeof(float)));
+        EXPECT_EQ(0, std::memcmp(b.data(), first_bias.data(), b.size() * sizeof(float)));
+      }
     }
   }
 }
