@@ -220,7 +220,8 @@ record() {
 
 offload() {
   # Experts in pinned host memory (cuda/offload, cuda/infer): the copy engine against the pinned
-  # bandwidth, every expert mode at the Switch-Base-like and large-expert scales, and one small
+  # bandwidth, every expert mode at the Switch-Base-like and large-expert scales beside PyTorch's
+  # version of them, and one small
   # recorded run per mode (Switch-Base-like, batch 1) for notebooks_data/runs/, tarred as record's.
   local rc=0 runs="$OUT/runs_offload" day
   day=$(date -u +%Y-%m-%d)
@@ -228,6 +229,10 @@ offload() {
   build-gpu/cuda/bench/offload_copy_bench --out "$OUT/offload_copy_bench_$day.json" \
     > "$LOGS/offload_copy_bench.log" 2>&1 || rc=1
   tail -8 "$LOGS/offload_copy_bench.log"
+  # PyTorch eager's version of the same model and modes first, on an idle host (its steps are host-bound).
+  PYTHONUNBUFFERED=1 python3 cuda/bench/torch_offload_baseline.py --batches 1,8 \
+    --out "$OUT/torch_offload_baseline_$day.json" > "$LOGS/torch_offload_baseline.log" 2>&1 || rc=1
+  tail -6 "$LOGS/torch_offload_baseline.log"
   build-gpu/cuda/bench/offload_bench --out "$OUT/offload_bench_$day.json" > "$LOGS/offload_bench.log" 2>&1 || rc=1
   sed -n '/==== summary/,$p' "$LOGS/offload_bench.log"
   for mode in gpu_only on_demand prefetch_all pregated speculative; do
