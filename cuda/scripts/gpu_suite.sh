@@ -221,8 +221,8 @@ record() {
 offload() {
   # Experts in pinned host memory (cuda/offload, cuda/infer): the copy engine against the pinned
   # bandwidth, every expert mode at the Switch-Base-like and large-expert scales beside PyTorch's
-  # version of them, and one small
-  # recorded run per mode (Switch-Base-like, batch 1) for notebooks_data/runs/, tarred as record's.
+  # version of them, and one small recorded run per mode (Switch-Base-like, batch 1) for
+  # notebooks_data/runs/, tarred as record's.
   local rc=0 runs="$OUT/runs_offload" day
   day=$(date -u +%Y-%m-%d)
   mkdir -p "$runs"
