@@ -120,10 +120,11 @@ __global__ void layer_norm_dx_kernel(const float* dy, const bf16* x, const float
 }
 
 // The fused backward, for D = 128 G (G = 1 .. kMaxFusedGroups) with dy and dx 16-byte aligned and x and
-// gain 8-byte aligned: one pass over dy and x gives dx and the chunk's parameter partials. The two
-// kernels below read dy and x twice, once per row for dx and once per column for the partials; at
-// T = 16384, D = 512 they took 39 + 36 us an LN on an H200 (moe_train --benchmark-kernel-trace,
-// 2026-11-30), where one pass moves 117 of their 167 MB.
+// gain 8-byte aligned: one pass over dy and x gives dx (and its bf16 copy) and the chunk's parameter
+// partials. The two kernels below read dy and x twice, once per row for dx and once per column for
+// the partials, and the model then cast dx to bf16 in a third: at T = 16384, D = 512 that was 218 MB
+// and 39 + 36 + 12 us an LN on an H200; this kernel moves 134 MB in 35 us (moe_train
+// --benchmark-kernel-trace, 2026-11-30).
 // Block b owns chunk b (kLayerNormRowsPerChunk rows); warp w takes the chunk's rows w * 8 .. w * 8 + 7 in
 // order. Lane l holds columns 128 g + 4 l .. 128 g + 4 l + 3 of each group g: float4 loads of dy and dx,
 // 8-byte loads of x. Each lane adds its columns' dy x_hat and dy over its warp's rows, then the warps'
