@@ -516,8 +516,13 @@ void forward(const Launch& z, const bf16* qkv, bf16* context, float* log_sum_exp
 }
 
 template <int D>
-void backward(const Launch& z, const bf16* qkv, const bf16* d_context, const float* log_sum_exp, const float* delta,
-              bf16* d_qkv, cudaStream_t stream) {
+void backward(const Launch& z, const bf16* qkv, const bf16* context, const bf16* d_context, const float* log_sum_exp,
+              float* delta, bf16* d_qkv, cudaStream_t stream) {
+  constexpr int kDeltaThreads = 256;
+  const int64_t rows = int64_t{z.pairs} * z.seq_len, delta_threads = rows * (D / 8);
+  flash_delta_kernel<D><<<unsigned((delta_threads + kDeltaThreads - 1) / kDeltaThreads), kDeltaThreads, 0, stream>>>(
+      context, d_context, delta, rows, z.seq_len, z.heads);
+  CUDA_CHECK(cudaGetLastError());
   const dim3 grid(unsigned(z.pairs), unsigned(z.tiles));
   const int dk_dv_bytes = 6 * tile_bytes<D>() + 4 * kTile * int(sizeof(float));
   allow_shared(flash_backward_dk_dv_kernel<D>, dk_dv_bytes);
@@ -560,22 +565,10 @@ void flash_attention_backward(const AttentionShape& shape, const bf16* qkv, cons
   check_aligned(kFunction, "context", context);
   check_aligned(kFunction, "d_context", d_context);
   check_aligned(kFunction, "d_qkv", d_qkv);
-  const int64_t rows = int64_t{z.pairs} * z.seq_len;
-  const auto delta_launch = [&](auto kernel, int64_t lanes_per_row) {
-    constexpr int kDeltaThreads = 256;
-    const int64_t blocks = (rows * lanes_per_row + kDeltaThreads - 1) / kDeltaThreads;
-    kernel<<<unsigned(blocks), kDeltaThreads, 0, stream>>>(context, d_context, delta, rows, z.seq_len, z.heads);
-    CUDA_CHECK(cudaGetLastError());
-  };
   switch (z.head_dim) {
-    case 32: delta_launch(flash_delta_kernel<32>, 4); break;
-    case 64: delta_launch(flash_delta_kernel<64>, 8); break;
-    default: delta_launch(flash_delta_kernel<128>, 16); break;
-  }
-  switch (z.head_dim) {
-    case 32: backward<32>(z, qkv, d_context, log_sum_exp, delta, d_qkv, stream); break;
-    case 64: backward<64>(z, qkv, d_context, log_sum_exp, delta, d_qkv, stream); break;
-    default: backward<128>(z, qkv, d_context, log_sum_exp, delta, d_qkv, stream); break;
+    case 32: backward<32>(z, qkv, context, d_context, log_sum_exp, delta, d_qkv, stream); break;
+    case 64: backward<64>(z, qkv, context, d_context, log_sum_exp, delta, d_qkv, stream); break;
+    default: backward<128>(z, qkv, context, d_context, log_sum_exp, delta, d_qkv, stream); break;
   }
 }
 
