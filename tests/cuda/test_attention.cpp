@@ -288,6 +288,13 @@ TEST(CudaAttention, RejectsBadArguments) {
                std::invalid_argument);
   moe::cuda::flash_attention_forward(fused, fused_qkv.data() + 8, fused_context.data(), lse.data(), nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());  // 8 bf16 = 16 bytes in: aligned, runs
+  // The backward reads the context 16 bytes at a time too (the delta).
+  DeviceBuffer<bf16> fused_d_context(size_t(8 * 64)), fused_d_qkv(size_t(8 * 3 * 64));
+  DeviceBuffer<float> fused_delta(size_t(8));
+  EXPECT_THROW(moe::cuda::flash_attention_backward(fused, fused_qkv.data(), fused_context.data() + 1, lse.data(),
+                                                   fused_d_context.data(), fused_delta.data(), fused_d_qkv.data(),
+                                                   nullptr),
+               std::invalid_argument);
 }
 
 }  // namespace

@@ -60,9 +60,17 @@ void check_layer_norm(int64_t T, int64_t D, bool accumulate, uint64_t seed) {
 
   moe::cuda::layer_norm_forward(x_gpu.data(), gain_gpu.data(), bias_gpu.data(), y.data(), mean.data(), rstd.data(), T,
                                 D, float(kEps), nullptr);
+  DeviceBuffer<bf16> dx_bf16(size_t(T * D));
+  dx_bf16.fill_bytes(0xFF);
   moe::cuda::layer_norm_backward(dy_gpu.data(), x_gpu.data(), mean.data(), rstd.data(), gain_gpu.data(), dx.data(),
-                                 d_gain.data(), d_bias.data(), scratch.data(), T, D, accumulate, nullptr);
+                                 d_gain.data(), d_bias.data(), scratch.data(), T, D, accumulate, nullptr,
+                                 dx_bf16.data());
   CUDA_CHECK(cudaDeviceSynchronize());
+  // dx_bf16 is dx's new value rounded to bf16 (to nearest even), element for element.
+  const std::vector<float> dx_values = dx.download();
+  std::vector<bf16> dx_rounded(dx_values.size());
+  for (size_t i = 0; i < dx_values.size(); ++i) dx_rounded[i] = __float2bfloat16(dx_values[i]);
+  EXPECT_EQ(0, std::memcmp(dx_bf16.download().data(), dx_rounded.data(), dx_rounded.size() * sizeof(bf16)));
 
   const double y_error = relative_error(matrix_of(y.download(), T, D), ref.y);
   const double mean_error = relative_error(matrix_of(mean.download(), T, 1), mean_ref);
