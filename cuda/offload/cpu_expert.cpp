@@ -32,9 +32,9 @@ float gelu(float a) {  // the tanh approximation, as the GPU experts and the ref
 
 float silu(float a) { return a / (1.0f + std::exp(-a)); }
 
-// The kernel's inner loop, compiled for AVX-512, AVX2 and plain x86-64, the best chosen when
-// the program loads (GCC's target_clones). Each clone computes the same products and sums in the
-// same order (ISO C++ does not fuse a multiply and an add), so every clone gives the same bits.
+// The kernel's inner loops, compiled for AVX-512, AVX2 and plain x86-64, the best chosen when the
+// program loads (GCC's target_clones). Each clone computes the same products and sums in the same
+// order (ISO C++ does not fuse a multiply and an add), so every clone gives the same bits.
 // Not under ThreadSanitizer, whose runtime is not up yet when the loader runs the clones' resolver.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define MOE_CPU_EXPERT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -42,13 +42,72 @@ float silu(float a) { return a / (1.0f + std::exp(-a)); }
 #define MOE_CPU_EXPERT_CLONES
 #endif
 
-// out[j] += a * w[j], j < n, w bf16 (its bits shifted into an fp32's upper half).
+// A bf16 weight as a float: its bits shifted into an fp32's upper half.
+inline float bf16_value(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+// out[j] += a * w[j], j < n: one row of w.
 MOE_CPU_EXPERT_CLONES void add_scaled(float* __restrict out, float a, const uint16_t* __restrict w, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] += a * bf16_value(w[j]);
+}
+
+// The same for 8 rows of w at once (row i at w + i * w_stride), one term after another:
+//   out[j] = ((out[j] + a[0] w[0][j]) + a[1] w[1][j]) + ... + a[7] w[7][j]
+// the bits of 8 add_scaled calls in row order, with out read and written once instead of 8 times.
+MOE_CPU_EXPERT_CLONES void add_scaled_8(float* __restrict out, const float* __restrict a, const uint16_t* __restrict w,
+                                        int64_t w_stride, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
-    const uint32_t word = static_cast<uint32_t>(w[j]) << 16;
-    float value;
-    std::memcpy(&value, &word, sizeof value);
-    out[j] += a * value;
+    float sum = out[j];
+    for (int i = 0; i < 8; ++i) sum += a[i] * bf16_value(w[i * w_stride + j]);
+    out[j] = sum;
+  }
+}
+
+// add_scaled_8 for 4 rows of out (row r at out + r * out_stride, its 8 factors at a + r * a_stride):
+// each weight is converted once and used for the 4. The same bits as 4 add_scaled_8 calls.
+MOE_CPU_EXPERT_CLONES void add_scaled_8x4(float* __restrict out, int64_t out_stride, const float* __restrict a,
+                                          int64_t a_stride, const uint16_t* __restrict w, int64_t w_stride, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    float v[8];
+    for (int i = 0; i < 8; ++i) v[i] = bf16_value(w[i * w_stride + j]);
+    for (int r = 0; r < 4; ++r) {
+      float sum = out[r * out_stride + j];
+      for (int i = 0; i < 8; ++i) sum += a[r * a_stride + i] * v[i];
+      out[r * out_stride + j] = sum;
+    }
+  }
+}
+
+// out [rows, n] (row stride out_stride) += a [rows, k] (row stride a_stride) times w [k, n] (row
+// stride w_stride, bf16): each out element gets its k terms added one after another, i = 0 .. k - 1,
+// whichever loop below adds them. w is read once from memory, 8 rows at a time as 8 streams, in
+// column tiles small enough that a tile's weights stay in L1 while every row of out takes them.
+void add_product(float* out, int64_t out_stride, const float* a, int64_t a_stride, const uint16_t* w, int64_t w_stride,
+                 int64_t rows, int64_t k, int64_t n) {
+  constexpr int64_t kColumnTile = 512;  // 8 rows x 1 KB of weights
+  for (int64_t i0 = 0; i0 < k; i0 += 8) {
+    const bool full = k - i0 >= 8;
+    for (int64_t c0 = 0; c0 < n; c0 += kColumnTile) {
+      const int64_t width = std::min(kColumnTile, n - c0);
+      const uint16_t* tile = w + i0 * w_stride + c0;
+      int64_t r = 0;
+      if (full) {
+        for (; r + 4 <= rows; r += 4) {
+          add_scaled_8x4(out + r * out_stride + c0, out_stride, a + r * a_stride + i0, a_stride, tile, w_stride, width);
+        }
+        for (; r < rows; ++r) add_scaled_8(out + r * out_stride + c0, a + r * a_stride + i0, tile, w_stride, width);
+      } else {
+        for (; r < rows; ++r) {
+          for (int64_t i = i0; i < k; ++i) {
+            add_scaled(out + r * out_stride + c0, a[r * a_stride + i], w + i * w_stride + c0, width);
+          }
+        }
+      }
+    }
   }
 }
 
@@ -80,6 +139,7 @@ CpuExpert::CpuExpert(const CpuExpertShape& shape, int threads) : shape_(shape) {
   }
   // At most H threads: each owns at least one hidden column.
   threads_ = static_cast<int>(std::min<int64_t>(check_cpu_expert_threads(threads), shape.hidden));
+  barrier_ = std::make_unique<std::barrier<>>(threads_);
   for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t); });
 }
 
@@ -101,7 +161,7 @@ void CpuExpert::work(int t) {
       if (stop_) return;
       seen = generation_;
     }
-    slice(t, call_w1_, call_w2_, call_x_, call_rows_);
+    slice(t, call_w1_, call_w2_, call_x_, call_rows_, call_y_);
     std::lock_guard<std::mutex> lock(mutex_);
     if (--pending_ == 0) done_.notify_one();
   }
@@ -118,67 +178,78 @@ void CpuExpert::forward(std::span<const uint16_t> weights, std::span<const float
                                 std::to_string(rows * D));
   }
   if (rows == 0) return;
-  const int64_t H = shape_.hidden;
+  const int64_t H = shape_.hidden, W1 = shape_.w1_columns();
   const int64_t widest = (H + threads_ - 1) / threads_;
-  partials_.assign(static_cast<size_t>(threads_ * rows * D), 0.0f);
-  // Each slice zeroes its own part of hidden_ (slice()).
-  hidden_.resize(static_cast<size_t>(threads_ * rows * widest * (shape_.activation == CpuExpertActivation::swiglu ? 2 : 1)));
+  // Each slice zeroes its own parts (slice()); resize keeps the memory between calls.
+  pre_partials_.resize(static_cast<size_t>(threads_ * rows * W1));
+  hidden_.resize(static_cast<size_t>(threads_ * rows * widest));
+  y_partials_.resize(static_cast<size_t>(threads_ * rows * D));
   const uint16_t* w1 = weights.data();
-  const uint16_t* w2 = weights.data() + D * shape_.w1_columns();
+  const uint16_t* w2 = weights.data() + D * W1;
   {  // the workers take slices 1 .. threads - 1, the caller slice 0
     std::lock_guard<std::mutex> lock(mutex_);
     call_w1_ = w1;
     call_w2_ = w2;
     call_x_ = x.data();
+    call_y_ = y.data();
     call_rows_ = rows;
     pending_ = threads_ - 1;
     ++generation_;
   }
   wake_.notify_all();
-  slice(0, w1, w2, x.data(), rows);
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-  }
-  // The partials in thread order: the same sums, in the same order, every call.
-  std::fill(y.begin(), y.end(), 0.0f);
-  for (int t = 0; t < threads_; ++t) {
-    const float* partial = partials_.data() + static_cast<size_t>(t * rows * D);
-    for (int64_t i = 0; i < rows * D; ++i) y[static_cast<size_t>(i)] += partial[i];
-  }
+  slice(0, w1, w2, x.data(), rows, y.data());
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_.wait(lock, [&] { return pending_ == 0; });
 }
 
-// Thread t: hidden columns [h0, h1), then their share of y.
-void CpuExpert::slice(int t, const uint16_t* w1, const uint16_t* w2, const float* x, int64_t rows) {
+// Thread t's part of a call, in three phases with every thread at a barrier between them.
+void CpuExpert::slice(int t, const uint16_t* w1, const uint16_t* w2, const float* x, int64_t rows, float* y) {
   const int64_t D = shape_.d_model, H = shape_.hidden, W1 = shape_.w1_columns();
   const bool swiglu = shape_.activation == CpuExpertActivation::swiglu;
-  const int64_t widest = (H + threads_ - 1) / threads_;
-  const int64_t h0 = std::min(H, t * widest), h1 = std::min(H, h0 + widest), width = h1 - h0;
-  if (width <= 0) return;
-  // pre[r][j] for j in the slice (gate), and pre[r][width + j] (up, SwiGLU): w1 row d read once.
-  const int64_t columns = swiglu ? 2 * width : width;
-  float* pre = hidden_.data() + static_cast<size_t>(t) * static_cast<size_t>(rows * widest * (swiglu ? 2 : 1));
-  std::fill(pre, pre + rows * columns, 0.0f);
-  // w1 row d's slice read once, for every row of x while it is in cache; sums in order of d.
-  for (int64_t d = 0; d < D; ++d) {
-    const uint16_t* row = w1 + d * W1;
-    for (int64_t r = 0; r < rows; ++r) {
-      add_scaled(pre + r * columns, x[r * D + d], row + h0, width);
-      if (swiglu) add_scaled(pre + r * columns + width, x[r * D + d], row + H + h0, width);
-    }
-  }
-  // hidden, in place over the gate columns, rounded to bf16 as the GPU stores it
+  const auto part = [&](int64_t count, int64_t index) {  // [begin, end) of `count` split over the threads
+    const int64_t widest = (count + threads_ - 1) / threads_;
+    const int64_t begin = std::min(count, index * widest);
+    return std::pair<int64_t, int64_t>{begin, std::min(count, begin + widest)};
+  };
+
+  // 1. pre's partial of w1's rows [d0, d1): w1 is row-major, so these rows are one contiguous run
+  //    of memory, streamed once.
+  const auto [d0, d1] = part(D, t);
+  float* pre = pre_partials_.data() + static_cast<size_t>(t * rows * W1);
+  std::fill(pre, pre + rows * W1, 0.0f);
+  add_product(pre, W1, x + d0, D, w1 + d0 * W1, W1, rows, d1 - d0, W1);
+  barrier_->arrive_and_wait();
+
+  // 2. The hidden columns [h0, h1): pre summed over the threads' partials in thread order, the
+  //    activation, rounded to bf16 as the GPU stores it; then y's partial from w2's rows [h0, h1),
+  //    again one contiguous run.
+  const auto [h0, h1] = part(H, t);
+  const int64_t width = h1 - h0;
+  float* hidden = hidden_.data() + static_cast<size_t>(t * rows * ((H + threads_ - 1) / threads_));
   for (int64_t r = 0; r < rows; ++r) {
-    float* out = pre + r * columns;
     for (int64_t j = 0; j < width; ++j) {
-      out[j] = round_to_bf16(swiglu ? silu(out[j]) * out[width + j] : gelu(out[j]));
+      float gate = 0.0f, up = 0.0f;
+      for (int s = 0; s < threads_; ++s) {
+        const float* partial = pre_partials_.data() + static_cast<size_t>((s * rows + r) * W1);
+        gate += partial[h0 + j];
+        if (swiglu) up += partial[H + h0 + j];
+      }
+      hidden[r * width + j] = round_to_bf16(swiglu ? silu(gate) * up : gelu(gate));
     }
   }
-  // y partial [rows, D] += hidden[:, j] w2[h0 + j, :]: w2's rows of the slice, each read once, for
-  // every row of x; sums in order of j.
-  float* y = partials_.data() + static_cast<size_t>(t) * static_cast<size_t>(rows * D);
-  for (int64_t j = 0; j < width; ++j) {
-    for (int64_t r = 0; r < rows; ++r) add_scaled(y + r * D, pre[r * columns + j], w2 + (h0 + j) * D, D);
+  float* y_partial = y_partials_.data() + static_cast<size_t>(t * rows * D);
+  std::fill(y_partial, y_partial + rows * D, 0.0f);
+  add_product(y_partial, D, hidden, width, w2 + h0 * D, D, rows, width, D);
+  barrier_->arrive_and_wait();
+
+  // 3. y's columns [c0, c1): the threads' partials added in thread order.
+  const auto [c0, c1] = part(D, t);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = c0; c < c1; ++c) {
+      float sum = 0.0f;
+      for (int s = 0; s < threads_; ++s) sum += y_partials_[static_cast<size_t>((s * rows + r) * D + c)];
+      y[r * D + c] = sum;
+    }
   }
 }
 

@@ -18,17 +18,26 @@
 // Layout, the store's: w1 [D, W1] row-major then w2 [H, D] row-major, bf16 as raw bits (uint16_t,
 // the same bytes as __nv_bfloat16). x is fp32 [rows, D], y fp32 [rows, D].
 //
-// Threads split H: thread t owns hidden columns [h0, h1) (and their up columns for SwiGLU), so it
-// reads its slice of w1 row by row (contiguous) and its rows of w2 (contiguous), every weight byte
-// read by exactly one thread. Each thread writes its partial y; the partials are added in thread
-// order, so a result is the same bits run after run for the same thread count (another count sums
-// in another grouping: equal within fp32 rounding).
+// A call runs on T threads in three phases, every thread at a barrier between them, and each phase
+// reads its weights as one contiguous run per thread (the rows of a row-major matrix):
+//   1. thread t takes w1's rows [d0, d1) (D split over the threads) and writes its partial pre
+//      [rows, W1] from them;
+//   2. thread t takes the hidden columns [h0, h1) (H split over the threads): their pre is the T
+//      partials added in thread order; the activation; then its partial y [rows, D] from w2's rows
+//      [h0, h1);
+//   3. thread t takes y's columns (D split again): the T partials added in thread order.
+// Within a thread each sum adds its terms in order of d (of j for y), 8 weight rows at a time
+// (add_product in cpu_expert.cpp), each weight converted once for up to 4 rows of x. So a result is
+// the same bits run after run for the same thread count, on any x86-64 (no fused multiply-add);
+// another count groups the sums differently: equal within fp32 rounding.
 //
 // Dimension legend: D model width, H expert hidden width, W1 w1's columns (H for GeLU, 2H for SwiGLU).
 #pragma once
 
+#include <barrier>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -71,7 +80,8 @@ class CpuExpert {
   int threads() const { return threads_; }
 
  private:
-  void slice(int t, const uint16_t* w1, const uint16_t* w2, const float* x, int64_t rows);
+  // Thread t's part of a call (the file comment's three phases).
+  void slice(int t, const uint16_t* w1, const uint16_t* w2, const float* x, int64_t rows, float* y);
 
   void work(int t);  // a worker's loop: wait for a call, run slice t, report, until stopped
 
@@ -87,9 +97,12 @@ class CpuExpert {
   bool stop_ = false;
   const uint16_t *call_w1_ = nullptr, *call_w2_ = nullptr;
   const float* call_x_ = nullptr;
+  float* call_y_ = nullptr;
   int64_t call_rows_ = 0;
-  std::vector<float> partials_;  // [threads, rows, D]
-  std::vector<float> hidden_;    // [threads, rows, slice width]
+  std::unique_ptr<std::barrier<>> barrier_;  // the phases' barrier, for the call's threads_ threads
+  std::vector<float> pre_partials_;  // [threads, rows, W1]: phase 1's partial sums
+  std::vector<float> hidden_;        // [threads, rows, slice width]: phase 2's activations
+  std::vector<float> y_partials_;    // [threads, rows, D]: phase 2's partial y
 };
 
 // The host's memory bandwidth as a STREAM-style copy (a[i] = b[i] over `bytes` of floats each way,

@@ -86,7 +86,9 @@ int host_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_
 
 TEST(CpuExpert, EqualsTheReferenceExpertWithinBf16Tolerance) {
   for (const CpuExpertActivation activation : {CpuExpertActivation::gelu, CpuExpertActivation::swiglu}) {
-    for (const auto& [D, H] : std::vector<std::pair<int64_t, int64_t>>{{40, 72}, {67, 131}, {8, 1}}) {
+    // {1, 72}: fewer rows of w1 than threads; {67, 600}: W1 and D past one column tile of 512.
+    for (const auto& [D, H] :
+         std::vector<std::pair<int64_t, int64_t>>{{40, 72}, {67, 131}, {8, 1}, {1, 72}, {521, 600}}) {
       const Case c = make_case(D, H, activation, 7 + uint64_t(D) + uint64_t(H));
       for (const int64_t rows : {1, 3, 8}) {
         std::mt19937_64 generator(uint64_t(rows) * 31 + uint64_t(D));
@@ -123,6 +125,69 @@ TEST(CpuExpert, EqualsTheReferenceExpertWithinBf16Tolerance) {
           expert.forward(c.weights, x_values, rows, again);
           EXPECT_EQ(std::memcmp(y.data(), again.data(), y.size() * sizeof(float)), 0) << "not repeatable";
         }
+      }
+    }
+  }
+}
+
+// The sums in the order cpu_expert.h states, in plain float arithmetic: thread t's partial of pre
+// over w1's rows [d0, d1) in order of d, the partials added in thread order; the activation rounded
+// to bf16; thread t's partial of y over its hidden columns in order of j; the partials in thread
+// order. The kernel must give exactly these bits, whatever loops and vector widths it uses.
+std::vector<float> in_the_stated_order(const Case& c, const std::vector<float>& x, int64_t rows, int threads) {
+  const int64_t D = c.shape.d_model, H = c.shape.hidden, W1 = c.shape.w1_columns();
+  const bool swiglu = c.shape.activation == CpuExpertActivation::swiglu;
+  const auto part = [&](int64_t count, int t) {
+    const int64_t widest = (count + threads - 1) / threads, begin = std::min(count, t * widest);
+    return std::pair<int64_t, int64_t>{begin, std::min(count, begin + widest)};
+  };
+  const auto w = [&](int64_t index) { return float(of_bits(c.weights[size_t(index)])); };
+  std::vector<float> pre(size_t(rows * W1), 0.0f), y(size_t(rows * D), 0.0f);
+  for (int t = 0; t < threads; ++t) {
+    const auto [d0, d1] = part(D, t);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < W1; ++j) {
+        float sum = 0.0f;
+        for (int64_t d = d0; d < d1; ++d) sum += x[size_t(r * D + d)] * w(d * W1 + j);
+        pre[size_t(r * W1 + j)] += sum;
+      }
+    }
+  }
+  for (int t = 0; t < threads; ++t) {
+    const auto [h0, h1] = part(H, t);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t e = 0; e < D; ++e) {
+        float sum = 0.0f;
+        for (int64_t j = h0; j < h1; ++j) {
+          const float a = pre[size_t(r * W1 + j)];
+          const float hidden =
+              swiglu ? a / (1.0f + std::exp(-a)) * pre[size_t(r * W1 + H + j)]
+                     : 0.5f * a * (1.0f + std::tanh(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+          sum += float(of_bits(bf16_bits(hidden))) * w(D * W1 + j * D + e);
+        }
+        y[size_t(r * D + e)] += sum;
+      }
+    }
+  }
+  return y;
+}
+
+TEST(CpuExpert, AddsInTheStatedOrder) {
+  for (const CpuExpertActivation activation : {CpuExpertActivation::gelu, CpuExpertActivation::swiglu}) {
+    const Case c = make_case(45, 530, activation, 11);  // 8-row groups and tails, two column tiles
+    for (const int64_t rows : {1, 5}) {
+      std::mt19937_64 generator{uint64_t(rows)};
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::vector<float> x(size_t(rows * 45));
+      for (float& value : x) value = normal(generator);
+      for (const int threads : {1, std::min(2, host_threads())}) {
+        SCOPED_TRACE(std::string(activation == CpuExpertActivation::swiglu ? "swiglu" : "gelu") + ", rows = " +
+                     std::to_string(rows) + ", threads = " + std::to_string(threads));
+        CpuExpert expert(c.shape, threads);
+        std::vector<float> y(x.size(), -1.0f);
+        expert.forward(c.weights, x, rows, y);
+        const std::vector<float> want = in_the_stated_order(c, x, rows, threads);
+        EXPECT_EQ(std::memcmp(y.data(), want.data(), y.size() * sizeof(float)), 0);
       }
     }
   }
