@@ -129,6 +129,15 @@ std::vector<int32_t> distinct_sorted(const std::vector<int32_t>& ids) {
 
 // ---- [SECTION] weights and construction ----
 
+// An event the host waits on (no timing), destroyed with its owner.
+struct HostEvent {
+  cudaEvent_t event = nullptr;
+  HostEvent() { CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
+  ~HostEvent() { cudaEventDestroy(event); }  // no throw from a destructor
+  HostEvent(const HostEvent&) = delete;
+  HostEvent& operator=(const HostEvent&) = delete;
+};
+
 // The buffers of one step shape: T_new = N * count new tokens (count = P in a prefill, 1 in a decode step).
 struct InferenceModelGpu::Pass {
   int64_t count = 0;   // new tokens per sequence
@@ -159,6 +168,10 @@ struct InferenceModelGpu::Pass {
   PinnedBuffer<int32_t> host_replace;   // [T_new * K]
   DeviceBuffer<bf16> replaced_rows;     // [T_new * K, D]
   DeviceBuffer<int32_t> replaced;       // [T_new * K]
+  // A pre-gated block's read of the next block's routing, which the host waits for only once this
+  // block's experts are enqueued (moe_block): pinned, so the copy does not hold the host.
+  PinnedBuffer<int32_t> next_routing;   // [T_new * K]
+  std::unique_ptr<HostEvent> next_routing_read;
   // host side, per step: what each MoE block's source was told
   std::vector<std::vector<int32_t>> known;       // [M] experts read back for block m_j (valid if known_valid)
   std::vector<std::vector<int32_t>> top;         // [M][T_new * K] the same, per slot (rows per expert)
@@ -259,6 +272,8 @@ std::unique_ptr<InferenceModelGpu::Pass> InferenceModelGpu::make_pass(int64_t ne
     pass->host_replace = PinnedBuffer<int32_t>(slots);
     pass->replaced_rows = DeviceBuffer<bf16>(slots * d);
     pass->replaced = DeviceBuffer<int32_t>(slots);
+    pass->next_routing = PinnedBuffer<int32_t>(slots);
+    pass->next_routing_read = std::make_unique<HostEvent>();
   }
   return pass;
 }
@@ -534,10 +549,25 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   }
 
   // ---- the one host wait of this block: its own choice (unless known) and the guess ----
+  // Where this block's choice is known (a pre-gated block after the first), only the guess is read,
+  // and this block's experts do not need it: its copy is enqueued now and the host waits for it
+  // after this block's experts are enqueued, so the GPU computes them meanwhile instead of idling
+  // through the read-back and the enqueueing.
   std::vector<const MoeLayerGpu*> to_read;
   const bool read_this = fetches && !pass.known_valid[size_t(j)];
+  const bool read_guess = guess_next && fetches;
+  const bool guess_later = read_guess && !read_this;
   if (read_this) to_read.push_back(&this_layer);
-  if (guess_next && fetches) to_read.push_back(next_layer);
+  if (read_guess && !guess_later) to_read.push_back(next_layer);
+  const auto take_guess = [&](std::vector<int32_t> guess) {
+    pass.prefetched[size_t(j + 1)] = distinct_sorted(guess);
+    // A pre-gated model's guess is m_{j+1}'s real routing: it need not be read again.
+    if (config_.pregated) {
+      pass.top[size_t(j + 1)] = std::move(guess);
+      pass.known[size_t(j + 1)] = pass.prefetched[size_t(j + 1)];
+      pass.known_valid[size_t(j + 1)] = 1;
+    }
+  };
   if (!to_read.empty()) {
     std::vector<std::vector<int32_t>> read = read_back_experts(to_read);  // per slot
     if (read_this) {
@@ -545,15 +575,12 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
       pass.known[size_t(j)] = distinct_sorted(read.front());
       pass.known_valid[size_t(j)] = 1;
     }
-    if (guess_next && fetches) {
-      pass.prefetched[size_t(j + 1)] = distinct_sorted(read.back());
-      // A pre-gated model's guess is m_{j+1}'s real routing: it need not be read again.
-      if (config_.pregated) {
-        pass.top[size_t(j + 1)] = read.back();
-        pass.known[size_t(j + 1)] = pass.prefetched[size_t(j + 1)];
-        pass.known_valid[size_t(j + 1)] = 1;
-      }
-    }
+    if (read_guess && !guess_later) take_guess(std::move(read.back()));
+  }
+  if (guess_later) {
+    CUDA_CHECK(cudaMemcpyAsync(pass.next_routing.data(), next_layer->top_experts().data(),
+                               size_t(routing_slots) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaEventRecord(pass.next_routing_read->event, stream_));
   }
 
   // ---- the experts computed on the host instead (none unless the source's host experts are on) ----
@@ -579,34 +606,44 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
     throw std::logic_error("InferenceModelGpu: the expert source returned no pointer tables for MoE block " +
                            std::to_string(j) + " (layer " + std::to_string(layer) + ")");
   }
-  if (has_next && schedule_ == ExpertSchedule::prefetch_all) {
-    pass.prefetched[size_t(j + 1)].resize(size_t(config_.moe.num_experts));
-    std::iota(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(), 0);
-  }
-  // A pre-gated model knows m_{j+1}'s routing now: its host experts are chosen a block ahead (after
-  // this block's acquire, which may have evicted some of its experts) and are not prefetched. The
-  // copies of the others start now, while the host first computes this block's host experts.
-  if (has_next && config_.pregated && pass.known_valid[size_t(j + 1)]) {
-    choose_host_experts(pass, j + 1, /*chosen_ahead=*/true);
-    std::vector<int32_t> copied;
-    std::set_difference(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(),
-                        pass.on_host[size_t(j + 1)].begin(), pass.on_host[size_t(j + 1)].end(),
-                        std::back_inserter(copied));
-    pass.prefetched[size_t(j + 1)] = std::move(copied);
-  }
-  if (on_device && has_next) {
-    // The device plans m_{j+1}'s copies from the routing where the gate wrote it (the record's
-    // prefetched list is known on the host only for prefetch_all).
-    if (schedule_ == ExpertSchedule::prefetch_all) {
-      experts_->prefetch_on_device(j + 1, nullptr, 0, stream_);
-    } else if (guess_next) {
-      experts_->prefetch_on_device(j + 1, next_layer->top_experts().data(), routing_slots, stream_);
+  // The next block's prefetch, once its guess is on the host (after this block's acquire, which
+  // may have evicted some of this block's experts).
+  const auto prefetch_next = [&] {
+    if (has_next && schedule_ == ExpertSchedule::prefetch_all) {
+      pass.prefetched[size_t(j + 1)].resize(size_t(config_.moe.num_experts));
+      std::iota(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(), 0);
     }
-  } else if (has_next && !pass.prefetched[size_t(j + 1)].empty()) {
-    experts_->prefetch(j + 1, pass.prefetched[size_t(j + 1)]);
-  }
+    // A pre-gated model knows m_{j+1}'s routing now: its host experts are chosen a block ahead and
+    // are not prefetched. The copies of the others start now, while the host first computes this
+    // block's host experts.
+    if (has_next && config_.pregated && pass.known_valid[size_t(j + 1)]) {
+      choose_host_experts(pass, j + 1, /*chosen_ahead=*/true);
+      std::vector<int32_t> copied;
+      std::set_difference(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(),
+                          pass.on_host[size_t(j + 1)].begin(), pass.on_host[size_t(j + 1)].end(),
+                          std::back_inserter(copied));
+      pass.prefetched[size_t(j + 1)] = std::move(copied);
+    }
+    if (on_device && has_next) {
+      // The device plans m_{j+1}'s copies from the routing where the gate wrote it (the record's
+      // prefetched list is known on the host only for prefetch_all).
+      if (schedule_ == ExpertSchedule::prefetch_all) {
+        experts_->prefetch_on_device(j + 1, nullptr, 0, stream_);
+      } else if (guess_next) {
+        experts_->prefetch_on_device(j + 1, next_layer->top_experts().data(), routing_slots, stream_);
+      }
+    } else if (has_next && !pass.prefetched[size_t(j + 1)].empty()) {
+      experts_->prefetch(j + 1, pass.prefetched[size_t(j + 1)]);
+    }
+  };
+  if (!guess_later) prefetch_next();
   const MoeLayerWeights weights{blocks_[size_t(layer)].gate, tables.w1, tables.w2};
   this_layer.run_experts(pass.normed.data(), weights, stream_);
+  if (guess_later) {
+    CUDA_CHECK(cudaEventSynchronize(pass.next_routing_read->event));
+    take_guess(std::vector<int32_t>(pass.next_routing.data(), pass.next_routing.data() + routing_slots));
+    prefetch_next();
+  }
   if (on_host.empty()) {
     this_layer.combine(pass.block_out.data(), stream_);
   } else {
