@@ -32,13 +32,12 @@ float gelu(float a) {  // the tanh approximation, as the GPU experts and the ref
 
 float silu(float a) { return a / (1.0f + std::exp(-a)); }
 
-// The kernel's inner loops, compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 and FMA) and plain
-// x86-64, the best chosen when the program loads (GCC's target_clones). Every product is added with
-// one rounding, std::fma, which the first two do in one instruction and the third in the C library:
-// every clone gives the same bits.
+// The kernel's inner loops, compiled for AVX-512, AVX2 and plain x86-64, the best chosen when the
+// program loads (GCC's target_clones). Each clone computes the same products and sums in the same
+// order (ISO C++ does not fuse a multiply and an add), so every clone gives the same bits.
 // Not under ThreadSanitizer, whose runtime is not up yet when the loader runs the clones' resolver.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
-#define MOE_CPU_EXPERT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define MOE_CPU_EXPERT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MOE_CPU_EXPERT_CLONES
 #endif
@@ -51,20 +50,19 @@ inline float bf16_value(uint16_t bits) {
   return value;
 }
 
-// out[j] = fma(a, w[j], out[j]), j < n: one row of w.
+// out[j] += a * w[j], j < n: one row of w.
 MOE_CPU_EXPERT_CLONES void add_scaled(float* __restrict out, float a, const uint16_t* __restrict w, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) out[j] = std::fma(a, bf16_value(w[j]), out[j]);
+  for (int64_t j = 0; j < n; ++j) out[j] += a * bf16_value(w[j]);
 }
 
 // The same for 8 rows of w at once (row i at w + i * w_stride), one term after another:
-//   out[j] = fma(a[7], w[7][j], ... fma(a[1], w[1][j], fma(a[0], w[0][j], out[j])))
+//   out[j] = ((out[j] + a[0] w[0][j]) + a[1] w[1][j]) + ... + a[7] w[7][j]
 // the bits of 8 add_scaled calls in row order, with out read and written once instead of 8 times.
 MOE_CPU_EXPERT_CLONES void add_scaled_8(float* __restrict out, const float* __restrict a, const uint16_t* __restrict w,
                                         int64_t w_stride, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     float sum = out[j];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) sum = std::fma(a[i], bf16_value(w[i * w_stride + j]), sum);
+    for (int i = 0; i < 8; ++i) sum += a[i] * bf16_value(w[i * w_stride + j]);
     out[j] = sum;
   }
 }
@@ -73,25 +71,14 @@ MOE_CPU_EXPERT_CLONES void add_scaled_8(float* __restrict out, const float* __re
 // each weight is converted once and used for the 4. The same bits as 4 add_scaled_8 calls.
 MOE_CPU_EXPERT_CLONES void add_scaled_8x4(float* __restrict out, int64_t out_stride, const float* __restrict a,
                                           int64_t a_stride, const uint16_t* __restrict w, int64_t w_stride, int64_t n) {
-  float* __restrict out0 = out;
-  float* __restrict out1 = out + out_stride;
-  float* __restrict out2 = out + 2 * out_stride;
-  float* __restrict out3 = out + 3 * out_stride;
-  const float *a0 = a, *a1 = a + a_stride, *a2 = a + 2 * a_stride, *a3 = a + 3 * a_stride;
   for (int64_t j = 0; j < n; ++j) {
-    float sum0 = out0[j], sum1 = out1[j], sum2 = out2[j], sum3 = out3[j];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      const float v = bf16_value(w[i * w_stride + j]);
-      sum0 = std::fma(a0[i], v, sum0);
-      sum1 = std::fma(a1[i], v, sum1);
-      sum2 = std::fma(a2[i], v, sum2);
-      sum3 = std::fma(a3[i], v, sum3);
+    float v[8];
+    for (int i = 0; i < 8; ++i) v[i] = bf16_value(w[i * w_stride + j]);
+    for (int r = 0; r < 4; ++r) {
+      float sum = out[r * out_stride + j];
+      for (int i = 0; i < 8; ++i) sum += a[r * a_stride + i] * v[i];
+      out[r * out_stride + j] = sum;
     }
-    out0[j] = sum0;
-    out1[j] = sum1;
-    out2[j] = sum2;
-    out3[j] = sum3;
   }
 }
 

@@ -26,11 +26,10 @@
 //      partials added in thread order; the activation; then its partial y [rows, D] from w2's rows
 //      [h0, h1);
 //   3. thread t takes y's columns (D split again): the T partials added in thread order.
-// Within a thread each sum adds its terms in order of d (of j for y), each with one rounding (a
-// fused multiply-add, std::fma), 8 weight rows at a time (add_product in cpu_expert.cpp), each
-// weight converted once for up to 4 rows of x. So a result is the same bits run after run for the
-// same thread count, on any x86-64 (with or without FMA instructions); another count groups the
-// sums differently: equal within fp32 rounding.
+// Within a thread each sum adds its terms in order of d (of j for y), 8 weight rows at a time
+// (add_product in cpu_expert.cpp), each weight converted once for up to 4 rows of x. So a result is
+// the same bits run after run for the same thread count, on any x86-64 (no fused multiply-add);
+// another count groups the sums differently: equal within fp32 rounding.
 //
 // Dimension legend: D model width, H expert hidden width, W1 w1's columns (H for GeLU, 2H for SwiGLU).
 #pragma once

@@ -130,7 +130,7 @@ TEST(CpuExpert, EqualsTheReferenceExpertWithinBf16Tolerance) {
   }
 }
 
-// The sums in the order cpu_expert.h states, each product added with one rounding (std::fma): thread t's partial of pre
+// The sums in the order cpu_expert.h states, in plain float arithmetic: thread t's partial of pre
 // over w1's rows [d0, d1) in order of d, the partials added in thread order; the activation rounded
 // to bf16; thread t's partial of y over its hidden columns in order of j; the partials in thread
 // order. The kernel must give exactly these bits, whatever loops and vector widths it uses.
@@ -148,7 +148,7 @@ std::vector<float> in_the_stated_order(const Case& c, const std::vector<float>& 
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < W1; ++j) {
         float sum = 0.0f;
-        for (int64_t d = d0; d < d1; ++d) sum = std::fma(x[size_t(r * D + d)], w(d * W1 + j), sum);
+        for (int64_t d = d0; d < d1; ++d) sum += x[size_t(r * D + d)] * w(d * W1 + j);
         pre[size_t(r * W1 + j)] += sum;
       }
     }
@@ -163,7 +163,7 @@ std::vector<float> in_the_stated_order(const Case& c, const std::vector<float>& 
           const float hidden =
               swiglu ? a / (1.0f + std::exp(-a)) * pre[size_t(r * W1 + H + j)]
                      : 0.5f * a * (1.0f + std::tanh(0.7978845608028654f * (a + 0.044715f * a * a * a)));
-          sum = std::fma(float(of_bits(bf16_bits(hidden))), w(D * W1 + j * D + e), sum);
+          sum += float(of_bits(bf16_bits(hidden))) * w(D * W1 + j * D + e);
         }
         y[size_t(r * D + e)] += sum;
       }
