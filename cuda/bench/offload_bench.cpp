@@ -50,7 +50,7 @@
 // Run:   build/cuda/bench/offload_bench [--scales switch,large] [--batches 1,4,8] [--modes all]
 //            [--switch-experts 64] [--prompt-bytes 8] [--warmup 4] [--steps 32] [--cache-factor 2]
 //            [--cache-experts C] [--policy lru] [--host-experts misses,auto] [--host-threads T] [--seed 1]
-//            [--device-slots] [--copy-blocks 32] [--kernel-trace]
+//            [--device-slots] [--copy-blocks 32] [--resident-blocks 0] [--kernel-trace]
 //            [--out FILE.json] [--record-dir DIR]
 // --host-experts adds, after each offloading mode, the same mode with experts computed on the host
 // (offload/host_expert_choice.h): every miss, or the cost model's pick, whose GPU time per MoE block
@@ -63,6 +63,10 @@
 // the device and SMs copy the experts from the mapped pinned store (--copy-blocks thread blocks), so
 // no step waits on the host and each decode step is one CUDA graph; its copies and stalls are not
 // timed ("-"), its bytes are counted on the device.
+// --resident-blocks 0 adds, after the other rows, every offloading row again with those MoE blocks'
+// experts held on the GPU ("<mode>,r0": offload/resident_blocks.h) and the cache serving the rest;
+// their floor replays only the other blocks' routing (a resident block never misses), their peak GB
+// includes the held blocks, and the summary is printed for them too.
 // --record-dir DIR writes a run record per (scale, batch, mode) (infer/offload_recording.h): DIR itself
 // when one is selected, else DIR/<scale>_b<N>_<mode>; a recorded run's steps carry a few more events. Exit status: 0 every mode's bytes equal gpu_only's; 1 not, or a GPU
 // failure; 2 bad flags or too much pinned memory.
@@ -109,6 +113,7 @@
 #include "offload/device_slot_cache.h"     // DeviceSlotCache
 #include "offload/offloaded_experts.h"    // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h"  // PinnedExpertStore
+#include "offload/resident_blocks.h"      // ResidentBlocks, parse_resident_blocks
 #include "offload/resident_experts.h"     // ResidentExperts
 #include "run_record.h"                   // RunWriter
 #include "sim/cache_replay.h"             // replay, ReplayPolicy::belady: the floor
@@ -144,6 +149,7 @@ struct Options {
   bool device_slots = false;              // also each offloading mode with the slot table on the device
   bool kernel_trace = false;              // each run's timed steps traced kernel by kernel (CUPTI)
   int copy_blocks = 32;                   // the device slot table's copy kernel's thread blocks
+  std::string resident_blocks;            // also each offloading mode with these MoE blocks resident ("": not)
   uint64_t seed = 1;
   std::string out, record_dir;
 };
@@ -200,6 +206,9 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
                "kernel's GPU time and launches a step, and the step's time with no kernel running");
   app.add_option("--copy-blocks", o.copy_blocks, "thread blocks of the device slot table's copy kernel")
       ->capture_default_str()->check(moe::whole_number(1, 1024));
+  app.add_option("--resident-blocks", o.resident_blocks,
+                 "also run each offloading mode with these MoE blocks' experts kept on the GPU (offload/"
+                 "resident_blocks.h), e.g. 0: m_0, whose experts no pre-gate announces");
   app.add_option("--seed", o.seed, "weights, prompts and sampling")->capture_default_str()->check(moe::whole_number(0));
   app.add_option("--out", o.out, "also write every row as JSON, with the device and the date");
   app.add_option("--record-dir", o.record_dir, "also write a run record per run (kind infer) for the viewer's offload panel");
@@ -346,6 +355,7 @@ struct Run {  // one (scale, batch, model, mode, host experts)
   HostExperts host = HostExperts::off;
   bool graph = false;  // the decode steps were one CUDA graph launch each (InferenceModelGpu::set_decode_graph)
   bool device_slots = false;  // the slot table on the device (DeviceSlotCache)
+  std::vector<int64_t> resident_blocks;  // MoE blocks held on the GPU beside the cache (ResidentBlocks)
   double on_host_per_step = 0, host_ms_per_step = 0;  // experts computed on the host, and the host's time
   HostExpertCosts costs;                               // the cost model's inputs, measured at the source's start
   double logits_max_abs_diff = 0, logits_max_abs = 0;  // against gpu_only's, on gpu_only's bytes (host runs)
@@ -376,6 +386,7 @@ struct Context {
   std::string record_dir;  // "" = no record
   bool graph = true;       // the decode step as one CUDA graph where it applies (no host wait, unrecorded)
   bool device_slots = false;  // an offloading mode's slot table on the device (DeviceSlotCache)
+  std::vector<int64_t> resident_blocks;  // MoE blocks held on the GPU beside the cache (none: every block offloaded)
 };
 
 // forced: the bytes to feed instead of the run's own samples ([steps][N], gpu_only's): a run with
@@ -393,6 +404,7 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
   run.batch = N;
   run.cache_slots = mode == ExpertSchedule::gpu_only ? 0 : slots;
   run.device_slots = ctx.device_slots;
+  if (mode != ExpertSchedule::gpu_only) run.resident_blocks = ctx.resident_blocks;
 
   CUDA_CHECK(cudaDeviceSynchronize());
   const size_t used_before = device_used_bytes();
@@ -421,6 +433,9 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
     run.costs = cache->host_costs();
     source = std::move(cache);
   }
+  std::unique_ptr<ResidentBlocks> resident_blocks;  // around the cache, which serves the other blocks
+  if (!run.resident_blocks.empty()) resident_blocks = std::make_unique<ResidentBlocks>(store, run.resident_blocks, *source);
+  ExpertSource& served = resident_blocks ? static_cast<ExpertSource&>(*resident_blocks) : *source;
   std::optional<moe::RunWriter> writer;
   std::unique_ptr<RecordedExpertSource> recorded;
   if (!ctx.record_dir.empty()) {
@@ -434,12 +449,14 @@ Run run_mode(const Context& ctx, const Scale& scale, const ModelGpuConfig& confi
     info.extra = {{"program", "offload_bench"}, {"scale", scale.name}, {"mode", std::string(to_string(mode))},
                   {"host_experts", std::string(to_string(host))}, {"cache_policy", to_string(o.policy)},
                   {"batch", N}, {"prompt_bytes", P}, {"cache_slots", run.cache_slots},
+                  {"resident_blocks", run.resident_blocks},
                   {"steps", "step 0 is the prefill, then the warm-up and timed decode steps"}};
     writer.emplace(moe::RunWriter::create(ctx.record_dir, info, moe::OnExisting::overwrite));
-    recorded = std::make_unique<RecordedExpertSource>(*source, offloaded, *writer);
+    recorded = device_cache != nullptr ? std::make_unique<RecordedExpertSource>(served, *device_cache, *writer)
+                                       : std::make_unique<RecordedExpertSource>(served, offloaded, *writer);
     run.recorded = true;
   }
-  ExpertSource& model_source = recorded ? static_cast<ExpertSource&>(*recorded) : *source;
+  ExpertSource& model_source = recorded ? static_cast<ExpertSource&>(*recorded) : served;
   InferenceModelGpu model(config, weights.span(), model_source, mode, ctx.stream);
   model.set_decode_graph(ctx.graph);
   if (recorded) model.set_phase_timer(&recorded->phase_timer());
@@ -567,7 +584,7 @@ std::vector<int64_t> belady_misses(const std::vector<std::vector<std::vector<int
 // ---- [SECTION] printing ----
 
 void print_header() {
-  std::printf("%-13s %-11s %4s %9s %9s %10s %8s %9s %7s %7s %6s %6s %9s %8s %8s\n", "mode", "model", "same",
+  std::printf("%-16s %-11s %4s %9s %9s %10s %8s %9s %7s %7s %6s %6s %9s %8s %8s\n", "mode", "model", "same",
               "step ms", "tok/s", "prefill/s", "peak GB", "MB/step", "GB/s", "stall", "hit", "pf acc", "floor ms",
               "vs floor", "vs gpu");
 }
@@ -579,7 +596,8 @@ void print_run(const Run& r) {
   if (r.host != HostExperts::off) name += "+" + std::string(to_string(r.host));
   if (r.mode == ExpertSchedule::gpu_only && !r.graph) name += ",launch";
   if (r.device_slots) name += ",dev";
-  std::printf("%-13s %-11s %4s %9.3f %9.1f %10.0f %8.3f", name.c_str(), r.model.c_str(),
+  for (size_t i = 0; i < r.resident_blocks.size(); ++i) name += (i == 0 ? ",r" : "+") + std::to_string(r.resident_blocks[i]);
+  std::printf("%-16s %-11s %4s %9.3f %9.1f %10.0f %8.3f", name.c_str(), r.model.c_str(),
               r.host != HostExperts::off ? "~" : r.same_as_gpu_only ? "yes" : "NO", r.step_ms, 1e3 * double(r.batch) / r.step_ms, r.prefill_tokens_per_s,
               r.peak_bytes / 1e9);
   if (offloaded) {
@@ -622,7 +640,7 @@ void print_run(const Run& r) {
 
 json run_json(const Run& r) {
   return {{"scale", r.scale}, {"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"batch", r.batch},
-          {"cuda_graph", r.graph}, {"device_slots", r.device_slots},
+          {"cuda_graph", r.graph}, {"device_slots", r.device_slots}, {"resident_blocks", r.resident_blocks},
           {"cache_slots", r.cache_slots}, {"same_as_gpu_only", r.same_as_gpu_only},
           {"step_ms", r.step_ms}, {"tokens_per_s", 1e3 * double(r.batch) / r.step_ms},
           {"prefill_tokens_per_s", r.prefill_tokens_per_s}, {"peak_gpu_bytes", r.peak_bytes},
@@ -653,6 +671,15 @@ int main(int argc, char** argv) {
   Options o;
   try {
     if (const std::optional<int> exit_status = parse_options(argc, argv, o)) return *exit_status;
+    // The resident blocks against each scale's MoE blocks (the list is the same at both scales).
+    for (const std::string& name : o.scales) {
+      if (o.resident_blocks.empty()) break;
+      try {
+        (void)parse_resident_blocks(o.resident_blocks, moe_block_count(make_scale(name, o).config));
+      } catch (const std::invalid_argument& error) {
+        throw BadFlag("--resident-blocks at the " + name + " scale: " + error.what());
+      }
+    }
     // The outputs before the GPU work: a path that cannot be created fails now, not after the timings.
     if (!o.out.empty()) moe::check_output_path("--out", o.out);
     if (!o.record_dir.empty()) moe::check_output_path("--record-dir", std::filesystem::path(o.record_dir) / "run.json");
@@ -767,18 +794,31 @@ int main(int argc, char** argv) {
             if (o.device_slots) variants.emplace_back(mode, HostExperts::off, true, true);
             for (HostExperts host : o.host_experts) variants.emplace_back(mode, host, true, false);
           }
-          for (const auto& [mode, host, graph, device_slots] : variants) {
+          // With --resident-blocks, every offloading variant again with those blocks held on the GPU.
+          std::vector<std::pair<size_t, bool>> order;  // (variant, resident blocks)
+          for (size_t v = 0; v < variants.size(); ++v) order.emplace_back(v, false);
+          if (!o.resident_blocks.empty()) {
+            for (size_t v = 0; v < variants.size(); ++v) {
+              if (std::get<0>(variants[v]) != ExpertSchedule::gpu_only) order.emplace_back(v, true);
+            }
+          }
+          const std::vector<int64_t> resident_list =
+              o.resident_blocks.empty() ? std::vector<int64_t>{} : parse_resident_blocks(o.resident_blocks, shape.blocks);
+          for (const auto& [variant, with_resident] : order) {
+            const auto& [mode, host, graph, device_slots] = variants[variant];
             const bool shown = selected_mode(mode) || mode == ExpertSchedule::gpu_only;
             std::string dir;
             if (!o.record_dir.empty() && selected_mode(mode) && !(pregated && mode == ExpertSchedule::gpu_only) &&
                 graph && !device_slots) {
               const std::string name = std::string(to_string(mode)) +
-                                       (host == HostExperts::off ? "" : "_host_" + std::string(to_string(host)));
-              dir = selected == 1 && o.host_experts.empty()
+                                       (host == HostExperts::off ? "" : "_host_" + std::string(to_string(host))) +
+                                       (with_resident ? "_resident" : "");
+              dir = selected == 1 && o.host_experts.empty() && o.resident_blocks.empty()
                         ? o.record_dir
                         : o.record_dir + "/" + scale.name + "_b" + std::to_string(N) + "_" + name;
             }
-            const Context ctx{o, stream, pinned_gb_per_s, dir, graph, device_slots};
+            const Context ctx{o, stream, pinned_gb_per_s, dir, graph, device_slots,
+                              with_resident ? resident_list : std::vector<int64_t>{}};
             const bool on_host = host != HostExperts::off;
             // The cost model's GPU time per MoE block: this model's gpu_only step, measured first.
             const double gpu_block_ms = reference.step_ms / double(shape.blocks);
@@ -801,7 +841,12 @@ int main(int argc, char** argv) {
             all_same = all_same && r.same_as_gpu_only;
             r.gpu_only_ms = reference.step_ms;
             // The floor, step by step: Belady's misses at the pinned copy's rate, never under gpu_only.
-            const std::vector<int64_t> misses = belady_misses(r.routing, E, slots);
+            // A resident block never misses: the oracle's cache serves the other blocks.
+            std::vector<std::vector<std::vector<int32_t>>> offloaded_routing = r.routing;
+            for (auto& step : offloaded_routing) {
+              for (const int64_t block : r.resident_blocks) step[size_t(block)].clear();
+            }
+            const std::vector<int64_t> misses = belady_misses(offloaded_routing, E, slots);
             std::vector<double> floor_ms, floor_bytes, cold_bytes;
             for (size_t s = 0; s < r.distinct_per_step.size(); ++s) {
               const int64_t step_misses = misses[size_t(1 + o.warmup) + s];
@@ -827,46 +872,52 @@ int main(int argc, char** argv) {
     }
 
     // ---- the offload targets ----
-    auto find = [&](const std::string& scale, int64_t N, ExpertSchedule mode, const std::string& model) -> const Run* {
+    // gpu_only is never resident-blocked; the offloading modes are looked up with or without them.
+    auto find = [&](const std::string& scale, int64_t N, ExpertSchedule mode, const std::string& model,
+                    bool resident) -> const Run* {
       for (const Run& r : all_runs) {
         if (r.scale == scale && r.batch == N && r.mode == mode && r.model == model && r.host == HostExperts::off &&
-            !r.device_slots) {
+            !r.device_slots && (mode == ExpertSchedule::gpu_only || r.resident_blocks.empty() != resident)) {
           return &r;
         }
       }
       return nullptr;
     };
-    std::printf("\n==== summary: the offload targets (pregated against the pre-gated model's gpu_only) ====\n");
-    std::printf("%-7s %5s %14s %14s %14s %12s %12s %12s %12s\n", "scale", "batch", "pg/od >= 1.5", "pg/gpu <= 1.25",
-                "mem pg/gpu<=.33", "od/floor", "pfa/floor", "pg/floor", "spec/floor");
     json summary = json::array();
-    for (const Scale& scale : scales) {
-      for (const int64_t N : o.batches) {
-        const Run* od = find(scale.name, N, ExpertSchedule::on_demand, "self-gated");
-        const Run* pa = find(scale.name, N, ExpertSchedule::prefetch_all, "self-gated");
-        const Run* sp = find(scale.name, N, ExpertSchedule::speculative, "self-gated");
-        const Run* pg = find(scale.name, N, ExpertSchedule::pregated, "pre-gated");
-        const Run* pg_gpu = find(scale.name, N, ExpertSchedule::gpu_only, "pre-gated");
-        auto cell = [](bool known, double value) {
-          char text[32];
-          std::snprintf(text, sizeof text, known ? "%.2f" : "-", value);
-          return std::string(text);
-        };
-        const bool speedup = pg && od, ratio = pg && pg_gpu;
-        std::printf("%-7s %5lld %14s %14s %14s %12s %12s %12s %12s\n", scale.name.c_str(), (long long)N,
-                    cell(speedup, speedup ? od->step_ms / pg->step_ms : 0).c_str(),
-                    cell(ratio, ratio ? pg->step_ms / pg_gpu->step_ms : 0).c_str(),
-                    cell(ratio, ratio ? pg->peak_bytes / pg_gpu->peak_bytes : 0).c_str(),
-                    cell(od, od ? od->step_ms / od->floor_ms : 0).c_str(), cell(pa, pa ? pa->step_ms / pa->floor_ms : 0).c_str(),
-                    cell(pg, pg ? pg->step_ms / pg->floor_ms : 0).c_str(), cell(sp, sp ? sp->step_ms / sp->floor_ms : 0).c_str());
-        json s = {{"scale", scale.name}, {"batch", N}};
-        if (speedup) s["pregated_vs_on_demand_speedup"] = od->step_ms / pg->step_ms;
-        if (ratio) s["pregated_vs_gpu_only"] = pg->step_ms / pg_gpu->step_ms;
-        if (ratio) s["pregated_peak_memory_vs_gpu_only"] = pg->peak_bytes / pg_gpu->peak_bytes;
-        for (const Run* r : {od, pa, pg, sp}) {
-          if (r) s[std::string(to_string(r->mode)) + "_vs_floor"] = r->step_ms / r->floor_ms;
+    for (const bool resident : {false, true}) {
+      if (resident && o.resident_blocks.empty()) break;
+      std::printf("\n==== summary: the offload targets (pregated against the pre-gated model's gpu_only)%s ====\n",
+                  resident ? (", MoE blocks " + o.resident_blocks + " resident").c_str() : "");
+      std::printf("%-7s %5s %14s %14s %14s %12s %12s %12s %12s\n", "scale", "batch", "pg/od >= 1.5", "pg/gpu <= 1.25",
+                  "mem pg/gpu<=.33", "od/floor", "pfa/floor", "pg/floor", "spec/floor");
+      for (const Scale& scale : scales) {
+        for (const int64_t N : o.batches) {
+          const Run* od = find(scale.name, N, ExpertSchedule::on_demand, "self-gated", resident);
+          const Run* pa = find(scale.name, N, ExpertSchedule::prefetch_all, "self-gated", resident);
+          const Run* sp = find(scale.name, N, ExpertSchedule::speculative, "self-gated", resident);
+          const Run* pg = find(scale.name, N, ExpertSchedule::pregated, "pre-gated", resident);
+          const Run* pg_gpu = find(scale.name, N, ExpertSchedule::gpu_only, "pre-gated", resident);
+          auto cell = [](bool known, double value) {
+            char text[32];
+            std::snprintf(text, sizeof text, known ? "%.2f" : "-", value);
+            return std::string(text);
+          };
+          const bool speedup = pg && od, ratio = pg && pg_gpu;
+          std::printf("%-7s %5lld %14s %14s %14s %12s %12s %12s %12s\n", scale.name.c_str(), (long long)N,
+                      cell(speedup, speedup ? od->step_ms / pg->step_ms : 0).c_str(),
+                      cell(ratio, ratio ? pg->step_ms / pg_gpu->step_ms : 0).c_str(),
+                      cell(ratio, ratio ? pg->peak_bytes / pg_gpu->peak_bytes : 0).c_str(),
+                      cell(od, od ? od->step_ms / od->floor_ms : 0).c_str(), cell(pa, pa ? pa->step_ms / pa->floor_ms : 0).c_str(),
+                      cell(pg, pg ? pg->step_ms / pg->floor_ms : 0).c_str(), cell(sp, sp ? sp->step_ms / sp->floor_ms : 0).c_str());
+          json s = {{"scale", scale.name}, {"batch", N}, {"resident_blocks", resident ? o.resident_blocks : ""}};
+          if (speedup) s["pregated_vs_on_demand_speedup"] = od->step_ms / pg->step_ms;
+          if (ratio) s["pregated_vs_gpu_only"] = pg->step_ms / pg_gpu->step_ms;
+          if (ratio) s["pregated_peak_memory_vs_gpu_only"] = pg->peak_bytes / pg_gpu->peak_bytes;
+          for (const Run* r : {od, pa, pg, sp}) {
+            if (r) s[std::string(to_string(r->mode)) + "_vs_floor"] = r->step_ms / r->floor_ms;
+          }
+          summary.push_back(s);
         }
-        summary.push_back(s);
       }
     }
     std::printf("targets: switch pg/od >= 1.5, pg/gpu <= 1.25, memory <= 1/3; large: every mode / floor <= 1.15\n");
@@ -876,6 +927,7 @@ int main(int argc, char** argv) {
                              {"config", {{"prompt_bytes", o.prompt_bytes}, {"warmup", o.warmup}, {"steps", o.steps},
                                          {"cache_factor", o.cache_factor}, {"cache_experts", o.cache_experts},
                                          {"policy", to_string(o.policy)}, {"seed", o.seed},
+                                         {"resident_blocks", o.resident_blocks},
                                          {"sampling", "temperature 1, all 256 bytes, seeded"},
                                          {"floor", "max(gpu_only step, Belady misses of the step * expert_bytes / pinned GB/s): the run's routing "
                                                    "from the prefill on through an oracle cache of the same C slots (demand fetching, evict the "

@@ -430,7 +430,7 @@ void InferenceModelGpu::enqueue_step(Pass& pass) {
   pass.host_ms.assign(M, 0.0);
   embedding_phase(pass);
   // prefetch_all: m_0 has no MoE block before it; its experts are asked for at the step's start.
-  if (schedule_ == ExpertSchedule::prefetch_all && M > 0) {
+  if (schedule_ == ExpertSchedule::prefetch_all && M > 0 && !experts_->resident(0)) {
     std::vector<int32_t> all(size_t(config_.moe.num_experts));
     std::iota(all.begin(), all.end(), 0);
     if (experts_->plans_on_device()) {
@@ -540,7 +540,8 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   if (has_next && config_.pregated) route_block(pass, j + 1, pass.normed.data());
   // What to ask the source for m_{j+1} before this block's experts run, made only for a source that
   // fetches experts (a resident one ignores prefetches): read back, or planned on the device.
-  const bool guess_next = has_next && (fetches || on_device) &&
+  const bool next_resident = has_next && experts_->resident(j + 1);  // nothing to prefetch for it
+  const bool guess_next = has_next && !next_resident && (fetches || on_device) &&
                           (schedule_ == ExpertSchedule::pregated || schedule_ == ExpertSchedule::speculative);
   if (guess_next && !config_.pregated) {
     // speculative on a self-gated model: m_{j+1}'s own gate on this block's LN2 output, into the
@@ -549,12 +550,12 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   }
 
   // ---- the one host wait of this block: its own choice (unless known) and the guess ----
-  // Where this block's choice is known (a pre-gated block after the first), only the guess is read,
-  // and this block's experts do not need it: its copy is enqueued now and the host waits for it
-  // after this block's experts are enqueued, so the GPU computes them meanwhile instead of idling
-  // through the read-back and the enqueueing.
+  // Where this block's choice is known (a pre-gated block after the first) or not needed (a block
+  // the source holds resident), only the guess is read, and this block's experts do not need it:
+  // its copy is enqueued now and the host waits for it after this block's experts are enqueued, so
+  // the GPU computes them meanwhile instead of idling through the read-back and the enqueueing.
   std::vector<const MoeLayerGpu*> to_read;
-  const bool read_this = fetches && !pass.known_valid[size_t(j)];
+  const bool read_this = fetches && !pass.known_valid[size_t(j)] && !experts_->resident(j);
   const bool read_guess = guess_next && fetches;
   const bool guess_later = read_guess && !read_this;
   if (read_this) to_read.push_back(&this_layer);
@@ -609,14 +610,15 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
   // The next block's prefetch, once its guess is on the host (after this block's acquire, which
   // may have evicted some of this block's experts).
   const auto prefetch_next = [&] {
-    if (has_next && schedule_ == ExpertSchedule::prefetch_all) {
+    if (!has_next || next_resident) return;
+    if (schedule_ == ExpertSchedule::prefetch_all) {
       pass.prefetched[size_t(j + 1)].resize(size_t(config_.moe.num_experts));
       std::iota(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(), 0);
     }
     // A pre-gated model knows m_{j+1}'s routing now: its host experts are chosen a block ahead and
     // are not prefetched. The copies of the others start now, while the host first computes this
     // block's host experts.
-    if (has_next && config_.pregated && pass.known_valid[size_t(j + 1)]) {
+    if (config_.pregated && pass.known_valid[size_t(j + 1)]) {
       choose_host_experts(pass, j + 1, /*chosen_ahead=*/true);
       std::vector<int32_t> copied;
       std::set_difference(pass.prefetched[size_t(j + 1)].begin(), pass.prefetched[size_t(j + 1)].end(),
@@ -624,7 +626,7 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
                           std::back_inserter(copied));
       pass.prefetched[size_t(j + 1)] = std::move(copied);
     }
-    if (on_device && has_next) {
+    if (on_device) {
       // The device plans m_{j+1}'s copies from the routing where the gate wrote it (the record's
       // prefetched list is known on the host only for prefetch_all).
       if (schedule_ == ExpertSchedule::prefetch_all) {
@@ -632,7 +634,7 @@ void InferenceModelGpu::moe_block(Pass& pass, int64_t layer) {
       } else if (guess_next) {
         experts_->prefetch_on_device(j + 1, next_layer->top_experts().data(), routing_slots, stream_);
       }
-    } else if (has_next && !pass.prefetched[size_t(j + 1)].empty()) {
+    } else if (!pass.prefetched[size_t(j + 1)].empty()) {
       experts_->prefetch(j + 1, pass.prefetched[size_t(j + 1)]);
     }
   };

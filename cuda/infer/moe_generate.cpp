@@ -5,7 +5,8 @@
 // (gpu_only) or streamed from pinned host memory into an expert cache (on_demand, prefetch_all,
 // pregated, speculative; offload/offloaded_experts.h), optionally with the misses computed on the
 // host (--host-experts misses|auto; offload/host_expert_choice.h), or with the cache's slot table on
-// the GPU (--slot-table device; offload/device_slot_cache.h). Where nothing in a decode step waits on
+// the GPU (--slot-table device; offload/device_slot_cache.h), and with chosen MoE blocks kept on the GPU
+// (--resident-blocks 0; offload/resident_blocks.h). Where nothing in a decode step waits on
 // the host (gpu_only, --slot-table device), each step is one CUDA graph launch (--graph off: launched).
 //
 //   cmake --build build --target moe_train moe_generate
@@ -30,6 +31,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -50,6 +52,7 @@
 #include "offload/device_slot_cache.h"   // DeviceSlotCache
 #include "offload/offloaded_experts.h"   // OffloadedExperts, OffloadOptions
 #include "offload/pinned_expert_store.h" // PinnedExpertStore
+#include "offload/resident_blocks.h"     // ResidentBlocks, parse_resident_blocks
 #include "offload/resident_experts.h"    // ResidentExperts
 
 namespace {
@@ -77,6 +80,7 @@ struct Options {
   int host_threads = 0;  // 0: every hardware thread
   bool graph = true;     // --graph: the decode step as one CUDA graph where it applies
   bool device_slots = false;  // --slot-table device
+  std::string resident_blocks;  // --resident-blocks: MoE blocks kept on the GPU ("" none), checked with the model
   std::optional<std::string> run_dir;
 };
 
@@ -121,6 +125,10 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
                  "routing is read back and the host picks the copies) or device (a kernel plans the copies from the "
                  "routing on the GPU and SMs copy the experts: no host wait inside a step, which can then be one CUDA "
                  "graph; LRU, no --host-experts; with --run-dir the steps run launched, their counts read back after each)");
+  app.add_option("--resident-blocks", o.resident_blocks,
+                 "MoE blocks whose experts stay on the GPU in an offloading mode, e.g. 0 (m_0: no pre-gate announces "
+                 "its experts, so its misses are always copied on demand); the other blocks use the expert cache. "
+                 "Default: none");
   app.add_option("--graph", graph,
                  "on (default): where nothing inside a decode step waits on the host (gpu_only, or --slot-table "
                  "device), each step is one CUDA graph launch (captured on the second step; the same bits); off: "
@@ -164,6 +172,16 @@ std::optional<int> parse(const std::vector<std::string>& arguments, Options& o) 
     throw BadInput("--host-experts " + std::string(to_string(o.host_experts)) +
                    " needs an offloading --mode (on_demand, prefetch_all, pregated, speculative): with gpu_only every "
                    "expert is on the GPU");
+  }
+  if (!o.resident_blocks.empty()) {
+    if (o.mode == ExpertSchedule::gpu_only) {
+      throw BadInput("--resident-blocks needs an offloading --mode (with gpu_only every block is resident)");
+    }
+    try {  // the list's form now; its blocks against the model's once it is loaded
+      (void)parse_resident_blocks(o.resident_blocks, std::numeric_limits<int64_t>::max());
+    } catch (const std::invalid_argument& error) {
+      throw BadInput(std::string("--resident-blocks: ") + error.what());
+    }
   }
   if (o.device_slots) {
     const std::string refused = "--slot-table device ";
@@ -312,6 +330,17 @@ int run(const std::vector<std::string>& arguments) {
   } else if (has_experts) {
     source = std::make_unique<ResidentExperts>(*store);
   }
+  // --resident-blocks: those blocks on the GPU, the cache serving the others.
+  std::unique_ptr<ResidentBlocks> resident_blocks;
+  if (!o.resident_blocks.empty()) {
+    if (!has_experts) throw BadInput("--resident-blocks: this model has no MoE blocks");
+    try {
+      const std::vector<int64_t> blocks = parse_resident_blocks(o.resident_blocks, store->shape().blocks);
+      resident_blocks = std::make_unique<ResidentBlocks>(*store, blocks, *source);
+    } catch (const std::invalid_argument& error) {
+      throw BadInput(std::string("--resident-blocks: ") + error.what());
+    }
+  }
   // A dense model reads no experts; the resident source of an empty store would do, but none is needed.
   struct NoExperts : ExpertSource {
     bool needs_experts_on_host() const override { return false; }
@@ -321,6 +350,7 @@ int run(const std::vector<std::string>& arguments) {
     void release(int64_t, cudaStream_t) override {}
   };
   if (!source) source = std::make_unique<NoExperts>();
+  ExpertSource& served = resident_blocks ? static_cast<ExpertSource&>(*resident_blocks) : *source;
 
   // --run-dir: the source wrapped so that each step's copies, waits and phases are timed.
   std::optional<moe::RunWriter> writer;
@@ -339,6 +369,7 @@ int run(const std::vector<std::string>& arguments) {
                   {"batch", o.batch}, {"prompt_bytes", P}, {"max_new_bytes", o.max_new_bytes},
                   {"cache_slots", offloaded != nullptr ? offloaded->cache().slots() : device_cache != nullptr ? device_cache->slots() : 0},
                   {"slot_table", device_cache != nullptr ? "device" : "host"},
+                  {"resident_blocks", resident_blocks ? resident_blocks->blocks() : std::vector<int64_t>{}},
                   {"cache_policy", to_string(o.cache_policy)}, {"host_experts", std::string(to_string(o.host_experts))},
                   {"temperature", o.sampling.temperature},
                   {"top_k", o.sampling.top_k}, {"seed", o.sampling.seed},
@@ -348,10 +379,10 @@ int run(const std::vector<std::string>& arguments) {
     } catch (const moe::RecordError& error) {
       throw BadInput(std::string("--run-dir: ") + error.what());
     }
-    recorded = device_cache != nullptr ? std::make_unique<RecordedExpertSource>(*device_cache, *writer)
-                                       : std::make_unique<RecordedExpertSource>(*source, offloaded, *writer);
+    recorded = device_cache != nullptr ? std::make_unique<RecordedExpertSource>(served, *device_cache, *writer)
+                                       : std::make_unique<RecordedExpertSource>(served, offloaded, *writer);
   }
-  ExpertSource& model_source = recorded ? static_cast<ExpertSource&>(*recorded) : *source;
+  ExpertSource& model_source = recorded ? static_cast<ExpertSource&>(*recorded) : served;
   // A stream of the model's own (the legacy default stream cannot be captured into a graph),
   // destroyed after the model.
   struct OwnedStream {
@@ -439,6 +470,12 @@ int run(const std::vector<std::string>& arguments) {
                    (long long)prefetched_used, (long long)prefetched);
     }
     std::fputc('\n', stderr);
+  }
+  if (resident_blocks) {
+    std::string list;
+    for (const int64_t block : resident_blocks->blocks()) list += (list.empty() ? "" : ",") + std::to_string(block);
+    std::fprintf(stderr, "  resident MoE blocks %s: %s of experts on the GPU, never copied (the cache below serves "
+                 "the others)\n", list.c_str(), gigabytes(double(resident_blocks->device_bytes())).c_str());
   }
   if (device_cache != nullptr) {
     const BlockOffloadStatistics total = device_cache->statistics().total();

@@ -14,7 +14,10 @@ RecordedExpertSource::RecordedExpertSource(ExpertSource& inner, OffloadedExperts
 }
 
 RecordedExpertSource::RecordedExpertSource(DeviceSlotCache& device, RunWriter& writer)
-    : RecordedExpertSource(device, nullptr, writer) {
+    : RecordedExpertSource(device, device, writer) {}
+
+RecordedExpertSource::RecordedExpertSource(ExpertSource& inner, DeviceSlotCache& device, RunWriter& writer)
+    : RecordedExpertSource(inner, nullptr, writer) {
   device_ = &device;
 }
 
@@ -33,13 +36,13 @@ cudaEvent_t RecordedExpertSource::take_event() {
 }
 
 int64_t RecordedExpertSource::missing(int64_t block, std::span<const int32_t> experts) const {
-  if (offloaded_ == nullptr) return 0;
+  if (offloaded_ == nullptr || inner_.resident(block)) return 0;
   const ExpertSlotMap& map = offloaded_->cache().slot_map();
   return std::count_if(experts.begin(), experts.end(), [&](int32_t e) { return !map.find(block, e).has_value(); });
 }
 
 ExpertTables RecordedExpertSource::acquire(int64_t block, std::span<const int32_t> experts, cudaStream_t compute) {
-  if (offloaded_ == nullptr) return inner_.acquire(block, experts, compute);
+  if (offloaded_ == nullptr || inner_.resident(block)) return inner_.acquire(block, experts, compute);
   const std::string suffix = " m" + std::to_string(block);
   const bool copies = missing(block, experts) > 0;
   Marked wait{"wait_for_copy" + suffix, 2, take_event(), take_event()};
@@ -72,7 +75,7 @@ void RecordedExpertSource::prefetch(int64_t block, std::span<const int32_t> expe
 
 ExpertTables RecordedExpertSource::acquire_on_device(int64_t block, const int32_t* top_experts, int64_t slots,
                                                      cudaStream_t compute) {
-  if (device_ == nullptr) return inner_.acquire_on_device(block, top_experts, slots, compute);
+  if (device_ == nullptr || inner_.resident(block)) return inner_.acquire_on_device(block, top_experts, slots, compute);
   Marked plan{"plan + copy m" + std::to_string(block), 2, take_event(), take_event()};
   CUDA_CHECK(cudaEventRecord(plan.start, compute));
   const ExpertTables tables = inner_.acquire_on_device(block, top_experts, slots, compute);
@@ -84,7 +87,7 @@ ExpertTables RecordedExpertSource::acquire_on_device(int64_t block, const int32_
 void RecordedExpertSource::prefetch_on_device(int64_t block, const int32_t* top_experts, int64_t slots,
                                               cudaStream_t compute) {
   inner_.prefetch_on_device(block, top_experts, slots, compute);
-  if (device_ == nullptr) return;
+  if (device_ == nullptr || inner_.resident(block)) return;
   // The copies start at the fork, the last work the call enqueued on `compute`, and end with the
   // cache's stream.
   Marked copy{"prefetch m" + std::to_string(block), 1, take_event(), take_event()};
@@ -149,14 +152,14 @@ void RecordedExpertSource::write(const std::vector<StepResult>& results, const s
       event.layer = moe_layers[j];
       event.prefetched.assign(block.prefetched.begin(), block.prefetched.end());
       int64_t prefetched_used = 0, bytes = 0;
-      if (j < step.blocks.size()) {
+      if (j < step.blocks.size() && !inner_.resident(int64_t(j))) {
         const BlockOffloadStatistics& b = step.blocks[j];
         event.hits = b.hits;
         event.misses = b.misses;
         event.stall_us = std::max(0.0, 1e3 * b.stall_ms);
         prefetched_used = b.prefetched_used;
         bytes = b.bytes_copied;
-      } else {  // every expert resident: each chosen one is a hit
+      } else {  // the block is resident: each chosen expert is a hit
         event.hits = int64_t(block.experts.size());
       }
       nlohmann::json line = to_event(event);

@@ -52,12 +52,14 @@ namespace moe::cuda {
 
 class RecordedExpertSource : public ExpertSource {
  public:
-  // inner: the mode's source (ResidentExperts or OffloadedExperts); offloaded: the same object when
-  // it is an OffloadedExperts, else nullptr (gpu_only: every chosen expert counts as a hit). Both
-  // and the writer must outlive this object.
+  // inner: the mode's source (ResidentExperts, OffloadedExperts, or ResidentBlocks around one);
+  // offloaded: the OffloadedExperts that is or is inside it, else nullptr (gpu_only: every chosen
+  // expert counts as a hit, as in any resident block). Both and the writer must outlive this object.
   RecordedExpertSource(ExpertSource& inner, OffloadedExperts* offloaded, RunWriter& writer);
-  // A slot table on the GPU: `device` is the source itself.
+  // A slot table on the GPU: `device` is the source itself, or the cache inside `inner`
+  // (ResidentBlocks around it).
   RecordedExpertSource(DeviceSlotCache& device, RunWriter& writer);
+  RecordedExpertSource(ExpertSource& inner, DeviceSlotCache& device, RunWriter& writer);
   ~RecordedExpertSource() override;
   RecordedExpertSource(const RecordedExpertSource&) = delete;
   RecordedExpertSource& operator=(const RecordedExpertSource&) = delete;
@@ -67,6 +69,7 @@ class RecordedExpertSource : public ExpertSource {
   void release(int64_t block, cudaStream_t compute) override;
   void prefetch(int64_t block, std::span<const int32_t> experts) override;
   bool plans_on_device() const override { return inner_.plans_on_device(); }
+  bool resident(int64_t block) const override { return inner_.resident(block); }
   ExpertTables acquire_on_device(int64_t block, const int32_t* top_experts, int64_t slots, cudaStream_t compute) override;
   void prefetch_on_device(int64_t block, const int32_t* top_experts, int64_t slots, cudaStream_t compute) override;
   HostPick choose_host_experts(int64_t block, std::span<const int32_t> experts, std::span<const int64_t> rows,

@@ -16,6 +16,9 @@
 //   DeviceSlotCache (offload/)   the same slots with their table on the GPU: a kernel reads each
 //                                block's routing and plans its copies (acquire_on_device,
 //                                prefetch_on_device), so a step never waits on the host
+//   ResidentBlocks (offload/)    every expert of a few chosen blocks on the GPU (those no
+//                                schedule can announce ahead, such as m_0), the other blocks
+//                                from one of the two caches above
 //
 // The schedule (which experts to prefetch for block i+1 while block i computes: all of them, the
 // pre-gate's choice, or a guess from block i+1's gate on block i's hidden state) is the decoding
@@ -66,6 +69,14 @@ class ExpertSource {
   // A hint that block `block` will soon need `experts`: start copying the missing ones without
   // making anyone wait. A resident source ignores it.
   virtual void prefetch(int64_t block, std::span<const int32_t> experts) { (void)block; (void)experts; }
+
+  // True when every expert of block `block` stays on the GPU whatever the routing (ResidentExperts;
+  // ResidentBlocks' chosen blocks): acquire() ignores `experts` for it, so the caller need not read
+  // the block's routing back to the host, and a prefetch of it is ignored.
+  virtual bool resident(int64_t block) const {
+    (void)block;
+    return false;
+  }
 
   // ---- a slot table on the device (offload/device_slot_cache.h) ----
   // True when the decoding model calls acquire_on_device / prefetch_on_device instead of acquire /

@@ -6,6 +6,9 @@
 // keeping every expert resident). Its bytes come from the same pinned store as the offloaded
 // source's, so every mode computes with the same weights bit for bit.
 //
+// Given a list of blocks, it holds only those (ResidentBlocks, resident_blocks.h, serves the rest
+// from an expert cache).
+//
 // Dimension legend: D model width, H expert hidden width, W1 w1's columns, E experts per MoE block.
 #pragma once
 
@@ -13,6 +16,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "core/bf16.h"                    // bf16
 #include "core/device_buffer.h"           // DeviceBuffer
@@ -25,9 +29,13 @@ class ResidentExperts : public ExpertSource {
  public:
   // Copies the whole store to the GPU (store.bytes() of device memory) and builds every table.
   explicit ResidentExperts(const PinnedExpertStore& store);
+  // Only the MoE blocks listed (each in [0, blocks), none twice, at least one; else
+  // std::invalid_argument naming what is allowed): E experts of device memory a block.
+  ResidentExperts(const PinnedExpertStore& store, std::span<const int64_t> blocks);
 
   bool needs_experts_on_host() const override { return false; }
-  // `experts` is ignored (every expert is resident); a block outside [0, blocks) is an
+  bool resident(int64_t block) const override;
+  // `experts` is ignored (every expert is resident); a block this source does not hold is an
   // std::invalid_argument.
   ExpertTables acquire(int64_t block, std::span<const int32_t> experts, cudaStream_t compute) override;
   void release(int64_t block, cudaStream_t compute) override;
@@ -36,11 +44,12 @@ class ResidentExperts : public ExpertSource {
   size_t device_bytes() const { return weights_.bytes() + tables_.bytes(); }
 
  private:
-  void check_block(int64_t block) const;
+  int64_t held_index(int64_t block) const;  // the block's place in weights_; throws for a block not held
 
   ExpertShape shape_;
-  DeviceBuffer<bf16> weights_;        // [blocks, E, D*W1 + H*D], the store's layout
-  DeviceBuffer<const bf16*> tables_;  // [blocks, 2, E]: w1 pointers, then w2 pointers
+  std::vector<int64_t> held_;         // [blocks]: the block's place in weights_, or -1
+  DeviceBuffer<bf16> weights_;        // [held blocks, E, D*W1 + H*D], each block as in the store
+  DeviceBuffer<const bf16*> tables_;  // [held blocks, 2, E]: w1 pointers, then w2 pointers
 };
 
 }  // namespace moe::cuda

@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <ostream>
 #include <random>
 #include <set>
@@ -44,6 +45,7 @@
 #include "offload/device_slot_cache.h"        // DeviceSlotCache
 #include "offload/expert_source.h"            // ExpertSource
 #include "offload/offloaded_experts.h"        // OffloadedExperts, OffloadOptions, HostExperts
+#include "offload/resident_blocks.h"          // ResidentBlocks, parse_resident_blocks
 #include "offload/resident_experts.h"         // ResidentExperts
 #include "reference_cpu/generate.h"           // moe::ref::prefill, decode_step
 #include "reference_cpu/model.h"              // moe::ref::init_model, parameters
@@ -975,6 +977,189 @@ TEST(CudaInferDeviceSlots, BadInputIsRefusedSayingWhatIsAllowed) {
   EXPECT_THROW(cache.acquire_on_device(2, top.data(), 2, nullptr), std::invalid_argument);  // no block 2
   EXPECT_THROW(cache.acquire_on_device(0, nullptr, 2, nullptr), std::invalid_argument);
   EXPECT_THROW(cache.prefetch_on_device(-1, top.data(), 2, nullptr), std::invalid_argument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resident blocks (offload/resident_blocks.h): m_0 held on the GPU, the other blocks from either
+// slot table: gpu_only's bits in every schedule, and the cache never sees m_0
+
+class CudaInferResidentBlocks : public ::testing::TestWithParam<DeviceSlotCase> {};
+
+// At the smallest cache (evictions every step), with the slot table on the host and on the device
+// (launched and as one graph): the same logits as gpu_only, bit for bit; the cache's counters for
+// m_0 stay zero (no acquire, no copy, no prefetch) and every other block is acquired once a step.
+TEST_P(CudaInferResidentBlocks, GpuOnlysBitsAndTheCacheNeverSeesTheBlock) {
+  REQUIRE_GPU();
+  const auto [pregated, schedule] = GetParam();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, pregated, 3, 2);
+  const Bf16ModelWeights weights = bf16_init(config, 79);
+  const int64_t N = 3, P = 5, steps = 10, M = 3;
+  const auto [prompts, bytes] = random_decode_inputs(83, N, P, steps);
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
+  const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
+  moe::cuda::ResidentExperts resident(store);
+  const HostRun baseline = run_forced(gpu, weights, resident, ExpertSchedule::gpu_only, prompts, bytes);
+  const int64_t slots = moe::cuda::minimum_cache_slots(gpu.moe.num_experts, N * P, gpu.moe.top_k);
+  const std::vector<int64_t> held = {0};
+
+  struct Table {
+    bool device, graph;
+  };
+  for (const Table table : {Table{false, false}, Table{true, false}, Table{true, true}}) {
+    const std::string name = std::string(pregated ? "pre-gated " : "self-gated ") + std::string(to_string(schedule)) +
+                             ", slot table on the " + (table.device ? "device" : "host") +
+                             (table.graph ? ", graph" : ", launched");
+    std::unique_ptr<moe::cuda::DeviceSlotCache> device;
+    std::unique_ptr<moe::cuda::OffloadedExperts> host;
+    moe::cuda::ExpertSource* cache = nullptr;
+    if (table.device) {
+      device = std::make_unique<moe::cuda::DeviceSlotCache>(store, moe::cuda::DeviceSlotCacheOptions{slots, N * P, gpu.moe.top_k, 8});
+      cache = device.get();
+    } else {
+      moe::cuda::OffloadOptions options;
+      options.cache_slots = slots;
+      options.max_tokens_per_step = N * P;
+      options.top_k = gpu.moe.top_k;
+      host = std::make_unique<moe::cuda::OffloadedExperts>(store, options);
+      cache = host.get();
+    }
+    moe::cuda::ResidentBlocks blocks(store, held, *cache);
+    EXPECT_TRUE(blocks.resident(0)) << name;
+    EXPECT_FALSE(blocks.resident(1)) << name;
+    TestStream stream;
+    InferenceModelGpu model(gpu, weights.flat, blocks, schedule, stream.stream);
+    model.set_decode_graph(table.graph);
+    EXPECT_EQ(model.decode_graph_applies(), table.graph) << name;
+    HostRun run;
+    run.logits.push_back(model.prefill(prompts).next_logits);
+    for (const std::vector<int32_t>& row : bytes) run.logits.push_back(model.decode_step(row).next_logits);
+    EXPECT_EQ(run.logits, baseline.logits) << name << ": not gpu_only's bits";
+
+    const moe::cuda::OffloadStatistics statistics = device ? device->statistics() : host->statistics();
+    ASSERT_EQ(statistics.blocks.size(), size_t(M)) << name;
+    const moe::cuda::BlockOffloadStatistics& m0 = statistics.blocks[0];
+    EXPECT_EQ(m0.acquires + m0.hits + m0.misses + m0.prefetched + m0.bytes_copied, 0) << name << ": the cache saw m_0";
+    for (int64_t j = 1; j < M; ++j) {
+      EXPECT_EQ(statistics.blocks[size_t(j)].acquires, steps + 1) << name << " block " << j;
+    }
+    EXPECT_GT(statistics.total().misses, 0) << name << ": a cache of the smallest size misses";
+    std::printf("%s %s: %zu steps, m_0 resident (%s), the cache: %lld misses, %lld prefetched\n",
+                run.logits == baseline.logits ? "PASS" : "FAIL", name.c_str(), run.logits.size(),
+                moe::cuda::gigabytes(double(blocks.device_bytes())).c_str(),
+                (long long)statistics.total().misses, (long long)statistics.total().prefetched);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, CudaInferResidentBlocks,
+                         ::testing::Values(DeviceSlotCase{false, ExpertSchedule::on_demand},
+                                           DeviceSlotCase{false, ExpertSchedule::prefetch_all},
+                                           DeviceSlotCase{false, ExpertSchedule::speculative},
+                                           DeviceSlotCase{true, ExpertSchedule::pregated}),
+                         [](const ::testing::TestParamInfo<DeviceSlotCase>& info) {
+                           return std::string(info.param.pregated ? "pregated_model_" : "self_gated_model_") +
+                                  std::string(to_string(info.param.schedule));
+                         });
+
+// A recorded pre-gated run with m_0 resident: m_0's events count every chosen expert as a hit and
+// copy nothing; the other blocks' events add up to the cache's counters.
+TEST(CudaInferResidentBlocks, ARecordedRunCountsTheResidentBlockAsHits) {
+  REQUIRE_GPU();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, /*pregated=*/true, 3, 2);
+  const Bf16ModelWeights weights = bf16_init(config, 89);
+  const int64_t N = 2, P = 3, steps = 6;
+  const auto [prompts, bytes] = random_decode_inputs(97, N, P, steps);
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, N);
+  const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
+  moe::cuda::OffloadOptions options;
+  options.cache_slots = moe::cuda::minimum_cache_slots(gpu.moe.num_experts, N * P, gpu.moe.top_k);
+  options.max_tokens_per_step = N * P;
+  options.top_k = gpu.moe.top_k;
+  moe::cuda::OffloadedExperts cache(store, options);
+  const std::vector<int64_t> held = {0};
+  moe::cuda::ResidentBlocks blocks(store, held, cache);
+
+  const fs::path dir = fs::temp_directory_path() / ("moe_test_resident_record_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  moe::RunInfo info;
+  info.kind = moe::RunKind::infer;
+  info.name = "resident m_0";
+  moe::RunWriter writer = moe::RunWriter::create(dir, info, moe::OnExisting::overwrite);
+  moe::cuda::RecordedExpertSource recorded(blocks, &cache, writer);
+  EXPECT_TRUE(recorded.resident(0));
+  TestStream stream;
+  InferenceModelGpu model(gpu, weights.flat, recorded, ExpertSchedule::pregated, stream.stream);
+  model.set_phase_timer(&recorded.phase_timer());
+  std::vector<StepResult> results;
+  recorded.begin_step(stream.stream);
+  results.push_back(model.prefill(prompts));
+  recorded.end_step();
+  for (const std::vector<int32_t>& row : bytes) {
+    recorded.begin_step(stream.stream);
+    results.push_back(model.decode_step(row));
+    recorded.end_step();
+  }
+  recorded.write(results, model.moe_blocks());
+  writer.close();
+
+  const moe::RunRecord run = moe::RunReader::load(dir);
+  const moe::cuda::BlockOffloadStatistics total = cache.statistics().total();
+  int64_t m0_events = 0, m0_hits = 0, m0_chosen = 0, m0_bytes = 0, hits = 0, misses = 0, copied = 0;
+  for (const nlohmann::json& e : run.events) {
+    if (e.at("type") != "offload") continue;
+    const int64_t chosen = int64_t(e.at("experts").size());
+    EXPECT_EQ(e.at("hits").get<int64_t>() + e.at("misses").get<int64_t>(), chosen) << e.dump();
+    if (e.at("layer").get<int64_t>() == model.moe_blocks()[0]) {
+      ++m0_events;
+      m0_hits += e.at("hits").get<int64_t>();
+      m0_chosen += chosen;
+      m0_bytes += e.at("bytes").get<int64_t>();
+    } else {
+      hits += e.at("hits").get<int64_t>();
+      misses += e.at("misses").get<int64_t>();
+      copied += e.at("bytes").get<int64_t>();
+    }
+  }
+  EXPECT_EQ(m0_events, steps + 1);
+  EXPECT_EQ(m0_hits, m0_chosen) << "every expert of a resident block is a hit";
+  EXPECT_EQ(m0_bytes, 0);
+  EXPECT_EQ(hits, total.hits);
+  EXPECT_EQ(misses, total.misses);
+  EXPECT_EQ(copied, total.bytes_copied);
+  fs::remove_all(dir);
+}
+
+TEST(CudaInferResidentBlocks, BadInputIsRefusedSayingWhatIsAllowed) {
+  REQUIRE_GPU();
+  const ModelConfig config = tiny_config(MoeLayers::every_block, false, 3, 2);
+  const Bf16ModelWeights weights = bf16_init(config, 71);
+  const ModelGpuConfig gpu = moe::cuda::gpu_config_of(config, 2);
+  const moe::cuda::PinnedExpertStore store = moe::cuda::pinned_experts(gpu, weights.flat);
+  moe::cuda::DeviceSlotCache cache(store, {4, 2, 2, 8});
+  const auto message = [&](std::vector<int64_t> list) {
+    try {
+      moe::cuda::ResidentBlocks blocks(store, list, cache);
+    } catch (const std::invalid_argument& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message({}).find("none given"), std::string::npos) << message({});
+  EXPECT_NE(message({3}).find("MoE block 3; allowed: MoE block indices from 0 to 2"), std::string::npos) << message({3});
+  EXPECT_NE(message({-1}).find("MoE block -1"), std::string::npos) << message({-1});
+  EXPECT_NE(message({1, 1}).find("twice"), std::string::npos) << message({1, 1});
+  EXPECT_NE(message({2, 0, 1}).find("all 3 MoE blocks"), std::string::npos) << message({2, 0, 1});
+  EXPECT_EQ(moe::cuda::parse_resident_blocks("2,0", 3), (std::vector<int64_t>{0, 2}));
+  for (const std::string bad : {"", "x", "0,", "1.5", "0,,1", "3"}) {
+    EXPECT_THROW(moe::cuda::parse_resident_blocks(bad, 3), std::invalid_argument) << "'" << bad << "'";
+  }
+  const std::vector<int64_t> one = {1};
+  moe::cuda::ResidentBlocks blocks(store, one, cache);
+  EXPECT_TRUE(blocks.plans_on_device()) << "the cache's kind of table";
+  EXPECT_THROW(blocks.host_forward(1, 0, {}, 0, {}), std::logic_error);
+  moe::cuda::ResidentExperts held(store, one);
+  EXPECT_FALSE(held.resident(0));
+  EXPECT_THROW(held.acquire(0, {}, nullptr), std::invalid_argument);  // not held
+  EXPECT_THROW(moe::cuda::ResidentExperts(store, std::vector<int64_t>{}), std::invalid_argument);
 }
 
 // ---------------------------------------------------------------------------------------------
