@@ -791,6 +791,47 @@ void PrintTo(const DeviceSlotCase& c, std::ostream* os) {
   *os << (c.pregated ? "pre-gated " : "self-gated ") << to_string(c.schedule);
 }
 
+// Every offloading schedule of the self-gated model, and pregated and on_demand on the pre-gated one.
+std::vector<DeviceSlotCase> offloading_cases() {
+  return {{false, ExpertSchedule::on_demand}, {false, ExpertSchedule::prefetch_all},
+          {false, ExpertSchedule::speculative}, {true, ExpertSchedule::pregated}, {true, ExpertSchedule::on_demand}};
+}
+
+std::string schedule_case_name(const ::testing::TestParamInfo<DeviceSlotCase>& info) {
+  return std::string(info.param.pregated ? "pregated_model_" : "self_gated_model_") +
+         std::string(to_string(info.param.schedule));
+}
+
+// The prefill and every decode step of `bytes` through `recorded` (one begin/end pair a step), the
+// record written to `writer` and closed; the steps' results.
+std::vector<StepResult> run_recorded(InferenceModelGpu& model, moe::cuda::RecordedExpertSource& recorded,
+                                     moe::RunWriter& writer, cudaStream_t stream,
+                                     const std::vector<std::vector<int32_t>>& prompts,
+                                     const std::vector<std::vector<int32_t>>& bytes) {
+  model.set_phase_timer(&recorded.phase_timer());
+  std::vector<StepResult> results;
+  recorded.begin_step(stream);
+  results.push_back(model.prefill(prompts));
+  recorded.end_step();
+  for (const std::vector<int32_t>& row : bytes) {
+    recorded.begin_step(stream);
+    results.push_back(model.decode_step(row));
+    recorded.end_step();
+  }
+  recorded.write(results, model.moe_blocks());
+  writer.close();
+  return results;
+}
+
+// A fresh run directory under the system's temporary folder, and its writer.
+moe::RunWriter temporary_run(const fs::path& dir, const std::string& name) {
+  fs::remove_all(dir);
+  moe::RunInfo info;
+  info.kind = moe::RunKind::infer;
+  info.name = name;
+  return moe::RunWriter::create(dir, info, moe::OnExisting::overwrite);
+}
+
 class CudaInferDeviceSlots : public ::testing::TestWithParam<DeviceSlotCase> {};
 
 // Every offloading schedule on both models, at two shapes (one sequence, top-1, a cache of just the
@@ -877,16 +918,8 @@ TEST_P(CudaInferDeviceSlots, GpuOnlysBitsLaunchedAndAsOneGraph) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Schedules, CudaInferDeviceSlots,
-                         ::testing::Values(DeviceSlotCase{false, ExpertSchedule::on_demand},
-                                           DeviceSlotCase{false, ExpertSchedule::prefetch_all},
-                                           DeviceSlotCase{false, ExpertSchedule::speculative},
-                                           DeviceSlotCase{true, ExpertSchedule::pregated},
-                                           DeviceSlotCase{true, ExpertSchedule::on_demand}),
-                         [](const ::testing::TestParamInfo<DeviceSlotCase>& info) {
-                           return std::string(info.param.pregated ? "pregated_model_" : "self_gated_model_") +
-                                  std::string(to_string(info.param.schedule));
-                         });
+INSTANTIATE_TEST_SUITE_P(Schedules, CudaInferDeviceSlots, ::testing::ValuesIn(offloading_cases()),
+                         schedule_case_name);
 
 // A run recorded through the slot table on the GPU (moe_generate --slot-table device --run-dir):
 // one offload event per step and MoE block whose counts are that step's and add up to the cache's
@@ -903,12 +936,8 @@ TEST(CudaInferDeviceSlots, ARecordedRunHasEachStepsCountsAndSpans) {
   moe::cuda::ResidentExperts resident(store);
   const HostRun baseline = run_forced(gpu, weights, resident, ExpertSchedule::gpu_only, prompts, bytes);
 
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moe_test_device_record_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  moe::RunInfo info;
-  info.kind = moe::RunKind::infer;
-  info.name = "device slot table";
-  moe::RunWriter writer = moe::RunWriter::create(dir, info, moe::OnExisting::overwrite);
+  const fs::path dir = fs::temp_directory_path() / ("moe_test_device_record_" + std::to_string(::getpid()));
+  moe::RunWriter writer = temporary_run(dir, "device slot table");
   const int64_t slots = moe::cuda::minimum_cache_slots(gpu.moe.num_experts, N * P, gpu.moe.top_k);
   moe::cuda::DeviceSlotCache cache(store, {slots, N * P, gpu.moe.top_k, 8});
   moe::cuda::RecordedExpertSource recorded(cache, writer);
@@ -917,20 +946,10 @@ TEST(CudaInferDeviceSlots, ARecordedRunHasEachStepsCountsAndSpans) {
   InferenceModelGpu model(gpu, weights.flat, recorded, ExpertSchedule::pregated, stream.stream);
   model.set_phase_timer(&recorded.phase_timer());
   EXPECT_FALSE(model.decode_graph_applies()) << "a recorded step runs launched";
-  std::vector<StepResult> results;
+  const std::vector<StepResult> results = run_recorded(model, recorded, writer, stream.stream, prompts, bytes);
   std::vector<std::vector<float>> logits;
-  recorded.begin_step(stream.stream);
-  results.push_back(model.prefill(prompts));
-  recorded.end_step();
-  for (const std::vector<int32_t>& row : bytes) {
-    recorded.begin_step(stream.stream);
-    results.push_back(model.decode_step(row));
-    recorded.end_step();
-  }
   for (const StepResult& r : results) logits.push_back(r.next_logits);
   EXPECT_EQ(logits, baseline.logits) << "recording changed the model's bits";
-  recorded.write(results, model.moe_blocks());
-  writer.close();
 
   const moe::RunRecord run = moe::RunReader::load(dir);
   const moe::cuda::BlockOffloadStatistics total = cache.statistics().total();
@@ -1050,15 +1069,13 @@ TEST_P(CudaInferResidentBlocks, GpuOnlysBitsAndTheCacheNeverSeesTheBlock) {
   }
 }
 
+// The self-gated model's offloading schedules and the pre-gated model's pregated.
 INSTANTIATE_TEST_SUITE_P(Schedules, CudaInferResidentBlocks,
                          ::testing::Values(DeviceSlotCase{false, ExpertSchedule::on_demand},
                                            DeviceSlotCase{false, ExpertSchedule::prefetch_all},
                                            DeviceSlotCase{false, ExpertSchedule::speculative},
                                            DeviceSlotCase{true, ExpertSchedule::pregated}),
-                         [](const ::testing::TestParamInfo<DeviceSlotCase>& info) {
-                           return std::string(info.param.pregated ? "pregated_model_" : "self_gated_model_") +
-                                  std::string(to_string(info.param.schedule));
-                         });
+                         schedule_case_name);
 
 // A recorded pre-gated run with m_0 resident: m_0's events count every chosen expert as a hit and
 // copy nothing; the other blocks' events add up to the cache's counters.
@@ -1079,27 +1096,12 @@ TEST(CudaInferResidentBlocks, ARecordedRunCountsTheResidentBlockAsHits) {
   moe::cuda::ResidentBlocks blocks(store, held, cache);
 
   const fs::path dir = fs::temp_directory_path() / ("moe_test_resident_record_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  moe::RunInfo info;
-  info.kind = moe::RunKind::infer;
-  info.name = "resident m_0";
-  moe::RunWriter writer = moe::RunWriter::create(dir, info, moe::OnExisting::overwrite);
+  moe::RunWriter writer = temporary_run(dir, "resident m_0");
   moe::cuda::RecordedExpertSource recorded(blocks, &cache, writer);
   EXPECT_TRUE(recorded.resident(0));
   TestStream stream;
   InferenceModelGpu model(gpu, weights.flat, recorded, ExpertSchedule::pregated, stream.stream);
-  model.set_phase_timer(&recorded.phase_timer());
-  std::vector<StepResult> results;
-  recorded.begin_step(stream.stream);
-  results.push_back(model.prefill(prompts));
-  recorded.end_step();
-  for (const std::vector<int32_t>& row : bytes) {
-    recorded.begin_step(stream.stream);
-    results.push_back(model.decode_step(row));
-    recorded.end_step();
-  }
-  recorded.write(results, model.moe_blocks());
-  writer.close();
+  (void)run_recorded(model, recorded, writer, stream.stream, prompts, bytes);
 
   const moe::RunRecord run = moe::RunReader::load(dir);
   const moe::cuda::BlockOffloadStatistics total = cache.statistics().total();
