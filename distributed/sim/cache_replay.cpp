@@ -185,8 +185,9 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 // (tests/sim/test_cache_replay.cpp), are the check that they still do.
 class Replayer {
  public:
-  Replayer(const OffloadTrace& trace, int64_t slots, ReplayPolicy policy)
+  Replayer(const OffloadTrace& trace, int64_t slots, ReplayPolicy policy, const std::vector<bool>& held_blocks)
       : trace_(trace),
+        held_blocks_(held_blocks),
         policy_(policy),
         // Belady's victims are chosen here; the map keeps the rest of the bookkeeping.
         map_(slots, trace.blocks(), trace.experts, map_policy(policy)),
@@ -290,6 +291,7 @@ class Replayer {
     std::vector<std::pair<int64_t, int32_t>> requests;
     for (const std::vector<OffloadBlockRecord>& step : trace_.steps) {
       for (size_t j = 0; j < step.size(); ++j) {
+        if (held_blocks_[j]) continue;  // never acquired: on the GPU for good
         for (const int32_t e : step[j].experts) requests.emplace_back(static_cast<int64_t>(j), e);
       }
     }
@@ -311,6 +313,7 @@ class Replayer {
   }
 
   const OffloadTrace& trace_;
+  const std::vector<bool>& held_blocks_;  // [M] blocks held on the GPU, which the cache never sees
   ReplayPolicy policy_;
   ExpertSlotMap map_;
   std::vector<bool> prefetched_unused_;  // [slots] filled by prefetch, not acquired since
@@ -322,7 +325,8 @@ class Replayer {
 
 }  // namespace
 
-CacheReplay replay(const OffloadTrace& trace, int64_t slots, ReplayPolicy policy, bool prefetch) {
+CacheReplay replay(const OffloadTrace& trace, int64_t slots, ReplayPolicy policy, bool prefetch,
+                   const std::vector<int64_t>& held) {
   if (prefetch && policy == ReplayPolicy::belady) {
     throw std::invalid_argument("replay: Belady's policy is the floor of demand fetching; replay it without prefetch");
   }
@@ -331,20 +335,37 @@ CacheReplay replay(const OffloadTrace& trace, int64_t slots, ReplayPolicy policy
                                 std::to_string(trace.minimum_slots()) + " for " + trace.source +
                                 ": one acquire there asks for that many experts at once");
   }
-  CacheReplay result{slots, policy, prefetch, {}};
-  Replayer cache(trace, slots, policy);
   const auto M = static_cast<size_t>(trace.blocks());
+  std::vector<bool> held_blocks(M, false);
+  const std::string allowed = "; allowed: MoE block indices from 0 to " + std::to_string(trace.blocks() - 1) +
+                              ", each once, fewer than all " + std::to_string(trace.blocks());
+  for (const int64_t block : held) {
+    if (block < 0 || block >= trace.blocks() || held_blocks[static_cast<size_t>(block)]) {
+      throw std::invalid_argument("held MoE block " + std::to_string(block) +
+                                  (block >= 0 && block < trace.blocks() ? " twice" : "") + allowed);
+    }
+    held_blocks[static_cast<size_t>(block)] = true;
+  }
+  if (held.size() >= M) throw std::invalid_argument("held MoE blocks: all " + std::to_string(M) + allowed);
+  CacheReplay result{slots, policy, prefetch, {}};
+  Replayer cache(trace, slots, policy, held_blocks);
   for (const std::vector<OffloadBlockRecord>& recorded : trace.steps) {
     ReplayedStep step;
     step.blocks.resize(M);
-    if (prefetch && !recorded[0].prefetched.empty()) cache.prefetch(0, recorded[0].prefetched, -1, step);
+    if (prefetch && !held_blocks[0] && !recorded[0].prefetched.empty()) {
+      cache.prefetch(0, recorded[0].prefetched, -1, step);
+    }
     for (size_t j = 0; j < M; ++j) {
       const auto block = static_cast<int64_t>(j);
-      cache.acquire(block, recorded[j].experts, step);
-      if (prefetch && j + 1 < M && !recorded[j + 1].prefetched.empty()) {
+      if (held_blocks[j]) {
+        step.blocks[j].hits += static_cast<int64_t>(recorded[j].experts.size());  // on the GPU already
+      } else {
+        cache.acquire(block, recorded[j].experts, step);
+      }
+      if (prefetch && j + 1 < M && !held_blocks[j + 1] && !recorded[j + 1].prefetched.empty()) {
         cache.prefetch(block + 1, recorded[j + 1].prefetched, block, step);
       }
-      cache.release();
+      if (!held_blocks[j]) cache.release();
     }
     result.steps.push_back(std::move(step));
   }

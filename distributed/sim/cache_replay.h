@@ -122,9 +122,13 @@ struct CacheReplay {
 };
 
 // The trace's requests through `slots` slots. prefetch: also follow the record's prefetch hints
-// (LRU and LFU only: Belady's policy here is the floor of demand fetching). Throws
-// std::invalid_argument naming the minimum when slots < trace.minimum_slots().
-CacheReplay replay(const OffloadTrace& trace, int64_t slots, ReplayPolicy policy, bool prefetch);
+// (LRU and LFU only: Belady's policy here is the floor of demand fetching). held: MoE blocks whose
+// experts stay on the GPU beside the cache (cuda/offload/resident_blocks.h): each of their requests
+// is a hit, none enters the cache, and hints for them are ignored. Throws std::invalid_argument
+// naming the minimum when slots < trace.minimum_slots(), and naming what is allowed for a held
+// block outside [0, M), listed twice, or every block held.
+CacheReplay replay(const OffloadTrace& trace, int64_t slots, ReplayPolicy policy, bool prefetch,
+                   const std::vector<int64_t>& held = {});
 // The recorded run's own cache: its slots, its policy, its hints.
 CacheReplay replay_recorded(const OffloadTrace& trace);
 

@@ -17,6 +17,8 @@
 //   # against cache size for its routing under LRU, LFU and Belady's optimal policy
 //   build/distributed/sim/moe_sim --offload-trace notebooks_data/runs/offload_switch_pregated
 //   build/distributed/sim/moe_sim --offload-trace notebooks_data/runs/offload_switch_on_demand --cache-slots 8,16,32 --policy belady
+//   # the same with m_0's experts held on the GPU beside the cache (moe_generate --resident-blocks 0)
+//   build/distributed/sim/moe_sim --offload-trace notebooks_data/runs/offload_switch_pregated --cache-slots 8,72 --resident-blocks 0
 //
 // The model: distributed/sim/cost_model.h. The lesson: lessons/09_simulator.md.
 #include <algorithm>
@@ -53,7 +55,7 @@ struct Options {
   int64_t hold_out_above = 0;
   double device_copy_gbs = 4183, host_to_device_gbs = 55.1;
   // --offload-trace: inference, the expert cache's replay (run_offload_trace)
-  std::string offload_trace, cache_slots, policy;
+  std::string offload_trace, cache_slots, policy, resident_blocks;
 };
 
 std::vector<std::filesystem::path> paths_of(const std::string& list) {
@@ -215,6 +217,8 @@ int run_offload_trace(const Options& o) {
     }
   }
   const std::vector<int64_t> sizes = cache_sizes_of(o, trace);
+  const std::vector<int64_t> held =
+      o.resident_blocks.empty() ? std::vector<int64_t>{} : moe::parse_integer_list(o.resident_blocks).value();
 
   // The recorded cache, replayed: the counts must agree, block by block.
   const moe::sim::CacheReplay exact = moe::sim::replay_recorded(trace);
@@ -255,8 +259,11 @@ int run_offload_trace(const Options& o) {
   // the decode step and tokens/s each gives: the record's compute with the replay's copies at the
   // first rate above.
   const double copy_gbs = rates.front().first;
-  std::printf("hit rate over the decode steps (the prefill fills the cache), demand fetching only; the decode step\n"
+  std::string held_text;
+  for (const int64_t block : held) held_text += (held_text.empty() ? "" : ",") + std::to_string(block);
+  std::printf("hit rate over the decode steps (the prefill fills the cache), demand fetching only%s; the decode step\n"
               "predicted from it (copies at %.1f GB/s) and tokens/s at batch %lld:\n%8s",
+              held.empty() ? "" : (", MoE blocks " + held_text + " held on the GPU (their requests are hits)").c_str(),
               copy_gbs, static_cast<long long>(trace.batch), "slots");
   for (const moe::sim::ReplayPolicy policy : policies) std::printf(" %34s", moe::sim::to_string(policy).c_str());
   std::printf("\n");
@@ -264,7 +271,12 @@ int run_offload_trace(const Options& o) {
   for (const int64_t slots : sizes) {
     std::printf("%8lld", static_cast<long long>(slots));
     for (const moe::sim::ReplayPolicy policy : policies) {
-      const moe::sim::CacheReplay run = moe::sim::replay(trace, slots, policy, /*prefetch=*/false);
+      moe::sim::CacheReplay run;
+      try {
+        run = moe::sim::replay(trace, slots, policy, /*prefetch=*/false, held);
+      } catch (const std::invalid_argument& error) {
+        throw std::invalid_argument(std::string("--resident-blocks: ") + error.what());
+      }
       const double step_us = moe::sim::predict_step_times(trace, run, copy_gbs).median_predicted_us;
       const double tokens_per_second = step_us > 0 ? static_cast<double>(trace.batch) * 1e6 / step_us : 0.0;
       std::printf(" %6.1f%% %4lld miss %6.3f ms %6.0f tok/s", 100 * run.hit_rate(), static_cast<long long>(run.misses()),
@@ -275,7 +287,8 @@ int run_offload_trace(const Options& o) {
     std::printf("\n");
   }
   if (!o.json.empty()) {
-    write_json(o.json, {{"offload_trace", trace.source}, {"replay_equal", difference.empty()}, {"hit_rates", rows}});
+    write_json(o.json, {{"offload_trace", trace.source}, {"replay_equal", difference.empty()}, {"resident_blocks", held},
+                        {"hit_rates", rows}});
   }
   return difference.empty() ? 0 : 1;
 }
@@ -333,6 +346,10 @@ int main(int argc, char** argv) {
     app.add_option("--cache-slots", o.cache_slots, "with --offload-trace: cache sizes N[,N...] for the hit-rate table "
                    "(default the recorded run's)")->check(moe::whole_number_list(1));
     app.add_option("--policy", o.policy, "with --offload-trace: lru, lfu, next_use or belady (default all four)");
+    app.add_option("--resident-blocks", o.resident_blocks,
+                   "with --offload-trace: MoE blocks N[,N...] held on the GPU beside the cache in the hit-rate table (as "
+                   "moe_generate --resident-blocks): their requests are hits and never enter the cache")
+        ->check(moe::whole_number_list(0));
     if (const std::optional<int> exit_status = moe::parse_command_line(app, argc, argv)) return *exit_status;
     // Before the work, not after; an output is never one of the inputs (a trace, a calibration).
     const std::vector<moe::ProgramInput> inputs{{"--trace", o.trace}, {"--calibration", o.calibration},
@@ -340,7 +357,9 @@ int main(int argc, char** argv) {
     if (!o.json.empty()) moe::check_output_path("--json", o.json, inputs);
     if (!o.out.empty()) moe::check_output_path("--out", std::filesystem::path(o.out) / "run.json", inputs);
     if (!o.offload_trace.empty()) return run_offload_trace(o);
-    if (!o.cache_slots.empty() || !o.policy.empty()) throw std::invalid_argument("--cache-slots and --policy need --offload-trace RUN_DIR");
+    if (!o.cache_slots.empty() || !o.policy.empty() || !o.resident_blocks.empty()) {
+      throw std::invalid_argument("--cache-slots, --policy and --resident-blocks need --offload-trace RUN_DIR");
+    }
     std::string command = "moe_sim";
     for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
     if (!o.calibrate_from.empty()) {

@@ -189,6 +189,30 @@ TEST(SimCacheReplay, UniformRoutingThatDoesNotFitNextUseCopiesFarLessThanLru) {
   EXPECT_LE(belady, next_use);
 }
 
+TEST(SimCacheReplay, AHeldBlockIsAlwaysAHitAndLeavesTheCacheToTheOthers) {
+  // Block 0 asks for a new expert every step, block 1 always for expert 0, through one slot: block
+  // 0's misses evict block 1's expert every step. With block 0 held on the GPU, its requests are
+  // hits that copy nothing, and block 1 misses once.
+  const OffloadTrace trace = blocks_trace(2, 4, 12, 1, [](int64_t s, int64_t j) {
+    return std::vector<int32_t>{j == 0 ? static_cast<int32_t>(s % 4) : 0};
+  });
+  for (const ReplayPolicy policy : {ReplayPolicy::lru, ReplayPolicy::next_use, ReplayPolicy::belady}) {
+    const CacheReplay cached = moe::sim::replay(trace, 1, policy, false);
+    EXPECT_EQ(cached.misses(0), 24) << moe::sim::to_string(policy);
+    const CacheReplay held = moe::sim::replay(trace, 1, policy, false, {0});
+    EXPECT_EQ(held.misses(0), 1) << moe::sim::to_string(policy);
+    for (const moe::sim::ReplayedStep& step : held.steps) {
+      EXPECT_EQ(step.blocks[0].hits, 1);
+      EXPECT_EQ(step.blocks[0].misses + step.blocks[0].bytes, 0);
+      for (const moe::sim::ReplayedCopy& copy : step.copies) EXPECT_NE(copy.block, 0);
+    }
+    EXPECT_DOUBLE_EQ(held.hit_rate(0), 23.0 / 24.0);
+  }
+  expect_invalid([&] { moe::sim::replay(trace, 1, ReplayPolicy::lru, false, {2}); }, "held MoE block 2; allowed");
+  expect_invalid([&] { moe::sim::replay(trace, 1, ReplayPolicy::lru, false, {1, 1}); }, "twice");
+  expect_invalid([&] { moe::sim::replay(trace, 1, ReplayPolicy::lru, false, {0, 1}); }, "all 2");
+}
+
 TEST(SimCacheReplay, APrefetchThatIsUsedIsAHitAndItsCopyOverlapsTheBlockBefore) {
   // Two blocks; block 1's hint (expert 5) is given in block 0's acquire, and block 1 uses it.
   OffloadTrace trace = one_block_trace("A", 4);
